@@ -1,0 +1,121 @@
+"""What the planner produces. Plain dataclasses: the compiler and the CLI read these."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+GIB = 1024 ** 3
+
+
+@dataclass(frozen=True)
+class MemoryBreakdown:
+    """Bytes per GPU (peak during a training step)."""
+
+    weights: float = 0.0  # model weights resident on this GPU (sharded where the strategy shards)
+    trainable: float = 0.0  # extra trainable parameter copies (fp32 master, LoRA weights)
+    gradients: float = 0.0
+    optimizer: float = 0.0  # Adam moments (+ master weights where kept separately)
+    activations: float = 0.0  # saved for backward, all layers, at the micro-batch
+    logits: float = 0.0  # logits + cross-entropy temporaries (dominant for 128k vocabularies)
+    comm_buffers: float = 0.0  # all-gather / reduce-scatter / bucket buffers, prefetch
+    overhead: float = 0.0  # CUDA context, allocator fragmentation, kernels' workspace
+
+    @property
+    def total(self) -> float:
+        return (self.weights + self.trainable + self.gradients + self.optimizer
+                + self.activations + self.logits + self.comm_buffers + self.overhead)
+
+    def gib(self) -> dict[str, float]:
+        out = {k: round(v / GIB, 3) for k, v in asdict(self).items()}
+        out["total"] = round(self.total / GIB, 3)
+        return out
+
+
+@dataclass
+class Candidate:
+    strategy: str
+    micro_batch_size: int
+    activation_checkpointing: bool
+    memory: MemoryBreakdown
+    fits: bool
+    host_ram_bytes: float = 0.0  # per node: offloaded states + loading
+    nvme_bytes: float = 0.0  # per node
+    compute_time_s: float = 0.0  # one optimizer step (all micro-batches)
+    comm_time_s: float = 0.0  # exposed communication per optimizer step
+    step_time_s: float = 0.0
+    bottleneck: str = ""  # "compute" | "intra-node" | "inter-node" | "offload"
+    reason: str = ""  # why it does not fit (empty when it fits)
+
+    @property
+    def per_gpu_memory_gib(self) -> float:
+        return self.memory.total / GIB
+
+    def to_json(self) -> dict:
+        return {
+            "strategy": self.strategy,
+            "fits": self.fits,
+            "per_gpu_memory_gib": round(self.per_gpu_memory_gib, 2),
+            "micro_batch_size": self.micro_batch_size,
+            "activation_checkpointing": self.activation_checkpointing,
+            "memory_gib": self.memory.gib(),
+            "host_ram_gib": round(self.host_ram_bytes / GIB, 2),
+            "nvme_gib": round(self.nvme_bytes / GIB, 2),
+            "step_time_s": round(self.step_time_s, 3),
+            "compute_time_s": round(self.compute_time_s, 3),
+            "comm_time_s": round(self.comm_time_s, 3),
+            "bottleneck": self.bottleneck,
+            "reason": self.reason,
+        }
+
+
+@dataclass
+class Plan:
+    model: str  # registry key
+    hardware: str  # preset name
+    adapter: str
+    method: str
+    strategy: str  # chosen (or the best attempt when nothing fits)
+    fits: bool
+    micro_batch_size: int
+    gradient_accumulation_steps: int
+    activation_checkpointing: bool
+    per_gpu_memory_gib: float
+    world_size: int
+    num_nodes: int
+    gpus_per_node: int
+    seq_len: int
+    global_batch_size: int
+    tokens_per_step: int
+    step_time_s: float
+    tokens_per_second: float
+    mfu: float  # model FLOPs utilisation the timing model assumed
+    why: str  # one or two sentences: why this strategy/micro-batch
+    candidates: list[Candidate] = field(default_factory=list)
+    suggestions: list[str] = field(default_factory=list)  # when nothing fits
+    total_params: float = 0.0
+    trainable_params: float = 0.0
+    memory: MemoryBreakdown | None = None
+    host_ram_gib: float = 0.0
+    device: str = "cuda"  # "cpu" for the cpu preset
+
+    def to_json(self) -> dict:
+        return {
+            "model": self.model, "hardware": self.hardware, "adapter": self.adapter,
+            "method": self.method, "strategy": self.strategy, "fits": self.fits,
+            "per_gpu_memory_gib": round(self.per_gpu_memory_gib, 2),
+            "memory_gib": self.memory.gib() if self.memory else None,
+            "host_ram_gib": round(self.host_ram_gib, 2),
+            "micro_batch_size": self.micro_batch_size,
+            "gradient_accumulation_steps": self.gradient_accumulation_steps,
+            "activation_checkpointing": self.activation_checkpointing,
+            "world_size": self.world_size, "num_nodes": self.num_nodes,
+            "gpus_per_node": self.gpus_per_node, "seq_len": self.seq_len,
+            "global_batch_size": self.global_batch_size, "tokens_per_step": self.tokens_per_step,
+            "step_time_s": round(self.step_time_s, 3),
+            "tokens_per_second": round(self.tokens_per_second, 1),
+            "mfu": round(self.mfu, 3), "why": self.why,
+            "total_params": self.total_params, "trainable_params": self.trainable_params,
+            "device": self.device,
+            "candidates": [c.to_json() for c in self.candidates],
+            "suggestions": self.suggestions,
+        }

@@ -1,0 +1,221 @@
+"""Read a recipe: YAML, `extends:` chains, `--set key=value` overrides, strict validation.
+
+Every failure becomes a RecipeError naming the file and the full key path, with a
+did-you-mean suggestion for unknown keys.
+"""
+
+from __future__ import annotations
+
+import difflib
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import BaseModel, ValidationError
+
+from finetune.errors import RecipeError
+from finetune.recipe.schema import Recipe
+
+MAX_EXTENDS_DEPTH = 8
+
+
+def read_yaml(path: Path) -> Any:
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise RecipeError("file not found", file=str(path),
+                          hint="check the path; recipes ship in recipes/") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise RecipeError(f"cannot read: {exc}", file=str(path)) from None
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+        raise RecipeError(f"not valid YAML{where}: {problem}", file=str(path),
+                          hint="fix the YAML syntax (indentation, quotes, colons)") from None
+
+
+def deep_merge(base: dict, override: dict) -> dict:
+    """Mappings merge key by key; anything else in `override` replaces the base value."""
+    out = dict(base)
+    for key, value in override.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = deep_merge(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
+def _load_raw(path: Path, depth: int = 0, seen: tuple[Path, ...] = ()) -> dict:
+    path = path.resolve()
+    if path in seen:
+        chain = " -> ".join(p.name for p in seen + (path,))
+        raise RecipeError(f"extends forms a cycle: {chain}", file=str(path), key="extends")
+    if depth > MAX_EXTENDS_DEPTH:
+        raise RecipeError(f"extends chain deeper than {MAX_EXTENDS_DEPTH}", file=str(path), key="extends")
+    raw = read_yaml(path)
+    if raw is None:
+        raise RecipeError("the recipe is empty", file=str(path),
+                          hint="start from a recipe in recipes/, e.g. recipes/quickstart.yaml")
+    if not isinstance(raw, dict):
+        raise RecipeError(f"a recipe is a mapping of sections, got a {type(raw).__name__}",
+                          file=str(path), hint="the top level needs keys like model:, data:, train:")
+    parent = raw.pop("extends", None)
+    if parent is None:
+        return raw
+    if not isinstance(parent, str):
+        raise RecipeError("must be a path to another recipe", file=str(path), key="extends")
+    parent_path = (path.parent / parent)
+    base = _load_raw(parent_path, depth + 1, seen + (path,))
+    return deep_merge(base, raw)
+
+
+def parse_override(text: str) -> tuple[list[str], Any]:
+    """`train.lr=2e-4` -> (["train", "lr"], 2e-4); the value is parsed as YAML."""
+    if "=" not in text:
+        raise RecipeError(f"--set {text!r}: expected KEY=VALUE", hint="e.g. --set train.lr=2e-4")
+    key, _, value = text.partition("=")
+    key = key.strip()
+    if not key or any(not part for part in key.split(".")):
+        raise RecipeError(f"--set {text!r}: empty key", hint="e.g. --set adapter.r=32")
+    try:
+        parsed = yaml.safe_load(value) if value.strip() else ""
+    except yaml.YAMLError:
+        parsed = value
+    return key.split("."), parsed
+
+
+def apply_overrides(raw: dict, overrides: list[str]) -> dict:
+    for text in overrides:
+        path, value = parse_override(text)
+        node = raw
+        for i, part in enumerate(path[:-1]):
+            nxt = node.get(part)
+            if nxt is None:
+                nxt = node[part] = {}
+            elif not isinstance(nxt, dict):
+                raise RecipeError(f"--set {text}: {'.'.join(path[:i + 1])} is not a section",
+                                  key=".".join(path))
+            node = nxt
+        node[path[-1]] = value
+    return raw
+
+
+def _fields_at(model: type[BaseModel], loc: tuple) -> list[str]:
+    """The valid keys of the schema section that `loc` points into (for did-you-mean)."""
+    current: Any = model
+    for part in loc:
+        if isinstance(part, int):
+            continue
+        fields = getattr(current, "model_fields", None)
+        if not fields or part not in fields:
+            return []
+        current = _model_in(fields[part].annotation)
+        if current is None:
+            return []
+    return list(getattr(current, "model_fields", {}))
+
+
+def _model_in(annotation) -> type[BaseModel] | None:
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    for arg in getattr(annotation, "__args__", ()) or ():
+        found = _model_in(arg)
+        if found is not None:
+            return found
+    return None
+
+
+def _key_path(loc: tuple) -> str:
+    parts = []
+    for part in loc:
+        if isinstance(part, int):
+            parts.append(f"[{part}]")
+        elif part in ("function-after", "function-before") or "[" in str(part):
+            continue  # pydantic's internal union/validator tags are not recipe keys
+        else:
+            parts.append(("." if parts else "") + str(part))
+    return "".join(parts)
+
+
+def validation_error_to_recipe_error(exc: ValidationError, *, file: str | None,
+                                     schema: type[BaseModel] = Recipe) -> RecipeError:
+    err = exc.errors()[0]
+    loc = tuple(p for p in err["loc"] if not (isinstance(p, str) and ("[" in p or "function" in p)))
+    key = _key_path(loc)
+    etype = err["type"]
+    if etype == "extra_forbidden":
+        valid = _fields_at(schema, loc[:-1])
+        close = difflib.get_close_matches(str(loc[-1]), valid, n=1, cutoff=0.5)
+        prefix = _key_path(loc[:-1])
+        if close:
+            suggestion = f"{prefix}.{close[0]}" if prefix else close[0]
+            return RecipeError(f"unknown key; did you mean {suggestion}?", key=key, file=file,
+                               hint=f"rename it to {suggestion}")
+        listed = ", ".join(valid) if valid else "none"
+        return RecipeError("unknown key", key=key, file=file, hint=f"valid keys here: {listed}")
+    if etype == "missing":
+        return RecipeError("required key is missing", key=key, file=file,
+                           hint=f"add {key}: ... (see recipes/quickstart.yaml)")
+    msg = err["msg"]
+    if msg.startswith("Value error, "):
+        msg = msg[len("Value error, "):]
+    if msg.startswith("@"):  # cross-field conflict carrying its own key path
+        inner_key, _, msg = msg[1:].partition("@ ")
+        return RecipeError(msg, key=inner_key, file=file)
+    if etype == "value_error":
+        return RecipeError(msg, key=key or None, file=file)
+    got = err.get("input")
+    shown = repr(got) if not isinstance(got, (dict, list)) else type(got).__name__
+    if len(shown) > 80:
+        shown = shown[:77] + "..."
+    return RecipeError(f"{msg} (got {shown})", key=key or None, file=file,
+                       hint=_type_hint(etype, err))
+
+
+def _type_hint(etype: str, err: dict) -> str | None:
+    if etype == "literal_error":
+        expected = err.get("ctx", {}).get("expected")
+        return f"use one of {expected}" if expected else None
+    if etype.endswith("_type") or etype.endswith("_parsing"):
+        return "check the value's type (numbers unquoted, lists in [ ], sections as mappings)"
+    return None
+
+
+def load_recipe(source: str | Path | dict, *, overrides: list[str] | None = None,
+                allow_resolved: bool = False) -> Recipe:
+    """Load and validate a recipe from a YAML path (or an already-parsed mapping)."""
+    file = None
+    if isinstance(source, dict):
+        raw = dict(source)
+        raw.pop("extends", None)
+    else:
+        file = str(source)
+        raw = _load_raw(Path(source))
+    raw = apply_overrides(raw, list(overrides or []))
+    if "resolved" in raw and not allow_resolved:
+        raise RecipeError("is written by the planner, not by hand", key="resolved", file=file,
+                          hint="remove the resolved: section (it appears only in recipe.resolved.yaml)")
+    try:
+        recipe = Recipe.model_validate(raw)
+    except ValidationError as exc:
+        raise validation_error_to_recipe_error(exc, file=file) from None
+    if file is not None:
+        # remember where relative data paths are anchored
+        recipe._source_dir = str(Path(file).resolve().parent)
+        recipe._source_name = Path(file).stem.removesuffix(".resolved").removesuffix(".recipe")
+    return recipe
+
+
+def recipe_dir(recipe: Recipe) -> Path:
+    return Path(recipe._source_dir or ".").resolve()
+
+
+def recipe_name(recipe: Recipe) -> str:
+    return recipe._source_name or "recipe"
+
+
+def dump_recipe(recipe: Recipe) -> str:
+    return yaml.safe_dump(recipe.model_dump(mode="json"), sort_keys=False)
