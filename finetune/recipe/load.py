@@ -6,6 +6,7 @@ did-you-mean suggestion for unknown keys.
 
 from __future__ import annotations
 
+import copy
 import difflib
 from pathlib import Path
 from typing import Any
@@ -189,13 +190,13 @@ def load_recipe(source: str | Path | dict, *, overrides: list[str] | None = None
     """Load and validate a recipe from a YAML path (or an already-parsed mapping)."""
     file = None
     if isinstance(source, dict):
-        raw = dict(source)
+        raw = copy.deepcopy(source)
         raw.pop("extends", None)
     else:
         file = str(source)
         raw = _load_raw(Path(source))
     raw = apply_overrides(raw, list(overrides or []))
-    if "resolved" in raw and not allow_resolved:
+    if raw.get("resolved") is not None and not allow_resolved:
         raise RecipeError("is written by the planner, not by hand", key="resolved", file=file,
                           hint="remove the resolved: section (it appears only in recipe.resolved.yaml)")
     try:

@@ -1,0 +1,32 @@
+"""finetune: one YAML recipe -> a planned, compiled, real fine-tuning run.
+
+    from finetune import load_recipe, plan, run, push
+    recipe = load_recipe("recipes/llama70b-lora.yaml")
+    print(plan(recipe, hardware="server-8xh100").strategy)
+
+Heavy libraries (torch, transformers) are imported only by run/merge/push.
+"""
+
+from finetune.api import compile, make_plan, plan, run
+from finetune.errors import FinetuneError
+from finetune.recipe import Recipe, load_recipe
+
+__version__ = "0.1.0"
+
+
+def merge(run_dir, output_dir, **kwargs):
+    """Merge a run's LoRA adapter into its base model (see finetune.merge.merge)."""
+    from finetune.merge import merge as _merge
+
+    return _merge(run_dir, output_dir, **kwargs)
+
+
+def push(run_dir, **kwargs):
+    """Upload a run's adapter or merged model with a model card (see finetune.hub.push)."""
+    from finetune.hub import push as _push
+
+    return _push(run_dir, **kwargs)
+
+
+__all__ = ["Recipe", "FinetuneError", "load_recipe", "plan", "make_plan", "compile", "run",
+           "merge", "push", "__version__"]

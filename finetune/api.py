@@ -1,0 +1,108 @@
+"""The public Python API: load -> plan -> compile -> launch -> (push).
+
+Load, plan and compile are pure and import no torch; `run` starts processes only
+through finetune.launch.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from finetune.errors import EXIT_PREEMPTED, DoesNotFitError, TrainingFailed
+from finetune.recipe import Recipe, load_recipe, recipe_name
+
+RecipeLike = "str | Path | dict | Recipe"
+
+
+def _as_recipe(recipe, overrides: list[str] | None = None) -> Recipe:
+    if isinstance(recipe, Recipe):
+        if overrides:
+            from finetune.recipe.load import apply_overrides
+
+            raw = apply_overrides(recipe.model_dump(mode="json", exclude_none=True), list(overrides))
+            fresh = load_recipe(raw)
+            fresh._source_dir, fresh._source_name = recipe._source_dir, recipe._source_name
+            return fresh
+        return recipe
+    return load_recipe(recipe, overrides=overrides)
+
+
+def make_plan(recipe, *, hardware: str | None = None, overrides: list[str] | None = None):
+    """Return (recipe, plan). The plan says fits or not; it never raises for 'does not fit'."""
+    from finetune.plan import plan as plan_recipe
+
+    recipe = _as_recipe(recipe, overrides)
+    return recipe, plan_recipe(recipe, hardware=hardware)
+
+
+def plan(recipe, *, hardware: str | None = None, overrides: list[str] | None = None):
+    """Plan a recipe on a hardware preset (name, file, or auto)."""
+    return make_plan(recipe, hardware=hardware, overrides=overrides)[1]
+
+
+def default_run_dir(recipe: Recipe) -> Path:
+    return Path(recipe.output.dir) if recipe.output.dir else Path("runs") / recipe_name(recipe)
+
+
+def _refuse(plan_) -> DoesNotFitError:
+    reasons = "; ".join(f"{c.strategy}: {c.reason}" for c in plan_.candidates if c.reason)[:1200]
+    hint = ("try: " + " | ".join(plan_.suggestions)) if plan_.suggestions else \
+        "use a larger hardware preset or a smaller model"
+    return DoesNotFitError(f"nothing fits on {plan_.hardware}: {reasons}", key="hardware", hint=hint)
+
+
+def compile(recipe, *, hardware: str | None = None, overrides: list[str] | None = None,
+            output: str | Path | None = None):
+    """Plan and write the run directory's launch files; refuse (exit 3) when nothing fits."""
+    from finetune.compile import compile_run
+
+    recipe, plan_ = make_plan(recipe, hardware=hardware, overrides=overrides)
+    if not plan_.fits:
+        raise _refuse(plan_)
+    run_dir = Path(output) if output else default_run_dir(recipe)
+    return compile_run(recipe, plan_, run_dir=run_dir.resolve())
+
+
+@dataclass
+class RunResult:
+    run_dir: Path
+    exit_code: int
+    summary: dict = field(default_factory=dict)
+    launched: bool = True
+
+
+def run(recipe, *, hardware: str | None = None, overrides: list[str] | None = None,
+        output: str | Path | None = None, dry_run: bool = False, resume: str = "auto",
+        node_rank: int | None = None, main_address: str | None = None,
+        main_port: int | None = None) -> RunResult:
+    """Plan, compile, launch, train, save (and push when the recipe has hub.repo)."""
+    from finetune.launch import launch
+
+    spec = compile(recipe, hardware=hardware, overrides=overrides, output=output)
+    run_dir = Path(spec.run_dir)
+    print(spec.summary, flush=True)
+    if dry_run:
+        print(f"dry run: launch files are in {run_dir}; start with `bash {run_dir}/launch.sh`")
+        return RunResult(run_dir, 0, launched=False)
+    if spec.num_nodes > 1 and node_rank is None:
+        print(spec.multinode_instructions())
+        return RunResult(run_dir, 0, launched=False)
+    code = launch(spec, node_rank=node_rank, main_address=main_address, main_port=main_port,
+                  extra_args=["--resume", str(resume)])
+    if code == EXIT_PREEMPTED:
+        print(f"preempted: a checkpoint was saved in {run_dir}; run the same command to resume")
+        return RunResult(run_dir, code)
+    if code != 0:
+        raise TrainingFailed(f"training exited with code {code}; the log above names the failing rank",
+                             file=str(run_dir), hint=f"fix the cause, then rerun to resume from the "
+                                                     f"last complete checkpoint in {run_dir}")
+    summary_path = run_dir / "summary.json"
+    summary = json.loads(summary_path.read_text()) if summary_path.exists() else {}
+    resolved = load_recipe(run_dir / "recipe.resolved.yaml", allow_resolved=True)
+    if resolved.hub.repo and (node_rank in (None, 0)):
+        from finetune.hub import push_from_recipe
+
+        print(f"pushed to {push_from_recipe(run_dir)}")
+    return RunResult(run_dir, 0, summary)

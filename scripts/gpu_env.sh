@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# Source on the GPU machine: install the carried wheels into /tmp/site and keep NVLink multicast off.
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1
+if [ ! -d /tmp/site/trl ]; then
+  whls=$(ls .whl/*.whl .whl-bnb/*.whl 2>/dev/null || true)
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site $whls
+  if ls .whl/deepspeed-*.tar.gz >/dev/null 2>&1; then
+    DS_BUILD_OPS=0 python3 -m pip install -q --no-index --no-deps --no-build-isolation --target /tmp/site \
+      .whl/deepspeed-*.tar.gz || echo "deepspeed install failed"
+  fi
+fi
+export PYTHONPATH=/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}
+export PATH=/tmp/site/bin:$PATH
+python3 - <<'PY'
+import importlib
+for m in ("torch", "transformers", "accelerate", "peft", "trl", "datasets", "deepspeed", "bitsandbytes", "liger_kernel"):
+    try:
+        mod = importlib.import_module(m); print(f"{m}=={getattr(mod, '__version__', '?')}", end="  ")
+    except Exception as exc:
+        print(f"{m}: missing ({type(exc).__name__})", end="  ")
+print()
+PY

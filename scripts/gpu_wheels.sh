@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# Download into .whl/ (git-ignored) the Python packages the GPU machine lacks, for its Python 3.12.
+# That machine has torch, transformers, accelerate and peft but no network; the device tool carries
+# .whl/ along (64 MiB limit: bitsandbytes alone is ~43 MB, so it is fetched into .whl-bnb/ separately).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+plat=(--platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_24_x86_64
+      --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --platform manylinux1_x86_64)
+get() { python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+          "${plat[@]}" -d "$1" "${@:2}"; }
+mkdir -p .whl .whl-bnb
+get .whl trl==1.16.0 datasets==5.2.0 "dill==0.4.1" "multiprocess==0.70.19" liger-kernel==0.8.5 hjson==3.1.0
+# DeepSpeed is an sdist; it installs offline with --no-build-isolation against the machine's torch.
+python3 -m pip download -q --no-deps --no-binary=:all: -d .whl deepspeed==0.19.8
+get .whl-bnb bitsandbytes==0.50.2
+grep -qx '/.whl-bnb/' .git/info/exclude || echo '/.whl-bnb/' >> .git/info/exclude
+grep -qx '/.whl/' .git/info/exclude || echo '/.whl/' >> .git/info/exclude
+du -sh .whl .whl-bnb

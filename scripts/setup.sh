@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# Create .venv with the CPU build of PyTorch and finetune with every extra.
+# Idempotent: a second call only checks that everything is installed.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+if [ ! -x .venv/bin/python ]; then
+  "$PY" -m venv .venv
+fi
+. .venv/bin/activate
+export PIP_DISABLE_PIP_VERSION_CHECK=1
+# The CPU torch first: asking pip for plain `torch` would pull a multi-GB CUDA build.
+python -c "import torch" 2>/dev/null || pip install -q torch==2.13.0
+python -c "import finetune, trl, peft, bitsandbytes, hypothesis" 2>/dev/null \
+  || pip install -q -c scripts/constraints.txt -e ".[train,qlora,test]"
+# DeepSpeed ships as an sdist whose build imports torch: build it against the torch above.
+python -c "import deepspeed" 2>/dev/null \
+  || DS_BUILD_OPS=0 pip install -q --no-build-isolation -c scripts/constraints.txt "deepspeed==0.19.8"

@@ -1,0 +1,101 @@
+"""The CLI: exit codes, messages without tracebacks, plan without torch."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def finetune(*args, cwd=ROOT):
+    return subprocess.run([sys.executable, "-m", "finetune.cli", *args], cwd=cwd,
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_plan_imports_no_torch_and_is_fast():
+    code = (
+        "import sys, time, json\n"
+        "t = time.perf_counter()\n"
+        "from finetune.cli import main\n"
+        "rc = main(['plan', 'recipes/llama405b-qlora.yaml', '--hardware', 'server-8xh100', '--json'])\n"
+        "elapsed = time.perf_counter() - t\n"
+        "heavy = sorted(m for m in ('torch', 'transformers', 'accelerate', 'trl', 'peft', 'deepspeed')\n"
+        "               if m in sys.modules)\n"
+        "print(json.dumps({'rc': rc, 'elapsed': elapsed, 'heavy': heavy}), file=sys.stderr)\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
+                          timeout=60)
+    report = json.loads(proc.stderr.strip().splitlines()[-1])
+    assert report["rc"] == 0, proc.stdout
+    assert report["heavy"] == []
+    # "well under a second" for a 405B plan, imports included
+    assert report["elapsed"] < 1.0, report
+    plan = json.loads(proc.stdout)
+    assert plan["fits"] is True
+
+
+def test_plan_json_fields_for_70b_lora():
+    proc = finetune("plan", "recipes/llama70b-lora.yaml", "--hardware", "server-8xh100", "--json")
+    assert proc.returncode == 0, proc.stderr
+    plan = json.loads(proc.stdout)
+    for key in ("strategy", "fits", "per_gpu_memory_gib", "micro_batch_size",
+                "gradient_accumulation_steps", "activation_checkpointing", "candidates"):
+        assert key in plan
+    assert plan["strategy"] == "fsdp2" and plan["fits"]
+    assert plan["per_gpu_memory_gib"] < 80
+    for cand in plan["candidates"]:
+        assert {"strategy", "fits", "per_gpu_memory_gib", "step_time_s"} <= set(cand)
+
+
+def test_405b_full_never_fits_on_gpu_memory_alone():
+    proc = finetune("plan", "recipes/llama405b-lora.yaml", "--hardware", "server-8xh100",
+                    "--set", "adapter.type=full", "--json")
+    plan = json.loads(proc.stdout)
+    if plan["fits"]:
+        assert plan["strategy"] in ("zero3-offload", "zero3-nvme")
+    else:
+        assert proc.returncode == 3 and plan["suggestions"]
+    on_gpu = [c for c in plan["candidates"] if c["strategy"] in ("ddp", "fsdp2", "zero3")]
+    assert on_gpu and not any(c["fits"] for c in on_gpu)
+
+
+def test_plan_table_is_readable():
+    proc = finetune("plan", "recipes/llama8b-lora.yaml", "--hardware", "workstation-1x4090")
+    assert proc.returncode in (0, 3), proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert "fsdp2" in proc.stdout or "ddp" in proc.stdout
+
+
+def test_does_not_fit_exits_3_with_suggestions():
+    proc = finetune("compile", "recipes/llama70b-full.yaml", "--hardware", "workstation-1x4090",
+                    "-o", "/tmp/finetune-should-not-exist")
+    assert proc.returncode == 3, proc.stderr
+    assert "nothing fits" in proc.stderr and "Traceback" not in proc.stderr
+    assert not Path("/tmp/finetune-should-not-exist").exists()
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["validate", "recipes/llama8b-lora.yaml", "--set", "train.shceduler=linear"],
+     "train.shceduler: unknown key; did you mean train.scheduler?"),
+    (["validate", "recipes/nope.yaml"], "file not found"),
+    (["plan", "recipes/llama8b-lora.yaml", "--hardware", "server-8xh10"], "server-8xh100"),
+    (["validate", "recipes/llama8b-lora.yaml", "--set", "adapter.r=lots"], "adapter.r"),
+    (["run"], "error:"),
+])
+def test_bad_input_exits_2_without_traceback(args, needle):
+    proc = finetune(*args)
+    assert proc.returncode == 2, (proc.stdout, proc.stderr)
+    assert needle in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_presets_and_models_list():
+    proc = finetune("presets")
+    assert proc.returncode == 0
+    for name in ("cpu", "workstation-1x4090", "server-8xh100", "cluster-4x8xh100", "server-8xmi300x"):
+        assert name in proc.stdout
+    proc = finetune("models")
+    assert proc.returncode == 0 and "llama-3.1-8b" in proc.stdout
