@@ -1,0 +1,134 @@
+"""The planner: per-GPU memory and step time of every strategy, the choice, or a refusal.
+
+    plan(recipe, *, hardware=None) -> Plan           (pure arithmetic, no torch)
+    render_plan_table(plan) -> str                   (the CLI's table)
+    job_from_recipe(recipe, *, arch, preset) -> Job  (the numbers the planner works on)
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from finetune.plan.choose import HEADROOM, search, suggestions
+from finetune.plan.memory import OFFLOADED, zero_model_state_bytes
+from finetune.plan.render import render_plan_table
+from finetune.plan.timing import allgather_time_s, allreduce_time_s, model_flops_per_token
+from finetune.plan.types import GIB, Candidate, MemoryBreakdown, Plan
+from finetune.plan.workload import DTYPE_BYTES, Job, count_params, module_shapes, trainable_params
+
+__all__ = ["plan", "plan_job", "job_from_recipe", "render_plan_table", "Plan", "Candidate",
+           "MemoryBreakdown", "Job", "zero_model_state_bytes", "allreduce_time_s", "allgather_time_s",
+           "HEADROOM"]
+
+
+def _targets(recipe, arch) -> tuple[str, ...]:
+    chosen = recipe.adapter.target_modules
+    if chosen is None:
+        return tuple(arch.lora_targets)
+    if chosen == "all-linear":
+        names = [n for n in module_shapes(arch) if arch.num_experts == 1 or n not in
+                 ("gate_proj", "up_proj", "down_proj")]
+        return tuple(dict.fromkeys(names))
+    return tuple(chosen)
+
+
+def job_from_recipe(recipe, *, arch, preset) -> Job:
+    """The recipe's workload as plain numbers (the planner's inner loop never touches pydantic)."""
+    method = recipe.method.type
+    adapter = recipe.adapter.type
+    reference = "none"
+    if method == "dpo":
+        reference = recipe.method.reference
+        if reference == "auto":
+            # LoRA/QLoRA: disable the adapter for the reference pass; full: a frozen copy
+            reference = "copy" if adapter == "full" else "implicit"
+    micro = recipe.train.micro_batch_size
+    return Job(
+        arch=arch, preset=preset, adapter=adapter, method=method, reference=reference,
+        lora_r=recipe.adapter.r, lora_targets=_targets(recipe, arch),
+        lora_dropout=recipe.adapter.dropout, dora=recipe.adapter.dora,
+        double_quant=recipe.adapter.double_quant, weight_bytes=DTYPE_BYTES[recipe.model.dtype],
+        act_bytes=4 if recipe.train.precision == "fp32" else 2, optimizer=recipe.train.optimizer,
+        seq_len=recipe.data.max_length, global_batch_size=recipe.train.global_batch_size,
+        micro_batch=micro if isinstance(micro, int) else None,
+        checkpointing=recipe.train.activation_checkpointing, strategy=recipe.distributed.strategy,
+        nvme_path=recipe.distributed.nvme_path or preset.nvme_path)
+
+
+def plan(recipe, *, hardware: str | None = None) -> Plan:
+    """Plan `recipe` on `hardware` (a preset name, preset file, or auto; default recipe.hardware)."""
+    from finetune.recipe.load import recipe_dir
+    from finetune.registry import get_preset, resolve_model
+
+    base = recipe_dir(recipe)
+    arch = resolve_model(recipe.model, base_dir=base)
+    source = hardware or recipe.hardware
+    preset = get_preset(source, base_dir=base)
+    result = plan_job(job_from_recipe(recipe, arch=arch, preset=preset))
+    if source != preset.name and source != "auto":  # a preset file: remember where it is
+        path = Path(source).expanduser()
+        source = str(path if path.is_absolute() else (base / path).resolve())
+    result.hardware_source = source
+    return result
+
+
+def plan_job(job: Job) -> Plan:
+    p = job.preset
+    chosen, candidates = search(job)
+    world = p.world_size
+    seqs = chosen.micro_batch_size * chosen.gradient_accumulation_steps * world
+    tokens = seqs * job.seq_len * job.sequences_per_sample
+    step = chosen.step_time_s
+    useful = model_flops_per_token(job) * tokens
+    mfu = useful / (step * p.peak_bf16_tflops * 1e12 * world) if step > 0 else 0.0
+    plan = Plan(
+        model=job.arch.key, hardware=p.name, adapter=job.adapter, method=job.method,
+        strategy=chosen.strategy, fits=chosen.fits, micro_batch_size=chosen.micro_batch_size,
+        gradient_accumulation_steps=chosen.gradient_accumulation_steps,
+        activation_checkpointing=chosen.activation_checkpointing,
+        per_gpu_memory_gib=chosen.per_gpu_memory_gib, world_size=world, num_nodes=p.nodes,
+        gpus_per_node=p.gpus_per_node, seq_len=job.seq_len, global_batch_size=seqs,
+        tokens_per_step=tokens, step_time_s=step,
+        tokens_per_second=tokens / step if step > 0 else 0.0, mfu=mfu, why="",
+        candidates=candidates, total_params=float(count_params(job.arch).total),
+        trainable_params=float(trainable_params(job)), memory=chosen.memory,
+        host_ram_gib=chosen.host_ram_bytes / GIB, device="cpu" if p.vendor == "cpu" else "cuda")
+    if chosen.fits:
+        plan.why = _why(job, chosen, seqs, candidates)
+    else:
+        if job.strategy != "auto":
+            plan.why = f"distributed.strategy {job.strategy} (pinned) does not fit: {chosen.reason}."
+        else:
+            plan.why = (f"no strategy fits; the closest, {chosen.strategy} at micro-batch "
+                        f"{chosen.micro_batch_size}, {chosen.reason}.")
+        plan.suggestions = suggestions(job, candidates)
+    return plan
+
+
+def _why(job: Job, chosen: Candidate, achieved: int, candidates: list[Candidate]) -> str:
+    p = job.preset
+    limit = HEADROOM * p.gpu_memory_gib
+    if job.strategy != "auto":
+        first = f"{chosen.strategy} is pinned by the recipe and fits"
+    else:
+        first = f"{chosen.strategy} is the fastest strategy that fits"
+        if any(c.fits and c.strategy in OFFLOADED and c.step_time_s < chosen.step_time_s
+               for c in candidates):
+            first += " without offloading, the last resort"
+    first += (f" ({chosen.per_gpu_memory_gib:.1f} of {limit:.1f} GiB usable per "
+              f"{'process' if p.vendor == 'cpu' else 'GPU'}, {chosen.step_time_s:.2f} s/step, "
+              f"{chosen.bottleneck}-bound")
+    if chosen.strategy in OFFLOADED:
+        first += f", {chosen.host_ram_bytes / GIB:.0f} GiB host RAM per node"
+    first += ")."
+    ckpt = "with activation checkpointing" if chosen.activation_checkpointing else \
+        "without activation checkpointing"
+    pinned = job.micro_batch is not None or job.checkpointing != "auto"
+    second = (f" Micro-batch {chosen.micro_batch_size} {ckpt} "
+              f"{'as pinned' if pinned else 'is the fastest setting that fits'}, "
+              f"x {chosen.gradient_accumulation_steps} accumulation steps x {p.world_size} "
+              f"rank{'s' if p.world_size > 1 else ''} = global batch {achieved}")
+    if achieved != job.global_batch_size:
+        second += (f" (train.global_batch_size {job.global_batch_size} rounded to the nearest "
+                   f"achievable)")
+    return first + second + "."

@@ -45,6 +45,7 @@ class Candidate:
     step_time_s: float = 0.0
     bottleneck: str = ""  # "compute" | "intra-node" | "inter-node" | "offload"
     reason: str = ""  # why it does not fit (empty when it fits)
+    gradient_accumulation_steps: int = 1
 
     @property
     def per_gpu_memory_gib(self) -> float:
@@ -65,6 +66,7 @@ class Candidate:
             "comm_time_s": round(self.comm_time_s, 3),
             "bottleneck": self.bottleneck,
             "reason": self.reason,
+            "gradient_accumulation_steps": self.gradient_accumulation_steps,
         }
 
 
@@ -97,6 +99,9 @@ class Plan:
     memory: MemoryBreakdown | None = None
     host_ram_gib: float = 0.0
     device: str = "cuda"  # "cpu" for the cpu preset
+    # what to pass to registry.get_preset() to get this preset back: its name, "auto", or the
+    # absolute path of a user's preset file (plan.hardware is the preset's own name)
+    hardware_source: str = ""
 
     def to_json(self) -> dict:
         return {

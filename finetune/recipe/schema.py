@@ -104,6 +104,13 @@ class DataSource(Strict):
         return self
 
 
+class TaskEvalSection(DataSource):
+    """Held-out examples scored by exact match of greedy generation against the last answer."""
+
+    n: int = Field(50, ge=1, description="how many examples of the file to score")
+    max_new_tokens: int = Field(32, ge=1, le=4096)
+
+
 class DataSection(Strict):
     sources: list[DataSource] = Field(min_length=1)
     eval_sources: list[DataSource] = Field(default_factory=list)
@@ -115,6 +122,10 @@ class DataSection(Strict):
     # preflight: error when more than this share of examples is longer than max_length
     max_too_long_fraction: float = Field(0.05, ge=0, le=1)
     seed: int = 0
+    # tokenized-data cache; default $FINETUNE_CACHE_DIR, else ~/.cache/finetune/tokenized
+    cache_dir: str | None = None
+    # greedy-generation exact-match eval on held-out prompts, run before and after training
+    task_eval: TaskEvalSection | None = None
 
     @model_validator(mode="before")
     @classmethod
@@ -194,6 +205,10 @@ class ResolvedSection(Strict):
     decoder_layer_class: str
     lora_targets: list[str]
     model_family: str
+    # who applies train.activation_checkpointing: "fsdp" = accelerate's FSDP plugin
+    # (fsdp_activation_checkpointing; the trainer must NOT set gradient_checkpointing),
+    # "trainer" = TrainingArguments.gradient_checkpointing, "none" = off
+    activation_checkpointing_by: Literal["trainer", "fsdp", "none"] = "trainer"
 
 
 class Recipe(Strict):

@@ -1,0 +1,144 @@
+"""The registries: model architectures and hardware presets, stored as YAML data next to this file.
+
+Public API (pure Python, no torch):
+    list_models() -> list[ModelArch]            list_presets() -> list[HardwarePreset]
+    get_model(key) -> ModelArch                 get_preset(name_or_path, *, base_dir=None) -> HardwarePreset
+    resolve_model(model_section, *, base_dir=None) -> ModelArch
+"""
+
+from __future__ import annotations
+
+import difflib
+from functools import lru_cache
+from pathlib import Path
+
+from pydantic import BaseModel, ValidationError
+
+from finetune.errors import RecipeError
+from finetune.registry.derive import arch_from_config, find_config_json
+from finetune.registry.schema import HardwarePreset, ModelArch
+
+REGISTRY_DIR = Path(__file__).resolve().parent
+MODELS_DIR = REGISTRY_DIR / "models"
+HARDWARE_DIR = REGISTRY_DIR / "hardware"
+
+__all__ = ["ModelArch", "HardwarePreset", "list_models", "list_presets", "get_model", "get_preset",
+           "resolve_model", "load_yaml_as", "REGISTRY_DIR"]
+
+
+def load_yaml_as(path: Path, schema: type[BaseModel]):
+    """Read one YAML file and validate it; errors name the file and the key (recipe-style)."""
+    from finetune.recipe.load import read_yaml, validation_error_to_recipe_error
+
+    raw = read_yaml(Path(path))
+    if not isinstance(raw, dict):
+        raise RecipeError(f"expected a mapping of {schema.__name__} fields, got "
+                          f"{type(raw).__name__}", file=str(path))
+    try:
+        return schema.model_validate(raw)
+    except ValidationError as exc:
+        raise validation_error_to_recipe_error(exc, file=str(path), schema=schema) from None
+
+
+@lru_cache(maxsize=None)
+def _models() -> dict[str, ModelArch]:
+    out = {}
+    for path in sorted(MODELS_DIR.rglob("*.yaml")):
+        arch = load_yaml_as(path, ModelArch)
+        out[arch.key] = arch
+    return out
+
+
+@lru_cache(maxsize=None)
+def _presets() -> dict[str, HardwarePreset]:
+    out = {}
+    for path in sorted(HARDWARE_DIR.rglob("*.yaml")):
+        preset = load_yaml_as(path, HardwarePreset)
+        out[preset.name] = preset
+    return out
+
+
+def list_models() -> list[ModelArch]:
+    return list(_models().values())
+
+
+def list_presets() -> list[HardwarePreset]:
+    return list(_presets().values())
+
+
+def _did_you_mean(word: str, choices: list[str]) -> str:
+    close = difflib.get_close_matches(word.lower(), [c.lower() for c in choices], n=1, cutoff=0.5)
+    if not close:
+        return ""
+    original = next(c for c in choices if c.lower() == close[0])
+    return f"did you mean {original}? "
+
+
+def get_model(key: str) -> ModelArch:
+    models = _models()
+    if key in models:
+        return models[key]
+    lowered = {k.lower(): v for k, v in models.items()}
+    if key.lower() in lowered:
+        return lowered[key.lower()]
+    raise RecipeError(f"unknown model architecture {key!r}", key="model.arch",
+                      hint=f"{_did_you_mean(key, list(models))}known: {', '.join(models)}")
+
+
+def _by_hub_id(name: str) -> ModelArch | None:
+    wanted = name.strip().lower().rstrip("/")
+    for arch in _models().values():
+        if any(h.lower() == wanted for h in arch.hub_ids):
+            return arch
+    return None
+
+
+def resolve_model(model_section, *, base_dir: str | Path | None = None) -> ModelArch:
+    """The architecture a recipe's `model:` section names.
+
+    Order: `model.arch` (a registry key); `model.name` matched case-insensitively against the
+    registry's Hub ids; a local directory (relative to base_dir) or a Hugging Face cache snapshot
+    with config.json, from which the numbers are derived. Otherwise a RecipeError with a hint.
+    """
+    if getattr(model_section, "arch", None):
+        return get_model(model_section.arch)
+    name = model_section.name
+    found = _by_hub_id(name)
+    if found is not None:
+        return found
+    base = Path(base_dir) if base_dir is not None else Path.cwd()
+    config = find_config_json(name, base_dir=base, revision=getattr(model_section, "revision", None))
+    if config is not None:
+        if "snapshots" in config.parts:  # found in the Hugging Face cache: name is a Hub id
+            return arch_from_config(config, key=name.split("/")[-1].lower(), hub_id=name)
+        return arch_from_config(config, key=config.parent.name)
+    choices = [h for a in _models().values() for h in a.hub_ids] + list(_models())
+    raise RecipeError(
+        f"cannot tell the architecture of {name!r}: not a known Hub id, and no config.json found "
+        f"at {base / name} or in the Hugging Face cache", key="model.name",
+        hint=(f"{_did_you_mean(name, choices)}set model.arch to one of: {', '.join(_models())}; "
+              f"or point model.name at a directory with config.json"))
+
+
+def get_preset(name_or_path: str, *, base_dir: str | Path | None = None) -> HardwarePreset:
+    """A preset by name, `auto` (detect the local GPUs), or a path to a user's preset YAML file."""
+    presets = _presets()
+    if name_or_path in presets:
+        return presets[name_or_path]
+    if name_or_path == "auto":
+        from finetune.registry.detect import detect_preset
+
+        return detect_preset()
+    base = Path(base_dir) if base_dir is not None else Path.cwd()
+    path = Path(name_or_path).expanduser()
+    if not path.is_absolute():
+        path = base / path
+    looks_like_file = name_or_path.endswith((".yaml", ".yml")) or "/" in name_or_path
+    if path.is_file():
+        return load_yaml_as(path, HardwarePreset)
+    if looks_like_file:
+        raise RecipeError("hardware preset file not found", file=str(path), key="hardware",
+                          hint="check the path (relative paths start at the recipe's directory)")
+    raise RecipeError(f"unknown hardware preset {name_or_path!r}", key="hardware",
+                      hint=(f"{_did_you_mean(name_or_path, list(presets))}use auto, a preset file, "
+                            f"or one of: {', '.join(presets)}"))

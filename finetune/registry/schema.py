@@ -26,6 +26,7 @@ class ModelArch(Strict):
     intermediate_size: int = Field(ge=1)
     vocab_size: int = Field(ge=1)
     tied_embeddings: bool = False
+    attention_bias: bool = False  # q/k/v biases (Qwen2): a few thousand params per layer
     max_position_embeddings: int = 8192
     num_experts: int = Field(1, ge=1, description="MoE experts per layer (1 = dense)")
     experts_per_token: int = Field(1, ge=1)
@@ -56,6 +57,9 @@ class HardwarePreset(Strict):
     nvme_path: str | None = Field(None, description="local NVMe for ZeRO-Infinity offload")
     nvme_bandwidth_gbps: float = Field(0, ge=0)
     peak_bf16_tflops: float = Field(gt=0, description="dense, per GPU")
+    # offload strategies move states over PCIe and run Adam on the host CPUs
+    host_to_device_bandwidth_gbps: float = Field(25, gt=0, description="per GPU, PCIe, GB/s")
+    nvme_capacity_gib: float | None = Field(None, gt=0, description="per node; None: not checked")
     supports_bf16: bool = True
     nccl_env: dict[str, str] = Field(default_factory=dict, description="NCCL settings for launches")
 

@@ -1,0 +1,94 @@
+"""accelerate.yaml for accelerate 1.15's `accelerate launch --config_file`.
+
+Keys follow accelerate's ClusterConfig (commands/config/config_args.py). `accelerate launch`
+copies `fsdp_config.*`, `deepspeed_config.*` and `parallelism_config.*` onto its argparse
+namespace by name and exports them as FSDP_* / ACCELERATE_DEEPSPEED_* / PARALLELISM_CONFIG_*
+environment variables that the Accelerator in each rank reads.
+"""
+
+from __future__ import annotations
+
+from finetune.plan.types import Plan
+from finetune.recipe.schema import Recipe
+from finetune.registry.schema import ModelArch
+
+MIXED_PRECISION = {"bf16": "bf16", "fp16": "fp16", "fp32": "no"}
+FSDP_STRATEGIES = ("fsdp2", "fsdp2-hybrid")
+DEEPSPEED_STRATEGIES = ("zero3", "zero3-offload", "zero3-nvme")
+
+
+def accelerate_config(recipe: Recipe, plan: Plan, *, arch: ModelArch, main_port: int,
+                      ds_config_path: str | None = None) -> dict:
+    strategy = plan.strategy
+    cfg: dict = {"compute_environment": "LOCAL_MACHINE"}
+    if plan.device == "cpu":
+        cfg["distributed_type"] = "MULTI_CPU" if plan.world_size > 1 else "NO"
+        cfg["use_cpu"] = True
+    elif strategy in DEEPSPEED_STRATEGIES:
+        cfg["distributed_type"] = "DEEPSPEED"
+        cfg["deepspeed_config"] = {
+            "deepspeed_config_file": ds_config_path,
+            # torchrun on every node (our launcher / srun starts one per node); the default
+            # `pdsh` would ssh into the other nodes from node 0.
+            "deepspeed_multinode_launcher": "standard",
+            # build the model already partitioned: a 70B model never materialises per rank
+            "zero3_init_flag": True,
+        }
+    elif strategy in FSDP_STRATEGIES:
+        cfg["distributed_type"] = "FSDP"
+        cfg["fsdp_config"] = fsdp_config(plan, arch=arch)
+        if strategy == "fsdp2-hybrid":
+            # HSDP: replicate across nodes, shard within a node. accelerate 1.15 builds a
+            # (dp_replicate, dp_shard) device mesh from its ParallelismConfig, which it reads
+            # from these keys (exported as PARALLELISM_CONFIG_DP_*_SIZE).
+            cfg["parallelism_config"] = {
+                "parallelism_config_dp_replicate_size": plan.num_nodes,
+                "parallelism_config_dp_shard_size": plan.gpus_per_node,
+            }
+    elif strategy == "ddp":
+        cfg["distributed_type"] = "MULTI_GPU" if plan.world_size > 1 else "NO"
+    else:
+        raise ValueError(f"no accelerate config for strategy {strategy!r}")
+
+    # DeepSpeed takes precision from ds_config.json; accelerate refuses a mixed_precision key
+    # next to a deepspeed_config_file ("will be ignored ... specify them in the DeepSpeed config").
+    if cfg["distributed_type"] != "DEEPSPEED":
+        cfg["mixed_precision"] = MIXED_PRECISION[recipe.train.precision]
+    cfg["num_processes"] = plan.world_size
+    cfg["num_machines"] = plan.num_nodes
+    cfg["machine_rank"] = 0  # placeholder: each node passes --machine_rank K
+    if plan.num_nodes > 1:
+        # main_process_ip is left out on purpose: each node passes --main_process_ip
+        cfg["main_process_port"] = main_port
+        # static rendezvous on node 0 (MASTER_ADDR/MASTER_PORT): node ranks are the ones given
+        cfg["rdzv_backend"] = "static"
+        cfg["same_network"] = True
+    return cfg
+
+
+def fsdp_config(plan: Plan, *, arch: ModelArch) -> dict:
+    return {
+        "fsdp_version": 2,
+        "fsdp_reshard_after_forward": True,
+        "fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
+        "fsdp_transformer_layer_cls_to_wrap": arch.decoder_layer_class,
+        # rank 0 loads the weights, the others get them by broadcast: 8 ranks never hold
+        # 8 host copies (and QLoRA's 4-bit weights are not all placed on GPU 0, TRL #3436)
+        "fsdp_cpu_ram_efficient_loading": True,
+        # `accelerate launch` refuses cpu_ram_efficient_loading without it; FSDP2 ignores it
+        "fsdp_sync_module_states": True,
+        "fsdp_state_dict_type": "SHARDED_STATE_DICT",
+        # FSDP applies activation checkpointing per wrapped layer; the trainer then must not
+        # also set gradient_checkpointing (see resolved.activation_checkpointing_by)
+        "fsdp_activation_checkpointing": bool(plan.activation_checkpointing),
+        "fsdp_offload_params": False,
+    }
+
+
+def checkpointing_owner(plan: Plan) -> str:
+    """Who applies activation checkpointing: the FSDP plugin, the trainer, or nobody."""
+    if not plan.activation_checkpointing:
+        return "none"
+    if plan.device == "cuda" and plan.strategy in FSDP_STRATEGIES:
+        return "fsdp"
+    return "trainer"

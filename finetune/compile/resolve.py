@@ -1,0 +1,87 @@
+"""The resolved recipe: every default written out and every planner decision made concrete.
+
+This is the one artifact that crosses into the ranks (`finetune.train RUN_DIR/recipe.resolved.yaml`),
+so it must stand alone: paths are absolute (the file lives in the run dir, not next to the
+recipe) and nothing is left `auto`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from finetune.compile.accelerate import checkpointing_owner
+from finetune.compile.deepspeed import nvme_path_for, optimizer_in_ds_config
+from finetune.plan.types import Plan
+from finetune.recipe.load import recipe_dir
+from finetune.recipe.schema import Recipe, ResolvedSection
+from finetune.registry.schema import HardwarePreset, ModelArch
+
+
+def _absolute_if_local(value: str | None, base: Path, *, want_dir: bool = False) -> str | None:
+    """A path that exists relative to the recipe becomes absolute; Hub ids stay as they are."""
+    if not value:
+        return value
+    candidate = Path(value).expanduser()
+    if not candidate.is_absolute():
+        candidate = base / candidate
+    exists = candidate.is_dir() if want_dir else candidate.is_file()
+    return str(candidate.resolve()) if exists else value
+
+
+def resolve_recipe(recipe: Recipe, plan: Plan, *, run_dir: Path, arch: ModelArch,
+                   preset: HardwarePreset) -> Recipe:
+    base = recipe_dir(recipe)
+    data = recipe.model_dump(mode="python")
+    data["model"]["name"] = _absolute_if_local(recipe.model.name, base, want_dir=True)
+    data["model"]["arch"] = recipe.model.arch or arch.key
+    for group in ("sources", "eval_sources"):
+        for src in data["data"][group]:
+            src["path"] = _absolute_if_local(src["path"], base)
+    if data["data"].get("task_eval"):
+        data["data"]["task_eval"]["path"] = _absolute_if_local(data["data"]["task_eval"]["path"], base)
+    template = recipe.data.chat_template
+    if template and "\n" not in template and "{" not in template:  # a path, not jinja text
+        data["data"]["chat_template"] = _absolute_if_local(template, base)
+    hardware = _absolute_if_local(recipe.hardware, base)
+    if hardware == recipe.hardware and hardware not in ("auto", preset.name):
+        hardware = preset.name  # planned for another preset (--hardware overrides the recipe)
+    data["hardware"] = hardware
+
+    targets = list(arch.lora_targets)
+    if recipe.adapter.type != "full" and recipe.adapter.target_modules is None:
+        data["adapter"]["target_modules"] = targets
+
+    train = data["train"]
+    train["micro_batch_size"] = plan.micro_batch_size
+    train["activation_checkpointing"] = "on" if plan.activation_checkpointing else "off"
+    # what actually runs: world x micro-batch x accumulation (the planner rounds to fit)
+    train["global_batch_size"] = (plan.world_size * plan.micro_batch_size
+                                  * plan.gradient_accumulation_steps)
+    if optimizer_in_ds_config(plan):
+        # DeepSpeed's CPU Adam steps the offloaded states (declared in ds_config.json);
+        # a bitsandbytes 8-bit optimizer cannot run on them
+        train["optimizer"] = "adamw"
+
+    dist = data["distributed"]
+    dist["strategy"] = plan.strategy
+    if plan.strategy == "zero3-nvme":
+        dist["nvme_path"] = nvme_path_for(recipe, preset)
+
+    data["output"]["dir"] = str(run_dir)
+    data["resolved"] = ResolvedSection(
+        hardware=preset.name,
+        world_size=plan.world_size,
+        num_nodes=plan.num_nodes,
+        gpus_per_node=plan.gpus_per_node,
+        device=plan.device,
+        gradient_accumulation_steps=plan.gradient_accumulation_steps,
+        predicted_peak_gib=round(float(plan.per_gpu_memory_gib), 2),
+        decoder_layer_class=arch.decoder_layer_class,
+        lora_targets=targets,
+        model_family=arch.family,
+        activation_checkpointing_by=checkpointing_owner(plan),
+    ).model_dump(mode="python")
+    resolved = Recipe.model_validate(data)
+    resolved._source_dir = str(run_dir)
+    resolved._source_name = recipe._source_name
+    return resolved

@@ -1,0 +1,236 @@
+"""`finetune push`: publish a run (adapter, or merged/full model) to the Hugging Face Hub.
+
+What is uploaded is an explicit list, never a glob over RUN_DIR: the weights (adapter, or the
+merged/full model), tokenizer files, a generated README.md model card, recipe.resolved.yaml and
+loss.png. Checkpoints, optimizer state, caches, logs and metrics stay local.
+
+How the upload works, and why it resumes: one `HfApi.create_commit` with an explicit operation
+list (README.md is passed as bytes, so nothing is written into RUN_DIR). Inside it, huggingface_hub
+asks the Hub's preupload endpoint which files are already in the repo (unchanged ones are dropped
+from the commit), then uploads large files through Xet when `hf_xet` is installed (content-defined
+chunks; chunks the Hub already has are not sent again) or through git-LFS (the LFS batch endpoint
+returns no upload action for blobs already in storage, so they are skipped). A push that fails in
+the middle therefore resumes on retry: blobs stored by the failed attempt are not re-sent, and
+nothing is visible in the repo until the single commit succeeds.
+`upload_large_folder` is not used: it keeps its resume state in `<folder>/.cache/huggingface/`, i.e.
+inside RUN_DIR, which a push must leave untouched; `upload_folder` would need the model card
+written into RUN_DIR as well.
+
+The token comes from `token=`, HF_TOKEN or the saved login (huggingface_hub.get_token()). It is
+only handed to HfApi; it is never logged, printed, or written anywhere, and is scrubbed from
+error messages as a last line of defence.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+from finetune.errors import FinetuneError
+from finetune.merge import ADAPTER_FILES, TOKENIZER_FILES, merge, run_kind
+from finetune.modelcard import HUB_ID, parse_front_matter, render_model_card
+
+logger = logging.getLogger(__name__)
+
+EXIT_PUSH_FAILED = 5
+# A full model saved by save_pretrained; "model*.safetensors" covers the shards and the single file.
+MODEL_FILES = ("config.json", "generation_config.json", "model.safetensors.index.json")
+EXTRA_FILES = ("recipe.resolved.yaml", "loss.png")
+
+
+class PushError(FinetuneError):
+    """The push failed; the message says what failed and the exact command to retry."""
+
+    exit_code = EXIT_PUSH_FAILED
+
+
+def retry_command(run_dir: Path, *, repo_id: str, merged: bool, private: bool,
+                  revision: str | None) -> str:
+    parts = ["finetune", "push", str(run_dir), "--repo", repo_id]
+    if merged:
+        parts.append("--merged")
+    if not private:
+        parts.append("--public")
+    if revision:
+        parts += ["--revision", revision]
+    return " ".join(parts)
+
+
+def _scrub(text: str, token: str | None) -> str:
+    return text.replace(token, "***") if token else text
+
+
+def registry_license(recipe) -> str | None:
+    """The base model's license from the model registry, when the model is listed there."""
+    from finetune.registry import list_models
+
+    for arch in list_models():
+        if arch.key == recipe.model.arch or recipe.model.name in arch.hub_ids:
+            return arch.license
+    return None
+
+
+def base_license(recipe, base: str) -> str | None:
+    """License of the base: the registry first, else a local base model's own card metadata."""
+    found = registry_license(recipe)
+    if found:
+        return found
+    readme = Path(base) / "README.md"
+    if readme.is_file():
+        value = parse_front_matter(readme.read_text(errors="replace")).get("license")
+        return value if isinstance(value, str) else None
+    return None
+
+
+def _model_files(model_dir: Path) -> list[Path]:
+    files = [model_dir / f for f in MODEL_FILES if (model_dir / f).is_file()]
+    files += sorted(model_dir.glob("model*.safetensors"))
+    return files
+
+
+def _collect(run_dir: Path, weights_dir: Path, kind: str) -> list[tuple[str, Path]]:
+    """(path in repo, local file) for everything but README.md."""
+    if kind == "adapter":
+        weights = [run_dir / f for f in ADAPTER_FILES]
+    else:
+        weights = _model_files(weights_dir)
+    tokenizer_dir = weights_dir if any((weights_dir / f).is_file() for f in TOKENIZER_FILES) else run_dir
+    tokenizer = [tokenizer_dir / f for f in TOKENIZER_FILES if (tokenizer_dir / f).is_file()]
+    extras = [run_dir / f for f in EXTRA_FILES if (run_dir / f).is_file()]
+    return [(p.name, p) for p in weights + tokenizer + extras]
+
+
+def push(run_dir: str | Path, *, repo_id: str, merged: bool = False, private: bool = True,
+         revision: str | None = None, token: str | None = None, commit_message: str | None = None,
+         endpoint: str | None = None, max_shard_size: str | int = "5GB") -> str:
+    """Upload RUN_DIR to the Hub repo `repo_id` (created private unless private=False).
+
+    merged=True uploads a merged model instead of the adapter: RUN_DIR/merged if it holds one,
+    else the adapter is merged into a temporary directory next to RUN_DIR (removed afterwards).
+    A full fine-tune run uploads its model either way. `revision` pushes to that branch (created
+    from main if missing). `endpoint` defaults to HF_ENDPOINT, read at call time.
+    Returns the commit URL. Raises PushError (exit code 5) with the retry command on failure;
+    RUN_DIR is never modified.
+    """
+    run_dir = Path(run_dir)
+    retry = retry_command(run_dir, repo_id=repo_id, merged=merged, private=private, revision=revision)
+
+    def fail(what: str, exc: BaseException | None = None, hint: str | None = None) -> PushError:
+        detail = f": {type(exc).__name__}: {exc}" if exc is not None else ""
+        message = _scrub(f"push to {repo_id} failed while {what}{detail}", token)
+        return PushError(message, hint=hint or f"fix the cause, then retry with `{retry}` "
+                                               "(files already uploaded are not sent again)")
+
+    if not HUB_ID.match(repo_id):
+        raise PushError(f"--repo {repo_id!r} is not a Hub repo id", key="hub.repo",
+                        hint="use ORG/NAME, e.g. --repo my-org/llama-3.1-8b-sft")
+    if not (run_dir / "recipe.resolved.yaml").is_file():
+        raise PushError("not a run directory (no recipe.resolved.yaml)", file=str(run_dir),
+                        hint="pass the directory `finetune run` wrote its outputs to")
+    from finetune.recipe import load_recipe
+
+    recipe = load_recipe(run_dir / "recipe.resolved.yaml", allow_resolved=True)
+    kind = run_kind(run_dir)
+    if kind == "unknown":
+        raise PushError("no adapter (adapter_config.json) or model (config.json + *.safetensors) "
+                        "found", file=str(run_dir),
+                        hint="the run has not saved its final weights; resume it with `finetune run`")
+
+    import huggingface_hub
+    from huggingface_hub import CommitOperationAdd, HfApi
+
+    if huggingface_hub.constants.is_offline_mode():
+        raise PushError("the Hugging Face Hub is in offline mode (HF_HUB_OFFLINE is set)",
+                        hint=f"unset HF_HUB_OFFLINE, then run `{retry}`")
+    token = token or huggingface_hub.get_token()
+    if not token:
+        raise PushError("not logged in to the Hugging Face Hub",
+                        hint=f"set HF_TOKEN or run `hf auth login`, then run `{retry}`")
+    endpoint = endpoint or os.environ.get("HF_ENDPOINT") or None
+
+    card_kind = "full" if kind == "full" else ("merged" if merged else "adapter")
+    work_dir: Path | None = None
+    try:
+        weights_dir = run_dir
+        if card_kind == "merged":
+            if run_kind(run_dir / "merged") == "full":
+                weights_dir = run_dir / "merged"
+            else:
+                # next to RUN_DIR (same disk the run had room on), never inside it
+                try:
+                    work_dir = Path(tempfile.mkdtemp(prefix=f".{run_dir.name}.push-", dir=run_dir.parent))
+                except OSError:  # read-only parent: fall back to the system temp dir
+                    work_dir = Path(tempfile.mkdtemp(prefix=f"{run_dir.name}.push-"))
+                logger.info("merging the adapter for upload into %s", work_dir)
+                weights_dir = merge(run_dir, work_dir / "merged", max_shard_size=max_shard_size)
+        adapter_config = {}
+        if kind == "adapter":
+            adapter_config = json.loads((run_dir / "adapter_config.json").read_text())
+        base = recipe.model.name if kind == "full" else (
+            adapter_config.get("base_model_name_or_path") or recipe.model.name)
+        card = render_model_card(recipe, run_dir=run_dir, repo_id=repo_id, kind=card_kind,
+                                 license=base_license(recipe, base), base_model=recipe.model.name)
+        files = _collect(run_dir, weights_dir, card_kind)
+        total = sum(p.stat().st_size for _, p in files)
+        logger.info("pushing %d files (%.1f MB) + README.md to %s (%s%s)", len(files), total / 1e6,
+                    repo_id, "private" if private else "public",
+                    f", branch {revision}" if revision else "")
+        operations = [CommitOperationAdd(path_in_repo=name, path_or_fileobj=str(path))
+                      for name, path in files]
+        operations.append(CommitOperationAdd(path_in_repo="README.md",
+                                             path_or_fileobj=card.encode("utf-8")))
+        api = HfApi(endpoint=endpoint, token=token)
+        step = "creating the repository"
+        try:
+            api.create_repo(repo_id, private=private, exist_ok=True)
+            step = "checking the repository's visibility"
+            info = api.model_info(repo_id)
+            if private and info.private is False:
+                raise fail("checking the repository's visibility", hint=(
+                    f"{repo_id} already exists and is public, and a private push was asked for; "
+                    f"push to another repo, or add --public: `{retry} --public`"))
+            if revision and revision != "main":
+                step = f"creating the branch {revision!r}"
+                api.create_branch(repo_id, branch=revision, exist_ok=True)
+            step = "uploading and committing the files"
+            message = commit_message or (f"finetune: {recipe.method.type} "
+                                         f"{'merged model' if card_kind == 'merged' else card_kind}"
+                                         f" of {Path(base).name if not HUB_ID.match(base) else base}")
+            commit = api.create_commit(repo_id, operations=operations, commit_message=message,
+                                       revision=revision)
+        except PushError:
+            raise
+        except Exception as exc:  # HTTP errors, connection errors, bad server answers
+            raise fail(step, exc) from None
+    finally:
+        if work_dir is not None:
+            shutil.rmtree(work_dir, ignore_errors=True)
+    logger.info("pushed to %s", commit.commit_url)
+    return commit.commit_url
+
+
+def push_from_recipe(run_dir: str | Path, **kwargs) -> str | None:
+    """Push as the run's recipe `hub:` section says; None when hub.repo is unset.
+
+    Called at the end of a successful run; only rank 0 pushes (other ranks return None).
+    """
+    import sys
+
+    run_dir = Path(run_dir)
+    if "torch" in sys.modules:  # a launched rank; single-process callers never import torch first
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized() and dist.get_rank() != 0:
+            return None
+    from finetune.recipe import load_recipe
+
+    hub = load_recipe(run_dir / "recipe.resolved.yaml", allow_resolved=True).hub
+    if not hub.repo:
+        return None
+    return push(run_dir, repo_id=hub.repo, merged=hub.push == "merged", private=hub.private,
+                revision=hub.revision, **kwargs)
+

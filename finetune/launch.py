@@ -1,0 +1,174 @@
+"""The launcher: the only module in finetune that starts processes.
+
+`launch(RUN_DIR)` runs this node's `accelerate launch ... -m finetune.train RUN_DIR/recipe.resolved.yaml`
+in its own process group, streams its output (and appends it to RUN_DIR/logs/), and forwards
+SIGINT/SIGTERM/SIGUSR1 so the ranks can write a checkpoint before they stop. torchrun (inside
+accelerate) starts each rank in a session of its own, so the signal goes to accelerate's
+process group and its elastic agent passes it on (the compiled env adds SIGUSR1 to the
+signals it forwards, via PET_SIGNALS_TO_HANDLE, and raises its shutdown grace).
+
+    python -m finetune.launch RUN_DIR [--node-rank K --main-address HOST [--main-port P]] [-- ARGS]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import subprocess
+import sys
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+from finetune.compile.spec import LaunchSpec
+from finetune.errors import EXIT_PREEMPTED, FinetuneError
+
+FORWARDED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)
+PREEMPT_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+EXIT_INTERRUPTED = 130
+OUTPUT_DRAIN_S = 10  # after the launcher exits, how long to keep copying the ranks' output
+
+
+@dataclass
+class NodeInstructions:
+    """Returned instead of an exit code for a multi-node run without a node rank."""
+
+    text: str  # human-readable: what to run on each node, and the Slurm script
+    commands: list[list[str]]  # per-node accelerate argv, main address as a placeholder
+    sbatch: str | None  # path of job.sbatch
+
+    def __str__(self) -> str:
+        return self.text
+
+
+def load_spec(spec_or_run_dir: LaunchSpec | str | Path) -> LaunchSpec:
+    if isinstance(spec_or_run_dir, LaunchSpec):
+        return spec_or_run_dir
+    return LaunchSpec.load(spec_or_run_dir)
+
+
+def executable_argv(argv: list[str]) -> list[str]:
+    """`accelerate launch ...` run by this interpreter, so the same environment is used."""
+    if argv[:2] == ["accelerate", "launch"]:
+        return [sys.executable, "-m", "accelerate.commands.launch", *argv[2:]]
+    return list(argv)
+
+
+def launch_env(spec: LaunchSpec) -> dict[str, str]:
+    env = dict(spec.env_defaults)  # preset defaults ...
+    env.update(os.environ)  # ... that the caller's environment overrides ...
+    env.update(spec.env)  # ... except what the launch itself depends on
+    return env
+
+
+def launch(spec_or_run_dir: LaunchSpec | str | Path, *, node_rank: int | None = None,
+           main_address: str | None = None, main_port: int | None = None,
+           extra_args: list[str] | tuple = (), stream: bool = True) -> int | NodeInstructions:
+    """Run this node's part of a compiled run; return its exit code.
+
+    Multi-node runs need `node_rank` and `main_address` (node 0's host); without a node rank
+    nothing starts and the per-node commands are returned (NodeInstructions) for printing.
+    Exit code: the launcher's, except EXIT_PREEMPTED (75) when SIGTERM/SIGUSR1 stopped the run
+    (the ranks were told to checkpoint; requeue and resume) and 130 after SIGINT.
+    """
+    spec = load_spec(spec_or_run_dir)
+    if spec.multi_node and node_rank is None:
+        return NodeInstructions(text=spec.node_instructions(), commands=spec.node_argv(),
+                                sbatch=spec.files.get("job.sbatch"))
+    if spec.multi_node and not main_address:
+        raise FinetuneError(f"a {spec.num_nodes}-node run needs node 0's address",
+                            hint="pass --main-address HOST (the same on every node)")
+    if not spec.multi_node and node_rank not in (None, 0):
+        raise FinetuneError(f"node rank {node_rank} given for a single-node run",
+                            hint="drop --node-rank, or compile for a multi-node preset")
+    rank = node_rank or 0
+    argv = executable_argv(spec.argv(node_rank=rank, main_address=main_address,
+                                     main_port=main_port, extra_args=list(extra_args)))
+    log_path = Path(spec.run_dir) / "logs" / f"launch-node{rank}.log"
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    return _run(argv, env=launch_env(spec), log_path=log_path, stream=stream)
+
+
+def _run(argv: list[str], *, env: dict[str, str], log_path: Path, stream: bool) -> int:
+    received: list[int] = []
+    with open(log_path, "ab") as log:
+        log.write(f"$ {' '.join(argv)}\n".encode())
+        log.flush()
+        proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL, start_new_session=True)
+
+        def forward(signum, _frame):
+            received.append(signum)
+            try:
+                os.killpg(proc.pid, signum)
+            except (ProcessLookupError, PermissionError):
+                pass
+
+        previous = {}
+        if threading.current_thread() is threading.main_thread():
+            for sig in FORWARDED_SIGNALS:
+                previous[sig] = signal.signal(sig, forward)
+        # a reader thread copies output while the main thread waits, so a signal handler
+        # runs promptly, and a rank orphaned by a crashed launcher cannot keep us reading forever
+        reader = threading.Thread(target=_copy_output, args=(proc.stdout, log, stream), daemon=True)
+        reader.start()
+        try:
+            rc = proc.wait()
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+            if proc.poll() is None:  # unwinding on an exception: do not orphan the ranks
+                os.killpg(proc.pid, signal.SIGTERM)
+                proc.wait()
+            reader.join(timeout=OUTPUT_DRAIN_S)
+    if rc < 0:
+        rc = 128 - rc
+    if rc != 0 and any(s in PREEMPT_SIGNALS for s in received):
+        return EXIT_PREEMPTED
+    if rc != 0 and signal.SIGINT in received:
+        return EXIT_INTERRUPTED
+    return rc
+
+
+def _copy_output(pipe, log, stream: bool) -> None:
+    out = getattr(sys.stdout, "buffer", None)
+    try:
+        for line in iter(pipe.readline, b""):
+            log.write(line)
+            log.flush()
+            if stream:
+                if out is not None:
+                    out.write(line)
+                    out.flush()
+                else:
+                    sys.stdout.write(line.decode(errors="replace"))
+    except (ValueError, OSError):  # the log was closed after the drain timeout
+        return
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m finetune.launch",
+                                     description="Launch this node's part of a compiled run.")
+    parser.add_argument("run_dir")
+    parser.add_argument("--node-rank", type=int, default=None)
+    parser.add_argument("--main-address", default=None)
+    parser.add_argument("--main-port", type=int, default=None)
+    parser.epilog = "Arguments after -- are passed to every rank's entry point."
+    argv = list(sys.argv[1:] if argv is None else argv)
+    extra = argv[argv.index("--") + 1:] if "--" in argv else []
+    args = parser.parse_args(argv[:argv.index("--")] if "--" in argv else argv)
+    try:
+        result = launch(args.run_dir, node_rank=args.node_rank, main_address=args.main_address,
+                        main_port=args.main_port, extra_args=extra)
+    except FinetuneError as err:
+        print(err.render(), file=sys.stderr)
+        return err.exit_code
+    if isinstance(result, NodeInstructions):
+        print(result.text)
+        return 0
+    return result
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,221 @@
+"""Per-GPU, per-host and NVMe bytes of one training configuration. Pure arithmetic.
+
+Model states (bytes per parameter), the mixed-precision AdamW accounting of the ZeRO paper
+(Rajbhandari et al. 2020, K = 12): 2 (16-bit weights) + 2 (16-bit gradients) + 4 (fp32 master
+weights) + 8 (fp32 Adam moments) = 16 bytes/param. FSDP2 with fp32 sharded params and a bf16
+compute copy (4 + 4 grads + 8) lands on the same 16; a model loaded in fp32 has no separate master
+(4 + 4 + 8). adamw_8bit / paged_adamw_8bit keep the two moments in 1 byte each (2 bytes/param).
+- full: every parameter trainable at 16 bytes/param (12 with 8-bit moments).
+- lora: frozen base in the model dtype; LoRA params r x (in + out) per targeted module per layer,
+  in fp32 (PEFT upcasts adapters) with fp32 grads and Adam moments: 4 + 4 + 8 bytes each.
+- qlora: linear weights of the layers in NF4: 0.5 byte/param plus one absmax per 64-block (fp32:
+  0.0625 byte/param; with double quantization an 8-bit absmax + an fp32 scale per 256 blocks:
+  1/64 + 4/16384 = 0.0159 byte/param, i.e. ~0.127 bits); embeddings, lm_head and norms stay 16-bit.
+
+Activations per token per decoder layer (bytes, act = 2 for bf16), counted from the tensors a
+Llama-style block saves for backward with a fused (flash/SDPA) attention kernel, so no s^2 term:
+  2 RMSNorms, each: fp32 upcast input (2*act*h) + normalized output (act*h) + the next linear's
+  input (act*h) = 4*act*h; attention: q, k, v (act*(q + 2kv)) + RoPE inputs (act*(q + kv)) + the
+  output (act*q); SwiGLU MLP: gate, up, silu(gate), product = 4*act*i (x top-k for MoE).
+This is the Korthikanti et al. (2022) method (their 34*s*b*h without flash and with a 4h GELU MLP)
+applied to SwiGLU/GQA/no dropout. LoRA adds its dropout copy of each targeted input (when dropout > 0)
+and the r-wide intermediate. With activation checkpointing (per decoder layer): only each layer's
+input (act*h per token per layer) plus one layer's full activations while it is recomputed.
+Logits: tokens x vocab x 12 bytes: bf16 logits (2) + fp32 upcast for the loss (4) + fp32
+log-softmax saved for backward (4) + bf16 logits gradient (2). For a 128k vocabulary this is ~1.5 MB
+per token, larger than all layers' checkpointed activations.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from finetune.plan.types import GIB, MemoryBreakdown
+from finetune.plan.workload import Job, count_params, head_dim, lora_params, module_shapes
+
+ADAM_FP32_MOMENT_BYTES = 8
+ADAM_8BIT_MOMENT_BYTES = 2
+CUDA_FIXED_BYTES = 1.5 * GIB  # CUDA context, cuBLAS/cuDNN workspaces, kernel images
+NCCL_BYTES = 0.5 * GIB  # communicator channel buffers, only when there are several ranks
+CPU_FIXED_BYTES = 0.5 * GIB  # the Python/torch process itself on the cpu preset
+FRAGMENTATION = 0.05  # caching-allocator fragmentation, as a share of everything else
+HOST_PER_PROCESS_BYTES = 3 * GIB  # python + torch + CUDA libraries per rank, host RAM
+LOGITS_BYTES_PER_ELEMENT = 12
+NF4_BYTES = 0.5
+NF4_SCALE_BYTES = 4 / 64  # one fp32 absmax per 64-element block
+NF4_DOUBLE_QUANT_SCALE_BYTES = 1 / 64 + 4 / (64 * 256)
+NVME_PARAM_BUFFERS = 5  # ZeRO-Infinity param swap buffers (buffer_count), each one largest unit
+SHARDED = ("fsdp2", "fsdp2-hybrid", "zero3", "zero3-offload", "zero3-nvme")
+OFFLOADED = ("zero3-offload", "zero3-nvme")
+
+
+def zero_model_state_bytes(params: float, *, stage: int, world: int, k: float = 12) -> float:
+    """Per-GPU model-state bytes under ZeRO stage 0-3 (ZeRO paper, Figure 1 / Section 5).
+
+    16-bit params and grads are 2 + 2 bytes/param, optimizer states K bytes/param (K = 12 for mixed
+    precision Adam): stage 0 (DDP) (2+2+K)P; stage 1 shards the optimizer states: (2+2)P + KP/N;
+    stage 2 also the gradients: 2P + (2+K)P/N; stage 3 everything: (2+2+K)P/N.
+    """
+    if stage == 0:
+        return (4 + k) * params
+    if stage == 1:
+        return 4 * params + k * params / world
+    if stage == 2:
+        return 2 * params + (2 + k) * params / world
+    if stage == 3:
+        return (4 + k) * params / world
+    raise ValueError(f"ZeRO stage must be 0-3, got {stage}")
+
+
+def shard_degree(job: Job, strategy: str) -> int:
+    p = job.preset
+    if strategy == "ddp":
+        return 1
+    if strategy == "fsdp2-hybrid":
+        return p.gpus_per_node
+    return p.world_size
+
+
+def weight_bytes(job: Job) -> float:
+    """Bytes of the (base) model weights as stored for training."""
+    params = count_params(job.arch)
+    if job.adapter != "qlora":
+        return params.total * job.weight_bytes
+    scale = NF4_DOUBLE_QUANT_SCALE_BYTES if job.double_quant else NF4_SCALE_BYTES
+    linear = params.layer_linear * params.num_layers
+    return linear * (NF4_BYTES + scale) + (params.total - linear) * job.weight_bytes
+
+
+def unit_bytes(job: Job) -> tuple[float, float]:
+    """(largest decoder layer, root unit) bytes as gathered by FSDP/ZeRO-3 for compute."""
+    params = count_params(job.arch)
+    layer = params.layer * job.weight_bytes
+    if job.adapter == "qlora":
+        layer = weight_bytes(job) / params.num_layers  # close enough: layers dominate
+    return layer, params.root * job.weight_bytes
+
+
+@dataclass(frozen=True)
+class StateBytes:
+    """Whole-model (unsharded) bytes of each model state."""
+
+    weights: float  # base/bf16 weights (+ reference model copy for DPO)
+    trainable: float  # fp32 master weights (full) or fp32 LoRA weights
+    gradients: float
+    optimizer: float
+    trainable_params: int
+
+
+def state_bytes(job: Job) -> StateBytes:
+    moments = ADAM_8BIT_MOMENT_BYTES if "8bit" in job.optimizer else ADAM_FP32_MOMENT_BYTES
+    weights = weight_bytes(job)
+    if job.method == "dpo" and job.reference == "copy":
+        weights += count_params(job.arch).total * job.weight_bytes  # frozen reference model
+    if job.adapter == "full":
+        n = count_params(job.arch).total
+        master = 4 * n if job.weight_bytes < 4 else 0
+        return StateBytes(weights, master, job.weight_bytes * n, moments * n, n)
+    n = lora_params(job)
+    return StateBytes(weights, 4 * n, 4 * n, moments * n, n)
+
+
+def activation_bytes_per_token_layer(job: Job) -> float:
+    a, arch = job.act_bytes, job.arch
+    h, i = arch.hidden_size, arch.intermediate_size
+    q, kv = arch.num_attention_heads * head_dim(arch), arch.num_kv_heads * head_dim(arch)
+    norms = 2 * 4 * a * h
+    attention = a * (q + 2 * kv) + a * (q + kv) + a * q
+    mlp = 4 * a * i * min(arch.experts_per_token, arch.num_experts)
+    lora = 0.0
+    if job.adapter != "full":
+        shapes = module_shapes(arch)
+        for name in job.lora_targets:
+            fin, _, _ = shapes.get(name, (h, h, 1))
+            lora += a * job.lora_r + (a * fin if job.lora_dropout > 0 else 0)
+    return norms + attention + mlp + lora
+
+
+def tokens_per_micro_batch(job: Job, micro_batch: int) -> int:
+    return micro_batch * job.seq_len * job.sequences_per_sample
+
+
+def activation_bytes(job: Job, *, micro_batch: int, checkpointing: bool) -> float:
+    tokens = tokens_per_micro_batch(job, micro_batch)
+    per_layer = activation_bytes_per_token_layer(job) * tokens
+    layers = job.arch.num_layers
+    edges = 4 * job.act_bytes * job.arch.hidden_size * tokens  # embedding output + final norm
+    if checkpointing:
+        return layers * job.act_bytes * job.arch.hidden_size * tokens + per_layer + edges
+    return layers * per_layer + edges
+
+
+def logits_bytes(job: Job, *, micro_batch: int) -> float:
+    return tokens_per_micro_batch(job, micro_batch) * job.arch.vocab_size * LOGITS_BYTES_PER_ELEMENT
+
+
+@dataclass(frozen=True)
+class Footprint:
+    memory: MemoryBreakdown  # per GPU
+    host_ram_bytes: float  # per node
+    nvme_bytes: float  # per node
+
+
+def footprint(job: Job, *, strategy: str, micro_batch: int, checkpointing: bool) -> Footprint:
+    """Peak bytes per GPU (by part), host RAM per node and NVMe per node for one configuration."""
+    p = job.preset
+    states = state_bytes(job)
+    shard = shard_degree(job, strategy)
+    cpu = p.vendor == "cpu"
+    layer, root = unit_bytes(job)
+    grad_dtype = 4 if job.adapter != "full" else max(job.weight_bytes, 4)  # reduce in fp32
+    layer_grads = states.trainable_params / job.arch.num_layers * grad_dtype
+    if strategy == "ddp":
+        # DDP's gradient buckets hold a second copy of the gradients (no gradient_as_bucket_view)
+        comm = states.gradients if p.world_size > 1 else 0.0
+    else:
+        # root unit (embedding, lm_head) stays gathered for the whole step; current + prefetched
+        # layer gathered; one layer's gradients in the reduce-scatter buffer
+        comm = root + 2 * layer + layer_grads
+    if strategy in OFFLOADED:
+        on_gpu = MemoryBreakdown(weights=0.0, trainable=0.0, gradients=0.0, optimizer=0.0)
+    else:
+        on_gpu = MemoryBreakdown(weights=states.weights / shard, trainable=states.trainable / shard,
+                                 gradients=states.gradients / shard, optimizer=states.optimizer / shard)
+    acts = activation_bytes(job, micro_batch=micro_batch, checkpointing=checkpointing)
+    logits = logits_bytes(job, micro_batch=micro_batch)
+    fixed = CPU_FIXED_BYTES if cpu else CUDA_FIXED_BYTES + (NCCL_BYTES if p.world_size > 1 else 0)
+    if job.adapter == "qlora":
+        # a dequantized 16-bit copy of the largest linear weight while it is multiplied
+        fixed += 2 * max(fin * fout for fin, fout, _ in module_shapes(job.arch).values())
+    subtotal = on_gpu.total + acts + logits + comm
+    memory = MemoryBreakdown(weights=on_gpu.weights, trainable=on_gpu.trainable,
+                             gradients=on_gpu.gradients, optimizer=on_gpu.optimizer,
+                             activations=acts, logits=logits, comm_buffers=comm,
+                             overhead=fixed + FRAGMENTATION * subtotal)
+    host, nvme = _host_and_nvme(job, strategy=strategy, states=states, layer=layer)
+    return Footprint(memory, host, nvme)
+
+
+def _host_and_nvme(job: Job, *, strategy: str, states: StateBytes, layer: float) -> tuple[float, float]:
+    p = job.preset
+    procs = p.gpus_per_node
+    base = (CPU_FIXED_BYTES * 4 if p.vendor == "cpu" else HOST_PER_PROCESS_BYTES) * procs
+    # loading: DDP ranks each materialize the model on CPU before moving it; sharded strategies
+    # load once per node (cpu_ram_efficient_loading / zero.Init) and scatter
+    model_bytes = count_params(job.arch).total * job.weight_bytes
+    loading = model_bytes * (procs if strategy == "ddp" and job.adapter != "qlora" else 1)
+    if p.vendor == "cpu":
+        loading = 0.0  # the cpu preset's 'GPU memory' already is this RAM
+    nodes = p.nodes
+    if strategy == "zero3-offload":
+        # pinned params + fp32 master/moments + fp32 gradient partitions of this node's ranks
+        offloaded = (states.weights + states.trainable + states.optimizer
+                     + states.trainable_params * 4) / nodes
+        return base + max(loading, offloaded), 0.0
+    if strategy == "zero3-nvme":
+        # params and optimizer states on NVMe; host keeps fp32 gradient partitions and swap buffers
+        buffers = procs * (NVME_PARAM_BUFFERS * layer + 2 * GIB)  # + optimizer swap buffers
+        host = states.trainable_params * 4 / nodes + buffers
+        nvme = (states.weights + states.trainable + states.optimizer) / nodes
+        return base + max(loading, host), nvme
+    return base + loading, 0.0

@@ -1,0 +1,70 @@
+"""The plan as a readable table for `finetune plan`."""
+
+from __future__ import annotations
+
+from finetune.plan.types import GIB, Plan
+
+_COLUMNS = [  # header, width, value(candidate)
+    ("strategy", 13, lambda c: c.strategy),
+    ("mb", 3, lambda c: str(c.micro_batch_size)),
+    ("ckpt", 4, lambda c: "on" if c.activation_checkpointing else "off"),
+    ("weights", 7, lambda c: _g(c.memory.weights)),
+    ("train", 6, lambda c: _g(c.memory.trainable)),
+    ("grads", 6, lambda c: _g(c.memory.gradients)),
+    ("optim", 6, lambda c: _g(c.memory.optimizer)),
+    ("acts", 6, lambda c: _g(c.memory.activations)),
+    ("logits", 6, lambda c: _g(c.memory.logits)),
+    ("comm", 6, lambda c: _g(c.memory.comm_buffers)),
+    ("ovhd", 5, lambda c: _g(c.memory.overhead)),
+    ("total", 7, lambda c: _g(c.memory.total)),
+    ("host", 7, lambda c: _g(c.host_ram_bytes)),
+    ("fits", 4, lambda c: "yes" if c.fits else "no"),
+    ("step s", 8, lambda c: f"{c.step_time_s:.2f}"),
+    ("bound by", 10, lambda c: c.bottleneck),
+]
+
+
+def _g(n: float) -> str:
+    return f"{n / GIB:.1f}"
+
+
+def _params(n: float) -> str:
+    return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.1f}M"
+
+
+def render_plan_table(plan: Plan) -> str:
+    lines = [
+        f"model {plan.model} ({_params(plan.total_params)} params, {_params(plan.trainable_params)} "
+        f"trainable), {plan.method} {plan.adapter}, seq {plan.seq_len}",
+        f"hardware {plan.hardware}: {plan.num_nodes} node(s) x {plan.gpus_per_node} "
+        f"{'process' if plan.device == 'cpu' else 'GPU'}(s)",
+        "memory per GPU in GiB (host RAM per node); step time per optimizer step",
+        "",
+    ]
+    header = "  ".join(h.rjust(w) if i else h.ljust(w) for i, (h, w, _) in enumerate(_COLUMNS))
+    lines += [header, "-" * len(header)]
+    for c in plan.candidates:
+        row = "  ".join(f(c).rjust(w) if i else f(c).ljust(w) for i, (_, w, f) in enumerate(_COLUMNS))
+        marker = "  <- chosen" if c.strategy == plan.strategy and plan.fits else ""
+        lines.append(row + marker)
+        if c.reason:
+            lines.append(f"{'':13}  {c.reason}")
+    lines.append("")
+    if plan.fits:
+        lines += [
+            f"choice: {plan.strategy}, micro-batch {plan.micro_batch_size}, gradient accumulation "
+            f"{plan.gradient_accumulation_steps}, activation checkpointing "
+            f"{'on' if plan.activation_checkpointing else 'off'}, "
+            f"{plan.per_gpu_memory_gib:.1f} GiB/GPU peak",
+            f"estimate: {plan.step_time_s:.2f} s/step, {plan.tokens_per_second:,.0f} tokens/s, "
+            f"MFU {plan.mfu:.0%}",
+            f"why: {plan.why}",
+        ]
+    else:
+        lines.append(f"does not fit: {plan.why}")
+        if plan.suggestions:
+            lines.append("what would fit:")
+            lines += [f"  - {s}" for s in plan.suggestions]
+        else:
+            lines.append("no variant tried (QLoRA, shorter sequences, other presets) fits either")
+    return "\n".join(lines)

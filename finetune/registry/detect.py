@@ -1,0 +1,115 @@
+"""`--hardware auto`: describe the local machine without importing torch.
+
+GPUs come from `nvidia-smi --query-gpu=name,memory.total --format=csv,noheader`; the bandwidths and
+peak FLOP/s are borrowed from the registry preset with the same GPU model (the numbers nvidia-smi
+cannot tell us), or conservative PCIe defaults for a GPU we have no preset for. No GPU -> `cpu`.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+from finetune.registry.schema import HardwarePreset
+
+MIB = 1024 ** 2
+
+
+def query_gpus() -> list[tuple[str, float]]:
+    """[(name, memory GiB)] of the local NVIDIA GPUs; [] when there is no nvidia-smi or no GPU."""
+    exe = shutil.which("nvidia-smi")
+    if exe is None:
+        return []
+    try:
+        out = subprocess.run([exe, "--query-gpu=name,memory.total", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=20, check=True).stdout
+    except (OSError, subprocess.SubprocessError):
+        return []
+    return parse_nvidia_smi(out)
+
+
+def parse_nvidia_smi(text: str) -> list[tuple[str, float]]:
+    """Parse lines like `NVIDIA H100 80GB HBM3, 81559 MiB`."""
+    gpus = []
+    for line in text.strip().splitlines():
+        name, _, mem = line.rpartition(",")
+        mem = mem.strip()
+        try:
+            value = float(mem.split()[0])
+        except (ValueError, IndexError):
+            continue
+        unit = mem.split()[1].lower() if len(mem.split()) > 1 else "mib"
+        gib = value / 1024 if unit.startswith("mi") else value
+        gpus.append((name.strip(), gib))
+    return gpus
+
+
+def host_ram_gib() -> float:
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemTotal:"):
+                return int(line.split()[1]) / 1024 ** 2
+    except OSError:
+        pass
+    return 16.0
+
+
+def _nvme_path() -> str | None:
+    for path in ("/local_nvme", "/mnt/nvme"):
+        if os.path.isdir(path) and os.access(path, os.W_OK):
+            return path
+    return None
+
+
+# GPU name token -> the preset whose per-GPU numbers (link, peak, PCIe) we borrow
+_KNOWN = {"h100": "server-8xh100", "h200": "server-8xh200", "b200": "server-8xb200",
+          "4090": "workstation-1x4090", "5090": "workstation-1x5090",
+          "rtxpro6000": "workstation-4xrtxpro6000"}
+
+
+def _normalize(name: str) -> str:
+    return name.lower().replace("nvidia", "").replace("geforce", "").replace(" ", "")
+
+
+def synthesize_preset(gpus: list[tuple[str, float]], *, ram_gib: float,
+                      nvme: str | None = None) -> HardwarePreset:
+    """A one-node preset for the detected GPUs (pure: testable without a GPU)."""
+    from finetune.registry import get_preset
+
+    if not gpus:
+        cpu = get_preset("cpu")
+        usable = max(1.0, round(ram_gib * 0.8, 1))
+        return cpu.model_copy(update={"name": "cpu", "gpu_memory_gib": usable, "host_ram_gib": round(ram_gib, 1)})
+    name, mem = gpus[0]
+    count = len(gpus)
+    norm = _normalize(name)
+    match = next((get_preset(preset) for token, preset in _KNOWN.items() if token in norm), None)
+    # nvidia-smi's total includes a driver reserve we do not get to use
+    usable = round(mem - 0.5, 1)
+    base = dict(
+        name=f"auto-{count}x{_normalize(name) or 'gpu'}", description=f"detected: {count} x {name}",
+        gpu_model=name, vendor="nvidia", gpu_memory_gib=usable, gpus_per_node=count, nodes=1,
+        inter_node_fabric="none", inter_node_bandwidth_gbps=0, host_ram_gib=round(ram_gib, 1),
+        nvme_path=nvme, nvme_bandwidth_gbps=5.0 if nvme else 0, nvme_capacity_gib=None)
+    if match is not None and "pcie" in norm and match.intra_node_link == "nvlink":
+        match = None  # a PCIe card of an SXM model: none of the NVLink numbers apply
+    if match is not None:
+        base.update(intra_node_link=match.intra_node_link if count > 1 else "none",
+                    intra_node_bandwidth_gbps=match.intra_node_bandwidth_gbps,
+                    peak_bf16_tflops=match.peak_bf16_tflops,
+                    host_to_device_bandwidth_gbps=match.host_to_device_bandwidth_gbps,
+                    nccl_env={k: v for k, v in match.nccl_env.items() if not k.startswith("NCCL_IB")
+                              and k != "NCCL_SOCKET_IFNAME"})
+        if nvme and match.nvme_path:
+            base["nvme_bandwidth_gbps"] = match.nvme_bandwidth_gbps
+    else:
+        # unknown GPU: assume PCIe without peer-to-peer and a modest peak (slow estimates, never optimistic)
+        base.update(intra_node_link="pcie" if count > 1 else "none", intra_node_bandwidth_gbps=10,
+                    peak_bf16_tflops=100.0, host_to_device_bandwidth_gbps=16)
+    return HardwarePreset(**base)
+
+
+def detect_preset() -> HardwarePreset:
+    return synthesize_preset(query_gpus(), ram_gib=host_ram_gib(), nvme=_nvme_path())

@@ -1,0 +1,123 @@
+"""Read data sources (local jsonl/json/parquet/csv or a Hub dataset) into converted records.
+
+Each record keeps where it came from (`_file`, `_row`, 1-based) so that every later check
+(preflight, length limits) can name the file and row. jsonl is read line by line here, not
+by `datasets`, because its loader reports a broken line without its number.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from finetune.errors import DataError
+from finetune.recipe.schema import DataSource
+from finetune.train.formats import convert_row
+
+LOCAL_SUFFIXES = {".jsonl": "jsonl", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
+
+
+@dataclass
+class LoadedSource:
+    name: str  # absolute file path or Hub id, for messages
+    records: list[dict]  # converted rows with _file and _row
+    fingerprint: str  # content hash (local) or Hub id + split + datasets fingerprint
+
+
+def resolve_path(path: str, base_dir: Path) -> Path | None:
+    """The local file a source names, or None for a Hub dataset id."""
+    candidate = Path(os.path.expanduser(path))
+    if not candidate.is_absolute():
+        candidate = base_dir / candidate
+    if candidate.exists():
+        return candidate.resolve()
+    if candidate.suffix in LOCAL_SUFFIXES or path.startswith((".", "/", "~")) or path.count("/") != 1:
+        raise DataError("file not found", file=str(candidate),
+                        hint="relative data paths are read from the recipe's directory; check the path")
+    return None
+
+
+def file_sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as fh:
+        for block in iter(lambda: fh.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _read_jsonl(path: Path):
+    with path.open("r", encoding="utf-8") as fh:
+        for line_no, line in enumerate(fh, start=1):
+            if not line.strip():
+                continue
+            try:
+                yield line_no, json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise DataError(f"row {line_no}: not valid JSON ({exc.msg} at column {exc.colno})",
+                                file=str(path), hint="fix or delete that line; each line must be one JSON "
+                                                     "object") from None
+
+
+def _read_json(path: Path):
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as exc:
+        raise DataError(f"line {exc.lineno}: not valid JSON ({exc.msg})", file=str(path)) from None
+    if isinstance(data, dict) and len(data) == 1 and isinstance(next(iter(data.values())), list):
+        data = next(iter(data.values()))  # {"data": [...]} wrappers
+    if not isinstance(data, list):
+        raise DataError("a .json data file must hold a list of objects", file=str(path),
+                        hint="or write one object per line as .jsonl")
+    yield from enumerate(data, start=1)
+
+
+def _read_tabular(path: Path, kind: str):
+    import datasets
+
+    ds = datasets.load_dataset(kind, data_files=str(path), split="train")
+    # csv rows are numbered as lines of the file (the header is line 1)
+    offset = 2 if kind == "csv" else 1
+    for i, row in enumerate(ds):
+        yield i + offset, row
+
+
+def _read_hub(source: DataSource):
+    import datasets
+
+    try:
+        ds = datasets.load_dataset(source.path, name=source.subset, split=source.split)
+    except Exception as exc:  # network, missing split, gated repo: all user-fixable
+        offline = os.environ.get("HF_HUB_OFFLINE") or os.environ.get("HF_DATASETS_OFFLINE")
+        hint = ("this machine is offline (HF_HUB_OFFLINE); use a local file" if offline
+                else "check the dataset id, data.sources[].split / subset, and your Hub login")
+        raise DataError(f"cannot load Hub dataset: {exc}", file=source.path, hint=hint) from None
+    return ds._fingerprint, enumerate(ds, start=1)
+
+
+def load_source(source: DataSource, *, base_dir: Path) -> LoadedSource:
+    path = resolve_path(source.path, base_dir)
+    if path is None:
+        fingerprint, rows = _read_hub(source)
+        name, fingerprint = source.path, f"hub:{source.path}:{source.subset}:{source.split}:{fingerprint}"
+    else:
+        kind = LOCAL_SUFFIXES.get(path.suffix)
+        if kind is None:
+            raise DataError(f"unsupported file type {path.suffix!r}", file=str(path),
+                            hint="use .jsonl, .json, .parquet or .csv")
+        if path.stat().st_size == 0:
+            raise DataError("the file is empty", file=str(path), hint="point data at a file with examples")
+        name, fingerprint = str(path), file_sha256(path)
+        rows = {"jsonl": _read_jsonl, "json": _read_json}.get(kind, lambda p: _read_tabular(p, kind))(path)
+    records = []
+    for row, raw in rows:
+        record = convert_row(raw, fmt=source.format, columns=source.columns, file=name, row=row)
+        record["_file"], record["_row"] = name, row
+        records.append(record)
+        if source.max_samples and len(records) >= source.max_samples:
+            break
+    if not records:
+        raise DataError("no examples in the file", file=name, hint="point data at a file with examples")
+    return LoadedSource(name=name, records=records, fingerprint=fingerprint)

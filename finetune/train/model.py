@@ -1,0 +1,131 @@
+"""Tokenizer, model (dtype, attention, QLoRA quantization) and the PEFT config, per rank."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+from finetune.errors import RecipeError
+from finetune.recipe.load import recipe_dir
+from finetune.recipe.schema import Recipe
+
+log = logging.getLogger("finetune.train")
+
+
+def _torch_dtype(name: str):
+    import torch
+
+    return {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32,
+            "uint8": torch.uint8}[name]
+
+
+def read_chat_template(recipe: Recipe) -> str | None:
+    """data.chat_template is inline jinja, or a path (relative to the recipe) to a template file."""
+    text = recipe.data.chat_template
+    if text is None:
+        return None
+    if "{%" in text or "{{" in text:
+        return text
+    path = Path(text).expanduser()
+    if not path.is_absolute():
+        path = recipe_dir(recipe) / path
+    if not path.exists():
+        raise RecipeError(f"is neither a jinja template nor an existing file ({path})", key="data.chat_template",
+                          hint="give the template text inline, or the path to a .jinja file")
+    return path.read_text(encoding="utf-8")
+
+
+def model_path(recipe: Recipe) -> str:
+    """model.name as a Hub id, or a local directory (relative ones are read from the recipe's dir)."""
+    name = recipe.model.name
+    local = Path(name).expanduser()
+    if not local.is_absolute() and (recipe_dir(recipe) / local).is_dir():
+        return str((recipe_dir(recipe) / local).resolve())
+    if local.is_dir() or name.startswith((".", "/", "~")):
+        return str(local.resolve())
+    return name
+
+
+def load_tokenizer(recipe: Recipe):
+    from transformers import AutoTokenizer
+
+    m = recipe.model
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(model_path(recipe), revision=m.revision, trust_remote_code=m.trust_remote_code)
+    except OSError as exc:
+        raise RecipeError(f"cannot load the tokenizer: {exc}", key="model.name",
+                          hint="check the model id or directory; offline runs need the model in the local "
+                               "Hugging Face cache") from None
+    template = read_chat_template(recipe)
+    if template is not None:
+        tokenizer.chat_template = template
+    if tokenizer.pad_token is None:
+        # The EOS token pads; labels come from our own columns, so EOS is still learned.
+        if tokenizer.eos_token is None:
+            raise RecipeError("the tokenizer has neither a pad nor an EOS token", key="model.name",
+                              hint="use a tokenizer that defines an EOS token")
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def quantization_config(recipe: Recipe):
+    if recipe.adapter.type != "qlora":
+        return None
+    from transformers import BitsAndBytesConfig
+
+    a = recipe.adapter
+    return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type=a.quant_type,
+                              bnb_4bit_use_double_quant=a.double_quant,
+                              bnb_4bit_compute_dtype=_torch_dtype(a.compute_dtype),
+                              bnb_4bit_quant_storage=_torch_dtype(a.storage_dtype))
+
+
+def model_kwargs(recipe: Recipe) -> dict:
+    """from_pretrained keyword arguments (also used to reload the base for the after-training eval)."""
+    m = recipe.model
+    kwargs = dict(dtype=_torch_dtype(m.dtype), revision=m.revision, trust_remote_code=m.trust_remote_code,
+                  attn_implementation="sdpa" if m.attn_implementation == "auto" else m.attn_implementation)
+    if not m.allow_pickle:
+        kwargs["use_safetensors"] = True
+    quant = quantization_config(recipe)
+    if quant is not None:
+        kwargs["quantization_config"] = quant
+        resolved = recipe.resolved
+        if resolved is not None and resolved.device == "cuda":
+            from accelerate import PartialState
+
+            # each rank quantizes onto its own GPU (not all onto GPU 0, TRL #3436)
+            kwargs["device_map"] = {"": PartialState().local_process_index}
+    return kwargs
+
+
+def load_model(recipe: Recipe, *, gradient_checkpointing: bool):
+    from transformers import AutoModelForCausalLM
+
+    try:
+        model = AutoModelForCausalLM.from_pretrained(model_path(recipe), **model_kwargs(recipe))
+    except OSError as exc:
+        hint = ("it has only .bin (pickle) weights; set model.allow_pickle: true if you trust it"
+                if "safetensors" in str(exc) else "check model.name and that the weights are available")
+        raise RecipeError(f"cannot load the model: {exc}", key="model.name", hint=hint) from None
+    if recipe.adapter.type == "qlora":
+        from peft import prepare_model_for_kbit_training
+
+        # fp32 norms/embeddings for stability and input grads for checkpointing through frozen 4-bit layers
+        model = prepare_model_for_kbit_training(
+            model, use_gradient_checkpointing=gradient_checkpointing,
+            gradient_checkpointing_kwargs={"use_reentrant": False})
+    return model
+
+
+def lora_config(recipe: Recipe):
+    if recipe.adapter.type == "full":
+        return None
+    from peft import LoraConfig
+
+    a = recipe.adapter
+    targets = a.target_modules
+    if targets is None:
+        targets = recipe.resolved.lora_targets if recipe.resolved and recipe.resolved.lora_targets else "all-linear"
+    return LoraConfig(r=a.r, lora_alpha=a.alpha, lora_dropout=a.dropout, target_modules=targets,
+                      use_dora=a.dora, use_rslora=a.rslora, task_type="CAUSAL_LM")

@@ -1,0 +1,144 @@
+"""Preflight and tokenized datasets, before any model is loaded.
+
+Order: read + convert every row (bad JSON, missing columns, wrong roles, empty files fail
+here, naming file and row) -> chat template present where a format needs one -> tokens
+(from the cache, or tokenized by the local main process only) -> length limits: more than
+data.max_too_long_fraction over data.max_length is an error with the count, the rest are
+dropped with a warning -> nothing left is an error.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+from finetune.errors import DataError
+from finetune.recipe.load import recipe_dir
+from finetune.recipe.schema import Recipe
+from finetune.train import cache
+from finetune.train.data import LoadedSource, load_source
+from finetune.train.tokenize import dpo_features, features_length, has_loss_tokens, sft_features
+
+log = logging.getLogger("finetune.train")
+CHAT_FORMATS = ("messages", "alpaca", "sharegpt")
+
+
+@dataclass
+class PreparedData:
+    train: object  # datasets.Dataset with the trainer's columns only
+    eval: object | None
+    cache_key: str
+    cache_hit: bool
+    notes: list[str] = field(default_factory=list)
+
+
+def check_chat_template(recipe: Recipe, tokenizer, sources: list[LoadedSource]) -> None:
+    if tokenizer.chat_template:
+        return
+    fmts = [s.format for s in recipe.data.sources + recipe.data.eval_sources]
+    needs = [(src, fmt) for src, fmt in zip(sources, fmts) if fmt in CHAT_FORMATS
+             or (fmt == "preference" and isinstance(src.records[0]["prompt"], list))]
+    if needs:
+        src, fmt = needs[0]
+        raise DataError(f"format {fmt!r} is rendered with a chat template, and the tokenizer of "
+                        f"{recipe.model.name} has none", file=src.name, key="data.chat_template",
+                        hint="set data.chat_template (jinja text or a .jinja file), use a chat model, or use "
+                             "format text / prompt_completion")
+
+
+def _tokenize(records: list[dict], tokenizer, *, method: str, assistant_only_loss: bool):
+    import datasets
+
+    def one(record):
+        if method == "dpo":
+            feats = dpo_features(record, tokenizer)
+        else:
+            feats = sft_features(record, tokenizer, assistant_only_loss=assistant_only_loss)
+        feats["_length"] = features_length(feats)
+        feats["_has_loss"] = has_loss_tokens(feats)
+        return feats
+
+    rows = [{**one(r), "_file": r["_file"], "_row": r["_row"]} for r in records]
+    return datasets.Dataset.from_list(rows)
+
+
+def _enforce_lengths(ds, *, recipe: Recipe, split: str, notes: list[str]):
+    max_len, limit = recipe.data.max_length, recipe.data.max_too_long_fraction
+    total = len(ds)
+    lengths, files, rows = ds["_length"], ds["_file"], ds["_row"]
+    too_long = [i for i, n in enumerate(lengths) if n > max_len]
+    if too_long and len(too_long) / total > limit:
+        first = too_long[0]
+        raise DataError(f"row {rows[first]}: {len(too_long)} of {total} {split} examples "
+                        f"({len(too_long) / total:.1%}) are longer than data.max_length={max_len} tokens "
+                        f"(this one: {lengths[first]}); the limit is data.max_too_long_fraction={limit}",
+                        file=files[first], key="data.max_length",
+                        hint=f"raise data.max_length (longest: {max(lengths)} tokens), or raise "
+                             f"data.max_too_long_fraction to drop them")
+    no_loss = [i for i, ok in enumerate(ds["_has_loss"]) if not ok]
+    drop = set(too_long) | set(no_loss)
+    if too_long:
+        msg = (f"dropped {len(too_long)} of {total} {split} examples longer than data.max_length={max_len} "
+               f"(first: {files[too_long[0]]} row {rows[too_long[0]]})")
+        log.warning(msg)
+        notes.append(msg)
+    if no_loss:
+        msg = (f"dropped {len(no_loss)} {split} examples with no tokens to learn from "
+               f"(first: {files[no_loss[0]]} row {rows[no_loss[0]]})")
+        log.warning(msg)
+        notes.append(msg)
+    if drop:
+        ds = ds.select([i for i in range(total) if i not in drop])
+    if len(ds) == 0:
+        raise DataError(f"no {split} examples left after filtering ({total} read, {len(drop)} dropped)",
+                        file=files[0], key="data.max_length", hint="raise data.max_length or fix the data")
+    return ds.remove_columns(["_length", "_has_loss", "_file", "_row"])
+
+
+def prepare_data(recipe: Recipe, tokenizer, *, state) -> PreparedData:
+    """Preflight + tokenized train/eval datasets. `state` is accelerate's PartialState."""
+    d = recipe.data
+    base = recipe_dir(recipe)
+    train_sources = [load_source(s, base_dir=base) for s in d.sources]
+    eval_sources = [load_source(s, base_dir=base) for s in d.eval_sources]
+    check_chat_template(recipe, tokenizer, train_sources + eval_sources)
+
+    def describe(srcs, cfgs):
+        return [{"data": s.fingerprint, "format": c.format, "columns": c.columns, "max_samples": c.max_samples}
+                for s, c in zip(srcs, cfgs)]
+
+    parts = {"train": describe(train_sources, d.sources), "eval": describe(eval_sources, d.eval_sources),
+             "eval_fraction": d.eval_fraction, "seed": d.seed, "max_length": d.max_length,
+             "method": recipe.method.type, "packing": d.packing, "assistant_only_loss": d.assistant_only_loss}
+    key = cache.cache_key(tokenizer_fp=cache.tokenizer_fingerprint(tokenizer), parts=parts)
+    root = cache.cache_root(d.cache_dir)
+    hit = True
+    # Only the local main process tokenizes; the others wait, then read its entry (no races).
+    with state.local_main_process_first():
+        dd = cache.load_entry(root, key)
+        if dd is None:
+            hit = False
+            dd = _build(recipe, tokenizer, train_sources, eval_sources)
+            cache.save_entry(root, key, dd, {"key": key, **parts})
+    log.info(f"tokenized data: {'cache hit' if hit else 'cache miss, tokenized and stored'} {key} ({root})")
+    notes: list[str] = []
+    train = _enforce_lengths(dd["train"], recipe=recipe, split="train", notes=notes)
+    evals = _enforce_lengths(dd["eval"], recipe=recipe, split="eval", notes=notes) if "eval" in dd else None
+    return PreparedData(train=train, eval=evals, cache_key=key, cache_hit=hit, notes=notes)
+
+
+def _build(recipe: Recipe, tokenizer, train_sources, eval_sources):
+    import datasets
+
+    kw = dict(tokenizer=tokenizer, method=recipe.method.type, assistant_only_loss=recipe.data.assistant_only_loss)
+    train = _tokenize([r for s in train_sources for r in s.records], **kw)
+    out = {"train": train}
+    if eval_sources:
+        out["eval"] = _tokenize([r for s in eval_sources for r in s.records], **kw)
+    elif recipe.data.eval_fraction:
+        if len(train) < 2:
+            raise DataError("too few examples to split off an eval set", file=train_sources[0].name,
+                            key="data.eval_fraction", hint="add examples or remove data.eval_fraction")
+        split = train.train_test_split(test_size=recipe.data.eval_fraction, seed=recipe.data.seed)
+        out = {"train": split["train"], "eval": split["test"]}
+    return datasets.DatasetDict(out)

@@ -1,0 +1,144 @@
+"""One rank's whole run: resolved recipe -> tokenizer -> preflight + data -> model -> TRL -> outputs.
+
+Setup, train, cleanup in that order; everything a user must fix is raised as a FinetuneError
+before the model is loaded (data) or before training starts (recipe).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+from datetime import timedelta
+from pathlib import Path
+
+from finetune.errors import RecipeError
+from finetune.recipe.load import load_recipe
+from finetune.train.callbacks import MetricsCallback, NonFiniteCallback, read_metrics
+from finetune.train.checkpoint import resolve_resume
+
+log = logging.getLogger("finetune.train")
+
+
+def _setup_logging(is_main: bool) -> None:
+    import datasets
+    import transformers
+
+    logging.basicConfig(format="[finetune] %(message)s", level=logging.INFO if is_main else logging.WARNING)
+    log.setLevel(logging.INFO if is_main else logging.WARNING)
+    transformers.logging.set_verbosity_warning()
+    datasets.disable_progress_bars()
+
+
+def run_rank(resolved_path: str | Path, *, resume: str = "auto") -> dict | None:
+    """Train one rank. Returns the summary on the main process (None elsewhere)."""
+    recipe = load_recipe(resolved_path, allow_resolved=True)
+    if recipe.resolved is None:
+        raise RecipeError("not a resolved recipe (it has no resolved: section)", file=str(resolved_path),
+                          hint="run it with `finetune run RECIPE`, which plans and compiles it first")
+    run_dir = Path(recipe.output.dir or Path(resolved_path).parent).resolve()
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # forked dataloader workers otherwise warn
+
+    from accelerate import PartialState
+    from transformers import set_seed
+
+    state = PartialState(cpu=recipe.resolved.device == "cpu",
+                         timeout=timedelta(minutes=recipe.distributed.timeout_minutes))
+    _setup_logging(state.is_main_process)
+    set_seed(recipe.train.seed)
+
+    from finetune.train import taskeval
+    from finetune.train.model import load_model, load_tokenizer
+    from finetune.train.preflight import prepare_data
+    from finetune.train.trainers import build_trainer, trainer_checkpointing, training_args
+
+    tokenizer = load_tokenizer(recipe)
+    data = prepare_data(recipe, tokenizer, state=state)  # preflight: before any model is loaded
+    cases = taskeval.load_cases(recipe) if recipe.data.task_eval else None
+    resume_from = resolve_resume(resume, run_dir)
+    if resume_from is not None:
+        log.info(f"resuming from {resume_from}")
+    elif state.is_main_process:
+        (run_dir / "metrics.jsonl").unlink(missing_ok=True)  # a fresh start does not mix in old rows
+
+    args = training_args(recipe, run_dir=run_dir, has_eval=data.eval is not None)
+    model = load_model(recipe, gradient_checkpointing=trainer_checkpointing(recipe))
+    summary: dict = {"run_dir": str(run_dir), "tokenized_cache": {"key": data.cache_key, "hit": data.cache_hit},
+                     "data_notes": data.notes, "resumed_from": str(resume_from) if resume_from else None}
+    max_new = recipe.data.task_eval.max_new_tokens if cases else 0
+    if cases and resume_from is None:
+        if state.is_main_process:
+            before_model = model if state.num_processes == 1 else taskeval.load_base(recipe)
+            summary["task_eval_before"] = taskeval.exact_match(before_model, tokenizer, cases,
+                                                               max_new_tokens=max_new)
+            model.train()
+            log.info(f"exact match before training: {summary['task_eval_before']['exact_match']:.1%}")
+        state.wait_for_everyone()
+
+    callbacks = [MetricsCallback(run_dir),
+                 NonFiniteCallback(policy=recipe.train.on_nonfinite, max_bad_steps=recipe.train.max_bad_steps)]
+    trainer = build_trainer(recipe, args=args, model=model, tokenizer=tokenizer, data=data, callbacks=callbacks)
+    if data.eval is not None and resume_from is None:
+        summary["eval_loss_before"] = trainer.evaluate()["eval_loss"]
+    result = trainer.train(resume_from_checkpoint=str(resume_from) if resume_from else None)
+    if data.eval is not None:
+        done = [h["eval_loss"] for h in trainer.state.log_history
+                if "eval_loss" in h and h.get("step") == trainer.state.global_step]
+        summary["eval_loss_final"] = done[-1] if done else trainer.evaluate()["eval_loss"]
+    trainer.save_model(str(run_dir))  # every rank: FSDP/ZeRO-3 gather the weights collectively
+    if state.is_main_process:
+        tokenizer.save_pretrained(run_dir)
+    state.wait_for_everyone()
+    if cases and state.is_main_process:
+        trained = taskeval.load_trained(recipe, run_dir)
+        summary["task_eval_after"] = taskeval.exact_match(trained, tokenizer, cases, max_new_tokens=max_new)
+    if not state.is_main_process:
+        return None
+    summary.update(_train_figures(recipe, run_dir, trainer, result))
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    print(format_summary(summary), flush=True)
+    return summary
+
+
+def _train_figures(recipe, run_dir: Path, trainer, result) -> dict:
+    rows = read_metrics(run_dir / "metrics.jsonl")
+    losses = [r["loss"] for r in rows if r.get("loss") is not None]
+    evals = [r["eval_loss"] for r in rows if r.get("eval_loss") is not None and r["step"] > 0]
+    runtime = result.metrics.get("train_runtime") or 0.0
+    tokens = trainer.state.num_input_tokens_seen or 0
+    adapter = recipe.adapter.type != "full"
+    return {
+        "method": recipe.method.type, "adapter": recipe.adapter.type,
+        "output": str(run_dir / ("adapter_model.safetensors" if adapter else "")).rstrip("/"),
+        "steps": trainer.state.global_step,
+        "final_train_loss": losses[-1] if losses else None,
+        "first_train_loss": losses[0] if losses else None,
+        "best_eval_loss": min(evals) if evals else None,
+        "train_runtime_s": round(runtime, 2),
+        "tokens_seen": tokens,
+        "tokens_per_second": round(tokens / runtime, 1) if runtime and tokens else None,
+    }
+
+
+def _fmt(value, spec=".4f") -> str:
+    return "-" if value is None or (isinstance(value, float) and math.isnan(value)) else format(value, spec)
+
+
+def format_summary(s: dict) -> str:
+    lines = ["", "=== finetune: done ===",
+             f"  {'adapter' if s['adapter'] != 'full' else 'model'}: {s['output']}",
+             f"  steps: {s['steps']}   train loss: {_fmt(s['first_train_loss'])} -> {_fmt(s['final_train_loss'])}",
+             f"  eval loss: before {_fmt(s.get('eval_loss_before'))}, final {_fmt(s.get('eval_loss_final'))}, "
+             f"best {_fmt(s.get('best_eval_loss'))}",
+             f"  throughput: {_fmt(s['tokens_per_second'], '.0f')} tokens/s over {s['train_runtime_s']} s"]
+    before, after = s.get("task_eval_before"), s.get("task_eval_after")
+    if after:
+        lines.append(f"  exact match on {after['n']} held-out examples: "
+                     f"before {_fmt(before['exact_match'] if before else None, '.0%')}, "
+                     f"after {after['exact_match']:.0%}")
+        for ex in after["examples"]:
+            lines.append(f"    {ex['prompt']!r} -> {ex['got']!r} (expected {ex['expected']!r})")
+    lines.append(f"  metrics: {s['run_dir']}/metrics.jsonl, loss curve: {s['run_dir']}/loss.png, "
+                 f"summary: {s['run_dir']}/summary.json")
+    return "\n".join(lines)

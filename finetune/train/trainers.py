@@ -1,0 +1,150 @@
+"""SFTConfig / DPOConfig from the resolved recipe, and the TRL trainers built on them.
+
+The distributed strategy is not set here: accelerate.yaml / ds_config.json (written by the
+compiler) reach the Trainer's Accelerator through `accelerate launch`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from finetune.errors import RecipeError
+from finetune.recipe.load import recipe_name
+from finetune.recipe.schema import Recipe
+from finetune.train.checkpoint import CHECKPOINTS
+
+OPTIMIZERS = {"adamw_8bit": "adamw_8bit", "paged_adamw_8bit": "paged_adamw_8bit"}
+
+
+def _micro_batch(recipe: Recipe) -> int:
+    mbs = recipe.train.micro_batch_size
+    if not isinstance(mbs, int):
+        raise RecipeError("must be an integer in a resolved recipe (the planner writes it)",
+                          key="train.micro_batch_size", hint="run through `finetune run`, or set an integer")
+    return mbs
+
+
+def trainer_checkpointing(recipe: Recipe) -> bool:
+    """Activation checkpointing by the Trainer; off when accelerate's FSDP plugin applies it instead."""
+    by = getattr(recipe.resolved, "activation_checkpointing_by", "trainer")
+    return recipe.train.activation_checkpointing == "on" and by == "trainer"
+
+
+def common_args(recipe: Recipe, *, run_dir: Path, has_eval: bool) -> dict:
+    t, r = recipe.train, recipe.resolved
+    cuda = r.device == "cuda"
+    checkpointing = trainer_checkpointing(recipe)
+    report = [x for x in recipe.logging.report_to if x != "none"] or "none"
+    args = dict(
+        output_dir=str(run_dir / CHECKPOINTS),
+        run_name=recipe_name(recipe),
+        per_device_train_batch_size=_micro_batch(recipe),
+        per_device_eval_batch_size=_micro_batch(recipe),
+        gradient_accumulation_steps=r.gradient_accumulation_steps,
+        num_train_epochs=t.epochs if t.epochs is not None else 1.0,
+        max_steps=t.max_steps if t.max_steps is not None else -1,
+        learning_rate=t.lr,
+        lr_scheduler_type=t.scheduler,
+        warmup_steps=t.warmup_ratio,  # < 1 is a share of the total steps in transformers 5
+        weight_decay=t.weight_decay,
+        max_grad_norm=t.max_grad_norm,
+        optim=OPTIMIZERS.get(t.optimizer, "adamw_torch_fused" if cuda else "adamw_torch"),
+        bf16=t.precision == "bf16",
+        fp16=t.precision == "fp16",
+        activation_checkpointing=checkpointing,
+        gradient_checkpointing=checkpointing,
+        activation_checkpointing_kwargs={"use_reentrant": False} if checkpointing else None,
+        gradient_checkpointing_kwargs={"use_reentrant": False} if checkpointing else None,
+        seed=t.seed,
+        data_seed=recipe.data.seed,
+        logging_steps=t.logging_steps,
+        logging_first_step=True,
+        logging_nan_inf_filter=False,  # the default hides NaN losses from the logs (and from our policy)
+        include_num_input_tokens_seen="non_padding",
+        eval_strategy="steps" if has_eval and t.eval_steps else "no",
+        eval_steps=t.eval_steps,
+        save_strategy="steps" if recipe.output.save_every else "no",
+        save_steps=recipe.output.save_every or 500,
+        save_total_limit=recipe.output.keep,
+        report_to=report,
+        project=recipe.logging.project or "finetune",
+        ddp_timeout=int(recipe.distributed.timeout_minutes * 60),
+        use_cpu=not cuda,
+        dataloader_num_workers=2 if cuda else 0,
+        dataloader_pin_memory=cuda,
+        disable_tqdm=False,
+    )
+    return args
+
+
+def sft_config(recipe: Recipe, *, run_dir: Path, has_eval: bool):
+    from trl import SFTConfig
+
+    d = recipe.data
+    return SFTConfig(
+        **common_args(recipe, run_dir=run_dir, has_eval=has_eval),
+        max_length=d.max_length,
+        packing=d.packing,
+        # BFD packing is padding-free: one flat row with position_ids restarting per example. transformers
+        # builds a block-diagonal mask from those position_ids for sdpa/eager too (masking_utils,
+        # find_packed_sequence_indices), so packed examples never attend to each other with any attention
+        # implementation; flash-attention just does it without materializing the mask.
+        packing_strategy="bfd",
+        padding_free=d.packing,
+        # the loss mask is already in our `labels` column (see finetune/train/tokenize.py)
+        assistant_only_loss=False,
+        completion_only_loss=False,
+    )
+
+
+def dpo_config(recipe: Recipe, *, run_dir: Path, has_eval: bool):
+    from trl import DPOConfig
+
+    m = recipe.method
+    return DPOConfig(
+        **common_args(recipe, run_dir=run_dir, has_eval=has_eval),
+        max_length=recipe.data.max_length,
+        beta=m.beta,
+        loss_type=[m.loss_type],
+        precompute_ref_log_probs=m.reference == "precompute",
+    )
+
+
+def reference_mode(recipe: Recipe) -> str:
+    """implicit (adapter disabled) | copy (a frozen second model) | precompute."""
+    ref, adapter = recipe.method.reference, recipe.adapter.type
+    if ref == "auto":
+        return "copy" if adapter == "full" else "implicit"
+    if ref == "implicit" and adapter == "full":
+        raise RecipeError("an implicit reference needs an adapter to disable; full fine-tuning has none",
+                          key="method.reference", hint="use reference: copy or precompute, or adapter: lora")
+    return ref
+
+
+def training_args(recipe: Recipe, *, run_dir: Path, has_eval: bool):
+    build = sft_config if recipe.method.type == "sft" else dpo_config
+    return build(recipe, run_dir=run_dir, has_eval=has_eval)
+
+
+def build_trainer(recipe: Recipe, *, args, model, tokenizer, data, callbacks: list):
+    """The TRL trainer. `args` must be built before the model is loaded: under ZeRO-3 the
+    TrainingArguments switch from_pretrained to partitioned (zero.Init) loading."""
+    from finetune.train.model import lora_config
+
+    peft_config = lora_config(recipe)
+    if recipe.method.type == "sft":
+        from trl import SFTTrainer
+
+        return SFTTrainer(model=model, args=args, train_dataset=data.train, eval_dataset=data.eval,
+                          processing_class=tokenizer, peft_config=peft_config, callbacks=callbacks)
+    from finetune.train.dpo import PretokenizedDPOTrainer
+
+    ref_model = None
+    if reference_mode(recipe) == "copy" and peft_config is not None:
+        from finetune.train.model import load_model
+
+        ref_model = load_model(recipe, gradient_checkpointing=False)  # a frozen, separate base copy
+    # full + copy: DPOTrainer builds the frozen copy itself from the model's path
+    return PretokenizedDPOTrainer(model=model, ref_model=ref_model, args=args, train_dataset=data.train,
+                                  eval_dataset=data.eval, processing_class=tokenizer, peft_config=peft_config,
+                                  callbacks=callbacks)

@@ -1,0 +1,1 @@
+"""Small programs the tests launch (through the real launcher) in place of finetune.train."""

@@ -1,0 +1,265 @@
+"""finetune.hub.push against a local fake Hub, driven by the real huggingface_hub client."""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # transformers (tiny run fixture) stays offline
+
+from fakehub import FakeHub  # noqa: E402
+from tiny_run import tiny_runs, tree_hashes  # noqa: E402
+
+from finetune.hub import PushError, base_license, push, push_from_recipe  # noqa: E402
+from finetune.modelcard import card_metadata, parse_front_matter, render_model_card  # noqa: E402
+from finetune.recipe import load_recipe  # noqa: E402
+
+CANARY = "hf_CANARYtoken1234567890abcdef"
+ALLOWED = {"README.md", "adapter_config.json", "adapter_model.safetensors", "tokenizer.json",
+           "tokenizer_config.json", "recipe.resolved.yaml", "loss.png"}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    return tiny_runs(tmp_path_factory.getbasetemp() / "tiny")
+
+
+@pytest.fixture
+def hub(monkeypatch):
+    """A fake Hub on 127.0.0.1:<free port>, with the real client pointed at it.
+
+    huggingface_hub reads HF_HUB_OFFLINE and HF_HUB_DISABLE_XET once, at import, into
+    `huggingface_hub.constants` (and transformers imported it long before this fixture runs),
+    so the fixture sets the environment *and* those two constants; monkeypatch restores both.
+    Xet is off because this server speaks git-LFS, not the Xet CAS protocol. The endpoint is
+    read from HF_ENDPOINT by finetune.hub at call time, so no reload is needed for it.
+    """
+    import huggingface_hub.constants as hf_constants
+
+    fake = FakeHub().start()
+    monkeypatch.setenv("HF_ENDPOINT", fake.url)
+    monkeypatch.setenv("HF_TOKEN", CANARY)
+    monkeypatch.setenv("HF_HUB_DISABLE_XET", "1")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "0")
+    monkeypatch.setattr(hf_constants, "HF_HUB_DISABLE_XET", True)
+    monkeypatch.setattr(hf_constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setenv("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    yield fake
+    fake.stop()
+
+
+def _card(files: dict[str, bytes]) -> tuple[dict, str]:
+    text = files["README.md"].decode()
+    return parse_front_matter(text), text
+
+
+def test_push_adapter(runs, hub):
+    before = tree_hashes(runs["lora"])
+    url = push(runs["lora"], repo_id="acme/tiny-sft")
+    assert url.startswith(hub.url) and "/acme/tiny-sft/commit/" in url
+    repo = hub.repos["acme/tiny-sft"]
+    assert repo.private is True
+    files = hub.files("acme/tiny-sft")
+    assert set(files) == ALLOWED
+    for name in ALLOWED - {"README.md"}:  # byte-identical uploads
+        assert files[name] == (runs["lora"] / name).read_bytes()
+    meta, text = _card(files)
+    assert meta["library_name"] == "peft"
+    assert meta["pipeline_tag"] == "text-generation"
+    assert meta["tags"] == ["finetune", "sft", "lora", "trl"]
+    assert meta["datasets"] == ["HuggingFaceH4/ultrachat_200k"]  # the local jsonl is not a Hub id
+    assert "base_model" not in meta  # the base is a local directory, not a Hub id
+    assert "license" not in meta
+    for fragment in ("![training loss](loss.png)", "| final train loss | 5.5000 |",
+                     "| best eval loss | 6.0000 |", "| steps | 4 |", "| training tokens | 2,048 |",
+                     "| strategy | ddp |", "| hardware | cpu: CPU |", "LoRA r=8, alpha=16",
+                     "AutoPeftModelForCausalLM", "recipe.resolved.yaml"):
+        assert fragment in text
+    # the weights went through git-LFS (not inlined in the commit), everything in one commit
+    assert hub.count("PUT", "/lfs-upload/") >= 2
+    assert len(repo.commits) == 1
+    assert all(hub.authorized)
+    assert tree_hashes(runs["lora"]) == before
+
+
+def test_push_public_to_branch(runs, hub):
+    push(runs["lora"], repo_id="acme/tiny-public", private=False, revision="exp-7",
+         commit_message="first try")
+    repo = hub.repos["acme/tiny-public"]
+    assert repo.private is False
+    assert hub.files("acme/tiny-public") == {}  # main untouched
+    assert set(hub.files("acme/tiny-public", "exp-7")) == ALLOWED
+    assert repo.commits[-1]["branch"] == "exp-7" and repo.commits[-1]["summary"] == "first try"
+
+
+def test_refuses_private_push_into_existing_public_repo(runs, hub):
+    push(runs["lora"], repo_id="acme/open", private=False)
+    with pytest.raises(PushError) as info:
+        push(runs["lora"], repo_id="acme/open")
+    assert "already exists and is public" in info.value.render()
+    assert len(hub.repos["acme/open"].commits) == 1
+
+
+def test_failed_commit_raises_with_retry_and_resume_skips_stored_blobs(runs, hub, caplog, capsys):
+    caplog.set_level(logging.DEBUG)
+    before = tree_hashes(runs["lora"])
+    hub.fail["commit"] = 1
+    with pytest.raises(PushError) as info:
+        push(runs["lora"], repo_id="acme/flaky", revision="try")
+    err = info.value
+    assert err.exit_code == 5
+    text = err.render()
+    assert "uploading and committing" in text and "500" in text
+    assert f"finetune push {runs['lora']} --repo acme/flaky --revision try" in text
+    assert tree_hashes(runs["lora"]) == before  # nothing local lost or changed
+    assert hub.files("acme/flaky", "try") == {}  # nothing half-committed
+    puts_first = hub.count("PUT", "/lfs-upload/")
+    assert puts_first >= 2  # the blobs did reach storage before the commit failed
+
+    push(runs["lora"], repo_id="acme/flaky", revision="try")
+    assert set(hub.files("acme/flaky", "try")) == ALLOWED
+    assert hub.count("PUT", "/lfs-upload/") == puts_first  # resumed: no blob sent twice
+    assert tree_hashes(runs["lora"]) == before
+    _assert_no_canary(runs["lora"], caplog, capsys, extra=text)
+
+
+def test_failed_lfs_upload_then_retry(runs, hub):
+    hub.fail["lfs_put"] = 1
+    hub.fail_status = 403  # e.g. an expired pre-signed storage URL; the client does not retry it
+    with pytest.raises(PushError, match="uploading and committing the files") as info:
+        push(runs["lora"], repo_id="acme/flaky-lfs")
+    assert "--repo acme/flaky-lfs" in info.value.render()
+    assert "acme/flaky-lfs" not in hub.repos or hub.files("acme/flaky-lfs") == {}
+    push(runs["lora"], repo_id="acme/flaky-lfs")
+    assert set(hub.files("acme/flaky-lfs")) == ALLOWED
+
+
+def test_push_merged_merges_in_a_temp_dir_and_resumes(runs, hub, tmp_path, caplog, capsys):
+    caplog.set_level(logging.DEBUG)
+    before = tree_hashes(runs["lora"])
+    siblings = sorted(p.name for p in runs["lora"].parent.iterdir())
+    hub.fail["commit"] = 1
+    with pytest.raises(PushError, match="--merged"):
+        push(runs["lora"], repo_id="acme/tiny-merged", merged=True, max_shard_size="200KB")
+    puts_first = hub.count("PUT", "/lfs-upload/")
+    push(runs["lora"], repo_id="acme/tiny-merged", merged=True, max_shard_size="200KB")
+    # the merge is deterministic, so the re-merged shards are the blobs already stored
+    assert hub.count("PUT", "/lfs-upload/") == puts_first
+    files = hub.files("acme/tiny-merged")
+    shards = {n for n in files if n.startswith("model-") and n.endswith(".safetensors")}
+    assert len(shards) > 1 and "model.safetensors.index.json" in files
+    assert {"config.json", "generation_config.json", "tokenizer.json", "README.md",
+            "recipe.resolved.yaml", "loss.png"} <= set(files)
+    assert not any(n.startswith("adapter_") for n in files)
+    meta, text = _card(files)
+    assert meta["library_name"] == "transformers" and "merged" in meta["tags"]
+    assert "AutoModelForCausalLM" in text
+    # the temporary merge dir is gone and RUN_DIR is unchanged
+    assert sorted(p.name for p in runs["lora"].parent.iterdir()) == siblings
+    assert tree_hashes(runs["lora"]) == before
+
+    # the pushed files load as a plain transformers model
+    out = tmp_path / "downloaded"
+    out.mkdir()
+    for name, data in files.items():
+        (out / name).write_bytes(data)
+    from transformers import AutoModelForCausalLM
+
+    assert AutoModelForCausalLM.from_pretrained(out).config.num_hidden_layers == 2
+    _assert_no_canary(out, caplog, capsys)
+
+
+def test_push_merged_reuses_run_dir_merged(runs, hub, tmp_path):
+    import shutil
+
+    from finetune.merge import merge
+
+    run = tmp_path / "run"
+    shutil.copytree(runs["lora"], run)
+    merge(run, run / "merged", max_shard_size="300KB")
+    before = tree_hashes(run)
+    push(run, repo_id="acme/reuse", merged=True)
+    files = hub.files("acme/reuse")
+    for path in (run / "merged").iterdir():  # exactly the already-merged files, not a re-merge
+        assert files[path.name] == path.read_bytes()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]  # no temporary merge dir
+    assert tree_hashes(run) == before
+
+
+def test_push_full_fine_tune(runs, hub):
+    push(runs["full"], repo_id="acme/tiny-full")
+    files = hub.files("acme/tiny-full")
+    assert {"config.json", "model.safetensors", "tokenizer.json", "README.md"} <= set(files)
+    assert not any(n.startswith(("checkpoints", "optimizer", "train.log")) for n in files)
+    meta, _ = _card(files)
+    assert meta["tags"] == ["finetune", "sft", "full", "trl"]
+
+
+def test_push_from_recipe_uses_hub_section(runs, hub):
+    url = push_from_recipe(runs["lora"])
+    assert "/acme/tiny-from-recipe/commit/" in url
+    assert hub.repos["acme/tiny-from-recipe"].private is True
+    assert set(hub.files("acme/tiny-from-recipe", "exp-1")) == ALLOWED
+
+
+def test_not_logged_in(runs, hub, monkeypatch, tmp_path):
+    import huggingface_hub.constants as hf_constants
+
+    monkeypatch.delenv("HF_TOKEN")
+    monkeypatch.setattr(hf_constants, "HF_TOKEN_PATH", str(tmp_path / "no-token"))
+    with pytest.raises(PushError, match="not logged in") as info:
+        push(runs["lora"], repo_id="acme/x")
+    assert "hf auth login" in info.value.render()
+    assert hub.requests == []
+
+
+def test_bad_repo_id(runs, hub):
+    with pytest.raises(PushError, match="not a Hub repo id"):
+        push(runs["lora"], repo_id="no-slash")
+
+
+def test_card_for_hub_base_dpo_qlora(tmp_path):
+    recipe = load_recipe({
+        "model": {"name": "meta-llama/Llama-3.1-8B-Instruct"},
+        "method": "dpo",
+        "adapter": {"type": "qlora", "r": 16},
+        "data": {"path": "trl-lib/ultrafeedback_binarized", "format": "preference"},
+        "train": {"epochs": 1},
+    })
+    meta = card_metadata(recipe, kind="adapter", license="llama3.1")
+    assert meta == {"base_model": "meta-llama/Llama-3.1-8B-Instruct", "library_name": "peft",
+                    "pipeline_tag": "text-generation", "tags": ["finetune", "dpo", "qlora", "trl"],
+                    "datasets": ["trl-lib/ultrafeedback_binarized"], "license": "llama3.1"}
+    text = render_model_card(recipe, run_dir=tmp_path, repo_id="acme/x", kind="adapter")
+    assert parse_front_matter(text)["base_model"] == "meta-llama/Llama-3.1-8B-Instruct"
+    assert "DPO (beta=0.1, loss sigmoid)" in text and "QLoRA r=16" in text
+    assert "https://huggingface.co/meta-llama/Llama-3.1-8B-Instruct" in text
+    assert "Loss curve" not in text  # no loss.png in this run dir, so no broken image link
+    assert "final train loss" not in text  # no summary/metrics: rows are left out, not faked
+
+
+def test_license_from_local_base_card(runs, tmp_path):
+    base = tmp_path / "base"
+    base.mkdir()
+    (base / "README.md").write_text("---\nlicense: apache-2.0\n---\n# base\n")
+    recipe = load_recipe(runs["lora"] / "recipe.resolved.yaml", allow_resolved=True)
+    assert base_license(recipe, str(base)) == "apache-2.0"
+    assert base_license(recipe, str(runs["base"])) is None
+    # listed in the model registry (finetune/registry/models/llama-3.1-8b.yaml)
+    listed = load_recipe({"model": {"name": "meta-llama/Llama-3.1-8B-Instruct"},
+                          "data": {"path": "x.jsonl"}})
+    assert base_license(listed, listed.model.name) == "llama3.1"
+
+
+def _assert_no_canary(directory, caplog, capsys, extra: str = "") -> None:
+    captured = capsys.readouterr()
+    logs = caplog.text + "\n".join(r.getMessage() for r in caplog.records)
+    assert caplog.records  # logging was on, so this checks real log lines
+    for where, text in (("log", logs), ("stdout", captured.out), ("stderr", captured.err),
+                        ("error", extra)):
+        assert CANARY not in text, where
+    for path in directory.rglob("*"):
+        if path.is_file():
+            assert CANARY.encode() not in path.read_bytes(), path
