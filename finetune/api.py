@@ -10,11 +10,8 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from finetune.errors import EXIT_PREEMPTED, DoesNotFitError, TrainingFailed
-from finetune.recipe import Recipe, load_recipe, recipe_name
-
-RecipeLike = "str | Path | dict | Recipe"
-
+from finetune.errors import EXIT_PREEMPTED, TrainingFailed
+from finetune.recipe import Recipe, load_recipe
 
 def _as_recipe(recipe, overrides: list[str] | None = None) -> Recipe:
     if isinstance(recipe, Recipe):
@@ -42,27 +39,13 @@ def plan(recipe, *, hardware: str | None = None, overrides: list[str] | None = N
     return make_plan(recipe, hardware=hardware, overrides=overrides)[1]
 
 
-def default_run_dir(recipe: Recipe) -> Path:
-    return Path(recipe.output.dir) if recipe.output.dir else Path("runs") / recipe_name(recipe)
-
-
-def _refuse(plan_) -> DoesNotFitError:
-    reasons = "; ".join(f"{c.strategy}: {c.reason}" for c in plan_.candidates if c.reason)[:1200]
-    hint = ("try: " + " | ".join(plan_.suggestions)) if plan_.suggestions else \
-        "use a larger hardware preset or a smaller model"
-    return DoesNotFitError(f"nothing fits on {plan_.hardware}: {reasons}", key="hardware", hint=hint)
-
-
 def compile(recipe, *, hardware: str | None = None, overrides: list[str] | None = None,
             output: str | Path | None = None):
-    """Plan and write the run directory's launch files; refuse (exit 3) when nothing fits."""
-    from finetune.compile import compile_run
+    """Plan and write the run directory's launch files; DoesNotFitError (exit 3) when nothing fits."""
+    from finetune.compile import compile_recipe
 
-    recipe, plan_ = make_plan(recipe, hardware=hardware, overrides=overrides)
-    if not plan_.fits:
-        raise _refuse(plan_)
-    run_dir = Path(output) if output else default_run_dir(recipe)
-    return compile_run(recipe, plan_, run_dir=run_dir.resolve())
+    recipe = _as_recipe(recipe, overrides)
+    return compile_recipe(recipe, run_dir=Path(output).resolve() if output else None, hardware=hardware)
 
 
 @dataclass
@@ -86,11 +69,11 @@ def run(recipe, *, hardware: str | None = None, overrides: list[str] | None = No
     if dry_run:
         print(f"dry run: launch files are in {run_dir}; start with `bash {run_dir}/launch.sh`")
         return RunResult(run_dir, 0, launched=False)
-    if spec.num_nodes > 1 and node_rank is None:
-        print(spec.multinode_instructions())
-        return RunResult(run_dir, 0, launched=False)
     code = launch(spec, node_rank=node_rank, main_address=main_address, main_port=main_port,
                   extra_args=["--resume", str(resume)])
+    if not isinstance(code, int):  # multi-node without --node-rank: what to run on each node
+        print(code)
+        return RunResult(run_dir, 0, launched=False)
     if code == EXIT_PREEMPTED:
         print(f"preempted: a checkpoint was saved in {run_dir}; run the same command to resume")
         return RunResult(run_dir, code)

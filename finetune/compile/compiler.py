@@ -163,6 +163,8 @@ def compile_recipe(recipe: Recipe | str | Path, *, run_dir: str | Path | None = 
     elif overrides:
         raise ValueError("overrides apply when loading; pass a path, or apply them first")
     the_plan = make_plan(recipe, hardware=hardware)
-    preset = registry.get_preset(hardware or recipe.hardware, base_dir=recipe_dir(recipe))
+    # the preset the plan was made for: a name, "auto", or a user's preset file
+    source = getattr(the_plan, "hardware_source", None) or hardware or recipe.hardware
+    preset = registry.get_preset(source, base_dir=recipe_dir(recipe))
     return compile_run(recipe, the_plan, run_dir=run_dir or default_run_dir(recipe), preset=preset,
                        module=module, main_port=main_port)
