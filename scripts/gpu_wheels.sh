@@ -9,7 +9,7 @@ plat=(--platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platfo
 get() { python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
           "${plat[@]}" -d "$1" "${@:2}"; }
 mkdir -p .whl .whl-bnb
-get .whl trl==1.16.0 datasets==5.2.0 "dill==0.4.1" "multiprocess==0.70.19" liger-kernel==0.8.5 hjson==3.1.0
+get .whl pydantic==2.14.4 pydantic-core==2.50.5 annotated-types==0.8.0 typing-inspection==0.4.5 typing-extensions==4.16.0 trl==1.16.0 datasets==5.2.0 "dill==0.4.1" "multiprocess==0.70.19" liger-kernel==0.8.5 hjson==3.1.0
 # DeepSpeed is an sdist; it installs offline with --no-build-isolation against the machine's torch.
 python3 -m pip download -q --no-deps --no-binary=:all: -d .whl deepspeed==0.19.8
 get .whl-bnb bitsandbytes==0.50.2

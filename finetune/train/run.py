@@ -76,7 +76,9 @@ def run_rank(resolved_path: str | Path, *, resume: str = "auto") -> dict | None:
             log.info(f"exact match before training: {summary['task_eval_before']['exact_match']:.1%}")
         state.wait_for_everyone()
 
-    callbacks = [MetricsCallback(run_dir),
+    from finetune.train.memory_report import PeakMemoryCallback
+
+    callbacks = [MetricsCallback(run_dir), PeakMemoryCallback(run_dir),
                  NonFiniteCallback(policy=recipe.train.on_nonfinite, max_bad_steps=recipe.train.max_bad_steps)]
     trainer = build_trainer(recipe, args=args, model=model, tokenizer=tokenizer, data=data, callbacks=callbacks)
     if data.eval is not None and resume_from is None:

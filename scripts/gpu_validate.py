@@ -1,0 +1,184 @@
+"""Run real-shape fine-tunes through `finetune run` on the GPU machine and record plan vs measurement.
+
+Each run: a real architecture with random weights (scripts/make_random_model.py), a learnable
+synthetic task (answer a line of words in capitals, so the loss must fall), a recipe written
+next to its data, then `python -m finetune.cli run` exactly as a user would. Afterwards it reads
+plan.json (prediction), memory/rank-*.json (measured peaks on every rank), summary.json and
+metrics.jsonl, and appends one row per run to the results JSON.
+
+    python scripts/gpu_validate.py lora8b qlora8b dpo8b --out $OUT/validation.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import string
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+MODELS = Path(os.environ.get("FINETUNE_MODELS", "/tmp/models"))
+WORK = Path(os.environ.get("FINETUNE_VALIDATION_DIR", "/tmp/validation"))
+
+# name -> (arch, recipe overrides). GPUs come from --hardware auto (the machine's own).
+RUNS: dict[str, tuple[str, dict]] = {
+    # a CPU smoke test of this script itself
+    "tiny-cpu": ("tiny-llama", {"hardware": "cpu", "model": {"dtype": "float32"},
+                                "train": {"precision": "fp32", "lr": 2e-3}}),
+    "lora8b": ("llama-3.1-8b", {"adapter": {"type": "lora", "r": 16, "alpha": 32}}),
+    "qlora8b": ("llama-3.1-8b", {"adapter": {"type": "qlora", "r": 16, "alpha": 32}}),
+    "dpo8b": ("llama-3.1-8b", {"method": {"type": "dpo", "beta": 0.1},
+                               "adapter": {"type": "lora", "r": 16, "alpha": 32}}),
+    "full3b-fsdp2": ("llama-3.2-3b", {"adapter": {"type": "full"}, "train": {"lr": 1e-5},
+                                      "distributed": {"strategy": "fsdp2"}}),
+    "lora8b-fsdp2": ("llama-3.1-8b", {"adapter": {"type": "lora"}, "distributed": {"strategy": "fsdp2"}}),
+    "qlora8b-fsdp2": ("llama-3.1-8b", {"adapter": {"type": "qlora"}, "distributed": {"strategy": "fsdp2"}}),
+    "lora8b-zero3": ("llama-3.1-8b", {"adapter": {"type": "lora"}, "distributed": {"strategy": "zero3"}}),
+}
+
+
+def words(rng: random.Random, n: int) -> str:
+    return " ".join("".join(rng.choice(string.ascii_lowercase) for _ in range(rng.randint(2, 8)))
+                    for _ in range(n))
+
+
+def write_data(path: Path, *, preference: bool, seq: int, n: int = 4000, seed: int = 0) -> None:
+    """Examples of up to about a third of `seq` tokens (character-level tokenizer: ~6 per word x 2)."""
+    rng = random.Random(seed)
+    most = max(4, seq // 40)
+    with path.open("w") as f:
+        for _ in range(n):
+            text = words(rng, rng.randint(most // 3, most))
+            if preference:
+                row = {"prompt": [{"role": "user", "content": text}],
+                       "chosen": [{"role": "assistant", "content": text.upper()}],
+                       "rejected": [{"role": "assistant", "content": text[::-1]}]}
+            else:
+                row = {"messages": [{"role": "user", "content": text},
+                                    {"role": "assistant", "content": text.upper()}]}
+            f.write(json.dumps(row) + "\n")
+
+
+def base_recipe(model_dir: Path, data: Path, *, steps: int, seq: int, batch: int) -> dict:
+    return {
+        "model": {"name": str(model_dir), "dtype": "bfloat16", "attn_implementation": "sdpa"},
+        "method": {"type": "sft"},
+        "adapter": {"type": "lora"},
+        "data": {"path": str(data), "format": "messages", "max_length": seq, "packing": True,
+                 "max_too_long_fraction": 0.5},
+        "train": {"max_steps": steps, "lr": 2e-4, "global_batch_size": batch, "logging_steps": 5,
+                  "warmup_ratio": 0.1},
+        "hardware": "auto",
+        "output": {"save_every": steps // 2, "keep": 1},
+        "logging": {"report_to": ["none"]},
+    }
+
+
+def merge(a: dict, b: dict) -> dict:
+    out = dict(a)
+    for k, v in b.items():
+        out[k] = merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def ensure_model(arch: str) -> Path:
+    if arch == "tiny-llama":
+        return ROOT / "data" / "tiny-llama"
+    out = MODELS / arch
+    if not any(out.glob("*.safetensors")):
+        subprocess.run([sys.executable, str(ROOT / "scripts" / "make_random_model.py"), arch, str(out)],
+                       check=True)
+    return out
+
+
+def collect(run_dir: Path) -> dict:
+    plan = json.loads((run_dir / "plan.json").read_text())
+    summary = json.loads((run_dir / "summary.json").read_text()) if (run_dir / "summary.json").exists() else {}
+    ranks = [json.loads(p.read_text()) for p in sorted((run_dir / "memory").glob("rank-*.json"))]
+    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()
+               if line.strip()] if (run_dir / "metrics.jsonl").exists() else []
+    losses = [m["loss"] for m in metrics if m.get("loss") is not None]
+    reserved = max((r.get("gpu_max_reserved_gib", 0) for r in ranks), default=0)
+    return {
+        "card": ranks[0].get("gpu_name") if ranks else None,
+        "strategy": plan["strategy"], "world_size": plan["world_size"],
+        "micro_batch_size": plan["micro_batch_size"],
+        "gradient_accumulation_steps": plan["gradient_accumulation_steps"],
+        "activation_checkpointing": plan["activation_checkpointing"],
+        "seq_len": plan["seq_len"],
+        "predicted_gib": plan["per_gpu_memory_gib"],
+        "predicted_tokens_per_s": plan["tokens_per_second"],
+        "ranks": ranks,
+        "measured_max_allocated_gib": max((r.get("gpu_max_allocated_gib", 0) for r in ranks), default=0),
+        "measured_max_reserved_gib": reserved,
+        "host_rss_peak_gib": max((r["host_rss_peak_gib"] for r in ranks), default=0),
+        "prediction_over_measured": round(plan["per_gpu_memory_gib"] / reserved, 3) if reserved else None,
+        "tokens_per_second": summary.get("tokens_per_second"),
+        "first_loss": losses[0] if losses else None,
+        "last_loss": losses[-1] if losses else None,
+        "steps": summary.get("steps"),
+        "checkpoints": sorted(p.name for p in (run_dir / "checkpoints").glob("checkpoint-*")),
+        "adapter_bytes": (run_dir / "adapter_model.safetensors").stat().st_size
+        if (run_dir / "adapter_model.safetensors").exists() else None,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("runs", nargs="+", choices=sorted(RUNS))
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--seq", type=int, default=2048)
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--set", dest="overrides", action="append", default=[])
+    parser.add_argument("--out", default="validation.json")
+    args = parser.parse_args()
+
+    out = Path(args.out)
+    results = json.loads(out.read_text()) if out.exists() else []
+    for name in args.runs:
+        arch, override = RUNS[name]
+        model_dir = ensure_model(arch)
+        work = WORK / name
+        work.mkdir(parents=True, exist_ok=True)
+        preference = override.get("method", {}).get("type") == "dpo"
+        data = work / "data.jsonl"
+        write_data(data, preference=preference, seq=args.seq)
+        recipe = merge(base_recipe(model_dir, data, steps=args.steps, seq=args.seq, batch=args.batch), override)
+        if preference:
+            recipe["data"].update(format="preference", packing=False)
+        (work / "recipe.yaml").write_text(yaml.safe_dump(recipe, sort_keys=False))
+        run_dir = work / "run"
+        start = time.perf_counter()
+        cmd = [sys.executable, "-m", "finetune.cli", "run", str(work / "recipe.yaml"), "--output", str(run_dir),
+               "--resume", "never", *sum((["--set", s] for s in args.overrides), [])]
+        print(f"\n=== {name}: {' '.join(cmd)}", flush=True)
+        proc = subprocess.run(cmd, cwd=ROOT)
+        row = {"name": name, "arch": arch, "adapter": recipe["adapter"]["type"],
+               "method": recipe["method"]["type"], "exit_code": proc.returncode,
+               "wall_s": round(time.perf_counter() - start, 1), "date": time.strftime("%Y-%m-%d")}
+        if (run_dir / "plan.json").exists():
+            try:
+                row.update(collect(run_dir))
+            except Exception as exc:  # keep the other runs' results
+                row["collect_error"] = repr(exc)
+        results.append(row)
+        out.write_text(json.dumps(results, indent=2) + "\n")
+        print(json.dumps({k: v for k, v in row.items() if k != "ranks"}), flush=True)
+
+    print("\nname            card                      strategy  mb  ckpt  predicted  reserved  alloc  tok/s  loss")
+    for r in results:
+        print(f"{r['name']:15} {str(r.get('card'))[:25]:25} {r.get('strategy', '-'):9} {r.get('micro_batch_size', '-')!s:3} "
+              f"{r.get('activation_checkpointing', '-')!s:5} {r.get('predicted_gib', 0):9.1f} "
+              f"{r.get('measured_max_reserved_gib', 0):9.1f} {r.get('measured_max_allocated_gib', 0):6.1f} "
+              f"{r.get('tokens_per_second') or 0:6.0f}  {r.get('first_loss')} -> {r.get('last_loss')}  rc={r['exit_code']}")
+
+
+if __name__ == "__main__":
+    main()
