@@ -7,11 +7,25 @@ through finetune.launch.
 from __future__ import annotations
 
 import json
+import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from finetune.errors import EXIT_PREEMPTED, TrainingFailed
+from finetune.errors import EXIT_PREEMPTED, EXIT_USAGE, FinetuneError, TrainingFailed
 from finetune.recipe import Recipe, load_recipe
+
+
+def _check_resume(run_dir: Path, resume: str, *, world_size: int) -> None:
+    """Refuse a resume the checkpoint cannot support before launching (RecipeError, exit 2)."""
+    from finetune.train.checkpoint import check_resume, resolve_resume
+
+    start = resolve_resume(str(resume), run_dir)
+    if start is None:
+        return
+    resolved = load_recipe(run_dir / "recipe.resolved.yaml", allow_resolved=True)
+    for note in check_resume(start, resolved, world_size=world_size):
+        print(f"resume from {start.name}: changed safely: {note}", flush=True)
+
 
 def _as_recipe(recipe, overrides: list[str] | None = None) -> Recipe:
     if isinstance(recipe, Recipe):
@@ -61,9 +75,21 @@ def run(recipe, *, hardware: str | None = None, overrides: list[str] | None = No
         node_rank: int | None = None, main_address: str | None = None,
         main_port: int | None = None) -> RunResult:
     """Plan, compile, launch, train, save (and push when the recipe has hub.repo)."""
+    from finetune.compile.compiler import default_run_dir
     from finetune.launch import launch
+    from finetune.train.precheck import check_data
 
-    spec = compile(recipe, hardware=hardware, overrides=overrides, output=output)
+    recipe = _as_recipe(recipe, overrides)
+    target = Path(output).resolve() if output else default_run_dir(recipe)
+    created = not target.exists()  # bad input must not leave a half-written run dir behind
+    try:
+        check_data(recipe)  # paths and rows, before anything is written
+        spec = compile(recipe, hardware=hardware, output=output)
+        _check_resume(Path(spec.run_dir), resume, world_size=spec.world_size)
+    except FinetuneError:
+        if created:
+            shutil.rmtree(target, ignore_errors=True)
+        raise
     run_dir = Path(spec.run_dir)
     print(spec.summary, flush=True)
     if dry_run:
@@ -71,6 +97,11 @@ def run(recipe, *, hardware: str | None = None, overrides: list[str] | None = No
         return RunResult(run_dir, 0, launched=False)
     code = launch(spec, node_rank=node_rank, main_address=main_address, main_port=main_port,
                   extra_args=["--resume", str(resume)])
+    if code == EXIT_USAGE:  # a rank's preflight refused the recipe or data (its message is above)
+        if created and not any((run_dir / "checkpoints").glob("checkpoint-*")):
+            shutil.rmtree(run_dir, ignore_errors=True)
+        raise FinetuneError("stopped before training; fix what the message above names and run again",
+                            hint="finetune validate RECIPE checks the recipe and its data without training")
     if not isinstance(code, int):  # multi-node without --node-rank: what to run on each node
         print(code)
         return RunResult(run_dir, 0, launched=False)

@@ -79,7 +79,10 @@ def build_parser() -> argparse.ArgumentParser:
 def _cmd_validate(args):
     from finetune.recipe import load_recipe
 
+    from finetune.train.precheck import check_data
+
     recipe = load_recipe(args.recipe, overrides=args.overrides)
+    check_data(recipe)  # data paths and every row (no tokenizer, no training)
     print(f"{args.recipe}: valid ({recipe.method.type} / {recipe.adapter.type} / {recipe.model.name})")
     return 0
 

@@ -68,6 +68,9 @@ def _env(plan: Plan, preset: HardwarePreset) -> tuple[dict, dict]:
     else:
         # a failed collective raises in every rank instead of hanging until the job dies
         defaults["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = "1"
+        # growing segments instead of fixed blocks: measured on an H200, QLoRA reserved 132 GiB
+        # for 88 GiB allocated without it (fragmentation the planner cannot see)
+        defaults["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
         defaults.update(preset.nccl_env)
     return env, defaults
 

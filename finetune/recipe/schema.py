@@ -126,6 +126,10 @@ class DataSection(Strict):
     cache_dir: str | None = None
     # greedy-generation exact-match eval on held-out prompts, run before and after training
     task_eval: TaskEvalSection | None = None
+    # data files must lie inside the recipe's dir, its project root or the current dir (symlinks
+    # resolved); allow_paths adds directories, allow_outside turns the check off (docs/reliability.md)
+    allow_paths: list[str] = Field(default_factory=list)
+    allow_outside: bool = False
 
     @model_validator(mode="before")
     @classmethod

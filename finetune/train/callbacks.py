@@ -1,8 +1,9 @@
-"""Trainer callbacks: metrics.jsonl + loss.png (rank 0), and the non-finite loss policy."""
+"""Trainer callbacks: metrics.jsonl + loss.png (rank 0), checkpoint commit, the non-finite policy."""
 
 from __future__ import annotations
 
 import json
+import logging
 import math
 import time
 from pathlib import Path
@@ -10,6 +11,8 @@ from pathlib import Path
 from transformers import TrainerCallback
 
 from finetune.errors import TrainingFailed
+
+log = logging.getLogger("finetune.train")
 
 
 def peak_memory_gib() -> float:
@@ -26,7 +29,13 @@ def peak_memory_gib() -> float:
 def read_metrics(path: Path) -> list[dict]:
     if not path.exists():
         return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    rows = []
+    for line in path.read_text().splitlines():
+        try:
+            rows.append(json.loads(line))
+        except ValueError:  # a line cut short by a crash mid-write: that step is re-run on resume
+            continue
+    return rows
 
 
 def plot_loss(rows: list[dict], out: Path) -> None:
@@ -98,29 +107,136 @@ class MetricsCallback(TrainerCallback):
             plot_loss(read_metrics(self.path), self.png)
 
 
+def reduce_flags(flags: list[float]) -> list[float]:
+    """Element-wise max over all ranks (the flags are the same on every rank afterwards); no-op
+    when there is one process. Every rank must call it at the same point, or the job hangs."""
+    import torch
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return list(flags)
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else "cpu"
+    tensor = torch.tensor(flags, dtype=torch.float32, device=device)
+    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+    return tensor.tolist()
+
+
+def rank_and_world() -> tuple[int, int]:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def barrier() -> None:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()
+
+
+class CommitCallback(TrainerCallback):
+    """Marks a checkpoint complete once every rank has written its part, then applies retention.
+
+    on_save runs on every rank after the Trainer wrote checkpoint-N: a barrier (all parts are
+    written), the marker on the saving process (fsync of every file, then the marker atomically),
+    our retention (the Trainer's save_total_limit is off so it never deletes what resume relies on),
+    and a second barrier so that no rank exits (e.g. on preemption) before the commit is durable.
+    """
+
+    def __init__(self, run_dir: Path, *, fields: dict, strategy: str, keep: int):
+        self.run_dir, self.fields, self.strategy, self.keep = Path(run_dir), fields, strategy, keep
+
+    def on_save(self, args, state, control, **kwargs):
+        from finetune.train.checkpoint import retain
+        from finetune.train.integrity import write_marker
+
+        barrier()
+        if args.should_save:
+            ckpt = Path(args.output_dir) / f"checkpoint-{state.global_step}"
+            write_marker(ckpt, step=state.global_step, world_size=rank_and_world()[1], strategy=self.strategy,
+                         fields=self.fields)
+            removed = retain(self.run_dir, keep=self.keep)
+            log.info(f"checkpoint {ckpt.name} complete" + (f"; removed {', '.join(p.name for p in removed)} "
+                                                           f"(output.keep={self.keep})" if removed else ""))
+        barrier()
+
+
 class NonFiniteCallback(TrainerCallback):
-    """train.on_nonfinite: `stop` at the first non-finite loss or grad norm; `skip` tolerates up to
-    train.max_bad_steps of them, then stops. The logged loss is already averaged over all ranks, so
-    every rank sees the same value and stops together (no rank is left waiting in a collective)."""
+    """train.on_nonfinite for a non-finite loss or gradient on any rank.
+
+    Checked before every optimizer step: each rank looks at its own gradients and the ranks agree
+    through one all-reduce, so all of them skip or stop together (none is left in a collective).
+    A bad step never updates the weights: every gradient is dropped (set to None), and torch's
+    optimizers leave a parameter without a gradient untouched (no Adam moment decay, no weight decay).
+    `stop` then ends the run at the log of that step (naming step, rank and the logged loss);
+    `skip` goes on for up to train.max_bad_steps such steps and stops at the next one. The logged
+    loss is checked too, in case a non-finite loss left finite gradients.
+    """
 
     def __init__(self, *, policy: str, max_bad_steps: int):
         self.policy, self.max_bad_steps, self.bad = policy, max_bad_steps, 0
+        self.skipped: list[int] = []
+        self.stopping: str | None = None
+        self._last_logged = 0
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self._last_logged = state.global_step
+
+    def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
+        import torch
+
+        rank, world = rank_and_world()
+        params = [p for p in model.parameters() if p.grad is not None] if model is not None else []
+        local = 0.0
+        for p in params:
+            grad = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad  # FSDP2: this rank's shard
+            if not bool(torch.isfinite(grad).all()):
+                local = 1.0
+                break
+        flags = [0.0] * world
+        flags[rank] = local
+        flags = reduce_flags(flags)
+        if not any(flags):
+            return control
+        step = state.global_step + 1
+        ranks = ",".join(str(r) for r, f in enumerate(flags) if f)
+        for p in params:
+            p.grad = None  # the optimizer skips it: this step changes no weight
+        self.bad += 1
+        where = f"step {step} (rank {ranks} of {world})"
+        if self.policy == "skip" and self.bad <= self.max_bad_steps:
+            self.skipped.append(step)
+            log.warning(f"non-finite gradients at {where}: step skipped, weights unchanged "
+                        f"({self.bad} of train.max_bad_steps={self.max_bad_steps})")
+            return control
+        self.stopping = where
+        control.should_log = True  # log this step now: on_log stops the run with the loss it saw
+        control.should_training_stop = True
+        return control
 
     def on_log(self, args, state, control, logs=None, **kwargs):
+        logs = logs or {}
+        if "loss" not in logs and "grad_norm" not in logs:
+            return
+        window = (self._last_logged, state.global_step)
+        self._last_logged = state.global_step
         bad = {k: logs[k] for k in ("loss", "grad_norm")
-               if isinstance((logs or {}).get(k), (int, float)) and not math.isfinite(logs[k])}
-        if not bad:
-            return
-        self.bad += 1
-        what = ", ".join(f"{k}={v}" for k, v in bad.items())
-        if self.policy == "skip" and self.bad <= self.max_bad_steps:
-            return
-        from accelerate import PartialState
-
-        ps = PartialState()
+               if isinstance(logs.get(k), (int, float)) and not math.isfinite(logs[k])}
+        if self.stopping is None:
+            if not bad or any(window[0] < s <= window[1] for s in self.skipped):
+                return  # finite, or the non-finite average includes a step that was already skipped
+            self.bad += 1
+            if self.policy == "skip" and self.bad <= self.max_bad_steps:
+                return
+            rank, world = rank_and_world()
+            self.stopping = f"step {state.global_step} (rank {rank} of {world})"
+        what = ", ".join(f"{k}={v}" for k, v in bad.items()) or "gradients"
         raise TrainingFailed(
-            f"non-finite {what} at step {state.global_step} (rank {ps.process_index} of {ps.num_processes}); "
-            f"{self.bad} bad step(s), policy train.on_nonfinite={self.policy}",
+            f"non-finite {what} at {self.stopping}; {self.bad} bad step(s), policy "
+            f"train.on_nonfinite={self.policy}" + (f", max_bad_steps={self.max_bad_steps}"
+                                                   if self.policy == "skip" else ""),
             key="train.on_nonfinite",
             hint="lower train.lr, keep train.max_grad_norm > 0, use bf16 instead of fp16, or resume from the "
                  "last checkpoint with --resume auto")

@@ -1,31 +1,60 @@
-"""Which checkpoint to resume from: --resume auto | never | PATH."""
+"""Which checkpoints count, which one to resume from, whether resuming is safe, and retention.
+
+The HF Trainer writes RUN_DIR/checkpoints/checkpoint-N; finetune's CommitCallback then marks it
+complete (finetune/train/integrity.py) once every rank is done. Only marked checkpoints count:
+resume skips the rest, retention (ours; the Trainer's save_total_limit is off) deletes only
+complete checkpoints older than the newest `output.keep`, after a newer one is complete.
+
+Pure Python: the API checks a resume before it launches anything.
+"""
 
 from __future__ import annotations
 
+import logging
 import re
+import shutil
 from pathlib import Path
 
 from finetune.errors import RecipeError
+from finetune.train.integrity import (GROWING_KEYS, LAYOUT_KEYS, _is_safe, read_marker, recipe_fields,
+                                      verify)
 
+log = logging.getLogger("finetune.train")
 CHECKPOINTS = "checkpoints"  # Trainer's checkpoint-N dirs live in RUN_DIR/checkpoints/
-
-
-def is_complete(path: Path) -> bool:
-    # the Trainer writes trainer_state.json last, so its presence means the save finished
-    return (path / "trainer_state.json").is_file()
+ZERO3 = ("zero3", "zero3-offload", "zero3-nvme")
+RESHARDABLE = ("fsdp2", "fsdp2-hybrid")  # torch.distributed.checkpoint reshards on load
 
 
 def checkpoint_step(path: Path) -> int:
-    match = re.fullmatch(r"checkpoint-(\d+)", path.name)
+    match = re.fullmatch(r"checkpoint-(\d+)", Path(path).name)
     return int(match.group(1)) if match else -1
 
 
-def latest_checkpoint(run_dir: Path) -> Path | None:
+def is_complete(path: Path) -> bool:
+    marker, _ = verify(path)
+    return marker is not None and (Path(path) / "trainer_state.json").is_file()
+
+
+def _all(run_dir: Path) -> list[Path]:
     root = Path(run_dir) / CHECKPOINTS
     if not root.is_dir():
-        return None
-    found = [p for p in root.iterdir() if p.is_dir() and checkpoint_step(p) >= 0 and is_complete(p)]
-    return max(found, key=checkpoint_step) if found else None
+        return []
+    return sorted((p for p in root.iterdir() if p.is_dir() and checkpoint_step(p) >= 0), key=checkpoint_step)
+
+
+def complete_checkpoints(run_dir: Path) -> list[Path]:
+    return [p for p in _all(run_dir) if is_complete(p)]
+
+
+def latest_checkpoint(run_dir: Path) -> Path | None:
+    newest = None
+    for path in reversed(_all(run_dir)):
+        marker, why = verify(path)
+        if marker is not None and (path / "trainer_state.json").is_file():
+            newest = path
+            break
+        log.warning(f"skipping incomplete checkpoint {path}: {why or 'trainer_state.json is missing'}")
+    return newest
 
 
 def resolve_resume(resume: str, run_dir: Path) -> Path | None:
@@ -34,8 +63,96 @@ def resolve_resume(resume: str, run_dir: Path) -> Path | None:
     if resume == "auto":
         return latest_checkpoint(run_dir)
     path = Path(resume).expanduser().resolve()
-    if not path.is_dir() or not is_complete(path):
-        raise RecipeError(f"--resume {resume}: not a complete checkpoint (a checkpoint-N directory with "
-                          f"trainer_state.json)",
-                          hint=f"use --resume auto, or one of {Path(run_dir) / CHECKPOINTS}/checkpoint-N")
+    marker, why = verify(path) if path.is_dir() else (None, "not a directory")
+    if marker is None or not (path / "trainer_state.json").is_file():
+        raise RecipeError(f"--resume {resume}: not a complete checkpoint ({why or 'no trainer_state.json'})",
+                          hint=f"use --resume auto, or one of {Path(run_dir) / CHECKPOINTS}/checkpoint-N "
+                               f"that has finetune_complete.json")
     return path
+
+
+def _remove(path: Path, why: str) -> None:
+    log.warning(f"removing {path}: {why}")
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def prepare_checkpoints(run_dir: Path, *, start: Path | None) -> None:
+    """Before training (main process only): remove incomplete checkpoints, and complete ones from a
+    future this run discards (newer than `start`, or all of them when starting over), so the Trainer
+    never writes into a directory that still carries an old marker."""
+    start_step = checkpoint_step(start) if start is not None else -1
+    for path in _all(run_dir):
+        if start is not None and path.resolve() == Path(start).resolve():
+            continue
+        if not is_complete(path):
+            _remove(path, "an incomplete checkpoint (no commit marker; the save did not finish)")
+        elif checkpoint_step(path) > start_step:
+            _remove(path, "starting over (--resume never)" if start is None
+                    else f"newer than the checkpoint this run resumes from ({start.name})")
+
+
+def retain(run_dir: Path, *, keep: int) -> list[Path]:
+    """Delete complete checkpoints beyond the newest `keep` (called right after one is committed)."""
+    complete = complete_checkpoints(run_dir)
+    old = complete[:-max(keep, 1)]
+    for path in old:
+        shutil.rmtree(path, ignore_errors=True)
+    return old
+
+
+def _fmt(value) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def check_resume(ckpt: Path, recipe, *, world_size: int | None = None) -> list[str]:
+    """Refuse (RecipeError) to resume `ckpt` with a recipe whose training changed, or on another
+    number of processes where the checkpoint format cannot follow; return notes on what changed
+    safely."""
+    marker = read_marker(ckpt)
+    if marker is None:
+        raise RecipeError(f"{ckpt} has no commit marker", hint="resume from a complete checkpoint")
+    old, new = marker.get("recipe_fields", {}), recipe_fields(recipe)
+    notes, refused = [], []
+    for key in sorted(set(old) | set(new)):
+        a, b = old.get(key), new.get(key)
+        if a == b:
+            continue
+        change = f"{key} ({_fmt(a)} -> {_fmt(b)})"
+        if key in GROWING_KEYS:
+            if a is not None and b is not None and b > a:
+                notes.append(f"{change}: the run continues further; the learning-rate schedule is "
+                             f"stretched to the new length")
+            else:
+                refused.append(change)
+        elif _is_safe(key) or key in LAYOUT_KEYS:
+            notes.append(change)
+        else:
+            refused.append(change)
+    strategy = recipe.distributed.strategy
+    if marker.get("strategy") not in (None, strategy) and not any(c.startswith("distributed.strategy")
+                                                                   for c in refused):
+        refused.append(f"distributed.strategy ({marker['strategy']!r} -> {strategy!r})")
+    if refused:
+        first = refused[0].split(" ")[0]
+        raise RecipeError(
+            f"cannot resume from {ckpt}: the recipe changed since it was saved: {'; '.join(refused)}",
+            key=first, hint="change those keys back to resume, or start over with --resume never (or another "
+                            "--output directory); logging, output.*, hub.*, eval/logging steps, timeouts "
+                            "and a larger train.max_steps/epochs may change freely")
+    saved_ws = marker.get("world_size")
+    current_ws = world_size if world_size is not None else getattr(recipe.resolved, "world_size", saved_ws)
+    if saved_ws is not None and current_ws is not None and saved_ws != current_ws:
+        if strategy in ZERO3:
+            raise RecipeError(
+                f"cannot resume {ckpt} on {current_ws} processes: it was saved by DeepSpeed {strategy} on "
+                f"{saved_ws}, and ZeRO-3 checkpoints are partitioned per rank (zero_pp_rank_* files)",
+                key="resolved.world_size",
+                hint=f"resume on {saved_ws} processes, or convert it with DeepSpeed's ds_to_universal.py and "
+                     f"load the result as a new model")
+        how = ("the sharded (torch.distributed.checkpoint) state is resharded on load"
+               if strategy in RESHARDABLE else "a DDP checkpoint holds the full state")
+        notes.append(f"world size {saved_ws} -> {current_ws}: {how}; the global batch stays "
+                     f"train.global_batch_size, but the data order after the resume point differs from "
+                     f"a run on {saved_ws} processes")
+    return notes

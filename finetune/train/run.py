@@ -15,8 +15,9 @@ from pathlib import Path
 
 from finetune.errors import RecipeError
 from finetune.recipe.load import load_recipe
-from finetune.train.callbacks import MetricsCallback, NonFiniteCallback, read_metrics
-from finetune.train.checkpoint import resolve_resume
+from finetune.train.callbacks import CommitCallback, MetricsCallback, NonFiniteCallback, read_metrics
+from finetune.train.checkpoint import check_resume, prepare_checkpoints, resolve_resume
+from finetune.train.integrity import recipe_fields
 
 log = logging.getLogger("finetune.train")
 
@@ -47,6 +48,16 @@ def run_rank(resolved_path: str | Path, *, resume: str = "auto") -> dict | None:
                          timeout=timedelta(minutes=recipe.distributed.timeout_minutes))
     _setup_logging(state.is_main_process)
     set_seed(recipe.train.seed)
+    from finetune.train.signals import PreemptionCallback
+
+    preempt = PreemptionCallback()  # SIGTERM/SIGUSR1 from now on: checkpoint at the next step, exit 75
+    try:
+        return _run(recipe, state=state, run_dir=run_dir, resume=resume, preempt=preempt)
+    finally:
+        preempt.restore()
+
+
+def _run(recipe, *, state, run_dir: Path, resume: str, preempt) -> dict | None:
 
     from finetune.train import taskeval
     from finetune.train.model import load_model, load_tokenizer
@@ -59,10 +70,17 @@ def run_rank(resolved_path: str | Path, *, resume: str = "auto") -> dict | None:
     resume_from = resolve_resume(resume, run_dir)
     if resume_from is not None:
         log.info(f"resuming from {resume_from}")
+        for note in check_resume(resume_from, recipe, world_size=state.num_processes):
+            log.info(f"resume: changed safely: {note}")
     elif state.is_main_process:
         (run_dir / "metrics.jsonl").unlink(missing_ok=True)  # a fresh start does not mix in old rows
+    state.wait_for_everyone()
+    if state.is_main_process:  # incomplete and discarded checkpoints go before the Trainer writes any
+        prepare_checkpoints(run_dir, start=resume_from)
+    state.wait_for_everyone()
 
     args = training_args(recipe, run_dir=run_dir, has_eval=data.eval is not None)
+    args.save_total_limit = None  # retention is CommitCallback's: only after a newer checkpoint is complete
     model = load_model(recipe, gradient_checkpointing=trainer_checkpointing(recipe))
     summary: dict = {"run_dir": str(run_dir), "tokenized_cache": {"key": data.cache_key, "hit": data.cache_hit},
                      "data_notes": data.notes, "resumed_from": str(resume_from) if resume_from else None}
@@ -79,15 +97,24 @@ def run_rank(resolved_path: str | Path, *, resume: str = "auto") -> dict | None:
     from finetune.train.memory_report import PeakMemoryCallback
 
     callbacks = [MetricsCallback(run_dir), PeakMemoryCallback(run_dir),
-                 NonFiniteCallback(policy=recipe.train.on_nonfinite, max_bad_steps=recipe.train.max_bad_steps)]
+                 NonFiniteCallback(policy=recipe.train.on_nonfinite, max_bad_steps=recipe.train.max_bad_steps),
+                 CommitCallback(run_dir, fields=recipe_fields(recipe), strategy=recipe.distributed.strategy,
+                                keep=recipe.output.keep),
+                 preempt]
     trainer = build_trainer(recipe, args=args, model=model, tokenizer=tokenizer, data=data, callbacks=callbacks)
     if data.eval is not None and resume_from is None:
         summary["eval_loss_before"] = trainer.evaluate()["eval_loss"]
     result = trainer.train(resume_from_checkpoint=str(resume_from) if resume_from else None)
+    if preempt.stopped_at is not None:
+        raise preempt.error(run_dir)
     if data.eval is not None:
         done = [h["eval_loss"] for h in trainer.state.log_history
                 if "eval_loss" in h and h.get("step") == trainer.state.global_step]
         summary["eval_loss_final"] = done[-1] if done else trainer.evaluate()["eval_loss"]
+    if getattr(trainer, "is_fsdp_enabled", False):
+        # checkpoints stay sharded (resumable on another world size); the final model or adapter
+        # is gathered into plain safetensors, or save_model would write nothing under SHARDED
+        trainer.accelerator.state.fsdp_plugin.set_state_dict_type("FULL_STATE_DICT")
     trainer.save_model(str(run_dir))  # every rank: FSDP/ZeRO-3 gather the weights collectively
     if state.is_main_process:
         tokenizer.save_pretrained(run_dir)

@@ -51,9 +51,8 @@ def common_args(recipe: Recipe, *, run_dir: Path, has_eval: bool) -> dict:
         optim=OPTIMIZERS.get(t.optimizer, "adamw_torch_fused" if cuda else "adamw_torch"),
         bf16=t.precision == "bf16",
         fp16=t.precision == "fp16",
-        activation_checkpointing=checkpointing,
+        # gradient_* names: transformers 5.24 added activation_* aliases that 5.17 lacks
         gradient_checkpointing=checkpointing,
-        activation_checkpointing_kwargs={"use_reentrant": False} if checkpointing else None,
         gradient_checkpointing_kwargs={"use_reentrant": False} if checkpointing else None,
         seed=t.seed,
         data_seed=recipe.data.seed,

@@ -9,4 +9,5 @@ export PYTHONUNBUFFERED=1
 export PET_SIGNALS_TO_HANDLE=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1
 export TORCH_ELASTIC_SHUTDOWN_TIMEOUT="${TORCH_ELASTIC_SHUTDOWN_TIMEOUT:-300}"
 export TORCH_NCCL_ASYNC_ERROR_HANDLING="${TORCH_NCCL_ASYNC_ERROR_HANDLING:-1}"
+export PYTORCH_CUDA_ALLOC_CONF="${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}"
 exec accelerate launch --config_file RUN_DIR/accelerate.yaml --num_processes 1 --num_machines 1 --machine_rank 0 -m finetune.train RUN_DIR/recipe.resolved.yaml "$@"

@@ -1,0 +1,40 @@
+"""Data checks that run in the `finetune` process before anything is written or launched.
+
+Every local data file is path-checked (finetune/recipe/paths.py) and read row by row through the
+same reader the ranks use (bad JSON, missing columns, wrong roles, empty files name file and row),
+so bad input fails with exit 2 and one message, and leaves no run directory behind. Checks that
+need the tokenizer (chat template, lengths) stay in the ranks' preflight. No torch import.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from finetune.recipe.load import recipe_dir
+from finetune.recipe.paths import check_data_path
+from finetune.recipe.schema import Recipe
+
+
+def _local(path: str, base: Path) -> Path:
+    candidate = Path(os.path.expanduser(path))
+    return candidate if candidate.is_absolute() else base / candidate
+
+
+def check_data(recipe: Recipe) -> None:
+    from finetune.train.data import load_source, resolve_path
+
+    d, base = recipe.data, recipe_dir(recipe)
+    guard = dict(base_dir=base, allow_paths=d.allow_paths, allow_outside=d.allow_outside)
+    named = [(f"data.sources[{i}].path", s) for i, s in enumerate(d.sources)]
+    named += [(f"data.eval_sources[{i}].path", s) for i, s in enumerate(d.eval_sources)]
+    if d.task_eval is not None:
+        named.append(("data.task_eval.path", d.task_eval))
+    for key, source in named:
+        if resolve_path(source.path, base) is None:  # a Hub dataset id (a missing local file raises)
+            continue
+        check_data_path(_local(source.path, base), key=key, **guard)
+        load_source(source, base_dir=base)
+    template = d.chat_template
+    if template and "{%" not in template and "{{" not in template and _local(template, base).exists():
+        check_data_path(_local(template, base), key="data.chat_template", **guard)

@@ -1,0 +1,62 @@
+"""Preemption: SIGTERM / SIGUSR1 -> one checkpoint at the next step boundary on every rank -> exit 75.
+
+The launcher (finetune/launch.py) forwards the signal to every rank; a rank's handler only sets a
+flag (nothing unsafe runs inside a signal handler). At each step end the ranks all-reduce the flag,
+so they agree on the same step even when the signal reached them at different times: the Trainer
+then saves (CommitCallback marks the checkpoint complete) and stops, and run_rank raises
+Preempted, which exits with EXIT_PREEMPTED (75) for the Slurm script to requeue.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+
+from transformers import TrainerCallback
+
+from finetune.errors import EXIT_PREEMPTED, FinetuneError
+from finetune.train.callbacks import reduce_flags
+
+log = logging.getLogger("finetune.train")
+PREEMPT_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+
+
+class Preempted(FinetuneError):
+    exit_code = EXIT_PREEMPTED
+
+
+class PreemptionCallback(TrainerCallback):
+    """Installs the handlers at construction (main thread) and turns a received signal into
+    should_save + should_training_stop at the next step end, agreed by all ranks."""
+
+    def __init__(self):
+        self.received: int | None = None
+        self.stopped_at: int | None = None
+        for sig in PREEMPT_SIGNALS:
+            signal.signal(sig, self._handle)
+
+    def _handle(self, signum, _frame):
+        self.received = signum
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if not reduce_flags([1.0 if self.received else 0.0])[0]:
+            return control
+        self.stopped_at = state.global_step
+        log.warning(f"{self.signal_name} received: saving checkpoint-{state.global_step} and stopping")
+        control.should_save = True
+        control.should_training_stop = True
+        return control
+
+    @property
+    def signal_name(self) -> str:
+        return signal.Signals(self.received).name if self.received else "a preemption signal on another rank"
+
+    def error(self, run_dir) -> Preempted:
+        return Preempted(f"stopped by {self.signal_name} at step {self.stopped_at}; checkpoint-{self.stopped_at} "
+                         f"is saved in {run_dir}/checkpoints",
+                         hint="run the same command again to resume from it (the Slurm script requeues on "
+                              f"exit code {EXIT_PREEMPTED})")
+
+    def restore(self) -> None:
+        for sig in PREEMPT_SIGNALS:
+            signal.signal(sig, signal.SIG_DFL)

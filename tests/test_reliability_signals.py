@@ -1,0 +1,44 @@
+"""SIGTERM / SIGUSR1 to the launcher of a 2-process gloo run: every rank saves one checkpoint at the
+next step boundary, the command exits 75, and running it again resumes from that checkpoint."""
+
+from __future__ import annotations
+
+import re
+import signal
+
+import pytest
+from reliability_util import checkpoints, cli_argv, cpu_preset, losses, run, start, wait_for, write_recipe
+
+from finetune.errors import EXIT_PREEMPTED
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGUSR1], ids=lambda s: s.name)
+def test_signal_saves_on_every_rank_exits_75_and_resumes(tmp_path, sig):
+    preset = cpu_preset(tmp_path / "cpu2.yaml", procs=2)
+    # 2 ranks x micro-batch 4 = the global batch of 8; no periodic saves: the only checkpoint is the signal's
+    recipe = write_recipe(tmp_path / "recipe.yaml", hardware=str(preset),
+                          train={"epochs": None, "max_steps": 40, "micro_batch_size": 4},
+                          output={"save_every": None})
+    run_dir = tmp_path / "run"
+    proc = start(cli_argv(recipe, run_dir), cache=tmp_path / "cache")
+    assert wait_for(lambda: (run_dir / "metrics.jsonl").exists() and max(losses(run_dir), default=0) >= 3,
+                    proc=proc), proc.communicate()[0][-3000:]
+    proc.send_signal(sig)  # the CLI process is the launcher: it forwards the signal to every rank
+    out, _ = proc.communicate(timeout=240)
+    assert proc.returncode == EXIT_PREEMPTED, out[-4000:]
+    assert "preempted: a checkpoint was saved" in out
+    saved = checkpoints(run_dir)
+    assert len(saved) == 1 and all(saved.values()), saved
+    step = int(next(iter(saved)).split("-")[1])
+    assert 3 <= step < 40
+    assert not (run_dir / "summary.json").exists()
+    # both ranks stopped through our path (exit 75), neither was killed by the launcher
+    assert out.count(f"stopped by {sig.name}") + out.count("stopped by a preemption signal") == 2, out[-4000:]
+
+    again = run(cli_argv(recipe, run_dir), cache=tmp_path / "cache")
+    text = again.stdout + again.stderr
+    assert again.returncode == 0, text[-4000:]
+    assert re.search(rf"resuming from \S*checkpoint-{step}\b", text), text[-3000:]
+    assert sorted(losses(run_dir)) == list(range(1, 41))
