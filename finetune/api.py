@@ -95,8 +95,12 @@ def run(recipe, *, hardware: str | None = None, overrides: list[str] | None = No
     if dry_run:
         print(f"dry run: launch files are in {run_dir}; start with `bash {run_dir}/launch.sh`")
         return RunResult(run_dir, 0, launched=False)
+    rank_error = run_dir / "logs" / "rank-error.json"  # finetune.train.run.RANK_ERROR
+    rank_error.unlink(missing_ok=True)
     code = launch(spec, node_rank=node_rank, main_address=main_address, main_port=main_port,
                   extra_args=["--resume", str(resume)])
+    if isinstance(code, int) and code not in (0, EXIT_PREEMPTED) and rank_error.is_file():
+        code = json.loads(rank_error.read_text()).get("exit_code", code)
     if code == EXIT_USAGE:  # a rank's preflight refused the recipe or data (its message is above)
         if created and not any((run_dir / "checkpoints").glob("checkpoint-*")):
             shutil.rmtree(run_dir, ignore_errors=True)

@@ -172,11 +172,14 @@ def test_eval_fraction_splits_train(tmp_path):
 
 
 def test_resume_discovery_skips_incomplete_checkpoints(tmp_path):
+    from finetune.train.integrity import write_marker
+
     root = tmp_path / "checkpoints"
     for step, complete in ((2, True), (4, True), (6, False)):
         (root / f"checkpoint-{step}").mkdir(parents=True)
-        if complete:
+        if complete:  # complete = trainer_state.json + finetune's commit marker (finetune/train/integrity.py)
             (root / f"checkpoint-{step}" / "trainer_state.json").write_text("{}")
+            write_marker(root / f"checkpoint-{step}", step=step, world_size=1, strategy="ddp", fields={})
     assert latest_checkpoint(tmp_path).name == "checkpoint-4"
     assert resolve_resume("never", tmp_path) is None
     assert resolve_resume(str(root / "checkpoint-2"), tmp_path).name == "checkpoint-2"

@@ -189,12 +189,10 @@ class NonFiniteCallback(TrainerCallback):
 
         rank, world = rank_and_world()
         params = [p for p in model.parameters() if p.grad is not None] if model is not None else []
-        local = 0.0
-        for p in params:
-            grad = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad  # FSDP2: this rank's shard
-            if not bool(torch.isfinite(grad).all()):
-                local = 1.0
-                break
+        grads = [p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad  # FSDP2: this rank's shard
+                 for p in params]
+        # one device sync per step, not one per parameter
+        local = 0.0 if not grads or bool(torch.stack([torch.isfinite(g).all() for g in grads]).all()) else 1.0
         flags = [0.0] * world
         flags[rank] = local
         flags = reduce_flags(flags)

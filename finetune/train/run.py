@@ -13,13 +13,14 @@ import os
 from datetime import timedelta
 from pathlib import Path
 
-from finetune.errors import RecipeError
+from finetune.errors import FinetuneError, RecipeError
 from finetune.recipe.load import load_recipe
 from finetune.train.callbacks import CommitCallback, MetricsCallback, NonFiniteCallback, read_metrics
 from finetune.train.checkpoint import check_resume, prepare_checkpoints, resolve_resume
 from finetune.train.integrity import recipe_fields
 
 log = logging.getLogger("finetune.train")
+RANK_ERROR = "logs/rank-error.json"  # the main rank's FinetuneError, read by finetune.api.run
 
 
 def _setup_logging(is_main: bool) -> None:
@@ -53,6 +54,11 @@ def run_rank(resolved_path: str | Path, *, resume: str = "auto") -> dict | None:
     preempt = PreemptionCallback()  # SIGTERM/SIGUSR1 from now on: checkpoint at the next step, exit 75
     try:
         return _run(recipe, state=state, run_dir=run_dir, resume=resume, preempt=preempt)
+    except FinetuneError as err:
+        if state.is_main_process:  # the launcher's exit code loses ours (accelerate exits 1 for one process)
+            (run_dir / "logs").mkdir(parents=True, exist_ok=True)
+            (run_dir / RANK_ERROR).write_text(json.dumps({"exit_code": err.exit_code, "message": err.render()}))
+        raise
     finally:
         preempt.restore()
 
