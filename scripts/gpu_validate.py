@@ -52,10 +52,12 @@ def words(rng: random.Random, n: int) -> str:
 def write_data(path: Path, *, preference: bool, seq: int, n: int = 4000, seed: int = 0) -> None:
     """Examples of up to about a third of `seq` tokens (character-level tokenizer: ~6 per word x 2)."""
     rng = random.Random(seed)
-    most = max(4, seq // 40)
+    # preference pairs fill max_length (prompt + one answer ~ 12 tokens a word): the planner's
+    # worst case is what a calibration point must measure; SFT rows are packed to max_length anyway
+    most, least = (seq // 13, seq // 15) if preference else (max(4, seq // 40), max(1, seq // 120))
     with path.open("w") as f:
         for _ in range(n):
-            text = words(rng, rng.randint(most // 3, most))
+            text = words(rng, rng.randint(least, most))
             if preference:
                 row = {"prompt": [{"role": "user", "content": text}],
                        "chosen": [{"role": "assistant", "content": text.upper()}],

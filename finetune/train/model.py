@@ -108,13 +108,15 @@ def load_model(recipe: Recipe, *, gradient_checkpointing: bool):
         hint = ("it has only .bin (pickle) weights; set model.allow_pickle: true if you trust it"
                 if "safetensors" in str(exc) else "check model.name and that the weights are available")
         raise RecipeError(f"cannot load the model: {exc}", key="model.name", hint=hint) from None
-    if recipe.adapter.type == "qlora":
-        from peft import prepare_model_for_kbit_training
+    # QLoRA: peft's prepare_model_for_kbit_training is deliberately not called. It upcasts every
+    # non-4-bit parameter (embeddings, lm_head, norms) to fp32: +4 GiB for a 128k vocabulary, fp32
+    # activations after every norm, and a dtype mix that FSDP2/ZeRO-3 cannot shard with the bf16-stored
+    # 4-bit weights. The QLoRA paper computes in bf16; peft freezes the base, and non-reentrant
+    # checkpointing needs no input-grad hook.
+    if recipe.adapter.type == "qlora" and recipe.resolved is not None and recipe.resolved.device == "cpu":
+        from finetune.compat.bnb_cpu_packing import keep_trainable_layout
 
-        # fp32 norms/embeddings for stability and input grads for checkpointing through frozen 4-bit layers
-        model = prepare_model_for_kbit_training(
-            model, use_gradient_checkpointing=gradient_checkpointing,
-            gradient_checkpointing_kwargs={"use_reentrant": False})
+        keep_trainable_layout(model)
     return model
 
 
