@@ -131,18 +131,60 @@ def _run(argv: list[str], *, env: dict[str, str], log_path: Path, stream: bool) 
     return rc
 
 
+# Tracebacks raised by the launch stack itself (accelerate's launcher re-raising a rank's exit
+# code, torchrun's agent) repeat what the rank already said; they stay in the log file only.
+LAUNCHER_FRAMES = ("accelerate/commands/launch.py", "torch/distributed/run.py",
+                   "torch/distributed/elastic/")
+
+
+class _ConsoleFilter:
+    """Hold back each traceback until it is complete; drop it from the console if it is the launcher's."""
+
+    def __init__(self, write):
+        self.write = write
+        self.held: list[bytes] | None = None
+
+    def feed(self, line: bytes) -> None:
+        if self.held is None:
+            if line.startswith(b"Traceback (most recent call last):"):
+                self.held = [line]
+            else:
+                self.write(line)
+            return
+        self.held.append(line)
+        if line[:1] not in (b" ", b"\t"):  # the exception line ends the traceback
+            block, self.held = self.held, None
+            text = b"".join(block).decode(errors="replace")
+            if any(frame in text for frame in LAUNCHER_FRAMES):
+                self.write(b"(the launcher's own traceback is hidden: the rank's message above says what failed)\n")
+            else:
+                for held in block:
+                    self.write(held)
+
+    def flush(self) -> None:
+        for held in self.held or []:
+            self.write(held)
+        self.held = None
+
+
 def _copy_output(pipe, log, stream: bool) -> None:
     out = getattr(sys.stdout, "buffer", None)
+
+    def write(line: bytes) -> None:
+        if out is not None:
+            out.write(line)
+            out.flush()
+        else:
+            sys.stdout.write(line.decode(errors="replace"))
+
+    console = _ConsoleFilter(write)
     try:
         for line in iter(pipe.readline, b""):
             log.write(line)
             log.flush()
             if stream:
-                if out is not None:
-                    out.write(line)
-                    out.flush()
-                else:
-                    sys.stdout.write(line.decode(errors="replace"))
+                console.feed(line)
+        console.flush()
     except (ValueError, OSError):  # the log was closed after the drain timeout
         return
 

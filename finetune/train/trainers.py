@@ -30,6 +30,16 @@ def trainer_checkpointing(recipe: Recipe) -> bool:
     return recipe.train.activation_checkpointing == "on" and by == "trainer"
 
 
+def _checkpointing_args(on: bool) -> dict:
+    """transformers 5.24 renamed gradient_checkpointing to activation_checkpointing (the old name
+    warns); 5.17, on the GPU machine, knows only the old one."""
+    from transformers import TrainingArguments
+
+    name = ("activation_checkpointing" if "activation_checkpointing" in TrainingArguments.__dataclass_fields__
+            else "gradient_checkpointing")
+    return {name: on, f"{name}_kwargs": {"use_reentrant": False} if on else None}
+
+
 def common_args(recipe: Recipe, *, run_dir: Path, has_eval: bool) -> dict:
     t, r = recipe.train, recipe.resolved
     cuda = r.device == "cuda"
@@ -51,9 +61,7 @@ def common_args(recipe: Recipe, *, run_dir: Path, has_eval: bool) -> dict:
         optim=OPTIMIZERS.get(t.optimizer, "adamw_torch_fused" if cuda else "adamw_torch"),
         bf16=t.precision == "bf16",
         fp16=t.precision == "fp16",
-        # gradient_* names: transformers 5.24 added activation_* aliases that 5.17 lacks
-        gradient_checkpointing=checkpointing,
-        gradient_checkpointing_kwargs={"use_reentrant": False} if checkpointing else None,
+        **_checkpointing_args(checkpointing),
         seed=t.seed,
         data_seed=recipe.data.seed,
         logging_steps=t.logging_steps,
