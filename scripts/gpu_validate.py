@@ -41,7 +41,59 @@ RUNS: dict[str, tuple[str, dict]] = {
     "lora8b-fsdp2": ("llama-3.1-8b", {"adapter": {"type": "lora"}, "distributed": {"strategy": "fsdp2"}}),
     "qlora8b-fsdp2": ("llama-3.1-8b", {"adapter": {"type": "qlora"}, "distributed": {"strategy": "fsdp2"}}),
     "lora8b-zero3": ("llama-3.1-8b", {"adapter": {"type": "lora"}, "distributed": {"strategy": "zero3"}}),
+    "lora3b-zero3-offload": ("llama-3.2-3b", {"distributed": {"strategy": "zero3-offload"}}),
+    "lora3b-zero3-nvme": ("llama-3.2-3b", {"distributed": {"strategy": "zero3-nvme",
+                                                           "nvme_path": "/tmp/nvme-swap"}}),
+    "full3b-zero3": ("llama-3.2-3b", {"adapter": {"type": "full"}, "train": {"lr": 1e-5},
+                                      "distributed": {"strategy": "zero3"}}),
+    # two launcher processes as two single-GPU "nodes" on loopback (see run_two_nodes)
+    "lora3b-hybrid-2node": ("llama-3.2-3b", {"distributed": {"strategy": "fsdp2-hybrid"}}),
+    # an FSDP2 checkpoint written on 2 GPUs, resumed on 1 (see run_portable)
+    "lora3b-fsdp2-2to1": ("llama-3.2-3b", {"distributed": {"strategy": "fsdp2"}}),
 }
+
+
+def gpu_preset(path: Path, *, nodes: int, gpus_per_node: int) -> Path:
+    """A user preset file for this machine's card, split into `nodes` nodes."""
+    name, mem = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total", "--format=csv,noheader,nounits"],
+                               capture_output=True, text=True, check=True).stdout.splitlines()[0].split(", ")
+    path.write_text(yaml.safe_dump({
+        "name": f"loopback-{nodes}x{gpus_per_node}", "gpu_model": name, "gpu_memory_gib": float(mem) / 1024,
+        "gpus_per_node": gpus_per_node, "nodes": nodes, "intra_node_link": "nvlink",
+        "intra_node_bandwidth_gbps": 300, "inter_node_fabric": "ethernet" if nodes > 1 else "none",
+        "inter_node_bandwidth_gbps": 25 if nodes > 1 else 0, "host_ram_gib": 120,
+        "peak_bf16_tflops": 989}))
+    return path
+
+
+def run_two_nodes(work: Path, run_dir: Path, extra: list[str]) -> int:
+    """Node ranks 0 and 1, one GPU each, rendezvous on 127.0.0.1."""
+    preset = gpu_preset(work / "preset.yaml", nodes=2, gpus_per_node=1)
+    procs = []
+    for rank in (0, 1):
+        env = {**os.environ, "CUDA_VISIBLE_DEVICES": str(rank)}
+        cmd = [sys.executable, "-m", "finetune.cli", "run", str(work / "recipe.yaml"), "--hardware", str(preset),
+               "--output", str(run_dir) + (f"-node{rank}" if rank else ""), "--resume", "never",
+               "--node-rank", str(rank), "--main-address", "127.0.0.1", "--main-port", "29533", *extra]
+        procs.append(subprocess.Popen(cmd, cwd=ROOT, env=env))
+    return max(p.wait() for p in procs)
+
+
+def run_portable(work: Path, run_dir: Path, extra: list[str], steps: int) -> int:
+    """Save at the halfway step on 2 GPUs, then resume on 1 GPU and finish."""
+    two = gpu_preset(work / "preset2.yaml", nodes=1, gpus_per_node=2)
+    one = gpu_preset(work / "preset1.yaml", nodes=1, gpus_per_node=1)
+    half = steps // 2
+    base = [sys.executable, "-m", "finetune.cli", "run", str(work / "recipe.yaml"), "--output", str(run_dir),
+            "--set", f"output.save_every={half}", *extra]
+    first = subprocess.run(base + ["--hardware", str(two), "--resume", "never", "--set", f"train.max_steps={half}"],
+                           cwd=ROOT).returncode
+    if first:
+        return first
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "0"}
+    return subprocess.run(base + ["--hardware", str(one), "--resume", "auto", "--set", f"train.max_steps={steps}",
+                                  "--set", "train.global_batch_size=8"], cwd=ROOT, env=env).returncode
+
 
 
 def words(rng: random.Random, n: int) -> str:
@@ -126,6 +178,8 @@ def collect(run_dir: Path) -> dict:
         "first_loss": losses[0] if losses else None,
         "last_loss": losses[-1] if losses else None,
         "steps": summary.get("steps"),
+        "loss_by_step": [[m["step"], round(m["loss"], 4)] for m in metrics if m.get("loss") is not None],
+        "resumed_from": summary.get("resumed_from"),
         "checkpoints": sorted(p.name for p in (run_dir / "checkpoints").glob("checkpoint-*")),
         "adapter_bytes": (run_dir / "adapter_model.safetensors").stat().st_size
         if (run_dir / "adapter_model.safetensors").exists() else None,
@@ -161,9 +215,15 @@ def main() -> None:
         cmd = [sys.executable, "-m", "finetune.cli", "run", str(work / "recipe.yaml"), "--output", str(run_dir),
                "--resume", "never", *sum((["--set", s] for s in args.overrides), [])]
         print(f"\n=== {name}: {' '.join(cmd)}", flush=True)
-        proc = subprocess.run(cmd, cwd=ROOT)
+        extra = sum((["--set", s] for s in args.overrides), [])
+        if name.endswith("-2node"):
+            code = run_two_nodes(work, run_dir, extra)
+        elif name.endswith("-2to1"):
+            code = run_portable(work, run_dir, extra, args.steps)
+        else:
+            code = subprocess.run(cmd, cwd=ROOT).returncode
         row = {"name": name, "arch": arch, "adapter": recipe["adapter"]["type"],
-               "method": recipe["method"]["type"], "exit_code": proc.returncode,
+               "method": recipe["method"]["type"], "exit_code": code,
                "wall_s": round(time.perf_counter() - start, 1), "date": time.strftime("%Y-%m-%d")}
         if (run_dir / "plan.json").exists():
             try:

@@ -264,3 +264,29 @@ def test_planner_does_not_import_torch():
             "sys.exit(f'imported {bad}' if bad else 0)")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
     assert out.returncode == 0, out.stderr + out.stdout
+
+
+def _gpu_preset(tmp_path, *, nodes: int, gpus_per_node: int) -> str:
+    path = tmp_path / f"{nodes}x{gpus_per_node}.yaml"
+    path.write_text(f"name: test-{nodes}x{gpus_per_node}\ngpu_model: H100\ngpu_memory_gib: 79.1\n"
+                    f"gpus_per_node: {gpus_per_node}\nnodes: {nodes}\nintra_node_bandwidth_gbps: 300\n"
+                    "inter_node_fabric: ethernet\ninter_node_bandwidth_gbps: 25\nhost_ram_gib: 120\n"
+                    "peak_bf16_tflops: 989\n")
+    return str(path)
+
+
+def test_hybrid_needs_two_gpus_per_node(tmp_path):
+    # measured: accelerate refuses an FSDP mesh with a shard dimension of 1 (2 x 1-GPU nodes)
+    p = plan(recipe("meta-llama/Llama-3.2-3B", "lora", _gpu_preset(tmp_path, nodes=2, gpus_per_node=1),
+                    distributed__strategy="fsdp2-hybrid"))
+    assert not p.fits and "one GPU per node" in p.why
+    p = plan(recipe("meta-llama/Llama-3.2-3B", "lora", _gpu_preset(tmp_path, nodes=2, gpus_per_node=2),
+                    distributed__strategy="fsdp2-hybrid"))
+    assert p.fits and p.strategy == "fsdp2-hybrid"
+
+
+def test_pinned_fsdp2_allowed_on_one_gpu_but_never_chosen(tmp_path):
+    one = _gpu_preset(tmp_path, nodes=1, gpus_per_node=1)
+    pinned = plan(recipe("meta-llama/Llama-3.2-3B", "lora", one, distributed__strategy="fsdp2"))
+    assert pinned.fits and pinned.strategy == "fsdp2"  # resuming a sharded checkpoint on one GPU
+    assert plan(recipe("meta-llama/Llama-3.2-3B", "lora", one)).strategy == "ddp"

@@ -43,13 +43,16 @@ def job_from_recipe(recipe, *, arch, preset) -> Job:
             # LoRA/QLoRA: disable the adapter for the reference pass; full: a frozen copy
             reference = "copy" if adapter == "full" else "implicit"
     micro = recipe.train.micro_batch_size
+    # train/model.py loads with sdpa when attn_implementation is auto
+    attention = {"eager": "eager", "auto": "sdpa", "sdpa": "sdpa"}.get(recipe.model.attn_implementation, "flash")
     return Job(
         arch=arch, preset=preset, adapter=adapter, method=method, reference=reference,
         lora_r=recipe.adapter.r, lora_targets=_targets(recipe, arch),
         lora_dropout=recipe.adapter.dropout, dora=recipe.adapter.dora,
         double_quant=recipe.adapter.double_quant, weight_bytes=DTYPE_BYTES[recipe.model.dtype],
         act_bytes=4 if recipe.train.precision == "fp32" else 2, optimizer=recipe.train.optimizer,
-        seq_len=recipe.data.max_length, global_batch_size=recipe.train.global_batch_size,
+        seq_len=recipe.data.max_length, packed=recipe.data.packing, attention=attention,
+        global_batch_size=recipe.train.global_batch_size,
         micro_batch=micro if isinstance(micro, int) else None,
         checkpointing=recipe.train.activation_checkpointing, strategy=recipe.distributed.strategy,
         nvme_path=recipe.distributed.nvme_path or preset.nvme_path)

@@ -27,7 +27,13 @@ def not_applicable(job: Job, strategy: str) -> str:
         return "" if strategy == "ddp" else "the cpu preset runs one process; only ddp applies"
     if strategy == "fsdp2-hybrid" and p.nodes < 2:
         return "hybrid sharding replicates across nodes; this preset has one node"
-    if strategy in ("fsdp2", "zero3") and p.world_size < 2:
+    if strategy == "fsdp2-hybrid" and p.gpus_per_node < 2:
+        # accelerate refuses an FSDP mesh whose shard dimension is 1 (seen on 2 x 1-GPU nodes)
+        return ("hybrid sharding shards within a node; with one GPU per node use ddp (replicate) "
+                "or fsdp2 (shard across nodes)")
+    if strategy in ("fsdp2", "zero3") and p.world_size < 2 and job.strategy != strategy:
+        # never chosen on one GPU (no memory to gain), but allowed when pinned: an FSDP2
+        # checkpoint saved on several GPUs resumes on one under the same strategy
         return "sharding needs more than one GPU"
     if strategy == "zero3-nvme" and not job.nvme_path:
         return "the preset has no NVMe path; set distributed.nvme_path"

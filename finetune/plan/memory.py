@@ -13,17 +13,34 @@ compute copy (4 + 4 grads + 8) lands on the same 16; a model loaded in fp32 has 
   1/64 + 4/16384 = 0.0159 byte/param, i.e. ~0.127 bits); embeddings, lm_head and norms stay 16-bit.
 
 Activations per token per decoder layer (bytes, act = 2 for bf16), counted from the tensors a
-Llama-style block saves for backward with a fused (flash/SDPA) attention kernel, so no s^2 term:
-  2 RMSNorms, each: fp32 upcast input (2*act*h) + normalized output (act*h) + the next linear's
-  input (act*h) = 4*act*h; attention: q, k, v (act*(q + 2kv)) + RoPE inputs (act*(q + kv)) + the
-  output (act*q); SwiGLU MLP: gate, up, silu(gate), product = 4*act*i (x top-k for MoE).
-This is the Korthikanti et al. (2022) method (their 34*s*b*h without flash and with a 4h GELU MLP)
-applied to SwiGLU/GQA/no dropout. LoRA adds its dropout copy of each targeted input (when dropout > 0)
-and the r-wide intermediate. With activation checkpointing (per decoder layer): only each layer's
-input (act*h per token per layer) plus one layer's full activations while it is recomputed.
-Logits: tokens x vocab x 12 bytes: bf16 logits (2) + fp32 upcast for the loss (4) + fp32
-log-softmax saved for backward (4) + bf16 logits gradient (2). For a 128k vocabulary this is ~1.5 MB
-per token, larger than all layers' checkpointed activations.
+Llama-style block saves for backward (checked by listing saved tensors with
+torch.autograd.graph.saved_tensors_hooks on an 8B-shaped layer): autograd keeps an operand only when
+the other one needs a gradient, so a frozen base saves less than a full fine-tune.
+  2 RMSNorms, each: the fp32 upcast input (4*h) + the output the next linear/LoRA keeps (act*h), and for
+  a full fine-tune also the pre-weight input the norm weight's gradient needs (act*h);
+  attention (fused kernel, no s x s scores): q, k, v, the output (act*(2q + 2kv)) and the fp32
+  logsumexp; RoPE inputs are not kept (cos/sin need no gradient). With an explicit mask (sdpa on packed
+  rows or padded batches) transformers repeats k/v to all heads (act*q each) and torch turns the boolean
+  mask into a float bias of rows x len^2 x act in every layer, kept by the memory-efficient kernel
+  (measured: 1-GPU LoRA 8B with one packed 8192-token row allocates ~2 GiB more than twice the
+  4096-token row, 32 x (8192^2 - 2 x 4096^2) x 2 B = 2.0 GiB); eager (not measured) keeps the
+  scores instead: rows x heads x len^2 x (act + fp32 softmax 4);
+  SwiGLU MLP: gate, up, silu(gate), product = 4*act*i (x top-k for MoE).
+  LoRA: the r-wide intermediate per targeted module (+ a dropout copy of its input when dropout > 0).
+  Under DDP peft keeps the adapters in fp32 and casts each targeted module's input to fp32, which
+  autocast casts back to a new bf16 copy that the adapter keeps: one act*in copy per module, replacing
+  the shared norm output / MLP product. QLoRA (TRL casts its adapters to bf16), ZeRO-3 (TRL keeps them
+  bf16) and FSDP2 (bf16 compute params) have no cast. Measured on H100/H200 (tests/data/
+  gpu_calibration.json): 1-GPU LoRA 8B allocates ~1.1e6 B/token more than 1-GPU QLoRA beyond the weight
+  difference (32 layers x 4096-token micro-batch), FSDP2/ZeRO-3 LoRA matches QLoRA's per-token cost.
+With activation checkpointing (per decoder layer): only each layer's input (act*h per token per layer)
+plus one layer's full activations while it is recomputed.
+Loss head: TRL's fused LM head (add_fused_lm_head, trl/kernels/chunked_logprob.py) projects 4096-token
+x 32768-vocab tiles, so the (tokens, vocab) logits never exist: it keeps a copy of the final hidden
+states (act*h per token), its backward accumulates their gradient in fp32 (4*h) before casting it back
+(act*h), and for a trainable lm_head an fp32 weight-gradient accumulator (+ its cast). Without the fused
+head: tokens x vocab x 12 bytes: bf16 logits (2) + fp32 upcast for the loss (4) + fp32 log-softmax
+saved for backward (4) + bf16 logits gradient (2), ~1.5 MB per token for a 128k vocabulary.
 """
 
 from __future__ import annotations
@@ -41,6 +58,7 @@ CPU_FIXED_BYTES = 0.5 * GIB  # the Python/torch process itself on the cpu preset
 FRAGMENTATION = 0.05  # caching-allocator fragmentation, as a share of everything else
 HOST_PER_PROCESS_BYTES = 3 * GIB  # python + torch + CUDA libraries per rank, host RAM
 LOGITS_BYTES_PER_ELEMENT = 12
+FUSED_HEAD_TOKENS, FUSED_HEAD_VOCAB = 4096, 32768  # trl/kernels/chunked_logprob.py tile shape
 NF4_BYTES = 0.5
 NF4_SCALE_BYTES = 4 / 64  # one fp32 absmax per 64-element block
 NF4_DOUBLE_QUANT_SCALE_BYTES = 1 / 64 + 4 / (64 * 256)
@@ -119,29 +137,67 @@ def state_bytes(job: Job) -> StateBytes:
     return StateBytes(weights, 4 * n, 4 * n, moments * n, n)
 
 
-def activation_bytes_per_token_layer(job: Job) -> float:
+def adapter_input_casts(job: Job, strategy: str) -> bool:
+    """Whether peft runs fp32 adapters whose inputs are cast per module (see the module docstring)."""
+    return job.adapter == "lora" and strategy == "ddp" and job.act_bytes < 4
+
+
+def masked_attention(job: Job, *, micro_batch: int) -> tuple[int, int] | None:
+    """(rows, row length) of the attention mask the kernel gets, None when it gets none."""
+    if job.attention == "flash":
+        return None
+    if job.packed:  # padding-free: one flat row, a block-diagonal mask from the position_ids
+        return 1, micro_batch * job.seq_len
+    rows = micro_batch * job.sequences_per_sample
+    if rows > 1:  # padded to the batch's longest (DPO: chosen and rejected are two rows)
+        return rows, job.seq_len
+    return (1, job.seq_len) if job.attention == "eager" else None  # sdpa: is_causal, no mask
+
+
+def activation_bytes_per_token_layer(job: Job, *, micro_batch: int = 1, casts: bool = False) -> float:
     a, arch = job.act_bytes, job.arch
     h, i = arch.hidden_size, arch.intermediate_size
     q, kv = arch.num_attention_heads * head_dim(arch), arch.num_kv_heads * head_dim(arch)
-    norms = 2 * 4 * a * h
-    attention = a * (q + 2 * kv) + a * (q + kv) + a * q
+    full = job.adapter == "full"
+    norms = 2 * (4 * h + a * h + (a * h if full else 0))
+    repeated = job.attention == "eager" or masked_attention(job, micro_batch=micro_batch) is not None
+    attention = a * (2 * q + 2 * (q if repeated else kv)) + 4 * arch.num_attention_heads
     mlp = 4 * a * i * min(arch.experts_per_token, arch.num_experts)
     lora = 0.0
-    if job.adapter != "full":
+    if not full:
         shapes = module_shapes(arch)
         for name in job.lora_targets:
             fin, _, _ = shapes.get(name, (h, h, 1))
             lora += a * job.lora_r + (a * fin if job.lora_dropout > 0 else 0)
+        if casts:
+            # each module keeps its own copy of its input; the norm outputs and the MLP product that
+            # the adapters shared are no longer kept (Llama 8B: 3*a*h + a*q = 32 KB per token)
+            lora += sum(a * shapes.get(n, (h, h, 1))[0] for n in job.lora_targets)
+            lora -= a * h * (any(n in job.lora_targets for n in ("q_proj", "k_proj", "v_proj"))
+                             + any(n in job.lora_targets for n in ("gate_proj", "up_proj")))
+            lora -= a * i * ("down_proj" in job.lora_targets)
     return norms + attention + mlp + lora
+
+
+def attention_matrix_bytes(job: Job, *, micro_batch: int) -> float:
+    """Per layer: sdpa's float mask bias (rows x len^2), or eager's saved scores (+ fp32 softmax)."""
+    masked = masked_attention(job, micro_batch=micro_batch)
+    if masked is None:
+        return 0.0
+    rows, length = masked
+    a = job.act_bytes
+    per_element = a + (job.arch.num_attention_heads * (4 + a) if job.attention == "eager" else 0)
+    return rows * length * length * per_element
 
 
 def tokens_per_micro_batch(job: Job, micro_batch: int) -> int:
     return micro_batch * job.seq_len * job.sequences_per_sample
 
 
-def activation_bytes(job: Job, *, micro_batch: int, checkpointing: bool) -> float:
+def activation_bytes(job: Job, *, micro_batch: int, checkpointing: bool, casts: bool = False) -> float:
     tokens = tokens_per_micro_batch(job, micro_batch)
-    per_layer = activation_bytes_per_token_layer(job) * tokens
+    per_layer = (activation_bytes_per_token_layer(job, micro_batch=micro_batch, casts=casts) * tokens
+                 + attention_matrix_bytes(job, micro_batch=micro_batch))
     layers = job.arch.num_layers
     edges = 4 * job.act_bytes * job.arch.hidden_size * tokens  # embedding output + final norm
     if checkpointing:
@@ -150,7 +206,20 @@ def activation_bytes(job: Job, *, micro_batch: int, checkpointing: bool) -> floa
 
 
 def logits_bytes(job: Job, *, micro_batch: int) -> float:
+    """Materialized logits and cross-entropy temporaries (a loss computed from full logits)."""
     return tokens_per_micro_batch(job, micro_batch) * job.arch.vocab_size * LOGITS_BYTES_PER_ELEMENT
+
+
+def loss_head_bytes(job: Job, *, micro_batch: int) -> float:
+    """The LM head + loss at its peak: TRL's fused chunked head, or the materialized logits."""
+    if not job.fused_lm_head:
+        return logits_bytes(job, micro_batch=micro_batch)
+    tokens = tokens_per_micro_batch(job, micro_batch)
+    a, h = job.act_bytes, job.arch.hidden_size
+    tile = min(tokens, FUSED_HEAD_TOKENS) * min(job.arch.vocab_size, FUSED_HEAD_VOCAB) * a
+    per_token = (2 * a + 4) * h + 8 * 4  # hidden copy, fp32 gradient + its cast, fp32 per-token stats
+    head_grad = job.arch.vocab_size * h * (4 + job.weight_bytes) if job.adapter == "full" else 0.0
+    return tokens * per_token + tile + head_grad
 
 
 @dataclass(frozen=True)
@@ -181,8 +250,9 @@ def footprint(job: Job, *, strategy: str, micro_batch: int, checkpointing: bool)
     else:
         on_gpu = MemoryBreakdown(weights=states.weights / shard, trainable=states.trainable / shard,
                                  gradients=states.gradients / shard, optimizer=states.optimizer / shard)
-    acts = activation_bytes(job, micro_batch=micro_batch, checkpointing=checkpointing)
-    logits = logits_bytes(job, micro_batch=micro_batch)
+    acts = activation_bytes(job, micro_batch=micro_batch, checkpointing=checkpointing,
+                            casts=adapter_input_casts(job, strategy))
+    logits = loss_head_bytes(job, micro_batch=micro_batch)
     fixed = CPU_FIXED_BYTES if cpu else CUDA_FIXED_BYTES + (NCCL_BYTES if p.world_size > 1 else 0)
     if job.adapter == "qlora":
         # a dequantized 16-bit copy of the largest linear weight while it is multiplied

@@ -8,8 +8,12 @@ experts only, plus the lm_head; L layers, a = heads x head_dim, s = sequence len
   checkpointing: + 2N + 4*L*a*s   (one extra forward per layer)
   dpo:         the policy on chosen + rejected (2 sequences per sample) plus a reference forward
                (2N + 4*L*a*s per token) unless the reference log-probs are precomputed.
-Compute time = FLOPs / (peak x efficiency). Efficiency is an HF-stack MFU (0.45 on GPUs, measured
-~0.42 for TRL+PEFT 8B LoRA on H100), lower for QLoRA (dequantization) and small micro-batches.
+Compute time = FLOPs / (peak x efficiency). Efficiency is an HF-stack MFU: 0.45 on GPUs for a full
+fine-tune; LoRA/QLoRA reach less of the peak (the frozen base's backward is thin matmuls next to many
+small adapter matmuls, casts and eager elementwise kernels); QLoRA also dequantizes NF4 on every matmul;
+small micro-batches underuse the GPU. Calibrated on tests/data/gpu_calibration.json (H100, 1 GPU,
+seq 2048, tokens/s over 20-50 steps, so a little startup is included): 8B LoRA 6.7k tokens/s = 0.26 of
+the bf16 peak (after the micro-batch factor), QLoRA 6.0k = 0.89 of LoRA's.
 
 Collectives (ring algorithms; NCCL's bus-bandwidth convention): with `bus_bandwidth` the per-GPU
 figure nccl-tests reports, an all-reduce of S bytes over n ranks takes 2(n-1)/n * S / bus_bandwidth,
@@ -27,7 +31,10 @@ from finetune.plan.workload import Job, count_params, head_dim, trainable_params
 
 GPU_EFFICIENCY = 0.45
 CPU_EFFICIENCY = 0.30
-QLORA_EFFICIENCY = 0.75  # dequantizing NF4 weights on every matmul
+# x GPU_EFFICIENCY for LoRA/QLoRA: measured 8B LoRA on 1 x H100 6.7k tokens/s vs 11.8k predicted at
+# 0.45 (0.26 effective); 0.29 effective leaves room for the startup in that figure
+ADAPTER_EFFICIENCY = 0.65
+QLORA_EFFICIENCY = 0.85  # dequantizing NF4 weights on every matmul: measured 0.89 of LoRA's tokens/s (H100)
 MICRO_BATCH_HALF_TOKENS = 512  # efficiency x tokens/(tokens + this): small micro-batches underuse the GPU
 ZERO3_COMM_FACTOR = 1.2  # DeepSpeed's parameter fetching overlaps less than FSDP2's prefetch
 OVERLAP_LEAK = 0.1  # share of the smaller of compute/communication that is not hidden
@@ -73,6 +80,8 @@ def model_flops_per_token(job: Job) -> float:
 
 def efficiency(job: Job, *, micro_batch: int) -> float:
     base = CPU_EFFICIENCY if job.preset.vendor == "cpu" else GPU_EFFICIENCY
+    if job.adapter != "full" and job.preset.vendor != "cpu":
+        base *= ADAPTER_EFFICIENCY
     if job.adapter == "qlora":
         base *= QLORA_EFFICIENCY
     tokens = tokens_per_micro_batch(job, micro_batch)

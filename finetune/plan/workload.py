@@ -31,6 +31,12 @@ class Job:
     act_bytes: int = 2  # 2 for bf16/fp16 training, 4 for fp32
     optimizer: str = "adamw"
     seq_len: int = 2048
+    packed: bool = False  # data.packing: padding-free rows of micro_batch x seq_len tokens
+    # flash (flash_attention_2/3, flex: no materialized mask) | sdpa | eager (model.attn_implementation)
+    attention: str = "sdpa"
+    # TRL >= 1.x SFT/DPO score tokens through add_fused_lm_head (chunked, the (tokens, vocab) logits are
+    # never materialized); False for a trainer that computes the loss from full logits
+    fused_lm_head: bool = True
     global_batch_size: int = 16
     micro_batch: int | None = None  # pinned by the recipe, else searched
     checkpointing: str = "auto"  # auto | on | off
