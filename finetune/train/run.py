@@ -101,13 +101,17 @@ def _run(recipe, *, state, run_dir: Path, resume: str, preempt) -> dict | None:
         state.wait_for_everyone()
 
     from finetune.train.memory_report import PeakMemoryCallback
+    from finetune.train.progress import ConsoleProgress
 
-    callbacks = [MetricsCallback(run_dir), PeakMemoryCallback(run_dir),
+    callbacks = [MetricsCallback(run_dir), PeakMemoryCallback(run_dir), ConsoleProgress(),
                  NonFiniteCallback(policy=recipe.train.on_nonfinite, max_bad_steps=recipe.train.max_bad_steps),
                  CommitCallback(run_dir, fields=recipe_fields(recipe), strategy=recipe.distributed.strategy,
                                 keep=recipe.output.keep),
                  preempt]
     trainer = build_trainer(recipe, args=args, model=model, tokenizer=tokenizer, data=data, callbacks=callbacks)
+    from transformers.trainer_callback import PrinterCallback
+
+    trainer.remove_callback(PrinterCallback)  # ConsoleProgress prints the readable version
     if data.eval is not None and resume_from is None:
         summary["eval_loss_before"] = trainer.evaluate()["eval_loss"]
     result = trainer.train(resume_from_checkpoint=str(resume_from) if resume_from else None)

@@ -79,7 +79,7 @@ def common_args(recipe: Recipe, *, run_dir: Path, has_eval: bool) -> dict:
         use_cpu=not cuda,
         dataloader_num_workers=2 if cuda else 0,
         dataloader_pin_memory=cuda,
-        disable_tqdm=False,
+        disable_tqdm=True,  # finetune.train.progress prints one line per logged step instead
     )
     return args
 
