@@ -61,9 +61,9 @@ def env(cache: Path | None = None) -> dict:
     return out
 
 
-def start(argv: list[str], *, cache: Path | None = None) -> subprocess.Popen:
-    return subprocess.Popen(argv, cwd=ROOT, env=env(cache), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, start_new_session=True)
+def start(argv: list[str], *, cache: Path | None = None, extra_env: dict | None = None) -> subprocess.Popen:
+    return subprocess.Popen(argv, cwd=ROOT, env={**env(cache), **(extra_env or {})}, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
 
 
 def run(argv: list[str], *, cache: Path | None = None, timeout: float = 240) -> subprocess.CompletedProcess:
