@@ -60,11 +60,11 @@ CHAT_TEMPLATE = (
 class TextGen:
     """Zipf-distributed synthetic words with punctuation; numpy-vectorized, seeded."""
 
-    def __init__(self, seed: int, *, lexicon: int = 60_000):
+    def __init__(self, seed: int, *, lexicon: int = 20_000):
         import numpy as np
 
         self.np = np
-        rng = np.random.default_rng(seed)
+        rng = np.random.default_rng(1234)  # one lexicon for the tokenizer's corpus and the data
         onsets = ["", "b", "c", "d", "f", "g", "h", "k", "l", "m", "n", "p", "r", "s", "t", "v", "w", "st",
                   "tr", "pl", "ch", "sh", "th", "gr", "br"]
         vowels = ["a", "e", "i", "o", "u", "ou", "ea", "io", "y"]
@@ -84,7 +84,7 @@ class TextGen:
         ranks = np.arange(len(words))
         self.word_p = 1.0 / (ranks + 2.7)
         self.word_p /= self.word_p.sum()
-        self.rng = rng
+        self.rng = np.random.default_rng(seed)
 
     def words(self, n: int) -> list[str]:
         w = self.rng.choice(len(self.word_p), size=n, p=self.word_p)
@@ -93,26 +93,34 @@ class TextGen:
 
 
 def write_data(path: Path, *, n: int, seed: int) -> dict:
-    """n multi-turn chats: 1-4 user/assistant turns, 30% with a system prompt, 20-400 words per
-    message (log-uniform, so short turns are common and long ones occur)."""
+    """n multi-turn chats: 1-4 user/assistant turns, 30% with a system prompt (10-60 words), 20-400
+    words per turn (log-uniform, so short turns are common and long ones occur), a third of a turn's
+    words in the user message and the rest in the assistant's answer."""
     gen = TextGen(seed)
     np, rng = gen.np, gen.rng
     turns = rng.integers(1, 5, n)
     has_system = rng.random(n) < 0.3
-    n_msgs = 2 * turns + has_system
-    lengths = np.exp(rng.uniform(np.log(20), np.log(400), int(n_msgs.sum()))).astype(int)
-    pool = gen.words(int(lengths.sum()))
-    pos = msg = 0
+    turn_words = np.exp(rng.uniform(np.log(20), np.log(400), int(turns.sum()))).astype(int)
+    user_words = np.maximum(turn_words // 3, 1)
+    system_words = rng.integers(10, 61, n)
+    pool = gen.words(int(turn_words.sum() + system_words[has_system].sum()))
+    pos = turn = 0
+
+    def take(k):
+        nonlocal pos
+        pos += k
+        return " ".join(pool[pos - k:pos])
+
     with path.open("w") as fh:
         for i in range(n):
-            roles = (["system"] if has_system[i] else []) + ["user", "assistant"] * int(turns[i])
-            messages = []
-            for role in roles:
-                k = int(lengths[msg])
-                messages.append({"role": role, "content": " ".join(pool[pos:pos + k])})
-                pos, msg = pos + k, msg + 1
+            messages = [{"role": "system", "content": take(int(system_words[i]))}] if has_system[i] else []
+            for _ in range(int(turns[i])):
+                u = int(user_words[turn])
+                messages.append({"role": "user", "content": take(u)})
+                messages.append({"role": "assistant", "content": take(int(turn_words[turn]) - u)})
+                turn += 1
             fh.write(json.dumps({"messages": messages}) + "\n")
-    return {"examples": n, "messages": int(n_msgs.sum()), "words": int(lengths.sum()),
+    return {"examples": n, "messages": int(2 * turns.sum() + has_system.sum()), "words": pos,
             "turns_mean": float(turns.mean()), "bytes": path.stat().st_size}
 
 
@@ -121,7 +129,7 @@ def build_tokenizer(out_dir: Path, *, seed: int, vocab_size: int = 32_000) -> di
     from transformers import PreTrainedTokenizerFast
 
     gen = TextGen(seed + 1)
-    corpus = [" ".join(gen.words(200)) for _ in range(15_000)]
+    corpus = [" ".join(gen.words(200)) for _ in range(4_000)]
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.Sequence([
         pre_tokenizers.Split(Regex(LLAMA3_SPLIT), behavior="isolated"),
@@ -138,14 +146,25 @@ def build_tokenizer(out_dir: Path, *, seed: int, vocab_size: int = 32_000) -> di
 
 
 def _column_stats(ds) -> dict:
+    """Counts and a digest of input_ids + labels, to check that both sides produced the same rows."""
+    import hashlib
+
+    import numpy as np
     import pyarrow.compute as pc
 
     ids, labels = ds.data.column("input_ids"), ds.data.column("labels")
+    digest = hashlib.sha256()
+    for col in (ids, labels):
+        digest.update(np.asarray(pc.list_value_length(col), dtype=np.int64).tobytes())
+        digest.update(np.asarray(pc.list_flatten(col), dtype=np.int64).tobytes())
     loss = pc.sum(pc.not_equal(pc.list_flatten(labels), -100)).as_py()
-    return {"rows": len(ds), "tokens": int(pc.sum(pc.list_value_length(ids)).as_py()), "loss_tokens": int(loss)}
+    return {"rows": len(ds), "tokens": int(pc.sum(pc.list_value_length(ids)).as_py()), "loss_tokens": int(loss),
+            "digest": digest.hexdigest()[:16]}
 
 
-def phase_finetune(work: Path) -> dict:
+def phase_finetune(work: Path, *, src: str | None, recipe_file: str) -> dict:
+    if src:  # another checkout of finetune (the code before a change), with its own cache dir
+        sys.path.insert(0, src)
     t0 = time.perf_counter()
     from accelerate import PartialState
 
@@ -155,12 +174,15 @@ def phase_finetune(work: Path) -> dict:
 
     t_import = time.perf_counter() - t0
     cfg = json.loads((work / "config.json").read_text())
-    recipe = load_recipe(work / "recipe.yaml")
+    recipe = load_recipe(work / recipe_file)
     t0 = time.perf_counter()
     tokenizer = load_tokenizer(recipe)
     data = prepare_data(recipe, tokenizer, state=PartialState(cpu=True))
     seconds = time.perf_counter() - t0
+    import finetune
+
     return {"seconds": seconds, "import_seconds": t_import, "cache_hit": data.cache_hit,
+            "finetune_src": str(Path(finetune.__file__).parent.parent),
             "cache_key": data.cache_key, "notes": data.notes, "max_length": cfg["max_length"],
             **_column_stats(data.train)}
 
@@ -204,11 +226,10 @@ def phase_trl(work: Path, *, num_proc: int | None) -> dict:
             **_column_stats(trainer.train_dataset)}
 
 
-def _run_phase(work: Path, phase: str, extra_env: dict | None = None) -> dict:
-    env = {**os.environ, **(extra_env or {})}
+def _run_phase(work: Path, phase: str, *, src: str | None) -> dict:
     out = work / f"result-{phase}.json"
-    subprocess.run([sys.executable, __file__, "--phase", phase, "--work", str(work), "--phase-out", str(out)],
-                   check=True, env=env)
+    cmd = [sys.executable, __file__, "--phase", phase, "--work", str(work), "--phase-out", str(out)]
+    subprocess.run(cmd + (["--finetune-src", src] if src else []), check=True)
     return json.loads(out.read_text())
 
 
@@ -229,12 +250,16 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, help="write the JSON result here")
     p.add_argument("--skip", nargs="*", default=[], help="phases to leave out (while developing)")
+    p.add_argument("--before-src", help="a checkout of finetune before a change: adds finetune-before-cold")
     p.add_argument("--phase", help=argparse.SUPPRESS)
     p.add_argument("--work", type=Path, help=argparse.SUPPRESS)
     p.add_argument("--phase-out", type=Path, help=argparse.SUPPRESS)
+    p.add_argument("--finetune-src", help=argparse.SUPPRESS)
     a = p.parse_args()
     if a.phase:
-        result = (phase_finetune(a.work) if a.phase.startswith("finetune")
+        recipe_file = "recipe-before.yaml" if a.phase.startswith("finetune-before") else "recipe.yaml"
+        result = (phase_finetune(a.work, src=a.finetune_src, recipe_file=recipe_file)
+                  if a.phase.startswith("finetune")
                   else phase_trl(a.work, num_proc=None if a.phase == "trl-default" else 2))
         a.phase_out.write_text(json.dumps(result))
         return
@@ -251,22 +276,25 @@ def main() -> None:
         with (work / "data.jsonl").open() as fh, (work / "small.jsonl").open("w") as small:
             small.writelines(next(fh) for _ in range(min(16, a.examples)))
         (work / "config.json").write_text(json.dumps({"max_length": a.max_length}))
-        (work / "recipe.yaml").write_text(
-            f"model: {{name: {work / 'tokenizer'}}}\n"
-            f"data: {{sources: [{{path: {work / 'data.jsonl'}, format: messages}}], max_length: {a.max_length},"
-            f" assistant_only_loss: true, cache_dir: {work / 'ftcache'}}}\n"
-            "hardware: cpu\n")
+        for name, cache_dir in (("recipe.yaml", "ftcache"), ("recipe-before.yaml", "ftcache-before")):
+            (work / name).write_text(
+                f"model: {{name: {work / 'tokenizer'}}}\n"
+                f"data: {{sources: [{{path: {work / 'data.jsonl'}, format: messages}}], max_length: {a.max_length},"
+                f" assistant_only_loss: true, cache_dir: {work / cache_dir}}}\n"
+                "hardware: cpu\n")
         print(f"tokenizer {tok_info}\ndata {data_info}", flush=True)
 
         phases = {}
-        for name in ("finetune-cold", "finetune-warm", "trl-default", "trl-2proc"):
+        names = (["finetune-before-cold"] if a.before_src else []) + [
+            "finetune-cold", "finetune-warm", "trl-default", "trl-2proc"]
+        for name in names:
             if name in a.skip:
                 continue
-            phases[name] = _run_phase(work, name)
+            phases[name] = _run_phase(work, name, src=a.before_src if "before" in name else None)
             r = phases[name]
             r["examples_per_s"] = a.examples / r["seconds"]
             r["tokens_per_s"] = r["tokens"] / r["seconds"]
-            print(f"{name:14s} {r['seconds']:8.2f} s {r['examples_per_s']:10.0f} ex/s "
+            print(f"{name:20s} {r['seconds']:8.2f} s {r['examples_per_s']:10.0f} ex/s "
                   f"{r['tokens_per_s']:12.0f} tok/s  rows {r['rows']} tokens {r['tokens']} "
                   f"loss {r['loss_tokens']}" + (f" cache_hit={r['cache_hit']}" if "cache_hit" in r else ""),
                   flush=True)
@@ -278,10 +306,15 @@ def main() -> None:
     for trl_name in ("trl-default", "trl-2proc"):
         if ft and trl_name in phases:
             result[f"ratio_finetune_cold_vs_{trl_name}"] = phases[trl_name]["seconds"] / ft["seconds"]
-            same = all(ft[k] == phases[trl_name][k] for k in ("rows", "tokens", "loss_tokens"))
+            same = all(ft[k] == phases[trl_name][k] for k in ("rows", "tokens", "loss_tokens", "digest"))
             result[f"same_output_as_{trl_name}"] = same
+    if ft and "finetune-before-cold" in phases:
+        before = phases["finetune-before-cold"]
+        result["speedup_finetune_cold_vs_before"] = before["seconds"] / ft["seconds"]
+        result["same_output_before_after"] = before["digest"] == ft["digest"]
     result["total_seconds"] = time.perf_counter() - started
-    print(json.dumps({k: v for k, v in result.items() if k.startswith(("ratio", "same", "total"))}, indent=1))
+    print(json.dumps({k: v for k, v in result.items() if k.startswith(("ratio", "same", "speedup", "total"))},
+                     indent=1))
     if a.out:
         a.out.parent.mkdir(parents=True, exist_ok=True)
         a.out.write_text(json.dumps(result, indent=2) + "\n")

@@ -112,6 +112,48 @@ def test_assistant_mask_with_and_without_generation_markers():
     assert full["labels"] == full["input_ids"]
 
 
+def _byte_bpe_tokenizer(template: str):
+    # byte-level BPE splits a multi-byte character into tokens that share its offsets
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    bpe.train_from_iterator(["hello world, the answer is 42", "ünïcödé text and more words"] * 20,
+                            trainer=trainers.BpeTrainer(vocab_size=300, special_tokens=["<|end|>", "<|s|>"],
+                                                        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                                        show_progress=False))
+    return PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<|end|>", bos_token="<|s|>",
+                                   chat_template=template)
+
+
+def test_batched_tokenization_equals_record_by_record():
+    from finetune.train.tokenize import sft_features, sft_features_batch
+
+    records = [json.loads(line) for line in (QUICKSTART_DATA / "train.jsonl").read_text().splitlines()[:40]]
+    records += [
+        {"messages": [{"role": "system", "content": ""}, {"role": "user", "content": "héllo 😀"},
+                      {"role": "assistant", "content": "😀 ünïcödé 漢字"}, {"role": "user", "content": " "},
+                      {"role": "assistant", "content": "🙂"}]},
+        {"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": "yes"},
+                      {"role": "user", "content": "z"}, {"role": "assistant", "content": ""}]},  # an empty span
+        {"text": "plain text"}, {"prompt": "the answer", "completion": " is 42"},
+    ]
+    tiny = _tokenizer()
+    template = tiny.chat_template
+    # spans ending inside a character that several byte tokens share (the answers end with emoji)
+    content_only = template.replace("<|end|>{% endgeneration %}", "{% endgeneration %}<|end|>")
+    assert content_only != template
+    no_markers = template.replace("{% generation %}", "").replace("{% endgeneration %}", "")
+    for tok in (tiny, _byte_bpe_tokenizer(template), _byte_bpe_tokenizer(content_only),
+                _byte_bpe_tokenizer(no_markers)):
+        for assistant_only_loss in (True, False):
+            one = [sft_features(r, tok, assistant_only_loss=assistant_only_loss) for r in records]
+            assert sft_features_batch(records, tok, assistant_only_loss=assistant_only_loss, chunk=7) == one
+            assert any(t == -100 for f in one for t in f["labels"]) == assistant_only_loss
+
+
 def _prepare(tmp_path, **sections):
     from finetune.train.model import load_tokenizer
     from finetune.train.preflight import prepare_data

@@ -17,7 +17,7 @@ from finetune.recipe.load import recipe_dir
 from finetune.recipe.schema import Recipe
 from finetune.train import cache
 from finetune.train.data import LoadedSource, load_source
-from finetune.train.tokenize import dpo_features, features_length, has_loss_tokens, sft_features
+from finetune.train.tokenize import dpo_features, features_length, has_loss_tokens, sft_features_batch
 
 log = logging.getLogger("finetune.train")
 CHAT_FORMATS = ("messages", "alpaca", "sharegpt")
@@ -49,16 +49,12 @@ def check_chat_template(recipe: Recipe, tokenizer, sources: list[LoadedSource]) 
 def _tokenize(records: list[dict], tokenizer, *, method: str, assistant_only_loss: bool):
     import datasets
 
-    def one(record):
-        if method == "dpo":
-            feats = dpo_features(record, tokenizer)
-        else:
-            feats = sft_features(record, tokenizer, assistant_only_loss=assistant_only_loss)
-        feats["_length"] = features_length(feats)
-        feats["_has_loss"] = has_loss_tokens(feats)
-        return feats
-
-    rows = [{**one(r), "_file": r["_file"], "_row": r["_row"]} for r in records]
+    if method == "dpo":
+        feats = [dpo_features(r, tokenizer) for r in records]
+    else:
+        feats = sft_features_batch(records, tokenizer, assistant_only_loss=assistant_only_loss)
+    rows = [{**f, "_length": features_length(f), "_has_loss": has_loss_tokens(f), "_file": r["_file"],
+             "_row": r["_row"]} for f, r in zip(feats, records)]
     return datasets.Dataset.from_list(rows)
 
 
