@@ -85,6 +85,12 @@ def launch(spec_or_run_dir: LaunchSpec | str | Path, *, node_rank: int | None = 
     rank = node_rank or 0
     argv = executable_argv(spec.argv(node_rank=rank, main_address=main_address,
                                      main_port=main_port, extra_args=list(extra_args)))
+    if spec.device == "cpu":
+        # what accelerate would pick anyway, said explicitly so it prints no "defaults used" notice;
+        # decided here, not at compile time, because it depends on the machine that runs it
+        threads = max(1, (os.cpu_count() or 1) // max(1, spec.procs_per_node))
+        at = argv.index("--config_file")
+        argv[at:at] = ["--num_cpu_threads_per_process", str(threads)]
     log_path = Path(spec.run_dir) / "logs" / f"launch-node{rank}.log"
     log_path.parent.mkdir(parents=True, exist_ok=True)
     return _run(argv, env=launch_env(spec), log_path=log_path, stream=stream)
