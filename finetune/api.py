@@ -84,7 +84,7 @@ def run(recipe, *, hardware: str | None = None, overrides: list[str] | None = No
     created = not target.exists()  # bad input must not leave a half-written run dir behind
     try:
         check_data(recipe)  # paths and rows, before anything is written
-        spec = compile(recipe, hardware=hardware, output=output)
+        spec = compile(recipe, hardware=hardware, output=target)
         _check_resume(Path(spec.run_dir), resume, world_size=spec.world_size)
     except FinetuneError:
         if created:

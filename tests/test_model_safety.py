@@ -45,21 +45,21 @@ def _resolved(tmp_path, model_dir, **model):
 def test_pickled_weights_are_refused_by_default(tmp_path):
     recipe = _resolved(tmp_path, _model_dir(tmp_path, pickled=True))
     with pytest.raises(RecipeError) as info:
-        load_model(recipe, gradient_checkpointing=False)
+        load_model(recipe)
     assert "allow_pickle" in info.value.render()
 
 
 def test_pickled_weights_load_when_allowed(tmp_path):
     recipe = _resolved(tmp_path, _model_dir(tmp_path, pickled=True), allow_pickle=True)
-    model = load_model(recipe, gradient_checkpointing=False)
+    model = load_model(recipe)
     assert sum(p.numel() for p in model.parameters()) > 0
 
 
 def test_remote_code_does_not_run_unless_trusted(tmp_path):
     model_dir = _model_dir(tmp_path, pickled=False, remote_code=True)
-    model = load_model(_resolved(tmp_path, model_dir), gradient_checkpointing=False)
+    model = load_model(_resolved(tmp_path, model_dir))
     assert type(model).__name__ == "LlamaForCausalLM"
     assert not (tmp_path / "remote-code-ran").exists()
-    model = load_model(_resolved(tmp_path, model_dir, trust_remote_code=True), gradient_checkpointing=False)
+    model = load_model(_resolved(tmp_path, model_dir, trust_remote_code=True))
     assert type(model).__name__ == "EvilForCausalLM"
     assert (tmp_path / "remote-code-ran").exists()

@@ -12,7 +12,9 @@ from reliability_util import cli_argv, cpu_preset, losses, start, tree, wait_for
 pytestmark = pytest.mark.slow
 
 
-def test_a_dead_rank_fails_the_job_instead_of_hanging(tmp_path):
+def _two_rank_run_in_training(tmp_path):
+    """Start a 2-process gloo run (collective timeout 12 s) and wait until it trains; return the
+    launcher process and local rank 1's process."""
     preset = cpu_preset(tmp_path / "cpu2.yaml", procs=2)
     recipe = write_recipe(tmp_path / "recipe.yaml", hardware=str(preset),
                           train={"epochs": None, "max_steps": 400, "micro_batch_size": 4},
@@ -25,6 +27,11 @@ def test_a_dead_rank_fails_the_job_instead_of_hanging(tmp_path):
              " ".join(p.cmdline())]
     assert len(ranks) == 2, [p.cmdline() for p in ranks]
     victim = next(p for p in ranks if "LOCAL_RANK" in p.environ() and p.environ()["LOCAL_RANK"] == "1")
+    return proc, victim
+
+
+def test_a_dead_rank_fails_the_job_instead_of_hanging(tmp_path):
+    proc, victim = _two_rank_run_in_training(tmp_path)
     t0 = time.monotonic()
     victim.send_signal(signal.SIGKILL)
     out, _ = proc.communicate(timeout=120)
@@ -39,17 +46,7 @@ def test_a_stalled_rank_fails_the_job_within_the_collective_timeout(tmp_path):
     makes the other rank's collective time out after distributed.timeout_minutes; the job then
     fails, naming the ranks, instead of waiting forever. After the first failure torchrun gives the
     stopped rank a fixed 30 s before SIGKILL."""
-    preset = cpu_preset(tmp_path / "cpu2.yaml", procs=2)
-    recipe = write_recipe(tmp_path / "recipe.yaml", hardware=str(preset),
-                          train={"epochs": None, "max_steps": 400, "micro_batch_size": 4},
-                          output={"save_every": None})
-    run_dir = tmp_path / "run"
-    proc = start(cli_argv(recipe, run_dir, "--set", "distributed.timeout_minutes=0.2"), cache=tmp_path / "cache")
-    assert wait_for(lambda: (run_dir / "metrics.jsonl").exists() and max(losses(run_dir), default=0) >= 2,
-                    proc=proc), proc.communicate()[0][-3000:]
-    ranks = [p for p in tree(proc) if "finetune.train" in " ".join(p.cmdline()) and "accelerate" not in
-             " ".join(p.cmdline())]
-    victim = next(p for p in ranks if p.environ().get("LOCAL_RANK") == "1")
+    proc, victim = _two_rank_run_in_training(tmp_path)
     t0 = time.monotonic()
     victim.send_signal(signal.SIGSTOP)
     try:

@@ -83,7 +83,7 @@ def test_skip_leaves_weights_untouched_on_bad_steps_only(poisoned, tmp_path):
     data = prepare_data(recipe, tokenizer, state=PartialState(cpu=True))
     nonfinite, probe = NonFiniteCallback(policy="skip", max_bad_steps=8), WeightProbe()
     trainer = build_trainer(recipe, args=training_args(recipe, run_dir=tmp_path / "run", has_eval=False),
-                            model=load_model(recipe, gradient_checkpointing=False), tokenizer=tokenizer,
+                            model=load_model(recipe), tokenizer=tokenizer,
                             data=data, callbacks=[nonfinite, probe])
     trainer.train()
     assert trainer.state.global_step == 8

@@ -84,8 +84,7 @@ def test_sft_qlora_trains_on_cpu_with_4bit_base(tmp_path):
     from finetune.recipe.load import load_recipe
     from finetune.train.model import load_model
 
-    base = load_model(load_recipe(run_dir / "recipe.resolved.yaml", allow_resolved=True),
-                      gradient_checkpointing=False)
+    base = load_model(load_recipe(run_dir / "recipe.resolved.yaml", allow_resolved=True))
     assert any(type(m).__name__ == "Linear4bit" for m in base.modules())  # really quantized
     _generate(PeftModel.from_pretrained(base, run_dir), AutoTokenizer.from_pretrained(run_dir))
 

@@ -17,13 +17,10 @@ log = logging.getLogger("finetune.train")
 
 def peak_memory_gib() -> float:
     """GPU: torch's peak allocated bytes; CPU: the process's peak resident set."""
-    import torch
+    from finetune.train.memory_report import memory_figures
 
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        return torch.cuda.max_memory_allocated() / 2**30
-    import resource
-
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 2**30  # ru_maxrss is KiB on Linux
+    figures = memory_figures()
+    return figures.get("gpu_max_allocated_gib", figures["host_rss_peak_gib"])
 
 
 def read_metrics(path: Path) -> list[dict]:

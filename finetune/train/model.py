@@ -99,7 +99,7 @@ def model_kwargs(recipe: Recipe) -> dict:
     return kwargs
 
 
-def load_model(recipe: Recipe, *, gradient_checkpointing: bool):
+def load_model(recipe: Recipe):
     from transformers import AutoModelForCausalLM
 
     try:

@@ -68,7 +68,7 @@ def _run(recipe, *, state, run_dir: Path, resume: str, preempt) -> dict | None:
     from finetune.train import taskeval
     from finetune.train.model import load_model, load_tokenizer
     from finetune.train.preflight import prepare_data
-    from finetune.train.trainers import build_trainer, trainer_checkpointing, training_args
+    from finetune.train.trainers import build_trainer, training_args
 
     tokenizer = load_tokenizer(recipe)
     data = prepare_data(recipe, tokenizer, state=state)  # preflight: before any model is loaded
@@ -87,7 +87,7 @@ def _run(recipe, *, state, run_dir: Path, resume: str, preempt) -> dict | None:
 
     args = training_args(recipe, run_dir=run_dir, has_eval=data.eval is not None)
     args.save_total_limit = None  # retention is CommitCallback's: only after a newer checkpoint is complete
-    model = load_model(recipe, gradient_checkpointing=trainer_checkpointing(recipe))
+    model = load_model(recipe)
     summary: dict = {"run_dir": str(run_dir), "tokenized_cache": {"key": data.cache_key, "hit": data.cache_hit},
                      "data_notes": data.notes, "resumed_from": str(resume_from) if resume_from else None}
     max_new = recipe.data.task_eval.max_new_tokens if cases else 0

@@ -150,7 +150,7 @@ def build_trainer(recipe: Recipe, *, args, model, tokenizer, data, callbacks: li
     if reference_mode(recipe) == "copy" and peft_config is not None:
         from finetune.train.model import load_model
 
-        ref_model = load_model(recipe, gradient_checkpointing=False)  # a frozen, separate base copy
+        ref_model = load_model(recipe)  # a frozen, separate base copy
     # full + copy: DPOTrainer builds the frozen copy itself from the model's path
     return PretokenizedDPOTrainer(model=model, ref_model=ref_model, args=args, train_dataset=data.train,
                                   eval_dataset=data.eval, processing_class=tokenizer, peft_config=peft_config,
