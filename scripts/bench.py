@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import subprocess
 import sys
 import time
@@ -38,42 +39,85 @@ def lora_flops_per_token(arch, seq: int) -> float:
     return 4 * n + attention * 2 / 3  # attention: fwd + input-grad bwd, no weight grads
 
 
-def baseline(model_dir: str, data: str, *, seq: int, batch: int, steps: int, ckpt: bool) -> dict:
+# Throughput is reported twice: over the whole train() call (what TRL's train_runtime gives; it includes
+# the first steps' kernel compilation, allocator growth and dataloader start) and past this many
+# optimizer steps, which is what a run of thousands of steps sees. Both sides are timed the same way.
+WARMUP_STEPS = 5
+
+
+def _step_clock():
+    from transformers import TrainerCallback
+
+    class StepClock(TrainerCallback):
+        """(step, seconds, tokens seen) at the end of every optimizer step."""
+
+        def __init__(self):
+            self.points: list[tuple[int, float, float]] = []
+
+        def on_step_end(self, args, state, control, **kwargs):
+            self.points.append((state.global_step, time.perf_counter(), state.num_input_tokens_seen or 0))
+
+        def steady(self, warmup: int) -> float | None:
+            return steady_rate(self.points, warmup)
+
+    return StepClock()
+
+
+def baseline(model_dir: str, data: str, *, seq: int, batch: int, steps: int, ckpt: bool,
+             method: str = "sft") -> dict:
     """Plain TRL, as the documentation shows it."""
     import torch
     from datasets import load_dataset
     from peft import LoraConfig
     from transformers import AutoModelForCausalLM, AutoTokenizer
-    from trl import SFTConfig, SFTTrainer
+    from trl import DPOConfig, DPOTrainer, SFTConfig, SFTTrainer
 
     tok = AutoTokenizer.from_pretrained(model_dir)
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).cuda()
     ds = load_dataset("json", data_files=data, split="train")
-    mb = 4 if not ckpt else 8
-    cfg = SFTConfig(output_dir="/tmp/bench-trl", max_length=seq, per_device_train_batch_size=mb,
-                    gradient_accumulation_steps=max(1, batch // mb), max_steps=steps, bf16=True,
-                    gradient_checkpointing=ckpt, logging_steps=5, save_strategy="no", report_to="none",
-                    learning_rate=2e-4, include_num_input_tokens_seen="non_padding")
-    trainer = SFTTrainer(model=model, args=cfg, train_dataset=ds, processing_class=tok,
-                         peft_config=LoraConfig(r=16, lora_alpha=32, target_modules="all-linear",
-                                                task_type="CAUSAL_LM"))
+    mb = 4 if not ckpt else 8  # 8: TRL's default; without checkpointing 8 does not fit an 80 GB card
+    common = dict(output_dir="/tmp/bench-trl", max_length=seq, per_device_train_batch_size=mb,
+                  gradient_accumulation_steps=max(1, batch // mb), max_steps=steps, bf16=True,
+                  gradient_checkpointing=ckpt, logging_steps=5, save_strategy="no", report_to="none",
+                  include_num_input_tokens_seen="non_padding")
+    lora = LoraConfig(r=16, lora_alpha=32, target_modules="all-linear", task_type="CAUSAL_LM")
+    if method == "dpo":
+        trainer = DPOTrainer(model=model, args=DPOConfig(**common, learning_rate=5e-6, beta=0.1),
+                             train_dataset=ds, processing_class=tok, peft_config=lora)
+    else:
+        trainer = SFTTrainer(model=model, args=SFTConfig(**common, learning_rate=2e-4), train_dataset=ds,
+                             processing_class=tok, peft_config=lora)
+    clock = _step_clock()
+    trainer.add_callback(clock)
     torch.cuda.reset_peak_memory_stats()
     result = trainer.train()
     runtime = result.metrics["train_runtime"]
     return {"tokens_per_second": trainer.state.num_input_tokens_seen / runtime,
+            "steady_tokens_per_second": clock.steady(WARMUP_STEPS),
             "peak_reserved_gib": torch.cuda.max_memory_reserved() / 2**30, "micro_batch": mb,
             "activation_checkpointing": ckpt, "runtime_s": runtime}
 
 
+def steady_rate(points: list[tuple[int, float, float]], warmup: int) -> float | None:
+    """Tokens/s between the end of step `warmup` and the last step, from (step, seconds, tokens seen)."""
+    after = [p for p in points if p[0] >= warmup]
+    if len(after) < 2 or after[-1][1] <= after[0][1]:
+        return None
+    return (after[-1][2] - after[0][2]) / (after[-1][1] - after[0][1])
+
+
 def finetune_side(model_dir: Path, data: Path, *, seq: int, batch: int, steps: int, name: str,
-                  overrides: list[str]) -> dict:
+                  overrides: list[str], method: str = "sft", out: Path | None = None) -> dict:
     import yaml
 
     work = WORK / f"bench-{name}"
     work.mkdir(parents=True, exist_ok=True)
     recipe = base_recipe(model_dir, data, steps=steps, seq=seq, batch=batch)
+    if method == "dpo":
+        recipe["method"] = {"type": "dpo", "beta": 0.1}
+        recipe["data"].update(format="preference", packing=False)
     recipe["output"] = {"keep": 1}  # no mid-run checkpoints in a benchmark
     recipe["data"]["allow_outside"] = True  # the shared data file sits beside the run folders
     (work / "recipe.yaml").write_text(yaml.safe_dump(recipe))
@@ -83,18 +127,59 @@ def finetune_side(model_dir: Path, data: Path, *, seq: int, batch: int, steps: i
     summary = json.loads((work / "run" / "summary.json").read_text())
     plan = json.loads((work / "run" / "plan.json").read_text())
     mem = json.loads((work / "run" / "memory" / "rank-0.json").read_text())
-    return {"tokens_per_second": summary["tokens_per_second"], "peak_reserved_gib": mem.get("gpu_max_reserved_gib"),
-            "micro_batch": plan["micro_batch_size"], "activation_checkpointing": plan["activation_checkpointing"],
-            "runtime_s": summary["train_runtime_s"], "overrides": overrides}
+    resolved = yaml.safe_load((work / "run" / "recipe.resolved.yaml").read_text())
+    metrics = [json.loads(x) for x in (work / "run" / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    points = [(m["step"], m["elapsed_s"], m["tokens_seen"]) for m in metrics if "elapsed_s" in m]
+    row = {"tokens_per_second": summary["tokens_per_second"], "steady_tokens_per_second": steady_rate(points, WARMUP_STEPS),
+           "peak_reserved_gib": mem.get("gpu_max_reserved_gib"),
+           "micro_batch": plan["micro_batch_size"], "activation_checkpointing": plan["activation_checkpointing"],
+           "runtime_s": summary["train_runtime_s"], "overrides": overrides,
+           "attn_implementation": resolved["model"]["attn_implementation"], "liger": resolved["train"]["liger"],
+           "predicted_peak_gib": plan.get("per_gpu_memory_gib")}
+    profile = work / "run" / "profile"
+    if (profile / "rank-0.json").exists():
+        row["profile"] = json.loads((profile / "rank-0.json").read_text())
+        if out is not None:  # the operator tables travel back with the results
+            shutil.copy(profile / "rank-0.txt", out.parent / f"profile-{name}.txt")
+    return row
+
+
+PRESET_VARIANTS = {"finetune": [], "finetune-nopack": ["data.packing=false"]}
+
+
+def parse_variant(spec: str) -> tuple[str, list[str]]:
+    """'name' (trl, trl-no-ckpt, finetune, finetune-nopack) or 'name:key=value;key=value' (finetune
+    with those --set overrides)."""
+    name, _, rest = spec.partition(":")
+    if rest:
+        return name, [x for x in rest.split(";") if x]
+    return name, list(PRESET_VARIANTS.get(name, []))
+
+
+def ratios(rows: dict, key: str) -> dict | None:
+    base = rows.get("trl", {}).get(key)
+    if not base:
+        return None
+    return {k: v[key] / base for k, v in rows.items() if v.get(key)}
+
+
+def write_report(path: Path, rows: dict, meta: dict) -> None:
+    report = {**meta, "warmup_steps": WARMUP_STEPS, "rows": rows,
+              "ratio_to_trl_default": ratios(rows, "tokens_per_second"),
+              "steady_ratio_to_trl_default": ratios(rows, "steady_tokens_per_second")}
+    path.write_text(json.dumps(report, indent=2) + "\n")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--arch", default="llama-3.1-8b")
+    parser.add_argument("--method", choices=["sft", "dpo"], default="sft")
     parser.add_argument("--seq", type=int, default=2048)
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--variants", default="finetune,finetune-nopack,trl,trl-no-ckpt")
+    parser.add_argument("--variants", default="finetune,finetune-nopack,trl,trl-no-ckpt",
+                        help="comma-separated; 'name:key=value;key=value' runs finetune with those --set overrides")
+    parser.add_argument("--profile", default=None, help="start,stop: logging.profile_steps for finetune variants")
     parser.add_argument("--out", default="bench.json")
     parser.add_argument("--baseline-only", choices=["trl", "trl-no-ckpt"], default=None)
     args = parser.parse_args()
@@ -103,11 +188,11 @@ def main() -> None:
 
     model_dir = ensure_model(args.arch)
     WORK.mkdir(parents=True, exist_ok=True)
-    data = WORK / "bench-data.jsonl"
-    write_data(data, preference=False, seq=args.seq)
+    data = WORK / f"bench-data-{args.method}.jsonl"
+    write_data(data, preference=args.method == "dpo", seq=args.seq)
     if args.baseline_only:  # run in a child so each variant gets a fresh CUDA context
         res = baseline(str(model_dir), str(data), seq=args.seq, batch=args.batch, steps=args.steps,
-                       ckpt=args.baseline_only == "trl")
+                       ckpt=args.baseline_only == "trl", method=args.method)
         print("BENCH_RESULT " + json.dumps(res))
         return
     import torch
@@ -116,12 +201,17 @@ def main() -> None:
     arch = get_model(args.arch)
     flops = lora_flops_per_token(arch, args.seq)
     peak = next((v for k, v in PEAK_TFLOPS.items() if k in card), 989.0) * 1e12
+    meta = {"card": card, "arch": args.arch, "method": args.method, "seq": args.seq, "global_batch": args.batch,
+            "steps": args.steps, "date": time.strftime("%Y-%m-%d"), "flops_per_token": flops,
+            "versions": versions()}
+    out = Path(args.out)
     rows = {}
-    for variant in args.variants.split(","):
+    for spec in args.variants.split(","):
+        variant, overrides = parse_variant(spec)
         start = time.perf_counter()
         if variant.startswith("trl"):
             proc = subprocess.run([sys.executable, __file__, "--arch", args.arch, "--seq", str(args.seq),
-                                   "--batch", str(args.batch), "--steps", str(args.steps),
+                                   "--batch", str(args.batch), "--steps", str(args.steps), "--method", args.method,
                                    "--baseline-only", variant], cwd=ROOT, capture_output=True, text=True)
             line = [x for x in proc.stdout.splitlines() if x.startswith("BENCH_RESULT ")]
             if not line:
@@ -129,24 +219,43 @@ def main() -> None:
                 continue
             res = json.loads(line[-1].split(" ", 1)[1])
         else:
-            overrides = ["data.packing=false"] if variant == "finetune-nopack" else []
-            res = finetune_side(model_dir, data, seq=args.seq, batch=args.batch, steps=args.steps,
-                                name=variant, overrides=overrides)
+            if args.profile:
+                overrides = [*overrides, f"logging.profile_steps=[{args.profile}]"]
+            try:
+                res = finetune_side(model_dir, data, seq=args.seq, batch=args.batch, steps=args.steps,
+                                    name=variant, overrides=overrides, method=args.method, out=out)
+            except subprocess.CalledProcessError as exc:
+                print(f"{variant} failed: {exc}", flush=True)
+                continue
         res["mfu"] = res["tokens_per_second"] * flops / peak
+        res["steady_mfu"] = (res.get("steady_tokens_per_second") or 0) * flops / peak
         res["wall_s"] = round(time.perf_counter() - start, 1)
         rows[variant] = res
         print(variant, json.dumps(res), flush=True)
-    base = rows.get("trl", {}).get("tokens_per_second")
-    report = {"card": card, "arch": args.arch, "seq": args.seq, "global_batch": args.batch, "steps": args.steps,
-              "date": time.strftime("%Y-%m-%d"), "flops_per_token": flops, "rows": rows,
-              "ratio_to_trl_default": {k: v["tokens_per_second"] / base for k, v in rows.items()} if base else None}
-    Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
-    print(f"\ncard {card}, {args.arch}, seq {args.seq}, global batch {args.batch}")
-    print(f"{'variant':18} {'tokens/s':>9} {'MFU':>6} {'peak GiB':>9} {'mb':>3} {'ckpt':>5} {'x TRL':>6}")
+        write_report(out, rows, meta)  # after every variant: a timeout keeps what finished
+    whole, steady = ratios(rows, "tokens_per_second") or {}, ratios(rows, "steady_tokens_per_second") or {}
+    print(f"\ncard {card}, {args.arch} {args.method}, seq {args.seq}, global batch {args.batch}, "
+          f"{args.steps} steps; steady = after step {WARMUP_STEPS}")
+    print(f"{'variant':22} {'tok/s':>7} {'x TRL':>6} {'MFU':>6} | {'steady':>7} {'x TRL':>6} {'MFU':>6} | "
+          f"{'peak GiB':>8} {'pred':>6} {'mb':>3} {'ckpt':>5} {'busy':>5}")
     for k, v in rows.items():
-        ratio = v["tokens_per_second"] / base if base else float("nan")
-        print(f"{k:18} {v['tokens_per_second']:9.0f} {v['mfu']:6.1%} {v['peak_reserved_gib'] or 0:9.1f} "
-              f"{v['micro_batch']:>3} {v['activation_checkpointing']!s:>5} {ratio:6.2f}")
+        busy = v.get("profile", {}).get("gpu_busy_share")
+        print(f"{k:22} {v['tokens_per_second']:7.0f} {whole.get(k, float('nan')):6.2f} {v['mfu']:6.1%} | "
+              f"{v.get('steady_tokens_per_second') or 0:7.0f} {steady.get(k, float('nan')):6.2f} "
+              f"{v['steady_mfu']:6.1%} | {v['peak_reserved_gib'] or 0:8.1f} {v.get('predicted_peak_gib') or 0:6.1f} "
+              f"{v['micro_batch']:>3} {v['activation_checkpointing']!s:>5} {'' if busy is None else f'{busy:.0%}':>5}")
+
+
+def versions() -> dict:
+    from importlib.metadata import PackageNotFoundError, version
+
+    found = {}
+    for name in ("torch", "transformers", "trl", "peft", "accelerate", "liger-kernel"):
+        try:
+            found[name] = version(name)
+        except PackageNotFoundError:
+            found[name] = None
+    return found
 
 
 if __name__ == "__main__":

@@ -122,7 +122,7 @@ def write_data(path: Path, *, preference: bool, seq: int, n: int = 4000, seed: i
 
 def base_recipe(model_dir: Path, data: Path, *, steps: int, seq: int, batch: int) -> dict:
     return {
-        "model": {"name": str(model_dir), "dtype": "bfloat16", "attn_implementation": "sdpa"},
+        "model": {"name": str(model_dir), "dtype": "bfloat16"},  # attention: finetune's default (auto)
         "method": {"type": "sft"},
         "adapter": {"type": "lora"},
         "data": {"path": str(data), "format": "messages", "max_length": seq, "packing": True,
@@ -160,7 +160,12 @@ def collect(run_dir: Path) -> dict:
                if line.strip()] if (run_dir / "metrics.jsonl").exists() else []
     losses = [m["loss"] for m in metrics if m.get("loss") is not None]
     reserved = max((r.get("gpu_max_reserved_gib", 0) for r in ranks), default=0)
+    resolved = yaml.safe_load((run_dir / "recipe.resolved.yaml").read_text())
     return {
+        # what ran, as compile resolved it (the calibration test rebuilds the plan from these)
+        "attn_implementation": resolved["model"]["attn_implementation"],
+        "liger": resolved["train"]["liger"] == "on",
+        "cast_adapter_inputs": resolved["adapter"]["cast_adapter_inputs"],
         "card": ranks[0].get("gpu_name") if ranks else None,
         "strategy": plan["strategy"], "world_size": plan["world_size"],
         "micro_batch_size": plan["micro_batch_size"],

@@ -32,15 +32,19 @@ def _predict(row: dict):
     preset = synthesize_preset(parse_nvidia_smi(smi), ram_gib=1024)
     dpo = row["method"] == "dpo"
     raw = {
-        "model": {"name": row["arch"], "arch": row["arch"], "dtype": "bfloat16", "attn_implementation": "sdpa"},
+        # rows measured before finetune chose varlen attention and skipped peft's input casts carry neither key
+        "model": {"name": row["arch"], "arch": row["arch"], "dtype": "bfloat16",
+                  "attn_implementation": row.get("attn_implementation", "sdpa")},
         "method": {"type": row["method"]},
-        "adapter": {"type": row["adapter"], "r": 16, "alpha": 32},
+        "adapter": {"type": row["adapter"], "r": 16, "alpha": 32,
+                    "cast_adapter_inputs": row.get("cast_adapter_inputs", True)},
         # SFT packs padding-free; DPO pads chosen/rejected (pairs filling max_length)
         "data": {"path": "train.jsonl", "max_length": row["seq_len"], "packing": not dpo,
                  "format": "preference" if dpo else "messages"},
         "train": {"global_batch_size": row["micro_batch_size"] * row["gradient_accumulation_steps"]
                   * row["world_size"], "micro_batch_size": row["micro_batch_size"],
-                  "activation_checkpointing": "on" if row["activation_checkpointing"] else "off"},
+                  "activation_checkpointing": "on" if row["activation_checkpointing"] else "off",
+                  "liger": "on" if row.get("liger") else "off"},
         "distributed": {"strategy": row["strategy"]},
         "hardware": "auto",
     }

@@ -161,3 +161,19 @@ def test_nonfinite_loss_stops_naming_step_and_rank(tmp_path):
     text = info.value.render()
     assert "non-finite loss=nan" in text and "at step 1 (rank 0 of 1)" in text, text
     assert info.value.exit_code == 4
+
+
+def test_bf16_lora_without_input_casts_and_profile_window(tmp_path):
+    """bf16 autocast LoRA with peft's fp32 input casts off (finetune's default) trains, metrics rows carry
+    cumulative tokens and time, and logging.profile_steps writes the profiler's outputs for that window."""
+    run_dir = tmp_path / "run"
+    recipe = tiny_recipe(model={"dtype": "bfloat16"}, data={"packing": True},
+                         train={"precision": "bf16", "max_steps": 5}, logging={"profile_steps": [2, 4]})
+    summary = run_rank(resolve_recipe(recipe, run_dir=run_dir), resume="never")
+    rows = [r for r in _metrics(run_dir) if "loss" in r]
+    assert rows[-1]["loss"] < rows[0]["loss"] and summary["steps"] == 5
+    assert rows[-1]["tokens_seen"] > rows[0]["tokens_seen"] > 0 and rows[-1]["elapsed_s"] > 0
+    profile = run_dir / "profile"
+    assert (profile / "rank-0.trace.json.gz").stat().st_size > 1000
+    assert "aten::mm" in (profile / "rank-0.txt").read_text()
+    assert json.loads((profile / "rank-0.json").read_text())["steps"] == 2

@@ -11,6 +11,7 @@ from pathlib import Path
 
 from finetune.compile.accelerate import checkpointing_owner
 from finetune.compile.deepspeed import nvme_path_for, optimizer_in_ds_config
+from finetune.plan import attention_implementation, liger_enabled
 from finetune.plan.types import Plan
 from finetune.recipe.load import recipe_dir
 from finetune.recipe.schema import Recipe, ResolvedSection
@@ -47,6 +48,8 @@ def resolve_recipe(recipe: Recipe, plan: Plan, *, run_dir: Path, arch: ModelArch
         hardware = preset.name  # planned for another preset (--hardware overrides the recipe)
     data["hardware"] = hardware
 
+    data["model"]["attn_implementation"] = attention_implementation(recipe, preset)
+    data["train"]["liger"] = "on" if liger_enabled(recipe, preset) else "off"
     targets = list(arch.lora_targets)
     if recipe.adapter.type != "full" and recipe.adapter.target_modules is None:
         data["adapter"]["target_modules"] = targets

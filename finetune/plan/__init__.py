@@ -32,6 +32,43 @@ def _targets(recipe, arch) -> tuple[str, ...]:
     return tuple(chosen)
 
 
+def attention_implementation(recipe, preset) -> str:
+    """What train/model.py loads for model.attn_implementation. auto: PyTorch's varlen flash kernel for
+    padding-free packed SFT rows on NVIDIA GPUs (finetune/train/attention.py), sdpa otherwise."""
+    chosen = recipe.model.attn_implementation
+    if chosen == "auto":
+        packed_sft = recipe.data.packing and recipe.method.type == "sft"
+        chosen = "varlen" if packed_sft and preset.vendor == "nvidia" else "sdpa"
+    return chosen
+
+
+def attention_kind(implementation: str, *, packed: bool) -> str:
+    """The planner's attention memory model: flash (no mask, no repeated kv heads) | varlen (no mask;
+    kv heads repeated where torch's varlen kernel has no GQA, e.g. torch 2.11) | sdpa | eager."""
+    if implementation in ("eager", "sdpa"):
+        return implementation
+    if implementation == "varlen":
+        return "varlen" if packed else "sdpa"  # it falls back to sdpa on rows without example boundaries
+    return "flash"
+
+
+def liger_enabled(recipe, preset) -> bool:
+    """train.liger: auto = on for NVIDIA GPUs when liger-kernel is installed where the run is compiled
+    (the training machine for `finetune run`; a planning laptop without it plans without, which only
+    over-estimates memory). find_spec does not import it (planning stays torch-free)."""
+    import importlib.util
+
+    choice = recipe.train.liger
+    if choice == "on" and preset.vendor == "cpu":
+        from finetune.errors import RecipeError
+
+        raise RecipeError("Liger's kernels are Triton GPU kernels; this run is on CPU", key="train.liger",
+                          hint="set train.liger: auto (or off)")
+    if choice != "auto":
+        return choice == "on"
+    return preset.vendor == "nvidia" and importlib.util.find_spec("liger_kernel") is not None
+
+
 def job_from_recipe(recipe, *, arch, preset) -> Job:
     """The recipe's workload as plain numbers (the planner's inner loop never touches pydantic)."""
     method = recipe.method.type
@@ -43,12 +80,12 @@ def job_from_recipe(recipe, *, arch, preset) -> Job:
             # LoRA/QLoRA: disable the adapter for the reference pass; full: a frozen copy
             reference = "copy" if adapter == "full" else "implicit"
     micro = recipe.train.micro_batch_size
-    # train/model.py loads with sdpa when attn_implementation is auto
-    attention = {"eager": "eager", "auto": "sdpa", "sdpa": "sdpa"}.get(recipe.model.attn_implementation, "flash")
+    attention = attention_kind(attention_implementation(recipe, preset), packed=recipe.data.packing)
     return Job(
         arch=arch, preset=preset, adapter=adapter, method=method, reference=reference,
         lora_r=recipe.adapter.r, lora_targets=_targets(recipe, arch),
         lora_dropout=recipe.adapter.dropout, dora=recipe.adapter.dora,
+        cast_adapter_inputs=recipe.adapter.cast_adapter_inputs, liger=liger_enabled(recipe, preset),
         double_quant=recipe.adapter.double_quant, weight_bytes=DTYPE_BYTES[recipe.model.dtype],
         act_bytes=4 if recipe.train.precision == "fp32" else 2, optimizer=recipe.train.optimizer,
         seq_len=recipe.data.max_length, packed=recipe.data.packing, attention=attention,

@@ -29,7 +29,8 @@ the other one needs a gradient, so a frozen base saves less than a full fine-tun
   LoRA: the r-wide intermediate per targeted module (+ a dropout copy of its input when dropout > 0).
   Under DDP peft keeps the adapters in fp32 and casts each targeted module's input to fp32, which
   autocast casts back to a new bf16 copy that the adapter keeps: one act*in copy per module, replacing
-  the shared norm output / MLP product. QLoRA (TRL casts its adapters to bf16), ZeRO-3 (TRL keeps them
+  the shared norm output / MLP product. finetune turns that cast off (adapter.cast_adapter_inputs:
+  false, train/run.py): autocast then casts the shared bf16 input once per matmul, nothing extra kept. QLoRA (TRL casts its adapters to bf16), ZeRO-3 (TRL keeps them
   bf16) and FSDP2 (bf16 compute params) have no cast. Measured on H100/H200 (tests/data/
   gpu_calibration.json): 1-GPU LoRA 8B allocates ~1.1e6 B/token more than 1-GPU QLoRA beyond the weight
   difference (32 layers x 4096-token micro-batch), FSDP2/ZeRO-3 LoRA matches QLoRA's per-token cost.
@@ -139,12 +140,12 @@ def state_bytes(job: Job) -> StateBytes:
 
 def adapter_input_casts(job: Job, strategy: str) -> bool:
     """Whether peft runs fp32 adapters whose inputs are cast per module (see the module docstring)."""
-    return job.adapter == "lora" and strategy == "ddp" and job.act_bytes < 4
+    return (job.cast_adapter_inputs or job.dora) and job.adapter == "lora" and strategy == "ddp" and job.act_bytes < 4
 
 
 def masked_attention(job: Job, *, micro_batch: int) -> tuple[int, int] | None:
     """(rows, row length) of the attention mask the kernel gets, None when it gets none."""
-    if job.attention == "flash":
+    if job.attention in ("flash", "varlen"):
         return None
     if job.packed:  # padding-free: one flat row, a block-diagonal mask from the position_ids
         return 1, micro_batch * job.seq_len
@@ -159,10 +160,13 @@ def activation_bytes_per_token_layer(job: Job, *, micro_batch: int = 1, casts: b
     h, i = arch.hidden_size, arch.intermediate_size
     q, kv = arch.num_attention_heads * head_dim(arch), arch.num_kv_heads * head_dim(arch)
     full = job.adapter == "full"
-    norms = 2 * (4 * h + a * h + (a * h if full else 0))
-    repeated = job.attention == "eager" or masked_attention(job, micro_batch=micro_batch) is not None
+    # Liger's RMSNorm keeps its bf16 input and an fp32 rstd per row instead of the fp32 upcast input
+    norms = 2 * ((a * h + 4) if job.liger else 4 * h) + 2 * (a * h + (a * h if full else 0))
+    repeated = (job.attention in ("eager", "varlen")
+                or masked_attention(job, micro_batch=micro_batch) is not None)
     attention = a * (2 * q + 2 * (q if repeated else kv)) + 4 * arch.num_attention_heads
-    mlp = 4 * a * i * min(arch.experts_per_token, arch.num_experts)
+    # SwiGLU: gate, up, silu(gate), product; Liger's fused kernel recomputes silu(gate) in backward
+    mlp = (3 if job.liger else 4) * a * i * min(arch.experts_per_token, arch.num_experts)
     lora = 0.0
     if not full:
         shapes = module_shapes(arch)

@@ -32,11 +32,14 @@ class Job:
     optimizer: str = "adamw"
     seq_len: int = 2048
     packed: bool = False  # data.packing: padding-free rows of micro_batch x seq_len tokens
-    # flash (flash_attention_2/3, flex: no materialized mask) | sdpa | eager (model.attn_implementation)
+    # flash (flash_attention_2/3, flex: no materialized mask) | varlen (finetune's, no mask) | sdpa | eager
     attention: str = "sdpa"
     # TRL >= 1.x SFT/DPO score tokens through add_fused_lm_head (chunked, the (tokens, vocab) logits are
     # never materialized); False for a trainer that computes the loss from full logits
     fused_lm_head: bool = True
+    # adapter.cast_adapter_inputs: peft's per-module fp32 cast of LoRA inputs (finetune skips it by default)
+    cast_adapter_inputs: bool = False
+    liger: bool = False  # train.liger resolved: Liger RMSNorm/RoPE/SwiGLU kernels (keep fewer activations)
     global_batch_size: int = 16
     micro_batch: int | None = None  # pinned by the recipe, else searched
     checkpointing: str = "auto"  # auto | on | off

@@ -7,9 +7,9 @@ need the whole recipe live in `Recipe._check_conflicts`; each says how to fix it
 
 from __future__ import annotations
 
-from typing import Literal, Union
+from typing import Annotated, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
 Dtype = Literal["bfloat16", "float16", "float32"]
 Strategy = Literal["auto", "ddp", "fsdp2", "fsdp2-hybrid", "zero3", "zero3-offload", "zero3-nvme"]
@@ -27,6 +27,14 @@ FORMAT_COLUMNS: dict[str, tuple[str, ...]] = {
 OPTIONAL_COLUMNS = {"alpaca": ("input",), "messages": (), "preference": ()}
 
 
+def _yaml_switch(value):
+    # YAML 1.1 reads a bare on/off as true/false: `liger: off` must mean "off", not a type error
+    return {True: "on", False: "off"}.get(value, value) if isinstance(value, bool) else value
+
+
+OnOffAuto = Annotated[Literal["auto", "on", "off"], BeforeValidator(_yaml_switch)]
+
+
 class Strict(BaseModel):
     """Base for every schema section: unknown keys are errors, types are not coerced loosely."""
 
@@ -37,7 +45,8 @@ class ModelSection(Strict):
     name: str = Field(description="Hub id (org/name) or a local directory with config.json")
     arch: str | None = Field(None, description="registry key; default: derived from name")
     dtype: Dtype = "bfloat16"
-    attn_implementation: Literal["auto", "sdpa", "eager", "flash_attention_2",
+    # auto: varlen (PyTorch's flash varlen kernel) for packed SFT on NVIDIA GPUs, else sdpa
+    attn_implementation: Literal["auto", "varlen", "sdpa", "eager", "flash_attention_2",
                                  "flash_attention_3", "flex_attention"] = "auto"
     trust_remote_code: bool = False
     revision: str | None = None
@@ -77,6 +86,9 @@ class AdapterSection(Strict):
     # The dtype the packed 4-bit weights are stored in. It must match the model's dtype so
     # FSDP2/ZeRO-3 can shard them with everything else (TRL #3436; uint8 is not shardable).
     storage_dtype: Literal["bfloat16", "float16", "float32", "uint8"] = "bfloat16"
+    # peft casts each LoRA input to the adapter weights' fp32; under bf16/fp16 autocast the matmul is
+    # cast back at once, so finetune skips that round trip (false). true restores peft's default.
+    cast_adapter_inputs: bool = False
 
     @model_validator(mode="before")
     @classmethod
@@ -153,7 +165,7 @@ class TrainSection(Strict):
     max_grad_norm: float = Field(1.0, ge=0)
     global_batch_size: int = Field(16, ge=1, le=1_000_000)
     micro_batch_size: Union[Literal["auto"], int] = "auto"
-    activation_checkpointing: Literal["auto", "on", "off"] = "auto"
+    activation_checkpointing: OnOffAuto = "auto"
     optimizer: Literal["adamw", "adamw_8bit", "paged_adamw_8bit"] = "adamw"
     seed: int = 42
     precision: Literal["bf16", "fp16", "fp32"] = "bf16"
@@ -162,6 +174,9 @@ class TrainSection(Strict):
     # non-finite loss/grad-norm: stop at once, or skip up to max_bad_steps such steps
     on_nonfinite: Literal["stop", "skip"] = "stop"
     max_bad_steps: int = Field(0, ge=0)
+    # Liger's Triton RMSNorm/RoPE/SwiGLU kernels (auto: on for supported models on NVIDIA GPUs when
+    # liger-kernel is installed). The LM head is already fused by TRL (chunked log-probs).
+    liger: OnOffAuto = "auto"
 
     @field_validator("micro_batch_size")
     @classmethod
@@ -194,6 +209,15 @@ class LoggingSection(Strict):
     report_to: list[Literal["tensorboard", "wandb", "mlflow", "none"]] = Field(
         default_factory=lambda: ["tensorboard"])
     project: str | None = None
+    # [start, stop]: torch.profiler over optimizer steps start..stop-1 -> RUN_DIR/profile/ (finetune/train/profile.py)
+    profile_steps: tuple[int, int] | None = None
+
+    @field_validator("profile_steps")
+    @classmethod
+    def _window(cls, v):
+        if v is not None and not 1 <= v[0] < v[1]:
+            raise ValueError("must be [start, stop] with 1 <= start < stop (optimizer steps)")
+        return v
 
 
 class ResolvedSection(Strict):

@@ -66,9 +66,11 @@ class MetricsCallback(TrainerCallback):
         self.path = Path(run_dir) / "metrics.jsonl"
         self.png = Path(run_dir) / "loss.png"
         self._last = (time.perf_counter(), 0)
+        self._began = time.perf_counter()
 
     def on_train_begin(self, args, state, control, **kwargs):
-        self._last = (time.perf_counter(), state.num_input_tokens_seen or 0)
+        self._began = time.perf_counter()
+        self._last = (self._began, state.num_input_tokens_seen or 0)
         if state.is_world_process_zero:
             # On resume keep the rows up to the checkpoint's step; later ones are re-run.
             rows = [r for r in read_metrics(self.path) if r.get("step", 0) <= state.global_step]
@@ -88,6 +90,9 @@ class MetricsCallback(TrainerCallback):
             elapsed = now - self._last[0]
             row["tokens_per_second"] = (seen - self._last[1]) / elapsed if seen and elapsed > 0 else None
             self._last = (now, seen)
+            # cumulative figures: throughput over any window of steps (e.g. past warm-up) is a difference
+            row["tokens_seen"] = seen
+            row["elapsed_s"] = round(now - self._began, 3)
             row["peak_memory_gib"] = round(peak_memory_gib(), 4)
             row.update({k: v for k, v in logs.items() if k.startswith("rewards/")})  # DPO margins/accuracies
         else:

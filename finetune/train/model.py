@@ -80,11 +80,29 @@ def quantization_config(recipe: Recipe):
                               bnb_4bit_quant_storage=_torch_dtype(a.storage_dtype))
 
 
+def attn_implementation(chosen: str) -> str:
+    """The name transformers loads. compile resolves auto (finetune.plan.attention_implementation);
+    an unresolved recipe (merge, eval of a bare recipe) gets sdpa."""
+    if chosen == "auto":
+        return "sdpa"
+    if chosen == "varlen":
+        from finetune.train import attention
+
+        if attention.available():
+            return attention.register()
+        import warnings
+
+        warnings.warn("model.attn_implementation: varlen needs torch >= 2.10 with a CUDA device; using sdpa",
+                      stacklevel=2)
+        return "sdpa"
+    return chosen
+
+
 def model_kwargs(recipe: Recipe) -> dict:
     """from_pretrained keyword arguments (also used to reload the base for the after-training eval)."""
     m = recipe.model
     kwargs = dict(dtype=_torch_dtype(m.dtype), revision=m.revision, trust_remote_code=m.trust_remote_code,
-                  attn_implementation="sdpa" if m.attn_implementation == "auto" else m.attn_implementation)
+                  attn_implementation=attn_implementation(m.attn_implementation))
     if not m.allow_pickle:
         kwargs["use_safetensors"] = True
     quant = quantization_config(recipe)
@@ -131,3 +149,19 @@ def lora_config(recipe: Recipe):
         targets = recipe.resolved.lora_targets if recipe.resolved and recipe.resolved.lora_targets else "all-linear"
     return LoraConfig(r=a.r, lora_alpha=a.alpha, lora_dropout=a.dropout, target_modules=targets,
                       use_dora=a.dora, use_rslora=a.rslora, task_type="CAUSAL_LM")
+
+
+def adapter_input_casting(recipe: Recipe, model):
+    """A context for training: peft's per-module fp32 cast of LoRA inputs off (adapter.cast_adapter_inputs).
+
+    Only under DDP/one device with bf16/fp16 autocast, where the adapters are fp32 and autocast runs
+    their matmuls in the compute dtype anyway; DoRA keeps peft's cast (its norm math wants fp32)."""
+    from contextlib import nullcontext
+
+    a = recipe.adapter
+    if (a.type != "lora" or a.cast_adapter_inputs or a.dora or recipe.train.precision == "fp32"
+            or recipe.distributed.strategy != "ddp"):
+        return nullcontext()
+    from peft.helpers import disable_input_dtype_casting
+
+    return disable_input_dtype_casting(model)

@@ -66,7 +66,7 @@ def run_rank(resolved_path: str | Path, *, resume: str = "auto") -> dict | None:
 def _run(recipe, *, state, run_dir: Path, resume: str, preempt) -> dict | None:
 
     from finetune.train import taskeval
-    from finetune.train.model import load_model, load_tokenizer
+    from finetune.train.model import adapter_input_casting, load_model, load_tokenizer
     from finetune.train.preflight import prepare_data
     from finetune.train.trainers import build_trainer, training_args
 
@@ -108,13 +108,19 @@ def _run(recipe, *, state, run_dir: Path, resume: str, preempt) -> dict | None:
                  CommitCallback(run_dir, fields=recipe_fields(recipe), strategy=recipe.distributed.strategy,
                                 keep=recipe.output.keep),
                  preempt]
+    if recipe.logging.profile_steps:
+        from finetune.train.profile import ProfilerCallback
+
+        start, stop = recipe.logging.profile_steps
+        callbacks.append(ProfilerCallback(run_dir, start=start, stop=stop, rank=state.process_index))
     trainer = build_trainer(recipe, args=args, model=model, tokenizer=tokenizer, data=data, callbacks=callbacks)
     from transformers.trainer_callback import PrinterCallback
 
     trainer.remove_callback(PrinterCallback)  # ConsoleProgress prints the readable version
     if data.eval is not None and resume_from is None:
         summary["eval_loss_before"] = trainer.evaluate()["eval_loss"]
-    result = trainer.train(resume_from_checkpoint=str(resume_from) if resume_from else None)
+    with adapter_input_casting(recipe, trainer.model):
+        result = trainer.train(resume_from_checkpoint=str(resume_from) if resume_from else None)
     if preempt.stopped_at is not None:
         raise preempt.error(run_dir)
     if data.eval is not None:

@@ -80,8 +80,32 @@ def common_args(recipe: Recipe, *, run_dir: Path, has_eval: bool) -> dict:
         dataloader_num_workers=2 if cuda else 0,
         dataloader_pin_memory=cuda,
         disable_tqdm=True,  # finetune.train.progress prints one line per logged step instead
+        **liger_args(recipe),
     )
     return args
+
+
+# Liger's layer kernels only: TRL's fused LM head already scores tokens without full logits, and
+# Liger's own fused cross-entropy would replace that forward (TRL refuses it)
+LIGER_LAYERS = {"rope": True, "rms_norm": True, "swiglu": True, "cross_entropy": False,
+                "fused_linear_cross_entropy": False}
+
+
+def liger_args(recipe: Recipe) -> dict:
+    """train.liger, as compile resolved it (finetune.plan.liger_enabled: auto = on for NVIDIA GPUs
+    when liger-kernel is installed)."""
+    import importlib.util
+
+    if recipe.train.liger != "on":
+        return {}
+    if importlib.util.find_spec("liger_kernel") is None:
+        raise RecipeError("liger-kernel is not installed on this machine", key="train.liger",
+                          hint="pip install liger-kernel, or set train.liger: off")
+    import warnings
+
+    # TRL 1.x marks use_liger_kernel deprecated in favour of Hub kernels, which need the Hub
+    warnings.filterwarnings("ignore", message=".*use_liger_kernel=True. is deprecated", category=FutureWarning)
+    return {"use_liger_kernel": True, "liger_kernel_config": dict(LIGER_LAYERS)}
 
 
 def sft_config(recipe: Recipe, *, run_dir: Path, has_eval: bool):

@@ -1,0 +1,97 @@
+"""Packed (padding-free) attention on PyTorch's own flash-attention varlen kernel.
+
+With packing, TRL's collator concatenates a micro-batch into one row and passes the example
+boundaries as `cu_seq_lens_q/k` and `max_length_q/k`. transformers' `sdpa` turns those into a
+block-diagonal (row x row) mask, which no flash kernel takes: the masked kernel then computes the
+whole square, ~10x the work of the examples' own triangles on 300-token examples in a 4096 row.
+`flash_attention_2` skips it but needs the flash-attn package, which has no wheel for most
+torch/CUDA pairs. `torch.nn.attention.varlen.varlen_attn` ships with torch (2.10+) and runs the
+same varlen flash kernel, so finetune registers it with transformers' public AttentionInterface
+under the name below. Batches without example boundaries (unpacked, padded rows, DPO, generation
+with a KV cache) go to transformers' own sdpa path unchanged, so the name is safe to select for
+any model that supports sdpa.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+
+NAME = "finetune_varlen"
+
+
+@functools.lru_cache(maxsize=1)
+def _varlen():
+    """(varlen_attn, its keyword arguments for causal + GQA), or None when torch lacks it."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None
+    params = inspect.signature(varlen_attn).parameters
+    # the causal switch changed between torch releases: is_causal=True, later window_size=(-1, 0)
+    if "is_causal" in params:
+        causal = {"is_causal": True}
+    elif "window_size" in params:
+        causal = {"window_size": (-1, 0)}
+    else:
+        return None
+    return varlen_attn, causal, "enable_gqa" in params
+
+
+def available() -> bool:
+    """The kernel exists in this torch and a CUDA device can run it."""
+    import torch
+
+    return _varlen() is not None and torch.cuda.is_available()
+
+
+def register() -> str:
+    """Make NAME a valid `attn_implementation` (idempotent). Returns NAME."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+
+    AttentionInterface.register(NAME, varlen_attention_forward)
+    # the fallback path is sdpa, so it gets sdpa's masks
+    ALL_MASK_ATTENTION_FUNCTIONS.register(NAME, sdpa_mask)
+    return NAME
+
+
+def _packed_bounds(query, key, kwargs) -> tuple | None:
+    """(cu_seq_lens, max_length) when the batch is one padding-free packed row, else None."""
+    cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
+    max_q, max_k = kwargs.get("max_length_q"), kwargs.get("max_length_k")
+    if cu_q is None or cu_k is None or max_q is None or query.shape[0] != 1 or query.shape[2] != key.shape[2]:
+        return None
+    if cu_k is not cu_q and (cu_k.shape != cu_q.shape or max_k != max_q):
+        return None  # a cache or cross attention: not the training layout
+    return cu_q, int(max_q)
+
+
+def varlen_attention_forward(module, query, key, value, attention_mask, dropout: float = 0.0,
+                             scaling: float | None = None, is_causal: bool | None = None, **kwargs):
+    """AttentionInterface signature: q/k/v are (batch, heads, seq, head_dim); returns (b, s, h, d)."""
+    import torch
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    kernel = _varlen()
+    bounds = _packed_bounds(query, key, kwargs)
+    plain = (kernel is None or bounds is None or not query.is_cuda or dropout
+             or query.dtype not in (torch.bfloat16, torch.float16) or kwargs.get("sliding_window")
+             or kwargs.get("softcap") is not None or not (is_causal if is_causal is not None else module.is_causal))
+    if plain:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      is_causal=is_causal, **kwargs)
+    varlen_attn, causal, has_gqa = kernel
+    cu_seq_lens, max_length = bounds
+    # (1, h, t, d) -> (t, h, d): a view; the kernel needs only the last dimension contiguous
+    q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))
+    gqa = {}
+    if k.shape[1] != q.shape[1]:
+        if has_gqa:
+            gqa = {"enable_gqa": True}
+        else:
+            groups = q.shape[1] // k.shape[1]
+            k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    cu = cu_seq_lens.to(device=q.device, dtype=torch.int32)
+    out = varlen_attn(q, k, v, cu, cu, max_length, max_length, scale=scaling, **causal, **gqa)
+    return out.unsqueeze(0), None
