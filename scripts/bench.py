@@ -25,18 +25,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
 
-from gpu_validate import WORK, base_recipe, ensure_model, write_data  # noqa: E402
+from gpu_validate import WORK, base_recipe, ensure_model, model_flops_per_token, write_data  # noqa: E402
 
 PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0}
-
-
-def lora_flops_per_token(arch, seq: int) -> float:
-    n = (arch.num_layers * (arch.hidden_size * (arch.num_attention_heads + 2 * arch.num_kv_heads)
-                            * (arch.head_dim or arch.hidden_size // arch.num_attention_heads)
-                            + arch.hidden_size * arch.hidden_size + 3 * arch.hidden_size * arch.intermediate_size)
-         + arch.vocab_size * arch.hidden_size)
-    attention = 12 * arch.num_layers * arch.hidden_size * seq / 2
-    return 4 * n + attention * 2 / 3  # attention: fwd + input-grad bwd, no weight grads
 
 
 # Throughput is reported twice: over the whole train() call (what TRL's train_runtime gives; it includes
@@ -199,7 +190,7 @@ def main() -> None:
 
     card = torch.cuda.get_device_name()
     arch = get_model(args.arch)
-    flops = lora_flops_per_token(arch, args.seq)
+    flops = model_flops_per_token(arch, seq=args.seq, adapter="lora")
     peak = next((v for k, v in PEAK_TFLOPS.items() if k in card), 989.0) * 1e12
     meta = {"card": card, "arch": args.arch, "method": args.method, "seq": args.seq, "global_batch": args.batch,
             "steps": args.steps, "date": time.strftime("%Y-%m-%d"), "flops_per_token": flops,

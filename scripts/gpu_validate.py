@@ -15,6 +15,7 @@ import argparse
 import json
 import os
 import random
+import shutil
 import string
 import subprocess
 import sys
@@ -22,6 +23,9 @@ import time
 from pathlib import Path
 
 import yaml
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from finetune.registry import get_model  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 MODELS = Path(os.environ.get("FINETUNE_MODELS", "/tmp/models"))
@@ -50,6 +54,7 @@ RUNS: dict[str, tuple[str, dict]] = {
     "lora3b-hybrid-2node": ("llama-3.2-3b", {"distributed": {"strategy": "fsdp2-hybrid"}}),
     # an FSDP2 checkpoint written on 2 GPUs, resumed on 1 (see run_portable)
     "lora3b-fsdp2-2to1": ("llama-3.2-3b", {"distributed": {"strategy": "fsdp2"}}),
+    "lora3b-fsdp2-1to2": ("llama-3.2-3b", {"distributed": {"strategy": "fsdp2"}}),
 }
 
 
@@ -79,20 +84,21 @@ def run_two_nodes(work: Path, run_dir: Path, extra: list[str]) -> int:
     return max(p.wait() for p in procs)
 
 
-def run_portable(work: Path, run_dir: Path, extra: list[str], steps: int) -> int:
-    """Save at the halfway step on 2 GPUs, then resume on 1 GPU and finish."""
-    two = gpu_preset(work / "preset2.yaml", nodes=1, gpus_per_node=2)
-    one = gpu_preset(work / "preset1.yaml", nodes=1, gpus_per_node=1)
+def run_portable(work: Path, run_dir: Path, extra: list[str], steps: int, *, first: int, then: int) -> int:
+    """Save at the halfway step on `first` GPUs, then resume on `then` GPUs and finish."""
+    presets = {n: gpu_preset(work / f"preset{n}.yaml", nodes=1, gpus_per_node=n) for n in {first, then}}
     half = steps // 2
     base = [sys.executable, "-m", "finetune.cli", "run", str(work / "recipe.yaml"), "--output", str(run_dir),
-            "--set", f"output.save_every={half}", *extra]
-    first = subprocess.run(base + ["--hardware", str(two), "--resume", "never", "--set", f"train.max_steps={half}"],
-                           cwd=ROOT).returncode
-    if first:
-        return first
-    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "0"}
-    return subprocess.run(base + ["--hardware", str(one), "--resume", "auto", "--set", f"train.max_steps={steps}",
-                                  "--set", "train.global_batch_size=8"], cwd=ROOT, env=env).returncode
+            "--set", f"output.save_every={half}", "--set", "train.global_batch_size=8", *extra]
+    gpus = lambda n: {**os.environ, "CUDA_VISIBLE_DEVICES": ",".join(str(i) for i in range(n))}  # noqa: E731
+    code = subprocess.run(base + ["--hardware", str(presets[first]), "--resume", "never",
+                                  "--set", f"train.max_steps={half}"], cwd=ROOT, env=gpus(first)).returncode
+    if code:
+        return code
+    # the resumed run rewrites metrics.jsonl from the checkpoint's step on; keep the first half's rows
+    shutil.copy(run_dir / "metrics.jsonl", run_dir.parent / "first-half-metrics.jsonl")
+    return subprocess.run(base + ["--hardware", str(presets[then]), "--resume", "auto",
+                                  "--set", f"train.max_steps={steps}"], cwd=ROOT, env=gpus(then)).returncode
 
 
 
@@ -152,6 +158,32 @@ def ensure_model(arch: str) -> Path:
     return out
 
 
+WARMUP_STEPS = 5
+PEAK_BF16_TFLOPS = 989.0  # H100/H200 SXM dense bf16, the datasheet figure MFU is quoted against
+
+
+def model_flops_per_token(arch, *, seq: int, adapter: str) -> float:
+    """6N (full) or 4N (LoRA/QLoRA: no weight gradients for the frozen base) + causal attention
+    (12 x layers x heads x head_dim x seq / 2; x 2/3 for adapters: no weight-gradient pass)."""
+    hd = arch.head_dim or arch.hidden_size // arch.num_attention_heads
+    n = (arch.num_layers * (arch.hidden_size * (arch.num_attention_heads + 2 * arch.num_kv_heads) * hd
+                            + arch.num_attention_heads * hd * arch.hidden_size
+                            + 3 * arch.hidden_size * arch.intermediate_size)
+         + arch.vocab_size * arch.hidden_size)
+    attention = 12 * arch.num_layers * arch.num_attention_heads * hd * seq / 2
+    return 6 * n + attention if adapter == "full" else 4 * n + attention * 2 / 3
+
+
+def steady_tokens_per_second(metrics: list[dict]) -> float | None:
+    """Tokens/s from the end of step WARMUP_STEPS to the last logged step (metrics.jsonl's cumulative
+    tokens_seen / elapsed_s), i.e. without the first steps' compilation and allocator warm-up."""
+    points = [(m["step"], m["elapsed_s"], m["tokens_seen"]) for m in metrics if "elapsed_s" in m]
+    after = [p for p in points if p[0] >= WARMUP_STEPS]
+    if len(after) < 2 or after[-1][1] <= after[0][1]:
+        return None
+    return (after[-1][2] - after[0][2]) / (after[-1][1] - after[0][1])
+
+
 def collect(run_dir: Path) -> dict:
     plan = json.loads((run_dir / "plan.json").read_text())
     summary = json.loads((run_dir / "summary.json").read_text()) if (run_dir / "summary.json").exists() else {}
@@ -180,6 +212,7 @@ def collect(run_dir: Path) -> dict:
         "host_rss_peak_gib": max((r["host_rss_peak_gib"] for r in ranks), default=0),
         "prediction_over_measured": round(plan["per_gpu_memory_gib"] / reserved, 3) if reserved else None,
         "tokens_per_second": summary.get("tokens_per_second"),
+        "steady_tokens_per_second": steady_tokens_per_second(metrics),
         "first_loss": losses[0] if losses else None,
         "last_loss": losses[-1] if losses else None,
         "steps": summary.get("steps"),
@@ -223,8 +256,9 @@ def main() -> None:
         extra = sum((["--set", s] for s in args.overrides), [])
         if name.endswith("-2node"):
             code = run_two_nodes(work, run_dir, extra)
-        elif name.endswith("-2to1"):
-            code = run_portable(work, run_dir, extra, args.steps)
+        elif name.endswith(("-2to1", "-1to2")):
+            first, then = (2, 1) if name.endswith("-2to1") else (1, 2)
+            code = run_portable(work, run_dir, extra, args.steps, first=first, then=then)
         else:
             code = subprocess.run(cmd, cwd=ROOT).returncode
         row = {"name": name, "arch": arch, "adapter": recipe["adapter"]["type"],
@@ -233,6 +267,11 @@ def main() -> None:
         if (run_dir / "plan.json").exists():
             try:
                 row.update(collect(run_dir))
+                flops = model_flops_per_token(get_model(arch), seq=args.seq, adapter=row["adapter"])
+                for key in ("tokens_per_second", "steady_tokens_per_second"):
+                    if row.get(key):  # per GPU, against the dense bf16 peak
+                        row[key.replace("tokens_per_second", "mfu")] = round(
+                            row[key] / row["world_size"] * flops / (PEAK_BF16_TFLOPS * 1e12), 4)
             except Exception as exc:  # keep the other runs' results
                 row["collect_error"] = repr(exc)
         results.append(row)

@@ -28,12 +28,35 @@ def memory_figures() -> dict:
     return out
 
 
+def weights_on_gpu_bytes(model) -> int:
+    """Bytes of parameter storage this rank holds on its GPU: local shards of FSDP2 DTensors, the
+    packed bytes of bitsandbytes 4-bit weights (what "the weights are sharded" means, measurably)."""
+    total = 0
+    for param in model.parameters():
+        local = param.to_local() if hasattr(param, "to_local") else param
+        if local.is_cuda:
+            total += local.numel() * local.element_size()
+    return total
+
+
 class PeakMemoryCallback(TrainerCallback):
     def __init__(self, run_dir: Path):
         self.dir = Path(run_dir) / "memory"
+        self.at_start: dict = {}
+
+    def on_train_begin(self, args, state, control, model=None, **kwargs):
+        # after loading and wrapping (FSDP2/ZeRO-3/device_map), before the first step: a model that
+        # loaded whole onto GPU 0 shows here as a load peak far above the rank's shard
+        import torch
+
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            self.at_start = {"gpu_load_peak_allocated_gib": torch.cuda.max_memory_allocated() / GIB,
+                             "gpu_allocated_at_start_gib": torch.cuda.memory_allocated() / GIB}
+            if model is not None:
+                self.at_start["weights_on_gpu_gib"] = weights_on_gpu_bytes(model) / GIB
 
     def on_train_end(self, args, state, control, **kwargs):
         rank = int(os.environ.get("RANK", "0"))
         self.dir.mkdir(parents=True, exist_ok=True)
-        figures = {"rank": rank, "step": state.global_step, **memory_figures()}
+        figures = {"rank": rank, "step": state.global_step, **memory_figures(), **self.at_start}
         (self.dir / f"rank-{rank}.json").write_text(json.dumps(figures, indent=2) + "\n")
