@@ -10,6 +10,12 @@ if [ ! -d /tmp/site/trl ]; then
       .whl/deepspeed-*.tar.gz || echo "deepspeed install failed"
   fi
 fi
+if [ -d .whl/aio/usr/include ]; then  # carried libaio for DeepSpeed's async_io (NVMe offload)
+  aio_lib=$(dirname "$(find "$PWD/.whl/aio" -name 'libaio.so*' | head -1)")
+  export CPATH=$PWD/.whl/aio/usr/include${CPATH:+:$CPATH}
+  export LIBRARY_PATH=$aio_lib${LIBRARY_PATH:+:$LIBRARY_PATH}
+  export LD_LIBRARY_PATH=$aio_lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+fi
 export PYTHONPATH=/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}
 export PATH=/tmp/site/bin:$PATH
 python3 - <<'PY'

@@ -52,6 +52,8 @@ RUNS: dict[str, tuple[str, dict]] = {
                                       "distributed": {"strategy": "zero3"}}),
     # two launcher processes as two single-GPU "nodes" on loopback (see run_two_nodes)
     "lora3b-hybrid-2node": ("llama-3.2-3b", {"distributed": {"strategy": "fsdp2-hybrid"}}),
+    # hybrid shard as it is meant: two "nodes" of 2 GPUs on a 4-GPU machine (shard in a node, replicate across)
+    "lora3b-hybrid-2x2": ("llama-3.2-3b", {"distributed": {"strategy": "fsdp2-hybrid"}}),
     # an FSDP2 checkpoint written on 2 GPUs, resumed on 1 (see run_portable)
     "lora3b-fsdp2-2to1": ("llama-3.2-3b", {"distributed": {"strategy": "fsdp2"}}),
     "lora3b-fsdp2-1to2": ("llama-3.2-3b", {"distributed": {"strategy": "fsdp2"}}),
@@ -71,12 +73,14 @@ def gpu_preset(path: Path, *, nodes: int, gpus_per_node: int) -> Path:
     return path
 
 
-def run_two_nodes(work: Path, run_dir: Path, extra: list[str]) -> int:
-    """Node ranks 0 and 1, one GPU each, rendezvous on 127.0.0.1."""
-    preset = gpu_preset(work / "preset.yaml", nodes=2, gpus_per_node=1)
+def run_two_nodes(work: Path, run_dir: Path, extra: list[str], *, gpus_per_node: int = 1) -> int:
+    """Node ranks 0 and 1, `gpus_per_node` GPUs each (GPUs 0.. and then the next ones), rendezvous on
+    127.0.0.1."""
+    preset = gpu_preset(work / "preset.yaml", nodes=2, gpus_per_node=gpus_per_node)
     procs = []
     for rank in (0, 1):
-        env = {**os.environ, "CUDA_VISIBLE_DEVICES": str(rank)}
+        gpus = range(rank * gpus_per_node, (rank + 1) * gpus_per_node)
+        env = {**os.environ, "CUDA_VISIBLE_DEVICES": ",".join(str(g) for g in gpus)}
         cmd = [sys.executable, "-m", "finetune.cli", "run", str(work / "recipe.yaml"), "--hardware", str(preset),
                "--output", str(run_dir) + (f"-node{rank}" if rank else ""), "--resume", "never",
                "--node-rank", str(rank), "--main-address", "127.0.0.1", "--main-port", "29533", *extra]
@@ -177,7 +181,13 @@ def model_flops_per_token(arch, *, seq: int, adapter: str) -> float:
 def steady_tokens_per_second(metrics: list[dict]) -> float | None:
     """Tokens/s from the end of step WARMUP_STEPS to the last logged step (metrics.jsonl's cumulative
     tokens_seen / elapsed_s), i.e. without the first steps' compilation and allocator warm-up."""
-    points = [(m["step"], m["elapsed_s"], m["tokens_seen"]) for m in metrics if "elapsed_s" in m]
+    points = []
+    for m in metrics:
+        if "elapsed_s" not in m:
+            continue
+        if points and m["elapsed_s"] < points[-1][1]:
+            points = []  # a resumed process restarts the clock: use the last session's rows only
+        points.append((m["step"], m["elapsed_s"], m["tokens_seen"]))
     after = [p for p in points if p[0] >= WARMUP_STEPS]
     if len(after) < 2 or after[-1][1] <= after[0][1]:
         return None
@@ -256,6 +266,8 @@ def main() -> None:
         extra = sum((["--set", s] for s in args.overrides), [])
         if name.endswith("-2node"):
             code = run_two_nodes(work, run_dir, extra)
+        elif name.endswith("-2x2"):  # a 4-GPU machine as two nodes of 2 GPUs
+            code = run_two_nodes(work, run_dir, extra, gpus_per_node=2)
         elif name.endswith(("-2to1", "-1to2")):
             first, then = (2, 1) if name.endswith("-2to1") else (1, 2)
             code = run_portable(work, run_dir, extra, args.steps, first=first, then=then)

@@ -13,6 +13,15 @@ get .whl pydantic==2.14.4 pydantic-core==2.50.5 annotated-types==0.8.0 typing-in
 # DeepSpeed is an sdist; it installs offline with --no-build-isolation against the machine's torch.
 python3 -m pip download -q --no-deps --no-binary=:all: -d .whl deepspeed==0.19.8
 get .whl-bnb bitsandbytes==0.50.2
+# libaio (headers + library) for DeepSpeed's async_io op, which ZeRO-Infinity's NVMe offload compiles on
+# first use; the GPU machine has neither. Debian packages, unpacked into .whl/aio (gpu_env.sh points gcc
+# and the loader at it).
+if command -v apt-get >/dev/null && command -v dpkg-deb >/dev/null; then
+  tmp=$(mktemp -d)
+  (cd "$tmp" && apt-get download -q libaio1 libaio-dev >/dev/null 2>&1) || echo "libaio: apt-get download failed"
+  for deb in "$tmp"/*.deb; do [ -e "$deb" ] && dpkg-deb -x "$deb" .whl/aio; done
+  rm -rf "$tmp"
+fi
 grep -qx '/.whl-bnb/' .git/info/exclude || echo '/.whl-bnb/' >> .git/info/exclude
 grep -qx '/.whl/' .git/info/exclude || echo '/.whl/' >> .git/info/exclude
 du -sh .whl .whl-bnb

@@ -53,8 +53,25 @@ def test_one_gpu(name, tmp_path):
     _check(_validate(name, tmp_path))
 
 
-@pytest.mark.parametrize("name", ["full3b-fsdp2", "lora8b-fsdp2", "qlora8b-fsdp2", "lora8b-zero3", "full3b-zero3"])
+@pytest.mark.parametrize("name", ["full3b-fsdp2", "lora8b-fsdp2", "qlora8b-fsdp2", "lora8b-zero3", "full3b-zero3",
+                                  "lora3b-zero3-offload", "lora3b-zero3-nvme"])
 def test_two_gpus(name, tmp_path):
     if _gpus() < 2:
         pytest.skip("needs 2 CUDA GPUs")
     _check(_validate(name, tmp_path))
+
+
+@pytest.mark.parametrize("name", ["lora3b-fsdp2-2to1", "lora3b-fsdp2-1to2"])
+def test_checkpoint_moves_between_gpu_counts(name, tmp_path):
+    if _gpus() < 2:
+        pytest.skip("needs 2 CUDA GPUs")
+    row = _validate(name, tmp_path, steps=10)
+    assert row["resumed_from"] and row["resumed_from"].endswith("checkpoint-5"), row
+    assert row["steps"] == 10
+    _check(row)
+
+
+def test_hybrid_shard_two_nodes_of_two(tmp_path):
+    if _gpus() < 4:
+        pytest.skip("needs 4 CUDA GPUs (two loopback nodes of 2)")
+    _check(_validate("lora3b-hybrid-2x2", tmp_path))

@@ -9,11 +9,12 @@ experts only, plus the lm_head; L layers, a = heads x head_dim, s = sequence len
   dpo:         the policy on chosen + rejected (2 sequences per sample) plus a reference forward
                (2N + 4*L*a*s per token) unless the reference log-probs are precomputed.
 Compute time = FLOPs / (peak x efficiency). Efficiency is an HF-stack MFU: 0.45 on GPUs for a full
-fine-tune; LoRA/QLoRA reach less of the peak (the frozen base's backward is thin matmuls next to many
-small adapter matmuls, casts and eager elementwise kernels); QLoRA also dequantizes NF4 on every matmul;
-small micro-batches underuse the GPU. Calibrated on tests/data/gpu_calibration.json (H100, 1 GPU,
-seq 2048, tokens/s over 20-50 steps, so a little startup is included): 8B LoRA 6.7k tokens/s = 0.26 of
-the bf16 peak (after the micro-batch factor), QLoRA 6.0k = 0.89 of LoRA's.
+fine-tune; LoRA/QLoRA with finetune's GPU defaults (varlen attention, Liger, no peft input casts) reach
+about the same (their extra elementwise adapter kernels are balanced by the frozen base's cheaper
+backward); QLoRA also dequantizes NF4 on every matmul; small micro-batches underuse the GPU.
+Calibrated on the second-pass runs in tests/data/gpu_calibration.json (H200, tokens/s over 20-30 steps,
+start-up included): 8B LoRA 1 GPU 13.4k tokens/s (steady 13.7k), QLoRA 13.2k = 0.99 of LoRA's, 3B full
+FSDP2 on 2 GPUs 39.2k (steady 52.1k).
 
 Collectives (ring algorithms; NCCL's bus-bandwidth convention): with `bus_bandwidth` the per-GPU
 figure nccl-tests reports, an all-reduce of S bytes over n ranks takes 2(n-1)/n * S / bus_bandwidth,
@@ -31,10 +32,10 @@ from finetune.plan.workload import Job, count_params, head_dim, trainable_params
 
 GPU_EFFICIENCY = 0.45
 CPU_EFFICIENCY = 0.30
-# x GPU_EFFICIENCY for LoRA/QLoRA: measured 8B LoRA on 1 x H100 6.7k tokens/s vs 11.8k predicted at
-# 0.45 (0.26 effective); 0.29 effective leaves room for the startup in that figure
-ADAPTER_EFFICIENCY = 0.65
-QLORA_EFFICIENCY = 0.85  # dequantizing NF4 weights on every matmul: measured 0.89 of LoRA's tokens/s (H100)
+# x GPU_EFFICIENCY for LoRA/QLoRA: 8B LoRA on 1 x H200 measured 13.4k tokens/s over a 20-step run,
+# predicted 8.4k at 0.65 (the factor fitted to the old sdpa + fp32-cast defaults' 6.7k on H100)
+ADAPTER_EFFICIENCY = 1.0
+QLORA_EFFICIENCY = 0.95  # dequantizing NF4 weights on every matmul: measured 0.99 of LoRA's tokens/s (H200)
 MICRO_BATCH_HALF_TOKENS = 512  # efficiency x tokens/(tokens + this): small micro-batches underuse the GPU
 ZERO3_COMM_FACTOR = 1.2  # DeepSpeed's parameter fetching overlaps less than FSDP2's prefetch
 OVERLAP_LEAK = 0.1  # share of the smaller of compute/communication that is not hidden

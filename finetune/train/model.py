@@ -92,7 +92,8 @@ def attn_implementation(chosen: str) -> str:
             return attention.register()
         import warnings
 
-        warnings.warn("model.attn_implementation: varlen needs torch >= 2.10 with a CUDA device; using sdpa",
+        warnings.warn("model.attn_implementation: varlen needs torch.nn.attention.varlen and a CUDA device; "
+                      "using sdpa",
                       stacklevel=2)
         return "sdpa"
     return chosen
