@@ -27,6 +27,9 @@ SAFE_KEYS = (
     "train.max_bad_steps", "distributed.timeout_minutes", "distributed.nvme_path", "data.task_eval",
     "data.cache_dir", "data.allow_paths", "data.allow_outside", "hardware", "resolved.predicted_peak_gib",
     "resolved.hardware", "train.activation_checkpointing", "resolved.activation_checkpointing_by",
+    # kernels that compute the same function (compile resolves them per machine: a resume on another
+    # machine may get another attention kernel or no Liger)
+    "model.attn_implementation", "train.liger", "adapter.cast_adapter_inputs",
 )
 # Safe only when they grow: the run continues further with the same schedule of the steps it did.
 GROWING_KEYS = ("train.max_steps", "train.epochs")
