@@ -10,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from finetune.plan.choose import HEADROOM, search, suggestions
-from finetune.plan.memory import OFFLOADED, zero_model_state_bytes
+from finetune.plan.memory import OFFLOADED, adapter_input_casts, zero_model_state_bytes
 from finetune.plan.render import render_plan_table
 from finetune.plan.timing import allgather_time_s, allreduce_time_s, model_flops_per_token
 from finetune.plan.types import GIB, Candidate, MemoryBreakdown, Plan
@@ -133,6 +133,7 @@ def plan_job(job: Job) -> Plan:
         candidates=candidates, total_params=float(count_params(job.arch).total),
         trainable_params=float(trainable_params(job)), memory=chosen.memory,
         host_ram_gib=chosen.host_ram_bytes / GIB, device="cpu" if p.vendor == "cpu" else "cuda")
+    plan.kernels = _kernels(job, chosen.strategy)
     if chosen.fits:
         plan.why = _why(job, chosen, seqs, candidates)
     else:
@@ -143,6 +144,15 @@ def plan_job(job: Job) -> Plan:
                         f"{chosen.micro_batch_size}, {chosen.reason}.")
         plan.suggestions = suggestions(job, candidates)
     return plan
+
+
+def _kernels(job: Job, strategy: str) -> str:
+    attention = {"varlen": "varlen flash attention on packed rows", "flash": "flash attention",
+                 "sdpa": "sdpa attention", "eager": "eager attention"}[job.attention]
+    parts = [attention, "Liger RMSNorm/RoPE/SwiGLU" if job.liger else "no Liger"]
+    if adapter_input_casts(job, strategy):
+        parts.append("peft's fp32 adapter-input casts")
+    return ", ".join(parts)
 
 
 def _why(job: Job, chosen: Candidate, achieved: int, candidates: list[Candidate]) -> str:

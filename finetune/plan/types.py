@@ -102,6 +102,8 @@ class Plan:
     # what to pass to registry.get_preset() to get this preset back: its name, "auto", or the
     # absolute path of a user's preset file (plan.hardware is the preset's own name)
     hardware_source: str = ""
+    # the kernels the run will use, as the memory model assumed them (attention, Liger, adapter casts)
+    kernels: str = ""
 
     def to_json(self) -> dict:
         return {
@@ -120,7 +122,7 @@ class Plan:
             "tokens_per_second": round(self.tokens_per_second, 1),
             "mfu": round(self.mfu, 3), "why": self.why,
             "total_params": self.total_params, "trainable_params": self.trainable_params,
-            "device": self.device,
+            "device": self.device, "kernels": self.kernels,
             "candidates": [c.to_json() for c in self.candidates],
             "suggestions": self.suggestions,
         }
