@@ -25,15 +25,15 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
 
-from gpu_validate import WORK, base_recipe, ensure_model, model_flops_per_token, write_data  # noqa: E402
+from gpu_validate import (WARMUP_STEPS, WORK, base_recipe, ensure_model, model_flops_per_token,  # noqa: E402
+                          steady_rate, steady_tokens_per_second, write_data)
 
 PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0}
 
 
 # Throughput is reported twice: over the whole train() call (what TRL's train_runtime gives; it includes
-# the first steps' kernel compilation, allocator growth and dataloader start) and past this many
+# the first steps' kernel compilation, allocator growth and dataloader start) and past WARMUP_STEPS
 # optimizer steps, which is what a run of thousands of steps sees. Both sides are timed the same way.
-WARMUP_STEPS = 5
 
 
 def _step_clock():
@@ -91,14 +91,6 @@ def baseline(model_dir: str, data: str, *, seq: int, batch: int, steps: int, ckp
             "activation_checkpointing": ckpt, "runtime_s": runtime}
 
 
-def steady_rate(points: list[tuple[int, float, float]], warmup: int) -> float | None:
-    """Tokens/s between the end of step `warmup` and the last step, from (step, seconds, tokens seen)."""
-    after = [p for p in points if p[0] >= warmup]
-    if len(after) < 2 or after[-1][1] <= after[0][1]:
-        return None
-    return (after[-1][2] - after[0][2]) / (after[-1][1] - after[0][1])
-
-
 def finetune_side(model_dir: Path, data: Path, *, seq: int, batch: int, steps: int, name: str,
                   overrides: list[str], method: str = "sft", out: Path | None = None) -> dict:
     import yaml
@@ -120,8 +112,8 @@ def finetune_side(model_dir: Path, data: Path, *, seq: int, batch: int, steps: i
     mem = json.loads((work / "run" / "memory" / "rank-0.json").read_text())
     resolved = yaml.safe_load((work / "run" / "recipe.resolved.yaml").read_text())
     metrics = [json.loads(x) for x in (work / "run" / "metrics.jsonl").read_text().splitlines() if x.strip()]
-    points = [(m["step"], m["elapsed_s"], m["tokens_seen"]) for m in metrics if "elapsed_s" in m]
-    row = {"tokens_per_second": summary["tokens_per_second"], "steady_tokens_per_second": steady_rate(points, WARMUP_STEPS),
+    row = {"tokens_per_second": summary["tokens_per_second"],
+           "steady_tokens_per_second": steady_tokens_per_second(metrics),
            "peak_reserved_gib": mem.get("gpu_max_reserved_gib"),
            "micro_batch": plan["micro_batch_size"], "activation_checkpointing": plan["activation_checkpointing"],
            "runtime_s": summary["train_runtime_s"], "overrides": overrides,

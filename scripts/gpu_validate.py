@@ -178,9 +178,17 @@ def model_flops_per_token(arch, *, seq: int, adapter: str) -> float:
     return 6 * n + attention if adapter == "full" else 4 * n + attention * 2 / 3
 
 
+def steady_rate(points: list[tuple[int, float, float]], warmup: int = WARMUP_STEPS) -> float | None:
+    """Tokens/s between the end of step `warmup` and the last point, from (step, seconds, tokens seen),
+    i.e. without the first steps' compilation and allocator warm-up."""
+    after = [p for p in points if p[0] >= warmup]
+    if len(after) < 2 or after[-1][1] <= after[0][1]:
+        return None
+    return (after[-1][2] - after[0][2]) / (after[-1][1] - after[0][1])
+
+
 def steady_tokens_per_second(metrics: list[dict]) -> float | None:
-    """Tokens/s from the end of step WARMUP_STEPS to the last logged step (metrics.jsonl's cumulative
-    tokens_seen / elapsed_s), i.e. without the first steps' compilation and allocator warm-up."""
+    """steady_rate over metrics.jsonl's cumulative tokens_seen / elapsed_s."""
     points = []
     for m in metrics:
         if "elapsed_s" not in m:
@@ -188,10 +196,7 @@ def steady_tokens_per_second(metrics: list[dict]) -> float | None:
         if points and m["elapsed_s"] < points[-1][1]:
             points = []  # a resumed process restarts the clock: use the last session's rows only
         points.append((m["step"], m["elapsed_s"], m["tokens_seen"]))
-    after = [p for p in points if p[0] >= WARMUP_STEPS]
-    if len(after) < 2 or after[-1][1] <= after[0][1]:
-        return None
-    return (after[-1][2] - after[0][2]) / (after[-1][1] - after[0][1])
+    return steady_rate(points)
 
 
 def collect(run_dir: Path) -> dict:

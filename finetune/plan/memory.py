@@ -30,8 +30,9 @@ the other one needs a gradient, so a frozen base saves less than a full fine-tun
   Under DDP peft keeps the adapters in fp32 and casts each targeted module's input to fp32, which
   autocast casts back to a new bf16 copy that the adapter keeps: one act*in copy per module, replacing
   the shared norm output / MLP product. finetune turns that cast off (adapter.cast_adapter_inputs:
-  false, train/run.py): autocast then casts the shared bf16 input once per matmul, nothing extra kept. QLoRA (TRL casts its adapters to bf16), ZeRO-3 (TRL keeps them
-  bf16) and FSDP2 (bf16 compute params) have no cast. Measured on H100/H200 (tests/data/
+  false, train/run.py): autocast then casts the shared bf16 input once per matmul, nothing extra kept.
+  QLoRA (TRL casts its adapters to bf16), ZeRO-3 (TRL keeps them bf16) and FSDP2 (bf16 compute params)
+  have no cast. Measured on H100/H200 (tests/data/
   gpu_calibration.json): 1-GPU LoRA 8B allocates ~1.1e6 B/token more than 1-GPU QLoRA beyond the weight
   difference (32 layers x 4096-token micro-batch), FSDP2/ZeRO-3 LoRA matches QLoRA's per-token cost.
 With activation checkpointing (per decoder layer): only each layer's input (act*h per token per layer)
@@ -138,9 +139,17 @@ def state_bytes(job: Job) -> StateBytes:
     return StateBytes(weights, 4 * n, 4 * n, moments * n, n)
 
 
+def peft_casts_adapter_inputs(*, adapter: str, strategy: str, act_bytes: int) -> bool:
+    """Where peft by default runs fp32 adapters and casts each targeted module's input to fp32: LoRA
+    under DDP with 16-bit compute (see the module docstring). One rule for the planner and for
+    finetune/train/model.py, which turns the cast off there unless adapter.cast_adapter_inputs or DoRA."""
+    return adapter == "lora" and strategy == "ddp" and act_bytes < 4
+
+
 def adapter_input_casts(job: Job, strategy: str) -> bool:
-    """Whether peft runs fp32 adapters whose inputs are cast per module (see the module docstring)."""
-    return (job.cast_adapter_inputs or job.dora) and job.adapter == "lora" and strategy == "ddp" and job.act_bytes < 4
+    """Whether the casts run in this job (finetune keeps them only on request or for DoRA)."""
+    return ((job.cast_adapter_inputs or job.dora)
+            and peft_casts_adapter_inputs(adapter=job.adapter, strategy=strategy, act_bytes=job.act_bytes))
 
 
 def masked_attention(job: Job, *, micro_batch: int) -> tuple[int, int] | None:

@@ -5,8 +5,8 @@ boundaries as `cu_seq_lens_q/k` and `max_length_q/k`. transformers' `sdpa` turns
 block-diagonal (row x row) mask, which no flash kernel takes: the masked kernel then computes the
 whole square, ~10x the work of the examples' own triangles on 300-token examples in a 4096 row.
 `flash_attention_2` skips it but needs the flash-attn package, which has no wheel for most
-torch/CUDA pairs. `torch.nn.attention.varlen.varlen_attn` ships with torch (seen in 2.11 and 2.13) and runs the
-same varlen flash kernel, so finetune registers it with transformers' public AttentionInterface
+torch/CUDA pairs. `torch.nn.attention.varlen.varlen_attn` ships with torch (seen in 2.11 and 2.13)
+and runs the same varlen flash kernel, so finetune registers it with transformers' public AttentionInterface
 under the name below. Batches without example boundaries (unpacked, padded rows, DPO, generation
 with a KV cache) go to transformers' own sdpa path unchanged, so the name is safe to select for
 any model that supports sdpa.

@@ -155,13 +155,17 @@ def lora_config(recipe: Recipe):
 def adapter_input_casting(recipe: Recipe, model):
     """A context for training: peft's per-module fp32 cast of LoRA inputs off (adapter.cast_adapter_inputs).
 
-    Only under DDP/one device with bf16/fp16 autocast, where the adapters are fp32 and autocast runs
-    their matmuls in the compute dtype anyway; DoRA keeps peft's cast (its norm math wants fp32)."""
+    Only where peft casts (finetune.plan.memory.peft_casts_adapter_inputs: DDP/one device with bf16/fp16
+    autocast, which runs the adapters' matmuls in the compute dtype anyway); DoRA keeps peft's cast (its
+    norm math wants fp32)."""
     from contextlib import nullcontext
 
+    from finetune.plan.memory import peft_casts_adapter_inputs
+
     a = recipe.adapter
-    if (a.type != "lora" or a.cast_adapter_inputs or a.dora or recipe.train.precision == "fp32"
-            or recipe.distributed.strategy != "ddp"):
+    casts = peft_casts_adapter_inputs(adapter=a.type, strategy=recipe.distributed.strategy,
+                                      act_bytes=4 if recipe.train.precision == "fp32" else 2)
+    if not casts or a.cast_adapter_inputs or a.dora:
         return nullcontext()
     from peft.helpers import disable_input_dtype_casting
 
