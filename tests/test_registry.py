@@ -11,7 +11,7 @@ from finetune.errors import RecipeError
 from finetune.recipe.schema import ModelSection
 from finetune.registry import (REGISTRY_DIR, get_model, get_preset, list_models, list_presets,
                                load_yaml_as, resolve_model)
-from finetune.registry.detect import parse_nvidia_smi, synthesize_preset
+from finetune.registry.detect import parse_nvidia_smi, synthesize_preset, visible_gpus
 from finetune.registry.schema import HardwarePreset, ModelArch
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -192,3 +192,15 @@ def test_auto_detection_maps_gpus_to_preset_numbers():
     assert unknown.gpu_memory_gib == 47.5 and unknown.peak_bf16_tflops > 0
     cpu = synthesize_preset([], ram_gib=32)
     assert cpu.name == "cpu" and cpu.vendor == "cpu" and cpu.gpu_memory_gib <= 32
+
+
+def test_auto_detection_honours_cuda_visible_devices():
+    """nvidia-smi lists the whole host; a job pinned to some GPUs must plan and launch for those only."""
+    rows = [(str(i), f"GPU-{i}aaa-uuid", "NVIDIA H100 80GB HBM3", 79.6) for i in range(4)]
+    assert len(visible_gpus(rows, None)) == 4
+    assert len(visible_gpus(rows, "0,1")) == 2
+    assert len(visible_gpus(rows, "3, GPU-2aaa")) == 2  # indices and UUID prefixes, in CUDA's order
+    assert visible_gpus(rows, "") == [] and visible_gpus(rows, "-1") == []  # no GPU: the cpu preset
+    assert len(visible_gpus(rows, "1,7,2")) == 1  # CUDA stops at the first entry naming no GPU
+    assert len(visible_gpus(rows, "MIG-abc")) == 4  # MIG instances: nvidia-smi cannot tell, no filter
+    assert synthesize_preset(visible_gpus(rows, "2,3"), ram_gib=500).gpus_per_node == 2

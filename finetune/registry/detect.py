@@ -18,16 +18,41 @@ MIB = 1024 ** 2
 
 
 def query_gpus() -> list[tuple[str, float]]:
-    """[(name, memory GiB)] of the local NVIDIA GPUs; [] when there is no nvidia-smi or no GPU."""
+    """[(name, memory GiB)] of the local NVIDIA GPUs this process may use; [] when there is no nvidia-smi
+    or no GPU. nvidia-smi lists every GPU of the host, so CUDA_VISIBLE_DEVICES narrows the list the way
+    CUDA does: `CUDA_VISIBLE_DEVICES=0,1 finetune run ...` on a 4-GPU host plans and launches 2 ranks."""
     exe = shutil.which("nvidia-smi")
     if exe is None:
         return []
     try:
-        out = subprocess.run([exe, "--query-gpu=name,memory.total", "--format=csv,noheader"],
+        out = subprocess.run([exe, "--query-gpu=index,uuid,name,memory.total", "--format=csv,noheader"],
                              capture_output=True, text=True, timeout=20, check=True).stdout
     except (OSError, subprocess.SubprocessError):
         return []
-    return parse_nvidia_smi(out)
+    rows = []
+    for line in out.strip().splitlines():
+        index, _, rest = line.partition(",")
+        uuid, _, name_mem = rest.partition(",")
+        for name, gib in parse_nvidia_smi(name_mem):
+            rows.append((index.strip(), uuid.strip(), name, gib))
+    return visible_gpus(rows, os.environ.get("CUDA_VISIBLE_DEVICES"))
+
+
+def visible_gpus(rows: list[tuple[str, str, str, float]], visible: str | None) -> list[tuple[str, float]]:
+    """The (name, GiB) of `rows` = [(index, uuid, name, GiB)] that CUDA_VISIBLE_DEVICES=`visible` exposes,
+    in its order. Like CUDA: indices or (prefixes of) GPU UUIDs, the list ends at the first entry that
+    names no GPU, an empty value hides every GPU. MIG instances cannot be told apart from nvidia-smi's
+    GPU list, so a value naming them leaves the list unfiltered."""
+    if visible is None or "MIG-" in visible:
+        return [(name, gib) for _, _, name, gib in rows]
+    chosen = []
+    for token in (t.strip() for t in visible.split(",")):
+        match = next((r for r in rows if token and (token == r[0] or (token.startswith("GPU-")
+                                                                       and r[1].startswith(token)))), None)
+        if match is None:
+            break
+        chosen.append((match[2], match[3]))
+    return chosen
 
 
 def parse_nvidia_smi(text: str) -> list[tuple[str, float]]:
