@@ -74,6 +74,14 @@ def ds_config(recipe: Recipe, plan: Plan, *, arch: ModelArch, preset: HardwarePr
         # optimizer states are swapped per sub-group; 1e8 keeps the pinned swap buffers at
         # ~1.6 GB per rank instead of ~16 GB with the 1e9 default (ZeRO-Infinity tutorial)
         zero["sub_group_size"] = 100_000_000
+        # a parameter gathered from NVMe holds one of the `buffer_count` swap buffers until it is
+        # released. From the second step on (once DeepSpeed has traced the module order) a reuse
+        # distance of 1e9 elements keeps the last ~4 layers of an 8B model gathered across the
+        # forward/backward turn: ~28 parameters for 5 buffers, and step 2 fails with "Not enough
+        # buffers 0 for swapping 1" (LoRA 8B on 2 x H200 and a tiny LoRA model on CPU, deepspeed
+        # 0.19.8). Released at once, the next parameters come in through DeepSpeed's NVMe prefetch,
+        # which is bounded by the free buffers; with 0 both trained (docs/validation.md, third pass).
+        zero["stage3_max_reuse_distance"] = 0
     config: dict = {
         "train_micro_batch_size_per_gpu": mbs,
         "gradient_accumulation_steps": gas,

@@ -78,13 +78,20 @@ def _run(recipe, *, state, run_dir: Path, resume: str, preempt) -> dict | None:
         log.info(f"resuming from {resume_from}")
         for note in check_resume(resume_from, recipe, world_size=state.num_processes):
             log.info(f"resume: changed safely: {note}")
-    elif state.is_main_process:
-        (run_dir / "metrics.jsonl").unlink(missing_ok=True)  # a fresh start does not mix in old rows
+    elif state.is_main_process:  # a fresh start neither mixes in old rows nor leaves an old run's summary
+        (run_dir / "metrics.jsonl").unlink(missing_ok=True)
+        (run_dir / "summary.json").unlink(missing_ok=True)
     state.wait_for_everyone()
     if state.is_main_process:  # incomplete and discarded checkpoints go before the Trainer writes any
         prepare_checkpoints(run_dir, start=resume_from)
     state.wait_for_everyone()
 
+    if recipe.distributed.strategy.startswith("zero3"):  # before DeepSpeed JIT-builds its ops
+        from finetune.compat.deepspeed_arch_list import make_arch_list_readable
+
+        note = make_arch_list_readable()
+        if note and state.is_main_process:
+            log.info(note)
     args = training_args(recipe, run_dir=run_dir, has_eval=data.eval is not None)
     args.save_total_limit = None  # retention is CommitCallback's: only after a newer checkpoint is complete
     model = load_model(recipe)
