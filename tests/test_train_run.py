@@ -38,6 +38,9 @@ def _check_outputs(run_dir: Path, summary: dict, *, adapter: bool) -> list[dict]
     assert rows[-1]["loss"] < rows[0]["loss"], [r["loss"] for r in rows]
     saved = json.loads((run_dir / "summary.json").read_text())
     assert saved["steps"] == summary["steps"] and saved["final_train_loss"] == rows[-1]["loss"]
+    peaks = json.loads((run_dir / "memory" / "rank-0.json").read_text())  # rewritten as training goes
+    assert peaks["final"] and peaks["step"] == summary["steps"] and peaks["host_rss_peak_gib"] > 0.1
+    assert [p.name for p in (run_dir / "memory").iterdir()] == ["rank-0.json"]  # no temporary left
     return rows
 
 

@@ -1,8 +1,10 @@
-"""Per-rank peak memory at the end of training: RUN_DIR/memory/rank-K.json.
+"""Per-rank peak memory: RUN_DIR/memory/rank-K.json, rewritten at each logged step and at the end.
 
 metrics.jsonl holds rank 0's figures; validating the planner needs every rank's peak GPU
 memory (allocated and reserved, since the caching allocator's reserve is what runs out) and
 the host RAM each process used (CPU-RAM efficient loading must not put N copies in RAM).
+Rewriting it as training goes keeps the peaks of a run that is stopped or killed (`final` says
+whether training ended).
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ class PeakMemoryCallback(TrainerCallback):
     def __init__(self, run_dir: Path):
         self.dir = Path(run_dir) / "memory"
         self.at_start: dict = {}
+        self.ended = False  # an evaluation after training logs again; the file stays final
 
     def on_train_begin(self, args, state, control, model=None, **kwargs):
         # after loading and wrapping (FSDP2/ZeRO-3/device_map), before the first step: a model that
@@ -55,8 +58,17 @@ class PeakMemoryCallback(TrainerCallback):
             if model is not None:
                 self.at_start["weights_on_gpu_gib"] = weights_on_gpu_bytes(model) / GIB
 
+    def on_log(self, args, state, control, **kwargs):
+        self._write(state.global_step)
+
     def on_train_end(self, args, state, control, **kwargs):
+        self.ended = True
+        self._write(state.global_step)
+
+    def _write(self, step: int) -> None:
         rank = int(os.environ.get("RANK", "0"))
         self.dir.mkdir(parents=True, exist_ok=True)
-        figures = {"rank": rank, "step": state.global_step, **memory_figures(), **self.at_start}
-        (self.dir / f"rank-{rank}.json").write_text(json.dumps(figures, indent=2) + "\n")
+        figures = {"rank": rank, "step": step, "final": self.ended, **memory_figures(), **self.at_start}
+        tmp = self.dir / f".rank-{rank}.json.tmp"  # never a half-written file, whenever we are killed
+        tmp.write_text(json.dumps(figures, indent=2) + "\n")
+        tmp.replace(self.dir / f"rank-{rank}.json")
