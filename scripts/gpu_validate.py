@@ -16,6 +16,7 @@ import json
 import os
 import random
 import shutil
+import signal
 import string
 import subprocess
 import sys
@@ -26,6 +27,7 @@ import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from finetune.registry import get_model  # noqa: E402
+from finetune.registry.detect import host_ram_gib  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 MODELS = Path(os.environ.get("FINETUNE_MODELS", "/tmp/models"))
@@ -46,13 +48,24 @@ RUNS: dict[str, tuple[str, dict]] = {
     "qlora8b-fsdp2": ("llama-3.1-8b", {"adapter": {"type": "qlora"}, "distributed": {"strategy": "fsdp2"}}),
     "lora8b-zero3": ("llama-3.1-8b", {"adapter": {"type": "lora"}, "distributed": {"strategy": "zero3"}}),
     "lora3b-zero3-offload": ("llama-3.2-3b", {"distributed": {"strategy": "zero3-offload"}}),
+    # run 6 at the issue's 8B shape: ZeRO-3 full, and LoRA/full with CPU and NVMe (ZeRO-Infinity) offload
+    "full8b-zero3": ("llama-3.1-8b", {"adapter": {"type": "full"}, "train": {"lr": 1e-5},
+                                      "distributed": {"strategy": "zero3"}}),
+    "lora8b-zero3-offload": ("llama-3.1-8b", {"distributed": {"strategy": "zero3-offload"}}),
+    "full8b-zero3-offload": ("llama-3.1-8b", {"adapter": {"type": "full"}, "train": {"lr": 1e-5},
+                                              "distributed": {"strategy": "zero3-offload"}}),
+    "lora8b-zero3-nvme": ("llama-3.1-8b", {"distributed": {"strategy": "zero3-nvme",
+                                                           "nvme_path": "/tmp/nvme-swap"}}),
+    "full8b-zero3-nvme": ("llama-3.1-8b", {"adapter": {"type": "full"}, "train": {"lr": 1e-5},
+                                           "distributed": {"strategy": "zero3-nvme",
+                                                           "nvme_path": "/tmp/nvme-swap"}}),
     "lora3b-zero3-nvme": ("llama-3.2-3b", {"distributed": {"strategy": "zero3-nvme",
                                                            "nvme_path": "/tmp/nvme-swap"}}),
     "full3b-zero3": ("llama-3.2-3b", {"adapter": {"type": "full"}, "train": {"lr": 1e-5},
                                       "distributed": {"strategy": "zero3"}}),
-    # two launcher processes as two single-GPU "nodes" on loopback (see run_two_nodes)
-    "lora3b-hybrid-2node": ("llama-3.2-3b", {"distributed": {"strategy": "fsdp2-hybrid"}}),
-    # hybrid shard as it is meant: two "nodes" of 2 GPUs on a 4-GPU machine (shard in a node, replicate across)
+    # hybrid shard: two launcher processes as two "nodes" of 2 GPUs on a 4-GPU machine (shard inside a
+    # node, replicate across). With 1 GPU per node there is nothing to shard inside a node and the
+    # planner refuses fsdp2-hybrid (test_hybrid_needs_two_gpus_per_node).
     "lora3b-hybrid-2x2": ("llama-3.2-3b", {"distributed": {"strategy": "fsdp2-hybrid"}}),
     # an FSDP2 checkpoint written on 2 GPUs, resumed on 1 (see run_portable)
     "lora3b-fsdp2-2to1": ("llama-3.2-3b", {"distributed": {"strategy": "fsdp2"}}),
@@ -68,12 +81,26 @@ def gpu_preset(path: Path, *, nodes: int, gpus_per_node: int) -> Path:
         "name": f"loopback-{nodes}x{gpus_per_node}", "gpu_model": name, "gpu_memory_gib": float(mem) / 1024,
         "gpus_per_node": gpus_per_node, "nodes": nodes, "intra_node_link": "nvlink",
         "intra_node_bandwidth_gbps": 300, "inter_node_fabric": "ethernet" if nodes > 1 else "none",
-        "inter_node_bandwidth_gbps": 25 if nodes > 1 else 0, "host_ram_gib": 120,
+        "inter_node_bandwidth_gbps": 25 if nodes > 1 else 0,
+        "host_ram_gib": round(host_ram_gib() / nodes, 1),  # loopback "nodes" share this host's RAM
         "peak_bf16_tflops": 989}))
     return path
 
 
-def run_two_nodes(work: Path, run_dir: Path, extra: list[str], *, gpus_per_node: int = 1) -> int:
+def run_until(cmd: list[str], deadline_s: float | None) -> int:
+    """Run `cmd`; past `deadline_s` kill its whole process group (launcher and ranks) and return 124,
+    so the partial run's figures (memory/rank-K.json is rewritten every step) are still collected."""
+    proc = subprocess.Popen(cmd, cwd=ROOT, start_new_session=True)
+    try:
+        return proc.wait(timeout=deadline_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        print(f"stopped after {deadline_s:.0f} s (--run-timeout)", flush=True)
+        return 124
+
+
+def run_two_nodes(work: Path, run_dir: Path, extra: list[str], *, gpus_per_node: int) -> int:
     """Node ranks 0 and 1, `gpus_per_node` GPUs each (GPUs 0.. and then the next ones), rendezvous on
     127.0.0.1."""
     preset = gpu_preset(work / "preset.yaml", nodes=2, gpus_per_node=gpus_per_node)
@@ -247,6 +274,8 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--set", dest="overrides", action="append", default=[])
     parser.add_argument("--out", default="validation.json")
+    parser.add_argument("--run-timeout", type=float, default=None,
+                        help="seconds before a (single-launch) run is stopped and its partial figures kept")
     args = parser.parse_args()
 
     out = Path(args.out)
@@ -264,23 +293,23 @@ def main() -> None:
             recipe["data"].update(format="preference", packing=False)
         (work / "recipe.yaml").write_text(yaml.safe_dump(recipe, sort_keys=False))
         run_dir = work / "run"
-        start = time.perf_counter()
+        start, started_at = time.perf_counter(), time.time()
         cmd = [sys.executable, "-m", "finetune.cli", "run", str(work / "recipe.yaml"), "--output", str(run_dir),
                "--resume", "never", *sum((["--set", s] for s in args.overrides), [])]
         print(f"\n=== {name}: {' '.join(cmd)}", flush=True)
         extra = sum((["--set", s] for s in args.overrides), [])
-        if name.endswith("-2node"):
-            code = run_two_nodes(work, run_dir, extra)
-        elif name.endswith("-2x2"):  # a 4-GPU machine as two nodes of 2 GPUs
+        if name.endswith("-2x2"):  # a 4-GPU machine as two nodes of 2 GPUs
             code = run_two_nodes(work, run_dir, extra, gpus_per_node=2)
         elif name.endswith(("-2to1", "-1to2")):
             first, then = (2, 1) if name.endswith("-2to1") else (1, 2)
             code = run_portable(work, run_dir, extra, args.steps, first=first, then=then)
         else:
-            code = subprocess.run(cmd, cwd=ROOT).returncode
+            code = run_until(cmd, args.run_timeout)
         row = {"name": name, "arch": arch, "adapter": recipe["adapter"]["type"],
                "method": recipe["method"]["type"], "exit_code": code,
                "wall_s": round(time.perf_counter() - start, 1), "date": time.strftime("%Y-%m-%d")}
+        if (run_dir / "summary.json").exists():  # wall_s minus this = the launcher's exit after training
+            row["summary_written_at_s"] = round((run_dir / "summary.json").stat().st_mtime - started_at, 1)
         if (run_dir / "plan.json").exists():
             try:
                 row.update(collect(run_dir))

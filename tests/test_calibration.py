@@ -28,8 +28,12 @@ def _rows() -> list[dict]:
 
 
 def _predict(row: dict):
-    smi = "\n".join([f"{row['card']}, {MEMORY_TOTAL[row['card']]}"] * row["world_size"])
+    nodes = row.get("nodes", 1)  # hybrid rows: loopback "nodes" of one host (scripts/gpu_validate.py)
+    smi = "\n".join([f"{row['card']}, {MEMORY_TOTAL[row['card']]}"] * (row["world_size"] // nodes))
     preset = synthesize_preset(parse_nvidia_smi(smi), ram_gib=1024)
+    if nodes > 1:
+        preset = preset.model_copy(update={"nodes": nodes, "inter_node_fabric": "ethernet",
+                                           "inter_node_bandwidth_gbps": 25})
     dpo = row["method"] == "dpo"
     raw = {
         # rows measured before finetune chose varlen attention and skipped peft's input casts carry neither key
@@ -45,7 +49,8 @@ def _predict(row: dict):
                   * row["world_size"], "micro_batch_size": row["micro_batch_size"],
                   "activation_checkpointing": "on" if row["activation_checkpointing"] else "off",
                   "liger": "on" if row.get("liger") else "off"},
-        "distributed": {"strategy": row["strategy"]},
+        "distributed": {"strategy": row["strategy"],
+                        **({"nvme_path": "/tmp/nvme-swap"} if row["strategy"] == "zero3-nvme" else {})},
         "hardware": "auto",
     }
     recipe = load_recipe(raw)
@@ -55,7 +60,7 @@ def _predict(row: dict):
 def test_calibration_data_is_present():
     rows = _rows()
     assert len(rows) >= 7
-    assert {r["strategy"] for r in rows} >= {"ddp", "fsdp2", "zero3"}
+    assert {r["strategy"] for r in rows} >= {"ddp", "fsdp2", "fsdp2-hybrid", "zero3", "zero3-offload", "zero3-nvme"}
     assert {r["adapter"] for r in rows} >= {"full", "lora", "qlora"}
 
 
