@@ -49,18 +49,24 @@ def run_rank(resolved_path: str | Path, *, resume: str = "auto") -> dict | None:
                          timeout=timedelta(minutes=recipe.distributed.timeout_minutes))
     _setup_logging(state.is_main_process)
     set_seed(recipe.train.seed)
-    from finetune.train.signals import PreemptionCallback
+    from finetune.train.signals import Preempted, PreemptionCallback
 
     preempt = PreemptionCallback()  # SIGTERM/SIGUSR1 from now on: checkpoint at the next step, exit 75
     try:
-        return _run(recipe, state=state, run_dir=run_dir, resume=resume, preempt=preempt)
+        summary = _run(recipe, state=state, run_dir=run_dir, resume=resume, preempt=preempt)
     except FinetuneError as err:
         if state.is_main_process:  # the launcher's exit code loses ours (accelerate exits 1 for one process)
             (run_dir / "logs").mkdir(parents=True, exist_ok=True)
             (run_dir / RANK_ERROR).write_text(json.dumps({"exit_code": err.exit_code, "message": err.render()}))
+        if isinstance(err, Preempted):  # every rank stopped at the same step boundary: leave together
+            state.destroy_process_group()
         raise
     finally:
         preempt.restore()
+    # PyTorch's rule for a clean exit: a rank that exits with its process group alive can leave a
+    # peer blocked in a pending collective (accelerate's end_training does the same)
+    state.destroy_process_group()
+    return summary
 
 
 def _run(recipe, *, state, run_dir: Path, resume: str, preempt) -> dict | None:

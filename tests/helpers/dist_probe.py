@@ -46,10 +46,11 @@ def main() -> int:
             time.sleep(0.05)
         record["signal"] = signal.Signals(got[0]).name if got else None
         path.write_text(json.dumps(record))
+        if got:
+            acc.state.destroy_process_group()  # as the trainer's ranks leave after a preemption checkpoint
         return 75 if got else 1
     path.write_text(json.dumps(record))
-    if dist.is_initialized():
-        dist.destroy_process_group()  # gloo aborts at exit without it
+    acc.state.destroy_process_group()  # gloo aborts at exit without it (the trainer does the same)
     return 0
 
 
