@@ -252,6 +252,8 @@ def collect(run_dir: Path) -> dict:
         "measured_max_allocated_gib": max((r.get("gpu_max_allocated_gib", 0) for r in ranks), default=0),
         "measured_max_reserved_gib": reserved,
         "host_rss_peak_gib": max((r["host_rss_peak_gib"] for r in ranks), default=0),
+        # PSS sums to the node's real use (RSS counts shared pages once per rank); one node here
+        "host_pss_node_gib": round(sum(r.get("host_pss_sampled_peak_gib", 0) for r in ranks), 2) or None,
         "prediction_over_measured": round(plan["per_gpu_memory_gib"] / reserved, 3) if reserved else None,
         "tokens_per_second": summary.get("tokens_per_second"),
         "steady_tokens_per_second": steady_tokens_per_second(metrics),

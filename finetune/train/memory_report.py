@@ -19,6 +19,19 @@ from transformers import TrainerCallback
 GIB = 2**30
 
 
+def host_pss_gib() -> float | None:
+    """This process's proportional set size: pages shared with other ranks (the mmapped safetensors,
+    the libraries) count once across the node when summed over ranks, unlike RSS, which counts them
+    in every rank. None where /proc/self/smaps_rollup does not exist."""
+    try:
+        for line in Path("/proc/self/smaps_rollup").read_text().splitlines():
+            if line.startswith("Pss:"):
+                return int(line.split()[1]) * 1024 / GIB
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
 def memory_figures() -> dict:
     import torch
 
@@ -46,11 +59,14 @@ class PeakMemoryCallback(TrainerCallback):
         self.dir = Path(run_dir) / "memory"
         self.at_start: dict = {}
         self.ended = False  # an evaluation after training logs again; the file stays final
+        self.pss_peak: float | None = None  # sampled after loading and at every logged step
 
     def on_train_begin(self, args, state, control, model=None, **kwargs):
         # after loading and wrapping (FSDP2/ZeRO-3/device_map), before the first step: a model that
         # loaded whole onto GPU 0 shows here as a load peak far above the rank's shard
         import torch
+
+        self._sample_pss()
 
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             self.at_start = {"gpu_load_peak_allocated_gib": torch.cuda.max_memory_allocated() / GIB,
@@ -65,10 +81,18 @@ class PeakMemoryCallback(TrainerCallback):
         self.ended = True
         self._write(state.global_step)
 
+    def _sample_pss(self) -> None:
+        pss = host_pss_gib()
+        if pss is not None:
+            self.pss_peak = max(pss, self.pss_peak or 0.0)
+
     def _write(self, step: int) -> None:
         rank = int(os.environ.get("RANK", "0"))
         self.dir.mkdir(parents=True, exist_ok=True)
+        self._sample_pss()
         figures = {"rank": rank, "step": step, "final": self.ended, **memory_figures(), **self.at_start}
+        if self.pss_peak is not None:
+            figures["host_pss_sampled_peak_gib"] = self.pss_peak
         tmp = self.dir / f".rank-{rank}.json.tmp"  # never a half-written file, whenever we are killed
         tmp.write_text(json.dumps(figures, indent=2) + "\n")
         tmp.replace(self.dir / f"rank-{rank}.json")
