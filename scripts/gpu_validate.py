@@ -27,7 +27,7 @@ import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from finetune.registry import get_model  # noqa: E402
-from finetune.registry.detect import host_ram_gib  # noqa: E402
+from finetune.registry.detect import host_ram_gib, query_gpus  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 MODELS = Path(os.environ.get("FINETUNE_MODELS", "/tmp/models"))
@@ -75,10 +75,9 @@ RUNS: dict[str, tuple[str, dict]] = {
 
 def gpu_preset(path: Path, *, nodes: int, gpus_per_node: int) -> Path:
     """A user preset file for this machine's card, split into `nodes` nodes."""
-    name, mem = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total", "--format=csv,noheader,nounits"],
-                               capture_output=True, text=True, check=True).stdout.splitlines()[0].split(", ")
+    name, memory_gib = query_gpus()[0]  # what --hardware auto sees (CUDA_VISIBLE_DEVICES honoured)
     path.write_text(yaml.safe_dump({
-        "name": f"loopback-{nodes}x{gpus_per_node}", "gpu_model": name, "gpu_memory_gib": float(mem) / 1024,
+        "name": f"loopback-{nodes}x{gpus_per_node}", "gpu_model": name, "gpu_memory_gib": memory_gib,
         "gpus_per_node": gpus_per_node, "nodes": nodes, "intra_node_link": "nvlink",
         "intra_node_bandwidth_gbps": 300, "inter_node_fabric": "ethernet" if nodes > 1 else "none",
         "inter_node_bandwidth_gbps": 25 if nodes > 1 else 0,
@@ -89,7 +88,8 @@ def gpu_preset(path: Path, *, nodes: int, gpus_per_node: int) -> Path:
 
 def run_until(cmd: list[str], deadline_s: float | None) -> int:
     """Run `cmd`; past `deadline_s` kill its whole process group (launcher and ranks) and return 124,
-    so the partial run's figures (memory/rank-K.json is rewritten every step) are still collected."""
+    so the partial run's figures (memory/rank-K.json is rewritten at every logged step) are still
+    collected."""
     proc = subprocess.Popen(cmd, cwd=ROOT, start_new_session=True)
     try:
         return proc.wait(timeout=deadline_s)
