@@ -1,0 +1,88 @@
+"""The distributed-strategy vocabulary, once: names, the planner's order, and what each one means.
+
+Callers ask questions (`is_deepspeed(name)`, `offloads(name)`), never compare names or prefixes, so a new
+tier is one row in STRATEGIES. Torch-free: the schema, planner, compiler and ranks all import it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal, get_args
+
+Backend = Literal["ddp", "fsdp", "deepspeed"]
+Offload = Literal["none", "cpu", "nvme"]
+
+
+@dataclass(frozen=True)
+class StrategyInfo:
+    name: str
+    backend: Backend
+    shards_params: bool  # weights, gradients and optimizer states are split across ranks
+    hybrid: bool = False  # replicate across nodes, shard within a node
+    offload: Offload = "none"  # where the sharded states live between uses
+    # torch.distributed.checkpoint reshards on load: a checkpoint resumes on another world size
+    reshardable: bool = False
+    summary: str = ""
+
+
+# The planner's order: among equally fast candidates the earlier one wins.
+STRATEGIES: tuple[StrategyInfo, ...] = (
+    StrategyInfo("ddp", "ddp", shards_params=False,
+                 summary="replicate the model on every GPU; all-reduce the gradients"),
+    StrategyInfo("fsdp2", "fsdp", shards_params=True, reshardable=True,
+                 summary="FSDP2 full shard across every GPU"),
+    StrategyInfo("fsdp2-hybrid", "fsdp", shards_params=True, hybrid=True, reshardable=True,
+                 summary="FSDP2 hybrid shard: shard within a node, replicate across nodes"),
+    StrategyInfo("zero3", "deepspeed", shards_params=True,
+                 summary="DeepSpeed ZeRO-3 across every GPU"),
+    StrategyInfo("zero3-offload", "deepspeed", shards_params=True, offload="cpu",
+                 summary="ZeRO-3 with parameters and optimizer states in host RAM (CPU Adam)"),
+    StrategyInfo("zero3-nvme", "deepspeed", shards_params=True, offload="nvme",
+                 summary="ZeRO-Infinity: parameters and optimizer states on NVMe"),
+)
+_BY_NAME = {s.name: s for s in STRATEGIES}
+
+AUTO = "auto"
+NAMES: tuple[str, ...] = tuple(_BY_NAME)  # every concrete strategy, in the planner's order
+# the recipe's distributed.strategy: auto (the planner chooses) or a concrete name. Spelled out for
+# type checkers; the check below keeps it equal to STRATEGIES.
+StrategyName = Literal["auto", "ddp", "fsdp2", "fsdp2-hybrid", "zero3", "zero3-offload", "zero3-nvme"]
+if get_args(StrategyName) != (AUTO, *NAMES):
+    raise ImportError("finetune.strategies: StrategyName and STRATEGIES disagree; edit both together")
+
+
+def info(name: str) -> StrategyInfo:
+    try:
+        return _BY_NAME[name]
+    except KeyError:
+        raise ValueError(f"unknown strategy {name!r}; known: {', '.join(NAMES)}") from None
+
+
+def is_fsdp(name: str) -> bool:
+    return info(name).backend == "fsdp"
+
+
+def is_deepspeed(name: str) -> bool:
+    return info(name).backend == "deepspeed"
+
+
+def offloads(name: str) -> bool:
+    """States leave the GPU between uses (host RAM or NVMe)."""
+    return info(name).offload != "none"
+
+
+def is_hybrid(name: str) -> bool:
+    return info(name).hybrid
+
+
+def reshardable(name: str) -> bool:
+    return info(name).reshardable
+
+
+def shards_params(name: str) -> bool:
+    return info(name).shards_params
+
+
+def names_where(predicate) -> tuple[str, ...]:
+    """The concrete names whose StrategyInfo satisfies `predicate`, in the planner's order."""
+    return tuple(s.name for s in STRATEGIES if predicate(s))
