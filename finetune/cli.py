@@ -61,6 +61,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("merge", help="merge a LoRA adapter into its base model")
     p.add_argument("run_dir")
     p.add_argument("-o", "--output", required=True, help="output directory for the merged model")
+    p.add_argument("--max-shard-size", default="5GB",
+                   help="largest output shard (host RAM while merging is about one shard), e.g. 2GB")
 
     p = sub.add_parser("push", help="upload an adapter (or merged model) with a model card")
     p.add_argument("run_dir")
@@ -121,7 +123,7 @@ def _cmd_run(args):
 def _cmd_merge(args):
     from finetune.merge import merge
 
-    out = merge(args.run_dir, args.output)
+    out = merge(args.run_dir, args.output, max_shard_size=args.max_shard_size)
     print(f"merged model written to {out}")
     return 0
 

@@ -93,19 +93,13 @@ def merge(run_dir: str | Path, output_dir: str | Path, *, dtype: str | None = No
           max_shard_size: str | int = "5GB", overwrite: bool = False) -> Path:
     """Merge RUN_DIR's adapter into its base model and write a standalone model to OUT_DIR.
 
-    How (the peft path): the base is loaded once on CPU in the merge dtype (transformers 5
-    materialises weights straight from the safetensors shards onto an empty meta-device model,
-    so there is no second copy), the adapter is attached with `PeftModel.from_pretrained`, and
-    `merge_and_unload(safe_merge=True)` folds W += scale * B @ A (DoRA: the magnitude-normalised
-    form) into each target module in place, one module at a time. `save_pretrained` then writes
-    the weights shard by shard (`max_shard_size`). peft's own merge is used rather than a
-    hand-written streaming merge so that DoRA, rsLoRA scaling, fan_in_fan_out and tied
-    embeddings are handled exactly as in training.
-
-    Host-RAM bound: model bytes in the merge dtype (e.g. 2 bytes/param for bf16: 16 GB for an
-    8B model, 140 GB for 70B) + the adapter + transient space for one module's delta (computed
-    in fp32 on CPU, so about 2x the largest target matrix in fp32) and one shard being
-    serialised. The model is never held twice.
+    How: shard by shard (finetune/merge_stream.py). Each base tensor is read, cast to the merge
+    dtype, and for the modules the adapter targets merged by peft's own layer merge on a one-module
+    skeleton (so DoRA, rsLoRA scaling and rank patterns are handled exactly as in training); output
+    shards of at most `max_shard_size` are written as they fill. Host RAM: about one output shard
+    plus one weight matrix and its fp32 delta, not the model. Adapters that also save whole modules
+    (modules_to_save, trainable tokens) or LoRA biases go through peft's whole-model
+    `merge_and_unload` instead, which holds the model once in host RAM.
 
     QLoRA: the adapter was trained against NF4-quantised base weights in `adapter.compute_dtype`.
     The merge loads the *original* base weights unquantised in that compute dtype and adds the
@@ -161,6 +155,76 @@ def merge(run_dir: str | Path, output_dir: str | Path, *, dtype: str | None = No
 
 def _merge_into(run_dir: Path, out: Path, *, base: str, recipe, dtype: str,
                 max_shard_size: str | int) -> None:
+    from finetune import merge_stream
+
+    adapter_config = json.loads((run_dir / "adapter_config.json").read_text())
+    why_not = merge_stream.streamable(adapter_config)
+    base_dir = _local_base(base, recipe)
+    if why_not or not merge_stream.base_shards(base_dir):
+        logger.info("merging in memory (%s)", why_not or "the base has no safetensors shards")
+        _merge_in_memory(run_dir, out, base=base, recipe=recipe, dtype=dtype, max_shard_size=max_shard_size)
+        return
+    try:
+        merge_stream.adapter_tensors(run_dir)
+    except Exception as exc:  # truncated/corrupt safetensors: fail before the long part
+        raise MergeError(f"cannot load the adapter onto {base!r}: {type(exc).__name__}: {exc}",
+                         file=str(run_dir / "adapter_model.safetensors"),
+                         hint="check that the run finished saving and that the base model is the "
+                              "one it was trained on") from None
+    try:
+        merge_stream.merge_checkpoint(base_dir=base_dir, run_dir=run_dir, out=out, dtype=dtype,
+                                      max_shard_size=max_shard_size)
+    except ValueError as exc:
+        raise MergeError(f"cannot merge the adapter into {base!r}: {exc}", file=str(run_dir),
+                         hint="check that the base model is the one the adapter was trained on") from None
+    _write_model_files(base_dir, out, dtype=dtype)
+    _copy_tokenizer(run_dir, out, base=base, recipe=recipe)
+
+
+def _local_base(base: str, recipe) -> Path:
+    """The base model's directory: local as given, else the Hub snapshot of its config and weights."""
+    if Path(base).is_dir():
+        return Path(base)
+    from huggingface_hub import snapshot_download
+
+    try:
+        return Path(snapshot_download(base, revision=recipe.model.revision if recipe else None,
+                                      allow_patterns=["*.json", "*.safetensors", *TOKENIZER_FILES]))
+    except Exception as exc:
+        raise MergeError(f"cannot fetch the base model {base!r}: {type(exc).__name__}: {exc}",
+                         hint="make the base model available (local dir, or Hub access and login)") from None
+
+
+def _write_model_files(base_dir: Path, out: Path, *, dtype: str) -> None:
+    """config.json in the merge dtype without quantization, and the generation config."""
+    from transformers import AutoConfig, GenerationConfig
+
+    config = AutoConfig.from_pretrained(base_dir)
+    config.dtype = dtype
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    config.save_pretrained(out)
+    try:
+        generation = GenerationConfig.from_pretrained(base_dir)
+    except OSError:
+        generation = GenerationConfig.from_model_config(config)
+    generation.save_pretrained(out)
+
+
+def _copy_tokenizer(run_dir: Path, out: Path, *, base: str, recipe) -> None:
+    tokenizer_files = [f for f in TOKENIZER_FILES if (run_dir / f).is_file()]
+    for name in tokenizer_files:
+        shutil.copy2(run_dir / name, out / name)
+    if not tokenizer_files:
+        from transformers import AutoTokenizer
+
+        AutoTokenizer.from_pretrained(
+            base, revision=recipe.model.revision if recipe else None,
+            trust_remote_code=bool(recipe and recipe.model.trust_remote_code)).save_pretrained(out)
+
+
+def _merge_in_memory(run_dir: Path, out: Path, *, base: str, recipe, dtype: str,
+                     max_shard_size: str | int) -> None:
     import torch
     from peft import PeftModel
     from transformers import AutoModelForCausalLM, AutoTokenizer

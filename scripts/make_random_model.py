@@ -1,20 +1,31 @@
-"""Write a real architecture (e.g. Llama-3.1-8B's shape) with random weights to a local directory.
+"""Write a real architecture (e.g. Llama-3.3-70B's shape) with random weights to a local directory.
 
 The GPU machine has no Hub access and no weights; throughput and memory do not depend on the
 weight values, so benchmarks and validation runs train these. The tokenizer is the tiny offline
 one (its ids are a subset of the model's vocabulary, which keeps the full-size embedding).
 
-    python scripts/make_random_model.py llama-3.1-8b /tmp/models/llama-3.1-8b [--device cuda]
+The checkpoint is written shard by shard: the model is built on the meta device (shapes only), then
+each ~5 GB safetensors shard is drawn, written and dropped, so no process (and no GPU) ever holds the
+whole model: a 70B checkpoint needs one shard of memory, not 141 GB. Weights are drawn like
+transformers' `_init_weights` for Llama-family models: normal(0, initializer_range) for matrices and
+embeddings, ones for norm weights, zeros for biases.
+
+    python scripts/make_random_model.py llama-3.3-70b /tmp/models/llama-3.3-70b [--device cuda]
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import shutil
+import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+SHARD_BYTES = 5 * 10**9
+INITIALIZER_RANGE = 0.02
 
 
 def hf_config(arch) -> dict:
@@ -33,6 +44,7 @@ def hf_config(arch) -> dict:
         "rms_norm_eps": 1e-5,
         "hidden_act": "silu",
         "torch_dtype": "bfloat16",
+        "initializer_range": INITIALIZER_RANGE,
         "bos_token_id": 1,
         "eos_token_id": 2,
         "pad_token_id": 0,
@@ -44,17 +56,96 @@ def hf_config(arch) -> dict:
     return {k: v for k, v in cfg.items() if v is not None}
 
 
+def tensor_shapes(config) -> list[tuple[str, tuple[int, ...]]]:
+    """(name, shape) of every tensor save_pretrained would write, from a meta-device model."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    seen: set[int] = set()
+    out = []
+    for name, tensor in model.state_dict(keep_vars=True).items():
+        if id(tensor) in seen:  # tied weights (lm_head = embed_tokens) are stored once
+            continue
+        seen.add(id(tensor))
+        out.append((name, tuple(tensor.shape)))
+    return out
+
+
+def plan_shards(shapes: list[tuple[str, tuple[int, ...]]], *, element_bytes: int,
+                shard_bytes: int = SHARD_BYTES) -> list[list[tuple[str, tuple[int, ...]]]]:
+    """Consecutive tensors grouped into shards of at most `shard_bytes` (a larger tensor gets its own)."""
+    shards: list[list[tuple[str, tuple[int, ...]]]] = [[]]
+    size = 0
+    for name, shape in shapes:
+        n = element_bytes
+        for d in shape:
+            n *= d
+        if shards[-1] and size + n > shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append((name, shape))
+        size += n
+    return shards
+
+
+def draw(name: str, shape: tuple[int, ...], *, generator, device: str):
+    import torch
+
+    if name.endswith("bias"):
+        return torch.zeros(shape, dtype=torch.bfloat16)
+    if len(shape) == 1:  # RMSNorm / LayerNorm weights
+        return torch.ones(shape, dtype=torch.bfloat16)
+    t = torch.empty(shape, dtype=torch.bfloat16, device=device)
+    t.normal_(0.0, INITIALIZER_RANGE, generator=generator)
+    return t.cpu()
+
+
+def write_random_checkpoint(config, out: Path, *, device: str = "cpu", seed: int = 0,
+                            shard_bytes: int = SHARD_BYTES, writers: int = 4) -> tuple[int, int]:
+    """Write `config`'s model with random bf16 weights into `out` shard by shard; (params, bytes)."""
+    import torch
+    from safetensors.torch import save_file
+
+    shapes = tensor_shapes(config)
+    shards = plan_shards(shapes, element_bytes=2, shard_bytes=shard_bytes)
+    names = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    weight_map, total = {}, 0
+
+    def write(i: int) -> int:
+        generator = torch.Generator(device=device).manual_seed(seed + i)
+        tensors = {name: draw(name, shape, generator=generator, device=device) for name, shape in shards[i]}
+        part = out / (names[i] + ".partial")
+        save_file(tensors, str(part), metadata={"format": "pt"})
+        part.rename(out / names[i])
+        return sum(t.numel() for t in tensors.values())
+
+    # a few shards in flight: drawing (GPU or CPU) overlaps with the disk writes of the others
+    with ThreadPoolExecutor(max_workers=writers) as pool:
+        params = sum(pool.map(write, range(len(shards))))
+    for i, shard in enumerate(shards):
+        for name, _ in shard:
+            weight_map[name] = names[i]
+    total = 2 * params
+    (out / "model.safetensors.index.json").write_text(json.dumps(
+        {"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2) + "\n")
+    config.save_pretrained(out)  # config.json last: its presence marks a finished checkpoint
+    return params, total
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("arch", help="registry key, e.g. llama-3.1-8b")
     parser.add_argument("out")
-    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--device", default=None, help="where weights are drawn (default: cuda if available)")
     parser.add_argument("--tokenizer", default=str(ROOT / "data" / "tiny-llama"))
     args = parser.parse_args()
 
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig
 
+    sys.path.insert(0, str(ROOT))
     from finetune.registry import get_model
 
     out = Path(args.out)
@@ -64,17 +155,16 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     arch = get_model(args.arch)
     config = AutoConfig.for_model(**hf_config(arch))
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     start = time.perf_counter()
-    torch.manual_seed(0)
-    with torch.device(args.device):
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
-    model.save_pretrained(out, max_shard_size="5GB")
+    params, nbytes = write_random_checkpoint(config, out, device=device)
     for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja"):
         src = Path(args.tokenizer) / name
         if src.exists():
             shutil.copy(src, out / name)
-    n = sum(p.numel() for p in model.parameters())
-    print(f"{args.arch}: {n / 1e9:.2f}B parameters written to {out} in {time.perf_counter() - start:.0f}s")
+    seconds = time.perf_counter() - start
+    print(f"{args.arch}: {params / 1e9:.2f}B parameters ({nbytes / 1e9:.1f} GB) written to {out} "
+          f"in {seconds:.0f}s ({nbytes / 1e9 / max(seconds, 1e-9):.2f} GB/s)")
 
 
 if __name__ == "__main__":

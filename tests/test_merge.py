@@ -139,3 +139,53 @@ def test_qlora_merges_into_unquantized_base_in_compute_dtype(runs, tmp_path):
     base = AutoModelForCausalLM.from_pretrained(runs["base"], dtype=torch.bfloat16)
     reference = _logits(PeftModel.from_pretrained(base, str(run)), ids)
     torch.testing.assert_close(_logits(merged, ids), reference, atol=5e-2, rtol=2e-2)
+
+
+def _peft_adapter_run(runs, run_dir, **lora):
+    """A run dir holding a non-trivial peft adapter (B != 0) made directly with peft on the tiny base."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    base = AutoModelForCausalLM.from_pretrained(runs["base"], dtype=torch.float32)
+    model = get_peft_model(base, LoraConfig(init_lora_weights=False, **lora))
+    model.save_pretrained(run_dir)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(runs["lora"] / name, run_dir / name)
+    return run_dir
+
+
+def test_streaming_merge_honours_rslora_and_rank_patterns(runs, tmp_path):
+    """rsLoRA scaling and per-module rank/alpha patterns come from peft's own layers, not our arithmetic."""
+    import torch
+
+    run = _peft_adapter_run(runs, tmp_path / "run", r=8, lora_alpha=16, use_rslora=True,
+                            target_modules=["q_proj", "v_proj", "down_proj"],
+                            rank_pattern={"down_proj": 4}, alpha_pattern={"v_proj": 3})
+    plain, reference, merged = _reference_and_merged(runs, run, tmp_path / "out", "float32")
+    assert (reference - plain).abs().max() > 1e-2
+    torch.testing.assert_close(merged, reference, atol=1e-4, rtol=1e-4)
+
+
+def test_merge_streams_tensor_by_tensor(runs, tmp_path):
+    """The default path never builds the model: every targeted module is merged from the shards."""
+    from finetune import merge_stream
+
+    out = tmp_path / "out"
+    out.mkdir()
+    n = merge_stream.merge_checkpoint(base_dir=runs["base"], run_dir=runs["lora"], out=out, dtype="float32",
+                                      max_shard_size="100KB")
+    adapter = json.loads((runs["lora"] / "adapter_config.json").read_text())
+    layers = json.loads((runs["base"] / "config.json").read_text())["num_hidden_layers"]
+    assert n == layers * len(adapter["target_modules"])
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    assert len(set(index["weight_map"].values())) > 1  # shards were cut at max_shard_size
+
+
+def test_modules_to_save_falls_back_to_peft_whole_model_merge(runs, tmp_path):
+    import torch
+
+    run = _peft_adapter_run(runs, tmp_path / "run", r=4, target_modules=["q_proj"], modules_to_save=["lm_head"])
+    plain, reference, merged = _reference_and_merged(runs, run, tmp_path / "out", "float32")
+    torch.testing.assert_close(merged, reference, atol=1e-4, rtol=1e-4)
