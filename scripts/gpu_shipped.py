@@ -1,0 +1,251 @@
+"""Train the SHIPPED recipes (e.g. recipes/llama70b-lora.yaml) on the GPU machine and record plan vs measurement.
+
+Each recipe runs as shipped except what this machine cannot have: the model is the same architecture
+with random weights (scripts/make_random_model.py, written shard by shard), the data is the learnable
+synthetic task of gpu_validate.py in the recipe's own format, the hardware is `auto` (the GPUs the run
+is given through CUDA_VISIBLE_DEVICES), nothing is pushed by the run itself, and the number of steps
+and the global batch are set on the command line (a 70B step at the shipped global batch of 64 x 4096
+tokens takes over a minute on 4 GPUs). Rows go to the same results JSON as gpu_validate.py.
+
+    python scripts/gpu_shipped.py lora70b qlora70b-1gpu+qlora70b-fsdp2-2gpu lora70b-preempt --out $OUT/v.json
+    python scripts/gpu_shipped.py lora70b --push-merge --merge-dir /dev/shm/merged
+
+A run group "a+b" starts its runs at the same time on disjoint GPUs (numbered in order).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import yaml
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import gpu_validate as gv  # noqa: E402
+
+from finetune import rundir  # noqa: E402
+from finetune.recipe.load import _load_raw  # noqa: E402
+
+ROOT = gv.ROOT
+# name -> (shipped recipe, registry architecture of its model, GPUs, extra recipe settings)
+SHIPPED: dict[str, tuple[str, str, int, dict]] = {
+    "lora70b": ("recipes/llama70b-lora.yaml", "llama-3.3-70b", 4, {}),
+    "lora70b-preempt": ("recipes/llama70b-lora.yaml", "llama-3.3-70b", 4, {}),
+    "qlora70b-1gpu": ("recipes/llama70b-qlora.yaml", "llama-3.3-70b", 1, {}),
+    "qlora70b-fsdp2-2gpu": ("recipes/llama70b-qlora.yaml", "llama-3.3-70b", 2,
+                            {"distributed": {"strategy": "fsdp2"}}),
+    "dpo70b": ("recipes/llama70b-dpo-lora.yaml", "llama-3.3-70b", 4, {}),
+    "lora70b-hybrid-2x2": ("recipes/llama70b-lora.yaml", "llama-3.3-70b", 4,
+                           {"distributed": {"strategy": "fsdp2-hybrid"}}),
+    # a CPU smoke test of this script itself (and of its preemption sequence)
+    "quickstart-cpu": ("recipes/quickstart.yaml", "tiny-llama", 1, {}),
+    "quickstart-cpu-preempt": ("recipes/quickstart.yaml", "tiny-llama", 1, {}),
+}
+PREEMPT_AT_STEP = 6
+
+
+def shipped_recipe(name: str, *, model_dir: Path, data: Path, steps: int, batch: int) -> dict:
+    path, _, _, extra = SHIPPED[name]
+    raw = _load_raw(ROOT / path)  # extends resolved, nothing else changed
+    source = raw["data"]["sources"][0] if "sources" in raw["data"] else dict(raw["data"])
+    for key in ("path", "format", "columns", "split", "subset"):  # the one-source shorthand
+        raw["data"].pop(key, None)
+    raw["model"]["name"] = str(model_dir)
+    raw["data"]["sources"] = [{"path": str(data), "format": source.get("format", "messages")}]
+    raw["data"].pop("eval_sources", None)
+    raw["data"].pop("task_eval", None)  # a greedy-generation eval on files of the recipe's own folder
+    if raw["data"].get("eval_fraction") is None:
+        raw["data"]["eval_fraction"] = 0.005  # the shipped DPO recipe evaluates on a Hub split
+    raw["data"]["max_too_long_fraction"] = 0.5
+    raw["hardware"] = "auto"
+    raw.pop("hub", None)  # the push is made (and checked) separately against the local fake Hub
+    raw["train"] = {**raw.get("train", {}), "max_steps": steps, "global_batch_size": batch,
+                    "logging_steps": 1}
+    raw["train"].pop("epochs", None)
+    raw["logging"] = {"report_to": ["none"]}
+    return gv.merge(raw, extra)
+
+
+def start(name: str, *, gpus: list[int], args, resume: str = "never") -> tuple[subprocess.Popen, Path, float]:
+    path, arch, _, _ = SHIPPED[name]
+    model_dir = gv.ensure_model(arch)
+    work = gv.WORK / name
+    work.mkdir(parents=True, exist_ok=True)
+    recipe = shipped_recipe(name, model_dir=model_dir, data=work / "data.jsonl", steps=args.steps,
+                            batch=args.batch)
+    preference = recipe.get("method", {}).get("type") == "dpo"
+    if not (work / "data.jsonl").exists():
+        gv.write_data(work / "data.jsonl", preference=preference, seq=recipe["data"].get("max_length", 2048))
+    (work / "recipe.yaml").write_text(yaml.safe_dump(recipe, sort_keys=False))
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ",".join(map(str, gpus))}
+    run_dir = work / "run"
+    if name.endswith("-2x2"):
+        return None, run_dir, time.time()  # started by gv.run_two_nodes in run_group
+    cmd = [sys.executable, "-m", "finetune.cli", "run", str(work / "recipe.yaml"), "--output", str(run_dir),
+           "--resume", resume]
+    print(f"\n=== {name} on GPUs {gpus}: {' '.join(cmd)}", flush=True)
+    return subprocess.Popen(cmd, cwd=ROOT, env=env, start_new_session=True), run_dir, time.time()
+
+
+def row_for(name: str, run_dir: Path, *, code: int, started: float, seq: int) -> dict:
+    path, arch, gpus, _ = SHIPPED[name]
+    row = {"name": name, "recipe": path, "arch": arch, "gpus": gpus, "exit_code": code,
+           "wall_s": round(time.time() - started, 1), "date": time.strftime("%Y-%m-%d")}
+    if (run_dir / rundir.PLAN_JSON).exists():
+        try:
+            row.update(gv.collect(run_dir))
+            row["adapter"] = yaml.safe_load((run_dir / rundir.RESOLVED_RECIPE).read_text())["adapter"]["type"]
+            begins = [r.get("train_begin_unix") for r in row.get("ranks", []) if r.get("train_begin_unix")]
+            if begins:
+                row["load_s"] = round(min(begins) - started, 1)  # launch to the first rank's first step
+            flops = gv.model_flops_per_token(gv.get_model(arch), seq=seq, adapter=row["adapter"])
+            for key in ("tokens_per_second", "steady_tokens_per_second"):
+                if row.get(key):
+                    row[key.replace("tokens_per_second", "mfu")] = round(
+                        row[key] / row["world_size"] * flops / (gv.PEAK_BF16_TFLOPS * 1e12), 4)
+        except Exception as exc:  # keep the other runs' results
+            row["collect_error"] = repr(exc)
+    return row
+
+
+def preempt(name: str, args, results: list[dict]) -> dict:
+    """SIGTERM to the launcher during step PREEMPT_AT_STEP (as a scheduler would), then rerun to the end;
+    the resumed losses are compared with the uninterrupted run's row (the name without -preempt)."""
+    gpus = list(range(SHIPPED[name][2]))
+    proc, run_dir, started = start(name, gpus=gpus, args=args)
+    while proc.poll() is None and max(gv_losses(run_dir), default=0) < PREEMPT_AT_STEP:
+        time.sleep(2)
+    proc.send_signal(signal.SIGTERM)
+    first = proc.wait()
+    saved = sorted(p.name for p in (run_dir / rundir.CHECKPOINTS).glob("checkpoint-*"))
+    shutil.copy(run_dir / rundir.METRICS, run_dir.parent / "first-half-metrics.jsonl")
+    proc, _, _ = start(name, gpus=gpus, args=args, resume="auto")
+    code = proc.wait()
+    row = row_for(name, run_dir, code=code, started=started, seq=args.seq_of[name])
+    row.pop("load_s", None)  # the memory files are the resumed launch's
+    row.update(preempt_exit_code=first, checkpoints_after_signal=saved)
+    uninterrupted = name.removesuffix("-preempt")
+    reference = next((r for r in results if r["name"] == uninterrupted and r.get("loss_by_step")), None)
+    if reference and row.get("loss_by_step"):
+        ref = dict(map(tuple, reference["loss_by_step"]))
+        diffs = [abs(loss - ref[step]) for step, loss in row["loss_by_step"] if step in ref]
+        row["max_abs_loss_diff_vs_uninterrupted"] = max(diffs) if diffs else None
+    return row
+
+
+def gv_losses(run_dir: Path) -> list[int]:
+    return [r["step"] for r in rundir.read_metrics(run_dir) if r.get("loss") is not None]
+
+
+def push_and_merge(args, run_dir: Path) -> dict:
+    """`finetune push` to the local fake Hub, then `finetune merge` with its host RAM sampled."""
+    sys.path.insert(0, str(ROOT / "tests"))
+    from fakehub import FakeHub
+
+    out: dict = {"name": "lora70b-push-merge"}
+    hub = FakeHub().start()
+    try:
+        env = {**os.environ, "HF_ENDPOINT": hub.url, "HF_TOKEN": "hf_validation", "HF_HUB_DISABLE_XET": "1",
+               "HF_HUB_OFFLINE": "0"}
+        t = time.time()
+        proc = subprocess.run([sys.executable, "-m", "finetune.cli", "push", str(run_dir), "--repo",
+                               "validation/llama70b-lora"], cwd=ROOT, env=env, capture_output=True, text=True)
+        files = hub.files("validation/llama70b-lora") if proc.returncode == 0 else {}
+        out.update(push_exit_code=proc.returncode, push_s=round(time.time() - t, 1),
+                   pushed={k: len(v) for k, v in files.items()}, push_tail=(proc.stdout + proc.stderr)[-800:])
+    finally:
+        hub.stop()
+    merge_dir = Path(args.merge_dir)
+    shutil.rmtree(merge_dir, ignore_errors=True)
+    t = time.time()
+    proc = subprocess.Popen([sys.executable, "-m", "finetune.cli", "merge", str(run_dir), "-o", str(merge_dir),
+                             "--max-shard-size", "2GB"], cwd=ROOT, start_new_session=True)
+    peak = {"RssAnon": 0, "RssFile": 0}
+    deadline = t + args.merge_timeout
+    while proc.poll() is None and time.time() < deadline:
+        for pid in [proc.pid, *children(proc.pid)]:
+            for key, kib in status_kib(pid).items():
+                peak[key] = max(peak[key], kib)
+        time.sleep(0.5)
+    finished = proc.poll() is not None
+    if not finished:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    written = list(merge_dir.parent.glob(f".{merge_dir.name}.partial-*/*.safetensors")) + \
+        list(merge_dir.glob("*.safetensors"))
+    nbytes = sum(p.stat().st_size for p in written)
+    seconds = time.time() - t
+    out.update(merge_exit_code=proc.returncode, merge_finished=finished, merge_s=round(seconds, 1),
+               merge_bytes_written=nbytes, merge_gb_per_s=round(nbytes / 1e9 / seconds, 3),
+               merge_peak_rss_anon_gib=round(peak["RssAnon"] / 2**20, 2),
+               merge_peak_rss_file_gib=round(peak["RssFile"] / 2**20, 2), merge_dir=str(merge_dir))
+    return out
+
+
+def children(pid: int) -> list[int]:
+    try:
+        return [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+    except OSError:
+        return []
+
+
+def status_kib(pid: int) -> dict[str, int]:
+    try:
+        lines = Path(f"/proc/{pid}/status").read_text().splitlines()
+    except OSError:
+        return {}
+    return {k: int(v.split()[0]) for k, v in (line.split(":", 1) for line in lines) if k in ("RssAnon", "RssFile")}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("groups", nargs="+", help="run names, 'a+b' for runs side by side")
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--out", default="validation.json")
+    parser.add_argument("--push-merge", action="store_true", help="after lora70b: push to a fake Hub, merge")
+    parser.add_argument("--merge-dir", default="/dev/shm/merged")
+    parser.add_argument("--merge-timeout", type=float, default=300)
+    args = parser.parse_args()
+    out = Path(args.out)
+    results = json.loads(out.read_text()) if out.exists() else []
+    args.seq_of = {n: _load_raw(ROOT / SHIPPED[n][0])["data"].get("max_length", 2048) for n in SHIPPED}
+
+    def save(row: dict) -> None:
+        results.append(row)
+        out.write_text(json.dumps(results, indent=2) + "\n")
+        print(json.dumps({k: v for k, v in row.items() if k not in ("ranks", "loss_by_step")}), flush=True)
+
+    for group in args.groups:
+        names = group.split("+")
+        if len(names) == 1 and names[0].endswith("-preempt"):
+            save(preempt(names[0], args, results))
+            continue
+        started, first_gpu = [], 0
+        for name in names:
+            gpus = list(range(first_gpu, first_gpu + SHIPPED[name][2]))
+            first_gpu += len(gpus)
+            if name.endswith("-2x2"):
+                work = gv.WORK / name
+                start(name, gpus=gpus, args=args)
+                t = time.time()
+                code = gv.run_two_nodes(work, work / "run", [], gpus_per_node=2)
+                save(row_for(name, work / "run", code=code, started=t, seq=args.seq_of[name]))
+                continue
+            started.append((name, *start(name, gpus=gpus, args=args)))
+        for name, proc, run_dir, t in started:
+            save(row_for(name, run_dir, code=proc.wait(), started=t, seq=args.seq_of[name]))
+            if name == "lora70b" and args.push_merge and (run_dir / "adapter_model.safetensors").exists():
+                save(push_and_merge(args, run_dir))
+
+
+if __name__ == "__main__":
+    main()
