@@ -40,7 +40,7 @@ def _predict(row: dict):
         "model": {"name": row["arch"], "arch": row["arch"], "dtype": "bfloat16",
                   "attn_implementation": row.get("attn_implementation", "sdpa")},
         "method": {"type": row["method"]},
-        "adapter": {"type": row["adapter"], "r": 16, "alpha": 32,
+        "adapter": {"type": row["adapter"], "r": 16, "alpha": 32, "dropout": row.get("lora_dropout", 0.0),
                     "cast_adapter_inputs": row.get("cast_adapter_inputs", True)},
         # SFT packs padding-free; DPO pads chosen/rejected (pairs filling max_length)
         "data": {"path": "train.jsonl", "max_length": row["seq_len"], "packing": not dpo,

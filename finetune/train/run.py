@@ -100,6 +100,9 @@ def _run(recipe, *, state, run_dir: Path, resume: str, preempt) -> dict | None:
             log.info(note)
     args = training_args(recipe, run_dir=run_dir, has_eval=data.eval is not None)
     args.save_total_limit = None  # retention is CommitCallback's: only after a newer checkpoint is complete
+    # the eval before training runs inside train(), after the model is wrapped: FSDP2 cannot wrap a model
+    # for an evaluate() called first (accelerate needs the model and optimizer prepared together)
+    args.eval_on_start = data.eval is not None and resume_from is None
     model = load_model(recipe)
     summary: dict = {"run_dir": str(run_dir), "tokenized_cache": {"key": data.cache_key, "hit": data.cache_hit},
                      "data_notes": data.notes, "resumed_from": str(resume_from) if resume_from else None}
@@ -130,12 +133,13 @@ def _run(recipe, *, state, run_dir: Path, resume: str, preempt) -> dict | None:
     from transformers.trainer_callback import PrinterCallback
 
     trainer.remove_callback(PrinterCallback)  # ConsoleProgress prints the readable version
-    if data.eval is not None and resume_from is None:
-        summary["eval_loss_before"] = trainer.evaluate()["eval_loss"]
     with adapter_input_casting(recipe, trainer.model):
         result = trainer.train(resume_from_checkpoint=str(resume_from) if resume_from else None)
     if preempt.stopped_at is not None:
         raise preempt.error(run_dir)
+    if args.eval_on_start:
+        summary["eval_loss_before"] = next(
+            (h["eval_loss"] for h in trainer.state.log_history if "eval_loss" in h and h.get("step") == 0), None)
     if data.eval is not None:
         done = [h["eval_loss"] for h in trainer.state.log_history
                 if "eval_loss" in h and h.get("step") == trainer.state.global_step]
