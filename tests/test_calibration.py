@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from finetune import strategies
 from finetune.plan import job_from_recipe, plan_job
 from finetune.recipe import load_recipe
 from finetune.registry import get_model
@@ -50,7 +51,7 @@ def _predict(row: dict):
                   "activation_checkpointing": "on" if row["activation_checkpointing"] else "off",
                   "liger": "on" if row.get("liger") else "off"},
         "distributed": {"strategy": row["strategy"],
-                        **({"nvme_path": "/tmp/nvme-swap"} if row["strategy"] == "zero3-nvme" else {})},
+                        **({"nvme_path": "/tmp/nvme-swap"} if strategies.info(row["strategy"]).offload == "nvme" else {})},
         "hardware": "auto",
     }
     recipe = load_recipe(raw)

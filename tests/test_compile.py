@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from finetune import strategies
 from finetune.compile import compile_run
 from finetune.compile.compiler import compile_recipe
 from finetune.errors import DoesNotFitError, RecipeError
@@ -218,11 +219,11 @@ def test_ds_config_concrete_and_valid_for_deepspeed(name, tmp_path):
     assert parsed.float16_config.enabled == (recipe.train.precision == "fp16")
     arch = get_model(CASES[name][1])
     assert parsed.zero_config.reduce_bucket_size == arch.hidden_size ** 2
-    if plan.strategy == "zero3-offload":
+    if strategies.info(plan.strategy).offload == "cpu":
         assert parsed.zero_config.offload_param.device == "cpu"
         assert parsed.zero_config.offload_optimizer.device == "cpu"
         assert parsed.optimizer_name == "adamw"
-    if plan.strategy == "zero3-nvme":
+    if strategies.info(plan.strategy).offload == "nvme":
         nvme = get_preset(CASES[name][2]).nvme_path
         assert str(parsed.zero_config.offload_param.nvme_path) == nvme
         assert parsed.zero_config.offload_param.buffer_size >= arch.vocab_size * arch.hidden_size
@@ -259,7 +260,7 @@ def test_accelerate_reads_config_and_builds_plugins(name, tmp_path, monkeypatch)
     ranks_env = {k: v for k, v in env.items() if k not in os.environ or os.environ[k] != v}
     for key, value in ranks_env.items():
         monkeypatch.setenv(key, value)
-    if plan.strategy.startswith("fsdp2"):
+    if strategies.is_fsdp(plan.strategy):
         from accelerate.utils import FullyShardedDataParallelPlugin
 
         fsdp = FullyShardedDataParallelPlugin()  # reads FSDP_* exactly as a rank does
@@ -268,14 +269,14 @@ def test_accelerate_reads_config_and_builds_plugins(name, tmp_path, monkeypatch)
         assert fsdp.cpu_ram_efficient_loading is True
         assert "SHARDED_STATE_DICT" in str(fsdp.state_dict_type)
         assert fsdp.activation_checkpointing == plan.activation_checkpointing
-    if plan.strategy == "fsdp2-hybrid":
+    if strategies.is_hybrid(plan.strategy):
         from accelerate import ParallelismConfig
 
         pc = ParallelismConfig()  # what the Accelerator builds when the env asks for it
         assert env["ACCELERATE_USE_PARALLELISM_CONFIG"] == "true"
         assert (pc.dp_replicate_size, pc.dp_shard_size) == (plan.num_nodes, plan.gpus_per_node)
         assert pc.total_size == plan.world_size
-    if plan.strategy.startswith("zero3"):
+    if strategies.is_deepspeed(plan.strategy):
         from accelerate.utils import DeepSpeedPlugin
 
         ds = DeepSpeedPlugin()  # loads ds_config.json, refuses conflicting accelerate fields
@@ -381,5 +382,5 @@ def test_every_shipped_recipe_compiles_or_is_refused_on_every_preset(recipe_path
         compiled += 1
         assert load_recipe(run_dir / "recipe.resolved.yaml", allow_resolved=True).resolved
         assert Path(spec.files["launch.sh"]).is_file()
-        assert (run_dir / "ds_config.json").exists() == spec.strategy.startswith("zero3")
+        assert (run_dir / "ds_config.json").exists() == strategies.is_deepspeed(spec.strategy)
     assert compiled, f"{recipe_path.name} fits none of the presets"

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from finetune.compile.accelerate import DEEPSPEED_STRATEGIES, accelerate_config, checkpointing_owner
+from finetune import strategies
+from finetune.compile.accelerate import accelerate_config, checkpointing_owner
 from finetune.compile.deepspeed import ds_config
 from finetune.compile.files import json_text, write_atomic, yaml_text
 from finetune.compile.multinode import render_launch_sh, render_sbatch
@@ -14,7 +15,7 @@ from finetune.compile.spec import DEFAULT_MAIN_PORT, LAUNCH_JSON, LaunchSpec
 from finetune.errors import DoesNotFitError, RecipeError
 from finetune.plan.types import Plan
 from finetune.recipe.load import dump_recipe, recipe_dir, recipe_name
-from finetune.recipe.schema import CONCRETE_STRATEGIES, Recipe
+from finetune.recipe.schema import Recipe
 from finetune.registry.schema import HardwarePreset, ModelArch
 
 ENTRY_MODULE = "finetune.train"
@@ -45,10 +46,10 @@ def _check_plan(plan: Plan) -> None:
         options = "; ".join(plan.suggestions) if plan.suggestions else "see `finetune plan`"
         raise DoesNotFitError(f"nothing fits on {plan.hardware}: {plan.why}",
                               key="distributed.strategy", hint=options)
-    if plan.strategy not in CONCRETE_STRATEGIES:
+    if plan.strategy not in strategies.NAMES:
         raise RecipeError(f"the plan's strategy {plan.strategy!r} is not one finetune can launch",
-                          key="distributed.strategy", hint=f"use one of {', '.join(CONCRETE_STRATEGIES)}")
-    if plan.device == "cpu" and plan.strategy != "ddp":
+                          key="distributed.strategy", hint=f"use one of {', '.join(strategies.NAMES)}")
+    if plan.device == "cpu" and strategies.shards_params(plan.strategy):
         raise RecipeError(f"{plan.strategy} needs GPUs; on CPU only ddp (gloo) runs",
                           key="distributed.strategy", hint="set distributed.strategy: ddp or auto")
     if plan.world_size != plan.num_nodes * plan.gpus_per_node:
@@ -119,7 +120,7 @@ def compile_run(recipe: Recipe, plan: Plan, *, run_dir: str | Path, arch: ModelA
         + dump_recipe(resolved))
     texts["plan.json"] = json_text(plan.to_json())
     ds_path = None
-    if plan.strategy in DEEPSPEED_STRATEGIES:
+    if strategies.is_deepspeed(plan.strategy):
         ds_path = str(run_dir / "ds_config.json")
         texts["ds_config.json"] = json_text(ds_config(recipe, plan, arch=arch, preset=preset))
     acc = accelerate_config(recipe, plan, arch=arch, main_port=main_port, ds_config_path=ds_path)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from finetune import strategies
 from finetune.compile.accelerate import checkpointing_owner
 from finetune.compile.deepspeed import nvme_path_for, optimizer_in_ds_config
 from finetune.plan import attention_implementation, liger_enabled
@@ -67,7 +68,7 @@ def resolve_recipe(recipe: Recipe, plan: Plan, *, run_dir: Path, arch: ModelArch
 
     dist = data["distributed"]
     dist["strategy"] = plan.strategy
-    if plan.strategy == "zero3-nvme":
+    if strategies.info(plan.strategy).offload == "nvme":
         dist["nvme_path"] = nvme_path_for(recipe, preset)
 
     data["output"]["dir"] = str(run_dir)

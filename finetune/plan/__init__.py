@@ -9,8 +9,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from finetune import strategies
 from finetune.plan.choose import HEADROOM, search, suggestions
-from finetune.plan.memory import OFFLOADED, adapter_input_casts, zero_model_state_bytes
+from finetune.plan.memory import adapter_input_casts, zero_model_state_bytes
 from finetune.plan.render import render_plan_table
 from finetune.plan.timing import allgather_time_s, allreduce_time_s, model_flops_per_token
 from finetune.plan.types import GIB, Candidate, MemoryBreakdown, Plan
@@ -162,13 +163,13 @@ def _why(job: Job, chosen: Candidate, achieved: int, candidates: list[Candidate]
         first = f"{chosen.strategy} is pinned by the recipe and fits"
     else:
         first = f"{chosen.strategy} is the fastest strategy that fits"
-        if any(c.fits and c.strategy in OFFLOADED and c.step_time_s < chosen.step_time_s
+        if any(c.fits and strategies.offloads(c.strategy) and c.step_time_s < chosen.step_time_s
                for c in candidates):
             first += " without offloading, the last resort"
     first += (f" ({chosen.per_gpu_memory_gib:.1f} of {limit:.1f} GiB usable per "
               f"{'process' if p.vendor == 'cpu' else 'GPU'}, {chosen.step_time_s:.2f} s/step, "
               f"{chosen.bottleneck}-bound")
-    if chosen.strategy in OFFLOADED:
+    if strategies.offloads(chosen.strategy):
         first += f", {chosen.host_ram_bytes / GIB:.0f} GiB host RAM per node"
     first += ")."
     ckpt = "with activation checkpointing" if chosen.activation_checkpointing else \

@@ -27,14 +27,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from finetune.plan.memory import OFFLOADED, state_bytes, tokens_per_micro_batch, weight_bytes
+from finetune import strategies
+from finetune.plan.memory import state_bytes, tokens_per_micro_batch, weight_bytes
 from finetune.plan.workload import Job, count_params, head_dim, trainable_params
 
 GPU_EFFICIENCY = 0.45
 CPU_EFFICIENCY = 0.30
-# x GPU_EFFICIENCY for LoRA/QLoRA: 8B LoRA on 1 x H200 measured 13.4k tokens/s over a 20-step run,
-# predicted 8.4k at 0.65 (the factor fitted to the old sdpa + fp32-cast defaults' 6.7k on H100)
-ADAPTER_EFFICIENCY = 1.0
 QLORA_EFFICIENCY = 0.95  # dequantizing NF4 weights on every matmul: measured 0.99 of LoRA's tokens/s (H200)
 MICRO_BATCH_HALF_TOKENS = 512  # efficiency x tokens/(tokens + this): small micro-batches underuse the GPU
 ZERO3_COMM_FACTOR = 1.2  # DeepSpeed's parameter fetching overlaps less than FSDP2's prefetch
@@ -81,8 +79,6 @@ def model_flops_per_token(job: Job) -> float:
 
 def efficiency(job: Job, *, micro_batch: int) -> float:
     base = CPU_EFFICIENCY if job.preset.vendor == "cpu" else GPU_EFFICIENCY
-    if job.adapter != "full" and job.preset.vendor != "cpu":
-        base *= ADAPTER_EFFICIENCY
     if job.adapter == "qlora":
         base *= QLORA_EFFICIENCY
     tokens = tokens_per_micro_batch(job, micro_batch)
@@ -124,7 +120,7 @@ def step_time(job: Job, *, strategy: str, micro_batch: int, grad_accum: int,
     grad_bytes = states.trainable_params * (4 if job.adapter != "full" else 2)
     intra_bw, inter_bw = p.intra_node_bandwidth_gbps, p.inter_node_bandwidth_gbps or 1.0
     intra = inter = offload = 0.0
-    if strategy == "ddp":
+    if not strategies.shards_params(strategy):
         # one all-reduce per optimizer step (no_sync while accumulating); hierarchical across nodes
         intra = allreduce_time_s(grad_bytes, n=p.gpus_per_node, bus_bandwidth_gbps=intra_bw)
         inter = allreduce_time_s(grad_bytes, n=p.nodes, bus_bandwidth_gbps=inter_bw)
@@ -133,12 +129,12 @@ def step_time(job: Job, *, strategy: str, micro_batch: int, grad_accum: int,
         reduce = states.trainable_params * 4  # reduce-scatter in fp32
         per_intra, per_inter = _sharded_collectives(
             gather=gather, reduce=reduce, n_intra=p.gpus_per_node, n_nodes=p.nodes,
-            intra_bw=intra_bw, inter_bw=inter_bw, hybrid=strategy == "fsdp2-hybrid")
-        factor = ZERO3_COMM_FACTOR if strategy.startswith("zero3") else 1.0
+            intra_bw=intra_bw, inter_bw=inter_bw, hybrid=strategies.is_hybrid(strategy))
+        factor = ZERO3_COMM_FACTOR if strategies.is_deepspeed(strategy) else 1.0
         intra, inter = per_intra * grad_accum * factor, per_inter * grad_accum * factor
         if p.world_size == 1:
             intra = inter = 0.0
-    if strategy in OFFLOADED:
+    if strategies.offloads(strategy):
         offload = _offload_time(job, strategy=strategy, grad_accum=grad_accum)
     comm = intra + inter
     overlapped = max(compute, comm) + OVERLAP_LEAK * min(compute, comm)
@@ -158,7 +154,7 @@ def _offload_time(job: Job, *, strategy: str, grad_accum: int) -> float:
     pcie = (2 * weight_bytes(job) + 2 * states.trainable_params) / world * grad_accum
     seconds = pcie / (p.host_to_device_bandwidth_gbps * 1e9)
     seconds += states.trainable_params / p.nodes / CPU_ADAM_PARAMS_PER_S
-    if strategy == "zero3-nvme":
+    if strategies.info(strategy).offload == "nvme":
         nvme_bw = (p.nvme_bandwidth_gbps or 1.0) * 1e9
         # params read per forward and backward; optimizer states (fp32 master + moments) read and written
         params = 2 * weight_bytes(job) / p.nodes * grad_accum

@@ -9,11 +9,10 @@ from __future__ import annotations
 
 from typing import Annotated, Literal, Union
 
+from finetune.strategies import StrategyName, shards_params
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
 Dtype = Literal["bfloat16", "float16", "float32"]
-Strategy = Literal["auto", "ddp", "fsdp2", "fsdp2-hybrid", "zero3", "zero3-offload", "zero3-nvme"]
-CONCRETE_STRATEGIES = ("ddp", "fsdp2", "fsdp2-hybrid", "zero3", "zero3-offload", "zero3-nvme")
 DataFormat = Literal["messages", "alpaca", "sharegpt", "text", "prompt_completion", "preference"]
 # The canonical column names each format reads; `columns:` maps them to the file's names.
 FORMAT_COLUMNS: dict[str, tuple[str, ...]] = {
@@ -187,7 +186,7 @@ class TrainSection(Strict):
 
 
 class DistributedSection(Strict):
-    strategy: Strategy = "auto"
+    strategy: StrategyName = "auto"
     timeout_minutes: float = Field(30, gt=0, le=24 * 60)
     nvme_path: str | None = Field(None, description="ZeRO-Infinity swap dir; default: the preset's")
 
@@ -264,6 +263,10 @@ class Recipe(Strict):
         return self
 
 
+def _shards(strategy: str) -> bool:
+    return strategy != "auto" and shards_params(strategy)
+
+
 def recipe_conflicts(recipe: Recipe):
     """Yield (key path, message with a fix) for settings that contradict each other."""
     t, a, m, d = recipe.train, recipe.adapter, recipe.method, recipe.data
@@ -281,7 +284,7 @@ def recipe_conflicts(recipe: Recipe):
     if m.type == "dpo" and d.packing:
         yield "data.packing", "packing is not supported for DPO; set data.packing: false"
     if a.type == "qlora":
-        if a.storage_dtype != recipe.model.dtype and recipe.distributed.strategy not in ("auto", "ddp"):
+        if a.storage_dtype != recipe.model.dtype and _shards(recipe.distributed.strategy):
             yield "adapter.storage_dtype", (
                 f"QLoRA with {recipe.distributed.strategy} needs the 4-bit weights stored in the "
                 f"model dtype ({recipe.model.dtype}) so they can be sharded; set "

@@ -14,8 +14,6 @@ from pathlib import Path
 
 from finetune.registry.schema import HardwarePreset
 
-MIB = 1024 ** 2
-
 
 def query_gpus() -> list[tuple[str, float]]:
     """[(name, memory GiB)] of the local NVIDIA GPUs this process may use; [] when there is no nvidia-smi

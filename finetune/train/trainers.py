@@ -13,7 +13,6 @@ from finetune.recipe.load import recipe_name
 from finetune.recipe.schema import Recipe
 from finetune.train.checkpoint import CHECKPOINTS
 
-OPTIMIZERS = {"adamw_8bit": "adamw_8bit", "paged_adamw_8bit": "paged_adamw_8bit"}
 
 
 def _micro_batch(recipe: Recipe) -> int:
@@ -58,7 +57,7 @@ def common_args(recipe: Recipe, *, run_dir: Path, has_eval: bool) -> dict:
         warmup_steps=t.warmup_ratio,  # < 1 is a share of the total steps in transformers 5
         weight_decay=t.weight_decay,
         max_grad_norm=t.max_grad_norm,
-        optim=OPTIMIZERS.get(t.optimizer, "adamw_torch_fused" if cuda else "adamw_torch"),
+        optim=_optimizer(t.optimizer, cuda=cuda),
         bf16=t.precision == "bf16",
         fp16=t.precision == "fp16",
         **_checkpointing_args(checkpointing),
@@ -179,3 +178,11 @@ def build_trainer(recipe: Recipe, *, args, model, tokenizer, data, callbacks: li
     return PretokenizedDPOTrainer(model=model, ref_model=ref_model, args=args, train_dataset=data.train,
                                   eval_dataset=data.eval, processing_class=tokenizer, peft_config=peft_config,
                                   callbacks=callbacks)
+
+
+def _optimizer(name: str, *, cuda: bool) -> str:
+    """TrainingArguments.optim: the 8-bit optimizers share their names with transformers'; adamw is
+    torch's fused AdamW on GPUs."""
+    if name != "adamw":
+        return name
+    return "adamw_torch_fused" if cuda else "adamw_torch"
