@@ -6,12 +6,12 @@ through finetune.launch.
 
 from __future__ import annotations
 
-import json
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from finetune.errors import EXIT_PREEMPTED, EXIT_USAGE, FinetuneError, TrainingFailed
+from finetune import rundir
 from finetune.recipe import Recipe, load_recipe
 
 
@@ -22,7 +22,7 @@ def _check_resume(run_dir: Path, resume: str, *, world_size: int) -> None:
     start = resolve_resume(str(resume), run_dir)
     if start is None:
         return
-    resolved = load_recipe(run_dir / "recipe.resolved.yaml", allow_resolved=True)
+    resolved = load_recipe(run_dir / rundir.RESOLVED_RECIPE, allow_resolved=True)
     for note in check_resume(start, resolved, world_size=world_size):
         print(f"resume from {start.name}: changed safely: {note}", flush=True)
 
@@ -93,16 +93,15 @@ def run(recipe, *, hardware: str | None = None, overrides: list[str] | None = No
     run_dir = Path(spec.run_dir)
     print(spec.summary, flush=True)
     if dry_run:
-        print(f"dry run: launch files are in {run_dir}; start with `bash {run_dir}/launch.sh`")
+        print(f"dry run: launch files are in {run_dir}; start with `bash {run_dir / rundir.LAUNCH_SH}`")
         return RunResult(run_dir, 0, launched=False)
-    rank_error = run_dir / "logs" / "rank-error.json"  # finetune.train.run.RANK_ERROR
-    rank_error.unlink(missing_ok=True)
+    (run_dir / rundir.RANK_ERROR).unlink(missing_ok=True)
     code = launch(spec, node_rank=node_rank, main_address=main_address, main_port=main_port,
                   extra_args=["--resume", str(resume)])
-    if isinstance(code, int) and code not in (0, EXIT_PREEMPTED) and rank_error.is_file():
-        code = json.loads(rank_error.read_text()).get("exit_code", code)
+    if isinstance(code, int) and code not in (0, EXIT_PREEMPTED):
+        code = rundir.read_rank_error(run_dir).get("exit_code", code)
     if code == EXIT_USAGE:  # a rank's preflight refused the recipe or data (its message is above)
-        if created and not any((run_dir / "checkpoints").glob("checkpoint-*")):
+        if created and not any((run_dir / rundir.CHECKPOINTS).glob("checkpoint-*")):
             shutil.rmtree(run_dir, ignore_errors=True)
         raise FinetuneError("stopped before training; fix what the message above names and run again",
                             hint="finetune validate RECIPE checks the recipe and its data without training")
@@ -116,9 +115,8 @@ def run(recipe, *, hardware: str | None = None, overrides: list[str] | None = No
         raise TrainingFailed(f"training exited with code {code}; the log above names the failing rank",
                              file=str(run_dir), hint=f"fix the cause, then rerun to resume from the "
                                                      f"last complete checkpoint in {run_dir}")
-    summary_path = run_dir / "summary.json"
-    summary = json.loads(summary_path.read_text()) if summary_path.exists() else {}
-    resolved = load_recipe(run_dir / "recipe.resolved.yaml", allow_resolved=True)
+    summary = rundir.read_summary(run_dir)
+    resolved = load_recipe(run_dir / rundir.RESOLVED_RECIPE, allow_resolved=True)
     if resolved.hub.repo and (node_rank in (None, 0)):
         from finetune.hub import push_from_recipe
 

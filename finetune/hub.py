@@ -30,6 +30,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from finetune import rundir
 from finetune.errors import FinetuneError
 from finetune.merge import ADAPTER_FILES, TOKENIZER_FILES, merge, run_kind
 from finetune.modelcard import HUB_ID, parse_front_matter, render_model_card
@@ -39,7 +40,7 @@ logger = logging.getLogger(__name__)
 EXIT_PUSH_FAILED = 5
 # A full model saved by save_pretrained; "model*.safetensors" covers the shards and the single file.
 MODEL_FILES = ("config.json", "generation_config.json", "model.safetensors.index.json")
-EXTRA_FILES = ("recipe.resolved.yaml", "loss.png")
+EXTRA_FILES = (rundir.RESOLVED_RECIPE, rundir.LOSS_PNG)
 
 
 class PushError(FinetuneError):
@@ -128,12 +129,12 @@ def push(run_dir: str | Path, *, repo_id: str, merged: bool = False, private: bo
     if not HUB_ID.match(repo_id):
         raise PushError(f"--repo {repo_id!r} is not a Hub repo id", key="hub.repo",
                         hint="use ORG/NAME, e.g. --repo my-org/llama-3.1-8b-sft")
-    if not (run_dir / "recipe.resolved.yaml").is_file():
-        raise PushError("not a run directory (no recipe.resolved.yaml)", file=str(run_dir),
+    if not (run_dir / rundir.RESOLVED_RECIPE).is_file():
+        raise PushError(f"not a run directory (no {rundir.RESOLVED_RECIPE})", file=str(run_dir),
                         hint="pass the directory `finetune run` wrote its outputs to")
     from finetune.recipe import load_recipe
 
-    recipe = load_recipe(run_dir / "recipe.resolved.yaml", allow_resolved=True)
+    recipe = load_recipe(run_dir / rundir.RESOLVED_RECIPE, allow_resolved=True)
     kind = run_kind(run_dir)
     if kind == "unknown":
         raise PushError("no adapter (adapter_config.json) or model (config.json + *.safetensors) "
@@ -228,7 +229,7 @@ def push_from_recipe(run_dir: str | Path, **kwargs) -> str | None:
             return None
     from finetune.recipe import load_recipe
 
-    hub = load_recipe(run_dir / "recipe.resolved.yaml", allow_resolved=True).hub
+    hub = load_recipe(run_dir / rundir.RESOLVED_RECIPE, allow_resolved=True).hub
     if not hub.repo:
         return None
     return push(run_dir, repo_id=hub.repo, merged=hub.push == "merged", private=hub.private,

@@ -11,15 +11,16 @@ from finetune.compile.deepspeed import ds_config
 from finetune.compile.files import json_text, write_atomic, yaml_text
 from finetune.compile.multinode import render_launch_sh, render_sbatch
 from finetune.compile.resolve import resolve_recipe
-from finetune.compile.spec import DEFAULT_MAIN_PORT, LAUNCH_JSON, LaunchSpec
+from finetune.compile.spec import DEFAULT_MAIN_PORT, LaunchSpec
 from finetune.errors import DoesNotFitError, RecipeError
 from finetune.plan.types import Plan
 from finetune.recipe.load import dump_recipe, recipe_dir, recipe_name
 from finetune.recipe.schema import Recipe
 from finetune.registry.schema import HardwarePreset, ModelArch
+from finetune.rundir import (ACCELERATE_YAML, DS_CONFIG, JOB_SBATCH, LAUNCH_JSON, LAUNCH_SH, PLAN_JSON,
+                             RESOLVED_RECIPE)
 
 ENTRY_MODULE = "finetune.train"
-RESOLVED_RECIPE = "recipe.resolved.yaml"
 # Shutdown grace the torchrun agent gives ranks after forwarding a signal (its default is
 # 30 s, too short to write a 70B checkpoint); SIGUSR1 is added to the signals it forwards.
 SHUTDOWN_GRACE_S = 300
@@ -110,7 +111,7 @@ def compile_run(recipe: Recipe, plan: Plan, *, run_dir: str | Path, arch: ModelA
         run_dir=str(run_dir), strategy=plan.strategy, device=plan.device,
         num_nodes=plan.num_nodes, procs_per_node=plan.gpus_per_node, world_size=plan.world_size,
         main_port=main_port, module=module, module_args=[str(resolved_path)],
-        config_file=str(run_dir / "accelerate.yaml"), env=env, env_defaults=env_defaults,
+        config_file=str(run_dir / ACCELERATE_YAML), env=env, env_defaults=env_defaults,
         summary=_summary(recipe, plan, preset, arch))
 
     texts: dict[str, str] = {}
@@ -118,30 +119,30 @@ def compile_run(recipe: Recipe, plan: Plan, *, run_dir: str | Path, arch: ModelA
         "# Written by `finetune compile`: the recipe with every default and planner decision\n"
         "# made concrete. The ranks read this file; rerun compile instead of editing it.\n"
         + dump_recipe(resolved))
-    texts["plan.json"] = json_text(plan.to_json())
+    texts[PLAN_JSON] = json_text(plan.to_json())
     ds_path = None
     if strategies.is_deepspeed(plan.strategy):
-        ds_path = str(run_dir / "ds_config.json")
-        texts["ds_config.json"] = json_text(ds_config(recipe, plan, arch=arch, preset=preset))
+        ds_path = str(run_dir / DS_CONFIG)
+        texts[DS_CONFIG] = json_text(ds_config(recipe, plan, arch=arch, preset=preset))
     acc = accelerate_config(recipe, plan, arch=arch, main_port=main_port, ds_config_path=ds_path)
-    texts["accelerate.yaml"] = yaml_text(acc, header=(
+    texts[ACCELERATE_YAML] = yaml_text(acc, header=(
         "Written by `finetune compile` for accelerate 1.15; rerun compile instead of editing.\n"
         + spec.summary
         + ("\nmachine_rank and main_process_ip are given per node on the command line."
            if plan.num_nodes > 1 else "")))
     spec.files = {name: str(run_dir / name) for name in texts}
-    spec.files["launch.sh"] = str(run_dir / "launch.sh")
+    spec.files[LAUNCH_SH] = str(run_dir / LAUNCH_SH)
     if spec.multi_node:
-        spec.files["job.sbatch"] = str(run_dir / "job.sbatch")
+        spec.files[JOB_SBATCH] = str(run_dir / JOB_SBATCH)
     spec.files[LAUNCH_JSON] = str(run_dir / LAUNCH_JSON)
-    texts["launch.sh"] = render_launch_sh(spec)
+    texts[LAUNCH_SH] = render_launch_sh(spec)
     if spec.multi_node:
-        texts["job.sbatch"] = render_sbatch(spec, job_name=f"finetune-{recipe_name(recipe)}")
+        texts[JOB_SBATCH] = render_sbatch(spec, job_name=f"finetune-{recipe_name(recipe)}")
     texts[LAUNCH_JSON] = json_text(spec.to_json())
 
     # the resolved recipe goes last: a run dir with it present is complete
     for name in sorted(texts, key=lambda n: n == RESOLVED_RECIPE):
-        write_atomic(run_dir / name, texts[name], executable=name in ("launch.sh", "job.sbatch"))
+        write_atomic(run_dir / name, texts[name], executable=name in (LAUNCH_SH, JOB_SBATCH))
     return spec
 
 

@@ -13,13 +13,15 @@ from finetune import strategies
 from finetune.plan.choose import HEADROOM, search, suggestions
 from finetune.plan.memory import adapter_input_casts, zero_model_state_bytes
 from finetune.plan.render import render_plan_table
-from finetune.plan.timing import allgather_time_s, allreduce_time_s, model_flops_per_token
+from finetune.plan.timing import (allgather_time_s, allreduce_time_s, job_model_flops_per_token, mfu,
+                                  model_flops_per_token)
 from finetune.plan.types import GIB, Candidate, MemoryBreakdown, Plan
-from finetune.plan.workload import DTYPE_BYTES, Job, count_params, module_shapes, trainable_params
+from finetune.plan.workload import (DTYPE_BYTES, Job, count_params, lora_param_count, module_shapes,
+                                    trainable_params)
 
 __all__ = ["plan", "plan_job", "job_from_recipe", "render_plan_table", "Plan", "Candidate",
            "MemoryBreakdown", "Job", "zero_model_state_bytes", "allreduce_time_s", "allgather_time_s",
-           "HEADROOM"]
+           "HEADROOM", "recipe_flops_per_token", "mfu"]
 
 
 def _targets(recipe, arch) -> tuple[str, ...]:
@@ -31,6 +33,16 @@ def _targets(recipe, arch) -> tuple[str, ...]:
                  ("gate_proj", "up_proj", "down_proj")]
         return tuple(dict.fromkeys(names))
     return tuple(chosen)
+
+
+def recipe_flops_per_token(recipe, *, arch) -> float:
+    """model_flops_per_token of `recipe` (its adapter, LoRA shape and data.max_length) on `arch`: what
+    the planner's MFU and the benchmarks' measured MFU divide by."""
+    adapter = recipe.adapter.type
+    trainable = 0 if adapter == "full" else lora_param_count(
+        arch, r=recipe.adapter.r, targets=_targets(recipe, arch), dora=recipe.adapter.dora)
+    return model_flops_per_token(arch, seq_len=recipe.data.max_length, adapter=adapter,
+                                 trainable_params=trainable)
 
 
 def attention_implementation(recipe, preset) -> str:
@@ -120,8 +132,9 @@ def plan_job(job: Job) -> Plan:
     seqs = chosen.micro_batch_size * chosen.gradient_accumulation_steps * world
     tokens = seqs * job.seq_len * job.sequences_per_sample
     step = chosen.step_time_s
-    useful = model_flops_per_token(job) * tokens
-    mfu = useful / (step * p.peak_bf16_tflops * 1e12 * world) if step > 0 else 0.0
+    rate = tokens / step if step > 0 else 0.0
+    utilisation = mfu(tokens_per_second=rate, flops_per_token=job_model_flops_per_token(job),
+                      peak_tflops=p.peak_bf16_tflops, gpus=world)
     plan = Plan(
         model=job.arch.key, hardware=p.name, adapter=job.adapter, method=job.method,
         strategy=chosen.strategy, fits=chosen.fits, micro_batch_size=chosen.micro_batch_size,
@@ -130,7 +143,7 @@ def plan_job(job: Job) -> Plan:
         per_gpu_memory_gib=chosen.per_gpu_memory_gib, world_size=world, num_nodes=p.nodes,
         gpus_per_node=p.gpus_per_node, seq_len=job.seq_len, global_batch_size=seqs,
         tokens_per_step=tokens, step_time_s=step,
-        tokens_per_second=tokens / step if step > 0 else 0.0, mfu=mfu, why="",
+        tokens_per_second=rate, mfu=utilisation, why="",
         candidates=candidates, total_params=float(count_params(job.arch).total),
         trainable_params=float(trainable_params(job)), memory=chosen.memory,
         host_ram_gib=chosen.host_ram_bytes / GIB, device="cpu" if p.vendor == "cpu" else "cuda")

@@ -1,10 +1,7 @@
 """Step-time estimate: compute vs communication (intra-node, inter-node) vs offload traffic.
 
-FLOPs per trained token (N = parameters a token multiplies with: decoder layers with the routed
-experts only, plus the lm_head; L layers, a = heads x head_dim, s = sequence length):
-  full:        6N + 12*L*a*s      (forward 2N, backward 4N; attention scores and values, PaLM appendix B)
-  lora/qlora:  4N + 12*L*a*s + 6*T   (the frozen base gets no weight gradients: forward 2N plus
-               backward w.r.t. activations 2N; T = LoRA params)
+FLOPs per trained token: `model_flops_per_token` (the one formula; the MFU of `finetune plan`,
+scripts/bench.py and scripts/gpu_validate.py all use it), plus work that is not useful model FLOPs:
   checkpointing: + 2N + 4*L*a*s   (one extra forward per layer)
   dpo:         the policy on chosen + rejected (2 sequences per sample) plus a reference forward
                (2N + 4*L*a*s per token) unless the reference log-probs are precomputed.
@@ -30,6 +27,7 @@ from dataclasses import dataclass
 from finetune import strategies
 from finetune.plan.memory import state_bytes, tokens_per_micro_batch, weight_bytes
 from finetune.plan.workload import Job, count_params, head_dim, trainable_params
+from finetune.registry.schema import ModelArch
 
 GPU_EFFICIENCY = 0.45
 CPU_EFFICIENCY = 0.30
@@ -54,15 +52,41 @@ def allgather_time_s(nbytes: float, *, n: int, bus_bandwidth_gbps: float) -> flo
     return (n - 1) / n * nbytes / (bus_bandwidth_gbps * 1e9)
 
 
+def model_flops_per_token(arch: ModelArch, *, seq_len: int, adapter: str, trainable_params: int = 0) -> float:
+    """Useful training FLOPs per token, the numerator of every MFU finetune reports (torchtitan's
+    `get_nparams_and_flops` convention). N = parameters a token multiplies with (decoder layers with the
+    routed experts only, plus the lm_head); L layers, a = heads x head_dim, s = sequence length:
+
+      full:        6N + 12*L*a*s        (forward 2N, backward 4N; attention scores and values, PaLM
+                                         appendix B)
+      lora/qlora:  4N + 12*L*a*s + 6*T  (the frozen base gets no weight gradients: forward 2N plus the
+                                         backward w.r.t. activations 2N; T = `trainable_params`, the
+                                         adapter's parameters, trained at 6 FLOPs each)
+
+    The attention term is not halved for the causal mask: a causal kernel skips about half of the
+    score blocks, but torchtitan, PaLM and Megatron's published MFU figures count the full s x s
+    product, so the figures here compare with theirs (and an adapter's attention backward still
+    computes input gradients through every score, so no 2/3 either).
+    """
+    n = count_params(arch).matmul_active
+    attn = arch.num_layers * arch.num_attention_heads * head_dim(arch) * seq_len
+    if adapter == "full":
+        return 6 * n + 12 * attn
+    return 4 * n + 12 * attn + 6 * trainable_params
+
+
+def job_model_flops_per_token(job: Job) -> float:
+    return model_flops_per_token(job.arch, seq_len=job.seq_len, adapter=job.adapter,
+                                 trainable_params=trainable_params(job) if job.adapter != "full" else 0)
+
+
 def flops_per_token(job: Job, *, checkpointing: bool) -> float:
-    """Training FLOPs per token of one sequence (see the module docstring)."""
+    """Training FLOPs per token of one sequence: the useful FLOPs plus recomputation and the DPO
+    reference forward (see the module docstring)."""
     arch = job.arch
     n = count_params(arch).matmul_active
     attn = arch.num_layers * arch.num_attention_heads * head_dim(arch) * job.seq_len
-    if job.adapter == "full":
-        flops = 6 * n + 12 * attn
-    else:
-        flops = 4 * n + 12 * attn + 6 * trainable_params(job)
+    flops = job_model_flops_per_token(job)
     if checkpointing:
         flops += 2 * n + 4 * attn
     if job.method == "dpo" and job.reference != "precompute":
@@ -70,11 +94,9 @@ def flops_per_token(job: Job, *, checkpointing: bool) -> float:
     return flops
 
 
-def model_flops_per_token(job: Job) -> float:
-    """The useful FLOPs (no recomputation, no reference model) for MFU."""
-    n = count_params(job.arch).matmul_active
-    attn = job.arch.num_layers * job.arch.num_attention_heads * head_dim(job.arch) * job.seq_len
-    return (6 if job.adapter == "full" else 4) * n + 12 * attn
+def mfu(*, tokens_per_second: float, flops_per_token: float, peak_tflops: float, gpus: int) -> float:
+    """Model FLOPs utilisation: achieved useful FLOP/s per GPU over the card's dense bf16 peak."""
+    return tokens_per_second * flops_per_token / (peak_tflops * 1e12 * max(gpus, 1))
 
 
 def efficiency(job: Job, *, micro_batch: int) -> float:

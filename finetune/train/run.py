@@ -13,15 +13,14 @@ import os
 from datetime import timedelta
 from pathlib import Path
 
-from finetune import strategies
+from finetune import rundir, strategies
 from finetune.errors import FinetuneError, RecipeError
 from finetune.recipe.load import load_recipe
-from finetune.train.callbacks import CommitCallback, MetricsCallback, NonFiniteCallback, read_metrics
+from finetune.train.callbacks import CommitCallback, MetricsCallback, NonFiniteCallback
 from finetune.train.checkpoint import check_resume, prepare_checkpoints, resolve_resume
 from finetune.train.integrity import recipe_fields
 
 log = logging.getLogger("finetune.train")
-RANK_ERROR = "logs/rank-error.json"  # the main rank's FinetuneError, read by finetune.api.run
 
 
 def _setup_logging(is_main: bool) -> None:
@@ -57,8 +56,7 @@ def run_rank(resolved_path: str | Path, *, resume: str = "auto") -> dict | None:
         summary = _run(recipe, state=state, run_dir=run_dir, resume=resume, preempt=preempt)
     except FinetuneError as err:
         if state.is_main_process:  # the launcher's exit code loses ours (accelerate exits 1 for one process)
-            (run_dir / "logs").mkdir(parents=True, exist_ok=True)
-            (run_dir / RANK_ERROR).write_text(json.dumps({"exit_code": err.exit_code, "message": err.render()}))
+            rundir.write_rank_error(run_dir, exit_code=err.exit_code, message=err.render())
         if isinstance(err, Preempted):  # every rank stopped at the same step boundary: leave together
             state.destroy_process_group()
         raise
@@ -86,8 +84,8 @@ def _run(recipe, *, state, run_dir: Path, resume: str, preempt) -> dict | None:
         for note in check_resume(resume_from, recipe, world_size=state.num_processes):
             log.info(f"resume: changed safely: {note}")
     elif state.is_main_process:  # a fresh start neither mixes in old rows nor leaves an old run's summary
-        (run_dir / "metrics.jsonl").unlink(missing_ok=True)
-        (run_dir / "summary.json").unlink(missing_ok=True)
+        (run_dir / rundir.METRICS).unlink(missing_ok=True)
+        (run_dir / rundir.SUMMARY).unlink(missing_ok=True)
     state.wait_for_everyone()
     if state.is_main_process:  # incomplete and discarded checkpoints go before the Trainer writes any
         prepare_checkpoints(run_dir, start=resume_from)
@@ -155,13 +153,13 @@ def _run(recipe, *, state, run_dir: Path, resume: str, preempt) -> dict | None:
     if not state.is_main_process:
         return None
     summary.update(_train_figures(recipe, run_dir, trainer, result))
-    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    (run_dir / rundir.SUMMARY).write_text(json.dumps(summary, indent=2) + "\n")
     print(format_summary(summary), flush=True)
     return summary
 
 
 def _train_figures(recipe, run_dir: Path, trainer, result) -> dict:
-    rows = read_metrics(run_dir / "metrics.jsonl")
+    rows = rundir.read_metrics(run_dir)
     losses = [r["loss"] for r in rows if r.get("loss") is not None]
     evals = [r["eval_loss"] for r in rows if r.get("eval_loss") is not None and r["step"] > 0]
     runtime = result.metrics.get("train_runtime") or 0.0
@@ -170,13 +168,13 @@ def _train_figures(recipe, run_dir: Path, trainer, result) -> dict:
     return {
         "method": recipe.method.type, "adapter": recipe.adapter.type,
         "output": str(run_dir / ("adapter_model.safetensors" if adapter else "")).rstrip("/"),
-        "steps": trainer.state.global_step,
-        "final_train_loss": losses[-1] if losses else None,
-        "first_train_loss": losses[0] if losses else None,
-        "best_eval_loss": min(evals) if evals else None,
+        rundir.SUMMARY_STEPS: trainer.state.global_step,
+        rundir.SUMMARY_FINAL_LOSS: losses[-1] if losses else None,
+        rundir.SUMMARY_FIRST_LOSS: losses[0] if losses else None,
+        rundir.SUMMARY_BEST_EVAL: min(evals) if evals else None,
         "train_runtime_s": round(runtime, 2),
-        "tokens_seen": tokens,
-        "tokens_per_second": round(tokens / runtime, 1) if runtime and tokens else None,
+        rundir.SUMMARY_TOKENS: tokens,
+        rundir.SUMMARY_TOKENS_PER_S: round(tokens / runtime, 1) if runtime and tokens else None,
     }
 
 
@@ -198,6 +196,6 @@ def format_summary(s: dict) -> str:
                      f"after {after['exact_match']:.0%}")
         for ex in after["examples"]:
             lines.append(f"    {ex['prompt']!r} -> {ex['got']!r} (expected {ex['expected']!r})")
-    lines.append(f"  metrics: {s['run_dir']}/metrics.jsonl, loss curve: {s['run_dir']}/loss.png, "
-                 f"summary: {s['run_dir']}/summary.json")
+    lines.append(f"  metrics: {s['run_dir']}/{rundir.METRICS}, loss curve: {s['run_dir']}/{rundir.LOSS_PNG}, "
+                 f"summary: {s['run_dir']}/{rundir.SUMMARY}")
     return "\n".join(lines)

@@ -11,7 +11,7 @@ from pathlib import Path
 from finetune.errors import RecipeError
 from finetune.recipe.load import recipe_name
 from finetune.recipe.schema import Recipe
-from finetune.train.checkpoint import CHECKPOINTS
+from finetune.rundir import CHECKPOINTS
 
 
 
