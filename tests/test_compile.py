@@ -346,6 +346,28 @@ def test_compile_imports_no_torch(tmp_path):
     assert out["strategy"] == "fsdp2"
 
 
+def test_hardware_auto_is_detected_once_per_compile(tmp_path):
+    # a stand-in nvidia-smi on PATH that counts its calls: plan and compile share one lookup
+    calls = tmp_path / "calls"
+    smi = tmp_path / "bin" / "nvidia-smi"
+    smi.parent.mkdir()
+    smi.write_text(f"#!/bin/sh\necho called >> {calls}\necho '0, GPU-1234, NVIDIA H100 80GB HBM3, 81559 MiB'\n")
+    smi.chmod(0o755)
+    code = (
+        "import json\n"
+        "from finetune.compile.compiler import compile_recipe\n"
+        f"spec = compile_recipe({str(ROOT / 'recipes' / 'llama8b-lora.yaml')!r}, "
+        f"run_dir={str(tmp_path / 'run')!r}, hardware='auto')\n"
+        "print(json.dumps({'device': spec.device, 'world': spec.world_size}))\n")
+    env = {**os.environ, "PATH": f"{smi.parent}{os.pathsep}{os.environ['PATH']}"}
+    env.pop("CUDA_VISIBLE_DEVICES", None)
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
+                          timeout=60, env=env)
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout.strip().splitlines()[-1]) == {"device": "cuda", "world": 1}
+    assert calls.read_text().count("called") == 1
+
+
 # --- through the real planner -------------------------------------------------------------------
 
 REAL = {"llama70b-lora-server-8xh100-planned": ("llama70b-lora.yaml", "server-8xh100"),

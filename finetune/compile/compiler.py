@@ -159,17 +159,14 @@ def compile_recipe(recipe: Recipe | str | Path, *, run_dir: str | Path | None = 
     `hardware` overrides the recipe's preset (name or file); `run_dir` overrides output.dir.
     Raises DoesNotFitError when the planner finds nothing that fits.
     """
-    from finetune import registry
-    from finetune.plan import plan as make_plan
+    from finetune.plan import lookup, plan_on
     from finetune.recipe.load import load_recipe
 
     if not isinstance(recipe, Recipe):
         recipe = load_recipe(recipe, overrides=overrides)
     elif overrides:
         raise ValueError("overrides apply when loading; pass a path, or apply them first")
-    the_plan = make_plan(recipe, hardware=hardware)
-    # the preset the plan was made for: a name, "auto", or a user's preset file
-    source = getattr(the_plan, "hardware_source", None) or hardware or recipe.hardware
-    preset = registry.get_preset(source, base_dir=recipe_dir(recipe))
-    return compile_run(recipe, the_plan, run_dir=run_dir or default_run_dir(recipe), preset=preset,
-                       module=module, main_port=main_port)
+    arch, preset, source = lookup(recipe, hardware=hardware)  # once: `auto` runs nvidia-smi
+    the_plan = plan_on(recipe, arch=arch, preset=preset, source=source)
+    return compile_run(recipe, the_plan, run_dir=run_dir or default_run_dir(recipe), arch=arch,
+                       preset=preset, module=module, main_port=main_port)

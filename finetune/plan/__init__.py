@@ -15,11 +15,13 @@ from finetune.plan.memory import adapter_input_casts, zero_model_state_bytes
 from finetune.plan.render import render_plan_table
 from finetune.plan.timing import (allgather_time_s, allreduce_time_s, job_model_flops_per_token, mfu,
                                   model_flops_per_token)
+from finetune.recipe.paths import anchored
+from finetune.recipe.schema import dpo_reference
 from finetune.plan.types import GIB, Candidate, MemoryBreakdown, Plan
 from finetune.plan.workload import (DTYPE_BYTES, Job, count_params, lora_param_count, module_shapes,
                                     trainable_params)
 
-__all__ = ["plan", "plan_job", "job_from_recipe", "render_plan_table", "Plan", "Candidate",
+__all__ = ["plan", "plan_on", "lookup", "plan_job", "job_from_recipe", "render_plan_table", "Plan", "Candidate",
            "MemoryBreakdown", "Job", "zero_model_state_bytes", "allreduce_time_s", "allgather_time_s",
            "HEADROOM", "recipe_flops_per_token", "mfu"]
 
@@ -86,12 +88,7 @@ def job_from_recipe(recipe, *, arch, preset) -> Job:
     """The recipe's workload as plain numbers (the planner's inner loop never touches pydantic)."""
     method = recipe.method.type
     adapter = recipe.adapter.type
-    reference = "none"
-    if method == "dpo":
-        reference = recipe.method.reference
-        if reference == "auto":
-            # LoRA/QLoRA: disable the adapter for the reference pass; full: a frozen copy
-            reference = "copy" if adapter == "full" else "implicit"
+    reference = dpo_reference(recipe)
     micro = recipe.train.micro_batch_size
     attention = attention_kind(attention_implementation(recipe, preset), packed=recipe.data.packing)
     return Job(
@@ -108,8 +105,9 @@ def job_from_recipe(recipe, *, arch, preset) -> Job:
         nvme_path=recipe.distributed.nvme_path or preset.nvme_path)
 
 
-def plan(recipe, *, hardware: str | None = None) -> Plan:
-    """Plan `recipe` on `hardware` (a preset name, preset file, or auto; default recipe.hardware)."""
+def lookup(recipe, *, hardware: str | None = None):
+    """(arch, preset, hardware source) of `recipe` on `hardware` (a preset name, preset file, or auto;
+    default recipe.hardware). Looked up once per command and passed down: `auto` runs nvidia-smi."""
     from finetune.recipe.load import recipe_dir
     from finetune.registry import get_preset, resolve_model
 
@@ -117,10 +115,20 @@ def plan(recipe, *, hardware: str | None = None) -> Plan:
     arch = resolve_model(recipe.model, base_dir=base)
     source = hardware or recipe.hardware
     preset = get_preset(source, base_dir=base)
-    result = plan_job(job_from_recipe(recipe, arch=arch, preset=preset))
     if source != preset.name and source != "auto":  # a preset file: remember where it is
-        path = Path(source).expanduser()
-        source = str(path if path.is_absolute() else (base / path).resolve())
+        source = str(anchored(source, base).resolve())
+    return arch, preset, source
+
+
+def plan(recipe, *, hardware: str | None = None) -> Plan:
+    """Plan `recipe` on `hardware` (a preset name, preset file, or auto; default recipe.hardware)."""
+    arch, preset, source = lookup(recipe, hardware=hardware)
+    return plan_on(recipe, arch=arch, preset=preset, source=source)
+
+
+def plan_on(recipe, *, arch, preset, source: str) -> Plan:
+    """Plan `recipe` on an architecture and preset already looked up (see `lookup`)."""
+    result = plan_job(job_from_recipe(recipe, arch=arch, preset=preset))
     result.hardware_source = source
     return result
 

@@ -15,7 +15,7 @@ import yaml
 from pydantic import BaseModel, ValidationError
 
 from finetune.errors import RecipeError
-from finetune.recipe.schema import Recipe
+from finetune.recipe.schema import CONFLICT_ERROR, Recipe
 
 MAX_EXTENDS_DEPTH = 8
 
@@ -163,9 +163,8 @@ def validation_error_to_recipe_error(exc: ValidationError, *, file: str | None,
     msg = err["msg"]
     if msg.startswith("Value error, "):
         msg = msg[len("Value error, "):]
-    if msg.startswith("@"):  # cross-field conflict carrying its own key path
-        inner_key, _, msg = msg[1:].partition("@ ")
-        return RecipeError(msg, key=inner_key, file=file)
+    if etype == CONFLICT_ERROR:  # a cross-field conflict names its own key path
+        return RecipeError(err["ctx"]["message"], key=err["ctx"]["key"], file=file)
     if etype == "value_error":
         return RecipeError(msg, key=key or None, file=file)
     got = err.get("input")

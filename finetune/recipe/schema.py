@@ -9,8 +9,10 @@ from __future__ import annotations
 
 from typing import Annotated, Literal, Union
 
-from finetune.strategies import StrategyName, shards_params
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, PrivateAttr, field_validator, model_validator
+from pydantic_core import PydanticCustomError
+
+from finetune.strategies import StrategyName, shards_params
 
 Dtype = Literal["bfloat16", "float16", "float32"]
 DataFormat = Literal["messages", "alpaca", "sharegpt", "text", "prompt_completion", "preference"]
@@ -24,6 +26,7 @@ FORMAT_COLUMNS: dict[str, tuple[str, ...]] = {
     "preference": ("prompt", "chosen", "rejected"),
 }
 OPTIONAL_COLUMNS = {"alpaca": ("input",), "messages": (), "preference": ()}
+CONFLICT_ERROR = "recipe_conflict"  # pydantic error type of a cross-field conflict; ctx has key, message
 
 
 def _yaml_switch(value):
@@ -259,7 +262,8 @@ class Recipe(Strict):
         problems = list(recipe_conflicts(self))
         if problems:
             key, message = problems[0]
-            raise ValueError(f"@{key}@ {message}")
+            # a structured error: the loader reports `key` (not the whole recipe's location) as the place
+            raise PydanticCustomError(CONFLICT_ERROR, "{message}", {"key": key, "message": message})
         return self
 
 
@@ -300,3 +304,17 @@ def recipe_conflicts(recipe: Recipe):
         yield "train.max_bad_steps", "max_bad_steps needs train.on_nonfinite: skip"
     if d.eval_fraction and d.eval_sources:
         yield "data.eval_fraction", "set either data.eval_fraction or data.eval_sources, not both"
+    if m.type == "dpo" and m.reference == "implicit" and a.type == "full":
+        yield "method.reference", ("an implicit reference needs an adapter to disable; full fine-tuning has "
+                                   "none; use reference: copy or precompute, or adapter: lora")
+
+
+def dpo_reference(recipe: Recipe) -> str:
+    """The DPO reference model as it runs, `auto` decided (the planner and the trainer both ask here):
+    implicit (LoRA/QLoRA: the base with the adapter disabled, no second copy), copy (full fine-tune: a
+    frozen second model) or precompute; "none" for SFT."""
+    if recipe.method.type != "dpo":
+        return "none"
+    if recipe.method.reference == "auto":
+        return "copy" if recipe.adapter.type == "full" else "implicit"
+    return recipe.method.reference

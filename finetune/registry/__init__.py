@@ -15,6 +15,7 @@ from pathlib import Path
 from pydantic import BaseModel, ValidationError
 
 from finetune.errors import RecipeError
+from finetune.recipe.paths import anchored
 from finetune.registry.derive import arch_from_config, find_config_json
 from finetune.registry.schema import HardwarePreset, ModelArch
 
@@ -130,9 +131,7 @@ def get_preset(name_or_path: str, *, base_dir: str | Path | None = None) -> Hard
 
         return detect_preset()
     base = Path(base_dir) if base_dir is not None else Path.cwd()
-    path = Path(name_or_path).expanduser()
-    if not path.is_absolute():
-        path = base / path
+    path = anchored(name_or_path, base)
     looks_like_file = name_or_path.endswith((".yaml", ".yml")) or "/" in name_or_path
     if path.is_file():
         return load_yaml_as(path, HardwarePreset)

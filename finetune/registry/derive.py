@@ -14,6 +14,7 @@ from pathlib import Path
 from pydantic import ValidationError
 
 from finetune.errors import RecipeError
+from finetune.recipe.paths import anchored
 from finetune.registry.schema import ModelArch
 
 DEFAULT_LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -30,9 +31,7 @@ _BIAS_FAMILIES = {"qwen2"}  # q/k/v biases are implicit in these families
 
 def find_config_json(name: str, *, base_dir: Path, revision: str | None = None) -> Path | None:
     """A local directory (relative to base_dir) or a Hugging Face cache snapshot holding config.json."""
-    candidate = Path(name).expanduser()
-    if not candidate.is_absolute():
-        candidate = base_dir / candidate
+    candidate = anchored(name, base_dir)
     if (candidate / "config.json").is_file():
         return candidate / "config.json"
     if candidate.name == "config.json" and candidate.is_file():

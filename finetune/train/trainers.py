@@ -10,7 +10,7 @@ from pathlib import Path
 
 from finetune.errors import RecipeError
 from finetune.recipe.load import recipe_name
-from finetune.recipe.schema import Recipe
+from finetune.recipe.schema import Recipe, dpo_reference
 from finetune.rundir import CHECKPOINTS
 
 
@@ -136,19 +136,8 @@ def dpo_config(recipe: Recipe, *, run_dir: Path, has_eval: bool):
         max_length=recipe.data.max_length,
         beta=m.beta,
         loss_type=[m.loss_type],
-        precompute_ref_log_probs=m.reference == "precompute",
+        precompute_ref_log_probs=dpo_reference(recipe) == "precompute",
     )
-
-
-def reference_mode(recipe: Recipe) -> str:
-    """implicit (adapter disabled) | copy (a frozen second model) | precompute."""
-    ref, adapter = recipe.method.reference, recipe.adapter.type
-    if ref == "auto":
-        return "copy" if adapter == "full" else "implicit"
-    if ref == "implicit" and adapter == "full":
-        raise RecipeError("an implicit reference needs an adapter to disable; full fine-tuning has none",
-                          key="method.reference", hint="use reference: copy or precompute, or adapter: lora")
-    return ref
 
 
 def training_args(recipe: Recipe, *, run_dir: Path, has_eval: bool):
@@ -170,7 +159,7 @@ def build_trainer(recipe: Recipe, *, args, model, tokenizer, data, callbacks: li
     from finetune.train.dpo import PretokenizedDPOTrainer
 
     ref_model = None
-    if reference_mode(recipe) == "copy" and peft_config is not None:
+    if dpo_reference(recipe) == "copy" and peft_config is not None:
         from finetune.train.model import load_model
 
         ref_model = load_model(recipe)  # a frozen, separate base copy
