@@ -160,3 +160,21 @@ def test_dpo_reference_auto_is_decided_once(method, adapter, reference, expected
     assert dpo_reference(recipe) == expected
     job = job_from_recipe(recipe, arch=get_model("llama-3.1-8b"), preset=get_preset("server-8xh100"))
     assert job.reference == expected  # the planner asks the same function as the trainer
+
+
+def test_every_schema_field_is_described_and_the_reference_is_current():
+    import subprocess
+    import sys
+
+    from pydantic import BaseModel
+
+    from finetune.recipe import schema
+
+    sections = [c for c in vars(schema).values()
+                if isinstance(c, type) and issubclass(c, BaseModel) and c.__module__ == schema.__name__]
+    undocumented = [f"{c.__name__}.{name}" for c in sections for name, info in c.model_fields.items()
+                    if not (info.description or "").strip()]
+    assert undocumented == []
+    proc = subprocess.run([sys.executable, "scripts/recipe_reference.py", "--check"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
