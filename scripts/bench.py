@@ -25,13 +25,19 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
 
-from gpu_validate import (WARMUP_STEPS, WORK, base_recipe, ensure_model, steady_rate,  # noqa: E402
-                          steady_tokens_per_second, write_data)
+from gpu_validate import (  # noqa: E402
+    WARMUP_STEPS,
+    WORK,
+    base_recipe,
+    ensure_model,
+    steady_rate,
+    steady_tokens_per_second,
+    write_data,
+)
 
 from finetune import rundir  # noqa: E402
 from finetune.plan import mfu, recipe_flops_per_token  # noqa: E402
 from finetune.registry.detect import peak_bf16_tflops  # noqa: E402
-
 
 # Throughput is reported twice: over the whole train() call (what TRL's train_runtime gives; it includes
 # the first steps' kernel compilation, allocator growth and dataloader start) and past WARMUP_STEPS

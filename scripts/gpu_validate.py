@@ -52,7 +52,7 @@ RUNS: dict[str, tuple[str, dict]] = {
     "qlora8b-fsdp2": ("llama-3.1-8b", {"adapter": {"type": "qlora"}, "distributed": {"strategy": "fsdp2"}}),
     "lora8b-zero3": ("llama-3.1-8b", {"adapter": {"type": "lora"}, "distributed": {"strategy": "zero3"}}),
     "lora3b-zero3-offload": ("llama-3.2-3b", {"distributed": {"strategy": "zero3-offload"}}),
-    # run 6 at the 8B shape: ZeRO-3 full, and LoRA/full with CPU and NVMe (ZeRO-Infinity) offload
+    # 8B shape: ZeRO-3 full, and LoRA/full with CPU and NVMe (ZeRO-Infinity) offload
     "full8b-zero3": ("llama-3.1-8b", {"adapter": {"type": "full"}, "train": {"lr": 1e-5},
                                       "distributed": {"strategy": "zero3"}}),
     "lora8b-zero3-offload": ("llama-3.1-8b", {"distributed": {"strategy": "zero3-offload"}}),
@@ -322,10 +322,12 @@ def main() -> None:
 
     print("\nname            card                      strategy  mb  ckpt  predicted  reserved  alloc  tok/s  loss")
     for r in results:
-        print(f"{r['name']:15} {str(r.get('card'))[:25]:25} {r.get('strategy', '-'):9} {r.get('micro_batch_size', '-')!s:3} "
+        print(f"{r['name']:15} {str(r.get('card'))[:25]:25} {r.get('strategy', '-'):9} "
+              f"{r.get('micro_batch_size', '-')!s:3} "
               f"{r.get('activation_checkpointing', '-')!s:5} {r.get('predicted_gib', 0):9.1f} "
               f"{r.get('measured_max_reserved_gib', 0):9.1f} {r.get('measured_max_allocated_gib', 0):6.1f} "
-              f"{r.get('tokens_per_second') or 0:6.0f}  {r.get('first_loss')} -> {r.get('last_loss')}  rc={r['exit_code']}")
+              f"{r.get('tokens_per_second') or 0:6.0f}  {r.get('first_loss')} -> {r.get('last_loss')}  "
+              f"rc={r['exit_code']}")
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""The planner's per-GPU peak against peaks measured on real GPUs (issue 4, "Calibrate").
+"""The planner's per-GPU peak against peaks measured on real GPUs.
 
 Every row of tests/data/gpu_calibration.json is one `finetune run` on an H100 80GB or H200 with
 `--hardware auto`. The recipe is rebuilt here with the run's pins (strategy, micro-batch, no activation
@@ -50,8 +50,8 @@ def _predict(row: dict):
                   * row["world_size"], "micro_batch_size": row["micro_batch_size"],
                   "activation_checkpointing": "on" if row["activation_checkpointing"] else "off",
                   "liger": "on" if row.get("liger") else "off"},
-        "distributed": {"strategy": row["strategy"],
-                        **({"nvme_path": "/tmp/nvme-swap"} if strategies.info(row["strategy"]).offload == "nvme" else {})},
+        "distributed": {"strategy": row["strategy"], **(
+            {"nvme_path": "/tmp/nvme-swap"} if strategies.info(row["strategy"]).offload == "nvme" else {})},
         "hardware": "auto",
     }
     recipe = load_recipe(raw)

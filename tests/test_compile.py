@@ -16,7 +16,7 @@ import yaml
 from finetune import strategies
 from finetune.compile import compile_run
 from finetune.compile.compiler import compile_recipe
-from finetune.errors import DoesNotFitError, RecipeError
+from finetune.errors import DoesNotFitError, FinetuneError, RecipeError
 from finetune.plan import plan as real_plan
 from finetune.plan.types import Plan
 from finetune.recipe import load_recipe
@@ -190,10 +190,10 @@ def _walk(value, path=""):
 @pytest.mark.parametrize("name", [n for n in sorted(CASES) if "zero3" in n])
 def test_ds_config_concrete_and_valid_for_deepspeed(name, tmp_path):
     deepspeed_config = pytest.importorskip("deepspeed.runtime.config")
-    from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
     import deepspeed.runtime.constants as ds_constants
     import deepspeed.runtime.swap_tensor.constants as aio_constants
     import deepspeed.runtime.zero.config as zero_constants
+    from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
 
     recipe, plan, _, run_dir, _ = _compile_case(name, tmp_path)
     cfg = json.loads((run_dir / "ds_config.json").read_text())
@@ -292,7 +292,7 @@ def test_multi_node_argv_and_sbatch(tmp_path):
     assert argv[argv.index("--main_process_ip") + 1] == "node-a"
     assert argv[argv.index("--main_process_port") + 1] == "29400"
     assert argv[-3:] == ["finetune.train", str(run_dir / "recipe.resolved.yaml"), "--x"]
-    with pytest.raises(Exception):
+    with pytest.raises(FinetuneError, match="out of range"):
         spec.argv(node_rank=2)
     sbatch = (run_dir / "job.sbatch").read_text()
     assert "#SBATCH --nodes=2" in sbatch and "#SBATCH --gpus-per-node=8" in sbatch

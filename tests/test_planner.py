@@ -10,10 +10,15 @@ from pathlib import Path
 import pytest
 
 from finetune import strategies
-from finetune.plan import (allgather_time_s, allreduce_time_s, job_from_recipe, plan,
-                           render_plan_table, zero_model_state_bytes)
-from finetune.plan.memory import (NF4_DOUBLE_QUANT_SCALE_BYTES, logits_bytes,
-                                  state_bytes, weight_bytes)
+from finetune.plan import (
+    allgather_time_s,
+    allreduce_time_s,
+    job_from_recipe,
+    plan,
+    render_plan_table,
+    zero_model_state_bytes,
+)
+from finetune.plan.memory import NF4_DOUBLE_QUANT_SCALE_BYTES, logits_bytes, state_bytes, weight_bytes
 from finetune.plan.timing import flops_per_token
 from finetune.plan.workload import count_params
 from finetune.recipe import load_recipe

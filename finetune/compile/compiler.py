@@ -17,8 +17,7 @@ from finetune.plan.types import Plan
 from finetune.recipe.load import dump_recipe, recipe_dir, recipe_name
 from finetune.recipe.schema import Recipe
 from finetune.registry.schema import HardwarePreset, ModelArch
-from finetune.rundir import (ACCELERATE_YAML, DS_CONFIG, JOB_SBATCH, LAUNCH_JSON, LAUNCH_SH, PLAN_JSON,
-                             RESOLVED_RECIPE)
+from finetune.rundir import ACCELERATE_YAML, DS_CONFIG, JOB_SBATCH, LAUNCH_JSON, LAUNCH_SH, PLAN_JSON, RESOLVED_RECIPE
 
 ENTRY_MODULE = "finetune.train"
 # Shutdown grace the torchrun agent gives ranks after forwarding a signal (its default is

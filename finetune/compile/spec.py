@@ -97,12 +97,12 @@ class LaunchSpec:
         return data
 
     @classmethod
-    def from_json(cls, data: dict) -> "LaunchSpec":
+    def from_json(cls, data: dict) -> LaunchSpec:
         data = {k: v for k, v in data.items() if k in cls.__dataclass_fields__}
         return cls(**data)
 
     @classmethod
-    def load(cls, run_dir: str | Path) -> "LaunchSpec":
+    def load(cls, run_dir: str | Path) -> LaunchSpec:
         path = Path(run_dir) / LAUNCH_JSON
         try:
             return cls.from_json(json.loads(path.read_text(encoding="utf-8")))

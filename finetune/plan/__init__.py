@@ -7,19 +7,21 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 from finetune import strategies
 from finetune.plan.choose import HEADROOM, search, suggestions
 from finetune.plan.memory import adapter_input_casts, zero_model_state_bytes
 from finetune.plan.render import render_plan_table
-from finetune.plan.timing import (allgather_time_s, allreduce_time_s, job_model_flops_per_token, mfu,
-                                  model_flops_per_token)
+from finetune.plan.timing import (
+    allgather_time_s,
+    allreduce_time_s,
+    job_model_flops_per_token,
+    mfu,
+    model_flops_per_token,
+)
+from finetune.plan.types import GIB, Candidate, MemoryBreakdown, Plan
+from finetune.plan.workload import DTYPE_BYTES, Job, count_params, lora_param_count, module_shapes, trainable_params
 from finetune.recipe.paths import anchored
 from finetune.recipe.schema import dpo_reference
-from finetune.plan.types import GIB, Candidate, MemoryBreakdown, Plan
-from finetune.plan.workload import (DTYPE_BYTES, Job, count_params, lora_param_count, module_shapes,
-                                    trainable_params)
 
 __all__ = ["plan", "plan_on", "lookup", "plan_job", "job_from_recipe", "render_plan_table", "Plan", "Candidate",
            "MemoryBreakdown", "Job", "zero_model_state_bytes", "allreduce_time_s", "allgather_time_s",

@@ -108,7 +108,7 @@ def weight_bytes(job: Job) -> float:
 def unit_bytes(job: Job) -> tuple[float, float]:
     """(largest decoder layer, root unit) bytes as gathered by FSDP/ZeRO-3 for compute."""
     params = count_params(job.arch)
-    layer = params.layer * job.weight_bytes
+    layer: float = params.layer * job.weight_bytes
     if job.adapter == "qlora":
         layer = weight_bytes(job) / params.num_layers  # close enough: layers dominate
     return layer, params.root * job.weight_bytes
@@ -285,7 +285,7 @@ def _host_and_nvme(job: Job, *, strategy: str, states: StateBytes, layer: float)
     # loading: DDP ranks each materialize the model on CPU before moving it; sharded strategies
     # load once per node (cpu_ram_efficient_loading / zero.Init) and scatter
     model_bytes = count_params(job.arch).total * job.weight_bytes
-    loading = model_bytes * (procs if not strategies.shards_params(strategy) and job.adapter != "qlora" else 1)
+    loading: float = model_bytes * (procs if not strategies.shards_params(strategy) and job.adapter != "qlora" else 1)
     if p.vendor == "cpu":
         loading = 0.0  # the cpu preset's 'GPU memory' already is this RAM
     nodes = p.nodes

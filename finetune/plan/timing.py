@@ -163,7 +163,7 @@ def step_time(job: Job, *, strategy: str, micro_batch: int, grad_accum: int,
     # the CPU optimizer step and NVMe swaps run after backward, not overlapped with it
     total = overlapped + offload
     parts = {"compute": compute, "intra-node": intra, "inter-node": inter, "offload": offload}
-    bottleneck = max(parts, key=parts.get)
+    bottleneck = max(parts, key=lambda name: parts[name])
     return StepTime(compute, intra, inter, offload, total, bottleneck)
 
 

@@ -16,6 +16,7 @@ from pydantic import BaseModel, ValidationError
 
 from finetune.errors import RecipeError
 from finetune.recipe.schema import CONFLICT_ERROR, Recipe
+from finetune.rundir import RESOLVED_RECIPE
 
 MAX_EXTENDS_DEPTH = 8
 
@@ -175,7 +176,7 @@ def validation_error_to_recipe_error(exc: ValidationError, *, file: str | None,
                        hint=_type_hint(etype, err))
 
 
-def _type_hint(etype: str, err: dict) -> str | None:
+def _type_hint(etype: str, err) -> str | None:
     if etype == "literal_error":
         expected = err.get("ctx", {}).get("expected")
         return f"use one of {expected}" if expected else None
@@ -197,7 +198,7 @@ def load_recipe(source: str | Path | dict, *, overrides: list[str] | None = None
     raw = apply_overrides(raw, list(overrides or []))
     if raw.get("resolved") is not None and not allow_resolved:
         raise RecipeError("is written by the planner, not by hand", key="resolved", file=file,
-                          hint="remove the resolved: section (it appears only in recipe.resolved.yaml)")
+                          hint=f"remove the resolved: section (it appears only in {RESOLVED_RECIPE})")
     try:
         recipe = Recipe.model_validate(raw)
     except ValidationError as exc:

@@ -16,6 +16,7 @@ Pure: no heavy imports.
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from pathlib import Path
 
 from finetune.errors import DataError
@@ -44,7 +45,7 @@ def project_root(start: Path) -> Path | None:
     return None
 
 
-def allowed_roots(base_dir: Path, allow_paths: list[str] = (), *, cwd: Path | None = None) -> list[Path]:
+def allowed_roots(base_dir: Path, allow_paths: Sequence[str] = (), *, cwd: Path | None = None) -> list[Path]:
     base = Path(base_dir).resolve()
     roots = [base, Path(cwd or os.getcwd()).resolve()]
     project = project_root(base)
@@ -55,7 +56,7 @@ def allowed_roots(base_dir: Path, allow_paths: list[str] = (), *, cwd: Path | No
     return roots
 
 
-def check_data_path(path: Path, *, key: str, base_dir: Path, allow_paths: list[str] = (),
+def check_data_path(path: Path, *, key: str, base_dir: Path, allow_paths: Sequence[str] = (),
                     allow_outside: bool = False, cwd: Path | None = None) -> Path:
     """The resolved path, or DataError when it leaves every allowed root."""
     raw = Path(path)

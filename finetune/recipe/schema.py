@@ -7,7 +7,7 @@ need the whole recipe live in `Recipe._check_conflicts`; each says how to fix it
 
 from __future__ import annotations
 
-from typing import Annotated, Literal, Union
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 from pydantic_core import PydanticCustomError
@@ -87,7 +87,7 @@ class AdapterSection(Strict):
     r: int = Field(16, ge=1, le=4096, description="LoRA rank")
     alpha: float = Field(32, gt=0, description="LoRA scaling numerator (the update is scaled by alpha / r)")
     dropout: float = Field(0.0, ge=0, lt=1, description="dropout on the LoRA input")
-    target_modules: Union[list[str], Literal["all-linear"], None] = Field(
+    target_modules: list[str] | Literal["all-linear"] | None = Field(
         None, description="module names that get adapters, or all-linear; default: the model registry's "
                           "LoRA targets")
     dora: bool = Field(False, description="weight-decomposed LoRA (DoRA)")
@@ -192,9 +192,9 @@ class TrainSection(Strict):
     global_batch_size: int = Field(16, ge=1, le=1_000_000, description="sequences per optimizer step over "
                                                                        "all GPUs (the planner rounds it to "
                                                                        "the nearest achievable)")
-    micro_batch_size: Union[Literal["auto"], int] = Field("auto", description="sequences per GPU per forward "
-                                                                              "pass; auto: the planner picks "
-                                                                              "the largest that fits")
+    micro_batch_size: Literal["auto"] | int = Field("auto", description="sequences per GPU per forward pass; "
+                                                                       "auto: the planner picks the largest "
+                                                                       "that fits")
     activation_checkpointing: OnOffAuto = Field("auto", description="recompute activations in backward; "
                                                                     "auto: only where needed to fit")
     optimizer: Literal["adamw", "adamw_8bit", "paged_adamw_8bit"] = Field(
@@ -246,7 +246,7 @@ class HubSection(Strict):
 
 class LoggingSection(Strict):
     report_to: list[Literal["tensorboard", "wandb", "mlflow", "none"]] = Field(
-        default_factory=lambda: ["tensorboard"], description="experiment trackers")
+        default_factory=lambda: ["tensorboard"], description="experiment trackers")  # type: ignore[arg-type]
     project: str | None = Field(None, description="tracker project name")
     profile_steps: tuple[int, int] | None = Field(None, description="[start, stop]: torch.profiler over "
                                                                     "optimizer steps start..stop-1, written "

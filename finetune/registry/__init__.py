@@ -9,7 +9,7 @@ Public API (pure Python, no torch):
 from __future__ import annotations
 
 import difflib
-from functools import lru_cache
+from functools import cache
 from pathlib import Path
 
 from pydantic import BaseModel, ValidationError
@@ -41,7 +41,7 @@ def load_yaml_as(path: Path, schema: type[BaseModel]):
         raise validation_error_to_recipe_error(exc, file=str(path), schema=schema) from None
 
 
-@lru_cache(maxsize=None)
+@cache
 def _models() -> dict[str, ModelArch]:
     out = {}
     for path in sorted(MODELS_DIR.rglob("*.yaml")):
@@ -50,7 +50,7 @@ def _models() -> dict[str, ModelArch]:
     return out
 
 
-@lru_cache(maxsize=None)
+@cache
 def _presets() -> dict[str, HardwarePreset]:
     out = {}
     for path in sorted(HARDWARE_DIR.rglob("*.yaml")):

@@ -74,7 +74,7 @@ def arch_from_config(path: Path, *, key: str, hub_id: str | None = None) -> Mode
     if not isinstance(cfg, dict):
         raise RecipeError("config.json is not a JSON object", file=str(path))
     top_family = cfg.get("model_type", "")
-    text = cfg.get("text_config") if isinstance(cfg.get("text_config"), dict) else cfg
+    text: dict = cfg["text_config"] if isinstance(cfg.get("text_config"), dict) else cfg
     family = top_family or text.get("model_type", "")
     missing = [k for k in ("hidden_size", "num_hidden_layers", "num_attention_heads",
                            "intermediate_size", "vocab_size") if k not in text]

@@ -18,8 +18,7 @@ from pathlib import Path
 from finetune import strategies
 from finetune.errors import RecipeError
 from finetune.rundir import CHECKPOINTS
-from finetune.train.integrity import (GROWING_KEYS, LAYOUT_KEYS, _is_safe, read_marker, recipe_fields,
-                                      verify)
+from finetune.train.integrity import GROWING_KEYS, LAYOUT_KEYS, _is_safe, read_marker, recipe_fields, verify
 
 log = logging.getLogger("finetune.train")
 

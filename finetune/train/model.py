@@ -50,7 +50,8 @@ def load_tokenizer(recipe: Recipe):
 
     m = recipe.model
     try:
-        tokenizer = AutoTokenizer.from_pretrained(model_path(recipe), revision=m.revision, trust_remote_code=m.trust_remote_code)
+        tokenizer = AutoTokenizer.from_pretrained(model_path(recipe), revision=m.revision,
+                                                  trust_remote_code=m.trust_remote_code)
     except OSError as exc:
         raise RecipeError(f"cannot load the tokenizer: {exc}", key="model.name",
                           hint="check the model id or directory; offline runs need the model in the local "

@@ -1,6 +1,6 @@
 """One rank's whole run: resolved recipe -> tokenizer -> preflight + data -> model -> TRL -> outputs.
 
-Setup, train, cleanup in that order; everything a user must fix is raised as a FinetuneError
+`_run` is setup, train, finish in that order; everything a user must fix is raised as a FinetuneError
 before the model is loaded (data) or before training starts (recipe).
 """
 
@@ -10,8 +10,10 @@ import json
 import logging
 import math
 import os
+from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 from finetune import rundir, strategies
 from finetune.errors import FinetuneError, RecipeError
@@ -69,15 +71,67 @@ def run_rank(resolved_path: str | Path, *, resume: str = "auto") -> dict | None:
 
 
 def _run(recipe, *, state, run_dir: Path, resume: str, preempt) -> dict | None:
+    """setup -> train -> finish; the summary on the main process, None elsewhere."""
+    session = _setup(recipe, state=state, run_dir=run_dir, resume=resume)
+    trainer, result = _train(session, preempt=preempt)
+    return _finish(session, trainer=trainer, result=result)
 
+
+@dataclass
+class _Session:
+    """What setup prepared for training and finishing."""
+
+    recipe: Any
+    state: Any  # accelerate's PartialState
+    run_dir: Path
+    tokenizer: Any
+    data: Any  # finetune.train.preflight.PreparedData
+    model: Any
+    args: Any  # the TRL config (TrainingArguments)
+    resume_from: Path | None
+    cases: list | None  # task-eval examples, or None
+    summary: dict = field(default_factory=dict)
+
+
+def _setup(recipe, *, state, run_dir: Path, resume: str) -> _Session:
+    """Everything before the first step: tokenizer, data (preflight before any model is loaded), the
+    resume point and the checkpoints it keeps, the training arguments, the model, and the task eval
+    before training."""
     from finetune.train import taskeval
-    from finetune.train.model import adapter_input_casting, load_model, load_tokenizer
+    from finetune.train.model import load_model, load_tokenizer
     from finetune.train.preflight import prepare_data
-    from finetune.train.trainers import build_trainer, training_args
+    from finetune.train.trainers import training_args
 
     tokenizer = load_tokenizer(recipe)
     data = prepare_data(recipe, tokenizer, state=state)  # preflight: before any model is loaded
     cases = taskeval.load_cases(recipe) if recipe.data.task_eval else None
+    resume_from = _resume_point(recipe, state=state, run_dir=run_dir, resume=resume)
+    if strategies.is_deepspeed(recipe.distributed.strategy):  # before DeepSpeed JIT-builds its ops
+        from finetune.compat.deepspeed_arch_list import make_arch_list_readable
+
+        note = make_arch_list_readable()
+        if note and state.is_main_process:
+            log.info(note)
+    args = training_args(recipe, run_dir=run_dir, has_eval=data.eval is not None)
+    args.save_total_limit = None  # retention is CommitCallback's: only after a newer checkpoint is complete
+    session = _Session(recipe=recipe, state=state, run_dir=run_dir, tokenizer=tokenizer, data=data,
+                       model=load_model(recipe), args=args, resume_from=resume_from, cases=cases)
+    session.summary = {"run_dir": str(run_dir), "tokenized_cache": {"key": data.cache_key, "hit": data.cache_hit},
+                       "data_notes": data.notes, "resumed_from": str(resume_from) if resume_from else None}
+    if cases and resume_from is None:
+        if state.is_main_process:
+            before_model = session.model if state.num_processes == 1 else taskeval.load_base(recipe)
+            session.summary["task_eval_before"] = taskeval.exact_match(
+                before_model, tokenizer, cases, max_new_tokens=recipe.data.task_eval.max_new_tokens)
+            session.model.train()
+            log.info(f"exact match before training: {session.summary['task_eval_before']['exact_match']:.1%}")
+        state.wait_for_everyone()
+    return session
+
+
+def _resume_point(recipe, *, state, run_dir: Path, resume: str) -> Path | None:
+    """The checkpoint to resume from (checked against the recipe), or None for a fresh start, whose old
+    metrics and summary go; incomplete and discarded checkpoints go before the Trainer writes any."""
     resume_from = resolve_resume(resume, run_dir)
     if resume_from is not None:
         log.info(f"resuming from {resume_from}")
@@ -87,34 +141,17 @@ def _run(recipe, *, state, run_dir: Path, resume: str, preempt) -> dict | None:
         (run_dir / rundir.METRICS).unlink(missing_ok=True)
         (run_dir / rundir.SUMMARY).unlink(missing_ok=True)
     state.wait_for_everyone()
-    if state.is_main_process:  # incomplete and discarded checkpoints go before the Trainer writes any
+    if state.is_main_process:
         prepare_checkpoints(run_dir, start=resume_from)
     state.wait_for_everyone()
+    return resume_from
 
-    if strategies.is_deepspeed(recipe.distributed.strategy):  # before DeepSpeed JIT-builds its ops
-        from finetune.compat.deepspeed_arch_list import make_arch_list_readable
 
-        note = make_arch_list_readable()
-        if note and state.is_main_process:
-            log.info(note)
-    args = training_args(recipe, run_dir=run_dir, has_eval=data.eval is not None)
-    args.save_total_limit = None  # retention is CommitCallback's: only after a newer checkpoint is complete
-    model = load_model(recipe)
-    summary: dict = {"run_dir": str(run_dir), "tokenized_cache": {"key": data.cache_key, "hit": data.cache_hit},
-                     "data_notes": data.notes, "resumed_from": str(resume_from) if resume_from else None}
-    max_new = recipe.data.task_eval.max_new_tokens if cases else 0
-    if cases and resume_from is None:
-        if state.is_main_process:
-            before_model = model if state.num_processes == 1 else taskeval.load_base(recipe)
-            summary["task_eval_before"] = taskeval.exact_match(before_model, tokenizer, cases,
-                                                               max_new_tokens=max_new)
-            model.train()
-            log.info(f"exact match before training: {summary['task_eval_before']['exact_match']:.1%}")
-        state.wait_for_everyone()
-
+def _callbacks(session: _Session, *, preempt) -> list:
     from finetune.train.memory_report import PeakMemoryCallback
     from finetune.train.progress import ConsoleProgress
 
+    recipe, run_dir = session.recipe, session.run_dir
     callbacks = [MetricsCallback(run_dir), PeakMemoryCallback(run_dir), ConsoleProgress(),
                  NonFiniteCallback(policy=recipe.train.on_nonfinite, max_bad_steps=recipe.train.max_bad_steps),
                  CommitCallback(run_dir, fields=recipe_fields(recipe), strategy=recipe.distributed.strategy,
@@ -124,32 +161,53 @@ def _run(recipe, *, state, run_dir: Path, resume: str, preempt) -> dict | None:
         from finetune.train.profile import ProfilerCallback
 
         start, stop = recipe.logging.profile_steps
-        callbacks.append(ProfilerCallback(run_dir, start=start, stop=stop, rank=state.process_index))
-    trainer = build_trainer(recipe, args=args, model=model, tokenizer=tokenizer, data=data, callbacks=callbacks)
+        callbacks.append(ProfilerCallback(run_dir, start=start, stop=stop, rank=session.state.process_index))
+    return callbacks
+
+
+def _train(session: _Session, *, preempt):
+    """(trainer, TrainOutput): the TRL trainer built and run, the eval loss before training recorded.
+    A preemption raises once every rank has stopped at the same step and saved its checkpoint."""
     from transformers.trainer_callback import PrinterCallback
 
+    from finetune.train.model import adapter_input_casting
+    from finetune.train.trainers import build_trainer
+
+    recipe, resume_from = session.recipe, session.resume_from
+    trainer = build_trainer(recipe, args=session.args, model=session.model, tokenizer=session.tokenizer,
+                            data=session.data, callbacks=_callbacks(session, preempt=preempt))
     trainer.remove_callback(PrinterCallback)  # ConsoleProgress prints the readable version
-    if data.eval is not None and resume_from is None:
-        summary["eval_loss_before"] = trainer.evaluate()["eval_loss"]
+    if session.data.eval is not None and resume_from is None:
+        session.summary["eval_loss_before"] = trainer.evaluate()["eval_loss"]
     with adapter_input_casting(recipe, trainer.model):
         result = trainer.train(resume_from_checkpoint=str(resume_from) if resume_from else None)
     if preempt.stopped_at is not None:
-        raise preempt.error(run_dir)
-    if data.eval is not None:
+        raise preempt.error(session.run_dir)
+    return trainer, result
+
+
+def _finish(session: _Session, *, trainer, result) -> dict | None:
+    """The final eval loss, the model (or adapter) and tokenizer saved, the task eval after training,
+    and on the main process the summary written and printed."""
+    from finetune.train import taskeval
+
+    recipe, state, run_dir, summary = session.recipe, session.state, session.run_dir, session.summary
+    if session.data.eval is not None:
         done = [h["eval_loss"] for h in trainer.state.log_history
                 if "eval_loss" in h and h.get("step") == trainer.state.global_step]
         summary["eval_loss_final"] = done[-1] if done else trainer.evaluate()["eval_loss"]
     if getattr(trainer, "is_fsdp_enabled", False):
         # checkpoints stay sharded (resumable on another world size); the final model or adapter
-        # is gathered into plain safetensors, or save_model would write nothing under SHARDED
+        # is gathered into plain safetensors, or save_model would write nothing from the sharded state
         trainer.accelerator.state.fsdp_plugin.set_state_dict_type("FULL_STATE_DICT")
     trainer.save_model(str(run_dir))  # every rank: FSDP/ZeRO-3 gather the weights collectively
     if state.is_main_process:
-        tokenizer.save_pretrained(run_dir)
+        session.tokenizer.save_pretrained(run_dir)
     state.wait_for_everyone()
-    if cases and state.is_main_process:
+    if session.cases and state.is_main_process:
         trained = taskeval.load_trained(recipe, run_dir)
-        summary["task_eval_after"] = taskeval.exact_match(trained, tokenizer, cases, max_new_tokens=max_new)
+        summary["task_eval_after"] = taskeval.exact_match(trained, session.tokenizer, session.cases,
+                                                          max_new_tokens=recipe.data.task_eval.max_new_tokens)
     if not state.is_main_process:
         return None
     summary.update(_train_figures(recipe, run_dir, trainer, result))

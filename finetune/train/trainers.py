@@ -14,7 +14,6 @@ from finetune.recipe.schema import Recipe, dpo_reference
 from finetune.rundir import CHECKPOINTS
 
 
-
 def _micro_batch(recipe: Recipe) -> int:
     mbs = recipe.train.micro_batch_size
     if not isinstance(mbs, int):
@@ -31,7 +30,7 @@ def trainer_checkpointing(recipe: Recipe) -> bool:
 
 def _checkpointing_args(on: bool) -> dict:
     """transformers 5.24 renamed gradient_checkpointing to activation_checkpointing (the old name
-    warns); 5.17, on the GPU machine, knows only the old one."""
+    warns); 5.17 knows only the old one."""
     from transformers import TrainingArguments
 
     name = ("activation_checkpointing" if "activation_checkpointing" in TrainingArguments.__dataclass_fields__
