@@ -177,12 +177,12 @@ def _check_run(run_dir: Path, *, repo_id: str):
 def _hub_token(token: str | None, *, retry: str) -> str:
     """The token to push with (argument, HF_TOKEN or the saved login); PushError when offline or
     logged out."""
-    import huggingface_hub
+    from huggingface_hub import constants, get_token
 
-    if huggingface_hub.constants.is_offline_mode():
+    if constants.is_offline_mode():
         raise PushError("the Hugging Face Hub is in offline mode (HF_HUB_OFFLINE is set)",
                         hint=f"unset HF_HUB_OFFLINE, then run `{retry}`")
-    token = token or huggingface_hub.get_token()
+    token = token or get_token()
     if not token:
         raise PushError("not logged in to the Hugging Face Hub",
                         hint=f"set HF_TOKEN or run `hf auth login`, then run `{retry}`")
