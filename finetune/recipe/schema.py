@@ -12,7 +12,7 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
-from finetune.strategies import StrategyName, shards_params
+from finetune.strategies import AUTO, StrategyName, shards_params
 
 Dtype = Literal["bfloat16", "float16", "float32"]
 DataFormat = Literal["messages", "alpaca", "sharegpt", "text", "prompt_completion", "preference"]
@@ -313,7 +313,8 @@ class Recipe(Strict):
 
 
 def _shards(strategy: str) -> bool:
-    return strategy != "auto" and shards_params(strategy)
+    """A pinned strategy that shards the parameters (auto: the planner decides later)."""
+    return strategy != AUTO and shards_params(strategy)
 
 
 def recipe_conflicts(recipe: Recipe):
