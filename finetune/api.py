@@ -1,18 +1,22 @@
 """The public Python API: load -> plan -> compile -> launch -> (push).
 
 Load, plan and compile are pure and import no torch; `run` starts processes only
-through finetune.launch.
+through finetune.launch. Nothing here prints: results are return values, and a run's progress
+(what was compiled, resume notes) goes to the `finetune.api` logger, which the CLI shows.
 """
 
 from __future__ import annotations
 
-import json
+import logging
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from finetune import rundir
 from finetune.errors import EXIT_PREEMPTED, EXIT_USAGE, FinetuneError, TrainingFailed
 from finetune.recipe import Recipe, load_recipe
+
+log = logging.getLogger("finetune.api")
 
 
 def _check_resume(run_dir: Path, resume: str, *, world_size: int) -> None:
@@ -22,9 +26,9 @@ def _check_resume(run_dir: Path, resume: str, *, world_size: int) -> None:
     start = resolve_resume(str(resume), run_dir)
     if start is None:
         return
-    resolved = load_recipe(run_dir / "recipe.resolved.yaml", allow_resolved=True)
+    resolved = load_recipe(run_dir / rundir.RESOLVED_RECIPE, allow_resolved=True)
     for note in check_resume(start, resolved, world_size=world_size):
-        print(f"resume from {start.name}: changed safely: {note}", flush=True)
+        log.info(f"resume from {start.name}: changed safely: {note}")
 
 
 def _as_recipe(recipe, overrides: list[str] | None = None) -> Recipe:
@@ -65,9 +69,11 @@ def compile(recipe, *, hardware: str | None = None, overrides: list[str] | None 
 @dataclass
 class RunResult:
     run_dir: Path
-    exit_code: int
-    summary: dict = field(default_factory=dict)
-    launched: bool = True
+    exit_code: int  # 0, or EXIT_PREEMPTED when a checkpoint was saved on a signal (run again to resume)
+    summary: dict = field(default_factory=dict)  # RUN_DIR/summary.json of a finished run
+    launched: bool = True  # False for a dry run and for multi-node instructions
+    instructions: str | None = None  # multi-node without a node rank: what to run on each node
+    pushed: str | None = None  # the Hub commit URL when the recipe's hub.repo was pushed
 
 
 def run(recipe, *, hardware: str | None = None, overrides: list[str] | None = None,
@@ -91,36 +97,32 @@ def run(recipe, *, hardware: str | None = None, overrides: list[str] | None = No
             shutil.rmtree(target, ignore_errors=True)
         raise
     run_dir = Path(spec.run_dir)
-    print(spec.summary, flush=True)
+    log.info(spec.summary)
     if dry_run:
-        print(f"dry run: launch files are in {run_dir}; start with `bash {run_dir}/launch.sh`")
         return RunResult(run_dir, 0, launched=False)
-    rank_error = run_dir / "logs" / "rank-error.json"  # finetune.train.run.RANK_ERROR
-    rank_error.unlink(missing_ok=True)
+    (run_dir / rundir.RANK_ERROR).unlink(missing_ok=True)
     code = launch(spec, node_rank=node_rank, main_address=main_address, main_port=main_port,
                   extra_args=["--resume", str(resume)])
-    if isinstance(code, int) and code not in (0, EXIT_PREEMPTED) and rank_error.is_file():
-        code = json.loads(rank_error.read_text()).get("exit_code", code)
+    if isinstance(code, int) and code not in (0, EXIT_PREEMPTED):
+        code = rundir.read_rank_error(run_dir).get("exit_code", code)
     if code == EXIT_USAGE:  # a rank's preflight refused the recipe or data (its message is above)
-        if created and not any((run_dir / "checkpoints").glob("checkpoint-*")):
+        if created and not any((run_dir / rundir.CHECKPOINTS).glob("checkpoint-*")):
             shutil.rmtree(run_dir, ignore_errors=True)
         raise FinetuneError("stopped before training; fix what the message above names and run again",
                             hint="finetune validate RECIPE checks the recipe and its data without training")
     if not isinstance(code, int):  # multi-node without --node-rank: what to run on each node
-        print(code)
-        return RunResult(run_dir, 0, launched=False)
+        return RunResult(run_dir, 0, launched=False, instructions=str(code))
     if code == EXIT_PREEMPTED:
-        print(f"preempted: a checkpoint was saved in {run_dir}; run the same command to resume")
         return RunResult(run_dir, code)
     if code != 0:
         raise TrainingFailed(f"training exited with code {code}; the log above names the failing rank",
                              file=str(run_dir), hint=f"fix the cause, then rerun to resume from the "
                                                      f"last complete checkpoint in {run_dir}")
-    summary_path = run_dir / "summary.json"
-    summary = json.loads(summary_path.read_text()) if summary_path.exists() else {}
-    resolved = load_recipe(run_dir / "recipe.resolved.yaml", allow_resolved=True)
+    summary = rundir.read_summary(run_dir)
+    resolved = load_recipe(run_dir / rundir.RESOLVED_RECIPE, allow_resolved=True)
+    pushed = None
     if resolved.hub.repo and (node_rank in (None, 0)):
         from finetune.hub import push_from_recipe
 
-        print(f"pushed to {push_from_recipe(run_dir)}")
-    return RunResult(run_dir, 0, summary)
+        pushed = push_from_recipe(run_dir)
+    return RunResult(run_dir, 0, summary, pushed=pushed)

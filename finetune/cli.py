@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import sys
 import traceback
@@ -80,7 +81,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _cmd_validate(args):
     from finetune.recipe import load_recipe
-
     from finetune.train.precheck import check_data
 
     recipe = load_recipe(args.recipe, overrides=args.overrides)
@@ -111,12 +111,38 @@ def _cmd_compile(args):
     return 0
 
 
-def _cmd_run(args):
-    from finetune.api import run
+class _Print(logging.Handler):
+    """Shows the API's progress messages as plain lines on the current stdout."""
 
+    def emit(self, record: logging.LogRecord) -> None:
+        print(self.format(record), flush=True)
+
+
+def _show_api_progress() -> None:
+    logger = logging.getLogger("finetune.api")
+    if not any(isinstance(h, _Print) for h in logger.handlers):
+        logger.addHandler(_Print())
+    logger.setLevel(logging.INFO)
+
+
+def _cmd_run(args):
+    from finetune import rundir
+    from finetune.api import run
+    from finetune.errors import EXIT_PREEMPTED
+
+    _show_api_progress()
     result = run(args.recipe, hardware=args.hardware, overrides=args.overrides, output=args.output,
                  dry_run=args.dry_run, resume=args.resume, node_rank=args.node_rank,
                  main_address=args.main_address, main_port=args.main_port)
+    if result.instructions is not None:
+        print(result.instructions)
+    elif not result.launched:
+        print(f"dry run: launch files are in {result.run_dir}; start with "
+              f"`bash {result.run_dir / rundir.LAUNCH_SH}`")
+    elif result.exit_code == EXIT_PREEMPTED:
+        print(f"preempted: a checkpoint was saved in {result.run_dir}; run the same command to resume")
+    if result.pushed:
+        print(f"pushed to {result.pushed}")
     return result.exit_code
 
 

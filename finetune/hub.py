@@ -28,8 +28,11 @@ import logging
 import os
 import shutil
 import tempfile
+from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
+from finetune import rundir
 from finetune.errors import FinetuneError
 from finetune.merge import ADAPTER_FILES, TOKENIZER_FILES, merge, run_kind
 from finetune.modelcard import HUB_ID, parse_front_matter, render_model_card
@@ -39,7 +42,7 @@ logger = logging.getLogger(__name__)
 EXIT_PUSH_FAILED = 5
 # A full model saved by save_pretrained; "model*.safetensors" covers the shards and the single file.
 MODEL_FILES = ("config.json", "generation_config.json", "model.safetensors.index.json")
-EXTRA_FILES = ("recipe.resolved.yaml", "loss.png")
+EXTRA_FILES = (rundir.RESOLVED_RECIPE, rundir.LOSS_PNG)
 
 
 class PushError(FinetuneError):
@@ -118,98 +121,144 @@ def push(run_dir: str | Path, *, repo_id: str, merged: bool = False, private: bo
     """
     run_dir = Path(run_dir)
     retry = retry_command(run_dir, repo_id=repo_id, merged=merged, private=private, revision=revision)
+    recipe, kind = _check_run(run_dir, repo_id=repo_id)
+    token = _hub_token(token, retry=retry)
+    endpoint = endpoint or os.environ.get("HF_ENDPOINT") or None
+    card_kind = "full" if kind == "full" else ("merged" if merged else "adapter")
+    target = _Target(repo_id=repo_id, private=private, revision=revision, token=token, retry=retry)
+    with _weights_dir(run_dir, card_kind=card_kind, max_shard_size=max_shard_size) as weights_dir:
+        base = _base_model(run_dir, recipe, kind=kind)
+        operations = _operations(run_dir, recipe, weights_dir=weights_dir, card_kind=card_kind, base=base,
+                                 target=target)
+        message = commit_message or (f"finetune: {recipe.method.type} "
+                                     f"{'merged model' if card_kind == 'merged' else card_kind}"
+                                     f" of {Path(base).name if not HUB_ID.match(base) else base}")
+        url = _commit(target, operations=operations, message=message, endpoint=endpoint)
+    logger.info("pushed to %s", url)
+    return url
 
-    def fail(what: str, exc: BaseException | None = None, hint: str | None = None) -> PushError:
+
+@dataclass(frozen=True)
+class _Target:
+    """Where a push goes, and what to tell the user when it fails."""
+
+    repo_id: str
+    private: bool
+    revision: str | None
+    token: str
+    retry: str  # the command that retries this push
+
+    def fail(self, what: str, exc: BaseException | None = None, hint: str | None = None) -> PushError:
         detail = f": {type(exc).__name__}: {exc}" if exc is not None else ""
-        message = _scrub(f"push to {repo_id} failed while {what}{detail}", token)
-        return PushError(message, hint=hint or f"fix the cause, then retry with `{retry}` "
+        message = _scrub(f"push to {self.repo_id} failed while {what}{detail}", self.token)
+        return PushError(message, hint=hint or f"fix the cause, then retry with `{self.retry}` "
                                                "(files already uploaded are not sent again)")
 
+
+def _check_run(run_dir: Path, *, repo_id: str):
+    """(resolved recipe, run kind) of a run directory that holds final weights; PushError otherwise."""
     if not HUB_ID.match(repo_id):
         raise PushError(f"--repo {repo_id!r} is not a Hub repo id", key="hub.repo",
                         hint="use ORG/NAME, e.g. --repo my-org/llama-3.1-8b-sft")
-    if not (run_dir / "recipe.resolved.yaml").is_file():
-        raise PushError("not a run directory (no recipe.resolved.yaml)", file=str(run_dir),
+    if not (run_dir / rundir.RESOLVED_RECIPE).is_file():
+        raise PushError(f"not a run directory (no {rundir.RESOLVED_RECIPE})", file=str(run_dir),
                         hint="pass the directory `finetune run` wrote its outputs to")
     from finetune.recipe import load_recipe
 
-    recipe = load_recipe(run_dir / "recipe.resolved.yaml", allow_resolved=True)
+    recipe = load_recipe(run_dir / rundir.RESOLVED_RECIPE, allow_resolved=True)
     kind = run_kind(run_dir)
     if kind == "unknown":
         raise PushError("no adapter (adapter_config.json) or model (config.json + *.safetensors) "
                         "found", file=str(run_dir),
                         hint="the run has not saved its final weights; resume it with `finetune run`")
+    return recipe, kind
 
-    import huggingface_hub
-    from huggingface_hub import CommitOperationAdd, HfApi
 
-    if huggingface_hub.constants.is_offline_mode():
+def _hub_token(token: str | None, *, retry: str) -> str:
+    """The token to push with (argument, HF_TOKEN or the saved login); PushError when offline or
+    logged out."""
+    from huggingface_hub import constants, get_token
+
+    if constants.is_offline_mode():
         raise PushError("the Hugging Face Hub is in offline mode (HF_HUB_OFFLINE is set)",
                         hint=f"unset HF_HUB_OFFLINE, then run `{retry}`")
-    token = token or huggingface_hub.get_token()
+    token = token or get_token()
     if not token:
         raise PushError("not logged in to the Hugging Face Hub",
                         hint=f"set HF_TOKEN or run `hf auth login`, then run `{retry}`")
-    endpoint = endpoint or os.environ.get("HF_ENDPOINT") or None
+    return token
 
-    card_kind = "full" if kind == "full" else ("merged" if merged else "adapter")
-    work_dir: Path | None = None
+
+@contextmanager
+def _weights_dir(run_dir: Path, *, card_kind: str, max_shard_size: str | int):
+    """The directory whose weights are uploaded: RUN_DIR, RUN_DIR/merged, or the adapter merged into a
+    temporary directory next to RUN_DIR (never inside it), removed afterwards."""
+    if card_kind != "merged":
+        yield run_dir
+        return
+    if run_kind(run_dir / "merged") == "full":
+        yield run_dir / "merged"
+        return
+    try:  # next to RUN_DIR: the same disk the run had room on
+        work_dir = Path(tempfile.mkdtemp(prefix=f".{run_dir.name}.push-", dir=run_dir.parent))
+    except OSError:  # read-only parent: fall back to the system temp dir
+        work_dir = Path(tempfile.mkdtemp(prefix=f"{run_dir.name}.push-"))
     try:
-        weights_dir = run_dir
-        if card_kind == "merged":
-            if run_kind(run_dir / "merged") == "full":
-                weights_dir = run_dir / "merged"
-            else:
-                # next to RUN_DIR (same disk the run had room on), never inside it
-                try:
-                    work_dir = Path(tempfile.mkdtemp(prefix=f".{run_dir.name}.push-", dir=run_dir.parent))
-                except OSError:  # read-only parent: fall back to the system temp dir
-                    work_dir = Path(tempfile.mkdtemp(prefix=f"{run_dir.name}.push-"))
-                logger.info("merging the adapter for upload into %s", work_dir)
-                weights_dir = merge(run_dir, work_dir / "merged", max_shard_size=max_shard_size)
-        adapter_config = {}
-        if kind == "adapter":
-            adapter_config = json.loads((run_dir / "adapter_config.json").read_text())
-        base = recipe.model.name if kind == "full" else (
-            adapter_config.get("base_model_name_or_path") or recipe.model.name)
-        card = render_model_card(recipe, run_dir=run_dir, repo_id=repo_id, kind=card_kind,
-                                 license=base_license(recipe, base), base_model=recipe.model.name)
-        files = _collect(run_dir, weights_dir, card_kind)
-        total = sum(p.stat().st_size for _, p in files)
-        logger.info("pushing %d files (%.1f MB) + README.md to %s (%s%s)", len(files), total / 1e6,
-                    repo_id, "private" if private else "public",
-                    f", branch {revision}" if revision else "")
-        operations = [CommitOperationAdd(path_in_repo=name, path_or_fileobj=str(path))
-                      for name, path in files]
-        operations.append(CommitOperationAdd(path_in_repo="README.md",
-                                             path_or_fileobj=card.encode("utf-8")))
-        api = HfApi(endpoint=endpoint, token=token)
-        step = "creating the repository"
-        try:
-            api.create_repo(repo_id, private=private, exist_ok=True)
-            step = "checking the repository's visibility"
-            info = api.model_info(repo_id)
-            if private and info.private is False:
-                raise fail("checking the repository's visibility", hint=(
-                    f"{repo_id} already exists and is public, and a private push was asked for; "
-                    f"push to another repo, or add --public: `{retry} --public`"))
-            if revision and revision != "main":
-                step = f"creating the branch {revision!r}"
-                api.create_branch(repo_id, branch=revision, exist_ok=True)
-            step = "uploading and committing the files"
-            message = commit_message or (f"finetune: {recipe.method.type} "
-                                         f"{'merged model' if card_kind == 'merged' else card_kind}"
-                                         f" of {Path(base).name if not HUB_ID.match(base) else base}")
-            commit = api.create_commit(repo_id, operations=operations, commit_message=message,
-                                       revision=revision)
-        except PushError:
-            raise
-        except Exception as exc:  # HTTP errors, connection errors, bad server answers
-            raise fail(step, exc) from None
+        logger.info("merging the adapter for upload into %s", work_dir)
+        yield merge(run_dir, work_dir / "merged", max_shard_size=max_shard_size)
     finally:
-        if work_dir is not None:
-            shutil.rmtree(work_dir, ignore_errors=True)
-    logger.info("pushed to %s", commit.commit_url)
+        shutil.rmtree(work_dir, ignore_errors=True)
+
+
+def _base_model(run_dir: Path, recipe, *, kind: str) -> str:
+    """The base model as the adapter names it (its adapter_config.json), else the recipe's."""
+    if kind != "adapter":
+        return recipe.model.name
+    adapter_config = json.loads((run_dir / "adapter_config.json").read_text())
+    return adapter_config.get("base_model_name_or_path") or recipe.model.name
+
+
+def _operations(run_dir: Path, recipe, *, weights_dir: Path, card_kind: str, base: str, target: _Target) -> list:
+    """The commit: the collected files plus the generated model card (passed as bytes)."""
+    from huggingface_hub import CommitOperationAdd
+
+    card = render_model_card(recipe, run_dir=run_dir, repo_id=target.repo_id, kind=card_kind,
+                             license=base_license(recipe, base), base_model=recipe.model.name)
+    files = _collect(run_dir, weights_dir, card_kind)
+    total = sum(p.stat().st_size for _, p in files)
+    logger.info("pushing %d files (%.1f MB) + README.md to %s (%s%s)", len(files), total / 1e6,
+                target.repo_id, "private" if target.private else "public",
+                f", branch {target.revision}" if target.revision else "")
+    operations = [CommitOperationAdd(path_in_repo=name, path_or_fileobj=str(path)) for name, path in files]
+    operations.append(CommitOperationAdd(path_in_repo="README.md", path_or_fileobj=card.encode("utf-8")))
+    return operations
+
+
+def _commit(target: _Target, *, operations: list, message: str, endpoint: str | None) -> str:
+    """Create the repo (refusing a private push into an existing public repo) and the branch, then
+    commit every operation at once; returns the commit URL."""
+    from huggingface_hub import HfApi
+
+    repo_id, revision = target.repo_id, target.revision
+    api = HfApi(endpoint=endpoint, token=target.token)
+    step = "creating the repository"
+    try:
+        api.create_repo(repo_id, private=target.private, exist_ok=True)
+        step = "checking the repository's visibility"
+        info = api.model_info(repo_id)
+        if target.private and info.private is False:
+            raise target.fail("checking the repository's visibility", hint=(
+                f"{repo_id} already exists and is public, and a private push was asked for; "
+                f"push to another repo, or add --public: `{target.retry} --public`"))
+        if revision and revision != "main":
+            step = f"creating the branch {revision!r}"
+            api.create_branch(repo_id, branch=revision, exist_ok=True)
+        step = "uploading and committing the files"
+        commit = api.create_commit(repo_id, operations=operations, commit_message=message, revision=revision)
+    except PushError:
+        raise
+    except Exception as exc:  # HTTP errors, connection errors, bad server answers
+        raise target.fail(step, exc) from None
     return commit.commit_url
 
 
@@ -228,7 +277,7 @@ def push_from_recipe(run_dir: str | Path, **kwargs) -> str | None:
             return None
     from finetune.recipe import load_recipe
 
-    hub = load_recipe(run_dir / "recipe.resolved.yaml", allow_resolved=True).hub
+    hub = load_recipe(run_dir / rundir.RESOLVED_RECIPE, allow_resolved=True).hub
     if not hub.repo:
         return None
     return push(run_dir, repo_id=hub.repo, merged=hub.push == "merged", private=hub.private,

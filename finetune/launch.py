@@ -23,6 +23,7 @@ from pathlib import Path
 
 from finetune.compile.spec import LaunchSpec
 from finetune.errors import EXIT_PREEMPTED, FinetuneError
+from finetune.rundir import JOB_SBATCH, launch_log
 
 FORWARDED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)
 PREEMPT_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
@@ -75,7 +76,7 @@ def launch(spec_or_run_dir: LaunchSpec | str | Path, *, node_rank: int | None = 
     spec = load_spec(spec_or_run_dir)
     if spec.multi_node and node_rank is None:
         return NodeInstructions(text=spec.node_instructions(), commands=spec.node_argv(),
-                                sbatch=spec.files.get("job.sbatch"))
+                                sbatch=spec.files.get(JOB_SBATCH))
     if spec.multi_node and not main_address:
         raise FinetuneError(f"a {spec.num_nodes}-node run needs node 0's address",
                             hint="pass --main-address HOST (the same on every node)")
@@ -91,7 +92,7 @@ def launch(spec_or_run_dir: LaunchSpec | str | Path, *, node_rank: int | None = 
         threads = max(1, (os.cpu_count() or 1) // max(1, spec.procs_per_node))
         at = argv.index("--config_file")
         argv[at:at] = ["--num_cpu_threads_per_process", str(threads)]
-    log_path = Path(spec.run_dir) / "logs" / f"launch-node{rank}.log"
+    log_path = Path(spec.run_dir) / launch_log(rank)
     log_path.parent.mkdir(parents=True, exist_ok=True)
     return _run(argv, env=launch_env(spec), log_path=log_path, stream=stream)
 

@@ -16,6 +16,7 @@ import tempfile
 from pathlib import Path
 
 from finetune.errors import FinetuneError
+from finetune.rundir import CHECKPOINTS, RESOLVED_RECIPE
 
 logger = logging.getLogger(__name__)
 
@@ -41,7 +42,7 @@ def run_kind(run_dir: Path) -> str:
 
 
 def _load_run_recipe(run_dir: Path):
-    path = run_dir / "recipe.resolved.yaml"
+    path = run_dir / RESOLVED_RECIPE
     if not path.is_file():
         return None
     from finetune.recipe import load_recipe
@@ -79,7 +80,7 @@ def merge_dtype(recipe, dtype: str | None) -> str:
 
 def _check_output(output_dir: Path, run_dir: Path, overwrite: bool) -> None:
     out, run = output_dir.resolve(), run_dir.resolve()
-    if out == run or out == run / "checkpoints" or run / "checkpoints" in out.parents:
+    if out == run or out == run / CHECKPOINTS or run / CHECKPOINTS in out.parents:
         raise MergeError("the output directory would overwrite the run's own files",
                          file=str(output_dir),
                          hint=f"use a new directory, e.g. -o {run_dir}/merged or -o {run_dir.name}-merged")

@@ -6,7 +6,6 @@ no torch, no network, and nothing from the environment, so no secret can end up 
 
 from __future__ import annotations
 
-import json
 import math
 import re
 from pathlib import Path
@@ -14,6 +13,7 @@ from typing import Literal
 
 import yaml
 
+from finetune import rundir
 from finetune.recipe.schema import Recipe
 
 Kind = Literal["adapter", "merged", "full"]
@@ -21,13 +21,13 @@ HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 # local data files look like Hub ids ("data/train.jsonl"); these suffixes say they are files
 _FILE_SUFFIXES = (".json", ".jsonl", ".parquet", ".csv", ".txt", ".arrow", ".gz", ".zst")
 
-# summary.json is written by the training path; accept the spellings it may use
+# the card's figures and the summary.json keys finetune/train/run.py writes them under
 _SUMMARY_KEYS = {
-    "steps": ("steps", "global_step", "total_steps", "step"),
-    "train_loss": ("final_train_loss", "train_loss", "final_loss", "loss"),
-    "eval_loss": ("best_eval_loss", "eval_loss", "eval_loss_final", "final_eval_loss"),
-    "tokens_per_second": ("tokens_per_second", "train_tokens_per_second", "tokens_per_sec"),
-    "train_tokens": ("train_tokens", "tokens_seen", "tokens", "total_tokens", "num_tokens"),
+    "steps": rundir.SUMMARY_STEPS,
+    "train_loss": rundir.SUMMARY_FINAL_LOSS,
+    "eval_loss": rundir.SUMMARY_BEST_EVAL,
+    "tokens_per_second": rundir.SUMMARY_TOKENS_PER_S,
+    "train_tokens": rundir.SUMMARY_TOKENS,
 }
 
 
@@ -44,29 +44,13 @@ def training_summary(run_dir: Path) -> dict[str, float]:
     summary.json wins; metrics.jsonl fills the gaps (last train loss, best eval loss, last step).
     """
     out: dict[str, float] = {}
-    summary_path = run_dir / "summary.json"
-    if summary_path.is_file():
-        try:
-            summary = json.loads(summary_path.read_text())
-        except (OSError, ValueError):
-            summary = {}
-        if isinstance(summary, dict):
-            for key, aliases in _SUMMARY_KEYS.items():
-                for alias in aliases:
-                    value = summary.get(alias)
-                    if isinstance(value, (int, float)) and math.isfinite(value):
-                        out[key] = value
-                        break
-    metrics_path = run_dir / "metrics.jsonl"
-    if metrics_path.is_file():
-        rows = []
-        for line in metrics_path.read_text().splitlines():
-            try:
-                row = json.loads(line)
-            except ValueError:
-                continue  # a half-written last line after a crash
-            if isinstance(row, dict):
-                rows.append(row)
+    summary = rundir.read_summary(run_dir)
+    for key, name in _SUMMARY_KEYS.items():
+        value = summary.get(name)
+        if isinstance(value, (int, float)) and math.isfinite(value):
+            out[key] = value
+    rows = rundir.read_metrics(run_dir)
+    if rows:
         losses = [r for r in rows if isinstance(r.get("loss"), (int, float))]
         evals = [r["eval_loss"] for r in rows if isinstance(r.get("eval_loss"), (int, float))]
         steps = [r["step"] for r in rows if isinstance(r.get("step"), int)]
@@ -203,11 +187,11 @@ def render_model_card(recipe: Recipe, *, run_dir: Path, repo_id: str, kind: Kind
              "`finetune` (a YAML recipe run on TRL, PEFT and Accelerate).", "",
              "## Training", "", "| | |", "|---|---|"]
     lines += [f"| {k} | {str(v).replace('|', '/')} |" for k, v in rows]
-    if (run_dir / "loss.png").is_file():
-        lines += ["", "## Loss curve", "", "![training loss](loss.png)"]
+    if (run_dir / rundir.LOSS_PNG).is_file():
+        lines += ["", "## Loss curve", "", f"![training loss]({rundir.LOSS_PNG})"]
     lines += ["", "## Recipe", "",
               "The settings the recipe chose are below; the complete recipe, with every default and "
-              "planner decision, is `recipe.resolved.yaml` in this repository.", "",
+              f"planner decision, is `{rundir.RESOLVED_RECIPE}` in this repository.", "",
               "```yaml", recipe_excerpt(recipe), "```", "",
               "## How to use", "", _usage(repo_id, kind, base)]
     return "\n".join(lines)

@@ -51,6 +51,11 @@ def memory_file(rank: int) -> str:
     return f"{MEMORY_DIR}/rank-{rank}.json"
 
 
+def profile_stem(rank: int) -> str:
+    """profile/rank-K: the profiler writes .trace.json.gz, .txt (tables) and .json (summary) after it."""
+    return f"{PROFILE_DIR}/rank-{rank}"
+
+
 def read_metrics(run_dir: Path) -> list[dict]:
     """Every complete row of RUN_DIR/metrics.jsonl (a line cut short by a crash is skipped: that step
     is re-run on resume); [] when there is none."""

@@ -5,9 +5,9 @@ The baseline is what a user writes from TRL's documentation: SFTTrainer + a PEFT
 the same model shape, sequence length, global batch and data. `--no-ckpt` runs it again with
 checkpointing turned off by hand. finetune's side runs `finetune run` on the same data.
 
-Reported: tokens/s of real (non-pad) tokens, MFU with 4N FLOPs per token for LoRA (the frozen
-base gets no weight gradients: forward 2N + input-gradient backward 2N) plus attention
-(12 * layers * hidden * seq per token, causal: halved), against the card's dense bf16 peak.
+Reported: tokens/s of real (non-pad) tokens and MFU: finetune's one FLOPs formula
+(finetune/plan/timing.py model_flops_per_token; for LoRA 4N + 12*L*a*s + 6T) against the card's dense
+bf16 peak as `--hardware auto` plans with it, i.e. the quantity `finetune plan` predicts.
 
     python scripts/bench.py --arch llama-3.1-8b --out $OUT/bench.json
 """
@@ -25,11 +25,19 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
 
-from gpu_validate import (WARMUP_STEPS, WORK, base_recipe, ensure_model, model_flops_per_token,  # noqa: E402
-                          steady_rate, steady_tokens_per_second, write_data)
+from gpu_validate import (  # noqa: E402
+    WARMUP_STEPS,
+    WORK,
+    base_recipe,
+    ensure_model,
+    steady_rate,
+    steady_tokens_per_second,
+    write_data,
+)
 
-PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0}
-
+from finetune import rundir  # noqa: E402
+from finetune.plan import mfu, recipe_flops_per_token  # noqa: E402
+from finetune.registry.detect import peak_bf16_tflops  # noqa: E402
 
 # Throughput is reported twice: over the whole train() call (what TRL's train_runtime gives; it includes
 # the first steps' kernel compilation, allocator growth and dataloader start) and past WARMUP_STEPS
@@ -107,23 +115,24 @@ def finetune_side(model_dir: Path, data: Path, *, seq: int, batch: int, steps: i
     cmd = [sys.executable, "-m", "finetune.cli", "run", str(work / "recipe.yaml"), "--output",
            str(work / "run"), "--resume", "never", *sum((["--set", s] for s in overrides), [])]
     subprocess.run(cmd, cwd=ROOT, check=True)
-    summary = json.loads((work / "run" / "summary.json").read_text())
-    plan = json.loads((work / "run" / "plan.json").read_text())
-    mem = json.loads((work / "run" / "memory" / "rank-0.json").read_text())
-    resolved = yaml.safe_load((work / "run" / "recipe.resolved.yaml").read_text())
-    metrics = [json.loads(x) for x in (work / "run" / "metrics.jsonl").read_text().splitlines() if x.strip()]
-    row = {"tokens_per_second": summary["tokens_per_second"],
+    run = work / "run"
+    summary = rundir.read_summary(run)
+    plan = json.loads((run / rundir.PLAN_JSON).read_text())
+    mem = json.loads((run / rundir.memory_file(0)).read_text())
+    resolved = yaml.safe_load((run / rundir.RESOLVED_RECIPE).read_text())
+    metrics = rundir.read_metrics(run)
+    row = {"tokens_per_second": summary[rundir.SUMMARY_TOKENS_PER_S],
            "steady_tokens_per_second": steady_tokens_per_second(metrics),
            "peak_reserved_gib": mem.get("gpu_max_reserved_gib"),
            "micro_batch": plan["micro_batch_size"], "activation_checkpointing": plan["activation_checkpointing"],
            "runtime_s": summary["train_runtime_s"], "overrides": overrides,
            "attn_implementation": resolved["model"]["attn_implementation"], "liger": resolved["train"]["liger"],
            "predicted_peak_gib": plan.get("per_gpu_memory_gib")}
-    profile = work / "run" / "profile"
-    if (profile / "rank-0.json").exists():
-        row["profile"] = json.loads((profile / "rank-0.json").read_text())
+    stem = str(run / rundir.profile_stem(0))
+    if Path(stem + ".json").exists():
+        row["profile"] = json.loads(Path(stem + ".json").read_text())
         if out is not None:  # the operator tables travel back with the results
-            shutil.copy(profile / "rank-0.txt", out.parent / f"profile-{name}.txt")
+            shutil.copy(stem + ".txt", out.parent / f"profile-{name}.txt")
     return row
 
 
@@ -167,6 +176,7 @@ def main() -> None:
     parser.add_argument("--baseline-only", choices=["trl", "trl-no-ckpt"], default=None)
     args = parser.parse_args()
 
+    from finetune.recipe import load_recipe
     from finetune.registry import get_model
 
     model_dir = ensure_model(args.arch)
@@ -182,10 +192,13 @@ def main() -> None:
 
     card = torch.cuda.get_device_name()
     arch = get_model(args.arch)
-    flops = model_flops_per_token(arch, seq=args.seq, adapter="lora")
-    peak = next((v for k, v in PEAK_TFLOPS.items() if k in card), 989.0) * 1e12
+    # the recipe both sides train (TRL's LoRA r16 on all linear layers = finetune's default targets)
+    recipe = load_recipe(base_recipe(model_dir, data, steps=args.steps, seq=args.seq, batch=args.batch))
+    flops = recipe_flops_per_token(recipe, arch=arch)
+    peak = peak_bf16_tflops(card)
     meta = {"card": card, "arch": args.arch, "method": args.method, "seq": args.seq, "global_batch": args.batch,
             "steps": args.steps, "date": time.strftime("%Y-%m-%d"), "flops_per_token": flops,
+            "peak_bf16_tflops": peak,
             "versions": versions()}
     out = Path(args.out)
     rows = {}
@@ -210,8 +223,10 @@ def main() -> None:
             except subprocess.CalledProcessError as exc:
                 print(f"{variant} failed: {exc}", flush=True)
                 continue
-        res["mfu"] = res["tokens_per_second"] * flops / peak
-        res["steady_mfu"] = (res.get("steady_tokens_per_second") or 0) * flops / peak
+        res["mfu"] = mfu(tokens_per_second=res["tokens_per_second"], flops_per_token=flops,
+                         peak_tflops=peak, gpus=1)
+        res["steady_mfu"] = mfu(tokens_per_second=res.get("steady_tokens_per_second") or 0,
+                                flops_per_token=flops, peak_tflops=peak, gpus=1)
         res["wall_s"] = round(time.perf_counter() - start, 1)
         rows[variant] = res
         print(variant, json.dumps(res), flush=True)

@@ -96,7 +96,7 @@ def start(name: str, *, gpus: list[int], args, resume: str = "never") -> tuple[s
     return subprocess.Popen(cmd, cwd=ROOT, env=env, start_new_session=True), run_dir, time.time()
 
 
-def row_for(name: str, run_dir: Path, *, code: int, started: float, seq: int) -> dict:
+def row_for(name: str, run_dir: Path, *, code: int, started: float) -> dict:
     path, arch, gpus, _ = SHIPPED[name]
     row = {"name": name, "recipe": path, "arch": arch, "gpus": gpus, "exit_code": code,
            "wall_s": round(time.time() - started, 1), "date": time.strftime("%Y-%m-%d")}
@@ -107,11 +107,7 @@ def row_for(name: str, run_dir: Path, *, code: int, started: float, seq: int) ->
             begins = [r.get("train_begin_unix") for r in row.get("ranks", []) if r.get("train_begin_unix")]
             if begins:
                 row["load_s"] = round(min(begins) - started, 1)  # launch to the first rank's first step
-            flops = gv.model_flops_per_token(gv.get_model(arch), seq=seq, adapter=row["adapter"])
-            for key in ("tokens_per_second", "steady_tokens_per_second"):
-                if row.get(key):
-                    row[key.replace("tokens_per_second", "mfu")] = round(
-                        row[key] / row["world_size"] * flops / (gv.PEAK_BF16_TFLOPS * 1e12), 4)
+            gv.add_mfu(row, run_dir=run_dir, arch=arch)
         except Exception as exc:  # keep the other runs' results
             row["collect_error"] = repr(exc)
     return row
@@ -130,7 +126,7 @@ def preempt(name: str, args, results: list[dict]) -> dict:
     shutil.copy(run_dir / rundir.METRICS, run_dir.parent / "first-half-metrics.jsonl")
     proc, _, _ = start(name, gpus=gpus, args=args, resume="auto")
     code = proc.wait()
-    row = row_for(name, run_dir, code=code, started=started, seq=args.seq_of[name])
+    row = row_for(name, run_dir, code=code, started=started)
     row.pop("load_s", None)  # the memory files are the resumed launch's
     row.update(preempt_exit_code=first, checkpoints_after_signal=saved)
     uninterrupted = name.removesuffix("-preempt")
@@ -218,7 +214,6 @@ def main() -> None:
     args = parser.parse_args()
     out = Path(args.out)
     results = json.loads(out.read_text()) if out.exists() else []
-    args.seq_of = {n: _load_raw(ROOT / SHIPPED[n][0])["data"].get("max_length", 2048) for n in SHIPPED}
 
     def save(row: dict) -> None:
         results.append(row)
@@ -239,11 +234,11 @@ def main() -> None:
                 start(name, gpus=gpus, args=args)
                 t = time.time()
                 code = gv.run_two_nodes(work, work / "run", [], gpus_per_node=2)
-                save(row_for(name, work / "run", code=code, started=t, seq=args.seq_of[name]))
+                save(row_for(name, work / "run", code=code, started=t))
                 continue
             started.append((name, *start(name, gpus=gpus, args=args)))
         for name, proc, run_dir, t in started:
-            save(row_for(name, run_dir, code=proc.wait(), started=t, seq=args.seq_of[name]))
+            save(row_for(name, run_dir, code=proc.wait(), started=t))
             if name == "lora70b" and args.push_merge and (run_dir / "adapter_model.safetensors").exists():
                 save(push_and_merge(args, run_dir))
 

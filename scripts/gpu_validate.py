@@ -3,8 +3,9 @@
 Each run: a real architecture with random weights (scripts/make_random_model.py), a learnable
 synthetic task (answer a line of words in capitals, so the loss must fall), a recipe written
 next to its data, then `python -m finetune.cli run` exactly as a user would. Afterwards it reads
-plan.json (prediction), memory/rank-*.json (measured peaks on every rank), summary.json and
-metrics.jsonl, and appends one row per run to the results JSON.
+the run directory (finetune/rundir.py): the plan (prediction), every rank's memory file (measured peaks),
+the summary and the metrics, and appends one row per run to the results JSON. MFU uses the planner's
+FLOPs formula and the card's preset peak, so it is the quantity `finetune plan` predicts.
 
     python scripts/gpu_validate.py lora8b qlora8b dpo8b --out $OUT/validation.json
 """
@@ -26,8 +27,11 @@ from pathlib import Path
 import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from finetune import rundir  # noqa: E402
+from finetune.plan import mfu, recipe_flops_per_token  # noqa: E402
+from finetune.recipe import load_recipe  # noqa: E402
 from finetune.registry import get_model  # noqa: E402
-from finetune.registry.detect import host_ram_gib, query_gpus  # noqa: E402
+from finetune.registry.detect import host_ram_gib, peak_bf16_tflops, query_gpus  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 MODELS = Path(os.environ.get("FINETUNE_MODELS", "/tmp/models"))
@@ -48,7 +52,7 @@ RUNS: dict[str, tuple[str, dict]] = {
     "qlora8b-fsdp2": ("llama-3.1-8b", {"adapter": {"type": "qlora"}, "distributed": {"strategy": "fsdp2"}}),
     "lora8b-zero3": ("llama-3.1-8b", {"adapter": {"type": "lora"}, "distributed": {"strategy": "zero3"}}),
     "lora3b-zero3-offload": ("llama-3.2-3b", {"distributed": {"strategy": "zero3-offload"}}),
-    # run 6 at the issue's 8B shape: ZeRO-3 full, and LoRA/full with CPU and NVMe (ZeRO-Infinity) offload
+    # 8B shape: ZeRO-3 full, and LoRA/full with CPU and NVMe (ZeRO-Infinity) offload
     "full8b-zero3": ("llama-3.1-8b", {"adapter": {"type": "full"}, "train": {"lr": 1e-5},
                                       "distributed": {"strategy": "zero3"}}),
     "lora8b-zero3-offload": ("llama-3.1-8b", {"distributed": {"strategy": "zero3-offload"}}),
@@ -82,7 +86,7 @@ def gpu_preset(path: Path, *, nodes: int, gpus_per_node: int) -> Path:
         "intra_node_bandwidth_gbps": 300, "inter_node_fabric": "ethernet" if nodes > 1 else "none",
         "inter_node_bandwidth_gbps": 25 if nodes > 1 else 0,
         "host_ram_gib": round(host_ram_gib() / nodes, 1),  # loopback "nodes" share this host's RAM
-        "peak_bf16_tflops": 989}))
+        "peak_bf16_tflops": peak_bf16_tflops(name)}))
     return path
 
 
@@ -127,7 +131,7 @@ def run_portable(work: Path, run_dir: Path, extra: list[str], steps: int, *, fir
     if code:
         return code
     # the resumed run rewrites metrics.jsonl from the checkpoint's step on; keep the first half's rows
-    shutil.copy(run_dir / "metrics.jsonl", run_dir.parent / "first-half-metrics.jsonl")
+    shutil.copy(run_dir / rundir.METRICS, run_dir.parent / "first-half-metrics.jsonl")
     return subprocess.run(base + ["--hardware", str(presets[then]), "--resume", "auto",
                                   "--set", f"train.max_steps={steps}"], cwd=ROOT, env=gpus(then)).returncode
 
@@ -190,19 +194,6 @@ def ensure_model(arch: str) -> Path:
 
 
 WARMUP_STEPS = 5
-PEAK_BF16_TFLOPS = 989.0  # H100/H200 SXM dense bf16, the datasheet figure MFU is quoted against
-
-
-def model_flops_per_token(arch, *, seq: int, adapter: str) -> float:
-    """6N (full) or 4N (LoRA/QLoRA: no weight gradients for the frozen base) + causal attention
-    (12 x layers x heads x head_dim x seq / 2; x 2/3 for adapters: no weight-gradient pass)."""
-    hd = arch.head_dim or arch.hidden_size // arch.num_attention_heads
-    n = (arch.num_layers * (arch.hidden_size * (arch.num_attention_heads + 2 * arch.num_kv_heads) * hd
-                            + arch.num_attention_heads * hd * arch.hidden_size
-                            + 3 * arch.hidden_size * arch.intermediate_size)
-         + arch.vocab_size * arch.hidden_size)
-    attention = 12 * arch.num_layers * arch.num_attention_heads * hd * seq / 2
-    return 6 * n + attention if adapter == "full" else 4 * n + attention * 2 / 3
 
 
 def steady_rate(points: list[tuple[int, float, float]], warmup: int = WARMUP_STEPS) -> float | None:
@@ -215,7 +206,7 @@ def steady_rate(points: list[tuple[int, float, float]], warmup: int = WARMUP_STE
 
 
 def steady_tokens_per_second(metrics: list[dict]) -> float | None:
-    """steady_rate over metrics.jsonl's cumulative tokens_seen / elapsed_s."""
+    """steady_rate over the metrics rows' cumulative tokens_seen / elapsed_s."""
     points = []
     for m in metrics:
         if "elapsed_s" not in m:
@@ -227,14 +218,13 @@ def steady_tokens_per_second(metrics: list[dict]) -> float | None:
 
 
 def collect(run_dir: Path) -> dict:
-    plan = json.loads((run_dir / "plan.json").read_text())
-    summary = json.loads((run_dir / "summary.json").read_text()) if (run_dir / "summary.json").exists() else {}
-    ranks = [json.loads(p.read_text()) for p in sorted((run_dir / "memory").glob("rank-*.json"))]
-    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()
-               if line.strip()] if (run_dir / "metrics.jsonl").exists() else []
+    plan = json.loads((run_dir / rundir.PLAN_JSON).read_text())
+    summary = rundir.read_summary(run_dir)
+    ranks = [json.loads(p.read_text()) for p in sorted((run_dir / rundir.MEMORY_DIR).glob("rank-*.json"))]
+    metrics = rundir.read_metrics(run_dir)
     losses = [m["loss"] for m in metrics if m.get("loss") is not None]
     reserved = max((r.get("gpu_max_reserved_gib", 0) for r in ranks), default=0)
-    resolved = yaml.safe_load((run_dir / "recipe.resolved.yaml").read_text())
+    resolved = yaml.safe_load((run_dir / rundir.RESOLVED_RECIPE).read_text())
     return {
         # what ran, as compile resolved it (the calibration test rebuilds the plan from these)
         "attn_implementation": resolved["model"]["attn_implementation"],
@@ -255,17 +245,29 @@ def collect(run_dir: Path) -> dict:
         # PSS sums to the node's real use (RSS counts shared pages once per rank); one node here
         "host_pss_node_gib": round(sum(r.get("host_pss_sampled_peak_gib", 0) for r in ranks), 2) or None,
         "prediction_over_measured": round(plan["per_gpu_memory_gib"] / reserved, 3) if reserved else None,
-        "tokens_per_second": summary.get("tokens_per_second"),
+        "tokens_per_second": summary.get(rundir.SUMMARY_TOKENS_PER_S),
         "steady_tokens_per_second": steady_tokens_per_second(metrics),
         "first_loss": losses[0] if losses else None,
         "last_loss": losses[-1] if losses else None,
-        "steps": summary.get("steps"),
+        "steps": summary.get(rundir.SUMMARY_STEPS),
         "loss_by_step": [[m["step"], round(m["loss"], 4)] for m in metrics if m.get("loss") is not None],
         "resumed_from": summary.get("resumed_from"),
-        "checkpoints": sorted(p.name for p in (run_dir / "checkpoints").glob("checkpoint-*")),
+        "checkpoints": sorted(p.name for p in (run_dir / rundir.CHECKPOINTS).glob("checkpoint-*")),
         "adapter_bytes": (run_dir / "adapter_model.safetensors").stat().st_size
         if (run_dir / "adapter_model.safetensors").exists() else None,
     }
+
+
+def add_mfu(row: dict, *, run_dir: Path, arch: str) -> None:
+    """mfu / steady_mfu per GPU against the dense bf16 peak, with the planner's formula and peak
+    (finetune/plan/timing.py), so measured and planned MFU compare."""
+    resolved = load_recipe(run_dir / rundir.RESOLVED_RECIPE, allow_resolved=True)
+    flops = recipe_flops_per_token(resolved, arch=get_model(arch))
+    peak = peak_bf16_tflops(row.get("card") or "")
+    for key in ("tokens_per_second", "steady_tokens_per_second"):
+        if row.get(key):
+            row[key.replace("tokens_per_second", "mfu")] = round(mfu(
+                tokens_per_second=row[key], flops_per_token=flops, peak_tflops=peak, gpus=row["world_size"]), 4)
 
 
 def main() -> None:
@@ -310,16 +312,12 @@ def main() -> None:
         row = {"name": name, "arch": arch, "adapter": recipe["adapter"]["type"],
                "method": recipe["method"]["type"], "exit_code": code,
                "wall_s": round(time.perf_counter() - start, 1), "date": time.strftime("%Y-%m-%d")}
-        if (run_dir / "summary.json").exists():  # wall_s minus this = the launcher's exit after training
-            row["summary_written_at_s"] = round((run_dir / "summary.json").stat().st_mtime - started_at, 1)
-        if (run_dir / "plan.json").exists():
+        if (run_dir / rundir.SUMMARY).exists():  # wall_s minus this = the launcher's exit after training
+            row["summary_written_at_s"] = round((run_dir / rundir.SUMMARY).stat().st_mtime - started_at, 1)
+        if (run_dir / rundir.PLAN_JSON).exists():
             try:
                 row.update(collect(run_dir))
-                flops = model_flops_per_token(get_model(arch), seq=args.seq, adapter=row["adapter"])
-                for key in ("tokens_per_second", "steady_tokens_per_second"):
-                    if row.get(key):  # per GPU, against the dense bf16 peak
-                        row[key.replace("tokens_per_second", "mfu")] = round(
-                            row[key] / row["world_size"] * flops / (PEAK_BF16_TFLOPS * 1e12), 4)
+                add_mfu(row, run_dir=run_dir, arch=arch)
             except Exception as exc:  # keep the other runs' results
                 row["collect_error"] = repr(exc)
         results.append(row)
@@ -328,10 +326,12 @@ def main() -> None:
 
     print("\nname            card                      strategy  mb  ckpt  predicted  reserved  alloc  tok/s  loss")
     for r in results:
-        print(f"{r['name']:15} {str(r.get('card'))[:25]:25} {r.get('strategy', '-'):9} {r.get('micro_batch_size', '-')!s:3} "
+        print(f"{r['name']:15} {str(r.get('card'))[:25]:25} {r.get('strategy', '-'):9} "
+              f"{r.get('micro_batch_size', '-')!s:3} "
               f"{r.get('activation_checkpointing', '-')!s:5} {r.get('predicted_gib', 0):9.1f} "
               f"{r.get('measured_max_reserved_gib', 0):9.1f} {r.get('measured_max_allocated_gib', 0):6.1f} "
-              f"{r.get('tokens_per_second') or 0:6.0f}  {r.get('first_loss')} -> {r.get('last_loss')}  rc={r['exit_code']}")
+              f"{r.get('tokens_per_second') or 0:6.0f}  {r.get('first_loss')} -> {r.get('last_loss')}  "
+              f"rc={r['exit_code']}")
 
 
 if __name__ == "__main__":

@@ -61,7 +61,7 @@ class FakeHub:
         self.url = ""
 
     # -- lifecycle -------------------------------------------------------------------------
-    def start(self) -> "FakeHub":
+    def start(self) -> FakeHub:
         hub = self
 
         class Handler(_Handler):

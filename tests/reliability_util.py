@@ -4,7 +4,6 @@ own) the way a crashed node does, and reading metrics back."""
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -14,6 +13,8 @@ from pathlib import Path
 
 import psutil
 import yaml
+
+from finetune.rundir import read_metrics
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "data" / "tiny-llama"
@@ -103,13 +104,7 @@ def wait_for(predicate, *, proc: subprocess.Popen, timeout: float = 180, poll: f
 
 
 def losses(run_dir: Path) -> dict[int, float]:
-    rows = []
-    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
-        try:
-            rows.append(json.loads(line))
-        except ValueError:
-            continue
-    return {r["step"]: r["loss"] for r in rows if r.get("loss") is not None}
+    return {r["step"]: r["loss"] for r in read_metrics(run_dir) if r.get("loss") is not None}
 
 
 def checkpoints(run_dir: Path) -> dict[str, bool]:

@@ -1,4 +1,4 @@
-"""The planner's per-GPU peak against peaks measured on real GPUs (issue 4, "Calibrate").
+"""The planner's per-GPU peak against peaks measured on real GPUs.
 
 Every row of tests/data/gpu_calibration.json is one `finetune run` on an H100 80GB or H200 with
 `--hardware auto`. The recipe is rebuilt here with the run's pins (strategy, micro-batch, no activation
@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from finetune import strategies
 from finetune.plan import job_from_recipe, plan_job
 from finetune.recipe import load_recipe
 from finetune.registry import get_model
@@ -49,8 +50,8 @@ def _predict(row: dict):
                   * row["world_size"], "micro_batch_size": row["micro_batch_size"],
                   "activation_checkpointing": "on" if row["activation_checkpointing"] else "off",
                   "liger": "on" if row.get("liger") else "off"},
-        "distributed": {"strategy": row["strategy"],
-                        **({"nvme_path": "/tmp/nvme-swap"} if row["strategy"] == "zero3-nvme" else {})},
+        "distributed": {"strategy": row["strategy"], **(
+            {"nvme_path": "/tmp/nvme-swap"} if strategies.info(row["strategy"]).offload == "nvme" else {})},
         "hardware": "auto",
     }
     recipe = load_recipe(raw)

@@ -7,6 +7,8 @@ from pathlib import Path
 
 import pytest
 
+from finetune import strategies
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -55,10 +57,10 @@ def test_405b_full_never_fits_on_gpu_memory_alone():
                     "--set", "adapter.type=full", "--json")
     plan = json.loads(proc.stdout)
     if plan["fits"]:
-        assert plan["strategy"] in ("zero3-offload", "zero3-nvme")
+        assert strategies.offloads(plan["strategy"])
     else:
         assert proc.returncode == 3 and plan["suggestions"]
-    on_gpu = [c for c in plan["candidates"] if c["strategy"] in ("ddp", "fsdp2", "zero3")]
+    on_gpu = [c for c in plan["candidates"] if not strategies.offloads(c["strategy"])]
     assert on_gpu and not any(c["fits"] for c in on_gpu)
 
 
@@ -99,3 +101,21 @@ def test_presets_and_models_list():
         assert name in proc.stdout
     proc = finetune("models")
     assert proc.returncode == 0 and "llama-3.1-8b" in proc.stdout
+
+
+def test_api_run_returns_results_and_logs_progress_without_printing(tmp_path, capsys, caplog):
+    import logging
+
+    from finetune.api import run
+    from finetune.cli import main as cli_main
+
+    with caplog.at_level(logging.INFO, logger="finetune.api"):
+        result = run(ROOT / "recipes" / "quickstart.yaml", output=tmp_path / "run", dry_run=True)
+    assert capsys.readouterr().out == ""  # the CLI prints; the API returns and logs
+    assert result.exit_code == 0 and not result.launched and result.instructions is None
+    assert any("strategy ddp" in r.getMessage() for r in caplog.records)
+    assert (tmp_path / "run" / "launch.sh").is_file()
+    rc = cli_main(
+        ["run", str(ROOT / "recipes" / "quickstart.yaml"), "--dry-run", "--output", str(tmp_path / "cli")])
+    out = capsys.readouterr().out
+    assert rc == 0 and "strategy ddp" in out and f"dry run: launch files are in {tmp_path / 'cli'}" in out

@@ -4,7 +4,6 @@ adapter that reloads with peft and generates."""
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import subprocess
@@ -13,6 +12,8 @@ import sys
 import pytest
 import yaml
 from conftest import ROOT, SAMPLES, TINY_MODEL, tiny_recipe
+
+from finetune.rundir import read_metrics
 
 pytestmark = pytest.mark.slow
 
@@ -46,7 +47,7 @@ def test_finetune_run_end_to_end(case, tmp_path):
     for name in ("recipe.resolved.yaml", "accelerate.yaml", "plan.json", "launch.sh", "metrics.jsonl",
                  "loss.png", "summary.json", "tokenizer.json"):
         assert (run_dir / name).exists(), name
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    rows = read_metrics(run_dir)
     train = [r for r in rows if r.get("loss") is not None]
     for key in ("step", "loss", "learning_rate", "grad_norm", "tokens_per_second", "peak_memory_gib"):
         assert key in train[0], key

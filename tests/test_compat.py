@@ -12,7 +12,7 @@ bnb_affected = pytest.mark.skipif(not bnb_cpu_packing.affected(), reason="bitsan
 
 
 def _qlora_model(tiny_model_path):
-    from peft import LoraConfig, get_peft_model
+    from peft import LoraConfig
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
     quant = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",

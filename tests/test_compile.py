@@ -13,9 +13,10 @@ from pathlib import Path
 import pytest
 import yaml
 
+from finetune import strategies
 from finetune.compile import compile_run
 from finetune.compile.compiler import compile_recipe
-from finetune.errors import DoesNotFitError, RecipeError
+from finetune.errors import DoesNotFitError, FinetuneError, RecipeError
 from finetune.plan import plan as real_plan
 from finetune.plan.types import Plan
 from finetune.recipe import load_recipe
@@ -189,10 +190,10 @@ def _walk(value, path=""):
 @pytest.mark.parametrize("name", [n for n in sorted(CASES) if "zero3" in n])
 def test_ds_config_concrete_and_valid_for_deepspeed(name, tmp_path):
     deepspeed_config = pytest.importorskip("deepspeed.runtime.config")
-    from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
     import deepspeed.runtime.constants as ds_constants
     import deepspeed.runtime.swap_tensor.constants as aio_constants
     import deepspeed.runtime.zero.config as zero_constants
+    from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
 
     recipe, plan, _, run_dir, _ = _compile_case(name, tmp_path)
     cfg = json.loads((run_dir / "ds_config.json").read_text())
@@ -218,11 +219,11 @@ def test_ds_config_concrete_and_valid_for_deepspeed(name, tmp_path):
     assert parsed.float16_config.enabled == (recipe.train.precision == "fp16")
     arch = get_model(CASES[name][1])
     assert parsed.zero_config.reduce_bucket_size == arch.hidden_size ** 2
-    if plan.strategy == "zero3-offload":
+    if strategies.info(plan.strategy).offload == "cpu":
         assert parsed.zero_config.offload_param.device == "cpu"
         assert parsed.zero_config.offload_optimizer.device == "cpu"
         assert parsed.optimizer_name == "adamw"
-    if plan.strategy == "zero3-nvme":
+    if strategies.info(plan.strategy).offload == "nvme":
         nvme = get_preset(CASES[name][2]).nvme_path
         assert str(parsed.zero_config.offload_param.nvme_path) == nvme
         assert parsed.zero_config.offload_param.buffer_size >= arch.vocab_size * arch.hidden_size
@@ -259,7 +260,7 @@ def test_accelerate_reads_config_and_builds_plugins(name, tmp_path, monkeypatch)
     ranks_env = {k: v for k, v in env.items() if k not in os.environ or os.environ[k] != v}
     for key, value in ranks_env.items():
         monkeypatch.setenv(key, value)
-    if plan.strategy.startswith("fsdp2"):
+    if strategies.is_fsdp(plan.strategy):
         from accelerate.utils import FullyShardedDataParallelPlugin
 
         fsdp = FullyShardedDataParallelPlugin()  # reads FSDP_* exactly as a rank does
@@ -268,14 +269,14 @@ def test_accelerate_reads_config_and_builds_plugins(name, tmp_path, monkeypatch)
         assert fsdp.cpu_ram_efficient_loading is True
         assert "SHARDED_STATE_DICT" in str(fsdp.state_dict_type)
         assert fsdp.activation_checkpointing == plan.activation_checkpointing
-    if plan.strategy == "fsdp2-hybrid":
+    if strategies.is_hybrid(plan.strategy):
         from accelerate import ParallelismConfig
 
         pc = ParallelismConfig()  # what the Accelerator builds when the env asks for it
         assert env["ACCELERATE_USE_PARALLELISM_CONFIG"] == "true"
         assert (pc.dp_replicate_size, pc.dp_shard_size) == (plan.num_nodes, plan.gpus_per_node)
         assert pc.total_size == plan.world_size
-    if plan.strategy.startswith("zero3"):
+    if strategies.is_deepspeed(plan.strategy):
         from accelerate.utils import DeepSpeedPlugin
 
         ds = DeepSpeedPlugin()  # loads ds_config.json, refuses conflicting accelerate fields
@@ -291,7 +292,7 @@ def test_multi_node_argv_and_sbatch(tmp_path):
     assert argv[argv.index("--main_process_ip") + 1] == "node-a"
     assert argv[argv.index("--main_process_port") + 1] == "29400"
     assert argv[-3:] == ["finetune.train", str(run_dir / "recipe.resolved.yaml"), "--x"]
-    with pytest.raises(Exception):
+    with pytest.raises(FinetuneError, match="out of range"):
         spec.argv(node_rank=2)
     sbatch = (run_dir / "job.sbatch").read_text()
     assert "#SBATCH --nodes=2" in sbatch and "#SBATCH --gpus-per-node=8" in sbatch
@@ -345,6 +346,28 @@ def test_compile_imports_no_torch(tmp_path):
     assert out["strategy"] == "fsdp2"
 
 
+def test_hardware_auto_is_detected_once_per_compile(tmp_path):
+    # a stand-in nvidia-smi on PATH that counts its calls: plan and compile share one lookup
+    calls = tmp_path / "calls"
+    smi = tmp_path / "bin" / "nvidia-smi"
+    smi.parent.mkdir()
+    smi.write_text(f"#!/bin/sh\necho called >> {calls}\necho '0, GPU-1234, NVIDIA H100 80GB HBM3, 81559 MiB'\n")
+    smi.chmod(0o755)
+    code = (
+        "import json\n"
+        "from finetune.compile.compiler import compile_recipe\n"
+        f"spec = compile_recipe({str(ROOT / 'recipes' / 'llama8b-lora.yaml')!r}, "
+        f"run_dir={str(tmp_path / 'run')!r}, hardware='auto')\n"
+        "print(json.dumps({'device': spec.device, 'world': spec.world_size}))\n")
+    env = {**os.environ, "PATH": f"{smi.parent}{os.pathsep}{os.environ['PATH']}"}
+    env.pop("CUDA_VISIBLE_DEVICES", None)
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
+                          timeout=60, env=env)
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout.strip().splitlines()[-1]) == {"device": "cuda", "world": 1}
+    assert calls.read_text().count("called") == 1
+
+
 # --- through the real planner -------------------------------------------------------------------
 
 REAL = {"llama70b-lora-server-8xh100-planned": ("llama70b-lora.yaml", "server-8xh100"),
@@ -381,5 +404,5 @@ def test_every_shipped_recipe_compiles_or_is_refused_on_every_preset(recipe_path
         compiled += 1
         assert load_recipe(run_dir / "recipe.resolved.yaml", allow_resolved=True).resolved
         assert Path(spec.files["launch.sh"]).is_file()
-        assert (run_dir / "ds_config.json").exists() == spec.strategy.startswith("zero3")
+        assert (run_dir / "ds_config.json").exists() == strategies.is_deepspeed(spec.strategy)
     assert compiled, f"{recipe_path.name} fits none of the presets"

@@ -138,7 +138,8 @@ ROW_MUTATIONS = {
     "empty_messages": (lambda r: {"messages": []}, 2),
     "huge_row": (lambda r: {"messages": [{"role": "user", "content": "a" * 200_000}, r["messages"][1]]}, 0),
 }
-LINE_MUTATIONS = {"invalid_json": ('{"messages": [', 2), "empty_line": ("   ", 0), "unicode_garbage": ("\ufeff🦙\x00", 2)}
+LINE_MUTATIONS = {"invalid_json": ('{"messages": [', 2), "empty_line": ("   ", 0),
+                  "unicode_garbage": ("\ufeff🦙\x00", 2)}
 
 
 @settings(FUZZ, max_examples=30)

@@ -9,10 +9,16 @@ from pathlib import Path
 
 import pytest
 
-from finetune.plan import (allgather_time_s, allreduce_time_s, job_from_recipe, plan,
-                           render_plan_table, zero_model_state_bytes)
-from finetune.plan.memory import (NF4_DOUBLE_QUANT_SCALE_BYTES, OFFLOADED, logits_bytes,
-                                  state_bytes, weight_bytes)
+from finetune import strategies
+from finetune.plan import (
+    allgather_time_s,
+    allreduce_time_s,
+    job_from_recipe,
+    plan,
+    render_plan_table,
+    zero_model_state_bytes,
+)
+from finetune.plan.memory import NF4_DOUBLE_QUANT_SCALE_BYTES, logits_bytes, state_bytes, weight_bytes
 from finetune.plan.timing import flops_per_token
 from finetune.plan.workload import count_params
 from finetune.recipe import load_recipe
@@ -145,6 +151,33 @@ def test_flops_formula_lora_vs_full():
         == 2 * n + 4 * attn
 
 
+def test_benchmarks_measure_the_mfu_the_planner_predicts():
+    # scripts/bench.py and scripts/gpu_validate.py divide measured tokens/s by the same FLOPs per token
+    # and the same peak as the planner: fed the planner's own tokens/s they must print its MFU
+    sys.path.insert(0, str(ROOT / "scripts"))
+    try:
+        import bench
+        import gpu_validate
+    finally:
+        sys.path.remove(str(ROOT / "scripts"))
+    from finetune.plan import mfu, recipe_flops_per_token
+    from finetune.registry.detect import peak_bf16_tflops
+
+    assert bench.recipe_flops_per_token is gpu_validate.recipe_flops_per_token is recipe_flops_per_token
+    assert bench.mfu is gpu_validate.mfu is mfu
+    assert bench.peak_bf16_tflops is gpu_validate.peak_bf16_tflops is peak_bf16_tflops
+    for adapter in ("full", "lora", "qlora"):
+        r = recipe("meta-llama/Llama-3.1-8B", adapter, seq=8192, model__arch="llama-3.1-8b")
+        p = plan(r)
+        preset = get_preset("server-8xh100")
+        assert peak_bf16_tflops(preset.gpu_model) == preset.peak_bf16_tflops
+        measured = mfu(tokens_per_second=p.tokens_per_second, peak_tflops=peak_bf16_tflops(preset.gpu_model),
+                       flops_per_token=recipe_flops_per_token(r, arch=get_model("llama-3.1-8b")),
+                       gpus=p.world_size)
+        assert measured == pytest.approx(p.mfu, rel=1e-9)
+    assert peak_bf16_tflops("Some Future GPU") == 100.0  # unknown: never optimistic
+
+
 # --- choices -------------------------------------------------------------------------------
 
 def test_llama70b_lora_on_8xh100_chooses_fsdp2_and_fits():
@@ -165,8 +198,8 @@ def test_llama405b_qlora_on_8xh100_fits():
 
 def test_llama405b_full_on_8xh100_never_fits_on_gpu_memory_alone():
     p = plan(recipe("meta-llama/Llama-3.1-405B", "full"))
-    assert not p.fits or p.strategy in OFFLOADED
-    assert not any(c.fits for c in p.candidates if c.strategy not in OFFLOADED)
+    assert not p.fits or strategies.offloads(p.strategy)
+    assert not any(c.fits for c in p.candidates if not strategies.offloads(c.strategy))
     pinned = plan(recipe("meta-llama/Llama-3.1-405B", "full", distributed__strategy="fsdp2"))
     assert not pinned.fits
 

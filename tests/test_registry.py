@@ -9,8 +9,15 @@ import pytest
 
 from finetune.errors import RecipeError
 from finetune.recipe.schema import ModelSection
-from finetune.registry import (REGISTRY_DIR, get_model, get_preset, list_models, list_presets,
-                               load_yaml_as, resolve_model)
+from finetune.registry import (
+    REGISTRY_DIR,
+    get_model,
+    get_preset,
+    list_models,
+    list_presets,
+    load_yaml_as,
+    resolve_model,
+)
 from finetune.registry.detect import parse_nvidia_smi, synthesize_preset, visible_gpus
 from finetune.registry.schema import HardwarePreset, ModelArch
 

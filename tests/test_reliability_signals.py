@@ -42,3 +42,20 @@ def test_signal_saves_on_every_rank_exits_75_and_resumes(tmp_path, sig):
     assert again.returncode == 0, text[-4000:]
     assert re.search(rf"resuming from \S*checkpoint-{step}\b", text), text[-3000:]
     assert sorted(losses(run_dir)) == list(range(1, 41))
+
+
+def test_preemption_callback_restores_the_handlers_it_replaced():
+    from finetune.train.signals import PREEMPT_SIGNALS, PreemptionCallback
+
+    def host_handler(signum, frame):  # a program that embeds run_rank has its own handler
+        pass
+
+    before = {sig: signal.signal(sig, host_handler) for sig in PREEMPT_SIGNALS}
+    try:
+        callback = PreemptionCallback()
+        assert all(signal.getsignal(sig) == callback._handle for sig in PREEMPT_SIGNALS)
+        callback.restore()
+        assert all(signal.getsignal(sig) is host_handler for sig in PREEMPT_SIGNALS)
+    finally:
+        for sig, handler in before.items():
+            signal.signal(sig, handler)

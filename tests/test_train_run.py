@@ -13,13 +13,14 @@ from pathlib import Path
 import pytest
 from conftest import ROOT, SAMPLES, TINY_MODEL, resolve_recipe, tiny_recipe
 
+from finetune.rundir import read_metrics
 from finetune.train.run import run_rank
 
 pytestmark = pytest.mark.slow
 
 
 def _metrics(run_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return read_metrics(run_dir)
 
 
 def _check_outputs(run_dir: Path, summary: dict, *, adapter: bool) -> list[dict]:

@@ -11,8 +11,8 @@ launch.sh, job.sbatch (multi-node) and launch.json.
 loads, plans and compiles in one call (`finetune compile`). Pure Python: no torch/accelerate import.
 """
 
-from finetune.compile.compiler import (ENTRY_MODULE, RESOLVED_RECIPE, compile_recipe, compile_run,
-                                       default_run_dir)
+from finetune.compile.compiler import ENTRY_MODULE, compile_recipe, compile_run, default_run_dir
 from finetune.compile.spec import DEFAULT_MAIN_PORT, LaunchSpec
 
-__all__ = ["compile_run", "compile_recipe", "default_run_dir", "LaunchSpec", "ENTRY_MODULE", "RESOLVED_RECIPE", "DEFAULT_MAIN_PORT"]
+__all__ = ["compile_run", "compile_recipe", "default_run_dir", "LaunchSpec", "ENTRY_MODULE",
+           "DEFAULT_MAIN_PORT"]

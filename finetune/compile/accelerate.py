@@ -8,13 +8,12 @@ environment variables that the Accelerator in each rank reads.
 
 from __future__ import annotations
 
+from finetune import strategies
 from finetune.plan.types import Plan
 from finetune.recipe.schema import Recipe
 from finetune.registry.schema import ModelArch
 
 MIXED_PRECISION = {"bf16": "bf16", "fp16": "fp16", "fp32": "no"}
-FSDP_STRATEGIES = ("fsdp2", "fsdp2-hybrid")
-DEEPSPEED_STRATEGIES = ("zero3", "zero3-offload", "zero3-nvme")
 
 
 def accelerate_config(recipe: Recipe, plan: Plan, *, arch: ModelArch, main_port: int,
@@ -24,7 +23,7 @@ def accelerate_config(recipe: Recipe, plan: Plan, *, arch: ModelArch, main_port:
     if plan.device == "cpu":
         cfg["distributed_type"] = "MULTI_CPU" if plan.world_size > 1 else "NO"
         cfg["use_cpu"] = True
-    elif strategy in DEEPSPEED_STRATEGIES:
+    elif strategies.is_deepspeed(strategy):
         cfg["distributed_type"] = "DEEPSPEED"
         cfg["deepspeed_config"] = {
             "deepspeed_config_file": ds_config_path,
@@ -34,10 +33,10 @@ def accelerate_config(recipe: Recipe, plan: Plan, *, arch: ModelArch, main_port:
             # build the model already partitioned: a 70B model never materialises per rank
             "zero3_init_flag": True,
         }
-    elif strategy in FSDP_STRATEGIES:
+    elif strategies.is_fsdp(strategy):
         cfg["distributed_type"] = "FSDP"
         cfg["fsdp_config"] = fsdp_config(plan, arch=arch)
-        if strategy == "fsdp2-hybrid":
+        if strategies.is_hybrid(strategy):
             # HSDP: replicate across nodes, shard within a node. accelerate 1.15 builds a
             # (dp_replicate, dp_shard) device mesh from its ParallelismConfig, which it reads
             # from these keys (exported as PARALLELISM_CONFIG_DP_*_SIZE).
@@ -45,7 +44,7 @@ def accelerate_config(recipe: Recipe, plan: Plan, *, arch: ModelArch, main_port:
                 "parallelism_config_dp_replicate_size": plan.num_nodes,
                 "parallelism_config_dp_shard_size": plan.gpus_per_node,
             }
-    elif strategy == "ddp":
+    elif strategies.info(strategy).backend == "ddp":
         cfg["distributed_type"] = "MULTI_GPU" if plan.world_size > 1 else "NO"
     else:
         raise ValueError(f"no accelerate config for strategy {strategy!r}")
@@ -89,6 +88,6 @@ def checkpointing_owner(plan: Plan) -> str:
     """Who applies activation checkpointing: the FSDP plugin, the trainer, or nobody."""
     if not plan.activation_checkpointing:
         return "none"
-    if plan.device == "cuda" and plan.strategy in FSDP_STRATEGIES:
+    if plan.device == "cuda" and strategies.is_fsdp(plan.strategy):
         return "fsdp"
     return "trainer"

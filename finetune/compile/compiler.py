@@ -5,20 +5,21 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from finetune.compile.accelerate import DEEPSPEED_STRATEGIES, accelerate_config, checkpointing_owner
+from finetune import strategies
+from finetune.compile.accelerate import accelerate_config, checkpointing_owner
 from finetune.compile.deepspeed import ds_config
 from finetune.compile.files import json_text, write_atomic, yaml_text
 from finetune.compile.multinode import render_launch_sh, render_sbatch
 from finetune.compile.resolve import resolve_recipe
-from finetune.compile.spec import DEFAULT_MAIN_PORT, LAUNCH_JSON, LaunchSpec
+from finetune.compile.spec import DEFAULT_MAIN_PORT, LaunchSpec
 from finetune.errors import DoesNotFitError, RecipeError
 from finetune.plan.types import Plan
 from finetune.recipe.load import dump_recipe, recipe_dir, recipe_name
-from finetune.recipe.schema import CONCRETE_STRATEGIES, Recipe
+from finetune.recipe.schema import Recipe
 from finetune.registry.schema import HardwarePreset, ModelArch
+from finetune.rundir import ACCELERATE_YAML, DS_CONFIG, JOB_SBATCH, LAUNCH_JSON, LAUNCH_SH, PLAN_JSON, RESOLVED_RECIPE
 
 ENTRY_MODULE = "finetune.train"
-RESOLVED_RECIPE = "recipe.resolved.yaml"
 # Shutdown grace the torchrun agent gives ranks after forwarding a signal (its default is
 # 30 s, too short to write a 70B checkpoint); SIGUSR1 is added to the signals it forwards.
 SHUTDOWN_GRACE_S = 300
@@ -45,10 +46,10 @@ def _check_plan(plan: Plan) -> None:
         options = "; ".join(plan.suggestions) if plan.suggestions else "see `finetune plan`"
         raise DoesNotFitError(f"nothing fits on {plan.hardware}: {plan.why}",
                               key="distributed.strategy", hint=options)
-    if plan.strategy not in CONCRETE_STRATEGIES:
+    if plan.strategy not in strategies.NAMES:
         raise RecipeError(f"the plan's strategy {plan.strategy!r} is not one finetune can launch",
-                          key="distributed.strategy", hint=f"use one of {', '.join(CONCRETE_STRATEGIES)}")
-    if plan.device == "cpu" and plan.strategy != "ddp":
+                          key="distributed.strategy", hint=f"use one of {', '.join(strategies.NAMES)}")
+    if plan.device == "cpu" and strategies.shards_params(plan.strategy):
         raise RecipeError(f"{plan.strategy} needs GPUs; on CPU only ddp (gloo) runs",
                           key="distributed.strategy", hint="set distributed.strategy: ddp or auto")
     if plan.world_size != plan.num_nodes * plan.gpus_per_node:
@@ -109,7 +110,7 @@ def compile_run(recipe: Recipe, plan: Plan, *, run_dir: str | Path, arch: ModelA
         run_dir=str(run_dir), strategy=plan.strategy, device=plan.device,
         num_nodes=plan.num_nodes, procs_per_node=plan.gpus_per_node, world_size=plan.world_size,
         main_port=main_port, module=module, module_args=[str(resolved_path)],
-        config_file=str(run_dir / "accelerate.yaml"), env=env, env_defaults=env_defaults,
+        config_file=str(run_dir / ACCELERATE_YAML), env=env, env_defaults=env_defaults,
         summary=_summary(recipe, plan, preset, arch))
 
     texts: dict[str, str] = {}
@@ -117,30 +118,30 @@ def compile_run(recipe: Recipe, plan: Plan, *, run_dir: str | Path, arch: ModelA
         "# Written by `finetune compile`: the recipe with every default and planner decision\n"
         "# made concrete. The ranks read this file; rerun compile instead of editing it.\n"
         + dump_recipe(resolved))
-    texts["plan.json"] = json_text(plan.to_json())
+    texts[PLAN_JSON] = json_text(plan.to_json())
     ds_path = None
-    if plan.strategy in DEEPSPEED_STRATEGIES:
-        ds_path = str(run_dir / "ds_config.json")
-        texts["ds_config.json"] = json_text(ds_config(recipe, plan, arch=arch, preset=preset))
+    if strategies.is_deepspeed(plan.strategy):
+        ds_path = str(run_dir / DS_CONFIG)
+        texts[DS_CONFIG] = json_text(ds_config(recipe, plan, arch=arch, preset=preset))
     acc = accelerate_config(recipe, plan, arch=arch, main_port=main_port, ds_config_path=ds_path)
-    texts["accelerate.yaml"] = yaml_text(acc, header=(
+    texts[ACCELERATE_YAML] = yaml_text(acc, header=(
         "Written by `finetune compile` for accelerate 1.15; rerun compile instead of editing.\n"
         + spec.summary
         + ("\nmachine_rank and main_process_ip are given per node on the command line."
            if plan.num_nodes > 1 else "")))
     spec.files = {name: str(run_dir / name) for name in texts}
-    spec.files["launch.sh"] = str(run_dir / "launch.sh")
+    spec.files[LAUNCH_SH] = str(run_dir / LAUNCH_SH)
     if spec.multi_node:
-        spec.files["job.sbatch"] = str(run_dir / "job.sbatch")
+        spec.files[JOB_SBATCH] = str(run_dir / JOB_SBATCH)
     spec.files[LAUNCH_JSON] = str(run_dir / LAUNCH_JSON)
-    texts["launch.sh"] = render_launch_sh(spec)
+    texts[LAUNCH_SH] = render_launch_sh(spec)
     if spec.multi_node:
-        texts["job.sbatch"] = render_sbatch(spec, job_name=f"finetune-{recipe_name(recipe)}")
+        texts[JOB_SBATCH] = render_sbatch(spec, job_name=f"finetune-{recipe_name(recipe)}")
     texts[LAUNCH_JSON] = json_text(spec.to_json())
 
     # the resolved recipe goes last: a run dir with it present is complete
     for name in sorted(texts, key=lambda n: n == RESOLVED_RECIPE):
-        write_atomic(run_dir / name, texts[name], executable=name in ("launch.sh", "job.sbatch"))
+        write_atomic(run_dir / name, texts[name], executable=name in (LAUNCH_SH, JOB_SBATCH))
     return spec
 
 
@@ -157,17 +158,14 @@ def compile_recipe(recipe: Recipe | str | Path, *, run_dir: str | Path | None = 
     `hardware` overrides the recipe's preset (name or file); `run_dir` overrides output.dir.
     Raises DoesNotFitError when the planner finds nothing that fits.
     """
-    from finetune import registry
-    from finetune.plan import plan as make_plan
+    from finetune.plan import lookup, plan_on
     from finetune.recipe.load import load_recipe
 
     if not isinstance(recipe, Recipe):
         recipe = load_recipe(recipe, overrides=overrides)
     elif overrides:
         raise ValueError("overrides apply when loading; pass a path, or apply them first")
-    the_plan = make_plan(recipe, hardware=hardware)
-    # the preset the plan was made for: a name, "auto", or a user's preset file
-    source = getattr(the_plan, "hardware_source", None) or hardware or recipe.hardware
-    preset = registry.get_preset(source, base_dir=recipe_dir(recipe))
-    return compile_run(recipe, the_plan, run_dir=run_dir or default_run_dir(recipe), preset=preset,
-                       module=module, main_port=main_port)
+    arch, preset, source = lookup(recipe, hardware=hardware)  # once: `auto` runs nvidia-smi
+    the_plan = plan_on(recipe, arch=arch, preset=preset, source=source)
+    return compile_run(recipe, the_plan, run_dir=run_dir or default_run_dir(recipe), arch=arch,
+                       preset=preset, module=module, main_port=main_port)

@@ -10,6 +10,7 @@ accumulation, clipping, precision and optimizer hyper-parameters match this file
 
 from __future__ import annotations
 
+from finetune import strategies
 from finetune.errors import RecipeError
 from finetune.plan.types import Plan
 from finetune.recipe.schema import Recipe
@@ -35,11 +36,11 @@ def optimizer_in_ds_config(plan: Plan) -> bool:
     """Offloaded optimizer states are stepped by DeepSpeed's CPU Adam, so the optimizer is
     declared here; a torch optimizer on offloaded states is refused by DeepSpeed
     (zero_force_ds_cpu_optimizer) and would be an order of magnitude slower anyway."""
-    return plan.strategy in ("zero3-offload", "zero3-nvme")
+    return strategies.is_deepspeed(plan.strategy) and strategies.offloads(plan.strategy)
 
 
 def ds_config(recipe: Recipe, plan: Plan, *, arch: ModelArch, preset: HardwarePreset) -> dict:
-    if plan.strategy not in ("zero3", "zero3-offload", "zero3-nvme"):
+    if not strategies.is_deepspeed(plan.strategy):
         raise ValueError(f"no DeepSpeed config for strategy {plan.strategy!r}")
     t = recipe.train
     h = arch.hidden_size
@@ -58,10 +59,11 @@ def ds_config(recipe: Recipe, plan: Plan, *, arch: ModelArch, preset: HardwarePr
         # without it a LoRA adapter saved under ZeRO-3 is empty (TRL #4416)
         "stage3_gather_16bit_weights_on_model_save": True,
     }
-    if plan.strategy == "zero3-offload":
+    offload = strategies.info(plan.strategy).offload
+    if offload == "cpu":
         zero["offload_param"] = {"device": "cpu", "pin_memory": True}
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
-    elif plan.strategy == "zero3-nvme":
+    elif offload == "nvme":
         path = nvme_path_for(recipe, preset)
         # the parameter swapper stages whole parameters: a buffer must hold the largest one
         # (the embedding or LM head, vocab x hidden), else DeepSpeed refuses to start
@@ -97,7 +99,7 @@ def ds_config(recipe: Recipe, plan: Plan, *, arch: ModelArch, preset: HardwarePr
     if optimizer_in_ds_config(plan):
         config["optimizer"] = {"type": "AdamW", "params": {
             "lr": t.lr, "betas": ADAM_BETAS, "eps": ADAM_EPS, "weight_decay": t.weight_decay}}
-    if plan.strategy == "zero3-nvme":
+    if offload == "nvme":
         # libaio settings for the swap files (DeepSpeed's documented defaults, made explicit)
         config["aio"] = {"block_size": MIB, "queue_depth": 8, "intra_op_parallelism": 1,
                          "single_submit": False, "overlap_events": True, "use_gds": False}

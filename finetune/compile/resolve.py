@@ -9,11 +9,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from finetune import strategies
 from finetune.compile.accelerate import checkpointing_owner
 from finetune.compile.deepspeed import nvme_path_for, optimizer_in_ds_config
 from finetune.plan import attention_implementation, liger_enabled
 from finetune.plan.types import Plan
 from finetune.recipe.load import recipe_dir
+from finetune.recipe.paths import anchored, is_inline_template
 from finetune.recipe.schema import Recipe, ResolvedSection
 from finetune.registry.schema import HardwarePreset, ModelArch
 
@@ -22,9 +24,7 @@ def _absolute_if_local(value: str | None, base: Path, *, want_dir: bool = False)
     """A path that exists relative to the recipe becomes absolute; Hub ids stay as they are."""
     if not value:
         return value
-    candidate = Path(value).expanduser()
-    if not candidate.is_absolute():
-        candidate = base / candidate
+    candidate = anchored(value, base)
     exists = candidate.is_dir() if want_dir else candidate.is_file()
     return str(candidate.resolve()) if exists else value
 
@@ -41,7 +41,7 @@ def resolve_recipe(recipe: Recipe, plan: Plan, *, run_dir: Path, arch: ModelArch
     if data["data"].get("task_eval"):
         data["data"]["task_eval"]["path"] = _absolute_if_local(data["data"]["task_eval"]["path"], base)
     template = recipe.data.chat_template
-    if template and "\n" not in template and "{" not in template:  # a path, not jinja text
+    if template and not is_inline_template(template):
         data["data"]["chat_template"] = _absolute_if_local(template, base)
     hardware = _absolute_if_local(recipe.hardware, base)
     if hardware == recipe.hardware and hardware not in ("auto", preset.name):
@@ -67,7 +67,7 @@ def resolve_recipe(recipe: Recipe, plan: Plan, *, run_dir: Path, arch: ModelArch
 
     dist = data["distributed"]
     dist["strategy"] = plan.strategy
-    if plan.strategy == "zero3-nvme":
+    if strategies.info(plan.strategy).offload == "nvme":
         dist["nvme_path"] = nvme_path_for(recipe, preset)
 
     data["output"]["dir"] = str(run_dir)

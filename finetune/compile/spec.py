@@ -13,8 +13,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from finetune.errors import FinetuneError
+from finetune.rundir import JOB_SBATCH, LAUNCH_JSON, LAUNCH_SH
 
-LAUNCH_JSON = "launch.json"
 DEFAULT_MAIN_PORT = 29500
 # Stand-ins written into per-node commands until the user says where node 0 is.
 MAIN_ADDRESS_PLACEHOLDER = "${MAIN_ADDRESS}"
@@ -79,7 +79,7 @@ class LaunchSpec:
                  f"Run one launcher per node ({self.num_nodes} nodes, {self.procs_per_node} "
                  f"processes each); node 0 hosts the rendezvous on port {self.main_port}.",
                  "MAIN_ADDRESS is node 0's hostname or IP, reachable from every node.", ""]
-        launch_sh = self.files.get("launch.sh")
+        launch_sh = self.files.get(LAUNCH_SH)
         for k in range(self.num_nodes):
             lines.append(f"# node {k}")
             if launch_sh:
@@ -87,8 +87,8 @@ class LaunchSpec:
             lines.append(f"python -m finetune.launch {shlex.quote(self.run_dir)} --node-rank {k} "
                          f"--main-address <node-0-host>")
             lines.append("")
-        if "job.sbatch" in self.files:
-            lines.append(f"Slurm: sbatch {shlex.quote(self.files['job.sbatch'])}")
+        if JOB_SBATCH in self.files:
+            lines.append(f"Slurm: sbatch {shlex.quote(self.files[JOB_SBATCH])}")
         return "\n".join(lines).rstrip() + "\n"
 
     def to_json(self) -> dict:
@@ -97,12 +97,12 @@ class LaunchSpec:
         return data
 
     @classmethod
-    def from_json(cls, data: dict) -> "LaunchSpec":
+    def from_json(cls, data: dict) -> LaunchSpec:
         data = {k: v for k, v in data.items() if k in cls.__dataclass_fields__}
         return cls(**data)
 
     @classmethod
-    def load(cls, run_dir: str | Path) -> "LaunchSpec":
+    def load(cls, run_dir: str | Path) -> LaunchSpec:
         path = Path(run_dir) / LAUNCH_JSON
         try:
             return cls.from_json(json.loads(path.read_text(encoding="utf-8")))

@@ -7,18 +7,25 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
+from finetune import strategies
 from finetune.plan.choose import HEADROOM, search, suggestions
-from finetune.plan.memory import OFFLOADED, adapter_input_casts, zero_model_state_bytes
+from finetune.plan.memory import adapter_input_casts, zero_model_state_bytes
 from finetune.plan.render import render_plan_table
-from finetune.plan.timing import allgather_time_s, allreduce_time_s, model_flops_per_token
+from finetune.plan.timing import (
+    allgather_time_s,
+    allreduce_time_s,
+    job_model_flops_per_token,
+    mfu,
+    model_flops_per_token,
+)
 from finetune.plan.types import GIB, Candidate, MemoryBreakdown, Plan
-from finetune.plan.workload import DTYPE_BYTES, Job, count_params, module_shapes, trainable_params
+from finetune.plan.workload import DTYPE_BYTES, Job, count_params, lora_param_count, module_shapes, trainable_params
+from finetune.recipe.paths import anchored
+from finetune.recipe.schema import dpo_reference
 
-__all__ = ["plan", "plan_job", "job_from_recipe", "render_plan_table", "Plan", "Candidate",
+__all__ = ["plan", "plan_on", "lookup", "plan_job", "job_from_recipe", "render_plan_table", "Plan", "Candidate",
            "MemoryBreakdown", "Job", "zero_model_state_bytes", "allreduce_time_s", "allgather_time_s",
-           "HEADROOM"]
+           "HEADROOM", "recipe_flops_per_token", "mfu"]
 
 
 def _targets(recipe, arch) -> tuple[str, ...]:
@@ -30,6 +37,16 @@ def _targets(recipe, arch) -> tuple[str, ...]:
                  ("gate_proj", "up_proj", "down_proj")]
         return tuple(dict.fromkeys(names))
     return tuple(chosen)
+
+
+def recipe_flops_per_token(recipe, *, arch) -> float:
+    """model_flops_per_token of `recipe` (its adapter, LoRA shape and data.max_length) on `arch`: what
+    the planner's MFU and the benchmarks' measured MFU divide by."""
+    adapter = recipe.adapter.type
+    trainable = 0 if adapter == "full" else lora_param_count(
+        arch, r=recipe.adapter.r, targets=_targets(recipe, arch), dora=recipe.adapter.dora)
+    return model_flops_per_token(arch, seq_len=recipe.data.max_length, adapter=adapter,
+                                 trainable_params=trainable)
 
 
 def attention_implementation(recipe, preset) -> str:
@@ -73,12 +90,7 @@ def job_from_recipe(recipe, *, arch, preset) -> Job:
     """The recipe's workload as plain numbers (the planner's inner loop never touches pydantic)."""
     method = recipe.method.type
     adapter = recipe.adapter.type
-    reference = "none"
-    if method == "dpo":
-        reference = recipe.method.reference
-        if reference == "auto":
-            # LoRA/QLoRA: disable the adapter for the reference pass; full: a frozen copy
-            reference = "copy" if adapter == "full" else "implicit"
+    reference = dpo_reference(recipe)
     micro = recipe.train.micro_batch_size
     attention = attention_kind(attention_implementation(recipe, preset), packed=recipe.data.packing)
     return Job(
@@ -95,8 +107,9 @@ def job_from_recipe(recipe, *, arch, preset) -> Job:
         nvme_path=recipe.distributed.nvme_path or preset.nvme_path)
 
 
-def plan(recipe, *, hardware: str | None = None) -> Plan:
-    """Plan `recipe` on `hardware` (a preset name, preset file, or auto; default recipe.hardware)."""
+def lookup(recipe, *, hardware: str | None = None):
+    """(arch, preset, hardware source) of `recipe` on `hardware` (a preset name, preset file, or auto;
+    default recipe.hardware). Looked up once per command and passed down: `auto` runs nvidia-smi."""
     from finetune.recipe.load import recipe_dir
     from finetune.registry import get_preset, resolve_model
 
@@ -104,10 +117,20 @@ def plan(recipe, *, hardware: str | None = None) -> Plan:
     arch = resolve_model(recipe.model, base_dir=base)
     source = hardware or recipe.hardware
     preset = get_preset(source, base_dir=base)
-    result = plan_job(job_from_recipe(recipe, arch=arch, preset=preset))
     if source != preset.name and source != "auto":  # a preset file: remember where it is
-        path = Path(source).expanduser()
-        source = str(path if path.is_absolute() else (base / path).resolve())
+        source = str(anchored(source, base).resolve())
+    return arch, preset, source
+
+
+def plan(recipe, *, hardware: str | None = None) -> Plan:
+    """Plan `recipe` on `hardware` (a preset name, preset file, or auto; default recipe.hardware)."""
+    arch, preset, source = lookup(recipe, hardware=hardware)
+    return plan_on(recipe, arch=arch, preset=preset, source=source)
+
+
+def plan_on(recipe, *, arch, preset, source: str) -> Plan:
+    """Plan `recipe` on an architecture and preset already looked up (see `lookup`)."""
+    result = plan_job(job_from_recipe(recipe, arch=arch, preset=preset))
     result.hardware_source = source
     return result
 
@@ -119,8 +142,9 @@ def plan_job(job: Job) -> Plan:
     seqs = chosen.micro_batch_size * chosen.gradient_accumulation_steps * world
     tokens = seqs * job.seq_len * job.sequences_per_sample
     step = chosen.step_time_s
-    useful = model_flops_per_token(job) * tokens
-    mfu = useful / (step * p.peak_bf16_tflops * 1e12 * world) if step > 0 else 0.0
+    rate = tokens / step if step > 0 else 0.0
+    utilisation = mfu(tokens_per_second=rate, flops_per_token=job_model_flops_per_token(job),
+                      peak_tflops=p.peak_bf16_tflops, gpus=world)
     plan = Plan(
         model=job.arch.key, hardware=p.name, adapter=job.adapter, method=job.method,
         strategy=chosen.strategy, fits=chosen.fits, micro_batch_size=chosen.micro_batch_size,
@@ -129,7 +153,7 @@ def plan_job(job: Job) -> Plan:
         per_gpu_memory_gib=chosen.per_gpu_memory_gib, world_size=world, num_nodes=p.nodes,
         gpus_per_node=p.gpus_per_node, seq_len=job.seq_len, global_batch_size=seqs,
         tokens_per_step=tokens, step_time_s=step,
-        tokens_per_second=tokens / step if step > 0 else 0.0, mfu=mfu, why="",
+        tokens_per_second=rate, mfu=utilisation, why="",
         candidates=candidates, total_params=float(count_params(job.arch).total),
         trainable_params=float(trainable_params(job)), memory=chosen.memory,
         host_ram_gib=chosen.host_ram_bytes / GIB, device="cpu" if p.vendor == "cpu" else "cuda")
@@ -162,13 +186,13 @@ def _why(job: Job, chosen: Candidate, achieved: int, candidates: list[Candidate]
         first = f"{chosen.strategy} is pinned by the recipe and fits"
     else:
         first = f"{chosen.strategy} is the fastest strategy that fits"
-        if any(c.fits and c.strategy in OFFLOADED and c.step_time_s < chosen.step_time_s
+        if any(c.fits and strategies.offloads(c.strategy) and c.step_time_s < chosen.step_time_s
                for c in candidates):
             first += " without offloading, the last resort"
     first += (f" ({chosen.per_gpu_memory_gib:.1f} of {limit:.1f} GiB usable per "
               f"{'process' if p.vendor == 'cpu' else 'GPU'}, {chosen.step_time_s:.2f} s/step, "
               f"{chosen.bottleneck}-bound")
-    if chosen.strategy in OFFLOADED:
+    if strategies.offloads(chosen.strategy):
         first += f", {chosen.host_ram_bytes / GIB:.0f} GiB host RAM per node"
     first += ")."
     ckpt = "with activation checkpointing" if chosen.activation_checkpointing else \

@@ -9,48 +9,45 @@ the search; a pinned strategy that does not fit yields fits=False with the reaso
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 
-from finetune.plan.memory import OFFLOADED, footprint
+from finetune import strategies
+from finetune.plan.memory import footprint
 from finetune.plan.timing import step_time
 from finetune.plan.types import GIB, Candidate
 from finetune.plan.workload import Job
 
 HEADROOM = 0.90  # plan to at most 90% of GPU memory / host RAM: spikes, other processes
-STRATEGY_ORDER = ("ddp", "fsdp2", "fsdp2-hybrid", "zero3", "zero3-offload", "zero3-nvme")
 
 
 def not_applicable(job: Job, strategy: str) -> str:
     """Why `strategy` makes no sense on this preset/adapter ("" when it does)."""
     p = job.preset
+    s = strategies.info(strategy)
     if p.vendor == "cpu":
-        return "" if strategy == "ddp" else "the cpu preset runs one process; only ddp applies"
-    if strategy == "fsdp2-hybrid" and p.nodes < 2:
+        if not s.shards_params:
+            return ""
+        replicated = ", ".join(strategies.names_where(lambda i: not i.shards_params))
+        return f"the cpu preset runs one process; only {replicated} applies"
+    if s.hybrid and p.nodes < 2:
         return "hybrid sharding replicates across nodes; this preset has one node"
-    if strategy == "fsdp2-hybrid" and p.gpus_per_node < 2:
+    if s.hybrid and p.gpus_per_node < 2:
         # accelerate refuses an FSDP mesh whose shard dimension is 1 (seen on 2 x 1-GPU nodes)
         return ("hybrid sharding shards within a node; with one GPU per node use ddp (replicate) "
                 "or fsdp2 (shard across nodes)")
-    if strategy in ("fsdp2", "zero3") and p.world_size < 2 and job.strategy != strategy:
+    if s.shards_params and s.offload == "none" and p.world_size < 2 and job.strategy != strategy:
         # never chosen on one GPU (no memory to gain), but allowed when pinned: an FSDP2
         # checkpoint saved on several GPUs resumes on one under the same strategy
         return "sharding needs more than one GPU"
-    if strategy == "zero3-nvme" and not job.nvme_path:
+    if s.offload == "nvme" and not job.nvme_path:
         return "the preset has no NVMe path; set distributed.nvme_path"
-    if strategy in OFFLOADED and job.adapter == "qlora":
+    if s.offload != "none" and job.adapter == "qlora":
         return "DeepSpeed cannot offload 4-bit (bitsandbytes) weights; use fsdp2 or zero3"
     return ""
 
 
 def applicable_strategies(job: Job) -> list[str]:
-    return [s for s in STRATEGY_ORDER if not not_applicable(job, s)]
-
-
-@dataclass
-class Search:
-    share: int  # sequences per GPU per optimizer step (global batch / data-parallel ranks)
-    global_batch: int  # achieved global batch (sequences)
-    candidates: list[Candidate] = field(default_factory=list)
+    return [s for s in strategies.NAMES if not not_applicable(job, s)]
 
 
 def batch_share(job: Job) -> int:
@@ -108,19 +105,19 @@ def best_for_strategy(job: Job, strategy: str) -> Candidate:
 
 def search(job: Job) -> tuple[Candidate, list[Candidate]]:
     """(chosen, every candidate). The chosen one may not fit; then it is the best attempt."""
-    strategies = applicable_strategies(job)
-    if job.strategy != "auto" and job.strategy not in strategies:
-        strategies.append(job.strategy)
-    candidates = [best_for_strategy(job, s) for s in strategies]
+    names = applicable_strategies(job)
+    if job.strategy != "auto" and job.strategy not in names:
+        names.append(job.strategy)
+    candidates = [best_for_strategy(job, s) for s in names]
     pool = [c for c in candidates if job.strategy in ("auto", c.strategy)]
     fitting = [c for c in pool if c.fits]
-    on_gpu = [c for c in fitting if c.strategy not in OFFLOADED]
+    on_gpu = [c for c in fitting if not strategies.offloads(c.strategy)]
     if on_gpu:
         # offload is the last resort: its modelled cost (PCIe, CPU Adam) leaves out DeepSpeed's
         # fetch stalls and pinned-memory pressure, so it never wins on a small modelled margin
         fitting = on_gpu
     if fitting:
-        chosen = min(fitting, key=lambda c: (c.step_time_s, STRATEGY_ORDER.index(c.strategy)))
+        chosen = min(fitting, key=lambda c: (c.step_time_s, strategies.NAMES.index(c.strategy)))
     else:
         chosen = min(pool, key=lambda c: c.memory.total)
     return chosen, candidates
@@ -135,7 +132,7 @@ def _fits_text(job: Job) -> tuple[bool, str]:
     if not chosen.fits:
         return False, ""
     extra = ""
-    if chosen.strategy in OFFLOADED:
+    if strategies.offloads(chosen.strategy):
         extra = f", needs {fmt_bytes(chosen.host_ram_bytes)} host RAM per node"
     return True, f"fits at {chosen.per_gpu_memory_gib:.1f} GiB/GPU with {chosen.strategy}{extra}"
 
@@ -147,7 +144,7 @@ def suggestions(job: Job, candidates: list[Candidate]) -> list[str]:
         for c in sorted((c for c in candidates if c.fits and c.strategy != job.strategy),
                         key=lambda c: c.step_time_s)[:2]:
             extra = (f", needs {fmt_bytes(c.host_ram_bytes)} host RAM per node"
-                     if c.strategy in OFFLOADED else "")
+                     if strategies.offloads(c.strategy) else "")
             out.append(f"distributed.strategy: {c.strategy} fits at {c.per_gpu_memory_gib:.1f} GiB/GPU{extra}")
     variants: list[tuple[str, Job]] = []
     if job.micro_batch and job.micro_batch > 1:
@@ -157,7 +154,7 @@ def suggestions(job: Job, candidates: list[Candidate]) -> list[str]:
     adapters = {"full": ["lora", "qlora"], "lora": ["qlora"]}.get(job.adapter, [])
     for adapter in adapters:
         strategy = job.strategy
-        if adapter == "qlora" and strategy in OFFLOADED:
+        if adapter == "qlora" and strategy != "auto" and strategies.offloads(strategy):
             strategy = "auto"
         variants.append((f"adapter.type: {adapter}", replace(
             job, adapter=adapter, strategy=strategy,

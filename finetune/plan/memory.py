@@ -49,6 +49,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from finetune import strategies
 from finetune.plan.types import GIB, MemoryBreakdown
 from finetune.plan.workload import Job, count_params, head_dim, lora_params, module_shapes
 
@@ -65,8 +66,6 @@ NF4_BYTES = 0.5
 NF4_SCALE_BYTES = 4 / 64  # one fp32 absmax per 64-element block
 NF4_DOUBLE_QUANT_SCALE_BYTES = 1 / 64 + 4 / (64 * 256)
 NVME_PARAM_BUFFERS = 5  # ZeRO-Infinity param swap buffers (buffer_count), each one largest unit
-SHARDED = ("fsdp2", "fsdp2-hybrid", "zero3", "zero3-offload", "zero3-nvme")
-OFFLOADED = ("zero3-offload", "zero3-nvme")
 
 
 def zero_model_state_bytes(params: float, *, stage: int, world: int, k: float = 12) -> float:
@@ -89,9 +88,9 @@ def zero_model_state_bytes(params: float, *, stage: int, world: int, k: float = 
 
 def shard_degree(job: Job, strategy: str) -> int:
     p = job.preset
-    if strategy == "ddp":
+    if not strategies.shards_params(strategy):
         return 1
-    if strategy == "fsdp2-hybrid":
+    if strategies.is_hybrid(strategy):
         return p.gpus_per_node
     return p.world_size
 
@@ -109,7 +108,7 @@ def weight_bytes(job: Job) -> float:
 def unit_bytes(job: Job) -> tuple[float, float]:
     """(largest decoder layer, root unit) bytes as gathered by FSDP/ZeRO-3 for compute."""
     params = count_params(job.arch)
-    layer = params.layer * job.weight_bytes
+    layer: float = params.layer * job.weight_bytes
     if job.adapter == "qlora":
         layer = weight_bytes(job) / params.num_layers  # close enough: layers dominate
     return layer, params.root * job.weight_bytes
@@ -143,7 +142,7 @@ def peft_casts_adapter_inputs(*, adapter: str, strategy: str, act_bytes: int) ->
     """Where peft by default runs fp32 adapters and casts each targeted module's input to fp32: LoRA
     under DDP with 16-bit compute (see the module docstring). One rule for the planner and for
     finetune/train/model.py, which turns the cast off there unless adapter.cast_adapter_inputs or DoRA."""
-    return adapter == "lora" and strategy == "ddp" and act_bytes < 4
+    return adapter == "lora" and not strategies.shards_params(strategy) and act_bytes < 4
 
 
 def adapter_input_casts(job: Job, strategy: str) -> bool:
@@ -251,14 +250,14 @@ def footprint(job: Job, *, strategy: str, micro_batch: int, checkpointing: bool)
     layer, root = unit_bytes(job)
     grad_dtype = 4 if job.adapter != "full" else max(job.weight_bytes, 4)  # reduce in fp32
     layer_grads = states.trainable_params / job.arch.num_layers * grad_dtype
-    if strategy == "ddp":
+    if not strategies.shards_params(strategy):
         # DDP's gradient buckets hold a second copy of the gradients (no gradient_as_bucket_view)
         comm = states.gradients if p.world_size > 1 else 0.0
     else:
         # root unit (embedding, lm_head) stays gathered for the whole step; current + prefetched
         # layer gathered; one layer's gradients in the reduce-scatter buffer
         comm = root + 2 * layer + layer_grads
-    if strategy in OFFLOADED:
+    if strategies.offloads(strategy):
         on_gpu = MemoryBreakdown(weights=0.0, trainable=0.0, gradients=0.0, optimizer=0.0)
     else:
         on_gpu = MemoryBreakdown(weights=states.weights / shard, trainable=states.trainable / shard,
@@ -286,16 +285,17 @@ def _host_and_nvme(job: Job, *, strategy: str, states: StateBytes, layer: float)
     # loading: DDP ranks each materialize the model on CPU before moving it; sharded strategies
     # load once per node (cpu_ram_efficient_loading / zero.Init) and scatter
     model_bytes = count_params(job.arch).total * job.weight_bytes
-    loading = model_bytes * (procs if strategy == "ddp" and job.adapter != "qlora" else 1)
+    loading: float = model_bytes * (procs if not strategies.shards_params(strategy) and job.adapter != "qlora" else 1)
     if p.vendor == "cpu":
         loading = 0.0  # the cpu preset's 'GPU memory' already is this RAM
     nodes = p.nodes
-    if strategy == "zero3-offload":
+    offload = strategies.info(strategy).offload
+    if offload == "cpu":
         # pinned params + fp32 master/moments + fp32 gradient partitions of this node's ranks
         offloaded = (states.weights + states.trainable + states.optimizer
                      + states.trainable_params * 4) / nodes
         return base + max(loading, offloaded), 0.0
-    if strategy == "zero3-nvme":
+    if offload == "nvme":
         # params and optimizer states on NVMe; host keeps fp32 gradient partitions and swap buffers
         buffers = procs * (NVME_PARAM_BUFFERS * layer + 2 * GIB)  # + optimizer swap buffers
         host = states.trainable_params * 4 / nodes + buffers

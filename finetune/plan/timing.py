@@ -1,10 +1,7 @@
 """Step-time estimate: compute vs communication (intra-node, inter-node) vs offload traffic.
 
-FLOPs per trained token (N = parameters a token multiplies with: decoder layers with the routed
-experts only, plus the lm_head; L layers, a = heads x head_dim, s = sequence length):
-  full:        6N + 12*L*a*s      (forward 2N, backward 4N; attention scores and values, PaLM appendix B)
-  lora/qlora:  4N + 12*L*a*s + 6*T   (the frozen base gets no weight gradients: forward 2N plus
-               backward w.r.t. activations 2N; T = LoRA params)
+FLOPs per trained token: `model_flops_per_token` (the one formula; the MFU of `finetune plan`,
+scripts/bench.py and scripts/gpu_validate.py all use it), plus work that is not useful model FLOPs:
   checkpointing: + 2N + 4*L*a*s   (one extra forward per layer)
   dpo:         the policy on chosen + rejected (2 sequences per sample) plus a reference forward
                (2N + 4*L*a*s per token) unless the reference log-probs are precomputed.
@@ -27,14 +24,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from finetune.plan.memory import OFFLOADED, state_bytes, tokens_per_micro_batch, weight_bytes
+from finetune import strategies
+from finetune.plan.memory import state_bytes, tokens_per_micro_batch, weight_bytes
 from finetune.plan.workload import Job, count_params, head_dim, trainable_params
+from finetune.registry.schema import ModelArch
 
 GPU_EFFICIENCY = 0.45
 CPU_EFFICIENCY = 0.30
-# x GPU_EFFICIENCY for LoRA/QLoRA: 8B LoRA on 1 x H200 measured 13.4k tokens/s over a 20-step run,
-# predicted 8.4k at 0.65 (the factor fitted to the old sdpa + fp32-cast defaults' 6.7k on H100)
-ADAPTER_EFFICIENCY = 1.0
 QLORA_EFFICIENCY = 0.95  # dequantizing NF4 weights on every matmul: measured 0.99 of LoRA's tokens/s (H200)
 MICRO_BATCH_HALF_TOKENS = 512  # efficiency x tokens/(tokens + this): small micro-batches underuse the GPU
 ZERO3_COMM_FACTOR = 1.2  # DeepSpeed's parameter fetching overlaps less than FSDP2's prefetch
@@ -56,15 +52,41 @@ def allgather_time_s(nbytes: float, *, n: int, bus_bandwidth_gbps: float) -> flo
     return (n - 1) / n * nbytes / (bus_bandwidth_gbps * 1e9)
 
 
+def model_flops_per_token(arch: ModelArch, *, seq_len: int, adapter: str, trainable_params: int = 0) -> float:
+    """Useful training FLOPs per token, the numerator of every MFU finetune reports (torchtitan's
+    `get_nparams_and_flops` convention). N = parameters a token multiplies with (decoder layers with the
+    routed experts only, plus the lm_head); L layers, a = heads x head_dim, s = sequence length:
+
+      full:        6N + 12*L*a*s        (forward 2N, backward 4N; attention scores and values, PaLM
+                                         appendix B)
+      lora/qlora:  4N + 12*L*a*s + 6*T  (the frozen base gets no weight gradients: forward 2N plus the
+                                         backward w.r.t. activations 2N; T = `trainable_params`, the
+                                         adapter's parameters, trained at 6 FLOPs each)
+
+    The attention term is not halved for the causal mask: a causal kernel skips about half of the
+    score blocks, but torchtitan, PaLM and Megatron's published MFU figures count the full s x s
+    product, so the figures here compare with theirs (and an adapter's attention backward still
+    computes input gradients through every score, so no 2/3 either).
+    """
+    n = count_params(arch).matmul_active
+    attn = arch.num_layers * arch.num_attention_heads * head_dim(arch) * seq_len
+    if adapter == "full":
+        return 6 * n + 12 * attn
+    return 4 * n + 12 * attn + 6 * trainable_params
+
+
+def job_model_flops_per_token(job: Job) -> float:
+    return model_flops_per_token(job.arch, seq_len=job.seq_len, adapter=job.adapter,
+                                 trainable_params=trainable_params(job) if job.adapter != "full" else 0)
+
+
 def flops_per_token(job: Job, *, checkpointing: bool) -> float:
-    """Training FLOPs per token of one sequence (see the module docstring)."""
+    """Training FLOPs per token of one sequence: the useful FLOPs plus recomputation and the DPO
+    reference forward (see the module docstring)."""
     arch = job.arch
     n = count_params(arch).matmul_active
     attn = arch.num_layers * arch.num_attention_heads * head_dim(arch) * job.seq_len
-    if job.adapter == "full":
-        flops = 6 * n + 12 * attn
-    else:
-        flops = 4 * n + 12 * attn + 6 * trainable_params(job)
+    flops = job_model_flops_per_token(job)
     if checkpointing:
         flops += 2 * n + 4 * attn
     if job.method == "dpo" and job.reference != "precompute":
@@ -72,17 +94,13 @@ def flops_per_token(job: Job, *, checkpointing: bool) -> float:
     return flops
 
 
-def model_flops_per_token(job: Job) -> float:
-    """The useful FLOPs (no recomputation, no reference model) for MFU."""
-    n = count_params(job.arch).matmul_active
-    attn = job.arch.num_layers * job.arch.num_attention_heads * head_dim(job.arch) * job.seq_len
-    return (6 if job.adapter == "full" else 4) * n + 12 * attn
+def mfu(*, tokens_per_second: float, flops_per_token: float, peak_tflops: float, gpus: int) -> float:
+    """Model FLOPs utilisation: achieved useful FLOP/s per GPU over the card's dense bf16 peak."""
+    return tokens_per_second * flops_per_token / (peak_tflops * 1e12 * max(gpus, 1))
 
 
 def efficiency(job: Job, *, micro_batch: int) -> float:
     base = CPU_EFFICIENCY if job.preset.vendor == "cpu" else GPU_EFFICIENCY
-    if job.adapter != "full" and job.preset.vendor != "cpu":
-        base *= ADAPTER_EFFICIENCY
     if job.adapter == "qlora":
         base *= QLORA_EFFICIENCY
     tokens = tokens_per_micro_batch(job, micro_batch)
@@ -124,7 +142,7 @@ def step_time(job: Job, *, strategy: str, micro_batch: int, grad_accum: int,
     grad_bytes = states.trainable_params * (4 if job.adapter != "full" else 2)
     intra_bw, inter_bw = p.intra_node_bandwidth_gbps, p.inter_node_bandwidth_gbps or 1.0
     intra = inter = offload = 0.0
-    if strategy == "ddp":
+    if not strategies.shards_params(strategy):
         # one all-reduce per optimizer step (no_sync while accumulating); hierarchical across nodes
         intra = allreduce_time_s(grad_bytes, n=p.gpus_per_node, bus_bandwidth_gbps=intra_bw)
         inter = allreduce_time_s(grad_bytes, n=p.nodes, bus_bandwidth_gbps=inter_bw)
@@ -133,19 +151,19 @@ def step_time(job: Job, *, strategy: str, micro_batch: int, grad_accum: int,
         reduce = states.trainable_params * 4  # reduce-scatter in fp32
         per_intra, per_inter = _sharded_collectives(
             gather=gather, reduce=reduce, n_intra=p.gpus_per_node, n_nodes=p.nodes,
-            intra_bw=intra_bw, inter_bw=inter_bw, hybrid=strategy == "fsdp2-hybrid")
-        factor = ZERO3_COMM_FACTOR if strategy.startswith("zero3") else 1.0
+            intra_bw=intra_bw, inter_bw=inter_bw, hybrid=strategies.is_hybrid(strategy))
+        factor = ZERO3_COMM_FACTOR if strategies.is_deepspeed(strategy) else 1.0
         intra, inter = per_intra * grad_accum * factor, per_inter * grad_accum * factor
         if p.world_size == 1:
             intra = inter = 0.0
-    if strategy in OFFLOADED:
+    if strategies.offloads(strategy):
         offload = _offload_time(job, strategy=strategy, grad_accum=grad_accum)
     comm = intra + inter
     overlapped = max(compute, comm) + OVERLAP_LEAK * min(compute, comm)
     # the CPU optimizer step and NVMe swaps run after backward, not overlapped with it
     total = overlapped + offload
     parts = {"compute": compute, "intra-node": intra, "inter-node": inter, "offload": offload}
-    bottleneck = max(parts, key=parts.get)
+    bottleneck = max(parts, key=lambda name: parts[name])
     return StepTime(compute, intra, inter, offload, total, bottleneck)
 
 
@@ -158,7 +176,7 @@ def _offload_time(job: Job, *, strategy: str, grad_accum: int) -> float:
     pcie = (2 * weight_bytes(job) + 2 * states.trainable_params) / world * grad_accum
     seconds = pcie / (p.host_to_device_bandwidth_gbps * 1e9)
     seconds += states.trainable_params / p.nodes / CPU_ADAM_PARAMS_PER_S
-    if strategy == "zero3-nvme":
+    if strategies.info(strategy).offload == "nvme":
         nvme_bw = (p.nvme_bandwidth_gbps or 1.0) * 1e9
         # params read per forward and backward; optimizer states (fp32 master + moments) read and written
         params = 2 * weight_bytes(job) / p.nodes * grad_accum

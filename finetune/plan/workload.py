@@ -126,12 +126,16 @@ def _count_params(family: str, h: int, i: int, e: int, k: int, q: int, kv: int, 
 
 def lora_params(job: Job) -> int:
     """r x (in + out) per targeted module per layer (plus DoRA's magnitude vector)."""
-    shapes = module_shapes(job.arch)
+    return lora_param_count(job.arch, r=job.lora_r, targets=job.lora_targets, dora=job.dora)
+
+
+def lora_param_count(arch: ModelArch, *, r: int, targets: tuple[str, ...] | list[str], dora: bool) -> int:
+    shapes = module_shapes(arch)
     total = 0
-    for name in job.lora_targets:
-        fin, fout, copies = shapes.get(name, (job.arch.hidden_size, job.arch.hidden_size, 1))
-        total += copies * (job.lora_r * (fin + fout) + (fout if job.dora else 0))
-    return total * job.arch.num_layers
+    for name in targets:
+        fin, fout, copies = shapes.get(name, (arch.hidden_size, arch.hidden_size, 1))
+        total += copies * (r * (fin + fout) + (fout if dora else 0))
+    return total * arch.num_layers
 
 
 def trainable_params(job: Job) -> int:

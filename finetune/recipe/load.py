@@ -15,7 +15,8 @@ import yaml
 from pydantic import BaseModel, ValidationError
 
 from finetune.errors import RecipeError
-from finetune.recipe.schema import Recipe
+from finetune.recipe.schema import CONFLICT_ERROR, Recipe
+from finetune.rundir import RESOLVED_RECIPE
 
 MAX_EXTENDS_DEPTH = 8
 
@@ -163,9 +164,8 @@ def validation_error_to_recipe_error(exc: ValidationError, *, file: str | None,
     msg = err["msg"]
     if msg.startswith("Value error, "):
         msg = msg[len("Value error, "):]
-    if msg.startswith("@"):  # cross-field conflict carrying its own key path
-        inner_key, _, msg = msg[1:].partition("@ ")
-        return RecipeError(msg, key=inner_key, file=file)
+    if etype == CONFLICT_ERROR:  # a cross-field conflict names its own key path
+        return RecipeError(err["ctx"]["message"], key=err["ctx"]["key"], file=file)
     if etype == "value_error":
         return RecipeError(msg, key=key or None, file=file)
     got = err.get("input")
@@ -176,7 +176,7 @@ def validation_error_to_recipe_error(exc: ValidationError, *, file: str | None,
                        hint=_type_hint(etype, err))
 
 
-def _type_hint(etype: str, err: dict) -> str | None:
+def _type_hint(etype: str, err) -> str | None:
     if etype == "literal_error":
         expected = err.get("ctx", {}).get("expected")
         return f"use one of {expected}" if expected else None
@@ -198,7 +198,7 @@ def load_recipe(source: str | Path | dict, *, overrides: list[str] | None = None
     raw = apply_overrides(raw, list(overrides or []))
     if raw.get("resolved") is not None and not allow_resolved:
         raise RecipeError("is written by the planner, not by hand", key="resolved", file=file,
-                          hint="remove the resolved: section (it appears only in recipe.resolved.yaml)")
+                          hint=f"remove the resolved: section (it appears only in {RESOLVED_RECIPE})")
     try:
         recipe = Recipe.model_validate(raw)
     except ValidationError as exc:

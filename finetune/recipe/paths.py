@@ -1,4 +1,7 @@
-"""Where a recipe may read data from.
+"""Paths a recipe names: where they are anchored, and where a recipe may read data from.
+
+A relative path in a recipe (model.name, data paths, a chat template file, a hardware preset file) is
+read from the recipe's folder: `anchored(value, base)` is the one place that says so.
 
 A data path (data.sources[].path, data.eval_sources[].path, data.task_eval.path, a data.chat_template
 file) must, after `..` and every symlink are resolved, lie inside one of: the recipe's directory,
@@ -13,11 +16,26 @@ Pure: no heavy imports.
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from pathlib import Path
 
 from finetune.errors import DataError
 
 PROJECT_MARKERS = (".git", "pyproject.toml")
+JINJA_DELIMITERS = ("{{", "{%", "{#")
+
+
+def anchored(value: str | Path, base: str | Path) -> Path:
+    """`value` with ~ expanded; a relative path is taken relative to `base` (the recipe's folder).
+    Nothing is checked or resolved: callers decide whether it must exist."""
+    path = Path(os.path.expanduser(str(value)))
+    return path if path.is_absolute() else Path(base) / path
+
+
+def is_inline_template(value: str) -> bool:
+    """data.chat_template is jinja text when it holds a jinja delimiter or a line break; anything
+    else is the path of a template file."""
+    return "\n" in value or any(d in value for d in JINJA_DELIMITERS)
 
 
 def project_root(start: Path) -> Path | None:
@@ -27,19 +45,18 @@ def project_root(start: Path) -> Path | None:
     return None
 
 
-def allowed_roots(base_dir: Path, allow_paths: list[str] = (), *, cwd: Path | None = None) -> list[Path]:
+def allowed_roots(base_dir: Path, allow_paths: Sequence[str] = (), *, cwd: Path | None = None) -> list[Path]:
     base = Path(base_dir).resolve()
     roots = [base, Path(cwd or os.getcwd()).resolve()]
     project = project_root(base)
     if project is not None:
         roots.append(project)
     for extra in allow_paths:
-        path = Path(os.path.expanduser(extra))
-        roots.append((path if path.is_absolute() else base / path).resolve())
+        roots.append(anchored(extra, base).resolve())
     return roots
 
 
-def check_data_path(path: Path, *, key: str, base_dir: Path, allow_paths: list[str] = (),
+def check_data_path(path: Path, *, key: str, base_dir: Path, allow_paths: Sequence[str] = (),
                     allow_outside: bool = False, cwd: Path | None = None) -> Path:
     """The resolved path, or DataError when it leaves every allowed root."""
     raw = Path(path)

@@ -7,13 +7,14 @@ need the whole recipe live in `Recipe._check_conflicts`; each says how to fix it
 
 from __future__ import annotations
 
-from typing import Annotated, Literal, Union
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, PrivateAttr, field_validator, model_validator
+from pydantic_core import PydanticCustomError
+
+from finetune.strategies import AUTO, StrategyName, shards_params
 
 Dtype = Literal["bfloat16", "float16", "float32"]
-Strategy = Literal["auto", "ddp", "fsdp2", "fsdp2-hybrid", "zero3", "zero3-offload", "zero3-nvme"]
-CONCRETE_STRATEGIES = ("ddp", "fsdp2", "fsdp2-hybrid", "zero3", "zero3-offload", "zero3-nvme")
 DataFormat = Literal["messages", "alpaca", "sharegpt", "text", "prompt_completion", "preference"]
 # The canonical column names each format reads; `columns:` maps them to the file's names.
 FORMAT_COLUMNS: dict[str, tuple[str, ...]] = {
@@ -25,6 +26,7 @@ FORMAT_COLUMNS: dict[str, tuple[str, ...]] = {
     "preference": ("prompt", "chosen", "rejected"),
 }
 OPTIONAL_COLUMNS = {"alpaca": ("input",), "messages": (), "preference": ()}
+CONFLICT_ERROR = "recipe_conflict"  # pydantic error type of a cross-field conflict; ctx has key, message
 
 
 def _yaml_switch(value):
@@ -42,26 +44,34 @@ class Strict(BaseModel):
 
 
 class ModelSection(Strict):
-    name: str = Field(description="Hub id (org/name) or a local directory with config.json")
-    arch: str | None = Field(None, description="registry key; default: derived from name")
-    dtype: Dtype = "bfloat16"
-    # auto: varlen (PyTorch's flash varlen kernel) for packed SFT on NVIDIA GPUs, else sdpa
+    name: str = Field(description="Hub id (org/name) or a local directory with config.json (relative "
+                                  "paths are read from the recipe's folder)")
+    arch: str | None = Field(None, description="model registry key; default: derived from name (a known Hub "
+                                               "id, or the config.json of a local or cached model)")
+    dtype: Dtype = Field("bfloat16", description="dtype the weights are loaded and trained in")
     attn_implementation: Literal["auto", "varlen", "sdpa", "eager", "flash_attention_2",
-                                 "flash_attention_3", "flex_attention"] = "auto"
-    trust_remote_code: bool = False
-    revision: str | None = None
+                                 "flash_attention_3", "flex_attention"] = Field(
+        "auto", description="attention kernel; auto: varlen (PyTorch's flash varlen kernel) for packed SFT "
+                            "on NVIDIA GPUs, else sdpa")
+    trust_remote_code: bool = Field(False, description="allow the model repo's own Python code "
+                                                       "(transformers' trust_remote_code)")
+    revision: str | None = Field(None, description="Hub revision (branch, tag or commit) of the model")
     allow_pickle: bool = Field(False, description="allow .bin (pickle) weights; off: safetensors only")
 
 
 class MethodSection(Strict):
-    type: Literal["sft", "dpo"] = "sft"
-    # DPO only
-    beta: float = Field(0.1, gt=0, le=10)
+    type: Literal["sft", "dpo"] = Field("sft", description="sft: supervised fine-tuning; dpo: direct "
+                                                          "preference optimization on preference pairs")
+    beta: float = Field(0.1, gt=0, le=10, description="DPO only: strength of the pull towards the reference "
+                                                      "model")
     loss_type: Literal["sigmoid", "ipo", "hinge", "robust", "bco_pair", "sppo_hard",
-                       "nca_pair", "apo_zero", "apo_down"] = "sigmoid"
-    # implicit: LoRA/QLoRA reuse the base with the adapter disabled (no second copy);
-    # copy: a frozen copy of the model; precompute: reference log-probs computed once up front.
-    reference: Literal["auto", "implicit", "copy", "precompute"] = "auto"
+                       "nca_pair", "apo_zero", "apo_down"] = Field("sigmoid", description="DPO only: TRL's "
+                                                                              "DPO loss variant")
+    reference: Literal["auto", "implicit", "copy", "precompute"] = Field(
+        "auto", description="DPO only: the reference model. implicit: LoRA/QLoRA reuse the base with the "
+                            "adapter disabled (no second copy); copy: a frozen copy of the model; "
+                            "precompute: reference log-probs computed once up front; auto: implicit for "
+                            "LoRA/QLoRA, copy for a full fine-tune")
 
     @model_validator(mode="before")
     @classmethod
@@ -71,24 +81,30 @@ class MethodSection(Strict):
 
 
 class AdapterSection(Strict):
-    type: Literal["full", "lora", "qlora"] = "lora"
-    r: int = Field(16, ge=1, le=4096)
-    alpha: float = Field(32, gt=0)
-    dropout: float = Field(0.0, ge=0, lt=1)
-    target_modules: Union[list[str], Literal["all-linear"], None] = Field(
-        None, description="default: the model registry's LoRA targets")
-    dora: bool = False
-    rslora: bool = False
-    # QLoRA only
-    quant_type: Literal["nf4", "fp4"] = "nf4"
-    double_quant: bool = True
-    compute_dtype: Dtype = "bfloat16"
-    # The dtype the packed 4-bit weights are stored in. It must match the model's dtype so
-    # FSDP2/ZeRO-3 can shard them with everything else (TRL #3436; uint8 is not shardable).
-    storage_dtype: Literal["bfloat16", "float16", "float32", "uint8"] = "bfloat16"
-    # peft casts each LoRA input to the adapter weights' fp32; under bf16/fp16 autocast the matmul is
-    # cast back at once, so finetune skips that round trip (false). true restores peft's default.
-    cast_adapter_inputs: bool = False
+    type: Literal["full", "lora", "qlora"] = Field("lora", description="full: train every weight; lora: "
+                                                                     "low-rank adapters on a frozen base; "
+                                                                     "qlora: LoRA on a 4-bit base")
+    r: int = Field(16, ge=1, le=4096, description="LoRA rank")
+    alpha: float = Field(32, gt=0, description="LoRA scaling numerator (the update is scaled by alpha / r)")
+    dropout: float = Field(0.0, ge=0, lt=1, description="dropout on the LoRA input")
+    target_modules: list[str] | Literal["all-linear"] | None = Field(
+        None, description="module names that get adapters, or all-linear; default: the model registry's "
+                          "LoRA targets")
+    dora: bool = Field(False, description="weight-decomposed LoRA (DoRA)")
+    rslora: bool = Field(False, description="rank-stabilized LoRA: scale by alpha / sqrt(r)")
+    quant_type: Literal["nf4", "fp4"] = Field("nf4", description="QLoRA only: bitsandbytes 4-bit data type")
+    double_quant: bool = Field(True, description="QLoRA only: quantize the quantization scales too "
+                                                 "(about 0.4 bits per parameter saved)")
+    compute_dtype: Dtype = Field("bfloat16", description="QLoRA only: dtype the 4-bit weights are "
+                                                         "dequantized to for each matmul")
+    storage_dtype: Literal["bfloat16", "float16", "float32", "uint8"] = Field(
+        "bfloat16", description="QLoRA only: dtype the packed 4-bit weights are stored in; it must match "
+                                "model.dtype so FSDP2/ZeRO-3 can shard them with everything else (uint8 is "
+                                "not shardable, TRL #3436)")
+    cast_adapter_inputs: bool = Field(
+        False, description="peft's cast of each LoRA input to the adapter weights' fp32; under bf16/fp16 "
+                           "autocast the matmul casts back at once, so finetune skips that round trip "
+                           "(false); true restores peft's default")
 
     @model_validator(mode="before")
     @classmethod
@@ -97,13 +113,15 @@ class AdapterSection(Strict):
 
 
 class DataSource(Strict):
-    path: str = Field(description="local .jsonl/.json/.parquet/.csv file, or a Hub dataset id")
-    format: DataFormat = "messages"
+    path: str = Field(description="local .jsonl/.json/.parquet/.csv file (relative paths are read from the "
+                                  "recipe's folder), or a Hub dataset id")
+    format: DataFormat = Field("messages", description="row layout: messages, alpaca, sharegpt, text, "
+                                                       "prompt_completion or preference")
     columns: dict[str, str] = Field(default_factory=dict,
                                     description="canonical column -> column in the file")
-    split: str = "train"
-    subset: str | None = None
-    max_samples: int | None = Field(None, ge=1)
+    split: str = Field("train", description="dataset split to read (Hub datasets)")
+    subset: str | None = Field(None, description="dataset configuration (Hub datasets with several)")
+    max_samples: int | None = Field(None, ge=1, description="read at most this many rows")
 
     @model_validator(mode="after")
     def _known_columns(self):
@@ -120,28 +138,34 @@ class TaskEvalSection(DataSource):
     """Held-out examples scored by exact match of greedy generation against the last answer."""
 
     n: int = Field(50, ge=1, description="how many examples of the file to score")
-    max_new_tokens: int = Field(32, ge=1, le=4096)
+    max_new_tokens: int = Field(32, ge=1, le=4096, description="generation length limit per example")
 
 
 class DataSection(Strict):
-    sources: list[DataSource] = Field(min_length=1)
-    eval_sources: list[DataSource] = Field(default_factory=list)
-    eval_fraction: float | None = Field(None, gt=0, lt=1)
-    max_length: int = Field(2048, ge=8, le=1_048_576)
-    packing: bool = False
+    sources: list[DataSource] = Field(min_length=1, description="training data, one or more sources "
+                                                                "(`data: {path: ...}` is shorthand for one)")
+    eval_sources: list[DataSource] = Field(default_factory=list, description="held-out data for the eval "
+                                                                             "loss")
+    eval_fraction: float | None = Field(None, gt=0, lt=1, description="hold out this share of the training "
+                                                                      "rows for the eval loss instead")
+    max_length: int = Field(2048, ge=8, le=1_048_576, description="tokens per sequence (per packed row when "
+                                                                  "packing)")
+    packing: bool = Field(False, description="SFT: pack examples into padding-free rows of max_length")
     chat_template: str | None = Field(None, description="jinja text or a path to a .jinja file")
-    assistant_only_loss: bool = True
-    # preflight: error when more than this share of examples is longer than max_length
-    max_too_long_fraction: float = Field(0.05, ge=0, le=1)
-    seed: int = 0
-    # tokenized-data cache; default $FINETUNE_CACHE_DIR, else ~/.cache/finetune/tokenized
-    cache_dir: str | None = None
-    # greedy-generation exact-match eval on held-out prompts, run before and after training
-    task_eval: TaskEvalSection | None = None
-    # data files must lie inside the recipe's dir, its project root or the current dir (symlinks
-    # resolved); allow_paths adds directories, allow_outside turns the check off (docs/reliability.md)
-    allow_paths: list[str] = Field(default_factory=list)
-    allow_outside: bool = False
+    assistant_only_loss: bool = Field(True, description="loss on assistant/completion tokens only")
+    max_too_long_fraction: float = Field(0.05, ge=0, le=1, description="preflight: error when more than this "
+                                                                       "share of examples is longer than "
+                                                                       "max_length")
+    seed: int = Field(0, description="seed of the data order and of the eval_fraction split")
+    cache_dir: str | None = Field(None, description="tokenized-data cache; default $FINETUNE_CACHE_DIR, "
+                                                    "else ~/.cache/finetune/tokenized")
+    task_eval: TaskEvalSection | None = Field(None, description="greedy-generation exact-match eval on "
+                                                                "held-out prompts, before and after training")
+    allow_paths: list[str] = Field(default_factory=list, description="more directories data files may lie "
+                                                                     "in (besides the recipe's folder, its "
+                                                                     "project root and the current directory)")
+    allow_outside: bool = Field(False, description="turn off the check that data files lie inside the "
+                                                   "allowed directories (docs/reliability.md)")
 
     @model_validator(mode="before")
     @classmethod
@@ -156,27 +180,37 @@ class DataSection(Strict):
 
 
 class TrainSection(Strict):
-    epochs: float | None = Field(None, gt=0, le=1000)
-    max_steps: int | None = Field(None, ge=1)
-    lr: float = Field(2e-4, gt=0, lt=1)
-    scheduler: Literal["cosine", "linear", "constant", "constant_with_warmup"] = "cosine"
-    warmup_ratio: float = Field(0.03, ge=0, lt=1)
-    weight_decay: float = Field(0.0, ge=0, le=1)
-    max_grad_norm: float = Field(1.0, ge=0)
-    global_batch_size: int = Field(16, ge=1, le=1_000_000)
-    micro_batch_size: Union[Literal["auto"], int] = "auto"
-    activation_checkpointing: OnOffAuto = "auto"
-    optimizer: Literal["adamw", "adamw_8bit", "paged_adamw_8bit"] = "adamw"
-    seed: int = 42
-    precision: Literal["bf16", "fp16", "fp32"] = "bf16"
-    logging_steps: int = Field(1, ge=1)
-    eval_steps: int | None = Field(None, ge=1)
-    # non-finite loss/grad-norm: stop at once, or skip up to max_bad_steps such steps
-    on_nonfinite: Literal["stop", "skip"] = "stop"
-    max_bad_steps: int = Field(0, ge=0)
-    # Liger's Triton RMSNorm/RoPE/SwiGLU kernels (auto: on for supported models on NVIDIA GPUs when
-    # liger-kernel is installed). The LM head is already fused by TRL (chunked log-probs).
-    liger: OnOffAuto = "auto"
+    epochs: float | None = Field(None, gt=0, le=1000, description="passes over the training data "
+                                                                  "(default 1 when max_steps is unset)")
+    max_steps: int | None = Field(None, ge=1, description="optimizer steps; set this or epochs")
+    lr: float = Field(2e-4, gt=0, lt=1, description="peak learning rate")
+    scheduler: Literal["cosine", "linear", "constant", "constant_with_warmup"] = Field(
+        "cosine", description="learning-rate schedule after warmup")
+    warmup_ratio: float = Field(0.03, ge=0, lt=1, description="share of the steps spent warming up")
+    weight_decay: float = Field(0.0, ge=0, le=1, description="AdamW weight decay")
+    max_grad_norm: float = Field(1.0, ge=0, description="gradient clipping norm (0: off)")
+    global_batch_size: int = Field(16, ge=1, le=1_000_000, description="sequences per optimizer step over "
+                                                                       "all GPUs (the planner rounds it to "
+                                                                       "the nearest achievable)")
+    micro_batch_size: Literal["auto"] | int = Field("auto", description="sequences per GPU per forward pass; "
+                                                                       "auto: the planner picks the largest "
+                                                                       "that fits")
+    activation_checkpointing: OnOffAuto = Field("auto", description="recompute activations in backward; "
+                                                                    "auto: only where needed to fit")
+    optimizer: Literal["adamw", "adamw_8bit", "paged_adamw_8bit"] = Field(
+        "adamw", description="adamw (torch), or bitsandbytes' 8-bit AdamW (paged: spills to host RAM)")
+    seed: int = Field(42, description="seed of the model initialization and dropout")
+    precision: Literal["bf16", "fp16", "fp32"] = Field("bf16", description="mixed-precision mode")
+    logging_steps: int = Field(1, ge=1, description="log metrics every this many steps")
+    eval_steps: int | None = Field(None, ge=1, description="eval loss every this many steps (default: "
+                                                           "before and after training only)")
+    on_nonfinite: Literal["stop", "skip"] = Field("stop", description="a non-finite loss or gradient norm: "
+                                                                      "stop at once, or skip the step")
+    max_bad_steps: int = Field(0, ge=0, description="with on_nonfinite: skip, stop after this many skipped "
+                                                    "steps")
+    liger: OnOffAuto = Field("auto", description="Liger's Triton RMSNorm/RoPE/SwiGLU kernels; auto: on for "
+                                                 "supported models on NVIDIA GPUs when liger-kernel is "
+                                                 "installed (the LM head is already fused by TRL)")
 
     @field_validator("micro_batch_size")
     @classmethod
@@ -187,30 +221,36 @@ class TrainSection(Strict):
 
 
 class DistributedSection(Strict):
-    strategy: Strategy = "auto"
-    timeout_minutes: float = Field(30, gt=0, le=24 * 60)
+    strategy: StrategyName = Field("auto", description="auto (the planner chooses) or one of "
+                                                       "finetune/strategies.py: ddp, fsdp2, fsdp2-hybrid, zero3, "
+                                                       "zero3-offload, zero3-nvme")
+    timeout_minutes: float = Field(30, gt=0, le=24 * 60, description="collective-operation timeout: a rank "
+                                                                     "waiting longer fails the run")
     nvme_path: str | None = Field(None, description="ZeRO-Infinity swap dir; default: the preset's")
 
 
 class OutputSection(Strict):
     dir: str | None = Field(None, description="default: runs/<recipe file name>")
     save_every: int | None = Field(None, ge=1, description="steps; default: at the end only")
-    keep: int = Field(2, ge=1)
+    keep: int = Field(2, ge=1, description="complete checkpoints kept (older ones are deleted)")
 
 
 class HubSection(Strict):
-    repo: str | None = Field(None, pattern=r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
-    private: bool = True
-    push: Literal["adapter", "merged"] = "adapter"
-    revision: str | None = None
+    repo: str | None = Field(None, pattern=r"^[A-Za-z0-9][\w.-]*/[\w.-]+$",
+                             description="ORG/NAME to push to after a successful run; unset: no push")
+    private: bool = Field(True, description="create the repo private")
+    push: Literal["adapter", "merged"] = Field("adapter", description="push the adapter, or the model with "
+                                                                      "the adapter merged in")
+    revision: str | None = Field(None, description="branch to push to (created from main if missing)")
 
 
 class LoggingSection(Strict):
     report_to: list[Literal["tensorboard", "wandb", "mlflow", "none"]] = Field(
-        default_factory=lambda: ["tensorboard"])
-    project: str | None = None
-    # [start, stop]: torch.profiler over optimizer steps start..stop-1 -> RUN_DIR/profile/ (finetune/train/profile.py)
-    profile_steps: tuple[int, int] | None = None
+        default_factory=lambda: ["tensorboard"], description="experiment trackers")  # type: ignore[arg-type]
+    project: str | None = Field(None, description="tracker project name")
+    profile_steps: tuple[int, int] | None = Field(None, description="[start, stop]: torch.profiler over "
+                                                                    "optimizer steps start..stop-1, written "
+                                                                    "to RUN_DIR/profile/")
 
     @field_validator("profile_steps")
     @classmethod
@@ -223,34 +263,41 @@ class LoggingSection(Strict):
 class ResolvedSection(Strict):
     """Planner decisions, written by `compile` into recipe.resolved.yaml; users never set it."""
 
-    hardware: str
-    world_size: int
-    num_nodes: int
-    gpus_per_node: int
-    device: Literal["cuda", "cpu"]
-    gradient_accumulation_steps: int
-    predicted_peak_gib: float
-    decoder_layer_class: str
-    lora_targets: list[str]
-    model_family: str
-    # who applies train.activation_checkpointing: "fsdp" = accelerate's FSDP plugin
-    # (fsdp_activation_checkpointing; the trainer must NOT set gradient_checkpointing),
-    # "trainer" = TrainingArguments.gradient_checkpointing, "none" = off
-    activation_checkpointing_by: Literal["trainer", "fsdp", "none"] = "trainer"
+    hardware: str = Field(description="the preset planned for")
+    world_size: int = Field(description="processes in total")
+    num_nodes: int = Field(description="nodes")
+    gpus_per_node: int = Field(description="processes per node")
+    device: Literal["cuda", "cpu"] = Field(description="where the ranks compute")
+    gradient_accumulation_steps: int = Field(description="micro-batches per optimizer step")
+    predicted_peak_gib: float = Field(description="the planner's peak memory per GPU (per process on CPU)")
+    decoder_layer_class: str = Field(description="the class FSDP wraps and checkpoints layer by layer")
+    lora_targets: list[str] = Field(description="the registry's LoRA target modules of the model")
+    model_family: str = Field(description="the architecture family (model registry)")
+    activation_checkpointing_by: Literal["trainer", "fsdp", "none"] = Field(
+        "trainer", description="who applies train.activation_checkpointing: fsdp = accelerate's FSDP plugin "
+                               "(the trainer must not set gradient_checkpointing too), trainer = "
+                               "TrainingArguments.gradient_checkpointing, none = off")
 
 
 class Recipe(Strict):
-    model: ModelSection
-    method: MethodSection = Field(default_factory=MethodSection)
-    adapter: AdapterSection = Field(default_factory=AdapterSection)
-    data: DataSection
-    train: TrainSection = Field(default_factory=TrainSection)
-    distributed: DistributedSection = Field(default_factory=DistributedSection)
+    model: ModelSection = Field(description="the base model")
+    method: MethodSection = Field(default_factory=MethodSection, description="the training objective "
+                                                                             "(`method: dpo` is shorthand)")
+    adapter: AdapterSection = Field(default_factory=AdapterSection, description="what is trained "
+                                                                                "(`adapter: qlora` is "
+                                                                                "shorthand)")
+    data: DataSection = Field(description="training and eval data, and how it is tokenized")
+    train: TrainSection = Field(default_factory=TrainSection, description="optimization")
+    distributed: DistributedSection = Field(default_factory=DistributedSection, description="how the work "
+                                                                                            "is spread over "
+                                                                                            "GPUs")
     hardware: str = Field("auto", description="preset name, a preset file, or auto")
-    output: OutputSection = Field(default_factory=OutputSection)
-    hub: HubSection = Field(default_factory=HubSection)
-    logging: LoggingSection = Field(default_factory=LoggingSection)
-    resolved: ResolvedSection | None = None
+    output: OutputSection = Field(default_factory=OutputSection, description="the run directory and its "
+                                                                             "checkpoints")
+    hub: HubSection = Field(default_factory=HubSection, description="publishing to the Hugging Face Hub")
+    logging: LoggingSection = Field(default_factory=LoggingSection, description="trackers and profiling")
+    resolved: ResolvedSection | None = Field(None, description="written by the planner into "
+                                                               "recipe.resolved.yaml; never set by hand")
     # where the recipe came from: relative data paths are anchored at _source_dir
     _source_dir: str | None = PrivateAttr(None)
     _source_name: str | None = PrivateAttr(None)
@@ -260,8 +307,14 @@ class Recipe(Strict):
         problems = list(recipe_conflicts(self))
         if problems:
             key, message = problems[0]
-            raise ValueError(f"@{key}@ {message}")
+            # a structured error: the loader reports `key` (not the whole recipe's location) as the place
+            raise PydanticCustomError(CONFLICT_ERROR, "{message}", {"key": key, "message": message})
         return self
+
+
+def _shards(strategy: str) -> bool:
+    """A pinned strategy that shards the parameters (auto: the planner decides later)."""
+    return strategy != AUTO and shards_params(strategy)
 
 
 def recipe_conflicts(recipe: Recipe):
@@ -281,7 +334,7 @@ def recipe_conflicts(recipe: Recipe):
     if m.type == "dpo" and d.packing:
         yield "data.packing", "packing is not supported for DPO; set data.packing: false"
     if a.type == "qlora":
-        if a.storage_dtype != recipe.model.dtype and recipe.distributed.strategy not in ("auto", "ddp"):
+        if a.storage_dtype != recipe.model.dtype and _shards(recipe.distributed.strategy):
             yield "adapter.storage_dtype", (
                 f"QLoRA with {recipe.distributed.strategy} needs the 4-bit weights stored in the "
                 f"model dtype ({recipe.model.dtype}) so they can be sharded; set "
@@ -297,3 +350,17 @@ def recipe_conflicts(recipe: Recipe):
         yield "train.max_bad_steps", "max_bad_steps needs train.on_nonfinite: skip"
     if d.eval_fraction and d.eval_sources:
         yield "data.eval_fraction", "set either data.eval_fraction or data.eval_sources, not both"
+    if m.type == "dpo" and m.reference == "implicit" and a.type == "full":
+        yield "method.reference", ("an implicit reference needs an adapter to disable; full fine-tuning has "
+                                   "none; use reference: copy or precompute, or adapter: lora")
+
+
+def dpo_reference(recipe: Recipe) -> str:
+    """The DPO reference model as it runs, `auto` decided (the planner and the trainer both ask here):
+    implicit (LoRA/QLoRA: the base with the adapter disabled, no second copy), copy (full fine-tune: a
+    frozen second model) or precompute; "none" for SFT."""
+    if recipe.method.type != "dpo":
+        return "none"
+    if recipe.method.reference == "auto":
+        return "copy" if recipe.adapter.type == "full" else "implicit"
+    return recipe.method.reference

@@ -9,12 +9,13 @@ Public API (pure Python, no torch):
 from __future__ import annotations
 
 import difflib
-from functools import lru_cache
+from functools import cache
 from pathlib import Path
 
 from pydantic import BaseModel, ValidationError
 
 from finetune.errors import RecipeError
+from finetune.recipe.paths import anchored
 from finetune.registry.derive import arch_from_config, find_config_json
 from finetune.registry.schema import HardwarePreset, ModelArch
 
@@ -40,7 +41,7 @@ def load_yaml_as(path: Path, schema: type[BaseModel]):
         raise validation_error_to_recipe_error(exc, file=str(path), schema=schema) from None
 
 
-@lru_cache(maxsize=None)
+@cache
 def _models() -> dict[str, ModelArch]:
     out = {}
     for path in sorted(MODELS_DIR.rglob("*.yaml")):
@@ -49,7 +50,7 @@ def _models() -> dict[str, ModelArch]:
     return out
 
 
-@lru_cache(maxsize=None)
+@cache
 def _presets() -> dict[str, HardwarePreset]:
     out = {}
     for path in sorted(HARDWARE_DIR.rglob("*.yaml")):
@@ -130,9 +131,7 @@ def get_preset(name_or_path: str, *, base_dir: str | Path | None = None) -> Hard
 
         return detect_preset()
     base = Path(base_dir) if base_dir is not None else Path.cwd()
-    path = Path(name_or_path).expanduser()
-    if not path.is_absolute():
-        path = base / path
+    path = anchored(name_or_path, base)
     looks_like_file = name_or_path.endswith((".yaml", ".yml")) or "/" in name_or_path
     if path.is_file():
         return load_yaml_as(path, HardwarePreset)

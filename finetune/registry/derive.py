@@ -14,6 +14,7 @@ from pathlib import Path
 from pydantic import ValidationError
 
 from finetune.errors import RecipeError
+from finetune.recipe.paths import anchored
 from finetune.registry.schema import ModelArch
 
 DEFAULT_LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -30,9 +31,7 @@ _BIAS_FAMILIES = {"qwen2"}  # q/k/v biases are implicit in these families
 
 def find_config_json(name: str, *, base_dir: Path, revision: str | None = None) -> Path | None:
     """A local directory (relative to base_dir) or a Hugging Face cache snapshot holding config.json."""
-    candidate = Path(name).expanduser()
-    if not candidate.is_absolute():
-        candidate = base_dir / candidate
+    candidate = anchored(name, base_dir)
     if (candidate / "config.json").is_file():
         return candidate / "config.json"
     if candidate.name == "config.json" and candidate.is_file():
@@ -75,7 +74,7 @@ def arch_from_config(path: Path, *, key: str, hub_id: str | None = None) -> Mode
     if not isinstance(cfg, dict):
         raise RecipeError("config.json is not a JSON object", file=str(path))
     top_family = cfg.get("model_type", "")
-    text = cfg.get("text_config") if isinstance(cfg.get("text_config"), dict) else cfg
+    text: dict = cfg["text_config"] if isinstance(cfg.get("text_config"), dict) else cfg
     family = top_family or text.get("model_type", "")
     missing = [k for k in ("hidden_size", "num_hidden_layers", "num_attention_heads",
                            "intermediate_size", "vocab_size") if k not in text]

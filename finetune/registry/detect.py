@@ -14,8 +14,6 @@ from pathlib import Path
 
 from finetune.registry.schema import HardwarePreset
 
-MIB = 1024 ** 2
-
 
 def query_gpus() -> list[tuple[str, float]]:
     """[(name, memory GiB)] of the local NVIDIA GPUs this process may use; [] when there is no nvidia-smi
@@ -94,8 +92,30 @@ _KNOWN = {"h100": "server-8xh100", "h200": "server-8xh200", "b200": "server-8xb2
           "rtxpro6000": "workstation-4xrtxpro6000"}
 
 
+UNKNOWN_GPU_PEAK_TFLOPS = 100.0  # a GPU we have no preset for: slow estimates, never optimistic
+
+
 def _normalize(name: str) -> str:
     return name.lower().replace("nvidia", "").replace("geforce", "").replace(" ", "")
+
+
+def _borrowed_preset(gpu_name: str) -> HardwarePreset | None:
+    """The registry preset whose per-GPU figures apply to `gpu_name` (None: unknown, or a PCIe card of
+    an SXM model, to which none of the NVLink numbers apply)."""
+    from finetune.registry import get_preset
+
+    norm = _normalize(gpu_name)
+    match = next((get_preset(preset) for token, preset in _KNOWN.items() if token in norm), None)
+    if match is not None and "pcie" in norm and match.intra_node_link == "nvlink":
+        return None
+    return match
+
+
+def peak_bf16_tflops(gpu_name: str) -> float:
+    """The dense bf16 peak `--hardware auto` plans with for a card of this name (nvidia-smi's or
+    torch.cuda.get_device_name()'s): the figure every MFU is quoted against."""
+    match = _borrowed_preset(gpu_name)
+    return match.peak_bf16_tflops if match is not None else UNKNOWN_GPU_PEAK_TFLOPS
 
 
 def synthesize_preset(gpus: list[tuple[str, float]], *, ram_gib: float,
@@ -109,8 +129,7 @@ def synthesize_preset(gpus: list[tuple[str, float]], *, ram_gib: float,
         return cpu.model_copy(update={"name": "cpu", "gpu_memory_gib": usable, "host_ram_gib": round(ram_gib, 1)})
     name, mem = gpus[0]
     count = len(gpus)
-    norm = _normalize(name)
-    match = next((get_preset(preset) for token, preset in _KNOWN.items() if token in norm), None)
+    match = _borrowed_preset(name)
     # nvidia-smi's total includes a driver reserve we do not get to use
     usable = round(mem - 0.5, 1)
     base = dict(
@@ -118,8 +137,6 @@ def synthesize_preset(gpus: list[tuple[str, float]], *, ram_gib: float,
         gpu_model=name, vendor="nvidia", gpu_memory_gib=usable, gpus_per_node=count, nodes=1,
         inter_node_fabric="none", inter_node_bandwidth_gbps=0, host_ram_gib=round(ram_gib, 1),
         nvme_path=nvme, nvme_bandwidth_gbps=5.0 if nvme else 0, nvme_capacity_gib=None)
-    if match is not None and "pcie" in norm and match.intra_node_link == "nvlink":
-        match = None  # a PCIe card of an SXM model: none of the NVLink numbers apply
     if match is not None:
         base.update(intra_node_link=match.intra_node_link if count > 1 else "none",
                     intra_node_bandwidth_gbps=match.intra_node_bandwidth_gbps,
@@ -132,7 +149,7 @@ def synthesize_preset(gpus: list[tuple[str, float]], *, ram_gib: float,
     else:
         # unknown GPU: assume PCIe without peer-to-peer and a modest peak (slow estimates, never optimistic)
         base.update(intra_node_link="pcie" if count > 1 else "none", intra_node_bandwidth_gbps=10,
-                    peak_bf16_tflops=100.0, host_to_device_bandwidth_gbps=16)
+                    peak_bf16_tflops=UNKNOWN_GPU_PEAK_TFLOPS, host_to_device_bandwidth_gbps=16)
     return HardwarePreset(**base)
 
 

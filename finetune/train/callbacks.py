@@ -10,6 +10,7 @@ from pathlib import Path
 
 from transformers import TrainerCallback
 
+from finetune import rundir
 from finetune.errors import TrainingFailed
 
 log = logging.getLogger("finetune.train")
@@ -21,18 +22,6 @@ def peak_memory_gib() -> float:
 
     figures = memory_figures()
     return figures.get("gpu_max_allocated_gib", figures["host_rss_peak_gib"])
-
-
-def read_metrics(path: Path) -> list[dict]:
-    if not path.exists():
-        return []
-    rows = []
-    for line in path.read_text().splitlines():
-        try:
-            rows.append(json.loads(line))
-        except ValueError:  # a line cut short by a crash mid-write: that step is re-run on resume
-            continue
-    return rows
 
 
 def plot_loss(rows: list[dict], out: Path) -> None:
@@ -63,8 +52,9 @@ class MetricsCallback(TrainerCallback):
     TRAIN_KEYS = ("loss", "learning_rate", "grad_norm", "epoch")
 
     def __init__(self, run_dir: Path):
-        self.path = Path(run_dir) / "metrics.jsonl"
-        self.png = Path(run_dir) / "loss.png"
+        self.run_dir = Path(run_dir)
+        self.path = self.run_dir / rundir.METRICS
+        self.png = self.run_dir / rundir.LOSS_PNG
         self._last = (time.perf_counter(), 0)
         self._began = time.perf_counter()
 
@@ -73,7 +63,7 @@ class MetricsCallback(TrainerCallback):
         self._last = (self._began, state.num_input_tokens_seen or 0)
         if state.is_world_process_zero:
             # On resume keep the rows up to the checkpoint's step; later ones are re-run.
-            rows = [r for r in read_metrics(self.path) if r.get("step", 0) <= state.global_step]
+            rows = [r for r in rundir.read_metrics(self.run_dir) if r.get("step", 0) <= state.global_step]
             self.path.parent.mkdir(parents=True, exist_ok=True)
             self.path.write_text("".join(json.dumps(r) + "\n" for r in rows))
 
@@ -102,11 +92,11 @@ class MetricsCallback(TrainerCallback):
 
     def on_evaluate(self, args, state, control, **kwargs):
         if state.is_world_process_zero:
-            plot_loss(read_metrics(self.path), self.png)
+            plot_loss(rundir.read_metrics(self.run_dir), self.png)
 
     def on_train_end(self, args, state, control, **kwargs):
         if state.is_world_process_zero:
-            plot_loss(read_metrics(self.path), self.png)
+            plot_loss(rundir.read_metrics(self.run_dir), self.png)
 
 
 def reduce_flags(flags: list[float]) -> list[float]:

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from finetune.errors import DataError
+from finetune.recipe.paths import anchored
 from finetune.recipe.schema import DataSource
 from finetune.train.formats import convert_row
 
@@ -29,9 +30,7 @@ class LoadedSource:
 
 def resolve_path(path: str, base_dir: Path) -> Path | None:
     """The local file a source names, or None for a Hub dataset id."""
-    candidate = Path(os.path.expanduser(path))
-    if not candidate.is_absolute():
-        candidate = base_dir / candidate
+    candidate = anchored(path, base_dir)
     if candidate.exists():
         return candidate.resolve()
     if candidate.suffix in LOCAL_SUFFIXES or path.startswith((".", "/", "~")) or path.count("/") != 1:

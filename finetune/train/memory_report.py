@@ -17,6 +17,8 @@ from pathlib import Path
 
 from transformers import TrainerCallback
 
+from finetune import rundir
+
 GIB = 2**30
 
 
@@ -57,7 +59,8 @@ def weights_on_gpu_bytes(model) -> int:
 
 class PeakMemoryCallback(TrainerCallback):
     def __init__(self, run_dir: Path):
-        self.dir = Path(run_dir) / "memory"
+        self.run_dir = Path(run_dir)
+        self.dir = self.run_dir / rundir.MEMORY_DIR
         self.at_start: dict = {}
         self.ended = False  # an evaluation after training logs again; the file stays final
         self.pss_peak: float | None = None  # sampled after loading and at every logged step
@@ -97,4 +100,4 @@ class PeakMemoryCallback(TrainerCallback):
             figures["host_pss_sampled_peak_gib"] = self.pss_peak
         tmp = self.dir / f".rank-{rank}.json.tmp"  # never a half-written file, whenever we are killed
         tmp.write_text(json.dumps(figures, indent=2) + "\n")
-        tmp.replace(self.dir / f"rank-{rank}.json")
+        tmp.replace(self.run_dir / rundir.memory_file(rank))

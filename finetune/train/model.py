@@ -7,6 +7,7 @@ from pathlib import Path
 
 from finetune.errors import RecipeError
 from finetune.recipe.load import recipe_dir
+from finetune.recipe.paths import anchored, is_inline_template
 from finetune.recipe.schema import Recipe
 
 log = logging.getLogger("finetune.train")
@@ -24,11 +25,9 @@ def read_chat_template(recipe: Recipe) -> str | None:
     text = recipe.data.chat_template
     if text is None:
         return None
-    if "{%" in text or "{{" in text:
+    if is_inline_template(text):
         return text
-    path = Path(text).expanduser()
-    if not path.is_absolute():
-        path = recipe_dir(recipe) / path
+    path = anchored(text, recipe_dir(recipe))
     if not path.exists():
         raise RecipeError(f"is neither a jinja template nor an existing file ({path})", key="data.chat_template",
                           hint="give the template text inline, or the path to a .jinja file")
@@ -38,11 +37,11 @@ def read_chat_template(recipe: Recipe) -> str | None:
 def model_path(recipe: Recipe) -> str:
     """model.name as a Hub id, or a local directory (relative ones are read from the recipe's dir)."""
     name = recipe.model.name
-    local = Path(name).expanduser()
-    if not local.is_absolute() and (recipe_dir(recipe) / local).is_dir():
-        return str((recipe_dir(recipe) / local).resolve())
-    if local.is_dir() or name.startswith((".", "/", "~")):
+    local = anchored(name, recipe_dir(recipe))
+    if local.is_dir():
         return str(local.resolve())
+    if Path(name).expanduser().is_dir() or name.startswith((".", "/", "~")):
+        return str(Path(name).expanduser().resolve())
     return name
 
 
@@ -51,7 +50,8 @@ def load_tokenizer(recipe: Recipe):
 
     m = recipe.model
     try:
-        tokenizer = AutoTokenizer.from_pretrained(model_path(recipe), revision=m.revision, trust_remote_code=m.trust_remote_code)
+        tokenizer = AutoTokenizer.from_pretrained(model_path(recipe), revision=m.revision,
+                                                  trust_remote_code=m.trust_remote_code)
     except OSError as exc:
         raise RecipeError(f"cannot load the tokenizer: {exc}", key="model.name",
                           hint="check the model id or directory; offline runs need the model in the local "

@@ -8,17 +8,9 @@ need the tokenizer (chat template, lengths) stay in the ranks' preflight. No tor
 
 from __future__ import annotations
 
-import os
-from pathlib import Path
-
 from finetune.recipe.load import recipe_dir
-from finetune.recipe.paths import check_data_path
+from finetune.recipe.paths import anchored, check_data_path, is_inline_template
 from finetune.recipe.schema import Recipe
-
-
-def _local(path: str, base: Path) -> Path:
-    candidate = Path(os.path.expanduser(path))
-    return candidate if candidate.is_absolute() else base / candidate
 
 
 def check_data(recipe: Recipe) -> None:
@@ -33,8 +25,8 @@ def check_data(recipe: Recipe) -> None:
     for key, source in named:
         if resolve_path(source.path, base) is None:  # a Hub dataset id (a missing local file raises)
             continue
-        check_data_path(_local(source.path, base), key=key, **guard)
+        check_data_path(anchored(source.path, base), key=key, **guard)
         load_source(source, base_dir=base)
     template = d.chat_template
-    if template and "{%" not in template and "{{" not in template and _local(template, base).exists():
-        check_data_path(_local(template, base), key="data.chat_template", **guard)
+    if template and not is_inline_template(template) and anchored(template, base).exists():
+        check_data_path(anchored(template, base), key="data.chat_template", **guard)

@@ -16,6 +16,8 @@ from pathlib import Path
 
 from transformers import TrainerCallback
 
+from finetune import rundir
+
 # kernel-name patterns, tried in order (cuBLAS/CUTLASS gemms are named gemm/nvjet/xmma/wgmma)
 KINDS = (
     ("attention", re.compile(r"flash|fmha|attention|varlen|sdpa|efficient_attention", re.I)),
@@ -68,7 +70,8 @@ class ProfilerCallback(TrainerCallback):
     """Profiles optimizer steps start..stop-1 (1-based, counted like the Trainer's global_step + 1)."""
 
     def __init__(self, run_dir: Path, *, start: int, stop: int, rank: int):
-        self.out = Path(run_dir) / "profile"
+        self.run_dir = Path(run_dir)
+        self.out = self.run_dir / rundir.PROFILE_DIR
         self.start, self.stop, self.rank = start, stop, rank
         self.prof = None
         self.began = 0.0
@@ -113,7 +116,7 @@ class ProfilerCallback(TrainerCallback):
         import torch
 
         self.out.mkdir(parents=True, exist_ok=True)
-        stem = self.out / f"rank-{self.rank}"
+        stem = self.run_dir / rundir.profile_stem(self.rank)
         prof.export_chrome_trace(str(stem) + ".trace.json")
         _gzip(Path(str(stem) + ".trace.json"))
         events = prof.key_averages()

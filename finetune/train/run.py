@@ -1,6 +1,6 @@
 """One rank's whole run: resolved recipe -> tokenizer -> preflight + data -> model -> TRL -> outputs.
 
-Setup, train, cleanup in that order; everything a user must fix is raised as a FinetuneError
+`_run` is setup, train, finish in that order; everything a user must fix is raised as a FinetuneError
 before the model is loaded (data) or before training starts (recipe).
 """
 
@@ -10,17 +10,19 @@ import json
 import logging
 import math
 import os
+from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
+from finetune import rundir, strategies
 from finetune.errors import FinetuneError, RecipeError
 from finetune.recipe.load import load_recipe
-from finetune.train.callbacks import CommitCallback, MetricsCallback, NonFiniteCallback, read_metrics
-from finetune.train.checkpoint import ZERO3, check_resume, prepare_checkpoints, resolve_resume
+from finetune.train.callbacks import CommitCallback, MetricsCallback, NonFiniteCallback
+from finetune.train.checkpoint import check_resume, prepare_checkpoints, resolve_resume
 from finetune.train.integrity import recipe_fields
 
 log = logging.getLogger("finetune.train")
-RANK_ERROR = "logs/rank-error.json"  # the main rank's FinetuneError, read by finetune.api.run
 
 
 def _setup_logging(is_main: bool) -> None:
@@ -56,8 +58,7 @@ def run_rank(resolved_path: str | Path, *, resume: str = "auto") -> dict | None:
         summary = _run(recipe, state=state, run_dir=run_dir, resume=resume, preempt=preempt)
     except FinetuneError as err:
         if state.is_main_process:  # the launcher's exit code loses ours (accelerate exits 1 for one process)
-            (run_dir / "logs").mkdir(parents=True, exist_ok=True)
-            (run_dir / RANK_ERROR).write_text(json.dumps({"exit_code": err.exit_code, "message": err.render()}))
+            rundir.write_rank_error(run_dir, exit_code=err.exit_code, message=err.render())
         if isinstance(err, Preempted):  # every rank stopped at the same step boundary: leave together
             state.destroy_process_group()
         raise
@@ -70,29 +71,42 @@ def run_rank(resolved_path: str | Path, *, resume: str = "auto") -> dict | None:
 
 
 def _run(recipe, *, state, run_dir: Path, resume: str, preempt) -> dict | None:
+    """setup -> train -> finish; the summary on the main process, None elsewhere."""
+    session = _setup(recipe, state=state, run_dir=run_dir, resume=resume)
+    trainer, result = _train(session, preempt=preempt)
+    return _finish(session, trainer=trainer, result=result)
 
+
+@dataclass
+class _Session:
+    """What setup prepared for training and finishing."""
+
+    recipe: Any
+    state: Any  # accelerate's PartialState
+    run_dir: Path
+    tokenizer: Any
+    data: Any  # finetune.train.preflight.PreparedData
+    model: Any
+    args: Any  # the TRL config (TrainingArguments)
+    resume_from: Path | None
+    cases: list | None  # task-eval examples, or None
+    summary: dict = field(default_factory=dict)
+
+
+def _setup(recipe, *, state, run_dir: Path, resume: str) -> _Session:
+    """Everything before the first step: tokenizer, data (preflight before any model is loaded), the
+    resume point and the checkpoints it keeps, the training arguments, the model, and the task eval
+    before training."""
     from finetune.train import taskeval
-    from finetune.train.model import adapter_input_casting, load_model, load_tokenizer
+    from finetune.train.model import load_model, load_tokenizer
     from finetune.train.preflight import prepare_data
-    from finetune.train.trainers import build_trainer, training_args
+    from finetune.train.trainers import training_args
 
     tokenizer = load_tokenizer(recipe)
     data = prepare_data(recipe, tokenizer, state=state)  # preflight: before any model is loaded
     cases = taskeval.load_cases(recipe) if recipe.data.task_eval else None
-    resume_from = resolve_resume(resume, run_dir)
-    if resume_from is not None:
-        log.info(f"resuming from {resume_from}")
-        for note in check_resume(resume_from, recipe, world_size=state.num_processes):
-            log.info(f"resume: changed safely: {note}")
-    elif state.is_main_process:  # a fresh start neither mixes in old rows nor leaves an old run's summary
-        (run_dir / "metrics.jsonl").unlink(missing_ok=True)
-        (run_dir / "summary.json").unlink(missing_ok=True)
-    state.wait_for_everyone()
-    if state.is_main_process:  # incomplete and discarded checkpoints go before the Trainer writes any
-        prepare_checkpoints(run_dir, start=resume_from)
-    state.wait_for_everyone()
-
-    if recipe.distributed.strategy in ZERO3:  # before DeepSpeed JIT-builds its ops
+    resume_from = _resume_point(recipe, state=state, run_dir=run_dir, resume=resume)
+    if strategies.is_deepspeed(recipe.distributed.strategy):  # before DeepSpeed JIT-builds its ops
         from finetune.compat.deepspeed_arch_list import make_arch_list_readable
 
         note = make_arch_list_readable()
@@ -103,22 +117,44 @@ def _run(recipe, *, state, run_dir: Path, resume: str, preempt) -> dict | None:
     # the eval before training runs inside train(), after the model is wrapped: FSDP2 cannot wrap a model
     # for an evaluate() called first (accelerate needs the model and optimizer prepared together)
     args.eval_on_start = data.eval is not None and resume_from is None
-    model = load_model(recipe)
-    summary: dict = {"run_dir": str(run_dir), "tokenized_cache": {"key": data.cache_key, "hit": data.cache_hit},
-                     "data_notes": data.notes, "resumed_from": str(resume_from) if resume_from else None}
-    max_new = recipe.data.task_eval.max_new_tokens if cases else 0
+    session = _Session(recipe=recipe, state=state, run_dir=run_dir, tokenizer=tokenizer, data=data,
+                       model=load_model(recipe), args=args, resume_from=resume_from, cases=cases)
+    session.summary = {"run_dir": str(run_dir), "tokenized_cache": {"key": data.cache_key, "hit": data.cache_hit},
+                       "data_notes": data.notes, "resumed_from": str(resume_from) if resume_from else None}
     if cases and resume_from is None:
         if state.is_main_process:
-            before_model = model if state.num_processes == 1 else taskeval.load_base(recipe)
-            summary["task_eval_before"] = taskeval.exact_match(before_model, tokenizer, cases,
-                                                               max_new_tokens=max_new)
-            model.train()
-            log.info(f"exact match before training: {summary['task_eval_before']['exact_match']:.1%}")
+            before_model = session.model if state.num_processes == 1 else taskeval.load_base(recipe)
+            session.summary["task_eval_before"] = taskeval.exact_match(
+                before_model, tokenizer, cases, max_new_tokens=recipe.data.task_eval.max_new_tokens)
+            session.model.train()
+            log.info(f"exact match before training: {session.summary['task_eval_before']['exact_match']:.1%}")
         state.wait_for_everyone()
+    return session
 
+
+def _resume_point(recipe, *, state, run_dir: Path, resume: str) -> Path | None:
+    """The checkpoint to resume from (checked against the recipe), or None for a fresh start, whose old
+    metrics and summary go; incomplete and discarded checkpoints go before the Trainer writes any."""
+    resume_from = resolve_resume(resume, run_dir)
+    if resume_from is not None:
+        log.info(f"resuming from {resume_from}")
+        for note in check_resume(resume_from, recipe, world_size=state.num_processes):
+            log.info(f"resume: changed safely: {note}")
+    elif state.is_main_process:  # a fresh start neither mixes in old rows nor leaves an old run's summary
+        (run_dir / rundir.METRICS).unlink(missing_ok=True)
+        (run_dir / rundir.SUMMARY).unlink(missing_ok=True)
+    state.wait_for_everyone()
+    if state.is_main_process:
+        prepare_checkpoints(run_dir, start=resume_from)
+    state.wait_for_everyone()
+    return resume_from
+
+
+def _callbacks(session: _Session, *, preempt) -> list:
     from finetune.train.memory_report import PeakMemoryCallback
     from finetune.train.progress import ConsoleProgress
 
+    recipe, run_dir = session.recipe, session.run_dir
     callbacks = [MetricsCallback(run_dir), PeakMemoryCallback(run_dir), ConsoleProgress(),
                  NonFiniteCallback(policy=recipe.train.on_nonfinite, max_bad_steps=recipe.train.max_bad_steps),
                  CommitCallback(run_dir, fields=recipe_fields(recipe), strategy=recipe.distributed.strategy,
@@ -128,43 +164,64 @@ def _run(recipe, *, state, run_dir: Path, resume: str, preempt) -> dict | None:
         from finetune.train.profile import ProfilerCallback
 
         start, stop = recipe.logging.profile_steps
-        callbacks.append(ProfilerCallback(run_dir, start=start, stop=stop, rank=state.process_index))
-    trainer = build_trainer(recipe, args=args, model=model, tokenizer=tokenizer, data=data, callbacks=callbacks)
+        callbacks.append(ProfilerCallback(run_dir, start=start, stop=stop, rank=session.state.process_index))
+    return callbacks
+
+
+def _train(session: _Session, *, preempt):
+    """(trainer, TrainOutput): the TRL trainer built and run (the eval before training is its eval_on_start).
+    A preemption raises once every rank has stopped at the same step and saved its checkpoint."""
     from transformers.trainer_callback import PrinterCallback
 
+    from finetune.train.model import adapter_input_casting
+    from finetune.train.trainers import build_trainer
+
+    recipe, resume_from = session.recipe, session.resume_from
+    trainer = build_trainer(recipe, args=session.args, model=session.model, tokenizer=session.tokenizer,
+                            data=session.data, callbacks=_callbacks(session, preempt=preempt))
     trainer.remove_callback(PrinterCallback)  # ConsoleProgress prints the readable version
     with adapter_input_casting(recipe, trainer.model):
         result = trainer.train(resume_from_checkpoint=str(resume_from) if resume_from else None)
     if preempt.stopped_at is not None:
-        raise preempt.error(run_dir)
-    if args.eval_on_start:
-        summary["eval_loss_before"] = next(
+        raise preempt.error(session.run_dir)
+    if session.args.eval_on_start:
+        session.summary["eval_loss_before"] = next(
             (h["eval_loss"] for h in trainer.state.log_history if "eval_loss" in h and h.get("step") == 0), None)
-    if data.eval is not None:
+    return trainer, result
+
+
+def _finish(session: _Session, *, trainer, result) -> dict | None:
+    """The final eval loss, the model (or adapter) and tokenizer saved, the task eval after training,
+    and on the main process the summary written and printed."""
+    from finetune.train import taskeval
+
+    recipe, state, run_dir, summary = session.recipe, session.state, session.run_dir, session.summary
+    if session.data.eval is not None:
         done = [h["eval_loss"] for h in trainer.state.log_history
                 if "eval_loss" in h and h.get("step") == trainer.state.global_step]
         summary["eval_loss_final"] = done[-1] if done else trainer.evaluate()["eval_loss"]
     if getattr(trainer, "is_fsdp_enabled", False):
         # checkpoints stay sharded (resumable on another world size); the final model or adapter
-        # is gathered into plain safetensors, or save_model would write nothing under SHARDED
+        # is gathered into plain safetensors, or save_model would write nothing from the sharded state
         trainer.accelerator.state.fsdp_plugin.set_state_dict_type("FULL_STATE_DICT")
     trainer.save_model(str(run_dir))  # every rank: FSDP/ZeRO-3 gather the weights collectively
     if state.is_main_process:
-        tokenizer.save_pretrained(run_dir)
+        session.tokenizer.save_pretrained(run_dir)
     state.wait_for_everyone()
-    if cases and state.is_main_process:
+    if session.cases and state.is_main_process:
         trained = taskeval.load_trained(recipe, run_dir)
-        summary["task_eval_after"] = taskeval.exact_match(trained, tokenizer, cases, max_new_tokens=max_new)
+        summary["task_eval_after"] = taskeval.exact_match(trained, session.tokenizer, session.cases,
+                                                          max_new_tokens=recipe.data.task_eval.max_new_tokens)
     if not state.is_main_process:
         return None
     summary.update(_train_figures(recipe, run_dir, trainer, result))
-    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    (run_dir / rundir.SUMMARY).write_text(json.dumps(summary, indent=2) + "\n")
     print(format_summary(summary), flush=True)
     return summary
 
 
 def _train_figures(recipe, run_dir: Path, trainer, result) -> dict:
-    rows = read_metrics(run_dir / "metrics.jsonl")
+    rows = rundir.read_metrics(run_dir)
     losses = [r["loss"] for r in rows if r.get("loss") is not None]
     evals = [r["eval_loss"] for r in rows if r.get("eval_loss") is not None and r["step"] > 0]
     runtime = result.metrics.get("train_runtime") or 0.0
@@ -173,13 +230,13 @@ def _train_figures(recipe, run_dir: Path, trainer, result) -> dict:
     return {
         "method": recipe.method.type, "adapter": recipe.adapter.type,
         "output": str(run_dir / ("adapter_model.safetensors" if adapter else "")).rstrip("/"),
-        "steps": trainer.state.global_step,
-        "final_train_loss": losses[-1] if losses else None,
-        "first_train_loss": losses[0] if losses else None,
-        "best_eval_loss": min(evals) if evals else None,
+        rundir.SUMMARY_STEPS: trainer.state.global_step,
+        rundir.SUMMARY_FINAL_LOSS: losses[-1] if losses else None,
+        rundir.SUMMARY_FIRST_LOSS: losses[0] if losses else None,
+        rundir.SUMMARY_BEST_EVAL: min(evals) if evals else None,
         "train_runtime_s": round(runtime, 2),
-        "tokens_seen": tokens,
-        "tokens_per_second": round(tokens / runtime, 1) if runtime and tokens else None,
+        rundir.SUMMARY_TOKENS: tokens,
+        rundir.SUMMARY_TOKENS_PER_S: round(tokens / runtime, 1) if runtime and tokens else None,
     }
 
 
@@ -201,6 +258,6 @@ def format_summary(s: dict) -> str:
                      f"after {after['exact_match']:.0%}")
         for ex in after["examples"]:
             lines.append(f"    {ex['prompt']!r} -> {ex['got']!r} (expected {ex['expected']!r})")
-    lines.append(f"  metrics: {s['run_dir']}/metrics.jsonl, loss curve: {s['run_dir']}/loss.png, "
-                 f"summary: {s['run_dir']}/summary.json")
+    lines.append(f"  metrics: {s['run_dir']}/{rundir.METRICS}, loss curve: {s['run_dir']}/{rundir.LOSS_PNG}, "
+                 f"summary: {s['run_dir']}/{rundir.SUMMARY}")
     return "\n".join(lines)

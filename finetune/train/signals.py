@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import logging
 import signal
+from pathlib import Path
 
 from transformers import TrainerCallback
 
 from finetune.errors import EXIT_PREEMPTED, FinetuneError
+from finetune.rundir import CHECKPOINTS
 from finetune.train.callbacks import reduce_flags
 
 log = logging.getLogger("finetune.train")
@@ -32,6 +34,8 @@ class PreemptionCallback(TrainerCallback):
     def __init__(self):
         self.received: int | None = None
         self.stopped_at: int | None = None
+        # the handlers in place before ours (the interpreter's defaults, or a host program's own)
+        self._previous = {sig: signal.getsignal(sig) for sig in PREEMPT_SIGNALS}
         for sig in PREEMPT_SIGNALS:
             signal.signal(sig, self._handle)
 
@@ -53,10 +57,11 @@ class PreemptionCallback(TrainerCallback):
 
     def error(self, run_dir) -> Preempted:
         return Preempted(f"stopped by {self.signal_name} at step {self.stopped_at}; checkpoint-{self.stopped_at} "
-                         f"is saved in {run_dir}/checkpoints",
+                         f"is saved in {Path(run_dir) / CHECKPOINTS}",
                          hint="run the same command again to resume from it (the Slurm script requeues on "
                               f"exit code {EXIT_PREEMPTED})")
 
     def restore(self) -> None:
-        for sig in PREEMPT_SIGNALS:
-            signal.signal(sig, signal.SIG_DFL)
+        """Put back the handlers that were installed before this callback (run_rank calls it last)."""
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler if handler is not None else signal.SIG_DFL)

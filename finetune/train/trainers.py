@@ -10,10 +10,8 @@ from pathlib import Path
 
 from finetune.errors import RecipeError
 from finetune.recipe.load import recipe_name
-from finetune.recipe.schema import Recipe
-from finetune.train.checkpoint import CHECKPOINTS
-
-OPTIMIZERS = {"adamw_8bit": "adamw_8bit", "paged_adamw_8bit": "paged_adamw_8bit"}
+from finetune.recipe.schema import Recipe, dpo_reference
+from finetune.rundir import CHECKPOINTS
 
 
 def _micro_batch(recipe: Recipe) -> int:
@@ -32,7 +30,7 @@ def trainer_checkpointing(recipe: Recipe) -> bool:
 
 def _checkpointing_args(on: bool) -> dict:
     """transformers 5.24 renamed gradient_checkpointing to activation_checkpointing (the old name
-    warns); 5.17, on the GPU machine, knows only the old one."""
+    warns); 5.17 knows only the old one."""
     from transformers import TrainingArguments
 
     name = ("activation_checkpointing" if "activation_checkpointing" in TrainingArguments.__dataclass_fields__
@@ -58,7 +56,7 @@ def common_args(recipe: Recipe, *, run_dir: Path, has_eval: bool) -> dict:
         warmup_steps=t.warmup_ratio,  # < 1 is a share of the total steps in transformers 5
         weight_decay=t.weight_decay,
         max_grad_norm=t.max_grad_norm,
-        optim=OPTIMIZERS.get(t.optimizer, "adamw_torch_fused" if cuda else "adamw_torch"),
+        optim=_optimizer(t.optimizer, cuda=cuda),
         bf16=t.precision == "bf16",
         fp16=t.precision == "fp16",
         **_checkpointing_args(checkpointing),
@@ -137,19 +135,8 @@ def dpo_config(recipe: Recipe, *, run_dir: Path, has_eval: bool):
         max_length=recipe.data.max_length,
         beta=m.beta,
         loss_type=[m.loss_type],
-        precompute_ref_log_probs=m.reference == "precompute",
+        precompute_ref_log_probs=dpo_reference(recipe) == "precompute",
     )
-
-
-def reference_mode(recipe: Recipe) -> str:
-    """implicit (adapter disabled) | copy (a frozen second model) | precompute."""
-    ref, adapter = recipe.method.reference, recipe.adapter.type
-    if ref == "auto":
-        return "copy" if adapter == "full" else "implicit"
-    if ref == "implicit" and adapter == "full":
-        raise RecipeError("an implicit reference needs an adapter to disable; full fine-tuning has none",
-                          key="method.reference", hint="use reference: copy or precompute, or adapter: lora")
-    return ref
 
 
 def training_args(recipe: Recipe, *, run_dir: Path, has_eval: bool):
@@ -171,7 +158,7 @@ def build_trainer(recipe: Recipe, *, args, model, tokenizer, data, callbacks: li
     from finetune.train.dpo import PretokenizedDPOTrainer
 
     ref_model = None
-    if reference_mode(recipe) == "copy" and peft_config is not None:
+    if dpo_reference(recipe) == "copy" and peft_config is not None:
         from finetune.train.model import load_model
 
         ref_model = load_model(recipe)  # a frozen, separate base copy
@@ -179,3 +166,11 @@ def build_trainer(recipe: Recipe, *, args, model, tokenizer, data, callbacks: li
     return PretokenizedDPOTrainer(model=model, ref_model=ref_model, args=args, train_dataset=data.train,
                                   eval_dataset=data.eval, processing_class=tokenizer, peft_config=peft_config,
                                   callbacks=callbacks)
+
+
+def _optimizer(name: str, *, cuda: bool) -> str:
+    """TrainingArguments.optim: the 8-bit optimizers share their names with transformers'; adamw is
+    torch's fused AdamW on GPUs."""
+    if name != "adamw":
+        return name
+    return "adamw_torch_fused" if cuda else "adamw_torch"
