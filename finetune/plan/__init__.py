@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from finetune.errors import RecipeError
+
 from finetune.plan.choose import HEADROOM, search, suggestions
 from finetune.plan.memory import OFFLOADED, adapter_input_casts, zero_model_state_bytes
 from finetune.plan.render import render_plan_table
@@ -26,10 +28,20 @@ def _targets(recipe, arch) -> tuple[str, ...]:
     if chosen is None:
         return tuple(arch.lora_targets)
     if chosen == "all-linear":
-        names = [n for n in module_shapes(arch) if arch.num_experts == 1 or n not in
-                 ("gate_proj", "up_proj", "down_proj")]
-        return tuple(dict.fromkeys(names))
-    return tuple(chosen)
+        return tuple(module_shapes(arch))  # peft's all-linear: every nn.Linear of the layers
+    known = set(module_shapes(arch)) | {"embed_tokens"}
+    names = tuple(name.rsplit(".", 1)[-1] for name in chosen)  # peft matches on the name's suffix
+    if "lm_head" in names:
+        # TRL's fused LM head multiplies by lm_head.weight directly: a LoRA there would never be applied
+        raise RecipeError("LoRA on lm_head is not applied by TRL's fused LM head (it reads lm_head.weight)",
+                          key="adapter.target_modules",
+                          hint="train the head in full with adapter.modules_to_save: [lm_head]")
+    unknown = [n for n in names if n not in known]
+    if unknown:
+        raise RecipeError(f"{', '.join(unknown)} is not a module of {arch.key} the planner knows",
+                          key="adapter.target_modules",
+                          hint=f"use names from: {', '.join(sorted(known))}, or all-linear")
+    return names
 
 
 def attention_implementation(recipe, preset) -> str:
@@ -85,6 +97,7 @@ def job_from_recipe(recipe, *, arch, preset) -> Job:
         arch=arch, preset=preset, adapter=adapter, method=method, reference=reference,
         lora_r=recipe.adapter.r, lora_targets=_targets(recipe, arch),
         lora_dropout=recipe.adapter.dropout, dora=recipe.adapter.dora,
+        modules_to_save=tuple(recipe.adapter.modules_to_save or ()) if adapter != "full" else (),
         cast_adapter_inputs=recipe.adapter.cast_adapter_inputs, liger=liger_enabled(recipe, preset),
         double_quant=recipe.adapter.double_quant, weight_bytes=DTYPE_BYTES[recipe.model.dtype],
         act_bytes=4 if recipe.train.precision == "fp32" else 2, optimizer=recipe.train.optimizer,
@@ -131,6 +144,7 @@ def plan_job(job: Job) -> Plan:
         tokens_per_step=tokens, step_time_s=step,
         tokens_per_second=tokens / step if step > 0 else 0.0, mfu=mfu, why="",
         candidates=candidates, total_params=float(count_params(job.arch).total),
+        active_params=float(count_params(job.arch).active),
         trainable_params=float(trainable_params(job)), memory=chosen.memory,
         host_ram_gib=chosen.host_ram_bytes / GIB, device="cpu" if p.vendor == "cpu" else "cuda")
     plan.kernels = _kernels(job, chosen.strategy)

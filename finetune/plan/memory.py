@@ -50,10 +50,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from finetune.plan.types import GIB, MemoryBreakdown
-from finetune.plan.workload import Job, count_params, head_dim, lora_params, module_shapes
+from finetune.strategies import shards_params
+from finetune.plan.workload import (Job, attention_widths, count_params, expert_size, lora_params,
+                                    moe_layer_count, module_shapes, saved_module_params)
 
 ADAM_FP32_MOMENT_BYTES = 8
-ADAM_8BIT_MOMENT_BYTES = 2
+ADAM_8BIT_MOMENT_BYTES = 2 + 2 * 4 / 256  # two uint8 moments + an fp32 absmax each per 256-block
 CUDA_FIXED_BYTES = 1.5 * GIB  # CUDA context, cuBLAS/cuDNN workspaces, kernel images
 NCCL_BYTES = 0.5 * GIB  # communicator channel buffers, only when there are several ranks
 CPU_FIXED_BYTES = 0.5 * GIB  # the Python/torch process itself on the cpu preset
@@ -102,7 +104,7 @@ def weight_bytes(job: Job) -> float:
     if job.adapter != "qlora":
         return params.total * job.weight_bytes
     scale = NF4_DOUBLE_QUANT_SCALE_BYTES if job.double_quant else NF4_SCALE_BYTES
-    linear = params.layer_linear * params.num_layers
+    linear = params.layers_linear
     return linear * (NF4_BYTES + scale) + (params.total - linear) * job.weight_bytes
 
 
@@ -126,17 +128,42 @@ class StateBytes:
     trainable_params: int
 
 
-def state_bytes(job: Job) -> StateBytes:
-    moments = ADAM_8BIT_MOMENT_BYTES if "8bit" in job.optimizer else ADAM_FP32_MOMENT_BYTES
+def keeps_fp32_master(strategy: str | None) -> bool:
+    """Whether trainable 16-bit parameters get fp32 master copies. accelerate's FSDP2 path upcasts every
+    trainable parameter to fp32 before sharding (fsdp2_prepare_model: params, grads and Adam states are
+    fp32 shards; MixedPrecisionPolicy casts the gathered copy to bf16 for compute) and DeepSpeed keeps fp32
+    partitions next to its 16-bit ones. DDP trains the parameters in the dtype they were loaded in: a bf16
+    model gets bf16 gradients and torch's AdamW creates its moments like the parameter (bf16), no master."""
+    return strategy is None or shards_params(strategy)
+
+
+def moment_bytes(job: Job, *, param_bytes: float) -> float:
+    """Adam's two moments per parameter: bitsandbytes 8-bit (paged or not) keeps each in 1 byte plus one
+    fp32 absmax per 256-element block (2 + 8/256); torch's AdamW keeps them in the parameter's dtype."""
+    if "8bit" in job.optimizer:
+        return ADAM_8BIT_MOMENT_BYTES
+    return 2 * param_bytes
+
+
+def state_bytes(job: Job, strategy: str | None = None) -> StateBytes:
+    """`strategy` None: the sharded strategies' accounting (fp32 masters), as the ZeRO paper counts."""
+    master = keeps_fp32_master(strategy) and job.weight_bytes < 4
     weights = weight_bytes(job)
     if job.method == "dpo" and job.reference == "copy":
         weights += count_params(job.arch).total * job.weight_bytes  # frozen reference model
-    if job.adapter == "full":
-        n = count_params(job.arch).total
-        master = 4 * n if job.weight_bytes < 4 else 0
-        return StateBytes(weights, master, job.weight_bytes * n, moments * n, n)
-    n = lora_params(job)
-    return StateBytes(weights, 4 * n, 4 * n, moments * n, n)
+    # parameters trained in the model's dtype: a full fine-tune, peft's modules_to_save copies
+    n = count_params(job.arch).total if job.adapter == "full" else saved_module_params(job)
+    if job.adapter != "full":
+        weights += job.weight_bytes * n  # the trainable copy beside the frozen original
+    trainable, grads = (4 * n if master else 0.0), job.weight_bytes * n
+    optimizer = moment_bytes(job, param_bytes=4 if master else job.weight_bytes) * n
+    if job.adapter != "full":
+        lora = lora_params(job)  # peft keeps LoRA weights in fp32: fp32 grads and moments
+        trainable += 4 * lora
+        grads += 4 * lora
+        optimizer += moment_bytes(job, param_bytes=4) * lora
+        n += lora
+    return StateBytes(weights, trainable, grads, optimizer, n)
 
 
 def peft_casts_adapter_inputs(*, adapter: str, strategy: str, act_bytes: int) -> bool:
@@ -167,15 +194,15 @@ def masked_attention(job: Job, *, micro_batch: int) -> tuple[int, int] | None:
 def activation_bytes_per_token_layer(job: Job, *, micro_batch: int = 1, casts: bool = False) -> float:
     a, arch = job.act_bytes, job.arch
     h, i = arch.hidden_size, arch.intermediate_size
-    q, kv = arch.num_attention_heads * head_dim(arch), arch.num_kv_heads * head_dim(arch)
+    q, kv, v = attention_widths(arch)
     full = job.adapter == "full"
     # Liger's RMSNorm keeps its bf16 input and an fp32 rstd per row instead of the fp32 upcast input
     norms = 2 * ((a * h + 4) if job.liger else 4 * h) + 2 * (a * h + (a * h if full else 0))
     repeated = (job.attention in ("eager", "varlen")
                 or masked_attention(job, micro_batch=micro_batch) is not None)
-    attention = a * (2 * q + 2 * (q if repeated else kv)) + 4 * arch.num_attention_heads
+    attention = a * (2 * q + (q if repeated else kv) + (q if repeated else v)) + 4 * arch.num_attention_heads
     # SwiGLU: gate, up, silu(gate), product; Liger's fused kernel recomputes silu(gate) in backward
-    mlp = (3 if job.liger else 4) * a * i * min(arch.experts_per_token, arch.num_experts)
+    mlp = (3 if job.liger else 4) * a * mlp_width_per_token(arch)
     lora = 0.0
     if not full:
         shapes = module_shapes(arch)
@@ -189,7 +216,42 @@ def activation_bytes_per_token_layer(job: Job, *, micro_batch: int = 1, casts: b
             lora -= a * h * (any(n in job.lora_targets for n in ("q_proj", "k_proj", "v_proj"))
                              + any(n in job.lora_targets for n in ("gate_proj", "up_proj")))
             lora -= a * i * ("down_proj" in job.lora_targets)
+        if job.dora:
+            lora += dora_bytes_per_token_layer(job)
     return norms + attention + mlp + lora
+
+
+def dora_bytes_per_token_layer(job: Job) -> float:
+    """peft's DoRA (tuners/lora/dora.py) returns (m/||W+BA|| - 1) * base_result + m/||W+BA|| * lora_result
+    * scaling with the trainable magnitude m: both products keep their token-sized operand for m's
+    gradient, base_result and lora_result, each out_features wide in the compute dtype (the norm is
+    detached). Measured with saved-tensor hooks on a Llama layer (h 256, i 640, all 7 projections,
+    bf16 and fp32 adapters alike): 9,216 B per token more than LoRA = 2 x 2 B x (256+128+128+256+640
+    +640+256) (tests/test_dora_memory.py)."""
+    shapes = module_shapes(job.arch)
+    return sum(2 * job.act_bytes * shapes[n][1] * shapes[n][2] for n in job.lora_targets if n in shapes)
+
+
+def dora_transient_bytes(job: Job) -> float:
+    """DoRA recomputes ||W + scaling*BA|| per module on every forward: peft builds BA by pushing an
+    in x in identity through lora_A and lora_B, then adds it to a copy of W and takes the row norms. The
+    largest targeted module's temporaries, in fp32 (peft's adapter dtype): the identity and its r-wide
+    image, BA, its cast, the cast W and the sum (4 out x in matrices)."""
+    shapes = module_shapes(job.arch)
+    sizes = [4 * (fin * fin + fin * job.lora_r) + 4 * 4 * fin * fout
+             for n, (fin, fout, _) in shapes.items() if n in job.lora_targets]
+    return max(sizes, default=0.0)
+
+
+def mlp_width_per_token(arch) -> float:
+    """The MLP width a token goes through, averaged over the layers: dense layers' intermediate_size;
+    MoE layers' routed experts (top-k x expert width) plus the shared expert. Router logits and the
+    routing weights are a few bytes per expert, left out."""
+    moe = moe_layer_count(arch)
+    dense = (arch.num_layers - moe) * arch.intermediate_size
+    sparse = moe * (min(arch.experts_per_token, arch.num_experts) * expert_size(arch)
+                    + arch.shared_expert_intermediate_size)
+    return (dense + sparse) / arch.num_layers
 
 
 def attention_matrix_bytes(job: Job, *, micro_batch: int) -> float:
@@ -231,7 +293,8 @@ def loss_head_bytes(job: Job, *, micro_batch: int) -> float:
     a, h = job.act_bytes, job.arch.hidden_size
     tile = min(tokens, FUSED_HEAD_TOKENS) * min(job.arch.vocab_size, FUSED_HEAD_VOCAB) * a
     per_token = (2 * a + 4) * h + 8 * 4  # hidden copy, fp32 gradient + its cast, fp32 per-token stats
-    head_grad = job.arch.vocab_size * h * (4 + job.weight_bytes) if job.adapter == "full" else 0.0
+    trained = job.adapter == "full" or "lm_head" in job.modules_to_save
+    head_grad = job.arch.vocab_size * h * (4 + job.weight_bytes) if trained else 0.0
     return tokens * per_token + tile + head_grad
 
 
@@ -245,7 +308,7 @@ class Footprint:
 def footprint(job: Job, *, strategy: str, micro_batch: int, checkpointing: bool) -> Footprint:
     """Peak bytes per GPU (by part), host RAM per node and NVMe per node for one configuration."""
     p = job.preset
-    states = state_bytes(job)
+    states = state_bytes(job, strategy)
     shard = shard_degree(job, strategy)
     cpu = p.vendor == "cpu"
     layer, root = unit_bytes(job)
@@ -270,6 +333,8 @@ def footprint(job: Job, *, strategy: str, micro_batch: int, checkpointing: bool)
     if job.adapter == "qlora":
         # a dequantized 16-bit copy of the largest linear weight while it is multiplied
         fixed += 2 * max(fin * fout for fin, fout, _ in module_shapes(job.arch).values())
+    if job.dora and job.adapter != "full":
+        fixed += dora_transient_bytes(job)
     subtotal = on_gpu.total + acts + logits + comm
     memory = MemoryBreakdown(weights=on_gpu.weights, trainable=on_gpu.trainable,
                              gradients=on_gpu.gradients, optimizer=on_gpu.optimizer,

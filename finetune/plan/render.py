@@ -32,10 +32,17 @@ def _params(n: float) -> str:
     return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.1f}M"
 
 
+def _active(plan: Plan) -> str:
+    """Mixture-of-experts: the parameters one token uses, next to the total."""
+    if not plan.active_params or plan.active_params >= plan.total_params:
+        return ""
+    return f" total, {_params(plan.active_params)} active per token"
+
+
 def render_plan_table(plan: Plan) -> str:
     lines = [
-        f"model {plan.model} ({_params(plan.total_params)} params, {_params(plan.trainable_params)} "
-        f"trainable), {plan.method} {plan.adapter}, seq {plan.seq_len}",
+        f"model {plan.model} ({_params(plan.total_params)} params{_active(plan)}, "
+        f"{_params(plan.trainable_params)} trainable), {plan.method} {plan.adapter}, seq {plan.seq_len}",
         f"hardware {plan.hardware}: {plan.num_nodes} node(s) x {plan.gpus_per_node} "
         f"{'process' if plan.device == 'cpu' else 'GPU'}(s)",
         "memory per GPU in GiB (host RAM per node); step time per optimizer step",

@@ -95,6 +95,7 @@ class Plan:
     candidates: list[Candidate] = field(default_factory=list)
     suggestions: list[str] = field(default_factory=list)  # when nothing fits
     total_params: float = 0.0
+    active_params: float = 0.0  # used by one token: MoE models leave out the experts it is not routed to
     trainable_params: float = 0.0
     memory: MemoryBreakdown | None = None
     host_ram_gib: float = 0.0
@@ -121,7 +122,8 @@ class Plan:
             "step_time_s": round(self.step_time_s, 3),
             "tokens_per_second": round(self.tokens_per_second, 1),
             "mfu": round(self.mfu, 3), "why": self.why,
-            "total_params": self.total_params, "trainable_params": self.trainable_params,
+            "total_params": self.total_params, "active_params": self.active_params,
+            "trainable_params": self.trainable_params,
             "device": self.device, "kernels": self.kernels,
             "candidates": [c.to_json() for c in self.candidates],
             "suggestions": self.suggestions,

@@ -79,6 +79,9 @@ class AdapterSection(Strict):
         None, description="default: the model registry's LoRA targets")
     dora: bool = False
     rslora: bool = False
+    modules_to_save: list[Literal["embed_tokens", "lm_head"]] | None = Field(
+        None, description="modules trained in full beside the adapter and saved with it (peft's "
+        "modules_to_save), e.g. [embed_tokens, lm_head] after adding tokens")
     # QLoRA only
     quant_type: Literal["nf4", "fp4"] = "nf4"
     double_quant: bool = True
