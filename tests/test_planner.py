@@ -291,3 +291,60 @@ def test_pinned_fsdp2_allowed_on_one_gpu_but_never_chosen(tmp_path):
     pinned = plan(recipe("meta-llama/Llama-3.2-3B", "lora", one, distributed__strategy="fsdp2"))
     assert pinned.fits and pinned.strategy == "fsdp2"  # resuming a sharded checkpoint on one GPU
     assert plan(recipe("meta-llama/Llama-3.2-3B", "lora", one)).strategy == "ddp"
+
+
+# --- issue 13: terms that were missing --------------------------------------------------------
+
+def test_ddp_full_fine_tune_of_a_bf16_model_keeps_no_fp32_master():
+    from finetune.plan.memory import state_bytes
+
+    j = job("llama-3.2-1b", "full", "workstation-1x4090")
+    n = count_params(j.arch).total
+    s = state_bytes(j, "ddp")
+    # DDP trains the bf16 parameters in place: 2 (weights) + 0 (master) + 2 (bf16 grads)
+    # + 2 x 2 (torch AdamW's moments are created like the parameter, bf16) = 8 bytes/param
+    assert (s.weights, s.trainable, s.gradients, s.optimizer) == (2 * n, 0, 2 * n, 4 * n)
+    # accelerate's FSDP2 upcasts trainable params to fp32 before sharding: 16 bytes/param as before
+    f = state_bytes(j, "fsdp2")
+    assert (f.weights + f.trainable + f.gradients + f.optimizer) == 16 * n
+
+
+def test_dora_adds_two_outputs_per_module_per_token_and_its_norm_temporaries():
+    from finetune.plan.memory import dora_bytes_per_token_layer, dora_transient_bytes
+
+    j = job("llama-3.1-8b", "lora", "workstation-1x4090", adapter__dora=True)
+    # out_features of the 7 projections of Llama 3.1 8B: 4096 + 1024 + 1024 + 4096 + 14336 + 14336 + 4096
+    # = 43008; base_result and lora_result in bf16: 2 x 2 x 43008 = 172,032 B per token per layer
+    assert dora_bytes_per_token_layer(j) == 172_032
+    # the issue's run, 32 layers x 4096 tokens (micro-batch 2 x 2048): 22.5e9 B = 21 GiB more than LoRA
+    assert 32 * 4096 * 172_032 / GIB == pytest.approx(21.0, abs=0.05)
+    # weight-norm temporaries of the largest module, down_proj (in 14336, out 4096), fp32:
+    # identity 14336^2 x 4 + its r-wide image 14336 x 16 x 4 + 4 matrices of 14336 x 4096 x 4
+    assert dora_transient_bytes(j) == 4 * (14336 ** 2 + 14336 * 16) + 16 * 14336 * 4096
+
+
+def test_modules_to_save_trains_full_copies_of_embedding_and_head():
+    from finetune.plan.memory import state_bytes
+
+    base = job("llama-3.2-1b", "lora", "workstation-1x4090")
+    saved = job("llama-3.2-1b", "lora", "workstation-1x4090", adapter__modules_to_save=["embed_tokens"])
+    embed = 128256 * 2048  # vocab x hidden = 262.7M params
+    a, b = state_bytes(base, "ddp"), state_bytes(saved, "ddp")
+    # under DDP the copy is trained in bf16: 2 (copy) + 2 (grad) + 4 (bf16 moments) bytes/param
+    assert (b.weights - a.weights, b.gradients - a.gradients, b.optimizer - a.optimizer) == (
+        2 * embed, 2 * embed, 4 * embed)
+    assert b.trainable_params - a.trainable_params == embed
+
+
+def test_lora_on_lm_head_and_unknown_targets_are_refused():
+    from finetune.errors import RecipeError
+
+    with pytest.raises(RecipeError, match="modules_to_save"):
+        job("llama-3.1-8b", "lora", adapter__target_modules=["q_proj", "lm_head"])
+    with pytest.raises(RecipeError, match="qkv_proj"):
+        job("llama-3.1-8b", "lora", adapter__target_modules=["qkv_proj"])
+    # LoRA on the embedding: A is r x vocab, B is hidden x r: 16 x (128256 + 4096) more params
+    a = job("llama-3.1-8b", "lora", adapter__target_modules=["q_proj"])
+    b = job("llama-3.1-8b", "lora", adapter__target_modules=["q_proj", "embed_tokens"])
+    from finetune.plan.workload import lora_params
+    assert lora_params(b) - lora_params(a) == 16 * (128256 + 4096)
