@@ -8,13 +8,14 @@ environment variables that the Accelerator in each rank reads.
 
 from __future__ import annotations
 
+from finetune import strategies
 from finetune.plan.types import Plan
 from finetune.recipe.schema import Recipe
 from finetune.registry.schema import ModelArch
 
 MIXED_PRECISION = {"bf16": "bf16", "fp16": "fp16", "fp32": "no"}
-FSDP_STRATEGIES = ("fsdp2", "fsdp2-hybrid")
-DEEPSPEED_STRATEGIES = ("zero3", "zero3-offload", "zero3-nvme")
+FSDP_STRATEGIES = strategies.names_where(lambda s: s.backend == "fsdp")
+DEEPSPEED_STRATEGIES = strategies.names_where(lambda s: s.backend == "deepspeed")
 
 
 def accelerate_config(recipe: Recipe, plan: Plan, *, arch: ModelArch, main_port: int,
@@ -31,13 +32,14 @@ def accelerate_config(recipe: Recipe, plan: Plan, *, arch: ModelArch, main_port:
             # torchrun on every node (our launcher / srun starts one per node); the default
             # `pdsh` would ssh into the other nodes from node 0.
             "deepspeed_multinode_launcher": "standard",
-            # build the model already partitioned: a 70B model never materialises per rank
-            "zero3_init_flag": True,
+            # ZeRO-3 builds the model already partitioned: a 70B model never materialises per rank
+            # (ZeRO-2 keeps whole parameters on every rank; accelerate refuses the flag below stage 3)
+            "zero3_init_flag": strategies.zero_stage(strategy) == 3,
         }
     elif strategy in FSDP_STRATEGIES:
         cfg["distributed_type"] = "FSDP"
         cfg["fsdp_config"] = fsdp_config(plan, arch=arch)
-        if strategy == "fsdp2-hybrid":
+        if strategies.is_hybrid(strategy):
             # HSDP: replicate across nodes, shard within a node. accelerate 1.15 builds a
             # (dp_replicate, dp_shard) device mesh from its ParallelismConfig, which it reads
             # from these keys (exported as PARALLELISM_CONFIG_DP_*_SIZE).
@@ -45,7 +47,7 @@ def accelerate_config(recipe: Recipe, plan: Plan, *, arch: ModelArch, main_port:
                 "parallelism_config_dp_replicate_size": plan.num_nodes,
                 "parallelism_config_dp_shard_size": plan.gpus_per_node,
             }
-    elif strategy == "ddp":
+    elif strategies.info(strategy).backend == "ddp":
         cfg["distributed_type"] = "MULTI_GPU" if plan.world_size > 1 else "NO"
     else:
         raise ValueError(f"no accelerate config for strategy {strategy!r}")
@@ -81,7 +83,8 @@ def fsdp_config(plan: Plan, *, arch: ModelArch) -> dict:
         # FSDP applies activation checkpointing per wrapped layer; the trainer then must not
         # also set gradient_checkpointing (see resolved.activation_checkpointing_by)
         "fsdp_activation_checkpointing": bool(plan.activation_checkpointing),
-        "fsdp_offload_params": False,
+        # CPUOffloadPolicy: sharded params and grads live in pinned host RAM, the optimizer steps there
+        "fsdp_offload_params": strategies.offloads_params(plan.strategy),
     }
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from finetune import strategies
 from finetune.compile.accelerate import checkpointing_owner
 from finetune.compile.deepspeed import nvme_path_for, optimizer_in_ds_config
 from finetune.plan import attention_implementation, liger_enabled
@@ -60,14 +61,14 @@ def resolve_recipe(recipe: Recipe, plan: Plan, *, run_dir: Path, arch: ModelArch
     # what actually runs: world x micro-batch x accumulation (the planner rounds to fit)
     train["global_batch_size"] = (plan.world_size * plan.micro_batch_size
                                   * plan.gradient_accumulation_steps)
-    if optimizer_in_ds_config(plan):
-        # DeepSpeed's CPU Adam steps the offloaded states (declared in ds_config.json);
-        # a bitsandbytes 8-bit optimizer cannot run on them
+    if optimizer_in_ds_config(plan) or strategies.offloads_optimizer(plan.strategy):
+        # the offloaded states are stepped on the CPU: DeepSpeed's CPU Adam (declared in ds_config.json)
+        # or torch's AdamW on FSDP2's host-RAM shards; bitsandbytes' 8-bit optimizers are CUDA kernels
         train["optimizer"] = "adamw"
 
     dist = data["distributed"]
     dist["strategy"] = plan.strategy
-    if plan.strategy == "zero3-nvme":
+    if strategies.info(plan.strategy).offload == "nvme":
         dist["nvme_path"] = nvme_path_for(recipe, preset)
 
     data["output"]["dir"] = str(run_dir)

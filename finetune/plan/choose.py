@@ -2,8 +2,9 @@
 
 Rule: the fastest configuration (lowest modelled step time) whose peak fits in HEADROOM of the GPU
 memory (and whose offloaded states fit in host RAM / NVMe). Among equally fast settings the larger
-micro-batch and no checkpointing win. CPU/NVMe offload is chosen only when no strategy that keeps
-the states on the GPUs fits. Recipe pins (strategy, micro-batch, checkpointing) restrict
+micro-batch and no checkpointing win. Offload goes by levels (strategies.StrategyInfo.offload_level):
+optimizer-only offload is considered only when nothing fits with every state on the GPUs, parameter
+offload only when optimizer-only offload does not fit either, NVMe last. Recipe pins (strategy, micro-batch, checkpointing) restrict
 the search; a pinned strategy that does not fit yields fits=False with the reason.
 """
 
@@ -15,30 +16,37 @@ from finetune.plan.memory import OFFLOADED, footprint
 from finetune.plan.timing import step_time
 from finetune.plan.types import GIB, Candidate
 from finetune.plan.workload import Job
+from finetune.strategies import NAMES, info, offload_level
 
 HEADROOM = 0.90  # plan to at most 90% of GPU memory / host RAM: spikes, other processes
-STRATEGY_ORDER = ("ddp", "fsdp2", "fsdp2-hybrid", "zero3", "zero3-offload", "zero3-nvme")
+STRATEGY_ORDER = NAMES
 
 
 def not_applicable(job: Job, strategy: str) -> str:
     """Why `strategy` makes no sense on this preset/adapter ("" when it does)."""
     p = job.preset
+    tier = info(strategy)
     if p.vendor == "cpu":
-        return "" if strategy == "ddp" else "the cpu preset runs one process; only ddp applies"
-    if strategy == "fsdp2-hybrid" and p.nodes < 2:
+        return "" if tier.backend == "ddp" else "the cpu preset runs one process; only ddp applies"
+    if tier.hybrid and p.nodes < 2:
         return "hybrid sharding replicates across nodes; this preset has one node"
-    if strategy == "fsdp2-hybrid" and p.gpus_per_node < 2:
+    if tier.hybrid and p.gpus_per_node < 2:
         # accelerate refuses an FSDP mesh whose shard dimension is 1 (seen on 2 x 1-GPU nodes)
         return ("hybrid sharding shards within a node; with one GPU per node use ddp (replicate) "
                 "or fsdp2 (shard across nodes)")
-    if strategy in ("fsdp2", "zero3") and p.world_size < 2 and job.strategy != strategy:
+    splits = tier.shards_params or tier.zero_stage >= 2
+    if splits and tier.offload_level == 0 and p.world_size < 2 and job.strategy != strategy:
         # never chosen on one GPU (no memory to gain), but allowed when pinned: an FSDP2
         # checkpoint saved on several GPUs resumes on one under the same strategy
         return "sharding needs more than one GPU"
-    if strategy == "zero3-nvme" and not job.nvme_path:
+    if tier.offload == "nvme" and not job.nvme_path:
         return "the preset has no NVMe path; set distributed.nvme_path"
-    if strategy in OFFLOADED and job.adapter == "qlora":
-        return "DeepSpeed cannot offload 4-bit (bitsandbytes) weights; use fsdp2 or zero3"
+    if tier.offload_params and job.adapter == "qlora":
+        return "bitsandbytes 4-bit weights cannot be offloaded to the CPU; use fsdp2 or zero3"
+    if tier.zero_stage == 2 and job.adapter != "full":
+        return "ZeRO-2 splits gradients and optimizer states; an adapter's are small: use ddp"
+    if tier.offload_optimizer and not tier.offload_params and job.adapter != "full":
+        return "an adapter's optimizer states are small: offloading them frees little; use zero3"
     return ""
 
 
@@ -114,11 +122,11 @@ def search(job: Job) -> tuple[Candidate, list[Candidate]]:
     candidates = [best_for_strategy(job, s) for s in strategies]
     pool = [c for c in candidates if job.strategy in ("auto", c.strategy)]
     fitting = [c for c in pool if c.fits]
-    on_gpu = [c for c in fitting if c.strategy not in OFFLOADED]
-    if on_gpu:
-        # offload is the last resort: its modelled cost (PCIe, CPU Adam) leaves out DeepSpeed's
-        # fetch stalls and pinned-memory pressure, so it never wins on a small modelled margin
-        fitting = on_gpu
+    if fitting:
+        # offload by levels: its modelled cost (PCIe, CPU Adam) leaves out fetch stalls and pinned-
+        # memory pressure, so a deeper offload never wins on a small modelled margin
+        level = min(offload_level(c.strategy) for c in fitting)
+        fitting = [c for c in fitting if offload_level(c.strategy) == level]
     if fitting:
         chosen = min(fitting, key=lambda c: (c.step_time_s, STRATEGY_ORDER.index(c.strategy)))
     else:

@@ -47,10 +47,10 @@ saved for backward (4) + bf16 logits gradient (2), ~1.5 MB per token for a 128k 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from finetune.plan.types import GIB, MemoryBreakdown
-from finetune.strategies import shards_params
+from finetune.strategies import info, names_where
 from finetune.plan.workload import (Job, attention_widths, count_params, expert_size, lora_params,
                                     moe_layer_count, module_shapes, saved_module_params)
 
@@ -67,8 +67,8 @@ NF4_BYTES = 0.5
 NF4_SCALE_BYTES = 4 / 64  # one fp32 absmax per 64-element block
 NF4_DOUBLE_QUANT_SCALE_BYTES = 1 / 64 + 4 / (64 * 256)
 NVME_PARAM_BUFFERS = 5  # ZeRO-Infinity param swap buffers (buffer_count), each one largest unit
-SHARDED = ("fsdp2", "fsdp2-hybrid", "zero3", "zero3-offload", "zero3-nvme")
-OFFLOADED = ("zero3-offload", "zero3-nvme")
+SHARDED = names_where(lambda s: s.shards_params)
+OFFLOADED = names_where(lambda s: s.offload != "none")
 
 
 def zero_model_state_bytes(params: float, *, stage: int, world: int, k: float = 12) -> float:
@@ -90,12 +90,21 @@ def zero_model_state_bytes(params: float, *, stage: int, world: int, k: float = 
 
 
 def shard_degree(job: Job, strategy: str) -> int:
+    """Over how many ranks the parameters are split (1: replicated)."""
     p = job.preset
-    if strategy == "ddp":
+    if not info(strategy).shards_params:
         return 1
-    if strategy == "fsdp2-hybrid":
+    if info(strategy).hybrid:
         return p.gpus_per_node
     return p.world_size
+
+
+def state_shard_degree(job: Job, strategy: str) -> int:
+    """Over how many ranks gradients and optimizer states are split: ZeRO-2 splits them across every
+    rank while replicating the parameters."""
+    if info(strategy).zero_stage == 2:
+        return job.preset.world_size
+    return shard_degree(job, strategy)
 
 
 def weight_bytes(job: Job) -> float:
@@ -134,7 +143,7 @@ def keeps_fp32_master(strategy: str | None) -> bool:
     fp32 shards; MixedPrecisionPolicy casts the gathered copy to bf16 for compute) and DeepSpeed keeps fp32
     partitions next to its 16-bit ones. DDP trains the parameters in the dtype they were loaded in: a bf16
     model gets bf16 gradients and torch's AdamW creates its moments like the parameter (bf16), no master."""
-    return strategy is None or shards_params(strategy)
+    return strategy is None or info(strategy).backend != "ddp"
 
 
 def moment_bytes(job: Job, *, param_bytes: float) -> float:
@@ -148,6 +157,8 @@ def moment_bytes(job: Job, *, param_bytes: float) -> float:
 def state_bytes(job: Job, strategy: str | None = None) -> StateBytes:
     """`strategy` None: the sharded strategies' accounting (fp32 masters), as the ZeRO paper counts."""
     master = keeps_fp32_master(strategy) and job.weight_bytes < 4
+    if strategy is not None and info(strategy).offload_optimizer and "8bit" in job.optimizer:
+        job = replace(job, optimizer="adamw")  # compile resolves it so: the CPU steps fp32 Adam
     weights = weight_bytes(job)
     if job.method == "dpo" and job.reference == "copy":
         weights += count_params(job.arch).total * job.weight_bytes  # frozen reference model
@@ -314,18 +325,26 @@ def footprint(job: Job, *, strategy: str, micro_batch: int, checkpointing: bool)
     layer, root = unit_bytes(job)
     grad_dtype = 4 if job.adapter != "full" else max(job.weight_bytes, 4)  # reduce in fp32
     layer_grads = states.trainable_params / job.arch.num_layers * grad_dtype
-    if strategy == "ddp":
+    tier = info(strategy)
+    if tier.backend == "ddp":
         # DDP's gradient buckets hold a second copy of the gradients (no gradient_as_bucket_view)
         comm = states.gradients if p.world_size > 1 else 0.0
+    elif tier.zero_stage == 2:
+        # ZeRO-2 reduces through two reduce buckets and re-gathers updated params through one
+        # all-gather bucket, each reduce_bucket_size (h x h, compile/deepspeed.py) 16-bit elements
+        comm = 3 * job.arch.hidden_size ** 2 * 2 if p.world_size > 1 else 0.0
     else:
         # root unit (embedding, lm_head) stays gathered for the whole step; current + prefetched
         # layer gathered; one layer's gradients in the reduce-scatter buffer
         comm = root + 2 * layer + layer_grads
-    if strategy in OFFLOADED:
-        on_gpu = MemoryBreakdown(weights=0.0, trainable=0.0, gradients=0.0, optimizer=0.0)
-    else:
-        on_gpu = MemoryBreakdown(weights=states.weights / shard, trainable=states.trainable / shard,
-                                 gradients=states.gradients / shard, optimizer=states.optimizer / shard)
+    states_shard = state_shard_degree(job, strategy)
+    # offloaded optimizer: fp32 master, moments and the gradient partitions live (and step) on the CPU
+    opt_on_gpu = 0.0 if tier.offload_optimizer else 1.0
+    on_gpu = MemoryBreakdown(
+        weights=0.0 if tier.offload_params else states.weights / shard,
+        trainable=opt_on_gpu * states.trainable / states_shard,
+        gradients=opt_on_gpu * states.gradients / states_shard,
+        optimizer=opt_on_gpu * states.optimizer / states_shard)
     acts = activation_bytes(job, micro_batch=micro_batch, checkpointing=checkpointing,
                             casts=adapter_input_casts(job, strategy))
     logits = loss_head_bytes(job, micro_batch=micro_batch)
@@ -351,19 +370,28 @@ def _host_and_nvme(job: Job, *, strategy: str, states: StateBytes, layer: float)
     # loading: DDP ranks each materialize the model on CPU before moving it; sharded strategies
     # load once per node (cpu_ram_efficient_loading / zero.Init) and scatter
     model_bytes = count_params(job.arch).total * job.weight_bytes
-    loading = model_bytes * (procs if strategy == "ddp" and job.adapter != "qlora" else 1)
+    # (ZeRO-2 builds no partitioned model: every rank loads it like DDP)
+    replicated_load = not info(strategy).shards_params and job.adapter != "qlora"
+    loading = model_bytes * (procs if replicated_load else 1)
     if p.vendor == "cpu":
         loading = 0.0  # the cpu preset's 'GPU memory' already is this RAM
     nodes = p.nodes
-    if strategy == "zero3-offload":
-        # pinned params + fp32 master/moments + fp32 gradient partitions of this node's ranks
-        offloaded = (states.weights + states.trainable + states.optimizer
-                     + states.trainable_params * 4) / nodes
-        return base + max(loading, offloaded), 0.0
-    if strategy == "zero3-nvme":
+    tier = info(strategy)
+    fp32_grads = states.trainable_params * 4  # the gradient partitions the CPU optimizer steps on
+    if tier.offload == "nvme":
         # params and optimizer states on NVMe; host keeps fp32 gradient partitions and swap buffers
         buffers = procs * (NVME_PARAM_BUFFERS * layer + 2 * GIB)  # + optimizer swap buffers
-        host = states.trainable_params * 4 / nodes + buffers
+        host = fp32_grads / nodes + buffers
         nvme = (states.weights + states.trainable + states.optimizer) / nodes
         return base + max(loading, host), nvme
+    if tier.offload_params:
+        # pinned params + fp32 master/moments + fp32 gradient partitions of this node's ranks; FSDP2
+        # keeps only the fp32 (upcast) copy of trainable params, no 16-bit one beside it
+        weights = states.weights
+        if tier.backend == "fsdp" and job.adapter == "full" and states.trainable:
+            weights = 0.0
+        offloaded = (weights + states.trainable + states.optimizer + fp32_grads) / nodes
+        return base + max(loading, offloaded), 0.0
+    if tier.offload_optimizer:  # ZeRO-3's params stay on the GPUs; master, moments and grads pinned here
+        return base + max(loading, (states.trainable + states.optimizer + fp32_grads) / nodes), 0.0
     return base + loading, 0.0

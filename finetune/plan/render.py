@@ -5,7 +5,7 @@ from __future__ import annotations
 from finetune.plan.types import GIB, Plan
 
 _COLUMNS = [  # header, width, value(candidate)
-    ("strategy", 13, lambda c: c.strategy),
+    ("strategy", 19, lambda c: c.strategy),
     ("mb", 3, lambda c: str(c.micro_batch_size)),
     ("ckpt", 4, lambda c: "on" if c.activation_checkpointing else "off"),
     ("weights", 7, lambda c: _g(c.memory.weights)),
@@ -55,7 +55,7 @@ def render_plan_table(plan: Plan) -> str:
         marker = "  <- chosen" if c.strategy == plan.strategy and plan.fits else ""
         lines.append(row + marker)
         if c.reason:
-            lines.append(f"{'':13}  {c.reason}")
+            lines.append(f"{'':19}  {c.reason}")
     lines.append("")
     if plan.fits:
         lines += [

@@ -27,8 +27,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from finetune.plan.memory import OFFLOADED, state_bytes, tokens_per_micro_batch, weight_bytes
+from finetune.plan.memory import state_bytes, tokens_per_micro_batch, weight_bytes
 from finetune.plan.workload import Job, count_params, head_dim, trainable_params
+from finetune.strategies import info
 
 GPU_EFFICIENCY = 0.45
 CPU_EFFICIENCY = 0.30
@@ -40,6 +41,8 @@ MICRO_BATCH_HALF_TOKENS = 512  # efficiency x tokens/(tokens + this): small micr
 ZERO3_COMM_FACTOR = 1.2  # DeepSpeed's parameter fetching overlaps less than FSDP2's prefetch
 OVERLAP_LEAK = 0.1  # share of the smaller of compute/communication that is not hidden
 CPU_ADAM_PARAMS_PER_S = 2e9  # DeepSpeedCPUAdam on one node's cores, parameters per second
+# torch's AdamW on CPU tensors (FSDP2's CPUOffloadPolicy): not measured; half DeepSpeed's AVX kernel
+TORCH_CPU_ADAM_PARAMS_PER_S = 1e9
 
 
 def allreduce_time_s(nbytes: float, *, n: int, bus_bandwidth_gbps: float) -> float:
@@ -120,25 +123,37 @@ def step_time(job: Job, *, strategy: str, micro_batch: int, grad_accum: int,
     tokens = tokens_per_micro_batch(job, micro_batch) * grad_accum
     compute = flops_per_token(job, checkpointing=checkpointing) * tokens / (
         p.peak_bf16_tflops * 1e12 * efficiency(job, micro_batch=micro_batch))
-    states = state_bytes(job)
+    states = state_bytes(job, strategy)
     grad_bytes = states.trainable_params * (4 if job.adapter != "full" else 2)
     intra_bw, inter_bw = p.intra_node_bandwidth_gbps, p.inter_node_bandwidth_gbps or 1.0
     intra = inter = offload = 0.0
-    if strategy == "ddp":
+    tier = info(strategy)
+    if tier.backend == "ddp":
         # one all-reduce per optimizer step (no_sync while accumulating); hierarchical across nodes
         intra = allreduce_time_s(grad_bytes, n=p.gpus_per_node, bus_bandwidth_gbps=intra_bw)
         inter = allreduce_time_s(grad_bytes, n=p.nodes, bus_bandwidth_gbps=inter_bw)
+    elif tier.zero_stage == 2:
+        # no parameter gathering: DeepSpeed reduce-scatters the 16-bit gradients every micro-batch and
+        # all-gathers the updated parameters once per optimizer step
+        grads16 = states.trainable_params * 2
+        per_step = allgather_time_s(states.trainable_params * job.weight_bytes, n=p.gpus_per_node,
+                                    bus_bandwidth_gbps=intra_bw)
+        intra = (allgather_time_s(grads16, n=p.gpus_per_node, bus_bandwidth_gbps=intra_bw) * grad_accum
+                 + per_step) * ZERO3_COMM_FACTOR
+        inter = (allgather_time_s(grads16, n=p.nodes, bus_bandwidth_gbps=inter_bw) * grad_accum
+                 + allgather_time_s(states.trainable_params * job.weight_bytes, n=p.nodes,
+                                    bus_bandwidth_gbps=inter_bw)) * ZERO3_COMM_FACTOR
     else:
         gather = weight_bytes(job)
         reduce = states.trainable_params * 4  # reduce-scatter in fp32
         per_intra, per_inter = _sharded_collectives(
             gather=gather, reduce=reduce, n_intra=p.gpus_per_node, n_nodes=p.nodes,
             intra_bw=intra_bw, inter_bw=inter_bw, hybrid=strategy == "fsdp2-hybrid")
-        factor = ZERO3_COMM_FACTOR if strategy.startswith("zero3") else 1.0
+        factor = ZERO3_COMM_FACTOR if tier.backend == "deepspeed" else 1.0
         intra, inter = per_intra * grad_accum * factor, per_inter * grad_accum * factor
         if p.world_size == 1:
             intra = inter = 0.0
-    if strategy in OFFLOADED:
+    if tier.offload != "none":
         offload = _offload_time(job, strategy=strategy, grad_accum=grad_accum)
     comm = intra + inter
     overlapped = max(compute, comm) + OVERLAP_LEAK * min(compute, comm)
@@ -151,14 +166,23 @@ def step_time(job: Job, *, strategy: str, micro_batch: int, grad_accum: int,
 
 def _offload_time(job: Job, *, strategy: str, grad_accum: int) -> float:
     p = job.preset
-    states = state_bytes(job)
+    tier = info(strategy)
+    states = state_bytes(job, strategy)
     world = p.world_size
-    # every rank fetches its parameter shard over PCIe for forward and backward, and sends its
-    # gradient shard back, every micro-batch
-    pcie = (2 * weight_bytes(job) + 2 * states.trainable_params) / world * grad_accum
+    n = states.trainable_params
+    if tier.offload_params:
+        # every rank fetches its parameter shard over PCIe for forward and backward, and sends its
+        # gradient shard back, every micro-batch
+        pcie = (2 * weight_bytes(job) + 2 * n) / world * grad_accum
+    else:
+        # optimizer only: 16-bit gradient partitions go down every micro-batch, the updated 16-bit
+        # parameter partitions come back once per optimizer step
+        pcie = (2 * n * grad_accum + n * job.weight_bytes) / world
     seconds = pcie / (p.host_to_device_bandwidth_gbps * 1e9)
-    seconds += states.trainable_params / p.nodes / CPU_ADAM_PARAMS_PER_S
-    if strategy == "zero3-nvme":
+    # DeepSpeed steps with its vectorized CPU Adam; FSDP2's offload runs torch's AdamW on CPU tensors
+    rate = CPU_ADAM_PARAMS_PER_S if tier.backend == "deepspeed" else TORCH_CPU_ADAM_PARAMS_PER_S
+    seconds += n / p.nodes / rate
+    if tier.offload == "nvme":
         nvme_bw = (p.nvme_bandwidth_gbps or 1.0) * 1e9
         # params read per forward and backward; optimizer states (fp32 master + moments) read and written
         params = 2 * weight_bytes(job) / p.nodes * grad_accum

@@ -11,9 +11,12 @@ from typing import Annotated, Literal, Union
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
+from finetune.strategies import NAMES as STRATEGY_NAMES
+from finetune.strategies import StrategyName
+
 Dtype = Literal["bfloat16", "float16", "float32"]
-Strategy = Literal["auto", "ddp", "fsdp2", "fsdp2-hybrid", "zero3", "zero3-offload", "zero3-nvme"]
-CONCRETE_STRATEGIES = ("ddp", "fsdp2", "fsdp2-hybrid", "zero3", "zero3-offload", "zero3-nvme")
+Strategy = StrategyName  # the one list, finetune/strategies.py
+CONCRETE_STRATEGIES = STRATEGY_NAMES
 DataFormat = Literal["messages", "alpaca", "sharegpt", "text", "prompt_completion", "preference"]
 # The canonical column names each format reads; `columns:` maps them to the file's names.
 FORMAT_COLUMNS: dict[str, tuple[str, ...]] = {

@@ -15,14 +15,16 @@ import re
 import shutil
 from pathlib import Path
 
+from finetune import strategies
 from finetune.errors import RecipeError
 from finetune.train.integrity import (GROWING_KEYS, LAYOUT_KEYS, _is_safe, read_marker, recipe_fields,
                                       verify)
 
 log = logging.getLogger("finetune.train")
 CHECKPOINTS = "checkpoints"  # Trainer's checkpoint-N dirs live in RUN_DIR/checkpoints/
-ZERO3 = ("zero3", "zero3-offload", "zero3-nvme")
-RESHARDABLE = ("fsdp2", "fsdp2-hybrid")  # torch.distributed.checkpoint reshards on load
+# DeepSpeed's checkpoints are partitioned per rank (ZeRO-2's optimizer states, ZeRO-3's everything)
+ZERO3 = strategies.names_where(lambda s: s.backend == "deepspeed")
+RESHARDABLE = strategies.names_where(lambda s: s.reshardable)  # torch.distributed.checkpoint reshards on load
 
 
 def checkpoint_step(path: Path) -> int:
@@ -143,15 +145,15 @@ def check_resume(ckpt: Path, recipe, *, world_size: int | None = None) -> list[s
     saved_ws = marker.get("world_size")
     current_ws = world_size if world_size is not None else getattr(recipe.resolved, "world_size", saved_ws)
     if saved_ws is not None and current_ws is not None and saved_ws != current_ws:
-        if strategy in ZERO3:
+        if strategies.is_deepspeed(strategy):
             raise RecipeError(
                 f"cannot resume {ckpt} on {current_ws} processes: it was saved by DeepSpeed {strategy} on "
-                f"{saved_ws}, and ZeRO-3 checkpoints are partitioned per rank (zero_pp_rank_* files)",
+                f"{saved_ws}, and ZeRO checkpoints are partitioned per rank (zero_pp_rank_* files)",
                 key="resolved.world_size",
                 hint=f"resume on {saved_ws} processes, or convert it with DeepSpeed's ds_to_universal.py and "
                      f"load the result as a new model")
         how = ("the sharded (torch.distributed.checkpoint) state is resharded on load"
-               if strategy in RESHARDABLE else "a DDP checkpoint holds the full state")
+               if strategies.reshardable(strategy) else "a DDP checkpoint holds the full state")
         notes.append(f"world size {saved_ws} -> {current_ws}: {how}; the global batch stays "
                      f"train.global_batch_size, but the data order after the resume point differs from "
                      f"a run on {saved_ws} processes")

@@ -15,8 +15,9 @@ from pathlib import Path
 
 from finetune.errors import FinetuneError, RecipeError
 from finetune.recipe.load import load_recipe
+from finetune.strategies import is_deepspeed
 from finetune.train.callbacks import CommitCallback, MetricsCallback, NonFiniteCallback, read_metrics
-from finetune.train.checkpoint import ZERO3, check_resume, prepare_checkpoints, resolve_resume
+from finetune.train.checkpoint import check_resume, prepare_checkpoints, resolve_resume
 from finetune.train.integrity import recipe_fields
 
 log = logging.getLogger("finetune.train")
@@ -92,7 +93,7 @@ def _run(recipe, *, state, run_dir: Path, resume: str, preempt) -> dict | None:
         prepare_checkpoints(run_dir, start=resume_from)
     state.wait_for_everyone()
 
-    if recipe.distributed.strategy in ZERO3:  # before DeepSpeed JIT-builds its ops
+    if is_deepspeed(recipe.distributed.strategy):  # before DeepSpeed JIT-builds its ops
         from finetune.compat.deepspeed_arch_list import make_arch_list_readable
 
         note = make_arch_list_readable()
