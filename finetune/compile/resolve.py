@@ -10,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from finetune import strategies
-from finetune.compile.accelerate import checkpointing_owner
+from finetune.compile.accelerate import checkpointing_owner, partial_checkpointing
 from finetune.compile.deepspeed import nvme_path_for, optimizer_in_ds_config
 from finetune.plan import attention_implementation, liger_enabled
 from finetune.plan.types import Plan
@@ -84,6 +84,7 @@ def resolve_recipe(recipe: Recipe, plan: Plan, *, run_dir: Path, arch: ModelArch
         lora_targets=targets,
         model_family=arch.family,
         activation_checkpointing_by=checkpointing_owner(plan),
+        checkpoint_layers=plan.checkpoint_layers if partial_checkpointing(plan) else None,
     ).model_dump(mode="python")
     resolved = Recipe.model_validate(data)
     resolved._source_dir = str(run_dir)

@@ -139,6 +139,7 @@ def plan_job(job: Job) -> Plan:
         strategy=chosen.strategy, fits=chosen.fits, micro_batch_size=chosen.micro_batch_size,
         gradient_accumulation_steps=chosen.gradient_accumulation_steps,
         activation_checkpointing=chosen.activation_checkpointing,
+        checkpoint_layers=chosen.checkpoint_layers, num_layers=job.arch.num_layers,
         per_gpu_memory_gib=chosen.per_gpu_memory_gib, world_size=world, num_nodes=p.nodes,
         gpus_per_node=p.gpus_per_node, seq_len=job.seq_len, global_batch_size=seqs,
         tokens_per_step=tokens, step_time_s=step,
@@ -185,8 +186,13 @@ def _why(job: Job, chosen: Candidate, achieved: int, candidates: list[Candidate]
     if chosen.strategy in OFFLOADED:
         first += f", {chosen.host_ram_bytes / GIB:.0f} GiB host RAM per node"
     first += ")."
-    ckpt = "with activation checkpointing" if chosen.activation_checkpointing else \
-        "without activation checkpointing"
+    layers = job.arch.num_layers
+    if not chosen.checkpoint_layers:
+        ckpt = "without activation checkpointing"
+    elif chosen.checkpoint_layers == layers:
+        ckpt = "with activation checkpointing"
+    else:
+        ckpt = f"with activation checkpointing on {chosen.checkpoint_layers} of {layers} layers"
     pinned = job.micro_batch is not None or job.checkpointing != "auto"
     second = (f" Micro-batch {chosen.micro_batch_size} {ckpt} "
               f"{'as pinned' if pinned else 'is the fastest setting that fits'}, "

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-from finetune.plan.memory import OFFLOADED, footprint
+from finetune.plan.memory import OFFLOADED, checkpointed_layers, footprint
 from finetune.plan.timing import step_time
 from finetune.plan.types import GIB, Candidate
 from finetune.plan.workload import Job
@@ -73,12 +73,13 @@ def micro_batch_options(job: Job) -> list[int]:
     return [m for m in (2 ** k for k in range(0, 17)) if m <= share and share % m == 0]
 
 
-def evaluate(job: Job, *, strategy: str, micro_batch: int, checkpointing: bool) -> Candidate:
+def evaluate(job: Job, *, strategy: str, micro_batch: int, checkpointing: bool | int) -> Candidate:
+    """One setting; `checkpointing` is True (every layer), False, or how many layers (the first k)."""
     p = job.preset
+    k = checkpointed_layers(job, checkpointing)
     grad_accum = max(1, round(batch_share(job) / micro_batch))
-    fp = footprint(job, strategy=strategy, micro_batch=micro_batch, checkpointing=checkpointing)
-    t = step_time(job, strategy=strategy, micro_batch=micro_batch, grad_accum=grad_accum,
-                  checkpointing=checkpointing)
+    fp = footprint(job, strategy=strategy, micro_batch=micro_batch, checkpointing=k)
+    t = step_time(job, strategy=strategy, micro_batch=micro_batch, grad_accum=grad_accum, checkpointing=k)
     reason = ""
     limit = HEADROOM * p.gpu_memory_gib * GIB
     if fp.memory.total > limit:
@@ -91,23 +92,49 @@ def evaluate(job: Job, *, strategy: str, micro_batch: int, checkpointing: bool) 
     elif p.nvme_capacity_gib and fp.nvme_bytes > HEADROOM * p.nvme_capacity_gib * GIB:
         reason = f"needs {fmt_bytes(fp.nvme_bytes)} of NVMe per node; the preset has {p.nvme_capacity_gib:g} GiB"
     return Candidate(
-        strategy=strategy, micro_batch_size=micro_batch, activation_checkpointing=checkpointing,
+        strategy=strategy, micro_batch_size=micro_batch, activation_checkpointing=k > 0, checkpoint_layers=k,
         memory=fp.memory, fits=not reason, host_ram_bytes=fp.host_ram_bytes, nvme_bytes=fp.nvme_bytes,
         compute_time_s=t.compute_s, comm_time_s=t.intra_s + t.inter_s + t.offload_s,
         step_time_s=t.step_s, bottleneck=t.bottleneck, reason=reason,
         gradient_accumulation_steps=grad_accum)
 
 
+def _least_checkpointing(job: Job, *, strategy: str, micro_batch: int) -> list[Candidate]:
+    """No checkpointing if it fits, else the fewest checkpointed layers that fit: memory falls and time
+    rises with every layer checkpointed, so the smallest fitting k is the fastest. k = L - 1 needs less
+    memory than k = L (memory.activation_bytes), so all L are never the automatic choice (L > 1)."""
+    none = evaluate(job, strategy=strategy, micro_batch=micro_batch, checkpointing=0)
+    layers = job.arch.num_layers
+    if none.fits or layers == 1:
+        return [none] if none.fits else [none, evaluate(job, strategy=strategy, micro_batch=micro_batch,
+                                                        checkpointing=1)]
+    most = evaluate(job, strategy=strategy, micro_batch=micro_batch, checkpointing=layers - 1)
+    if not most.fits:
+        return [none, most]
+    low, high, best = 1, layers - 1, most  # fits at high; find the smallest k that fits
+    while low < high:
+        mid = (low + high) // 2
+        c = evaluate(job, strategy=strategy, micro_batch=micro_batch, checkpointing=mid)
+        if c.fits:
+            high, best = mid, c
+        else:
+            low = mid + 1
+    return [none, best]
+
+
 def best_for_strategy(job: Job, strategy: str) -> Candidate:
     """The fastest fitting setting of `strategy`, or its smallest-memory setting with the reason."""
     why_not = not_applicable(job, strategy)
-    ckpt_options = {"on": [True], "off": [False]}.get(job.checkpointing, [False, True])
-    tried = [evaluate(job, strategy=strategy, micro_batch=m, checkpointing=c)
-             for m in micro_batch_options(job) for c in ckpt_options]
+    tried = []
+    for m in micro_batch_options(job):
+        if job.checkpointing == "auto":
+            tried += _least_checkpointing(job, strategy=strategy, micro_batch=m)
+        else:
+            tried.append(evaluate(job, strategy=strategy, micro_batch=m, checkpointing=job.checkpointing == "on"))
     fitting = [c for c in tried if c.fits]
     if fitting and not why_not:
         return min(fitting, key=lambda c: (round(c.step_time_s, 6), -c.micro_batch_size,
-                                           c.activation_checkpointing))
+                                           c.checkpoint_layers))
     smallest = min(tried, key=lambda c: (c.memory.total, c.host_ram_bytes))
     if why_not:
         smallest.fits, smallest.reason = False, why_not

@@ -280,15 +280,30 @@ def tokens_per_micro_batch(job: Job, micro_batch: int) -> int:
     return micro_batch * job.seq_len * job.sequences_per_sample
 
 
-def activation_bytes(job: Job, *, micro_batch: int, checkpointing: bool, casts: bool = False) -> float:
+def checkpointed_layers(job: Job, checkpointing: bool | int) -> int:
+    """How many decoder layers are checkpointed: True = all, False = none, or a count k."""
+    if isinstance(checkpointing, bool):
+        return job.arch.num_layers if checkpointing else 0
+    return max(0, min(int(checkpointing), job.arch.num_layers))
+
+
+def activation_bytes(job: Job, *, micro_batch: int, checkpointing: bool | int, casts: bool = False) -> float:
+    """Saved activations at the peak (the start of the backward pass).
+
+    Checkpointing the first k of L layers (finetune/train/callbacks.py): those keep only their input
+    (act x h per token) and the other L - k keep everything. The backward reaches the checkpointed
+    layers only after the un-checkpointed ones above them have freed theirs, so one layer's recompute
+    adds to the peak only when every layer is checkpointed: (L-k) x layer + k x input, or L x input +
+    one layer when k = L (which is why k = L - 1 needs less memory than k = L)."""
     tokens = tokens_per_micro_batch(job, micro_batch)
     per_layer = (activation_bytes_per_token_layer(job, micro_batch=micro_batch, casts=casts) * tokens
                  + attention_matrix_bytes(job, micro_batch=micro_batch))
     layers = job.arch.num_layers
+    k = checkpointed_layers(job, checkpointing)
     edges = 4 * job.act_bytes * job.arch.hidden_size * tokens  # embedding output + final norm
-    if checkpointing:
-        return layers * job.act_bytes * job.arch.hidden_size * tokens + per_layer + edges
-    return layers * per_layer + edges
+    inputs = k * job.act_bytes * job.arch.hidden_size * tokens
+    recompute = per_layer if k == layers else 0.0
+    return (layers - k) * per_layer + inputs + recompute + edges
 
 
 def logits_bytes(job: Job, *, micro_batch: int) -> float:
@@ -316,7 +331,7 @@ class Footprint:
     nvme_bytes: float  # per node
 
 
-def footprint(job: Job, *, strategy: str, micro_batch: int, checkpointing: bool) -> Footprint:
+def footprint(job: Job, *, strategy: str, micro_batch: int, checkpointing: bool | int) -> Footprint:
     """Peak bytes per GPU (by part), host RAM per node and NVMe per node for one configuration."""
     p = job.preset
     states = state_bytes(job, strategy)

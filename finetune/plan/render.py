@@ -7,7 +7,7 @@ from finetune.plan.types import GIB, Plan
 _COLUMNS = [  # header, width, value(candidate)
     ("strategy", 19, lambda c: c.strategy),
     ("mb", 3, lambda c: str(c.micro_batch_size)),
-    ("ckpt", 4, lambda c: "on" if c.activation_checkpointing else "off"),
+    ("ckpt", 5, None),  # checkpointed layers: off, k/L or all
     ("weights", 7, lambda c: _g(c.memory.weights)),
     ("train", 6, lambda c: _g(c.memory.trainable)),
     ("grads", 6, lambda c: _g(c.memory.gradients)),
@@ -22,6 +22,10 @@ _COLUMNS = [  # header, width, value(candidate)
     ("step s", 8, lambda c: f"{c.step_time_s:.2f}"),
     ("bound by", 10, lambda c: c.bottleneck),
 ]
+
+
+def _ckpt(k: int, layers: int) -> str:
+    return "off" if not k else ("all" if k == layers else f"{k}/{layers}")
 
 
 def _g(n: float) -> str:
@@ -39,6 +43,13 @@ def _active(plan: Plan) -> str:
     return f" total, {_params(plan.active_params)} active per token"
 
 
+def _plan_ckpt(plan: Plan) -> str:
+    k = plan.checkpoint_layers
+    if not k:
+        return "off"
+    return "on" if k == plan.num_layers else f"on {k} of {plan.num_layers} layers"
+
+
 def render_plan_table(plan: Plan) -> str:
     lines = [
         f"model {plan.model} ({_params(plan.total_params)} params{_active(plan)}, "
@@ -51,7 +62,8 @@ def render_plan_table(plan: Plan) -> str:
     header = "  ".join(h.rjust(w) if i else h.ljust(w) for i, (h, w, _) in enumerate(_COLUMNS))
     lines += [header, "-" * len(header)]
     for c in plan.candidates:
-        row = "  ".join(f(c).rjust(w) if i else f(c).ljust(w) for i, (_, w, f) in enumerate(_COLUMNS))
+        cells = [f(c) if f else _ckpt(c.checkpoint_layers, plan.num_layers) for _, _, f in _COLUMNS]
+        row = "  ".join(v.rjust(w) if i else v.ljust(w) for i, (v, (_, w, _)) in enumerate(zip(cells, _COLUMNS)))
         marker = "  <- chosen" if c.strategy == plan.strategy and plan.fits else ""
         lines.append(row + marker)
         if c.reason:
@@ -61,7 +73,7 @@ def render_plan_table(plan: Plan) -> str:
         lines += [
             f"choice: {plan.strategy}, micro-batch {plan.micro_batch_size}, gradient accumulation "
             f"{plan.gradient_accumulation_steps}, activation checkpointing "
-            f"{'on' if plan.activation_checkpointing else 'off'}, "
+            f"{_plan_ckpt(plan)}, "
             f"{plan.per_gpu_memory_gib:.1f} GiB/GPU peak",
             f"estimate: {plan.step_time_s:.2f} s/step, {plan.tokens_per_second:,.0f} tokens/s, "
             f"MFU {plan.mfu:.0%}",

@@ -5,7 +5,7 @@ experts only, plus the lm_head; L layers, a = heads x head_dim, s = sequence len
   full:        6N + 12*L*a*s      (forward 2N, backward 4N; attention scores and values, PaLM appendix B)
   lora/qlora:  4N + 12*L*a*s + 6*T   (the frozen base gets no weight gradients: forward 2N plus
                backward w.r.t. activations 2N; T = LoRA params)
-  checkpointing: + 2N + 4*L*a*s   (one extra forward per layer)
+  checkpointing: + 2N + 4*L*a*s   (one extra forward per layer; x k/L when k of L layers are)
   dpo:         the policy on chosen + rejected (2 sequences per sample) plus a reference forward
                (2N + 4*L*a*s per token) unless the reference log-probs are precomputed.
 Compute time = FLOPs / (peak x efficiency). Efficiency is an HF-stack MFU: 0.45 on GPUs for a full
@@ -59,7 +59,7 @@ def allgather_time_s(nbytes: float, *, n: int, bus_bandwidth_gbps: float) -> flo
     return (n - 1) / n * nbytes / (bus_bandwidth_gbps * 1e9)
 
 
-def flops_per_token(job: Job, *, checkpointing: bool) -> float:
+def flops_per_token(job: Job, *, checkpointing: bool | int) -> float:
     """Training FLOPs per token of one sequence (see the module docstring)."""
     arch = job.arch
     n = count_params(arch).matmul_active
@@ -68,8 +68,9 @@ def flops_per_token(job: Job, *, checkpointing: bool) -> float:
         flops = 6 * n + 12 * attn
     else:
         flops = 4 * n + 12 * attn + 6 * trainable_params(job)
-    if checkpointing:
-        flops += 2 * n + 4 * attn
+    if checkpointing:  # True (every layer) or the count of checkpointed layers
+        share = 1.0 if checkpointing is True else min(1.0, checkpointing / arch.num_layers)
+        flops += share * (2 * n + 4 * attn)
     if job.method == "dpo" and job.reference != "precompute":
         flops += 2 * n + 4 * attn
     return flops
@@ -117,7 +118,7 @@ def _sharded_collectives(*, gather: float, reduce: float, n_intra: int, n_nodes:
 
 
 def step_time(job: Job, *, strategy: str, micro_batch: int, grad_accum: int,
-              checkpointing: bool) -> StepTime:
+              checkpointing: bool | int) -> StepTime:
     """Seconds per optimizer step (grad_accum micro-batches on every rank)."""
     p = job.preset
     tokens = tokens_per_micro_batch(job, micro_batch) * grad_accum

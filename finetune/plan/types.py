@@ -46,6 +46,7 @@ class Candidate:
     bottleneck: str = ""  # "compute" | "intra-node" | "inter-node" | "offload"
     reason: str = ""  # why it does not fit (empty when it fits)
     gradient_accumulation_steps: int = 1
+    checkpoint_layers: int = 0  # decoder layers checkpointed (the first k); activation_checkpointing = k > 0
 
     @property
     def per_gpu_memory_gib(self) -> float:
@@ -58,6 +59,7 @@ class Candidate:
             "per_gpu_memory_gib": round(self.per_gpu_memory_gib, 2),
             "micro_batch_size": self.micro_batch_size,
             "activation_checkpointing": self.activation_checkpointing,
+            "checkpoint_layers": self.checkpoint_layers,
             "memory_gib": self.memory.gib(),
             "host_ram_gib": round(self.host_ram_bytes / GIB, 2),
             "nvme_gib": round(self.nvme_bytes / GIB, 2),
@@ -105,6 +107,8 @@ class Plan:
     hardware_source: str = ""
     # the kernels the run will use, as the memory model assumed them (attention, Liger, adapter casts)
     kernels: str = ""
+    checkpoint_layers: int = 0  # k of num_layers decoder layers checkpointed (0: off)
+    num_layers: int = 0
 
     def to_json(self) -> dict:
         return {
@@ -116,6 +120,7 @@ class Plan:
             "micro_batch_size": self.micro_batch_size,
             "gradient_accumulation_steps": self.gradient_accumulation_steps,
             "activation_checkpointing": self.activation_checkpointing,
+            "checkpoint_layers": self.checkpoint_layers, "num_layers": self.num_layers,
             "world_size": self.world_size, "num_nodes": self.num_nodes,
             "gpus_per_node": self.gpus_per_node, "seq_len": self.seq_len,
             "global_batch_size": self.global_batch_size, "tokens_per_step": self.tokens_per_step,

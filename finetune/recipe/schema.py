@@ -243,6 +243,9 @@ class ResolvedSection(Strict):
     # (fsdp_activation_checkpointing; the trainer must NOT set gradient_checkpointing),
     # "trainer" = TrainingArguments.gradient_checkpointing, "none" = off
     activation_checkpointing_by: Literal["trainer", "fsdp", "none"] = "trainer"
+    checkpoint_layers: int | None = Field(
+        None, ge=0, description="decoder layers checkpointed, the first k of the model's (None: all when "
+        "train.activation_checkpointing is on); the planner's choice for a tight fit")
 
 
 class Recipe(Strict):

@@ -75,7 +75,7 @@ def _run(recipe, *, state, run_dir: Path, resume: str, preempt) -> dict | None:
     from finetune.train import taskeval
     from finetune.train.model import adapter_input_casting, load_model, load_tokenizer
     from finetune.train.preflight import prepare_data
-    from finetune.train.trainers import build_trainer, training_args
+    from finetune.train.trainers import build_trainer, trainer_checkpointing, training_args
 
     tokenizer = load_tokenizer(recipe)
     data = prepare_data(recipe, tokenizer, state=state)  # preflight: before any model is loaded
@@ -122,6 +122,11 @@ def _run(recipe, *, state, run_dir: Path, resume: str, preempt) -> dict | None:
                  CommitCallback(run_dir, fields=recipe_fields(recipe), strategy=recipe.distributed.strategy,
                                 keep=recipe.output.keep),
                  preempt]
+    k = getattr(recipe.resolved, "checkpoint_layers", None)
+    if k is not None and trainer_checkpointing(recipe):
+        from finetune.train.checkpointing import PartialCheckpointing
+
+        callbacks.append(PartialCheckpointing(k))
     if recipe.logging.profile_steps:
         from finetune.train.profile import ProfilerCallback
 
