@@ -348,3 +348,58 @@ def test_lora_on_lm_head_and_unknown_targets_are_refused():
     b = job("llama-3.1-8b", "lora", adapter__target_modules=["q_proj", "embed_tokens"])
     from finetune.plan.workload import lora_params
     assert lora_params(b) - lora_params(a) == 16 * (128256 + 4096)
+
+
+def test_sliding_window_layers_attend_within_their_window():
+    from finetune.plan.workload import attended_positions
+
+    arch = get_model("llama-3.1-8b").model_copy(update={"sliding_window": 128, "sliding_layers": 16})
+    # 16 full layers x 4096 positions + 16 sliding layers x 128 = 65,536 + 2,048
+    assert attended_positions(arch, 4096) == 16 * 4096 + 16 * 128 == 67_584
+    assert attended_positions(get_model("llama-3.1-8b"), 4096) == 32 * 4096
+
+
+def test_zero2_replicates_params_and_splits_grads_and_optimizer():
+    from finetune.plan.memory import footprint, state_bytes
+
+    j = job("qwen2.5-14b", "full", "server-8xh100")
+    n = count_params(j.arch).total
+    m = footprint(j, strategy="zero2", micro_batch=1, checkpointing=True).memory
+    # ZeRO paper stage 2: 2 bytes/param of bf16 weights on every GPU, (4 master + 2 grads + 8 moments) / 8
+    assert m.weights == 2 * n
+    assert m.trainable + m.gradients + m.optimizer == pytest.approx(14 * n / 8)
+    assert m.weights + m.trainable + m.gradients + m.optimizer == pytest.approx(
+        zero_model_state_bytes(n, stage=2, world=8))
+    # its buckets: two reduce and one all-gather bucket of h x h bf16 elements = 3 x 5120^2 x 2 B
+    assert m.comm_buffers == 3 * 5120 ** 2 * 2
+    assert state_bytes(j, "zero2").trainable == 4 * n  # DeepSpeed keeps fp32 master partitions
+
+
+def test_optimizer_only_offload_keeps_sharded_params_on_gpu_and_states_in_host_ram():
+    from finetune.plan.memory import footprint
+
+    j = job("qwen2.5-14b", "full", "server-8xh100")
+    n = count_params(j.arch).total
+    opt = footprint(j, strategy="zero3-optim-offload", micro_batch=1, checkpointing=True)
+    full = footprint(j, strategy="zero3-offload", micro_batch=1, checkpointing=True)
+    # GPU: bf16 params / 8 ranks; nothing of the optimizer
+    assert opt.memory.weights == 2 * n / 8
+    assert opt.memory.trainable == opt.memory.gradients == opt.memory.optimizer == 0
+    assert full.memory.weights == 0
+    # host: fp32 master 4 + moments 8 + fp32 grads 4 = 16 bytes/param for the node, no bf16 params;
+    # plus 3 GiB per rank for the processes
+    assert opt.host_ram_bytes == pytest.approx(16 * n + 8 * 3 * GIB)
+    assert full.host_ram_bytes == pytest.approx(18 * n + 8 * 3 * GIB)  # + the pinned bf16 params
+
+
+def test_partial_offload_is_preferred_to_full_offload_when_it_fits(tmp_path):
+    # the 14B full fine-tune on 4 x 80 GB: nothing fits with every state on the GPUs, so the
+    # planner offloads the optimizer only (parameters stay sharded on the GPUs), not everything
+    path = tmp_path / "4x80.yaml"
+    path.write_text("name: test-4x80\ngpu_model: H100\ngpu_memory_gib: 79.1\ngpus_per_node: 4\n"
+                    "intra_node_bandwidth_gbps: 450\nhost_ram_gib: 1024\npeak_bf16_tflops: 989\n")
+    r = recipe("qwen2.5-14b", "full", str(path), model__arch="qwen2.5-14b", global_batch=32)
+    p = plan(r, hardware=str(path))
+    by_name = {c.strategy: c for c in p.candidates}
+    assert not by_name["fsdp2"].fits and by_name["zero3-offload"].fits
+    assert p.fits and p.strategy == "zero3-optim-offload", p.why

@@ -28,7 +28,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from finetune.plan.memory import state_bytes, tokens_per_micro_batch, weight_bytes
-from finetune.plan.workload import Job, count_params, head_dim, trainable_params
+from finetune.plan.workload import Job, attended_positions, count_params, head_dim, trainable_params
 from finetune.strategies import info
 
 GPU_EFFICIENCY = 0.45
@@ -63,7 +63,7 @@ def flops_per_token(job: Job, *, checkpointing: bool | int) -> float:
     """Training FLOPs per token of one sequence (see the module docstring)."""
     arch = job.arch
     n = count_params(arch).matmul_active
-    attn = arch.num_layers * arch.num_attention_heads * head_dim(arch) * job.seq_len
+    attn = arch.num_attention_heads * head_dim(arch) * attended_positions(arch, job.seq_len)
     if job.adapter == "full":
         flops = 6 * n + 12 * attn
     else:
@@ -79,7 +79,7 @@ def flops_per_token(job: Job, *, checkpointing: bool | int) -> float:
 def model_flops_per_token(job: Job) -> float:
     """The useful FLOPs (no recomputation, no reference model) for MFU."""
     n = count_params(job.arch).matmul_active
-    attn = job.arch.num_layers * job.arch.num_attention_heads * head_dim(job.arch) * job.seq_len
+    attn = job.arch.num_attention_heads * head_dim(job.arch) * attended_positions(job.arch, job.seq_len)
     return (6 if job.adapter == "full" else 4) * n + 12 * attn
 
 

@@ -96,6 +96,14 @@ def head_dim(arch: ModelArch) -> int:
     return arch.head_dim or arch.hidden_size // arch.num_attention_heads
 
 
+def attended_positions(arch: ModelArch, seq_len: int) -> int:
+    """L x s of the attention FLOPs term, with sliding-window layers (GPT-OSS) attending to at most
+    their window: (L - sliding) x s + sliding x min(s, window)."""
+    sliding = min(arch.sliding_layers, arch.num_layers) if arch.sliding_window else 0
+    window = min(seq_len, arch.sliding_window or seq_len)
+    return (arch.num_layers - sliding) * seq_len + sliding * window
+
+
 def is_mla(arch: ModelArch) -> bool:
     return arch.kv_lora_rank is not None
 
