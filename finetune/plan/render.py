@@ -43,7 +43,8 @@ def _active(plan: Plan) -> str:
     return f" total, {_params(plan.active_params)} active per token"
 
 
-def _plan_ckpt(plan: Plan) -> str:
+def checkpointing_text(plan: Plan) -> str:
+    """off | on (every decoder layer) | on k of L layers."""
     k = plan.checkpoint_layers
     if not k:
         return "off"
@@ -73,7 +74,7 @@ def render_plan_table(plan: Plan) -> str:
         lines += [
             f"choice: {plan.strategy}, micro-batch {plan.micro_batch_size}, gradient accumulation "
             f"{plan.gradient_accumulation_steps}, activation checkpointing "
-            f"{_plan_ckpt(plan)}, "
+            f"{checkpointing_text(plan)}, "
             f"{plan.per_gpu_memory_gib:.1f} GiB/GPU peak",
             f"estimate: {plan.step_time_s:.2f} s/step, {plan.tokens_per_second:,.0f} tokens/s, "
             f"MFU {plan.mfu:.0%}",
