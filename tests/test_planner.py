@@ -334,6 +334,10 @@ def test_modules_to_save_trains_full_copies_of_embedding_and_head():
     assert (b.weights - a.weights, b.gradients - a.gradients, b.optimizer - a.optimizer) == (
         2 * embed, 2 * embed, 4 * embed)
     assert b.trainable_params - a.trainable_params == embed
+    from finetune.errors import RecipeError
+
+    with pytest.raises(RecipeError, match="adapter.modules_to_save"):
+        recipe("llama-3.2-1b", "full", adapter__modules_to_save=["lm_head"])
 
 
 def test_lora_on_lm_head_and_unknown_targets_are_refused():

@@ -300,6 +300,9 @@ def recipe_conflicts(recipe: Recipe):
                                             "set adapter.compute_dtype: float32 or train.precision: bf16")
     if a.type == "full" and (a.dora or a.rslora):
         yield "adapter.dora", "dora/rslora are LoRA options; set adapter.type: lora or remove them"
+    if a.type == "full" and a.modules_to_save:
+        yield "adapter.modules_to_save", ("a full fine-tune already trains every module; remove "
+                                          "adapter.modules_to_save or set adapter.type: lora")
     if t.precision == "bf16" and recipe.model.dtype == "float16":
         yield "train.precision", "model.dtype float16 with bf16 precision; set train.precision: fp16"
     if t.on_nonfinite == "stop" and t.max_bad_steps:
