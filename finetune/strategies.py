@@ -23,6 +23,19 @@ class StrategyInfo:
     # torch.distributed.checkpoint reshards on load: a checkpoint resumes on another world size
     reshardable: bool = False
     summary: str = ""
+    zero_stage: int = 0  # DeepSpeed's ZeRO stage (0 for the torch backends)
+    # what leaves the GPU when `offload` is not "none": the parameters (and with them the compute copy's
+    # source) and/or the optimizer (fp32 master, moments, gradients, and the optimizer step itself)
+    offload_params: bool = False
+    offload_optimizer: bool = False
+
+    @property
+    def offload_level(self) -> int:
+        """0 all on the GPUs, 1 optimizer only in host RAM, 2 parameters too, 3 on NVMe: the planner
+        takes the lowest level anything fits at (offload's modelled cost leaves out fetch stalls)."""
+        if self.offload == "nvme":
+            return 3
+        return 2 if self.offload_params else (1 if self.offload_optimizer else 0)
 
 
 # The planner's order: among equally fast candidates the earlier one wins.
@@ -33,11 +46,23 @@ STRATEGIES: tuple[StrategyInfo, ...] = (
                  summary="FSDP2 full shard across every GPU"),
     StrategyInfo("fsdp2-hybrid", "fsdp", shards_params=True, hybrid=True, reshardable=True,
                  summary="FSDP2 hybrid shard: shard within a node, replicate across nodes"),
-    StrategyInfo("zero3", "deepspeed", shards_params=True,
+    StrategyInfo("zero2", "deepspeed", shards_params=False, zero_stage=2,
+                 summary="DeepSpeed ZeRO-2: gradients and optimizer states sharded, parameters replicated "
+                         "(no parameter gathering)"),
+    StrategyInfo("zero3", "deepspeed", shards_params=True, zero_stage=3,
                  summary="DeepSpeed ZeRO-3 across every GPU"),
-    StrategyInfo("zero3-offload", "deepspeed", shards_params=True, offload="cpu",
+    StrategyInfo("zero3-optim-offload", "deepspeed", shards_params=True, zero_stage=3, offload="cpu",
+                 offload_optimizer=True,
+                 summary="ZeRO-3 with the optimizer states and CPU Adam in host RAM; parameters stay on the GPUs"),
+    StrategyInfo("fsdp2-offload", "fsdp", shards_params=True, reshardable=True, offload="cpu",
+                 offload_params=True, offload_optimizer=True,
+                 summary="FSDP2 with sharded parameters, gradients and the optimizer step in host RAM "
+                         "(accelerate's fsdp_offload_params)"),
+    StrategyInfo("zero3-offload", "deepspeed", shards_params=True, zero_stage=3, offload="cpu",
+                 offload_params=True, offload_optimizer=True,
                  summary="ZeRO-3 with parameters and optimizer states in host RAM (CPU Adam)"),
-    StrategyInfo("zero3-nvme", "deepspeed", shards_params=True, offload="nvme",
+    StrategyInfo("zero3-nvme", "deepspeed", shards_params=True, zero_stage=3, offload="nvme",
+                 offload_params=True, offload_optimizer=True,
                  summary="ZeRO-Infinity: parameters and optimizer states on NVMe"),
 )
 _BY_NAME = {s.name: s for s in STRATEGIES}
@@ -46,7 +71,8 @@ AUTO = "auto"
 NAMES: tuple[str, ...] = tuple(_BY_NAME)  # every concrete strategy, in the planner's order
 # the recipe's distributed.strategy: auto (the planner chooses) or a concrete name. Spelled out for
 # type checkers; the check below keeps it equal to STRATEGIES.
-StrategyName = Literal["auto", "ddp", "fsdp2", "fsdp2-hybrid", "zero3", "zero3-offload", "zero3-nvme"]
+StrategyName = Literal["auto", "ddp", "fsdp2", "fsdp2-hybrid", "zero2", "zero3", "zero3-optim-offload",
+                       "fsdp2-offload", "zero3-offload", "zero3-nvme"]
 if get_args(StrategyName) != (AUTO, *NAMES):
     raise ImportError("finetune.strategies: StrategyName and STRATEGIES disagree; edit both together")
 
@@ -81,6 +107,22 @@ def reshardable(name: str) -> bool:
 
 def shards_params(name: str) -> bool:
     return info(name).shards_params
+
+
+def zero_stage(name: str) -> int:
+    return info(name).zero_stage
+
+
+def offloads_params(name: str) -> bool:
+    return info(name).offload_params
+
+
+def offloads_optimizer(name: str) -> bool:
+    return info(name).offload_optimizer
+
+
+def offload_level(name: str) -> int:
+    return info(name).offload_level
 
 
 def names_where(predicate) -> tuple[str, ...]:

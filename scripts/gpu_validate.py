@@ -67,6 +67,13 @@ RUNS: dict[str, tuple[str, dict]] = {
                                                            "nvme_path": "/tmp/nvme-swap"}}),
     "full3b-zero3": ("llama-3.2-3b", {"adapter": {"type": "full"}, "train": {"lr": 1e-5},
                                       "distributed": {"strategy": "zero3"}}),
+    # issue 13's tiers between "everything on the GPU" and "parameters and optimizer offloaded"
+    "full3b-zero2": ("llama-3.2-3b", {"adapter": {"type": "full"}, "train": {"lr": 1e-5},
+                                      "distributed": {"strategy": "zero2"}}),
+    "full3b-zero3-optim-offload": ("llama-3.2-3b", {"adapter": {"type": "full"}, "train": {"lr": 1e-5},
+                                                    "distributed": {"strategy": "zero3-optim-offload"}}),
+    "full3b-fsdp2-offload": ("llama-3.2-3b", {"adapter": {"type": "full"}, "train": {"lr": 1e-5},
+                                              "distributed": {"strategy": "fsdp2-offload"}}),
     # hybrid shard: two launcher processes as two "nodes" of 2 GPUs on a 4-GPU machine (shard inside a
     # node, replicate across). With 1 GPU per node there is nothing to shard inside a node and the
     # planner refuses fsdp2-hybrid (test_hybrid_needs_two_gpus_per_node).

@@ -14,6 +14,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from finetune.api import make_plan  # noqa: E402
+from finetune.plan.render import checkpointing_text  # noqa: E402
 
 LINE = re.compile(r"^# Plan \(finetune plan (?P<recipe>\S+) --hardware (?P<hw>\S+)\): .*$", re.M)
 
@@ -22,7 +23,7 @@ def describe(recipe_path: str, hardware: str) -> str:
     _, plan = make_plan(ROOT / recipe_path, hardware=hardware)
     if not plan.fits:
         return "does not fit; see `finetune plan` for what would"
-    ckpt = "on" if plan.activation_checkpointing else "off"
+    ckpt = checkpointing_text(plan)
     return (f"{plan.strategy}, {plan.per_gpu_memory_gib:.1f} GiB per GPU, micro-batch {plan.micro_batch_size}"
             f" x {plan.gradient_accumulation_steps} accumulation, checkpointing {ckpt}, "
             f"~{plan.tokens_per_second:,.0f} tokens/s")

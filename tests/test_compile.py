@@ -21,6 +21,7 @@ from finetune.plan import plan as real_plan
 from finetune.plan.types import Plan
 from finetune.recipe import load_recipe
 from finetune.registry import get_model, get_preset, list_presets
+from finetune.strategies import is_deepspeed
 
 ROOT = Path(__file__).resolve().parents[1]
 GOLDEN = Path(__file__).resolve().parent / "golden"
@@ -74,6 +75,21 @@ CASES = {
          "train": {"epochs": 1, "precision": "fp16"}, "model_dtype": "float16"},
         "llama-3.3-70b", "cluster-2x8xh100",
         dict(strategy="zero3", mbs=1, gas=1, ckpt=True, peak=40.0)),
+    "qwen14b-full-server-8xh100-zero2": (
+        {"model": {"name": "Qwen/Qwen2.5-14B"}, "adapter": "full", "data": ULTRACHAT,
+         "train": {"epochs": 1, "lr": 1e-5, "global_batch_size": 64}},
+        "qwen2.5-14b", "server-8xh100",
+        dict(strategy="zero2", mbs=1, gas=8, ckpt=True, peak=60.0)),
+    "qwen14b-full-server-8xh100-zero3-optim-offload": (
+        {"model": {"name": "Qwen/Qwen2.5-14B"}, "adapter": "full", "data": ULTRACHAT,
+         "train": {"epochs": 1, "lr": 1e-5, "optimizer": "adamw_8bit", "global_batch_size": 64}},
+        "qwen2.5-14b", "server-8xh100",
+        dict(strategy="zero3-optim-offload", mbs=2, gas=4, ckpt=False, peak=64.0)),
+    "llama70b-full-server-8xh100-fsdp2-offload": (
+        {"model": {"name": "meta-llama/Llama-3.1-70B"}, "adapter": "full", "data": ULTRACHAT,
+         "train": {"epochs": 1, "lr": 5e-6, "global_batch_size": 64}},
+        "llama-3.1-70b", "server-8xh100",
+        dict(strategy="fsdp2-offload", mbs=1, gas=8, ckpt=True, peak=40.0)),
 }
 
 
@@ -187,7 +203,7 @@ def _walk(value, path=""):
         yield path, value
 
 
-@pytest.mark.parametrize("name", [n for n in sorted(CASES) if "zero3" in n])
+@pytest.mark.parametrize("name", [n for n in sorted(CASES) if is_deepspeed(CASES[n][3]["strategy"])])
 def test_ds_config_concrete_and_valid_for_deepspeed(name, tmp_path):
     deepspeed_config = pytest.importorskip("deepspeed.runtime.config")
     import deepspeed.runtime.constants as ds_constants
@@ -205,7 +221,9 @@ def test_ds_config_concrete_and_valid_for_deepspeed(name, tmp_path):
     assert set(cfg) <= known, set(cfg) - known
     # the ZeRO section is strict (extra="forbid"): unknown or misspelt keys raise here
     zero = DeepSpeedZeroConfig(**cfg["zero_optimization"])
-    assert zero.stage == 3 and zero.gather_16bit_weights_on_model_save
+    tier = strategies.info(plan.strategy)
+    assert zero.stage == tier.zero_stage
+    assert zero.gather_16bit_weights_on_model_save == (tier.zero_stage == 3)
     assert cfg["train_batch_size"] == (plan.world_size * plan.micro_batch_size
                                        * plan.gradient_accumulation_steps)
     # DeepSpeed's full parser; without a process group it assumes world size 1, so it derives
@@ -219,11 +237,18 @@ def test_ds_config_concrete_and_valid_for_deepspeed(name, tmp_path):
     assert parsed.float16_config.enabled == (recipe.train.precision == "fp16")
     arch = get_model(CASES[name][1])
     assert parsed.zero_config.reduce_bucket_size == arch.hidden_size ** 2
-    if strategies.info(plan.strategy).offload == "cpu":
-        assert parsed.zero_config.offload_param.device == "cpu"
+    if tier.offload == "cpu":
+        # parameters stay on the GPUs unless the tier offloads them; the optimizer always goes
+        params = parsed.zero_config.offload_param
+        assert (params is not None and params.device == "cpu") == tier.offload_params
         assert parsed.zero_config.offload_optimizer.device == "cpu"
         assert parsed.optimizer_name == "adamw"
-    if strategies.info(plan.strategy).offload == "nvme":
+        resolved = yaml.safe_load((run_dir / "recipe.resolved.yaml").read_text())
+        assert resolved["train"]["optimizer"] == "adamw"  # bitsandbytes' 8-bit cannot step on the CPU
+    if tier.zero_stage == 2:
+        assert parsed.zero_config.allgather_bucket_size == arch.hidden_size ** 2
+        assert parsed.zero_optimization_stage == 2
+    if tier.offload == "nvme":
         nvme = get_preset(CASES[name][2]).nvme_path
         assert str(parsed.zero_config.offload_param.nvme_path) == nvme
         assert parsed.zero_config.offload_param.buffer_size >= arch.vocab_size * arch.hidden_size
@@ -262,10 +287,13 @@ def test_accelerate_reads_config_and_builds_plugins(name, tmp_path, monkeypatch)
         monkeypatch.setenv(key, value)
     if strategies.is_fsdp(plan.strategy):
         from accelerate.utils import FullyShardedDataParallelPlugin
+        from torch.distributed.fsdp import CPUOffloadPolicy
 
         fsdp = FullyShardedDataParallelPlugin()  # reads FSDP_* exactly as a rank does
         assert fsdp.fsdp_version == 2 and fsdp.reshard_after_forward is True
-        assert fsdp.transformer_cls_names_to_wrap == ["LlamaDecoderLayer"]
+        assert fsdp.transformer_cls_names_to_wrap == [get_model(CASES[name][1]).decoder_layer_class]
+        # fsdp2-offload: the CPUOffloadPolicy that fully_shard gets (params, grads, optimizer step on CPU)
+        assert isinstance(fsdp.cpu_offload, CPUOffloadPolicy) == strategies.offloads_params(plan.strategy)
         assert fsdp.cpu_ram_efficient_loading is True
         assert "SHARDED_STATE_DICT" in str(fsdp.state_dict_type)
         assert fsdp.activation_checkpointing == plan.activation_checkpointing
@@ -280,9 +308,10 @@ def test_accelerate_reads_config_and_builds_plugins(name, tmp_path, monkeypatch)
         from accelerate.utils import DeepSpeedPlugin
 
         ds = DeepSpeedPlugin()  # loads ds_config.json, refuses conflicting accelerate fields
-        assert ds.zero_stage == 3 and ds.zero3_init_flag is True
+        stage = strategies.zero_stage(plan.strategy)
+        assert ds.zero_stage == stage and ds.zero3_init_flag is (stage == 3)
         assert ds.gradient_accumulation_steps == plan.gradient_accumulation_steps
-        assert ds.zero3_save_16bit_model is True
+        assert ds.zero3_save_16bit_model is (stage == 3)
 
 
 def test_multi_node_argv_and_sbatch(tmp_path):
@@ -404,5 +433,5 @@ def test_every_shipped_recipe_compiles_or_is_refused_on_every_preset(recipe_path
         compiled += 1
         assert load_recipe(run_dir / "recipe.resolved.yaml", allow_resolved=True).resolved
         assert Path(spec.files["launch.sh"]).is_file()
-        assert (run_dir / "ds_config.json").exists() == strategies.is_deepspeed(spec.strategy)
+        assert (run_dir / "ds_config.json").exists() == is_deepspeed(spec.strategy)
     assert compiled, f"{recipe_path.name} fits none of the presets"

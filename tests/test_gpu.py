@@ -67,6 +67,13 @@ def test_two_gpus(name, tmp_path):
     _check(_validate(name, tmp_path))
 
 
+@pytest.mark.parametrize("name", ["full3b-zero2", "full3b-zero3-optim-offload", "full3b-fsdp2-offload"])
+def test_two_gpus_partial_offload_tiers(name, tmp_path):
+    if _gpus() < 2:
+        pytest.skip("needs 2 CUDA GPUs")
+    _check(_validate(name, tmp_path))
+
+
 @pytest.mark.parametrize("name", ["lora8b-zero3-offload", "lora8b-zero3-nvme", "full8b-zero3",
                                   "full8b-zero3-offload"])
 def test_two_gpus_8b_zero3(name, tmp_path):

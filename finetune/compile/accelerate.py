@@ -30,8 +30,9 @@ def accelerate_config(recipe: Recipe, plan: Plan, *, arch: ModelArch, main_port:
             # torchrun on every node (our launcher / srun starts one per node); the default
             # `pdsh` would ssh into the other nodes from node 0.
             "deepspeed_multinode_launcher": "standard",
-            # build the model already partitioned: a 70B model never materialises per rank
-            "zero3_init_flag": True,
+            # ZeRO-3 builds the model already partitioned: a 70B model never materialises per rank
+            # (ZeRO-2 keeps whole parameters on every rank; accelerate refuses the flag below stage 3)
+            "zero3_init_flag": strategies.zero_stage(strategy) == 3,
         }
     elif strategies.is_fsdp(strategy):
         cfg["distributed_type"] = "FSDP"
@@ -79,15 +80,22 @@ def fsdp_config(plan: Plan, *, arch: ModelArch) -> dict:
         "fsdp_state_dict_type": "SHARDED_STATE_DICT",
         # FSDP applies activation checkpointing per wrapped layer; the trainer then must not
         # also set gradient_checkpointing (see resolved.activation_checkpointing_by)
-        "fsdp_activation_checkpointing": bool(plan.activation_checkpointing),
-        "fsdp_offload_params": False,
+        "fsdp_activation_checkpointing": checkpointing_owner(plan) == "fsdp",
+        # CPUOffloadPolicy: sharded params and grads live in pinned host RAM, the optimizer steps there
+        "fsdp_offload_params": strategies.offloads_params(plan.strategy),
     }
 
 
+def partial_checkpointing(plan: Plan) -> bool:
+    """Some but not all decoder layers checkpointed (the planner's k of L)."""
+    return 0 < plan.checkpoint_layers < plan.num_layers
+
+
 def checkpointing_owner(plan: Plan) -> str:
-    """Who applies activation checkpointing: the FSDP plugin, the trainer, or nobody."""
+    """Who applies activation checkpointing: the FSDP plugin (every layer), the trainer (transformers'
+    per-layer flags, which also serve FSDP2 when only k of L layers are checkpointed), or nobody."""
     if not plan.activation_checkpointing:
         return "none"
-    if plan.device == "cuda" and strategies.is_fsdp(plan.strategy):
+    if plan.device == "cuda" and strategies.is_fsdp(plan.strategy) and not partial_checkpointing(plan):
         return "fsdp"
     return "trainer"

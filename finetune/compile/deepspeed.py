@@ -1,4 +1,5 @@
-"""ds_config.json for ZeRO-3, ZeRO-3 + CPU offload and ZeRO-Infinity (NVMe), every value concrete.
+"""ds_config.json for ZeRO-2, ZeRO-3, ZeRO-3 with the optimizer (or everything) in host RAM and
+ZeRO-Infinity (NVMe), every value concrete.
 
 Keys are DeepSpeed 0.19's (runtime/config.py, runtime/zero/config.py, offload_config.py,
 swap_tensor/constants.py). Where transformers' HfTrainerDeepSpeedConfig would fill an
@@ -36,15 +37,20 @@ def optimizer_in_ds_config(plan: Plan) -> bool:
     """Offloaded optimizer states are stepped by DeepSpeed's CPU Adam, so the optimizer is
     declared here; a torch optimizer on offloaded states is refused by DeepSpeed
     (zero_force_ds_cpu_optimizer) and would be an order of magnitude slower anyway."""
-    return strategies.is_deepspeed(plan.strategy) and strategies.offloads(plan.strategy)
+    return strategies.is_deepspeed(plan.strategy) and strategies.offloads_optimizer(plan.strategy)
 
 
 def ds_config(recipe: Recipe, plan: Plan, *, arch: ModelArch, preset: HardwarePreset) -> dict:
     if not strategies.is_deepspeed(plan.strategy):
         raise ValueError(f"no DeepSpeed config for strategy {plan.strategy!r}")
-    t = recipe.train
+    tier = strategies.info(plan.strategy)
     h = arch.hidden_size
-    mbs, gas, world = plan.micro_batch_size, plan.gradient_accumulation_steps, plan.world_size
+    if tier.zero_stage == 2:
+        zero2 = {"stage": 2, "overlap_comm": True, "contiguous_gradients": True,
+                 # the buckets the planner counts (plan/memory.py): h x h elements each
+                 "reduce_bucket_size": h * h, "allgather_bucket_size": h * h,
+                 "reduce_scatter": True, "allgather_partitions": True}
+        return _common(recipe, plan, zero2)
     zero: dict = {
         "stage": 3,
         "overlap_comm": True,
@@ -59,11 +65,11 @@ def ds_config(recipe: Recipe, plan: Plan, *, arch: ModelArch, preset: HardwarePr
         # without it a LoRA adapter saved under ZeRO-3 is empty (TRL #4416)
         "stage3_gather_16bit_weights_on_model_save": True,
     }
-    offload = strategies.info(plan.strategy).offload
-    if offload == "cpu":
-        zero["offload_param"] = {"device": "cpu", "pin_memory": True}
+    if tier.offload == "cpu":
+        if tier.offload_params:
+            zero["offload_param"] = {"device": "cpu", "pin_memory": True}
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
-    elif offload == "nvme":
+    elif tier.offload == "nvme":
         path = nvme_path_for(recipe, preset)
         # the parameter swapper stages whole parameters: a buffer must hold the largest one
         # (the embedding or LM head, vocab x hidden), else DeepSpeed refuses to start
@@ -84,6 +90,12 @@ def ds_config(recipe: Recipe, plan: Plan, *, arch: ModelArch, preset: HardwarePr
         # 0.19.8). Released at once, the next parameters come in through DeepSpeed's NVMe prefetch,
         # which is bounded by the free buffers; with 0 both trained (docs/validation.md, third pass).
         zero["stage3_max_reuse_distance"] = 0
+    return _common(recipe, plan, zero, nvme=tier.offload == "nvme")
+
+
+def _common(recipe: Recipe, plan: Plan, zero: dict, *, nvme: bool = False) -> dict:
+    t = recipe.train
+    mbs, gas, world = plan.micro_batch_size, plan.gradient_accumulation_steps, plan.world_size
     config: dict = {
         "train_micro_batch_size_per_gpu": mbs,
         "gradient_accumulation_steps": gas,
@@ -99,7 +111,7 @@ def ds_config(recipe: Recipe, plan: Plan, *, arch: ModelArch, preset: HardwarePr
     if optimizer_in_ds_config(plan):
         config["optimizer"] = {"type": "AdamW", "params": {
             "lr": t.lr, "betas": ADAM_BETAS, "eps": ADAM_EPS, "weight_decay": t.weight_decay}}
-    if offload == "nvme":
+    if nvme:
         # libaio settings for the swap files (DeepSpeed's documented defaults, made explicit)
         config["aio"] = {"block_size": MIB, "queue_depth": 8, "intra_op_parallelism": 1,
                          "single_submit": False, "overlap_events": True, "use_gds": False}

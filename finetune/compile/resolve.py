@@ -10,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from finetune import strategies
-from finetune.compile.accelerate import checkpointing_owner
+from finetune.compile.accelerate import checkpointing_owner, partial_checkpointing
 from finetune.compile.deepspeed import nvme_path_for, optimizer_in_ds_config
 from finetune.plan import attention_implementation, liger_enabled
 from finetune.plan.types import Plan
@@ -60,9 +60,9 @@ def resolve_recipe(recipe: Recipe, plan: Plan, *, run_dir: Path, arch: ModelArch
     # what actually runs: world x micro-batch x accumulation (the planner rounds to fit)
     train["global_batch_size"] = (plan.world_size * plan.micro_batch_size
                                   * plan.gradient_accumulation_steps)
-    if optimizer_in_ds_config(plan):
-        # DeepSpeed's CPU Adam steps the offloaded states (declared in ds_config.json);
-        # a bitsandbytes 8-bit optimizer cannot run on them
+    if optimizer_in_ds_config(plan) or strategies.offloads_optimizer(plan.strategy):
+        # the offloaded states are stepped on the CPU: DeepSpeed's CPU Adam (declared in ds_config.json)
+        # or torch's AdamW on FSDP2's host-RAM shards; bitsandbytes' 8-bit optimizers are CUDA kernels
         train["optimizer"] = "adamw"
 
     dist = data["distributed"]
@@ -83,6 +83,7 @@ def resolve_recipe(recipe: Recipe, plan: Plan, *, run_dir: Path, arch: ModelArch
         lora_targets=targets,
         model_family=arch.family,
         activation_checkpointing_by=checkpointing_owner(plan),
+        checkpoint_layers=plan.checkpoint_layers if partial_checkpointing(plan) else None,
     ).model_dump(mode="python")
     resolved = Recipe.model_validate(data)
     resolved._source_dir = str(run_dir)

@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 from finetune import strategies
+from finetune.errors import RecipeError
 from finetune.plan.choose import HEADROOM, search, suggestions
 from finetune.plan.memory import adapter_input_casts, zero_model_state_bytes
 from finetune.plan.render import render_plan_table
@@ -33,10 +34,20 @@ def _targets(recipe, arch) -> tuple[str, ...]:
     if chosen is None:
         return tuple(arch.lora_targets)
     if chosen == "all-linear":
-        names = [n for n in module_shapes(arch) if arch.num_experts == 1 or n not in
-                 ("gate_proj", "up_proj", "down_proj")]
-        return tuple(dict.fromkeys(names))
-    return tuple(chosen)
+        return tuple(module_shapes(arch))  # peft's all-linear: every nn.Linear of the layers
+    known = set(module_shapes(arch)) | {"embed_tokens"}
+    names = tuple(name.rsplit(".", 1)[-1] for name in chosen)  # peft matches on the name's suffix
+    if "lm_head" in names:
+        # TRL's fused LM head multiplies by lm_head.weight directly: a LoRA there would never be applied
+        raise RecipeError("LoRA on lm_head is not applied by TRL's fused LM head (it reads lm_head.weight)",
+                          key="adapter.target_modules",
+                          hint="train the head in full with adapter.modules_to_save: [lm_head]")
+    unknown = [n for n in names if n not in known]
+    if unknown:
+        raise RecipeError(f"{', '.join(unknown)} is not a module of {arch.key} the planner knows",
+                          key="adapter.target_modules",
+                          hint=f"use names from: {', '.join(sorted(known))}, or all-linear")
+    return names
 
 
 def recipe_flops_per_token(recipe, *, arch) -> float:
@@ -97,6 +108,7 @@ def job_from_recipe(recipe, *, arch, preset) -> Job:
         arch=arch, preset=preset, adapter=adapter, method=method, reference=reference,
         lora_r=recipe.adapter.r, lora_targets=_targets(recipe, arch),
         lora_dropout=recipe.adapter.dropout, dora=recipe.adapter.dora,
+        modules_to_save=tuple(recipe.adapter.modules_to_save or ()) if adapter != "full" else (),
         cast_adapter_inputs=recipe.adapter.cast_adapter_inputs, liger=liger_enabled(recipe, preset),
         double_quant=recipe.adapter.double_quant, weight_bytes=DTYPE_BYTES[recipe.model.dtype],
         act_bytes=4 if recipe.train.precision == "fp32" else 2, optimizer=recipe.train.optimizer,
@@ -150,11 +162,13 @@ def plan_job(job: Job) -> Plan:
         strategy=chosen.strategy, fits=chosen.fits, micro_batch_size=chosen.micro_batch_size,
         gradient_accumulation_steps=chosen.gradient_accumulation_steps,
         activation_checkpointing=chosen.activation_checkpointing,
+        checkpoint_layers=chosen.checkpoint_layers, num_layers=job.arch.num_layers,
         per_gpu_memory_gib=chosen.per_gpu_memory_gib, world_size=world, num_nodes=p.nodes,
         gpus_per_node=p.gpus_per_node, seq_len=job.seq_len, global_batch_size=seqs,
         tokens_per_step=tokens, step_time_s=step,
         tokens_per_second=rate, mfu=utilisation, why="",
         candidates=candidates, total_params=float(count_params(job.arch).total),
+        active_params=float(count_params(job.arch).active),
         trainable_params=float(trainable_params(job)), memory=chosen.memory,
         host_ram_gib=chosen.host_ram_bytes / GIB, device="cpu" if p.vendor == "cpu" else "cuda")
     plan.kernels = _kernels(job, chosen.strategy)
@@ -195,8 +209,13 @@ def _why(job: Job, chosen: Candidate, achieved: int, candidates: list[Candidate]
     if strategies.offloads(chosen.strategy):
         first += f", {chosen.host_ram_bytes / GIB:.0f} GiB host RAM per node"
     first += ")."
-    ckpt = "with activation checkpointing" if chosen.activation_checkpointing else \
-        "without activation checkpointing"
+    layers = job.arch.num_layers
+    if not chosen.checkpoint_layers:
+        ckpt = "without activation checkpointing"
+    elif chosen.checkpoint_layers == layers:
+        ckpt = "with activation checkpointing"
+    else:
+        ckpt = f"with activation checkpointing on {chosen.checkpoint_layers} of {layers} layers"
     pinned = job.micro_batch is not None or job.checkpointing != "auto"
     second = (f" Micro-batch {chosen.micro_batch_size} {ckpt} "
               f"{'as pinned' if pinned else 'is the fastest setting that fits'}, "

@@ -2,9 +2,10 @@
 
 Rule: the fastest configuration (lowest modelled step time) whose peak fits in HEADROOM of the GPU
 memory (and whose offloaded states fit in host RAM / NVMe). Among equally fast settings the larger
-micro-batch and no checkpointing win. CPU/NVMe offload is chosen only when no strategy that keeps
-the states on the GPUs fits. Recipe pins (strategy, micro-batch, checkpointing) restrict
-the search; a pinned strategy that does not fit yields fits=False with the reason.
+micro-batch and no checkpointing win. Offload goes by levels (strategies.StrategyInfo.offload_level):
+optimizer-only offload is considered only when nothing fits with every state on the GPUs, parameter
+offload only when optimizer-only offload does not fit either, NVMe last. Recipe pins (strategy,
+micro-batch, checkpointing) restrict the search; a pinned strategy that does not fit yields fits=False with the reason.
 """
 
 from __future__ import annotations
@@ -12,10 +13,11 @@ from __future__ import annotations
 from dataclasses import replace
 
 from finetune import strategies
-from finetune.plan.memory import footprint
+from finetune.plan.memory import checkpointed_layers, footprint
 from finetune.plan.timing import step_time
 from finetune.plan.types import GIB, Candidate
 from finetune.plan.workload import Job
+from finetune.strategies import info, offload_level
 
 HEADROOM = 0.90  # plan to at most 90% of GPU memory / host RAM: spikes, other processes
 
@@ -23,26 +25,28 @@ HEADROOM = 0.90  # plan to at most 90% of GPU memory / host RAM: spikes, other p
 def not_applicable(job: Job, strategy: str) -> str:
     """Why `strategy` makes no sense on this preset/adapter ("" when it does)."""
     p = job.preset
-    s = strategies.info(strategy)
+    tier = info(strategy)
     if p.vendor == "cpu":
-        if not s.shards_params:
-            return ""
-        replicated = ", ".join(strategies.names_where(lambda i: not i.shards_params))
-        return f"the cpu preset runs one process; only {replicated} applies"
-    if s.hybrid and p.nodes < 2:
+        return "" if tier.backend == "ddp" else "the cpu preset runs one process; only ddp applies"
+    if tier.hybrid and p.nodes < 2:
         return "hybrid sharding replicates across nodes; this preset has one node"
-    if s.hybrid and p.gpus_per_node < 2:
+    if tier.hybrid and p.gpus_per_node < 2:
         # accelerate refuses an FSDP mesh whose shard dimension is 1 (seen on 2 x 1-GPU nodes)
         return ("hybrid sharding shards within a node; with one GPU per node use ddp (replicate) "
                 "or fsdp2 (shard across nodes)")
-    if s.shards_params and s.offload == "none" and p.world_size < 2 and job.strategy != strategy:
+    splits = tier.shards_params or tier.zero_stage >= 2
+    if splits and tier.offload_level == 0 and p.world_size < 2 and job.strategy != strategy:
         # never chosen on one GPU (no memory to gain), but allowed when pinned: an FSDP2
         # checkpoint saved on several GPUs resumes on one under the same strategy
         return "sharding needs more than one GPU"
-    if s.offload == "nvme" and not job.nvme_path:
+    if tier.offload == "nvme" and not job.nvme_path:
         return "the preset has no NVMe path; set distributed.nvme_path"
-    if s.offload != "none" and job.adapter == "qlora":
-        return "DeepSpeed cannot offload 4-bit (bitsandbytes) weights; use fsdp2 or zero3"
+    if tier.offload_params and job.adapter == "qlora":
+        return "bitsandbytes 4-bit weights cannot be offloaded to the CPU; use fsdp2 or zero3"
+    if tier.zero_stage == 2 and job.adapter != "full":
+        return "ZeRO-2 splits gradients and optimizer states; an adapter's are small: use ddp"
+    if tier.offload_optimizer and not tier.offload_params and job.adapter != "full":
+        return "an adapter's optimizer states are small: offloading them frees little; use zero3"
     return ""
 
 
@@ -62,12 +66,13 @@ def micro_batch_options(job: Job) -> list[int]:
     return [m for m in (2 ** k for k in range(0, 17)) if m <= share and share % m == 0]
 
 
-def evaluate(job: Job, *, strategy: str, micro_batch: int, checkpointing: bool) -> Candidate:
+def evaluate(job: Job, *, strategy: str, micro_batch: int, checkpointing: bool | int) -> Candidate:
+    """One setting; `checkpointing` is True (every layer), False, or how many layers (the first k)."""
     p = job.preset
+    k = checkpointed_layers(job, checkpointing)
     grad_accum = max(1, round(batch_share(job) / micro_batch))
-    fp = footprint(job, strategy=strategy, micro_batch=micro_batch, checkpointing=checkpointing)
-    t = step_time(job, strategy=strategy, micro_batch=micro_batch, grad_accum=grad_accum,
-                  checkpointing=checkpointing)
+    fp = footprint(job, strategy=strategy, micro_batch=micro_batch, checkpointing=k)
+    t = step_time(job, strategy=strategy, micro_batch=micro_batch, grad_accum=grad_accum, checkpointing=k)
     reason = ""
     limit = HEADROOM * p.gpu_memory_gib * GIB
     if fp.memory.total > limit:
@@ -80,23 +85,49 @@ def evaluate(job: Job, *, strategy: str, micro_batch: int, checkpointing: bool) 
     elif p.nvme_capacity_gib and fp.nvme_bytes > HEADROOM * p.nvme_capacity_gib * GIB:
         reason = f"needs {fmt_bytes(fp.nvme_bytes)} of NVMe per node; the preset has {p.nvme_capacity_gib:g} GiB"
     return Candidate(
-        strategy=strategy, micro_batch_size=micro_batch, activation_checkpointing=checkpointing,
+        strategy=strategy, micro_batch_size=micro_batch, activation_checkpointing=k > 0, checkpoint_layers=k,
         memory=fp.memory, fits=not reason, host_ram_bytes=fp.host_ram_bytes, nvme_bytes=fp.nvme_bytes,
         compute_time_s=t.compute_s, comm_time_s=t.intra_s + t.inter_s + t.offload_s,
         step_time_s=t.step_s, bottleneck=t.bottleneck, reason=reason,
         gradient_accumulation_steps=grad_accum)
 
 
+def _least_checkpointing(job: Job, *, strategy: str, micro_batch: int) -> list[Candidate]:
+    """No checkpointing if it fits, else the fewest checkpointed layers that fit: memory falls and time
+    rises with every layer checkpointed, so the smallest fitting k is the fastest. k = L - 1 needs less
+    memory than k = L (memory.activation_bytes), so all L are never the automatic choice (L > 1)."""
+    none = evaluate(job, strategy=strategy, micro_batch=micro_batch, checkpointing=0)
+    layers = job.arch.num_layers
+    if none.fits or layers == 1:
+        return [none] if none.fits else [none, evaluate(job, strategy=strategy, micro_batch=micro_batch,
+                                                        checkpointing=1)]
+    most = evaluate(job, strategy=strategy, micro_batch=micro_batch, checkpointing=layers - 1)
+    if not most.fits:
+        return [none, most]
+    low, high, best = 1, layers - 1, most  # fits at high; find the smallest k that fits
+    while low < high:
+        mid = (low + high) // 2
+        c = evaluate(job, strategy=strategy, micro_batch=micro_batch, checkpointing=mid)
+        if c.fits:
+            high, best = mid, c
+        else:
+            low = mid + 1
+    return [none, best]
+
+
 def best_for_strategy(job: Job, strategy: str) -> Candidate:
     """The fastest fitting setting of `strategy`, or its smallest-memory setting with the reason."""
     why_not = not_applicable(job, strategy)
-    ckpt_options = {"on": [True], "off": [False]}.get(job.checkpointing, [False, True])
-    tried = [evaluate(job, strategy=strategy, micro_batch=m, checkpointing=c)
-             for m in micro_batch_options(job) for c in ckpt_options]
+    tried = []
+    for m in micro_batch_options(job):
+        if job.checkpointing == "auto":
+            tried += _least_checkpointing(job, strategy=strategy, micro_batch=m)
+        else:
+            tried.append(evaluate(job, strategy=strategy, micro_batch=m, checkpointing=job.checkpointing == "on"))
     fitting = [c for c in tried if c.fits]
     if fitting and not why_not:
         return min(fitting, key=lambda c: (round(c.step_time_s, 6), -c.micro_batch_size,
-                                           c.activation_checkpointing))
+                                           c.checkpoint_layers))
     smallest = min(tried, key=lambda c: (c.memory.total, c.host_ram_bytes))
     if why_not:
         smallest.fits, smallest.reason = False, why_not
@@ -111,11 +142,11 @@ def search(job: Job) -> tuple[Candidate, list[Candidate]]:
     candidates = [best_for_strategy(job, s) for s in names]
     pool = [c for c in candidates if job.strategy in ("auto", c.strategy)]
     fitting = [c for c in pool if c.fits]
-    on_gpu = [c for c in fitting if not strategies.offloads(c.strategy)]
-    if on_gpu:
-        # offload is the last resort: its modelled cost (PCIe, CPU Adam) leaves out DeepSpeed's
-        # fetch stalls and pinned-memory pressure, so it never wins on a small modelled margin
-        fitting = on_gpu
+    if fitting:
+        # offload by levels: its modelled cost (PCIe, CPU Adam) leaves out fetch stalls and pinned-
+        # memory pressure, so a deeper offload never wins on a small modelled margin
+        level = min(offload_level(c.strategy) for c in fitting)
+        fitting = [c for c in fitting if offload_level(c.strategy) == level]
     if fitting:
         chosen = min(fitting, key=lambda c: (c.step_time_s, strategies.NAMES.index(c.strategy)))
     else:

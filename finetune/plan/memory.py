@@ -47,14 +47,24 @@ saved for backward (4) + bf16 logits gradient (2), ~1.5 MB per token for a 128k 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from finetune import strategies
 from finetune.plan.types import GIB, MemoryBreakdown
-from finetune.plan.workload import Job, count_params, head_dim, lora_params, module_shapes
+from finetune.plan.workload import (
+    Job,
+    attention_widths,
+    count_params,
+    expert_size,
+    lora_params,
+    module_shapes,
+    moe_layer_count,
+    saved_module_params,
+)
+from finetune.strategies import info
 
 ADAM_FP32_MOMENT_BYTES = 8
-ADAM_8BIT_MOMENT_BYTES = 2
+ADAM_8BIT_MOMENT_BYTES = 2 + 2 * 4 / 256  # two uint8 moments + an fp32 absmax each per 256-block
 CUDA_FIXED_BYTES = 1.5 * GIB  # CUDA context, cuBLAS/cuDNN workspaces, kernel images
 NCCL_BYTES = 0.5 * GIB  # communicator channel buffers, only when there are several ranks
 CPU_FIXED_BYTES = 0.5 * GIB  # the Python/torch process itself on the cpu preset
@@ -87,12 +97,21 @@ def zero_model_state_bytes(params: float, *, stage: int, world: int, k: float = 
 
 
 def shard_degree(job: Job, strategy: str) -> int:
+    """Over how many ranks the parameters are split (1: replicated)."""
     p = job.preset
-    if not strategies.shards_params(strategy):
+    if not info(strategy).shards_params:
         return 1
-    if strategies.is_hybrid(strategy):
+    if info(strategy).hybrid:
         return p.gpus_per_node
     return p.world_size
+
+
+def state_shard_degree(job: Job, strategy: str) -> int:
+    """Over how many ranks gradients and optimizer states are split: ZeRO-2 splits them across every
+    rank while replicating the parameters."""
+    if info(strategy).zero_stage == 2:
+        return job.preset.world_size
+    return shard_degree(job, strategy)
 
 
 def weight_bytes(job: Job) -> float:
@@ -101,7 +120,7 @@ def weight_bytes(job: Job) -> float:
     if job.adapter != "qlora":
         return params.total * job.weight_bytes
     scale = NF4_DOUBLE_QUANT_SCALE_BYTES if job.double_quant else NF4_SCALE_BYTES
-    linear = params.layer_linear * params.num_layers
+    linear = params.layers_linear
     return linear * (NF4_BYTES + scale) + (params.total - linear) * job.weight_bytes
 
 
@@ -125,17 +144,44 @@ class StateBytes:
     trainable_params: int
 
 
-def state_bytes(job: Job) -> StateBytes:
-    moments = ADAM_8BIT_MOMENT_BYTES if "8bit" in job.optimizer else ADAM_FP32_MOMENT_BYTES
+def keeps_fp32_master(strategy: str | None) -> bool:
+    """Whether trainable 16-bit parameters get fp32 master copies. accelerate's FSDP2 path upcasts every
+    trainable parameter to fp32 before sharding (fsdp2_prepare_model: params, grads and Adam states are
+    fp32 shards; MixedPrecisionPolicy casts the gathered copy to bf16 for compute) and DeepSpeed keeps fp32
+    partitions next to its 16-bit ones. DDP trains the parameters in the dtype they were loaded in: a bf16
+    model gets bf16 gradients and torch's AdamW creates its moments like the parameter (bf16), no master."""
+    return strategy is None or info(strategy).backend != "ddp"
+
+
+def moment_bytes(job: Job, *, param_bytes: float) -> float:
+    """Adam's two moments per parameter: bitsandbytes 8-bit (paged or not) keeps each in 1 byte plus one
+    fp32 absmax per 256-element block (2 + 8/256); torch's AdamW keeps them in the parameter's dtype."""
+    if "8bit" in job.optimizer:
+        return ADAM_8BIT_MOMENT_BYTES
+    return 2 * param_bytes
+
+
+def state_bytes(job: Job, strategy: str | None = None) -> StateBytes:
+    """`strategy` None: the sharded strategies' accounting (fp32 masters), as the ZeRO paper counts."""
+    master = keeps_fp32_master(strategy) and job.weight_bytes < 4
+    if strategy is not None and info(strategy).offload_optimizer and "8bit" in job.optimizer:
+        job = replace(job, optimizer="adamw")  # compile resolves it so: the CPU steps fp32 Adam
     weights = weight_bytes(job)
     if job.method == "dpo" and job.reference == "copy":
         weights += count_params(job.arch).total * job.weight_bytes  # frozen reference model
-    if job.adapter == "full":
-        n = count_params(job.arch).total
-        master = 4 * n if job.weight_bytes < 4 else 0
-        return StateBytes(weights, master, job.weight_bytes * n, moments * n, n)
-    n = lora_params(job)
-    return StateBytes(weights, 4 * n, 4 * n, moments * n, n)
+    # parameters trained in the model's dtype: a full fine-tune, peft's modules_to_save copies
+    n = count_params(job.arch).total if job.adapter == "full" else saved_module_params(job)
+    if job.adapter != "full":
+        weights += job.weight_bytes * n  # the trainable copy beside the frozen original
+    trainable, grads = (4 * n if master else 0.0), job.weight_bytes * n
+    optimizer = moment_bytes(job, param_bytes=4 if master else job.weight_bytes) * n
+    if job.adapter != "full":
+        lora = lora_params(job)  # peft keeps LoRA weights in fp32: fp32 grads and moments
+        trainable += 4 * lora
+        grads += 4 * lora
+        optimizer += moment_bytes(job, param_bytes=4) * lora
+        n += lora
+    return StateBytes(weights, trainable, grads, optimizer, n)
 
 
 def peft_casts_adapter_inputs(*, adapter: str, strategy: str, act_bytes: int) -> bool:
@@ -166,15 +212,15 @@ def masked_attention(job: Job, *, micro_batch: int) -> tuple[int, int] | None:
 def activation_bytes_per_token_layer(job: Job, *, micro_batch: int = 1, casts: bool = False) -> float:
     a, arch = job.act_bytes, job.arch
     h, i = arch.hidden_size, arch.intermediate_size
-    q, kv = arch.num_attention_heads * head_dim(arch), arch.num_kv_heads * head_dim(arch)
+    q, kv, v = attention_widths(arch)
     full = job.adapter == "full"
     # Liger's RMSNorm keeps its bf16 input and an fp32 rstd per row instead of the fp32 upcast input
     norms = 2 * ((a * h + 4) if job.liger else 4 * h) + 2 * (a * h + (a * h if full else 0))
     repeated = (job.attention in ("eager", "varlen")
                 or masked_attention(job, micro_batch=micro_batch) is not None)
-    attention = a * (2 * q + 2 * (q if repeated else kv)) + 4 * arch.num_attention_heads
+    attention = a * (2 * q + (q if repeated else kv) + (q if repeated else v)) + 4 * arch.num_attention_heads
     # SwiGLU: gate, up, silu(gate), product; Liger's fused kernel recomputes silu(gate) in backward
-    mlp = (3 if job.liger else 4) * a * i * min(arch.experts_per_token, arch.num_experts)
+    mlp = (3 if job.liger else 4) * a * mlp_width_per_token(arch)
     lora = 0.0
     if not full:
         shapes = module_shapes(arch)
@@ -188,7 +234,42 @@ def activation_bytes_per_token_layer(job: Job, *, micro_batch: int = 1, casts: b
             lora -= a * h * (any(n in job.lora_targets for n in ("q_proj", "k_proj", "v_proj"))
                              + any(n in job.lora_targets for n in ("gate_proj", "up_proj")))
             lora -= a * i * ("down_proj" in job.lora_targets)
+        if job.dora:
+            lora += dora_bytes_per_token_layer(job)
     return norms + attention + mlp + lora
+
+
+def dora_bytes_per_token_layer(job: Job) -> float:
+    """peft's DoRA (tuners/lora/dora.py) returns (m/||W+BA|| - 1) * base_result + m/||W+BA|| * lora_result
+    * scaling with the trainable magnitude m: both products keep their token-sized operand for m's
+    gradient, base_result and lora_result, each out_features wide in the compute dtype (the norm is
+    detached). Measured with saved-tensor hooks on a Llama layer (h 256, i 640, all 7 projections,
+    bf16 and fp32 adapters alike): 9,216 B per token more than LoRA = 2 x 2 B x (256+128+128+256+640
+    +640+256) (tests/test_dora_memory.py)."""
+    shapes = module_shapes(job.arch)
+    return sum(2 * job.act_bytes * shapes[n][1] * shapes[n][2] for n in job.lora_targets if n in shapes)
+
+
+def dora_transient_bytes(job: Job) -> float:
+    """DoRA recomputes ||W + scaling*BA|| per module on every forward: peft builds BA by pushing an
+    in x in identity through lora_A and lora_B, then adds it to a copy of W and takes the row norms. The
+    largest targeted module's temporaries, in fp32 (peft's adapter dtype): the identity and its r-wide
+    image, BA, its cast, the cast W and the sum (4 out x in matrices)."""
+    shapes = module_shapes(job.arch)
+    sizes = [4 * (fin * fin + fin * job.lora_r) + 4 * 4 * fin * fout
+             for n, (fin, fout, _) in shapes.items() if n in job.lora_targets]
+    return max(sizes, default=0.0)
+
+
+def mlp_width_per_token(arch) -> float:
+    """The MLP width a token goes through, averaged over the layers: dense layers' intermediate_size;
+    MoE layers' routed experts (top-k x expert width) plus the shared expert. Router logits and the
+    routing weights are a few bytes per expert, left out."""
+    moe = moe_layer_count(arch)
+    dense = (arch.num_layers - moe) * arch.intermediate_size
+    sparse = moe * (min(arch.experts_per_token, arch.num_experts) * expert_size(arch)
+                    + arch.shared_expert_intermediate_size)
+    return (dense + sparse) / arch.num_layers
 
 
 def attention_matrix_bytes(job: Job, *, micro_batch: int) -> float:
@@ -206,15 +287,30 @@ def tokens_per_micro_batch(job: Job, micro_batch: int) -> int:
     return micro_batch * job.seq_len * job.sequences_per_sample
 
 
-def activation_bytes(job: Job, *, micro_batch: int, checkpointing: bool, casts: bool = False) -> float:
+def checkpointed_layers(job: Job, checkpointing: bool | int) -> int:
+    """How many decoder layers are checkpointed: True = all, False = none, or a count k."""
+    if isinstance(checkpointing, bool):
+        return job.arch.num_layers if checkpointing else 0
+    return max(0, min(int(checkpointing), job.arch.num_layers))
+
+
+def activation_bytes(job: Job, *, micro_batch: int, checkpointing: bool | int, casts: bool = False) -> float:
+    """Saved activations at the peak (the start of the backward pass).
+
+    Checkpointing the first k of L layers (finetune/train/callbacks.py): those keep only their input
+    (act x h per token) and the other L - k keep everything. The backward reaches the checkpointed
+    layers only after the un-checkpointed ones above them have freed theirs, so one layer's recompute
+    adds to the peak only when every layer is checkpointed: (L-k) x layer + k x input, or L x input +
+    one layer when k = L (which is why k = L - 1 needs less memory than k = L)."""
     tokens = tokens_per_micro_batch(job, micro_batch)
     per_layer = (activation_bytes_per_token_layer(job, micro_batch=micro_batch, casts=casts) * tokens
                  + attention_matrix_bytes(job, micro_batch=micro_batch))
     layers = job.arch.num_layers
+    k = checkpointed_layers(job, checkpointing)
     edges = 4 * job.act_bytes * job.arch.hidden_size * tokens  # embedding output + final norm
-    if checkpointing:
-        return layers * job.act_bytes * job.arch.hidden_size * tokens + per_layer + edges
-    return layers * per_layer + edges
+    inputs = k * job.act_bytes * job.arch.hidden_size * tokens
+    recompute = per_layer if k == layers else 0.0
+    return (layers - k) * per_layer + inputs + recompute + edges
 
 
 def logits_bytes(job: Job, *, micro_batch: int) -> float:
@@ -230,7 +326,8 @@ def loss_head_bytes(job: Job, *, micro_batch: int) -> float:
     a, h = job.act_bytes, job.arch.hidden_size
     tile = min(tokens, FUSED_HEAD_TOKENS) * min(job.arch.vocab_size, FUSED_HEAD_VOCAB) * a
     per_token = (2 * a + 4) * h + 8 * 4  # hidden copy, fp32 gradient + its cast, fp32 per-token stats
-    head_grad = job.arch.vocab_size * h * (4 + job.weight_bytes) if job.adapter == "full" else 0.0
+    trained = job.adapter == "full" or "lm_head" in job.modules_to_save
+    head_grad = job.arch.vocab_size * h * (4 + job.weight_bytes) if trained else 0.0
     return tokens * per_token + tile + head_grad
 
 
@@ -241,27 +338,35 @@ class Footprint:
     nvme_bytes: float  # per node
 
 
-def footprint(job: Job, *, strategy: str, micro_batch: int, checkpointing: bool) -> Footprint:
+def footprint(job: Job, *, strategy: str, micro_batch: int, checkpointing: bool | int) -> Footprint:
     """Peak bytes per GPU (by part), host RAM per node and NVMe per node for one configuration."""
     p = job.preset
-    states = state_bytes(job)
+    states = state_bytes(job, strategy)
     shard = shard_degree(job, strategy)
     cpu = p.vendor == "cpu"
     layer, root = unit_bytes(job)
     grad_dtype = 4 if job.adapter != "full" else max(job.weight_bytes, 4)  # reduce in fp32
     layer_grads = states.trainable_params / job.arch.num_layers * grad_dtype
-    if not strategies.shards_params(strategy):
+    tier = info(strategy)
+    if tier.backend == "ddp":
         # DDP's gradient buckets hold a second copy of the gradients (no gradient_as_bucket_view)
         comm = states.gradients if p.world_size > 1 else 0.0
+    elif tier.zero_stage == 2:
+        # ZeRO-2 reduces through two reduce buckets and re-gathers updated params through one
+        # all-gather bucket, each reduce_bucket_size (h x h, compile/deepspeed.py) 16-bit elements
+        comm = 3 * job.arch.hidden_size ** 2 * 2 if p.world_size > 1 else 0.0
     else:
         # root unit (embedding, lm_head) stays gathered for the whole step; current + prefetched
         # layer gathered; one layer's gradients in the reduce-scatter buffer
         comm = root + 2 * layer + layer_grads
-    if strategies.offloads(strategy):
-        on_gpu = MemoryBreakdown(weights=0.0, trainable=0.0, gradients=0.0, optimizer=0.0)
-    else:
-        on_gpu = MemoryBreakdown(weights=states.weights / shard, trainable=states.trainable / shard,
-                                 gradients=states.gradients / shard, optimizer=states.optimizer / shard)
+    states_shard = state_shard_degree(job, strategy)
+    # offloaded optimizer: fp32 master, moments and the gradient partitions live (and step) on the CPU
+    opt_on_gpu = 0.0 if tier.offload_optimizer else 1.0
+    on_gpu = MemoryBreakdown(
+        weights=0.0 if tier.offload_params else states.weights / shard,
+        trainable=opt_on_gpu * states.trainable / states_shard,
+        gradients=opt_on_gpu * states.gradients / states_shard,
+        optimizer=opt_on_gpu * states.optimizer / states_shard)
     acts = activation_bytes(job, micro_batch=micro_batch, checkpointing=checkpointing,
                             casts=adapter_input_casts(job, strategy))
     logits = loss_head_bytes(job, micro_batch=micro_batch)
@@ -269,6 +374,8 @@ def footprint(job: Job, *, strategy: str, micro_batch: int, checkpointing: bool)
     if job.adapter == "qlora":
         # a dequantized 16-bit copy of the largest linear weight while it is multiplied
         fixed += 2 * max(fin * fout for fin, fout, _ in module_shapes(job.arch).values())
+    if job.dora and job.adapter != "full":
+        fixed += dora_transient_bytes(job)
     subtotal = on_gpu.total + acts + logits + comm
     memory = MemoryBreakdown(weights=on_gpu.weights, trainable=on_gpu.trainable,
                              gradients=on_gpu.gradients, optimizer=on_gpu.optimizer,
@@ -285,20 +392,28 @@ def _host_and_nvme(job: Job, *, strategy: str, states: StateBytes, layer: float)
     # loading: DDP ranks each materialize the model on CPU before moving it; sharded strategies
     # load once per node (cpu_ram_efficient_loading / zero.Init) and scatter
     model_bytes = count_params(job.arch).total * job.weight_bytes
-    loading: float = model_bytes * (procs if not strategies.shards_params(strategy) and job.adapter != "qlora" else 1)
+    # (ZeRO-2 builds no partitioned model: every rank loads it like DDP)
+    replicated_load = not info(strategy).shards_params and job.adapter != "qlora"
+    loading = float(model_bytes * (procs if replicated_load else 1))
     if p.vendor == "cpu":
         loading = 0.0  # the cpu preset's 'GPU memory' already is this RAM
     nodes = p.nodes
-    offload = strategies.info(strategy).offload
-    if offload == "cpu":
-        # pinned params + fp32 master/moments + fp32 gradient partitions of this node's ranks
-        offloaded = (states.weights + states.trainable + states.optimizer
-                     + states.trainable_params * 4) / nodes
-        return base + max(loading, offloaded), 0.0
-    if offload == "nvme":
+    tier = info(strategy)
+    fp32_grads = states.trainable_params * 4  # the gradient partitions the CPU optimizer steps on
+    if tier.offload == "nvme":
         # params and optimizer states on NVMe; host keeps fp32 gradient partitions and swap buffers
         buffers = procs * (NVME_PARAM_BUFFERS * layer + 2 * GIB)  # + optimizer swap buffers
-        host = states.trainable_params * 4 / nodes + buffers
+        host = fp32_grads / nodes + buffers
         nvme = (states.weights + states.trainable + states.optimizer) / nodes
         return base + max(loading, host), nvme
+    if tier.offload_params:
+        # pinned params + fp32 master/moments + fp32 gradient partitions of this node's ranks; FSDP2
+        # keeps only the fp32 (upcast) copy of trainable params, no 16-bit one beside it
+        weights = states.weights
+        if tier.backend == "fsdp" and job.adapter == "full" and states.trainable:
+            weights = 0.0
+        offloaded = (weights + states.trainable + states.optimizer + fp32_grads) / nodes
+        return base + max(loading, offloaded), 0.0
+    if tier.offload_optimizer:  # ZeRO-3's params stay on the GPUs; master, moments and grads pinned here
+        return base + max(loading, (states.trainable + states.optimizer + fp32_grads) / nodes), 0.0
     return base + loading, 0.0

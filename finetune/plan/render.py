@@ -5,9 +5,9 @@ from __future__ import annotations
 from finetune.plan.types import GIB, Plan
 
 _COLUMNS = [  # header, width, value(candidate)
-    ("strategy", 13, lambda c: c.strategy),
+    ("strategy", 19, lambda c: c.strategy),
     ("mb", 3, lambda c: str(c.micro_batch_size)),
-    ("ckpt", 4, lambda c: "on" if c.activation_checkpointing else "off"),
+    ("ckpt", 5, None),  # checkpointed layers: off, k/L or all
     ("weights", 7, lambda c: _g(c.memory.weights)),
     ("train", 6, lambda c: _g(c.memory.trainable)),
     ("grads", 6, lambda c: _g(c.memory.gradients)),
@@ -24,6 +24,10 @@ _COLUMNS = [  # header, width, value(candidate)
 ]
 
 
+def _ckpt(k: int, layers: int) -> str:
+    return "off" if not k else ("all" if k == layers else f"{k}/{layers}")
+
+
 def _g(n: float) -> str:
     return f"{n / GIB:.1f}"
 
@@ -32,10 +36,25 @@ def _params(n: float) -> str:
     return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.1f}M"
 
 
+def _active(plan: Plan) -> str:
+    """Mixture-of-experts: the parameters one token uses, next to the total."""
+    if not plan.active_params or plan.active_params >= plan.total_params:
+        return ""
+    return f" total, {_params(plan.active_params)} active per token"
+
+
+def checkpointing_text(plan: Plan) -> str:
+    """off | on (every decoder layer) | on k of L layers."""
+    k = plan.checkpoint_layers
+    if not k:
+        return "off"
+    return "on" if k == plan.num_layers else f"on {k} of {plan.num_layers} layers"
+
+
 def render_plan_table(plan: Plan) -> str:
     lines = [
-        f"model {plan.model} ({_params(plan.total_params)} params, {_params(plan.trainable_params)} "
-        f"trainable), {plan.method} {plan.adapter}, seq {plan.seq_len}",
+        f"model {plan.model} ({_params(plan.total_params)} params{_active(plan)}, "
+        f"{_params(plan.trainable_params)} trainable), {plan.method} {plan.adapter}, seq {plan.seq_len}",
         f"hardware {plan.hardware}: {plan.num_nodes} node(s) x {plan.gpus_per_node} "
         f"{'process' if plan.device == 'cpu' else 'GPU'}(s)",
         "memory per GPU in GiB (host RAM per node); step time per optimizer step",
@@ -44,17 +63,18 @@ def render_plan_table(plan: Plan) -> str:
     header = "  ".join(h.rjust(w) if i else h.ljust(w) for i, (h, w, _) in enumerate(_COLUMNS))
     lines += [header, "-" * len(header)]
     for c in plan.candidates:
-        row = "  ".join(f(c).rjust(w) if i else f(c).ljust(w) for i, (_, w, f) in enumerate(_COLUMNS))
+        cells = [f(c) if f else _ckpt(c.checkpoint_layers, plan.num_layers) for _, _, f in _COLUMNS]
+        row = "  ".join(v.rjust(w) if i else v.ljust(w) for i, (v, (_, w, _)) in enumerate(zip(cells, _COLUMNS)))
         marker = "  <- chosen" if c.strategy == plan.strategy and plan.fits else ""
         lines.append(row + marker)
         if c.reason:
-            lines.append(f"{'':13}  {c.reason}")
+            lines.append(f"{'':19}  {c.reason}")
     lines.append("")
     if plan.fits:
         lines += [
             f"choice: {plan.strategy}, micro-batch {plan.micro_batch_size}, gradient accumulation "
             f"{plan.gradient_accumulation_steps}, activation checkpointing "
-            f"{'on' if plan.activation_checkpointing else 'off'}, "
+            f"{checkpointing_text(plan)}, "
             f"{plan.per_gpu_memory_gib:.1f} GiB/GPU peak",
             f"estimate: {plan.step_time_s:.2f} s/step, {plan.tokens_per_second:,.0f} tokens/s, "
             f"MFU {plan.mfu:.0%}",

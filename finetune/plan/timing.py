@@ -2,7 +2,7 @@
 
 FLOPs per trained token: `model_flops_per_token` (the one formula; the MFU of `finetune plan`,
 scripts/bench.py and scripts/gpu_validate.py all use it), plus work that is not useful model FLOPs:
-  checkpointing: + 2N + 4*L*a*s   (one extra forward per layer)
+  checkpointing: + 2N + 4*L*a*s   (one extra forward per layer; x k/L when k of L layers are)
   dpo:         the policy on chosen + rejected (2 sequences per sample) plus a reference forward
                (2N + 4*L*a*s per token) unless the reference log-probs are precomputed.
 Compute time = FLOPs / (peak x efficiency). Efficiency is an HF-stack MFU: 0.45 on GPUs for a full
@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 from finetune import strategies
 from finetune.plan.memory import state_bytes, tokens_per_micro_batch, weight_bytes
-from finetune.plan.workload import Job, count_params, head_dim, trainable_params
+from finetune.plan.workload import Job, attended_positions, count_params, head_dim, trainable_params
 from finetune.registry.schema import ModelArch
 
 GPU_EFFICIENCY = 0.45
@@ -36,6 +36,8 @@ MICRO_BATCH_HALF_TOKENS = 512  # efficiency x tokens/(tokens + this): small micr
 ZERO3_COMM_FACTOR = 1.2  # DeepSpeed's parameter fetching overlaps less than FSDP2's prefetch
 OVERLAP_LEAK = 0.1  # share of the smaller of compute/communication that is not hidden
 CPU_ADAM_PARAMS_PER_S = 2e9  # DeepSpeedCPUAdam on one node's cores, parameters per second
+# torch's AdamW on CPU tensors (FSDP2's CPUOffloadPolicy): not measured; half DeepSpeed's AVX kernel
+TORCH_CPU_ADAM_PARAMS_PER_S = 1e9
 
 
 def allreduce_time_s(nbytes: float, *, n: int, bus_bandwidth_gbps: float) -> float:
@@ -63,13 +65,14 @@ def model_flops_per_token(arch: ModelArch, *, seq_len: int, adapter: str, traina
                                          backward w.r.t. activations 2N; T = `trainable_params`, the
                                          adapter's parameters, trained at 6 FLOPs each)
 
+    Sliding-window layers (GPT-OSS) attend to at most their window (`attended_positions`).
     The attention term is not halved for the causal mask: a causal kernel skips about half of the
     score blocks, but torchtitan, PaLM and Megatron's published MFU figures count the full s x s
     product, so the figures here compare with theirs (and an adapter's attention backward still
     computes input gradients through every score, so no 2/3 either).
     """
     n = count_params(arch).matmul_active
-    attn = arch.num_layers * arch.num_attention_heads * head_dim(arch) * seq_len
+    attn = arch.num_attention_heads * head_dim(arch) * attended_positions(arch, seq_len)
     if adapter == "full":
         return 6 * n + 12 * attn
     return 4 * n + 12 * attn + 6 * trainable_params
@@ -80,15 +83,16 @@ def job_model_flops_per_token(job: Job) -> float:
                                  trainable_params=trainable_params(job) if job.adapter != "full" else 0)
 
 
-def flops_per_token(job: Job, *, checkpointing: bool) -> float:
+def flops_per_token(job: Job, *, checkpointing: bool | int) -> float:
     """Training FLOPs per token of one sequence: the useful FLOPs plus recomputation and the DPO
     reference forward (see the module docstring)."""
     arch = job.arch
     n = count_params(arch).matmul_active
-    attn = arch.num_layers * arch.num_attention_heads * head_dim(arch) * job.seq_len
+    attn = arch.num_attention_heads * head_dim(arch) * attended_positions(arch, job.seq_len)
     flops = job_model_flops_per_token(job)
-    if checkpointing:
-        flops += 2 * n + 4 * attn
+    if checkpointing:  # True (every layer) or the count of checkpointed layers
+        share = 1.0 if checkpointing is True else min(1.0, checkpointing / arch.num_layers)
+        flops += share * (2 * n + 4 * attn)
     if job.method == "dpo" and job.reference != "precompute":
         flops += 2 * n + 4 * attn
     return flops
@@ -132,31 +136,43 @@ def _sharded_collectives(*, gather: float, reduce: float, n_intra: int, n_nodes:
 
 
 def step_time(job: Job, *, strategy: str, micro_batch: int, grad_accum: int,
-              checkpointing: bool) -> StepTime:
+              checkpointing: bool | int) -> StepTime:
     """Seconds per optimizer step (grad_accum micro-batches on every rank)."""
     p = job.preset
     tokens = tokens_per_micro_batch(job, micro_batch) * grad_accum
     compute = flops_per_token(job, checkpointing=checkpointing) * tokens / (
         p.peak_bf16_tflops * 1e12 * efficiency(job, micro_batch=micro_batch))
-    states = state_bytes(job)
+    states = state_bytes(job, strategy)
     grad_bytes = states.trainable_params * (4 if job.adapter != "full" else 2)
     intra_bw, inter_bw = p.intra_node_bandwidth_gbps, p.inter_node_bandwidth_gbps or 1.0
     intra = inter = offload = 0.0
-    if not strategies.shards_params(strategy):
+    tier = strategies.info(strategy)
+    if tier.backend == "ddp":
         # one all-reduce per optimizer step (no_sync while accumulating); hierarchical across nodes
         intra = allreduce_time_s(grad_bytes, n=p.gpus_per_node, bus_bandwidth_gbps=intra_bw)
         inter = allreduce_time_s(grad_bytes, n=p.nodes, bus_bandwidth_gbps=inter_bw)
+    elif tier.zero_stage == 2:
+        # no parameter gathering: DeepSpeed reduce-scatters the 16-bit gradients every micro-batch and
+        # all-gathers the updated parameters once per optimizer step
+        grads16 = states.trainable_params * 2
+        per_step = allgather_time_s(states.trainable_params * job.weight_bytes, n=p.gpus_per_node,
+                                    bus_bandwidth_gbps=intra_bw)
+        intra = (allgather_time_s(grads16, n=p.gpus_per_node, bus_bandwidth_gbps=intra_bw) * grad_accum
+                 + per_step) * ZERO3_COMM_FACTOR
+        inter = (allgather_time_s(grads16, n=p.nodes, bus_bandwidth_gbps=inter_bw) * grad_accum
+                 + allgather_time_s(states.trainable_params * job.weight_bytes, n=p.nodes,
+                                    bus_bandwidth_gbps=inter_bw)) * ZERO3_COMM_FACTOR
     else:
         gather = weight_bytes(job)
         reduce = states.trainable_params * 4  # reduce-scatter in fp32
         per_intra, per_inter = _sharded_collectives(
             gather=gather, reduce=reduce, n_intra=p.gpus_per_node, n_nodes=p.nodes,
-            intra_bw=intra_bw, inter_bw=inter_bw, hybrid=strategies.is_hybrid(strategy))
-        factor = ZERO3_COMM_FACTOR if strategies.is_deepspeed(strategy) else 1.0
+            intra_bw=intra_bw, inter_bw=inter_bw, hybrid=tier.hybrid)
+        factor = ZERO3_COMM_FACTOR if tier.backend == "deepspeed" else 1.0
         intra, inter = per_intra * grad_accum * factor, per_inter * grad_accum * factor
         if p.world_size == 1:
             intra = inter = 0.0
-    if strategies.offloads(strategy):
+    if tier.offload != "none":
         offload = _offload_time(job, strategy=strategy, grad_accum=grad_accum)
     comm = intra + inter
     overlapped = max(compute, comm) + OVERLAP_LEAK * min(compute, comm)
@@ -169,14 +185,23 @@ def step_time(job: Job, *, strategy: str, micro_batch: int, grad_accum: int,
 
 def _offload_time(job: Job, *, strategy: str, grad_accum: int) -> float:
     p = job.preset
-    states = state_bytes(job)
+    tier = strategies.info(strategy)
+    states = state_bytes(job, strategy)
     world = p.world_size
-    # every rank fetches its parameter shard over PCIe for forward and backward, and sends its
-    # gradient shard back, every micro-batch
-    pcie = (2 * weight_bytes(job) + 2 * states.trainable_params) / world * grad_accum
+    n = states.trainable_params
+    if tier.offload_params:
+        # every rank fetches its parameter shard over PCIe for forward and backward, and sends its
+        # gradient shard back, every micro-batch
+        pcie = (2 * weight_bytes(job) + 2 * n) / world * grad_accum
+    else:
+        # optimizer only: 16-bit gradient partitions go down every micro-batch, the updated 16-bit
+        # parameter partitions come back once per optimizer step
+        pcie = (2 * n * grad_accum + n * job.weight_bytes) / world
     seconds = pcie / (p.host_to_device_bandwidth_gbps * 1e9)
-    seconds += states.trainable_params / p.nodes / CPU_ADAM_PARAMS_PER_S
-    if strategies.info(strategy).offload == "nvme":
+    # DeepSpeed steps with its vectorized CPU Adam; FSDP2's offload runs torch's AdamW on CPU tensors
+    rate = CPU_ADAM_PARAMS_PER_S if tier.backend == "deepspeed" else TORCH_CPU_ADAM_PARAMS_PER_S
+    seconds += n / p.nodes / rate
+    if tier.offload == "nvme":
         nvme_bw = (p.nvme_bandwidth_gbps or 1.0) * 1e9
         # params read per forward and backward; optimizer states (fp32 master + moments) read and written
         params = 2 * weight_bytes(job) / p.nodes * grad_accum

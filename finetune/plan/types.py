@@ -46,6 +46,7 @@ class Candidate:
     bottleneck: str = ""  # "compute" | "intra-node" | "inter-node" | "offload"
     reason: str = ""  # why it does not fit (empty when it fits)
     gradient_accumulation_steps: int = 1
+    checkpoint_layers: int = 0  # decoder layers checkpointed (the first k); activation_checkpointing = k > 0
 
     @property
     def per_gpu_memory_gib(self) -> float:
@@ -58,6 +59,7 @@ class Candidate:
             "per_gpu_memory_gib": round(self.per_gpu_memory_gib, 2),
             "micro_batch_size": self.micro_batch_size,
             "activation_checkpointing": self.activation_checkpointing,
+            "checkpoint_layers": self.checkpoint_layers,
             "memory_gib": self.memory.gib(),
             "host_ram_gib": round(self.host_ram_bytes / GIB, 2),
             "nvme_gib": round(self.nvme_bytes / GIB, 2),
@@ -95,6 +97,7 @@ class Plan:
     candidates: list[Candidate] = field(default_factory=list)
     suggestions: list[str] = field(default_factory=list)  # when nothing fits
     total_params: float = 0.0
+    active_params: float = 0.0  # used by one token: MoE models leave out the experts it is not routed to
     trainable_params: float = 0.0
     memory: MemoryBreakdown | None = None
     host_ram_gib: float = 0.0
@@ -104,6 +107,8 @@ class Plan:
     hardware_source: str = ""
     # the kernels the run will use, as the memory model assumed them (attention, Liger, adapter casts)
     kernels: str = ""
+    checkpoint_layers: int = 0  # k of num_layers decoder layers checkpointed (0: off)
+    num_layers: int = 0
 
     def to_json(self) -> dict:
         return {
@@ -115,13 +120,15 @@ class Plan:
             "micro_batch_size": self.micro_batch_size,
             "gradient_accumulation_steps": self.gradient_accumulation_steps,
             "activation_checkpointing": self.activation_checkpointing,
+            "checkpoint_layers": self.checkpoint_layers, "num_layers": self.num_layers,
             "world_size": self.world_size, "num_nodes": self.num_nodes,
             "gpus_per_node": self.gpus_per_node, "seq_len": self.seq_len,
             "global_batch_size": self.global_batch_size, "tokens_per_step": self.tokens_per_step,
             "step_time_s": round(self.step_time_s, 3),
             "tokens_per_second": round(self.tokens_per_second, 1),
             "mfu": round(self.mfu, 3), "why": self.why,
-            "total_params": self.total_params, "trainable_params": self.trainable_params,
+            "total_params": self.total_params, "active_params": self.active_params,
+            "trainable_params": self.trainable_params,
             "device": self.device, "kernels": self.kernels,
             "candidates": [c.to_json() for c in self.candidates],
             "suggestions": self.suggestions,

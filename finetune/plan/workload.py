@@ -25,6 +25,7 @@ class Job:
     lora_r: int = 16
     lora_targets: tuple[str, ...] = ALL_LINEAR
     lora_dropout: float = 0.0
+    modules_to_save: tuple[str, ...] = ()  # adapter.modules_to_save: fully trained copies (embed_tokens, lm_head)
     dora: bool = False
     double_quant: bool = True
     weight_bytes: int = 2  # model.dtype
@@ -53,19 +54,31 @@ class Job:
 
 @dataclass(frozen=True)
 class Params:
-    """Parameter counts of one architecture (elements, not bytes)."""
+    """Parameter counts of one architecture (elements, not bytes). Layers may differ (dense and MoE
+    layers of DeepSeek/Qwen-MoE), so the layer figures are sums over all decoder layers."""
 
     embed: int
     lm_head: int  # 0 when tied to the embedding
-    layer: int  # one decoder layer, all experts
-    layer_linear: int  # the quantizable linear weights of one layer (QLoRA packs these to 4 bit)
-    layer_active: int  # one layer, counting only the experts a token is routed to
+    layers: int  # every decoder layer, all experts
+    layers_linear: int  # the quantizable linear/expert weights of all layers (QLoRA packs these to 4 bit)
+    layers_active: int  # every layer, counting only the experts a token is routed to (+ shared experts)
+    largest_layer: int  # the biggest decoder layer: what FSDP/ZeRO-3 gathers at once
     final_norm: int
     num_layers: int
 
     @property
     def total(self) -> int:
-        return self.embed + self.lm_head + self.num_layers * self.layer + self.final_norm
+        return self.embed + self.lm_head + self.layers + self.final_norm
+
+    @property
+    def active(self) -> int:
+        """Parameters one token uses: embedding row lookups aside, everything but the unrouted experts."""
+        return self.embed + self.lm_head + self.layers_active + self.final_norm
+
+    @property
+    def layer(self) -> int:
+        """The largest decoder layer (FSDP's unit)."""
+        return self.largest_layer
 
     @property
     def root(self) -> int:
@@ -76,67 +89,186 @@ class Params:
     def matmul_active(self) -> int:
         """Parameters a token multiplies with (the FLOPs 'N'): layers (active experts) + lm_head."""
         head = self.lm_head or self.embed  # tied: the embedding matrix is the lm_head matmul
-        return self.num_layers * self.layer_active + head
+        return self.layers_active + head
 
 
 def head_dim(arch: ModelArch) -> int:
     return arch.head_dim or arch.hidden_size // arch.num_attention_heads
 
 
-def module_shapes(arch: ModelArch) -> dict[str, tuple[int, int, int]]:
-    """name -> (in_features, out_features, copies per layer) for the linear modules LoRA can target."""
-    h, i, e = arch.hidden_size, arch.intermediate_size, arch.num_experts
+def attended_positions(arch: ModelArch, seq_len: int) -> int:
+    """L x s of the attention FLOPs term, with sliding-window layers (GPT-OSS) attending to at most
+    their window: (L - sliding) x s + sliding x min(s, window)."""
+    sliding = min(arch.sliding_layers, arch.num_layers) if arch.sliding_window else 0
+    window = min(seq_len, arch.sliding_window or seq_len)
+    return (arch.num_layers - sliding) * seq_len + sliding * window
+
+
+def is_mla(arch: ModelArch) -> bool:
+    return arch.kv_lora_rank is not None
+
+
+def mla_dims(arch: ModelArch) -> tuple[int, int, int, int]:
+    """(kv_lora_rank, qk_nope_head_dim, qk_rope_head_dim, v_head_dim) of an MLA architecture (the
+    config reader sets all four together)."""
+    return (arch.kv_lora_rank or 0, arch.qk_nope_head_dim or 0, arch.qk_rope_head_dim or 0,
+            arch.v_head_dim or 0)
+
+
+def attention_widths(arch: ModelArch) -> tuple[int, int, int]:
+    """(q, k, v) widths per token of one layer's attention inputs (all heads). MLA expands its latent
+    into full per-head keys and values (no grouped kv heads)."""
+    if is_mla(arch):
+        _, nope, rope, v = mla_dims(arch)
+        qk = arch.num_attention_heads * (nope + rope)
+        return qk, qk, arch.num_attention_heads * v
     q, kv = arch.num_attention_heads * head_dim(arch), arch.num_kv_heads * head_dim(arch)
-    shapes = {"q_proj": (h, q, 1), "k_proj": (h, kv, 1), "v_proj": (h, kv, 1), "o_proj": (q, h, 1)}
-    if e == 1:
-        shapes.update(gate_proj=(h, i, 1), up_proj=(h, i, 1), down_proj=(i, h, 1))
-    else:  # Mixtral's per-expert names (older transformers) and the fused names
-        shapes.update(w1=(h, i, e), w3=(h, i, e), w2=(i, h, e),
-                      gate_proj=(h, i, e), up_proj=(h, i, e), down_proj=(i, h, e))
+    return q, kv, kv
+
+
+def moe_layer_count(arch: ModelArch) -> int:
+    if arch.num_experts == 1:
+        return 0
+    return arch.num_layers if arch.moe_layers is None else min(arch.moe_layers, arch.num_layers)
+
+
+def expert_size(arch: ModelArch) -> int:
+    return arch.moe_intermediate_size or arch.intermediate_size
+
+
+def _attention_shapes(arch: ModelArch) -> dict[str, tuple[int, int, int]]:
+    h = arch.hidden_size
+    if not is_mla(arch):
+        q, kv, _ = attention_widths(arch)
+        return {"q_proj": (h, q, 1), "k_proj": (h, kv, 1), "v_proj": (h, kv, 1), "o_proj": (q, h, 1)}
+    heads = arch.num_attention_heads
+    kv_rank, nope, rope, v = mla_dims(arch)
+    qk = heads * (nope + rope)
+    shapes = ({"q_a_proj": (h, arch.q_lora_rank, 1), "q_b_proj": (arch.q_lora_rank, qk, 1)}
+              if arch.q_lora_rank else {"q_proj": (h, qk, 1)})
+    shapes.update(kv_a_proj_with_mqa=(h, kv_rank + rope, 1), kv_b_proj=(kv_rank, heads * (nope + v), 1),
+                  o_proj=(heads * v, h, 1))
+    return shapes
+
+
+def layer_kinds(arch: ModelArch) -> list[tuple[int, bool, dict[str, tuple[int, int, int]]]]:
+    """[(how many layers, is MoE, linear modules as name -> (in, out, copies))] of the decoder.
+
+    The names are the nn.Linear modules peft can target by name. transformers 5 stores routed experts
+    as fused 3D parameters (not nn.Linear), so an MoE layer lists only its shared expert (and gate)."""
+    h, i = arch.hidden_size, arch.intermediate_size
+    attention = _attention_shapes(arch)
+    dense = dict(attention, gate_proj=(h, i, 1), up_proj=(h, i, 1), down_proj=(i, h, 1))
+    moe = moe_layer_count(arch)
+    kinds = []
+    if arch.num_layers - moe:
+        kinds.append((arch.num_layers - moe, False, dense))
+    if moe:
+        shared = arch.shared_expert_intermediate_size
+        sparse = dict(attention)
+        if shared:
+            sparse.update(gate_proj=(h, shared, 1), up_proj=(h, shared, 1), down_proj=(shared, h, 1))
+        if arch.shared_expert_gate:
+            sparse["shared_expert_gate"] = (h, 1, 1)
+        kinds.append((moe, True, sparse))
+    return kinds
+
+
+def module_shapes(arch: ModelArch) -> dict[str, tuple[int, int, int]]:
+    """name -> (in_features, out_features, copies per layer) of the widest layer kind's linear modules."""
+    shapes: dict[str, tuple[int, int, int]] = {}
+    for _, _, kind in layer_kinds(arch):
+        for name, shape in kind.items():
+            if name not in shapes or shape[0] * shape[1] > shapes[name][0] * shapes[name][1]:
+                shapes[name] = shape
     return shapes
 
 
 def count_params(arch: ModelArch) -> Params:
     # pydantic models are not hashable; cache on the numbers that matter
-    return _count_params(arch.family, arch.hidden_size, arch.intermediate_size, arch.num_experts,
-                         arch.experts_per_token, arch.num_attention_heads * head_dim(arch),
-                         arch.num_kv_heads * head_dim(arch), head_dim(arch), arch.attention_bias,
-                         arch.vocab_size, arch.tied_embeddings, arch.num_layers)
+    return _count_params(tuple(getattr(arch, f) for f in _COUNTED))
+
+
+_COUNTED = ("family", "hidden_size", "intermediate_size", "num_experts", "experts_per_token",
+            "num_attention_heads", "num_kv_heads", "head_dim", "attention_bias", "vocab_size",
+            "tied_embeddings", "num_layers", "moe_intermediate_size", "shared_expert_intermediate_size",
+            "shared_expert_gate", "moe_layers", "router_bias", "expert_bias", "attention_sinks",
+            "o_proj_bias", "q_lora_rank", "kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim",
+            "v_head_dim")
 
 
 @lru_cache(maxsize=256)
-def _count_params(family: str, h: int, i: int, e: int, k: int, q: int, kv: int, hd: int,
-                  attention_bias: bool, vocab: int, tied: bool, num_layers: int) -> Params:
-    attn = h * q + 2 * h * kv + q * h
-    bias = (q + 2 * kv) if attention_bias else 0
+def _count_params(values: tuple) -> Params:
+    arch = ModelArch.model_construct(**dict(zip(_COUNTED, values)))
+    h, e, family = arch.hidden_size, arch.num_experts, arch.family
+    hd = head_dim(arch)
     # gemma2/3 have 4 norms per layer (pre/post attention and MLP); qwen3/gemma3 add q/k norms
     norms = (4 if family.startswith("gemma") else 2) * h
-    if family in ("qwen3", "gemma3", "gemma3_text"):
+    if family in ("qwen3", "qwen3_moe", "gemma3", "gemma3_text"):
         norms += 2 * hd
-    mlp_one = 3 * h * i
-    router = h * e if e > 1 else 0
-    linear = attn + e * mlp_one
-    embed = vocab * h
-    return Params(
-        embed=embed, lm_head=0 if tied else embed,
-        layer=linear + bias + norms + router, layer_linear=linear,
-        layer_active=attn + bias + norms + router + min(k, e) * mlp_one,
-        final_norm=h, num_layers=num_layers)
+    attention = sum(fin * fout for fin, fout, _ in _attention_shapes(arch).values())
+    q, kv, _ = attention_widths(arch)
+    if is_mla(arch):  # q_a/kv_a RMSNorms; attention_bias adds biases to q_a, kv_a and o
+        kv_rank, _, rope, _ = mla_dims(arch)
+        norms += (arch.q_lora_rank or 0) + kv_rank
+        bias = (arch.q_lora_rank or 0) + kv_rank + rope + h if arch.attention_bias else 0
+    else:
+        bias = (q + 2 * kv) if arch.attention_bias else 0
+        bias += h if arch.o_proj_bias else 0
+    if arch.attention_sinks:
+        bias += arch.num_attention_heads
+    base = attention + bias + norms
+    dense_mlp = 3 * h * arch.intermediate_size
+    moe = moe_layer_count(arch)
+    layers = layers_linear = layers_active = 0
+    largest = 0
+    if arch.num_layers - moe:
+        n = arch.num_layers - moe
+        layers += n * (base + dense_mlp)
+        layers_linear += n * (attention + dense_mlp)
+        layers_active += n * (base + dense_mlp)
+        largest = base + dense_mlp
+    if moe:
+        i = expert_size(arch)
+        one = 3 * h * i + ((2 * i + h) if arch.expert_bias else 0)
+        shared = 3 * h * arch.shared_expert_intermediate_size + (h if arch.shared_expert_gate else 0)
+        router = h * e + (e if arch.router_bias else 0)
+        layer = base + e * one + shared + router
+        layers += moe * layer
+        layers_linear += moe * (attention + e * 3 * h * i + 3 * h * arch.shared_expert_intermediate_size)
+        layers_active += moe * (base + min(arch.experts_per_token, e) * one + shared + router)
+        largest = max(largest, layer)
+    embed = arch.vocab_size * h
+    return Params(embed=embed, lm_head=0 if arch.tied_embeddings else embed, layers=layers,
+                  layers_linear=layers_linear, layers_active=layers_active, largest_layer=largest,
+                  final_norm=h, num_layers=arch.num_layers)
 
 
 def lora_params(job: Job) -> int:
-    """r x (in + out) per targeted module per layer (plus DoRA's magnitude vector)."""
+    """r x (in + out) per targeted module per layer (plus DoRA's magnitude vector, one per output)."""
     return lora_param_count(job.arch, r=job.lora_r, targets=job.lora_targets, dora=job.dora)
 
 
 def lora_param_count(arch: ModelArch, *, r: int, targets: tuple[str, ...] | list[str], dora: bool) -> int:
-    shapes = module_shapes(arch)
     total = 0
-    for name in targets:
-        fin, fout, copies = shapes.get(name, (arch.hidden_size, arch.hidden_size, 1))
-        total += copies * (r * (fin + fout) + (fout if dora else 0))
-    return total * arch.num_layers
+    for count, _, shapes in layer_kinds(arch):
+        for name in targets:
+            if name not in shapes:
+                continue  # e.g. gate_proj in an MoE layer without a shared expert
+            fin, fout, copies = shapes[name]
+            total += count * copies * (r * (fin + fout) + (fout if dora else 0))
+    if "embed_tokens" in targets:  # peft's Embedding adapter: A is r x vocab, B hidden x r
+        total += r * (arch.vocab_size + arch.hidden_size)
+    return total
+
+
+def saved_module_params(job: Job) -> int:
+    """adapter.modules_to_save: peft trains a full copy of each named module (embed_tokens, lm_head)."""
+    embed = job.arch.vocab_size * job.arch.hidden_size
+    return embed * len(set(job.modules_to_save) & {"embed_tokens", "lm_head"})
 
 
 def trainable_params(job: Job) -> int:
-    return count_params(job.arch).total if job.adapter == "full" else lora_params(job)
+    if job.adapter == "full":
+        return count_params(job.arch).total
+    return lora_params(job) + saved_module_params(job)

@@ -92,6 +92,9 @@ class AdapterSection(Strict):
                           "LoRA targets")
     dora: bool = Field(False, description="weight-decomposed LoRA (DoRA)")
     rslora: bool = Field(False, description="rank-stabilized LoRA: scale by alpha / sqrt(r)")
+    modules_to_save: list[Literal["embed_tokens", "lm_head"]] | None = Field(
+        None, description="modules trained in full beside the adapter and saved with it (peft's "
+        "modules_to_save), e.g. [embed_tokens, lm_head] after adding tokens")
     quant_type: Literal["nf4", "fp4"] = Field("nf4", description="QLoRA only: bitsandbytes 4-bit data type")
     double_quant: bool = Field(True, description="QLoRA only: quantize the quantization scales too "
                                                  "(about 0.4 bits per parameter saved)")
@@ -277,6 +280,9 @@ class ResolvedSection(Strict):
         "trainer", description="who applies train.activation_checkpointing: fsdp = accelerate's FSDP plugin "
                                "(the trainer must not set gradient_checkpointing too), trainer = "
                                "TrainingArguments.gradient_checkpointing, none = off")
+    checkpoint_layers: int | None = Field(
+        None, ge=0, description="decoder layers checkpointed, the first k of the model's (None: all when "
+        "train.activation_checkpointing is on); the planner's choice for a tight fit")
 
 
 class Recipe(Strict):
@@ -344,6 +350,9 @@ def recipe_conflicts(recipe: Recipe):
                                             "set adapter.compute_dtype: float32 or train.precision: bf16")
     if a.type == "full" and (a.dora or a.rslora):
         yield "adapter.dora", "dora/rslora are LoRA options; set adapter.type: lora or remove them"
+    if a.type == "full" and a.modules_to_save:
+        yield "adapter.modules_to_save", ("a full fine-tune already trains every module; remove "
+                                          "adapter.modules_to_save or set adapter.type: lora")
     if t.precision == "bf16" and recipe.model.dtype == "float16":
         yield "train.precision", "model.dtype float16 with bf16 precision; set train.precision: fp16"
     if t.on_nonfinite == "stop" and t.max_bad_steps:

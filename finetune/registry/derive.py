@@ -1,8 +1,10 @@
 """Derive a ModelArch from a model's config.json with plain json (no transformers, no torch).
 
-Handles the key spellings of the families we support (llama, mistral, qwen2, qwen3, gemma2, gemma3,
-mixtral) and the multimodal nesting (`text_config`) of Gemma 3; other decoder-only models work when
-they use the same standard keys.
+Handles the key spellings of the families we support: dense (llama, mistral, qwen2, qwen3, gemma,
+gemma2, gemma3 with its multimodal `text_config` nesting, phi3) and mixture-of-experts in each convention
+transformers uses (mixtral; qwen2_moe / qwen3_moe; deepseek_v2 / deepseek_v3 with multi-head latent
+attention; gpt_oss). A model_type outside these, or an MoE key the family's reader does not know, is
+refused by name: guessing such a model as dense has planned a 236B model as 18.7B.
 """
 
 from __future__ import annotations
@@ -26,7 +28,29 @@ _LAYER_CLASS = {
     "gemma3": "Gemma3DecoderLayer", "gemma3_text": "Gemma3DecoderLayer",
     "mixtral": "MixtralDecoderLayer", "qwen3_moe": "Qwen3MoeDecoderLayer", "phi3": "Phi3DecoderLayer",
 }
-_BIAS_FAMILIES = {"qwen2"}  # q/k/v biases are implicit in these families
+_LAYER_CLASS.update(qwen2_moe="Qwen2MoeDecoderLayer", deepseek_v2="DeepseekV2DecoderLayer",
+                    deepseek_v3="DeepseekV3DecoderLayer", gpt_oss="GptOssDecoderLayer")
+_BIAS_FAMILIES = {"qwen2", "qwen2_moe", "gpt_oss"}  # q/k/v biases are the default in these families
+KNOWN_FAMILIES = frozenset(_LAYER_CLASS)
+# The MoE keys each family's reader understands; routing hyper-parameters that change no parameter
+# count or memory (aux-loss coefficients, scoring functions, group-limited routing) are listed too.
+_ROUTING_ONLY = {"router_aux_loss_coef", "output_router_logits", "norm_topk_prob", "router_jitter_noise",
+                 "routed_scaling_factor", "n_group", "topk_group", "topk_method", "scoring_func",
+                 "aux_loss_alpha", "seq_aux", "ep_size", "num_experts_per_tok", "router_z_loss_coef"}
+_MOE_KEYS = {
+    "mixtral": {"num_local_experts"},
+    "qwen2_moe": {"num_experts", "num_local_experts", "moe_intermediate_size", "shared_expert_intermediate_size",
+                  "decoder_sparse_step", "mlp_only_layers"},
+    "qwen3_moe": {"num_experts", "num_local_experts", "moe_intermediate_size", "decoder_sparse_step",
+                  "mlp_only_layers"},
+    "deepseek_v2": {"n_routed_experts", "n_shared_experts", "moe_intermediate_size",
+                    "first_k_dense_replace", "moe_layer_freq"},
+    "deepseek_v3": {"n_routed_experts", "n_shared_experts", "moe_intermediate_size",
+                    "first_k_dense_replace", "moe_layer_freq", "num_nextn_predict_layers"},
+    "gpt_oss": {"num_local_experts", "experts_per_token"},
+}
+_MOE_WORDS = ("expert", "moe", "dense_replace", "sparse_step", "mlp_only")
+MLA_LORA_TARGETS = ["q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"]
 
 
 def find_config_json(name: str, *, base_dir: Path, revision: str | None = None) -> Path | None:
@@ -76,6 +100,18 @@ def arch_from_config(path: Path, *, key: str, hub_id: str | None = None) -> Mode
     top_family = cfg.get("model_type", "")
     text: dict = cfg["text_config"] if isinstance(cfg.get("text_config"), dict) else cfg
     family = top_family or text.get("model_type", "")
+    inner = text.get("model_type", "")
+    if family not in KNOWN_FAMILIES and inner not in KNOWN_FAMILIES:
+        raise RecipeError(
+            f"model_type {family or '(none)'!r} is not an architecture the planner can read; it will "
+            f"not guess its parameters and memory", file=str(path), key="model.name",
+            hint=f"set model.arch to the closest registry entry (finetune models); readable model_types: "
+                 f"{', '.join(sorted(KNOWN_FAMILIES))}")
+    reader = family if family in KNOWN_FAMILIES else inner
+    if text.get("mlp_bias"):
+        raise RecipeError("config.json sets mlp_bias: true (biases on the MLP projections), which the "
+                          "planner does not count", file=str(path), key="model.name",
+                          hint="set model.arch to the closest registry entry (finetune models)")
     missing = [k for k in ("hidden_size", "num_hidden_layers", "num_attention_heads",
                            "intermediate_size", "vocab_size") if k not in text]
     if missing:
@@ -83,31 +119,102 @@ def arch_from_config(path: Path, *, key: str, hub_id: str | None = None) -> Mode
                           f"knows", file=str(path),
                           hint="set model.arch to the closest registry entry (finetune models)")
     heads = int(text["num_attention_heads"])
-    experts = int(text.get("num_local_experts") or text.get("num_experts") or 1)
-    per_token = int(text.get("num_experts_per_tok") or (2 if experts > 1 else 1))
     tied = cfg.get("tie_word_embeddings", text.get("tie_word_embeddings",
                                                    family.startswith("gemma")))
     architectures = cfg.get("architectures") or []
-    layer_class = _LAYER_CLASS.get(family) or _LAYER_CLASS.get(text.get("model_type", ""))
+    layer_class = _LAYER_CLASS.get(family) or _LAYER_CLASS.get(inner)
     if layer_class is None and architectures:
         layer_class = architectures[0].replace("ForCausalLM", "DecoderLayer")
     try:
+        moe = moe_fields(text, family=reader, path=path)
+        mla = mla_fields(text) if reader in ("deepseek_v2", "deepseek_v3") else {}
+        experts = moe.get("num_experts", 1)
+        targets = MOE_LORA_TARGETS if experts > 1 else DEFAULT_LORA_TARGETS
+        if mla:
+            targets = MLA_LORA_TARGETS if mla["q_lora_rank"] else ["q_proj", *MLA_LORA_TARGETS[2:]]
+            mla["head_dim"] = mla["qk_nope_head_dim"] + mla["qk_rope_head_dim"]
+        elif text.get("head_dim"):
+            mla["head_dim"] = int(text["head_dim"])
+        bias = bool(text.get("attention_bias", text.get("qkv_bias", reader in _BIAS_FAMILIES)))
         return ModelArch(
             key=key, hub_ids=[hub_id] if hub_id else [], family=family or "unknown",
             hidden_size=int(text["hidden_size"]), num_layers=int(text["num_hidden_layers"]),
             num_attention_heads=heads,
             # no num_key_value_heads means multi-head attention (one kv head per query head)
             num_kv_heads=int(text.get("num_key_value_heads") or heads),
-            head_dim=int(text["head_dim"]) if text.get("head_dim") else None,
             intermediate_size=int(text["intermediate_size"]), vocab_size=int(text["vocab_size"]),
-            tied_embeddings=bool(tied),
-            attention_bias=bool(text.get("attention_bias", family in _BIAS_FAMILIES)),
+            tied_embeddings=bool(tied), attention_bias=bias,
+            o_proj_bias=bias and reader == "gpt_oss",
             max_position_embeddings=int(text.get("max_position_embeddings") or 8192),
-            num_experts=experts, experts_per_token=min(per_token, experts),
             decoder_layer_class=layer_class or "DecoderLayer",
-            lora_targets=MOE_LORA_TARGETS if experts > 1 else DEFAULT_LORA_TARGETS,
-            notes=f"derived from {path}",
+            lora_targets=targets, notes=f"derived from {path}", **moe, **mla,
+            **sliding_fields(text, reader=reader),
         )
     except (ValidationError, TypeError, ValueError) as exc:
         raise RecipeError(f"config.json has values the planner cannot use: {exc}", file=str(path),
                           hint="set model.arch to the closest registry entry (finetune models)") from None
+
+
+def moe_fields(text: dict, *, family: str, path: Path) -> dict:
+    """ModelArch's MoE fields from one family's config keys; unknown MoE keys are refused by name."""
+    known = _MOE_KEYS.get(family, set())
+    unknown = sorted(k for k, v in text.items() if any(w in k for w in _MOE_WORDS)
+                     and k not in known and k not in _ROUTING_ONLY and v not in (None, 0, [], False))
+    if unknown:
+        raise RecipeError(
+            f"config.json of model_type {family!r} has mixture-of-experts keys the planner cannot read: "
+            f"{', '.join(unknown)}", file=str(path), key="model.name",
+            hint="set model.arch to a registry entry with the same shape (finetune models)")
+    layers = int(text["num_hidden_layers"])
+    if family == "mixtral":
+        experts, width = int(text.get("num_local_experts") or 8), None
+    elif family in ("qwen2_moe", "qwen3_moe"):
+        # the Hub's configs say num_experts; transformers 5 saves it as num_local_experts
+        experts = int(text.get("num_experts") or text.get("num_local_experts") or 0)
+        width = text.get("moe_intermediate_size")
+    elif family in ("deepseek_v2", "deepseek_v3"):
+        experts, width = int(text.get("n_routed_experts") or 0), text.get("moe_intermediate_size")
+        if int(text.get("moe_layer_freq") or 1) != 1:
+            raise RecipeError("config.json sets moe_layer_freq != 1, which transformers' DeepSeek models "
+                              "do not implement", file=str(path), key="model.name",
+                              hint="set model.arch to a registry entry with the same shape")
+    elif family == "gpt_oss":
+        experts, width = int(text.get("num_local_experts") or 0), None
+    else:
+        return {}
+    if experts <= 1:
+        return {}
+    per_token = int(text.get("num_experts_per_tok") or text.get("experts_per_token") or 2)
+    out = {"num_experts": experts, "experts_per_token": min(per_token, experts),
+           "moe_intermediate_size": int(width) if width else None}
+    if family in ("qwen2_moe", "qwen3_moe"):
+        step = int(text.get("decoder_sparse_step") or 1)
+        dense = set(text.get("mlp_only_layers") or [])
+        out["moe_layers"] = sum(1 for i in range(layers) if i not in dense and (i + 1) % step == 0)
+        if family == "qwen2_moe":  # transformers always builds the shared expert and its gate
+            out["shared_expert_intermediate_size"] = int(text.get("shared_expert_intermediate_size") or 0)
+            out["shared_expert_gate"] = True
+    elif family in ("deepseek_v2", "deepseek_v3"):
+        out["moe_layers"] = max(0, layers - int(text.get("first_k_dense_replace") or 0))
+        out["shared_expert_intermediate_size"] = int(width or 0) * int(text.get("n_shared_experts") or 0)
+    elif family == "gpt_oss":
+        out.update(router_bias=True, expert_bias=True, attention_sinks=True)
+    return out
+
+
+def mla_fields(text: dict) -> dict:
+    """DeepSeek's multi-head latent attention dimensions."""
+    return {"q_lora_rank": int(text["q_lora_rank"]) if text.get("q_lora_rank") else None,
+            "kv_lora_rank": int(text["kv_lora_rank"]), "qk_rope_head_dim": int(text["qk_rope_head_dim"]),
+            "qk_nope_head_dim": int(text["qk_nope_head_dim"]), "v_head_dim": int(text["v_head_dim"])}
+
+
+def sliding_fields(text: dict, *, reader: str) -> dict:
+    """GPT-OSS alternates sliding-window and full attention (layer_types, else every other layer)."""
+    if reader != "gpt_oss" or not text.get("sliding_window"):
+        return {}
+    layers = int(text["num_hidden_layers"])
+    types = text.get("layer_types") or ["sliding_attention" if (i + 1) % 2 else "full_attention"
+                                        for i in range(layers)]
+    return {"sliding_window": int(text["sliding_window"]),
+            "sliding_layers": sum(1 for t in types if t == "sliding_attention")}

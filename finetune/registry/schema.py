@@ -30,6 +30,27 @@ class ModelArch(Strict):
     max_position_embeddings: int = 8192
     num_experts: int = Field(1, ge=1, description="MoE experts per layer (1 = dense)")
     experts_per_token: int = Field(1, ge=1)
+    # Mixture-of-experts detail (transformers' conventions: Mixtral, Qwen2/3-MoE, DeepSeek-V2/V3, GPT-OSS)
+    moe_intermediate_size: int | None = Field(
+        None, ge=1, description="width of one routed expert's MLP; default intermediate_size (Mixtral)")
+    shared_expert_intermediate_size: int = Field(
+        0, ge=0, description="width of the always-on shared expert MLP of an MoE layer (0: none)")
+    shared_expert_gate: bool = Field(False, description="Qwen2-MoE: a 1-wide sigmoid gate on the shared expert")
+    moe_layers: int | None = Field(
+        None, ge=0, description="decoder layers with the MoE MLP (the others are dense with "
+        "intermediate_size); default all layers when num_experts > 1")
+    router_bias: bool = Field(False, description="GPT-OSS: the router has a bias per expert")
+    expert_bias: bool = Field(False, description="GPT-OSS: each expert's gate_up/down projections have biases")
+    attention_sinks: bool = Field(False, description="GPT-OSS: one learned sink logit per head")
+    o_proj_bias: bool = Field(False, description="the attention output projection has a bias (GPT-OSS)")
+    # Multi-head latent attention (DeepSeek-V2/V3); kv_lora_rank set means MLA
+    q_lora_rank: int | None = Field(None, ge=1, description="MLA: query down-projection rank (None: full q_proj)")
+    kv_lora_rank: int | None = Field(None, ge=1, description="MLA: key/value down-projection rank")
+    qk_rope_head_dim: int | None = Field(None, ge=1, description="MLA: rotary part of each q/k head")
+    qk_nope_head_dim: int | None = Field(None, ge=1, description="MLA: non-rotary part of each q/k head")
+    v_head_dim: int | None = Field(None, ge=1, description="MLA: value head width")
+    sliding_window: int | None = Field(None, ge=1, description="window of the sliding-attention layers")
+    sliding_layers: int = Field(0, ge=0, description="how many layers attend within sliding_window only")
     decoder_layer_class: str = Field(description="e.g. LlamaDecoderLayer (FSDP wrap policy)")
     lora_targets: list[str] = Field(
         default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj",

@@ -21,6 +21,7 @@ from finetune.rundir import CHECKPOINTS
 from finetune.train.integrity import GROWING_KEYS, LAYOUT_KEYS, _is_safe, read_marker, recipe_fields, verify
 
 log = logging.getLogger("finetune.train")
+# DeepSpeed's checkpoints are partitioned per rank (ZeRO-2's optimizer states, ZeRO-3's everything)
 
 
 def checkpoint_step(path: Path) -> int:
@@ -144,7 +145,7 @@ def check_resume(ckpt: Path, recipe, *, world_size: int | None = None) -> list[s
         if strategies.is_deepspeed(strategy):
             raise RecipeError(
                 f"cannot resume {ckpt} on {current_ws} processes: it was saved by DeepSpeed {strategy} on "
-                f"{saved_ws}, and ZeRO-3 checkpoints are partitioned per rank (zero_pp_rank_* files)",
+                f"{saved_ws}, and ZeRO checkpoints are partitioned per rank (zero_pp_rank_* files)",
                 key="resolved.world_size",
                 hint=f"resume on {saved_ws} processes, or convert it with DeepSpeed's ds_to_universal.py and "
                      f"load the result as a new model")

@@ -149,7 +149,8 @@ def lora_config(recipe: Recipe):
     if targets is None:
         targets = recipe.resolved.lora_targets if recipe.resolved and recipe.resolved.lora_targets else "all-linear"
     return LoraConfig(r=a.r, lora_alpha=a.alpha, lora_dropout=a.dropout, target_modules=targets,
-                      use_dora=a.dora, use_rslora=a.rslora, task_type="CAUSAL_LM")
+                      use_dora=a.dora, use_rslora=a.rslora, modules_to_save=a.modules_to_save,
+                      task_type="CAUSAL_LM")
 
 
 def adapter_input_casting(recipe: Recipe, model):

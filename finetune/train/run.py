@@ -153,6 +153,7 @@ def _resume_point(recipe, *, state, run_dir: Path, resume: str) -> Path | None:
 def _callbacks(session: _Session, *, preempt) -> list:
     from finetune.train.memory_report import PeakMemoryCallback
     from finetune.train.progress import ConsoleProgress
+    from finetune.train.trainers import trainer_checkpointing
 
     recipe, run_dir = session.recipe, session.run_dir
     callbacks = [MetricsCallback(run_dir), PeakMemoryCallback(run_dir), ConsoleProgress(),
@@ -160,6 +161,11 @@ def _callbacks(session: _Session, *, preempt) -> list:
                  CommitCallback(run_dir, fields=recipe_fields(recipe), strategy=recipe.distributed.strategy,
                                 keep=recipe.output.keep),
                  preempt]
+    k = getattr(recipe.resolved, "checkpoint_layers", None)
+    if k is not None and trainer_checkpointing(recipe):
+        from finetune.train.checkpointing import PartialCheckpointing
+
+        callbacks.append(PartialCheckpointing(k))
     if recipe.logging.profile_steps:
         from finetune.train.profile import ProfilerCallback
 
