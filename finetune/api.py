@@ -76,7 +76,7 @@ def run(recipe, *, hardware: str | None = None, overrides: list[str] | None = No
         main_port: int | None = None) -> RunResult:
     """Plan, compile, launch, train, save (and push when the recipe has hub.repo)."""
     from finetune.compile.compiler import default_run_dir
-    from finetune.launch import launch
+    from finetune.launch import run_with_oom_retries
     from finetune.train.precheck import check_data
 
     recipe = _as_recipe(recipe, overrides)
@@ -97,8 +97,8 @@ def run(recipe, *, hardware: str | None = None, overrides: list[str] | None = No
         return RunResult(run_dir, 0, launched=False)
     rank_error = run_dir / "logs" / "rank-error.json"  # finetune.train.run.RANK_ERROR
     rank_error.unlink(missing_ok=True)
-    code = launch(spec, node_rank=node_rank, main_address=main_address, main_port=main_port,
-                  extra_args=["--resume", str(resume)])
+    code, spec = run_with_oom_retries(recipe, spec, hardware=hardware, resume=str(resume), node_rank=node_rank,
+                                      main_address=main_address, main_port=main_port)
     if isinstance(code, int) and code not in (0, EXIT_PREEMPTED) and rank_error.is_file():
         code = json.loads(rank_error.read_text()).get("exit_code", code)
     if code == EXIT_USAGE:  # a rank's preflight refused the recipe or data (its message is above)
@@ -124,3 +124,71 @@ def run(recipe, *, hardware: str | None = None, overrides: list[str] | None = No
 
         print(f"pushed to {push_from_recipe(run_dir)}")
     return RunResult(run_dir, 0, summary)
+
+
+MEASURE_STEPS = 5
+
+
+def _measuring(recipe: Recipe, *, steps: int, run_dir: Path) -> Recipe:
+    """The recipe as `plan --measure` runs it: `steps` steps logged one by one, nothing evaluated,
+    saved, pushed or reported elsewhere, no out-of-memory retry (the planned setting is what is measured)."""
+    from finetune.launch import with_setting
+
+    return with_setting(
+        recipe, train={"max_steps": steps, "epochs": None, "logging_steps": 1, "eval_steps": None,
+                       "oom_retries": 0},
+        data={"eval_sources": [], "eval_fraction": None, "task_eval": None},
+        output={"dir": str(run_dir), "save_every": None}, hub={"repo": None},
+        logging={"report_to": ["none"], "profile_steps": None})
+
+
+def measure(recipe, *, hardware: str | None = None, overrides: list[str] | None = None,
+            steps: int = MEASURE_STEPS, keep: str | Path | None = None):
+    """Run `steps` real steps at the planned setting on this machine's devices (the real launcher and
+    trainer, in a temporary run dir that is removed afterwards unless `keep` names a directory to use)
+    and return a finetune.measurement.Measurement: measured vs predicted peak per rank and tokens/s."""
+    import tempfile
+
+    from finetune.compile.files import write_atomic
+    from finetune.launch import launch
+    from finetune.measurement import read_measurement, render_measurement
+    from finetune.plan.choose import HEADROOM
+    from finetune.recipe.load import dump_recipe, recipe_dir
+    from finetune.registry import get_preset
+    from finetune.rundir import RESOLVED_RECIPE, read_oom_records
+    from finetune.train.precheck import check_data
+
+    if steps < 3:
+        raise FinetuneError(f"--steps {steps}: a steady tokens/s needs at least 3 steps",
+                            hint="measure 5 or more steps (the first ones warm up)")
+    recipe = _as_recipe(recipe, overrides)
+    check_data(recipe)
+    run_dir = Path(keep).resolve() if keep else Path(tempfile.mkdtemp(prefix="finetune-measure-"))
+    try:
+        spec = compile(_measuring(recipe, steps=steps, run_dir=run_dir), hardware=hardware, output=run_dir)
+        if spec.multi_node:
+            raise FinetuneError(f"--measure runs on this machine; the plan spans {spec.num_nodes} nodes",
+                                hint="measure one node's share with a one-node preset (--hardware auto)")
+        resolved = load_recipe(run_dir / RESOLVED_RECIPE, allow_resolved=True)
+        resolved.resolved.measure = True  # the ranks save nothing (finetune/train/run.py)
+        write_atomic(run_dir / RESOLVED_RECIPE, dump_recipe(resolved))
+        the_plan = plan(recipe, hardware=hardware)
+        device_gib = get_preset(the_plan.hardware_source or hardware or recipe.hardware,
+                                base_dir=recipe_dir(recipe)).gpu_memory_gib
+        print(spec.summary, flush=True)
+        code = launch(spec, extra_args=["--resume", "never"])
+        oom = read_oom_records(run_dir)
+        if code != 0 and not oom:
+            raise TrainingFailed(f"the measurement run exited with code {code}; the log above names the failing rank",
+                                 file=str(run_dir), hint="fix the cause and measure again")
+        result = read_measurement(run_dir, plan=the_plan, steps=steps, usable_gib=HEADROOM * device_gib,
+                                  device_gib=device_gib)
+        if oom:
+            result.out_of_memory = "; ".join(r["message"] for r in oom)
+    finally:
+        if not keep:
+            shutil.rmtree(run_dir, ignore_errors=True)
+    if not keep:
+        result.run_dir = ""
+    print(render_measurement(result), flush=True)
+    return result

@@ -25,8 +25,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
 
-from gpu_validate import (WARMUP_STEPS, WORK, base_recipe, ensure_model, model_flops_per_token,  # noqa: E402
-                          steady_rate, steady_tokens_per_second, write_data)
+from gpu_validate import WORK, base_recipe, ensure_model, model_flops_per_token, write_data  # noqa: E402
+
+from finetune.measurement import WARMUP_STEPS, steady_rate, steady_tokens_per_second  # noqa: E402
 
 PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0}
 

@@ -26,6 +26,7 @@ from pathlib import Path
 import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from finetune.measurement import steady_tokens_per_second  # noqa: E402
 from finetune.registry import get_model  # noqa: E402
 from finetune.registry.detect import host_ram_gib, query_gpus  # noqa: E402
 
@@ -189,7 +190,6 @@ def ensure_model(arch: str) -> Path:
     return out
 
 
-WARMUP_STEPS = 5
 PEAK_BF16_TFLOPS = 989.0  # H100/H200 SXM dense bf16, the datasheet figure MFU is quoted against
 
 
@@ -203,27 +203,6 @@ def model_flops_per_token(arch, *, seq: int, adapter: str) -> float:
          + arch.vocab_size * arch.hidden_size)
     attention = 12 * arch.num_layers * arch.num_attention_heads * hd * seq / 2
     return 6 * n + attention if adapter == "full" else 4 * n + attention * 2 / 3
-
-
-def steady_rate(points: list[tuple[int, float, float]], warmup: int = WARMUP_STEPS) -> float | None:
-    """Tokens/s between the end of step `warmup` and the last point, from (step, seconds, tokens seen),
-    i.e. without the first steps' compilation and allocator warm-up."""
-    after = [p for p in points if p[0] >= warmup]
-    if len(after) < 2 or after[-1][1] <= after[0][1]:
-        return None
-    return (after[-1][2] - after[0][2]) / (after[-1][1] - after[0][1])
-
-
-def steady_tokens_per_second(metrics: list[dict]) -> float | None:
-    """steady_rate over metrics.jsonl's cumulative tokens_seen / elapsed_s."""
-    points = []
-    for m in metrics:
-        if "elapsed_s" not in m:
-            continue
-        if points and m["elapsed_s"] < points[-1][1]:
-            points = []  # a resumed process restarts the clock: use the last session's rows only
-        points.append((m["step"], m["elapsed_s"], m["tokens_seen"]))
-    return steady_rate(points)
 
 
 def collect(run_dir: Path) -> dict:

@@ -177,6 +177,10 @@ class TrainSection(Strict):
     # Liger's Triton RMSNorm/RoPE/SwiGLU kernels (auto: on for supported models on NVIDIA GPUs when
     # liger-kernel is installed). The LM head is already fused by TRL (chunked log-probs).
     liger: OnOffAuto = "auto"
+    oom_retries: int = Field(2, ge=0, le=10, description=(
+        "when a rank runs out of memory, `finetune run` re-plans from its measured peak (a smaller "
+        "micro-batch with more accumulation, or activation checkpointing; the global batch stays) and "
+        "resumes from the last complete checkpoint, at most this many times; 0: fail at once"))
 
     @field_validator("micro_batch_size")
     @classmethod
@@ -237,6 +241,9 @@ class ResolvedSection(Strict):
     # (fsdp_activation_checkpointing; the trainer must NOT set gradient_checkpointing),
     # "trainer" = TrainingArguments.gradient_checkpointing, "none" = off
     activation_checkpointing_by: Literal["trainer", "fsdp", "none"] = "trainer"
+    measure: bool = Field(False, description=(
+        "written by `finetune plan --measure`: train max_steps steps to measure peak memory and "
+        "tokens/s, then save nothing (no checkpoint, no model) and evaluate nothing"))
 
 
 class Recipe(Strict):
