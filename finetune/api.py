@@ -151,7 +151,7 @@ def measure(recipe, *, hardware: str | None = None, overrides: list[str] | None 
 
     from finetune.compile.files import write_atomic
     from finetune.launch import launch
-    from finetune.measurement import read_measurement, render_measurement
+    from finetune.measurement import RankPeak, read_measurement, render_measurement
     from finetune.plan.choose import HEADROOM
     from finetune.recipe.load import dump_recipe, recipe_dir
     from finetune.registry import get_preset
@@ -183,8 +183,12 @@ def measure(recipe, *, hardware: str | None = None, overrides: list[str] | None 
                                  file=str(run_dir), hint="fix the cause and measure again")
         result = read_measurement(run_dir, plan=the_plan, steps=steps, usable_gib=HEADROOM * device_gib,
                                   device_gib=device_gib)
-        if oom:
+        if oom:  # the ranks' peaks at the failure, where no logged step wrote memory/rank-K.json
             result.out_of_memory = "; ".join(r["message"] for r in oom)
+            logged = {r.rank for r in result.ranks}
+            result.ranks += [RankPeak(r["rank"], r["peak_bytes"] / 2**30,
+                                      (r.get("peak_allocated_bytes") or 0) / 2**30 or None)
+                             for r in oom if r["rank"] not in logged]
     finally:
         if not keep:
             shutil.rmtree(run_dir, ignore_errors=True)

@@ -13,7 +13,8 @@ blamed on the activations), and every setting Y of the same strategy and the sam
 micro-batch with more accumulation, activation checkpointing on) is predicted at other'(Y) + scale x
 act(Y), which reproduces the measured demand at X. The fastest Y
 (the planner's step-time model) that fits in HEADROOM of the capacity and was not tried yet is chosen.
-When even other(Y) alone does not fit, no micro-batch or checkpointing can help, and the answer says so.
+When even other'(Y) alone does not fit, or the rank failed before its first step (loading the model), no
+micro-batch or checkpointing can help, and the answer says so.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ class OomEvidence:
     requested_bytes: float = 0.0  # the allocation that failed (0 when the message did not say)
     baseline_bytes: float = 0.0  # held when training began (the same kind as peak_bytes; 0: unknown)
     peak_kind: str = "max reserved"
+    before_training: bool = False  # it failed loading or wrapping the model, before the first step
 
     @property
     def demand_bytes(self) -> float:
@@ -53,7 +55,8 @@ class OomEvidence:
                    capacity_bytes=float(record.get("capacity_bytes") or 0.0),
                    requested_bytes=float(record.get("requested_bytes") or 0.0),
                    baseline_bytes=float(record.get("baseline_bytes") or 0.0),
-                   peak_kind=str(record.get("peak_kind", "max reserved")))
+                   peak_kind=str(record.get("peak_kind", "max reserved")),
+                   before_training=bool(record.get("before_training", False)))
 
 
 @dataclass(frozen=True)
@@ -91,6 +94,13 @@ def replan(job: Job, *, strategy: str, evidence: list[OomEvidence],
     if not evidence:
         raise ValueError("replan needs at least one out-of-memory record")
     worst = max(evidence, key=lambda e: e.demand_bytes / max(e.capacity_bytes, 1.0))
+    if any(e.before_training for e in evidence):
+        early = next(e for e in evidence if e.before_training)
+        return Replan(None, None, None, 1.0, early.demand_bytes, HEADROOM * early.capacity_bytes,
+                      f"rank {early.rank} ran out of memory before the first step (loading or wrapping the "
+                      f"model, {early.peak_kind} {early.peak_bytes / GIB:.2f} GiB of "
+                      f"{early.capacity_bytes / GIB:.2f} GiB): no micro-batch or checkpointing setting "
+                      f"changes that")
     total, act = activation_term(job, strategy=strategy, micro_batch=worst.micro_batch,
                                  checkpointing=worst.checkpointing)
     other = max(total - act, worst.baseline_bytes)

@@ -121,7 +121,8 @@ def record(run_dir: Path, recipe, *, error: BaseException) -> OutOfMemory:
             "activation_checkpointing": recipe.train.activation_checkpointing == "on",
             "predicted_peak_gib": recipe.resolved.predicted_peak_gib,
             "requested_bytes": requested_bytes(message), "message": message, **figures,
-            "baseline_bytes": _BASELINE.get("bytes", 0.0)}
+            "baseline_bytes": _BASELINE.get("bytes", 0.0),
+            "before_training": "bytes" not in _BASELINE}  # loading or wrapping the model, not a step
     path = Path(run_dir) / oom_record(rank)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp")
