@@ -165,14 +165,15 @@ def measure(recipe, *, hardware: str | None = None, overrides: list[str] | None 
     check_data(recipe)
     run_dir = Path(keep).resolve() if keep else Path(tempfile.mkdtemp(prefix="finetune-measure-"))
     try:
-        spec = compile(_measuring(recipe, steps=steps, run_dir=run_dir), hardware=hardware, output=run_dir)
+        measuring = _measuring(recipe, steps=steps, run_dir=run_dir)
+        spec = compile(measuring, hardware=hardware, output=run_dir)
         if spec.multi_node:
             raise FinetuneError(f"--measure runs on this machine; the plan spans {spec.num_nodes} nodes",
                                 hint="measure one node's share with a one-node preset (--hardware auto)")
         resolved = load_recipe(run_dir / RESOLVED_RECIPE, allow_resolved=True)
         resolved.resolved.measure = True  # the ranks save nothing (finetune/train/run.py)
         write_atomic(run_dir / RESOLVED_RECIPE, dump_recipe(resolved))
-        the_plan = plan(recipe, hardware=hardware)
+        the_plan = plan(measuring, hardware=hardware)  # what compile planned (the recipe's own plan)
         device_gib = get_preset(the_plan.hardware_source or hardware or recipe.hardware,
                                 base_dir=recipe_dir(recipe)).gpu_memory_gib
         print(spec.summary, flush=True)
