@@ -2,7 +2,8 @@
 
 The record (RUN_DIR/logs/oom-rank-K.json) holds what the launcher re-plans with
 (finetune/plan/replan.py): the rank, the setting in force (micro-batch, accumulation, activation
-checkpointing, strategy), the measured peak, the allocation that failed and the capacity the rank had.
+checkpointing, strategy), the measured peak, the allocation that failed, the capacity the rank had, and
+what it held when training began (or that it failed before the first step, while loading the model).
 On CUDA the peak is torch.cuda.max_memory_reserved (what the caching allocator holds, what runs out);
 on CPU it is the process's address-space peak under an RLIMIT_AS limit, else its resident-set peak.
 
