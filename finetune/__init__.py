@@ -7,7 +7,7 @@
 Heavy libraries (torch, transformers) are imported only by run/merge/push.
 """
 
-from finetune.api import compile, make_plan, plan, run
+from finetune.api import compile, make_plan, measure, plan, run
 from finetune.errors import FinetuneError
 from finetune.recipe import Recipe, load_recipe
 
@@ -28,5 +28,5 @@ def push(run_dir, **kwargs):
     return _push(run_dir, **kwargs)
 
 
-__all__ = ["Recipe", "FinetuneError", "load_recipe", "plan", "make_plan", "compile", "run",
+__all__ = ["Recipe", "FinetuneError", "load_recipe", "plan", "make_plan", "measure", "compile", "run",
            "merge", "push", "__version__"]

@@ -82,7 +82,7 @@ def run(recipe, *, hardware: str | None = None, overrides: list[str] | None = No
         main_port: int | None = None) -> RunResult:
     """Plan, compile, launch, train, save (and push when the recipe has hub.repo)."""
     from finetune.compile.compiler import default_run_dir
-    from finetune.launch import launch
+    from finetune.launch import run_with_oom_retries
     from finetune.train.precheck import check_data
 
     recipe = _as_recipe(recipe, overrides)
@@ -101,8 +101,8 @@ def run(recipe, *, hardware: str | None = None, overrides: list[str] | None = No
     if dry_run:
         return RunResult(run_dir, 0, launched=False)
     (run_dir / rundir.RANK_ERROR).unlink(missing_ok=True)
-    code = launch(spec, node_rank=node_rank, main_address=main_address, main_port=main_port,
-                  extra_args=["--resume", str(resume)])
+    code, spec = run_with_oom_retries(recipe, spec, hardware=hardware, resume=str(resume), node_rank=node_rank,
+                                      main_address=main_address, main_port=main_port)
     if isinstance(code, int) and code not in (0, EXIT_PREEMPTED):
         code = rundir.read_rank_error(run_dir).get("exit_code", code)
     if code == EXIT_USAGE:  # a rank's preflight refused the recipe or data (its message is above)
@@ -126,3 +126,75 @@ def run(recipe, *, hardware: str | None = None, overrides: list[str] | None = No
 
         pushed = push_from_recipe(run_dir)
     return RunResult(run_dir, 0, summary, pushed=pushed)
+
+
+MEASURE_STEPS = 5
+
+
+def _measuring(recipe: Recipe, *, steps: int, run_dir: Path) -> Recipe:
+    """The recipe as `plan --measure` runs it: `steps` steps logged one by one, nothing evaluated,
+    saved, pushed or reported elsewhere, no out-of-memory retry (the planned setting is what is measured)."""
+    from finetune.launch import with_setting
+
+    return with_setting(
+        recipe, train={"max_steps": steps, "epochs": None, "logging_steps": 1, "eval_steps": None,
+                       "oom_retries": 0},
+        data={"eval_sources": [], "eval_fraction": None, "task_eval": None},
+        output={"dir": str(run_dir), "save_every": None}, hub={"repo": None},
+        logging={"report_to": ["none"], "profile_steps": None})
+
+
+def measure(recipe, *, hardware: str | None = None, overrides: list[str] | None = None,
+            steps: int = MEASURE_STEPS, keep: str | Path | None = None):
+    """Run `steps` real steps at the planned setting on this machine's devices (the real launcher and
+    trainer, in a temporary run dir that is removed afterwards unless `keep` names a directory to use)
+    and return a finetune.measurement.Measurement: measured vs predicted peak per rank and tokens/s."""
+    import tempfile
+
+    from finetune.compile.files import write_atomic
+    from finetune.launch import launch
+    from finetune.measurement import RankPeak, read_measurement
+    from finetune.plan.choose import HEADROOM
+    from finetune.recipe.load import dump_recipe, recipe_dir
+    from finetune.registry import get_preset
+    from finetune.rundir import RESOLVED_RECIPE, read_oom_records
+    from finetune.train.precheck import check_data
+
+    if steps < 3:
+        raise FinetuneError(f"--steps {steps}: a steady tokens/s needs at least 3 steps",
+                            hint="measure 5 or more steps (the first ones warm up)")
+    recipe = _as_recipe(recipe, overrides)
+    check_data(recipe)
+    run_dir = Path(keep).resolve() if keep else Path(tempfile.mkdtemp(prefix="finetune-measure-"))
+    try:
+        measuring = _measuring(recipe, steps=steps, run_dir=run_dir)
+        spec = compile(measuring, hardware=hardware, output=run_dir)
+        if spec.multi_node:
+            raise FinetuneError(f"--measure runs on this machine; the plan spans {spec.num_nodes} nodes",
+                                hint="measure one node's share with a one-node preset (--hardware auto)")
+        resolved = load_recipe(run_dir / RESOLVED_RECIPE, allow_resolved=True)
+        resolved.resolved.measure = True  # the ranks save nothing (finetune/train/run.py)
+        write_atomic(run_dir / RESOLVED_RECIPE, dump_recipe(resolved))
+        the_plan = plan(measuring, hardware=hardware)  # what compile planned (the recipe's own plan)
+        device_gib = get_preset(the_plan.hardware_source or hardware or recipe.hardware,
+                                base_dir=recipe_dir(recipe)).gpu_memory_gib
+        log.info(spec.summary)
+        code = launch(spec, extra_args=["--resume", "never"])
+        oom = read_oom_records(run_dir)
+        if code != 0 and not oom:
+            raise TrainingFailed(f"the measurement run exited with code {code}; the log above names the failing rank",
+                                 file=str(run_dir), hint="fix the cause and measure again")
+        result = read_measurement(run_dir, plan=the_plan, steps=steps, usable_gib=HEADROOM * device_gib,
+                                  device_gib=device_gib)
+        if oom:  # the ranks' peaks at the failure, where no logged step wrote memory/rank-K.json
+            result.out_of_memory = "; ".join(r["message"] for r in oom)
+            logged = {r.rank for r in result.ranks}
+            result.ranks += [RankPeak(r["rank"], r["peak_bytes"] / 2**30,
+                                      (r.get("peak_allocated_bytes") or 0) / 2**30 or None)
+                             for r in oom if r["rank"] not in logged]
+    finally:
+        if not keep:
+            shutil.rmtree(run_dir, ignore_errors=True)
+    if not keep:
+        result.run_dir = ""
+    return result

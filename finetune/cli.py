@@ -44,6 +44,13 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("plan", help="will it fit, how, how fast")
     _add_recipe_args(p)
     p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--measure", action="store_true",
+                   help="then run a few real steps at the chosen setting on this machine (nothing saved or "
+                        "pushed) and print measured vs predicted peak memory and tokens/s; exit 3 when the "
+                        "measured peak exceeds the usable memory")
+    p.add_argument("--steps", type=int, default=5, help="steps to measure with --measure (default 5)")
+    p.add_argument("--keep", default=None, metavar="DIR",
+                   help="with --measure: run in DIR and keep it (default: a temporary directory, removed)")
 
     p = sub.add_parser("compile", help="write the launch files into a run directory")
     _add_recipe_args(p)
@@ -99,7 +106,23 @@ def _cmd_plan(args):
         print(json.dumps(plan.to_json(), indent=2))
     else:
         print(render_plan_table(plan))
-    return 0 if plan.fits else EXIT_DOES_NOT_FIT
+    if not plan.fits:
+        return EXIT_DOES_NOT_FIT
+    return _measure(args) if args.measure else 0
+
+
+def _measure(args) -> int:
+    from finetune.api import measure
+    from finetune.errors import EXIT_DOES_NOT_FIT
+    from finetune.measurement import render_measurement
+
+    print("", flush=True)
+    result = measure(args.recipe, hardware=args.hardware, overrides=args.overrides, steps=args.steps,
+                     keep=args.keep)
+    print(render_measurement(result), flush=True)
+    if args.json:
+        print(json.dumps(result.to_json()))
+    return 0 if result.fits else EXIT_DOES_NOT_FIT
 
 
 def _cmd_compile(args):

@@ -13,6 +13,7 @@ signals it forwards, via PET_SIGNALS_TO_HANDLE, and raises its shutdown grace).
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import signal
 import subprocess
@@ -194,6 +195,112 @@ def _copy_output(pipe, log, stream: bool) -> None:
         console.flush()
     except (ValueError, OSError):  # the log was closed after the drain timeout
         return
+
+
+def with_setting(recipe, **sections):
+    """`recipe` with some sections' keys replaced (validated again), keeping where it came from."""
+    from finetune.recipe import load_recipe
+    from finetune.recipe.load import deep_merge
+
+    fresh = load_recipe(deep_merge(recipe.model_dump(mode="json", exclude_none=True), sections))
+    fresh._source_dir, fresh._source_name = recipe._source_dir, recipe._source_name
+    return fresh
+
+
+def _setting(micro_batch: int, checkpointing: bool) -> str:
+    return f"micro-batch {micro_batch}, activation checkpointing {'on' if checkpointing else 'off'}"
+
+
+def replan_after_oom(recipe, spec: LaunchSpec, *, hardware: str | None, records: list[dict],
+                     tried: tuple[tuple[int, bool], ...]):
+    """The re-plan for a run whose ranks ran out of memory (finetune.plan.replan on the recipe's job)."""
+    from finetune.plan import job_from_recipe
+    from finetune.plan.replan import OomEvidence, replan
+    from finetune.recipe.load import recipe_dir
+    from finetune.registry import get_preset, resolve_model
+
+    base = recipe_dir(recipe)
+    job = job_from_recipe(recipe, arch=resolve_model(recipe.model, base_dir=base),
+                          preset=get_preset(hardware or recipe.hardware, base_dir=base))
+    return replan(job, strategy=spec.strategy, evidence=[OomEvidence.from_record(r) for r in records],
+                  tried=tried)
+
+
+def run_with_oom_retries(recipe, spec: LaunchSpec, *, hardware: str | None, resume: str = "auto",
+                         node_rank: int | None = None, main_address: str | None = None,
+                         main_port: int | None = None) -> tuple[int | NodeInstructions, LaunchSpec]:
+    """launch(spec), and when ranks ran out of memory (their records in RUN_DIR/logs/oom-rank-K.json):
+    re-plan with the measured peaks (finetune.plan.replan: same strategy and global batch, a smaller
+    micro-batch or activation checkpointing), say what changed, recompile the run dir and resume from
+    its last complete checkpoint (or start over if none), at most `recipe.train.oom_retries` times.
+    Returns (exit code or node instructions, the spec that ran last); TrainingFailed when memory still
+    runs out, naming every setting tried and what to set in the recipe."""
+    from finetune.compile import compile_recipe
+    from finetune.errors import TrainingFailed
+    from finetune.rundir import OOM_RETRIES, clear_oom_records, read_oom_records
+
+    run_dir = Path(spec.run_dir)
+    history: list[dict] = []
+    while True:
+        clear_oom_records(run_dir)
+        code = launch(spec, node_rank=node_rank, main_address=main_address, main_port=main_port,
+                      extra_args=["--resume", resume])
+        records = read_oom_records(run_dir)
+        if not isinstance(code, int) or code in (0, EXIT_PREEMPTED, EXIT_INTERRUPTED) or not records:
+            return code, spec
+        tried = tuple((h["micro_batch_size"], h["activation_checkpointing"]) for h in history)
+        decision = replan_after_oom(recipe, spec, hardware=hardware, records=records, tried=tried)
+        failed = records[0]  # every rank ran the same setting
+        history.append({"attempt": len(history) + 1, "micro_batch_size": failed["micro_batch_size"],
+                        "activation_checkpointing": failed["activation_checkpointing"],
+                        "gradient_accumulation_steps": failed["gradient_accumulation_steps"],
+                        "records": records, "decision": decision.text,
+                        "next": None if decision.micro_batch is None else
+                        {"micro_batch_size": decision.micro_batch,
+                         "activation_checkpointing": decision.checkpointing}})
+        (run_dir / OOM_RETRIES).write_text(json.dumps(history, indent=2) + "\n")
+        retries = recipe.train.oom_retries
+        if decision.micro_batch is None or len(history) > retries or spec.multi_node:
+            raise TrainingFailed(_oom_failure(history, decision, retries=retries, multi_node=spec.multi_node),
+                                 file=str(run_dir / OOM_RETRIES), hint=_oom_hint(decision))
+        print(f"out of memory: {decision.text}", flush=True)
+        print(f"out of memory: retry {len(history)} of {retries}: "
+              f"{_setting(decision.micro_batch, decision.checkpointing)} x accumulation "
+              f"{decision.gradient_accumulation_steps} (was "
+              f"{_setting(failed['micro_batch_size'], failed['activation_checkpointing'])} x accumulation "
+              f"{failed['gradient_accumulation_steps']}); resuming from the last complete checkpoint, if any",
+              flush=True)
+        checkpointing = "on" if decision.checkpointing else "off"
+        recipe = with_setting(recipe, distributed={"strategy": spec.strategy},
+                              train={"micro_batch_size": decision.micro_batch,
+                                     "activation_checkpointing": checkpointing})
+        spec = compile_recipe(recipe, run_dir=run_dir, hardware=hardware)
+        resume = "auto"  # what the failed attempt committed, whatever the first attempt was told
+
+
+def _oom_failure(history: list[dict], decision, *, retries: int, multi_node: bool) -> str:
+    tried = "; ".join(f"{h['attempt']}) {_setting(h['micro_batch_size'], h['activation_checkpointing'])} x "
+                      f"accumulation {h['gradient_accumulation_steps']}: rank(s) "
+                      f"{', '.join(str(r['rank']) for r in h['records'])} ran out at "
+                      f"{max(r['peak_bytes'] for r in h['records']) / 2**30:.2f} GiB"
+                      for h in history)
+    if multi_node:
+        why = "a multi-node run is not re-planned automatically (every node would have to agree)"
+    elif decision.micro_batch is None:
+        why = "no other setting is expected to fit"
+    else:
+        why = f"train.oom_retries ({retries}) retries are used up"
+    return f"out of memory after {len(history)} attempt(s) ({why}); tried: {tried}. {decision.text}"
+
+
+def _oom_hint(decision) -> str:
+    if decision.micro_batch is None:
+        return ("the model states alone leave no room for activations: `finetune plan` lists what fits "
+                "(a sharded or offloading distributed.strategy, adapter.type: qlora, more GPUs, a shorter "
+                "data.max_length)")
+    return (f"set train.micro_batch_size: {decision.micro_batch} and train.activation_checkpointing: "
+            f"{'on' if decision.checkpointing else 'off'} in the recipe (what the measured peaks point to), "
+            f"or raise train.oom_retries")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -10,6 +10,8 @@
       memory/rank-K.json     each rank's peak memory, rewritten at every logged step
       profile/               torch.profiler traces (logging.profile_steps)
       logs/                  launcher logs and the main rank's error (rank-error.json)
+      logs/oom-rank-K.json   a rank that ran out of memory: its measured peak and the setting in force
+      logs/oom-retries.json  what the launcher changed after each out-of-memory failure
       checkpoints/checkpoint-N
 """
 
@@ -33,6 +35,7 @@ PROFILE_DIR = "profile"
 LOGS_DIR = "logs"
 RANK_ERROR = f"{LOGS_DIR}/rank-error.json"  # the main rank's FinetuneError, read by the launching API
 CHECKPOINTS = "checkpoints"  # the Trainer's checkpoint-N directories
+OOM_RETRIES = f"{LOGS_DIR}/oom-retries.json"  # the launcher's re-plans after out-of-memory failures
 
 # summary.json keys that other parts read (the model card, the Hub push, benchmarks)
 SUMMARY_STEPS = "steps"
@@ -54,6 +57,32 @@ def memory_file(rank: int) -> str:
 def profile_stem(rank: int) -> str:
     """profile/rank-K: the profiler writes .trace.json.gz, .txt (tables) and .json (summary) after it."""
     return f"{PROFILE_DIR}/rank-{rank}"
+
+
+def oom_record(rank: int) -> str:
+    """Where rank `rank` records that it ran out of memory (finetune/train/oom.py)."""
+    return f"{LOGS_DIR}/oom-rank-{rank}.json"
+
+
+def read_oom_records(run_dir: Path) -> list[dict]:
+    """Every rank's out-of-memory record of the last attempt, by rank ([] when none ran out)."""
+    logs = Path(run_dir) / LOGS_DIR
+    found = [_read_json(p) for p in sorted(logs.glob("oom-rank-*.json"))] if logs.is_dir() else []
+    return sorted((r for r in found if "rank" in r), key=lambda r: r["rank"])
+
+
+def clear_oom_records(run_dir: Path) -> None:
+    """Before each attempt: a record left by an earlier attempt must not be read as this one's."""
+    logs = Path(run_dir) / LOGS_DIR
+    for path in logs.glob("oom-rank-*.json") if logs.is_dir() else ():
+        path.unlink(missing_ok=True)
+
+
+def read_memory_files(run_dir: Path) -> list[dict]:
+    """Every rank's memory/rank-K.json (finetune/train/memory_report.py), by rank."""
+    root = Path(run_dir) / MEMORY_DIR
+    found = [_read_json(p) for p in sorted(root.glob("rank-*.json"))] if root.is_dir() else []
+    return sorted((r for r in found if "rank" in r), key=lambda r: r["rank"])
 
 
 def read_metrics(run_dir: Path) -> list[dict]:

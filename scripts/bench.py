@@ -25,17 +25,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
 
-from gpu_validate import (  # noqa: E402
-    WARMUP_STEPS,
-    WORK,
-    base_recipe,
-    ensure_model,
-    steady_rate,
-    steady_tokens_per_second,
-    write_data,
-)
+from gpu_validate import WORK, base_recipe, ensure_model, write_data  # noqa: E402
 
 from finetune import rundir  # noqa: E402
+from finetune.measurement import WARMUP_STEPS, steady_rate, steady_tokens_per_second  # noqa: E402
 from finetune.plan import mfu, recipe_flops_per_token  # noqa: E402
 from finetune.registry.detect import peak_bf16_tflops  # noqa: E402
 

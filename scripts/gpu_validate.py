@@ -28,6 +28,7 @@ import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from finetune import rundir  # noqa: E402
+from finetune.measurement import steady_tokens_per_second  # noqa: E402
 from finetune.plan import mfu, recipe_flops_per_token  # noqa: E402
 from finetune.recipe import load_recipe  # noqa: E402
 from finetune.registry import get_model  # noqa: E402
@@ -198,30 +199,6 @@ def ensure_model(arch: str) -> Path:
         subprocess.run([sys.executable, str(ROOT / "scripts" / "make_random_model.py"), arch, str(out)],
                        check=True)
     return out
-
-
-WARMUP_STEPS = 5
-
-
-def steady_rate(points: list[tuple[int, float, float]], warmup: int = WARMUP_STEPS) -> float | None:
-    """Tokens/s between the end of step `warmup` and the last point, from (step, seconds, tokens seen),
-    i.e. without the first steps' compilation and allocator warm-up."""
-    after = [p for p in points if p[0] >= warmup]
-    if len(after) < 2 or after[-1][1] <= after[0][1]:
-        return None
-    return (after[-1][2] - after[0][2]) / (after[-1][1] - after[0][1])
-
-
-def steady_tokens_per_second(metrics: list[dict]) -> float | None:
-    """steady_rate over the metrics rows' cumulative tokens_seen / elapsed_s."""
-    points = []
-    for m in metrics:
-        if "elapsed_s" not in m:
-            continue
-        if points and m["elapsed_s"] < points[-1][1]:
-            points = []  # a resumed process restarts the clock: use the last session's rows only
-        points.append((m["step"], m["elapsed_s"], m["tokens_seen"]))
-    return steady_rate(points)
 
 
 def collect(run_dir: Path) -> dict:

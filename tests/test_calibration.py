@@ -12,6 +12,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
 from finetune import strategies
 from finetune.plan import job_from_recipe, plan_job
 from finetune.recipe import load_recipe
@@ -82,3 +84,81 @@ def test_predicted_peak_within_bounds_of_measured_reserved():
             bad.append(line)
     table = "\n".join(lines)
     assert not bad, f"outside [{LOW}, {HIGH}] x measured max reserved:\n" + "\n".join(bad) + "\n\n" + table
+
+
+# --- steady tokens/s (issue 13: within +-25% of the planner's tokens/s, the one step-time model of
+# finetune/plan/timing.py) and the issue's tighter memory bound (-5% / +15%), row by row ---------------
+SPEED_LOW, SPEED_HIGH = 0.75, 1.25  # predicted / measured steady tokens/s
+MEMORY_LOW, MEMORY_HIGH = 0.95, 1.15  # predicted / measured max reserved
+# Rows the current models miss, by _row_id. Not fitted away: the lead decides with new GPU data.
+SPEED_MISSES = {
+    "14-qlora8b-fsdp2": "QLoRA under FSDP2 on 2 GPUs: predicted faster than measured",
+    "17-full3b-fsdp2": ("full 3B FSDP2: predicted ~9x faster; row 18, the same setting without a mid-run "
+                        "checkpoint in the measured window, holds"),
+    "21-lora3b-hybrid-2x2": "fsdp2-hybrid on two loopback 'nodes' of one host: predicted ~3.6x faster",
+    "22-lora8b-zero3-offload": "ZeRO-3 CPU offload: predicted ~2x faster (fetch stalls, CPU Adam)",
+    "24-full8b-zero3-offload": "ZeRO-3 CPU offload: predicted ~2x faster (fetch stalls, CPU Adam)",
+    "25-lora8b-zero3-nvme": "ZeRO-Infinity NVMe offload: predicted slower than measured",
+    "27-qlora70b-1gpu": ("70B QLoRA on one H100, checkpointing every layer at seq 4096: predicted slower "
+                         "than measured"),
+}
+MEMORY_MISSES = {
+    "01-dpo8b": "DPO LoRA on H100 predicted more than 15% over the measured max reserved",
+}
+
+
+def _indexed_rows() -> list[tuple[str, dict]]:
+    return [(f"{i:02d}-{r['name']}", r) for i, r in enumerate(json.loads(DATA.read_text())) if "excluded" not in r]
+
+
+def _params(rows: list[tuple[str, dict]], misses: dict[str, str], figures):
+    out = []
+    for row_id, row in rows:
+        marks = ()
+        if row_id in misses:
+            marks = pytest.mark.xfail(reason=f"{misses[row_id]}: {figures(row)}", strict=False)
+        out.append(pytest.param(row, id=row_id, marks=marks))
+    return out
+
+
+def _speed_figures(row: dict) -> str:
+    p = _predict(row)
+    measured = row["steady_tokens_per_second"]
+    return (f"measured {measured:,.0f} tokens/s, predicted {p.tokens_per_second:,.0f} "
+            f"(ratio {p.tokens_per_second / measured:.3f})")
+
+
+def _memory_figures(row: dict) -> str:
+    p = _predict(row)
+    measured = row["measured_max_reserved_gib"]
+    ratio = p.per_gpu_memory_gib / measured
+    return f"measured {measured:.2f} GiB, predicted {p.per_gpu_memory_gib:.2f} (ratio {ratio:.3f})"
+
+
+def _speed_rows():
+    rows = [(i, r) for i, r in _indexed_rows() if r.get("steady_tokens_per_second")]
+    return _params(rows, SPEED_MISSES, _speed_figures)
+
+
+def _memory_rows():
+    return _params(_indexed_rows(), MEMORY_MISSES, _memory_figures)
+
+
+def test_every_listed_miss_is_a_row():
+    ids = {i for i, _ in _indexed_rows()}
+    assert set(SPEED_MISSES) <= ids and set(MEMORY_MISSES) <= ids
+    assert len([r for _, r in _indexed_rows() if r.get("steady_tokens_per_second")]) >= 9
+
+
+@pytest.mark.parametrize("row", _speed_rows())
+def test_predicted_steady_tokens_per_second_within_25_percent(row):
+    p = _predict(row)
+    ratio = p.tokens_per_second / row["steady_tokens_per_second"]
+    assert SPEED_LOW <= ratio <= SPEED_HIGH, _speed_figures(row)
+
+
+@pytest.mark.parametrize("row", _memory_rows())
+def test_predicted_peak_within_minus_5_plus_15_percent_of_measured_reserved(row):
+    p = _predict(row)
+    ratio = p.per_gpu_memory_gib / row["measured_max_reserved_gib"]
+    assert MEMORY_LOW <= ratio <= MEMORY_HIGH, _memory_figures(row)

@@ -9,6 +9,7 @@ bounds (the prediction at most 5% below and 20% above the max reserved memory).
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -101,3 +102,81 @@ def test_hybrid_shard_two_nodes_of_two(tmp_path):
     if _gpus() < 4:
         pytest.skip("needs 4 CUDA GPUs (two loopback nodes of 2)")
     _check(_validate("lora3b-hybrid-2x2", tmp_path))
+
+
+def _lora3b_recipe(tmp_path: Path, *, steps: int) -> Path:
+    """A 3B LoRA recipe (random weights, the learnable capitals task) as scripts/gpu_validate.py writes it."""
+    import yaml
+
+    sys.path.insert(0, str(ROOT / "scripts"))
+    from gpu_validate import base_recipe, ensure_model, write_data
+
+    data = tmp_path / "data.jsonl"
+    write_data(data, preference=False, seq=2048)
+    recipe = base_recipe(ensure_model("llama-3.2-3b"), data, steps=steps, seq=2048, batch=32)
+    path = tmp_path / "recipe.yaml"
+    path.write_text(yaml.safe_dump(recipe, sort_keys=False))
+    return path
+
+
+def _overstated_preset(path: Path, factor: float) -> Path:
+    """This machine's first GPU with `factor` x its memory: a preset whose prediction is wrong on purpose."""
+    import yaml
+
+    from finetune.registry.detect import query_gpus
+
+    name, memory_gib = query_gpus()[0]
+    path.write_text(yaml.safe_dump({
+        "name": "overstated-1gpu", "gpu_model": name, "gpu_memory_gib": memory_gib * factor,
+        "gpus_per_node": 1, "nodes": 1, "intra_node_link": "none", "intra_node_bandwidth_gbps": 300,
+        "inter_node_fabric": "none", "inter_node_bandwidth_gbps": 0, "host_ram_gib": 512,
+        "peak_bf16_tflops": 989}))
+    return path
+
+
+def test_cuda_out_of_memory_is_replanned_and_the_run_finishes(tmp_path):
+    """A preset that claims 4x the card's memory lets the planner accept micro-batch 32 of a 3B LoRA at
+    seq 2048 (about 4x what fits); the rank runs out of CUDA memory at step 1, records its max reserved,
+    and the launcher re-plans (same global batch 32) from that evidence and finishes the run."""
+    if _gpus() < 1:
+        pytest.skip("needs a CUDA GPU")
+    recipe = _lora3b_recipe(tmp_path, steps=6)
+    preset = _overstated_preset(tmp_path / "preset.yaml", 4.0)
+    run_dir = tmp_path / "run"
+    proc = subprocess.run([sys.executable, "-m", "finetune.cli", "run", str(recipe), "--hardware", str(preset),
+                           "--output", str(run_dir), "--resume", "never", "--set", "train.micro_batch_size=32",
+                           "--set", "output.save_every=null"], cwd=ROOT, timeout=1800, capture_output=True, text=True)
+    text = proc.stdout + proc.stderr
+    assert proc.returncode == 0, text[-6000:]
+    history = json.loads((run_dir / "logs" / "oom-retries.json").read_text())
+    record = history[0]["records"][0]
+    assert history[0]["micro_batch_size"] == 32 and record["peak_kind"] == "max reserved"
+    assert record["capacity_bytes"] == pytest.approx(_gpu_memory_gib() * 2**30, rel=0.01)
+    assert record["peak_bytes"] > 0.5 * record["capacity_bytes"]
+    assert "out of memory: retry 1 of 2" in text and "Traceback" not in proc.stdout
+    resolved = json.loads((run_dir / "plan.json").read_text())
+    assert resolved["micro_batch_size"] < 32
+    assert resolved["micro_batch_size"] * resolved["gradient_accumulation_steps"] == 32  # same global batch
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["steps"] == 6 and summary["final_train_loss"] < summary["first_train_loss"]
+
+
+def test_plan_measure_on_one_gpu(tmp_path):
+    """`finetune plan --measure` at the planned setting: per-rank max reserved vs the prediction (inside
+    the calibration bounds) and steady tokens/s vs the prediction, printed with their ratios."""
+    if _gpus() < 1:
+        pytest.skip("needs a CUDA GPU")
+    recipe = _lora3b_recipe(tmp_path, steps=30)
+    keep = tmp_path / "measured"
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "0"}
+    proc = subprocess.run([sys.executable, "-m", "finetune.cli", "plan", str(recipe), "--hardware", "auto",
+                           "--measure", "--steps", "10", "--keep", str(keep), "--json"],
+                          cwd=ROOT, timeout=1800, capture_output=True, text=True, env=env)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    print(json.dumps(result, indent=2))
+    assert result["device"] == "cuda" and result["peak_kind"] == "max reserved" and result["fits"]
+    assert 0.95 <= result["predicted_gib"] / result["measured_peak_gib"] <= 1.20, result
+    assert result["tokens_per_s"] > 0 and "predicted/measured" in proc.stdout
+    assert not (keep / "checkpoints").exists() or not any((keep / "checkpoints").iterdir())
+    assert not (keep / "adapter_model.safetensors").exists()

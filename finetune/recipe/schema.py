@@ -214,6 +214,10 @@ class TrainSection(Strict):
     liger: OnOffAuto = Field("auto", description="Liger's Triton RMSNorm/RoPE/SwiGLU kernels; auto: on for "
                                                  "supported models on NVIDIA GPUs when liger-kernel is "
                                                  "installed (the LM head is already fused by TRL)")
+    oom_retries: int = Field(2, ge=0, le=10, description=(
+        "when a rank runs out of memory, `finetune run` re-plans from its measured peak (a smaller "
+        "micro-batch with more accumulation, or activation checkpointing; the global batch stays) and "
+        "resumes from the last complete checkpoint, at most this many times; 0: fail at once"))
 
     @field_validator("micro_batch_size")
     @classmethod
@@ -283,6 +287,9 @@ class ResolvedSection(Strict):
     checkpoint_layers: int | None = Field(
         None, ge=0, description="decoder layers checkpointed, the first k of the model's (None: all when "
         "train.activation_checkpointing is on); the planner's choice for a tight fit")
+    measure: bool = Field(False, description=(
+        "written by `finetune plan --measure`: train max_steps steps to measure peak memory and "
+        "tokens/s, then save nothing (no checkpoint, no model) and evaluate nothing"))
 
 
 class Recipe(Strict):

@@ -30,6 +30,8 @@ SAFE_KEYS = (
     # kernels that compute the same function (compile resolves them per machine: a resume on another
     # machine may get another attention kernel or no Liger)
     "model.attn_implementation", "train.liger", "adapter.cast_adapter_inputs",
+    # what to do after an out-of-memory failure, and the measurement mode (which saves nothing)
+    "train.oom_retries", "resolved.measure",
 )
 # Safe only when they grow: the run continues further with the same schedule of the steps it did.
 GROWING_KEYS = ("train.max_steps", "train.epochs")

@@ -62,12 +62,26 @@ def run_rank(resolved_path: str | Path, *, resume: str = "auto") -> dict | None:
         if isinstance(err, Preempted):  # every rank stopped at the same step boundary: leave together
             state.destroy_process_group()
         raise
+    except Exception as exc:
+        oom = _out_of_memory(run_dir, recipe, exc)
+        if oom is None:
+            raise
+        raise oom from None
     finally:
         preempt.restore()
     # PyTorch's rule for a clean exit: a rank that exits with its process group alive can leave a
     # peer blocked in a pending collective (accelerate's end_training does the same)
     state.destroy_process_group()
     return summary
+
+
+def _out_of_memory(run_dir: Path, recipe, exc: Exception):
+    """Out of memory: record the measured peak for the launcher to re-plan with (train/oom.py) and
+    return the error the rank exits with, without a traceback; None for any other exception."""
+    from finetune.train.oom import out_of_memory_error, record
+
+    found = out_of_memory_error(exc)
+    return None if found is None else record(run_dir, recipe, error=found)
 
 
 def _run(recipe, *, state, run_dir: Path, resume: str, preempt) -> dict | None:
@@ -152,6 +166,7 @@ def _resume_point(recipe, *, state, run_dir: Path, resume: str) -> Path | None:
 
 def _callbacks(session: _Session, *, preempt) -> list:
     from finetune.train.memory_report import PeakMemoryCallback
+    from finetune.train.oom import BaselineCallback
     from finetune.train.progress import ConsoleProgress
     from finetune.train.trainers import trainer_checkpointing
 
@@ -160,7 +175,7 @@ def _callbacks(session: _Session, *, preempt) -> list:
                  NonFiniteCallback(policy=recipe.train.on_nonfinite, max_bad_steps=recipe.train.max_bad_steps),
                  CommitCallback(run_dir, fields=recipe_fields(recipe), strategy=recipe.distributed.strategy,
                                 keep=recipe.output.keep),
-                 preempt]
+                 preempt, BaselineCallback()]
     k = getattr(recipe.resolved, "checkpoint_layers", None)
     if k is not None and trainer_checkpointing(recipe):
         from finetune.train.checkpointing import PartialCheckpointing
@@ -210,9 +225,10 @@ def _finish(session: _Session, *, trainer, result) -> dict | None:
         # checkpoints stay sharded (resumable on another world size); the final model or adapter
         # is gathered into plain safetensors, or save_model would write nothing from the sharded state
         trainer.accelerator.state.fsdp_plugin.set_state_dict_type("FULL_STATE_DICT")
-    trainer.save_model(str(run_dir))  # every rank: FSDP/ZeRO-3 gather the weights collectively
-    if state.is_main_process:
-        session.tokenizer.save_pretrained(run_dir)
+    if not recipe.resolved.measure:  # `finetune plan --measure` keeps nothing
+        trainer.save_model(str(run_dir))  # every rank: FSDP/ZeRO-3 gather the weights collectively
+        if state.is_main_process:
+            session.tokenizer.save_pretrained(run_dir)
     state.wait_for_everyone()
     if session.cases and state.is_main_process:
         trained = taskeval.load_trained(recipe, run_dir)
@@ -222,7 +238,8 @@ def _finish(session: _Session, *, trainer, result) -> dict | None:
         return None
     summary.update(_train_figures(recipe, run_dir, trainer, result))
     (run_dir / rundir.SUMMARY).write_text(json.dumps(summary, indent=2) + "\n")
-    print(format_summary(summary), flush=True)
+    if not recipe.resolved.measure:  # its run dir is temporary: `plan --measure` prints its own figures
+        print(format_summary(summary), flush=True)
     return summary
 
 

@@ -1,0 +1,142 @@
+"""After a rank ran out of memory: a setting that fits, chosen with the evidence. Pure arithmetic.
+
+The planner predicted the failed setting X at total(X) = other(X) + act(X), where act is the part
+that grows with the micro-batch and shrinks with activation checkpointing (activations and the loss
+head, with their fragmentation share). The run proved that X needs more than the memory the rank had:
+at least its measured peak plus the allocation that failed, and more than its capacity. The whole
+miss is attributed to the activation term, the least certain one: it is scaled by
+
+    scale = (demand(X) - other'(X)) / act(X),    other' = max(other, what the rank held when training began)
+
+(the measured baseline keeps a miss in the fixed part, e.g. a CPU process's address space, from being
+blamed on the activations), and every setting Y of the same strategy and the same global batch (another
+micro-batch with more accumulation, activation checkpointing on) is predicted at other'(Y) + scale x
+act(Y), which reproduces the measured demand at X. The fastest Y
+(the planner's step-time model) that fits in HEADROOM of the capacity and was not tried yet is chosen.
+When even other'(Y) alone does not fit, or the rank failed before its first step (loading the model), no
+micro-batch or checkpointing can help, and the answer says so.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from finetune.plan.choose import HEADROOM, batch_share, micro_batch_options
+from finetune.plan.memory import FRAGMENTATION, footprint
+from finetune.plan.timing import step_time
+from finetune.plan.types import GIB
+from finetune.plan.workload import Job
+
+
+@dataclass(frozen=True)
+class OomEvidence:
+    """What a rank recorded when it ran out of memory (RUN_DIR/logs/oom-rank-K.json)."""
+
+    rank: int
+    micro_batch: int
+    checkpointing: bool
+    peak_bytes: float  # measured when it failed: max reserved on CUDA, the address space/RSS on CPU
+    capacity_bytes: float  # what the rank could use: the device's memory, or the CPU address-space limit
+    requested_bytes: float = 0.0  # the allocation that failed (0 when the message did not say)
+    baseline_bytes: float = 0.0  # held when training began (the same kind as peak_bytes; 0: unknown)
+    peak_kind: str = "max reserved"
+    before_training: bool = False  # it failed loading or wrapping the model, before the first step
+
+    @property
+    def demand_bytes(self) -> float:
+        """A lower bound of what the setting needs: it did not fit in the capacity."""
+        return max(self.peak_bytes + self.requested_bytes, self.capacity_bytes)
+
+    @classmethod
+    def from_record(cls, record: dict) -> OomEvidence:
+        return cls(rank=int(record["rank"]), micro_batch=int(record["micro_batch_size"]),
+                   checkpointing=bool(record["activation_checkpointing"]),
+                   peak_bytes=float(record.get("peak_bytes") or 0.0),
+                   capacity_bytes=float(record.get("capacity_bytes") or 0.0),
+                   requested_bytes=float(record.get("requested_bytes") or 0.0),
+                   baseline_bytes=float(record.get("baseline_bytes") or 0.0),
+                   peak_kind=str(record.get("peak_kind", "max reserved")),
+                   before_training=bool(record.get("before_training", False)))
+
+
+@dataclass(frozen=True)
+class Replan:
+    """The setting to retry with, or (micro_batch None) why none is expected to fit."""
+
+    micro_batch: int | None
+    checkpointing: bool | None
+    gradient_accumulation_steps: int | None
+    scale: float  # the factor applied to the planner's activation term
+    predicted_bytes: float  # the chosen setting, scaled (or the smallest one when none fits)
+    limit_bytes: float  # HEADROOM x the capacity the rank had
+    text: str  # one sentence for the user
+
+
+def activation_term(job: Job, *, strategy: str, micro_batch: int, checkpointing: bool) -> tuple[float, float]:
+    """(total, the part that scales with the micro-batch) of the planner's per-device peak, bytes."""
+    memory = footprint(job, strategy=strategy, micro_batch=micro_batch, checkpointing=checkpointing).memory
+    act = (memory.activations + memory.logits) * (1 + FRAGMENTATION)
+    return memory.total, act
+
+
+def _describe(micro_batch: int, checkpointing: bool, accumulation: int) -> str:
+    return (f"micro-batch {micro_batch} x accumulation {accumulation}, activation checkpointing "
+            f"{'on' if checkpointing else 'off'}")
+
+
+def replan(job: Job, *, strategy: str, evidence: list[OomEvidence],
+           tried: tuple[tuple[int, bool], ...] = ()) -> Replan:
+    """The fastest setting of `strategy` with the job's global batch that the evidence says fits.
+
+    `evidence` holds the failed attempt's records (one per rank that ran out; the worst one counts),
+    `tried` the (micro-batch, checkpointing) settings already run, which are never proposed again.
+    """
+    if not evidence:
+        raise ValueError("replan needs at least one out-of-memory record")
+    worst = max(evidence, key=lambda e: e.demand_bytes / max(e.capacity_bytes, 1.0))
+    if any(e.before_training for e in evidence):
+        early = next(e for e in evidence if e.before_training)
+        return Replan(None, None, None, 1.0, early.demand_bytes, HEADROOM * early.capacity_bytes,
+                      f"rank {early.rank} ran out of memory before the first step (loading or wrapping the "
+                      f"model, {early.peak_kind} {early.peak_bytes / GIB:.2f} GiB of "
+                      f"{early.capacity_bytes / GIB:.2f} GiB): no micro-batch or checkpointing setting "
+                      f"changes that")
+    total, act = activation_term(job, strategy=strategy, micro_batch=worst.micro_batch,
+                                 checkpointing=worst.checkpointing)
+    other = max(total - act, worst.baseline_bytes)
+    scale = (worst.demand_bytes - other) / act if act > 0 else float("inf")
+    limit = HEADROOM * worst.capacity_bytes
+    share = batch_share(job)
+    done = set(tried) | {(worst.micro_batch, worst.checkpointing)}
+    ckpt_options = (True,) if worst.checkpointing else (False, True)
+    options = []
+    for mb in micro_batch_options(replace(job, micro_batch=None)):
+        for ckpt in ckpt_options:
+            if (mb, ckpt) in done:
+                continue
+            t_total, t_act = activation_term(job, strategy=strategy, micro_batch=mb, checkpointing=ckpt)
+            predicted = max(t_total - t_act, worst.baseline_bytes) + scale * t_act
+            accumulation = max(1, round(share / mb))
+            seconds = step_time(job, strategy=strategy, micro_batch=mb, grad_accum=accumulation,
+                                checkpointing=ckpt).step_s
+            options.append((predicted, seconds, mb, ckpt, accumulation))
+    fitting = [o for o in options if o[0] <= limit]
+    failed = _describe(worst.micro_batch, worst.checkpointing, max(1, round(share / worst.micro_batch)))
+    evidence_text = (f"rank {worst.rank} ran out of memory at {failed}: it needed more than "
+                     f"{worst.demand_bytes / GIB:.2f} GiB ({worst.peak_kind} {worst.peak_bytes / GIB:.2f} GiB"
+                     + (f" + a failed request of {worst.requested_bytes / GIB:.2f} GiB"
+                        if worst.requested_bytes else "")
+                     + f", {worst.capacity_bytes / GIB:.2f} GiB available"
+                     + (f", {worst.baseline_bytes / GIB:.2f} GiB held when training began"
+                        if worst.baseline_bytes else "")
+                     + f"), the plan said {total / GIB:.2f} GiB; activation estimate scaled x{scale:.2f}")
+    if not fitting:
+        smallest = min(options)[0] if options else other
+        return Replan(None, None, None, scale, smallest, limit,
+                      f"{evidence_text}; no other micro-batch or checkpointing setting of {strategy} is "
+                      f"expected to fit (the smallest needs {smallest / GIB:.2f} GiB of {limit / GIB:.2f} "
+                      f"GiB usable)")
+    predicted, _, mb, ckpt, accumulation = min(fitting, key=lambda o: (round(o[1], 6), -o[2], o[3]))
+    return Replan(mb, ckpt, accumulation, scale, predicted, limit,
+                  f"{evidence_text}; expected to fit: {_describe(mb, ckpt, accumulation)} (same global "
+                  f"batch) at {predicted / GIB:.2f} GiB of {limit / GIB:.2f} GiB usable")
