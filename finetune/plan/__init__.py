@@ -15,6 +15,7 @@ from finetune.plan.render import render_plan_table
 from finetune.plan.timing import allgather_time_s, allreduce_time_s, model_flops_per_token
 from finetune.plan.types import GIB, Candidate, MemoryBreakdown, Plan
 from finetune.plan.workload import DTYPE_BYTES, Job, count_params, module_shapes, trainable_params
+from finetune.recipe.schema import REFERENCE_METHODS
 
 __all__ = ["plan", "plan_job", "job_from_recipe", "render_plan_table", "Plan", "Candidate",
            "MemoryBreakdown", "Job", "zero_model_state_bytes", "allreduce_time_s", "allgather_time_s",
@@ -69,12 +70,17 @@ def liger_enabled(recipe, preset) -> bool:
     return preset.vendor == "nvidia" and importlib.util.find_spec("liger_kernel") is not None
 
 
+# trainers that score tokens through TRL's chunked LM head; ORPO/CPO/KTO compute full logits (reward
+# models have no vocabulary head, so the flag is moot for them)
+FUSED_HEAD_METHODS = ("sft", "pretrain", "dpo", "reward")
+
+
 def job_from_recipe(recipe, *, arch, preset) -> Job:
     """The recipe's workload as plain numbers (the planner's inner loop never touches pydantic)."""
     method = recipe.method.type
     adapter = recipe.adapter.type
     reference = "none"
-    if method == "dpo":
+    if method in REFERENCE_METHODS:  # dpo, kto
         reference = recipe.method.reference
         if reference == "auto":
             # LoRA/QLoRA: disable the adapter for the reference pass; full: a frozen copy
@@ -83,6 +89,7 @@ def job_from_recipe(recipe, *, arch, preset) -> Job:
     attention = attention_kind(attention_implementation(recipe, preset), packed=recipe.data.packing)
     return Job(
         arch=arch, preset=preset, adapter=adapter, method=method, reference=reference,
+        fused_lm_head=method in FUSED_HEAD_METHODS,
         lora_r=recipe.adapter.r, lora_targets=_targets(recipe, arch),
         lora_dropout=recipe.adapter.dropout, dora=recipe.adapter.dora,
         cast_adapter_inputs=recipe.adapter.cast_adapter_inputs, liger=liger_enabled(recipe, preset),

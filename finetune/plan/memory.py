@@ -129,7 +129,7 @@ class StateBytes:
 def state_bytes(job: Job) -> StateBytes:
     moments = ADAM_8BIT_MOMENT_BYTES if "8bit" in job.optimizer else ADAM_FP32_MOMENT_BYTES
     weights = weight_bytes(job)
-    if job.method == "dpo" and job.reference == "copy":
+    if job.reference == "copy":  # dpo/kto: a frozen reference model
         weights += count_params(job.arch).total * job.weight_bytes  # frozen reference model
     if job.adapter == "full":
         n = count_params(job.arch).total

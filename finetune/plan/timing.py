@@ -67,7 +67,7 @@ def flops_per_token(job: Job, *, checkpointing: bool) -> float:
         flops = 4 * n + 12 * attn + 6 * trainable_params(job)
     if checkpointing:
         flops += 2 * n + 4 * attn
-    if job.method == "dpo" and job.reference != "precompute":
+    if job.reference in ("implicit", "copy"):  # dpo/kto: a reference forward
         flops += 2 * n + 4 * attn
     return flops
 

@@ -12,6 +12,7 @@ from functools import lru_cache
 from finetune.registry.schema import HardwarePreset, ModelArch
 
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
+PAIRED_METHODS = ("dpo", "kto", "orpo", "simpo", "reward")
 ALL_LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
@@ -20,8 +21,8 @@ class Job:
     arch: ModelArch
     preset: HardwarePreset
     adapter: str = "lora"  # full | lora | qlora
-    method: str = "sft"  # sft | dpo
-    reference: str = "implicit"  # DPO reference: none | implicit | copy | precompute
+    method: str = "sft"  # sft | pretrain | dpo | kto | orpo | simpo | reward
+    reference: str = "none"  # dpo/kto reference: none | implicit | copy | precompute
     lora_r: int = 16
     lora_targets: tuple[str, ...] = ALL_LINEAR
     lora_dropout: float = 0.0
@@ -48,7 +49,8 @@ class Job:
 
     @property
     def sequences_per_sample(self) -> int:
-        return 2 if self.method == "dpo" else 1  # DPO runs chosen and rejected
+        # pairs run chosen and rejected; KTO runs each completion and its mismatched KL completion
+        return 2 if self.method in PAIRED_METHODS else 1
 
 
 @dataclass(frozen=True)

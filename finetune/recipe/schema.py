@@ -14,7 +14,17 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, PrivateAttr,
 Dtype = Literal["bfloat16", "float16", "float32"]
 Strategy = Literal["auto", "ddp", "fsdp2", "fsdp2-hybrid", "zero3", "zero3-offload", "zero3-nvme"]
 CONCRETE_STRATEGIES = ("ddp", "fsdp2", "fsdp2-hybrid", "zero3", "zero3-offload", "zero3-nvme")
-DataFormat = Literal["messages", "alpaca", "sharegpt", "text", "prompt_completion", "preference"]
+DataFormat = Literal["messages", "alpaca", "sharegpt", "text", "prompt_completion", "preference", "unpaired"]
+MethodType = Literal["sft", "dpo", "kto", "orpo", "simpo", "reward", "pretrain"]
+# the data formats each method trains on (checked in recipe_conflicts)
+METHOD_FORMATS: dict[str, tuple[str, ...]] = {
+    "sft": ("messages", "alpaca", "sharegpt", "text", "prompt_completion"),
+    "pretrain": ("text",),
+    "dpo": ("preference",), "orpo": ("preference",), "simpo": ("preference",), "reward": ("preference",),
+    "kto": ("preference", "unpaired"),
+}
+# methods that score against a reference model (the others need none)
+REFERENCE_METHODS = ("dpo", "kto")
 # The canonical column names each format reads; `columns:` maps them to the file's names.
 FORMAT_COLUMNS: dict[str, tuple[str, ...]] = {
     "messages": ("messages",),
@@ -23,8 +33,10 @@ FORMAT_COLUMNS: dict[str, tuple[str, ...]] = {
     "text": ("text",),
     "prompt_completion": ("prompt", "completion"),
     "preference": ("prompt", "chosen", "rejected"),
+    "unpaired": ("prompt", "completion", "label"),
 }
-OPTIONAL_COLUMNS = {"alpaca": ("input",), "messages": (), "preference": ()}
+# preference rows may leave the prompt inside chosen/rejected (hh-rlhf's implicit prompt)
+OPTIONAL_COLUMNS = {"alpaca": ("input",), "messages": (), "preference": ("prompt",)}
 
 
 def _yaml_switch(value):
@@ -54,14 +66,25 @@ class ModelSection(Strict):
 
 
 class MethodSection(Strict):
-    type: Literal["sft", "dpo"] = "sft"
-    # DPO only
-    beta: float = Field(0.1, gt=0, le=10)
+    type: MethodType = Field("sft", description=(
+        "sft; dpo; kto (unpaired or paired preferences); orpo; simpo (TRL's CPOTrainer, loss simpo); "
+        "reward (a reward model scoring chosen over rejected); pretrain (continued pre-training on raw text, "
+        "packed, loss on every token)"))
+    # DPO, KTO, ORPO (its lambda), SimPO
+    beta: float = Field(0.1, gt=0, le=10, description="dpo/kto: KL strength; orpo: the odds-ratio weight "
+                                                      "(lambda); simpo: the reward scale (paper: 2.0-2.5)")
     loss_type: Literal["sigmoid", "ipo", "hinge", "robust", "bco_pair", "sppo_hard",
                        "nca_pair", "apo_zero", "apo_down"] = "sigmoid"
     # implicit: LoRA/QLoRA reuse the base with the adapter disabled (no second copy);
     # copy: a frozen copy of the model; precompute: reference log-probs computed once up front.
     reference: Literal["auto", "implicit", "copy", "precompute"] = "auto"
+    simpo_gamma: float = Field(0.5, ge=0, description="simpo: the target reward margin")
+    cpo_alpha: float = Field(0.0, ge=0, description="simpo: weight of an added NLL term on chosen "
+                                                    "(0 = pure SimPO; >0 = CPO-SimPO)")
+    desirable_weight: float = Field(1.0, gt=0, description="kto: loss weight of desirable (label true) rows")
+    undesirable_weight: float = Field(1.0, gt=0, description="kto: loss weight of undesirable rows")
+    center_rewards_coefficient: float | None = Field(
+        None, ge=0, description="reward: pull the mean reward to 0 with this weight (none: off)")
 
     @model_validator(mode="before")
     @classmethod
@@ -256,6 +279,13 @@ class Recipe(Strict):
     _source_name: str | None = PrivateAttr(None)
 
     @model_validator(mode="after")
+    def _method_defaults(self):
+        # continued pre-training packs raw text unless the recipe says otherwise
+        if self.method.type == "pretrain" and "packing" not in self.data.model_fields_set:
+            self.data.packing = True
+        return self
+
+    @model_validator(mode="after")
     def _check_conflicts(self):
         problems = list(recipe_conflicts(self))
         if problems:
@@ -271,15 +301,16 @@ def recipe_conflicts(recipe: Recipe):
         yield "train.max_steps", ("train.epochs and train.max_steps are both set; "
                                   "keep one of them (max_steps wins in most tools, here it is an error)")
     formats = {s.format for s in d.sources + d.eval_sources}
-    if m.type == "dpo" and formats != {"preference"}:
-        bad = sorted(formats - {"preference"})
-        yield "data.sources", (f"method dpo needs format 'preference' (prompt/chosen/rejected), "
-                               f"got {', '.join(bad)}; set data.format: preference or method: sft")
-    if m.type == "sft" and "preference" in formats:
-        yield "data.sources", ("format 'preference' is for method dpo; set method: dpo, or use "
-                               "a messages/prompt_completion dataset for SFT")
-    if m.type == "dpo" and d.packing:
-        yield "data.packing", "packing is not supported for DPO; set data.packing: false"
+    allowed = METHOD_FORMATS[m.type]
+    bad = sorted(formats - set(allowed))
+    if bad:
+        fix = ("set method: dpo (or kto/orpo/simpo/reward)" if set(bad) <= {"preference", "unpaired"}
+               else f"set data.format: {allowed[0]}"
+               + (f" (or {', '.join(allowed[1:])})" if len(allowed) > 1 else "") + ", or pick another method.type")
+        yield "data.sources", (f"method {m.type} trains on format {', '.join(allowed)}, got {', '.join(bad)}; "
+                               f"{fix}")
+    if d.packing and m.type not in ("sft", "pretrain"):
+        yield "data.packing", f"packing is not supported for method {m.type}; set data.packing: false"
     if a.type == "qlora":
         if a.storage_dtype != recipe.model.dtype and recipe.distributed.strategy not in ("auto", "ddp"):
             yield "adapter.storage_dtype", (

@@ -119,10 +119,14 @@ def model_kwargs(recipe: Recipe) -> dict:
 
 
 def load_model(recipe: Recipe):
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
+    kwargs = model_kwargs(recipe)
+    auto = AutoModelForCausalLM
+    if recipe.method.type == "reward":  # one score per sequence, on the same backbone
+        auto, kwargs["num_labels"] = AutoModelForSequenceClassification, 1
     try:
-        model = AutoModelForCausalLM.from_pretrained(model_path(recipe), **model_kwargs(recipe))
+        model = auto.from_pretrained(model_path(recipe), **kwargs)
     except OSError as exc:
         hint = ("it has only .bin (pickle) weights; set model.allow_pickle: true if you trust it"
                 if "safetensors" in str(exc) else "check model.name and that the weights are available")
@@ -136,6 +140,9 @@ def load_model(recipe: Recipe):
         from finetune.compat.bnb_cpu_packing import keep_trainable_layout
 
         keep_trainable_layout(model)
+    if recipe.method.type == "reward" and model.config.pad_token_id is None:
+        # the score is read at each row's last non-pad token, which needs the pad id
+        model.config.pad_token_id = load_tokenizer(recipe).pad_token_id
     return model
 
 
@@ -149,7 +156,9 @@ def lora_config(recipe: Recipe):
     if targets is None:
         targets = recipe.resolved.lora_targets if recipe.resolved and recipe.resolved.lora_targets else "all-linear"
     return LoraConfig(r=a.r, lora_alpha=a.alpha, lora_dropout=a.dropout, target_modules=targets,
-                      use_dora=a.dora, use_rslora=a.rslora, task_type="CAUSAL_LM")
+                      use_dora=a.dora, use_rslora=a.rslora,
+                      # SEQ_CLS: peft also trains the new score head (modules_to_save)
+                      task_type="SEQ_CLS" if recipe.method.type == "reward" else "CAUSAL_LM")
 
 
 def adapter_input_casting(recipe: Recipe, model):

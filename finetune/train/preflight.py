@@ -37,7 +37,7 @@ def check_chat_template(recipe: Recipe, tokenizer, sources: list[LoadedSource]) 
         return
     fmts = [s.format for s in recipe.data.sources + recipe.data.eval_sources]
     needs = [(src, fmt) for src, fmt in zip(sources, fmts) if fmt in CHAT_FORMATS
-             or (fmt == "preference" and isinstance(src.records[0]["prompt"], list))]
+             or (fmt in ("preference", "unpaired") and isinstance(src.records[0]["prompt"], list))]
     if needs:
         src, fmt = needs[0]
         raise DataError(f"format {fmt!r} is rendered with a chat template, and the tokenizer of "
@@ -49,12 +49,17 @@ def check_chat_template(recipe: Recipe, tokenizer, sources: list[LoadedSource]) 
 def _tokenize(records: list[dict], tokenizer, *, method: str, assistant_only_loss: bool):
     import datasets
 
-    if method == "dpo":
-        feats = [dpo_features(r, tokenizer) for r in records]
-    else:
-        feats = sft_features_batch(records, tokenizer, assistant_only_loss=assistant_only_loss)
-    rows = [{**f, "_length": features_length(f), "_has_loss": has_loss_tokens(f), "_file": r["_file"],
-             "_row": r["_row"]} for f, r in zip(feats, records)]
+    if method in ("sft", "pretrain", "dpo"):
+        if method == "dpo":
+            feats = [dpo_features(r, tokenizer) for r in records]
+        else:
+            feats = sft_features_batch(records, tokenizer, assistant_only_loss=assistant_only_loss)
+        rows = [{**f, "_length": features_length(f), "_has_loss": has_loss_tokens(f), "_file": r["_file"],
+                 "_row": r["_row"]} for f, r in zip(feats, records)]
+    else:  # kto, orpo, simpo, reward: finetune/train/methods.py
+        from finetune.train.methods import method_rows
+
+        rows = method_rows(records, tokenizer, method=method)
     return datasets.Dataset.from_list(rows)
 
 

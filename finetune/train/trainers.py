@@ -153,7 +153,11 @@ def reference_mode(recipe: Recipe) -> str:
 
 
 def training_args(recipe: Recipe, *, run_dir: Path, has_eval: bool):
-    build = sft_config if recipe.method.type == "sft" else dpo_config
+    from finetune.train.methods import is_method_here, method_config
+
+    if is_method_here(recipe):  # kto, orpo, simpo, reward
+        return method_config(recipe, common_args(recipe, run_dir=run_dir, has_eval=has_eval))
+    build = dpo_config if recipe.method.type == "dpo" else sft_config  # sft and pretrain: SFTTrainer
     return build(recipe, run_dir=run_dir, has_eval=has_eval)
 
 
@@ -163,7 +167,12 @@ def build_trainer(recipe: Recipe, *, args, model, tokenizer, data, callbacks: li
     from finetune.train.model import lora_config
 
     peft_config = lora_config(recipe)
-    if recipe.method.type == "sft":
+    from finetune.train.methods import is_method_here, method_trainer
+
+    if is_method_here(recipe):
+        return method_trainer(recipe, args=args, model=model, tokenizer=tokenizer, data=data,
+                              callbacks=callbacks, peft_config=peft_config)
+    if recipe.method.type in ("sft", "pretrain"):
         from trl import SFTTrainer
 
         return SFTTrainer(model=model, args=args, train_dataset=data.train, eval_dataset=data.eval,
