@@ -182,7 +182,7 @@ class TrainSection(Strict):
     epochs: float | None = Field(None, gt=0, le=1000)
     max_steps: int | None = Field(None, ge=1)
     lr: float = Field(2e-4, gt=0, lt=1)
-    scheduler: Literal["cosine", "linear", "constant", "constant_with_warmup"] = "cosine"
+    scheduler: Literal["cosine", "linear", "constant", "constant_with_warmup", "cosine_with_min_lr"] = "cosine"
     warmup_ratio: float = Field(0.03, ge=0, lt=1)
     weight_decay: float = Field(0.0, ge=0, le=1)
     max_grad_norm: float = Field(1.0, ge=0)
@@ -194,6 +194,22 @@ class TrainSection(Strict):
     precision: Literal["bf16", "fp16", "fp32"] = "bf16"
     logging_steps: int = Field(1, ge=1)
     eval_steps: int | None = Field(None, ge=1)
+    evals_per_epoch: int | None = Field(None, ge=1, description=(
+        "evaluate this many times per pass over the training data (instead of train.eval_steps); the step "
+        "interval is computed from the real number of optimizer steps per epoch"))
+    warmup_steps: int | None = Field(None, ge=0, description="warmup in optimizer steps (instead of warmup_ratio)")
+    min_lr: float | None = Field(None, ge=0, description="scheduler cosine_with_min_lr: the final learning rate")
+    min_lr_ratio: float | None = Field(None, ge=0, lt=1, description=(
+        "scheduler cosine_with_min_lr: the final learning rate as a share of train.lr (default 0.1 when "
+        "neither min_lr nor min_lr_ratio is set)"))
+    early_stopping_patience: int | None = Field(None, ge=1, description=(
+        "stop when the eval loss has not improved for this many evaluations (needs eval data and an eval "
+        "cadence); the best checkpoint is kept"))
+    early_stopping_threshold: float = Field(0.0, ge=0, description=(
+        "early stopping: how much the eval loss must fall to count as an improvement"))
+    load_best_model_at_end: bool = Field(False, description=(
+        "after training, load the checkpoint with the lowest eval loss and save that as the result; checkpoints "
+        "are written at every evaluation unless output.save_every / saves_per_epoch say otherwise"))
     # non-finite loss/grad-norm: stop at once, or skip up to max_bad_steps such steps
     on_nonfinite: Literal["stop", "skip"] = "stop"
     max_bad_steps: int = Field(0, ge=0)
@@ -218,6 +234,8 @@ class DistributedSection(Strict):
 class OutputSection(Strict):
     dir: str | None = Field(None, description="default: runs/<recipe file name>")
     save_every: int | None = Field(None, ge=1, description="steps; default: at the end only")
+    saves_per_epoch: int | None = Field(None, ge=1, description=(
+        "checkpoint this many times per pass over the training data (instead of output.save_every)"))
     keep: int = Field(2, ge=1)
 
 
@@ -324,7 +342,33 @@ def recipe_conflicts(recipe: Recipe):
         yield "adapter.dora", "dora/rslora are LoRA options; set adapter.type: lora or remove them"
     if t.precision == "bf16" and recipe.model.dtype == "float16":
         yield "train.precision", "model.dtype float16 with bf16 precision; set train.precision: fp16"
+    yield from cadence_conflicts(recipe)
     if t.on_nonfinite == "stop" and t.max_bad_steps:
         yield "train.max_bad_steps", "max_bad_steps needs train.on_nonfinite: skip"
     if d.eval_fraction and d.eval_sources:
         yield "data.eval_fraction", "set either data.eval_fraction or data.eval_sources, not both"
+
+
+def cadence_conflicts(recipe: Recipe):
+    """Evaluation, checkpoint, warmup and schedule settings that exclude or need each other."""
+    t, o, d = recipe.train, recipe.output, recipe.data
+    if t.evals_per_epoch and t.eval_steps:
+        yield "train.evals_per_epoch", "set train.evals_per_epoch or train.eval_steps, not both"
+    if o.saves_per_epoch and o.save_every:
+        yield "output.saves_per_epoch", "set output.saves_per_epoch or output.save_every, not both"
+    # a resolved recipe writes the default ratio out, so only another ratio conflicts
+    if t.warmup_steps is not None and t.warmup_ratio != TrainSection.model_fields["warmup_ratio"].default:
+        yield "train.warmup_steps", "set train.warmup_steps or train.warmup_ratio, not both"
+    if t.min_lr is not None and t.min_lr_ratio is not None:
+        yield "train.min_lr", "set train.min_lr or train.min_lr_ratio, not both"
+    if (t.min_lr is not None or t.min_lr_ratio is not None) and t.scheduler != "cosine_with_min_lr":
+        yield "train.scheduler", "min_lr / min_lr_ratio need train.scheduler: cosine_with_min_lr"
+    if t.early_stopping_patience or t.load_best_model_at_end:
+        what = "train.early_stopping_patience" if t.early_stopping_patience else "train.load_best_model_at_end"
+        cadence = t.eval_steps or t.evals_per_epoch
+        if not (d.eval_sources or d.eval_fraction):
+            also = "" if cadence else " and train.evals_per_epoch: 1"
+            yield what, (f"{what} needs eval data{'' if cadence else ' and an eval cadence'}; add "
+                         f"data.eval_fraction: 0.1 (or data.eval_sources){also}")
+        elif not cadence:
+            yield what, f"{what} needs an eval cadence; set train.evals_per_epoch (or train.eval_steps)"

@@ -121,6 +121,9 @@ def _run(recipe, *, state, run_dir: Path, resume: str, preempt) -> dict | None:
                  CommitCallback(run_dir, fields=recipe_fields(recipe), strategy=recipe.distributed.strategy,
                                 keep=recipe.output.keep),
                  preempt]
+    from finetune.train.cadence import cadence_callbacks
+
+    callbacks += cadence_callbacks(recipe, has_eval=data.eval is not None)
     if recipe.logging.profile_steps:
         from finetune.train.profile import ProfilerCallback
 

@@ -41,6 +41,8 @@ def _checkpointing_args(on: bool) -> dict:
 
 
 def common_args(recipe: Recipe, *, run_dir: Path, has_eval: bool) -> dict:
+    from finetune.train.cadence import cadence_args
+
     t, r = recipe.train, recipe.resolved
     cuda = r.device == "cuda"
     checkpointing = trainer_checkpointing(recipe)
@@ -55,7 +57,6 @@ def common_args(recipe: Recipe, *, run_dir: Path, has_eval: bool) -> dict:
         max_steps=t.max_steps if t.max_steps is not None else -1,
         learning_rate=t.lr,
         lr_scheduler_type=t.scheduler,
-        warmup_steps=t.warmup_ratio,  # < 1 is a share of the total steps in transformers 5
         weight_decay=t.weight_decay,
         max_grad_norm=t.max_grad_norm,
         optim=OPTIMIZERS.get(t.optimizer, "adamw_torch_fused" if cuda else "adamw_torch"),
@@ -68,10 +69,6 @@ def common_args(recipe: Recipe, *, run_dir: Path, has_eval: bool) -> dict:
         logging_first_step=True,
         logging_nan_inf_filter=False,  # the default hides NaN losses from the logs (and from our policy)
         include_num_input_tokens_seen="non_padding",
-        eval_strategy="steps" if has_eval and t.eval_steps else "no",
-        eval_steps=t.eval_steps,
-        save_strategy="steps" if recipe.output.save_every else "no",
-        save_steps=recipe.output.save_every or 500,
         save_total_limit=recipe.output.keep,
         report_to=report,
         project=recipe.logging.project or "finetune",
@@ -81,6 +78,8 @@ def common_args(recipe: Recipe, *, run_dir: Path, has_eval: bool) -> dict:
         dataloader_pin_memory=cuda,
         disable_tqdm=True,  # finetune.train.progress prints one line per logged step instead
         **liger_args(recipe),
+        # evaluation/save cadence, warmup (< 1 is a share of the total steps in transformers 5), schedule
+        **cadence_args(recipe, has_eval=has_eval),
     )
     return args
 
