@@ -85,6 +85,9 @@ def job_from_recipe(recipe, *, arch, preset) -> Job:
         if reference == "auto":
             # LoRA/QLoRA: disable the adapter for the reference pass; full: a frozen copy
             reference = "copy" if adapter == "full" else "implicit"
+    added = recipe.tokenizer.new_token_count
+    if added:  # tokenizer.added_tokens / special-token overrides grow the embeddings and the LM head
+        arch = arch.model_copy(update={"vocab_size": arch.vocab_size + added})
     micro = recipe.train.micro_batch_size
     attention = attention_kind(attention_implementation(recipe, preset), packed=recipe.data.packing)
     return Job(

@@ -102,6 +102,9 @@ class AdapterSection(Strict):
         None, description="default: the model registry's LoRA targets")
     dora: bool = False
     rslora: bool = False
+    modules_to_save: list[str] = Field(default_factory=list, description=(
+        "modules trained in full next to the adapter and saved with it, e.g. [embed_tokens, lm_head] when "
+        "tokens are added"))
     # QLoRA only
     quant_type: Literal["nf4", "fp4"] = "nf4"
     double_quant: bool = True
@@ -152,7 +155,9 @@ class DataSection(Strict):
     eval_fraction: float | None = Field(None, gt=0, lt=1)
     max_length: int = Field(2048, ge=8, le=1_048_576)
     packing: bool = False
-    chat_template: str | None = Field(None, description="jinja text or a path to a .jinja file")
+    chat_template: str | None = Field(None, description=(
+        "default: the tokenizer's own. Jinja text, a path to a .jinja file, or a shipped template's name: "
+        "chatml, llama3, qwen2.5, qwen3, mistral, gemma, phi-3"))
     assistant_only_loss: bool = True
     # preflight: error when more than this share of examples is longer than max_length
     max_too_long_fraction: float = Field(0.05, ge=0, le=1)
@@ -261,6 +266,24 @@ class LoggingSection(Strict):
         return v
 
 
+class TokenizerSection(Strict):
+    """Special-token overrides and new tokens (the embedding matrix grows to fit them)."""
+
+    pad_token: str | None = Field(None, description="the padding token (added when the vocabulary lacks it); "
+                                                    "default: the tokenizer's, else its EOS token")
+    eos_token: str | None = Field(None, description="the end-of-sequence token (added when missing)")
+    bos_token: str | None = Field(None, description="the beginning-of-sequence token (added when missing)")
+    added_tokens: list[str] = Field(default_factory=list, description=(
+        "new special tokens (never split), e.g. chat markers such as <|im_start|>; the embeddings grow to the "
+        "new vocabulary (new rows start at the mean embedding); with LoRA set adapter.modules_to_save: "
+        "[embed_tokens, lm_head] so they are learned"))
+
+    @property
+    def new_token_count(self) -> int:
+        """An upper bound on the rows the vocabulary grows by (tokens already present add none)."""
+        return len(set(self.added_tokens) | {t for t in (self.pad_token, self.eos_token, self.bos_token) if t})
+
+
 class ResolvedSection(Strict):
     """Planner decisions, written by `compile` into recipe.resolved.yaml; users never set it."""
 
@@ -291,6 +314,8 @@ class Recipe(Strict):
     output: OutputSection = Field(default_factory=OutputSection)
     hub: HubSection = Field(default_factory=HubSection)
     logging: LoggingSection = Field(default_factory=LoggingSection)
+    tokenizer: TokenizerSection = Field(default_factory=TokenizerSection,
+                                        description="special-token overrides and added tokens")
     resolved: ResolvedSection | None = None
     # where the recipe came from: relative data paths are anchored at _source_dir
     _source_dir: str | None = PrivateAttr(None)
@@ -343,6 +368,10 @@ def recipe_conflicts(recipe: Recipe):
     if t.precision == "bf16" and recipe.model.dtype == "float16":
         yield "train.precision", "model.dtype float16 with bf16 precision; set train.precision: fp16"
     yield from cadence_conflicts(recipe)
+    if recipe.tokenizer.added_tokens and a.type != "full" and not a.modules_to_save:
+        yield "adapter.modules_to_save", ("tokenizer.added_tokens with a LoRA adapter leaves the new tokens' "
+                                          "embeddings untrained; set adapter.modules_to_save: "
+                                          "[embed_tokens, lm_head]")
     if t.on_nonfinite == "stop" and t.max_bad_steps:
         yield "train.max_bad_steps", "max_bad_steps needs train.on_nonfinite: skip"
     if d.eval_fraction and d.eval_sources:

@@ -20,19 +20,26 @@ def _torch_dtype(name: str):
 
 
 def read_chat_template(recipe: Recipe) -> str | None:
-    """data.chat_template is inline jinja, or a path (relative to the recipe) to a template file."""
+    """data.chat_template is inline jinja, a shipped template's name (chatml, llama3, ...), or a path
+    (relative to the recipe) to a template file; a file of that name wins over a shipped name."""
+    from finetune.registry.chat_templates import is_inline, named_template, suggest
+
     text = recipe.data.chat_template
     if text is None:
         return None
-    if "{%" in text or "{{" in text:
+    if is_inline(text):
         return text
     path = Path(text).expanduser()
     if not path.is_absolute():
         path = recipe_dir(recipe) / path
-    if not path.exists():
-        raise RecipeError(f"is neither a jinja template nor an existing file ({path})", key="data.chat_template",
-                          hint="give the template text inline, or the path to a .jinja file")
-    return path.read_text(encoding="utf-8")
+    if path.is_file():
+        return path.read_text(encoding="utf-8")
+    shipped = named_template(text)
+    if shipped is not None:
+        return shipped
+    raise RecipeError(f"is neither a jinja template, a shipped template name, nor an existing file ({path})",
+                      key="data.chat_template",
+                      hint=f"give the template text inline, the path to a .jinja file, or a name ({suggest(text)})")
 
 
 def model_path(recipe: Recipe) -> str:
@@ -59,6 +66,7 @@ def load_tokenizer(recipe: Recipe):
     template = read_chat_template(recipe)
     if template is not None:
         tokenizer.chat_template = template
+    apply_token_overrides(recipe, tokenizer)
     if tokenizer.pad_token is None:
         # The EOS token pads; labels come from our own columns, so EOS is still learned.
         if tokenizer.eos_token is None:
@@ -66,6 +74,35 @@ def load_tokenizer(recipe: Recipe):
                               hint="use a tokenizer that defines an EOS token")
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer
+
+
+def apply_token_overrides(recipe: Recipe, tokenizer) -> None:
+    """tokenizer.pad/eos/bos_token and added_tokens; tokens the vocabulary lacks are added as special."""
+    tk = recipe.tokenizer
+    special = {f"{name}_token": getattr(tk, f"{name}_token") for name in ("pad", "eos", "bos")}
+    special = {k: v for k, v in special.items() if v}
+    if special:
+        tokenizer.add_special_tokens(special)
+    if tk.added_tokens:
+        tokenizer.add_tokens(list(tk.added_tokens), special_tokens=True)
+
+
+def fit_embeddings(recipe: Recipe, model) -> None:
+    """Grow the embeddings (and an untied LM head) to the tokenizer's vocabulary when tokens were added;
+    new rows start at the mean of the old ones (transformers' mean_resizing), and the model config
+    learns the overridden special-token ids."""
+    tk = recipe.tokenizer
+    if not (tk.added_tokens or tk.pad_token or tk.eos_token or tk.bos_token):
+        return
+    tokenizer = load_tokenizer(recipe)
+    if len(tokenizer) > model.get_input_embeddings().weight.shape[0]:
+        model.resize_token_embeddings(len(tokenizer), mean_resizing=True)
+    for name in ("pad", "eos", "bos"):
+        if getattr(tk, f"{name}_token"):
+            token_id = getattr(tokenizer, f"{name}_token_id")
+            setattr(model.config, f"{name}_token_id", token_id)
+            if getattr(model, "generation_config", None) is not None:
+                setattr(model.generation_config, f"{name}_token_id", token_id)
 
 
 def quantization_config(recipe: Recipe):
@@ -140,6 +177,7 @@ def load_model(recipe: Recipe):
         from finetune.compat.bnb_cpu_packing import keep_trainable_layout
 
         keep_trainable_layout(model)
+    fit_embeddings(recipe, model)
     if recipe.method.type == "reward" and model.config.pad_token_id is None:
         # the score is read at each row's last non-pad token, which needs the pad id
         model.config.pad_token_id = load_tokenizer(recipe).pad_token_id
@@ -156,7 +194,7 @@ def lora_config(recipe: Recipe):
     if targets is None:
         targets = recipe.resolved.lora_targets if recipe.resolved and recipe.resolved.lora_targets else "all-linear"
     return LoraConfig(r=a.r, lora_alpha=a.alpha, lora_dropout=a.dropout, target_modules=targets,
-                      use_dora=a.dora, use_rslora=a.rslora,
+                      use_dora=a.dora, use_rslora=a.rslora, modules_to_save=list(a.modules_to_save) or None,
                       # SEQ_CLS: peft also trains the new score head (modules_to_save)
                       task_type="SEQ_CLS" if recipe.method.type == "reward" else "CAUSAL_LM")
 

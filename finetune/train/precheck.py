@@ -38,3 +38,10 @@ def check_data(recipe: Recipe) -> None:
     template = d.chat_template
     if template and "{%" not in template and "{{" not in template and _local(template, base).exists():
         check_data_path(_local(template, base), key="data.chat_template", **guard)
+    elif template and "{%" not in template and "{{" not in template:
+        from finetune.errors import RecipeError
+        from finetune.registry.chat_templates import named_template, suggest
+
+        if named_template(template) is None:
+            raise RecipeError(f"{template!r} is neither a jinja template, a shipped template name, nor a file",
+                              key="data.chat_template", hint=suggest(template))
