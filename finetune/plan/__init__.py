@@ -30,6 +30,12 @@ def _targets(recipe, arch) -> tuple[str, ...]:
         names = [n for n in module_shapes(arch) if arch.num_experts == 1 or n not in
                  ("gate_proj", "up_proj", "down_proj")]
         return tuple(dict.fromkeys(names))
+    if isinstance(chosen, str):  # a regex over full module names (peft's rule): try each at its usual path
+        import re
+
+        pattern = re.compile(chosen)
+        return tuple(n for n in module_shapes(arch) if any(
+            pattern.fullmatch(f"model.layers.0.{part}.{n}") for part in ("self_attn", "mlp")))
     return tuple(chosen)
 
 
@@ -97,6 +103,7 @@ def job_from_recipe(recipe, *, arch, preset) -> Job:
         lora_dropout=recipe.adapter.dropout, dora=recipe.adapter.dora,
         cast_adapter_inputs=recipe.adapter.cast_adapter_inputs, liger=liger_enabled(recipe, preset),
         double_quant=recipe.adapter.double_quant, weight_bytes=DTYPE_BYTES[recipe.model.dtype],
+        int8_base=recipe.adapter.type == "lora" and recipe.adapter.load_in_8bit,
         act_bytes=4 if recipe.train.precision == "fp32" else 2, optimizer=recipe.train.optimizer,
         seq_len=recipe.data.max_length, packed=recipe.data.packing, attention=attention,
         global_batch_size=recipe.train.global_batch_size,
@@ -115,11 +122,23 @@ def plan(recipe, *, hardware: str | None = None) -> Plan:
     source = hardware or recipe.hardware
     preset = get_preset(source, base_dir=base)
     result = plan_job(job_from_recipe(recipe, arch=arch, preset=preset))
+    result.substitutions = substitutions(recipe, result)
     if source != preset.name and source != "auto":  # a preset file: remember where it is
         path = Path(source).expanduser()
         source = str(path if path.is_absolute() else (base / path).resolve())
     result.hardware_source = source
     return result
+
+
+def substitutions(recipe, result: Plan) -> list[str]:
+    """What the compiled run will use instead of what the recipe asked for (printed with the plan)."""
+    from finetune.strategies import offloads
+
+    out = []
+    if result.fits and offloads(result.strategy) and recipe.train.optimizer != "adamw":
+        out.append(f"train.optimizer {recipe.train.optimizer} -> DeepSpeed's CPU AdamW: under {result.strategy} "
+                   f"the optimizer states live off the GPU and DeepSpeed steps them itself")
+    return out
 
 
 def plan_job(job: Job) -> Plan:

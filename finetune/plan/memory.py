@@ -99,6 +99,9 @@ def shard_degree(job: Job, strategy: str) -> int:
 def weight_bytes(job: Job) -> float:
     """Bytes of the (base) model weights as stored for training."""
     params = count_params(job.arch)
+    if job.int8_base:  # LLM.int8 quantizes the linear layers; embeddings, head and norms keep the dtype
+        linear = params.layer_linear * params.num_layers
+        return linear + (params.total - linear) * job.weight_bytes
     if job.adapter != "qlora":
         return params.total * job.weight_bytes
     scale = NF4_DOUBLE_QUANT_SCALE_BYTES if job.double_quant else NF4_SCALE_BYTES

@@ -104,6 +104,8 @@ class Plan:
     hardware_source: str = ""
     # the kernels the run will use, as the memory model assumed them (attention, Liger, adapter casts)
     kernels: str = ""
+    # settings the compiled run replaces (e.g. an 8-bit optimizer under ZeRO-3 offload), said in the plan
+    substitutions: list[str] = field(default_factory=list)
 
     def to_json(self) -> dict:
         return {
@@ -122,7 +124,7 @@ class Plan:
             "tokens_per_second": round(self.tokens_per_second, 1),
             "mfu": round(self.mfu, 3), "why": self.why,
             "total_params": self.total_params, "trainable_params": self.trainable_params,
-            "device": self.device, "kernels": self.kernels,
+            "device": self.device, "kernels": self.kernels, "substitutions": self.substitutions,
             "candidates": [c.to_json() for c in self.candidates],
             "suggestions": self.suggestions,
         }

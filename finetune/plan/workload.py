@@ -28,6 +28,7 @@ class Job:
     lora_dropout: float = 0.0
     dora: bool = False
     double_quant: bool = True
+    int8_base: bool = False  # adapter.load_in_8bit: the base's linear weights in 1 byte (LLM.int8)
     weight_bytes: int = 2  # model.dtype
     act_bytes: int = 2  # 2 for bf16/fp16 training, 4 for fp32
     optimizer: str = "adamw"

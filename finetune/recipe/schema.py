@@ -63,6 +63,9 @@ class ModelSection(Strict):
     trust_remote_code: bool = False
     revision: str | None = None
     allow_pickle: bool = Field(False, description="allow .bin (pickle) weights; off: safetensors only")
+    rope_scaling: dict[str, str | float | int] | None = Field(None, description=(
+        "RoPE scaling override for context extension, passed to the model config, e.g. {rope_type: yarn, "
+        "factor: 4.0, original_max_position_embeddings: 8192}; merged into the model's own RoPE parameters"))
 
 
 class MethodSection(Strict):
@@ -98,13 +101,20 @@ class AdapterSection(Strict):
     r: int = Field(16, ge=1, le=4096)
     alpha: float = Field(32, gt=0)
     dropout: float = Field(0.0, ge=0, lt=1)
-    target_modules: Union[list[str], Literal["all-linear"], None] = Field(
-        None, description="default: the model registry's LoRA targets")
+    target_modules: Union[list[str], str, None] = Field(
+        None, description="default: the model registry's LoRA targets; a list of module names, all-linear, or "
+                          "a regular expression matched against each module's full name (peft's rule), e.g. "
+                          "'.*\\.(q_proj|v_proj)'")
     dora: bool = False
     rslora: bool = False
     modules_to_save: list[str] = Field(default_factory=list, description=(
         "modules trained in full next to the adapter and saved with it, e.g. [embed_tokens, lm_head] when "
         "tokens are added"))
+    load_in_8bit: bool = Field(False, description=(
+        "LoRA only: load the frozen base in 8 bit (bitsandbytes LLM.int8()), half the weight memory of bf16"))
+    loraplus_lr_ratio: float | None = Field(None, gt=0, description=(
+        "LoRA+: the lora_B matrices learn this many times faster than lora_A (paper: 16); peft's "
+        "create_loraplus_optimizer"))
     # QLoRA only
     quant_type: Literal["nf4", "fp4"] = "nf4"
     double_quant: bool = True
@@ -121,6 +131,19 @@ class AdapterSection(Strict):
     def _shorthand(cls, value):
         return {"type": value} if isinstance(value, str) else value
 
+    @field_validator("target_modules")
+    @classmethod
+    def _regex_compiles(cls, v):
+        if isinstance(v, str) and v != "all-linear":
+            import re
+
+            try:
+                re.compile(v)
+            except re.error as exc:
+                raise ValueError(f"not a valid regular expression ({exc}); use a list of module names, "
+                                 f"all-linear, or a valid pattern") from None
+        return v
+
 
 class DataSource(Strict):
     path: str = Field(description="local .jsonl/.json/.parquet/.csv file, or a Hub dataset id")
@@ -130,6 +153,17 @@ class DataSource(Strict):
     split: str = "train"
     subset: str | None = None
     max_samples: int | None = Field(None, ge=1)
+    weight: float | None = Field(None, gt=0, description=(
+        "mixing weight: when any train source has one, examples are drawn from the sources in proportion "
+        "to their weights (datasets.interleave_datasets, until every source is used up; unset = 1)"))
+
+    @field_validator("split")
+    @classmethod
+    def _split_syntax(cls, v):
+        from finetune.train.splits import parse_split
+
+        parse_split(v)
+        return v
 
     @model_validator(mode="after")
     def _known_columns(self):
@@ -194,7 +228,16 @@ class TrainSection(Strict):
     global_batch_size: int = Field(16, ge=1, le=1_000_000)
     micro_batch_size: Union[Literal["auto"], int] = "auto"
     activation_checkpointing: OnOffAuto = "auto"
-    optimizer: Literal["adamw", "adamw_8bit", "paged_adamw_8bit"] = "adamw"
+    optimizer: Literal["adamw", "adamw_8bit", "paged_adamw_8bit", "adamw_torch_fused", "paged_adamw_32bit",
+                       "adafactor"] = Field("adamw", description=(
+        "adamw: torch's fused AdamW on GPUs; adamw_8bit / paged_adamw_8bit / paged_adamw_32bit: bitsandbytes; "
+        "adafactor: factored second moments (less memory than the planner assumes); under ZeRO-3 offload "
+        "DeepSpeed's CPU Adam replaces it (the plan says so)"))
+    adam_beta1: float = Field(0.9, ge=0, lt=1, description="Adam's first-moment decay")
+    adam_beta2: float = Field(0.999, ge=0, lt=1, description="Adam's second-moment decay")
+    adam_epsilon: float = Field(1e-8, gt=0, description="Adam's epsilon")
+    neftune_noise_alpha: float | None = Field(None, gt=0, description=(
+        "NEFTune: noise added to the input embeddings while training (paper: 5)"))
     seed: int = 42
     precision: Literal["bf16", "fp16", "fp32"] = "bf16"
     logging_steps: int = Field(1, ge=1)
@@ -363,6 +406,10 @@ def recipe_conflicts(recipe: Recipe):
         if t.precision == "fp32" and a.compute_dtype != "float32":
             yield "adapter.compute_dtype", ("train.precision fp32 with a 16-bit QLoRA compute dtype; "
                                             "set adapter.compute_dtype: float32 or train.precision: bf16")
+    if a.load_in_8bit and a.type != "lora":
+        yield "adapter.load_in_8bit", "load_in_8bit is for adapter.type: lora (qlora is 4-bit already)"
+    if a.loraplus_lr_ratio and a.type == "full":
+        yield "adapter.loraplus_lr_ratio", "LoRA+ needs a LoRA adapter; set adapter.type: lora or remove it"
     if a.type == "full" and (a.dora or a.rslora):
         yield "adapter.dora", "dora/rslora are LoRA options; set adapter.type: lora or remove them"
     if t.precision == "bf16" and recipe.model.dtype == "float16":

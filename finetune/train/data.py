@@ -16,6 +16,7 @@ from pathlib import Path
 from finetune.errors import DataError
 from finetune.recipe.schema import DataSource
 from finetune.train.formats import convert_row
+from finetune.train.splits import has_slice, slice_rows
 
 LOCAL_SUFFIXES = {".jsonl": "jsonl", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
 
@@ -111,6 +112,8 @@ def load_source(source: DataSource, *, base_dir: Path) -> LoadedSource:
             raise DataError("the file is empty", file=str(path), hint="point data at a file with examples")
         name, fingerprint = str(path), file_sha256(path)
         rows = {"jsonl": _read_jsonl, "json": _read_json}.get(kind, lambda p: _read_tabular(p, kind))(path)
+        if has_slice(source.split):  # "train[:80%]": the file is the one split, sliced as datasets would
+            rows = slice_rows(list(rows), source.split)
     records = []
     for row, raw in rows:
         record = convert_row(raw, fmt=source.format, columns=source.columns, file=name, row=row)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import os
 
 from finetune.recipe.schema import Recipe
+from finetune.train.optim import with_optimizer
 from finetune.train.tokenize import dpo_features
 
 TEXT_METHODS = ("kto", "orpo", "simpo")  # the trainer tokenizes; preflight keeps the text rows
@@ -99,19 +100,19 @@ def method_trainer(recipe: Recipe, *, args, model, tokenizer, data, callbacks: l
             from finetune.train.model import load_model
 
             ref_model = load_model(recipe)
-        return KTOTrainer(ref_model=ref_model, **kw)
+        return with_optimizer(KTOTrainer, recipe)(ref_model=ref_model, **kw)
     if m == "reward":
         from trl import RewardTrainer
 
-        return RewardTrainer(**kw)
+        return with_optimizer(RewardTrainer, recipe)(**kw)
     _quiet_experimental()
     if m == "orpo":
         from trl.experimental.orpo import ORPOTrainer
 
-        return ORPOTrainer(**kw)
+        return with_optimizer(ORPOTrainer, recipe)(**kw)
     from trl.experimental.cpo import CPOTrainer
 
-    return CPOTrainer(**kw)
+    return with_optimizer(CPOTrainer, recipe)(**kw)
 
 
 def is_method_here(recipe: Recipe) -> bool:

@@ -106,11 +106,15 @@ def fit_embeddings(recipe: Recipe, model) -> None:
 
 
 def quantization_config(recipe: Recipe):
-    if recipe.adapter.type != "qlora":
+    a = recipe.adapter
+    if a.type == "lora" and a.load_in_8bit:
+        from transformers import BitsAndBytesConfig
+
+        return BitsAndBytesConfig(load_in_8bit=True)
+    if a.type != "qlora":
         return None
     from transformers import BitsAndBytesConfig
 
-    a = recipe.adapter
     return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type=a.quant_type,
                               bnb_4bit_use_double_quant=a.double_quant,
                               bnb_4bit_compute_dtype=_torch_dtype(a.compute_dtype),
@@ -136,6 +140,22 @@ def attn_implementation(chosen: str) -> str:
     return chosen
 
 
+def rope_scaled_config(recipe: Recipe):
+    """The model's config with model.rope_scaling merged into its RoPE parameters (transformers 5 calls
+    them rope_parameters; the base's rope_theta stays; the peers' `type` key is read as rope_type)."""
+    from transformers import AutoConfig
+
+    m = recipe.model
+    config = AutoConfig.from_pretrained(model_path(recipe), revision=m.revision, trust_remote_code=m.trust_remote_code)
+    override = dict(m.rope_scaling)
+    if "type" in override:
+        override.setdefault("rope_type", override.pop("type"))
+    params = dict(getattr(config, "rope_parameters", None) or {})
+    params.update(override)
+    config.rope_parameters = params
+    return config
+
+
 def model_kwargs(recipe: Recipe) -> dict:
     """from_pretrained keyword arguments (also used to reload the base for the after-training eval)."""
     m = recipe.model
@@ -143,6 +163,8 @@ def model_kwargs(recipe: Recipe) -> dict:
                   attn_implementation=attn_implementation(m.attn_implementation))
     if not m.allow_pickle:
         kwargs["use_safetensors"] = True
+    if m.rope_scaling:
+        kwargs["config"] = rope_scaled_config(recipe)
     quant = quantization_config(recipe)
     if quant is not None:
         kwargs["quantization_config"] = quant

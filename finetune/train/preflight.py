@@ -105,8 +105,8 @@ def prepare_data(recipe: Recipe, tokenizer, *, state) -> PreparedData:
     check_chat_template(recipe, tokenizer, train_sources + eval_sources)
 
     def describe(srcs, cfgs):
-        return [{"data": s.fingerprint, "format": c.format, "columns": c.columns, "max_samples": c.max_samples}
-                for s, c in zip(srcs, cfgs)]
+        return [{"data": s.fingerprint, "format": c.format, "columns": c.columns, "max_samples": c.max_samples,
+                 "split": c.split, "weight": c.weight} for s, c in zip(srcs, cfgs)]
 
     parts = {"train": describe(train_sources, d.sources), "eval": describe(eval_sources, d.eval_sources),
              "eval_fraction": d.eval_fraction, "seed": d.seed, "max_length": d.max_length,
@@ -132,7 +132,15 @@ def _build(recipe: Recipe, tokenizer, train_sources, eval_sources):
     import datasets
 
     kw = dict(tokenizer=tokenizer, method=recipe.method.type, assistant_only_loss=recipe.data.assistant_only_loss)
-    train = _tokenize([r for s in train_sources for r in s.records], **kw)
+    weights = [s.weight for s in recipe.data.sources]
+    if len(train_sources) > 1 and any(w is not None for w in weights):
+        # mixing by weight: draw from each source in proportion until every one is used up
+        parts = [_tokenize(s.records, **kw) for s in train_sources]
+        total = sum(w or 1.0 for w in weights)
+        train = datasets.interleave_datasets(parts, probabilities=[(w or 1.0) / total for w in weights],
+                                             seed=recipe.data.seed, stopping_strategy="all_exhausted")
+    else:
+        train = _tokenize([r for s in train_sources for r in s.records], **kw)
     out = {"train": train}
     if eval_sources:
         out["eval"] = _tokenize([r for s in eval_sources for r in s.records], **kw)

@@ -13,7 +13,10 @@ from finetune.recipe.load import recipe_name
 from finetune.recipe.schema import Recipe
 from finetune.train.checkpoint import CHECKPOINTS
 
-OPTIMIZERS = {"adamw_8bit": "adamw_8bit", "paged_adamw_8bit": "paged_adamw_8bit"}
+# recipe name -> transformers' optim name ("adamw" is resolved per device in common_args)
+OPTIMIZERS = {"adamw_8bit": "adamw_8bit", "paged_adamw_8bit": "paged_adamw_8bit",
+              "adamw_torch_fused": "adamw_torch_fused", "paged_adamw_32bit": "paged_adamw_32bit",
+              "adafactor": "adafactor"}
 
 
 def _micro_batch(recipe: Recipe) -> int:
@@ -60,6 +63,8 @@ def common_args(recipe: Recipe, *, run_dir: Path, has_eval: bool) -> dict:
         weight_decay=t.weight_decay,
         max_grad_norm=t.max_grad_norm,
         optim=OPTIMIZERS.get(t.optimizer, "adamw_torch_fused" if cuda else "adamw_torch"),
+        adam_beta1=t.adam_beta1, adam_beta2=t.adam_beta2, adam_epsilon=t.adam_epsilon,
+        neftune_noise_alpha=t.neftune_noise_alpha,
         bf16=t.precision == "bf16",
         fp16=t.precision == "fp16",
         **_checkpointing_args(checkpointing),
@@ -164,6 +169,7 @@ def build_trainer(recipe: Recipe, *, args, model, tokenizer, data, callbacks: li
     """The TRL trainer. `args` must be built before the model is loaded: under ZeRO-3 the
     TrainingArguments switch from_pretrained to partitioned (zero.Init) loading."""
     from finetune.train.model import lora_config
+    from finetune.train.optim import with_optimizer
 
     peft_config = lora_config(recipe)
     from finetune.train.methods import is_method_here, method_trainer
@@ -174,7 +180,7 @@ def build_trainer(recipe: Recipe, *, args, model, tokenizer, data, callbacks: li
     if recipe.method.type in ("sft", "pretrain"):
         from trl import SFTTrainer
 
-        return SFTTrainer(model=model, args=args, train_dataset=data.train, eval_dataset=data.eval,
+        return with_optimizer(SFTTrainer, recipe)(model=model, args=args, train_dataset=data.train, eval_dataset=data.eval,
                           processing_class=tokenizer, peft_config=peft_config, callbacks=callbacks)
     from finetune.train.dpo import PretokenizedDPOTrainer
 
@@ -184,6 +190,6 @@ def build_trainer(recipe: Recipe, *, args, model, tokenizer, data, callbacks: li
 
         ref_model = load_model(recipe)  # a frozen, separate base copy
     # full + copy: DPOTrainer builds the frozen copy itself from the model's path
-    return PretokenizedDPOTrainer(model=model, ref_model=ref_model, args=args, train_dataset=data.train,
+    return with_optimizer(PretokenizedDPOTrainer, recipe)(model=model, ref_model=ref_model, args=args, train_dataset=data.train,
                                   eval_dataset=data.eval, processing_class=tokenizer, peft_config=peft_config,
                                   callbacks=callbacks)
