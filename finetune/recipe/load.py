@@ -170,6 +170,18 @@ def _fields_at(model: type[BaseModel], loc: tuple) -> list[str]:
     return list(getattr(current, "model_fields", {}))
 
 
+def _alias_for(schema: type[BaseModel], loc: tuple):
+    from finetune.recipe.aliases import lookup
+
+    if schema is not Recipe:
+        return None
+    section = ".".join(str(p) for p in loc[:-1] if not isinstance(p, int))
+    alias = lookup(section, str(loc[-1]))
+    if alias is None or _key_path(loc) == alias.key:
+        return None
+    return alias
+
+
 def _model_in(annotation) -> type[BaseModel] | None:
     if isinstance(annotation, type) and issubclass(annotation, BaseModel):
         return annotation
@@ -200,12 +212,24 @@ def validation_error_to_recipe_error(exc: ValidationError, *, file: str | None,
     etype = err["type"]
     if etype == "extra_forbidden":
         valid = _fields_at(schema, loc[:-1])
-        close = difflib.get_close_matches(str(loc[-1]), valid, n=1, cutoff=0.5)
         prefix = _key_path(loc[:-1])
+        alias = _alias_for(schema, loc)
+        if alias is not None:
+            err = RecipeError(f"unknown key; {key} is a peer's name for {alias.key} here"
+                              + (f" ({alias.note})" if alias.note else ""), key=key, file=file,
+                              hint=f"{'rename' if alias.key.rsplit('.', 1)[0] == prefix else 'move'} it to "
+                                   f"{alias.key}" + (" and convert its value" if alias.value else ""))
+            err.rename = (key, alias.key, alias.value)  # machine-applicable (finetune convert, tests)
+            return err
+        # a typo of a key in this section; a close spelling of another key (warmup_steps -> warmup_ratio)
+        # is not proposed, since that key means something else
+        close = difflib.get_close_matches(str(loc[-1]), valid, n=1, cutoff=0.8)
         if close:
             suggestion = f"{prefix}.{close[0]}" if prefix else close[0]
-            return RecipeError(f"unknown key; did you mean {suggestion}?", key=key, file=file,
-                               hint=f"rename it to {suggestion}")
+            err = RecipeError(f"unknown key; did you mean {suggestion}?", key=key, file=file,
+                              hint=f"rename it to {suggestion}")
+            err.rename = (key, suggestion, None)
+            return err
         listed = ", ".join(valid) if valid else "none"
         return RecipeError("unknown key", key=key, file=file, hint=f"valid keys here: {listed}")
     if etype == "missing":

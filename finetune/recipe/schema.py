@@ -447,4 +447,4 @@ def cadence_conflicts(recipe: Recipe):
             yield what, (f"{what} needs eval data{'' if cadence else ' and an eval cadence'}; add "
                          f"data.eval_fraction: 0.1 (or data.eval_sources){also}")
         elif not cadence:
-            yield what, f"{what} needs an eval cadence; set train.evals_per_epoch (or train.eval_steps)"
+            yield what, f"{what} needs an eval cadence; set train.evals_per_epoch: 1 (or train.eval_steps)"
