@@ -11,12 +11,16 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 
-def _precision(flag: Any) -> str:
-    return "bf16" if flag in (True, "true", "auto") else "fp32"
+def _precision(flag: Any) -> str | None:
+    return "bf16" if flag in (True, "true", "auto") else None  # false asks for nothing by itself
 
 
-def _fp16(flag: Any) -> str:
-    return "fp16" if flag in (True, "true") else "fp32"
+def _fp16(flag: Any) -> str | None:
+    return "fp16" if flag in (True, "true") else None
+
+
+def _listify(value: Any) -> list:
+    return value if isinstance(value, list) else [v.strip() for v in str(value).split(",")]
 
 
 def _inverse(flag: Any) -> bool:
@@ -40,7 +44,8 @@ def _qlora(flag: Any) -> str:
 @dataclass(frozen=True)
 class Alias:
     key: str  # our dotted key path
-    value: Callable[[Any], Any] | None = None  # the peer's value -> ours (None: the same value)
+    # the peer's value -> ours (None: the same value); returning None means "nothing to set"
+    value: Callable[[Any], Any] | None = None
     note: str = ""  # said with the suggestion when the meaning shifts
 
 
@@ -95,7 +100,7 @@ ALIASES: dict[str, Alias] = {
     "tokens": Alias("tokenizer.added_tokens"), "add_tokens": Alias("tokenizer.added_tokens"),
     "new_special_tokens": Alias("tokenizer.added_tokens"),
     "hub_model_id": Alias("hub.repo"), "wandb_project": Alias("logging.project"),
-    "report_to": Alias("logging.report_to"),
+    "report_to": Alias("logging.report_to", _listify),
     "pref_beta": Alias("method.beta"), "dpo_beta": Alias("method.beta"), "rl_beta": Alias("method.beta"),
     "simpo_gamma": Alias("method.simpo_gamma"), "cpo_alpha": Alias("method.cpo_alpha"),
 }
