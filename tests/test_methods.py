@@ -114,3 +114,32 @@ def test_method_trains_through_the_cli(case, tmp_path):
     assert all(math.isfinite(x) for x in losses)
     assert min(losses[-3:]) < losses[0], losses
     assert (run_dir / "adapter_model.safetensors").stat().st_size > 0
+
+
+def test_streaming_rules():
+    stream = {"sources": [{"path": str(SAMPLES / "text.jsonl"), "format": "text", "streaming": True}],
+              "eval_sources": []}
+    assert _recipe("pretrain", stream).data.sources[0].streaming
+    with pytest.raises(RecipeError, match="train.max_steps: a streamed corpus has no known length"):
+        load_recipe(tiny_recipe(method="pretrain", data=stream, train={"max_steps": None, "epochs": 1}))
+    with pytest.raises(RecipeError, match="streaming reads format text"):
+        _recipe("dpo", {**PREF, "sources": [{**PREF["sources"][0], "streaming": True}]})
+
+
+@pytest.mark.slow
+def test_pretrain_streams_a_corpus_and_splits_long_documents(tmp_path):
+    from conftest import resolve_recipe
+
+    from finetune.train.run import run_rank
+
+    corpus = tmp_path / "corpus.jsonl"
+    words = [json.loads(line)["text"] for line in (SAMPLES / "text.jsonl").read_text().splitlines()]
+    # documents far longer than max_length: packed pre-training splits them instead of dropping them
+    corpus.write_text("".join(json.dumps({"text": " ".join(words[i:i + 12])}) + "\n"
+                              for i in range(0, len(words), 12)))
+    raw = tiny_recipe(method="pretrain", data={"sources": [{"path": str(corpus), "format": "text",
+                                                            "streaming": True}], "eval_sources": []},
+                      train={"max_steps": 6, "logging_steps": 1})
+    summary = run_rank(resolve_recipe(raw, run_dir=tmp_path / "run"), resume="never")
+    assert summary["steps"] == 6 and summary["final_train_loss"] < summary["first_train_loss"]
+    assert summary["tokenized_cache"]["key"] == "streaming"

@@ -153,6 +153,10 @@ class DataSource(Strict):
     split: str = "train"
     subset: str | None = None
     max_samples: int | None = Field(None, ge=1)
+    streaming: bool = Field(False, description=(
+        "read the source lazily while training (text corpora larger than RAM): format text with method "
+        "pretrain or sft, train.max_steps set; every train source streams, rows are tokenized on the fly, "
+        "only the first 1000 rows are checked before launch and nothing is cached"))
     weight: float | None = Field(None, gt=0, description=(
         "mixing weight: when any train source has one, examples are drawn from the sources in proportion "
         "to their weights (datasets.interleave_datasets, until every source is used up; unset = 1)"))
@@ -415,6 +419,7 @@ def recipe_conflicts(recipe: Recipe):
     if t.precision == "bf16" and recipe.model.dtype == "float16":
         yield "train.precision", "model.dtype float16 with bf16 precision; set train.precision: fp16"
     yield from cadence_conflicts(recipe)
+    yield from streaming_conflicts(recipe)
     if recipe.tokenizer.added_tokens and a.type != "full" and not a.modules_to_save:
         yield "adapter.modules_to_save", ("tokenizer.added_tokens with a LoRA adapter leaves the new tokens' "
                                           "embeddings untrained; set adapter.modules_to_save: "
@@ -448,3 +453,24 @@ def cadence_conflicts(recipe: Recipe):
                          f"data.eval_fraction: 0.1 (or data.eval_sources){also}")
         elif not cadence:
             yield what, f"{what} needs an eval cadence; set train.evals_per_epoch: 1 (or train.eval_steps)"
+
+
+def streaming_conflicts(recipe: Recipe):
+    """data.sources[].streaming needs a finite step count and plain text; it is all or nothing."""
+    d, t = recipe.data, recipe.train
+    streams = [s.streaming for s in d.sources]
+    if not any(streams) and not any(s.streaming for s in d.eval_sources):
+        return
+    if any(s.streaming for s in d.eval_sources):
+        yield "data.eval_sources", "eval sources are read whole; set streaming: false there (and max_samples)"
+    elif not all(streams):
+        yield "data.sources", "either every train source streams or none does; set streaming on all of them"
+    elif any(s.format != "text" for s in d.sources) or recipe.method.type not in ("pretrain", "sft"):
+        yield "data.sources", "streaming reads format text for method pretrain or sft; set those, or streaming: false"
+    elif t.max_steps is None:
+        yield "train.max_steps", "a streamed corpus has no known length; set train.max_steps (and remove train.epochs)"
+    elif t.evals_per_epoch or recipe.output.saves_per_epoch:
+        yield "train.evals_per_epoch", ("a streamed corpus has no epochs; use train.eval_steps / output.save_every "
+                                        "instead of the per-epoch cadence")
+    elif d.eval_fraction:
+        yield "data.eval_fraction", "a streamed corpus cannot be split; use data.eval_sources instead"

@@ -67,7 +67,9 @@ def _enforce_lengths(ds, *, recipe: Recipe, split: str, notes: list[str]):
     max_len, limit = recipe.data.max_length, recipe.data.max_too_long_fraction
     total = len(ds)
     lengths, files, rows = ds["_length"], ds["_file"], ds["_row"]
-    too_long = [i for i, n in enumerate(lengths) if n > max_len]
+    # packed continued pre-training splits long documents across rows (bfd_split): none is too long
+    split_long = recipe.method.type == "pretrain" and recipe.data.packing
+    too_long = [] if split_long else [i for i, n in enumerate(lengths) if n > max_len]
     if too_long and len(too_long) / total > limit:
         first = too_long[0]
         raise DataError(f"row {rows[first]}: {len(too_long)} of {total} {split} examples "
@@ -111,6 +113,15 @@ def prepare_data(recipe: Recipe, tokenizer, *, state) -> PreparedData:
     parts = {"train": describe(train_sources, d.sources), "eval": describe(eval_sources, d.eval_sources),
              "eval_fraction": d.eval_fraction, "seed": d.seed, "max_length": d.max_length,
              "method": recipe.method.type, "packing": d.packing, "assistant_only_loss": d.assistant_only_loss}
+    if any(s.streaming for s in d.sources):  # read lazily while training; nothing to cache
+        from finetune.train.streaming import streaming_train
+
+        evals = (_enforce_lengths(_tokenize([r for s in eval_sources for r in s.records], tokenizer,
+                                            method=recipe.method.type, assistant_only_loss=d.assistant_only_loss),
+                                  recipe=recipe, split="eval", notes=[]) if eval_sources else None)
+        log.info("tokenized data: streaming the train sources (tokenized as they are read)")
+        return PreparedData(train=streaming_train(recipe, tokenizer), eval=evals, cache_key="streaming",
+                            cache_hit=False, notes=["train sources streamed: only their first rows were checked"])
     key = cache.cache_key(tokenizer_fp=cache.tokenizer_fingerprint(tokenizer), parts=parts)
     root = cache.cache_root(d.cache_dir)
     hit = True

@@ -124,7 +124,8 @@ def sft_config(recipe: Recipe, *, run_dir: Path, has_eval: bool):
         # builds a block-diagonal mask from those position_ids for sdpa/eager too (masking_utils,
         # find_packed_sequence_indices), so packed examples never attend to each other with any attention
         # implementation; flash-attention just does it without materializing the mask.
-        packing_strategy="bfd",
+        # continued pre-training splits long documents across packed rows instead of truncating them
+        packing_strategy="bfd_split" if recipe.method.type == "pretrain" else "bfd",
         padding_free=d.packing,
         # the loss mask is already in our `labels` column (see finetune/train/tokenize.py)
         assistant_only_loss=False,
