@@ -118,3 +118,13 @@ def test_shipped_dpo_recipes_validate_against_their_dataset_layout(name):
     check_data(recipe)  # every row converts in the recipe's own format
     src = load_source(recipe.data.sources[0], base_dir=Path(ROOT))
     assert src.records[0]["prompt"][-1]["role"] == "user"
+
+
+def test_shipped_dpo_recipe_validates_from_the_cli(capsys):
+    from finetune.cli import main
+
+    sample = SAMPLES / "preference_ultrafeedback.jsonl"
+    rc = main(["validate", str(ROOT / "recipes" / "llama8b-dpo-lora.yaml"), "--set", f"data.sources[0].path={sample}",
+               "--set", f"data.eval_sources[0].path={sample}"])
+    assert rc == 0, capsys.readouterr().err
+    assert "valid (dpo / lora" in capsys.readouterr().out

@@ -3,7 +3,13 @@
 from __future__ import annotations
 
 from finetune.peers import Conversion
-from finetune.peers.common import as_list, deepspeed_file, optimizer, scheduler, template
+from finetune.peers.common import (
+    as_list,
+    deepspeed_file,
+    optimizer,
+    scheduler,
+    template,
+)
 
 # keys that change nothing finetune does (it chooses attention kernels, logging, caching itself)
 IGNORED = {k: "finetune decides this itself or has no such switch" for k in (

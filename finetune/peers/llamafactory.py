@@ -10,7 +10,13 @@ import json
 from pathlib import Path
 
 from finetune.peers import Conversion
-from finetune.peers.common import as_list, deepspeed_file, optimizer, scheduler, template
+from finetune.peers.common import (
+    as_list,
+    deepspeed_file,
+    optimizer,
+    scheduler,
+    template,
+)
 
 IGNORED = {k: "finetune decides this itself or has no such switch" for k in (
     "do_train", "do_eval", "do_predict", "overwrite_cache", "preprocessing_num_workers", "plot_loss",

@@ -7,8 +7,9 @@ our value for the peer's, or raises ValueError when there is none. Pure: no heav
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 
 def _precision(flag: Any) -> str | None:

@@ -27,9 +27,9 @@ def cadence_args(recipe: Recipe, *, has_eval: bool) -> dict:
     # per-epoch cadences start at 1 (a multiple of everything) until EpochCadence knows the epoch length
     eval_steps = t.eval_steps or 1
     save_steps = o.save_every or (1 if o.saves_per_epoch else eval_steps if best else 500)
-    args = dict(eval_strategy="steps" if evaluates else "no", eval_steps=eval_steps,
-                save_strategy="steps" if saves else "no", save_steps=save_steps,
-                warmup_steps=t.warmup_steps if t.warmup_steps is not None else t.warmup_ratio)
+    args = {"eval_strategy": "steps" if evaluates else "no", "eval_steps": eval_steps,
+                "save_strategy": "steps" if saves else "no", "save_steps": save_steps,
+                "warmup_steps": t.warmup_steps if t.warmup_steps is not None else t.warmup_ratio}
     if t.scheduler == "cosine_with_min_lr":
         args["lr_scheduler_kwargs"] = ({"min_lr": t.min_lr} if t.min_lr is not None else
                                        {"min_lr_ratio": t.min_lr_ratio if t.min_lr_ratio is not None

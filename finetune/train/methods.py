@@ -87,8 +87,8 @@ def _quiet_experimental() -> None:
 
 
 def method_trainer(recipe: Recipe, *, args, model, tokenizer, data, callbacks: list, peft_config):
-    kw = dict(model=model, args=args, train_dataset=data.train, eval_dataset=data.eval,
-              processing_class=tokenizer, peft_config=peft_config, callbacks=callbacks)
+    kw = {"model": model, "args": args, "train_dataset": data.train, "eval_dataset": data.eval,
+              "processing_class": tokenizer, "peft_config": peft_config, "callbacks": callbacks}
     m = recipe.method.type
     if m == "kto":
         from trl import KTOTrainer

@@ -83,7 +83,7 @@ def _strip_repeated_prompt(prompt: list[dict], answer: list[dict]) -> list[dict]
 
 def convert_preference(raw: dict, col: dict[str, str], *, file: str, row: int) -> dict:
     """One paired row (any layout in the module doc) -> {"prompt", "chosen", "rejected"}."""
-    kw = dict(file=file, row=row)
+    kw = {"file": file, "row": row}
     for key in ("chosen", "rejected"):
         if raw.get(col[key]) is None:
             raise _fail(f"column {col[key]!r} (needed by format 'preference') is missing or null; the row has: "
@@ -137,7 +137,7 @@ def _label(value: Any, *, what: str, file: str, row: int) -> bool:
 
 def convert_unpaired(raw: dict, col: dict[str, str], *, file: str, row: int) -> dict:
     """One KTO row -> {"prompt", "completion", "label"}."""
-    kw = dict(file=file, row=row)
+    kw = {"file": file, "row": row}
     prompt = _as_messages(raw.get(col["prompt"]), what=col["prompt"], **kw)
     completion = _as_messages(raw.get(col["completion"]), what=col["completion"], **kw)
     if isinstance(prompt, list) and isinstance(completion, str):
