@@ -399,6 +399,8 @@ def recipe_conflicts(recipe: Recipe):
                + (f" (or {', '.join(allowed[1:])})" if len(allowed) > 1 else "") + ", or pick another method.type")
         yield "data.sources", (f"method {m.type} trains on format {', '.join(allowed)}, got {', '.join(bad)}; "
                                f"{fix}")
+    if m.type == "reward" and d.task_eval is not None:
+        yield "data.task_eval", "a reward model scores text and does not generate; remove data.task_eval"
     if d.packing and m.type not in ("sft", "pretrain"):
         yield "data.packing", f"packing is not supported for method {m.type}; set data.packing: false"
     if a.type == "qlora":
