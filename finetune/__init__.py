@@ -21,6 +21,13 @@ def merge(run_dir, output_dir, **kwargs):
     return _merge(run_dir, output_dir, **kwargs)
 
 
+def convert(config, *, source: str, output=None, method: str | None = None):
+    """A peer's config (axolotl, llamafactory, trl) as a recipe (see finetune.peers.convert_file)."""
+    from finetune.peers import convert_file
+
+    return convert_file(config, source=source, output=output, method=method)
+
+
 def push(run_dir, **kwargs):
     """Upload a run's adapter or merged model with a model card (see finetune.hub.push)."""
     from finetune.hub import push as _push
@@ -29,4 +36,4 @@ def push(run_dir, **kwargs):
 
 
 __all__ = ["Recipe", "FinetuneError", "load_recipe", "plan", "make_plan", "measure", "compile", "run",
-           "merge", "push", "__version__"]
+           "merge", "push", "convert", "__version__"]

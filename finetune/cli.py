@@ -79,6 +79,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--public", action="store_true", help="make the repo public (default private)")
     p.add_argument("--revision", default=None, help="branch to push to")
 
+    p = sub.add_parser("convert", help="write a recipe from an axolotl, LLaMA-Factory or TRL config")
+    p.add_argument("config", help="the peer's YAML config")
+    p.add_argument("--from", dest="source", required=True, choices=["axolotl", "llamafactory", "trl"])
+    p.add_argument("-o", "--output", required=True, help="the recipe file to write")
+    p.add_argument("--method", default=None, choices=["sft", "dpo", "kto", "reward", "orpo", "cpo"],
+                   help="trl only: the trl subcommand the config was written for")
+
     p = sub.add_parser("presets", help="list hardware presets")
     p.add_argument("--json", action="store_true")
     p = sub.add_parser("models", help="list known model architectures")
@@ -186,6 +193,24 @@ def _cmd_push(args):
     return 0
 
 
+def _cmd_convert(args):
+    from finetune import convert
+
+    conv = convert(args.config, source=args.source, output=args.output, method=args.method)
+    material = conv.material
+    print(f"wrote {args.output} from the {args.source} config {args.config}")
+    for note in conv.notes:
+        print(f"  note: {note}")
+    for d in conv.dropped:
+        print(f"  {'NOT MAPPED' if d.material else 'ignored'}: {d.key}: {d.reason}")
+    if conv.error:
+        print(f"error: the written recipe does not validate:\n{conv.error}", file=sys.stderr)
+    if material:
+        print(f"error: {len(material)} setting(s) that change training were not mapped (commented in "
+              f"{args.output}); settle them by hand", file=sys.stderr)
+    return EXIT_USAGE if material or conv.error else 0
+
+
 def _cmd_presets(args):
     from finetune.registry import list_presets
 
@@ -220,7 +245,7 @@ def _cmd_models(args):
 
 COMMANDS = {
     "validate": _cmd_validate, "plan": _cmd_plan, "compile": _cmd_compile, "run": _cmd_run,
-    "merge": _cmd_merge, "push": _cmd_push, "presets": _cmd_presets, "models": _cmd_models,
+    "merge": _cmd_merge, "push": _cmd_push, "convert": _cmd_convert, "presets": _cmd_presets, "models": _cmd_models,
 }
 
 

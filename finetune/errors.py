@@ -37,6 +37,10 @@ class FinetuneError(Exception):
 class RecipeError(FinetuneError):
     """Invalid recipe: unknown key, wrong type, conflicting settings."""
 
+    # an unknown key's machine-applicable fix, (key, its name here, value converter or None): set by the
+    # loader for peers' names and close typos; `finetune convert` and the hint tests apply it
+    rename: tuple | None = None
+
 
 class DataError(FinetuneError):
     """Invalid training data found in preflight (names file and row)."""

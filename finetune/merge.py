@@ -246,6 +246,10 @@ def _merge_in_memory(run_dir: Path, out: Path, *, base: str, recipe, dtype: str,
     except OSError as exc:
         raise MergeError(f"cannot load the base model {base!r}: {exc}",
                          hint="make the base model available (local dir, or Hub access and login)") from None
+    if tokenizer_files:  # tokens added in training (tokenizer.added_tokens): the base grows to match
+        vocab = len(AutoTokenizer.from_pretrained(run_dir))
+        if vocab > model.get_input_embeddings().weight.shape[0]:
+            model.resize_token_embeddings(vocab, mean_resizing=False)  # the adapter's rows replace them
     try:
         model = PeftModel.from_pretrained(model, str(run_dir), is_trainable=False)
     except Exception as exc:  # truncated/corrupt safetensors, shape mismatch with the base

@@ -33,6 +33,7 @@ _REPO_OP = re.compile(r"^/api/models/([^/]+)/([^/]+)/(preupload|commit|branch|re
 _REPO = re.compile(r"^/api/models/([^/]+)/([^/]+)$")
 _LFS_BATCH = re.compile(r"^/([^/]+)/([^/]+)\.git/info/lfs/objects/batch$")
 _LFS_PUT = re.compile(r"^/lfs-upload/([0-9a-f]{64})$")
+_RESOLVE = re.compile(r"^/([^/]+)/([^/]+)/resolve/([^/]+)/(.+)$")
 
 
 def git_blob_sha1(data: bytes) -> str:
@@ -56,6 +57,7 @@ class FakeHub:
         self.fail: dict[str, int] = {}  # endpoint kind -> how many more times to fail
         self.fail_status = 500
         self.authorized: list[bool] = []  # one per write request: carried a Bearer hf_ token
+        self.gated: set[str] = set()  # repos whose files answer 403 GatedRepo without a token
         self.lock = threading.Lock()
         self.server: ThreadingHTTPServer | None = None
         self.url = ""
@@ -79,6 +81,15 @@ class FakeHub:
             self.server.server_close()
 
     # -- helpers for tests -----------------------------------------------------------------
+    def add_model(self, repo_id: str, files: dict[str, bytes], *, gated: bool = False) -> str:
+        """A public model repo holding `files` on main (for downloads); returns its commit sha."""
+        sha = hashlib.sha1(json.dumps(sorted((k, hashlib.sha1(v).hexdigest()) for k, v in files.items()))
+                           .encode()).hexdigest()
+        self.repos[repo_id] = Repo(private=False, branches={"main": dict(files)}, heads={"main": sha})
+        if gated:
+            self.gated.add(repo_id)
+        return sha
+
     def files(self, repo_id: str, branch: str = "main") -> dict[str, bytes]:
         return dict(self.repos[repo_id].branches[branch])
 
@@ -136,6 +147,8 @@ class _Handler(BaseHTTPRequestHandler):
     # -- routing ---------------------------------------------------------------------------
     def do_GET(self):
         path = self.path.split("?")[0]
+        if _RESOLVE.match(path):
+            return self._resolve(head=False)
         m = _REPO_OP.match(path)
         if m and m.group(3) == "revision":
             return self._repo_info(f"{m.group(1)}/{m.group(2)}", unquote(m.group(4)))
@@ -143,6 +156,48 @@ class _Handler(BaseHTTPRequestHandler):
         if m:
             return self._repo_info(f"{m.group(1)}/{m.group(2)}", "main")
         return self._error(404, f"no route for GET {path}")
+
+    def do_HEAD(self):
+        return self._resolve(head=True)
+
+    def _resolve(self, *, head: bool):
+        """GET/HEAD /{org}/{name}/resolve/{revision}/{path}: a file download, with the headers
+        hf_hub_download reads (X-Repo-Commit, ETag, Content-Length) and the Hub's X-Error-Code on errors."""
+        m = _RESOLVE.match(self.path.split("?")[0])
+        if not m:
+            return self._coded(404, "EntryNotFound", head)
+        repo_id, rev, path = f"{m.group(1)}/{m.group(2)}", unquote(m.group(3)), unquote(m.group(4))
+        repo = self.fake.repos.get(repo_id)
+        if repo is None:
+            return self._coded(404, "RepoNotFound", head)
+        if repo_id in self.fake.gated and not (self.headers.get("Authorization") or "").startswith("Bearer hf_"):
+            return self._coded(403, "GatedRepo", head)
+        if rev not in repo.branches:
+            return self._coded(404, "RevisionNotFound", head)
+        data = repo.branches[rev].get(path)
+        if data is None:
+            return self._coded(404, "EntryNotFound", head)
+        self.send_response(200)
+        self.send_header("Content-Type", "application/octet-stream")
+        self.send_header("Content-Length", str(len(data)))
+        self.send_header("ETag", f'"{git_blob_sha1(data)}"')
+        self.send_header("X-Repo-Commit", repo.heads[rev])
+        self.end_headers()
+        if not head:
+            self.wfile.write(data)
+        with self.fake.lock:
+            self.fake.requests.append((self.command, self.path.split("?")[0], 200))
+
+    def _coded(self, status: int, code: str, head: bool) -> None:
+        body = b"" if head else json.dumps({"error": code}).encode()
+        self.send_response(status)
+        self.send_header("X-Error-Code", code)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+        with self.fake.lock:
+            self.fake.requests.append((self.command, self.path.split("?")[0], status))
 
     def do_PUT(self):
         path = self.path.split("?")[0]

@@ -87,6 +87,7 @@ def _summary(recipe: Recipe, plan: Plan, preset: HardwarePreset, arch: ModelArch
         f"predicted peak {plan.per_gpu_memory_gib:.1f} GiB per "
         f"{'GPU' if plan.device == 'cuda' else 'process'}",
     ]
+    lines += [f"substituted: {s}" for s in plan.substitutions]
     return "\n".join(lines)
 
 

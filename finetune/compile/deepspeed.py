@@ -17,9 +17,6 @@ from finetune.plan.types import Plan
 from finetune.recipe.schema import Recipe
 from finetune.registry.schema import HardwarePreset, ModelArch
 
-# torch.optim.AdamW defaults, which TrainingArguments also uses (adam_beta1/2, adam_epsilon)
-ADAM_BETAS = [0.9, 0.999]
-ADAM_EPS = 1e-8
 MIB = 1 << 20
 
 
@@ -110,7 +107,8 @@ def _common(recipe: Recipe, plan: Plan, zero: dict, *, nvme: bool = False) -> di
     }
     if optimizer_in_ds_config(plan):
         config["optimizer"] = {"type": "AdamW", "params": {
-            "lr": t.lr, "betas": ADAM_BETAS, "eps": ADAM_EPS, "weight_decay": t.weight_decay}}
+            "lr": t.lr, "betas": [t.adam_beta1, t.adam_beta2], "eps": t.adam_epsilon,
+            "weight_decay": t.weight_decay}}
     if nvme:
         # libaio settings for the swap files (DeepSpeed's documented defaults, made explicit)
         config["aio"] = {"block_size": MIB, "queue_depth": 8, "intra_op_parallelism": 1,

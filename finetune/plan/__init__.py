@@ -35,6 +35,12 @@ def _targets(recipe, arch) -> tuple[str, ...]:
         return tuple(arch.lora_targets)
     if chosen == "all-linear":
         return tuple(module_shapes(arch))  # peft's all-linear: every nn.Linear of the layers
+    if isinstance(chosen, str):  # a regex over full module names (peft's rule): try each at its usual path
+        import re
+
+        pattern = re.compile(chosen)
+        return tuple(n for n in module_shapes(arch) if any(
+            pattern.fullmatch(f"model.layers.0.{part}.{n}") for part in ("self_attn", "mlp")))
     known = set(module_shapes(arch)) | {"embed_tokens"}
     names = tuple(name.rsplit(".", 1)[-1] for name in chosen)  # peft matches on the name's suffix
     if "lm_head" in names:
@@ -97,20 +103,30 @@ def liger_enabled(recipe, preset) -> bool:
     return preset.vendor == "nvidia" and importlib.util.find_spec("liger_kernel") is not None
 
 
+# trainers that score tokens through TRL's chunked LM head; ORPO/CPO/KTO compute full logits (reward
+# models have no vocabulary head, so the flag is moot for them)
+FUSED_HEAD_METHODS = ("sft", "pretrain", "dpo", "reward")
+
+
 def job_from_recipe(recipe, *, arch, preset) -> Job:
     """The recipe's workload as plain numbers (the planner's inner loop never touches pydantic)."""
     method = recipe.method.type
     adapter = recipe.adapter.type
     reference = dpo_reference(recipe)
+    added = recipe.tokenizer.new_token_count
+    if added:  # tokenizer.added_tokens / special-token overrides grow the embeddings and the LM head
+        arch = arch.model_copy(update={"vocab_size": arch.vocab_size + added})
     micro = recipe.train.micro_batch_size
     attention = attention_kind(attention_implementation(recipe, preset), packed=recipe.data.packing)
     return Job(
         arch=arch, preset=preset, adapter=adapter, method=method, reference=reference,
+        fused_lm_head=method in FUSED_HEAD_METHODS,
         lora_r=recipe.adapter.r, lora_targets=_targets(recipe, arch),
         lora_dropout=recipe.adapter.dropout, dora=recipe.adapter.dora,
         modules_to_save=tuple(recipe.adapter.modules_to_save or ()) if adapter != "full" else (),
         cast_adapter_inputs=recipe.adapter.cast_adapter_inputs, liger=liger_enabled(recipe, preset),
         double_quant=recipe.adapter.double_quant, weight_bytes=DTYPE_BYTES[recipe.model.dtype],
+        int8_base=recipe.adapter.type == "lora" and recipe.adapter.load_in_8bit,
         act_bytes=4 if recipe.train.precision == "fp32" else 2, optimizer=recipe.train.optimizer,
         seq_len=recipe.data.max_length, packed=recipe.data.packing, attention=attention,
         global_batch_size=recipe.train.global_batch_size,
@@ -143,8 +159,20 @@ def plan(recipe, *, hardware: str | None = None) -> Plan:
 def plan_on(recipe, *, arch, preset, source: str) -> Plan:
     """Plan `recipe` on an architecture and preset already looked up (see `lookup`)."""
     result = plan_job(job_from_recipe(recipe, arch=arch, preset=preset))
+    result.substitutions = substitutions(recipe, result)
     result.hardware_source = source
     return result
+
+
+def substitutions(recipe, result: Plan) -> list[str]:
+    """What the compiled run will use instead of what the recipe asked for (printed with the plan)."""
+    out = []
+    if result.fits and strategies.offloads_optimizer(result.strategy) and recipe.train.optimizer != "adamw":
+        stepper = ("DeepSpeed's CPU AdamW" if strategies.is_deepspeed(result.strategy)
+                   else "torch's AdamW on the CPU")
+        out.append(f"train.optimizer {recipe.train.optimizer} -> {stepper}: under {result.strategy} the "
+                   f"optimizer states live in host RAM and are stepped there")
+    return out
 
 
 def plan_job(job: Job) -> Plan:

@@ -189,10 +189,10 @@ def suggestions(job: Job, candidates: list[Candidate]) -> list[str]:
             strategy = "auto"
         variants.append((f"adapter.type: {adapter}", replace(
             job, adapter=adapter, strategy=strategy,
-            reference="implicit" if job.method == "dpo" and job.reference == "copy" else job.reference)))
+            reference="implicit" if job.reference == "copy" else job.reference)))
     if job.adapter == "full" and "8bit" not in job.optimizer:
         variants.append(("train.optimizer: adamw_8bit", replace(job, optimizer="adamw_8bit")))
-    if job.method == "dpo" and job.reference == "copy":
+    if job.reference == "copy":
         variants.append(("method.reference: precompute", replace(job, reference="precompute")))
     for label, variant in variants:
         ok, text = _fits_text(variant)

@@ -117,6 +117,9 @@ def state_shard_degree(job: Job, strategy: str) -> int:
 def weight_bytes(job: Job) -> float:
     """Bytes of the (base) model weights as stored for training."""
     params = count_params(job.arch)
+    if job.int8_base:  # LLM.int8 quantizes the linear layers; embeddings, head and norms keep the dtype
+        linear = params.layers_linear
+        return linear + (params.total - linear) * job.weight_bytes
     if job.adapter != "qlora":
         return params.total * job.weight_bytes
     scale = NF4_DOUBLE_QUANT_SCALE_BYTES if job.double_quant else NF4_SCALE_BYTES
@@ -167,7 +170,7 @@ def state_bytes(job: Job, strategy: str | None = None) -> StateBytes:
     if strategy is not None and info(strategy).offload_optimizer and "8bit" in job.optimizer:
         job = replace(job, optimizer="adamw")  # compile resolves it so: the CPU steps fp32 Adam
     weights = weight_bytes(job)
-    if job.method == "dpo" and job.reference == "copy":
+    if job.reference == "copy":  # dpo/kto: a frozen reference model
         weights += count_params(job.arch).total * job.weight_bytes  # frozen reference model
     # parameters trained in the model's dtype: a full fine-tune, peft's modules_to_save copies
     n = count_params(job.arch).total if job.adapter == "full" else saved_module_params(job)

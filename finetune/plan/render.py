@@ -81,6 +81,7 @@ def render_plan_table(plan: Plan) -> str:
             f"kernels: {plan.kernels}",
             f"why: {plan.why}",
         ]
+        lines += [f"substituted: {s}" for s in plan.substitutions]
     else:
         lines.append(f"does not fit: {plan.why}")
         if plan.suggestions:

@@ -109,6 +109,8 @@ class Plan:
     kernels: str = ""
     checkpoint_layers: int = 0  # k of num_layers decoder layers checkpointed (0: off)
     num_layers: int = 0
+    # settings the compiled run replaces (e.g. an 8-bit optimizer under ZeRO-3 offload), said in the plan
+    substitutions: list[str] = field(default_factory=list)
 
     def to_json(self) -> dict:
         return {
@@ -129,7 +131,7 @@ class Plan:
             "mfu": round(self.mfu, 3), "why": self.why,
             "total_params": self.total_params, "active_params": self.active_params,
             "trainable_params": self.trainable_params,
-            "device": self.device, "kernels": self.kernels,
+            "device": self.device, "kernels": self.kernels, "substitutions": self.substitutions,
             "candidates": [c.to_json() for c in self.candidates],
             "suggestions": self.suggestions,
         }

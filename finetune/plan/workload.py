@@ -12,6 +12,7 @@ from functools import lru_cache
 from finetune.registry.schema import HardwarePreset, ModelArch
 
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
+PAIRED_METHODS = ("dpo", "kto", "orpo", "simpo", "reward")
 ALL_LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
@@ -20,14 +21,15 @@ class Job:
     arch: ModelArch
     preset: HardwarePreset
     adapter: str = "lora"  # full | lora | qlora
-    method: str = "sft"  # sft | dpo
-    reference: str = "implicit"  # DPO reference: none | implicit | copy | precompute
+    method: str = "sft"  # sft | pretrain | dpo | kto | orpo | simpo | reward
+    reference: str = "none"  # dpo/kto reference: none | implicit | copy | precompute
     lora_r: int = 16
     lora_targets: tuple[str, ...] = ALL_LINEAR
     lora_dropout: float = 0.0
     modules_to_save: tuple[str, ...] = ()  # adapter.modules_to_save: fully trained copies (embed_tokens, lm_head)
     dora: bool = False
     double_quant: bool = True
+    int8_base: bool = False  # adapter.load_in_8bit: the base's linear weights in 1 byte (LLM.int8)
     weight_bytes: int = 2  # model.dtype
     act_bytes: int = 2  # 2 for bf16/fp16 training, 4 for fp32
     optimizer: str = "adamw"
@@ -49,7 +51,8 @@ class Job:
 
     @property
     def sequences_per_sample(self) -> int:
-        return 2 if self.method == "dpo" else 1  # DPO runs chosen and rejected
+        # pairs run chosen and rejected; KTO runs each completion and its mismatched KL completion
+        return 2 if self.method in PAIRED_METHODS else 1
 
 
 @dataclass(frozen=True)

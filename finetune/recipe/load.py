@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import difflib
+import re
 from pathlib import Path
 from typing import Any
 
@@ -74,8 +75,24 @@ def _load_raw(path: Path, depth: int = 0, seen: tuple[Path, ...] = ()) -> dict:
     return deep_merge(base, raw)
 
 
-def parse_override(text: str) -> tuple[list[str], Any]:
-    """`train.lr=2e-4` -> (["train", "lr"], 2e-4); the value is parsed as YAML."""
+_KEY_PART = re.compile(r"^([^\[\]]+)((?:\[\d+\])*)$")
+
+
+def _key_parts(text: str, key: str) -> list[str | int]:
+    """`data.sources[0].path` -> ["data", "sources", 0, "path"]."""
+    parts: list[str | int] = []
+    for part in key.split("."):
+        m = _KEY_PART.match(part.strip())
+        if not m:
+            raise RecipeError(f"--set {text!r}: {part!r} is not a key", hint="e.g. --set data.sources[0].format=alpaca")
+        parts.append(m.group(1))
+        parts += [int(i) for i in re.findall(r"\[(\d+)\]", m.group(2))]
+    return parts
+
+
+def parse_override(text: str) -> tuple[list[str | int], Any]:
+    """`train.lr=2e-4` -> (["train", "lr"], 2e-4); `data.sources[0].format=alpaca` -> (["data", "sources", 0,
+    "format"], "alpaca"). The value is parsed as YAML."""
     if "=" not in text:
         raise RecipeError(f"--set {text!r}: expected KEY=VALUE", hint="e.g. --set train.lr=2e-4")
     key, _, value = text.partition("=")
@@ -86,22 +103,56 @@ def parse_override(text: str) -> tuple[list[str], Any]:
         parsed = yaml.safe_load(value) if value.strip() else ""
     except yaml.YAMLError:
         parsed = value
-    return key.split("."), parsed
+    return _key_parts(text, key), parsed
+
+
+def _shown(path: list[str | int]) -> str:
+    return "".join(f"[{p}]" if isinstance(p, int) else ("." if i else "") + p for i, p in enumerate(path))
+
+
+def _step(node: Any, part: str | int, *, text: str, path: list, at: int, create: bool) -> Any:
+    where = _shown(path[:at]) or "the recipe"
+    if isinstance(part, int):
+        if not isinstance(node, list):
+            raise RecipeError(f"--set {text}: {where} is not a list", key=_shown(path),
+                              hint=f"address it without [{part}]")
+        if part >= len(node):
+            raise RecipeError(f"--set {text}: {where} has {len(node)} item(s), so [{part}] does not exist",
+                              key=_shown(path), hint=f"use an index below {len(node)}, or add the item in the recipe")
+        return node[part]
+    if not isinstance(node, dict):
+        raise RecipeError(f"--set {text}: {where} is not a section", key=_shown(path))
+    nxt = node.get(part)
+    if nxt is None and create:
+        nxt = node[part] = {}
+    return nxt
 
 
 def apply_overrides(raw: dict, overrides: list[str]) -> dict:
     for text in overrides:
         path, value = parse_override(text)
-        node = raw
+        node: Any = raw
         for i, part in enumerate(path[:-1]):
-            nxt = node.get(part)
-            if nxt is None:
-                nxt = node[part] = {}
-            elif not isinstance(nxt, dict):
-                raise RecipeError(f"--set {text}: {'.'.join(path[:i + 1])} is not a section",
-                                  key=".".join(path))
+            into_list = isinstance(path[i + 1], int)
+            if into_list and isinstance(node, dict) and node.get(part) is None:
+                shorthand = part == "sources" and "path" in node  # `data: {path: ...}` is one source
+                raise RecipeError(f"--set {text}: {_shown(path[:i + 1])} is not set in the recipe, so it has no "
+                                  f"items", key=_shown(path),
+                                  hint=("this recipe uses the one-source shorthand (data.path); address "
+                                        f"data.{path[-1]} instead" if shorthand else
+                                        f"write {_shown(path[:i + 1])} out in the recipe first"))
+            nxt = _step(node, part, text=text, path=path, at=i, create=True)
+            if not isinstance(nxt, (dict, list)):
+                raise RecipeError(f"--set {text}: {_shown(path[:i + 1])} is not a section",
+                                  key=_shown(path))
             node = nxt
-        node[path[-1]] = value
+        last = path[-1]
+        if isinstance(last, int):
+            _step(node, last, text=text, path=path, at=len(path) - 1, create=False)
+        elif not isinstance(node, dict):
+            raise RecipeError(f"--set {text}: {_shown(path[:-1])} is a list; pick an item with [N]",
+                              key=_shown(path), hint=f"e.g. {_shown(path[:-1])}[0].{last}")
+        node[last] = value
     return raw
 
 
@@ -118,6 +169,18 @@ def _fields_at(model: type[BaseModel], loc: tuple) -> list[str]:
         if current is None:
             return []
     return list(getattr(current, "model_fields", {}))
+
+
+def _alias_for(schema: type[BaseModel], loc: tuple):
+    from finetune.recipe.aliases import lookup
+
+    if schema is not Recipe:
+        return None
+    section = ".".join(str(p) for p in loc[:-1] if not isinstance(p, int))
+    alias = lookup(section, str(loc[-1]))
+    if alias is None or _key_path(loc) == alias.key:
+        return None
+    return alias
 
 
 def _model_in(annotation) -> type[BaseModel] | None:
@@ -150,12 +213,24 @@ def validation_error_to_recipe_error(exc: ValidationError, *, file: str | None,
     etype = err["type"]
     if etype == "extra_forbidden":
         valid = _fields_at(schema, loc[:-1])
-        close = difflib.get_close_matches(str(loc[-1]), valid, n=1, cutoff=0.5)
         prefix = _key_path(loc[:-1])
+        alias = _alias_for(schema, loc)
+        if alias is not None:
+            renamed = RecipeError(f"unknown key; {key} is a peer's name for {alias.key} here"
+                                  + (f" ({alias.note})" if alias.note else ""), key=key, file=file,
+                                  hint=f"{'rename' if alias.key.rsplit('.', 1)[0] == prefix else 'move'} it to "
+                                       f"{alias.key}" + (" and convert its value" if alias.value else ""))
+            renamed.rename = (key, alias.key, alias.value)  # machine-applicable (finetune convert, tests)
+            return renamed
+        # a typo of a key in this section; a close spelling of another key (warmup_steps -> warmup_ratio)
+        # is not proposed, since that key means something else
+        close = difflib.get_close_matches(str(loc[-1]), valid, n=1, cutoff=0.8)
         if close:
             suggestion = f"{prefix}.{close[0]}" if prefix else close[0]
-            return RecipeError(f"unknown key; did you mean {suggestion}?", key=key, file=file,
+            typo = RecipeError(f"unknown key; did you mean {suggestion}?", key=key, file=file,
                                hint=f"rename it to {suggestion}")
+            typo.rename = (key, suggestion, None)
+            return typo
         listed = ", ".join(valid) if valid else "none"
         return RecipeError("unknown key", key=key, file=file, hint=f"valid keys here: {listed}")
     if etype == "missing":

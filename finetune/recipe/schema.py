@@ -15,7 +15,17 @@ from pydantic_core import PydanticCustomError
 from finetune.strategies import AUTO, StrategyName, shards_params
 
 Dtype = Literal["bfloat16", "float16", "float32"]
-DataFormat = Literal["messages", "alpaca", "sharegpt", "text", "prompt_completion", "preference"]
+DataFormat = Literal["messages", "alpaca", "sharegpt", "text", "prompt_completion", "preference", "unpaired"]
+MethodType = Literal["sft", "dpo", "kto", "orpo", "simpo", "reward", "pretrain"]
+# the data formats each method trains on (checked in recipe_conflicts)
+METHOD_FORMATS: dict[str, tuple[str, ...]] = {
+    "sft": ("messages", "alpaca", "sharegpt", "text", "prompt_completion"),
+    "pretrain": ("text",),
+    "dpo": ("preference",), "orpo": ("preference",), "simpo": ("preference",), "reward": ("preference",),
+    "kto": ("preference", "unpaired"),
+}
+# methods that score against a reference model (the others need none)
+REFERENCE_METHODS = ("dpo", "kto")
 # The canonical column names each format reads; `columns:` maps them to the file's names.
 FORMAT_COLUMNS: dict[str, tuple[str, ...]] = {
     "messages": ("messages",),
@@ -24,8 +34,10 @@ FORMAT_COLUMNS: dict[str, tuple[str, ...]] = {
     "text": ("text",),
     "prompt_completion": ("prompt", "completion"),
     "preference": ("prompt", "chosen", "rejected"),
+    "unpaired": ("prompt", "completion", "label"),
 }
-OPTIONAL_COLUMNS = {"alpaca": ("input",), "messages": (), "preference": ()}
+# preference rows may leave the prompt inside chosen/rejected (hh-rlhf's implicit prompt)
+OPTIONAL_COLUMNS = {"alpaca": ("input",), "messages": (), "preference": ("prompt",)}
 CONFLICT_ERROR = "recipe_conflict"  # pydantic error type of a cross-field conflict; ctx has key, message
 
 
@@ -57,21 +69,35 @@ class ModelSection(Strict):
                                                        "(transformers' trust_remote_code)")
     revision: str | None = Field(None, description="Hub revision (branch, tag or commit) of the model")
     allow_pickle: bool = Field(False, description="allow .bin (pickle) weights; off: safetensors only")
+    rope_scaling: dict[str, str | float | int] | None = Field(None, description=(
+        "RoPE scaling override for context extension, passed to the model config, e.g. {rope_type: yarn, "
+        "factor: 4.0, original_max_position_embeddings: 8192}; merged into the model's own RoPE parameters"))
+
 
 
 class MethodSection(Strict):
-    type: Literal["sft", "dpo"] = Field("sft", description="sft: supervised fine-tuning; dpo: direct "
-                                                          "preference optimization on preference pairs")
-    beta: float = Field(0.1, gt=0, le=10, description="DPO only: strength of the pull towards the reference "
-                                                      "model")
+    type: MethodType = Field("sft", description=(
+        "sft; dpo; kto (unpaired or paired preferences); orpo; simpo (TRL's CPOTrainer, loss simpo); "
+        "reward (a reward model scoring chosen over rejected); pretrain (continued pre-training on raw text, "
+        "packed, loss on every token)"))
+    # DPO, KTO, ORPO (its lambda), SimPO
+    beta: float = Field(0.1, gt=0, le=10, description="dpo/kto: KL strength; orpo: the odds-ratio weight "
+                                                      "(lambda); simpo: the reward scale (paper: 2.0-2.5)")
     loss_type: Literal["sigmoid", "ipo", "hinge", "robust", "bco_pair", "sppo_hard",
                        "nca_pair", "apo_zero", "apo_down"] = Field("sigmoid", description="DPO only: TRL's "
                                                                               "DPO loss variant")
     reference: Literal["auto", "implicit", "copy", "precompute"] = Field(
-        "auto", description="DPO only: the reference model. implicit: LoRA/QLoRA reuse the base with the "
+        "auto", description="DPO/KTO: the reference model. implicit: LoRA/QLoRA reuse the base with the "
                             "adapter disabled (no second copy); copy: a frozen copy of the model; "
                             "precompute: reference log-probs computed once up front; auto: implicit for "
                             "LoRA/QLoRA, copy for a full fine-tune")
+    simpo_gamma: float = Field(0.5, ge=0, description="simpo: the target reward margin")
+    cpo_alpha: float = Field(0.0, ge=0, description="simpo: weight of an added NLL term on chosen "
+                                                    "(0 = pure SimPO; >0 = CPO-SimPO)")
+    desirable_weight: float = Field(1.0, gt=0, description="kto: loss weight of desirable (label true) rows")
+    undesirable_weight: float = Field(1.0, gt=0, description="kto: loss weight of undesirable rows")
+    center_rewards_coefficient: float | None = Field(
+        None, ge=0, description="reward: pull the mean reward to 0 with this weight (none: off)")
 
     @model_validator(mode="before")
     @classmethod
@@ -87,14 +113,20 @@ class AdapterSection(Strict):
     r: int = Field(16, ge=1, le=4096, description="LoRA rank")
     alpha: float = Field(32, gt=0, description="LoRA scaling numerator (the update is scaled by alpha / r)")
     dropout: float = Field(0.0, ge=0, lt=1, description="dropout on the LoRA input")
-    target_modules: list[str] | Literal["all-linear"] | None = Field(
-        None, description="module names that get adapters, or all-linear; default: the model registry's "
-                          "LoRA targets")
+    target_modules: list[str] | str | None = Field(
+        None, description="default: the model registry's LoRA targets; a list of module names, all-linear, or "
+                          "a regular expression matched against each module's full name (peft's rule), e.g. "
+                          "'.*\\.(q_proj|v_proj)'")
     dora: bool = Field(False, description="weight-decomposed LoRA (DoRA)")
     rslora: bool = Field(False, description="rank-stabilized LoRA: scale by alpha / sqrt(r)")
     modules_to_save: list[Literal["embed_tokens", "lm_head"]] | None = Field(
         None, description="modules trained in full beside the adapter and saved with it (peft's "
         "modules_to_save), e.g. [embed_tokens, lm_head] after adding tokens")
+    load_in_8bit: bool = Field(False, description=(
+        "LoRA only: load the frozen base in 8 bit (bitsandbytes LLM.int8()), half the weight memory of bf16"))
+    loraplus_lr_ratio: float | None = Field(None, gt=0, description=(
+        "LoRA+: the lora_B matrices learn this many times faster than lora_A (paper: 16); peft's "
+        "create_loraplus_optimizer"))
     quant_type: Literal["nf4", "fp4"] = Field("nf4", description="QLoRA only: bitsandbytes 4-bit data type")
     double_quant: bool = Field(True, description="QLoRA only: quantize the quantization scales too "
                                                  "(about 0.4 bits per parameter saved)")
@@ -114,17 +146,46 @@ class AdapterSection(Strict):
     def _shorthand(cls, value):
         return {"type": value} if isinstance(value, str) else value
 
+    @field_validator("target_modules")
+    @classmethod
+    def _regex_compiles(cls, v):
+        if isinstance(v, str) and v != "all-linear":
+            import re
+
+            try:
+                re.compile(v)
+            except re.error as exc:
+                raise ValueError(f"not a valid regular expression ({exc}); use a list of module names, "
+                                 f"all-linear, or a valid pattern") from None
+        return v
+
+
 
 class DataSource(Strict):
     path: str = Field(description="local .jsonl/.json/.parquet/.csv file (relative paths are read from the "
                                   "recipe's folder), or a Hub dataset id")
     format: DataFormat = Field("messages", description="row layout: messages, alpaca, sharegpt, text, "
-                                                       "prompt_completion or preference")
+                                                       "prompt_completion, preference or unpaired (KTO)")
     columns: dict[str, str] = Field(default_factory=dict,
                                     description="canonical column -> column in the file")
-    split: str = Field("train", description="dataset split to read (Hub datasets)")
+    split: str = Field("train", description="dataset split to read; a slice like train[:80%] also on local files")
     subset: str | None = Field(None, description="dataset configuration (Hub datasets with several)")
     max_samples: int | None = Field(None, ge=1, description="read at most this many rows")
+    streaming: bool = Field(False, description=(
+        "read the source lazily while training (text corpora larger than RAM): format text with method "
+        "pretrain or sft, train.max_steps set; every train source streams, rows are tokenized on the fly, "
+        "only the first 1000 rows are checked before launch and nothing is cached"))
+    weight: float | None = Field(None, gt=0, description=(
+        "mixing weight: when any train source has one, examples are drawn from the sources in proportion "
+        "to their weights (datasets.interleave_datasets, until every source is used up; unset = 1)"))
+
+    @field_validator("split")
+    @classmethod
+    def _split_syntax(cls, v):
+        from finetune.train.splits import parse_split
+
+        parse_split(v)
+        return v
 
     @model_validator(mode="after")
     def _known_columns(self):
@@ -154,7 +215,9 @@ class DataSection(Strict):
     max_length: int = Field(2048, ge=8, le=1_048_576, description="tokens per sequence (per packed row when "
                                                                   "packing)")
     packing: bool = Field(False, description="SFT: pack examples into padding-free rows of max_length")
-    chat_template: str | None = Field(None, description="jinja text or a path to a .jinja file")
+    chat_template: str | None = Field(None, description=(
+        "default: the tokenizer's own. Jinja text, a path to a .jinja file, or a shipped template's name: "
+        "chatml, llama3, qwen2.5, qwen3, mistral, gemma, phi-3"))
     assistant_only_loss: bool = Field(True, description="loss on assistant/completion tokens only")
     max_too_long_fraction: float = Field(0.05, ge=0, le=1, description="preflight: error when more than this "
                                                                        "share of examples is longer than "
@@ -187,7 +250,7 @@ class TrainSection(Strict):
                                                                   "(default 1 when max_steps is unset)")
     max_steps: int | None = Field(None, ge=1, description="optimizer steps; set this or epochs")
     lr: float = Field(2e-4, gt=0, lt=1, description="peak learning rate")
-    scheduler: Literal["cosine", "linear", "constant", "constant_with_warmup"] = Field(
+    scheduler: Literal["cosine", "linear", "constant", "constant_with_warmup", "cosine_with_min_lr"] = Field(
         "cosine", description="learning-rate schedule after warmup")
     warmup_ratio: float = Field(0.03, ge=0, lt=1, description="share of the steps spent warming up")
     weight_decay: float = Field(0.0, ge=0, le=1, description="AdamW weight decay")
@@ -200,13 +263,37 @@ class TrainSection(Strict):
                                                                        "that fits")
     activation_checkpointing: OnOffAuto = Field("auto", description="recompute activations in backward; "
                                                                     "auto: only where needed to fit")
-    optimizer: Literal["adamw", "adamw_8bit", "paged_adamw_8bit"] = Field(
-        "adamw", description="adamw (torch), or bitsandbytes' 8-bit AdamW (paged: spills to host RAM)")
+    optimizer: Literal["adamw", "adamw_8bit", "paged_adamw_8bit", "adamw_torch_fused", "paged_adamw_32bit",
+                       "adafactor"] = Field("adamw", description=(
+        "adamw: torch's fused AdamW on GPUs; adamw_8bit / paged_adamw_8bit / paged_adamw_32bit: bitsandbytes; "
+        "adafactor: factored second moments (less memory than the planner assumes); under ZeRO-3 offload "
+        "DeepSpeed's CPU Adam replaces it (the plan says so)"))
+    adam_beta1: float = Field(0.9, ge=0, lt=1, description="Adam's first-moment decay")
+    adam_beta2: float = Field(0.999, ge=0, lt=1, description="Adam's second-moment decay")
+    adam_epsilon: float = Field(1e-8, gt=0, description="Adam's epsilon")
+    neftune_noise_alpha: float | None = Field(None, gt=0, description=(
+        "NEFTune: noise added to the input embeddings while training (paper: 5)"))
     seed: int = Field(42, description="seed of the model initialization and dropout")
     precision: Literal["bf16", "fp16", "fp32"] = Field("bf16", description="mixed-precision mode")
     logging_steps: int = Field(1, ge=1, description="log metrics every this many steps")
     eval_steps: int | None = Field(None, ge=1, description="eval loss every this many steps (default: "
                                                            "before and after training only)")
+    evals_per_epoch: int | None = Field(None, ge=1, description=(
+        "evaluate this many times per pass over the training data (instead of train.eval_steps); the step "
+        "interval is computed from the real number of optimizer steps per epoch"))
+    warmup_steps: int | None = Field(None, ge=0, description="warmup in optimizer steps (instead of warmup_ratio)")
+    min_lr: float | None = Field(None, ge=0, description="scheduler cosine_with_min_lr: the final learning rate")
+    min_lr_ratio: float | None = Field(None, ge=0, lt=1, description=(
+        "scheduler cosine_with_min_lr: the final learning rate as a share of train.lr (default 0.1 when "
+        "neither min_lr nor min_lr_ratio is set)"))
+    early_stopping_patience: int | None = Field(None, ge=1, description=(
+        "stop when the eval loss has not improved for this many evaluations (needs eval data and an eval "
+        "cadence); the best checkpoint is kept"))
+    early_stopping_threshold: float = Field(0.0, ge=0, description=(
+        "early stopping: how much the eval loss must fall to count as an improvement"))
+    load_best_model_at_end: bool = Field(False, description=(
+        "after training, load the checkpoint with the lowest eval loss and save that as the result; checkpoints "
+        "are written at every evaluation unless output.save_every / saves_per_epoch say otherwise"))
     on_nonfinite: Literal["stop", "skip"] = Field("stop", description="a non-finite loss or gradient norm: "
                                                                       "stop at once, or skip the step")
     max_bad_steps: int = Field(0, ge=0, description="with on_nonfinite: skip, stop after this many skipped "
@@ -239,6 +326,8 @@ class DistributedSection(Strict):
 class OutputSection(Strict):
     dir: str | None = Field(None, description="default: runs/<recipe file name>")
     save_every: int | None = Field(None, ge=1, description="steps; default: at the end only")
+    saves_per_epoch: int | None = Field(None, ge=1, description=(
+        "checkpoint this many times per pass over the training data (instead of output.save_every)"))
     keep: int = Field(2, ge=1, description="complete checkpoints kept (older ones are deleted)")
 
 
@@ -265,6 +354,24 @@ class LoggingSection(Strict):
         if v is not None and not 1 <= v[0] < v[1]:
             raise ValueError("must be [start, stop] with 1 <= start < stop (optimizer steps)")
         return v
+
+
+class TokenizerSection(Strict):
+    """Special-token overrides and new tokens (the embedding matrix grows to fit them)."""
+
+    pad_token: str | None = Field(None, description="the padding token (added when the vocabulary lacks it); "
+                                                    "default: the tokenizer's, else its EOS token")
+    eos_token: str | None = Field(None, description="the end-of-sequence token (added when missing)")
+    bos_token: str | None = Field(None, description="the beginning-of-sequence token (added when missing)")
+    added_tokens: list[str] = Field(default_factory=list, description=(
+        "new special tokens (never split), e.g. chat markers such as <|im_start|>; the embeddings grow to the "
+        "new vocabulary (new rows start at the mean embedding); with LoRA set adapter.modules_to_save: "
+        "[embed_tokens, lm_head] so they are learned"))
+
+    @property
+    def new_token_count(self) -> int:
+        """An upper bound on the rows the vocabulary grows by (tokens already present add none)."""
+        return len(set(self.added_tokens) | {t for t in (self.pad_token, self.eos_token, self.bos_token) if t})
 
 
 class ResolvedSection(Strict):
@@ -309,11 +416,20 @@ class Recipe(Strict):
                                                                              "checkpoints")
     hub: HubSection = Field(default_factory=HubSection, description="publishing to the Hugging Face Hub")
     logging: LoggingSection = Field(default_factory=LoggingSection, description="trackers and profiling")
+    tokenizer: TokenizerSection = Field(default_factory=TokenizerSection,
+                                        description="special-token overrides and added tokens")
     resolved: ResolvedSection | None = Field(None, description="written by the planner into "
                                                                "recipe.resolved.yaml; never set by hand")
     # where the recipe came from: relative data paths are anchored at _source_dir
     _source_dir: str | None = PrivateAttr(None)
     _source_name: str | None = PrivateAttr(None)
+
+    @model_validator(mode="after")
+    def _method_defaults(self):
+        # continued pre-training packs raw text unless the recipe says otherwise
+        if self.method.type == "pretrain" and "packing" not in self.data.model_fields_set:
+            self.data.packing = True
+        return self
 
     @model_validator(mode="after")
     def _check_conflicts(self):
@@ -337,15 +453,18 @@ def recipe_conflicts(recipe: Recipe):
         yield "train.max_steps", ("train.epochs and train.max_steps are both set; "
                                   "keep one of them (max_steps wins in most tools, here it is an error)")
     formats = {s.format for s in d.sources + d.eval_sources}
-    if m.type == "dpo" and formats != {"preference"}:
-        bad = sorted(formats - {"preference"})
-        yield "data.sources", (f"method dpo needs format 'preference' (prompt/chosen/rejected), "
-                               f"got {', '.join(bad)}; set data.format: preference or method: sft")
-    if m.type == "sft" and "preference" in formats:
-        yield "data.sources", ("format 'preference' is for method dpo; set method: dpo, or use "
-                               "a messages/prompt_completion dataset for SFT")
-    if m.type == "dpo" and d.packing:
-        yield "data.packing", "packing is not supported for DPO; set data.packing: false"
+    allowed = METHOD_FORMATS[m.type]
+    bad = sorted(formats - set(allowed))
+    if bad:
+        fix = ("set method: dpo (or kto/orpo/simpo/reward)" if set(bad) <= {"preference", "unpaired"}
+               else f"set data.format: {allowed[0]}"
+               + (f" (or {', '.join(allowed[1:])})" if len(allowed) > 1 else "") + ", or pick another method.type")
+        yield "data.sources", (f"method {m.type} trains on format {', '.join(allowed)}, got {', '.join(bad)}; "
+                               f"{fix}")
+    if m.type == "reward" and d.task_eval is not None:
+        yield "data.task_eval", "a reward model scores text and does not generate; remove data.task_eval"
+    if d.packing and m.type not in ("sft", "pretrain"):
+        yield "data.packing", f"packing is not supported for method {m.type}; set data.packing: false"
     if a.type == "qlora":
         if a.storage_dtype != recipe.model.dtype and _shards(recipe.distributed.strategy):
             yield "adapter.storage_dtype", (
@@ -355,6 +474,10 @@ def recipe_conflicts(recipe: Recipe):
         if t.precision == "fp32" and a.compute_dtype != "float32":
             yield "adapter.compute_dtype", ("train.precision fp32 with a 16-bit QLoRA compute dtype; "
                                             "set adapter.compute_dtype: float32 or train.precision: bf16")
+    if a.load_in_8bit and a.type != "lora":
+        yield "adapter.load_in_8bit", "load_in_8bit is for adapter.type: lora (qlora is 4-bit already)"
+    if a.loraplus_lr_ratio and a.type == "full":
+        yield "adapter.loraplus_lr_ratio", "LoRA+ needs a LoRA adapter; set adapter.type: lora or remove it"
     if a.type == "full" and (a.dora or a.rslora):
         yield "adapter.dora", "dora/rslora are LoRA options; set adapter.type: lora or remove them"
     if a.type == "full" and a.modules_to_save:
@@ -362,11 +485,17 @@ def recipe_conflicts(recipe: Recipe):
                                           "adapter.modules_to_save or set adapter.type: lora")
     if t.precision == "bf16" and recipe.model.dtype == "float16":
         yield "train.precision", "model.dtype float16 with bf16 precision; set train.precision: fp16"
+    yield from cadence_conflicts(recipe)
+    yield from streaming_conflicts(recipe)
+    if recipe.tokenizer.added_tokens and a.type != "full" and not a.modules_to_save:
+        yield "adapter.modules_to_save", ("tokenizer.added_tokens with a LoRA adapter leaves the new tokens' "
+                                          "embeddings untrained; set adapter.modules_to_save: "
+                                          "[embed_tokens, lm_head]")
     if t.on_nonfinite == "stop" and t.max_bad_steps:
         yield "train.max_bad_steps", "max_bad_steps needs train.on_nonfinite: skip"
     if d.eval_fraction and d.eval_sources:
         yield "data.eval_fraction", "set either data.eval_fraction or data.eval_sources, not both"
-    if m.type == "dpo" and m.reference == "implicit" and a.type == "full":
+    if m.type in REFERENCE_METHODS and m.reference == "implicit" and a.type == "full":
         yield "method.reference", ("an implicit reference needs an adapter to disable; full fine-tuning has "
                                    "none; use reference: copy or precompute, or adapter: lora")
 
@@ -375,8 +504,54 @@ def dpo_reference(recipe: Recipe) -> str:
     """The DPO reference model as it runs, `auto` decided (the planner and the trainer both ask here):
     implicit (LoRA/QLoRA: the base with the adapter disabled, no second copy), copy (full fine-tune: a
     frozen second model) or precompute; "none" for SFT."""
-    if recipe.method.type != "dpo":
+    if recipe.method.type not in REFERENCE_METHODS:
         return "none"
     if recipe.method.reference == "auto":
         return "copy" if recipe.adapter.type == "full" else "implicit"
     return recipe.method.reference
+
+
+def cadence_conflicts(recipe: Recipe):
+    """Evaluation, checkpoint, warmup and schedule settings that exclude or need each other."""
+    t, o, d = recipe.train, recipe.output, recipe.data
+    if t.evals_per_epoch and t.eval_steps:
+        yield "train.evals_per_epoch", "set train.evals_per_epoch or train.eval_steps, not both"
+    if o.saves_per_epoch and o.save_every:
+        yield "output.saves_per_epoch", "set output.saves_per_epoch or output.save_every, not both"
+    # a resolved recipe writes the default ratio out, so only another ratio conflicts
+    if t.warmup_steps is not None and t.warmup_ratio != TrainSection.model_fields["warmup_ratio"].default:
+        yield "train.warmup_steps", "set train.warmup_steps or train.warmup_ratio, not both"
+    if t.min_lr is not None and t.min_lr_ratio is not None:
+        yield "train.min_lr", "set train.min_lr or train.min_lr_ratio, not both"
+    if (t.min_lr is not None or t.min_lr_ratio is not None) and t.scheduler != "cosine_with_min_lr":
+        yield "train.scheduler", "min_lr / min_lr_ratio need train.scheduler: cosine_with_min_lr"
+    if t.early_stopping_patience or t.load_best_model_at_end:
+        what = "train.early_stopping_patience" if t.early_stopping_patience else "train.load_best_model_at_end"
+        cadence = t.eval_steps or t.evals_per_epoch
+        if not (d.eval_sources or d.eval_fraction):
+            also = "" if cadence else " and train.evals_per_epoch: 1"
+            yield what, (f"{what} needs eval data{'' if cadence else ' and an eval cadence'}; add "
+                         f"data.eval_fraction: 0.1 (or data.eval_sources){also}")
+        elif not cadence:
+            yield what, f"{what} needs an eval cadence; set train.evals_per_epoch: 1 (or train.eval_steps)"
+
+
+def streaming_conflicts(recipe: Recipe):
+    """data.sources[].streaming needs a finite step count and plain text; it is all or nothing."""
+    d, t = recipe.data, recipe.train
+    streams = [s.streaming for s in d.sources]
+    if not any(streams) and not any(s.streaming for s in d.eval_sources):
+        return
+    if any(s.streaming for s in d.eval_sources):
+        yield "data.eval_sources", "eval sources are read whole; set streaming: false there (and max_samples)"
+    elif not all(streams):
+        yield "data.sources", "either every train source streams or none does; set streaming on all of them"
+    elif any(s.format != "text" for s in d.sources) or recipe.method.type not in ("pretrain", "sft"):
+        yield "data.sources", "streaming reads format text for method pretrain or sft; set those, or streaming: false"
+    elif t.max_steps is None:
+        yield "train.max_steps", "a streamed corpus has no known length; set train.max_steps (and remove train.epochs)"
+    elif t.evals_per_epoch or recipe.output.saves_per_epoch:
+        yield "train.evals_per_epoch", ("a streamed corpus has no epochs; use train.eval_steps / output.save_every "
+                                        "instead of the per-epoch cadence")
+    elif d.eval_fraction:
+        yield "data.eval_fraction", "a streamed corpus cannot be split; use data.eval_sources instead"

@@ -99,7 +99,8 @@ def resolve_model(model_section, *, base_dir: str | Path | None = None) -> Model
 
     Order: `model.arch` (a registry key); `model.name` matched case-insensitively against the
     registry's Hub ids; a local directory (relative to base_dir) or a Hugging Face cache snapshot
-    with config.json, from which the numbers are derived. Otherwise a RecipeError with a hint.
+    with config.json, from which the numbers are derived; for any other Hub id, its config.json from
+    the Hub (only that file, cached; from the cache when offline). Otherwise a RecipeError with a hint.
     """
     if getattr(model_section, "arch", None):
         return get_model(model_section.arch)
@@ -113,7 +114,16 @@ def resolve_model(model_section, *, base_dir: str | Path | None = None) -> Model
         if "snapshots" in config.parts:  # found in the Hugging Face cache: name is a Hub id
             return arch_from_config(config, key=name.split("/")[-1].lower(), hub_id=name)
         return arch_from_config(config, key=config.parent.name)
+    from finetune.registry.hub_config import fetch_config, looks_like_hub_id
+
     choices = [h for a in _models().values() for h in a.hub_ids] + list(_models())
+    if looks_like_hub_id(name) and not (base / name).exists():
+        try:
+            path = fetch_config(name, revision=getattr(model_section, "revision", None))
+        except RecipeError as err:
+            err.hint = f"{_did_you_mean(name, choices)}{err.hint or ''}"
+            raise
+        return arch_from_config(path, key=name.split("/")[-1].lower(), hub_id=name)
     raise RecipeError(
         f"cannot tell the architecture of {name!r}: not a known Hub id, and no config.json found "
         f"at {base / name} or in the Hugging Face cache", key="model.name",

@@ -149,7 +149,7 @@ class CommitCallback(TrainerCallback):
             ckpt = Path(args.output_dir) / f"checkpoint-{state.global_step}"
             write_marker(ckpt, step=state.global_step, world_size=rank_and_world()[1], strategy=self.strategy,
                          fields=self.fields)
-            removed = retain(self.run_dir, keep=self.keep)
+            removed = retain(self.run_dir, keep=self.keep, protect=state.best_model_checkpoint)
             log.info(f"checkpoint {ckpt.name} complete" + (f"; removed {', '.join(p.name for p in removed)} "
                                                            f"(output.keep={self.keep})" if removed else ""))
         barrier()

@@ -90,10 +90,11 @@ def prepare_checkpoints(run_dir: Path, *, start: Path | None) -> None:
                     else f"newer than the checkpoint this run resumes from ({start.name})")
 
 
-def retain(run_dir: Path, *, keep: int) -> list[Path]:
-    """Delete complete checkpoints beyond the newest `keep` (called right after one is committed)."""
+def retain(run_dir: Path, *, keep: int, protect: str | None = None) -> list[Path]:
+    """Delete complete checkpoints beyond the newest `keep` (called right after one is committed); the
+    `protect`ed one (the best so far, for load_best_model_at_end) stays."""
     complete = complete_checkpoints(run_dir)
-    old = complete[:-max(keep, 1)]
+    old = [p for p in complete[:-max(keep, 1)] if protect is None or p.resolve() != Path(protect).resolve()]
     for path in old:
         shutil.rmtree(path, ignore_errors=True)
     return old

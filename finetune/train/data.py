@@ -17,8 +17,10 @@ from finetune.errors import DataError
 from finetune.recipe.paths import anchored
 from finetune.recipe.schema import DataSource
 from finetune.train.formats import convert_row
+from finetune.train.splits import has_slice, slice_rows
 
 LOCAL_SUFFIXES = {".jsonl": "jsonl", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
+PREVIEW_ROWS = 1000  # rows of a streamed source checked before launch
 
 
 @dataclass
@@ -73,10 +75,10 @@ def _read_json(path: Path):
     yield from enumerate(data, start=1)
 
 
-def _read_tabular(path: Path, kind: str):
+def _read_tabular(path: Path, kind: str, *, streaming: bool = False):
     import datasets
 
-    ds = datasets.load_dataset(kind, data_files=str(path), split="train")
+    ds = datasets.load_dataset(kind, data_files=str(path), split="train", streaming=streaming)
     # csv rows are numbered as lines of the file (the header is line 1)
     offset = 2 if kind == "csv" else 1
     for i, row in enumerate(ds):
@@ -87,13 +89,14 @@ def _read_hub(source: DataSource):
     import datasets
 
     try:
-        ds = datasets.load_dataset(source.path, name=source.subset, split=source.split)
+        # a streamed source is only previewed here (load_source stops after PREVIEW_ROWS)
+        ds = datasets.load_dataset(source.path, name=source.subset, split=source.split, streaming=source.streaming)
     except Exception as exc:  # network, missing split, gated repo: all user-fixable
         offline = os.environ.get("HF_HUB_OFFLINE") or os.environ.get("HF_DATASETS_OFFLINE")
         hint = ("this machine is offline (HF_HUB_OFFLINE); use a local file" if offline
                 else "check the dataset id, data.sources[].split / subset, and your Hub login")
         raise DataError(f"cannot load Hub dataset: {exc}", file=source.path, hint=hint) from None
-    return ds._fingerprint, enumerate(ds, start=1)
+    return getattr(ds, "_fingerprint", None), enumerate(ds, start=1)
 
 
 def load_source(source: DataSource, *, base_dir: Path) -> LoadedSource:
@@ -109,13 +112,19 @@ def load_source(source: DataSource, *, base_dir: Path) -> LoadedSource:
         if path.stat().st_size == 0:
             raise DataError("the file is empty", file=str(path), hint="point data at a file with examples")
         name, fingerprint = str(path), file_sha256(path)
-        rows = {"jsonl": _read_jsonl, "json": _read_json}.get(kind, lambda p: _read_tabular(p, kind))(path)
+        rows = {"jsonl": _read_jsonl, "json": _read_json}.get(
+            kind, lambda p: _read_tabular(p, kind, streaming=source.streaming))(path)
+        if has_slice(source.split):  # "train[:80%]": the file is the one split, sliced as datasets would
+            rows = slice_rows(list(rows), source.split)
     records = []
+    limit = source.max_samples
+    if source.streaming:  # the rows checked before launch; training reads the rest lazily
+        limit = min(limit or PREVIEW_ROWS, PREVIEW_ROWS)
     for row, raw in rows:
         record = convert_row(raw, fmt=source.format, columns=source.columns, file=name, row=row)
         record["_file"], record["_row"] = name, row
         records.append(record)
-        if source.max_samples and len(records) >= source.max_samples:
+        if limit and len(records) >= limit:
             break
     if not records:
         raise DataError("no examples in the file", file=name, hint="point data at a file with examples")

@@ -4,6 +4,7 @@
     prompt_completion             -> {"prompt": str, "completion": str}          (standard prompt-completion)
     text                          -> {"text": str}                                (language modeling)
     preference                    -> {"prompt", "chosen", "rejected"}             (str or message lists)
+    unpaired                      -> {"prompt", "completion", "label"}            (KTO; see preference.py)
 
 Every problem raises DataError naming the file and the 1-based row, with a fix.
 """
@@ -103,19 +104,10 @@ def convert_row(raw: dict, *, fmt: str, columns: dict[str, str], file: str, row:
     if fmt == "prompt_completion":
         return {"prompt": _text(get["prompt"], what=col["prompt"], **kw),
                 "completion": _text(get["completion"], what=col["completion"], **kw)}
-    if fmt == "preference":
-        out = {}
-        for key in ("prompt", "chosen", "rejected"):
-            value = get[key]
-            if isinstance(value, list):
-                out[key] = _messages(value, what=col[key], need_assistant=key != "prompt", **kw)
-            else:
-                out[key] = _text(value, what=col[key], **kw)
-        kinds = {type(v) for v in out.values()}
-        if len(kinds) > 1:
-            raise _fail("prompt, chosen and rejected must all be strings or all be message lists",
-                        hint="convert them to the same form", **kw)
-        return out
+    if fmt in ("preference", "unpaired"):
+        from finetune.train.preference import convert_preference, convert_unpaired
+
+        return (convert_preference if fmt == "preference" else convert_unpaired)(raw, col, **kw)
     raise _fail(f"unknown format {fmt!r}", **kw)
 
 

@@ -21,17 +21,24 @@ def _torch_dtype(name: str):
 
 
 def read_chat_template(recipe: Recipe) -> str | None:
-    """data.chat_template is inline jinja, or a path (relative to the recipe) to a template file."""
+    """data.chat_template is inline jinja, a shipped template's name (chatml, llama3, ...), or a path
+    (relative to the recipe) to a template file; a file of that name wins over a shipped name."""
+    from finetune.registry.chat_templates import named_template, suggest
+
     text = recipe.data.chat_template
     if text is None:
         return None
     if is_inline_template(text):
         return text
     path = anchored(text, recipe_dir(recipe))
-    if not path.exists():
-        raise RecipeError(f"is neither a jinja template nor an existing file ({path})", key="data.chat_template",
-                          hint="give the template text inline, or the path to a .jinja file")
-    return path.read_text(encoding="utf-8")
+    if path.is_file():
+        return path.read_text(encoding="utf-8")
+    shipped = named_template(text)
+    if shipped is not None:
+        return shipped
+    raise RecipeError(f"is neither a jinja template, a shipped template name, nor an existing file ({path})",
+                      key="data.chat_template",
+                      hint=f"give the template text inline, the path to a .jinja file, or a name ({suggest(text)})")
 
 
 def model_path(recipe: Recipe) -> str:
@@ -59,6 +66,7 @@ def load_tokenizer(recipe: Recipe):
     template = read_chat_template(recipe)
     if template is not None:
         tokenizer.chat_template = template
+    apply_token_overrides(recipe, tokenizer)
     if tokenizer.pad_token is None:
         # The EOS token pads; labels come from our own columns, so EOS is still learned.
         if tokenizer.eos_token is None:
@@ -68,12 +76,45 @@ def load_tokenizer(recipe: Recipe):
     return tokenizer
 
 
+def apply_token_overrides(recipe: Recipe, tokenizer) -> None:
+    """tokenizer.pad/eos/bos_token and added_tokens; tokens the vocabulary lacks are added as special."""
+    tk = recipe.tokenizer
+    special = {f"{name}_token": getattr(tk, f"{name}_token") for name in ("pad", "eos", "bos")}
+    special = {k: v for k, v in special.items() if v}
+    if special:
+        tokenizer.add_special_tokens(special)
+    if tk.added_tokens:
+        tokenizer.add_tokens(list(tk.added_tokens), special_tokens=True)
+
+
+def fit_embeddings(recipe: Recipe, model) -> None:
+    """Grow the embeddings (and an untied LM head) to the tokenizer's vocabulary when tokens were added;
+    new rows start at the mean of the old ones (transformers' mean_resizing), and the model config
+    learns the overridden special-token ids."""
+    tk = recipe.tokenizer
+    if not (tk.added_tokens or tk.pad_token or tk.eos_token or tk.bos_token):
+        return
+    tokenizer = load_tokenizer(recipe)
+    if len(tokenizer) > model.get_input_embeddings().weight.shape[0]:
+        model.resize_token_embeddings(len(tokenizer), mean_resizing=True)
+    for name in ("pad", "eos", "bos"):
+        if getattr(tk, f"{name}_token"):
+            token_id = getattr(tokenizer, f"{name}_token_id")
+            setattr(model.config, f"{name}_token_id", token_id)
+            if getattr(model, "generation_config", None) is not None:
+                setattr(model.generation_config, f"{name}_token_id", token_id)
+
+
 def quantization_config(recipe: Recipe):
-    if recipe.adapter.type != "qlora":
+    a = recipe.adapter
+    if a.type == "lora" and a.load_in_8bit:
+        from transformers import BitsAndBytesConfig
+
+        return BitsAndBytesConfig(load_in_8bit=True)
+    if a.type != "qlora":
         return None
     from transformers import BitsAndBytesConfig
 
-    a = recipe.adapter
     return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type=a.quant_type,
                               bnb_4bit_use_double_quant=a.double_quant,
                               bnb_4bit_compute_dtype=_torch_dtype(a.compute_dtype),
@@ -99,6 +140,22 @@ def attn_implementation(chosen: str) -> str:
     return chosen
 
 
+def rope_scaled_config(recipe: Recipe):
+    """The model's config with model.rope_scaling merged into its RoPE parameters (transformers 5 calls
+    them rope_parameters; the base's rope_theta stays; the peers' `type` key is read as rope_type)."""
+    from transformers import AutoConfig
+
+    m = recipe.model
+    config = AutoConfig.from_pretrained(model_path(recipe), revision=m.revision, trust_remote_code=m.trust_remote_code)
+    override = dict(m.rope_scaling)
+    if "type" in override:
+        override.setdefault("rope_type", override.pop("type"))
+    params = dict(getattr(config, "rope_parameters", None) or {})
+    params.update(override)
+    config.rope_parameters = params
+    return config
+
+
 def model_kwargs(recipe: Recipe) -> dict:
     """from_pretrained keyword arguments (also used to reload the base for the after-training eval)."""
     m = recipe.model
@@ -106,6 +163,8 @@ def model_kwargs(recipe: Recipe) -> dict:
                   attn_implementation=attn_implementation(m.attn_implementation))
     if not m.allow_pickle:
         kwargs["use_safetensors"] = True
+    if m.rope_scaling:
+        kwargs["config"] = rope_scaled_config(recipe)
     quant = quantization_config(recipe)
     if quant is not None:
         kwargs["quantization_config"] = quant
@@ -119,10 +178,14 @@ def model_kwargs(recipe: Recipe) -> dict:
 
 
 def load_model(recipe: Recipe):
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
+    kwargs = model_kwargs(recipe)
+    auto = AutoModelForCausalLM
+    if recipe.method.type == "reward":  # one score per sequence, on the same backbone
+        auto, kwargs["num_labels"] = AutoModelForSequenceClassification, 1
     try:
-        model = AutoModelForCausalLM.from_pretrained(model_path(recipe), **model_kwargs(recipe))
+        model = auto.from_pretrained(model_path(recipe), **kwargs)
     except OSError as exc:
         hint = ("it has only .bin (pickle) weights; set model.allow_pickle: true if you trust it"
                 if "safetensors" in str(exc) else "check model.name and that the weights are available")
@@ -136,6 +199,10 @@ def load_model(recipe: Recipe):
         from finetune.compat.bnb_cpu_packing import keep_trainable_layout
 
         keep_trainable_layout(model)
+    fit_embeddings(recipe, model)
+    if recipe.method.type == "reward" and model.config.pad_token_id is None:
+        # the score is read at each row's last non-pad token, which needs the pad id
+        model.config.pad_token_id = load_tokenizer(recipe).pad_token_id
     return model
 
 
@@ -149,8 +216,9 @@ def lora_config(recipe: Recipe):
     if targets is None:
         targets = recipe.resolved.lora_targets if recipe.resolved and recipe.resolved.lora_targets else "all-linear"
     return LoraConfig(r=a.r, lora_alpha=a.alpha, lora_dropout=a.dropout, target_modules=targets,
-                      use_dora=a.dora, use_rslora=a.rslora, modules_to_save=a.modules_to_save,
-                      task_type="CAUSAL_LM")
+                      use_dora=a.dora, use_rslora=a.rslora, modules_to_save=list(a.modules_to_save or []) or None,
+                      # SEQ_CLS: peft also trains the new score head (modules_to_save)
+                      task_type="SEQ_CLS" if recipe.method.type == "reward" else "CAUSAL_LM")
 
 
 def adapter_input_casting(recipe: Recipe, model):

@@ -30,3 +30,10 @@ def check_data(recipe: Recipe) -> None:
     template = d.chat_template
     if template and not is_inline_template(template) and anchored(template, base).exists():
         check_data_path(anchored(template, base), key="data.chat_template", **guard)
+    elif template and not is_inline_template(template):
+        from finetune.errors import RecipeError
+        from finetune.registry.chat_templates import named_template, suggest
+
+        if named_template(template) is None:
+            raise RecipeError(f"{template!r} is neither a jinja template, a shipped template name, nor a file",
+                              key="data.chat_template", hint=suggest(template))

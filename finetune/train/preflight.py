@@ -37,7 +37,7 @@ def check_chat_template(recipe: Recipe, tokenizer, sources: list[LoadedSource]) 
         return
     fmts = [s.format for s in recipe.data.sources + recipe.data.eval_sources]
     needs = [(src, fmt) for src, fmt in zip(sources, fmts) if fmt in CHAT_FORMATS
-             or (fmt == "preference" and isinstance(src.records[0]["prompt"], list))]
+             or (fmt in ("preference", "unpaired") and isinstance(src.records[0]["prompt"], list))]
     if needs:
         src, fmt = needs[0]
         raise DataError(f"format {fmt!r} is rendered with a chat template, and the tokenizer of "
@@ -49,12 +49,17 @@ def check_chat_template(recipe: Recipe, tokenizer, sources: list[LoadedSource]) 
 def _tokenize(records: list[dict], tokenizer, *, method: str, assistant_only_loss: bool):
     import datasets
 
-    if method == "dpo":
-        feats = [dpo_features(r, tokenizer) for r in records]
-    else:
-        feats = sft_features_batch(records, tokenizer, assistant_only_loss=assistant_only_loss)
-    rows = [{**f, "_length": features_length(f), "_has_loss": has_loss_tokens(f), "_file": r["_file"],
-             "_row": r["_row"]} for f, r in zip(feats, records)]
+    if method in ("sft", "pretrain", "dpo"):
+        if method == "dpo":
+            feats = [dpo_features(r, tokenizer) for r in records]
+        else:
+            feats = sft_features_batch(records, tokenizer, assistant_only_loss=assistant_only_loss)
+        rows = [{**f, "_length": features_length(f), "_has_loss": has_loss_tokens(f), "_file": r["_file"],
+                 "_row": r["_row"]} for f, r in zip(feats, records)]
+    else:  # kto, orpo, simpo, reward: finetune/train/methods.py
+        from finetune.train.methods import method_rows
+
+        rows = method_rows(records, tokenizer, method=method)
     return datasets.Dataset.from_list(rows)
 
 
@@ -62,7 +67,9 @@ def _enforce_lengths(ds, *, recipe: Recipe, split: str, notes: list[str]):
     max_len, limit = recipe.data.max_length, recipe.data.max_too_long_fraction
     total = len(ds)
     lengths, files, rows = ds["_length"], ds["_file"], ds["_row"]
-    too_long = [i for i, n in enumerate(lengths) if n > max_len]
+    # packed continued pre-training splits long documents across rows (bfd_split): none is too long
+    split_long = recipe.method.type == "pretrain" and recipe.data.packing
+    too_long = [] if split_long else [i for i, n in enumerate(lengths) if n > max_len]
     if too_long and len(too_long) / total > limit:
         first = too_long[0]
         raise DataError(f"row {rows[first]}: {len(too_long)} of {total} {split} examples "
@@ -100,12 +107,21 @@ def prepare_data(recipe: Recipe, tokenizer, *, state) -> PreparedData:
     check_chat_template(recipe, tokenizer, train_sources + eval_sources)
 
     def describe(srcs, cfgs):
-        return [{"data": s.fingerprint, "format": c.format, "columns": c.columns, "max_samples": c.max_samples}
-                for s, c in zip(srcs, cfgs)]
+        return [{"data": s.fingerprint, "format": c.format, "columns": c.columns, "max_samples": c.max_samples,
+                 "split": c.split, "weight": c.weight} for s, c in zip(srcs, cfgs)]
 
     parts = {"train": describe(train_sources, d.sources), "eval": describe(eval_sources, d.eval_sources),
              "eval_fraction": d.eval_fraction, "seed": d.seed, "max_length": d.max_length,
              "method": recipe.method.type, "packing": d.packing, "assistant_only_loss": d.assistant_only_loss}
+    if any(s.streaming for s in d.sources):  # read lazily while training; nothing to cache
+        from finetune.train.streaming import streaming_train
+
+        evals = (_enforce_lengths(_tokenize([r for s in eval_sources for r in s.records], tokenizer,
+                                            method=recipe.method.type, assistant_only_loss=d.assistant_only_loss),
+                                  recipe=recipe, split="eval", notes=[]) if eval_sources else None)
+        log.info("tokenized data: streaming the train sources (tokenized as they are read)")
+        return PreparedData(train=streaming_train(recipe, tokenizer), eval=evals, cache_key="streaming",
+                            cache_hit=False, notes=["train sources streamed: only their first rows were checked"])
     key = cache.cache_key(tokenizer_fp=cache.tokenizer_fingerprint(tokenizer), parts=parts)
     root = cache.cache_root(d.cache_dir)
     hit = True
@@ -127,7 +143,15 @@ def _build(recipe: Recipe, tokenizer, train_sources, eval_sources):
     import datasets
 
     kw = dict(tokenizer=tokenizer, method=recipe.method.type, assistant_only_loss=recipe.data.assistant_only_loss)
-    train = _tokenize([r for s in train_sources for r in s.records], **kw)
+    weights = [s.weight for s in recipe.data.sources]
+    if len(train_sources) > 1 and any(w is not None for w in weights):
+        # mixing by weight: draw from each source in proportion until every one is used up
+        parts = [_tokenize(s.records, **kw) for s in train_sources]
+        total = sum(w or 1.0 for w in weights)
+        train = datasets.interleave_datasets(parts, probabilities=[(w or 1.0) / total for w in weights],
+                                             seed=recipe.data.seed, stopping_strategy="all_exhausted")
+    else:
+        train = _tokenize([r for s in train_sources for r in s.records], **kw)
     out = {"train": train}
     if eval_sources:
         out["eval"] = _tokenize([r for s in eval_sources for r in s.records], **kw)

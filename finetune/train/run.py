@@ -181,6 +181,9 @@ def _callbacks(session: _Session, *, preempt) -> list:
         from finetune.train.checkpointing import PartialCheckpointing
 
         callbacks.append(PartialCheckpointing(k))
+    from finetune.train.cadence import cadence_callbacks
+
+    callbacks += cadence_callbacks(recipe, has_eval=session.data.eval is not None)
     if recipe.logging.profile_steps:
         from finetune.train.profile import ProfilerCallback
 

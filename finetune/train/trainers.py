@@ -39,6 +39,8 @@ def _checkpointing_args(on: bool) -> dict:
 
 
 def common_args(recipe: Recipe, *, run_dir: Path, has_eval: bool) -> dict:
+    from finetune.train.cadence import cadence_args
+
     t, r = recipe.train, recipe.resolved
     cuda = r.device == "cuda"
     checkpointing = trainer_checkpointing(recipe)
@@ -53,10 +55,11 @@ def common_args(recipe: Recipe, *, run_dir: Path, has_eval: bool) -> dict:
         max_steps=t.max_steps if t.max_steps is not None else -1,
         learning_rate=t.lr,
         lr_scheduler_type=t.scheduler,
-        warmup_steps=t.warmup_ratio,  # < 1 is a share of the total steps in transformers 5
         weight_decay=t.weight_decay,
         max_grad_norm=t.max_grad_norm,
         optim=_optimizer(t.optimizer, cuda=cuda),
+        adam_beta1=t.adam_beta1, adam_beta2=t.adam_beta2, adam_epsilon=t.adam_epsilon,
+        neftune_noise_alpha=t.neftune_noise_alpha,
         bf16=t.precision == "bf16",
         fp16=t.precision == "fp16",
         **_checkpointing_args(checkpointing),
@@ -66,10 +69,6 @@ def common_args(recipe: Recipe, *, run_dir: Path, has_eval: bool) -> dict:
         logging_first_step=True,
         logging_nan_inf_filter=False,  # the default hides NaN losses from the logs (and from our policy)
         include_num_input_tokens_seen="non_padding",
-        eval_strategy="steps" if has_eval and t.eval_steps else "no",
-        eval_steps=t.eval_steps,
-        save_strategy="steps" if recipe.output.save_every else "no",
-        save_steps=recipe.output.save_every or 500,
         save_total_limit=recipe.output.keep,
         report_to=report,
         project=recipe.logging.project or "finetune",
@@ -79,6 +78,8 @@ def common_args(recipe: Recipe, *, run_dir: Path, has_eval: bool) -> dict:
         dataloader_pin_memory=cuda,
         disable_tqdm=True,  # finetune.train.progress prints one line per logged step instead
         **liger_args(recipe),
+        # evaluation/save cadence, warmup (< 1 is a share of the total steps in transformers 5), schedule
+        **cadence_args(recipe, has_eval=has_eval),
     )
     return args
 
@@ -118,7 +119,8 @@ def sft_config(recipe: Recipe, *, run_dir: Path, has_eval: bool):
         # builds a block-diagonal mask from those position_ids for sdpa/eager too (masking_utils,
         # find_packed_sequence_indices), so packed examples never attend to each other with any attention
         # implementation; flash-attention just does it without materializing the mask.
-        packing_strategy="bfd",
+        # continued pre-training splits long documents across packed rows instead of truncating them
+        packing_strategy="bfd_split" if recipe.method.type == "pretrain" else "bfd",
         padding_free=d.packing,
         # the loss mask is already in our `labels` column (see finetune/train/tokenize.py)
         assistant_only_loss=False,
@@ -140,7 +142,11 @@ def dpo_config(recipe: Recipe, *, run_dir: Path, has_eval: bool):
 
 
 def training_args(recipe: Recipe, *, run_dir: Path, has_eval: bool):
-    build = sft_config if recipe.method.type == "sft" else dpo_config
+    from finetune.train.methods import is_method_here, method_config
+
+    if is_method_here(recipe):  # kto, orpo, simpo, reward
+        return method_config(recipe, common_args(recipe, run_dir=run_dir, has_eval=has_eval))
+    build = dpo_config if recipe.method.type == "dpo" else sft_config  # sft and pretrain: SFTTrainer
     return build(recipe, run_dir=run_dir, has_eval=has_eval)
 
 
@@ -148,13 +154,20 @@ def build_trainer(recipe: Recipe, *, args, model, tokenizer, data, callbacks: li
     """The TRL trainer. `args` must be built before the model is loaded: under ZeRO-3 the
     TrainingArguments switch from_pretrained to partitioned (zero.Init) loading."""
     from finetune.train.model import lora_config
+    from finetune.train.optim import with_optimizer
 
     peft_config = lora_config(recipe)
-    if recipe.method.type == "sft":
+    from finetune.train.methods import is_method_here, method_trainer
+
+    if is_method_here(recipe):
+        return method_trainer(recipe, args=args, model=model, tokenizer=tokenizer, data=data,
+                              callbacks=callbacks, peft_config=peft_config)
+    if recipe.method.type in ("sft", "pretrain"):
         from trl import SFTTrainer
 
-        return SFTTrainer(model=model, args=args, train_dataset=data.train, eval_dataset=data.eval,
-                          processing_class=tokenizer, peft_config=peft_config, callbacks=callbacks)
+        sft = with_optimizer(SFTTrainer, recipe)
+        return sft(model=model, args=args, train_dataset=data.train, eval_dataset=data.eval,
+                   processing_class=tokenizer, peft_config=peft_config, callbacks=callbacks)
     from finetune.train.dpo import PretokenizedDPOTrainer
 
     ref_model = None
@@ -163,9 +176,9 @@ def build_trainer(recipe: Recipe, *, args, model, tokenizer, data, callbacks: li
 
         ref_model = load_model(recipe)  # a frozen, separate base copy
     # full + copy: DPOTrainer builds the frozen copy itself from the model's path
-    return PretokenizedDPOTrainer(model=model, ref_model=ref_model, args=args, train_dataset=data.train,
-                                  eval_dataset=data.eval, processing_class=tokenizer, peft_config=peft_config,
-                                  callbacks=callbacks)
+    dpo = with_optimizer(PretokenizedDPOTrainer, recipe)
+    return dpo(model=model, ref_model=ref_model, args=args, train_dataset=data.train, eval_dataset=data.eval,
+               processing_class=tokenizer, peft_config=peft_config, callbacks=callbacks)
 
 
 def _optimizer(name: str, *, cuda: bool) -> str:

@@ -1,0 +1,162 @@
+"""`finetune convert`: a peer's training config (axolotl, LLaMA-Factory, TRL) -> a finetune recipe.
+
+    convert_file(path, source=..., output=...) -> Conversion     (also writes the recipe YAML)
+
+(The package is `peers`, not `convert`, so that `finetune.convert`, the API function, stays a function.)
+
+Each peer module maps what it knows onto our keys; keys left over are mapped through the shared alias
+table (finetune/recipe/aliases.py) and whatever remains is written into the recipe as a comment saying
+why it was not mapped. A dropped key is "material" when it changes what is trained (a loss setting, a
+dataset, a method), and then the CLI exits non-zero. The DeepSpeed and accelerate files a config names
+are read for the strategy they ask for. Pure: no heavy imports; the result is validated by load_recipe.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from finetune.errors import FinetuneError, RecipeError
+
+SOURCES = ("axolotl", "llamafactory", "trl")
+
+
+@dataclass
+class Dropped:
+    key: str
+    value: Any
+    reason: str
+    material: bool
+
+
+@dataclass
+class Conversion:
+    source: str
+    raw: dict
+    config_dir: Path
+    out_dir: Path
+    recipe: dict = field(default_factory=dict)
+    used: set[str] = field(default_factory=set)
+    dropped: list[Dropped] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    error: str | None = None  # the converted recipe's validation error, if any
+
+    # -- helpers for the peer modules --------------------------------------------------------
+    def take(self, key: str, default: Any = None) -> Any:
+        self.used.add(key)
+        value = self.raw.get(key)
+        return default if value is None else value
+
+    def has(self, key: str) -> bool:
+        return self.raw.get(key) is not None
+
+    def set(self, path: str, value: Any) -> None:
+        *parents, last = path.split(".")
+        node = self.recipe
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[last] = value
+
+    def get(self, path: str, default: Any = None) -> Any:
+        node: Any = self.recipe
+        for part in path.split("."):
+            if not isinstance(node, dict) or part not in node:
+                return default
+            node = node[part]
+        return node
+
+    def drop(self, key: str, value: Any, reason: str, *, material: bool = True) -> None:
+        self.used.add(key)
+        self.dropped.append(Dropped(key, value, reason, material))
+
+    def local_path(self, path: str) -> str:
+        """A data/file path as the written recipe must say it (relative to the recipe's directory)."""
+        candidate = Path(os.path.expanduser(path))
+        for base in (self.config_dir, Path.cwd()):
+            full = candidate if candidate.is_absolute() else base / candidate
+            if full.exists():
+                return os.path.relpath(full.resolve(), self.out_dir.resolve())
+        return path  # a Hub id, or a file that is not here yet
+
+    @property
+    def material(self) -> list[Dropped]:
+        return [d for d in self.dropped if d.material]
+
+
+def read_mapping(path: Path, *, what: str) -> dict:
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise RecipeError(f"cannot read the {what}: {exc}", file=str(path)) from None
+    try:
+        data = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
+    except (ValueError, yaml.YAMLError) as exc:
+        raise RecipeError(f"the {what} is not valid {'JSON' if path.suffix == '.json' else 'YAML'}: {exc}",
+                          file=str(path)) from None
+    if not isinstance(data, dict):
+        raise RecipeError(f"the {what} must be a mapping", file=str(path))
+    return data
+
+
+def convert_mapping(raw: dict, *, source: str, config_dir: Path, out_dir: Path,
+                    method: str | None = None) -> Conversion:
+    from finetune.peers import axolotl, llamafactory, trl
+    from finetune.peers.common import map_aliases
+
+    if source not in SOURCES:
+        raise RecipeError(f"unknown source {source!r}", hint=f"use --from {' | '.join(SOURCES)}")
+    conv = Conversion(source=source, raw=dict(raw), config_dir=config_dir, out_dir=out_dir)
+    module = {"axolotl": axolotl, "llamafactory": llamafactory, "trl": trl}[source]
+    if source == "trl":
+        module.convert(conv, method=method)
+    else:
+        module.convert(conv)
+    map_aliases(conv, ignore=module.IGNORED)
+    _validate(conv)
+    return conv
+
+
+def _validate(conv: Conversion) -> None:
+    from finetune.recipe.load import load_recipe
+
+    try:
+        load_recipe(conv.recipe)
+    except FinetuneError as err:
+        conv.error = err.render()
+
+
+def render(conv: Conversion) -> str:
+    """The recipe YAML, with the unmapped keys as comments at the end (each with its reason)."""
+    head = [f"# converted by `finetune convert --from {conv.source}`; check every commented line below"]
+    head += [f"# note: {n}" for n in conv.notes]
+    if conv.error:
+        head += ["# this recipe does not validate yet:"] + [f"#   {line}" for line in conv.error.splitlines()]
+    body = yaml.safe_dump(conv.recipe, sort_keys=False) if conv.recipe else ""
+    tail = []
+    if conv.dropped:
+        tail.append(f"# --- not mapped from the {conv.source} config ---")
+        for d in conv.dropped:
+            shown = yaml.safe_dump({d.key: d.value}, default_flow_style=True, width=10_000).strip()[1:-1]
+            tail.append(f"# {shown}   # {'NOT MAPPED' if d.material else 'ignored'}: {d.reason}")
+    return "\n".join(head) + "\n" + body + ("\n".join(tail) + "\n" if tail else "")
+
+
+def convert_file(path: str | Path, *, source: str, output: str | Path | None = None,
+                 method: str | None = None) -> Conversion:
+    """Convert the peer config at `path`; write the recipe to `output` (when given)."""
+    path = Path(path)
+    out = Path(output) if output else None
+    raw = read_mapping(path, what=f"{source} config")
+    conv = convert_mapping(raw, source=source, config_dir=path.resolve().parent,
+                           out_dir=(out.resolve().parent if out else Path.cwd()), method=method)
+    if out is not None:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = out.with_name(out.name + ".tmp")
+        tmp.write_text(render(conv), encoding="utf-8")
+        os.replace(tmp, out)  # never a half-written recipe
+    return conv

@@ -1,0 +1,145 @@
+"""LLaMA-Factory's YAML config (model_name_or_path, stage, finetuning_type, dataset names) -> a recipe.
+
+Dataset names are looked up in `dataset_info.json` under `dataset_dir` (default: data/ next to the
+config, then the current directory), as LLaMA-Factory does.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from finetune.peers import Conversion
+from finetune.peers.common import (
+    as_list,
+    deepspeed_file,
+    optimizer,
+    scheduler,
+    template,
+)
+
+IGNORED = {k: "finetune decides this itself or has no such switch" for k in (
+    "do_train", "do_eval", "do_predict", "overwrite_cache", "preprocessing_num_workers", "plot_loss",
+    "overwrite_output_dir", "save_only_model", "ddp_timeout", "per_device_eval_batch_size", "flash_attn",
+    "dataloader_num_workers", "resume_from_checkpoint", "enable_liger_kernel", "use_unsloth", "infer_backend",
+    "tokenized_path", "streaming", "buffer_size", "mix_strategy", "trust_remote_code_hf", "logging_dir",
+    "disable_gradient_checkpointing", "upcast_layernorm", "upcast_lmhead_output", "print_param_status",
+    "include_num_input_tokens_seen", "save_strategy", "eval_strategy", "evaluation_strategy",
+    "create_new_adapter", "packing_strategy")}
+STAGES = {"sft": "sft", "pt": "pretrain", "dpo": "dpo", "kto": "kto", "rm": "reward"}
+PREF_LOSS = {"orpo": ("orpo", None), "simpo": ("simpo", None), "sigmoid": ("dpo", "sigmoid"), "ipo": ("dpo", "ipo"),
+             "hinge": ("dpo", "hinge")}
+
+
+def _dataset_info(conv: Conversion) -> tuple[dict, Path] | tuple[None, None]:
+    folder = Path(str(conv.take("dataset_dir") or "data"))
+    for base in (conv.config_dir, Path.cwd()):
+        path = (folder if folder.is_absolute() else base / folder) / "dataset_info.json"
+        if path.is_file():
+            try:
+                return json.loads(path.read_text(encoding="utf-8")), path.parent
+            except ValueError:
+                return None, None
+    return None, None
+
+
+def _source(conv: Conversion, name: str, info: dict | None, folder: Path | None, key: str) -> dict | None:
+    entry = (info or {}).get(name)
+    if entry is None:
+        conv.drop(key, name, "not found in dataset_info.json (dataset_dir); add it to data.sources by path")
+        return None
+    if entry.get("file_name"):
+        src = {"path": conv.local_path(str(folder / entry["file_name"]))}
+    elif entry.get("hf_hub_url"):
+        src = {"path": entry["hf_hub_url"]}
+        if entry.get("subset"):
+            src["subset"] = entry["subset"]
+        if entry.get("split"):
+            src["split"] = entry["split"]
+    else:
+        conv.drop(key, name, "dataset_info.json entry without file_name or hf_hub_url (ms/om hubs are not read)")
+        return None
+    columns = entry.get("columns") or {}
+    sharegpt = entry.get("formatting") == "sharegpt"
+    if entry.get("ranking"):
+        src["format"] = "preference"  # conversations + chosen/rejected objects are recognized as they are
+        mapped = {ours: columns[theirs] for ours, theirs in (("chosen", "chosen"), ("rejected", "rejected"))
+                  if columns.get(theirs) and columns[theirs] != ours}
+        if mapped:
+            src["columns"] = mapped
+    elif columns.get("kto_tag"):
+        src["format"] = "unpaired"
+        src["columns"] = {"label": columns["kto_tag"]}
+        conv.notes.append(f"{key}: KTO rows read as prompt/completion/label; map prompt/completion with "
+                          f"data.sources[].columns if they are named otherwise")
+    elif sharegpt:
+        src["format"] = "sharegpt"
+        if columns.get("messages", "conversations") != "conversations":
+            src["columns"] = {"conversations": columns["messages"]}
+    elif conv.get("method.type") == "pretrain":
+        src["format"] = "text"
+        if columns.get("prompt", "text") != "text":
+            src["columns"] = {"text": columns["prompt"]}
+    else:
+        src["format"] = "alpaca"
+        mapped = {ours: columns[theirs] for ours, theirs in (("instruction", "prompt"), ("input", "query"),
+                                                             ("output", "response")) if columns.get(theirs)}
+        mapped = {k: v for k, v in mapped.items() if k != v}
+        if mapped:
+            src["columns"] = mapped
+    return src
+
+
+def convert(conv: Conversion) -> None:
+    conv.set("model.name", conv.take("model_name_or_path", ""))
+    stage = str(conv.take("stage", "sft"))
+    if stage in STAGES:
+        conv.set("method.type", STAGES[stage])
+    else:
+        conv.drop("stage", stage, f"stage {stage!r} is not offered (sft, pt, dpo, kto, rm)")
+    if conv.has("pref_loss"):
+        loss = str(conv.take("pref_loss"))
+        if loss in PREF_LOSS:
+            method, loss_type = PREF_LOSS[loss]
+            conv.set("method.type", method)
+            if loss_type:
+                conv.set("method.loss_type", loss_type)
+        else:
+            conv.drop("pref_loss", loss, "no such preference loss here")
+    kind = conv.take("finetuning_type", "lora")
+    bits = conv.take("quantization_bit")
+    if kind == "full":
+        conv.set("adapter.type", "full")
+    elif kind == "lora":
+        conv.set("adapter.type", "qlora" if bits == 4 else "lora")
+        if bits == 8:
+            conv.set("adapter.load_in_8bit", True)
+        target = conv.take("lora_target")
+        if target is not None:
+            conv.set("adapter.target_modules", "all-linear" if target == "all" else as_list(target))
+    else:
+        conv.drop("finetuning_type", kind, f"finetuning_type {kind!r} is not offered (full, lora)")
+    info, folder = _dataset_info(conv)
+    for ours, theirs in (("data.sources", "dataset"), ("data.eval_sources", "eval_dataset")):
+        names = as_list(conv.take(theirs))
+        sources = [s for i, n in enumerate(names) if (s := _source(conv, n, info, folder, f"{theirs}[{i}]"))]
+        if sources:
+            conv.set(ours, sources)
+    max_samples = conv.take("max_samples")
+    if max_samples:
+        for src in conv.get("data.sources", []):
+            src["max_samples"] = max_samples
+    template(conv, "template")
+    optimizer(conv, "optim")
+    scheduler(conv, "lr_scheduler_type")
+    micro, accumulation = conv.take("per_device_train_batch_size"), conv.take("gradient_accumulation_steps")
+    if micro:
+        conv.set("train.micro_batch_size", micro)
+        conv.set("train.global_batch_size", micro * (accumulation or 1))
+        conv.notes.append("train.global_batch_size is per_device_train_batch_size x gradient_accumulation_steps of "
+                          "ONE GPU; multiply it by your GPU count for the same effective batch")
+    if conv.has("val_size"):
+        conv.set("data.eval_fraction", conv.take("val_size"))
+    deepspeed_file(conv, "deepspeed")
+    if conv.has("report_to"):
+        conv.set("logging.report_to", as_list(conv.take("report_to")))
