@@ -35,6 +35,7 @@ def _add_recipe_args(p: argparse.ArgumentParser, *, hardware=True):
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="finetune", description="Plan, compile, run and publish LLM fine-tunes "
                                                    "from one YAML recipe.")
+    parser.add_argument("--version", action="version", version=f"finetune {_version()}")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
     p = sub.add_parser("validate", help="check a recipe (schema, conflicts) and exit")
@@ -69,11 +70,33 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--public", action="store_true", help="make the repo public (default private)")
     p.add_argument("--revision", default=None, help="branch to push to")
 
+    _add_after_training_commands(sub)
+
     p = sub.add_parser("presets", help="list hardware presets")
     p.add_argument("--json", action="store_true")
     p = sub.add_parser("models", help="list known model architectures")
     p.add_argument("--json", action="store_true")
     return parser
+
+
+def _version() -> str:
+    from finetune import __version__
+
+    return __version__
+
+
+def _add_after_training_commands(sub) -> None:
+    """Trying, measuring and reporting: generate, eval, env."""
+    p = sub.add_parser("env", help="versions of the stack, GPUs, CUDA, what --hardware auto sees")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+def _cmd_env(args):
+    from finetune.envreport import collect, render
+
+    report = collect()
+    print(json.dumps(report, indent=2) if args.json else render(report))
+    return 0
 
 
 def _cmd_validate(args):
@@ -170,6 +193,7 @@ def _cmd_models(args):
 COMMANDS = {
     "validate": _cmd_validate, "plan": _cmd_plan, "compile": _cmd_compile, "run": _cmd_run,
     "merge": _cmd_merge, "push": _cmd_push, "presets": _cmd_presets, "models": _cmd_models,
+    "env": _cmd_env,
 }
 
 

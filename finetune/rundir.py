@@ -9,6 +9,8 @@
       loss.png               the loss curve
       memory/rank-K.json     each rank's peak memory, rewritten at every logged step
       profile/               torch.profiler traces (logging.profile_steps)
+      tensorboard/, wandb/, mlruns/, trackio/   the trackers' own files (finetune/trackers.py)
+      eval/                  `finetune eval`: lm-evaluation-harness results per model (base, trained)
       logs/                  launcher logs and the main rank's error (rank-error.json)
       checkpoints/checkpoint-N
 """
@@ -33,6 +35,12 @@ PROFILE_DIR = "profile"
 LOGS_DIR = "logs"
 RANK_ERROR = f"{LOGS_DIR}/rank-error.json"  # the main rank's FinetuneError, read by the launching API
 CHECKPOINTS = "checkpoints"  # the Trainer's checkpoint-N directories
+TENSORBOARD_DIR = "tensorboard"
+MLFLOW_DIR = "mlruns"
+TRACKIO_DIR = "trackio"
+WANDB_DIR = "wandb"  # wandb writes under WANDB_DIR/wandb; WANDB_DIR is RUN_DIR
+EVAL_DIR = "eval"  # `finetune eval`: eval/<label>.json, lm-eval's results per model
+MODEL_CARD = "README.md"  # written by libraries' save_pretrained; finetune keeps none in RUN_DIR
 
 # summary.json keys that other parts read (the model card, the Hub push, benchmarks)
 SUMMARY_STEPS = "steps"
@@ -41,6 +49,11 @@ SUMMARY_FINAL_LOSS = "final_train_loss"
 SUMMARY_BEST_EVAL = "best_eval_loss"
 SUMMARY_TOKENS = "tokens_seen"
 SUMMARY_TOKENS_PER_S = "tokens_per_second"
+SUMMARY_EVAL_AFTER = "eval_loss_final"
+SUMMARY_TASK_EVAL_BEFORE = "task_eval_before"
+SUMMARY_TASK_EVAL_AFTER = "task_eval_after"
+SUMMARY_VERSIONS = "versions"  # the stack the run trained with: {package: version}
+SUMMARY_LM_EVAL = "lm_eval"  # `finetune eval`: {task: {metric: {"base": x, "trained": y}}} and its settings
 
 
 def launch_log(node_rank: int) -> str:

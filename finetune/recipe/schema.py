@@ -206,9 +206,17 @@ class HubSection(Strict):
 
 
 class LoggingSection(Strict):
-    report_to: list[Literal["tensorboard", "wandb", "mlflow", "none"]] = Field(
+    report_to: list[Literal["tensorboard", "wandb", "mlflow", "trackio", "none"]] = Field(
         default_factory=lambda: ["tensorboard"])
     project: str | None = None
+    run_name: str | None = Field(None, description="the run's name in every tracker; default: the run "
+                                                   "directory's name")
+    entity: str | None = Field(None, description="wandb team or user the run is logged under (WANDB_ENTITY)")
+    offline: bool = Field(False, description="trackers write only inside RUN_DIR (wandb offline mode, "
+                                             "mlflow file store RUN_DIR/mlruns, trackio local); sync later")
+    loss_log_scale: bool = Field(False, description="loss.png: logarithmic loss axis")
+    loss_smoothing: float = Field(0.9, ge=0, lt=1, description="loss.png: weight of the past in the "
+                                                                 "smoothed line (EMA); 0 draws no smoothed line")
     # [start, stop]: torch.profiler over optimizer steps start..stop-1 -> RUN_DIR/profile/ (finetune/train/profile.py)
     profile_steps: tuple[int, int] | None = None
 

@@ -13,9 +13,11 @@ import os
 from datetime import timedelta
 from pathlib import Path
 
+from finetune import rundir
 from finetune.errors import FinetuneError, RecipeError
 from finetune.recipe.load import load_recipe
-from finetune.train.callbacks import CommitCallback, MetricsCallback, NonFiniteCallback, read_metrics
+from finetune.train.callbacks import (CommitCallback, LibraryCardCallback, MetricsCallback, NonFiniteCallback,
+                                      read_metrics)
 from finetune.train.checkpoint import ZERO3, check_resume, prepare_checkpoints, resolve_resume
 from finetune.train.integrity import recipe_fields
 
@@ -71,8 +73,12 @@ def run_rank(resolved_path: str | Path, *, resume: str = "auto") -> dict | None:
 
 def _run(recipe, *, state, run_dir: Path, resume: str, preempt) -> dict | None:
 
+    from finetune.trackers import apply_tracker_env, check_trackers
     from finetune.train import taskeval
     from finetune.train.model import adapter_input_casting, load_model, load_tokenizer
+
+    check_trackers(recipe)  # before anything is loaded (finetune run checks it before launching, too)
+    apply_tracker_env(recipe, run_dir)  # before the Trainer builds its tracker callbacks
     from finetune.train.preflight import prepare_data
     from finetune.train.trainers import build_trainer, training_args
 
@@ -116,7 +122,7 @@ def _run(recipe, *, state, run_dir: Path, resume: str, preempt) -> dict | None:
     from finetune.train.memory_report import PeakMemoryCallback
     from finetune.train.progress import ConsoleProgress
 
-    callbacks = [MetricsCallback(run_dir), PeakMemoryCallback(run_dir), ConsoleProgress(),
+    callbacks = [MetricsCallback(run_dir, recipe=recipe), LibraryCardCallback(), PeakMemoryCallback(run_dir), ConsoleProgress(),
                  NonFiniteCallback(policy=recipe.train.on_nonfinite, max_bad_steps=recipe.train.max_bad_steps),
                  CommitCallback(run_dir, fields=recipe_fields(recipe), strategy=recipe.distributed.strategy,
                                 keep=recipe.output.keep),
@@ -147,6 +153,9 @@ def _run(recipe, *, state, run_dir: Path, resume: str, preempt) -> dict | None:
     trainer.save_model(str(run_dir))  # every rank: FSDP/ZeRO-3 gather the weights collectively
     if state.is_main_process:
         tokenizer.save_pretrained(run_dir)
+        from finetune.modelcard import remove_library_card
+
+        remove_library_card(run_dir, made_by="peft")  # `finetune push` writes the real card
     state.wait_for_everyone()
     if cases and state.is_main_process:
         trained = taskeval.load_trained(recipe, run_dir)
@@ -154,6 +163,9 @@ def _run(recipe, *, state, run_dir: Path, resume: str, preempt) -> dict | None:
     if not state.is_main_process:
         return None
     summary.update(_train_figures(recipe, run_dir, trainer, result))
+    from finetune.envreport import stack_versions
+
+    summary[rundir.SUMMARY_VERSIONS] = stack_versions()  # for the model card
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     print(format_summary(summary), flush=True)
     return summary

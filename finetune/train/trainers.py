@@ -9,8 +9,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from finetune.errors import RecipeError
-from finetune.recipe.load import recipe_name
 from finetune.recipe.schema import Recipe
+from finetune.trackers import training_arguments
 from finetune.train.checkpoint import CHECKPOINTS
 
 OPTIMIZERS = {"adamw_8bit": "adamw_8bit", "paged_adamw_8bit": "paged_adamw_8bit"}
@@ -44,10 +44,9 @@ def common_args(recipe: Recipe, *, run_dir: Path, has_eval: bool) -> dict:
     t, r = recipe.train, recipe.resolved
     cuda = r.device == "cuda"
     checkpointing = trainer_checkpointing(recipe)
-    report = [x for x in recipe.logging.report_to if x != "none"] or "none"
     args = dict(
         output_dir=str(run_dir / CHECKPOINTS),
-        run_name=recipe_name(recipe),
+        **training_arguments(recipe, run_dir),
         per_device_train_batch_size=_micro_batch(recipe),
         per_device_eval_batch_size=_micro_batch(recipe),
         gradient_accumulation_steps=r.gradient_accumulation_steps,
@@ -73,8 +72,6 @@ def common_args(recipe: Recipe, *, run_dir: Path, has_eval: bool) -> dict:
         save_strategy="steps" if recipe.output.save_every else "no",
         save_steps=recipe.output.save_every or 500,
         save_total_limit=recipe.output.keep,
-        report_to=report,
-        project=recipe.logging.project or "finetune",
         ddp_timeout=int(recipe.distributed.timeout_minutes * 60),
         use_cpu=not cuda,
         dataloader_num_workers=2 if cuda else 0,
