@@ -28,5 +28,12 @@ def push(run_dir, **kwargs):
     return _push(run_dir, **kwargs)
 
 
+def generate(run_dir, prompts, **kwargs):
+    """Completions of a prompt or a list of prompts by a run's model (see finetune.inference.generate)."""
+    from finetune.inference import generate as _generate
+
+    return _generate(run_dir, prompts, **kwargs)
+
+
 __all__ = ["Recipe", "FinetuneError", "load_recipe", "plan", "make_plan", "compile", "run",
-           "merge", "push", "__version__"]
+           "merge", "push", "generate", "__version__"]

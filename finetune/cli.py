@@ -86,9 +86,52 @@ def _version() -> str:
 
 
 def _add_after_training_commands(sub) -> None:
-    """Trying, measuring and reporting: generate, eval, env."""
+    """After training: try the model (generate), report the environment (env)."""
+    p = sub.add_parser("generate", help="try a trained run: one prompt, a file of prompts, or a chat")
+    p.add_argument("run_dir")
+    p.add_argument("prompt", nargs="?", help="one prompt (streamed to the console)")
+    p.add_argument("--file", help="prompts: .jsonl ({\"prompt\"} or {\"messages\"} rows) or text, one per line")
+    p.add_argument("--chat", action="store_true", help="interactive chat with the model's chat template")
+    p.add_argument("--merged", action="store_true", help="use the merged model (RUN_DIR/merged)")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0, help="0: greedy (default)")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--batch-size", type=int, default=8, help="prompts per generate call (--file)")
+    p.add_argument("--system", default=None, help="a system message before each prompt")
+    p.add_argument("--no-chat-template", action="store_true", help="send prompts as raw text")
+    p.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default=None)
+    p.add_argument("-o", "--output", default=None, help="--file: write {prompt, completion} JSON lines here")
+
     p = sub.add_parser("env", help="versions of the stack, GPUs, CUDA, what --hardware auto sees")
     p.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+def _cmd_generate(args):
+    from finetune import inference as gen
+
+    settings = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
+                    chat_template=not args.no_chat_template, system=args.system)
+    chosen = [name for name, on in (("PROMPT", args.prompt), ("--file", args.file), ("--chat", args.chat)) if on]
+    if len(chosen) != 1:
+        raise FinetuneError(f"give exactly one of PROMPT, --file or --chat (got {', '.join(chosen) or 'none'})",
+                            hint='finetune generate RUN_DIR "Hello", --file prompts.jsonl, or --chat')
+    if args.chat:
+        return gen.chat(args.run_dir, merged=args.merged, dtype=args.dtype, **settings)
+    if args.prompt:
+        gen.generate(args.run_dir, args.prompt, merged=args.merged, dtype=args.dtype, stream=True, **settings)
+        return 0
+    prompts = gen.read_prompts(args.file)
+    replies = gen.generate(args.run_dir, prompts, merged=args.merged, dtype=args.dtype,
+                           batch_size=args.batch_size, **settings)
+    lines = [json.dumps({"prompt": p, "completion": r}, ensure_ascii=False) for p, r in zip(prompts, replies)]
+    if args.output:
+        from pathlib import Path
+
+        Path(args.output).write_text("\n".join(lines) + "\n")
+        print(f"{len(lines)} completions written to {args.output}")
+    else:
+        print("\n".join(lines))
+    return 0
 
 
 def _cmd_env(args):
@@ -193,7 +236,7 @@ def _cmd_models(args):
 COMMANDS = {
     "validate": _cmd_validate, "plan": _cmd_plan, "compile": _cmd_compile, "run": _cmd_run,
     "merge": _cmd_merge, "push": _cmd_push, "presets": _cmd_presets, "models": _cmd_models,
-    "env": _cmd_env,
+    "generate": _cmd_generate, "env": _cmd_env,
 }
 
 

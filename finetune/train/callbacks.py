@@ -78,7 +78,11 @@ def loss_figure(rows: list[dict], *, title: str | None = None, log_scale: bool =
     if evals:
         ax.plot(*zip(*evals), "o-", color="C1", label="eval loss")
     if log_scale:
+        from matplotlib.ticker import LogFormatter
+
         ax.set_yscale("log")
+        ax.yaxis.set_major_formatter(LogFormatter(labelOnlyBase=False))
+        ax.yaxis.set_minor_formatter(LogFormatter(labelOnlyBase=False, minor_thresholds=(2, 0.5)))
     if title:
         ax.set_title(title, fontsize=10)
     ax.set_xlabel("step")
