@@ -4,7 +4,7 @@
     recipe = load_recipe("recipes/llama70b-lora.yaml")
     print(plan(recipe, hardware="server-8xh100").strategy)
 
-Heavy libraries (torch, transformers) are imported only by run/merge/push.
+Heavy libraries (torch, transformers) are imported only by run/merge/push/generate/evaluate.
 """
 
 from finetune.api import compile, make_plan, plan, run
@@ -35,5 +35,12 @@ def generate(run_dir, prompts, **kwargs):
     return _generate(run_dir, prompts, **kwargs)
 
 
+def evaluate(run_dir, tasks, **kwargs):
+    """lm-evaluation-harness tasks on a run's model and its base (see finetune.evaluation.evaluate)."""
+    from finetune.evaluation import evaluate as _evaluate
+
+    return _evaluate(run_dir, tasks, **kwargs)
+
+
 __all__ = ["Recipe", "FinetuneError", "load_recipe", "plan", "make_plan", "compile", "run",
-           "merge", "push", "generate", "__version__"]
+           "merge", "push", "generate", "evaluate", "__version__"]

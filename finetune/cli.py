@@ -86,7 +86,7 @@ def _version() -> str:
 
 
 def _add_after_training_commands(sub) -> None:
-    """After training: try the model (generate), report the environment (env)."""
+    """After training: try the model (generate), measure it (eval), report the environment (env)."""
     p = sub.add_parser("generate", help="try a trained run: one prompt, a file of prompts, or a chat")
     p.add_argument("run_dir")
     p.add_argument("prompt", nargs="?", help="one prompt (streamed to the console)")
@@ -101,6 +101,18 @@ def _add_after_training_commands(sub) -> None:
     p.add_argument("--no-chat-template", action="store_true", help="send prompts as raw text")
     p.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default=None)
     p.add_argument("-o", "--output", default=None, help="--file: write {prompt, completion} JSON lines here")
+
+    p = sub.add_parser("eval", help="lm-evaluation-harness tasks on the trained model and its base")
+    p.add_argument("run_dir")
+    p.add_argument("--tasks", required=True, help="comma-separated lm-eval task names")
+    p.add_argument("--include-path", default=None, help="a directory with your own task YAML files")
+    p.add_argument("--num-fewshot", type=int, default=None)
+    p.add_argument("--limit", type=float, default=None, help="examples per task (a fraction if < 1)")
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--no-base", action="store_true", help="skip the base model")
+    p.add_argument("--merged", action="store_true", help="use the merged model (RUN_DIR/merged)")
+    p.add_argument("--chat-template", action="store_true", help="format prompts with the chat template")
+    p.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default=None)
 
     p = sub.add_parser("env", help="versions of the stack, GPUs, CUDA, what --hardware auto sees")
     p.add_argument("--json", action="store_true", help="print one JSON object")
@@ -131,6 +143,19 @@ def _cmd_generate(args):
         print(f"{len(lines)} completions written to {args.output}")
     else:
         print("\n".join(lines))
+    return 0
+
+
+def _cmd_eval(args):
+    from finetune.evaluation import evaluate, render_table
+
+    limit = int(args.limit) if args.limit is not None and args.limit >= 1 else args.limit
+    entry = evaluate(args.run_dir, args.tasks, include_path=args.include_path, num_fewshot=args.num_fewshot,
+                     limit=limit, batch_size=args.batch_size, base=not args.no_base, merged=args.merged,
+                     apply_chat_template=args.chat_template, dtype=args.dtype)
+    print(render_table(entry))
+    print(f"results: {args.run_dir}/summary.json (lm_eval), {args.run_dir}/eval/; the model card shows them "
+          "at the next `finetune push`")
     return 0
 
 
@@ -236,7 +261,7 @@ def _cmd_models(args):
 COMMANDS = {
     "validate": _cmd_validate, "plan": _cmd_plan, "compile": _cmd_compile, "run": _cmd_run,
     "merge": _cmd_merge, "push": _cmd_push, "presets": _cmd_presets, "models": _cmd_models,
-    "generate": _cmd_generate, "env": _cmd_env,
+    "generate": _cmd_generate, "eval": _cmd_eval, "env": _cmd_env,
 }
 
 

@@ -97,6 +97,23 @@ def write_rank_error(run_dir: Path, *, exit_code: int, message: str) -> None:
     path.write_text(json.dumps({"exit_code": exit_code, "message": message}))
 
 
+def write_json_atomic(path: Path, value) -> None:
+    """Write JSON to a temporary sibling and rename it into place: a reader never sees half a file."""
+    import os
+
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(value, indent=2, default=str) + "\n")
+    os.replace(tmp, path)
+
+
+def update_summary(run_dir: Path, fields: dict) -> dict:
+    """Merge `fields` into RUN_DIR/summary.json (written atomically); returns the new summary."""
+    summary = {**read_summary(run_dir), **fields}
+    write_json_atomic(Path(run_dir) / SUMMARY, summary)
+    return summary
+
+
 def _read_json(path: Path) -> dict:
     try:
         value = json.loads(path.read_text())

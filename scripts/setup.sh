@@ -11,7 +11,7 @@ fi
 export PIP_DISABLE_PIP_VERSION_CHECK=1
 # The CPU torch first: asking pip for plain `torch` would pull a multi-GB CUDA build.
 python -c "import torch" 2>/dev/null || pip install -q torch==2.13.0
-python -c "import finetune, trl, peft, bitsandbytes, hypothesis" 2>/dev/null \
+python -c "import finetune, trl, peft, bitsandbytes, hypothesis, lm_eval" 2>/dev/null \
   || pip install -q -c scripts/constraints.txt -e ".[train,qlora,test]"
 # DeepSpeed ships as an sdist whose build imports torch: build it against the torch above.
 python -c "import deepspeed" 2>/dev/null \
