@@ -3,6 +3,7 @@ ds_config.json, launch.sh, job.sbatch, launch.json} and a LaunchSpec. Pure Pytho
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 from finetune.compile.accelerate import DEEPSPEED_STRATEGIES, accelerate_config, checkpointing_owner
@@ -16,6 +17,7 @@ from finetune.plan.types import Plan
 from finetune.recipe.load import dump_recipe, recipe_dir, recipe_name
 from finetune.recipe.schema import CONCRETE_STRATEGIES, Recipe
 from finetune.registry.schema import HardwarePreset, ModelArch
+from finetune.rundir import JOB_SBATCH
 
 ENTRY_MODULE = "finetune.train"
 RESOLVED_RECIPE = "recipe.resolved.yaml"
@@ -130,18 +132,24 @@ def compile_run(recipe: Recipe, plan: Plan, *, run_dir: str | Path, arch: ModelA
            if plan.num_nodes > 1 else "")))
     spec.files = {name: str(run_dir / name) for name in texts}
     spec.files["launch.sh"] = str(run_dir / "launch.sh")
-    if spec.multi_node:
-        spec.files["job.sbatch"] = str(run_dir / "job.sbatch")
+    spec.files[JOB_SBATCH] = str(run_dir / JOB_SBATCH)  # every run can go to Slurm, one node or many
     spec.files[LAUNCH_JSON] = str(run_dir / LAUNCH_JSON)
     texts["launch.sh"] = render_launch_sh(spec)
-    if spec.multi_node:
-        texts["job.sbatch"] = render_sbatch(spec, job_name=f"finetune-{recipe_name(recipe)}")
+    texts[JOB_SBATCH] = render_sbatch(spec, job_name=f"finetune-{recipe_name(recipe)}",
+                                      **slurm_options(recipe, preset), python_env=sys.prefix)
     texts[LAUNCH_JSON] = json_text(spec.to_json())
 
     # the resolved recipe goes last: a run dir with it present is complete
     for name in sorted(texts, key=lambda n: n == RESOLVED_RECIPE):
-        write_atomic(run_dir / name, texts[name], executable=name in ("launch.sh", "job.sbatch"))
+        write_atomic(run_dir / name, texts[name], executable=name in ("launch.sh", JOB_SBATCH))
     return spec
+
+
+def slurm_options(recipe: Recipe, preset) -> dict:
+    """partition, account, time for job.sbatch: the recipe's slurm section over the preset's."""
+    r = recipe.slurm
+    return {"partition": r.partition or preset.slurm_partition, "account": r.account or preset.slurm_account,
+            "time": r.time or preset.slurm_time}
 
 
 def default_run_dir(recipe: Recipe) -> Path:

@@ -228,6 +228,20 @@ class LoggingSection(Strict):
         return v
 
 
+SLURM_TIME = r"^(\d+-)?\d+(:\d{2}){0,2}$"  # what sbatch --time accepts: MM, HH:MM:SS, D-HH[:MM[:SS]]
+
+
+class SlurmSection(Strict):
+    """Settings of the generated job.sbatch; each overrides the hardware preset's."""
+
+    partition: str | None = Field(None, description="#SBATCH --partition; default: the preset's, else the "
+                                                    "cluster's default partition")
+    account: str | None = Field(None, description="#SBATCH --account; default: the preset's, else none")
+    time: str | None = Field(None, pattern=SLURM_TIME, description="#SBATCH --time limit, e.g. 2-00:00:00 or "
+                                                                   "12:00:00; default: the preset's, else the "
+                                                                   "partition's")
+
+
 class ResolvedSection(Strict):
     """Planner decisions, written by `compile` into recipe.resolved.yaml; users never set it."""
 
@@ -258,6 +272,8 @@ class Recipe(Strict):
     output: OutputSection = Field(default_factory=OutputSection)
     hub: HubSection = Field(default_factory=HubSection)
     logging: LoggingSection = Field(default_factory=LoggingSection)
+    slurm: SlurmSection = Field(default_factory=SlurmSection, description="job.sbatch: partition, account, "
+                                                                          "time limit")
     resolved: ResolvedSection | None = None
     # where the recipe came from: relative data paths are anchored at _source_dir
     _source_dir: str | None = PrivateAttr(None)
