@@ -3,7 +3,7 @@
 lm-eval (`pip install 'finetune[eval]'`) does the evaluation: its HFLM wraps the model we load (the
 adapter on its base, or the merged/full model; see finetune.inference.load), and `simple_evaluate`
 runs the tasks: lm-eval's own, or task YAMLs in a directory of yours (`--include-path`, e.g. a
-local jsonl dataset; see docs/evaluation.md). The base model is evaluated the same way unless
+local jsonl dataset; see docs/after-training.md). The base model is evaluated the same way unless
 `base=False`, so the results come side by side.
 
 Where results go: RUN_DIR/eval/{trained,base}.json (lm-eval's full results), summary.json's `lm_eval`

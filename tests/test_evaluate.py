@@ -1,5 +1,5 @@
-"""`finetune eval`: a small local lm-eval task (a task YAML and a jsonl written here, no network) on a
-tiny model trained in this session, base and trained side by side; the results land in summary.json,
+"""`finetune eval`: the small local lm-eval task shipped in data/lm-eval (a task YAML and a jsonl, no
+network) on a tiny model trained in this session, base and trained side by side; the results land in summary.json,
 eval/, metrics.jsonl and the model card."""
 
 from __future__ import annotations
@@ -8,6 +8,7 @@ import json
 import shutil
 
 import pytest
+from conftest import ROOT
 from trained_run import trained_run
 
 pytest.importorskip("lm_eval", reason="lm-evaluation-harness is the `eval` extra")
@@ -15,39 +16,18 @@ pytest.importorskip("lm_eval", reason="lm-evaluation-harness is the `eval` extra
 from finetune.errors import FinetuneError  # noqa: E402
 from finetune.evaluation import EvalError, evaluate, render_table  # noqa: E402
 
-WORDS = ["esqdmo", "imhi", "eqvtqx", "qbfkzx", "mpqy", "abc", "hello", "cat"]
-
-
-def write_task(directory):
-    """A multiple-choice task: which continuation of `word ->` is the word in capitals."""
-    directory.mkdir()
-    data = directory / "upper.jsonl"
-    data.write_text("".join(json.dumps({"word": w, "choices": [w.upper(), w[::-1], w + w], "label": 0}) + "\n"
-                            for w in WORDS))
-    (directory / "tiny_upper.yaml").write_text(
-        "task: tiny_upper\n"
-        "dataset_path: json\n"
-        f"dataset_kwargs:\n  data_files:\n    test: {data}\n"
-        "test_split: test\n"
-        "output_type: multiple_choice\n"
-        'doc_to_text: "{{word}} ->"\n'
-        'doc_to_choice: "{{choices}}"\n'
-        "doc_to_target: label\n"
-        "metric_list:\n  - metric: acc\n    aggregation: mean\n    higher_is_better: true\n")
-    return directory
-
-
 @pytest.mark.slow
-def test_local_task_base_and_trained_side_by_side(tmp_path, tmp_path_factory):
+def test_local_task_base_and_trained_side_by_side(tmp_path, tmp_path_factory, monkeypatch):
     run = tmp_path / "run"
     shutil.copytree(trained_run(tmp_path_factory.getbasetemp() / "trained"), run)
-    tasks = write_task(tmp_path / "tasks")
-    entry = evaluate(run, "tiny_upper", include_path=tasks, limit=6, batch_size=4)
+    monkeypatch.chdir(ROOT)  # the shipped task's data path is relative to the repository root
+    entry = evaluate(run, "tiny_upper", include_path=ROOT / "data" / "lm-eval", limit=6, batch_size=4,
+                     apply_chat_template=True)
 
     acc = entry["results"]["tiny_upper"]["acc,none"]
     assert set(entry["results"]["tiny_upper"]) == {"acc,none"}
     assert 0 <= acc["base"] <= 1 and 0 <= acc["trained"] <= 1
-    assert entry["limit"] == 6 and entry["tasks"] == ["tiny_upper"]
+    assert entry["limit"] == 6 and entry["tasks"] == ["tiny_upper"] and entry["chat_template"] is True
     for label in ("base", "trained"):  # lm-eval's own results, per model
         saved = json.loads((run / "eval" / f"{label}.json").read_text())
         assert saved["results"]["tiny_upper"]["acc,none"] == acc[label]
