@@ -51,7 +51,8 @@ def public_name(path: str) -> str:
 
 def public_recipe(recipe: Recipe, **dump_options) -> dict:
     """The recipe as JSON with every local path reduced to its name (the card and the uploaded
-    recipe.resolved.yaml): model.name, data paths, output.dir; allow_paths and nvme_path dropped.
+    recipe.resolved.yaml): model.name, data paths, a chat template file, output.dir; allow_paths,
+    cache_dir and nvme_path dropped.
     `dump_options` go to model_dump (e.g. exclude_defaults=True)."""
     data = recipe.model_dump(mode="json", **dump_options)
     if data.get("model", {}).get("name"):
@@ -65,7 +66,10 @@ def public_recipe(recipe: Recipe, **dump_options) -> dict:
         d["path"] = public_name(d["path"])
     if (d.get("task_eval") or {}).get("path"):
         d["task_eval"]["path"] = public_name(d["task_eval"]["path"])
+    if str(d.get("chat_template") or "").endswith(".jinja"):  # a template file, not template text
+        d["chat_template"] = Path(d["chat_template"]).name
     d.pop("allow_paths", None)
+    d.pop("cache_dir", None)
     if (data.get("output") or {}).get("dir"):
         data["output"]["dir"] = Path(data["output"]["dir"]).name
     (data.get("distributed") or {}).pop("nvme_path", None)

@@ -360,3 +360,16 @@ def test_push_access_offline_or_logged_out(hub, monkeypatch, tmp_path):
     hub.whoami = {}  # an empty answer: no user, so no namespace is writable
     with pytest.raises(RecipeError, match="not 'acme' nor a member"):
         check_push_access("acme/x")
+
+
+def test_public_recipe_has_no_local_paths(tmp_path):
+    from finetune.modelcard import public_recipe
+
+    recipe = load_recipe({"model": {"name": str(tmp_path / "base")},
+                          "data": {"path": str(tmp_path / "d" / "train.jsonl"), "cache_dir": str(tmp_path / "c"),
+                                   "chat_template": str(tmp_path / "t.jinja"), "allow_paths": [str(tmp_path)]},
+                          "output": {"dir": str(tmp_path / "runs" / "r1")}})
+    public = public_recipe(recipe)
+    assert str(tmp_path) not in yaml.safe_dump(public)
+    assert public["model"]["name"] == "base" and public["data"]["sources"][0]["path"] == "train.jsonl"
+    assert public["data"]["chat_template"] == "t.jinja" and public["output"]["dir"] == "r1"
