@@ -4,7 +4,7 @@
     recipe = load_recipe("recipes/llama70b-lora.yaml")
     print(plan(recipe, hardware="server-8xh100").strategy)
 
-Heavy libraries (torch, transformers) are imported only by run/merge/push.
+Heavy libraries (torch, transformers) are imported only by run/merge/push/generate/evaluate.
 """
 
 from finetune.api import compile, make_plan, measure, plan, run
@@ -35,5 +35,19 @@ def push(run_dir, **kwargs):
     return _push(run_dir, **kwargs)
 
 
+def generate(run_dir, prompts, **kwargs):
+    """Completions of a prompt or a list of prompts by a run's model (see finetune.inference.generate)."""
+    from finetune.inference import generate as _generate
+
+    return _generate(run_dir, prompts, **kwargs)
+
+
+def evaluate(run_dir, tasks, **kwargs):
+    """lm-evaluation-harness tasks on a run's model and its base (see finetune.evaluation.evaluate)."""
+    from finetune.evaluation import evaluate as _evaluate
+
+    return _evaluate(run_dir, tasks, **kwargs)
+
+
 __all__ = ["Recipe", "FinetuneError", "load_recipe", "plan", "make_plan", "measure", "compile", "run",
-           "merge", "push", "convert", "__version__"]
+           "merge", "push", "convert", "generate", "evaluate", "__version__"]

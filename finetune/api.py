@@ -66,6 +66,19 @@ def compile(recipe, *, hardware: str | None = None, overrides: list[str] | None 
     return compile_recipe(recipe, run_dir=Path(output).resolve() if output else None, hardware=hardware)
 
 
+def check_destinations(recipe: Recipe, *, pushes: bool = True) -> None:
+    """Where the run reports and publishes: each logging.report_to tracker is installed, and for
+    hub.repo (when this process pushes) the Hub token may write there (RecipeError, exit 2, before
+    anything slow)."""
+    from finetune.trackers import check_trackers
+
+    check_trackers(recipe)
+    if recipe.hub.repo and pushes:
+        from finetune.hub import check_push_access
+
+        check_push_access(recipe.hub.repo, private=recipe.hub.private)
+
+
 @dataclass
 class RunResult:
     run_dir: Path
@@ -89,6 +102,8 @@ def run(recipe, *, hardware: str | None = None, overrides: list[str] | None = No
     target = Path(output).resolve() if output else default_run_dir(recipe)
     created = not target.exists()  # bad input must not leave a half-written run dir behind
     try:
+        # trackers installed, Hub push allowed (on the node that pushes): before anything is loaded
+        check_destinations(recipe, pushes=node_rank in (None, 0))
         check_data(recipe)  # paths and rows, before anything is written
         spec = compile(recipe, hardware=hardware, output=target)
         _check_resume(Path(spec.run_dir), resume, world_size=spec.world_size)

@@ -36,6 +36,7 @@ def _add_recipe_args(p: argparse.ArgumentParser, *, hardware=True):
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="finetune", description="Plan, compile, run and publish LLM fine-tunes "
                                                    "from one YAML recipe.")
+    parser.add_argument("--version", action="version", version=f"finetune {_version()}")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
     p = sub.add_parser("validate", help="check a recipe (schema, conflicts) and exit")
@@ -85,12 +86,101 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-o", "--output", required=True, help="the recipe file to write")
     p.add_argument("--method", default=None, choices=["sft", "dpo", "kto", "reward", "orpo", "cpo"],
                    help="trl only: the trl subcommand the config was written for")
+    _add_after_training_commands(sub)
 
     p = sub.add_parser("presets", help="list hardware presets")
     p.add_argument("--json", action="store_true")
     p = sub.add_parser("models", help="list known model architectures")
     p.add_argument("--json", action="store_true")
     return parser
+
+
+def _version() -> str:
+    from finetune import __version__
+
+    return __version__
+
+
+def _add_after_training_commands(sub) -> None:
+    """After training: try the model (generate), measure it (eval), report the environment (env)."""
+    p = sub.add_parser("generate", help="try a trained run: one prompt, a file of prompts, or a chat")
+    p.add_argument("run_dir")
+    p.add_argument("prompt", nargs="?", help="one prompt (streamed to the console)")
+    p.add_argument("--file", help="prompts: .jsonl ({\"prompt\"} or {\"messages\"} rows) or text, one per line")
+    p.add_argument("--chat", action="store_true", help="interactive chat with the model's chat template")
+    p.add_argument("--merged", action="store_true", help="use the merged model (RUN_DIR/merged)")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0, help="0: greedy (default)")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--batch-size", type=int, default=8, help="prompts per generate call (--file)")
+    p.add_argument("--system", default=None, help="a system message before each prompt")
+    p.add_argument("--no-chat-template", action="store_true", help="send prompts as raw text")
+    p.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default=None)
+    p.add_argument("-o", "--output", default=None, help="--file: write {prompt, completion} JSON lines here")
+
+    p = sub.add_parser("eval", help="lm-evaluation-harness tasks on the trained model and its base")
+    p.add_argument("run_dir")
+    p.add_argument("--tasks", required=True, help="comma-separated lm-eval task names")
+    p.add_argument("--include-path", default=None, help="a directory with your own task YAML files")
+    p.add_argument("--num-fewshot", type=int, default=None)
+    p.add_argument("--limit", type=float, default=None, help="examples per task (a fraction if < 1)")
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--no-base", action="store_true", help="skip the base model")
+    p.add_argument("--merged", action="store_true", help="use the merged model (RUN_DIR/merged)")
+    p.add_argument("--chat-template", action="store_true", help="format prompts with the chat template")
+    p.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default=None)
+
+    p = sub.add_parser("env", help="versions of the stack, GPUs, CUDA, what --hardware auto sees")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+def _cmd_generate(args):
+    from finetune import inference as gen
+
+    settings = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
+                    chat_template=not args.no_chat_template, system=args.system)
+    chosen = [name for name, on in (("PROMPT", args.prompt), ("--file", args.file), ("--chat", args.chat)) if on]
+    if len(chosen) != 1:
+        raise FinetuneError(f"give exactly one of PROMPT, --file or --chat (got {', '.join(chosen) or 'none'})",
+                            hint='finetune generate RUN_DIR "Hello", --file prompts.jsonl, or --chat')
+    if args.chat:
+        return gen.chat(args.run_dir, merged=args.merged, dtype=args.dtype, **settings)
+    if args.prompt:
+        gen.generate(args.run_dir, args.prompt, merged=args.merged, dtype=args.dtype, stream=True, **settings)
+        return 0
+    prompts = gen.read_prompts(args.file)
+    replies = gen.generate(args.run_dir, prompts, merged=args.merged, dtype=args.dtype,
+                           batch_size=args.batch_size, **settings)
+    lines = [json.dumps({"prompt": p, "completion": r}, ensure_ascii=False) for p, r in zip(prompts, replies)]
+    if args.output:
+        from pathlib import Path
+
+        Path(args.output).write_text("\n".join(lines) + "\n")
+        print(f"{len(lines)} completions written to {args.output}")
+    else:
+        print("\n".join(lines))
+    return 0
+
+
+def _cmd_eval(args):
+    from finetune.evaluation import evaluate, render_table
+
+    limit = int(args.limit) if args.limit is not None and args.limit >= 1 else args.limit
+    entry = evaluate(args.run_dir, args.tasks, include_path=args.include_path, num_fewshot=args.num_fewshot,
+                     limit=limit, batch_size=args.batch_size, base=not args.no_base, merged=args.merged,
+                     apply_chat_template=args.chat_template, dtype=args.dtype)
+    print(render_table(entry))
+    print(f"results: {args.run_dir}/summary.json (lm_eval), {args.run_dir}/eval/; the model card shows them "
+          "at the next `finetune push`")
+    return 0
+
+
+def _cmd_env(args):
+    from finetune.envreport import collect, render
+
+    report = collect()
+    print(json.dumps(report, indent=2) if args.json else render(report))
+    return 0
 
 
 def _cmd_validate(args):
@@ -245,7 +335,8 @@ def _cmd_models(args):
 
 COMMANDS = {
     "validate": _cmd_validate, "plan": _cmd_plan, "compile": _cmd_compile, "run": _cmd_run,
-    "merge": _cmd_merge, "push": _cmd_push, "convert": _cmd_convert, "presets": _cmd_presets, "models": _cmd_models,
+    "merge": _cmd_merge, "push": _cmd_push, "convert": _cmd_convert, "presets": _cmd_presets,
+    "models": _cmd_models, "generate": _cmd_generate, "eval": _cmd_eval, "env": _cmd_env,
 }
 
 

@@ -35,7 +35,7 @@ from pathlib import Path
 from finetune import rundir
 from finetune.errors import FinetuneError
 from finetune.merge import ADAPTER_FILES, TOKENIZER_FILES, merge, run_kind
-from finetune.modelcard import HUB_ID, parse_front_matter, render_model_card
+from finetune.modelcard import HUB_ID, parse_front_matter, public_recipe, render_model_card
 
 logger = logging.getLogger(__name__)
 
@@ -105,6 +105,88 @@ def _collect(run_dir: Path, weights_dir: Path, kind: str) -> list[tuple[str, Pat
     tokenizer = [tokenizer_dir / f for f in TOKENIZER_FILES if (tokenizer_dir / f).is_file()]
     extras = [run_dir / f for f in EXTRA_FILES if (run_dir / f).is_file()]
     return [(p.name, p) for p in weights + tokenizer + extras]
+
+
+PLACEHOLDER_NAMESPACES = ("my-org", "your-org", "org", "user", "username", "your-username")
+
+
+def _can_write(whoami: dict, namespace: str) -> tuple[bool, str]:
+    """(allowed, why not) for creating/committing to a repo under `namespace` with this token."""
+    user = whoami.get("name")
+    orgs = {o.get("name"): o.get("roleInOrg") for o in whoami.get("orgs") or []}
+    if namespace != user and namespace not in orgs:
+        member = ", ".join([user or "?", *orgs]) if user else ", ".join(orgs)
+        return False, f"the token's user {user!r} is not {namespace!r} nor a member of it (can write to: {member})"
+    if orgs.get(namespace) == "read":
+        return False, f"{user!r} has the read role in the organization {namespace!r}"
+    token = (whoami.get("auth") or {}).get("accessToken") or {}
+    role = token.get("role")
+    if role == "read":
+        return False, "the token is a read token"
+    if role == "fineGrained":
+        grants = (token.get("fineGrained") or {}).get("scoped") or []
+        for grant in grants:
+            if (grant.get("entity") or {}).get("name") == namespace and "repo.write" in grant.get("permissions", []):
+                return True, ""
+        return False, f"the fine-grained token has no repo.write permission on {namespace!r}"
+    return True, ""
+
+
+def check_push_access(repo_id: str, *, private: bool = True, token: str | None = None,
+                      endpoint: str | None = None, key: str = "hub.repo") -> str:
+    """Before training: the Hub is reachable, we are logged in, and the token may write to `repo_id`'s
+    namespace (huggingface_hub's whoami), and an existing repo does not contradict `private`.
+    Returns the user name. RecipeError (exit 2) with the fix otherwise; the token is never shown."""
+    from finetune.errors import RecipeError
+
+    namespace = repo_id.split("/")[0]
+    if namespace.lower() in PLACEHOLDER_NAMESPACES:
+        raise RecipeError(f"{repo_id!r} is a placeholder, not your Hub repo", key=key,
+                          hint="set hub.repo to YOUR-USER-OR-ORG/NAME (e.g. --set hub.repo=alice/llama-lora), "
+                               "or remove hub.repo to keep the run local")
+    import huggingface_hub
+    from huggingface_hub import HfApi
+    from huggingface_hub.errors import RepositoryNotFoundError
+
+    if huggingface_hub.constants.is_offline_mode():
+        raise RecipeError("this run pushes to the Hub at the end, but the Hub is in offline mode "
+                          "(HF_HUB_OFFLINE is set)", key=key,
+                          hint="unset HF_HUB_OFFLINE, or remove hub.repo and push later with `finetune push`")
+    token = token or huggingface_hub.get_token()
+    if not token:
+        raise RecipeError("this run pushes to the Hub at the end, but you are not logged in", key=key,
+                          hint="set HF_TOKEN or run `hf auth login`, or remove hub.repo")
+    api = HfApi(endpoint=endpoint or os.environ.get("HF_ENDPOINT") or None, token=token)
+    try:
+        who = api.whoami()
+    except Exception as exc:  # invalid token (401), no network
+        raise RecipeError(_scrub(f"cannot check Hub access: {type(exc).__name__}: {exc}", token), key=key,
+                          hint="check HF_TOKEN / `hf auth login` and the network, or remove hub.repo") from None
+    allowed, why = _can_write(who, namespace)
+    if not allowed:
+        raise RecipeError(f"cannot push to {repo_id}: {why}", key=key,
+                          hint="use a write token for that namespace (hf auth login), or set hub.repo to a "
+                               "namespace you can write to")
+    try:
+        info = api.model_info(repo_id)
+    except RepositoryNotFoundError:
+        return who.get("name", "")
+    except Exception as exc:
+        raise RecipeError(_scrub(f"cannot read {repo_id} on the Hub: {type(exc).__name__}: {exc}", token),
+                          key=key, hint="check the network and the repo id") from None
+    if private and info.private is False:
+        raise RecipeError(f"{repo_id} exists and is public, and hub.private is true", key="hub.private",
+                          hint="set hub.private: false to push to the public repo, or use another hub.repo")
+    return who.get("name", "")
+
+
+def _upload_content(name: str, path: Path, recipe) -> str | bytes:
+    """The file to upload; recipe.resolved.yaml goes with local paths reduced to their names."""
+    if name == rundir.RESOLVED_RECIPE:
+        import yaml
+
+        return yaml.safe_dump(public_recipe(recipe), sort_keys=False).encode("utf-8")
+    return str(path)
 
 
 def push(run_dir: str | Path, *, repo_id: str, merged: bool = False, private: bool = True,
@@ -229,7 +311,8 @@ def _operations(run_dir: Path, recipe, *, weights_dir: Path, card_kind: str, bas
     logger.info("pushing %d files (%.1f MB) + README.md to %s (%s%s)", len(files), total / 1e6,
                 target.repo_id, "private" if target.private else "public",
                 f", branch {target.revision}" if target.revision else "")
-    operations = [CommitOperationAdd(path_in_repo=name, path_or_fileobj=str(path)) for name, path in files]
+    operations = [CommitOperationAdd(path_in_repo=name, path_or_fileobj=_upload_content(name, path, recipe))
+                  for name, path in files]
     operations.append(CommitOperationAdd(path_in_repo="README.md", path_or_fileobj=card.encode("utf-8")))
     return operations
 

@@ -9,6 +9,8 @@
       loss.png               the loss curve
       memory/rank-K.json     each rank's peak memory, rewritten at every logged step
       profile/               torch.profiler traces (logging.profile_steps)
+      tensorboard/, wandb/, mlruns/, trackio/   the trackers' own files (finetune/trackers.py)
+      eval/                  `finetune eval`: lm-evaluation-harness results per model (base, trained)
       logs/                  launcher logs and the main rank's error (rank-error.json)
       logs/oom-rank-K.json   a rank that ran out of memory: its measured peak and the setting in force
       logs/oom-retries.json  what the launcher changed after each out-of-memory failure
@@ -36,6 +38,12 @@ LOGS_DIR = "logs"
 RANK_ERROR = f"{LOGS_DIR}/rank-error.json"  # the main rank's FinetuneError, read by the launching API
 CHECKPOINTS = "checkpoints"  # the Trainer's checkpoint-N directories
 OOM_RETRIES = f"{LOGS_DIR}/oom-retries.json"  # the launcher's re-plans after out-of-memory failures
+TENSORBOARD_DIR = "tensorboard"
+MLFLOW_DIR = "mlruns"
+TRACKIO_DIR = "trackio"
+WANDB_DIR = "wandb"  # wandb writes under WANDB_DIR/wandb; WANDB_DIR is RUN_DIR
+EVAL_DIR = "eval"  # `finetune eval`: eval/<label>.json, lm-eval's results per model
+MODEL_CARD = "README.md"  # written by libraries' save_pretrained; finetune keeps none in RUN_DIR
 
 # summary.json keys that other parts read (the model card, the Hub push, benchmarks)
 SUMMARY_STEPS = "steps"
@@ -44,6 +52,11 @@ SUMMARY_FINAL_LOSS = "final_train_loss"
 SUMMARY_BEST_EVAL = "best_eval_loss"
 SUMMARY_TOKENS = "tokens_seen"
 SUMMARY_TOKENS_PER_S = "tokens_per_second"
+SUMMARY_EVAL_AFTER = "eval_loss_final"
+SUMMARY_TASK_EVAL_BEFORE = "task_eval_before"
+SUMMARY_TASK_EVAL_AFTER = "task_eval_after"
+SUMMARY_VERSIONS = "versions"  # the stack the run trained with: {package: version}
+SUMMARY_LM_EVAL = "lm_eval"  # `finetune eval`: {task: {metric: {"base": x, "trained": y}}} and its settings
 
 
 def launch_log(node_rank: int) -> str:
@@ -116,6 +129,23 @@ def write_rank_error(run_dir: Path, *, exit_code: int, message: str) -> None:
     path = Path(run_dir) / RANK_ERROR
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps({"exit_code": exit_code, "message": message}))
+
+
+def write_json_atomic(path: Path, value) -> None:
+    """Write JSON to a temporary sibling and rename it into place: a reader never sees half a file."""
+    import os
+
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(value, indent=2, default=str) + "\n")
+    os.replace(tmp, path)
+
+
+def update_summary(run_dir: Path, fields: dict) -> dict:
+    """Merge `fields` into RUN_DIR/summary.json (written atomically); returns the new summary."""
+    summary = {**read_summary(run_dir), **fields}
+    write_json_atomic(Path(run_dir) / SUMMARY, summary)
+    return summary
 
 
 def _read_json(path: Path) -> dict:

@@ -9,9 +9,12 @@ if [ ! -x .venv/bin/python ]; then
 fi
 . .venv/bin/activate
 export PIP_DISABLE_PIP_VERSION_CHECK=1
-# The CPU torch first: asking pip for plain `torch` would pull a multi-GB CUDA build.
-python -c "import torch" 2>/dev/null || pip install -q torch==2.13.0
-python -c "import finetune, trl, peft, bitsandbytes, hypothesis, ruff, mypy" 2>/dev/null \
+# The CPU torch first: asking pip for plain `torch` would pull a multi-GB CUDA build. PyTorch's CPU
+# index has it; where that index is unreachable (a machine with its own mirror), the mirror's torch.
+python -c "import torch" 2>/dev/null \
+  || pip install -q torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu \
+  || pip install -q torch==2.13.0
+python -c "import finetune, trl, peft, bitsandbytes, hypothesis, ruff, mypy, lm_eval" 2>/dev/null \
   || pip install -q -c scripts/constraints.txt -e ".[train,qlora,test]"
 # DeepSpeed ships as an sdist whose build imports torch: build it against the torch above.
 python -c "import deepspeed" 2>/dev/null \

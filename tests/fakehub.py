@@ -1,8 +1,8 @@
 """A small fake of the Hugging Face Hub HTTP API, for push tests without the network.
 
 It speaks exactly the endpoints that huggingface_hub 2.x calls for `create_repo`, `create_branch`,
-`create_commit` (README metadata validation, preupload, git-LFS batch + basic PUT, ndjson commit)
-and `repo_info`, read from the installed client's source (hf_api.py, _commit_api.py, lfs.py).
+`create_commit` (README metadata validation, preupload, git-LFS batch + basic PUT, ndjson commit),
+`repo_info` and `whoami`, read from the installed client's source (hf_api.py, _commit_api.py, lfs.py).
 The real client is pointed at it through HF_ENDPOINT; Xet is turned off on the client side
 (HF_HUB_DISABLE_XET) because this server does not implement the Xet CAS protocol, so "lfs" files
 take the plain git-LFS path.
@@ -58,6 +58,11 @@ class FakeHub:
         self.fail_status = 500
         self.authorized: list[bool] = []  # one per write request: carried a Bearer hf_ token
         self.gated: set[str] = set()  # repos whose files answer 403 GatedRepo without a token
+        # what /api/whoami-v2 answers for any hf_ token (tests change the role or the orgs)
+        self.whoami: dict = {"type": "user", "name": "tester",
+                             "orgs": [{"name": "acme", "roleInOrg": "write"}],
+                             "auth": {"type": "access_token", "accessToken": {"displayName": "test",
+                                                                               "role": "write"}}}
         self.lock = threading.Lock()
         self.server: ThreadingHTTPServer | None = None
         self.url = ""
@@ -126,9 +131,11 @@ class _Handler(BaseHTTPRequestHandler):
                 self.rfile.readline()
         return self.rfile.read(int(self.headers.get("Content-Length") or 0))
 
-    def _send(self, status: int, payload=None) -> None:
+    def _send(self, status: int, payload=None, *, error_code: str | None = None) -> None:
         data = json.dumps(payload if payload is not None else {}).encode()
         self.send_response(status)
+        if error_code:  # the real Hub names the error kind in this header; the client maps it
+            self.send_header("X-Error-Code", error_code)
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(data)))
         self.end_headers()
@@ -147,6 +154,10 @@ class _Handler(BaseHTTPRequestHandler):
     # -- routing ---------------------------------------------------------------------------
     def do_GET(self):
         path = self.path.split("?")[0]
+        if path == "/api/whoami-v2":
+            if not self._authorized():
+                return self._error(401, "Invalid credentials in Authorization header")
+            return self._send(200, self.fake.whoami)
         if _RESOLVE.match(path):
             return self._resolve(head=False)
         m = _REPO_OP.match(path)
@@ -238,7 +249,7 @@ class _Handler(BaseHTTPRequestHandler):
     def _repo(self, repo_id: str, rev: str) -> Repo | None:
         repo = self.fake.repos.get(repo_id)
         if repo is None:
-            self._error(404, "Repository not found")
+            self._send(404, {"error": "Repository not found"}, error_code="RepoNotFound")
             return None
         if rev not in repo.branches:
             self._error(404, f"Revision Not Found: {rev}")

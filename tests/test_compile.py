@@ -94,7 +94,9 @@ CASES = {
 
 
 def normalize(text: str, *, run_dir: Path, recipe_dir: Path) -> str:
-    return text.replace(str(run_dir), "RUN_DIR").replace(str(recipe_dir), "RECIPE_DIR")
+    # job.sbatch activates the environment it was compiled in: this machine's Python prefix
+    return (text.replace(str(run_dir), "RUN_DIR").replace(str(recipe_dir), "RECIPE_DIR")
+            .replace(sys.prefix, "PYTHON_ENV"))
 
 
 def _compile_case(name: str, tmp_path: Path):
@@ -189,7 +191,9 @@ def test_local_paths_made_absolute_hub_ids_kept(tmp_path):
     assert not list(run_dir.glob(".*.tmp"))
     acc = yaml.safe_load((run_dir / "accelerate.yaml").read_text())
     assert acc["distributed_type"] == "NO" and acc["use_cpu"] is True
-    assert not (run_dir / "ds_config.json").exists() and not (run_dir / "job.sbatch").exists()
+    assert not (run_dir / "ds_config.json").exists()
+    sbatch = (run_dir / "job.sbatch").read_text()  # a one-node run can go to Slurm too
+    assert "#SBATCH --nodes=1" in sbatch and "--gpus-per-node" not in sbatch and "--partition" not in sbatch
 
 
 def _walk(value, path=""):
@@ -312,6 +316,23 @@ def test_accelerate_reads_config_and_builds_plugins(name, tmp_path, monkeypatch)
         assert ds.zero_stage == stage and ds.zero3_init_flag is (stage == 3)
         assert ds.gradient_accumulation_steps == plan.gradient_accumulation_steps
         assert ds.zero3_save_16bit_model is (stage == 3)
+
+
+def test_sbatch_partition_account_time_and_environment(tmp_path):
+    preset = get_preset("cluster-2x8xh100").model_copy(update={"slurm_partition": "gpu", "slurm_time": "2-00:00:00"})
+    recipe = load_recipe({"model": {"name": "meta-llama/Llama-3.1-8B-Instruct"}, "data": {"path": "d.jsonl"},
+                          "slurm": {"account": "proj-42", "time": "12:00:00"}})
+    run_dir = tmp_path / "run"
+    compile_run(recipe, real_plan(recipe, hardware="cluster-2x8xh100"), run_dir=run_dir, preset=preset)
+    sbatch = (run_dir / "job.sbatch").read_text()
+    # the recipe's time wins over the preset's; the preset's partition fills in
+    for line in ("#SBATCH --partition=gpu", "#SBATCH --account=proj-42", "#SBATCH --time=12:00:00"):
+        assert line in sbatch.splitlines()
+    activate = Path(sys.prefix) / "bin" / "activate"
+    expected = f"source {activate}" if activate.is_file() else f"export PATH={Path(sys.prefix) / 'bin'}:"
+    assert expected in sbatch and sbatch.index(expected) < sbatch.index("srun ")
+    with pytest.raises(RecipeError, match="slurm.time"):
+        load_recipe({"model": {"name": "x/y"}, "data": {"path": "d.jsonl"}, "slurm": {"time": "two days"}})
 
 
 def test_multi_node_argv_and_sbatch(tmp_path):

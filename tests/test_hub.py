@@ -6,6 +6,7 @@ import logging
 import os
 
 import pytest
+import yaml
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # transformers (tiny run fixture) stays offline
 
@@ -63,8 +64,12 @@ def test_push_adapter(runs, hub):
     assert repo.private is True
     files = hub.files("acme/tiny-sft")
     assert set(files) == ALLOWED
-    for name in ALLOWED - {"README.md"}:  # byte-identical uploads
+    for name in ALLOWED - {"README.md", "recipe.resolved.yaml"}:  # byte-identical uploads
         assert files[name] == (runs["lora"] / name).read_bytes()
+    # the recipe goes up with local paths reduced to their names
+    public = yaml.safe_load(files["recipe.resolved.yaml"])
+    assert public["model"]["name"] == "tiny-llama"
+    assert [s["path"] for s in public["data"]["sources"]] == ["chat.jsonl", "HuggingFaceH4/ultrachat_200k"]
     meta, text = _card(files)
     assert meta["library_name"] == "peft"
     assert meta["pipeline_tag"] == "text-generation"
@@ -263,3 +268,108 @@ def _assert_no_canary(directory, caplog, capsys, extra: str = "") -> None:
     for path in directory.rglob("*"):
         if path.is_file():
             assert CANARY.encode() not in path.read_bytes(), path
+
+
+def test_card_shows_names_not_local_paths_and_evaluations_as_model_index(runs, tmp_path):
+    import json
+    import shutil
+
+    run = tmp_path / "run"
+    shutil.copytree(runs["lora"], run)
+    summary = json.loads((run / "summary.json").read_text())
+    summary.update(task_eval_before={"exact_match": 0.0, "n": 10, "examples": []},
+                   task_eval_after={"exact_match": 0.8, "n": 10, "examples": []},
+                   versions={"transformers": "5.24.0", "trl": "1.16.0"},
+                   lm_eval={"version": "0.4.13", "num_fewshot": 0, "limit": 8,
+                            "results": {"tiny_words": {"acc,none": {"base": 0.25, "trained": 0.75}}}})
+    (run / "summary.json").write_text(json.dumps(summary))
+    recipe = load_recipe(run / "recipe.resolved.yaml", allow_resolved=True)
+    recipe = recipe.model_copy(update={"data": recipe.data.model_copy(update={"task_eval": load_recipe({
+        "model": {"name": "x/y"}, "data": {"path": "a.jsonl", "task_eval": {"path": str(tmp_path / "held.jsonl")}}
+    }).data.task_eval})})
+    text = render_model_card(recipe, run_dir=run, repo_id="acme/card", kind="adapter")
+    assert str(runs["base"]) not in text and str(tmp_path) not in text  # no absolute local path anywhere
+    assert "`tiny-llama`" in text and "chat.jsonl (messages)" in text
+    from huggingface_hub import ModelCard
+
+    card = ModelCard(text)  # parses as a Hub card, model-index included
+    results = {(r.dataset_name, r.metric_type): r.metric_value for r in card.data.eval_results}
+    assert results[("tiny_words", "acc")] == 0.75
+    assert results[("held.jsonl", "exact_match")] == 0.8
+    assert results[("held-out split of the training data", "loss")] == 6.0
+    assert "| tiny_words acc,none (lm-eval) | 0.2500 | 0.7500 |" in text
+    assert "| exact match, 10 held-out examples | 0.0% | 80.0% |" in text
+    assert "- transformers 5.24.0" in text and "## Framework versions" in text
+
+
+def test_library_template_cards_are_removed_and_others_kept(tmp_path):
+    from huggingface_hub import ModelCard, ModelCardData
+
+    from finetune.modelcard import remove_library_card
+
+    peft_card = ModelCard.from_template(ModelCardData(library_name="peft"))  # what peft writes
+    (tmp_path / "README.md").write_text(str(peft_card) + "\n### Framework versions\n\n- PEFT 0.21.2\n")
+    assert remove_library_card(tmp_path, made_by="peft") and not (tmp_path / "README.md").exists()
+    (tmp_path / "README.md").write_text("# my notes\n")
+    assert not remove_library_card(tmp_path, made_by="peft") and not remove_library_card(tmp_path, made_by="trl")
+    assert (tmp_path / "README.md").read_text() == "# my notes\n"
+
+
+def test_push_access_checked_before_training(runs, hub):
+    from finetune.errors import RecipeError
+    from finetune.hub import check_push_access
+
+    assert check_push_access("acme/new-model") == "tester"  # member of acme, write token, repo not there yet
+    assert check_push_access("tester/own") == "tester"
+    with pytest.raises(RecipeError, match="not 'other-org' nor a member") as info:
+        check_push_access("other-org/x")
+    assert info.value.key == "hub.repo" and info.value.exit_code == 2
+    with pytest.raises(RecipeError, match="placeholder"):
+        check_push_access("my-org/llama-3.1-8b-lora")
+    hub.whoami["auth"]["accessToken"]["role"] = "read"
+    with pytest.raises(RecipeError, match="read token"):
+        check_push_access("acme/new-model")
+    hub.whoami["auth"]["accessToken"] = {"role": "fineGrained", "fineGrained": {"scoped": [
+        {"entity": {"type": "org", "name": "acme"}, "permissions": ["repo.content.read", "repo.write"]}]}}
+    assert check_push_access("acme/new-model") == "tester"
+    with pytest.raises(RecipeError, match="no repo.write permission on 'tester'"):
+        check_push_access("tester/own")
+    hub.whoami["auth"]["accessToken"] = {"role": "write"}
+    push(runs["lora"], repo_id="acme/public-one", private=False)
+    with pytest.raises(RecipeError, match="exists and is public") as info:
+        check_push_access("acme/public-one", private=True)
+    assert info.value.key == "hub.private"
+    assert CANARY not in info.value.render()
+
+
+def test_push_access_offline_or_logged_out(hub, monkeypatch, tmp_path):
+    import huggingface_hub.constants as hf_constants
+
+    from finetune.errors import RecipeError
+    from finetune.hub import check_push_access
+
+    monkeypatch.setattr(hf_constants, "HF_HUB_OFFLINE", True)
+    with pytest.raises(RecipeError, match="offline mode"):
+        check_push_access("acme/x")
+    monkeypatch.setattr(hf_constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.delenv("HF_TOKEN")
+    monkeypatch.setattr(hf_constants, "HF_TOKEN_PATH", str(tmp_path / "no-token"))
+    with pytest.raises(RecipeError, match="not logged in"):
+        check_push_access("acme/x")
+    monkeypatch.setenv("HF_TOKEN", "hf_not_valid_for_the_fake")
+    hub.whoami = {}  # an empty answer: no user, so no namespace is writable
+    with pytest.raises(RecipeError, match="not 'acme' nor a member"):
+        check_push_access("acme/x")
+
+
+def test_public_recipe_has_no_local_paths(tmp_path):
+    from finetune.modelcard import public_recipe
+
+    recipe = load_recipe({"model": {"name": str(tmp_path / "base")},
+                          "data": {"path": str(tmp_path / "d" / "train.jsonl"), "cache_dir": str(tmp_path / "c"),
+                                   "chat_template": str(tmp_path / "t.jinja"), "allow_paths": [str(tmp_path)]},
+                          "output": {"dir": str(tmp_path / "runs" / "r1")}})
+    public = public_recipe(recipe)
+    assert str(tmp_path) not in yaml.safe_dump(public)
+    assert public["model"]["name"] == "base" and public["data"]["sources"][0]["path"] == "train.jsonl"
+    assert public["data"]["chat_template"] == "t.jinja" and public["output"]["dir"] == "r1"

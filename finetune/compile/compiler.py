@@ -3,6 +3,7 @@ ds_config.json, launch.sh, job.sbatch, launch.json} and a LaunchSpec. Pure Pytho
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 from finetune import strategies
@@ -132,18 +133,24 @@ def compile_run(recipe: Recipe, plan: Plan, *, run_dir: str | Path, arch: ModelA
            if plan.num_nodes > 1 else "")))
     spec.files = {name: str(run_dir / name) for name in texts}
     spec.files[LAUNCH_SH] = str(run_dir / LAUNCH_SH)
-    if spec.multi_node:
-        spec.files[JOB_SBATCH] = str(run_dir / JOB_SBATCH)
+    spec.files[JOB_SBATCH] = str(run_dir / JOB_SBATCH)  # every run can go to Slurm, one node or many
     spec.files[LAUNCH_JSON] = str(run_dir / LAUNCH_JSON)
     texts[LAUNCH_SH] = render_launch_sh(spec)
-    if spec.multi_node:
-        texts[JOB_SBATCH] = render_sbatch(spec, job_name=f"finetune-{recipe_name(recipe)}")
+    texts[JOB_SBATCH] = render_sbatch(spec, job_name=f"finetune-{recipe_name(recipe)}",
+                                      **slurm_options(recipe, preset), python_env=sys.prefix)
     texts[LAUNCH_JSON] = json_text(spec.to_json())
 
     # the resolved recipe goes last: a run dir with it present is complete
     for name in sorted(texts, key=lambda n: n == RESOLVED_RECIPE):
         write_atomic(run_dir / name, texts[name], executable=name in (LAUNCH_SH, JOB_SBATCH))
     return spec
+
+
+def slurm_options(recipe: Recipe, preset) -> dict:
+    """partition, account, time for job.sbatch: the recipe's slurm section over the preset's."""
+    r = recipe.slurm
+    return {"partition": r.partition or preset.slurm_partition, "account": r.account or preset.slurm_account,
+            "time": r.time or preset.slurm_time}
 
 
 def default_run_dir(recipe: Recipe) -> Path:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import shlex
+from pathlib import Path
 
 from finetune.compile.spec import MAIN_ADDRESS_PLACEHOLDER, MAIN_PORT_PLACEHOLDER, LaunchSpec
 from finetune.errors import EXIT_PREEMPTED
@@ -60,18 +61,38 @@ def render_launch_sh(spec: LaunchSpec) -> str:
     return "\n".join(lines) + "\n"
 
 
-def render_sbatch(spec: LaunchSpec, *, job_name: str) -> str:
+def activate_lines(python_env: str | None) -> list[str]:
+    """Shell lines that put the Python environment finetune was compiled in first on PATH: its
+    venv's activate script when it has one (venv, virtualenv), else its bin/ (conda, a system Python)."""
+    if not python_env:
+        return []
+    activate = Path(python_env) / "bin" / "activate"
+    if activate.is_file():
+        return [f"source {shlex.quote(str(activate))}"]
+    return [f'export PATH={shlex.quote(str(Path(python_env) / "bin"))}:"$PATH"']
+
+
+def render_sbatch(spec: LaunchSpec, *, job_name: str, partition: str | None = None,
+                  account: str | None = None, time: str | None = None, python_env: str | None = None) -> str:
     """One srun task per node; each runs our launcher, which runs `accelerate launch` for its
-    node and forwards SIGUSR1/SIGTERM to the ranks so they checkpoint before the job ends."""
-    example = spec.argv(node_rank=0, main_address=MAIN_ADDRESS_PLACEHOLDER)
-    example[example.index("--machine_rank") + 1] = "$SLURM_NODEID"
-    example[example.index("--main_process_port") + 1] = MAIN_PORT_PLACEHOLDER
+    node and forwards SIGUSR1/SIGTERM to the ranks so they checkpoint before the job ends.
+    partition/account/time become #SBATCH lines; python_env (sys.prefix at compile time) is
+    activated before anything runs."""
+    if spec.multi_node:
+        example = spec.argv(node_rank=0, main_address=MAIN_ADDRESS_PLACEHOLDER)
+        example[example.index("--machine_rank") + 1] = "$SLURM_NODEID"
+        example[example.index("--main_process_port") + 1] = MAIN_PORT_PLACEHOLDER
+    else:
+        example = spec.argv(node_rank=0)
     lines = [
         "#!/usr/bin/env bash",
         f"#SBATCH --job-name={job_name}",
         f"#SBATCH --nodes={spec.num_nodes}",
         "#SBATCH --ntasks-per-node=1",
     ]
+    for option, value in (("partition", partition), ("account", account), ("time", time)):
+        if value:
+            lines.append(f"#SBATCH --{option}={value}")
     if spec.device == "cuda":
         lines.append(f"#SBATCH --gpus-per-node={spec.procs_per_node}")
     lines += [
@@ -85,18 +106,24 @@ def render_sbatch(spec: LaunchSpec, *, job_name: str) -> str:
     lines += [f"# {line}" for line in spec.summary.splitlines()]
     lines += [
         "#",
-        f"# Each node runs: {_shell_argv(example)}",
+        f"# {'Each node' if spec.multi_node else 'The node'} runs: {_shell_argv(example)}",
         f"# On SIGUSR1 ({SLURM_SIGNAL_LEAD_S} s before the time limit) or SIGTERM (preemption) the",
         f"# ranks save a checkpoint and the launcher exits {EXIT_PREEMPTED}; the job then requeues",
-        "# itself and resumes from that checkpoint. Activate the environment with finetune first.",
+        "# itself and resumes from that checkpoint.",
         "set -uo pipefail",
-        'MAIN_ADDRESS="$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n1)"',
-        f'MAIN_PORT="${{MAIN_PORT:-{spec.main_port}}}"',
-        "export MAIN_ADDRESS MAIN_PORT",
     ]
+    if python_env:
+        lines.append("# the Python environment this file was compiled in")
+    lines += activate_lines(python_env)
+    launcher = f"exec python -m finetune.launch {shlex.quote(spec.run_dir)}"
+    if spec.multi_node:
+        lines += [
+            'MAIN_ADDRESS="$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n1)"',
+            f'MAIN_PORT="${{MAIN_PORT:-{spec.main_port}}}"',
+            "export MAIN_ADDRESS MAIN_PORT",
+        ]
+        launcher += ' --node-rank "$SLURM_NODEID" --main-address "$MAIN_ADDRESS" --main-port "$MAIN_PORT"'
     lines += _env_lines(spec)
-    launcher = (f"exec python -m finetune.launch {shlex.quote(spec.run_dir)} "
-                '--node-rank "$SLURM_NODEID" --main-address "$MAIN_ADDRESS" --main-port "$MAIN_PORT"')
     lines += [
         f"srun --nodes={spec.num_nodes} --ntasks-per-node=1 bash -c {shlex.quote(launcher)}",
         "rc=$?",

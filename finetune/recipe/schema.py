@@ -341,9 +341,17 @@ class HubSection(Strict):
 
 
 class LoggingSection(Strict):
-    report_to: list[Literal["tensorboard", "wandb", "mlflow", "none"]] = Field(
+    report_to: list[Literal["tensorboard", "wandb", "mlflow", "trackio", "none"]] = Field(
         default_factory=lambda: ["tensorboard"], description="experiment trackers")  # type: ignore[arg-type]
     project: str | None = Field(None, description="tracker project name")
+    run_name: str | None = Field(None, description="the run's name in every tracker; default: the run "
+                                                   "directory's name")
+    entity: str | None = Field(None, description="wandb team or user the run is logged under (WANDB_ENTITY)")
+    offline: bool = Field(False, description="trackers write only inside RUN_DIR (wandb offline mode, "
+                                             "mlflow file store RUN_DIR/mlruns, trackio local); sync later")
+    loss_log_scale: bool = Field(False, description="loss.png: logarithmic loss axis")
+    loss_smoothing: float = Field(0.9, ge=0, lt=1, description="loss.png: weight of the past in the "
+                                                                 "smoothed line (EMA); 0 draws no smoothed line")
     profile_steps: tuple[int, int] | None = Field(None, description="[start, stop]: torch.profiler over "
                                                                     "optimizer steps start..stop-1, written "
                                                                     "to RUN_DIR/profile/")
@@ -372,6 +380,20 @@ class TokenizerSection(Strict):
     def new_token_count(self) -> int:
         """An upper bound on the rows the vocabulary grows by (tokens already present add none)."""
         return len(set(self.added_tokens) | {t for t in (self.pad_token, self.eos_token, self.bos_token) if t})
+
+
+SLURM_TIME = r"^(\d+-)?\d+(:\d{2}){0,2}$"  # what sbatch --time accepts: MM, HH:MM:SS, D-HH[:MM[:SS]]
+
+
+class SlurmSection(Strict):
+    """Settings of the generated job.sbatch; each overrides the hardware preset's."""
+
+    partition: str | None = Field(None, description="#SBATCH --partition; default: the preset's, else the "
+                                                    "cluster's default partition")
+    account: str | None = Field(None, description="#SBATCH --account; default: the preset's, else none")
+    time: str | None = Field(None, pattern=SLURM_TIME, description="#SBATCH --time limit, e.g. 2-00:00:00 or "
+                                                                   "12:00:00; default: the preset's, else the "
+                                                                   "partition's")
 
 
 class ResolvedSection(Strict):
@@ -418,6 +440,8 @@ class Recipe(Strict):
     logging: LoggingSection = Field(default_factory=LoggingSection, description="trackers and profiling")
     tokenizer: TokenizerSection = Field(default_factory=TokenizerSection,
                                         description="special-token overrides and added tokens")
+    slurm: SlurmSection = Field(default_factory=SlurmSection, description="job.sbatch: partition, account, "
+                                                                          "time limit")
     resolved: ResolvedSection | None = Field(None, description="written by the planner into "
                                                                "recipe.resolved.yaml; never set by hand")
     # where the recipe came from: relative data paths are anchored at _source_dir

@@ -83,6 +83,10 @@ class HardwarePreset(Strict):
     nvme_capacity_gib: float | None = Field(None, gt=0, description="per node; None: not checked")
     supports_bf16: bool = True
     nccl_env: dict[str, str] = Field(default_factory=dict, description="NCCL settings for launches")
+    slurm_partition: str | None = Field(None, description="job.sbatch --partition for this cluster")
+    slurm_account: str | None = Field(None, description="job.sbatch --account for this cluster")
+    slurm_time: str | None = Field(None, pattern=r"^(\d+-)?\d+(:\d{2}){0,2}$",
+                                   description="job.sbatch --time limit, e.g. 2-00:00:00")
 
     @property
     def world_size(self) -> int:

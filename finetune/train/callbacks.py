@@ -24,26 +24,81 @@ def peak_memory_gib() -> float:
     return figures.get("gpu_max_allocated_gib", figures["host_rss_peak_gib"])
 
 
-def plot_loss(rows: list[dict], out: Path) -> None:
+def ema(values: list[float], weight: float) -> list[float]:
+    """Exponential moving average with bias correction (as TensorBoard draws it): early points are
+    not pulled toward zero."""
+    out, avg = [], 0.0
+    for i, v in enumerate(values, start=1):
+        avg = weight * avg + (1 - weight) * v
+        out.append(avg / (1 - weight ** i) if weight else v)
+    return out
+
+
+def plot_loss(rows: list[dict], out: Path, **options) -> None:
+    """Write loss.png (see loss_figure for the options)."""
+    import matplotlib.pyplot as plt
+
+    fig = loss_figure(rows, **options)
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+
+
+def loss_figure(rows: list[dict], *, title: str | None = None, log_scale: bool = False,
+                smoothing: float = 0.9):
+    """Raw train loss faint, its EMA (logging.loss_smoothing) solid, eval loss as points."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    train = [(r["step"], r["loss"]) for r in rows if r.get("loss") is not None]
+    train = [(r["step"], r["loss"]) for r in rows if isinstance(r.get("loss"), (int, float))
+             and math.isfinite(r["loss"])]
     evals = [(r["step"], r["eval_loss"]) for r in rows if r.get("eval_loss") is not None]
-    fig, ax = plt.subplots(figsize=(7, 4))
+    fig, ax = plt.subplots(figsize=(8, 4.5))
     if train:
-        ax.plot(*zip(*train), label="train loss")
+        steps, losses = zip(*train)
+        smooth = smoothing > 0 and len(train) > 2
+        ax.plot(steps, losses, color="C0", alpha=0.3 if smooth else 1.0, linewidth=0.8,
+                label="train loss" + (" (raw)" if smooth else ""))
+        if smooth:
+            ax.plot(steps, ema(list(losses), smoothing), color="C0", linewidth=1.8,
+                    label=f"train loss (EMA {smoothing:g})")
     if evals:
-        ax.plot(*zip(*evals), "o-", label="eval loss")
+        ax.plot(*zip(*evals), "o-", color="C1", label="eval loss")
+    if log_scale:
+        from matplotlib.ticker import LogFormatter
+
+        ax.set_yscale("log")
+        ax.yaxis.set_major_formatter(LogFormatter(labelOnlyBase=False))
+        ax.yaxis.set_minor_formatter(LogFormatter(labelOnlyBase=False, minor_thresholds=(2, 0.5)))
+    if title:
+        ax.set_title(title, fontsize=10)
     ax.set_xlabel("step")
-    ax.set_ylabel("loss")
-    ax.grid(alpha=0.3)
-    ax.legend()
+    ax.set_ylabel("loss" + (" (log scale)" if log_scale else ""))
+    ax.grid(alpha=0.3, which="both" if log_scale else "major")
+    if train or evals:
+        ax.legend()
     fig.tight_layout()
-    fig.savefig(out, dpi=100)
-    plt.close(fig)
+    return fig
+
+
+def plot_title(recipe, run_dir: Path) -> str:
+    """model · method/adapter · run name, for loss.png."""
+    from finetune.trackers import run_name
+
+    model = Path(recipe.model.name).name if Path(recipe.model.name).is_absolute() else recipe.model.name
+    return f"{model} · {recipe.method.type} {recipe.adapter.type} · {run_name(recipe, run_dir)}"
+
+
+class LibraryCardCallback(TrainerCallback):
+    """TRL writes a template model card into checkpoints/ with every checkpoint; remove exactly that
+    file (the card a push publishes is finetune's own)."""
+
+    def on_save(self, args, state, control, **kwargs):
+        if state.is_world_process_zero:
+            from finetune.modelcard import remove_library_card
+
+            remove_library_card(Path(args.output_dir), made_by="trl")
 
 
 class MetricsCallback(TrainerCallback):
@@ -51,10 +106,13 @@ class MetricsCallback(TrainerCallback):
 
     TRAIN_KEYS = ("loss", "learning_rate", "grad_norm", "epoch")
 
-    def __init__(self, run_dir: Path):
+    def __init__(self, run_dir: Path, *, recipe=None):
         self.run_dir = Path(run_dir)
         self.path = self.run_dir / rundir.METRICS
         self.png = self.run_dir / rundir.LOSS_PNG
+        self.plot = {} if recipe is None else {
+            "title": plot_title(recipe, self.run_dir), "log_scale": recipe.logging.loss_log_scale,
+            "smoothing": recipe.logging.loss_smoothing}
         self._last = (time.perf_counter(), 0)
         self._began = time.perf_counter()
 
@@ -92,11 +150,11 @@ class MetricsCallback(TrainerCallback):
 
     def on_evaluate(self, args, state, control, **kwargs):
         if state.is_world_process_zero:
-            plot_loss(rundir.read_metrics(self.run_dir), self.png)
+            plot_loss(rundir.read_metrics(self.run_dir), self.png, **self.plot)
 
     def on_train_end(self, args, state, control, **kwargs):
         if state.is_world_process_zero:
-            plot_loss(rundir.read_metrics(self.run_dir), self.png)
+            plot_loss(rundir.read_metrics(self.run_dir), self.png, **self.plot)
 
 
 def reduce_flags(flags: list[float]) -> list[float]:

@@ -18,7 +18,7 @@ from typing import Any
 from finetune import rundir, strategies
 from finetune.errors import FinetuneError, RecipeError
 from finetune.recipe.load import load_recipe
-from finetune.train.callbacks import CommitCallback, MetricsCallback, NonFiniteCallback
+from finetune.train.callbacks import CommitCallback, LibraryCardCallback, MetricsCallback, NonFiniteCallback
 from finetune.train.checkpoint import check_resume, prepare_checkpoints, resolve_resume
 from finetune.train.integrity import recipe_fields
 
@@ -111,10 +111,14 @@ def _setup(recipe, *, state, run_dir: Path, resume: str) -> _Session:
     """Everything before the first step: tokenizer, data (preflight before any model is loaded), the
     resume point and the checkpoints it keeps, the training arguments, the model, and the task eval
     before training."""
+    from finetune.trackers import apply_tracker_env, check_trackers
     from finetune.train import taskeval
     from finetune.train.model import load_model, load_tokenizer
     from finetune.train.preflight import prepare_data
     from finetune.train.trainers import training_args
+
+    check_trackers(recipe)  # before anything is loaded (finetune run checks it before launching, too)
+    apply_tracker_env(recipe, run_dir)  # before the Trainer builds its tracker callbacks
 
     tokenizer = load_tokenizer(recipe)
     data = prepare_data(recipe, tokenizer, state=state)  # preflight: before any model is loaded
@@ -171,7 +175,8 @@ def _callbacks(session: _Session, *, preempt) -> list:
     from finetune.train.trainers import trainer_checkpointing
 
     recipe, run_dir = session.recipe, session.run_dir
-    callbacks = [MetricsCallback(run_dir), PeakMemoryCallback(run_dir), ConsoleProgress(),
+    callbacks = [MetricsCallback(run_dir, recipe=recipe), LibraryCardCallback(), PeakMemoryCallback(run_dir),
+                 ConsoleProgress(),
                  NonFiniteCallback(policy=recipe.train.on_nonfinite, max_bad_steps=recipe.train.max_bad_steps),
                  CommitCallback(run_dir, fields=recipe_fields(recipe), strategy=recipe.distributed.strategy,
                                 keep=recipe.output.keep),
@@ -232,6 +237,9 @@ def _finish(session: _Session, *, trainer, result) -> dict | None:
         trainer.save_model(str(run_dir))  # every rank: FSDP/ZeRO-3 gather the weights collectively
         if state.is_main_process:
             session.tokenizer.save_pretrained(run_dir)
+            from finetune.modelcard import remove_library_card
+
+            remove_library_card(run_dir, made_by="peft")  # `finetune push` writes the real card
     state.wait_for_everyone()
     if session.cases and state.is_main_process:
         trained = taskeval.load_trained(recipe, run_dir)
@@ -240,6 +248,9 @@ def _finish(session: _Session, *, trainer, result) -> dict | None:
     if not state.is_main_process:
         return None
     summary.update(_train_figures(recipe, run_dir, trainer, result))
+    from finetune.envreport import stack_versions
+
+    summary[rundir.SUMMARY_VERSIONS] = stack_versions()  # for the model card
     (run_dir / rundir.SUMMARY).write_text(json.dumps(summary, indent=2) + "\n")
     if not recipe.resolved.measure:  # its run dir is temporary: `plan --measure` prints its own figures
         print(format_summary(summary), flush=True)

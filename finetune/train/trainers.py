@@ -9,9 +9,9 @@ from __future__ import annotations
 from pathlib import Path
 
 from finetune.errors import RecipeError
-from finetune.recipe.load import recipe_name
 from finetune.recipe.schema import Recipe, dpo_reference
 from finetune.rundir import CHECKPOINTS
+from finetune.trackers import training_arguments
 
 
 def _micro_batch(recipe: Recipe) -> int:
@@ -44,10 +44,9 @@ def common_args(recipe: Recipe, *, run_dir: Path, has_eval: bool) -> dict:
     t, r = recipe.train, recipe.resolved
     cuda = r.device == "cuda"
     checkpointing = trainer_checkpointing(recipe)
-    report = [x for x in recipe.logging.report_to if x != "none"] or "none"
     args = dict(
         output_dir=str(run_dir / CHECKPOINTS),
-        run_name=recipe_name(recipe),
+        **training_arguments(recipe, run_dir),
         per_device_train_batch_size=_micro_batch(recipe),
         per_device_eval_batch_size=_micro_batch(recipe),
         gradient_accumulation_steps=r.gradient_accumulation_steps,
@@ -70,8 +69,6 @@ def common_args(recipe: Recipe, *, run_dir: Path, has_eval: bool) -> dict:
         logging_nan_inf_filter=False,  # the default hides NaN losses from the logs (and from our policy)
         include_num_input_tokens_seen="non_padding",
         save_total_limit=recipe.output.keep,
-        report_to=report,
-        project=recipe.logging.project or "finetune",
         ddp_timeout=int(recipe.distributed.timeout_minutes * 60),
         use_cpu=not cuda,
         dataloader_num_workers=2 if cuda else 0,
