@@ -11,6 +11,10 @@
       profile/               torch.profiler traces (logging.profile_steps)
       logs/                  launcher logs and the main rank's error (rank-error.json)
       checkpoints/checkpoint-N
+      .finetune-run.json     ownership marker: finetune created this directory and may write into it
+      .finetune-node0.lock   held while a run of node 0 uses the directory (pid, host, heartbeat)
+      finished.json          written last by a finished run: its step and recipe fields
+      previous-run/          what a new run set aside (old metrics, summary, checkpoints) until it succeeds
 """
 
 from __future__ import annotations
@@ -33,6 +37,10 @@ PROFILE_DIR = "profile"
 LOGS_DIR = "logs"
 RANK_ERROR = f"{LOGS_DIR}/rank-error.json"  # the main rank's FinetuneError, read by the launching API
 CHECKPOINTS = "checkpoints"  # the Trainer's checkpoint-N directories
+OWNER = ".finetune-run.json"  # ownership marker: only directories carrying it are written into
+FINISHED = "finished.json"  # a finished run's step and recipe fields (rerun detection)
+PREVIOUS = "previous-run"  # a previous run's outputs, kept until the new run has replaced them
+RESCUE_ENV = "FINETUNE_RESCUE_DIR"  # where a final save goes when RUN_DIR's disk is full
 
 # summary.json keys that other parts read (the model card, the Hub push, benchmarks)
 SUMMARY_STEPS = "steps"
@@ -45,6 +53,11 @@ SUMMARY_TOKENS_PER_S = "tokens_per_second"
 
 def launch_log(node_rank: int) -> str:
     return f"{LOGS_DIR}/launch-node{node_rank}.log"
+
+
+def lock_file(node_rank: int) -> str:
+    """One lock per node: the nodes of one run share RUN_DIR, two runs of the same node may not."""
+    return f".finetune-node{node_rank}.lock"
 
 
 def memory_file(rank: int) -> str:
@@ -71,6 +84,11 @@ def read_metrics(run_dir: Path) -> list[dict]:
 def read_summary(run_dir: Path) -> dict:
     """RUN_DIR/summary.json, or {} when it is missing or unreadable."""
     return _read_json(Path(run_dir) / SUMMARY)
+
+
+def read_finished(run_dir: Path) -> dict:
+    """RUN_DIR/finished.json ({step, recipe_fields}), or {} when the run has not finished."""
+    return _read_json(Path(run_dir) / FINISHED)
 
 
 def read_rank_error(run_dir: Path) -> dict:

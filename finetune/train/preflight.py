@@ -30,6 +30,8 @@ class PreparedData:
     cache_key: str
     cache_hit: bool
     notes: list[str] = field(default_factory=list)
+    # content fingerprints of the train / eval sources, for the resume and rerun checks
+    fingerprints: dict[str, list[str]] = field(default_factory=dict)
 
 
 def check_chat_template(recipe: Recipe, tokenizer, sources: list[LoadedSource]) -> None:
@@ -120,7 +122,9 @@ def prepare_data(recipe: Recipe, tokenizer, *, state) -> PreparedData:
     notes: list[str] = []
     train = _enforce_lengths(dd["train"], recipe=recipe, split="train", notes=notes)
     evals = _enforce_lengths(dd["eval"], recipe=recipe, split="eval", notes=notes) if "eval" in dd else None
-    return PreparedData(train=train, eval=evals, cache_key=key, cache_hit=hit, notes=notes)
+    return PreparedData(train=train, eval=evals, cache_key=key, cache_hit=hit, notes=notes,
+                        fingerprints={"train": [s.fingerprint for s in train_sources],
+                                      "eval": [s.fingerprint for s in eval_sources]})
 
 
 def _build(recipe: Recipe, tokenizer, train_sources, eval_sources):

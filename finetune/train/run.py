@@ -13,14 +13,17 @@ import os
 from datetime import timedelta
 from pathlib import Path
 
+from finetune import rundir
+from finetune.compile.files import write_atomic
 from finetune.errors import FinetuneError, RecipeError
 from finetune.recipe.load import load_recipe
 from finetune.train.callbacks import CommitCallback, MetricsCallback, NonFiniteCallback, read_metrics
 from finetune.train.checkpoint import ZERO3, check_resume, prepare_checkpoints, resolve_resume
-from finetune.train.integrity import recipe_fields
+from finetune.train.diskspace import DiskSpaceCallback, output_bytes, save_final
+from finetune.train.integrity import data_fields, recipe_fields
 
 log = logging.getLogger("finetune.train")
-RANK_ERROR = "logs/rank-error.json"  # the main rank's FinetuneError, read by finetune.api.run
+RANK_ERROR = rundir.RANK_ERROR  # the main rank's error, read by finetune.api.run
 
 
 def _setup_logging(is_main: bool) -> None:
@@ -54,13 +57,20 @@ def run_rank(resolved_path: str | Path, *, resume: str = "auto") -> dict | None:
     preempt = PreemptionCallback()  # SIGTERM/SIGUSR1 from now on: checkpoint at the next step, exit 75
     try:
         summary = _run(recipe, state=state, run_dir=run_dir, resume=resume, preempt=preempt)
-    except FinetuneError as err:
+    except Exception as exc:
+        from finetune.train.failure import as_finetune_error
+
+        err = as_finetune_error(exc, run_dir=run_dir)
         if state.is_main_process:  # the launcher's exit code loses ours (accelerate exits 1 for one process)
-            (run_dir / "logs").mkdir(parents=True, exist_ok=True)
-            (run_dir / RANK_ERROR).write_text(json.dumps({"exit_code": err.exit_code, "message": err.render()}))
+            try:
+                rundir.write_rank_error(run_dir, exit_code=err.exit_code, message=err.render())
+            except OSError:  # a full disk: the message still reaches the console
+                pass
         if isinstance(err, Preempted):  # every rank stopped at the same step boundary: leave together
             state.destroy_process_group()
-        raise
+        if err is exc:
+            raise
+        raise err from exc
     finally:
         preempt.restore()
     # PyTorch's rule for a clean exit: a rank that exits with its process group alive can leave a
@@ -79,10 +89,12 @@ def _run(recipe, *, state, run_dir: Path, resume: str, preempt) -> dict | None:
     tokenizer = load_tokenizer(recipe)
     data = prepare_data(recipe, tokenizer, state=state)  # preflight: before any model is loaded
     cases = taskeval.load_cases(recipe) if recipe.data.task_eval else None
+    fields = {**recipe_fields(recipe), **data_fields(train=data.fingerprints.get("train", []),
+                                                     eval=data.fingerprints.get("eval", []))}
     resume_from = resolve_resume(resume, run_dir)
     if resume_from is not None:
         log.info(f"resuming from {resume_from}")
-        for note in check_resume(resume_from, recipe, world_size=state.num_processes):
+        for note in check_resume(resume_from, recipe, world_size=state.num_processes, fields=fields):
             log.info(f"resume: changed safely: {note}")
     elif state.is_main_process:  # a fresh start neither mixes in old rows nor leaves an old run's summary
         (run_dir / "metrics.jsonl").unlink(missing_ok=True)
@@ -118,9 +130,9 @@ def _run(recipe, *, state, run_dir: Path, resume: str, preempt) -> dict | None:
 
     callbacks = [MetricsCallback(run_dir), PeakMemoryCallback(run_dir), ConsoleProgress(),
                  NonFiniteCallback(policy=recipe.train.on_nonfinite, max_bad_steps=recipe.train.max_bad_steps),
-                 CommitCallback(run_dir, fields=recipe_fields(recipe), strategy=recipe.distributed.strategy,
+                 CommitCallback(run_dir, fields=fields, strategy=recipe.distributed.strategy,
                                 keep=recipe.output.keep),
-                 preempt]
+                 DiskSpaceCallback(run_dir, estimate=output_bytes(recipe, run_dir)[1]), preempt]
     if recipe.logging.profile_steps:
         from finetune.train.profile import ProfilerCallback
 
@@ -144,17 +156,17 @@ def _run(recipe, *, state, run_dir: Path, resume: str, preempt) -> dict | None:
         # checkpoints stay sharded (resumable on another world size); the final model or adapter
         # is gathered into plain safetensors, or save_model would write nothing under SHARDED
         trainer.accelerator.state.fsdp_plugin.set_state_dict_type("FULL_STATE_DICT")
-    trainer.save_model(str(run_dir))  # every rank: FSDP/ZeRO-3 gather the weights collectively
-    if state.is_main_process:
-        tokenizer.save_pretrained(run_dir)
-    state.wait_for_everyone()
+    save_final(trainer, tokenizer, recipe=recipe, run_dir=run_dir, state=state)
     if cases and state.is_main_process:
         trained = taskeval.load_trained(recipe, run_dir)
         summary["task_eval_after"] = taskeval.exact_match(trained, tokenizer, cases, max_new_tokens=max_new)
     if not state.is_main_process:
         return None
     summary.update(_train_figures(recipe, run_dir, trainer, result))
-    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    write_atomic(run_dir / rundir.SUMMARY, json.dumps(summary, indent=2) + "\n")
+    # written last: a rerun of the same recipe finds the run complete (finetune.api)
+    write_atomic(run_dir / rundir.FINISHED, json.dumps({"step": trainer.state.global_step, "recipe_fields": fields},
+                                                       default=str) + "\n")
     print(format_summary(summary), flush=True)
     return summary
 

@@ -1,4 +1,5 @@
-"""Preemption: SIGTERM / SIGUSR1 -> one checkpoint at the next step boundary on every rank -> exit 75.
+"""Preemption: SIGTERM / SIGUSR1 / SIGHUP -> one checkpoint at the next step boundary on every rank ->
+exit 75; Ctrl-C (SIGINT) the same with exit 130, and a second SIGINT stops the rank at once.
 
 The launcher (finetune/launch.py) forwards the signal to every rank; a rank's handler only sets a
 flag (nothing unsafe runs inside a signal handler). At each step end the ranks all-reduce the flag,
@@ -10,19 +11,24 @@ Preempted, which exits with EXIT_PREEMPTED (75) for the Slurm script to requeue.
 from __future__ import annotations
 
 import logging
+import os
 import signal
 
 from transformers import TrainerCallback
 
-from finetune.errors import EXIT_PREEMPTED, FinetuneError
+from finetune.errors import EXIT_INTERRUPTED, EXIT_PREEMPTED, FinetuneError
 from finetune.train.callbacks import reduce_flags
 
 log = logging.getLogger("finetune.train")
-PREEMPT_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+PREEMPT_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGHUP, signal.SIGINT)
 
 
 class Preempted(FinetuneError):
     exit_code = EXIT_PREEMPTED
+
+
+class Interrupted(Preempted):
+    exit_code = EXIT_INTERRUPTED
 
 
 class PreemptionCallback(TrainerCallback):
@@ -36,7 +42,10 @@ class PreemptionCallback(TrainerCallback):
             signal.signal(sig, self._handle)
 
     def _handle(self, signum, _frame):
-        self.received = signum
+        if signum == signal.SIGINT and self.received == signal.SIGINT:  # Ctrl-C twice: stop now
+            os.write(2, b"second SIGINT: stopping at once, without a checkpoint\n")
+            os._exit(EXIT_INTERRUPTED)
+        self.received = self.received or signum
 
     def on_step_end(self, args, state, control, **kwargs):
         if not reduce_flags([1.0 if self.received else 0.0])[0]:
@@ -52,10 +61,12 @@ class PreemptionCallback(TrainerCallback):
         return signal.Signals(self.received).name if self.received else "a preemption signal on another rank"
 
     def error(self, run_dir) -> Preempted:
-        return Preempted(f"stopped by {self.signal_name} at step {self.stopped_at}; checkpoint-{self.stopped_at} "
+        kind = Interrupted if self.received == signal.SIGINT else Preempted
+        return kind(f"stopped by {self.signal_name} at step {self.stopped_at}; checkpoint-{self.stopped_at} "
                          f"is saved in {run_dir}/checkpoints",
-                         hint="run the same command again to resume from it (the Slurm script requeues on "
-                              f"exit code {EXIT_PREEMPTED})")
+                         hint="run the same command again to resume from it" + (
+                             "" if self.received == signal.SIGINT else
+                             f" (the Slurm script requeues on exit code {EXIT_PREEMPTED})"))
 
     def restore(self) -> None:
         for sig in PREEMPT_SIGNALS:
