@@ -8,6 +8,9 @@ from __future__ import annotations
 
 import copy
 import difflib
+import re
+import types
+import typing
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +21,55 @@ from finetune.errors import RecipeError
 from finetune.recipe.schema import Recipe
 
 MAX_EXTENDS_DEPTH = 8
+MAX_INT = 2**63 - 1  # larger numbers are typos (1e30 steps), and overflow every library below
+# The names peer tools use for our keys: `did you mean` maps them to ours.
+ALIASES = {
+    "learning_rate": "train.lr", "lr_scheduler_type": "train.scheduler", "lr_scheduler": "train.scheduler",
+    "num_train_epochs": "train.epochs", "num_epochs": "train.epochs",
+    "per_device_train_batch_size": "train.micro_batch_size", "micro_batch": "train.micro_batch_size",
+    "batch_size": "train.global_batch_size", "total_batch_size": "train.global_batch_size",
+    "gradient_checkpointing": "train.activation_checkpointing", "optim": "train.optimizer",
+    "bf16": "train.precision", "fp16": "train.precision", "max_grad_norm_clip": "train.max_grad_norm",
+    "rank": "adapter.r", "lora_r": "adapter.r", "lora_rank": "adapter.r", "lora_alpha": "adapter.alpha",
+    "lora_dropout": "adapter.dropout", "lora_target_modules": "adapter.target_modules",
+    "use_dora": "adapter.dora", "use_rslora": "adapter.rslora",
+    "max_seq_length": "data.max_length", "max_seq_len": "data.max_length", "sequence_len": "data.max_length",
+    "max_len": "data.max_length", "dataset": "data.sources", "datasets": "data.sources",
+    "output_dir": "output.dir", "save_steps": "output.save_every", "save_total_limit": "output.keep",
+    "model_name_or_path": "model.name", "base_model": "model.name", "torch_dtype": "model.dtype",
+    "hub_model_id": "hub.repo", "report_to": "logging.report_to",
+}
+
+
+class _StrictLoader(yaml.SafeLoader):
+    """PyYAML's safe loader, made strict: a repeated key is an error (PyYAML keeps the last one, so a
+    second `train:` silently replaces the first), and only plain decimal integers are integers
+    (YAML 1.1 reads 0x10 as 16, 0o17 and 1:30 as numbers); `2e-4` is a float, as in YAML 1.2."""
+
+    def construct_mapping(self, node, deep=False):
+        seen: dict = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if isinstance(key, (str, int, float, bool)) and key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"duplicate key {key!r} (first at line {seen[key] + 1}; a repeated key would "
+                                f"silently replace the first)", key_node.start_mark)
+            if isinstance(key, (str, int, float, bool)):
+                seen[key] = key_node.start_mark.line
+        return super().construct_mapping(node, deep=deep)
+
+
+_StrictLoader.yaml_implicit_resolvers = {
+    first: [(tag, regexp) for tag, regexp in resolvers if tag != "tag:yaml.org,2002:int"]
+    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.copy().items()}
+_StrictLoader.add_implicit_resolver("tag:yaml.org,2002:int", re.compile(r"^[-+]?[0-9]+$"), list("-+0123456789"))
+_StrictLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:float", re.compile(r"^[-+]?([0-9][0-9_]*)?\.?[0-9]*[eE][-+]?[0-9]+$"),
+    list("-+0123456789."))
+
+
+def safe_load(text: str) -> Any:
+    return yaml.load(text, Loader=_StrictLoader)
 
 
 def read_yaml(path: Path) -> Any:
@@ -29,7 +81,7 @@ def read_yaml(path: Path) -> Any:
     except (OSError, UnicodeDecodeError) as exc:
         raise RecipeError(f"cannot read: {exc}", file=str(path)) from None
     try:
-        return yaml.safe_load(text)
+        return safe_load(text)
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
@@ -82,7 +134,7 @@ def parse_override(text: str) -> tuple[list[str], Any]:
     if not key or any(not part for part in key.split(".")):
         raise RecipeError(f"--set {text!r}: empty key", hint="e.g. --set adapter.r=32")
     try:
-        parsed = yaml.safe_load(value) if value.strip() else ""
+        parsed = safe_load(value) if value.strip() else ""
     except yaml.YAMLError:
         parsed = value
     return key.split("."), parsed
@@ -102,6 +154,64 @@ def apply_overrides(raw: dict, overrides: list[str]) -> dict:
             node = nxt
         node[path[-1]] = value
     return raw
+
+
+def _members(annotation) -> list:
+    """The types a field accepts: Optional/Union flattened, Annotated unwrapped."""
+    if typing.get_origin(annotation) is typing.Annotated:
+        return _members(typing.get_args(annotation)[0])
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        return [m for arg in typing.get_args(annotation) for m in _members(arg)]
+    return [annotation]
+
+
+def _number_problem(value, members: list) -> str | None:
+    """Why `value` is no honest number for a field that takes numbers (pydantic would coerce it)."""
+    literals = [v for m in members if typing.get_origin(m) is typing.Literal for v in typing.get_args(m)]
+    takes_int, takes_float = int in members, float in members
+    if not (takes_int or takes_float) or value is None or value in literals and not isinstance(value, bool):
+        return None
+    if isinstance(value, bool):
+        return None if bool in members else f"must be a number, not {str(value).lower()}"
+    if isinstance(value, str) and str not in members:
+        return f"must be a number without quotes, got the text {value!r}"
+    if isinstance(value, float) and not takes_float:
+        return f"must be a whole number, got {value!r}"
+    if isinstance(value, int) and abs(value) > MAX_INT:
+        return f"is far too large ({value:.3g})"
+    return None
+
+
+def check_types(raw: Any, model: type[BaseModel], *, prefix: str = "", file: str | None = None) -> None:
+    """Refuse what pydantic would quietly coerce into a number: true -> 1, "60" -> 60, 1e30 -> int."""
+    if not isinstance(raw, dict):
+        return
+    for name, value in raw.items():
+        field = model.model_fields.get(name) if isinstance(name, str) else None
+        if field is None:
+            continue
+        key = f"{prefix}{name}"
+        members = _members(field.annotation)
+        problem = _number_problem(value, members)
+        if problem:
+            raise RecipeError(problem, key=key, file=file,
+                              hint="write a plain decimal number (e.g. 60, 0.0002), without quotes")
+        for sub in (m for m in members if isinstance(m, type) and issubclass(m, BaseModel)):
+            check_types(value, sub, prefix=f"{key}.", file=file)
+        for m in members:
+            item = typing.get_args(m)[0] if typing.get_origin(m) is list and typing.get_args(m) else None
+            if isinstance(item, type) and issubclass(item, BaseModel) and isinstance(value, list):
+                for i, entry in enumerate(value):
+                    check_types(entry, item, prefix=f"{key}[{i}].", file=file)
+
+
+def _alias(name: str, valid: list[str], prefix: str) -> str | None:
+    """Our key for a peer tool's name (learning_rate -> train.lr), as a full key path."""
+    target = ALIASES.get(name.lower())
+    if target is None:
+        return None
+    section, _, field = target.rpartition(".")
+    return f"{prefix}.{field}" if field in valid and (not prefix or prefix.endswith(section)) else target
 
 
 def _fields_at(model: type[BaseModel], loc: tuple) -> list[str]:
@@ -151,6 +261,10 @@ def validation_error_to_recipe_error(exc: ValidationError, *, file: str | None,
         valid = _fields_at(schema, loc[:-1])
         close = difflib.get_close_matches(str(loc[-1]), valid, n=1, cutoff=0.5)
         prefix = _key_path(loc[:-1])
+        alias = _alias(str(loc[-1]), valid, prefix) if schema is Recipe else None
+        if alias:
+            return RecipeError(f"unknown key; finetune calls it {alias}", key=key, file=file,
+                               hint=f"rename it to {alias}")
         if close:
             suggestion = f"{prefix}.{close[0]}" if prefix else close[0]
             return RecipeError(f"unknown key; did you mean {suggestion}?", key=key, file=file,
@@ -199,6 +313,7 @@ def load_recipe(source: str | Path | dict, *, overrides: list[str] | None = None
     if raw.get("resolved") is not None and not allow_resolved:
         raise RecipeError("is written by the planner, not by hand", key="resolved", file=file,
                           hint="remove the resolved: section (it appears only in recipe.resolved.yaml)")
+    check_types(raw, Recipe, file=file)
     try:
         recipe = Recipe.model_validate(raw)
     except ValidationError as exc:

@@ -133,7 +133,7 @@ class DataSection(Strict):
     assistant_only_loss: bool = True
     # preflight: error when more than this share of examples is longer than max_length
     max_too_long_fraction: float = Field(0.05, ge=0, le=1)
-    seed: int = 0
+    seed: int = Field(0, ge=0, le=2**32 - 1, description="shuffle/split seed (0 .. 2**32-1)")
     # tokenized-data cache; default $FINETUNE_CACHE_DIR, else ~/.cache/finetune/tokenized
     cache_dir: str | None = None
     # greedy-generation exact-match eval on held-out prompts, run before and after training
@@ -167,7 +167,7 @@ class TrainSection(Strict):
     micro_batch_size: Union[Literal["auto"], int] = "auto"
     activation_checkpointing: OnOffAuto = "auto"
     optimizer: Literal["adamw", "adamw_8bit", "paged_adamw_8bit"] = "adamw"
-    seed: int = 42
+    seed: int = Field(42, ge=0, le=2**32 - 1, description="random seed (0 .. 2**32-1, numpy's range)")
     precision: Literal["bf16", "fp16", "fp32"] = "bf16"
     logging_steps: int = Field(1, ge=1)
     eval_steps: int | None = Field(None, ge=1)
