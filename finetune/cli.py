@@ -181,8 +181,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {err.render()}", file=sys.stderr)
         return err.exit_code
     except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
+        print("interrupted (Ctrl-C) before anything was launched; nothing was written\n"
+              "  fix: run the command again", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # the reader went away (`finetune presets | head`): nothing more to say
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
     except Exception as exc:  # an internal bug: say so, keep the traceback behind a switch
         if os.environ.get("FINETUNE_DEBUG"):
             traceback.print_exc()

@@ -99,7 +99,7 @@ def launch(spec_or_run_dir: LaunchSpec | str | Path, *, node_rank: int | None = 
     return _run(argv, env=launch_env(spec), log_path=log_path, stream=stream)
 
 
-def _prctl():
+def prctl_or_none():
     """libc's prctl, or None off Linux."""
     try:
         import ctypes
@@ -109,13 +109,18 @@ def _prctl():
         return None
 
 
+def die_with_parent(prctl=None) -> None:
+    """SIGTERM to this process when its parent dies (a rank whose launcher was killed checkpoints and
+    stops instead of training on as an orphan)."""
+    prctl = prctl or prctl_or_none()
+    if prctl is not None:
+        prctl(PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0)
+
+
 def _children_die_with_us(prctl):
     """Run in the child before exec: SIGTERM when the `finetune` process dies (even of SIGKILL), so the
     ranks checkpoint and stop instead of training on as orphans."""
-    def set_parent_death_signal():
-        if prctl is not None:
-            prctl(PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0)
-    return set_parent_death_signal
+    return lambda: die_with_parent(prctl)
 
 
 def _descendants(pid: int) -> list[int]:
@@ -164,7 +169,7 @@ def _wait_group(pgid: int, timeout: float) -> None:
 
 def _run(argv: list[str], *, env: dict[str, str], log_path: Path, stream: bool) -> int:
     received: list[int] = []
-    prctl = _prctl()
+    prctl = prctl_or_none()
     if prctl is not None:
         prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
     with open(log_path, "ab") as log:
@@ -261,10 +266,15 @@ def _copy_output(pipe, log, stream: bool) -> None:
             sys.stdout.write(line.decode(errors="replace"))
 
     console = _ConsoleFilter(write)
+    logging = True
     try:
         for line in iter(pipe.readline, b""):
-            log.write(line)
-            log.flush()
+            if logging:
+                try:
+                    log.write(line)
+                    log.flush()
+                except OSError:  # a full disk: the console still gets every line
+                    logging = False
             if stream:
                 console.feed(line)
         console.flush()

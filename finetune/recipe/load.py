@@ -290,13 +290,24 @@ def validation_error_to_recipe_error(exc: ValidationError, *, file: str | None,
                        hint=_type_hint(etype, err))
 
 
+BOUNDS = {"greater_than": ">", "greater_than_equal": ">=", "less_than": "<", "less_than_equal": "<="}
+
+
 def _type_hint(etype: str, err: dict) -> str | None:
+    ctx = err.get("ctx", {})
     if etype == "literal_error":
-        expected = err.get("ctx", {}).get("expected")
+        expected = ctx.get("expected")
         return f"use one of {expected}" if expected else None
     if etype.endswith("_type") or etype.endswith("_parsing"):
         return "check the value's type (numbers unquoted, lists in [ ], sections as mappings)"
-    return None
+    if etype in BOUNDS:
+        limit = next((v for k, v in ctx.items() if k in ("gt", "ge", "lt", "le")), None)
+        return f"use a value {BOUNDS[etype]} {limit}" if limit is not None else None
+    if etype in ("too_short", "too_long"):
+        return "check how many entries the list has"
+    if etype == "string_pattern_mismatch":
+        return f"write it in the form {ctx.get('pattern', 'shown in recipes/')}"
+    return "compare with the shipped recipes in recipes/ (`finetune validate RECIPE` checks a change)"
 
 
 def load_recipe(source: str | Path | dict, *, overrides: list[str] | None = None,

@@ -54,7 +54,9 @@ def run_rank(resolved_path: str | Path, *, resume: str = "auto") -> dict | None:
     set_seed(recipe.train.seed)
     from finetune.train.signals import Preempted, PreemptionCallback
 
-    preempt = PreemptionCallback()  # SIGTERM/SIGUSR1 from now on: checkpoint at the next step, exit 75
+    # SIGTERM/SIGUSR1/SIGHUP from now on: checkpoint at the next step, exit 75 (SIGINT: 130)
+    (run_dir / rundir.LOGS_DIR).mkdir(parents=True, exist_ok=True)
+    preempt = PreemptionCallback(log_path=run_dir / rundir.LOGS_DIR / f"rank-{state.process_index}.log")
     try:
         summary = _run(recipe, state=state, run_dir=run_dir, resume=resume, preempt=preempt)
     except Exception as exc:

@@ -35,17 +35,40 @@ class PreemptionCallback(TrainerCallback):
     """Installs the handlers at construction (main thread) and turns a received signal into
     should_save + should_training_stop at the next step end, agreed by all ranks."""
 
-    def __init__(self):
+    def __init__(self, log_path=None):
+        self.log_path = str(log_path) if log_path else os.devnull
         self.received: int | None = None
         self.stopped_at: int | None = None
         for sig in PREEMPT_SIGNALS:
             signal.signal(sig, self._handle)
+        from finetune.launch import die_with_parent
+
+        die_with_parent()  # the launcher (accelerate or torchrun's agent) was killed: save and stop
 
     def _handle(self, signum, _frame):
         if signum == signal.SIGINT and self.received == signal.SIGINT:  # Ctrl-C twice: stop now
             os.write(2, b"second SIGINT: stopping at once, without a checkpoint\n")
             os._exit(EXIT_INTERRUPTED)
         self.received = self.received or signum
+        self._detach_from_a_dead_console()
+
+    def _detach_from_a_dead_console(self) -> None:
+        """When the `finetune` process that read our output is gone (killed: its death is what sent
+        this signal), printing would raise BrokenPipeError before the checkpoint is saved; write the
+        rest of the output to the rank's log file instead."""
+        import select
+
+        for fd in (1, 2):
+            try:
+                poll = select.poll()
+                poll.register(fd, select.POLLOUT)
+                events = poll.poll(0)
+            except (OSError, ValueError):
+                continue
+            if events and events[0][1] & (select.POLLERR | select.POLLHUP):
+                target = os.open(self.log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+                os.dup2(target, fd)
+                os.close(target)
 
     def on_step_end(self, args, state, control, **kwargs):
         if not reduce_flags([1.0 if self.received else 0.0])[0]:
