@@ -57,10 +57,22 @@ def plan(recipe, *, hardware: str | None = None, overrides: list[str] | None = N
 def compile(recipe, *, hardware: str | None = None, overrides: list[str] | None = None,
             output: str | Path | None = None):
     """Plan and write the run directory's launch files; DoesNotFitError (exit 3) when nothing fits."""
-    from finetune.compile import compile_recipe
+    from finetune.compile.compiler import default_run_dir, prepare_recipe
 
     recipe = _as_recipe(recipe, overrides)
-    return compile_recipe(recipe, run_dir=Path(output).resolve() if output else None, hardware=hardware)
+    target = Path(output).resolve() if output else default_run_dir(recipe)
+    return _write_guarded(prepare_recipe(recipe, run_dir=target, hardware=hardware), recipe)
+
+
+def _write_guarded(compiled, recipe: Recipe):
+    """`finetune compile` writes only into a directory finetune owns, and not while a run uses it."""
+    from finetune.guard import RunLock, check_output_dir, claim
+
+    target = Path(compiled.spec.run_dir)
+    check_output_dir(target, recipe)
+    with RunLock(target):
+        claim(target)
+        return compiled.write()
 
 
 @dataclass

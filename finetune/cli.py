@@ -9,10 +9,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
+import threading
 import traceback
 
-from finetune.errors import EXIT_USAGE, FinetuneError
+from finetune.errors import EXIT_PREEMPTED, EXIT_USAGE, FinetuneError
 
 
 class _Parser(argparse.ArgumentParser):
@@ -173,15 +175,38 @@ COMMANDS = {
 }
 
 
+class Stopped(BaseException):
+    """SIGTERM/SIGHUP outside a launch (the launcher forwards them to the ranks while one runs)."""
+
+
+def _stop(signum, _frame):
+    raise Stopped(signal.Signals(signum).name)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    previous = {}
+    if threading.current_thread() is threading.main_thread():
+        previous = {sig: signal.signal(sig, _stop) for sig in (signal.SIGTERM, signal.SIGHUP)}
+    try:
+        return _main(args)
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def _main(args) -> int:
     try:
         return COMMANDS[args.command](args)
+    except Stopped as stop:
+        print(f"stopped by {stop} while no training process was running\n"
+              "  fix: run the command again", file=sys.stderr)
+        return EXIT_PREEMPTED
     except FinetuneError as err:
         print(f"error: {err.render()}", file=sys.stderr)
         return err.exit_code
     except KeyboardInterrupt:
-        print("interrupted (Ctrl-C) before anything was launched; nothing was written\n"
+        print("interrupted (Ctrl-C) while no training process was running\n"
               "  fix: run the command again", file=sys.stderr)
         return 130
     except BrokenPipeError:  # the reader went away (`finetune presets | head`): nothing more to say

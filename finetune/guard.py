@@ -78,6 +78,10 @@ def check_output_dir(run_dir: Path, recipe) -> None:
             raise RecipeError(f"the output directory {run_dir} would hold or overwrite {what} ({path})",
                               key="output.dir", hint="pass --output (or output.dir) naming a directory of "
                                                      "its own, e.g. runs/my-run")
+    blocker = next((p for p in run_dir.parents if p.exists() and not p.is_dir()), None)
+    if blocker is not None:
+        raise RecipeError(f"the output {run_dir} lies under {blocker}, which is a file", key="output.dir",
+                          hint="pass --output naming a directory path")
     if run_dir.exists() and not run_dir.is_dir():
         raise RecipeError(f"the output {run_dir} is a file, not a directory", key="output.dir",
                           hint="pass --output naming a new or finetune-made directory")

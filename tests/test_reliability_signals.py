@@ -123,11 +123,12 @@ def test_sigterm_before_training_claims_no_checkpoint(tmp_path):
                           output={"save_every": None})
     run_dir = tmp_path / "run"
     proc = start(cli_argv(recipe, run_dir), cache=tmp_path / "cache")
-    assert wait_for(lambda: (run_dir / "logs").is_dir(), proc=proc)  # launched, not yet training
+    assert wait_for(lambda: (run_dir / "launch.sh").is_file(), proc=proc)  # compiled, not yet training
     proc.send_signal(signal.SIGTERM)
     out, _ = proc.communicate(timeout=240)
     assert proc.returncode == EXIT_PREEMPTED, out[-4000:]
     saved = checkpoints(run_dir)
     if not saved:
-        assert "a checkpoint was saved" not in out and "before a new checkpoint was written" in out, out[-3000:]
+        assert "a checkpoint was saved" not in out, out[-3000:]
+        assert "before a new checkpoint was written" in out or "no training process was running" in out, out[-3000:]
     assert "Traceback" not in out, out[-4000:]

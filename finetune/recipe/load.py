@@ -78,8 +78,12 @@ def read_yaml(path: Path) -> Any:
     except FileNotFoundError:
         raise RecipeError("file not found", file=str(path),
                           hint="check the path; recipes ship in recipes/") from None
+    except IsADirectoryError:
+        raise RecipeError("is a directory, not a recipe file", file=str(path),
+                          hint="pass the recipe's YAML file, e.g. recipes/quickstart.yaml") from None
     except (OSError, UnicodeDecodeError) as exc:
-        raise RecipeError(f"cannot read: {exc}", file=str(path)) from None
+        raise RecipeError(f"cannot read: {exc}", file=str(path),
+                          hint="check the file is a readable UTF-8 YAML recipe") from None
     try:
         return safe_load(text)
     except yaml.YAMLError as exc:
@@ -105,9 +109,11 @@ def _load_raw(path: Path, depth: int = 0, seen: tuple[Path, ...] = ()) -> dict:
     path = path.resolve()
     if path in seen:
         chain = " -> ".join(p.name for p in seen + (path,))
-        raise RecipeError(f"extends forms a cycle: {chain}", file=str(path), key="extends")
+        raise RecipeError(f"extends forms a cycle: {chain}", file=str(path), key="extends",
+                          hint="remove the extends: that points back into the chain")
     if depth > MAX_EXTENDS_DEPTH:
-        raise RecipeError(f"extends chain deeper than {MAX_EXTENDS_DEPTH}", file=str(path), key="extends")
+        raise RecipeError(f"extends chain deeper than {MAX_EXTENDS_DEPTH}", file=str(path), key="extends",
+                          hint="merge some of the recipes in the chain")
     raw = read_yaml(path)
     if raw is None:
         raise RecipeError("the recipe is empty", file=str(path),
@@ -119,7 +125,8 @@ def _load_raw(path: Path, depth: int = 0, seen: tuple[Path, ...] = ()) -> dict:
     if parent is None:
         return raw
     if not isinstance(parent, str):
-        raise RecipeError("must be a path to another recipe", file=str(path), key="extends")
+        raise RecipeError("must be a path to another recipe", file=str(path), key="extends",
+                          hint="write extends: other-recipe.yaml (relative to this file)")
     parent_path = (path.parent / parent)
     base = _load_raw(parent_path, depth + 1, seen + (path,))
     return deep_merge(base, raw)
@@ -150,7 +157,7 @@ def apply_overrides(raw: dict, overrides: list[str]) -> dict:
                 nxt = node[part] = {}
             elif not isinstance(nxt, dict):
                 raise RecipeError(f"--set {text}: {'.'.join(path[:i + 1])} is not a section",
-                                  key=".".join(path))
+                                  key=".".join(path), hint=f"set {'.'.join(path[:i + 1])}=VALUE itself")
             node = nxt
         node[path[-1]] = value
     return raw
@@ -277,11 +284,12 @@ def validation_error_to_recipe_error(exc: ValidationError, *, file: str | None,
     msg = err["msg"]
     if msg.startswith("Value error, "):
         msg = msg[len("Value error, "):]
+    fix = "change it as the message says; `finetune validate RECIPE` checks the result"
     if msg.startswith("@"):  # cross-field conflict carrying its own key path
         inner_key, _, msg = msg[1:].partition("@ ")
-        return RecipeError(msg, key=inner_key, file=file)
+        return RecipeError(msg, key=inner_key, file=file, hint=fix)
     if etype == "value_error":
-        return RecipeError(msg, key=key or None, file=file)
+        return RecipeError(msg, key=key or None, file=file, hint=fix)
     got = err.get("input")
     shown = repr(got) if not isinstance(got, (dict, list)) else type(got).__name__
     if len(shown) > 80:

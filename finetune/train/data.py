@@ -35,6 +35,9 @@ def resolve_path(path: str, base_dir: Path) -> Path | None:
     if candidate.is_dir() and candidate.suffix in LOCAL_SUFFIXES:
         raise DataError("is a directory, not a data file", file=str(candidate),
                         hint="point the data path at the file itself (a .jsonl/.json/.parquet/.csv file)")
+    if candidate.exists() and not candidate.is_file() and not candidate.is_dir():
+        raise DataError("is not a regular file (a pipe, socket or device would block or never end)",
+                        file=str(candidate), hint="point the data path at a .jsonl/.json/.parquet/.csv file")
     if candidate.exists():
         return candidate.resolve()
     if candidate.suffix in LOCAL_SUFFIXES or path.startswith((".", "/", "~")) or path.count("/") != 1:
