@@ -4,6 +4,7 @@ docs/reliability.md): no data lost, no traceback, every non-zero exit names a fi
 from __future__ import annotations
 
 import importlib.util
+import sys
 
 from conftest import ROOT
 
@@ -11,6 +12,7 @@ from conftest import ROOT
 def _probe():
     spec = importlib.util.spec_from_file_location("probe_hostile", ROOT / "scripts" / "probe_hostile.py")
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
     spec.loader.exec_module(module)
     return module
 
