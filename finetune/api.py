@@ -6,7 +6,6 @@ through finetune.launch.
 
 from __future__ import annotations
 
-import json
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path

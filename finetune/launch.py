@@ -177,7 +177,8 @@ def _run(argv: list[str], *, env: dict[str, str], log_path: Path, stream: bool) 
         log.flush()
         proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                 stdin=subprocess.DEVNULL, start_new_session=True,
-                                preexec_fn=_children_die_with_us(prctl))
+                                # one prctl call in the child; the lock's heartbeat thread holds no lock
+                                preexec_fn=_children_die_with_us(prctl))  # noqa: PLW1509
 
         def forward(signum, _frame):
             if signum == signal.SIGINT and signal.SIGINT in received:

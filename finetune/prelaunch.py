@@ -128,7 +128,7 @@ def check_chat_template(recipe, first: dict | None) -> None:
     class Generation(Extension):
         """{% generation %}...{% endgeneration %} (transformers' assistant-mask markers): render the body."""
 
-        tags = {"generation"}
+        tags = {"generation"}  # noqa: RUF012 (jinja2's Extension API)
 
         def parse(self, parser):
             lineno = next(parser.stream).lineno

@@ -27,13 +27,13 @@ def disk(tmp_path):
     mount.mkdir()
     try:
         done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={SIZE_MIB}m", "tmpfs", str(mount)],
-                              capture_output=True, text=True, timeout=30)
+                              capture_output=True, text=True, timeout=30, check=False)
     except (OSError, subprocess.SubprocessError) as exc:
         pytest.skip(f"cannot mount a tmpfs here: {exc}")
     if done.returncode != 0:
         pytest.skip(f"cannot mount a tmpfs here (needs root): {done.stderr.strip()}")
     yield mount
-    subprocess.run(["umount", "-l", str(mount)], capture_output=True, timeout=30)
+    subprocess.run(["umount", "-l", str(mount)], capture_output=True, timeout=30, check=False)
 
 
 def fill(mount, *, leave: int = 0) -> None:

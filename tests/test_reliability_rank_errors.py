@@ -96,9 +96,14 @@ def test_errors_inside_a_rank_become_one_paragraph_with_fitting_advice(tmp_path)
 @pytest.mark.slow
 def test_a_rank_error_prints_one_paragraph_without_a_traceback(tmp_path):
     # the template fails only on a row the pre-launch render does not try: the rank reports it
-    template = ("{% for m in messages %}{% if m['content'] | length > 60 %}{{ raise_exception('row too long "
+    rows = [{"messages": [{"role": "user", "content": f"question {i}" + (" forbidden" if i == 5 else "")},
+                          {"role": "assistant", "content": f"answer {i}"}]} for i in range(1, 9)]
+    data = tmp_path / "chat.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    template = ("{% for m in messages %}{% if 'forbidden' in m['content'] %}{{ raise_exception('row too long "
                 "for this template') }}{% endif %}{{ m['content'] }}{% endfor %}")
-    recipe = write_recipe(tmp_path / "recipe.yaml", data={"chat_template": template})
+    recipe = write_recipe(tmp_path / "recipe.yaml", data={"chat_template": template,
+                                                          "sources": [{"path": str(data)}]})
     done = run(cli_argv(recipe, tmp_path / "run"), cache=tmp_path / "cache")
     out = done.stdout + done.stderr
     assert done.returncode == 2, out[-3000:]

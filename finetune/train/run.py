@@ -15,7 +15,7 @@ from pathlib import Path
 
 from finetune import rundir
 from finetune.compile.files import write_atomic
-from finetune.errors import FinetuneError, RecipeError
+from finetune.errors import RecipeError
 from finetune.recipe.load import load_recipe
 from finetune.train.callbacks import CommitCallback, MetricsCallback, NonFiniteCallback, read_metrics
 from finetune.train.checkpoint import ZERO3, check_resume, prepare_checkpoints, resolve_resume
