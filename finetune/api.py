@@ -106,7 +106,9 @@ def run(recipe, *, hardware: str | None = None, overrides: list[str] | None = No
                            node_rank=node_rank, main_address=main_address, main_port=main_port)
     except FinetuneError:
         lock.release()
-        if created and not any((target / rundir.CHECKPOINTS).glob("checkpoint-*")):
+        # a directory this call made and in which no step was trained holds nothing worth keeping
+        if created and not (target / rundir.METRICS).exists() \
+                and not any((target / rundir.CHECKPOINTS).glob("checkpoint-*")):
             shutil.rmtree(target, ignore_errors=True)
         raise
     finally:
