@@ -114,3 +114,20 @@ def test_a_killed_token_cache_write_leaves_no_temporary_directory(tmp_path):
         cache.save_entry(tmp_path, "key", Exploding(), {})
     assert not stale.exists() and fresh.exists()
     assert sorted(p.name for p in tmp_path.iterdir()) == [".tmp-def-456"]
+
+
+def test_a_huge_row_goes_through_preflight_as_too_long(tmp_path):
+    import resource
+
+    from transformers import AutoTokenizer
+
+    from finetune.train.preflight import _tokenize
+
+    tokenizer = AutoTokenizer.from_pretrained(TINY_MODEL)
+    rows = [{"messages": [{"role": "user", "content": c}, {"role": "assistant", "content": "ok"}],
+             "_file": "f.jsonl", "_row": i + 1} for i, c in enumerate(["hi", "word " * 2_000_000, "yo"])]
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    ds = _tokenize(rows, tokenizer, method="sft", assistant_only_loss=True, max_length=32)
+    grown_mib = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) / 1024
+    assert ds["_length"][1] > 32 and ds["_length"][0] <= 32 and ds["_row"] == [1, 2, 3]
+    assert len(ds["input_ids"][1]) == 0 and grown_mib < 500, grown_mib
