@@ -390,9 +390,14 @@ def snapshot(root: Path) -> dict[str, str]:
 def _in_process(argv: list[str], cwd: Path) -> tuple[int, str]:
     from finetune.cli import main
 
+    import logging
+
     buf = io.StringIO()
     here = os.getcwd()
     os.chdir(cwd)
+    # a library's log handler made under an earlier (now closed) captured stderr would print a
+    # "--- Logging error ---" traceback: an artifact of running many commands in one process
+    raise_exceptions, logging.raiseExceptions = logging.raiseExceptions, False
     try:
         with contextlib.redirect_stdout(buf), contextlib.redirect_stderr(buf):
             try:
@@ -401,6 +406,7 @@ def _in_process(argv: list[str], cwd: Path) -> tuple[int, str]:
                 code = exc.code if isinstance(exc.code, int) else 2
     finally:
         os.chdir(here)
+        logging.raiseExceptions = raise_exceptions
     return code, buf.getvalue()
 
 
