@@ -70,6 +70,6 @@ def _check_batch(recipe: Recipe, rows: int | None) -> None:
     gbs = recipe.train.global_batch_size
     if rows and gbs > rows:
         raise DataError(f"one optimizer step takes {gbs} examples, and the training data has {rows}: every "
-                        f"step would see the whole data set, {gbs / rows:.0f} times over",
+                        f"step would repeat the whole data set ({gbs / rows:.1f}x)",
                         key="train.global_batch_size",
                         hint=f"set train.global_batch_size to at most {rows} (or add data)")
