@@ -13,21 +13,21 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from finetune import rundir
-from finetune.errors import EXIT_PREEMPTED, EXIT_USAGE, FinetuneError, TrainingFailed
+from finetune.errors import EXIT_INTERRUPTED, EXIT_PREEMPTED, FinetuneError, RecipeError, TrainingFailed
 from finetune.recipe import Recipe, load_recipe
 
 log = logging.getLogger("finetune.api")
 
 
-def _check_resume(run_dir: Path, resume: str, *, world_size: int) -> None:
+def _check_resume(run_dir: Path, resume: str, *, resolved: Recipe, world_size: int,
+                  fields: dict | None = None) -> None:
     """Refuse a resume the checkpoint cannot support before launching (RecipeError, exit 2)."""
     from finetune.train.checkpoint import check_resume, resolve_resume
 
     start = resolve_resume(str(resume), run_dir)
     if start is None:
         return
-    resolved = load_recipe(run_dir / rundir.RESOLVED_RECIPE, allow_resolved=True)
-    for note in check_resume(start, resolved, world_size=world_size):
+    for note in check_resume(start, resolved, world_size=world_size, fields=fields):
         log.info(f"resume from {start.name}: changed safely: {note}")
 
 
@@ -60,10 +60,22 @@ def plan(recipe, *, hardware: str | None = None, overrides: list[str] | None = N
 def compile(recipe, *, hardware: str | None = None, overrides: list[str] | None = None,
             output: str | Path | None = None):
     """Plan and write the run directory's launch files; DoesNotFitError (exit 3) when nothing fits."""
-    from finetune.compile import compile_recipe
+    from finetune.compile.compiler import default_run_dir, prepare_recipe
 
     recipe = _as_recipe(recipe, overrides)
-    return compile_recipe(recipe, run_dir=Path(output).resolve() if output else None, hardware=hardware)
+    target = Path(output).resolve() if output else default_run_dir(recipe)
+    return _write_guarded(prepare_recipe(recipe, run_dir=target, hardware=hardware), recipe)
+
+
+def _write_guarded(compiled, recipe: Recipe):
+    """`finetune compile` writes only into a directory finetune owns, and not while a run uses it."""
+    from finetune.guard import RunLock, check_output_dir, claim
+
+    target = Path(compiled.spec.run_dir)
+    check_output_dir(target, recipe)
+    with RunLock(target):
+        claim(target)
+        return compiled.write()
 
 
 def check_destinations(recipe: Recipe, *, pushes: bool = True) -> None:
@@ -89,50 +101,114 @@ class RunResult:
     pushed: str | None = None  # the Hub commit URL when the recipe's hub.repo was pushed
 
 
+
 def run(recipe, *, hardware: str | None = None, overrides: list[str] | None = None,
         output: str | Path | None = None, dry_run: bool = False, resume: str = "auto",
         node_rank: int | None = None, main_address: str | None = None,
         main_port: int | None = None) -> RunResult:
-    """Plan, compile, launch, train, save (and push when the recipe has hub.repo)."""
+    """Plan, compile, launch, train, save (and push when the recipe has hub.repo).
+
+    Every check (output directory, lock, data, finished run, resume, model files, disk) runs before
+    anything is written into the run directory."""
     from finetune.compile.compiler import default_run_dir
-    from finetune.launch import run_with_oom_retries
-    from finetune.train.precheck import check_data
+    from finetune.guard import RunLock, check_output_dir
 
     recipe = _as_recipe(recipe, overrides)
     target = Path(output).resolve() if output else default_run_dir(recipe)
-    created = not target.exists()  # bad input must not leave a half-written run dir behind
+    check_output_dir(target, recipe)
+    created = not target.exists()  # bad input must not leave a half-made run dir behind
+    lock = RunLock(target, node_rank=node_rank or 0)
     try:
-        # trackers installed, Hub push allowed (on the node that pushes): before anything is loaded
-        check_destinations(recipe, pushes=node_rank in (None, 0))
-        check_data(recipe)  # paths and rows, before anything is written
-        spec = compile(recipe, hardware=hardware, output=target)
-        _check_resume(Path(spec.run_dir), resume, world_size=spec.world_size)
+        lock.acquire()
+        if lock.note:
+            log.info(lock.note)
+        return _run_locked(recipe, target=target, hardware=hardware, dry_run=dry_run, resume=resume,
+                           node_rank=node_rank, main_address=main_address, main_port=main_port)
     except FinetuneError:
-        if created:
+        lock.release()
+        # a directory this call made and in which no step was trained holds nothing worth keeping
+        if created and not (target / rundir.METRICS).exists() \
+                and not any((target / rundir.CHECKPOINTS).glob("checkpoint-*")):
             shutil.rmtree(target, ignore_errors=True)
         raise
+    finally:
+        lock.release()
+
+
+def _fields(resolved: Recipe, data) -> dict:
+    from finetune.train.integrity import data_fields, recipe_fields
+
+    return {**recipe_fields(resolved), **data_fields(train=data.train, eval=data.eval)}
+
+
+def _finished(run_dir: Path, resume: str, fields: dict) -> dict | None:
+    """The finished run's record when this rerun has nothing to do; RecipeError when the recipe changed;
+    None when training should (re)start: no finished run, --resume never, or a grown max_steps/epochs."""
+    from finetune.train.checkpoint import compare_fields, grown, latest_checkpoint
+
+    done = rundir.read_finished(run_dir)
+    if not done or resume == "never":
+        return None
+    notes, refused = compare_fields(done.get("recipe_fields", {}), fields)
+    if refused:
+        raise RecipeError(f"{run_dir} holds a finished run, and the recipe changed since: {'; '.join(refused)}",
+                          key=refused[0].split(" ")[0],
+                          hint="change those keys back, or train again from scratch with --resume never (the "
+                               "finished outputs are kept aside until the new run replaces them), or pass "
+                               "another --output")
+    if not grown(done.get("recipe_fields", {}), fields):
+        return done
+    if latest_checkpoint(run_dir) is None:
+        raise RecipeError(f"{run_dir} holds a finished run that kept no checkpoint, so it cannot continue to the "
+                          f"larger {', '.join(n.split(' ')[0] for n in notes if 'continues' in n)}",
+                          key="train.max_steps", hint="train again from scratch with --resume never, or pass "
+                                                      "another --output (set output.save_every to keep runs "
+                                                      "extendable)")
+    return None
+
+
+def _run_locked(recipe: Recipe, *, target: Path, hardware, dry_run: bool, resume: str, node_rank,
+                main_address, main_port) -> RunResult:
+    from finetune import prelaunch
+    from finetune.compile.compiler import prepare_recipe
+    from finetune.guard import claim
+    from finetune.launch import run_with_oom_retries
+    from finetune.train.precheck import check_data
+
+    # trackers installed, Hub push allowed (on the node that pushes): before anything is loaded
+    check_destinations(recipe, pushes=node_rank in (None, 0))
+    data = check_data(recipe)  # paths and rows, before anything is written
+    compiled = prepare_recipe(recipe, run_dir=target, hardware=hardware)
+    spec, fields = compiled.spec, _fields(compiled.resolved, data)
+    done = _finished(target, resume, fields)
+    if done is not None:
+        log.info(f"{target} is complete: it finished at step {done.get('step')} with this recipe; nothing to "
+                 f"do (to train again from scratch: --resume never)")
+        return RunResult(target, 0, rundir.read_summary(target), launched=False)
+    _check_resume(target, resume, resolved=compiled.resolved, world_size=spec.world_size, fields=fields)
+    prelaunch.check_model_files(recipe)
+    prelaunch.check_chat_template(recipe, data.first)
+    if not dry_run and not (spec.multi_node and node_rank is None):
+        prelaunch.check_devices(spec)
+        prelaunch.check_disk(target, plan=compiled.plan, recipe=recipe)
+    claim(target)
+    compiled.write()
     run_dir = Path(spec.run_dir)
     log.info(spec.summary)
     if dry_run:
         return RunResult(run_dir, 0, launched=False)
+    if node_rank in (None, 0):
+        set_aside_previous(run_dir, resume=resume)
     (run_dir / rundir.RANK_ERROR).unlink(missing_ok=True)
+    before = _newest_checkpoint(run_dir)
     code, spec = run_with_oom_retries(recipe, spec, hardware=hardware, resume=str(resume), node_rank=node_rank,
                                       main_address=main_address, main_port=main_port)
-    if isinstance(code, int) and code not in (0, EXIT_PREEMPTED):
-        code = rundir.read_rank_error(run_dir).get("exit_code", code)
-    if code == EXIT_USAGE:  # a rank's preflight refused the recipe or data (its message is above)
-        if created and not any((run_dir / rundir.CHECKPOINTS).glob("checkpoint-*")):
-            shutil.rmtree(run_dir, ignore_errors=True)
-        raise FinetuneError("stopped before training; fix what the message above names and run again",
-                            hint="finetune validate RECIPE checks the recipe and its data without training")
     if not isinstance(code, int):  # multi-node without --node-rank: what to run on each node
         return RunResult(run_dir, 0, launched=False, instructions=str(code))
-    if code == EXIT_PREEMPTED:
-        return RunResult(run_dir, code)
     if code != 0:
-        raise TrainingFailed(f"training exited with code {code}; the log above names the failing rank",
-                             file=str(run_dir), hint=f"fix the cause, then rerun to resume from the "
-                                                     f"last complete checkpoint in {run_dir}")
+        return _stopped(run_dir, code, before=before)
+    if node_rank in (None, 0):
+        shutil.rmtree(run_dir / rundir.PREVIOUS, ignore_errors=True)  # the new run replaced it
     summary = rundir.read_summary(run_dir)
     resolved = load_recipe(run_dir / rundir.RESOLVED_RECIPE, allow_resolved=True)
     pushed = None
@@ -141,6 +217,55 @@ def run(recipe, *, hardware: str | None = None, overrides: list[str] | None = No
 
         pushed = push_from_recipe(run_dir)
     return RunResult(run_dir, 0, summary, pushed=pushed)
+
+
+def _newest_checkpoint(run_dir: Path) -> Path | None:
+    from finetune.train.checkpoint import complete_checkpoints
+
+    done = complete_checkpoints(run_dir)
+    return done[-1] if done else None
+
+
+def set_aside_previous(run_dir: Path, *, resume: str) -> None:
+    """Move what a new run will replace into RUN_DIR/previous-run/ (a rename: no space needed), so that
+    nothing of a previous run is lost until the new one has finished; deleted after it succeeds."""
+    prev = run_dir / rundir.PREVIOUS
+    names = [rundir.FINISHED]
+    if resume == "never" or (resume == "auto" and _newest_checkpoint(run_dir) is None):
+        names += [rundir.METRICS, rundir.SUMMARY, rundir.LOSS_PNG]
+        root = run_dir / rundir.CHECKPOINTS
+        names += [f"{rundir.CHECKPOINTS}/{p.name}" for p in sorted(root.glob("checkpoint-*"))] if root.is_dir() else []
+    for name in names:
+        src, dst = run_dir / name, prev / name
+        if src.exists() and not dst.exists():
+            dst.parent.mkdir(parents=True, exist_ok=True)
+            src.rename(dst)
+
+
+def resume_hint(run_dir: Path) -> str:
+    from finetune.train.failure import resume_advice
+
+    return resume_advice(run_dir)
+
+
+def _stopped(run_dir: Path, code: int, *, before: Path | None) -> RunResult:
+    """A launch that did not finish: say only what happened, and how to go on."""
+    newest = _newest_checkpoint(run_dir)
+    if code in (EXIT_PREEMPTED, EXIT_INTERRUPTED):
+        what = "preempted" if code == EXIT_PREEMPTED else "interrupted"
+        if newest is not None and newest != before:
+            log.info(f"{what}: a checkpoint was saved ({newest.name}) in {run_dir}\n"
+                     f"  fix: run the same command to resume from it")
+        else:
+            log.info(f"{what} before a new checkpoint was written\n  fix: {resume_hint(run_dir)}")
+        return RunResult(run_dir, code)
+    err = rundir.read_rank_error(run_dir)
+    if err.get("message"):
+        failure = TrainingFailed(f"training stopped: {err['message']}")
+        failure.exit_code = err.get("exit_code", code)
+        raise failure
+    raise TrainingFailed(f"training exited with code {code}; the log above names the failing rank and its error",
+                         file=str(run_dir), hint=f"fix the cause, {resume_hint(run_dir)}")
 
 
 MEASURE_STEPS = 5

@@ -10,10 +10,12 @@ import argparse
 import json
 import logging
 import os
+import signal
 import sys
+import threading
 import traceback
 
-from finetune.errors import EXIT_USAGE, FinetuneError
+from finetune.errors import EXIT_PREEMPTED, EXIT_USAGE, FinetuneError
 
 
 class _Parser(argparse.ArgumentParser):
@@ -248,7 +250,6 @@ def _show_api_progress() -> None:
 def _cmd_run(args):
     from finetune import rundir
     from finetune.api import run
-    from finetune.errors import EXIT_PREEMPTED
 
     _show_api_progress()
     result = run(args.recipe, hardware=args.hardware, overrides=args.overrides, output=args.output,
@@ -259,8 +260,6 @@ def _cmd_run(args):
     elif not result.launched:
         print(f"dry run: launch files are in {result.run_dir}; start with "
               f"`bash {result.run_dir / rundir.LAUNCH_SH}`")
-    elif result.exit_code == EXIT_PREEMPTED:
-        print(f"preempted: a checkpoint was saved in {result.run_dir}; run the same command to resume")
     if result.pushed:
         print(f"pushed to {result.pushed}")
     return result.exit_code
@@ -340,16 +339,43 @@ COMMANDS = {
 }
 
 
+class Stopped(BaseException):
+    """SIGTERM/SIGHUP outside a launch (the launcher forwards them to the ranks while one runs)."""
+
+
+def _stop(signum, _frame):
+    raise Stopped(signal.Signals(signum).name)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    previous = {}
+    if threading.current_thread() is threading.main_thread():
+        previous = {sig: signal.signal(sig, _stop) for sig in (signal.SIGTERM, signal.SIGHUP)}
+    try:
+        return _main(args)
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def _main(args) -> int:
     try:
         return COMMANDS[args.command](args)
+    except Stopped as stop:
+        print(f"stopped by {stop} while no training process was running\n"
+              "  fix: run the command again", file=sys.stderr)
+        return EXIT_PREEMPTED
     except FinetuneError as err:
         print(f"error: {err.render()}", file=sys.stderr)
         return err.exit_code
     except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
+        print("interrupted (Ctrl-C) while no training process was running\n"
+              "  fix: run the command again", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # the reader went away (`finetune presets | head`): nothing more to say
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
     except Exception as exc:  # an internal bug: say so, keep the traceback behind a switch
         if os.environ.get("FINETUNE_DEBUG"):
             traceback.print_exc()

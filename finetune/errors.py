@@ -6,6 +6,7 @@ from __future__ import annotations
 EXIT_USAGE = 2  # bad recipe, bad data, bad arguments
 EXIT_DOES_NOT_FIT = 3  # the planner found no strategy that fits
 EXIT_TRAINING_FAILED = 4  # a rank failed during training
+EXIT_INTERRUPTED = 130  # Ctrl-C: a checkpoint was saved (once) or the run stopped at once (twice)
 EXIT_PREEMPTED = 75  # saved a checkpoint on SIGTERM/SIGUSR1; requeue (EX_TEMPFAIL)
 
 

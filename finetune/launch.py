@@ -19,17 +19,20 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
 from finetune.compile.spec import LaunchSpec
-from finetune.errors import EXIT_PREEMPTED, FinetuneError
+from finetune.errors import EXIT_INTERRUPTED, EXIT_PREEMPTED, FinetuneError
 from finetune.rundir import JOB_SBATCH, launch_log
 
-FORWARDED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)
-PREEMPT_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
-EXIT_INTERRUPTED = 130
+# SIGHUP (the terminal closed) is a preemption too: the ranks save and stop instead of being orphaned
+FORWARDED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1, signal.SIGHUP)
+PREEMPT_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGHUP)
 OUTPUT_DRAIN_S = 10  # after the launcher exits, how long to keep copying the ranks' output
+GROUP_WAIT_S = 600  # after a signal, how long to wait for ranks still writing their checkpoint
+PR_SET_PDEATHSIG, PR_SET_CHILD_SUBREAPER = 1, 36
 
 
 @dataclass
@@ -98,15 +101,93 @@ def launch(spec_or_run_dir: LaunchSpec | str | Path, *, node_rank: int | None = 
     return _run(argv, env=launch_env(spec), log_path=log_path, stream=stream)
 
 
+def prctl_or_none():
+    """libc's prctl, or None off Linux."""
+    try:
+        import ctypes
+
+        return ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+
+
+def die_with_parent(prctl=None) -> None:
+    """SIGTERM to this process when its parent dies (a rank whose launcher was killed checkpoints and
+    stops instead of training on as an orphan)."""
+    prctl = prctl or prctl_or_none()
+    if prctl is not None:
+        prctl(PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0)
+
+
+def _children_die_with_us(prctl):
+    """Run in the child before exec: SIGTERM when the `finetune` process dies (even of SIGKILL), so the
+    ranks checkpoint and stop instead of training on as orphans."""
+    return lambda: die_with_parent(prctl)
+
+
+def _descendants(pid: int) -> list[int]:
+    parents: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                ppid = int((entry / "stat").read_text().rpartition(")")[2].split()[1])
+            except (OSError, ValueError, IndexError):
+                continue
+            parents.setdefault(ppid, []).append(int(entry.name))
+    out, todo = [], [pid]
+    while todo:
+        kids = parents.get(todo.pop(), [])
+        out += kids
+        todo += kids
+    return out
+
+
+def _kill_now(proc: subprocess.Popen) -> None:
+    """A second Ctrl-C: SIGKILL the launcher, every rank (in sessions of their own) and their workers."""
+    for pid in [proc.pid, *_descendants(proc.pid)]:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+
+def _wait_group(pgid: int, timeout: float) -> None:
+    """Wait until no process of the launcher's group is left: with one process, accelerate's launcher
+    dies of the signal while its rank is still writing the checkpoint (orphans are reparented to us,
+    the subreaper, and reaped here)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            while os.waitpid(-1, os.WNOHANG)[0]:
+                pass
+        except ChildProcessError:
+            pass
+        try:
+            os.killpg(pgid, 0)
+        except (ProcessLookupError, PermissionError):
+            return
+        time.sleep(0.1)
+
+
 def _run(argv: list[str], *, env: dict[str, str], log_path: Path, stream: bool) -> int:
     received: list[int] = []
+    prctl = prctl_or_none()
+    if prctl is not None:
+        prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
     with open(log_path, "ab") as log:
         log.write(f"$ {' '.join(argv)}\n".encode())
         log.flush()
         proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                stdin=subprocess.DEVNULL, start_new_session=True)
+                                stdin=subprocess.DEVNULL, start_new_session=True,
+                                # one prctl call in the child; the lock's heartbeat thread holds no lock
+                                preexec_fn=_children_die_with_us(prctl))  # noqa: PLW1509
 
         def forward(signum, _frame):
+            if signum == signal.SIGINT and signal.SIGINT in received:
+                print("\nsecond Ctrl-C: stopping every rank now, without a checkpoint", file=sys.stderr, flush=True)
+                received.append(signum)
+                _kill_now(proc)
+                return
             received.append(signum)
             try:
                 os.killpg(proc.pid, signum)
@@ -123,6 +204,8 @@ def _run(argv: list[str], *, env: dict[str, str], log_path: Path, stream: bool) 
         reader.start()
         try:
             rc = proc.wait()
+            if received and received.count(signal.SIGINT) < 2:
+                _wait_group(proc.pid, GROUP_WAIT_S)
         finally:
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
@@ -132,10 +215,10 @@ def _run(argv: list[str], *, env: dict[str, str], log_path: Path, stream: bool) 
             reader.join(timeout=OUTPUT_DRAIN_S)
     if rc < 0:
         rc = 128 - rc
-    if rc != 0 and any(s in PREEMPT_SIGNALS for s in received):
-        return EXIT_PREEMPTED
     if rc != 0 and signal.SIGINT in received:
         return EXIT_INTERRUPTED
+    if rc != 0 and any(s in PREEMPT_SIGNALS for s in received):
+        return EXIT_PREEMPTED
     return rc
 
 
@@ -186,10 +269,15 @@ def _copy_output(pipe, log, stream: bool) -> None:
             sys.stdout.write(line.decode(errors="replace"))
 
     console = _ConsoleFilter(write)
+    logging = True
     try:
         for line in iter(pipe.readline, b""):
-            log.write(line)
-            log.flush()
+            if logging:
+                try:
+                    log.write(line)
+                    log.flush()
+                except OSError:  # a full disk: the console still gets every line
+                    logging = False
             if stream:
                 console.feed(line)
         console.flush()

@@ -15,6 +15,10 @@
       logs/oom-rank-K.json   a rank that ran out of memory: its measured peak and the setting in force
       logs/oom-retries.json  what the launcher changed after each out-of-memory failure
       checkpoints/checkpoint-N
+      .finetune-run.json     ownership marker: finetune created this directory and may write into it
+      .finetune-node0.lock   held while a run of node 0 uses the directory (pid, host, heartbeat)
+      finished.json          written last by a finished run: its step and recipe fields
+      previous-run/          what a new run set aside (old metrics, summary, checkpoints) until it succeeds
 """
 
 from __future__ import annotations
@@ -44,6 +48,10 @@ TRACKIO_DIR = "trackio"
 WANDB_DIR = "wandb"  # wandb writes under WANDB_DIR/wandb; WANDB_DIR is RUN_DIR
 EVAL_DIR = "eval"  # `finetune eval`: eval/<label>.json, lm-eval's results per model
 MODEL_CARD = "README.md"  # written by libraries' save_pretrained; finetune keeps none in RUN_DIR
+OWNER = ".finetune-run.json"  # ownership marker: only directories carrying it are written into
+FINISHED = "finished.json"  # a finished run's step and recipe fields (rerun detection)
+PREVIOUS = "previous-run"  # a previous run's outputs, kept until the new run has replaced them
+RESCUE_ENV = "FINETUNE_RESCUE_DIR"  # where a final save goes when RUN_DIR's disk is full
 
 # summary.json keys that other parts read (the model card, the Hub push, benchmarks)
 SUMMARY_STEPS = "steps"
@@ -61,6 +69,11 @@ SUMMARY_LM_EVAL = "lm_eval"  # `finetune eval`: {task: {metric: {"base": x, "tra
 
 def launch_log(node_rank: int) -> str:
     return f"{LOGS_DIR}/launch-node{node_rank}.log"
+
+
+def lock_file(node_rank: int) -> str:
+    """One lock per node: the nodes of one run share RUN_DIR, two runs of the same node may not."""
+    return f".finetune-node{node_rank}.lock"
 
 
 def memory_file(rank: int) -> str:
@@ -118,6 +131,11 @@ def read_metrics(run_dir: Path) -> list[dict]:
 def read_summary(run_dir: Path) -> dict:
     """RUN_DIR/summary.json, or {} when it is missing or unreadable."""
     return _read_json(Path(run_dir) / SUMMARY)
+
+
+def read_finished(run_dir: Path) -> dict:
+    """RUN_DIR/finished.json ({step, recipe_fields}), or {} when the run has not finished."""
+    return _read_json(Path(run_dir) / FINISHED)
 
 
 def read_rank_error(run_dir: Path) -> dict:

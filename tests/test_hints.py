@@ -28,7 +28,7 @@ SAMPLE = {
     "data.max_length": 64, "data.packing": True, "data.chat_template": "chatml", "data.assistant_only_loss": False,
     "data.eval_fraction": 0.1, "tokenizer.added_tokens": ["<x>"], "hub.repo": "me/model",
     "logging.project": "p", "logging.report_to": ["none"], "method.beta": 0.2, "method.simpo_gamma": 1.0,
-    "method.cpo_alpha": 0.5,
+    "method.cpo_alpha": 0.5, "train.global_batch_size": 8, "model.dtype": "float32",
 }
 CONTEXT = {
     "train.early_stopping_patience": {"train": {"eval_steps": 2}},

@@ -59,3 +59,94 @@ def test_preemption_callback_restores_the_handlers_it_replaced():
     finally:
         for sig, handler in before.items():
             signal.signal(sig, handler)
+
+
+# --- Ctrl-C, SIGHUP, a killed launcher (one process: the CLI, accelerate's launcher, one rank) ---
+
+def _long_run(tmp_path):
+    recipe = write_recipe(tmp_path / "recipe.yaml", train={"epochs": None, "max_steps": 400},
+                          output={"save_every": None})
+    run_dir = tmp_path / "run"
+    proc = start(cli_argv(recipe, run_dir), cache=tmp_path / "cache")
+    assert wait_for(lambda: (run_dir / "metrics.jsonl").exists() and max(losses(run_dir), default=0) >= 2,
+                    proc=proc), proc.communicate()[0][-3000:]
+    return proc, run_dir
+
+
+def _no_rank_left(run_dir, timeout=60):
+    import time
+
+    import psutil
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        left = [p for p in psutil.process_iter(["cmdline"])
+                if str(run_dir) in " ".join(p.info["cmdline"] or [])
+                and "finetune.train" in " ".join(p.info["cmdline"] or [])]
+        if not left:
+            return True
+        time.sleep(0.5)
+    return False
+
+
+def test_ctrl_c_once_saves_a_checkpoint_and_exits_130(tmp_path):
+    proc, run_dir = _long_run(tmp_path)
+    proc.send_signal(signal.SIGINT)
+    out, _ = proc.communicate(timeout=240)
+    assert proc.returncode == 130, out[-4000:]
+    assert "Traceback" not in out and "KeyboardInterrupt" not in out, out[-4000:]
+    saved = checkpoints(run_dir)
+    assert len(saved) == 1 and all(saved.values()), saved
+    assert f"interrupted: a checkpoint was saved ({next(iter(saved))})" in out and "resume" in out
+
+
+def test_ctrl_c_twice_stops_at_once(tmp_path):
+    proc, run_dir = _long_run(tmp_path)
+    import time
+
+    proc.send_signal(signal.SIGINT)
+    time.sleep(0.5)  # two key presses (signals sent together are delivered to the handler once)
+    proc.send_signal(signal.SIGINT)
+    out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 130, out[-4000:]
+    assert "second Ctrl-C" in out and "Traceback" not in out, out[-4000:]
+    assert "a checkpoint was saved" not in out or all(checkpoints(run_dir).values())
+    assert _no_rank_left(run_dir, timeout=10)
+
+
+def test_sighup_to_the_cli_process_group_saves_and_leaves_no_orphan(tmp_path):
+    """A closed terminal sends SIGHUP to the CLI's process group (the ranks live in sessions of their own)."""
+    import os
+
+    proc, run_dir = _long_run(tmp_path)
+    os.killpg(proc.pid, signal.SIGHUP)
+    out, _ = proc.communicate(timeout=240)
+    assert proc.returncode == EXIT_PREEMPTED, out[-4000:]
+    assert "stopped by SIGHUP" in out and "preempted: a checkpoint was saved" in out, out[-4000:]
+    assert all(checkpoints(run_dir).values()) and checkpoints(run_dir)
+    assert _no_rank_left(run_dir)
+
+
+def test_kill9_of_the_cli_alone_stops_its_ranks_with_a_checkpoint(tmp_path):
+    proc, run_dir = _long_run(tmp_path)
+    proc.kill()  # SIGKILL to the CLI only: its launcher and rank get SIGTERM as their parent dies
+    proc.communicate(timeout=30)
+    assert _no_rank_left(run_dir, timeout=120), "a rank kept training after its launcher was killed"
+    saved = checkpoints(run_dir)
+    assert saved and all(saved.values()), saved
+
+
+def test_sigterm_before_training_claims_no_checkpoint(tmp_path):
+    recipe = write_recipe(tmp_path / "recipe.yaml", train={"epochs": None, "max_steps": 400},
+                          output={"save_every": None})
+    run_dir = tmp_path / "run"
+    proc = start(cli_argv(recipe, run_dir), cache=tmp_path / "cache")
+    assert wait_for(lambda: (run_dir / "launch.sh").is_file(), proc=proc)  # compiled, not yet training
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=240)
+    assert proc.returncode == EXIT_PREEMPTED, out[-4000:]
+    saved = checkpoints(run_dir)
+    if not saved:
+        assert "a checkpoint was saved" not in out, out[-3000:]
+        assert "before a new checkpoint was written" in out or "no training process was running" in out, out[-3000:]
+    assert "Traceback" not in out, out[-4000:]

@@ -4,6 +4,7 @@ ds_config.json, launch.sh, job.sbatch, launch.json} and a LaunchSpec. Pure Pytho
 from __future__ import annotations
 
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 from finetune import strategies
@@ -92,6 +93,24 @@ def _summary(recipe: Recipe, plan: Plan, preset: HardwarePreset, arch: ModelArch
     return "\n".join(lines)
 
 
+@dataclass
+class Compiled:
+    """What compile would write, before it is written (so a run can be checked against it first)."""
+
+    spec: LaunchSpec
+    resolved: Recipe  # the recipe ranks will read (recipe.resolved.yaml)
+    plan: Plan
+    texts: dict[str, str]  # file name in RUN_DIR -> content
+
+    def write(self) -> LaunchSpec:
+        run_dir = Path(self.spec.run_dir)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        # the resolved recipe goes last: a run dir with it present is complete
+        for name in sorted(self.texts, key=lambda n: n == RESOLVED_RECIPE):
+            write_atomic(run_dir / name, self.texts[name], executable=name in (LAUNCH_SH, JOB_SBATCH))
+        return self.spec
+
+
 def compile_run(recipe: Recipe, plan: Plan, *, run_dir: str | Path, arch: ModelArch | None = None,
                 preset: HardwarePreset | None = None, module: str = ENTRY_MODULE,
                 main_port: int = DEFAULT_MAIN_PORT) -> LaunchSpec:
@@ -101,10 +120,17 @@ def compile_run(recipe: Recipe, plan: Plan, *, run_dir: str | Path, arch: ModelA
     hardware. `module` is the per-rank entry point (`python -m MODULE RESOLVED_RECIPE`).
     Only the files named here are (atomically) replaced; checkpoints and adapters stay.
     """
+    return prepare_run(recipe, plan, run_dir=run_dir, arch=arch, preset=preset, module=module,
+                       main_port=main_port).write()
+
+
+def prepare_run(recipe: Recipe, plan: Plan, *, run_dir: str | Path, arch: ModelArch | None = None,
+                preset: HardwarePreset | None = None, module: str = ENTRY_MODULE,
+                main_port: int = DEFAULT_MAIN_PORT) -> Compiled:
+    """compile_run without writing anything: the launch spec, the resolved recipe and the file texts."""
     _check_plan(plan)
     arch, preset = _resolve_inputs(recipe, plan, arch, preset)
     run_dir = Path(run_dir).expanduser().resolve()
-    run_dir.mkdir(parents=True, exist_ok=True)
     resolved = resolve_recipe(recipe, plan, run_dir=run_dir, arch=arch, preset=preset)
     resolved_path = run_dir / RESOLVED_RECIPE
     env, env_defaults = _env(plan, preset)
@@ -139,11 +165,7 @@ def compile_run(recipe: Recipe, plan: Plan, *, run_dir: str | Path, arch: ModelA
     texts[JOB_SBATCH] = render_sbatch(spec, job_name=f"finetune-{recipe_name(recipe)}",
                                       **slurm_options(recipe, preset), python_env=sys.prefix)
     texts[LAUNCH_JSON] = json_text(spec.to_json())
-
-    # the resolved recipe goes last: a run dir with it present is complete
-    for name in sorted(texts, key=lambda n: n == RESOLVED_RECIPE):
-        write_atomic(run_dir / name, texts[name], executable=name in (LAUNCH_SH, JOB_SBATCH))
-    return spec
+    return Compiled(spec=spec, resolved=resolved, plan=plan, texts=texts)
 
 
 def slurm_options(recipe: Recipe, preset) -> dict:
@@ -166,6 +188,14 @@ def compile_recipe(recipe: Recipe | str | Path, *, run_dir: str | Path | None = 
     `hardware` overrides the recipe's preset (name or file); `run_dir` overrides output.dir.
     Raises DoesNotFitError when the planner finds nothing that fits.
     """
+    return prepare_recipe(recipe, run_dir=run_dir, hardware=hardware, overrides=overrides, module=module,
+                          main_port=main_port).write()
+
+
+def prepare_recipe(recipe: Recipe | str | Path, *, run_dir: str | Path | None = None,
+                   hardware: str | None = None, overrides: list[str] | None = None,
+                   module: str = ENTRY_MODULE, main_port: int = DEFAULT_MAIN_PORT) -> Compiled:
+    """compile_recipe without writing anything (see Compiled.write)."""
     from finetune.plan import lookup, plan_on
     from finetune.recipe.load import load_recipe
 
@@ -175,5 +205,5 @@ def compile_recipe(recipe: Recipe | str | Path, *, run_dir: str | Path | None = 
         raise ValueError("overrides apply when loading; pass a path, or apply them first")
     arch, preset, source = lookup(recipe, hardware=hardware)  # once: `auto` runs nvidia-smi
     the_plan = plan_on(recipe, arch=arch, preset=preset, source=source)
-    return compile_run(recipe, the_plan, run_dir=run_dir or default_run_dir(recipe), arch=arch,
+    return prepare_run(recipe, the_plan, run_dir=run_dir or default_run_dir(recipe), arch=arch,
                        preset=preset, module=module, main_port=main_port)

@@ -104,6 +104,10 @@ ALIASES: dict[str, Alias] = {
     "report_to": Alias("logging.report_to", _listify),
     "pref_beta": Alias("method.beta"), "dpo_beta": Alias("method.beta"), "rl_beta": Alias("method.beta"),
     "simpo_gamma": Alias("method.simpo_gamma"), "cpo_alpha": Alias("method.cpo_alpha"),
+    "rank": Alias("adapter.r"), "max_seq_len": Alias("data.max_length"),
+    "torch_dtype": Alias("model.dtype"),
+    "batch_size": Alias("train.global_batch_size"), "total_batch_size": Alias("train.global_batch_size"),
+    "micro_batch": Alias("train.micro_batch_size"), "max_grad_norm_clip": Alias("train.max_grad_norm"),
 }
 
 

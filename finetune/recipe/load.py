@@ -9,6 +9,8 @@ from __future__ import annotations
 import copy
 import difflib
 import re
+import types
+import typing
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +22,38 @@ from finetune.recipe.schema import CONFLICT_ERROR, Recipe
 from finetune.rundir import RESOLVED_RECIPE
 
 MAX_EXTENDS_DEPTH = 8
+MAX_INT = 2**63 - 1  # larger numbers are typos (1e30 steps), and overflow every library below
+
+
+class _StrictLoader(yaml.SafeLoader):
+    """PyYAML's safe loader, made strict: a repeated key is an error (PyYAML keeps the last one, so a
+    second `train:` silently replaces the first), and only plain decimal integers are integers
+    (YAML 1.1 reads 0x10 as 16, 0o17 and 1:30 as numbers); `2e-4` is a float, as in YAML 1.2."""
+
+    def construct_mapping(self, node, deep=False):
+        seen: dict = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if isinstance(key, (str, int, float, bool)) and key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"duplicate key {key!r} (first at line {seen[key] + 1}; a repeated key would "
+                                f"silently replace the first)", key_node.start_mark)
+            if isinstance(key, (str, int, float, bool)):
+                seen[key] = key_node.start_mark.line
+        return super().construct_mapping(node, deep=deep)
+
+
+_StrictLoader.yaml_implicit_resolvers = {
+    first: [(tag, regexp) for tag, regexp in resolvers if tag != "tag:yaml.org,2002:int"]
+    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.copy().items()}
+_StrictLoader.add_implicit_resolver("tag:yaml.org,2002:int", re.compile(r"^[-+]?[0-9]+$"), list("-+0123456789"))
+_StrictLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:float", re.compile(r"^[-+]?([0-9][0-9_]*)?\.?[0-9]*[eE][-+]?[0-9]+$"),
+    list("-+0123456789."))
+
+
+def safe_load(text: str) -> Any:
+    return yaml.load(text, Loader=_StrictLoader)
 
 
 def read_yaml(path: Path) -> Any:
@@ -28,10 +62,14 @@ def read_yaml(path: Path) -> Any:
     except FileNotFoundError:
         raise RecipeError("file not found", file=str(path),
                           hint="check the path; recipes ship in recipes/") from None
+    except IsADirectoryError:
+        raise RecipeError("is a directory, not a recipe file", file=str(path),
+                          hint="pass the recipe's YAML file, e.g. recipes/quickstart.yaml") from None
     except (OSError, UnicodeDecodeError) as exc:
-        raise RecipeError(f"cannot read: {exc}", file=str(path)) from None
+        raise RecipeError(f"cannot read: {exc}", file=str(path),
+                          hint="check the file is a readable UTF-8 YAML recipe") from None
     try:
-        return yaml.safe_load(text)
+        return safe_load(text)
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
@@ -55,9 +93,11 @@ def _load_raw(path: Path, depth: int = 0, seen: tuple[Path, ...] = ()) -> dict:
     path = path.resolve()
     if path in seen:
         chain = " -> ".join(p.name for p in seen + (path,))
-        raise RecipeError(f"extends forms a cycle: {chain}", file=str(path), key="extends")
+        raise RecipeError(f"extends forms a cycle: {chain}", file=str(path), key="extends",
+                          hint="remove the extends: that points back into the chain")
     if depth > MAX_EXTENDS_DEPTH:
-        raise RecipeError(f"extends chain deeper than {MAX_EXTENDS_DEPTH}", file=str(path), key="extends")
+        raise RecipeError(f"extends chain deeper than {MAX_EXTENDS_DEPTH}", file=str(path), key="extends",
+                          hint="merge some of the recipes in the chain")
     raw = read_yaml(path)
     if raw is None:
         raise RecipeError("the recipe is empty", file=str(path),
@@ -69,7 +109,8 @@ def _load_raw(path: Path, depth: int = 0, seen: tuple[Path, ...] = ()) -> dict:
     if parent is None:
         return raw
     if not isinstance(parent, str):
-        raise RecipeError("must be a path to another recipe", file=str(path), key="extends")
+        raise RecipeError("must be a path to another recipe", file=str(path), key="extends",
+                          hint="write extends: other-recipe.yaml (relative to this file)")
     parent_path = (path.parent / parent)
     base = _load_raw(parent_path, depth + 1, seen + (path,))
     return deep_merge(base, raw)
@@ -100,7 +141,7 @@ def parse_override(text: str) -> tuple[list[str | int], Any]:
     if not key or any(not part for part in key.split(".")):
         raise RecipeError(f"--set {text!r}: empty key", hint="e.g. --set adapter.r=32")
     try:
-        parsed = yaml.safe_load(value) if value.strip() else ""
+        parsed = safe_load(value) if value.strip() else ""
     except yaml.YAMLError:
         parsed = value
     return _key_parts(text, key), parsed
@@ -144,7 +185,7 @@ def apply_overrides(raw: dict, overrides: list[str]) -> dict:
             nxt = _step(node, part, text=text, path=path, at=i, create=True)
             if not isinstance(nxt, (dict, list)):
                 raise RecipeError(f"--set {text}: {_shown(path[:i + 1])} is not a section",
-                                  key=_shown(path))
+                                  key=_shown(path), hint=f"set {_shown(path[:i + 1])}=VALUE itself")
             node = nxt
         last = path[-1]
         if isinstance(last, int):
@@ -154,6 +195,55 @@ def apply_overrides(raw: dict, overrides: list[str]) -> dict:
                               key=_shown(path), hint=f"e.g. {_shown(path[:-1])}[0].{last}")
         node[last] = value
     return raw
+
+
+def _members(annotation) -> list:
+    """The types a field accepts: Optional/Union flattened, Annotated unwrapped."""
+    if typing.get_origin(annotation) is typing.Annotated:
+        return _members(typing.get_args(annotation)[0])
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        return [m for arg in typing.get_args(annotation) for m in _members(arg)]
+    return [annotation]
+
+
+def _number_problem(value, members: list) -> str | None:
+    """Why `value` is no honest number for a field that takes numbers (pydantic would coerce it)."""
+    literals = [v for m in members if typing.get_origin(m) is typing.Literal for v in typing.get_args(m)]
+    takes_int, takes_float = int in members, float in members
+    if not (takes_int or takes_float) or value is None or value in literals and not isinstance(value, bool):
+        return None
+    if isinstance(value, bool):
+        return None if bool in members else f"must be a number, not {str(value).lower()}"
+    if isinstance(value, str) and str not in members:
+        return f"must be a number without quotes, got the text {value!r}"
+    if isinstance(value, float) and not takes_float:
+        return f"must be a whole number, got {value!r}"
+    if isinstance(value, int) and abs(value) > MAX_INT:
+        return f"is far too large ({value:.3g})"
+    return None
+
+
+def check_types(raw: Any, model: type[BaseModel], *, prefix: str = "", file: str | None = None) -> None:
+    """Refuse what pydantic would quietly coerce into a number: true -> 1, "60" -> 60, 1e30 -> int."""
+    if not isinstance(raw, dict):
+        return
+    for name, value in raw.items():
+        field = model.model_fields.get(name) if isinstance(name, str) else None
+        if field is None:
+            continue
+        key = f"{prefix}{name}"
+        members = _members(field.annotation)
+        problem = _number_problem(value, members)
+        if problem:
+            raise RecipeError(problem, key=key, file=file,
+                              hint="write a plain decimal number (e.g. 60, 0.0002), without quotes")
+        for sub in (m for m in members if isinstance(m, type) and issubclass(m, BaseModel)):
+            check_types(value, sub, prefix=f"{key}.", file=file)
+        for m in members:
+            item = typing.get_args(m)[0] if typing.get_origin(m) is list and typing.get_args(m) else None
+            if isinstance(item, type) and issubclass(item, BaseModel) and isinstance(value, list):
+                for i, entry in enumerate(value):
+                    check_types(entry, item, prefix=f"{key}[{i}].", file=file)
 
 
 def _fields_at(model: type[BaseModel], loc: tuple) -> list[str]:
@@ -239,10 +329,11 @@ def validation_error_to_recipe_error(exc: ValidationError, *, file: str | None,
     msg = err["msg"]
     if msg.startswith("Value error, "):
         msg = msg[len("Value error, "):]
+    fix = "change it as the message says; `finetune validate RECIPE` checks the result"
     if etype == CONFLICT_ERROR:  # a cross-field conflict names its own key path
-        return RecipeError(err["ctx"]["message"], key=err["ctx"]["key"], file=file)
+        return RecipeError(err["ctx"]["message"], key=err["ctx"]["key"], file=file, hint=fix)
     if etype == "value_error":
-        return RecipeError(msg, key=key or None, file=file)
+        return RecipeError(msg, key=key or None, file=file, hint=fix)
     got = err.get("input")
     shown = repr(got) if not isinstance(got, (dict, list)) else type(got).__name__
     if len(shown) > 80:
@@ -251,13 +342,24 @@ def validation_error_to_recipe_error(exc: ValidationError, *, file: str | None,
                        hint=_type_hint(etype, err))
 
 
+BOUNDS = {"greater_than": ">", "greater_than_equal": ">=", "less_than": "<", "less_than_equal": "<="}
+
+
 def _type_hint(etype: str, err) -> str | None:
+    ctx = err.get("ctx", {})
     if etype == "literal_error":
-        expected = err.get("ctx", {}).get("expected")
+        expected = ctx.get("expected")
         return f"use one of {expected}" if expected else None
     if etype.endswith("_type") or etype.endswith("_parsing"):
         return "check the value's type (numbers unquoted, lists in [ ], sections as mappings)"
-    return None
+    if etype in BOUNDS:
+        limit = next((v for k, v in ctx.items() if k in ("gt", "ge", "lt", "le")), None)
+        return f"use a value {BOUNDS[etype]} {limit}" if limit is not None else None
+    if etype in ("too_short", "too_long"):
+        return "check how many entries the list has"
+    if etype == "string_pattern_mismatch":
+        return f"write it in the form {ctx.get('pattern', 'shown in recipes/')}"
+    return "compare with the shipped recipes in recipes/ (`finetune validate RECIPE` checks a change)"
 
 
 def load_recipe(source: str | Path | dict, *, overrides: list[str] | None = None,
@@ -274,6 +376,7 @@ def load_recipe(source: str | Path | dict, *, overrides: list[str] | None = None
     if raw.get("resolved") is not None and not allow_resolved:
         raise RecipeError("is written by the planner, not by hand", key="resolved", file=file,
                           hint=f"remove the resolved: section (it appears only in {RESOLVED_RECIPE})")
+    check_types(raw, Recipe, file=file)
     try:
         recipe = Recipe.model_validate(raw)
     except ValidationError as exc:

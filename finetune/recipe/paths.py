@@ -6,7 +6,7 @@ read from the recipe's folder: `anchored(value, base)` is the one place that say
 A data path (data.sources[].path, data.eval_sources[].path, data.task_eval.path, a data.chat_template
 file) must, after `..` and every symlink are resolved, lie inside one of: the recipe's directory,
 its project root (the nearest directory above it holding .git or pyproject.toml), the current
-directory, or a directory listed in data.allow_paths. data.allow_outside: true turns the check off.
+directory (unless that is `/`), or a directory listed in data.allow_paths. data.allow_outside: true turns the check off.
 This stops a recipe from someone else from reading ~/.ssh/id_rsa or /etc/shadow into a training set
 (and from there into a pushed model). Hub dataset ids are not paths and are not affected.
 
@@ -47,7 +47,9 @@ def project_root(start: Path) -> Path | None:
 
 def allowed_roots(base_dir: Path, allow_paths: Sequence[str] = (), *, cwd: Path | None = None) -> list[Path]:
     base = Path(base_dir).resolve()
-    roots = [base, Path(cwd or os.getcwd()).resolve()]
+    here = Path(cwd or os.getcwd()).resolve()
+    # the current directory counts, unless it is the filesystem root (from `/` it would allow everything)
+    roots = [base] + ([here] if here != Path(here.anchor) else [])
     project = project_root(base)
     if project is not None:
         roots.append(project)

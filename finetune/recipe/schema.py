@@ -222,7 +222,8 @@ class DataSection(Strict):
     max_too_long_fraction: float = Field(0.05, ge=0, le=1, description="preflight: error when more than this "
                                                                        "share of examples is longer than "
                                                                        "max_length")
-    seed: int = Field(0, description="seed of the data order and of the eval_fraction split")
+    seed: int = Field(0, ge=0, le=2**32 - 1, description="seed of the data order and of the eval_fraction "
+                                                          "split (0 .. 2**32-1)")
     cache_dir: str | None = Field(None, description="tokenized-data cache; default $FINETUNE_CACHE_DIR, "
                                                     "else ~/.cache/finetune/tokenized")
     task_eval: TaskEvalSection | None = Field(None, description="greedy-generation exact-match eval on "
@@ -273,7 +274,8 @@ class TrainSection(Strict):
     adam_epsilon: float = Field(1e-8, gt=0, description="Adam's epsilon")
     neftune_noise_alpha: float | None = Field(None, gt=0, description=(
         "NEFTune: noise added to the input embeddings while training (paper: 5)"))
-    seed: int = Field(42, description="seed of the model initialization and dropout")
+    seed: int = Field(42, ge=0, le=2**32 - 1, description="seed of the model initialization and dropout "
+                                                           "(0 .. 2**32-1, numpy's range)")
     precision: Literal["bf16", "fp16", "fp32"] = Field("bf16", description="mixed-precision mode")
     logging_steps: int = Field(1, ge=1, description="log metrics every this many steps")
     eval_steps: int | None = Field(None, ge=1, description="eval loss every this many steps (default: "

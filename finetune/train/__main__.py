@@ -11,9 +11,11 @@ without a traceback and exits with its code (2 bad recipe/data, 4 training faile
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+import traceback
 
-from finetune.errors import FinetuneError
+from finetune.errors import EXIT_INTERRUPTED
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -22,11 +24,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--resume", default="auto", metavar="auto|never|PATH",
                         help="auto: newest complete checkpoint (default); never: start over; or a checkpoint dir")
     args = parser.parse_args(argv)
-    from finetune.train.run import run_rank
-
     try:
+        from finetune.train.run import run_rank
+
         run_rank(args.resolved, resume=args.resume)
-    except FinetuneError as err:
+    except KeyboardInterrupt:  # Ctrl-C before the trainer's handler was installed: nothing to save yet
+        print("error: interrupted before training started; nothing was written\n"
+              "  fix: run the same command again", file=sys.stderr, flush=True)
+        return EXIT_INTERRUPTED
+    except Exception as exc:
+        from pathlib import Path
+
+        from finetune.train.failure import as_finetune_error
+
+        if os.environ.get("FINETUNE_DEBUG"):
+            traceback.print_exc()
+        err = as_finetune_error(exc, run_dir=Path(args.resolved).resolve().parent)
         print(f"error: {err.render()}", file=sys.stderr, flush=True)
         return err.exit_code
     return 0

@@ -14,11 +14,13 @@ import hashlib
 import json
 import os
 import shutil
+import time
 import uuid
 from pathlib import Path
 
 # Bump when the tokenization code changes what it writes.
 CACHE_FORMAT = 1
+STALE_TMP_S = 6 * 3600  # a temporary entry this old belongs to a writer that was killed
 
 
 def cache_root(cache_dir: str | None) -> Path:
@@ -61,13 +63,32 @@ def load_entry(root: Path, key: str):
         return None
 
 
+def remove_stale_temps(root: Path, *, older_than_s: float = STALE_TMP_S) -> list[Path]:
+    """Temporary entries left by a writer that was killed (a live writer renames its own in seconds)."""
+    cutoff = time.time() - older_than_s
+    stale = []
+    for tmp in root.glob(".tmp-*"):
+        try:
+            if tmp.stat().st_mtime < cutoff:
+                shutil.rmtree(tmp, ignore_errors=True)
+                stale.append(tmp)
+        except OSError:
+            continue
+    return stale
+
+
 def save_entry(root: Path, key: str, dataset_dict, meta: dict) -> None:
     root.mkdir(parents=True, exist_ok=True)
+    remove_stale_temps(root)
     if (root / key).exists() and not (root / key / "finetune_cache.json").exists():
         shutil.rmtree(root / key, ignore_errors=True)  # a damaged entry from a killed run
     tmp = root / f".tmp-{key}-{uuid.uuid4().hex[:8]}"
-    dataset_dict.save_to_disk(str(tmp / "data"))
-    (tmp / "finetune_cache.json").write_text(json.dumps(meta, indent=2, default=str))
+    try:
+        dataset_dict.save_to_disk(str(tmp / "data"))
+        (tmp / "finetune_cache.json").write_text(json.dumps(meta, indent=2, default=str))
+    except BaseException:  # interrupted or out of space: leave no half-written entry behind
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     try:
         os.rename(tmp, root / key)
     except OSError:  # another process won the race; its entry is identical

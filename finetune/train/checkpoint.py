@@ -18,7 +18,15 @@ from pathlib import Path
 from finetune import strategies
 from finetune.errors import RecipeError
 from finetune.rundir import CHECKPOINTS
-from finetune.train.integrity import GROWING_KEYS, LAYOUT_KEYS, _is_safe, read_marker, recipe_fields, verify
+from finetune.train.integrity import (
+    CONTENT_SUFFIX,
+    GROWING_KEYS,
+    LAYOUT_KEYS,
+    _is_safe,
+    read_marker,
+    recipe_fields,
+    verify,
+)
 
 log = logging.getLogger("finetune.train")
 # DeepSpeed's checkpoints are partitioned per rank (ZeRO-2's optimizer states, ZeRO-3's everything)
@@ -105,21 +113,20 @@ def _fmt(value) -> str:
     return text if len(text) <= 60 else text[:57] + "..."
 
 
-def check_resume(ckpt: Path, recipe, *, world_size: int | None = None) -> list[str]:
-    """Refuse (RecipeError) to resume `ckpt` with a recipe whose training changed, or on another
-    number of processes where the checkpoint format cannot follow; return notes on what changed
-    safely."""
-    marker = read_marker(ckpt)
-    if marker is None:
-        raise RecipeError(f"{ckpt} has no commit marker", hint="resume from a complete checkpoint")
-    old, new = marker.get("recipe_fields", {}), recipe_fields(recipe)
+def compare_fields(old: dict, new: dict) -> tuple[list[str], list[str]]:
+    """(notes on safe changes, refused changes) between a saved run's recipe fields and this one's.
+    A data content fingerprint counts only where both sides have one (Hub data is fingerprinted in
+    the ranks, not before launch; older markers carry none)."""
     notes, refused = [], []
     for key in sorted(set(old) | set(new)):
         a, b = old.get(key), new.get(key)
-        if a == b:
+        if a == b or (key.endswith(CONTENT_SUFFIX) and (a is None or b is None)):
             continue
         change = f"{key} ({_fmt(a)} -> {_fmt(b)})"
-        if key in GROWING_KEYS:
+        if key.endswith(CONTENT_SUFFIX):
+            refused.append(f"{key.removesuffix(CONTENT_SUFFIX)}.path (same path, new content: "
+                           f"{_fmt(a)} -> {_fmt(b)})")
+        elif key in GROWING_KEYS:
             if a is not None and b is not None and b > a:
                 notes.append(f"{change}: the run continues further; the learning-rate schedule is "
                              f"stretched to the new length")
@@ -129,6 +136,23 @@ def check_resume(ckpt: Path, recipe, *, world_size: int | None = None) -> list[s
             notes.append(change)
         else:
             refused.append(change)
+    return notes, refused
+
+
+def grown(old: dict, new: dict) -> bool:
+    """A larger train.max_steps / train.epochs than the saved run's."""
+    return any(old.get(k) is not None and new.get(k) is not None and new[k] > old[k] for k in GROWING_KEYS)
+
+
+def check_resume(ckpt: Path, recipe, *, world_size: int | None = None, fields: dict | None = None) -> list[str]:
+    """Refuse (RecipeError) to resume `ckpt` with a recipe whose training changed, or on another
+    number of processes where the checkpoint format cannot follow; return notes on what changed
+    safely. `fields` defaults to recipe_fields(recipe) (pass it with the data's content fingerprints)."""
+    marker = read_marker(ckpt)
+    if marker is None:
+        raise RecipeError(f"{ckpt} has no commit marker", hint="resume from a complete checkpoint")
+    notes, refused = compare_fields(marker.get("recipe_fields", {}),
+                                    recipe_fields(recipe) if fields is None else fields)
     strategy = recipe.distributed.strategy
     if marker.get("strategy") not in (None, strategy) and not any(c.startswith("distributed.strategy")
                                                                    for c in refused):

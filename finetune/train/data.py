@@ -33,6 +33,12 @@ class LoadedSource:
 def resolve_path(path: str, base_dir: Path) -> Path | None:
     """The local file a source names, or None for a Hub dataset id."""
     candidate = anchored(path, base_dir)
+    if candidate.is_dir() and candidate.suffix in LOCAL_SUFFIXES:
+        raise DataError("is a directory, not a data file", file=str(candidate),
+                        hint="point the data path at the file itself (a .jsonl/.json/.parquet/.csv file)")
+    if candidate.exists() and not candidate.is_file() and not candidate.is_dir():
+        raise DataError("is not a regular file (a pipe, socket or device would block or never end)",
+                        file=str(candidate), hint="point the data path at a .jsonl/.json/.parquet/.csv file")
     if candidate.exists():
         return candidate.resolve()
     if candidate.suffix in LOCAL_SUFFIXES or path.startswith((".", "/", "~")) or path.count("/") != 1:
@@ -49,24 +55,38 @@ def file_sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
+def _decode(raw: bytes, *, path: Path, row: int, what: str = "row") -> str:
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise DataError(f"{what} {row}: not UTF-8 text (byte 0x{raw[exc.start]:02x} at byte {exc.start + 1})",
+                        file=str(path), hint="re-save the file as UTF-8 (e.g. iconv -f latin1 -t utf-8), or "
+                                             "delete that row") from None
+
+
+def _parse(text: str, *, path: Path, row: int, what: str = "row"):
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise DataError(f"{what} {exc.lineno if what == 'line' else row}: not valid JSON ({exc.msg} at column "
+                        f"{exc.colno})", file=str(path), hint="fix or delete that line; each line must be one "
+                                                             "JSON object") from None
+    except RecursionError:
+        raise DataError(f"{what} {row}: JSON nested too deeply to read", file=str(path),
+                        hint="flatten that row (a training example is a few levels deep), or delete it") from None
+
+
 def _read_jsonl(path: Path):
-    with path.open("r", encoding="utf-8") as fh:
-        for line_no, line in enumerate(fh, start=1):
+    with path.open("rb") as fh:
+        for line_no, raw in enumerate(fh, start=1):
+            line = _decode(raw, path=path, row=line_no)
             if not line.strip():
                 continue
-            try:
-                yield line_no, json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise DataError(f"row {line_no}: not valid JSON ({exc.msg} at column {exc.colno})",
-                                file=str(path), hint="fix or delete that line; each line must be one JSON "
-                                                     "object") from None
+            yield line_no, _parse(line, path=path, row=line_no)
 
 
 def _read_json(path: Path):
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as exc:
-        raise DataError(f"line {exc.lineno}: not valid JSON ({exc.msg})", file=str(path)) from None
+    data = _parse(_decode(path.read_bytes(), path=path, row=1, what="line"), path=path, row=1, what="line")
     if isinstance(data, dict) and len(data) == 1 and isinstance(next(iter(data.values())), list):
         data = next(iter(data.values()))  # {"data": [...]} wrappers
     if not isinstance(data, list):
@@ -78,7 +98,14 @@ def _read_json(path: Path):
 def _read_tabular(path: Path, kind: str, *, streaming: bool = False):
     import datasets
 
-    ds = datasets.load_dataset(kind, data_files=str(path), split="train", streaming=streaming)
+    try:
+        ds = datasets.load_dataset(kind, data_files=str(path), split="train", streaming=streaming)
+    except Exception as exc:  # a corrupt parquet file, a CSV with an unterminated quote: the file's fault
+        cause = exc.__cause__ or exc
+        detail = " ".join(str(cause).split())[:300] or type(cause).__name__
+        raise DataError(f"cannot read this {kind} file: {detail}", file=str(path),
+                        hint=f"check the file is complete and valid {kind} (re-export it), or convert it "
+                             "to .jsonl") from None
     # csv rows are numbered as lines of the file (the header is line 1)
     offset = 2 if kind == "csv" else 1
     for i, row in enumerate(ds):

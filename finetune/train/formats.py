@@ -24,7 +24,7 @@ SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistan
 
 
 def _fail(message: str, *, file: str, row: int, hint: str | None = None) -> DataError:
-    return DataError(f"row {row}: {message}", file=file, hint=hint)
+    return DataError(f"row {row}: {message}", file=file, hint=hint or "fix or delete that row")
 
 
 def column_map(fmt: str, columns: dict[str, str]) -> dict[str, str]:

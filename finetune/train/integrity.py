@@ -73,6 +73,17 @@ def recipe_fields(recipe) -> dict:
     return _flatten(raw)
 
 
+CONTENT_SUFFIX = ".content"  # data.sources.N.content: the fingerprint of the file's bytes (or Hub revision)
+
+
+def data_fields(*, train: list[str], eval: list[str] = ()) -> dict:
+    """The data's content fingerprints as recipe fields, so resume and rerun checks see a file replaced
+    at the same path."""
+    out = {f"data.sources.{i}{CONTENT_SUFFIX}": fp for i, fp in enumerate(train)}
+    out.update({f"data.eval_sources.{i}{CONTENT_SUFFIX}": fp for i, fp in enumerate(eval)})
+    return out
+
+
 def _is_safe(key: str) -> bool:
     return any(key == k or (k.endswith(".") and key.startswith(k)) or key.startswith(k + ".")
                for k in SAFE_KEYS)

@@ -8,25 +8,49 @@ need the tokenizer (chat template, lengths) stay in the ranks' preflight. No tor
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
+from finetune.errors import DataError
 from finetune.recipe.load import recipe_dir
 from finetune.recipe.paths import anchored, check_data_path, is_inline_template
 from finetune.recipe.schema import Recipe
 
 
-def check_data(recipe: Recipe) -> None:
+@dataclass
+class DataCheck:
+    """What the pre-launch read of the local data found (Hub sources are read by the ranks)."""
+
+    train: list[str | None] = field(default_factory=list)  # content fingerprints, per source (None: Hub)
+    eval: list[str | None] = field(default_factory=list)
+    rows: int | None = None  # local training rows, None when a training source is on the Hub
+    first: dict | None = None  # the first converted training record (for a chat-template render check)
+
+
+def check_data(recipe: Recipe) -> DataCheck:
     from finetune.train.data import load_source, resolve_path
 
     d, base = recipe.data, recipe_dir(recipe)
     guard = dict(base_dir=base, allow_paths=d.allow_paths, allow_outside=d.allow_outside)
-    named = [(f"data.sources[{i}].path", s) for i, s in enumerate(d.sources)]
-    named += [(f"data.eval_sources[{i}].path", s) for i, s in enumerate(d.eval_sources)]
+    named = [(f"data.sources[{i}].path", s, "train") for i, s in enumerate(d.sources)]
+    named += [(f"data.eval_sources[{i}].path", s, "eval") for i, s in enumerate(d.eval_sources)]
     if d.task_eval is not None:
-        named.append(("data.task_eval.path", d.task_eval))
-    for key, source in named:
+        named.append(("data.task_eval.path", d.task_eval, None))
+    out = DataCheck(rows=0)
+    for key, source, split in named:
         if resolve_path(source.path, base) is None:  # a Hub dataset id (a missing local file raises)
+            if split == "train":
+                out.rows = None
+            if split:
+                getattr(out, split).append(None)
             continue
         check_data_path(anchored(source.path, base), key=key, **guard)
-        load_source(source, base_dir=base)
+        loaded = load_source(source, base_dir=base)
+        if split:
+            getattr(out, split).append(loaded.fingerprint)
+        if split == "train":
+            out.first = out.first or (loaded.records[0] if loaded.records else None)
+            if out.rows is not None:
+                out.rows += len(loaded.records)
     template = d.chat_template
     if template and not is_inline_template(template) and anchored(template, base).exists():
         check_data_path(anchored(template, base), key="data.chat_template", **guard)
@@ -37,3 +61,14 @@ def check_data(recipe: Recipe) -> None:
         if named_template(template) is None:
             raise RecipeError(f"{template!r} is neither a jinja template, a shipped template name, nor a file",
                               key="data.chat_template", hint=suggest(template))
+    _check_batch(recipe, out.rows)
+    return out
+
+
+def _check_batch(recipe: Recipe, rows: int | None) -> None:
+    gbs = recipe.train.global_batch_size
+    if rows and gbs > rows:
+        raise DataError(f"one optimizer step takes {gbs} examples, and the training data has {rows}: every "
+                        f"step would repeat the whole data set ({gbs / rows:.1f}x)",
+                        key="train.global_batch_size",
+                        hint=f"set train.global_batch_size to at most {rows} (or add data)")

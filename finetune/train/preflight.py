@@ -30,6 +30,8 @@ class PreparedData:
     cache_key: str
     cache_hit: bool
     notes: list[str] = field(default_factory=list)
+    # content fingerprints of the train / eval sources, for the resume and rerun checks
+    fingerprints: dict[str, list[str]] = field(default_factory=dict)
 
 
 def check_chat_template(recipe: Recipe, tokenizer, sources: list[LoadedSource]) -> None:
@@ -46,20 +48,53 @@ def check_chat_template(recipe: Recipe, tokenizer, sources: list[LoadedSource]) 
                              "format text / prompt_completion")
 
 
-def _tokenize(records: list[dict], tokenizer, *, method: str, assistant_only_loss: bool):
+def _chars(value) -> int:
+    if isinstance(value, str):
+        return len(value)
+    if isinstance(value, dict):
+        return sum(_chars(v) for k, v in value.items() if not k.startswith("_"))
+    if isinstance(value, list):
+        return sum(_chars(v) for v in value)
+    return 0
+
+
+def min_tokens(record: dict, longest_token: int) -> int:
+    """A lower bound of the record's token count, without tokenizing it: no token covers more characters
+    than the vocabulary's longest entry (DPO counts the prompt and the longer answer, as features_length)."""
+    if "chosen" in record:
+        chars = _chars(record["prompt"]) + max(_chars(record["chosen"]), _chars(record["rejected"]))
+    else:
+        chars = _chars(record)
+    return chars // max(longest_token, 1)
+
+
+def _tokenize(records: list[dict], tokenizer, *, method: str, assistant_only_loss: bool, max_length: int):
     import datasets
 
-    if method in ("sft", "pretrain", "dpo"):
-        if method == "dpo":
-            feats = [dpo_features(r, tokenizer) for r in records]
-        else:
-            feats = sft_features_batch(records, tokenizer, assistant_only_loss=assistant_only_loss)
-        rows = [{**f, "_length": features_length(f), "_has_loss": has_loss_tokens(f), "_file": r["_file"],
-                 "_row": r["_row"]} for f, r in zip(feats, records)]
-    else:  # kto, orpo, simpo, reward: finetune/train/methods.py
+    if method not in ("sft", "pretrain", "dpo"):  # kto, orpo, simpo, reward: finetune/train/methods.py
         from finetune.train.methods import method_rows
 
-        rows = method_rows(records, tokenizer, method=method)
+        return datasets.Dataset.from_list(method_rows(records, tokenizer, method=method))
+    # a row far longer than max_length is dropped (or counted) without being tokenized: a 10 MB row
+    # would otherwise cost gigabytes of token ids and offsets before it is dropped
+    longest = max((len(t) for t in tokenizer.get_vocab()), default=1)
+    huge = {i: n for i, r in enumerate(records) if (n := min_tokens(r, longest)) > max_length}
+    keep = [r for i, r in enumerate(records) if i not in huge]
+    if method == "dpo":
+        feats = [dpo_features(r, tokenizer) for r in keep]
+    else:
+        feats = sft_features_batch(keep, tokenizer, assistant_only_loss=assistant_only_loss)
+    columns = list(feats[0]) if feats else (["prompt_ids", "chosen_ids", "rejected_ids"] if method == "dpo"
+                                            else ["input_ids", "labels"])
+    made = iter(feats)
+    rows = []
+    for i, r in enumerate(records):
+        if i in huge:
+            rows.append({**{c: [] for c in columns}, "_length": huge[i], "_has_loss": True})
+        else:
+            f = next(made)
+            rows.append({**f, "_length": features_length(f), "_has_loss": has_loss_tokens(f)})
+        rows[-1].update(_file=r["_file"], _row=r["_row"])
     return datasets.Dataset.from_list(rows)
 
 
@@ -136,13 +171,16 @@ def prepare_data(recipe: Recipe, tokenizer, *, state) -> PreparedData:
     notes: list[str] = []
     train = _enforce_lengths(dd["train"], recipe=recipe, split="train", notes=notes)
     evals = _enforce_lengths(dd["eval"], recipe=recipe, split="eval", notes=notes) if "eval" in dd else None
-    return PreparedData(train=train, eval=evals, cache_key=key, cache_hit=hit, notes=notes)
+    return PreparedData(train=train, eval=evals, cache_key=key, cache_hit=hit, notes=notes,
+                        fingerprints={"train": [s.fingerprint for s in train_sources],
+                                      "eval": [s.fingerprint for s in eval_sources]})
 
 
 def _build(recipe: Recipe, tokenizer, train_sources, eval_sources):
     import datasets
 
-    kw = dict(tokenizer=tokenizer, method=recipe.method.type, assistant_only_loss=recipe.data.assistant_only_loss)
+    kw = dict(tokenizer=tokenizer, method=recipe.method.type, assistant_only_loss=recipe.data.assistant_only_loss,
+              max_length=recipe.data.max_length)
     weights = [s.weight for s in recipe.data.sources]
     if len(train_sources) > 1 and any(w is not None for w in weights):
         # mixing by weight: draw from each source in proportion until every one is used up

@@ -16,11 +16,13 @@ from pathlib import Path
 from typing import Any
 
 from finetune import rundir, strategies
-from finetune.errors import FinetuneError, RecipeError
+from finetune.compile.files import write_atomic
+from finetune.errors import RecipeError
 from finetune.recipe.load import load_recipe
 from finetune.train.callbacks import CommitCallback, LibraryCardCallback, MetricsCallback, NonFiniteCallback
 from finetune.train.checkpoint import check_resume, prepare_checkpoints, resolve_resume
-from finetune.train.integrity import recipe_fields
+from finetune.train.diskspace import DiskSpaceCallback, output_bytes, save_final
+from finetune.train.integrity import data_fields, recipe_fields
 
 log = logging.getLogger("finetune.train")
 
@@ -53,20 +55,27 @@ def run_rank(resolved_path: str | Path, *, resume: str = "auto") -> dict | None:
     set_seed(recipe.train.seed)
     from finetune.train.signals import Preempted, PreemptionCallback
 
-    preempt = PreemptionCallback()  # SIGTERM/SIGUSR1 from now on: checkpoint at the next step, exit 75
+    # SIGTERM/SIGUSR1/SIGHUP from now on: checkpoint at the next step, exit 75 (SIGINT: 130)
+    (run_dir / rundir.LOGS_DIR).mkdir(parents=True, exist_ok=True)
+    preempt = PreemptionCallback(log_path=run_dir / rundir.LOGS_DIR / f"rank-{state.process_index}.log")
     try:
         summary = _run(recipe, state=state, run_dir=run_dir, resume=resume, preempt=preempt)
-    except FinetuneError as err:
+    except Exception as exc:
+        from finetune.train.failure import as_finetune_error
+
+        # out of memory: the measured peak is recorded for the launcher to re-plan with (train/oom.py)
+        oom = _out_of_memory(run_dir, recipe, exc)
+        err = oom if oom is not None else as_finetune_error(exc, run_dir=run_dir)
         if state.is_main_process:  # the launcher's exit code loses ours (accelerate exits 1 for one process)
-            rundir.write_rank_error(run_dir, exit_code=err.exit_code, message=err.render())
+            try:
+                rundir.write_rank_error(run_dir, exit_code=err.exit_code, message=err.render())
+            except OSError:  # a full disk: the message still reaches the console
+                pass
         if isinstance(err, Preempted):  # every rank stopped at the same step boundary: leave together
             state.destroy_process_group()
-        raise
-    except Exception as exc:
-        oom = _out_of_memory(run_dir, recipe, exc)
-        if oom is None:
+        if err is exc:
             raise
-        raise oom from None
+        raise err from (None if oom is not None else exc)
     finally:
         preempt.restore()
     # PyTorch's rule for a clean exit: a rank that exits with its process group alive can leave a
@@ -104,6 +113,7 @@ class _Session:
     args: Any  # the TRL config (TrainingArguments)
     resume_from: Path | None
     cases: list | None  # task-eval examples, or None
+    fields: dict  # recipe and data fields a checkpoint and the finished run are checked against
     summary: dict = field(default_factory=dict)
 
 
@@ -123,7 +133,9 @@ def _setup(recipe, *, state, run_dir: Path, resume: str) -> _Session:
     tokenizer = load_tokenizer(recipe)
     data = prepare_data(recipe, tokenizer, state=state)  # preflight: before any model is loaded
     cases = taskeval.load_cases(recipe) if recipe.data.task_eval else None
-    resume_from = _resume_point(recipe, state=state, run_dir=run_dir, resume=resume)
+    fields = {**recipe_fields(recipe), **data_fields(train=data.fingerprints.get("train", []),
+                                                     eval=data.fingerprints.get("eval", []))}
+    resume_from = _resume_point(recipe, state=state, run_dir=run_dir, resume=resume, fields=fields)
     if strategies.is_deepspeed(recipe.distributed.strategy):  # before DeepSpeed JIT-builds its ops
         from finetune.compat.deepspeed_arch_list import make_arch_list_readable
 
@@ -136,7 +148,8 @@ def _setup(recipe, *, state, run_dir: Path, resume: str) -> _Session:
     # for an evaluate() called first (accelerate needs the model and optimizer prepared together)
     args.eval_on_start = data.eval is not None and resume_from is None
     session = _Session(recipe=recipe, state=state, run_dir=run_dir, tokenizer=tokenizer, data=data,
-                       model=load_model(recipe), args=args, resume_from=resume_from, cases=cases)
+                       model=load_model(recipe), args=args, resume_from=resume_from, cases=cases,
+                       fields=fields)
     session.summary = {"run_dir": str(run_dir), "tokenized_cache": {"key": data.cache_key, "hit": data.cache_hit},
                        "data_notes": data.notes, "resumed_from": str(resume_from) if resume_from else None}
     if cases and resume_from is None:
@@ -150,13 +163,13 @@ def _setup(recipe, *, state, run_dir: Path, resume: str) -> _Session:
     return session
 
 
-def _resume_point(recipe, *, state, run_dir: Path, resume: str) -> Path | None:
+def _resume_point(recipe, *, state, run_dir: Path, resume: str, fields: dict) -> Path | None:
     """The checkpoint to resume from (checked against the recipe), or None for a fresh start, whose old
     metrics and summary go; incomplete and discarded checkpoints go before the Trainer writes any."""
     resume_from = resolve_resume(resume, run_dir)
     if resume_from is not None:
         log.info(f"resuming from {resume_from}")
-        for note in check_resume(resume_from, recipe, world_size=state.num_processes):
+        for note in check_resume(resume_from, recipe, world_size=state.num_processes, fields=fields):
             log.info(f"resume: changed safely: {note}")
     elif state.is_main_process:  # a fresh start neither mixes in old rows nor leaves an old run's summary
         (run_dir / rundir.METRICS).unlink(missing_ok=True)
@@ -178,9 +191,10 @@ def _callbacks(session: _Session, *, preempt) -> list:
     callbacks = [MetricsCallback(run_dir, recipe=recipe), LibraryCardCallback(), PeakMemoryCallback(run_dir),
                  ConsoleProgress(),
                  NonFiniteCallback(policy=recipe.train.on_nonfinite, max_bad_steps=recipe.train.max_bad_steps),
-                 CommitCallback(run_dir, fields=recipe_fields(recipe), strategy=recipe.distributed.strategy,
+                 CommitCallback(run_dir, fields=session.fields, strategy=recipe.distributed.strategy,
                                 keep=recipe.output.keep),
-                 preempt, BaselineCallback()]
+                 DiskSpaceCallback(run_dir, estimate=output_bytes(recipe, run_dir)[1]), preempt,
+                 BaselineCallback()]
     k = getattr(recipe.resolved, "checkpoint_layers", None)
     if k is not None and trainer_checkpointing(recipe):
         from finetune.train.checkpointing import PartialCheckpointing
@@ -234,9 +248,8 @@ def _finish(session: _Session, *, trainer, result) -> dict | None:
         # is gathered into plain safetensors, or save_model would write nothing from the sharded state
         trainer.accelerator.state.fsdp_plugin.set_state_dict_type("FULL_STATE_DICT")
     if not recipe.resolved.measure:  # `finetune plan --measure` keeps nothing
-        trainer.save_model(str(run_dir))  # every rank: FSDP/ZeRO-3 gather the weights collectively
+        save_final(trainer, session.tokenizer, recipe=recipe, run_dir=run_dir, state=state)
         if state.is_main_process:
-            session.tokenizer.save_pretrained(run_dir)
             from finetune.modelcard import remove_library_card
 
             remove_library_card(run_dir, made_by="peft")  # `finetune push` writes the real card
@@ -251,9 +264,13 @@ def _finish(session: _Session, *, trainer, result) -> dict | None:
     from finetune.envreport import stack_versions
 
     summary[rundir.SUMMARY_VERSIONS] = stack_versions()  # for the model card
-    (run_dir / rundir.SUMMARY).write_text(json.dumps(summary, indent=2) + "\n")
-    if not recipe.resolved.measure:  # its run dir is temporary: `plan --measure` prints its own figures
-        print(format_summary(summary), flush=True)
+    write_atomic(run_dir / rundir.SUMMARY, json.dumps(summary, indent=2) + "\n")
+    if recipe.resolved.measure:  # its run dir is temporary: `plan --measure` prints its own figures
+        return summary
+    # written last: a rerun of the same recipe finds the run complete (finetune.api)
+    write_atomic(run_dir / rundir.FINISHED, json.dumps({"step": trainer.state.global_step,
+                                                        "recipe_fields": session.fields}, default=str) + "\n")
+    print(format_summary(summary), flush=True)
     return summary
 
 

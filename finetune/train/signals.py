@@ -1,4 +1,5 @@
-"""Preemption: SIGTERM / SIGUSR1 -> one checkpoint at the next step boundary on every rank -> exit 75.
+"""Preemption: SIGTERM / SIGUSR1 / SIGHUP -> one checkpoint at the next step boundary on every rank ->
+exit 75; Ctrl-C (SIGINT) the same with exit 130, and a second SIGINT stops the rank at once.
 
 The launcher (finetune/launch.py) forwards the signal to every rank; a rank's handler only sets a
 flag (nothing unsafe runs inside a signal handler). At each step end the ranks all-reduce the flag,
@@ -10,37 +11,68 @@ Preempted, which exits with EXIT_PREEMPTED (75) for the Slurm script to requeue.
 from __future__ import annotations
 
 import logging
+import os
 import signal
 from pathlib import Path
 
 from transformers import TrainerCallback
 
-from finetune.errors import EXIT_PREEMPTED, FinetuneError
+from finetune.errors import EXIT_INTERRUPTED, EXIT_PREEMPTED, FinetuneError
 from finetune.rundir import CHECKPOINTS
 from finetune.train.callbacks import reduce_flags
 
 log = logging.getLogger("finetune.train")
-PREEMPT_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+PREEMPT_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGHUP, signal.SIGINT)
 
 
 class Preempted(FinetuneError):
     exit_code = EXIT_PREEMPTED
 
 
+class Interrupted(Preempted):
+    exit_code = EXIT_INTERRUPTED
+
+
 class PreemptionCallback(TrainerCallback):
     """Installs the handlers at construction (main thread) and turns a received signal into
     should_save + should_training_stop at the next step end, agreed by all ranks."""
 
-    def __init__(self):
+    def __init__(self, log_path=None):
+        self.log_path = str(log_path) if log_path else os.devnull
         self.received: int | None = None
         self.stopped_at: int | None = None
         # the handlers in place before ours (the interpreter's defaults, or a host program's own)
         self._previous = {sig: signal.getsignal(sig) for sig in PREEMPT_SIGNALS}
         for sig in PREEMPT_SIGNALS:
             signal.signal(sig, self._handle)
+        from finetune.launch import die_with_parent
+
+        die_with_parent()  # the launcher (accelerate or torchrun's agent) was killed: save and stop
 
     def _handle(self, signum, _frame):
-        self.received = signum
+        if signum == signal.SIGINT and self.received == signal.SIGINT:  # Ctrl-C twice: stop now
+            os.write(2, b"second SIGINT: stopping at once, without a checkpoint\n")
+            os._exit(EXIT_INTERRUPTED)
+        self.received = self.received or signum
+        self._detach_from_a_dead_console()
+
+    def _detach_from_a_dead_console(self) -> None:
+        """When the `finetune` process that read our output is gone (killed: its death is what sent
+        this signal), printing would raise BrokenPipeError before the checkpoint is saved; write the
+        rest of the output to the rank's log file instead."""
+        import select
+
+        for fd in (1, 2):
+            try:
+                poll = select.poll()
+                poll.register(fd, select.POLLOUT)
+                events = poll.poll(0)
+            except (OSError, ValueError):
+                continue
+            if events and events[0][1] & (select.POLLERR | select.POLLHUP):
+                target = os.open(self.log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+                os.dup2(target, fd)
+                os.close(target)
 
     def on_step_end(self, args, state, control, **kwargs):
         if not reduce_flags([1.0 if self.received else 0.0])[0]:
@@ -56,10 +88,12 @@ class PreemptionCallback(TrainerCallback):
         return signal.Signals(self.received).name if self.received else "a preemption signal on another rank"
 
     def error(self, run_dir) -> Preempted:
-        return Preempted(f"stopped by {self.signal_name} at step {self.stopped_at}; checkpoint-{self.stopped_at} "
-                         f"is saved in {Path(run_dir) / CHECKPOINTS}",
-                         hint="run the same command again to resume from it (the Slurm script requeues on "
-                              f"exit code {EXIT_PREEMPTED})")
+        kind = Interrupted if self.received == signal.SIGINT else Preempted
+        return kind(f"stopped by {self.signal_name} at step {self.stopped_at}; checkpoint-{self.stopped_at} "
+                    f"is saved in {Path(run_dir) / CHECKPOINTS}",
+                    hint="run the same command again to resume from it" + (
+                        "" if self.received == signal.SIGINT else
+                        f" (the Slurm script requeues on exit code {EXIT_PREEMPTED})"))
 
     def restore(self) -> None:
         """Put back the handlers that were installed before this callback (run_rank calls it last)."""

@@ -1,0 +1,205 @@
+"""Checks made in the `finetune` process before a run is launched, for problems that would otherwise
+surface as an error inside a rank after minutes of loading: damaged weight files, a model directory
+without tokenizer files, a chat template that raises, a model that needs remote code, a GPU preset on a
+machine without GPUs, and too little free disk for the outputs.
+
+Torch-free: files are read as bytes and JSON, the template with jinja2 (as transformers renders it).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import struct
+from pathlib import Path
+
+from finetune.errors import DataError, RecipeError
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "spiece.model", "vocab.txt")
+SAFETENSORS_MAX_HEADER = 100 * 1024 * 1024  # the safetensors format's own limit
+DISK_SLACK_BYTES = 16 * 1024 * 1024  # metrics, logs, tokenizer and config files next to the weights
+DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "uint8": 1}
+
+
+def local_model_dir(recipe) -> Path | None:
+    from finetune.train.model import model_path
+
+    path = Path(model_path(recipe))
+    return path if path.is_dir() else None
+
+
+def check_safetensors(path: Path) -> None:
+    """The header of a .safetensors file parses and its tensors fit in the file (a truncated or empty
+    download fails here, not in from_pretrained inside every rank)."""
+    size = path.stat().st_size
+    fix = "download the model again (or point model.name at a complete copy)"
+    if size < 8:
+        raise RecipeError(f"{path.name} is {'empty' if size == 0 else 'truncated'} ({size} bytes)", file=str(path),
+                          key="model.name", hint=fix)
+    with path.open("rb") as fh:
+        (length,) = struct.unpack("<Q", fh.read(8))
+        if length > min(SAFETENSORS_MAX_HEADER, size - 8):
+            raise RecipeError(f"{path.name} is not a valid safetensors file (header length {length} for a "
+                              f"{size}-byte file)", file=str(path), key="model.name", hint=fix)
+        try:
+            header = json.loads(fh.read(length))
+        except (ValueError, UnicodeDecodeError):
+            raise RecipeError(f"{path.name} has an unreadable header", file=str(path), key="model.name",
+                              hint=fix) from None
+    ends = [t["data_offsets"][1] for k, t in header.items() if k != "__metadata__" and isinstance(t, dict)
+            and isinstance(t.get("data_offsets"), list) and len(t["data_offsets"]) == 2]
+    if ends and 8 + length + max(ends) > size:
+        raise RecipeError(f"{path.name} is truncated: its tensors need {8 + length + max(ends)} bytes, the file "
+                          f"has {size}", file=str(path), key="model.name", hint=fix)
+
+
+def check_model_files(recipe) -> None:
+    """A local model directory: weights readable, tokenizer files present, remote code allowed if needed."""
+    model_dir = local_model_dir(recipe)
+    if model_dir is None:
+        return
+    if not (model_dir / "config.json").is_file():
+        raise RecipeError(f"{model_dir} has no config.json, so it is not a model directory", key="model.name",
+                          hint="point model.name at a directory saved with save_pretrained, or a Hub id")
+    for weights in sorted(model_dir.glob("*.safetensors")):
+        check_safetensors(weights)
+    if not any((model_dir / name).is_file() for name in TOKENIZER_FILES):
+        raise RecipeError(f"{model_dir} has no tokenizer files (none of {', '.join(TOKENIZER_FILES)})",
+                          key="model.name", hint="copy the tokenizer files next to the weights "
+                                                 "(tokenizer.save_pretrained(DIR)), or use the original model")
+    check_remote_code(recipe, model_dir)
+
+
+def check_remote_code(recipe, model_dir: Path) -> None:
+    """A config whose model type transformers does not ship loads only with remote code."""
+    if recipe.model.trust_remote_code:
+        return
+    try:
+        config = json.loads((model_dir / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError, UnicodeDecodeError):
+        raise RecipeError("config.json is not readable JSON", file=str(model_dir / "config.json"),
+                          key="model.name", hint="download the model again") from None
+    model_type = config.get("model_type") if isinstance(config, dict) else None
+    if not isinstance(config, dict) or not config.get("auto_map") or not isinstance(model_type, str):
+        return
+    import importlib.util
+
+    spec = importlib.util.find_spec("transformers")  # its location, without importing it (and torch)
+    root = Path(spec.origin).parent / "models" if spec and spec.origin else None
+    if root is not None and not (root / model_type.replace("-", "_")).is_dir():
+        raise RecipeError(f"the model type {model_type!r} is not part of transformers: this model runs its own "
+                          f"Python code ({', '.join(config['auto_map'])})", key="model.trust_remote_code",
+                          hint="read that code, then set model.trust_remote_code: true if you trust it")
+
+
+def _template_text(recipe) -> str | None:
+    from finetune.train.model import read_chat_template
+
+    text = read_chat_template(recipe)
+    model_dir = local_model_dir(recipe)
+    if text is not None or model_dir is None:
+        return text
+    if (model_dir / "chat_template.jinja").is_file():
+        return (model_dir / "chat_template.jinja").read_text(encoding="utf-8")
+    try:
+        config = json.loads((model_dir / "tokenizer_config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    template = config.get("chat_template") if isinstance(config, dict) else None
+    return template if isinstance(template, str) else None
+
+
+def check_chat_template(recipe, first: dict | None) -> None:
+    """Render the chat template on the first conversation, as transformers does (sandboxed jinja2 with
+    raise_exception), so a template that raises is reported with the file and row."""
+    if not first or "messages" not in first:
+        return
+    text = _template_text(recipe)
+    if not text:
+        return
+    try:
+        import jinja2
+        from jinja2.ext import Extension
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+    except ImportError:
+        return
+
+    class Generation(Extension):
+        """{% generation %}...{% endgeneration %} (transformers' assistant-mask markers): render the body."""
+
+        tags = {"generation"}  # noqa: RUF012 (jinja2's Extension API)
+
+        def parse(self, parser):
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(["name:endgeneration"], drop_needle=True)
+            return jinja2.nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
+
+        def _body(self, caller):
+            return caller()
+
+    def raise_exception(message):
+        raise ValueError(message)
+
+    key = "data.chat_template" if recipe.data.chat_template else "model.name"
+    try:
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                            extensions=[Generation, "jinja2.ext.loopcontrols"])
+        env.globals["raise_exception"] = raise_exception
+        env.from_string(text).render(messages=first["messages"], add_generation_prompt=False,
+                                     bos_token="", eos_token="", pad_token="", unk_token="")
+    except Exception as exc:  # jinja syntax errors, raise_exception, undefined filters: the template's fault
+        raise DataError(f"row {first.get('_row', 1)}: the chat template fails on this conversation: "
+                        f"{type(exc).__name__}: {exc}", file=first.get("_file"), key=key,
+                        hint="fix the template (data.chat_template: jinja text or a .jinja file), or the row "
+                             "it rejects") from None
+
+
+def check_devices(spec) -> None:
+    """A GPU preset needs local GPUs (checked only when this machine launches the ranks)."""
+    if spec.device != "cuda":
+        return
+    from finetune.registry.detect import query_gpus
+
+    if not query_gpus():
+        raise RecipeError(f"the plan runs {spec.world_size} CUDA process(es) ({spec.strategy}), and this machine "
+                          f"has no NVIDIA GPU (nvidia-smi lists none)", key="hardware",
+                          hint="run on a GPU machine, or use --hardware cpu (or auto) here")
+
+
+def output_bytes(plan, recipe) -> tuple[int, int]:
+    """(final save, one checkpoint) in bytes, from the planner's parameter counts: the final model is
+    the trained weights (the adapter, or the whole model); a checkpoint adds fp32 Adam moments."""
+    total = float(getattr(plan, "total_params", 0) or 0)
+    trainable = float(getattr(plan, "trainable_params", 0) or 0)
+    weights = trainable * 4 if recipe.adapter.type != "full" else total * DTYPE_BYTES.get(recipe.model.dtype, 2)
+    return int(weights), int(weights + trainable * 8)
+
+
+def free_bytes(path: Path) -> int:
+    path = Path(path)
+    while not path.exists():
+        path = path.parent
+    return shutil.disk_usage(path).free
+
+
+def check_disk(run_dir: Path, *, plan, recipe) -> None:
+    """Refuse a launch whose outputs cannot fit on RUN_DIR's filesystem (exit 2, nothing written)."""
+    final, ckpt = output_bytes(plan, recipe)
+    need = final + (ckpt if recipe.output.save_every else 0) + DISK_SLACK_BYTES
+    free = free_bytes(run_dir)
+    if free < need:
+        raise RecipeError(f"not enough free disk for this run's outputs in {run_dir}: {free / 2**20:.0f} MiB free, "
+                          f"about {need / 2**20:.0f} MiB needed (final weights"
+                          f"{' and a checkpoint' if recipe.output.save_every else ''} plus logs)",
+                          key="output.dir", hint="free disk space there, or pass --output on a disk with room")
+
+
+def rescue_dir(run_dir: Path) -> Path:
+    """Where a final save goes when RUN_DIR's disk is full ($FINETUNE_RESCUE_DIR, else the temp dir)."""
+    import tempfile
+
+    from finetune.rundir import RESCUE_ENV
+
+    root = Path(os.environ.get(RESCUE_ENV) or tempfile.gettempdir())
+    return root / f"finetune-rescue-{Path(run_dir).name}-{os.getpid()}"
