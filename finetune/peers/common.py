@@ -156,3 +156,14 @@ def as_list(value: Any) -> list:
     if isinstance(value, str):
         return [v.strip() for v in value.split(",") if v.strip()]
     return list(value) if isinstance(value, (list, tuple)) else [value]
+
+
+def batch_sizes(conv) -> None:
+    """per_device_train_batch_size x gradient_accumulation_steps (transformers' TrainingArguments): our
+    micro-batch, and a global batch for ONE GPU (said in the notes, since ours spans every GPU)."""
+    micro, accumulation = conv.take("per_device_train_batch_size"), conv.take("gradient_accumulation_steps")
+    if micro:
+        conv.set("train.micro_batch_size", micro)
+        conv.set("train.global_batch_size", micro * (accumulation or 1))
+        conv.notes.append("train.global_batch_size is per_device_train_batch_size x gradient_accumulation_steps "
+                          "of ONE GPU; multiply it by your GPU count for the same effective batch")

@@ -12,6 +12,7 @@ from pathlib import Path
 from finetune.peers import Conversion
 from finetune.peers.common import (
     as_list,
+    batch_sizes,
     deepspeed_file,
     optimizer,
     scheduler,
@@ -132,12 +133,7 @@ def convert(conv: Conversion) -> None:
     template(conv, "template")
     optimizer(conv, "optim")
     scheduler(conv, "lr_scheduler_type")
-    micro, accumulation = conv.take("per_device_train_batch_size"), conv.take("gradient_accumulation_steps")
-    if micro:
-        conv.set("train.micro_batch_size", micro)
-        conv.set("train.global_batch_size", micro * (accumulation or 1))
-        conv.notes.append("train.global_batch_size is per_device_train_batch_size x gradient_accumulation_steps of "
-                          "ONE GPU; multiply it by your GPU count for the same effective batch")
+    batch_sizes(conv)  # transformers' TrainingArguments names, as both tools use them
     if conv.has("val_size"):
         conv.set("data.eval_fraction", conv.take("val_size"))
     deepspeed_file(conv, "deepspeed")

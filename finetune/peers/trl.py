@@ -5,7 +5,7 @@ names it, else DPO-only keys (beta, loss_type, max_prompt_length) mean dpo and t
 from __future__ import annotations
 
 from finetune.peers import Conversion
-from finetune.peers.common import DTYPES, accelerate_file, as_list, optimizer, scheduler
+from finetune.peers.common import DTYPES, accelerate_file, as_list, batch_sizes, optimizer, scheduler
 
 IGNORED = {k: "finetune decides this itself or has no such switch" for k in (
     "dataset_num_proc", "logging_strategy", "save_strategy", "eval_strategy", "per_device_eval_batch_size",
@@ -65,12 +65,7 @@ def convert(conv: Conversion, *, method: str | None) -> None:
         conv.set("model.attn_implementation", attention)
     optimizer(conv, "optim")
     scheduler(conv, "lr_scheduler_type")
-    micro, accumulation = conv.take("per_device_train_batch_size"), conv.take("gradient_accumulation_steps")
-    if micro:
-        conv.set("train.micro_batch_size", micro)
-        conv.set("train.global_batch_size", micro * (accumulation or 1))
-        conv.notes.append("train.global_batch_size is per_device_train_batch_size x gradient_accumulation_steps "
-                          "of ONE GPU; multiply it by your GPU count for the same effective batch")
+    batch_sizes(conv)  # transformers' TrainingArguments names, as both tools use them
     if conv.has("max_seq_length"):
         conv.set("data.max_length", conv.take("max_seq_length"))
     accelerate_file(conv, "accelerate_config")
