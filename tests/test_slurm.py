@@ -30,7 +30,7 @@ def cluster(tmp_path_factory):
     c.stop()
 
 
-STEPS = 1500
+STEPS = 400
 
 
 def test_quickstart_sbatch_trains_is_preempted_requeues_and_finishes(cluster, tmp_path):
@@ -38,7 +38,7 @@ def test_quickstart_sbatch_trains_is_preempted_requeues_and_finishes(cluster, tm
 
     run_dir = tmp_path / "run"
     compile_recipe(ROOT / "recipes" / "quickstart.yaml", output=run_dir, overrides=[
-        # enough steps that the signal lands while it trains (a tiny model runs ~40 steps/s on 2 cores)
+        # enough steps that the signal lands while it trains (~40 steps/s on 2 cores; the test polls every 2 s)
         f"train.max_steps={STEPS}", f"train.eval_steps={STEPS // 2}", "train.logging_steps=1",
         "data.task_eval.n=2",
         f"slurm.partition={PARTITION}", "slurm.account=finetune-ci", "slurm.time=00:15:00"])
