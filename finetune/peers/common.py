@@ -53,25 +53,24 @@ def map_aliases(conv: Conversion, *, ignore: dict[str, str]) -> None:
         del conv.recipe["data"]["eval_fraction"]
 
 
-def optimizer(conv: Conversion, key: str) -> None:
+def _named(conv: Conversion, key: str, *, table: dict[str, str], ours: str, what: str, offered: str) -> None:
+    """The peer's `key` (a name) mapped through `table` onto our `ours`, or dropped with what we offer."""
     name = conv.take(key)
     if name is None:
         return
-    if name in OPTIMIZERS:
-        conv.set("train.optimizer", OPTIMIZERS[name])
+    if name in table:
+        conv.set(ours, table[name])
     else:
-        offered = ", ".join(sorted(set(OPTIMIZERS.values())))
-        conv.drop(key, name, f"optimizer {name!r} is not offered; finetune has {offered}")
+        conv.drop(key, name, f"{what} {name!r} is not offered; finetune has {offered}")
+
+
+def optimizer(conv: Conversion, key: str) -> None:
+    _named(conv, key, table=OPTIMIZERS, ours="train.optimizer", what="optimizer",
+           offered=", ".join(sorted(set(OPTIMIZERS.values()))))
 
 
 def scheduler(conv: Conversion, key: str) -> None:
-    name = conv.take(key)
-    if name is None:
-        return
-    if name in SCHEDULERS:
-        conv.set("train.scheduler", SCHEDULERS[name])
-    else:
-        conv.drop(key, name, f"scheduler {name!r} is not offered; finetune has {', '.join(SCHEDULERS)}")
+    _named(conv, key, table=SCHEDULERS, ours="train.scheduler", what="scheduler", offered=", ".join(SCHEDULERS))
 
 
 def template(conv: Conversion, key: str) -> None:

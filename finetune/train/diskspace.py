@@ -22,7 +22,7 @@ from types import SimpleNamespace
 
 from transformers import TrainerCallback
 
-from finetune import rundir
+from finetune import rundir, strategies
 from finetune.errors import TrainingFailed
 from finetune.prelaunch import free_bytes, rescue_dir
 from finetune.prelaunch import output_bytes as planned_bytes
@@ -104,7 +104,7 @@ def save_final(trainer, tokenizer, *, recipe, run_dir: Path, state) -> None:
     try:
         _save_into(trainer, tokenizer, target, state=state)
     except OSError as exc:
-        sharded = state.num_processes > 1 and recipe.distributed.strategy != "ddp"
+        sharded = state.num_processes > 1 and strategies.info(recipe.distributed.strategy).backend != "ddp"
         if not is_disk_full(exc) or target != staging or sharded:
             raise
         shutil.rmtree(staging, ignore_errors=True)  # give the space back before trying elsewhere
