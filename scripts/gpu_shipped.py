@@ -9,6 +9,7 @@ tokens takes over a minute on 4 GPUs). Rows go to the same results JSON as gpu_v
 
     python scripts/gpu_shipped.py lora70b qlora70b-1gpu+qlora70b-fsdp2-2gpu lora70b-preempt --out $OUT/v.json
     python scripts/gpu_shipped.py lora70b --push-merge --merge-dir /dev/shm/merged
+    python scripts/gpu_shipped.py --push-merge-of /tmp/validation/lora70b/run --out merge.json
 
 A run group "a+b" starts its runs at the same time on disjoint GPUs (numbered in order).
 """
@@ -107,7 +108,7 @@ def row_for(name: str, run_dir: Path, *, code: int, started: float) -> dict:
             begins = [r.get("train_begin_unix") for r in row.get("ranks", []) if r.get("train_begin_unix")]
             if begins:
                 row["load_s"] = round(min(begins) - started, 1)  # launch to the first rank's first step
-            gv.add_mfu(row, run_dir=run_dir, arch=arch)
+            gv.add_mfu(row, run_dir=run_dir)
         except Exception as exc:  # keep the other runs' results
             row["collect_error"] = repr(exc)
     return row
@@ -204,26 +205,34 @@ def status_kib(pid: int) -> dict[str, int]:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("groups", nargs="+", help="run names, 'a+b' for runs side by side")
+    parser.add_argument("groups", nargs="*", help="run names, 'a+b' for runs side by side")
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--out", default="validation.json")
     parser.add_argument("--push-merge", action="store_true", help="after lora70b: push to a fake Hub, merge")
     parser.add_argument("--merge-dir", default="/dev/shm/merged")
     parser.add_argument("--merge-timeout", type=float, default=300)
+    parser.add_argument("--push-merge-of", type=Path, help="only push and merge this finished run directory")
+    parser.add_argument("--reference", type=Path, action="append", default=[],
+                        help="results JSON holding the uninterrupted run a -preempt run is compared with")
     args = parser.parse_args()
     out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
     results = json.loads(out.read_text()) if out.exists() else []
+    references = [r for path in args.reference if path.exists() for r in json.loads(path.read_text())]
 
     def save(row: dict) -> None:
         results.append(row)
         out.write_text(json.dumps(results, indent=2) + "\n")
         print(json.dumps({k: v for k, v in row.items() if k not in ("ranks", "loss_by_step")}), flush=True)
 
+    if args.push_merge_of:
+        save(push_and_merge(args, args.push_merge_of))
+        return
     for group in args.groups:
         names = group.split("+")
         if len(names) == 1 and names[0].endswith("-preempt"):
-            save(preempt(names[0], args, results))
+            save(preempt(names[0], args, results + references))
             continue
         started, first_gpu = [], 0
         for name in names:

@@ -31,7 +31,7 @@ from finetune import rundir  # noqa: E402
 from finetune.measurement import steady_tokens_per_second  # noqa: E402
 from finetune.plan import mfu, recipe_flops_per_token  # noqa: E402
 from finetune.recipe import load_recipe  # noqa: E402
-from finetune.registry import get_model  # noqa: E402
+from finetune.registry import resolve_model  # noqa: E402
 from finetune.registry.detect import host_ram_gib, peak_bf16_tflops, query_gpus  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -192,13 +192,29 @@ def merge(a: dict, b: dict) -> dict:
 
 
 def ensure_model(arch: str) -> Path:
+    """The random-weight checkpoint of `arch` (a registry key or a config.json path), written on first use;
+    runs started side by side that need the same model wait for one writer (a lock file)."""
+    import fcntl
+
     if arch == "tiny-llama":
         return ROOT / "data" / "tiny-llama"
-    out = MODELS / arch
-    if not any(out.glob("*.safetensors")):
-        subprocess.run([sys.executable, str(ROOT / "scripts" / "make_random_model.py"), arch, str(out)],
-                       check=True)
+    out = MODELS / Path(arch).name.removesuffix(".json")
+    MODELS.mkdir(parents=True, exist_ok=True)
+    with open(MODELS / f".{out.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (out / "config.json").exists():
+            source = str(ROOT / arch) if arch.endswith(".json") else arch
+            subprocess.run([sys.executable, str(ROOT / "scripts" / "make_random_model.py"), source, str(out)],
+                           check=True)
     return out
+
+
+def load_matrix(path: Path) -> dict[str, dict]:
+    """Named runs of a matrix file (see scripts/calibration_matrix.yaml): arch, gpus, seq, batch, steps and
+    the recipe settings that differ from base_recipe."""
+    spec = yaml.safe_load(path.read_text())
+    defaults = spec.get("defaults", {})
+    return {name: merge(defaults, run) for name, run in spec["runs"].items()}
 
 
 def collect(run_dir: Path) -> dict:
@@ -239,14 +255,23 @@ def collect(run_dir: Path) -> dict:
         "checkpoints": sorted(p.name for p in (run_dir / rundir.CHECKPOINTS).glob("checkpoint-*")),
         "adapter_bytes": (run_dir / "adapter_model.safetensors").stat().st_size
         if (run_dir / "adapter_model.safetensors").exists() else None,
+        # the whole run as compile resolved it, and the model's config.json: enough to re-plan the row on a
+        # machine without the model (tests/test_calibration.py)
+        "resolved": resolved,
+        "model_config": _model_config(resolved["model"]["name"]),
     }
 
 
-def add_mfu(row: dict, *, run_dir: Path, arch: str) -> None:
+def _model_config(model_dir: str) -> dict | None:
+    path = Path(model_dir) / "config.json"
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+def add_mfu(row: dict, *, run_dir: Path) -> None:
     """mfu / steady_mfu per GPU against the dense bf16 peak, with the planner's formula and peak
     (finetune/plan/timing.py), so measured and planned MFU compare."""
     resolved = load_recipe(run_dir / rundir.RESOLVED_RECIPE, allow_resolved=True)
-    flops = recipe_flops_per_token(resolved, arch=get_model(arch))
+    flops = recipe_flops_per_token(resolved, arch=resolve_model(resolved.model))
     peak = peak_bf16_tflops(row.get("card") or "")
     for key in ("tokens_per_second", "steady_tokens_per_second"):
         if row.get(key):
@@ -256,7 +281,8 @@ def add_mfu(row: dict, *, run_dir: Path, arch: str) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("runs", nargs="+", choices=sorted(RUNS))
+    parser.add_argument("runs", nargs="+", help=f"names of RUNS ({', '.join(sorted(RUNS))}) or of --matrix")
+    parser.add_argument("--matrix", type=Path, help="a YAML file of more named runs")
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--seq", type=int, default=2048)
     parser.add_argument("--batch", type=int, default=8)
@@ -267,16 +293,27 @@ def main() -> None:
     args = parser.parse_args()
 
     out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
     results = json.loads(out.read_text()) if out.exists() else []
+    matrix = load_matrix(args.matrix) if args.matrix else {}
+    unknown = [n for n in args.runs if n not in RUNS and n not in matrix]
+    if unknown:
+        parser.error(f"unknown runs {unknown}")
     for name in args.runs:
-        arch, override = RUNS[name]
+        steps, seq, batch = args.steps, args.seq, args.batch
+        if name in matrix:
+            entry = matrix[name]
+            arch, override = entry["arch"], entry.get("recipe", {})
+            steps, seq, batch = entry.get("steps", steps), entry.get("seq", seq), entry.get("batch", batch)
+        else:
+            arch, override = RUNS[name]
         model_dir = ensure_model(arch)
         work = WORK / name
         work.mkdir(parents=True, exist_ok=True)
         preference = override.get("method", {}).get("type") == "dpo"
         data = work / "data.jsonl"
-        write_data(data, preference=preference, seq=args.seq)
-        recipe = merge(base_recipe(model_dir, data, steps=args.steps, seq=args.seq, batch=args.batch), override)
+        write_data(data, preference=preference, seq=seq)
+        recipe = merge(base_recipe(model_dir, data, steps=steps, seq=seq, batch=batch), override)
         if preference:
             recipe["data"].update(format="preference", packing=False)
         (work / "recipe.yaml").write_text(yaml.safe_dump(recipe, sort_keys=False))
@@ -290,7 +327,7 @@ def main() -> None:
             code = run_two_nodes(work, run_dir, extra, gpus_per_node=2)
         elif name.endswith(("-2to1", "-1to2")):
             first, then = (2, 1) if name.endswith("-2to1") else (1, 2)
-            code = run_portable(work, run_dir, extra, args.steps, first=first, then=then)
+            code = run_portable(work, run_dir, extra, steps, first=first, then=then)
         else:
             code = run_until(cmd, args.run_timeout)
         row = {"name": name, "arch": arch, "adapter": recipe["adapter"]["type"],
@@ -301,7 +338,7 @@ def main() -> None:
         if (run_dir / rundir.PLAN_JSON).exists():
             try:
                 row.update(collect(run_dir))
-                add_mfu(row, run_dir=run_dir, arch=arch)
+                add_mfu(row, run_dir=run_dir)
             except Exception as exc:  # keep the other runs' results
                 row["collect_error"] = repr(exc)
         results.append(row)

@@ -29,10 +29,12 @@ INITIALIZER_RANGE = 0.02
 
 
 def hf_config(arch) -> dict:
-    """A transformers config.json for a registry architecture (Llama-family fields)."""
+    """A transformers config.json for a registry architecture (Llama-family fields; the family's own
+    config class fills the rest with its defaults, e.g. Gemma-2's soft-capping and sliding window)."""
     cfg = {
         "architectures": ["LlamaForCausalLM"] if arch.family == "llama" else None,
-        "model_type": arch.family,
+        # Gemma-3's top-level model_type is the multimodal wrapper; the language model alone is gemma3_text
+        "model_type": "gemma3_text" if arch.family == "gemma3" else arch.family,
         "hidden_size": arch.hidden_size,
         "intermediate_size": arch.intermediate_size,
         "num_hidden_layers": arch.num_layers,
@@ -51,6 +53,9 @@ def hf_config(arch) -> dict:
     }
     if arch.head_dim:
         cfg["head_dim"] = arch.head_dim
+    if arch.num_experts > 1:  # Mixtral's names for the expert counts
+        cfg["num_local_experts"] = arch.num_experts
+        cfg["num_experts_per_tok"] = arch.experts_per_token
     if arch.family == "llama":
         cfg["rope_theta"] = 500000.0
     return {k: v for k, v in cfg.items() if v is not None}
@@ -136,7 +141,8 @@ def write_random_checkpoint(config, out: Path, *, device: str = "cpu", seed: int
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("arch", help="registry key, e.g. llama-3.1-8b")
+    parser.add_argument("arch", help="registry key, e.g. llama-3.1-8b, or a config.json path (any architecture "
+                        "transformers builds, e.g. a mixture-of-experts config)")
     parser.add_argument("out")
     parser.add_argument("--device", default=None, help="where weights are drawn (default: cuda if available)")
     parser.add_argument("--tokenizer", default=str(ROOT / "data" / "tiny-llama"))
@@ -153,8 +159,10 @@ def main() -> None:
         print(f"{out}: already there")
         return
     out.mkdir(parents=True, exist_ok=True)
-    arch = get_model(args.arch)
-    config = AutoConfig.for_model(**hf_config(arch))
+    if args.arch.endswith(".json"):
+        config = AutoConfig.for_model(**json.loads(Path(args.arch).read_text()))
+    else:
+        config = AutoConfig.for_model(**hf_config(get_model(args.arch)))
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     start = time.perf_counter()
     params, nbytes = write_random_checkpoint(config, out, device=device)

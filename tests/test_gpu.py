@@ -168,7 +168,8 @@ def test_plan_measure_on_one_gpu(tmp_path):
         pytest.skip("needs a CUDA GPU")
     recipe = _lora3b_recipe(tmp_path, steps=30)
     keep = tmp_path / "measured"
-    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "0"}
+    first = os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0]  # one GPU of those this test was given
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": first}
     proc = subprocess.run([sys.executable, "-m", "finetune.cli", "plan", str(recipe), "--hardware", "auto",
                            "--measure", "--steps", "10", "--keep", str(keep), "--json"],
                           cwd=ROOT, timeout=1800, capture_output=True, text=True, env=env)

@@ -57,7 +57,11 @@ def accelerate_config(recipe: Recipe, plan: Plan, *, arch: ModelArch, main_port:
     cfg["num_processes"] = plan.world_size
     cfg["num_machines"] = plan.num_nodes
     cfg["machine_rank"] = 0  # placeholder: each node passes --machine_rank K
-    if plan.num_nodes > 1:
+    if plan.num_nodes == 1:
+        # 0 = accelerate picks a free port, so two runs on one host (e.g. 2 x 4 GPUs of a server) do not
+        # both try the default rendezvous port
+        cfg["main_process_port"] = 0
+    else:
         # main_process_ip is left out on purpose: each node passes --main_process_ip
         cfg["main_process_port"] = main_port
         # static rendezvous on node 0 (MASTER_ADDR/MASTER_PORT): node ranks are the ones given
