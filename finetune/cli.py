@@ -186,8 +186,8 @@ def _cmd_env(args):
 
 
 def _cmd_validate(args):
+    from finetune.data.check import check_data
     from finetune.recipe import load_recipe
-    from finetune.train.precheck import check_data
 
     recipe = load_recipe(args.recipe, overrides=args.overrides)
     check_data(recipe)  # data paths and every row (no tokenizer, no training)

@@ -46,8 +46,8 @@ def _inside(path: Path, root: Path) -> bool:
 def protected_paths(recipe) -> list[tuple[str, Path]]:
     """(recipe key, path) of what a run reads and must never write into: a local model directory and
     local data files."""
+    from finetune.data.sources import LOCAL_SUFFIXES
     from finetune.recipe.load import recipe_dir
-    from finetune.train.data import LOCAL_SUFFIXES
 
     base = recipe_dir(recipe)
     out: list[tuple[str, Path]] = []

@@ -31,7 +31,7 @@ def _pair_lengths(record: dict, tokenizer) -> tuple[int, bool]:
 
 def method_rows(records: list[dict], tokenizer, *, method: str) -> list[dict]:
     """Converted records -> the trainer's rows, each with `_length`, `_has_loss`, `_file`, `_row`."""
-    from finetune.train.preference import unpair
+    from finetune.data.preference import unpair
 
     out = []
     for record in records:

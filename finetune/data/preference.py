@@ -22,8 +22,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from finetune.train.formats import SHAREGPT_ROLES as SPEAKERS
-from finetune.train.formats import _fail
+from finetune.data.formats import SHAREGPT_ROLES as SPEAKERS
+from finetune.data.formats import _fail
 
 HH_TURN = "\n\nAssistant:"
 # where a prompt sits when the file has no `prompt` column (LLaMA-Factory, chat-style files)
@@ -84,7 +84,7 @@ def _strip_repeated_prompt(prompt: list[dict], answer: list[dict]) -> list[dict]
 
 def convert_preference(raw: dict, col: dict[str, str], *, file: str, row: int) -> dict:
     """One paired row (any layout in the module doc) -> {"prompt", "chosen", "rejected"}."""
-    kw = {"file": file, "row": row}
+    kw: dict[str, Any] = {"file": file, "row": row}
     for key in ("chosen", "rejected"):
         if raw.get(col[key]) is None:
             raise _fail(f"column {col[key]!r} (needed by format 'preference') is missing or null; the row has: "
@@ -108,7 +108,7 @@ def convert_preference(raw: dict, col: dict[str, str], *, file: str, row: int) -
         if not prompt_out and isinstance(prompt, str):  # the lists hold only the answers
             prompt_out = [{"role": "user", "content": prompt}]
         prompt = prompt_out
-    elif isinstance(prompt, list) and isinstance(chosen, list):
+    elif isinstance(prompt, list) and isinstance(chosen, list) and isinstance(rejected, list):
         chosen, rejected = _strip_repeated_prompt(prompt, chosen), _strip_repeated_prompt(prompt, rejected)
     elif isinstance(prompt, list):  # a conversation prompt with plain-text answers
         chosen = [{"role": "assistant", "content": chosen}]
@@ -138,14 +138,14 @@ def _label(value: Any, *, what: str, file: str, row: int) -> bool:
 
 def convert_unpaired(raw: dict, col: dict[str, str], *, file: str, row: int) -> dict:
     """One KTO row -> {"prompt", "completion", "label"}."""
-    kw = {"file": file, "row": row}
+    kw: dict[str, Any] = {"file": file, "row": row}
     prompt = _as_messages(raw.get(col["prompt"]), what=col["prompt"], **kw)
     completion = _as_messages(raw.get(col["completion"]), what=col["completion"], **kw)
     if isinstance(prompt, list) and isinstance(completion, str):
         completion = [{"role": "assistant", "content": completion}]
     if isinstance(prompt, str) and isinstance(completion, list):
         raise _fail("the prompt is a string but the completion is messages", **kw)
-    if isinstance(completion, list):
+    if isinstance(completion, list) and isinstance(prompt, list):
         completion = _strip_repeated_prompt(prompt, completion)
     return {"prompt": prompt, "completion": completion, "label": _label(raw.get(col["label"]),
                                                                         what=col["label"], **kw)}

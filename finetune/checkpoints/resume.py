@@ -1,35 +1,25 @@
-"""Which checkpoints count, which one to resume from, whether resuming is safe, and retention.
+"""Which checkpoints count, which one a run resumes from, and whether resuming it is safe.
 
-The HF Trainer writes RUN_DIR/checkpoints/checkpoint-N; finetune's CommitCallback then marks it
-complete (finetune/train/integrity.py) once every rank is done. Only marked checkpoints count:
-resume skips the rest, retention (ours; the Trainer's save_total_limit is off) deletes only
-complete checkpoints older than the newest `output.keep`, after a newer one is complete.
+The HF Trainer writes RUN_DIR/checkpoints/checkpoint-N; the ranks' commit callback then marks it
+complete (finetune/checkpoints/marker.py) once every rank is done. Only marked checkpoints count:
+resume skips the rest.
 
-Pure Python: the API checks a resume before it launches anything.
+No torch import: the launching process checks a resume before it launches anything.
 """
 
 from __future__ import annotations
 
 import logging
 import re
-import shutil
 from pathlib import Path
 
 from finetune import strategies
+from finetune.checkpoints.fields import compare_fields, recipe_fields
+from finetune.checkpoints.marker import read_marker, verify
 from finetune.errors import RecipeError
 from finetune.rundir import CHECKPOINTS
-from finetune.train.integrity import (
-    CONTENT_SUFFIX,
-    GROWING_KEYS,
-    LAYOUT_KEYS,
-    _is_safe,
-    read_marker,
-    recipe_fields,
-    verify,
-)
 
-log = logging.getLogger("finetune.train")
-# DeepSpeed's checkpoints are partitioned per rank (ZeRO-2's optimizer states, ZeRO-3's everything)
+log = logging.getLogger("finetune.checkpoints")
 
 
 def checkpoint_step(path: Path) -> int:
@@ -42,7 +32,8 @@ def is_complete(path: Path) -> bool:
     return marker is not None and (Path(path) / "trainer_state.json").is_file()
 
 
-def _all(run_dir: Path) -> list[Path]:
+def all_checkpoints(run_dir: Path) -> list[Path]:
+    """Every checkpoint-N directory, complete or not, oldest first."""
     root = Path(run_dir) / CHECKPOINTS
     if not root.is_dir():
         return []
@@ -50,12 +41,12 @@ def _all(run_dir: Path) -> list[Path]:
 
 
 def complete_checkpoints(run_dir: Path) -> list[Path]:
-    return [p for p in _all(run_dir) if is_complete(p)]
+    return [p for p in all_checkpoints(run_dir) if is_complete(p)]
 
 
 def latest_checkpoint(run_dir: Path) -> Path | None:
     newest = None
-    for path in reversed(_all(run_dir)):
+    for path in reversed(all_checkpoints(run_dir)):
         marker, why = verify(path)
         if marker is not None and (path / "trainer_state.json").is_file():
             newest = path
@@ -76,72 +67,6 @@ def resolve_resume(resume: str, run_dir: Path) -> Path | None:
                           hint=f"use --resume auto, or one of {Path(run_dir) / CHECKPOINTS}/checkpoint-N "
                                f"that has finetune_complete.json")
     return path
-
-
-def _remove(path: Path, why: str) -> None:
-    log.warning(f"removing {path}: {why}")
-    shutil.rmtree(path, ignore_errors=True)
-
-
-def prepare_checkpoints(run_dir: Path, *, start: Path | None) -> None:
-    """Before training (main process only): remove incomplete checkpoints, and complete ones from a
-    future this run discards (newer than `start`, or all of them when starting over), so the Trainer
-    never writes into a directory that still carries an old marker."""
-    start_step = checkpoint_step(start) if start is not None else -1
-    for path in _all(run_dir):
-        if start is not None and path.resolve() == Path(start).resolve():
-            continue
-        if not is_complete(path):
-            _remove(path, "an incomplete checkpoint (no commit marker; the save did not finish)")
-        elif checkpoint_step(path) > start_step:
-            _remove(path, "starting over (--resume never)" if start is None
-                    else f"newer than the checkpoint this run resumes from ({start.name})")
-
-
-def retain(run_dir: Path, *, keep: int, protect: str | None = None) -> list[Path]:
-    """Delete complete checkpoints beyond the newest `keep` (called right after one is committed); the
-    `protect`ed one (the best so far, for load_best_model_at_end) stays."""
-    complete = complete_checkpoints(run_dir)
-    old = [p for p in complete[:-max(keep, 1)] if protect is None or p.resolve() != Path(protect).resolve()]
-    for path in old:
-        shutil.rmtree(path, ignore_errors=True)
-    return old
-
-
-def _fmt(value) -> str:
-    text = repr(value)
-    return text if len(text) <= 60 else text[:57] + "..."
-
-
-def compare_fields(old: dict, new: dict) -> tuple[list[str], list[str]]:
-    """(notes on safe changes, refused changes) between a saved run's recipe fields and this one's.
-    A data content fingerprint counts only where both sides have one (Hub data is fingerprinted in
-    the ranks, not before launch; older markers carry none)."""
-    notes, refused = [], []
-    for key in sorted(set(old) | set(new)):
-        a, b = old.get(key), new.get(key)
-        if a == b or (key.endswith(CONTENT_SUFFIX) and (a is None or b is None)):
-            continue
-        change = f"{key} ({_fmt(a)} -> {_fmt(b)})"
-        if key.endswith(CONTENT_SUFFIX):
-            refused.append(f"{key.removesuffix(CONTENT_SUFFIX)}.path (same path, new content: "
-                           f"{_fmt(a)} -> {_fmt(b)})")
-        elif key in GROWING_KEYS:
-            if a is not None and b is not None and b > a:
-                notes.append(f"{change}: the run continues further; the learning-rate schedule is "
-                             f"stretched to the new length")
-            else:
-                refused.append(change)
-        elif _is_safe(key) or key in LAYOUT_KEYS:
-            notes.append(change)
-        else:
-            refused.append(change)
-    return notes, refused
-
-
-def grown(old: dict, new: dict) -> bool:
-    """A larger train.max_steps / train.epochs than the saved run's."""
-    return any(old.get(k) is not None and new.get(k) is not None and new[k] > old[k] for k in GROWING_KEYS)
 
 
 def check_resume(ckpt: Path, recipe, *, world_size: int | None = None, fields: dict | None = None) -> list[str]:
@@ -180,3 +105,11 @@ def check_resume(ckpt: Path, recipe, *, world_size: int | None = None, fields: d
                      f"train.global_batch_size, but the data order after the resume point differs from "
                      f"a run on {saved_ws} processes")
     return notes
+
+
+def resume_advice(run_dir: Path) -> str:
+    """What to tell a user whose run stopped: which checkpoint running again resumes from."""
+    done = complete_checkpoints(run_dir)
+    if done:
+        return f"run the same command again to resume from {done[-1].name}"
+    return "run the same command again (no checkpoint was saved, so it starts from step 0)"

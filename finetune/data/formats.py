@@ -87,7 +87,7 @@ def convert_row(raw: dict, *, fmt: str, columns: dict[str, str], file: str, row:
     check_columns(list(raw), fmt=fmt, columns=columns, file=file, row=row)
     col = column_map(fmt, columns)
     get = {canonical: raw.get(actual) for canonical, actual in col.items()}
-    kw = dict(file=file, row=row)
+    kw: dict[str, Any] = dict(file=file, row=row)
     if fmt == "messages":
         return {"messages": _messages(get["messages"], what=col["messages"], **kw)}
     if fmt == "sharegpt":
@@ -105,7 +105,7 @@ def convert_row(raw: dict, *, fmt: str, columns: dict[str, str], file: str, row:
         return {"prompt": _text(get["prompt"], what=col["prompt"], **kw),
                 "completion": _text(get["completion"], what=col["completion"], **kw)}
     if fmt in ("preference", "unpaired"):
-        from finetune.train.preference import convert_preference, convert_unpaired
+        from finetune.data.preference import convert_preference, convert_unpaired
 
         return (convert_preference if fmt == "preference" else convert_unpaired)(raw, col, **kw)
     raise _fail(f"unknown format {fmt!r}", **kw)
