@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -288,16 +287,6 @@ def test_planning_405b_is_fast():
     start = time.perf_counter()
     p = plan(r)  # includes re-planning every suggestion variant
     assert time.perf_counter() - start < 0.5 and p.suggestions
-
-
-def test_planner_does_not_import_torch():
-    code = ("import sys; from finetune.recipe import load_recipe; from finetune.plan import plan; "
-            "r = load_recipe({'model': {'name': 'meta-llama/Llama-3.1-405B'}, 'adapter': 'qlora', "
-            "'data': {'path': 'x.jsonl'}, 'hardware': 'server-8xh100'}); plan(r); "
-            "bad = [m for m in ('torch', 'transformers', 'accelerate', 'deepspeed') if m in sys.modules]; "
-            "sys.exit(f'imported {bad}' if bad else 0)")
-    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
-    assert out.returncode == 0, out.stderr + out.stdout
 
 
 def _gpu_preset(tmp_path, *, nodes: int, gpus_per_node: int) -> str:
