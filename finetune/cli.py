@@ -266,7 +266,7 @@ def _cmd_run(args):
 
 
 def _cmd_merge(args):
-    from finetune.merge import merge
+    from finetune.merging import merge
 
     out = merge(args.run_dir, args.output, max_shard_size=args.max_shard_size)
     print(f"merged model written to {out}")

@@ -100,7 +100,7 @@ def test_training_with_a_named_template_and_new_tokens(tmp_path):
     assert "im_start" in saved.chat_template
     config = json.loads((tmp_path / "run" / "adapter_config.json").read_text())
     assert set(config["modules_to_save"]) >= {"embed_tokens", "lm_head"}
-    from finetune.merge import merge
+    from finetune.merging import merge
 
     merged = merge(tmp_path / "run", tmp_path / "merged")
     from transformers import AutoModelForCausalLM
