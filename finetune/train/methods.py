@@ -19,7 +19,6 @@ from finetune.recipe.schema import Recipe
 from finetune.train.optim import with_optimizer
 from finetune.train.tokenize import dpo_features
 
-TEXT_METHODS = ("kto", "orpo", "simpo")  # the trainer tokenizes; preflight keeps the text rows
 METHOD_NAMES = {"kto": "KTO", "orpo": "ORPO", "simpo": "SimPO", "reward": "reward modelling"}
 
 
