@@ -315,7 +315,7 @@ def test_pinned_fsdp2_allowed_on_one_gpu_but_never_chosen(tmp_path):
     assert plan(recipe("meta-llama/Llama-3.2-3B", "lora", one)).strategy == "ddp"
 
 
-# --- issue 13: terms that were missing --------------------------------------------------------
+# --- memory terms: DDP without fp32 masters, DoRA, modules_to_save, sliding windows, ZeRO-2, partial offload ---
 
 def test_ddp_full_fine_tune_of_a_bf16_model_keeps_no_fp32_master():
     from finetune.plan.memory import state_bytes
@@ -326,7 +326,7 @@ def test_ddp_full_fine_tune_of_a_bf16_model_keeps_no_fp32_master():
     # DDP trains the bf16 parameters in place: 2 (weights) + 0 (master) + 2 (bf16 grads)
     # + 2 x 2 (torch AdamW's moments are created like the parameter, bf16) = 8 bytes/param
     assert (s.weights, s.trainable, s.gradients, s.optimizer) == (2 * n, 0, 2 * n, 4 * n)
-    # accelerate's FSDP2 upcasts trainable params to fp32 before sharding: 16 bytes/param as before
+    # accelerate's FSDP2 upcasts trainable params to fp32 before sharding: 16 bytes/param
     f = state_bytes(j, "fsdp2")
     assert (f.weights + f.trainable + f.gradients + f.optimizer) == 16 * n
 
