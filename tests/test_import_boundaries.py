@@ -1,10 +1,10 @@
-"""The launching process never imports the training stack.
+"""The launching process never imports the training stack, nor the ranks' code.
 
 Load, plan, compile, the data and checkpoint checks, and everything else that runs before launch
 (the CLI, the API, the pre-launch checks, the launcher) import no torch, transformers, trl, peft,
-accelerate, deepspeed or bitsandbytes, at import time or on the way to a launch: they run in a fresh
-interpreter here, module by module and then command by command, and the first step that pulls one in
-is named.
+accelerate, deepspeed or bitsandbytes, and nothing from finetune/train/ (which serves the rank
+processes only), at import time or on the way to a launch: they run in a fresh interpreter here, module
+by module and then command by command, and the first step that pulls one in is named.
 """
 
 import json
@@ -21,7 +21,8 @@ TORCH_FREE = ("finetune", "finetune.errors", "finetune.strategies", "finetune.ru
 
 PROBE = """
 import importlib, json, pkgutil, sys
-heavy = lambda: sorted(m for m in HEAVY if m in sys.modules)
+# the training stack, or finetune.train (the ranks' code)
+heavy = lambda: sorted(m for m in sys.modules if m in HEAVY or m == "finetune.train" or m.startswith("finetune.train."))
 steps = []
 for name in TORCH_FREE:
     module = importlib.import_module(name)
