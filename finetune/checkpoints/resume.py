@@ -15,11 +15,12 @@ from pathlib import Path
 
 from finetune import strategies
 from finetune.checkpoints.fields import compare_fields, recipe_fields
-from finetune.checkpoints.marker import read_marker, verify
+from finetune.checkpoints.marker import MARKER, read_marker, verify
 from finetune.errors import RecipeError
 from finetune.rundir import CHECKPOINTS
 
 log = logging.getLogger("finetune.checkpoints")
+TRAINER_STATE = "trainer_state.json"  # the Trainer's own record, in every checkpoint it saves
 
 
 def checkpoint_step(path: Path) -> int:
@@ -27,9 +28,19 @@ def checkpoint_step(path: Path) -> int:
     return int(match.group(1)) if match else -1
 
 
+def why_incomplete(path: Path) -> str | None:
+    """None for a complete checkpoint (its commit marker verifies and the Trainer's state is in it),
+    else why it does not count."""
+    marker, why = verify(path)
+    if marker is None:
+        return why
+    if not (Path(path) / TRAINER_STATE).is_file():
+        return f"{TRAINER_STATE} is missing"
+    return None
+
+
 def is_complete(path: Path) -> bool:
-    marker, _ = verify(path)
-    return marker is not None and (Path(path) / "trainer_state.json").is_file()
+    return why_incomplete(path) is None
 
 
 def all_checkpoints(run_dir: Path) -> list[Path]:
@@ -45,14 +56,12 @@ def complete_checkpoints(run_dir: Path) -> list[Path]:
 
 
 def latest_checkpoint(run_dir: Path) -> Path | None:
-    newest = None
     for path in reversed(all_checkpoints(run_dir)):
-        marker, why = verify(path)
-        if marker is not None and (path / "trainer_state.json").is_file():
-            newest = path
-            break
-        log.warning(f"skipping incomplete checkpoint {path}: {why or 'trainer_state.json is missing'}")
-    return newest
+        why = why_incomplete(path)
+        if why is None:
+            return path
+        log.warning(f"skipping incomplete checkpoint {path}: {why}")
+    return None
 
 
 def resolve_resume(resume: str, run_dir: Path) -> Path | None:
@@ -61,11 +70,11 @@ def resolve_resume(resume: str, run_dir: Path) -> Path | None:
     if resume == "auto":
         return latest_checkpoint(run_dir)
     path = Path(resume).expanduser().resolve()
-    marker, why = verify(path) if path.is_dir() else (None, "not a directory")
-    if marker is None or not (path / "trainer_state.json").is_file():
-        raise RecipeError(f"--resume {resume}: not a complete checkpoint ({why or 'no trainer_state.json'})",
+    why = why_incomplete(path) if path.is_dir() else "not a directory"
+    if why is not None:
+        raise RecipeError(f"--resume {resume}: not a complete checkpoint ({why})",
                           hint=f"use --resume auto, or one of {Path(run_dir) / CHECKPOINTS}/checkpoint-N "
-                               f"that has finetune_complete.json")
+                               f"that has {MARKER}")
     return path
 
 
