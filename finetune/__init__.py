@@ -7,16 +7,25 @@
 Heavy libraries (torch, transformers) are imported only by run/merge/push/generate/evaluate.
 """
 
-from finetune.api import compile, make_plan, measure, plan, run
-from finetune.errors import FinetuneError
-from finetune.recipe import Recipe, load_recipe
+import importlib
+
+# `plan` and `compile` name both a package here and a function of the API. Python binds a package to
+# its parent's attribute when the package is first imported, which would replace the function there;
+# importing both packages before the functions are bound below keeps `finetune.plan` the function.
+for _package in ("finetune.plan", "finetune.compile"):
+    importlib.import_module(_package)
+del _package
+
+from finetune.api import compile, make_plan, measure, plan, run  # noqa: E402
+from finetune.errors import FinetuneError  # noqa: E402
+from finetune.recipe import Recipe, load_recipe  # noqa: E402
 
 __version__ = "0.1.0"
 
 
 def merge(run_dir, output_dir, **kwargs):
-    """Merge a run's LoRA adapter into its base model (see finetune.merge.merge)."""
-    from finetune.merge import merge as _merge
+    """Merge a run's LoRA adapter into its base model (see finetune.merging.merge)."""
+    from finetune.merging import merge as _merge
 
     return _merge(run_dir, output_dir, **kwargs)
 

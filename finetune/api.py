@@ -13,6 +13,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from finetune import rundir
+from finetune.checkpoints.fields import compare_fields, data_fields, grown, recipe_fields
+from finetune.checkpoints.resume import (
+    check_resume,
+    complete_checkpoints,
+    latest_checkpoint,
+    resolve_resume,
+    resume_advice,
+)
+from finetune.data.check import check_data
 from finetune.errors import EXIT_INTERRUPTED, EXIT_PREEMPTED, FinetuneError, RecipeError, TrainingFailed
 from finetune.recipe import Recipe, load_recipe
 
@@ -22,8 +31,6 @@ log = logging.getLogger("finetune.api")
 def _check_resume(run_dir: Path, resume: str, *, resolved: Recipe, world_size: int,
                   fields: dict | None = None) -> None:
     """Refuse a resume the checkpoint cannot support before launching (RecipeError, exit 2)."""
-    from finetune.train.checkpoint import check_resume, resolve_resume
-
     start = resolve_resume(str(resume), run_dir)
     if start is None:
         return
@@ -136,16 +143,12 @@ def run(recipe, *, hardware: str | None = None, overrides: list[str] | None = No
 
 
 def _fields(resolved: Recipe, data) -> dict:
-    from finetune.train.integrity import data_fields, recipe_fields
-
     return {**recipe_fields(resolved), **data_fields(train=data.train, eval=data.eval)}
 
 
 def _finished(run_dir: Path, resume: str, fields: dict) -> dict | None:
     """The finished run's record when this rerun has nothing to do; RecipeError when the recipe changed;
     None when training should (re)start: no finished run, --resume never, or a grown max_steps/epochs."""
-    from finetune.train.checkpoint import compare_fields, grown, latest_checkpoint
-
     done = rundir.read_finished(run_dir)
     if not done or resume == "never":
         return None
@@ -173,7 +176,6 @@ def _run_locked(recipe: Recipe, *, target: Path, hardware, dry_run: bool, resume
     from finetune.compile.compiler import prepare_recipe
     from finetune.guard import claim
     from finetune.launch import run_with_oom_retries
-    from finetune.train.precheck import check_data
 
     # trackers installed, Hub push allowed (on the node that pushes): before anything is loaded
     check_destinations(recipe, pushes=node_rank in (None, 0))
@@ -220,8 +222,6 @@ def _run_locked(recipe: Recipe, *, target: Path, hardware, dry_run: bool, resume
 
 
 def _newest_checkpoint(run_dir: Path) -> Path | None:
-    from finetune.train.checkpoint import complete_checkpoints
-
     done = complete_checkpoints(run_dir)
     return done[-1] if done else None
 
@@ -242,12 +242,6 @@ def set_aside_previous(run_dir: Path, *, resume: str) -> None:
             src.rename(dst)
 
 
-def resume_hint(run_dir: Path) -> str:
-    from finetune.train.failure import resume_advice
-
-    return resume_advice(run_dir)
-
-
 def _stopped(run_dir: Path, code: int, *, before: Path | None) -> RunResult:
     """A launch that did not finish: say only what happened, and how to go on."""
     newest = _newest_checkpoint(run_dir)
@@ -257,7 +251,7 @@ def _stopped(run_dir: Path, code: int, *, before: Path | None) -> RunResult:
             log.info(f"{what}: a checkpoint was saved ({newest.name}) in {run_dir}\n"
                      f"  fix: run the same command to resume from it")
         else:
-            log.info(f"{what} before a new checkpoint was written\n  fix: {resume_hint(run_dir)}")
+            log.info(f"{what} before a new checkpoint was written\n  fix: {resume_advice(run_dir)}")
         return RunResult(run_dir, code)
     err = rundir.read_rank_error(run_dir)
     if err.get("message"):
@@ -265,7 +259,7 @@ def _stopped(run_dir: Path, code: int, *, before: Path | None) -> RunResult:
         failure.exit_code = err.get("exit_code", code)
         raise failure
     raise TrainingFailed(f"training exited with code {code}; the log above names the failing rank and its error",
-                         file=str(run_dir), hint=f"fix the cause, {resume_hint(run_dir)}")
+                         file=str(run_dir), hint=f"fix the cause, {resume_advice(run_dir)}")
 
 
 MEASURE_STEPS = 5
@@ -298,7 +292,6 @@ def measure(recipe, *, hardware: str | None = None, overrides: list[str] | None 
     from finetune.recipe.load import dump_recipe, recipe_dir
     from finetune.registry import get_preset
     from finetune.rundir import RESOLVED_RECIPE, read_oom_records
-    from finetune.train.precheck import check_data
 
     if steps < 3:
         raise FinetuneError(f"--steps {steps}: a steady tokens/s needs at least 3 steps",

@@ -186,8 +186,8 @@ def _cmd_env(args):
 
 
 def _cmd_validate(args):
+    from finetune.data.check import check_data
     from finetune.recipe import load_recipe
-    from finetune.train.precheck import check_data
 
     recipe = load_recipe(args.recipe, overrides=args.overrides)
     check_data(recipe)  # data paths and every row (no tokenizer, no training)
@@ -266,7 +266,7 @@ def _cmd_run(args):
 
 
 def _cmd_merge(args):
-    from finetune.merge import merge
+    from finetune.merging import merge
 
     out = merge(args.run_dir, args.output, max_shard_size=args.max_shard_size)
     print(f"merged model written to {out}")

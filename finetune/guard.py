@@ -22,7 +22,10 @@ import time
 from pathlib import Path
 
 from finetune import rundir
+from finetune.data.sources import LOCAL_SUFFIXES
 from finetune.errors import FinetuneError, RecipeError
+from finetune.recipe.load import recipe_dir
+from finetune.recipe.paths import anchored, model_path
 
 LOCK_HEARTBEAT_S = 30.0
 LOCK_STALE_S = 180.0  # no heartbeat for this long: the holder (on another node) is gone
@@ -46,23 +49,18 @@ def _inside(path: Path, root: Path) -> bool:
 def protected_paths(recipe) -> list[tuple[str, Path]]:
     """(recipe key, path) of what a run reads and must never write into: a local model directory and
     local data files."""
-    from finetune.recipe.load import recipe_dir
-    from finetune.train.data import LOCAL_SUFFIXES
-
     base = recipe_dir(recipe)
     out: list[tuple[str, Path]] = []
-    model = Path(os.path.expanduser(recipe.model.name))
-    model = model if model.is_absolute() else base / model
+    model = Path(model_path(recipe))  # resolved when it is a local directory
     if model.is_dir():
-        out.append(("model.name", model.resolve()))
+        out.append(("model.name", model))
     d = recipe.data
     named = [(f"data.sources[{i}].path", s.path) for i, s in enumerate(d.sources)]
     named += [(f"data.eval_sources[{i}].path", s.path) for i, s in enumerate(d.eval_sources)]
     if d.task_eval is not None:
         named.append(("data.task_eval.path", d.task_eval.path))
     for key, raw in named:
-        path = Path(os.path.expanduser(raw))
-        path = path if path.is_absolute() else base / path
+        path = anchored(raw, base)
         if path.exists() or path.suffix in LOCAL_SUFFIXES:
             out.append((key, path.resolve()))
     return out

@@ -34,7 +34,7 @@ from pathlib import Path
 
 from finetune import rundir
 from finetune.errors import FinetuneError
-from finetune.merge import ADAPTER_FILES, TOKENIZER_FILES, merge, run_kind
+from finetune.merging import ADAPTER_FILES, TOKENIZER_FILES, merge, run_kind
 from finetune.modelcard import HUB_ID, parse_front_matter, public_recipe, render_model_card
 
 logger = logging.getLogger(__name__)

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from finetune import rundir
 from finetune.errors import FinetuneError
-from finetune.merge import TOKENIZER_FILES, resolve_base, run_kind
+from finetune.merging import TOKENIZER_FILES, resolve_base, run_kind
 
 
 class GenerateError(FinetuneError):

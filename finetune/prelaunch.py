@@ -14,7 +14,9 @@ import shutil
 import struct
 from pathlib import Path
 
+from finetune.data.chat_template import read_chat_template
 from finetune.errors import DataError, RecipeError
+from finetune.recipe.paths import model_path
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "spiece.model", "vocab.txt")
 SAFETENSORS_MAX_HEADER = 100 * 1024 * 1024  # the safetensors format's own limit
@@ -23,8 +25,6 @@ DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "uint8": 1}
 
 
 def local_model_dir(recipe) -> Path | None:
-    from finetune.train.model import model_path
-
     path = Path(model_path(recipe))
     return path if path.is_dir() else None
 
@@ -94,8 +94,6 @@ def check_remote_code(recipe, model_dir: Path) -> None:
 
 
 def _template_text(recipe) -> str | None:
-    from finetune.train.model import read_chat_template
-
     text = read_chat_template(recipe)
     model_dir = local_model_dir(recipe)
     if text is not None or model_dir is None:

@@ -123,8 +123,3 @@ def offloads_optimizer(name: str) -> bool:
 
 def offload_level(name: str) -> int:
     return info(name).offload_level
-
-
-def names_where(predicate) -> tuple[str, ...]:
-    """The concrete names whose StrategyInfo satisfies `predicate`, in the planner's order."""
-    return tuple(s.name for s in STRATEGIES if predicate(s))

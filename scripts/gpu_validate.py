@@ -68,7 +68,7 @@ RUNS: dict[str, tuple[str, dict]] = {
                                                            "nvme_path": "/tmp/nvme-swap"}}),
     "full3b-zero3": ("llama-3.2-3b", {"adapter": {"type": "full"}, "train": {"lr": 1e-5},
                                       "distributed": {"strategy": "zero3"}}),
-    # issue 13's tiers between "everything on the GPU" and "parameters and optimizer offloaded"
+    # the tiers between "everything on the GPU" and "parameters and optimizer offloaded"
     "full3b-zero2": ("llama-3.2-3b", {"adapter": {"type": "full"}, "train": {"lr": 1e-5},
                                       "distributed": {"strategy": "zero2"}}),
     "full3b-zero3-optim-offload": ("llama-3.2-3b", {"adapter": {"type": "full"}, "train": {"lr": 1e-5},

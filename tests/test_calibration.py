@@ -86,11 +86,11 @@ def test_predicted_peak_within_bounds_of_measured_reserved():
     assert not bad, f"outside [{LOW}, {HIGH}] x measured max reserved:\n" + "\n".join(bad) + "\n\n" + table
 
 
-# --- steady tokens/s (issue 13: within +-25% of the planner's tokens/s, the one step-time model of
-# finetune/plan/timing.py) and the issue's tighter memory bound (-5% / +15%), row by row ---------------
+# --- steady tokens/s (within +-25% of the planner's tokens/s, the one step-time model of
+# finetune/plan/timing.py) and a tighter memory bound (-5% / +15%), row by row ---------------
 SPEED_LOW, SPEED_HIGH = 0.75, 1.25  # predicted / measured steady tokens/s
 MEMORY_LOW, MEMORY_HIGH = 0.95, 1.15  # predicted / measured max reserved
-# Rows the current models miss, by _row_id. Not fitted away: the lead decides with new GPU data.
+# Rows the current models miss, by _row_id. Not fitted away: the model changes only with new GPU data.
 SPEED_MISSES = {
     "14-qlora8b-fsdp2": "QLoRA under FSDP2 on 2 GPUs: predicted faster than measured",
     "17-full3b-fsdp2": ("full 3B FSDP2: predicted ~9x faster; row 18, the same setting without a mid-run "

@@ -46,13 +46,13 @@ def test_the_tokenizer_template_stays_the_default_and_a_file_wins(tmp_path):
     assert _tokenizer({}).chat_template == own
     (tmp_path / "chatml").write_text("{{ messages[0]['content'] }}")
     recipe = load_recipe(tiny_recipe(data={"chat_template": str(tmp_path / "chatml")}))
-    from finetune.train.model import read_chat_template
+    from finetune.data.chat_template import read_chat_template
 
     assert read_chat_template(recipe) == "{{ messages[0]['content'] }}"
 
 
 def test_an_unknown_name_is_refused_before_launch_with_a_suggestion():
-    from finetune.train.precheck import check_data
+    from finetune.data.check import check_data
 
     with pytest.raises(RecipeError) as info:
         check_data(load_recipe(tiny_recipe(data={"chat_template": "chatm1"})))
@@ -100,7 +100,7 @@ def test_training_with_a_named_template_and_new_tokens(tmp_path):
     assert "im_start" in saved.chat_template
     config = json.loads((tmp_path / "run" / "adapter_config.json").read_text())
     assert set(config["modules_to_save"]) >= {"embed_tokens", "lm_head"}
-    from finetune.merge import merge
+    from finetune.merging import merge
 
     merged = merge(tmp_path / "run", tmp_path / "merged")
     from transformers import AutoModelForCausalLM

@@ -1,4 +1,4 @@
-"""The CLI: exit codes, messages without tracebacks, plan without torch."""
+"""The CLI: exit codes, messages without tracebacks, a fast plan."""
 
 import json
 import subprocess
@@ -17,23 +17,21 @@ def finetune(*args, cwd=ROOT):
                           capture_output=True, text=True, timeout=120)
 
 
-def test_plan_imports_no_torch_and_is_fast():
+def test_plan_is_fast():
+    # "well under a second" for a 405B plan, the imports included (tests/test_import_boundaries.py
+    # checks that they are torch-free)
     code = (
         "import sys, time, json\n"
         "t = time.perf_counter()\n"
         "from finetune.cli import main\n"
         "rc = main(['plan', 'recipes/llama405b-qlora.yaml', '--hardware', 'server-8xh100', '--json'])\n"
         "elapsed = time.perf_counter() - t\n"
-        "heavy = sorted(m for m in ('torch', 'transformers', 'accelerate', 'trl', 'peft', 'deepspeed')\n"
-        "               if m in sys.modules)\n"
-        "print(json.dumps({'rc': rc, 'elapsed': elapsed, 'heavy': heavy}), file=sys.stderr)\n"
+        "print(json.dumps({'rc': rc, 'elapsed': elapsed}), file=sys.stderr)\n"
     )
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
                           timeout=60)
     report = json.loads(proc.stderr.strip().splitlines()[-1])
     assert report["rc"] == 0, proc.stdout
-    assert report["heavy"] == []
-    # "well under a second" for a 405B plan, imports included
     assert report["elapsed"] < 1.0, report
     plan = json.loads(proc.stdout)
     assert plan["fits"] is True

@@ -24,7 +24,7 @@ def _convert(tmp_path: Path, name: str, source: str, *extra: str) -> tuple[int, 
 
 
 def _recipe_and_data(out: Path):
-    from finetune.train.precheck import check_data
+    from finetune.data.check import check_data
 
     recipe = load_recipe(out)
     recipe.data.allow_outside = True  # the samples live in the repository, the recipe in tmp

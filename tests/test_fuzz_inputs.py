@@ -91,7 +91,7 @@ def _schema_accepts(raw: dict, work: Path) -> bool:
     try:
         recipe = load_recipe(raw)
         recipe._source_dir = str(work)
-        from finetune.train.precheck import check_data
+        from finetune.data.check import check_data
 
         check_data(recipe)
     except FinetuneError:

@@ -37,7 +37,7 @@ def test_batched_equals_one_by_one_and_merged_equals_adapter(runs, tmp_path):
     base = finetune.generate(runs["base"], PROMPTS, max_new_tokens=6)
     assert base != batched  # the adapter changes what the model says
 
-    from finetune.merge import merge
+    from finetune.merging import merge
 
     merge(runs["lora"], tmp_path / "merged")
     assert finetune.generate(tmp_path / "merged", PROMPTS, max_new_tokens=6) == batched

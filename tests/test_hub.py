@@ -179,7 +179,7 @@ def test_push_merged_merges_in_a_temp_dir_and_resumes(runs, hub, tmp_path, caplo
 def test_push_merged_reuses_run_dir_merged(runs, hub, tmp_path):
     import shutil
 
-    from finetune.merge import merge
+    from finetune.merging import merge
 
     run = tmp_path / "run"
     shutil.copytree(runs["lora"], run)

@@ -9,11 +9,11 @@ import json
 import pytest
 from conftest import QUICKSTART_DATA, SAMPLES, resolve_recipe, tiny_recipe
 
+from finetune.data.sources import load_source
+from finetune.data.splits import slice_rows
 from finetune.errors import RecipeError
 from finetune.recipe.load import load_recipe
 from finetune.recipe.schema import DataSource
-from finetune.train.data import load_source
-from finetune.train.splits import slice_rows
 
 
 @pytest.mark.parametrize("split,expect", [

@@ -1,4 +1,4 @@
-"""finetune.merge on a real tiny Llama + real peft adapters (LoRA and DoRA), offline."""
+"""finetune.merging on a real tiny Llama + real peft adapters (LoRA and DoRA), offline."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from tiny_run import tiny_runs, tree_hashes, variant_run  # noqa: E402
 
-from finetune.merge import MergeError, merge  # noqa: E402
+from finetune.merging import MergeError, merge  # noqa: E402
 
 
 @pytest.fixture(scope="module")

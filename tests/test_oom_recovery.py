@@ -16,6 +16,9 @@ from conftest import ROOT, resolve_recipe, tiny_recipe
 from reliability_util import cli_argv, env, write_recipe
 
 from finetune.api import compile as compile_run
+from finetune.checkpoints.fields import recipe_fields
+from finetune.checkpoints.marker import write_marker
+from finetune.checkpoints.resume import check_resume
 from finetune.errors import RecipeError
 from finetune.plan import job_from_recipe
 from finetune.plan.choose import HEADROOM
@@ -25,8 +28,6 @@ from finetune.recipe import load_recipe
 from finetune.registry import get_model
 from finetune.registry.detect import parse_nvidia_smi, synthesize_preset
 from finetune.rundir import OOM_RETRIES, read_oom_records
-from finetune.train.checkpoint import check_resume
-from finetune.train.integrity import recipe_fields, write_marker
 from finetune.train.run import run_rank
 
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -290,16 +289,6 @@ def test_planning_405b_is_fast():
     assert time.perf_counter() - start < 0.5 and p.suggestions
 
 
-def test_planner_does_not_import_torch():
-    code = ("import sys; from finetune.recipe import load_recipe; from finetune.plan import plan; "
-            "r = load_recipe({'model': {'name': 'meta-llama/Llama-3.1-405B'}, 'adapter': 'qlora', "
-            "'data': {'path': 'x.jsonl'}, 'hardware': 'server-8xh100'}); plan(r); "
-            "bad = [m for m in ('torch', 'transformers', 'accelerate', 'deepspeed') if m in sys.modules]; "
-            "sys.exit(f'imported {bad}' if bad else 0)")
-    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
-    assert out.returncode == 0, out.stderr + out.stdout
-
-
 def _gpu_preset(tmp_path, *, nodes: int, gpus_per_node: int) -> str:
     path = tmp_path / f"{nodes}x{gpus_per_node}.yaml"
     path.write_text(f"name: test-{nodes}x{gpus_per_node}\ngpu_model: H100\ngpu_memory_gib: 79.1\n"
@@ -326,7 +315,7 @@ def test_pinned_fsdp2_allowed_on_one_gpu_but_never_chosen(tmp_path):
     assert plan(recipe("meta-llama/Llama-3.2-3B", "lora", one)).strategy == "ddp"
 
 
-# --- issue 13: terms that were missing --------------------------------------------------------
+# --- memory terms: DDP without fp32 masters, DoRA, modules_to_save, sliding windows, ZeRO-2, partial offload ---
 
 def test_ddp_full_fine_tune_of_a_bf16_model_keeps_no_fp32_master():
     from finetune.plan.memory import state_bytes
@@ -337,7 +326,7 @@ def test_ddp_full_fine_tune_of_a_bf16_model_keeps_no_fp32_master():
     # DDP trains the bf16 parameters in place: 2 (weights) + 0 (master) + 2 (bf16 grads)
     # + 2 x 2 (torch AdamW's moments are created like the parameter, bf16) = 8 bytes/param
     assert (s.weights, s.trainable, s.gradients, s.optimizer) == (2 * n, 0, 2 * n, 4 * n)
-    # accelerate's FSDP2 upcasts trainable params to fp32 before sharding: 16 bytes/param as before
+    # accelerate's FSDP2 upcasts trainable params to fp32 before sharding: 16 bytes/param
     f = state_bytes(j, "fsdp2")
     assert (f.weights + f.trainable + f.gradients + f.optimizer) == 16 * n
 

@@ -9,11 +9,11 @@ from pathlib import Path
 import pytest
 from conftest import ROOT, SAMPLES
 
+from finetune.data.preference import extract_prompt
+from finetune.data.sources import load_source
 from finetune.errors import DataError
 from finetune.recipe.load import load_recipe
 from finetune.recipe.schema import DataSource
-from finetune.train.data import load_source
-from finetune.train.preference import extract_prompt
 
 U = {"role": "user", "content": "abc"}
 
@@ -109,7 +109,7 @@ def test_prompt_extraction_matches_trl(chosen, rejected):
 
 @pytest.mark.parametrize("name", ["llama8b-dpo-lora.yaml", "llama70b-dpo-lora.yaml"])
 def test_shipped_dpo_recipes_validate_against_their_dataset_layout(name):
-    from finetune.train.precheck import check_data
+    from finetune.data.check import check_data
 
     sample = SAMPLES / "preference_ultrafeedback.jsonl"
     recipe = load_recipe(ROOT / "recipes" / name, overrides=[

@@ -13,9 +13,9 @@ from reliability_util import checkpoints, cli_argv, env, losses, run, start, wai
 from test_reliability_rundir import tree
 
 from finetune import rundir
+from finetune.checkpoints.marker import verify
 from finetune.cli import main
 from finetune.prelaunch import check_safetensors
-from finetune.train.integrity import verify
 
 pytestmark = pytest.mark.slow
 SIZE_MIB = 40

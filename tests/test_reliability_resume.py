@@ -11,11 +11,13 @@ import pytest
 from conftest import ROOT, resolve_recipe, tiny_recipe
 from reliability_util import checkpoints, cli_argv, run, write_recipe
 
+from finetune.checkpoints.fields import recipe_fields
+from finetune.checkpoints.marker import MARKER, read_marker, write_marker
+from finetune.checkpoints.resume import check_resume, is_complete, latest_checkpoint
+from finetune.checkpoints.retention import retain
 from finetune.errors import DataError, RecipeError
 from finetune.recipe.load import load_recipe
 from finetune.recipe.paths import check_data_path
-from finetune.train.checkpoint import check_resume, is_complete, latest_checkpoint, retain
-from finetune.train.integrity import MARKER, read_marker, recipe_fields, write_marker
 
 
 def _ckpt(tmp_path, recipe, *, step=4, world_size=1, strategy="ddp"):
@@ -141,7 +143,7 @@ def test_data_paths_outside_the_project_are_refused(tmp_path):
 
 
 def test_shipped_quickstart_paths_are_inside_its_project():
-    from finetune.train.precheck import check_data
+    from finetune.data.check import check_data
 
     check_data(load_recipe(ROOT / "recipes" / "quickstart.yaml"))  # ../data/... is inside the repository
 

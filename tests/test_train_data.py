@@ -9,11 +9,11 @@ from pathlib import Path
 import pytest
 from conftest import QUICKSTART_DATA, SAMPLES, TINY_MODEL, resolve_recipe, tiny_recipe
 
+from finetune.checkpoints.resume import latest_checkpoint, resolve_resume
+from finetune.data.sources import load_source
 from finetune.errors import DataError
 from finetune.recipe.load import load_recipe
 from finetune.recipe.schema import DataSource
-from finetune.train.checkpoint import latest_checkpoint, resolve_resume
-from finetune.train.data import load_source
 
 
 def _state():
@@ -214,12 +214,12 @@ def test_eval_fraction_splits_train(tmp_path):
 
 
 def test_resume_discovery_skips_incomplete_checkpoints(tmp_path):
-    from finetune.train.integrity import write_marker
+    from finetune.checkpoints.marker import write_marker
 
     root = tmp_path / "checkpoints"
     for step, complete in ((2, True), (4, True), (6, False)):
         (root / f"checkpoint-{step}").mkdir(parents=True)
-        if complete:  # complete = trainer_state.json + finetune's commit marker (finetune/train/integrity.py)
+        if complete:  # complete = trainer_state.json + finetune's commit marker (finetune/checkpoints/marker.py)
             (root / f"checkpoint-{step}" / "trainer_state.json").write_text("{}")
             write_marker(root / f"checkpoint-{step}", step=step, world_size=1, strategy="ddp", fields={})
     assert latest_checkpoint(tmp_path).name == "checkpoint-4"

@@ -3,17 +3,18 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, get_args
 
 from finetune.peers import Conversion, read_mapping
 from finetune.recipe.aliases import lookup
+from finetune.recipe.schema import TrainSection
 
 # transformers / bitsandbytes optimizer names -> ours
 OPTIMIZERS = {"adamw_torch": "adamw", "adamw_hf": "adamw", "adamw": "adamw", "adamw_torch_fused": "adamw_torch_fused",
               "adamw_bnb_8bit": "adamw_8bit", "adamw_8bit": "adamw_8bit", "paged_adamw_8bit": "paged_adamw_8bit",
               "paged_adamw_32bit": "paged_adamw_32bit", "adafactor": "adafactor"}
-SCHEDULERS = {"cosine": "cosine", "linear": "linear", "constant": "constant",
-              "constant_with_warmup": "constant_with_warmup", "cosine_with_min_lr": "cosine_with_min_lr"}
+# the scheduler names are transformers' own (SchedulerType), so the schema's list is the table
+SCHEDULERS = {name: name for name in get_args(TrainSection.model_fields["scheduler"].annotation)}
 # the peers' template names -> our shipped templates (finetune/registry/templates)
 TEMPLATES = {"chatml": "chatml", "llama3": "llama3", "qwen": "qwen2.5", "qwen2.5": "qwen2.5", "qwen2": "qwen2.5",
              "qwen3": "qwen3", "mistral": "mistral", "gemma": "gemma", "gemma2": "gemma", "gemma3": "gemma",

@@ -63,7 +63,6 @@ from finetune.plan.workload import (
 )
 from finetune.strategies import info
 
-ADAM_FP32_MOMENT_BYTES = 8
 ADAM_8BIT_MOMENT_BYTES = 2 + 2 * 4 / 256  # two uint8 moments + an fp32 absmax each per 256-block
 CUDA_FIXED_BYTES = 1.5 * GIB  # CUDA context, cuBLAS/cuDNN workspaces, kernel images
 NCCL_BYTES = 0.5 * GIB  # communicator channel buffers, only when there are several ranks

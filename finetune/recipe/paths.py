@@ -1,7 +1,8 @@
 """Paths a recipe names: where they are anchored, and where a recipe may read data from.
 
 A relative path in a recipe (model.name, data paths, a chat template file, a hardware preset file) is
-read from the recipe's folder: `anchored(value, base)` is the one place that says so.
+read from the recipe's folder: `anchored(value, base)` is the one place that says so. `model_path` says
+whether model.name is a local directory or a Hub id.
 
 A data path (data.sources[].path, data.eval_sources[].path, data.task_eval.path, a data.chat_template
 file) must, after `..` and every symlink are resolved, lie inside one of: the recipe's directory,
@@ -20,6 +21,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from finetune.errors import DataError
+from finetune.recipe.load import recipe_dir
 
 PROJECT_MARKERS = (".git", "pyproject.toml")
 JINJA_DELIMITERS = ("{{", "{%", "{#")
@@ -36,6 +38,17 @@ def is_inline_template(value: str) -> bool:
     """data.chat_template is jinja text when it holds a jinja delimiter or a line break; anything
     else is the path of a template file."""
     return "\n" in value or any(d in value for d in JINJA_DELIMITERS)
+
+
+def model_path(recipe) -> str:
+    """model.name as a Hub id, or a local directory (relative ones are read from the recipe's dir)."""
+    name = recipe.model.name
+    local = anchored(name, recipe_dir(recipe))
+    if local.is_dir():
+        return str(local.resolve())
+    if Path(name).expanduser().is_dir() or name.startswith((".", "/", "~")):
+        return str(Path(name).expanduser().resolve())
+    return name
 
 
 def project_root(start: Path) -> Path | None:

@@ -182,7 +182,7 @@ class DataSource(Strict):
     @field_validator("split")
     @classmethod
     def _split_syntax(cls, v):
-        from finetune.train.splits import parse_split
+        from finetune.data.splits import parse_split
 
         parse_split(v)
         return v

@@ -199,8 +199,8 @@ class CommitCallback(TrainerCallback):
         self.run_dir, self.fields, self.strategy, self.keep = Path(run_dir), fields, strategy, keep
 
     def on_save(self, args, state, control, **kwargs):
-        from finetune.train.checkpoint import retain
-        from finetune.train.integrity import write_marker
+        from finetune.checkpoints.marker import write_marker
+        from finetune.checkpoints.retention import retain
 
         barrier()
         if args.should_save:

@@ -49,8 +49,8 @@ def output_bytes(recipe, run_dir: Path) -> tuple[int, int]:
 
 
 def _newest_size(run_dir: Path) -> int | None:
-    from finetune.train.checkpoint import complete_checkpoints
-    from finetune.train.integrity import read_marker
+    from finetune.checkpoints.marker import read_marker
+    from finetune.checkpoints.resume import complete_checkpoints
 
     done = complete_checkpoints(run_dir)
     marker = read_marker(done[-1]) if done else None
@@ -58,7 +58,7 @@ def _newest_size(run_dir: Path) -> int | None:
 
 
 def disk_full_error(run_dir: Path, *, free: int, need: int, what: str) -> TrainingFailed:
-    from finetune.train.checkpoint import complete_checkpoints
+    from finetune.checkpoints.resume import complete_checkpoints
 
     done = complete_checkpoints(run_dir)
     kept = (f"{done[-1].name} is complete and stays usable" if done else "no complete checkpoint exists yet")

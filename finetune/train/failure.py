@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from finetune.checkpoints.resume import resume_advice
 from finetune.errors import DataError, FinetuneError, RecipeError, TrainingFailed
 
 MAX_DETAIL = 400
@@ -17,15 +18,6 @@ MAX_DETAIL = 400
 def _detail(exc: BaseException) -> str:
     text = " ".join(str(exc).split()) or type(exc).__name__
     return text if len(text) <= MAX_DETAIL else text[:MAX_DETAIL - 3] + "..."
-
-
-def resume_advice(run_dir: Path) -> str:
-    from finetune.train.checkpoint import complete_checkpoints
-
-    done = complete_checkpoints(run_dir)
-    if done:
-        return f"run the same command again to resume from {done[-1].name}"
-    return "run the same command again (no checkpoint was saved, so it starts from step 0)"
 
 
 def as_finetune_error(exc: BaseException, *, run_dir: Path) -> FinetuneError:

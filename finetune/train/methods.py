@@ -19,7 +19,6 @@ from finetune.recipe.schema import Recipe
 from finetune.train.optim import with_optimizer
 from finetune.train.tokenize import dpo_features
 
-TEXT_METHODS = ("kto", "orpo", "simpo")  # the trainer tokenizes; preflight keeps the text rows
 METHOD_NAMES = {"kto": "KTO", "orpo": "ORPO", "simpo": "SimPO", "reward": "reward modelling"}
 
 
@@ -31,7 +30,7 @@ def _pair_lengths(record: dict, tokenizer) -> tuple[int, bool]:
 
 def method_rows(records: list[dict], tokenizer, *, method: str) -> list[dict]:
     """Converted records -> the trainer's rows, each with `_length`, `_has_loss`, `_file`, `_row`."""
-    from finetune.train.preference import unpair
+    from finetune.data.preference import unpair
 
     out = []
     for record in records:

@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import logging
-from pathlib import Path
 
+from finetune.data.chat_template import read_chat_template
 from finetune.errors import RecipeError
-from finetune.recipe.load import recipe_dir
-from finetune.recipe.paths import anchored, is_inline_template
+from finetune.recipe.paths import model_path
 from finetune.recipe.schema import Recipe
 
 log = logging.getLogger("finetune.train")
@@ -18,38 +17,6 @@ def _torch_dtype(name: str):
 
     return {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32,
             "uint8": torch.uint8}[name]
-
-
-def read_chat_template(recipe: Recipe) -> str | None:
-    """data.chat_template is inline jinja, a shipped template's name (chatml, llama3, ...), or a path
-    (relative to the recipe) to a template file; a file of that name wins over a shipped name."""
-    from finetune.registry.chat_templates import named_template, suggest
-
-    text = recipe.data.chat_template
-    if text is None:
-        return None
-    if is_inline_template(text):
-        return text
-    path = anchored(text, recipe_dir(recipe))
-    if path.is_file():
-        return path.read_text(encoding="utf-8")
-    shipped = named_template(text)
-    if shipped is not None:
-        return shipped
-    raise RecipeError(f"is neither a jinja template, a shipped template name, nor an existing file ({path})",
-                      key="data.chat_template",
-                      hint=f"give the template text inline, the path to a .jinja file, or a name ({suggest(text)})")
-
-
-def model_path(recipe: Recipe) -> str:
-    """model.name as a Hub id, or a local directory (relative ones are read from the recipe's dir)."""
-    name = recipe.model.name
-    local = anchored(name, recipe_dir(recipe))
-    if local.is_dir():
-        return str(local.resolve())
-    if Path(name).expanduser().is_dir() or name.startswith((".", "/", "~")):
-        return str(Path(name).expanduser().resolve())
-    return name
 
 
 def load_tokenizer(recipe: Recipe):

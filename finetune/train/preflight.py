@@ -12,11 +12,11 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 
+from finetune.data.sources import LoadedSource, load_source
 from finetune.errors import DataError
 from finetune.recipe.load import recipe_dir
 from finetune.recipe.schema import Recipe
 from finetune.train import cache
-from finetune.train.data import LoadedSource, load_source
 from finetune.train.tokenize import dpo_features, features_length, has_loss_tokens, sft_features_batch
 
 log = logging.getLogger("finetune.train")

@@ -16,13 +16,14 @@ from pathlib import Path
 from typing import Any
 
 from finetune import rundir, strategies
+from finetune.checkpoints.fields import data_fields, recipe_fields
+from finetune.checkpoints.resume import check_resume, resolve_resume
+from finetune.checkpoints.retention import prepare_checkpoints
 from finetune.compile.files import write_atomic
 from finetune.errors import RecipeError
 from finetune.recipe.load import load_recipe
 from finetune.train.callbacks import CommitCallback, LibraryCardCallback, MetricsCallback, NonFiniteCallback
-from finetune.train.checkpoint import check_resume, prepare_checkpoints, resolve_resume
 from finetune.train.diskspace import DiskSpaceCallback, output_bytes, save_final
-from finetune.train.integrity import data_fields, recipe_fields
 
 log = logging.getLogger("finetune.train")
 

@@ -3,15 +3,15 @@
 Each source becomes a datasets.IterableDataset (a local file through the json/parquet/csv builders,
 or a Hub dataset) whose rows are tokenized as they are read, exactly as the in-memory path tokenizes
 `text` rows (finetune/train/tokenize.py); weighted sources are interleaved. Preflight has already
-checked the first rows of each source (finetune/train/data.py, PREVIEW_ROWS); rows later in the file
+checked the first rows of each source (finetune/data/sources.py, PREVIEW_ROWS); rows later in the file
 that fail are reported by the trainer's reader, not here.
 """
 
 from __future__ import annotations
 
+from finetune.data.sources import LOCAL_SUFFIXES, resolve_path
 from finetune.recipe.load import recipe_dir
 from finetune.recipe.schema import Recipe
-from finetune.train.data import LOCAL_SUFFIXES, resolve_path
 from finetune.train.tokenize import sft_features
 
 

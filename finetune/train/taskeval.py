@@ -10,10 +10,11 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
+from finetune.data.formats import split_last_turn
+from finetune.data.sources import load_source
 from finetune.recipe.load import recipe_dir
+from finetune.recipe.paths import model_path
 from finetune.recipe.schema import Recipe
-from finetune.train.data import load_source
-from finetune.train.formats import split_last_turn
 
 log = logging.getLogger("finetune.train")
 
@@ -60,7 +61,7 @@ def load_trained(recipe: Recipe, run_dir: Path):
     """The model as written to RUN_DIR: full weights, or the base plus the adapter."""
     from transformers import AutoModelForCausalLM
 
-    from finetune.train.model import model_kwargs, model_path
+    from finetune.train.model import model_kwargs
 
     kwargs = model_kwargs(recipe)
     if recipe.adapter.type == "full":
@@ -76,7 +77,7 @@ def load_trained(recipe: Recipe, run_dir: Path):
 def load_base(recipe: Recipe):
     from transformers import AutoModelForCausalLM
 
-    from finetune.train.model import model_kwargs, model_path
+    from finetune.train.model import model_kwargs
 
     return _to_device(AutoModelForCausalLM.from_pretrained(model_path(recipe), **model_kwargs(recipe)), recipe)
 

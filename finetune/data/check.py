@@ -9,7 +9,10 @@ need the tokenizer (chat template, lengths) stay in the ranks' preflight. No tor
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
+from finetune.data.chat_template import read_chat_template
+from finetune.data.sources import load_source, resolve_path
 from finetune.errors import DataError
 from finetune.recipe.load import recipe_dir
 from finetune.recipe.paths import anchored, check_data_path, is_inline_template
@@ -27,11 +30,11 @@ class DataCheck:
 
 
 def check_data(recipe: Recipe) -> DataCheck:
-    from finetune.train.data import load_source, resolve_path
-
     d, base = recipe.data, recipe_dir(recipe)
-    guard = dict(base_dir=base, allow_paths=d.allow_paths, allow_outside=d.allow_outside)
-    named = [(f"data.sources[{i}].path", s, "train") for i, s in enumerate(d.sources)]
+    guard: dict[str, Any] = dict(base_dir=base, allow_paths=d.allow_paths, allow_outside=d.allow_outside)
+    # (recipe key, source, "train" / "eval" / None for the task eval)
+    named: list[tuple[str, Any, str | None]] = [(f"data.sources[{i}].path", s, "train")
+                                                for i, s in enumerate(d.sources)]
     named += [(f"data.eval_sources[{i}].path", s, "eval") for i, s in enumerate(d.eval_sources)]
     if d.task_eval is not None:
         named.append(("data.task_eval.path", d.task_eval, None))
@@ -54,13 +57,7 @@ def check_data(recipe: Recipe) -> DataCheck:
     template = d.chat_template
     if template and not is_inline_template(template) and anchored(template, base).exists():
         check_data_path(anchored(template, base), key="data.chat_template", **guard)
-    elif template and not is_inline_template(template):
-        from finetune.errors import RecipeError
-        from finetune.registry.chat_templates import named_template, suggest
-
-        if named_template(template) is None:
-            raise RecipeError(f"{template!r} is neither a jinja template, a shipped template name, nor a file",
-                              key="data.chat_template", hint=suggest(template))
+    read_chat_template(recipe)  # jinja text, a file or a shipped template's name; RecipeError otherwise
     _check_batch(recipe, out.rows)
     return out
 

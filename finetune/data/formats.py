@@ -23,7 +23,8 @@ SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistan
                   "tool": "tool", "function": "tool", "observation": "tool"}
 
 
-def _fail(message: str, *, file: str, row: int, hint: str | None = None) -> DataError:
+def row_error(message: str, *, file: str, row: int, hint: str | None = None) -> DataError:
+    """The error for one row (numbered from 1) of `file`, with a fix."""
     return DataError(f"row {row}: {message}", file=file, hint=hint or "fix or delete that row")
 
 
@@ -38,7 +39,7 @@ def check_columns(present: list[str], *, fmt: str, columns: dict[str, str], file
     for canonical, actual in column_map(fmt, columns).items():
         if actual not in present and canonical not in optional:
             shown = ", ".join(present) or "none"
-            raise _fail(f"column {actual!r} (needed by format {fmt!r}) is missing; the row has: {shown}",
+            raise row_error(f"column {actual!r} (needed by format {fmt!r}) is missing; the row has: {shown}",
                         file=file, row=row,
                         hint=f"map it with data.columns: {{{canonical}: <your column>}} or pick the right "
                              f"data.format")
@@ -48,9 +49,9 @@ def _text(value: Any, *, what: str, file: str, row: int, allow_empty: bool = Fal
     if value is None and allow_empty:
         return ""
     if not isinstance(value, str):
-        raise _fail(f"{what} must be a string, got {type(value).__name__}", file=file, row=row)
+        raise row_error(f"{what} must be a string, got {type(value).__name__}", file=file, row=row)
     if not value.strip() and not allow_empty:
-        raise _fail(f"{what} is empty", file=file, row=row, hint="remove the row or fill it in")
+        raise row_error(f"{what} is empty", file=file, row=row, hint="remove the row or fill it in")
     return value
 
 
@@ -58,11 +59,11 @@ def _messages(value: Any, *, what: str, file: str, row: int, roles: dict[str, st
               role_key: str = "role", content_key: str = "content",
               need_assistant: bool = True) -> list[dict[str, str]]:
     if not isinstance(value, list) or not value:
-        raise _fail(f"{what} must be a non-empty list of messages", file=file, row=row)
+        raise row_error(f"{what} must be a non-empty list of messages", file=file, row=row)
     out = []
     for i, msg in enumerate(value):
         if not isinstance(msg, dict):
-            raise _fail(f"{what}[{i}] must be a mapping with {role_key!r} and {content_key!r}",
+            raise row_error(f"{what}[{i}] must be a mapping with {role_key!r} and {content_key!r}",
                         file=file, row=row)
         # sharegpt files sometimes carry role/content instead of from/value
         raw_role = msg.get(role_key, msg.get("role"))
@@ -70,12 +71,12 @@ def _messages(value: Any, *, what: str, file: str, row: int, roles: dict[str, st
         role = (roles or {r: r for r in ROLES}).get(str(raw_role).lower() if raw_role is not None else "")
         if role is None:
             valid = ", ".join(sorted(roles or ROLES))
-            raise _fail(f"{what}[{i}] has role {raw_role!r}; valid roles: {valid}", file=file, row=row,
+            raise row_error(f"{what}[{i}] has role {raw_role!r}; valid roles: {valid}", file=file, row=row,
                         hint="rename the role, or use data.format: sharegpt for from/value (human/gpt) data")
         out.append({"role": role, "content": _text(content, what=f"{what}[{i}].{content_key}", file=file,
                                                    row=row, allow_empty=(role != "assistant"))})
     if need_assistant and not any(m["role"] == "assistant" for m in out):
-        raise _fail(f"{what} has no assistant message, so there is nothing to learn", file=file, row=row,
+        raise row_error(f"{what} has no assistant message, so there is nothing to learn", file=file, row=row,
                     hint="every conversation needs at least one assistant turn")
     return out
 
@@ -83,11 +84,11 @@ def _messages(value: Any, *, what: str, file: str, row: int, roles: dict[str, st
 def convert_row(raw: dict, *, fmt: str, columns: dict[str, str], file: str, row: int) -> dict:
     """One raw row (already parsed) -> TRL form. Raises DataError naming file:row."""
     if not isinstance(raw, dict):
-        raise _fail(f"expected a JSON object, got {type(raw).__name__}", file=file, row=row)
+        raise row_error(f"expected a JSON object, got {type(raw).__name__}", file=file, row=row)
     check_columns(list(raw), fmt=fmt, columns=columns, file=file, row=row)
     col = column_map(fmt, columns)
     get = {canonical: raw.get(actual) for canonical, actual in col.items()}
-    kw = dict(file=file, row=row)
+    kw: dict[str, Any] = dict(file=file, row=row)
     if fmt == "messages":
         return {"messages": _messages(get["messages"], what=col["messages"], **kw)}
     if fmt == "sharegpt":
@@ -105,10 +106,10 @@ def convert_row(raw: dict, *, fmt: str, columns: dict[str, str], file: str, row:
         return {"prompt": _text(get["prompt"], what=col["prompt"], **kw),
                 "completion": _text(get["completion"], what=col["completion"], **kw)}
     if fmt in ("preference", "unpaired"):
-        from finetune.train.preference import convert_preference, convert_unpaired
+        from finetune.data.preference import convert_preference, convert_unpaired
 
         return (convert_preference if fmt == "preference" else convert_unpaired)(raw, col, **kw)
-    raise _fail(f"unknown format {fmt!r}", **kw)
+    raise row_error(f"unknown format {fmt!r}", **kw)
 
 
 def split_last_turn(messages: list[dict]) -> tuple[list[dict], str]:

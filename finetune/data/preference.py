@@ -22,8 +22,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from finetune.train.formats import SHAREGPT_ROLES as SPEAKERS
-from finetune.train.formats import _fail
+from finetune.data.formats import SHAREGPT_ROLES as SPEAKERS
+from finetune.data.formats import row_error
 
 HH_TURN = "\n\nAssistant:"
 # where a prompt sits when the file has no `prompt` column (LLaMA-Factory, chat-style files)
@@ -34,25 +34,25 @@ def _as_messages(value: Any, *, what: str, file: str, row: int) -> list[dict] | 
     """A string stays a string; a message object or a list of them becomes role/content messages."""
     if isinstance(value, str):
         if not value.strip():
-            raise _fail(f"{what} is empty", file=file, row=row, hint="remove the row or fill it in")
+            raise row_error(f"{what} is empty", file=file, row=row, hint="remove the row or fill it in")
         return value
     if isinstance(value, dict):
         value = [value]
     if not isinstance(value, list) or not value:
-        raise _fail(f"{what} must be a string, a message, or a non-empty list of messages, got "
+        raise row_error(f"{what} must be a string, a message, or a non-empty list of messages, got "
                     f"{type(value).__name__}", file=file, row=row)
     out = []
     for i, msg in enumerate(value):
         if not isinstance(msg, dict):
-            raise _fail(f"{what}[{i}] must be a mapping with role/content (or from/value)", file=file, row=row)
+            raise row_error(f"{what}[{i}] must be a mapping with role/content (or from/value)", file=file, row=row)
         speaker = msg.get("role", msg.get("from"))
         content = msg.get("content", msg.get("value"))
         role = SPEAKERS.get(str(speaker).lower()) if speaker is not None else None
         if role is None:
-            raise _fail(f"{what}[{i}] has role {speaker!r}; valid: {', '.join(sorted(SPEAKERS))}",
+            raise row_error(f"{what}[{i}] has role {speaker!r}; valid: {', '.join(sorted(SPEAKERS))}",
                         file=file, row=row)
         if not isinstance(content, str):
-            raise _fail(f"{what}[{i}] content must be a string, got {type(content).__name__}", file=file, row=row)
+            raise row_error(f"{what}[{i}] content must be a string, got {type(content).__name__}", file=file, row=row)
         out.append({"role": role, "content": content})
     return out
 
@@ -84,10 +84,10 @@ def _strip_repeated_prompt(prompt: list[dict], answer: list[dict]) -> list[dict]
 
 def convert_preference(raw: dict, col: dict[str, str], *, file: str, row: int) -> dict:
     """One paired row (any layout in the module doc) -> {"prompt", "chosen", "rejected"}."""
-    kw = {"file": file, "row": row}
+    kw: dict[str, Any] = {"file": file, "row": row}
     for key in ("chosen", "rejected"):
         if raw.get(col[key]) is None:
-            raise _fail(f"column {col[key]!r} (needed by format 'preference') is missing or null; the row has: "
+            raise row_error(f"column {col[key]!r} (needed by format 'preference') is missing or null; the row has: "
                         f"{', '.join(raw) or 'none'}",
                         hint=f"map it with data.columns: {{{key}: <your column>}}", **kw)
     chosen = _as_messages(raw[col["chosen"]], what=col["chosen"], **kw)
@@ -95,9 +95,9 @@ def convert_preference(raw: dict, col: dict[str, str], *, file: str, row: int) -
     prompt_key = col["prompt"] if col["prompt"] in raw else next((k for k in PROMPT_FALLBACKS if k in raw), None)
     prompt = _as_messages(raw[prompt_key], what=prompt_key, **kw) if prompt_key else None
     if isinstance(chosen, list) != isinstance(rejected, list):
-        raise _fail("chosen and rejected must both be strings or both be messages", **kw)
+        raise row_error("chosen and rejected must both be strings or both be messages", **kw)
     if chosen == rejected:
-        raise _fail("chosen and rejected are the same, so there is no preference to learn",
+        raise row_error("chosen and rejected are the same, so there is no preference to learn",
                     hint="remove the row", **kw)
     if prompt is None or (isinstance(prompt, str) and isinstance(chosen, list)):
         # implicit prompt, or a prompt string that the message lists repeat: TRL splits the shared prefix
@@ -108,19 +108,19 @@ def convert_preference(raw: dict, col: dict[str, str], *, file: str, row: int) -
         if not prompt_out and isinstance(prompt, str):  # the lists hold only the answers
             prompt_out = [{"role": "user", "content": prompt}]
         prompt = prompt_out
-    elif isinstance(prompt, list) and isinstance(chosen, list):
+    elif isinstance(prompt, list) and isinstance(chosen, list) and isinstance(rejected, list):
         chosen, rejected = _strip_repeated_prompt(prompt, chosen), _strip_repeated_prompt(prompt, rejected)
     elif isinstance(prompt, list):  # a conversation prompt with plain-text answers
         chosen = [{"role": "assistant", "content": chosen}]
         rejected = [{"role": "assistant", "content": rejected}]
     elif isinstance(chosen, list):
-        raise _fail("the prompt is a string but chosen/rejected are messages", **kw)
+        raise row_error("the prompt is a string but chosen/rejected are messages", **kw)
     if not prompt:
-        raise _fail("no prompt: chosen and rejected share no beginning and there is no prompt column",
+        raise row_error("no prompt: chosen and rejected share no beginning and there is no prompt column",
                     hint="add a prompt column, or map it with data.columns: {prompt: <your column>}", **kw)
     for key, value in (("chosen", chosen), ("rejected", rejected)):
         if not value or (isinstance(value, list) and not any(m["role"] == "assistant" for m in value)):
-            raise _fail(f"{key} has no answer after the prompt", hint="check that chosen and rejected differ "
+            raise row_error(f"{key} has no answer after the prompt", hint="check that chosen and rejected differ "
                         "only in the answer", **kw)
     return {"prompt": prompt, "chosen": chosen, "rejected": rejected}
 
@@ -132,20 +132,20 @@ def _label(value: Any, *, what: str, file: str, row: int) -> bool:
         return bool(value)
     if isinstance(value, str) and value.strip().lower() in ("true", "false"):
         return value.strip().lower() == "true"
-    raise _fail(f"{what} must be true or false, got {value!r}", file=file, row=row,
+    raise row_error(f"{what} must be true or false, got {value!r}", file=file, row=row,
                 hint="label marks a desirable (true) or undesirable (false) completion")
 
 
 def convert_unpaired(raw: dict, col: dict[str, str], *, file: str, row: int) -> dict:
     """One KTO row -> {"prompt", "completion", "label"}."""
-    kw = {"file": file, "row": row}
+    kw: dict[str, Any] = {"file": file, "row": row}
     prompt = _as_messages(raw.get(col["prompt"]), what=col["prompt"], **kw)
     completion = _as_messages(raw.get(col["completion"]), what=col["completion"], **kw)
     if isinstance(prompt, list) and isinstance(completion, str):
         completion = [{"role": "assistant", "content": completion}]
     if isinstance(prompt, str) and isinstance(completion, list):
-        raise _fail("the prompt is a string but the completion is messages", **kw)
-    if isinstance(completion, list):
+        raise row_error("the prompt is a string but the completion is messages", **kw)
+    if isinstance(completion, list) and isinstance(prompt, list):
         completion = _strip_repeated_prompt(prompt, completion)
     return {"prompt": prompt, "completion": completion, "label": _label(raw.get(col["label"]),
                                                                         what=col["label"], **kw)}

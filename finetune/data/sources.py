@@ -13,11 +13,11 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from finetune.data.formats import convert_row
+from finetune.data.splits import has_slice, slice_rows
 from finetune.errors import DataError
 from finetune.recipe.paths import anchored
 from finetune.recipe.schema import DataSource
-from finetune.train.formats import convert_row
-from finetune.train.splits import has_slice, slice_rows
 
 LOCAL_SUFFIXES = {".jsonl": "jsonl", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
 PREVIEW_ROWS = 1000  # rows of a streamed source checked before launch
