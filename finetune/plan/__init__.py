@@ -131,7 +131,9 @@ def job_from_recipe(recipe, *, arch, preset) -> Job:
         seq_len=recipe.data.max_length, packed=recipe.data.packing, attention=attention,
         global_batch_size=recipe.train.global_batch_size,
         micro_batch=micro if isinstance(micro, int) else None,
-        checkpointing=recipe.train.activation_checkpointing, strategy=recipe.distributed.strategy,
+        checkpointing=recipe.train.activation_checkpointing,
+        checkpoint_layers=recipe.resolved.checkpoint_layers if recipe.resolved else None,
+        strategy=recipe.distributed.strategy,
         nvme_path=recipe.distributed.nvme_path or preset.nvme_path)
 
 

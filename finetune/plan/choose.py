@@ -115,6 +115,13 @@ def _least_checkpointing(job: Job, *, strategy: str, micro_batch: int) -> list[C
     return [none, best]
 
 
+def pinned_checkpointing(job: Job) -> bool | int:
+    """The recipe's checkpointing pin as `evaluate` takes it: off, every layer, or the first k."""
+    if job.checkpointing != "on":
+        return False
+    return job.checkpoint_layers if job.checkpoint_layers else True
+
+
 def best_for_strategy(job: Job, strategy: str) -> Candidate:
     """The fastest fitting setting of `strategy`, or its smallest-memory setting with the reason."""
     why_not = not_applicable(job, strategy)
@@ -123,7 +130,7 @@ def best_for_strategy(job: Job, strategy: str) -> Candidate:
         if job.checkpointing == "auto":
             tried += _least_checkpointing(job, strategy=strategy, micro_batch=m)
         else:
-            tried.append(evaluate(job, strategy=strategy, micro_batch=m, checkpointing=job.checkpointing == "on"))
+            tried.append(evaluate(job, strategy=strategy, micro_batch=m, checkpointing=pinned_checkpointing(job)))
     fitting = [c for c in tried if c.fits]
     if fitting and not why_not:
         return min(fitting, key=lambda c: (round(c.step_time_s, 6), -c.micro_batch_size,

@@ -46,6 +46,9 @@ class Job:
     global_batch_size: int = 16
     micro_batch: int | None = None  # pinned by the recipe, else searched
     checkpointing: str = "auto"  # auto | on | off
+    # with checkpointing "on": how many layers (the first k) are checkpointed, as a resolved recipe
+    # records a partial choice (resolved.checkpoint_layers); None = every layer
+    checkpoint_layers: int | None = None
     strategy: str = "auto"  # auto or a pinned concrete strategy
     nvme_path: str | None = None  # ZeRO-Infinity swap dir (recipe's, else the preset's)
 
