@@ -160,10 +160,42 @@ def plan(recipe, *, hardware: str | None = None) -> Plan:
 
 def plan_on(recipe, *, arch, preset, source: str) -> Plan:
     """Plan `recipe` on an architecture and preset already looked up (see `lookup`)."""
+    warning = context_check(recipe, arch)
     result = plan_job(job_from_recipe(recipe, arch=arch, preset=preset))
     result.substitutions = substitutions(recipe, result)
+    result.warnings = [warning] if warning else []
     result.hardware_source = source
     return result
+
+
+def context_check(recipe, arch) -> str:
+    """data.max_length against the positions the model was trained on (max_position_embeddings): beyond
+    them RoPE meets angles it never saw and the model degrades silently, so a recipe without
+    model.rope_scaling is refused. With rope_scaling the scaled reach (factor x the original context) is
+    the limit, and going past the model's own context is said as a warning (returned; '' when none)."""
+    length, native = recipe.data.max_length, arch.max_position_embeddings
+    if length <= native:
+        return ""
+    scaling = recipe.model.rope_scaling
+    if not scaling:
+        factor = -(-length // native)
+        raise RecipeError(
+            f"{length} tokens are beyond {arch.key}'s max_position_embeddings {native}: the model "
+            f"has never seen positions past {native}", key="data.max_length",
+            hint=(f"set data.max_length to {native} or less, or extend the context with model.rope_scaling, "
+                  f"e.g. {{rope_type: yarn, factor: {factor}, original_max_position_embeddings: {native}}}"))
+    factor = float(scaling.get("factor", 1.0))
+    original = int(scaling.get("original_max_position_embeddings", native))
+    reach = int(original * factor)
+    if length > reach:
+        raise RecipeError(
+            f"{length} tokens are beyond what model.rope_scaling reaches: factor {factor:g} x "
+            f"{original} positions = {reach}", key="data.max_length",
+            hint=f"raise model.rope_scaling.factor to {length / original:g} or more, or lower data.max_length")
+    kind = scaling.get("rope_type", scaling.get("type", "rope scaling"))
+    return (f"data.max_length {length} is beyond {arch.key}'s max_position_embeddings {native}; positions "
+            f"past {native} rely on model.rope_scaling ({kind}, factor {factor:g}, reach {reach}): check "
+            f"the model on long inputs after training")
 
 
 def substitutions(recipe, result: Plan) -> list[str]:
