@@ -4,7 +4,9 @@ Model states (bytes per parameter), the mixed-precision AdamW accounting of the 
 (Rajbhandari et al. 2020, K = 12): 2 (16-bit weights) + 2 (16-bit gradients) + 4 (fp32 master
 weights) + 8 (fp32 Adam moments) = 16 bytes/param. FSDP2 with fp32 sharded params and a bf16
 compute copy (4 + 4 grads + 8) lands on the same 16; a model loaded in fp32 has no separate master
-(4 + 4 + 8). adamw_8bit / paged_adamw_8bit keep the two moments in 1 byte each (2 bytes/param).
+(4 + 4 + 8). Optimizer states by optimizer (`optimizer_bytes`): torch AdamW 2 moments like the param;
+bitsandbytes' 8-bit (paged or not) 1 byte each + fp32 block absmax (2.03 bytes/param); paged_adamw_32bit
+fp32 moments (8); Adafactor fp32 row + column statistics per matrix (~0 bytes/param), 4 under DeepSpeed.
 - full: every parameter trainable at 16 bytes/param (12 with 8-bit moments).
 - lora: frozen base in the model dtype; LoRA params r x (in + out) per targeted module per layer,
   in fp32 (PEFT upcasts adapters) with fp32 grads and Adam moments: 4 + 4 + 8 bytes each.
@@ -53,18 +55,22 @@ from finetune import strategies
 from finetune.plan.types import GIB, MemoryBreakdown
 from finetune.plan.workload import (
     Job,
+    Tensors,
+    adapter_tensors,
     attention_widths,
     count_params,
     expert_size,
     lora_params,
+    model_tensors,
     module_shapes,
     moe_layer_count,
+    numel,
     saved_module_params,
+    saved_module_tensors,
 )
 from finetune.strategies import info
 
-ADAM_FP32_MOMENT_BYTES = 8
-ADAM_8BIT_MOMENT_BYTES = 2 + 2 * 4 / 256  # two uint8 moments + an fp32 absmax each per 256-block
+BNB_BLOCK, BNB_MIN_8BIT_SIZE = 256, 4096  # bitsandbytes' 8-bit state block and smallest 8-bit tensor
 CUDA_FIXED_BYTES = 1.5 * GIB  # CUDA context, cuBLAS/cuDNN workspaces, kernel images
 NCCL_BYTES = 0.5 * GIB  # communicator channel buffers, only when there are several ranks
 CPU_FIXED_BYTES = 0.5 * GIB  # the Python/torch process itself on the cpu preset
@@ -156,19 +162,66 @@ def keeps_fp32_master(strategy: str | None) -> bool:
     return strategy is None or info(strategy).backend != "ddp"
 
 
-def moment_bytes(job: Job, *, param_bytes: float) -> float:
-    """Adam's two moments per parameter: bitsandbytes 8-bit (paged or not) keeps each in 1 byte plus one
-    fp32 absmax per 256-element block (2 + 8/256); torch's AdamW keeps them in the parameter's dtype."""
-    if "8bit" in job.optimizer:
-        return ADAM_8BIT_MOMENT_BYTES
-    return 2 * param_bytes
+def optimizer_bytes(optimizer: str, tensors: Tensors, *, param_bytes: float, flat: bool) -> float:
+    """The optimizer state of `tensors` as each offered optimizer allocates it.
+
+    `param_bytes` is the dtype of the parameters the optimizer steps (fp32 masters, or the model dtype
+    where DDP trains it in place); `flat`: DeepSpeed hands its optimizer flat 1-D fp32 partitions
+    (ZeRO's single_partition_of_fp32_groups / fp32_partitioned_groups_flat), so Adafactor cannot factor
+    them and keeps a full second moment."""
+    total = 0.0
+    for count, shape in tensors:
+        n = numel(shape)
+        if optimizer in ("adamw", "adamw_torch_fused"):
+            per = 2 * param_bytes * n  # torch AdamW: exp_avg and exp_avg_sq like the parameter
+        elif optimizer == "paged_adamw_32bit":
+            per = 8 * n  # bitsandbytes' 32-bit states are fp32 whatever the parameter's dtype
+        elif optimizer in ("adamw_8bit", "paged_adamw_8bit"):
+            # uint8 state1/state2 + an fp32 absmax each per 256-element block; a tensor under
+            # bitsandbytes' min_8bit_size keeps fp32 states
+            per = 8 * n if n < BNB_MIN_8BIT_SIZE else 2 * n + 2 * 4 * -(-n // BNB_BLOCK)
+        elif optimizer == "adafactor":
+            # transformers' Adafactor (beta1 None: no first moment): fp32 row and column means of the
+            # squared gradient of a matrix (shape[:-1] and shape[:-2] + shape[-1:]), a full fp32 second
+            # moment of a vector
+            if flat or len(shape) < 2:
+                per = 4 * n
+            else:
+                per = 4 * (numel(shape[:-1]) + numel(shape[:-2]) * shape[-1])
+        else:
+            raise ValueError(f"no state model for optimizer {optimizer!r}")
+        total += count * per
+    return total
+
+
+def optimizer_step_transient_bytes(job: Job, *, strategy: str) -> float:
+    """Temporaries of the optimizer step, which runs after the backward has freed the activations.
+    torch's fused AdamW and bitsandbytes' kernels make none worth counting; transformers' Adafactor steps
+    tensor by tensor through fp32 copies (the gradient, the 16-bit parameter, the squared-gradient update
+    and its factored approximation): about 3 fp32 copies of the largest tensor it steps (DeepSpeed: this
+    rank's flat partition)."""
+    if job.optimizer != "adafactor" or info(strategy).offload_optimizer:
+        return 0.0
+    tensors = trained_tensors(job)
+    if info(strategy).backend == "deepspeed":
+        largest = sum(n * numel(shape) for n, shape in tensors) / state_shard_degree(job, strategy)
+    else:
+        largest = max((numel(shape) for _, shape in tensors), default=0) / shard_degree(job, strategy)
+    return 3 * 4 * largest
+
+
+def trained_tensors(job: Job) -> Tensors:
+    if job.adapter == "full":
+        return model_tensors(job.arch)
+    return adapter_tensors(job) + saved_module_tensors(job)
 
 
 def state_bytes(job: Job, strategy: str | None = None) -> StateBytes:
     """`strategy` None: the sharded strategies' accounting (fp32 masters), as the ZeRO paper counts."""
     master = keeps_fp32_master(strategy) and job.weight_bytes < 4
-    if strategy is not None and info(strategy).offload_optimizer and "8bit" in job.optimizer:
+    if strategy is not None and info(strategy).offload_optimizer:
         job = replace(job, optimizer="adamw")  # compile resolves it so: the CPU steps fp32 Adam
+    flat = strategy is not None and info(strategy).backend == "deepspeed"
     weights = weight_bytes(job)
     if job.reference == "copy":  # dpo/kto: a frozen reference model
         weights += count_params(job.arch).total * job.weight_bytes  # frozen reference model
@@ -177,12 +230,13 @@ def state_bytes(job: Job, strategy: str | None = None) -> StateBytes:
     if job.adapter != "full":
         weights += job.weight_bytes * n  # the trainable copy beside the frozen original
     trainable, grads = (4 * n if master else 0.0), job.weight_bytes * n
-    optimizer = moment_bytes(job, param_bytes=4 if master else job.weight_bytes) * n
+    full = model_tensors(job.arch) if job.adapter == "full" else saved_module_tensors(job)
+    optimizer = optimizer_bytes(job.optimizer, full, param_bytes=4 if master else job.weight_bytes, flat=flat)
     if job.adapter != "full":
         lora = lora_params(job)  # peft keeps LoRA weights in fp32: fp32 grads and moments
         trainable += 4 * lora
         grads += 4 * lora
-        optimizer += moment_bytes(job, param_bytes=4) * lora
+        optimizer += optimizer_bytes(job.optimizer, adapter_tensors(job), param_bytes=4, flat=flat)
         n += lora
     return StateBytes(weights, trainable, grads, optimizer, n)
 
@@ -379,6 +433,8 @@ def footprint(job: Job, *, strategy: str, micro_batch: int, checkpointing: bool 
         fixed += 2 * max(fin * fout for fin, fout, _ in module_shapes(job.arch).values())
     if job.dora and job.adapter != "full":
         fixed += dora_transient_bytes(job)
+    # the optimizer step's temporaries replace the activations it runs after: only an excess adds
+    fixed += max(0.0, optimizer_step_transient_bytes(job, strategy=strategy) - acts - logits)
     subtotal = on_gpu.total + acts + logits + comm
     memory = MemoryBreakdown(weights=on_gpu.weights, trainable=on_gpu.trainable,
                              gradients=on_gpu.gradients, optimizer=on_gpu.optimizer,

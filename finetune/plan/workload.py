@@ -268,6 +268,59 @@ def lora_param_count(arch: ModelArch, *, r: int, targets: tuple[str, ...] | list
     return total
 
 
+Tensors = list[tuple[int, tuple[int, ...]]]  # (how many, shape) of trained tensors
+
+
+def model_tensors(arch: ModelArch) -> Tensors:
+    """Every parameter tensor of the model by shape (a full fine-tune trains them all): embedding and
+    lm_head, each layer kind's linear weights (out x in), transformers 5's fused routed experts
+    (experts x 2*width x hidden gate_up, experts x hidden x width down) and router, then the norms and
+    biases as one vector (their exact split does not change any optimizer's state size materially)."""
+    h = arch.hidden_size
+    out: Tensors = [(1, (arch.vocab_size, h))]
+    if not arch.tied_embeddings:
+        out.append((1, (arch.vocab_size, h)))
+    for count, is_moe, shapes in layer_kinds(arch):
+        out += [(count * copies, (fout, fin)) for fin, fout, copies in shapes.values()]
+        if is_moe:
+            e, i = arch.num_experts, expert_size(arch)
+            out += [(count, (e, 2 * i, h)), (count, (e, h, i)), (count, (e, h))]
+    matrices = sum(n * numel(shape) for n, shape in out)
+    out.append((1, (max(0, count_params(arch).total - matrices),)))
+    return out
+
+
+def adapter_tensors(job: Job) -> Tensors:
+    """LoRA's A (r x in) and B (out x r) per targeted module, DoRA's magnitude (out), and peft's
+    embedding adapter (A r x vocab, B hidden x r): the tensors lora_param_count counts."""
+    r = job.lora_r
+    out: Tensors = []
+    for count, _, shapes in layer_kinds(job.arch):
+        for name in job.lora_targets:
+            if name not in shapes:
+                continue
+            fin, fout, copies = shapes[name]
+            out += [(count * copies, (r, fin)), (count * copies, (fout, r))]
+            if job.dora:
+                out.append((count * copies, (fout,)))
+    if "embed_tokens" in job.lora_targets:
+        out += [(1, (r, job.arch.vocab_size)), (1, (job.arch.hidden_size, r))]
+    return out
+
+
+def saved_module_tensors(job: Job) -> Tensors:
+    """adapter.modules_to_save: one vocab x hidden copy per named module."""
+    n = len(set(job.modules_to_save) & {"embed_tokens", "lm_head"})
+    return [(n, (job.arch.vocab_size, job.arch.hidden_size))] if n else []
+
+
+def numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
 def saved_module_params(job: Job) -> int:
     """adapter.modules_to_save: peft trains a full copy of each named module (embed_tokens, lm_head)."""
     embed = job.arch.vocab_size * job.arch.hidden_size
