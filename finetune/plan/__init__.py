@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from finetune import strategies
 from finetune.errors import RecipeError
-from finetune.plan.choose import HEADROOM, search, suggestions
+from finetune.plan.choose import CLEARLY_FASTER, HEADROOM, search, suggestions
 from finetune.plan.memory import adapter_input_casts, zero_model_state_bytes
 from finetune.plan.render import render_plan_table
 from finetune.plan.timing import (
@@ -262,8 +262,16 @@ def _why(job: Job, chosen: Candidate, achieved: int, candidates: list[Candidate]
         first = f"{chosen.strategy} is pinned by the recipe and fits"
     else:
         first = f"{chosen.strategy} is the fastest strategy that fits"
-        if any(c.fits and strategies.offloads(c.strategy) and c.step_time_s < chosen.step_time_s
-               for c in candidates):
+        level = strategies.offload_level(chosen.strategy)
+        faster = [c for c in candidates if c.fits and c.step_time_s < chosen.step_time_s
+                  and strategies.offload_level(c.strategy) == level]
+        if faster:
+            best = min(faster, key=lambda c: c.step_time_s)
+            first = (f"{chosen.strategy} fits and is kept over {best.strategy} (modelled "
+                     f"{1 - best.step_time_s / chosen.step_time_s:.0%} faster): a later tier must be more "
+                     f"than {CLEARLY_FASTER:.0%} faster to be chosen")
+        elif any(c.fits and strategies.offloads(c.strategy) and c.step_time_s < chosen.step_time_s
+                 for c in candidates):
             first += " without offloading, the last resort"
     first += (f" ({chosen.per_gpu_memory_gib:.1f} of {limit:.1f} GiB usable per "
               f"{'process' if p.vendor == 'cpu' else 'GPU'}, {chosen.step_time_s:.2f} s/step, "

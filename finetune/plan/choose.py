@@ -1,11 +1,13 @@
 """The search: every applicable strategy x micro-batch x activation checkpointing, then the choice.
 
-Rule: the fastest configuration (lowest modelled step time) whose peak fits in HEADROOM of the GPU
-memory (and whose offloaded states fit in host RAM / NVMe). Among equally fast settings the larger
-micro-batch and no checkpointing win. Offload goes by levels (strategies.StrategyInfo.offload_level):
-optimizer-only offload is considered only when nothing fits with every state on the GPUs, parameter
-offload only when optimizer-only offload does not fit either, NVMe last. Recipe pins (strategy,
-micro-batch, checkpointing) restrict the search; a pinned strategy that does not fit yields fits=False with the reason.
+Rule: per strategy, the fastest setting (lowest modelled step time) whose peak fits in HEADROOM of the
+GPU memory (and whose offloaded states fit in host RAM / NVMe); among equally fast settings the larger
+micro-batch and no checkpointing win. Across strategies, offload goes by levels first
+(strategies.StrategyInfo.offload_level): optimizer-only offload is considered only when nothing fits
+with every state on the GPUs, parameter offload only when optimizer-only offload does not fit either,
+NVMe last. Within the level, the earliest strategy in strategies.NAMES whose step is within
+CLEARLY_FASTER of the fastest wins (`simplest_near_fastest`). Recipe pins (strategy, micro-batch,
+checkpointing) restrict the search; a pinned strategy that does not fit yields fits=False with the reason.
 """
 
 from __future__ import annotations
@@ -20,6 +22,12 @@ from finetune.plan.workload import Job
 from finetune.strategies import info, offload_level
 
 HEADROOM = 0.90  # plan to at most 90% of GPU memory / host RAM: spikes, other processes
+# A strategy later in strategies.NAMES (the order from the least machinery to the most: ddp, fsdp2, hybrid,
+# zero2, zero3, then the offload tiers) is chosen over an earlier one that fits only when its modelled step
+# is more than this share shorter. The step-time model misses measured tokens/s by up to 25%
+# (tests/test_calibration.py), so a few percent between two tiers is noise, and the earlier tier is the
+# one with fewer moving parts (and, for fsdp2, checkpoints that reshard to another GPU count).
+CLEARLY_FASTER = 0.10
 
 
 def not_applicable(job: Job, strategy: str) -> str:
@@ -155,10 +163,18 @@ def search(job: Job) -> tuple[Candidate, list[Candidate]]:
         level = min(offload_level(c.strategy) for c in fitting)
         fitting = [c for c in fitting if offload_level(c.strategy) == level]
     if fitting:
-        chosen = min(fitting, key=lambda c: (c.step_time_s, strategies.NAMES.index(c.strategy)))
+        chosen = simplest_near_fastest(fitting)
     else:
         chosen = min(pool, key=lambda c: c.memory.total)
     return chosen, candidates
+
+
+def simplest_near_fastest(fitting: list[Candidate]) -> Candidate:
+    """The earliest strategy (strategies.NAMES) whose step is within CLEARLY_FASTER of the fastest: a
+    later tier wins only by being clearly faster than every earlier one that fits."""
+    fastest = min(c.step_time_s for c in fitting)
+    near = [c for c in fitting if c.step_time_s <= fastest * (1 + CLEARLY_FASTER)]
+    return min(near, key=lambda c: (strategies.NAMES.index(c.strategy), c.step_time_s))
 
 
 def fmt_bytes(n: float) -> str:
