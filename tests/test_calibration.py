@@ -64,8 +64,12 @@ SPEED_MISSES = {
     "17-full3b-fsdp2": ("full 3B FSDP2: predicted ~9x faster; row 18, the same setting without a mid-run "
                         "checkpoint in the measured window, holds"),
     "21-lora3b-hybrid-2x2": "fsdp2-hybrid on two loopback 'nodes' of one host: predicted ~3.6x faster",
-    "22-lora8b-zero3-offload": "ZeRO-3 CPU offload: predicted ~2x faster (fetch stalls, CPU Adam)",
-    "24-full8b-zero3-offload": "ZeRO-3 CPU offload: predicted ~2x faster (fetch stalls, CPU Adam)",
+    "22-lora8b-zero3-offload": ("ZeRO-3 CPU offload, LoRA: the modelled PCIe traffic (two blocking 16-bit "
+                                "fetches per micro-batch at 45 GB/s) is 0.38 s and CPU Adam negligible; about "
+                                "1 s per step is not explained (the fetch rate, or stalls between the copies)"),
+    "24-full8b-zero3-offload": ("ZeRO-3 CPU offload, full: with DeepSpeed's fetch and gradient traffic "
+                                "modelled, CPU Adam's assumed 2e9 params/s per node is what remains; the "
+                                "row implies ~0.9e9 on a host shared with another run"),
     "25-lora8b-zero3-nvme": "ZeRO-Infinity NVMe offload: predicted slower than measured",
     "27-qlora70b-1gpu": ("70B QLoRA on one H100, checkpointing every layer at seq 4096: predicted slower "
                          "than measured"),
