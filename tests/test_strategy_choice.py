@@ -7,6 +7,7 @@ from finetune.plan import plan
 from finetune.plan.choose import CLEARLY_FASTER, simplest_near_fastest
 from finetune.plan.types import Candidate, MemoryBreakdown
 from finetune.recipe import load_recipe
+from finetune.strategies import offload_level
 
 
 def _candidate(strategy: str, step_s: float) -> Candidate:
@@ -43,12 +44,12 @@ def test_8b_full_on_8_h100s_keeps_fsdp2_over_a_2_percent_faster_zero2():
 
 
 def test_offload_levels_come_before_the_margin():
-    # 3B full on 4 x 4090: ZeRO-3 with optimizer offload is modelled more than CLEARLY_FASTER faster than
-    # fsdp2, but nothing offloads while a tier that keeps every state on the GPUs fits
+    # 3B full on 4 x 4090: the offload tiers are modelled more than CLEARLY_FASTER faster than the
+    # tier that keeps every state on the GPUs, but nothing offloads while such a tier fits
     raw = {"model": {"name": "x", "arch": "llama-3.2-3b"}, "adapter": "full", "data": {"path": "t.jsonl"},
            "train": {"global_batch_size": 64}, "hardware": "workstation-4x4090"}
     result = plan(load_recipe(raw))
-    by_name = {c.strategy: c for c in result.candidates}
-    offload = by_name["zero3-optim-offload"]
-    assert offload.fits and offload.step_time_s * (1 + CLEARLY_FASTER) < by_name["fsdp2"].step_time_s
-    assert result.strategy == "fsdp2"
+    chosen = next(c for c in result.candidates if c.strategy == result.strategy)
+    assert offload_level(result.strategy) == 0
+    offloading = [c for c in result.candidates if c.fits and offload_level(c.strategy) > 0]
+    assert any(c.step_time_s * (1 + CLEARLY_FASTER) < chosen.step_time_s for c in offloading)

@@ -18,7 +18,7 @@ from finetune import strategies
 from finetune.plan.memory import checkpointed_layers, footprint
 from finetune.plan.timing import step_time
 from finetune.plan.types import GIB, Candidate
-from finetune.plan.workload import Job
+from finetune.plan.workload import Job, accumulation_steps, batch_share
 from finetune.strategies import info, offload_level
 
 HEADROOM = 0.90  # plan to at most 90% of GPU memory / host RAM: spikes, other processes
@@ -62,11 +62,6 @@ def applicable_strategies(job: Job) -> list[str]:
     return [s for s in strategies.NAMES if not not_applicable(job, s)]
 
 
-def batch_share(job: Job) -> int:
-    world = job.preset.world_size
-    return max(1, round(job.global_batch_size / world))
-
-
 def micro_batch_options(job: Job) -> list[int]:
     if job.micro_batch:
         return [job.micro_batch]
@@ -78,7 +73,7 @@ def evaluate(job: Job, *, strategy: str, micro_batch: int, checkpointing: bool |
     """One setting; `checkpointing` is True (every layer), False, or how many layers (the first k)."""
     p = job.preset
     k = checkpointed_layers(job, checkpointing)
-    grad_accum = max(1, round(batch_share(job) / micro_batch))
+    grad_accum = accumulation_steps(job, micro_batch)
     fp = footprint(job, strategy=strategy, micro_batch=micro_batch, checkpointing=k)
     t = step_time(job, strategy=strategy, micro_batch=micro_batch, grad_accum=grad_accum, checkpointing=k)
     reason = ""

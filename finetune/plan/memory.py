@@ -56,6 +56,7 @@ from finetune.plan.types import GIB, MemoryBreakdown
 from finetune.plan.workload import (
     Job,
     Tensors,
+    accumulation_steps,
     adapter_tensors,
     attention_widths,
     count_params,
@@ -230,6 +231,11 @@ def state_bytes(job: Job, strategy: str | None = None) -> StateBytes:
     if job.adapter != "full":
         weights += job.weight_bytes * n  # the trainable copy beside the frozen original
     trainable, grads = (4 * n if master else 0.0), job.weight_bytes * n
+    if strategy is not None and info(strategy).backend == "fsdp" and master:
+        # accelerate's FSDP2 upcasts what is trained to fp32 before sharding: no 16-bit copy of it stays
+        # (the compute copy exists only while a unit is gathered), and its gradients are fp32 shards
+        weights -= job.weight_bytes * n
+        grads = 4 * n
     full = model_tensors(job.arch) if job.adapter == "full" else saved_module_tensors(job)
     optimizer = optimizer_bytes(job.optimizer, full, param_bytes=4 if master else job.weight_bytes, flat=flat)
     if job.adapter != "full":
@@ -272,7 +278,8 @@ def activation_bytes_per_token_layer(job: Job, *, micro_batch: int = 1, casts: b
     q, kv, v = attention_widths(arch)
     full = job.adapter == "full"
     # Liger's RMSNorm keeps its bf16 input and an fp32 rstd per row instead of the fp32 upcast input
-    norms = 2 * ((a * h + 4) if job.liger else 4 * h) + 2 * (a * h + (a * h if full else 0))
+    # (LigerRMSNormFunction saves only X, W and rstd: its weight gradient needs no normalized copy either)
+    norms = 2 * ((a * h + 4) if job.liger else 4 * h) + 2 * (a * h + (a * h if full and not job.liger else 0))
     repeated = (job.attention in ("eager", "varlen")
                 or masked_attention(job, micro_batch=micro_batch) is not None)
     attention = a * (2 * q + (q if repeated else kv) + (q if repeated else v)) + 4 * arch.num_attention_heads
@@ -405,6 +412,7 @@ def footprint(job: Job, *, strategy: str, micro_batch: int, checkpointing: bool 
     grad_dtype = 4 if job.adapter != "full" else max(job.weight_bytes, 4)  # reduce in fp32
     layer_grads = states.trainable_params / job.arch.num_layers * grad_dtype
     tier = info(strategy)
+    extra_grads = 0.0
     if tier.backend == "ddp":
         # DDP's gradient buckets hold a second copy of the gradients (no gradient_as_bucket_view)
         comm = states.gradients if p.world_size > 1 else 0.0
@@ -412,6 +420,10 @@ def footprint(job: Job, *, strategy: str, micro_batch: int, checkpointing: bool 
         # ZeRO-2 reduces through two reduce buckets and re-gathers updated params through one
         # all-gather bucket, each reduce_bucket_size (h x h, compile/deepspeed.py) 16-bit elements
         comm = 3 * job.arch.hidden_size ** 2 * 2 if p.world_size > 1 else 0.0
+    elif tier.backend == "fsdp":
+        comm = root + 2 * layer + fsdp_gradient_buffers(job, strategy=strategy)
+        if accumulation_steps(job, micro_batch) > 1:
+            extra_grads = fsdp_accumulated_gradients(job)
     else:
         # root unit (embedding, lm_head) stays gathered for the whole step; current + prefetched
         # layer gathered; one layer's gradients in the reduce-scatter buffer
@@ -422,7 +434,7 @@ def footprint(job: Job, *, strategy: str, micro_batch: int, checkpointing: bool 
     on_gpu = MemoryBreakdown(
         weights=0.0 if tier.offload_params else states.weights / shard,
         trainable=opt_on_gpu * states.trainable / states_shard,
-        gradients=opt_on_gpu * states.gradients / states_shard,
+        gradients=opt_on_gpu * states.gradients / states_shard + extra_grads,
         optimizer=opt_on_gpu * states.optimizer / states_shard)
     acts = activation_bytes(job, micro_batch=micro_batch, checkpointing=checkpointing,
                             casts=adapter_input_casts(job, strategy))
@@ -442,6 +454,35 @@ def footprint(job: Job, *, strategy: str, micro_batch: int, checkpointing: bool 
                              overhead=fixed + FRAGMENTATION * subtotal)
     host, nvme = _host_and_nvme(job, strategy=strategy, states=states, layer=layer)
     return Footprint(memory, host, nvme)
+
+
+def trained_unit_params(job: Job) -> tuple[float, float]:
+    """(largest decoder layer, root unit) parameters that are trained: FSDP's units of gradient."""
+    params = count_params(job.arch)
+    if job.adapter == "full":
+        return params.layer, params.root
+    return lora_params(job) / params.num_layers, saved_module_params(job)
+
+
+def fsdp_gradient_buffers(job: Job, *, strategy: str) -> float:
+    """FSDP2 as accelerate configures it (fully_shard on every decoder layer and on the root;
+    MixedPrecisionPolicy with the compute dtype for parameters and reduction): while a unit's backward
+    runs autograd holds its unsharded 16-bit gradients, and the reduce-scatter reads a 16-bit copy of them
+    into its output shard (the fp32 sharded gradients are counted with the states); the largest unit,
+    often the root (embedding, lm_head) at the very end of the backward, sets the size. These live on
+    FSDP2's reduce-scatter stream, whose expandable segment is not shared with the compute stream, so
+    they add to the peak rather than fit into memory the activations free."""
+    layer, root = trained_unit_params(job)
+    a = job.act_bytes
+    return a * layer + a * max(layer, root) * (1 + 1 / shard_degree(job, strategy))
+
+
+def fsdp_accumulated_gradients(job: Job) -> float:
+    """With gradient accumulation the Trainer runs every micro-batch but the last under accelerate's
+    no_sync, which for FSDP2 is set_requires_gradient_sync(False): no reduce-scatter, and every unit's
+    unsharded 16-bit gradients (the reduce dtype) are kept on each GPU until the last micro-batch's."""
+    layer, root = trained_unit_params(job)
+    return job.act_bytes * (layer * job.arch.num_layers + root)
 
 
 def _host_and_nvme(job: Job, *, strategy: str, states: StateBytes, layer: float) -> tuple[float, float]:

@@ -174,13 +174,20 @@ def step_time(job: Job, *, strategy: str, micro_batch: int, grad_accum: int,
                  + allgather_time_s(states.trainable_params * job.weight_bytes, n=p.nodes,
                                     bus_bandwidth_gbps=inter_bw)) * ZERO3_COMM_FACTOR
     else:
-        gather = weight_bytes(job)
-        reduce = states.trainable_params * 4  # reduce-scatter in fp32
-        per_intra, per_inter = _sharded_collectives(
-            gather=gather, reduce=reduce, n_intra=p.gpus_per_node, n_nodes=p.nodes,
+        fsdp = tier.backend == "fsdp"
+        # accelerate's FSDP2 reduces in the compute dtype and, under the Trainer's no_sync, only on the
+        # last micro-batch of a step; DeepSpeed reduce-scatters every micro-batch (counted in fp32)
+        reduce = states.trainable_params * (job.act_bytes if fsdp else 4)
+        reductions = 1 if fsdp else grad_accum
+        g_intra, g_inter = _sharded_collectives(
+            gather=weight_bytes(job), reduce=0.0, n_intra=p.gpus_per_node, n_nodes=p.nodes,
             intra_bw=intra_bw, inter_bw=inter_bw, hybrid=tier.hybrid)
-        factor = ZERO3_COMM_FACTOR if tier.backend == "deepspeed" else 1.0
-        intra, inter = per_intra * grad_accum * factor, per_inter * grad_accum * factor
+        r_intra, r_inter = _sharded_collectives(
+            gather=0.0, reduce=reduce, n_intra=p.gpus_per_node, n_nodes=p.nodes,
+            intra_bw=intra_bw, inter_bw=inter_bw, hybrid=tier.hybrid)
+        factor = 1.0 if fsdp else ZERO3_COMM_FACTOR
+        intra = (g_intra * grad_accum + r_intra * reductions) * factor
+        inter = (g_inter * grad_accum + r_inter * reductions) * factor
         if p.world_size == 1:
             intra = inter = 0.0
     fetch = 0.0

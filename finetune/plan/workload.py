@@ -98,6 +98,15 @@ class Params:
         return self.layers_active + head
 
 
+def batch_share(job: Job) -> int:
+    """Sequences per rank per optimizer step (the global batch over the world, at least 1)."""
+    return max(1, round(job.global_batch_size / job.preset.world_size))
+
+
+def accumulation_steps(job: Job, micro_batch: int) -> int:
+    return max(1, round(batch_share(job) / micro_batch))
+
+
 def head_dim(arch: ModelArch) -> int:
     return arch.head_dim or arch.hidden_size // arch.num_attention_heads
 
