@@ -7,14 +7,8 @@ from __future__ import annotations
 import pytest
 
 from finetune.plan import job_from_recipe
-from finetune.plan.memory import (
-    CUDA_FIXED_BYTES,
-    FRAGMENTATION,
-    footprint,
-    optimizer_bytes,
-    optimizer_step_transient_bytes,
-    state_bytes,
-)
+from finetune.plan.memory import CUDA_FIXED_BYTES, FRAGMENTATION, footprint, state_bytes
+from finetune.plan.optimizer import optimizer_bytes, optimizer_step_transient_bytes
 from finetune.plan.workload import adapter_tensors, count_params, model_tensors, numel
 from finetune.recipe import load_recipe
 from finetune.registry import get_model, get_preset
@@ -75,8 +69,12 @@ def test_adafactor_full_fine_tune_states_by_strategy():
 def test_adafactor_step_temporaries_count_only_beyond_the_freed_activations():
     j = _job("llama-3.2-1b", "full", "workstation-1x4090", optimizer="adafactor")
     embed = 128256 * 2048  # the largest tensor: 3 fp32 copies while it is stepped
-    assert optimizer_step_transient_bytes(j, strategy="ddp") == 12 * embed
-    assert optimizer_step_transient_bytes(_job("llama-3.2-1b", "full", "workstation-1x4090"), strategy="ddp") == 0
+    assert optimizer_step_transient_bytes(j, flat=False, shard=1) == 12 * embed
+    adamw = _job("llama-3.2-1b", "full", "workstation-1x4090")
+    assert optimizer_step_transient_bytes(adamw, flat=False, shard=1) == 0
+    # DeepSpeed steps this rank's flat partition as one tensor
+    n = count_params(j.arch).total
+    assert optimizer_step_transient_bytes(j, flat=True, shard=8) == 12 * n / 8
     m = footprint(j, strategy="ddp", micro_batch=1, checkpointing=True).memory
     freed = m.activations + m.logits
     assert 12 * embed > freed  # at micro-batch 1 with checkpointing the step is the peak

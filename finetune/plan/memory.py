@@ -19,7 +19,7 @@ Llama-style block saves for backward (checked by listing saved tensors with
 torch.autograd.graph.saved_tensors_hooks on an 8B-shaped layer): autograd keeps an operand only when
 the other one needs a gradient, so a frozen base saves less than a full fine-tune.
   2 RMSNorms, each: the fp32 upcast input (4*h) + the output the next linear/LoRA keeps (act*h), and for
-  a full fine-tune also the pre-weight input the norm weight's gradient needs (act*h);
+  a full fine-tune with torch's RMSNorm also the pre-weight input its weight gradient needs (act*h);
   attention (fused kernel, no s x s scores): q, k, v, the output (act*(2q + 2kv)) and the fp32
   logsumexp; RoPE inputs are not kept (cos/sin need no gradient). With an explicit mask (sdpa on packed
   rows or padded batches) transformers repeats k/v to all heads (act*q each) and torch turns the boolean
@@ -52,10 +52,10 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from finetune import strategies
+from finetune.plan.optimizer import optimizer_bytes, optimizer_step_transient_bytes
 from finetune.plan.types import GIB, MemoryBreakdown
 from finetune.plan.workload import (
     Job,
-    Tensors,
     accumulation_steps,
     adapter_tensors,
     attention_widths,
@@ -65,13 +65,11 @@ from finetune.plan.workload import (
     model_tensors,
     module_shapes,
     moe_layer_count,
-    numel,
     saved_module_params,
     saved_module_tensors,
 )
 from finetune.strategies import info
 
-BNB_BLOCK, BNB_MIN_8BIT_SIZE = 256, 4096  # bitsandbytes' 8-bit state block and smallest 8-bit tensor
 CUDA_FIXED_BYTES = 1.5 * GIB  # CUDA context, cuBLAS/cuDNN workspaces, kernel images
 NCCL_BYTES = 0.5 * GIB  # communicator channel buffers, only when there are several ranks
 CPU_FIXED_BYTES = 0.5 * GIB  # the Python/torch process itself on the cpu preset
@@ -161,60 +159,6 @@ def keeps_fp32_master(strategy: str | None) -> bool:
     partitions next to its 16-bit ones. DDP trains the parameters in the dtype they were loaded in: a bf16
     model gets bf16 gradients and torch's AdamW creates its moments like the parameter (bf16), no master."""
     return strategy is None or info(strategy).backend != "ddp"
-
-
-def optimizer_bytes(optimizer: str, tensors: Tensors, *, param_bytes: float, flat: bool) -> float:
-    """The optimizer state of `tensors` as each offered optimizer allocates it.
-
-    `param_bytes` is the dtype of the parameters the optimizer steps (fp32 masters, or the model dtype
-    where DDP trains it in place); `flat`: DeepSpeed hands its optimizer flat 1-D fp32 partitions
-    (ZeRO's single_partition_of_fp32_groups / fp32_partitioned_groups_flat), so Adafactor cannot factor
-    them and keeps a full second moment."""
-    total = 0.0
-    for count, shape in tensors:
-        n = numel(shape)
-        if optimizer in ("adamw", "adamw_torch_fused"):
-            per = 2 * param_bytes * n  # torch AdamW: exp_avg and exp_avg_sq like the parameter
-        elif optimizer == "paged_adamw_32bit":
-            per = 8 * n  # bitsandbytes' 32-bit states are fp32 whatever the parameter's dtype
-        elif optimizer in ("adamw_8bit", "paged_adamw_8bit"):
-            # uint8 state1/state2 + an fp32 absmax each per 256-element block; a tensor under
-            # bitsandbytes' min_8bit_size keeps fp32 states
-            per = 8 * n if n < BNB_MIN_8BIT_SIZE else 2 * n + 2 * 4 * -(-n // BNB_BLOCK)
-        elif optimizer == "adafactor":
-            # transformers' Adafactor (beta1 None: no first moment): fp32 row and column means of the
-            # squared gradient of a matrix (shape[:-1] and shape[:-2] + shape[-1:]), a full fp32 second
-            # moment of a vector
-            if flat or len(shape) < 2:
-                per = 4 * n
-            else:
-                per = 4 * (numel(shape[:-1]) + numel(shape[:-2]) * shape[-1])
-        else:
-            raise ValueError(f"no state model for optimizer {optimizer!r}")
-        total += count * per
-    return total
-
-
-def optimizer_step_transient_bytes(job: Job, *, strategy: str) -> float:
-    """Temporaries of the optimizer step, which runs after the backward has freed the activations.
-    torch's fused AdamW and bitsandbytes' kernels make none worth counting; transformers' Adafactor steps
-    tensor by tensor through fp32 copies (the gradient, the 16-bit parameter, the squared-gradient update
-    and its factored approximation): about 3 fp32 copies of the largest tensor it steps (DeepSpeed: this
-    rank's flat partition)."""
-    if job.optimizer != "adafactor" or info(strategy).offload_optimizer:
-        return 0.0
-    tensors = trained_tensors(job)
-    if info(strategy).backend == "deepspeed":
-        largest = sum(n * numel(shape) for n, shape in tensors) / state_shard_degree(job, strategy)
-    else:
-        largest = max((numel(shape) for _, shape in tensors), default=0) / shard_degree(job, strategy)
-    return 3 * 4 * largest
-
-
-def trained_tensors(job: Job) -> Tensors:
-    if job.adapter == "full":
-        return model_tensors(job.arch)
-    return adapter_tensors(job) + saved_module_tensors(job)
 
 
 def state_bytes(job: Job, strategy: str | None = None) -> StateBytes:
@@ -446,7 +390,12 @@ def footprint(job: Job, *, strategy: str, micro_batch: int, checkpointing: bool 
     if job.dora and job.adapter != "full":
         fixed += dora_transient_bytes(job)
     # the optimizer step's temporaries replace the activations it runs after: only an excess adds
-    fixed += max(0.0, optimizer_step_transient_bytes(job, strategy=strategy) - acts - logits)
+    step = 0.0
+    if not tier.offload_optimizer:
+        deepspeed = tier.backend == "deepspeed"
+        step = optimizer_step_transient_bytes(
+            job, flat=deepspeed, shard=state_shard_degree(job, strategy) if deepspeed else shard)
+    fixed += max(0.0, step - acts - logits)
     subtotal = on_gpu.total + acts + logits + comm
     memory = MemoryBreakdown(weights=on_gpu.weights, trainable=on_gpu.trainable,
                              gradients=on_gpu.gradients, optimizer=on_gpu.optimizer,
