@@ -46,9 +46,6 @@ OVERLAP_LEAK = 0.1  # share of the smaller of compute/communication that is not 
 # isolation (the 8B full ZeRO-3 offload row implies ~0.9e9 on a host shared with another run); torch's
 # fused CPU AdamW follows from it (cpu_optimizer_params_per_s)
 CPU_ADAM_PARAMS_PER_S = 2e9
-# what a multi-threaded elementwise add on a two-socket server's host memory moves per second (an
-# assumption of the order of its memory bandwidth): FSDP2's CPU gradient accumulation
-CPU_MEMORY_BYTES_PER_S = 100e9
 
 
 def allreduce_time_s(nbytes: float, *, n: int, bus_bandwidth_gbps: float) -> float:
@@ -219,8 +216,8 @@ def _offload_time(job: Job, *, strategy: str, grad_accum: int) -> tuple[float, f
     FSDP2 with CPUOffloadPolicy (_fsdp_param.py, _fsdp_collectives.py): shards are copied up
     non-blocking in the dtype they are stored in (fp32 for trained parameters, which accelerate upcasts;
     the model dtype for frozen ones) for forward and backward, prefetched like the all-gathers they feed
-    (overlapped); fp32 gradient shards go down every micro-batch, non-blocking for the first and
-    synchronously, with an add on the CPU, for each accumulated one (serial).
+    (overlapped); the fp32 gradient shards go down once per step, non-blocking (under the Trainer's
+    no_sync the reduce-scatter runs on the last micro-batch only).
     The optimizer step itself (serial) runs at `cpu_optimizer_params_per_s`."""
     p = job.preset
     tier = strategies.info(strategy)
@@ -232,10 +229,9 @@ def _offload_time(job: Job, *, strategy: str, grad_accum: int) -> tuple[float, f
     if tier.backend == "fsdp":
         trained16 = count_params(job.arch).total * job.weight_bytes if job.adapter == "full" else 0.0
         fetched = weight_bytes(job) - trained16 + 4 * (n if job.adapter == "full" else lora_params(job))
-        overlapped = 2 * fetched / world * grad_accum / bw
-        serial = 4 * n / world * (grad_accum - 1) / bw  # the accumulated micro-batches' synchronous copies
-        serial += (grad_accum - 1) * 12 * n / world / CPU_MEMORY_BYTES_PER_S  # their CPU adds
-        overlapped += 4 * n / world / bw
+        # gradients: reduced once per step (the Trainer's no_sync holds them unsharded on the GPU until
+        # the last micro-batch), then the fp32 shard goes down non-blocking
+        overlapped = (2 * fetched * grad_accum + 4 * n) / world / bw
     else:
         grads = 2 * (2 + 2 * (grad_accum - 1)) + 4  # bytes per trained parameter per step (see above)
         pcie = grads * n / world
