@@ -225,7 +225,24 @@ def collect(run_dir: Path) -> dict:
     losses = [m["loss"] for m in metrics if m.get("loss") is not None]
     reserved = max((r.get("gpu_max_reserved_gib", 0) for r in ranks), default=0)
     resolved = yaml.safe_load((run_dir / rundir.RESOLVED_RECIPE).read_text())
+    # the model's config.json when the registry has no entry of the same numbers (the calibration test
+    # plans such a row from this config; a registry model is planned from the row's `arch`)
+    from finetune.registry import list_models
+    from finetune.registry.derive import arch_from_config
+
+    config = Path(resolved["model"]["name"]) / "config.json"
+    model_config = None
+    if config.is_file():
+        generic = {"key", "hub_ids", "license", "notes", "chat_template"}
+        derived = arch_from_config(config, key=config.parent.name).model_dump(exclude=generic)
+        known = {a.key: a.model_dump(exclude=generic) for a in list_models()}
+        if known.get(resolved["model"].get("arch")) != derived:
+            model_config = json.loads(config.read_text())
     return {
+        # the whole recipe.resolved.yaml (every pin the planner made): tests/calibration_rows.py
+        # rebuilds the run's plan from it
+        "resolved": resolved,
+        **({"model_config": model_config} if model_config is not None else {}),
         # what ran, as compile resolved it (the calibration test rebuilds the plan from these)
         "attn_implementation": resolved["model"]["attn_implementation"],
         "liger": resolved["train"]["liger"] == "on",
@@ -255,16 +272,7 @@ def collect(run_dir: Path) -> dict:
         "checkpoints": sorted(p.name for p in (run_dir / rundir.CHECKPOINTS).glob("checkpoint-*")),
         "adapter_bytes": (run_dir / "adapter_model.safetensors").stat().st_size
         if (run_dir / "adapter_model.safetensors").exists() else None,
-        # the whole run as compile resolved it, and the model's config.json: enough to re-plan the row on a
-        # machine without the model (tests/test_calibration.py)
-        "resolved": resolved,
-        "model_config": _model_config(resolved["model"]["name"]),
     }
-
-
-def _model_config(model_dir: str) -> dict | None:
-    path = Path(model_dir) / "config.json"
-    return json.loads(path.read_text()) if path.exists() else None
 
 
 def add_mfu(row: dict, *, run_dir: Path) -> None:

@@ -27,7 +27,7 @@ def hub():
 
 
 def _plan(tmp_path, name: str, *, hub: FakeHub | None, offline: bool, token: bool = False):
-    recipe = {"model": {"name": name}, "data": {"path": "train.jsonl"}, "hardware": "cpu",
+    recipe = {"model": {"name": name}, "data": {"path": "train.jsonl", "max_length": 256}, "hardware": "cpu",
               "train": {"max_steps": 2}}
     path = tmp_path / "recipe.yaml"
     path.write_text(yaml.safe_dump(recipe))

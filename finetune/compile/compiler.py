@@ -90,6 +90,7 @@ def _summary(recipe: Recipe, plan: Plan, preset: HardwarePreset, arch: ModelArch
         f"{'GPU' if plan.device == 'cuda' else 'process'}",
     ]
     lines += [f"substituted: {s}" for s in plan.substitutions]
+    lines += [f"warning: {w}" for w in plan.warnings]
     return "\n".join(lines)
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from finetune import strategies
 from finetune.errors import RecipeError
-from finetune.plan.choose import HEADROOM, search, suggestions
+from finetune.plan.choose import CLEARLY_FASTER, HEADROOM, search, suggestions
 from finetune.plan.memory import adapter_input_casts, zero_model_state_bytes
 from finetune.plan.render import render_plan_table
 from finetune.plan.timing import (
@@ -131,7 +131,9 @@ def job_from_recipe(recipe, *, arch, preset) -> Job:
         seq_len=recipe.data.max_length, packed=recipe.data.packing, attention=attention,
         global_batch_size=recipe.train.global_batch_size,
         micro_batch=micro if isinstance(micro, int) else None,
-        checkpointing=recipe.train.activation_checkpointing, strategy=recipe.distributed.strategy,
+        checkpointing=recipe.train.activation_checkpointing,
+        checkpoint_layers=recipe.resolved.checkpoint_layers if recipe.resolved else None,
+        strategy=recipe.distributed.strategy,
         nvme_path=recipe.distributed.nvme_path or preset.nvme_path)
 
 
@@ -158,10 +160,42 @@ def plan(recipe, *, hardware: str | None = None) -> Plan:
 
 def plan_on(recipe, *, arch, preset, source: str) -> Plan:
     """Plan `recipe` on an architecture and preset already looked up (see `lookup`)."""
+    warning = context_check(recipe, arch)
     result = plan_job(job_from_recipe(recipe, arch=arch, preset=preset))
     result.substitutions = substitutions(recipe, result)
+    result.warnings = [warning] if warning else []
     result.hardware_source = source
     return result
+
+
+def context_check(recipe, arch) -> str:
+    """data.max_length against the positions the model was trained on (max_position_embeddings): beyond
+    them RoPE meets angles it never saw and the model degrades silently, so a recipe without
+    model.rope_scaling is refused. With rope_scaling the scaled reach (factor x the original context) is
+    the limit, and going past the model's own context is said as a warning (returned; '' when none)."""
+    length, native = recipe.data.max_length, arch.max_position_embeddings
+    if length <= native:
+        return ""
+    scaling = recipe.model.rope_scaling
+    if not scaling:
+        factor = -(-length // native)
+        raise RecipeError(
+            f"{length} tokens are beyond {arch.key}'s max_position_embeddings {native}: the model "
+            f"has never seen positions past {native}", key="data.max_length",
+            hint=(f"set data.max_length to {native} or less, or extend the context with model.rope_scaling, "
+                  f"e.g. {{rope_type: yarn, factor: {factor}, original_max_position_embeddings: {native}}}"))
+    factor = float(scaling.get("factor", 1.0))
+    original = int(scaling.get("original_max_position_embeddings", native))
+    reach = int(original * factor)
+    if length > reach:
+        raise RecipeError(
+            f"{length} tokens are beyond what model.rope_scaling reaches: factor {factor:g} x "
+            f"{original} positions = {reach}", key="data.max_length",
+            hint=f"raise model.rope_scaling.factor to {length / original:g} or more, or lower data.max_length")
+    kind = scaling.get("rope_type", scaling.get("type", "rope scaling"))
+    return (f"data.max_length {length} is beyond {arch.key}'s max_position_embeddings {native}; positions "
+            f"past {native} rely on model.rope_scaling ({kind}, factor {factor:g}, reach {reach}): check "
+            f"the model on long inputs after training")
 
 
 def substitutions(recipe, result: Plan) -> list[str]:
@@ -228,8 +262,16 @@ def _why(job: Job, chosen: Candidate, achieved: int, candidates: list[Candidate]
         first = f"{chosen.strategy} is pinned by the recipe and fits"
     else:
         first = f"{chosen.strategy} is the fastest strategy that fits"
-        if any(c.fits and strategies.offloads(c.strategy) and c.step_time_s < chosen.step_time_s
-               for c in candidates):
+        level = strategies.offload_level(chosen.strategy)
+        faster = [c for c in candidates if c.fits and c.step_time_s < chosen.step_time_s
+                  and strategies.offload_level(c.strategy) == level]
+        if faster:
+            best = min(faster, key=lambda c: c.step_time_s)
+            first = (f"{chosen.strategy} fits and is kept over {best.strategy} (modelled "
+                     f"{1 - best.step_time_s / chosen.step_time_s:.0%} faster): a later tier must be more "
+                     f"than {CLEARLY_FASTER:.0%} faster to be chosen")
+        elif any(c.fits and strategies.offloads(c.strategy) and c.step_time_s < chosen.step_time_s
+                 for c in candidates):
             first += " without offloading, the last resort"
     first += (f" ({chosen.per_gpu_memory_gib:.1f} of {limit:.1f} GiB usable per "
               f"{'process' if p.vendor == 'cpu' else 'GPU'}, {chosen.step_time_s:.2f} s/step, "

@@ -1,11 +1,13 @@
 """The search: every applicable strategy x micro-batch x activation checkpointing, then the choice.
 
-Rule: the fastest configuration (lowest modelled step time) whose peak fits in HEADROOM of the GPU
-memory (and whose offloaded states fit in host RAM / NVMe). Among equally fast settings the larger
-micro-batch and no checkpointing win. Offload goes by levels (strategies.StrategyInfo.offload_level):
-optimizer-only offload is considered only when nothing fits with every state on the GPUs, parameter
-offload only when optimizer-only offload does not fit either, NVMe last. Recipe pins (strategy,
-micro-batch, checkpointing) restrict the search; a pinned strategy that does not fit yields fits=False with the reason.
+Rule: per strategy, the fastest setting (lowest modelled step time) whose peak fits in HEADROOM of the
+GPU memory (and whose offloaded states fit in host RAM / NVMe); among equally fast settings the larger
+micro-batch and no checkpointing win. Across strategies, offload goes by levels first
+(strategies.StrategyInfo.offload_level): optimizer-only offload is considered only when nothing fits
+with every state on the GPUs, parameter offload only when optimizer-only offload does not fit either,
+NVMe last. Within the level, the earliest strategy in strategies.NAMES whose step is within
+CLEARLY_FASTER of the fastest wins (`simplest_near_fastest`). Recipe pins (strategy, micro-batch,
+checkpointing) restrict the search; a pinned strategy that does not fit yields fits=False with the reason.
 """
 
 from __future__ import annotations
@@ -16,10 +18,16 @@ from finetune import strategies
 from finetune.plan.memory import checkpointed_layers, footprint
 from finetune.plan.timing import step_time
 from finetune.plan.types import GIB, Candidate
-from finetune.plan.workload import Job
+from finetune.plan.workload import Job, accumulation_steps, batch_share
 from finetune.strategies import info, offload_level
 
 HEADROOM = 0.90  # plan to at most 90% of GPU memory / host RAM: spikes, other processes
+# A strategy later in strategies.NAMES (the order from the least machinery to the most: ddp, fsdp2, hybrid,
+# zero2, zero3, then the offload tiers) is chosen over an earlier one that fits only when its modelled step
+# is more than this share shorter. The step-time model misses measured tokens/s by up to 25%
+# (tests/test_calibration.py), so a few percent between two tiers is noise, and the earlier tier is the
+# one with fewer moving parts (and, for fsdp2, checkpoints that reshard to another GPU count).
+CLEARLY_FASTER = 0.10
 
 
 def not_applicable(job: Job, strategy: str) -> str:
@@ -54,11 +62,6 @@ def applicable_strategies(job: Job) -> list[str]:
     return [s for s in strategies.NAMES if not not_applicable(job, s)]
 
 
-def batch_share(job: Job) -> int:
-    world = job.preset.world_size
-    return max(1, round(job.global_batch_size / world))
-
-
 def micro_batch_options(job: Job) -> list[int]:
     if job.micro_batch:
         return [job.micro_batch]
@@ -70,7 +73,7 @@ def evaluate(job: Job, *, strategy: str, micro_batch: int, checkpointing: bool |
     """One setting; `checkpointing` is True (every layer), False, or how many layers (the first k)."""
     p = job.preset
     k = checkpointed_layers(job, checkpointing)
-    grad_accum = max(1, round(batch_share(job) / micro_batch))
+    grad_accum = accumulation_steps(job, micro_batch)
     fp = footprint(job, strategy=strategy, micro_batch=micro_batch, checkpointing=k)
     t = step_time(job, strategy=strategy, micro_batch=micro_batch, grad_accum=grad_accum, checkpointing=k)
     reason = ""
@@ -115,6 +118,13 @@ def _least_checkpointing(job: Job, *, strategy: str, micro_batch: int) -> list[C
     return [none, best]
 
 
+def pinned_checkpointing(job: Job) -> bool | int:
+    """The recipe's checkpointing pin as `evaluate` takes it: off, every layer, or the first k."""
+    if job.checkpointing != "on":
+        return False
+    return job.checkpoint_layers if job.checkpoint_layers else True
+
+
 def best_for_strategy(job: Job, strategy: str) -> Candidate:
     """The fastest fitting setting of `strategy`, or its smallest-memory setting with the reason."""
     why_not = not_applicable(job, strategy)
@@ -123,7 +133,7 @@ def best_for_strategy(job: Job, strategy: str) -> Candidate:
         if job.checkpointing == "auto":
             tried += _least_checkpointing(job, strategy=strategy, micro_batch=m)
         else:
-            tried.append(evaluate(job, strategy=strategy, micro_batch=m, checkpointing=job.checkpointing == "on"))
+            tried.append(evaluate(job, strategy=strategy, micro_batch=m, checkpointing=pinned_checkpointing(job)))
     fitting = [c for c in tried if c.fits]
     if fitting and not why_not:
         return min(fitting, key=lambda c: (round(c.step_time_s, 6), -c.micro_batch_size,
@@ -148,10 +158,18 @@ def search(job: Job) -> tuple[Candidate, list[Candidate]]:
         level = min(offload_level(c.strategy) for c in fitting)
         fitting = [c for c in fitting if offload_level(c.strategy) == level]
     if fitting:
-        chosen = min(fitting, key=lambda c: (c.step_time_s, strategies.NAMES.index(c.strategy)))
+        chosen = simplest_near_fastest(fitting)
     else:
         chosen = min(pool, key=lambda c: c.memory.total)
     return chosen, candidates
+
+
+def simplest_near_fastest(fitting: list[Candidate]) -> Candidate:
+    """The earliest strategy (strategies.NAMES) whose step is within CLEARLY_FASTER of the fastest: a
+    later tier wins only by being clearly faster than every earlier one that fits."""
+    fastest = min(c.step_time_s for c in fitting)
+    near = [c for c in fitting if c.step_time_s <= fastest * (1 + CLEARLY_FASTER)]
+    return min(near, key=lambda c: (strategies.NAMES.index(c.strategy), c.step_time_s))
 
 
 def fmt_bytes(n: float) -> str:

@@ -4,7 +4,9 @@ Model states (bytes per parameter), the mixed-precision AdamW accounting of the 
 (Rajbhandari et al. 2020, K = 12): 2 (16-bit weights) + 2 (16-bit gradients) + 4 (fp32 master
 weights) + 8 (fp32 Adam moments) = 16 bytes/param. FSDP2 with fp32 sharded params and a bf16
 compute copy (4 + 4 grads + 8) lands on the same 16; a model loaded in fp32 has no separate master
-(4 + 4 + 8). adamw_8bit / paged_adamw_8bit keep the two moments in 1 byte each (2 bytes/param).
+(4 + 4 + 8). Optimizer states by optimizer (`optimizer_bytes`): torch AdamW 2 moments like the param;
+bitsandbytes' 8-bit (paged or not) 1 byte each + fp32 block absmax (2.03 bytes/param); paged_adamw_32bit
+fp32 moments (8); Adafactor fp32 row + column statistics per matrix (~0 bytes/param), 4 under DeepSpeed.
 - full: every parameter trainable at 16 bytes/param (12 with 8-bit moments).
 - lora: frozen base in the model dtype; LoRA params r x (in + out) per targeted module per layer,
   in fp32 (PEFT upcasts adapters) with fp32 grads and Adam moments: 4 + 4 + 8 bytes each.
@@ -17,7 +19,7 @@ Llama-style block saves for backward (checked by listing saved tensors with
 torch.autograd.graph.saved_tensors_hooks on an 8B-shaped layer): autograd keeps an operand only when
 the other one needs a gradient, so a frozen base saves less than a full fine-tune.
   2 RMSNorms, each: the fp32 upcast input (4*h) + the output the next linear/LoRA keeps (act*h), and for
-  a full fine-tune also the pre-weight input the norm weight's gradient needs (act*h);
+  a full fine-tune with torch's RMSNorm also the pre-weight input its weight gradient needs (act*h);
   attention (fused kernel, no s x s scores): q, k, v, the output (act*(2q + 2kv)) and the fp32
   logsumexp; RoPE inputs are not kept (cos/sin need no gradient). With an explicit mask (sdpa on packed
   rows or padded batches) transformers repeats k/v to all heads (act*q each) and torch turns the boolean
@@ -50,20 +52,24 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from finetune import strategies
+from finetune.plan.optimizer import optimizer_bytes, optimizer_step_transient_bytes
 from finetune.plan.types import GIB, MemoryBreakdown
 from finetune.plan.workload import (
     Job,
+    accumulation_steps,
+    adapter_tensors,
     attention_widths,
     count_params,
     expert_size,
     lora_params,
+    model_tensors,
     module_shapes,
     moe_layer_count,
     saved_module_params,
+    saved_module_tensors,
 )
 from finetune.strategies import info
 
-ADAM_8BIT_MOMENT_BYTES = 2 + 2 * 4 / 256  # two uint8 moments + an fp32 absmax each per 256-block
 CUDA_FIXED_BYTES = 1.5 * GIB  # CUDA context, cuBLAS/cuDNN workspaces, kernel images
 NCCL_BYTES = 0.5 * GIB  # communicator channel buffers, only when there are several ranks
 CPU_FIXED_BYTES = 0.5 * GIB  # the Python/torch process itself on the cpu preset
@@ -155,19 +161,12 @@ def keeps_fp32_master(strategy: str | None) -> bool:
     return strategy is None or info(strategy).backend != "ddp"
 
 
-def moment_bytes(job: Job, *, param_bytes: float) -> float:
-    """Adam's two moments per parameter: bitsandbytes 8-bit (paged or not) keeps each in 1 byte plus one
-    fp32 absmax per 256-element block (2 + 8/256); torch's AdamW keeps them in the parameter's dtype."""
-    if "8bit" in job.optimizer:
-        return ADAM_8BIT_MOMENT_BYTES
-    return 2 * param_bytes
-
-
 def state_bytes(job: Job, strategy: str | None = None) -> StateBytes:
     """`strategy` None: the sharded strategies' accounting (fp32 masters), as the ZeRO paper counts."""
     master = keeps_fp32_master(strategy) and job.weight_bytes < 4
-    if strategy is not None and info(strategy).offload_optimizer and "8bit" in job.optimizer:
+    if strategy is not None and info(strategy).offload_optimizer:
         job = replace(job, optimizer="adamw")  # compile resolves it so: the CPU steps fp32 Adam
+    flat = strategy is not None and info(strategy).backend == "deepspeed"
     weights = weight_bytes(job)
     if job.reference == "copy":  # dpo/kto: a frozen reference model
         weights += count_params(job.arch).total * job.weight_bytes  # frozen reference model
@@ -176,12 +175,18 @@ def state_bytes(job: Job, strategy: str | None = None) -> StateBytes:
     if job.adapter != "full":
         weights += job.weight_bytes * n  # the trainable copy beside the frozen original
     trainable, grads = (4 * n if master else 0.0), job.weight_bytes * n
-    optimizer = moment_bytes(job, param_bytes=4 if master else job.weight_bytes) * n
+    if strategy is not None and info(strategy).backend == "fsdp" and master:
+        # accelerate's FSDP2 upcasts what is trained to fp32 before sharding: no 16-bit copy of it stays
+        # (the compute copy exists only while a unit is gathered), and its gradients are fp32 shards
+        weights -= job.weight_bytes * n
+        grads = 4 * n
+    full = model_tensors(job.arch) if job.adapter == "full" else saved_module_tensors(job)
+    optimizer = optimizer_bytes(job.optimizer, full, param_bytes=4 if master else job.weight_bytes, flat=flat)
     if job.adapter != "full":
         lora = lora_params(job)  # peft keeps LoRA weights in fp32: fp32 grads and moments
         trainable += 4 * lora
         grads += 4 * lora
-        optimizer += moment_bytes(job, param_bytes=4) * lora
+        optimizer += optimizer_bytes(job.optimizer, adapter_tensors(job), param_bytes=4, flat=flat)
         n += lora
     return StateBytes(weights, trainable, grads, optimizer, n)
 
@@ -217,7 +222,8 @@ def activation_bytes_per_token_layer(job: Job, *, micro_batch: int = 1, casts: b
     q, kv, v = attention_widths(arch)
     full = job.adapter == "full"
     # Liger's RMSNorm keeps its bf16 input and an fp32 rstd per row instead of the fp32 upcast input
-    norms = 2 * ((a * h + 4) if job.liger else 4 * h) + 2 * (a * h + (a * h if full else 0))
+    # (LigerRMSNormFunction saves only X, W and rstd: its weight gradient needs no normalized copy either)
+    norms = 2 * ((a * h + 4) if job.liger else 4 * h) + 2 * (a * h + (a * h if full and not job.liger else 0))
     repeated = (job.attention in ("eager", "varlen")
                 or masked_attention(job, micro_batch=micro_batch) is not None)
     attention = a * (2 * q + (q if repeated else kv) + (q if repeated else v)) + 4 * arch.num_attention_heads
@@ -350,6 +356,7 @@ def footprint(job: Job, *, strategy: str, micro_batch: int, checkpointing: bool 
     grad_dtype = 4 if job.adapter != "full" else max(job.weight_bytes, 4)  # reduce in fp32
     layer_grads = states.trainable_params / job.arch.num_layers * grad_dtype
     tier = info(strategy)
+    extra_grads = 0.0
     if tier.backend == "ddp":
         # DDP's gradient buckets hold a second copy of the gradients (no gradient_as_bucket_view)
         comm = states.gradients if p.world_size > 1 else 0.0
@@ -357,6 +364,10 @@ def footprint(job: Job, *, strategy: str, micro_batch: int, checkpointing: bool 
         # ZeRO-2 reduces through two reduce buckets and re-gathers updated params through one
         # all-gather bucket, each reduce_bucket_size (h x h, compile/deepspeed.py) 16-bit elements
         comm = 3 * job.arch.hidden_size ** 2 * 2 if p.world_size > 1 else 0.0
+    elif tier.backend == "fsdp":
+        comm = root + 2 * layer + fsdp_gradient_buffers(job, strategy=strategy)
+        if accumulation_steps(job, micro_batch) > 1:
+            extra_grads = fsdp_accumulated_gradients(job)
     else:
         # root unit (embedding, lm_head) stays gathered for the whole step; current + prefetched
         # layer gathered; one layer's gradients in the reduce-scatter buffer
@@ -367,7 +378,7 @@ def footprint(job: Job, *, strategy: str, micro_batch: int, checkpointing: bool 
     on_gpu = MemoryBreakdown(
         weights=0.0 if tier.offload_params else states.weights / shard,
         trainable=opt_on_gpu * states.trainable / states_shard,
-        gradients=opt_on_gpu * states.gradients / states_shard,
+        gradients=opt_on_gpu * states.gradients / states_shard + extra_grads,
         optimizer=opt_on_gpu * states.optimizer / states_shard)
     acts = activation_bytes(job, micro_batch=micro_batch, checkpointing=checkpointing,
                             casts=adapter_input_casts(job, strategy))
@@ -378,6 +389,13 @@ def footprint(job: Job, *, strategy: str, micro_batch: int, checkpointing: bool 
         fixed += 2 * max(fin * fout for fin, fout, _ in module_shapes(job.arch).values())
     if job.dora and job.adapter != "full":
         fixed += dora_transient_bytes(job)
+    # the optimizer step's temporaries replace the activations it runs after: only an excess adds
+    step = 0.0
+    if not tier.offload_optimizer:
+        deepspeed = tier.backend == "deepspeed"
+        step = optimizer_step_transient_bytes(
+            job, flat=deepspeed, shard=state_shard_degree(job, strategy) if deepspeed else shard)
+    fixed += max(0.0, step - acts - logits)
     subtotal = on_gpu.total + acts + logits + comm
     memory = MemoryBreakdown(weights=on_gpu.weights, trainable=on_gpu.trainable,
                              gradients=on_gpu.gradients, optimizer=on_gpu.optimizer,
@@ -385,6 +403,35 @@ def footprint(job: Job, *, strategy: str, micro_batch: int, checkpointing: bool 
                              overhead=fixed + FRAGMENTATION * subtotal)
     host, nvme = _host_and_nvme(job, strategy=strategy, states=states, layer=layer)
     return Footprint(memory, host, nvme)
+
+
+def trained_unit_params(job: Job) -> tuple[float, float]:
+    """(largest decoder layer, root unit) parameters that are trained: FSDP's units of gradient."""
+    params = count_params(job.arch)
+    if job.adapter == "full":
+        return params.layer, params.root
+    return lora_params(job) / params.num_layers, saved_module_params(job)
+
+
+def fsdp_gradient_buffers(job: Job, *, strategy: str) -> float:
+    """FSDP2 as accelerate configures it (fully_shard on every decoder layer and on the root;
+    MixedPrecisionPolicy with the compute dtype for parameters and reduction): while a unit's backward
+    runs autograd holds its unsharded 16-bit gradients, and the reduce-scatter reads a 16-bit copy of them
+    into its output shard (the fp32 sharded gradients are counted with the states); the largest unit,
+    often the root (embedding, lm_head) at the very end of the backward, sets the size. These live on
+    FSDP2's reduce-scatter stream, whose expandable segment is not shared with the compute stream, so
+    they add to the peak rather than fit into memory the activations free."""
+    layer, root = trained_unit_params(job)
+    a = job.act_bytes
+    return a * layer + a * max(layer, root) * (1 + 1 / shard_degree(job, strategy))
+
+
+def fsdp_accumulated_gradients(job: Job) -> float:
+    """With gradient accumulation the Trainer runs every micro-batch but the last under accelerate's
+    no_sync, which for FSDP2 is set_requires_gradient_sync(False): no reduce-scatter, and every unit's
+    unsharded 16-bit gradients (the reduce dtype) are kept on each GPU until the last micro-batch's."""
+    layer, root = trained_unit_params(job)
+    return job.act_bytes * (layer * job.arch.num_layers + root)
 
 
 def _host_and_nvme(job: Job, *, strategy: str, states: StateBytes, layer: float) -> tuple[float, float]:

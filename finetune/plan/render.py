@@ -82,6 +82,7 @@ def render_plan_table(plan: Plan) -> str:
             f"why: {plan.why}",
         ]
         lines += [f"substituted: {s}" for s in plan.substitutions]
+        lines += [f"warning: {w}" for w in plan.warnings]
     else:
         lines.append(f"does not fit: {plan.why}")
         if plan.suggestions:

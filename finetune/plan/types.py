@@ -111,6 +111,8 @@ class Plan:
     num_layers: int = 0
     # settings the compiled run replaces (e.g. an 8-bit optimizer under ZeRO-3 offload), said in the plan
     substitutions: list[str] = field(default_factory=list)
+    # what the user should know before launching (e.g. data.max_length past the model's own context)
+    warnings: list[str] = field(default_factory=list)
 
     def to_json(self) -> dict:
         return {
@@ -132,6 +134,7 @@ class Plan:
             "total_params": self.total_params, "active_params": self.active_params,
             "trainable_params": self.trainable_params,
             "device": self.device, "kernels": self.kernels, "substitutions": self.substitutions,
+            "warnings": self.warnings,
             "candidates": [c.to_json() for c in self.candidates],
             "suggestions": self.suggestions,
         }

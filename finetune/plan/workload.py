@@ -46,6 +46,9 @@ class Job:
     global_batch_size: int = 16
     micro_batch: int | None = None  # pinned by the recipe, else searched
     checkpointing: str = "auto"  # auto | on | off
+    # with checkpointing "on": how many layers (the first k) are checkpointed, as a resolved recipe
+    # records a partial choice (resolved.checkpoint_layers); None = every layer
+    checkpoint_layers: int | None = None
     strategy: str = "auto"  # auto or a pinned concrete strategy
     nvme_path: str | None = None  # ZeRO-Infinity swap dir (recipe's, else the preset's)
 
@@ -93,6 +96,15 @@ class Params:
         """Parameters a token multiplies with (the FLOPs 'N'): layers (active experts) + lm_head."""
         head = self.lm_head or self.embed  # tied: the embedding matrix is the lm_head matmul
         return self.layers_active + head
+
+
+def batch_share(job: Job) -> int:
+    """Sequences per rank per optimizer step (the global batch over the world, at least 1)."""
+    return max(1, round(job.global_batch_size / job.preset.world_size))
+
+
+def accumulation_steps(job: Job, micro_batch: int) -> int:
+    return max(1, round(batch_share(job) / micro_batch))
 
 
 def head_dim(arch: ModelArch) -> int:
@@ -263,6 +275,59 @@ def lora_param_count(arch: ModelArch, *, r: int, targets: tuple[str, ...] | list
     if "embed_tokens" in targets:  # peft's Embedding adapter: A is r x vocab, B hidden x r
         total += r * (arch.vocab_size + arch.hidden_size)
     return total
+
+
+Tensors = list[tuple[int, tuple[int, ...]]]  # (how many, shape) of trained tensors
+
+
+def model_tensors(arch: ModelArch) -> Tensors:
+    """Every parameter tensor of the model by shape (a full fine-tune trains them all): embedding and
+    lm_head, each layer kind's linear weights (out x in), transformers 5's fused routed experts
+    (experts x 2*width x hidden gate_up, experts x hidden x width down) and router, then the norms and
+    biases as one vector (their exact split does not change any optimizer's state size materially)."""
+    h = arch.hidden_size
+    out: Tensors = [(1, (arch.vocab_size, h))]
+    if not arch.tied_embeddings:
+        out.append((1, (arch.vocab_size, h)))
+    for count, is_moe, shapes in layer_kinds(arch):
+        out += [(count * copies, (fout, fin)) for fin, fout, copies in shapes.values()]
+        if is_moe:
+            e, i = arch.num_experts, expert_size(arch)
+            out += [(count, (e, 2 * i, h)), (count, (e, h, i)), (count, (e, h))]
+    matrices = sum(n * numel(shape) for n, shape in out)
+    out.append((1, (max(0, count_params(arch).total - matrices),)))
+    return out
+
+
+def adapter_tensors(job: Job) -> Tensors:
+    """LoRA's A (r x in) and B (out x r) per targeted module, DoRA's magnitude (out), and peft's
+    embedding adapter (A r x vocab, B hidden x r): the tensors lora_param_count counts."""
+    r = job.lora_r
+    out: Tensors = []
+    for count, _, shapes in layer_kinds(job.arch):
+        for name in job.lora_targets:
+            if name not in shapes:
+                continue
+            fin, fout, copies = shapes[name]
+            out += [(count * copies, (r, fin)), (count * copies, (fout, r))]
+            if job.dora:
+                out.append((count * copies, (fout,)))
+    if "embed_tokens" in job.lora_targets:
+        out += [(1, (r, job.arch.vocab_size)), (1, (job.arch.hidden_size, r))]
+    return out
+
+
+def saved_module_tensors(job: Job) -> Tensors:
+    """adapter.modules_to_save: one vocab x hidden copy per named module."""
+    n = len(set(job.modules_to_save) & {"embed_tokens", "lm_head"})
+    return [(n, (job.arch.vocab_size, job.arch.hidden_size))] if n else []
+
+
+def numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
 
 
 def saved_module_params(job: Job) -> int:

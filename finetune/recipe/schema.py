@@ -267,8 +267,9 @@ class TrainSection(Strict):
     optimizer: Literal["adamw", "adamw_8bit", "paged_adamw_8bit", "adamw_torch_fused", "paged_adamw_32bit",
                        "adafactor"] = Field("adamw", description=(
         "adamw: torch's fused AdamW on GPUs; adamw_8bit / paged_adamw_8bit / paged_adamw_32bit: bitsandbytes; "
-        "adafactor: factored second moments (less memory than the planner assumes); under ZeRO-3 offload "
-        "DeepSpeed's CPU Adam replaces it (the plan says so)"))
+        "adafactor: transformers' Adafactor, factored fp32 second moments and no first moment (DeepSpeed's flat "
+        "partitions are not factored); where the optimizer is offloaded its CPU AdamW replaces any of these "
+        "(the plan says so)"))
     adam_beta1: float = Field(0.9, ge=0, lt=1, description="Adam's first-moment decay")
     adam_beta2: float = Field(0.999, ge=0, lt=1, description="Adam's second-moment decay")
     adam_epsilon: float = Field(1e-8, gt=0, description="Adam's epsilon")

@@ -1,0 +1,168 @@
+"""Rebuild the plan of one GPU calibration row (tests/data/gpu_calibration.json) on CPU.
+
+A row made by scripts/gpu_validate.py carries `resolved`, the whole recipe.resolved.yaml of the run, and
+`arch` (a registry key) or `model_config` (the model's config.json) when the model is not a registry
+entry. The plan is rebuilt from that recipe as it ran (every pin, the partial k-of-L checkpointing
+included) on the preset `--hardware auto` synthesizes for the row's card and GPU count; only what does
+not exist on this machine is replaced: the model path (by the registry key, or a folder holding the row's
+config.json) and nothing else (the planner never reads the data files).
+
+Older rows carry a few fields instead of `resolved`; `legacy_recipe` rebuilds their recipe from those.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import tempfile
+from pathlib import Path
+
+from finetune import strategies
+from finetune.plan import job_from_recipe, plan_job
+from finetune.plan.types import Plan
+from finetune.recipe import load_recipe
+from finetune.registry import get_model, resolve_model
+from finetune.registry.detect import parse_nvidia_smi, synthesize_preset
+from finetune.registry.schema import HardwarePreset
+
+# `nvidia-smi --query-gpu=name,memory.total --format=csv,noheader` on the measured cards
+MEMORY_TOTAL = {"NVIDIA H100 80GB HBM3": "81559 MiB", "NVIDIA H200": "143771 MiB"}
+MODEL_CONFIGS = Path(tempfile.gettempdir()) / "finetune-calibration-configs"
+
+
+def preset_for(card: str, *, gpus_per_node: int, nodes: int = 1) -> HardwarePreset:
+    """What `--hardware auto` synthesized on the GPU machine. Hybrid rows ran as loopback "nodes" of one
+    host (scripts/gpu_validate.py's preset: a 25 GB/s ethernet "fabric" between them)."""
+    smi = "\n".join([f"{card}, {MEMORY_TOTAL[card]}"] * gpus_per_node)
+    preset = synthesize_preset(parse_nvidia_smi(smi), ram_gib=1024)
+    if nodes > 1:
+        preset = preset.model_copy(update={"nodes": nodes, "inter_node_fabric": "ethernet",
+                                           "inter_node_bandwidth_gbps": 25})
+    return preset
+
+
+def _model_dir(row: dict) -> Path:
+    """A folder holding the row's config.json, named like the model folder on the GPU machine (the
+    planner's key for a local model is its folder name)."""
+    name = Path(row["resolved"]["model"]["name"]).name or row["name"]
+    folder = MODEL_CONFIGS / name
+    folder.mkdir(parents=True, exist_ok=True)
+    text = json.dumps(row["model_config"], indent=1, sort_keys=True)
+    config = folder / "config.json"
+    if not config.exists() or config.read_text() != text:
+        config.write_text(text)
+    return folder
+
+
+def resolved_recipe(row: dict):
+    """The run's resolved recipe with its model pointed at something that exists here."""
+    raw = copy.deepcopy(row["resolved"])
+    if row.get("arch"):
+        raw["model"].update(name=row["arch"], arch=row["arch"])
+    elif row.get("model_config"):
+        raw["model"].update(name=str(_model_dir(row)), arch=None)
+    else:
+        raise ValueError(f"row {row['name']!r} has `resolved` but neither `arch` nor `model_config`")
+    return load_recipe(raw, allow_resolved=True)
+
+
+def legacy_recipe(row: dict):
+    """A row without `resolved`: its recipe from the fields the older rows kept (LoRA r16 on the
+    registry's targets, no DoRA, checkpointing on or off)."""
+    dpo = row["method"] == "dpo"
+    raw = {
+        # rows measured before finetune chose varlen attention and skipped peft's input casts carry neither key
+        "model": {"name": row["arch"], "arch": row["arch"], "dtype": "bfloat16",
+                  "attn_implementation": row.get("attn_implementation", "sdpa")},
+        "method": {"type": row["method"]},
+        "adapter": {"type": row["adapter"], "r": 16, "alpha": 32, "dropout": row.get("lora_dropout", 0.0),
+                    "cast_adapter_inputs": row.get("cast_adapter_inputs", True)},
+        # SFT packs padding-free; DPO pads chosen/rejected (pairs filling max_length)
+        "data": {"path": "train.jsonl", "max_length": row["seq_len"], "packing": not dpo,
+                 "format": "preference" if dpo else "messages"},
+        "train": {"global_batch_size": row["micro_batch_size"] * row["gradient_accumulation_steps"]
+                  * row["world_size"], "micro_batch_size": row["micro_batch_size"],
+                  "activation_checkpointing": "on" if row["activation_checkpointing"] else "off",
+                  "liger": "on" if row.get("liger") else "off"},
+        "distributed": {"strategy": row["strategy"], **(
+            {"nvme_path": "/tmp/nvme-swap"} if strategies.info(row["strategy"]).offload == "nvme" else {})},
+        "hardware": "auto",
+    }
+    return load_recipe(raw)
+
+
+def row_preset(row: dict) -> HardwarePreset:
+    if "resolved" in row:
+        section = row["resolved"]["resolved"]
+        return preset_for(row["card"], gpus_per_node=section["gpus_per_node"], nodes=section["num_nodes"])
+    nodes = row.get("nodes", 1)
+    return preset_for(row["card"], gpus_per_node=row["world_size"] // nodes, nodes=nodes)
+
+
+def predict(row: dict) -> Plan:
+    """The planner's plan for the row's run, on the preset `--hardware auto` made for it."""
+    preset = row_preset(row)
+    if "resolved" in row:
+        recipe = resolved_recipe(row)
+        arch = resolve_model(recipe.model)
+    else:
+        recipe = legacy_recipe(row)
+        arch = get_model(row["arch"])
+    return plan_job(job_from_recipe(recipe, arch=arch, preset=preset))
+
+
+def run_pins(row: dict, *, num_layers: int) -> dict:
+    """What ran: strategy, micro-batch, accumulation, world size and how many layers were checkpointed."""
+    if "resolved" in row:
+        recipe, section = row["resolved"], row["resolved"]["resolved"]
+        on = recipe["train"]["activation_checkpointing"] == "on"
+        return {"strategy": recipe["distributed"]["strategy"],
+                "micro_batch_size": recipe["train"]["micro_batch_size"],
+                "gradient_accumulation_steps": section["gradient_accumulation_steps"],
+                "world_size": section["world_size"],
+                "checkpoint_layers": (section.get("checkpoint_layers") or num_layers) if on else 0}
+    return {"strategy": row["strategy"], "micro_batch_size": row["micro_batch_size"],
+            "gradient_accumulation_steps": row["gradient_accumulation_steps"], "world_size": row["world_size"],
+            "checkpoint_layers": num_layers if row["activation_checkpointing"] else 0}
+
+
+def plan_pins(plan: Plan) -> dict:
+    return {"strategy": plan.strategy, "micro_batch_size": plan.micro_batch_size,
+            "gradient_accumulation_steps": plan.gradient_accumulation_steps, "world_size": plan.world_size,
+            "checkpoint_layers": plan.checkpoint_layers}
+
+
+def pin_mismatch(row: dict, plan: Plan) -> str:
+    """'' when the plan reproduces the run's configuration, else what differs (then the comparison of
+    memory and speed would be of another configuration and means nothing)."""
+    ran, planned = run_pins(row, num_layers=plan.num_layers), plan_pins(plan)
+    return "; ".join(f"{k}: ran {ran[k]}, planned {planned[k]}" for k in ran if ran[k] != planned[k])
+
+
+# issue 13's bounds, per row: predicted / measured
+SPEED_LOW, SPEED_HIGH = 0.75, 1.25  # steady tokens/s (the step-time model of finetune/plan/timing.py)
+MEMORY_LOW, MEMORY_HIGH = 0.95, 1.15  # max reserved of the worst rank
+
+
+def speed_figures(row: dict, plan: Plan) -> str:
+    measured = row["steady_tokens_per_second"]
+    return (f"measured {measured:,.0f} tokens/s, predicted {plan.tokens_per_second:,.0f} "
+            f"(ratio {plan.tokens_per_second / measured:.3f})")
+
+
+def memory_figures(row: dict, plan: Plan) -> str:
+    measured = row["measured_max_reserved_gib"]
+    return (f"measured {measured:.2f} GiB, predicted {plan.per_gpu_memory_gib:.2f} "
+            f"(ratio {plan.per_gpu_memory_gib / measured:.3f})")
+
+
+def speed_miss(row: dict, plan: Plan) -> str:
+    """'' when the predicted steady tokens/s is within the bound, else the figures."""
+    ratio = plan.tokens_per_second / row["steady_tokens_per_second"]
+    return "" if SPEED_LOW <= ratio <= SPEED_HIGH else speed_figures(row, plan)
+
+
+def memory_miss(row: dict, plan: Plan) -> str:
+    """'' when the predicted peak is within the bound of the measured max reserved, else the figures."""
+    ratio = plan.per_gpu_memory_gib / row["measured_max_reserved_gib"]
+    return "" if MEMORY_LOW <= ratio <= MEMORY_HIGH else memory_figures(row, plan)
