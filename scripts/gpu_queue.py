@@ -112,6 +112,10 @@ def main() -> None:
                         shutil.rmtree(path, ignore_errors=True)
             if time.time() - t0 > args.budget:
                 break  # no new job; the running ones finish
+            pending = {j["name"] for j in waiting} | set(running) | set(done)
+            if not running and not any(time.time() - t0 + j["est_s"] <= args.budget
+                                       and all(a in pending for a in j.get("after", [])) for j in waiting):
+                break  # what still waits can never start within the budget
             head_blocked_at = None
             for job in list(waiting):
                 if not ready(job) or time.time() - t0 + job["est_s"] > args.budget:

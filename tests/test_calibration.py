@@ -18,7 +18,6 @@ import pytest
 from calibration_rows import memory_figures, memory_miss, pin_mismatch, predict, speed_figures, speed_miss
 
 DATA = Path(__file__).resolve().parent / "data" / "gpu_calibration.json"
-LOW, HIGH = 0.95, 1.20
 
 
 def _rows() -> list[dict]:
@@ -40,22 +39,6 @@ def test_calibration_data_is_present():
     assert {r["adapter"] for r in rows} >= {"full", "lora", "qlora"}
 
 
-def test_predicted_peak_within_bounds_of_measured_reserved():
-    lines, bad = [], []
-    for row in _rows():
-        p = _predict(row)
-        measured = row["measured_max_reserved_gib"]
-        ratio = p.per_gpu_memory_gib / measured
-        line = (f"{row['name']:14} {row['card'][:20]:20} x{p.world_size} {p.strategy:6} "
-                f"mb{p.micro_batch_size}  predicted {p.per_gpu_memory_gib:6.2f}  reserved {measured:6.2f}"
-                f"  allocated {row['measured_max_allocated_gib']:6.2f}  ratio {ratio:.3f}")
-        lines.append(line)
-        if not LOW <= ratio <= HIGH:
-            bad.append(line)
-    table = "\n".join(lines)
-    assert not bad, f"outside [{LOW}, {HIGH}] x measured max reserved:\n" + "\n".join(bad) + "\n\n" + table
-
-
 # --- steady tokens/s (within +-25% of the planner's tokens/s, the one step-time model of
 # finetune/plan/timing.py) and the tighter memory bound (-5% / +15%), row by row: tests/calibration_rows.py.
 # Rows the current models miss, by _row_id. Not fitted away: the models change only with new GPU data.
@@ -73,9 +56,25 @@ SPEED_MISSES = {
     "25-lora8b-zero3-nvme": "ZeRO-Infinity NVMe offload: predicted slower than measured",
     "27-qlora70b-1gpu": ("70B QLoRA on one H100, checkpointing every layer at seq 4096: predicted slower "
                          "than measured"),
+    "28-dora8b": ("DoRA r16 on 8B: measured 2.5x slower than the planner's LoRA-like step; peft's per-forward "
+                  "weight-norm work is not in the step-time model"),
+    "29-gemma2-9b-lora": ("Gemma-2's attention softcap sends the varlen path to SDPA with a mask over the whole "
+                          "packed micro-batch (4 x 2048 tokens); planned as varlen"),
+    "38-lora8b-s16k": ("seq 16k: attention time is planned over the full row length; the packed rows' examples "
+                       "are a fraction of it and a causal kernel skips half the blocks"),
+    "39-lora8b-s32k": "seq 32k: as seq 16k, the attention term dominates the predicted step",
+    "41-lora8b-s8k": "seq 8k: as seq 16k",
+    "42-mistral7b-lora-s4k": ("the random model had a 4096 sliding window (transformers' MistralConfig default): "
+                              "the varlen path falls back to masked SDPA over the packed micro-batch"),
+    "43-qwen-moe-a2.7b-lora": ("MoE (60 experts, top-4): the experts' dispatch is slower than the active "
+                               "parameters' FLOPs say"),
 }
 MEMORY_MISSES = {
     "01-dpo8b": "DPO LoRA on H100 predicted more than 15% over the measured max reserved",
+    "29-gemma2-9b-lora": ("Gemma-2 planned as varlen attention; it ran masked SDPA over the packed micro-batch "
+                          "(a 8192 x 8192 mask)"),
+    "43-qwen-moe-a2.7b-lora": ("MoE: the routed expert outputs kept for the routing weights' gradient are not "
+                               "in the activation model"),
 }
 
 
