@@ -219,7 +219,11 @@ def main() -> None:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     results = json.loads(out.read_text()) if out.exists() else []
-    references = [r for path in args.reference if path.exists() for r in json.loads(path.read_text())]
+    references = []  # a results list, or a results file of docs/results/ ({"rows": [...]})
+    for path in args.reference:
+        if path.exists():
+            loaded = json.loads(path.read_text())
+            references += loaded["rows"] if isinstance(loaded, dict) else loaded
 
     def save(row: dict) -> None:
         results.append(row)
