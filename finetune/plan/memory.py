@@ -288,7 +288,9 @@ def attention_matrix_bytes(job: Job, *, micro_batch: int) -> float:
     rows, length = masked
     a = job.act_bytes
     per_element = a + (job.arch.num_attention_heads * (4 + a) if job.attention == "eager" else 0)
-    return rows * length * length * per_element
+    # layers the varlen kernel still serves (see workload.varlen_fallback_layers) get no mask
+    share = 1 - min(job.varlen_layers, job.arch.num_layers) / job.arch.num_layers if job.packed else 1.0
+    return rows * length * length * per_element * share
 
 
 def tokens_per_micro_batch(job: Job, micro_batch: int) -> int:

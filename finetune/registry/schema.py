@@ -51,6 +51,9 @@ class ModelArch(Strict):
     v_head_dim: int | None = Field(None, ge=1, description="MLA: value head width")
     sliding_window: int | None = Field(None, ge=1, description="window of the sliding-attention layers")
     sliding_layers: int = Field(0, ge=0, description="how many layers attend within sliding_window only")
+    attn_logit_softcap: float | None = Field(
+        None, gt=0, description="attention logit soft-capping (config.json attn_logit_softcapping; Gemma-2: "
+        "50.0): scores pass through cap * tanh(score / cap), which no torch flash kernel does")
     decoder_layer_class: str = Field(description="e.g. LlamaDecoderLayer (FSDP wrap policy)")
     lora_targets: list[str] = Field(
         default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj",
