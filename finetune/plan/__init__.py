@@ -10,6 +10,7 @@ from __future__ import annotations
 from finetune import strategies
 from finetune.errors import RecipeError
 from finetune.plan.choose import CLEARLY_FASTER, HEADROOM, search, suggestions
+from finetune.plan.fallback import attention_fallback_warning
 from finetune.plan.memory import adapter_input_casts, zero_model_state_bytes
 from finetune.plan.render import render_plan_table
 from finetune.plan.timing import (
@@ -20,7 +21,6 @@ from finetune.plan.timing import (
     model_flops_per_token,
 )
 from finetune.plan.types import GIB, Candidate, MemoryBreakdown, Plan
-from finetune.plan.fallback import attention_fallback_warning
 from finetune.plan.workload import (
     DTYPE_BYTES,
     Job,
