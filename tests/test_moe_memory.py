@@ -11,7 +11,7 @@ from finetune.plan.workload import Job
 from finetune.registry.derive import arch_from_config
 from tests.calibration_rows import preset_for
 
-H, I, E, K, SHARED, TOKENS = 256, 128, 8, 2, 384, 1024
+H, WIDTH, E, K, SHARED, TOKENS = 256, 128, 8, 2, 384, 1024
 ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
 
 
@@ -19,17 +19,17 @@ def _config(family: str):
     import transformers
 
     common = dict(hidden_size=H, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=4,
-                  vocab_size=128, intermediate_size=I)
+                  vocab_size=128, intermediate_size=WIDTH)
     return {
         "qwen2_moe": lambda: transformers.Qwen2MoeConfig(
-            num_experts=E, num_experts_per_tok=K, moe_intermediate_size=I, shared_expert_intermediate_size=SHARED,
+            num_experts=E, num_experts_per_tok=K, moe_intermediate_size=WIDTH, shared_expert_intermediate_size=SHARED,
             norm_topk_prob=False, **common),
         "qwen3_moe": lambda: transformers.Qwen3MoeConfig(
-            num_experts=E, num_experts_per_tok=K, moe_intermediate_size=I, head_dim=64, norm_topk_prob=True,
+            num_experts=E, num_experts_per_tok=K, moe_intermediate_size=WIDTH, head_dim=64, norm_topk_prob=True,
             **common),  # the Hub's Qwen3-MoE configs normalize the top-k weights
         "mixtral": lambda: transformers.MixtralConfig(num_local_experts=E, num_experts_per_tok=K, **common),
         "deepseek_v3": lambda: transformers.DeepseekV3Config(
-            n_routed_experts=E, num_experts_per_tok=K, n_shared_experts=1, moe_intermediate_size=I,
+            n_routed_experts=E, num_experts_per_tok=K, n_shared_experts=1, moe_intermediate_size=WIDTH,
             first_k_dense_replace=0, n_group=1, topk_group=1, q_lora_rank=64, kv_lora_rank=32,
             qk_rope_head_dim=16, qk_nope_head_dim=16, v_head_dim=16, **common),
         "gpt_oss": lambda: transformers.GptOssConfig(num_local_experts=E, num_experts_per_tok=K, head_dim=64,

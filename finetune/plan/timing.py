@@ -11,7 +11,8 @@ sdpa/eager chosen) computes the whole square of the row, micro_batch x the per-s
 Compute time = FLOPs / (peak x efficiency). Efficiency is an HF-stack MFU: 0.45 on GPUs for a full
 fine-tune; LoRA/QLoRA with finetune's GPU defaults (varlen attention, Liger, no peft input casts) reach
 about the same (their extra elementwise adapter kernels are balanced by the frozen base's cheaper
-backward); QLoRA also dequantizes NF4 on every matmul; small micro-batches underuse the GPU.
+backward); QLoRA also dequantizes NF4 on every matmul; small micro-batches underuse the GPU. DoRA adds memory-bound
+work the FLOPs do not show, timed at the card's memory bandwidth (plan/dora_time.py).
 Calibrated on the second-pass runs in tests/data/gpu_calibration.json (H200, tokens/s over 20-30 steps,
 start-up included): 8B LoRA 1 GPU 13.4k tokens/s (steady 13.7k), QLoRA 13.2k = 0.99 of LoRA's, 3B full
 FSDP2 on 2 GPUs 39.2k (steady 52.1k).
@@ -28,7 +29,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from finetune import strategies
-from finetune.plan.memory import state_bytes, tokens_per_micro_batch, weight_bytes
+from finetune.plan.dora_time import dora_seconds
+from finetune.plan.memory import adapter_input_casts, state_bytes, tokens_per_micro_batch, weight_bytes
 from finetune.plan.workload import (
     Job,
     attended_positions,
@@ -161,6 +163,10 @@ def step_time(job: Job, *, strategy: str, micro_batch: int, grad_accum: int,
     tokens = tokens_per_micro_batch(job, micro_batch) * grad_accum
     compute = flops_per_token(job, checkpointing=checkpointing, micro_batch=micro_batch) * tokens / (
         p.peak_bf16_tflops * 1e12 * efficiency(job, micro_batch=micro_batch))
+    if job.dora:  # memory-bound weight norms and elementwise passes (plan/dora_time.py)
+        share = (1.0 if checkpointing is True else min(1.0, int(checkpointing) / job.arch.num_layers))
+        compute += grad_accum * dora_seconds(job, micro_batch=micro_batch, casts=adapter_input_casts(job, strategy),
+                                             checkpointed_share=share)
     states = state_bytes(job, strategy)
     grad_bytes = states.trainable_params * (4 if job.adapter != "full" else 2)
     intra_bw, inter_bw = p.intra_node_bandwidth_gbps, p.inter_node_bandwidth_gbps or 1.0

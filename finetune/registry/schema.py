@@ -81,6 +81,9 @@ class HardwarePreset(Strict):
     nvme_path: str | None = Field(None, description="local NVMe for ZeRO-Infinity offload")
     nvme_bandwidth_gbps: float = Field(0, ge=0)
     peak_bf16_tflops: float = Field(gt=0, description="dense, per GPU")
+    gpu_memory_bandwidth_gbps: float | None = Field(
+        None, gt=0, description="per-GPU memory (HBM/GDDR) bandwidth from the vendor datasheet, GB/s: the "
+        "step time of memory-bound work the FLOPs do not show (DoRA's weight norms); None: not modelled")
     # offload strategies move states over PCIe and run Adam on the host CPUs
     host_to_device_bandwidth_gbps: float = Field(25, gt=0, description="per GPU, PCIe, GB/s")
     nvme_capacity_gib: float | None = Field(None, gt=0, description="per node; None: not checked")
