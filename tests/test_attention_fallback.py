@@ -106,6 +106,7 @@ def test_plan_warns_what_the_fallback_costs():
     (warning,) = [w for w in result.warnings if "varlen" in w]
     assert "soft-capping (50)" in warning and "42 of 42 layers" in warning and "8192 x 8192" in warning
     assert "GiB of mask" in warning and "of the step's FLOPs" in warning
+    assert "masked packed row on 42 of 42 layers" in result.kernels
     llama = plan_on(_recipe("llama-3.1-8b"), arch=get_model("llama-3.1-8b"), preset=H100,
                     source="auto")
     assert not [w for w in llama.warnings if "varlen" in w]

@@ -267,6 +267,10 @@ def plan_job(job: Job) -> Plan:
 def _kernels(job: Job, strategy: str) -> str:
     attention = {"varlen": "varlen flash attention on packed rows", "flash": "flash attention",
                  "sdpa": "sdpa attention", "eager": "eager attention"}[job.attention]
+    fallback = varlen_fallback_layers(job.arch)
+    if job.attention == "sdpa" and job.packed and fallback and job.varlen_layers < job.arch.num_layers:
+        attention = (f"sdpa attention with a masked packed row on {fallback} of {job.arch.num_layers} layers "
+                     f"(varlen falls back)" + (", varlen flash on the rest" if job.varlen_layers else ""))
     parts = [attention, "Liger RMSNorm/RoPE/SwiGLU" if job.liger else "no Liger"]
     if adapter_input_casts(job, strategy):
         parts.append("peft's fp32 adapter-input casts")
