@@ -30,7 +30,11 @@ INITIALIZER_RANGE = 0.02
 
 def hf_config(arch) -> dict:
     """A transformers config.json for a registry architecture (Llama-family fields; the family's own
-    config class fills the rest with its defaults, e.g. Gemma-2's soft-capping and sliding window)."""
+    config class fills the rest with its defaults). What changes memory and speed is written out even
+    where it is none, because the config classes' defaults are not the published models' (MistralConfig
+    defaults sliding_window to 4096, Mistral-7B-v0.3 has none; Gemma3TextConfig defaults 4096, Gemma-3
+    has 1024): the sliding window (null when the registry has none), which layers slide (layer_types),
+    and the attention logit soft-capping."""
     cfg = {
         "architectures": ["LlamaForCausalLM"] if arch.family == "llama" else None,
         # Gemma-3's top-level model_type is the multimodal wrapper; the language model alone is gemma3_text
@@ -58,7 +62,28 @@ def hf_config(arch) -> dict:
         cfg["num_experts_per_tok"] = arch.experts_per_token
     if arch.family == "llama":
         cfg["rope_theta"] = 500000.0
-    return {k: v for k, v in cfg.items() if v is not None}
+    cfg = {k: v for k, v in cfg.items() if v is not None}
+    if arch.family != "llama":  # LlamaConfig has neither key
+        cfg.update(attention_window_fields(arch))
+    return cfg
+
+
+def attention_window_fields(arch) -> dict:
+    """sliding_window (None when the registry has none), use_sliding_window (Qwen's switch), layer_types
+    with the registry's count of sliding layers, the global ones evenly spaced as the families place them
+    (Gemma-2 every 2nd, Gemma-3 every 6th), and attn_logit_softcapping (None when the registry has none)."""
+    out = {"sliding_window": arch.sliding_window if arch.sliding_layers else None,
+           "attn_logit_softcapping": arch.attn_logit_softcap}
+    if arch.family.startswith("qwen"):
+        out["use_sliding_window"] = bool(out["sliding_window"])
+    if out["sliding_window"] and arch.family != "mistral":  # MistralConfig slides every layer, no layer_types
+        layers, sliding = arch.num_layers, min(arch.sliding_layers, arch.num_layers)
+        period = layers // (layers - sliding) if sliding < layers else layers + 1
+        types = ["full_attention" if (i + 1) % period == 0 else "sliding_attention" for i in range(layers)]
+        if types.count("sliding_attention") != sliding:
+            raise ValueError(f"{arch.key}: {sliding} sliding layers of {layers} are not an evenly spaced pattern")
+        out["layer_types"] = types
+    return out
 
 
 def tensor_shapes(config) -> list[tuple[str, tuple[int, ...]]]:

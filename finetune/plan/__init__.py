@@ -10,6 +10,7 @@ from __future__ import annotations
 from finetune import strategies
 from finetune.errors import RecipeError
 from finetune.plan.choose import CLEARLY_FASTER, HEADROOM, search, suggestions
+from finetune.plan.fallback import attention_fallback_warning
 from finetune.plan.memory import adapter_input_casts, zero_model_state_bytes
 from finetune.plan.render import render_plan_table
 from finetune.plan.timing import (
@@ -20,13 +21,21 @@ from finetune.plan.timing import (
     model_flops_per_token,
 )
 from finetune.plan.types import GIB, Candidate, MemoryBreakdown, Plan
-from finetune.plan.workload import DTYPE_BYTES, Job, count_params, lora_param_count, module_shapes, trainable_params
+from finetune.plan.workload import (
+    DTYPE_BYTES,
+    Job,
+    count_params,
+    lora_param_count,
+    module_shapes,
+    trainable_params,
+    varlen_fallback_layers,
+)
 from finetune.recipe.paths import anchored
 from finetune.recipe.schema import dpo_reference
 
 __all__ = ["plan", "plan_on", "lookup", "plan_job", "job_from_recipe", "render_plan_table", "Plan", "Candidate",
            "MemoryBreakdown", "Job", "zero_model_state_bytes", "allreduce_time_s", "allgather_time_s",
-           "HEADROOM", "recipe_flops_per_token", "mfu"]
+           "HEADROOM", "recipe_flops_per_token", "mfu", "varlen_fallback_layers"]
 
 
 def _targets(recipe, arch) -> tuple[str, ...]:
@@ -76,13 +85,17 @@ def attention_implementation(recipe, preset) -> str:
     return chosen
 
 
-def attention_kind(implementation: str, *, packed: bool) -> str:
+def attention_kind(implementation: str, *, packed: bool, arch=None) -> str:
     """The planner's attention memory model: flash (no mask, no repeated kv heads) | varlen (no mask;
-    kv heads repeated where torch's varlen kernel has no GQA, e.g. torch 2.11) | sdpa | eager."""
+    kv heads repeated where torch's varlen kernel has no GQA, e.g. torch 2.11) | sdpa | eager.
+    varlen falls back to sdpa on rows without example boundaries, and on packed rows of an `arch`
+    whose sliding windows or logit soft-capping it does not run (`varlen_fallback_layers`)."""
     if implementation in ("eager", "sdpa"):
         return implementation
     if implementation == "varlen":
-        return "varlen" if packed else "sdpa"  # it falls back to sdpa on rows without example boundaries
+        if not packed or (arch is not None and varlen_fallback_layers(arch)):
+            return "sdpa"
+        return "varlen"
     return "flash"
 
 
@@ -117,7 +130,10 @@ def job_from_recipe(recipe, *, arch, preset) -> Job:
     if added:  # tokenizer.added_tokens / special-token overrides grow the embeddings and the LM head
         arch = arch.model_copy(update={"vocab_size": arch.vocab_size + added})
     micro = recipe.train.micro_batch_size
-    attention = attention_kind(attention_implementation(recipe, preset), packed=recipe.data.packing)
+    implementation = attention_implementation(recipe, preset)
+    attention = attention_kind(implementation, packed=recipe.data.packing, arch=arch)
+    fallback = varlen_fallback_layers(arch)
+    served = arch.num_layers - fallback if implementation == "varlen" and recipe.data.packing else 0
     return Job(
         arch=arch, preset=preset, adapter=adapter, method=method, reference=reference,
         fused_lm_head=method in FUSED_HEAD_METHODS,
@@ -129,6 +145,7 @@ def job_from_recipe(recipe, *, arch, preset) -> Job:
         int8_base=recipe.adapter.type == "lora" and recipe.adapter.load_in_8bit,
         act_bytes=4 if recipe.train.precision == "fp32" else 2, optimizer=recipe.train.optimizer,
         seq_len=recipe.data.max_length, packed=recipe.data.packing, attention=attention,
+        varlen_layers=served if fallback else 0,
         global_batch_size=recipe.train.global_batch_size,
         micro_batch=micro if isinstance(micro, int) else None,
         checkpointing=recipe.train.activation_checkpointing,
@@ -161,9 +178,10 @@ def plan(recipe, *, hardware: str | None = None) -> Plan:
 def plan_on(recipe, *, arch, preset, source: str) -> Plan:
     """Plan `recipe` on an architecture and preset already looked up (see `lookup`)."""
     warning = context_check(recipe, arch)
-    result = plan_job(job_from_recipe(recipe, arch=arch, preset=preset))
+    job = job_from_recipe(recipe, arch=arch, preset=preset)
+    result = plan_job(job)
     result.substitutions = substitutions(recipe, result)
-    result.warnings = [warning] if warning else []
+    result.warnings = [w for w in (warning, attention_fallback_warning(job, result)) if w]
     result.hardware_source = source
     return result
 
@@ -249,6 +267,10 @@ def plan_job(job: Job) -> Plan:
 def _kernels(job: Job, strategy: str) -> str:
     attention = {"varlen": "varlen flash attention on packed rows", "flash": "flash attention",
                  "sdpa": "sdpa attention", "eager": "eager attention"}[job.attention]
+    fallback = varlen_fallback_layers(job.arch)
+    if job.attention == "sdpa" and job.packed and fallback and job.varlen_layers < job.arch.num_layers:
+        attention = (f"sdpa attention with a masked packed row on {fallback} of {job.arch.num_layers} layers "
+                     f"(varlen falls back)" + (", varlen flash on the rest" if job.varlen_layers else ""))
     parts = [attention, "Liger RMSNorm/RoPE/SwiGLU" if job.liger else "no Liger"]
     if adapter_input_casts(job, strategy):
         parts.append("peft's fp32 adapter-input casts")

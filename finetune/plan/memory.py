@@ -27,7 +27,8 @@ the other one needs a gradient, so a frozen base saves less than a full fine-tun
   (measured: 1-GPU LoRA 8B with one packed 8192-token row allocates ~2 GiB more than twice the
   4096-token row, 32 x (8192^2 - 2 x 4096^2) x 2 B = 2.0 GiB); eager (not measured) keeps the
   scores instead: rows x heads x len^2 x (act + fp32 softmax 4);
-  SwiGLU MLP: gate, up, silu(gate), product = 4*act*i (x top-k for MoE).
+  SwiGLU MLP: gate, up, silu(gate), product = 4*act*i (the product only where down_proj needs it);
+  mixture-of-experts layers as transformers' grouped_mm experts keep them: finetune/plan/moe_memory.py.
   LoRA: the r-wide intermediate per targeted module (+ a dropout copy of its input when dropout > 0).
   Under DDP peft keeps the adapters in fp32 and casts each targeted module's input to fp32, which
   autocast casts back to a new bf16 copy that the adapter keeps: one act*in copy per module, replacing
@@ -52,6 +53,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from finetune import strategies
+from finetune.plan.moe_memory import mlp_bytes_per_token_layer
 from finetune.plan.optimizer import optimizer_bytes, optimizer_step_transient_bytes
 from finetune.plan.types import GIB, MemoryBreakdown
 from finetune.plan.workload import (
@@ -60,11 +62,9 @@ from finetune.plan.workload import (
     adapter_tensors,
     attention_widths,
     count_params,
-    expert_size,
     lora_params,
     model_tensors,
     module_shapes,
-    moe_layer_count,
     saved_module_params,
     saved_module_tensors,
 )
@@ -227,8 +227,7 @@ def activation_bytes_per_token_layer(job: Job, *, micro_batch: int = 1, casts: b
     repeated = (job.attention in ("eager", "varlen")
                 or masked_attention(job, micro_batch=micro_batch) is not None)
     attention = a * (2 * q + (q if repeated else kv) + (q if repeated else v)) + 4 * arch.num_attention_heads
-    # SwiGLU: gate, up, silu(gate), product; Liger's fused kernel recomputes silu(gate) in backward
-    mlp = (3 if job.liger else 4) * a * mlp_width_per_token(arch)
+    mlp = mlp_bytes_per_token_layer(job)  # dense SwiGLU and routed experts (plan/moe_memory.py)
     lora = 0.0
     if not full:
         shapes = module_shapes(arch)
@@ -269,17 +268,6 @@ def dora_transient_bytes(job: Job) -> float:
     return max(sizes, default=0.0)
 
 
-def mlp_width_per_token(arch) -> float:
-    """The MLP width a token goes through, averaged over the layers: dense layers' intermediate_size;
-    MoE layers' routed experts (top-k x expert width) plus the shared expert. Router logits and the
-    routing weights are a few bytes per expert, left out."""
-    moe = moe_layer_count(arch)
-    dense = (arch.num_layers - moe) * arch.intermediate_size
-    sparse = moe * (min(arch.experts_per_token, arch.num_experts) * expert_size(arch)
-                    + arch.shared_expert_intermediate_size)
-    return (dense + sparse) / arch.num_layers
-
-
 def attention_matrix_bytes(job: Job, *, micro_batch: int) -> float:
     """Per layer: sdpa's float mask bias (rows x len^2), or eager's saved scores (+ fp32 softmax)."""
     masked = masked_attention(job, micro_batch=micro_batch)
@@ -288,7 +276,9 @@ def attention_matrix_bytes(job: Job, *, micro_batch: int) -> float:
     rows, length = masked
     a = job.act_bytes
     per_element = a + (job.arch.num_attention_heads * (4 + a) if job.attention == "eager" else 0)
-    return rows * length * length * per_element
+    # layers the varlen kernel still serves (see workload.varlen_fallback_layers) get no mask
+    share = 1 - min(job.varlen_layers, job.arch.num_layers) / job.arch.num_layers if job.packed else 1.0
+    return rows * length * length * per_element * share
 
 
 def tokens_per_micro_batch(job: Job, micro_batch: int) -> int:

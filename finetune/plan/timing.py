@@ -5,10 +5,14 @@ scripts/bench.py and scripts/gpu_validate.py all use it), plus work that is not 
   checkpointing: + 2N + 4*L*a*s   (one extra forward per layer; x k/L when k of L layers are)
   dpo:         the policy on chosen + rejected (2 sequences per sample) plus a reference forward
                (2N + 4*L*a*s per token) unless the reference log-probs are precomputed.
+The step time counts the attention FLOPs the kernels execute (`executed_attention_positions`): sdpa
+on a packed row of micro_batch x seq tokens (a model finetune's varlen kernel does not serve, or
+sdpa/eager chosen) computes the whole square of the row, micro_batch x the per-sequence figure.
 Compute time = FLOPs / (peak x efficiency). Efficiency is an HF-stack MFU: 0.45 on GPUs for a full
 fine-tune; LoRA/QLoRA with finetune's GPU defaults (varlen attention, Liger, no peft input casts) reach
 about the same (their extra elementwise adapter kernels are balanced by the frozen base's cheaper
-backward); QLoRA also dequantizes NF4 on every matmul; small micro-batches underuse the GPU.
+backward); QLoRA also dequantizes NF4 on every matmul; small micro-batches underuse the GPU. DoRA adds memory-bound
+work the FLOPs do not show, timed at the card's memory bandwidth (plan/dora_time.py).
 Calibrated on the second-pass runs in tests/data/gpu_calibration.json (H200, tokens/s over 20-30 steps,
 start-up included): 8B LoRA 1 GPU 13.4k tokens/s (steady 13.7k), QLoRA 13.2k = 0.99 of LoRA's, 3B full
 FSDP2 on 2 GPUs 39.2k (steady 52.1k).
@@ -25,11 +29,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from finetune import strategies
-from finetune.plan.memory import state_bytes, tokens_per_micro_batch, weight_bytes
+from finetune.plan.dora_time import dora_seconds
+from finetune.plan.memory import adapter_input_casts, state_bytes, tokens_per_micro_batch, weight_bytes
 from finetune.plan.workload import (
     Job,
     attended_positions,
     count_params,
+    executed_attention_positions,
     head_dim,
     lora_params,
     trainable_params,
@@ -91,13 +97,20 @@ def job_model_flops_per_token(job: Job) -> float:
                                  trainable_params=trainable_params(job) if job.adapter != "full" else 0)
 
 
-def flops_per_token(job: Job, *, checkpointing: bool | int) -> float:
+def flops_per_token(job: Job, *, checkpointing: bool | int, micro_batch: int | None = None) -> float:
     """Training FLOPs per token of one sequence: the useful FLOPs plus recomputation and the DPO
-    reference forward (see the module docstring)."""
+    reference forward (see the module docstring). With `micro_batch`, the attention FLOPs the kernels
+    execute (`executed_attention_positions`: a masked packed row computes all of its T x T blocks)
+    replace the useful ones."""
     arch = job.arch
     n = count_params(arch).matmul_active
-    attn = arch.num_attention_heads * head_dim(arch) * attended_positions(arch, job.seq_len)
+    width = arch.num_attention_heads * head_dim(arch)
+    attn = width * attended_positions(arch, job.seq_len)
     flops = job_model_flops_per_token(job)
+    if micro_batch is not None:
+        executed = width * executed_attention_positions(job, micro_batch=micro_batch)
+        flops += 12 * (executed - attn)
+        attn = executed
     if checkpointing:  # True (every layer) or the count of checkpointed layers
         share = 1.0 if checkpointing is True else min(1.0, checkpointing / arch.num_layers)
         flops += share * (2 * n + 4 * attn)
@@ -148,8 +161,12 @@ def step_time(job: Job, *, strategy: str, micro_batch: int, grad_accum: int,
     """Seconds per optimizer step (grad_accum micro-batches on every rank)."""
     p = job.preset
     tokens = tokens_per_micro_batch(job, micro_batch) * grad_accum
-    compute = flops_per_token(job, checkpointing=checkpointing) * tokens / (
+    compute = flops_per_token(job, checkpointing=checkpointing, micro_batch=micro_batch) * tokens / (
         p.peak_bf16_tflops * 1e12 * efficiency(job, micro_batch=micro_batch))
+    if job.dora:  # memory-bound weight norms and elementwise passes (plan/dora_time.py)
+        share = (1.0 if checkpointing is True else min(1.0, int(checkpointing) / job.arch.num_layers))
+        compute += grad_accum * dora_seconds(job, micro_batch=micro_batch, casts=adapter_input_casts(job, strategy),
+                                             checkpointed_share=share)
     states = state_bytes(job, strategy)
     grad_bytes = states.trainable_params * (4 if job.adapter != "full" else 2)
     intra_bw, inter_bw = p.intra_node_bandwidth_gbps, p.inter_node_bandwidth_gbps or 1.0

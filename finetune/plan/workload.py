@@ -37,6 +37,9 @@ class Job:
     packed: bool = False  # data.packing: padding-free rows of micro_batch x seq_len tokens
     # flash (flash_attention_2/3, flex: no materialized mask) | varlen (finetune's, no mask) | sdpa | eager
     attention: str = "sdpa"
+    # attention "sdpa" on packed rows because some layers fall back from finetune's varlen kernel
+    # (`varlen_fallback_layers`): how many layers the varlen kernel still serves (Gemma-3's global ones)
+    varlen_layers: int = 0
     # TRL >= 1.x SFT/DPO score tokens through add_fused_lm_head (chunked, the (tokens, vocab) logits are
     # never materialized); False for a trainer that computes the loss from full logits
     fused_lm_head: bool = True
@@ -117,6 +120,29 @@ def attended_positions(arch: ModelArch, seq_len: int) -> int:
     sliding = min(arch.sliding_layers, arch.num_layers) if arch.sliding_window else 0
     window = min(seq_len, arch.sliding_window or seq_len)
     return (arch.num_layers - sliding) * seq_len + sliding * window
+
+
+def varlen_fallback_layers(arch: ModelArch) -> int:
+    """Decoder layers of `arch` that finetune's varlen kernel does not serve: it has no sliding window
+    and no logit soft-capping, so finetune/train/attention.py's `varlen_attention_forward` hands a layer
+    that passes `sliding_window` or `softcap` to transformers' sdpa_attention_forward with the
+    block-diagonal mask over the whole packed row (keep the two rules together). Soft-capping is set on
+    every layer (Gemma-2); sliding windows on `sliding_layers` of them. 0: the kernel serves them all."""
+    if arch.attn_logit_softcap:
+        return arch.num_layers
+    return min(arch.sliding_layers, arch.num_layers) if arch.sliding_window else 0
+
+
+def executed_attention_positions(job: Job, *, micro_batch: int) -> int:
+    """L x key positions per query token that the attention kernels really compute (the step time's
+    attention FLOPs; the MFU's stay `attended_positions`). sdpa or eager with a mask over a packed row
+    of T = micro_batch x seq_len tokens compute every T x T block (a masked kernel skips none, and a
+    sliding window is only more mask); the varlen kernel computes each example's causal triangle, whose
+    size needs the example lengths the planner never reads, so those layers keep the seq-based figure."""
+    if not job.packed or job.attention not in ("sdpa", "eager"):
+        return attended_positions(job.arch, job.seq_len)
+    varlen = min(job.varlen_layers, job.arch.num_layers)
+    return (job.arch.num_layers - varlen) * micro_batch * job.seq_len + varlen * job.seq_len
 
 
 def is_mla(arch: ModelArch) -> bool:

@@ -209,12 +209,39 @@ def mla_fields(text: dict) -> dict:
             "qk_nope_head_dim": int(text["qk_nope_head_dim"]), "v_head_dim": int(text["v_head_dim"])}
 
 
+# config.json keys a family's config class fills with its own defaults when they are absent
+_WINDOW_DEFAULT = {"mistral": 4096, "gemma2": 4096, "gemma3": 4096, "gemma3_text": 4096}
+_SOFTCAP_DEFAULT = {"gemma2": 50.0}
+_QWEN_WINDOWED = ("qwen2", "qwen2_moe", "qwen3", "qwen3_moe")
+
+
 def sliding_fields(text: dict, *, reader: str) -> dict:
-    """GPT-OSS alternates sliding-window and full attention (layer_types, else every other layer)."""
-    if reader != "gpt_oss" or not text.get("sliding_window"):
-        return {}
+    """sliding_window, sliding_layers and attn_logit_softcap as transformers' config class of the family
+    resolves them (an absent key takes the class default: MistralConfig and Gemma2/3's sliding_window
+    4096, Gemma2's attn_logit_softcapping 50.0; an explicit null is none). Which layers slide: the
+    config's layer_types when present, else the class's rule (Gemma-2 and GPT-OSS every other layer,
+    Gemma-3 all but every sliding_window_pattern-th (6), Qwen2/Qwen3 from max_window_layers on, Qwen2-MoE
+    every other layer below it, Mistral/Mixtral/Phi-3/Qwen3-MoE every layer)."""
     layers = int(text["num_hidden_layers"])
-    types = text.get("layer_types") or ["sliding_attention" if (i + 1) % 2 else "full_attention"
-                                        for i in range(layers)]
-    return {"sliding_window": int(text["sliding_window"]),
-            "sliding_layers": sum(1 for t in types if t == "sliding_attention")}
+    softcap = text.get("attn_logit_softcapping", _SOFTCAP_DEFAULT.get(reader))
+    out = {"attn_logit_softcap": float(softcap)} if softcap else {}
+    if reader in _QWEN_WINDOWED:
+        window = text.get("sliding_window", 4096) if text.get("use_sliding_window") else None
+    else:
+        window = text.get("sliding_window", _WINDOW_DEFAULT.get(reader))
+    if not window:
+        return out
+    if text.get("layer_types"):
+        kinds = list(text["layer_types"])
+    else:
+        top = int(text.get("max_window_layers") or 28)
+        pattern = int(text.get("sliding_window_pattern") or text.get("_sliding_window_pattern") or 6)
+        rule = {"gemma2": lambda i: (i + 1) % 2, "gpt_oss": lambda i: (i + 1) % 2,
+                "gemma3": lambda i: (i + 1) % pattern, "gemma3_text": lambda i: (i + 1) % pattern,
+                "qwen2": lambda i: i >= top, "qwen3": lambda i: i >= top,
+                "qwen2_moe": lambda i: (i + 1) % 2 and i < top}.get(reader, lambda i: True)
+        kinds = ["sliding_attention" if rule(i) else "full_attention" for i in range(layers)]
+    sliding = sum(1 for t in kinds if t == "sliding_attention")
+    if sliding:
+        out.update(sliding_window=int(window), sliding_layers=sliding)
+    return out

@@ -141,6 +141,7 @@ def synthesize_preset(gpus: list[tuple[str, float]], *, ram_gib: float,
         base.update(intra_node_link=match.intra_node_link if count > 1 else "none",
                     intra_node_bandwidth_gbps=match.intra_node_bandwidth_gbps,
                     peak_bf16_tflops=match.peak_bf16_tflops,
+                    gpu_memory_bandwidth_gbps=match.gpu_memory_bandwidth_gbps,
                     host_to_device_bandwidth_gbps=match.host_to_device_bandwidth_gbps,
                     nccl_env={k: v for k, v in match.nccl_env.items() if not k.startswith("NCCL_IB")
                               and k != "NCCL_SOCKET_IFNAME"})

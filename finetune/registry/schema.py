@@ -51,6 +51,9 @@ class ModelArch(Strict):
     v_head_dim: int | None = Field(None, ge=1, description="MLA: value head width")
     sliding_window: int | None = Field(None, ge=1, description="window of the sliding-attention layers")
     sliding_layers: int = Field(0, ge=0, description="how many layers attend within sliding_window only")
+    attn_logit_softcap: float | None = Field(
+        None, gt=0, description="attention logit soft-capping (config.json attn_logit_softcapping; Gemma-2: "
+        "50.0): scores pass through cap * tanh(score / cap), which no torch flash kernel does")
     decoder_layer_class: str = Field(description="e.g. LlamaDecoderLayer (FSDP wrap policy)")
     lora_targets: list[str] = Field(
         default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj",
@@ -78,6 +81,9 @@ class HardwarePreset(Strict):
     nvme_path: str | None = Field(None, description="local NVMe for ZeRO-Infinity offload")
     nvme_bandwidth_gbps: float = Field(0, ge=0)
     peak_bf16_tflops: float = Field(gt=0, description="dense, per GPU")
+    gpu_memory_bandwidth_gbps: float | None = Field(
+        None, gt=0, description="per-GPU memory (HBM/GDDR) bandwidth from the vendor datasheet, GB/s: the "
+        "step time of memory-bound work the FLOPs do not show (DoRA's weight norms); None: not modelled")
     # offload strategies move states over PCIe and run Adam on the host CPUs
     host_to_device_bandwidth_gbps: float = Field(25, gt=0, description="per GPU, PCIe, GB/s")
     nvme_capacity_gib: float | None = Field(None, gt=0, description="per node; None: not checked")

@@ -67,6 +67,13 @@ def _packed_bounds(query, key, kwargs) -> tuple | None:
     return cu_q, int(max_q)
 
 
+def layer_falls_back(kwargs: dict) -> bool:
+    """The layer asks for what the varlen kernel does not do: a sliding window or logit soft-capping.
+    The planner's torch-free copy of this rule is finetune.plan.workload.varlen_fallback_layers (it
+    plans those layers as sdpa over the masked packed row); change both together."""
+    return bool(kwargs.get("sliding_window")) or kwargs.get("softcap") is not None
+
+
 def varlen_attention_forward(module, query, key, value, attention_mask, dropout: float = 0.0,
                              scaling: float | None = None, is_causal: bool | None = None, **kwargs):
     """AttentionInterface signature: q/k/v are (batch, heads, seq, head_dim); returns (b, s, h, d)."""
@@ -76,8 +83,8 @@ def varlen_attention_forward(module, query, key, value, attention_mask, dropout:
     kernel = _varlen()
     bounds = _packed_bounds(query, key, kwargs)
     plain = (kernel is None or bounds is None or not query.is_cuda or dropout
-             or query.dtype not in (torch.bfloat16, torch.float16) or kwargs.get("sliding_window")
-             or kwargs.get("softcap") is not None or not (is_causal if is_causal is not None else module.is_causal))
+             or query.dtype not in (torch.bfloat16, torch.float16) or layer_falls_back(kwargs)
+             or not (is_causal if is_causal is not None else module.is_causal))
     if plain:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       is_causal=is_causal, **kwargs)

@@ -1,0 +1,88 @@
+"""The step time DoRA adds to LoRA: memory-bound work that the FLOPs formula does not see.
+
+peft's DoRA (tuners/lora/dora.py, DoraLinearLayer.forward; tuners/lora/variants.py DoraLinearVariant)
+runs per targeted module on every training forward (its cache is off while training):
+  weight side, once per module and forward, whatever the token count:
+    lora_weight = lora_B(lora_A(eye(in))).T   an in x in identity in the adapter dtype, cast to the
+                                               compute dtype by autocast, two thin matmuls (2*in^2*r +
+                                               2*in*r*out FLOPs) and an in x out product
+    .to(x.dtype), W.to(x.dtype)                fp32 copies of the product and the frozen weight where
+                                               peft casts the adapter input to fp32 (DDP LoRA)
+    W + scaling * lora_weight, its row norms   two elementwise passes and a reduction over in x out
+  (the norm is detached: none of this has a backward);
+  token side, per token and output feature, beyond LoRA's `result + lora_out * scaling`:
+    (m/||.|| - 1) * base_result + m/||.|| * lora_result * scaling, then added to the result and cast back:
+    five elementwise passes forward, promoted to the magnitude's dtype (fp32 adapters), and in the
+    backward the gradients of both products with respect to the token tensors and to the magnitude
+    (a reduction over tokens), the dtype casts between, and the two gradients of the base output summed.
+Bytes are counted per pass (read + write, each tensor's own dtype) and timed at the card's memory
+bandwidth (the preset's gpu_memory_bandwidth_gbps, vendor datasheet): these kernels move bytes, they
+do not multiply. Counts per token and output feature, with p the promoted dtype's and a the compute
+dtype's bytes: forward 3a + 9p (+ a + p for the cast back when p != a) against LoRA's 5a; backward
+16p + 9a where p != a (17a otherwise) against LoRA's 2a. Activation checkpointing repeats the forward
+of the checkpointed layers. Not counted: kernel launch latency (about twenty small kernels per module
+and micro-batch) and peft's fp32 cast of each module's input, which LoRA with casts pays as well.
+"""
+
+from __future__ import annotations
+
+from finetune.plan.workload import Job, layer_kinds
+
+
+def _weight_side_bytes(*, fin: int, fout: int, r: int, adapter: int, compute: int, x: int, weight: float,
+                       dequantize: float) -> float:
+    """One module's weight-norm recomputation, bytes moved (see the module docstring)."""
+    square, io, thin = fin * fin, fin * fout, fin * r
+    moved = adapter * square  # torch.eye
+    if adapter != compute:
+        moved += (adapter + compute) * square  # autocast's cast of the identity
+    moved += compute * square + compute * thin  # lora_A(eye)
+    moved += compute * thin + compute * io  # lora_B(...)
+    moved += dequantize * io  # QLoRA: the NF4 weight dequantized to 16 bits
+    if x != compute:
+        moved += (compute + x) * io  # lora_weight.to(x.dtype)
+    if x != weight:
+        moved += (weight + x) * io  # W.to(x.dtype)
+    moved += 2 * x * io + 3 * x * io + x * io  # scaling * BA, W + it, the row norms
+    return moved
+
+
+def _token_side_bytes(*, promoted: int, compute: int) -> tuple[float, float]:
+    """(forward, backward) bytes per token and output feature beyond LoRA's."""
+    p, a = promoted, compute
+    cast = p + a if p != a else 0
+    forward = 3 * a + 9 * p + cast - 5 * a
+    backward = (16 * p + 9 * a if p != a else 17 * a) - 2 * a
+    return forward, backward
+
+
+def dora_seconds(job: Job, *, micro_batch: int, casts: bool, checkpointed_share: float = 0.0) -> float:
+    """Seconds one micro-batch's forward and backward spend on DoRA beyond LoRA, per GPU (0 when the
+    preset has no memory bandwidth or the job has no DoRA)."""
+    bandwidth = job.preset.gpu_memory_bandwidth_gbps
+    if not job.dora or job.adapter == "full" or not bandwidth:
+        return 0.0
+    a = job.act_bytes
+    # peft's adapters are fp32 where it casts the input to fp32 (DDP LoRA); bf16 under QLoRA, ZeRO-3 and
+    # FSDP2 (see plan/memory.py); without autocast (fp32 training) everything is fp32
+    adapter = x = 4 if casts or a == 4 else a
+    promoted = max(adapter, x)
+    qlora = job.adapter == "qlora"
+    weight_side = token_out = 0.0
+    flops = 0.0
+    for count, _, shapes in layer_kinds(job.arch):
+        for name in job.lora_targets:
+            if name not in shapes:
+                continue
+            fin, fout, copies = shapes[name]
+            n = count * copies
+            weight_side += n * _weight_side_bytes(
+                fin=fin, fout=fout, r=job.lora_r, adapter=adapter, compute=a, x=x,
+                weight=a if qlora else job.weight_bytes, dequantize=(0.5 + 2) if qlora else 0.0)
+            flops += n * 2 * fin * job.lora_r * (fin + fout)
+            token_out += n * fout
+    forward, backward = _token_side_bytes(promoted=promoted, compute=a)
+    tokens = micro_batch * job.seq_len * job.sequences_per_sample
+    repeat = 1.0 + checkpointed_share
+    moved = repeat * weight_side + tokens * token_out * (repeat * forward + backward)
+    return moved / (bandwidth * 1e9) + repeat * flops / (job.preset.peak_bf16_tflops * 1e12)

@@ -1,0 +1,43 @@
+"""What finetune's varlen attention falling back to sdpa costs a plan, said as a warning.
+
+finetune/train/attention.py runs packed rows on torch's varlen flash kernel, except in layers with a
+sliding window or logit soft-capping (`workload.varlen_fallback_layers`): those go to transformers'
+sdpa with a block-diagonal mask over the whole packed row, which computes every block of the row's
+(micro_batch x seq)^2 square and keeps a float mask bias of that square per layer.
+"""
+
+from __future__ import annotations
+
+from finetune.plan.memory import attention_matrix_bytes, checkpointed_layers
+from finetune.plan.types import GIB, Plan
+from finetune.plan.workload import Job, varlen_fallback_layers
+
+
+def attention_fallback_warning(job: Job, plan: Plan) -> str:
+    """'' unless the plan runs varlen-fallback layers on packed rows; else what falls back and its
+    modelled cost at the chosen micro-batch: the share of the step's FLOPs spent on masked blocks and the
+    mask bytes per GPU."""
+    from finetune.plan.timing import flops_per_token
+
+    fallback = varlen_fallback_layers(job.arch)
+    if not (fallback and job.packed and job.attention == "sdpa" and job.varlen_layers < job.arch.num_layers):
+        return ""
+    arch, micro = job.arch, plan.micro_batch_size
+    why = [f"attention logit soft-capping ({arch.attn_logit_softcap:g})"] if arch.attn_logit_softcap else []
+    if arch.sliding_window and arch.sliding_layers:
+        why.append(f"a {arch.sliding_window}-token sliding window on {arch.sliding_layers} of "
+                   f"{arch.num_layers} layers")
+    ckpt = plan.checkpoint_layers or False
+    executed = flops_per_token(job, checkpointing=ckpt, micro_batch=micro)
+    useful = flops_per_token(job, checkpointing=ckpt)
+    extra = max(0.0, executed - useful) / executed if executed else 0.0
+    k = checkpointed_layers(job, ckpt)  # checkpointed layers keep no mask; the one recomputing does
+    kept = arch.num_layers - k + (1 if k == arch.num_layers else 0)
+    mask = attention_matrix_bytes(job, micro_batch=micro) * kept / GIB
+    row = micro * job.seq_len
+    return (f"{arch.key} has {' and '.join(why)}, which finetune's varlen flash kernel does not run: "
+            f"{fallback} of {arch.num_layers} layers use sdpa with a block-diagonal mask over each packed "
+            f"row of {micro} x {job.seq_len} = {row} tokens, computing all {row} x {row} blocks "
+            f"(modelled {extra:.0%} of the step's FLOPs) and keeping {mask:.1f} GiB of mask bias per GPU; "
+            f"a smaller train.micro_batch_size shrinks the row (model.attn_implementation: "
+            f"flash_attention_2 runs both natively where flash-attn is installed)")

@@ -1,0 +1,83 @@
+"""What autograd keeps per token in a decoder layer's MLP, dense or mixture-of-experts.
+
+Dense SwiGLU (and an MoE layer's shared expert) of width w: gate, up and silu(gate) (3*act*w; Liger's
+fused kernel recomputes silu(gate): 2*act*w), plus the product gate*up when the down projection needs
+its input for a gradient (trained, or a LoRA target: act*w).
+
+Routed experts, transformers 5's default experts implementation (grouped_mm: modeling_utils'
+get_correct_experts_implementation picks it whenever the model can dispatch it; integrations/moe.py's
+grouped_mm_experts_forward). Each token is copied to its top-k experts; per routed copy:
+  gate_up output (act*2i, kept whole: silu reads the gate half, the product the up half), the
+  activation's output (act*i; GPT-OSS's clamped sigmoid gating keeps three more i-wide tensors: act*4i),
+  the down projection's output (act*h, kept for the routing weight's gradient: the product with the
+  routing weight, which requires a gradient through the router), the routing weight itself (act; fp32
+  in Mixtral, whose router keeps its top-k weights in fp32), and three int64 index vectors (the
+  gather of the hidden states, the routing-weight gather, the inverse permutation): 24 bytes.
+  Trained experts (full fine-tune) also keep the gathered input and the product for their weight
+  gradients: act*(h + i). The frozen experts of a LoRA run keep neither (grouped_mm saves an operand
+  only for the other's gradient).
+Per token: the top-k indices (8k), and the router's own tensors by convention: a softmax router
+(Mixtral, Qwen-MoE) keeps its fp32 probabilities (4E) and, normalizing the top-k (Mixtral, Qwen3-MoE
+by default), the fp32 top-k values and their sum (4k + 4); DeepSeek's sigmoid router keeps bf16 scores
+(2E), its selection mask (E) and gathered weights (2k + 10 bytes of group indices, n_group = 1; a few
+bytes more per group), and when trained the bf16 copy of its fp32-cast input (act*h); GPT-OSS's softmax
+over the top-k logits keeps act*k. Qwen2-MoE's sigmoid gate on the shared expert keeps the shared
+output and the gate (act*h + act).
+Checked by listing saved tensors with torch.autograd.graph.saved_tensors_hooks on one MoE block of
+each family (transformers 5.24, bf16, 1024 tokens, h 256, i 128, 8 experts, top-2; tests/test_moe_memory.py):
+with frozen experts Qwen2-MoE 5,478 B/token, Qwen3-MoE 2,672, Mixtral 2,676, DeepSeek-V3 ~3,450 (its
+group selection varies by a few bytes), GPT-OSS 4,168. Not covered: Liger's own expert kernels, where
+a Liger version patches a family's experts (the planner's `liger` flag changes the dense and shared
+MLPs only).
+"""
+
+from __future__ import annotations
+
+from finetune.plan.workload import Job, expert_size, moe_layer_count
+
+_SOFTMAX_ROUTERS = ("mixtral", "qwen2_moe", "qwen3_moe")
+_NORMALIZED_TOPK = ("mixtral", "qwen3_moe")  # the family's default norm_topk_prob
+
+
+def dense_mlp_bytes(job: Job, width: int) -> float:
+    """A SwiGLU MLP of `width` (a dense layer's, or an MoE layer's shared expert)."""
+    a = job.act_bytes
+    product = job.adapter == "full" or "down_proj" in job.lora_targets
+    return a * width * ((2 if job.liger else 3) + (1 if product else 0))
+
+
+def routed_bytes(job: Job) -> float:
+    """One MoE layer's routed experts and router, per token (see the module docstring)."""
+    arch, a = job.arch, job.act_bytes
+    h, i, e = arch.hidden_size, expert_size(arch), arch.num_experts
+    k = min(arch.experts_per_token, e)
+    family = arch.family
+    activation = 4 * i if family == "gpt_oss" else i
+    weight = 4 if family == "mixtral" else a
+    copy = a * (2 * i + activation + h) + weight + 24
+    if job.adapter == "full":
+        copy += a * (h + i) + (8 if arch.expert_bias else 0)
+    router = 8 * k
+    if family in _SOFTMAX_ROUTERS:
+        router += 4 * e + (4 * k + 4 if family in _NORMALIZED_TOPK else 0)
+    elif family in ("deepseek_v2", "deepseek_v3"):
+        router += 3 * e + 2 * k + 10
+        if job.adapter == "full":  # the router casts its input to fp32: autocast's bf16 copy of it is kept
+            router += a * h
+    elif family == "gpt_oss":
+        router += a * k
+    if arch.shared_expert_gate:
+        router += a * h + a
+    return k * copy + router
+
+
+def mlp_bytes_per_token_layer(job: Job) -> float:
+    """The MLP's kept activations per token, averaged over the decoder layers (dense and MoE)."""
+    arch = job.arch
+    moe = moe_layer_count(arch)
+    dense = (arch.num_layers - moe) * dense_mlp_bytes(job, arch.intermediate_size)
+    sparse = 0.0
+    if moe:
+        shared = arch.shared_expert_intermediate_size
+        sparse = moe * (routed_bytes(job) + (dense_mlp_bytes(job, shared) if shared else 0.0))
+    return (dense + sparse) / arch.num_layers
