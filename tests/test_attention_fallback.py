@@ -1,6 +1,8 @@
 """Models whose layers finetune's varlen kernel does not run (sliding windows, logit soft-capping):
-the config reader sees them, the planner plans those layers as sdpa over the masked packed row (memory
-and executed attention FLOPs), says so, and its rule matches the runtime's on real transformers layers."""
+the config reader sees them, the planner plans those layers over the masked packed row (sdpa; eager for
+soft-capping, which sdpa does not compute) for memory and executed attention FLOPs, says so, its rule
+matches the runtime's on real transformers layers, and a soft-capped layer computes what transformers'
+own eager attention computes."""
 
 from __future__ import annotations
 
@@ -60,14 +62,16 @@ def test_registry_gemma_and_mistral_entries_match_their_published_configs():
     assert varlen_fallback_layers(get_model("llama-3.1-8b")) == 0
 
 
-def test_attention_kind_falls_back_to_sdpa_for_such_models():
-    assert attention_kind("varlen", packed=True, arch=get_model("gemma-2-9b")) == "sdpa"
+def test_attention_kind_falls_back_for_such_models():
+    assert attention_kind("varlen", packed=True, arch=get_model("gemma-2-9b")) == "eager"  # soft-capping
+    assert attention_kind("varlen", packed=True, arch=get_model("gemma-3-12b")) == "sdpa"  # sliding window
     assert attention_kind("varlen", packed=True, arch=get_model("llama-3.1-8b")) == "varlen"
     assert attention_kind("flash_attention_2", packed=True, arch=get_model("gemma-2-9b")) == "flash"
 
 
-def _recipe(model: str, *, micro: int = 4, seq: int = 2048):
-    return load_recipe({"model": {"name": model, "arch": model}, "method": {"type": "sft"},
+def _recipe(model: str, *, micro: int = 4, seq: int = 2048, attn: str = "auto"):
+    return load_recipe({"model": {"name": model, "arch": model, "attn_implementation": attn},
+                        "method": {"type": "sft"},
                         "adapter": {"type": "lora", "r": 16},
                         "data": {"path": "train.jsonl", "max_length": seq, "packing": True},
                         "train": {"global_batch_size": 32, "micro_batch_size": micro,
@@ -77,8 +81,11 @@ def _recipe(model: str, *, micro: int = 4, seq: int = 2048):
 
 def test_fallback_executes_the_whole_packed_square_and_keeps_its_mask():
     preset = H100
-    gemma = job_from_recipe(_recipe("gemma-2-9b"), arch=get_model("gemma-2-9b"), preset=preset)
-    assert gemma.attention == "sdpa" and gemma.varlen_layers == 0
+    # auto picks transformers' eager attention for Gemma-2 (soft-capping); asking for varlen gets the same
+    auto = job_from_recipe(_recipe("gemma-2-9b"), arch=get_model("gemma-2-9b"), preset=preset)
+    assert auto.attention == "eager"
+    gemma = job_from_recipe(_recipe("gemma-2-9b", attn="varlen"), arch=get_model("gemma-2-9b"), preset=preset)
+    assert gemma.attention == "eager" and gemma.varlen_layers == 0
     arch = gemma.arch
     width = arch.num_attention_heads * arch.head_dim
     # every layer computes the 8192 x 8192 square of the packed row: 4 x the per-sequence figure
@@ -87,7 +94,8 @@ def test_fallback_executes_the_whole_packed_square_and_keeps_its_mask():
     assert extra == pytest.approx(12 * width * arch.num_layers * (4 * 2048 - 2048))
     # the MFU numerator is the useful figure, unchanged
     assert flops_per_token(gemma, checkpointing=False) == pytest.approx(job_model_flops_per_token(gemma))
-    assert attention_matrix_bytes(gemma, micro_batch=4) == 8192 ** 2 * 2
+    heads = arch.num_attention_heads  # eager also keeps the scores: fp32 softmax and its bf16 copy
+    assert attention_matrix_bytes(gemma, micro_batch=4) == 8192 ** 2 * (2 + heads * (4 + 2))
     # Gemma-3: the 8 global layers stay on the varlen kernel (seq-based figure, no mask)
     g3 = job_from_recipe(_recipe("gemma-3-12b", micro=2), arch=get_model("gemma-3-12b"), preset=preset)
     assert (g3.attention, g3.varlen_layers) == ("sdpa", 8)
@@ -101,7 +109,7 @@ def test_fallback_executes_the_whole_packed_square_and_keeps_its_mask():
 
 
 def test_plan_warns_what_the_fallback_costs():
-    recipe = _recipe("gemma-2-9b")
+    recipe = _recipe("gemma-2-9b", attn="varlen")
     result = plan_on(recipe, arch=get_model("gemma-2-9b"), preset=H100, source="auto")
     (warning,) = [w for w in result.warnings if "varlen" in w]
     assert "soft-capping (50)" in warning and "42 of 42 layers" in warning and "8192 x 8192" in warning
@@ -166,3 +174,29 @@ def test_random_models_are_the_registry_models(tmp_path, key):
     loaded = AutoConfig.from_pretrained(tmp_path)
     assert getattr(loaded, "sliding_window", None) == arch.sliding_window
     assert getattr(loaded, "attn_logit_softcapping", None) == arch.attn_logit_softcap
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_a_soft_capped_layer_computes_what_transformers_eager_attention_does(tmp_path, packed):
+    """Gemma-2 through finetune's varlen attention function (on CPU its fallback path): the same logits as
+    transformers' own eager attention, which applies the soft-capping that sdpa does not have."""
+    torch = pytest.importorskip("torch")
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from finetune.train.attention import register
+
+    (tmp_path / "config.json").write_text(json.dumps({**SMALL, "model_type": "gemma2", "num_hidden_layers": 2,
+                                                      "attn_logit_softcapping": 5.0, "sliding_window": 4}))
+    torch.manual_seed(0)
+    eager_config = AutoConfig.from_pretrained(tmp_path)
+    eager_config._attn_implementation = "eager"
+    model = AutoModelForCausalLM.from_config(eager_config).float().eval()
+    ids = torch.randint(0, 256, (1, 12))
+    kwargs = {"position_ids": torch.tensor([[0, 1, 2, 3, 4, 0, 1, 2, 3, 4, 5, 6]])} if packed else {}
+    with torch.no_grad():
+        expected = model(input_ids=ids, **kwargs).logits
+        model.config._attn_implementation = register()
+        for layer in model.model.layers:
+            layer.self_attn.config._attn_implementation = model.config._attn_implementation
+        got = model(input_ids=ids, **kwargs).logits
+    assert torch.allclose(got, expected, atol=1e-5)

@@ -75,11 +75,15 @@ def recipe_flops_per_token(recipe, *, arch) -> float:
                                  trainable_params=trainable)
 
 
-def attention_implementation(recipe, preset) -> str:
+def attention_implementation(recipe, preset, *, arch=None) -> str:
     """What train/model.py loads for model.attn_implementation. auto: PyTorch's varlen flash kernel for
-    padding-free packed SFT rows on NVIDIA GPUs (finetune/train/attention.py), sdpa otherwise."""
+    padding-free packed SFT rows on NVIDIA GPUs (finetune/train/attention.py), sdpa otherwise; eager for
+    an `arch` with attention logit soft-capping (Gemma-2), which neither sdpa nor the varlen kernel
+    computes (transformers' own eager attention is its reference implementation)."""
     chosen = recipe.model.attn_implementation
     if chosen == "auto":
+        if arch is not None and arch.attn_logit_softcap:
+            return "eager"
         packed_sft = recipe.data.packing and recipe.method.type == "sft"
         chosen = "varlen" if packed_sft and preset.vendor == "nvidia" else "sdpa"
     return chosen
@@ -89,10 +93,13 @@ def attention_kind(implementation: str, *, packed: bool, arch=None) -> str:
     """The planner's attention memory model: flash (no mask, no repeated kv heads) | varlen (no mask;
     kv heads repeated where torch's varlen kernel has no GQA, e.g. torch 2.11) | sdpa | eager.
     varlen falls back to sdpa on rows without example boundaries, and on packed rows of an `arch`
-    whose sliding windows or logit soft-capping it does not run (`varlen_fallback_layers`)."""
+    whose sliding windows or logit soft-capping it does not run (`varlen_fallback_layers`): soft-capped
+    layers go to the model's own eager attention (sdpa has no soft-capping), the others to sdpa."""
     if implementation in ("eager", "sdpa"):
         return implementation
     if implementation == "varlen":
+        if arch is not None and arch.attn_logit_softcap:
+            return "eager"
         if not packed or (arch is not None and varlen_fallback_layers(arch)):
             return "sdpa"
         return "varlen"
@@ -130,7 +137,7 @@ def job_from_recipe(recipe, *, arch, preset) -> Job:
     if added:  # tokenizer.added_tokens / special-token overrides grow the embeddings and the LM head
         arch = arch.model_copy(update={"vocab_size": arch.vocab_size + added})
     micro = recipe.train.micro_batch_size
-    implementation = attention_implementation(recipe, preset)
+    implementation = attention_implementation(recipe, preset, arch=arch)
     attention = attention_kind(implementation, packed=recipe.data.packing, arch=arch)
     fallback = varlen_fallback_layers(arch)
     served = arch.num_layers - fallback if implementation == "varlen" and recipe.data.packing else 0
@@ -268,9 +275,10 @@ def _kernels(job: Job, strategy: str) -> str:
     attention = {"varlen": "varlen flash attention on packed rows", "flash": "flash attention",
                  "sdpa": "sdpa attention", "eager": "eager attention"}[job.attention]
     fallback = varlen_fallback_layers(job.arch)
-    if job.attention == "sdpa" and job.packed and fallback and job.varlen_layers < job.arch.num_layers:
-        attention = (f"sdpa attention with a masked packed row on {fallback} of {job.arch.num_layers} layers "
-                     f"(varlen falls back)" + (", varlen flash on the rest" if job.varlen_layers else ""))
+    if job.attention in ("sdpa", "eager") and job.packed and fallback and job.varlen_layers < job.arch.num_layers:
+        attention = (f"{job.attention} attention with a masked packed row on {fallback} of {job.arch.num_layers} "
+                     f"layers (the varlen kernel does not run them)"
+                     + (", varlen flash on the rest" if job.varlen_layers else ""))
     parts = [attention, "Liger RMSNorm/RoPE/SwiGLU" if job.liger else "no Liger"]
     if adapter_input_casts(job, strategy):
         parts.append("peft's fp32 adapter-input casts")

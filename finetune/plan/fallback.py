@@ -2,8 +2,9 @@
 
 finetune/train/attention.py runs packed rows on torch's varlen flash kernel, except in layers with a
 sliding window or logit soft-capping (`workload.varlen_fallback_layers`): those go to transformers'
-sdpa with a block-diagonal mask over the whole packed row, which computes every block of the row's
-(micro_batch x seq)^2 square and keeps a float mask bias of that square per layer.
+sdpa (soft-capped ones to the model's eager attention, which also keeps the scores) with a block-diagonal
+mask over the whole packed row, which computes every block of the row's (micro_batch x seq)^2 square and
+keeps a float mask bias of that square per layer.
 """
 
 from __future__ import annotations
@@ -20,7 +21,8 @@ def attention_fallback_warning(job: Job, plan: Plan) -> str:
     from finetune.plan.timing import flops_per_token
 
     fallback = varlen_fallback_layers(job.arch)
-    if not (fallback and job.packed and job.attention == "sdpa" and job.varlen_layers < job.arch.num_layers):
+    if not (fallback and job.packed and job.attention in ("sdpa", "eager")
+            and job.varlen_layers < job.arch.num_layers):
         return ""
     arch, micro = job.arch, plan.micro_batch_size
     why = [f"attention logit soft-capping ({arch.attn_logit_softcap:g})"] if arch.attn_logit_softcap else []
@@ -36,7 +38,7 @@ def attention_fallback_warning(job: Job, plan: Plan) -> str:
     mask = attention_matrix_bytes(job, micro_batch=micro) * kept / GIB
     row = micro * job.seq_len
     return (f"{arch.key} has {' and '.join(why)}, which finetune's varlen flash kernel does not run: "
-            f"{fallback} of {arch.num_layers} layers use sdpa with a block-diagonal mask over each packed "
+            f"{fallback} of {arch.num_layers} layers use {job.attention} with a block-diagonal mask over each packed "
             f"row of {micro} x {job.seq_len} = {row} tokens, computing all {row} x {row} blocks "
             f"(modelled {extra:.0%} of the step's FLOPs) and keeping {mask:.1f} GiB of mask bias per GPU; "
             f"a smaller train.micro_batch_size shrinks the row (model.attn_implementation: "

@@ -125,8 +125,9 @@ def attended_positions(arch: ModelArch, seq_len: int) -> int:
 def varlen_fallback_layers(arch: ModelArch) -> int:
     """Decoder layers of `arch` that finetune's varlen kernel does not serve: it has no sliding window
     and no logit soft-capping, so finetune/train/attention.py's `varlen_attention_forward` hands a layer
-    that passes `sliding_window` or `softcap` to transformers' sdpa_attention_forward with the
-    block-diagonal mask over the whole packed row (keep the two rules together). Soft-capping is set on
+    that passes `sliding_window` to transformers' sdpa_attention_forward, and one that passes `softcap`
+    to the model's own eager attention, each with the block-diagonal mask over the whole packed row (keep
+    the two rules together). Soft-capping is set on
     every layer (Gemma-2); sliding windows on `sliding_layers` of them. 0: the kernel serves them all."""
     if arch.attn_logit_softcap:
         return arch.num_layers

@@ -15,6 +15,7 @@ any model that supports sdpa.
 from __future__ import annotations
 
 import functools
+import importlib
 import inspect
 
 NAME = "finetune_varlen"
@@ -74,6 +75,24 @@ def layer_falls_back(kwargs: dict) -> bool:
     return bool(kwargs.get("sliding_window")) or kwargs.get("softcap") is not None
 
 
+def _eager_with_softcap(module, query, key, value, attention_mask, **kwargs):
+    """sdpa has no logit soft-capping (newer transformers refuse it, older ones dropped it silently): a
+    soft-capped layer (Gemma-2, when varlen was asked for explicitly) runs its model's own eager
+    attention, with the additive float mask eager expects in place of sdpa's boolean one (or of none,
+    which sdpa reads as plain causal)."""
+    import torch
+
+    eager = importlib.import_module(type(module).__module__).eager_attention_forward
+    mask = attention_mask
+    if mask is None:
+        q_len, k_len = query.shape[2], key.shape[2]
+        mask = torch.ones(q_len, k_len, dtype=torch.bool, device=query.device).tril(k_len - q_len)[None, None]
+    if mask.dtype == torch.bool:
+        mask = torch.zeros(mask.shape, dtype=query.dtype, device=query.device).masked_fill(
+            ~mask, torch.finfo(query.dtype).min)
+    return eager(module, query, key, value, mask, **kwargs)
+
+
 def varlen_attention_forward(module, query, key, value, attention_mask, dropout: float = 0.0,
                              scaling: float | None = None, is_causal: bool | None = None, **kwargs):
     """AttentionInterface signature: q/k/v are (batch, heads, seq, head_dim); returns (b, s, h, d)."""
@@ -85,6 +104,9 @@ def varlen_attention_forward(module, query, key, value, attention_mask, dropout:
     plain = (kernel is None or bounds is None or not query.is_cuda or dropout
              or query.dtype not in (torch.bfloat16, torch.float16) or layer_falls_back(kwargs)
              or not (is_causal if is_causal is not None else module.is_causal))
+    if plain and kwargs.get("softcap") is not None:
+        return _eager_with_softcap(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                   **kwargs)
     if plain:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       is_causal=is_causal, **kwargs)
