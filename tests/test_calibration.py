@@ -54,15 +54,11 @@ SPEED_MISSES = {
                                 "modelled, CPU Adam's assumed 2e9 params/s per node is what remains; the "
                                 "row implies ~0.9e9 on a host shared with another run"),
     "25-lora8b-zero3-nvme": "ZeRO-Infinity NVMe offload: predicted slower than measured",
-    "27-qlora70b-1gpu": ("70B QLoRA on one H100, checkpointing every layer at seq 4096: predicted slower "
-                         "than measured"),
     "28-dora8b": ("DoRA r16 on 8B: peft's weight norm per forward and its elementwise passes are modelled from "
                   "bytes moved (finetune/plan/dora_time.py), about 60% of the measured gap; kernel launches "
                   "and below-peak bandwidth are not"),
-    "38-lora8b-s16k": ("seq 16k: attention time is planned over the full row length; the packed rows' examples "
-                       "are a fraction of it and a causal kernel skips half the blocks"),
-    "39-lora8b-s32k": "seq 32k: as seq 16k, the attention term dominates the predicted step",
-    "41-lora8b-s8k": "seq 8k: as seq 16k",
+    "39-lora8b-s32k": ("seq 32k: the planner assumes examples as long as the row (long-context data); this row's "
+                       "examples were 1/40 to 1/120 of it, so the varlen kernel's attention was far smaller"),
     "42-mistral7b-lora-s4k": ("masked SDPA over the packed micro-batch (the random model's 4096 sliding window) "
                               "is now planned over the whole 8192 x 8192 square, at the matmul efficiency; the "
                               "masked kernel runs below it"),

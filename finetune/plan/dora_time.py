@@ -33,7 +33,7 @@ def _weight_side_bytes(*, fin: int, fout: int, r: int, adapter: int, compute: in
                        dequantize: float) -> float:
     """One module's weight-norm recomputation, bytes moved (see the module docstring)."""
     square, io, thin = fin * fin, fin * fout, fin * r
-    moved = adapter * square  # torch.eye
+    moved: float = adapter * square  # torch.eye
     if adapter != compute:
         moved += (adapter + compute) * square  # autocast's cast of the identity
     moved += compute * square + compute * thin  # lora_A(eye)

@@ -5,14 +5,15 @@ scripts/bench.py and scripts/gpu_validate.py all use it), plus work that is not 
   checkpointing: + 2N + 4*L*a*s   (one extra forward per layer; x k/L when k of L layers are)
   dpo:         the policy on chosen + rejected (2 sequences per sample) plus a reference forward
                (2N + 4*L*a*s per token) unless the reference log-probs are precomputed.
-The step time counts the attention FLOPs the kernels execute (`executed_attention_positions`): sdpa
-on a packed row of micro_batch x seq tokens (a model finetune's varlen kernel does not serve, or
-sdpa/eager chosen) computes the whole square of the row, micro_batch x the per-sequence figure.
+The step time counts the attention FLOPs the kernels execute (`executed_attention_positions`): a causal
+kernel (flash, varlen, sdpa on one unpadded row) computes the triangle, about half the s x s the MFU
+counts; a masked kernel every block, and on a packed row of micro_batch x seq tokens (a model
+finetune's varlen kernel does not serve, or sdpa/eager chosen) the whole square of the row.
 Compute time = FLOPs / (peak x efficiency). Efficiency is an HF-stack MFU: 0.45 on GPUs for a full
 fine-tune; LoRA/QLoRA with finetune's GPU defaults (varlen attention, Liger, no peft input casts) reach
 about the same (their extra elementwise adapter kernels are balanced by the frozen base's cheaper
-backward); QLoRA also dequantizes NF4 on every matmul; small micro-batches underuse the GPU. DoRA adds memory-bound
-work the FLOPs do not show, timed at the card's memory bandwidth (plan/dora_time.py).
+backward); QLoRA also dequantizes NF4 on every matmul; small micro-batches underuse the GPU. DoRA
+adds memory-bound work the FLOPs do not show, timed at the card's memory bandwidth (plan/dora_time.py).
 Calibrated on the second-pass runs in tests/data/gpu_calibration.json (H200, tokens/s over 20-30 steps,
 start-up included): 8B LoRA 1 GPU 13.4k tokens/s (steady 13.7k), QLoRA 13.2k = 0.99 of LoRA's, 3B full
 FSDP2 on 2 GPUs 39.2k (steady 52.1k).
@@ -105,7 +106,7 @@ def flops_per_token(job: Job, *, checkpointing: bool | int, micro_batch: int | N
     arch = job.arch
     n = count_params(arch).matmul_active
     width = arch.num_attention_heads * head_dim(arch)
-    attn = width * attended_positions(arch, job.seq_len)
+    attn: float = width * attended_positions(arch, job.seq_len)
     flops = job_model_flops_per_token(job)
     if micro_batch is not None:
         executed = width * executed_attention_positions(job, micro_batch=micro_batch)

@@ -134,16 +134,39 @@ def varlen_fallback_layers(arch: ModelArch) -> int:
     return min(arch.sliding_layers, arch.num_layers) if arch.sliding_window else 0
 
 
-def executed_attention_positions(job: Job, *, micro_batch: int) -> int:
+def causal_positions(arch: ModelArch, seq_len: int) -> float:
+    """L x the keys a query attends to on average in a causal row of `seq_len` tokens: s/2 for a full
+    layer (query i sees i+1 keys), w - w^2/(2s) for a sliding layer of window w < s (a band)."""
+    sliding = min(arch.sliding_layers, arch.num_layers) if arch.sliding_window else 0
+    window = arch.sliding_window or seq_len
+    band = seq_len / 2 if window >= seq_len else window - window * window / (2 * seq_len)
+    return (arch.num_layers - sliding) * seq_len / 2 + sliding * band
+
+
+def skips_masked_blocks(job: Job, *, micro_batch: int) -> bool:
+    """The attention kernel computes only blocks on or below the causal diagonal: the flash and varlen
+    kernels, and sdpa on one unpadded row (is_causal, no mask: its flash backend). A kernel given an
+    explicit mask (padded rows, a packed row's block-diagonal mask, eager) computes every block."""
+    if job.attention in ("flash", "varlen"):
+        return True
+    return job.attention == "sdpa" and not job.packed and micro_batch * job.sequences_per_sample == 1
+
+
+def executed_attention_positions(job: Job, *, micro_batch: int) -> float:
     """L x key positions per query token that the attention kernels really compute (the step time's
-    attention FLOPs; the MFU's stay `attended_positions`). sdpa or eager with a mask over a packed row
-    of T = micro_batch x seq_len tokens compute every T x T block (a masked kernel skips none, and a
-    sliding window is only more mask); the varlen kernel computes each example's causal triangle, whose
-    size needs the example lengths the planner never reads, so those layers keep the seq-based figure."""
-    if not job.packed or job.attention not in ("sdpa", "eager"):
-        return attended_positions(job.arch, job.seq_len)
-    varlen = min(job.varlen_layers, job.arch.num_layers)
-    return (job.arch.num_layers - varlen) * micro_batch * job.seq_len + varlen * job.seq_len
+    attention FLOPs; the MFU's stay `attended_positions`, the convention that counts the full s x s).
+    sdpa or eager with a mask over a packed row of T = micro_batch x seq_len tokens compute every T x T
+    block (a masked kernel skips none, and a sliding window is only more mask); a causal kernel
+    computes the triangle of each row (`causal_positions`). The varlen kernel's rows are the packed
+    examples, whose lengths the planner never reads: it assumes examples as long as seq_len (long-context
+    data), so rows of shorter examples run faster than planned."""
+    arch = job.arch
+    if job.packed and job.attention in ("sdpa", "eager"):
+        varlen = min(job.varlen_layers, arch.num_layers)
+        return (arch.num_layers - varlen) * micro_batch * job.seq_len + varlen * job.seq_len / 2
+    if skips_masked_blocks(job, micro_batch=micro_batch):
+        return causal_positions(arch, job.seq_len)
+    return attended_positions(arch, job.seq_len)
 
 
 def is_mla(arch: ModelArch) -> bool:
