@@ -6,14 +6,11 @@ varlen path, that the fallback is transformers' own sdpa) is checked on CPU with
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
 
 from finetune.train import attention
-
-TINY = str(Path(__file__).resolve().parents[1] / "data" / "tiny-llama")
+from tests.helpers.paths import TINY_MODEL
 
 
 class _Module(torch.nn.Module):
@@ -66,7 +63,7 @@ def test_registered_name_loads_a_model():
     from transformers import AutoModelForCausalLM
 
     name = attention.register()
-    model = AutoModelForCausalLM.from_pretrained(TINY, attn_implementation=name)
+    model = AutoModelForCausalLM.from_pretrained(TINY_MODEL, attn_implementation=name)
     assert model.config._attn_implementation == name
     ids = torch.tensor([[1, 2, 3, 4]])
     with torch.no_grad():  # CPU: the fallback path, same logits as sdpa

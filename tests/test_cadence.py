@@ -5,11 +5,11 @@ from __future__ import annotations
 import json
 
 import pytest
-from conftest import resolve_recipe, tiny_recipe
 
 from finetune.errors import RecipeError
 from finetune.recipe.load import load_recipe
 from finetune.train.cadence import cadence_args
+from tests.helpers.recipes import resolve_recipe, tiny_recipe
 
 
 def _args(**sections):

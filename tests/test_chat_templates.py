@@ -6,11 +6,12 @@ from __future__ import annotations
 import json
 
 import pytest
-from conftest import TINY_MODEL, resolve_recipe, tiny_recipe
 
 from finetune.errors import RecipeError
 from finetune.recipe.load import load_recipe
 from finetune.registry.chat_templates import template_names
+from tests.helpers.paths import TINY_MODEL
+from tests.helpers.recipes import resolve_recipe, tiny_recipe
 
 CONV = [{"role": "system", "content": "Be terse."}, {"role": "user", "content": "abc"},
         {"role": "assistant", "content": "ABC"}, {"role": "user", "content": "de"},

@@ -8,8 +8,7 @@ from pathlib import Path
 import pytest
 
 from finetune import strategies
-
-ROOT = Path(__file__).resolve().parents[1]
+from tests.helpers.paths import ROOT
 
 
 def finetune(*args, cwd=ROOT):

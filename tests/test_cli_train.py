@@ -11,9 +11,10 @@ import sys
 
 import pytest
 import yaml
-from conftest import ROOT, SAMPLES, TINY_MODEL, tiny_recipe
 
 from finetune.rundir import read_metrics
+from tests.helpers.paths import ROOT, SAMPLES, TINY_MODEL
+from tests.helpers.recipes import tiny_recipe
 
 pytestmark = pytest.mark.slow
 

@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import ROOT
 
 from finetune.cli import main
 from finetune.recipe.load import load_recipe
+from tests.helpers.paths import ROOT
 
 CONFIGS = ROOT / "tests" / "data" / "convert"
 

@@ -8,10 +8,9 @@ import subprocess
 import sys
 from importlib.metadata import version
 
-from conftest import ROOT
-
 import finetune
 from finetune.envreport import relevant_env
+from tests.helpers.paths import ROOT
 
 CANARY = "hf_CANARYenvToken0123456789"
 

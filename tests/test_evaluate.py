@@ -8,8 +8,8 @@ import json
 import shutil
 
 import pytest
-from conftest import ROOT
-from trained_run import trained_run
+
+from tests.helpers.paths import ROOT
 
 pytest.importorskip("lm_eval", reason="lm-evaluation-harness is the `eval` extra")
 
@@ -18,9 +18,9 @@ from finetune.evaluation import EvalError, evaluate, render_table  # noqa: E402
 
 
 @pytest.mark.slow
-def test_local_task_base_and_trained_side_by_side(tmp_path, tmp_path_factory, monkeypatch):
+def test_local_task_base_and_trained_side_by_side(tmp_path, trained_run, monkeypatch):
     run = tmp_path / "run"
-    shutil.copytree(trained_run(tmp_path_factory.getbasetemp() / "trained"), run)
+    shutil.copytree(trained_run, run)
     monkeypatch.chdir(ROOT)  # the shipped task's data path is relative to the repository root
     entry = evaluate(run, "tiny_upper", include_path=ROOT / "data" / "lm-eval", limit=6, batch_size=4,
                      apply_chat_template=True)

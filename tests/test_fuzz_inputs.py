@@ -21,13 +21,13 @@ from hypothesis import strategies as st
 from finetune.cli import main
 from finetune.errors import FinetuneError
 from finetune.recipe.load import load_recipe
+from tests.helpers.paths import ROOT
 
-ROOT = Path(__file__).resolve().parents[1]
-TINY = ROOT / "data" / "tiny-llama"
+TINY_MODEL = ROOT / "data" / "tiny-llama"
 ROWS = [{"messages": [{"role": "user", "content": w}, {"role": "assistant", "content": w.upper()}]}
         for w in ("abc", "dog", "sun", "map", "kit", "fox")]
 BASE = {
-    "model": {"name": str(TINY), "dtype": "float32"},
+    "model": {"name": str(TINY_MODEL), "dtype": "float32"},
     "adapter": {"type": "lora", "r": 8},
     "data": {"path": "data.jsonl", "format": "messages", "max_length": 32},
     "train": {"max_steps": 2, "global_batch_size": 2, "micro_batch_size": 2, "precision": "fp32"},

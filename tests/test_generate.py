@@ -9,19 +9,17 @@ import subprocess
 import sys
 
 import pytest
-from conftest import ROOT
-from tiny_run import tiny_runs
-from trained_run import trained_run
 
 import finetune
 from finetune.inference import GenerateError, read_prompts
+from tests.helpers.paths import ROOT
 
 PROMPTS = ["The quick", "Hello world! How", "LoRA"]
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    return tiny_runs(tmp_path_factory.getbasetemp() / "tiny")
+def runs(tiny_runs):
+    return tiny_runs
 
 
 def _cli(*args, stdin=None):
@@ -81,8 +79,8 @@ def test_cli_needs_one_source_of_prompts(runs, capsys):
 
 
 @pytest.mark.slow
-def test_chat_with_a_trained_run_through_stdin(tmp_path_factory):
-    run_dir = trained_run(tmp_path_factory.getbasetemp() / "trained")
+def test_chat_with_a_trained_run_through_stdin(trained_run):
+    run_dir = trained_run
     proc = _cli(run_dir, "--chat", "--max-new-tokens", 4, stdin="abc\n/reset\nxyz\n/exit\n")
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.count("model> ") == 2 and "(history cleared)" in proc.stdout

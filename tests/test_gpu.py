@@ -16,7 +16,9 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+from tests.helpers.paths import ROOT
+from tests.helpers.recipes import write_preset
+
 pytestmark = pytest.mark.gpu
 
 
@@ -121,17 +123,13 @@ def _lora3b_recipe(tmp_path: Path, *, steps: int) -> Path:
 
 def _overstated_preset(path: Path, factor: float) -> Path:
     """This machine's first GPU with `factor` x its memory: a preset whose prediction is wrong on purpose."""
-    import yaml
-
     from finetune.registry.detect import query_gpus
 
     name, memory_gib = query_gpus()[0]
-    path.write_text(yaml.safe_dump({
-        "name": "overstated-1gpu", "gpu_model": name, "gpu_memory_gib": memory_gib * factor,
-        "gpus_per_node": 1, "nodes": 1, "intra_node_link": "none", "intra_node_bandwidth_gbps": 300,
-        "inter_node_fabric": "none", "inter_node_bandwidth_gbps": 0, "host_ram_gib": 512,
-        "peak_bf16_tflops": 989}))
-    return path
+    return write_preset(path, like=None, name="overstated-1gpu", gpu_model=name,
+                        gpu_memory_gib=memory_gib * factor, gpus_per_node=1, nodes=1, intra_node_link="none",
+                        intra_node_bandwidth_gbps=300, inter_node_fabric="none", inter_node_bandwidth_gbps=0,
+                        host_ram_gib=512, peak_bf16_tflops=989)
 
 
 def test_cuda_out_of_memory_is_replanned_and_the_run_finishes(tmp_path):

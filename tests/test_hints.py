@@ -6,11 +6,11 @@ from __future__ import annotations
 import copy
 
 import pytest
-from conftest import tiny_recipe
 
 from finetune.errors import RecipeError
 from finetune.recipe.aliases import ALIASES
 from finetune.recipe.load import load_recipe
+from tests.helpers.recipes import tiny_recipe
 
 # a value of the peer's kind for each of our keys, and any context the key needs to be valid
 SAMPLE = {

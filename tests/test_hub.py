@@ -10,12 +10,11 @@ import yaml
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # transformers (tiny run fixture) stays offline
 
-from fakehub import FakeHub  # noqa: E402
-from tiny_run import tiny_runs, tree_hashes  # noqa: E402
-
 from finetune.hub import PushError, base_license, push, push_from_recipe  # noqa: E402
 from finetune.modelcard import card_metadata, parse_front_matter, render_model_card  # noqa: E402
 from finetune.recipe import load_recipe  # noqa: E402
+from tests.helpers.fakehub import FakeHub  # noqa: E402
+from tests.helpers.run_dirs import tree_hashes  # noqa: E402
 
 CANARY = "hf_CANARYtoken1234567890abcdef"
 ALLOWED = {"README.md", "adapter_config.json", "adapter_model.safetensors", "tokenizer.json",
@@ -23,8 +22,8 @@ ALLOWED = {"README.md", "adapter_config.json", "adapter_model.safetensors", "tok
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    return tiny_runs(tmp_path_factory.getbasetemp() / "tiny")
+def runs(tiny_runs):
+    return tiny_runs
 
 
 @pytest.fixture

@@ -10,8 +10,9 @@ import sys
 
 import pytest
 import yaml
-from conftest import ROOT, TINY_MODEL
-from fakehub import FakeHub
+
+from tests.helpers.fakehub import FakeHub
+from tests.helpers.paths import ROOT, TINY_MODEL
 
 CONFIG = json.loads((TINY_MODEL / "config.json").read_text())
 

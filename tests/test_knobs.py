@@ -7,13 +7,14 @@ from __future__ import annotations
 import json
 
 import pytest
-from conftest import QUICKSTART_DATA, SAMPLES, resolve_recipe, tiny_recipe
 
 from finetune.errors import RecipeError
 from finetune.recipe.load import load_recipe
 from finetune.recipe.schema import DataSource
 from finetune.train.data import load_source
 from finetune.train.splits import slice_rows
+from tests.helpers.paths import QUICKSTART_DATA, SAMPLES
+from tests.helpers.recipes import resolve_recipe, tiny_recipe
 
 
 @pytest.mark.parametrize("split,expect", [

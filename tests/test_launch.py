@@ -20,8 +20,8 @@ from finetune.launch import NodeInstructions, launch
 from finetune.plan.types import Plan
 from finetune.recipe import load_recipe
 from finetune.registry import get_model, get_preset
+from tests.helpers.paths import ROOT
 
-ROOT = Path(__file__).resolve().parents[1]
 PROBE = "tests.helpers.dist_probe"
 RECIPE = {"model": {"name": "tiny-llama", "dtype": "float32"}, "data": {"path": "d.jsonl"},
           "train": {"precision": "fp32", "global_batch_size": 8}, "hardware": "cpu"}

@@ -8,13 +8,13 @@ import subprocess
 import sys
 
 import pytest
-from conftest import ROOT
-from reliability_util import env
 
 from finetune.api import plan
 from finetune.measurement import read_measurement, render_measurement, steady_rate
 from finetune.plan.choose import HEADROOM
 from finetune.rundir import CHECKPOINTS, METRICS, memory_file
+from tests.helpers.paths import ROOT
+from tests.helpers.processes import env
 
 QUICKSTART = ROOT / "recipes" / "quickstart.yaml"
 

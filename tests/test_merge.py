@@ -10,14 +10,13 @@ import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from tiny_run import tiny_runs, tree_hashes, variant_run  # noqa: E402
-
 from finetune.merge import MergeError, merge  # noqa: E402
+from tests.helpers.run_dirs import tree_hashes, variant_run  # noqa: E402
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    return tiny_runs(tmp_path_factory.getbasetemp() / "tiny")
+def runs(tiny_runs):
+    return tiny_runs
 
 
 def _logits(model, ids):

@@ -11,10 +11,11 @@ import sys
 
 import pytest
 import yaml
-from conftest import ROOT, SAMPLES, tiny_recipe
 
 from finetune.errors import RecipeError
 from finetune.recipe.load import deep_merge, load_recipe
+from tests.helpers.paths import ROOT, SAMPLES
+from tests.helpers.recipes import tiny_recipe
 
 PREF = {"sources": [{"path": str(SAMPLES / "preference.jsonl"), "format": "preference", "max_samples": 64}],
         "eval_sources": []}
@@ -128,9 +129,8 @@ def test_streaming_rules():
 
 @pytest.mark.slow
 def test_pretrain_streams_a_corpus_and_splits_long_documents(tmp_path):
-    from conftest import resolve_recipe
-
     from finetune.train.run import run_rank
+    from tests.helpers.recipes import resolve_recipe
 
     corpus = tmp_path / "corpus.jsonl"
     words = [json.loads(line)["text"] for line in (SAMPLES / "text.jsonl").read_text().splitlines()]

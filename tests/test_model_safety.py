@@ -6,11 +6,12 @@ import shutil
 
 import pytest
 import torch
-from conftest import TINY_MODEL, resolve_recipe, tiny_recipe
 
 from finetune.errors import RecipeError
 from finetune.recipe import load_recipe
 from finetune.train.model import load_model
+from tests.helpers.paths import TINY_MODEL
+from tests.helpers.recipes import resolve_recipe, tiny_recipe
 
 pytestmark = pytest.mark.slow
 

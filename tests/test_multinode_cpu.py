@@ -9,8 +9,10 @@ import subprocess
 import sys
 
 import pytest
-import yaml
-from reliability_util import ROOT, env, write_recipe
+
+from tests.helpers.paths import ROOT
+from tests.helpers.processes import env
+from tests.helpers.recipes import cpu_preset, write_recipe
 
 pytestmark = pytest.mark.slow
 
@@ -22,12 +24,8 @@ def _free_port() -> int:
 
 
 def test_two_nodes_on_loopback_train_one_model(tmp_path):
-    preset = tmp_path / "two-cpu-nodes.yaml"
-    preset.write_text(yaml.safe_dump({
-        "name": "cpu-2-nodes", "gpu_model": "cpu", "vendor": "cpu", "gpu_memory_gib": 8,
-        "gpus_per_node": 1, "nodes": 2, "intra_node_link": "none", "intra_node_bandwidth_gbps": 10,
-        "inter_node_fabric": "ethernet", "inter_node_bandwidth_gbps": 1, "host_ram_gib": 16,
-        "peak_bf16_tflops": 1.0}))
+    preset = cpu_preset(tmp_path / "two-cpu-nodes.yaml", procs=1, nodes=2, inter_node_fabric="ethernet",
+                        inter_node_bandwidth_gbps=1)
     recipe = write_recipe(tmp_path / "recipe.yaml", hardware=str(preset),
                           train={"epochs": None, "max_steps": 4}, output={"save_every": None})
     port = str(_free_port())

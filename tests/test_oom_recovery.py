@@ -12,8 +12,6 @@ import sys
 from dataclasses import replace
 
 import pytest
-from conftest import ROOT, resolve_recipe, tiny_recipe
-from reliability_util import cli_argv, env, write_recipe
 
 from finetune.api import compile as compile_run
 from finetune.errors import RecipeError
@@ -28,6 +26,9 @@ from finetune.rundir import OOM_RETRIES, read_oom_records
 from finetune.train.checkpoint import check_resume
 from finetune.train.integrity import recipe_fields, write_marker
 from finetune.train.run import run_rank
+from tests.helpers.paths import ROOT
+from tests.helpers.processes import cli_argv, env
+from tests.helpers.recipes import resolve_recipe, tiny_recipe, write_recipe
 
 
 def _job(**train):

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import pytest
-from conftest import tiny_recipe
 
 from finetune.errors import RecipeError
 from finetune.recipe.load import load_recipe, parse_override
+from tests.helpers.recipes import tiny_recipe
 
 
 def test_parse_override_reads_list_indices():

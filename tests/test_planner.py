@@ -5,7 +5,6 @@ from __future__ import annotations
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 
@@ -23,10 +22,11 @@ from finetune.plan.timing import flops_per_token
 from finetune.plan.workload import count_params
 from finetune.recipe import load_recipe
 from finetune.registry import get_model, get_preset
+from tests.helpers.paths import ROOT
+from tests.helpers.recipes import write_preset
 
 GB = 1e9
 GIB = 1024 ** 3
-ROOT = Path(__file__).resolve().parent.parent
 
 
 def recipe(model: str, adapter: str, hardware: str = "server-8xh100", *, seq: int = 2048,
@@ -79,11 +79,10 @@ def test_mixed_precision_adam_is_16_bytes_per_param():
 
 
 def _four_gpu_96gb_preset(tmp_path) -> str:
-    path = tmp_path / "4x96.yaml"
-    path.write_text("name: test-4x96gb\ngpu_model: 96 GB GPU\ngpu_memory_gib: 89.4\n"
-                    "gpus_per_node: 4\nintra_node_link: pcie\nintra_node_bandwidth_gbps: 40\n"
-                    "host_ram_gib: 256\npeak_bf16_tflops: 500\n")  # 96e9 B = 89.4 GiB, small RAM
-    return str(path)
+    # 96e9 B = 89.4 GiB, small RAM
+    return str(write_preset(tmp_path / "4x96.yaml", like=None, name="test-4x96gb", gpu_model="96 GB GPU",
+                            gpu_memory_gib=89.4, gpus_per_node=4, intra_node_link="pcie",
+                            intra_node_bandwidth_gbps=40, host_ram_gib=256, peak_bf16_tflops=500))
 
 
 def test_70b_on_4x96gb_lora_fits_full_does_not(tmp_path):

@@ -7,13 +7,13 @@ import json
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, SAMPLES
 
 from finetune.errors import DataError
 from finetune.recipe.load import load_recipe
 from finetune.recipe.schema import DataSource
 from finetune.train.data import load_source
 from finetune.train.preference import extract_prompt
+from tests.helpers.paths import ROOT, SAMPLES
 
 U = {"role": "user", "content": "abc"}
 

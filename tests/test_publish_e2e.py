@@ -9,10 +9,11 @@ import sys
 
 import pytest
 import yaml
-from conftest import ROOT, tiny_recipe
-from fakehub import FakeHub
 
 from finetune.modelcard import parse_front_matter
+from tests.helpers.fakehub import FakeHub
+from tests.helpers.paths import ROOT
+from tests.helpers.recipes import tiny_recipe
 
 pytestmark = pytest.mark.slow
 CANARY = "hf_CANARYe2eToken0987654321fedcba"

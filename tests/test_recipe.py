@@ -8,8 +8,8 @@ import yaml
 from finetune.errors import RecipeError
 from finetune.recipe import load_recipe
 from finetune.recipe.load import dump_recipe
+from tests.helpers.paths import ROOT
 
-ROOT = Path(__file__).resolve().parents[1]
 RECIPES = sorted((ROOT / "recipes").rglob("*.yaml"))
 BASE = {"model": {"name": "meta-llama/Llama-3.1-8B"}, "data": {"path": "d.jsonl"}}
 

@@ -2,9 +2,8 @@
 
 import subprocess
 import sys
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from tests.helpers.paths import ROOT
 
 
 def test_recipe_plan_headers_match_the_planner():

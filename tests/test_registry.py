@@ -20,8 +20,8 @@ from finetune.registry import (
 )
 from finetune.registry.detect import parse_nvidia_smi, synthesize_preset, visible_gpus
 from finetune.registry.schema import HardwarePreset, ModelArch
+from tests.helpers.paths import ROOT
 
-ROOT = Path(__file__).resolve().parent.parent
 PRESET_NAMES = {
     "cpu", "workstation-1x4090", "workstation-2x4090", "workstation-4x4090", "workstation-1x5090",
     "workstation-2x5090", "workstation-4xrtxpro6000", "server-8xh100", "server-8xh200",

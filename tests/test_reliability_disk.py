@@ -9,13 +9,14 @@ import os
 import subprocess
 
 import pytest
-from reliability_util import checkpoints, cli_argv, env, losses, run, start, wait_for, write_recipe
 from test_reliability_rundir import tree
 
 from finetune import rundir
 from finetune.cli import main
 from finetune.prelaunch import check_safetensors
 from finetune.train.integrity import verify
+from tests.helpers.processes import checkpoints, cli_argv, env, losses, run, start, wait_for
+from tests.helpers.recipes import write_recipe
 
 pytestmark = pytest.mark.slow
 SIZE_MIB = 40

@@ -7,7 +7,9 @@ import signal
 import time
 
 import pytest
-from reliability_util import cli_argv, cpu_preset, losses, start, tree, wait_for, write_recipe
+
+from tests.helpers.processes import cli_argv, losses, start, tree, wait_for
+from tests.helpers.recipes import cpu_preset, write_recipe
 
 pytestmark = pytest.mark.slow
 

@@ -9,12 +9,12 @@ import os
 import time
 
 import pytest
-from conftest import TINY_MODEL
-from reliability_util import write_recipe
 
 from finetune.cli import main
 from finetune.recipe.paths import allowed_roots
 from finetune.train import cache
+from tests.helpers.paths import TINY_MODEL
+from tests.helpers.recipes import write_recipe
 
 
 def _validate(capsys, recipe) -> str:

@@ -8,7 +8,9 @@ import random
 import re
 
 import pytest
-from reliability_util import checkpoints, cli_argv, kill_tree, losses, run, start, wait_for, write_recipe
+
+from tests.helpers.processes import checkpoints, cli_argv, kill_tree, losses, run, start, wait_for
+from tests.helpers.recipes import write_recipe
 
 pytestmark = pytest.mark.slow
 STEPS = 12  # 3 epochs x 4 steps; checkpoints every 3 steps, keep 2

@@ -10,10 +10,11 @@ import shutil
 
 import pytest
 import torch
-from conftest import TINY_MODEL, resolve_recipe, tiny_recipe
 from transformers import TrainerCallback
 
 from finetune.errors import TrainingFailed
+from tests.helpers.paths import TINY_MODEL
+from tests.helpers.recipes import resolve_recipe, tiny_recipe
 
 pytestmark = pytest.mark.slow
 BAD = "~"

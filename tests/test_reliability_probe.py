@@ -6,7 +6,7 @@ from __future__ import annotations
 import importlib.util
 import sys
 
-from conftest import ROOT
+from tests.helpers.paths import ROOT
 
 
 def _probe():

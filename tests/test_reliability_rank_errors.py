@@ -10,17 +10,19 @@ import json
 import shutil
 
 import pytest
-from reliability_util import TINY, cli_argv, run, write_recipe
 
 from finetune.cli import main
 from finetune.errors import DataError, RecipeError, TrainingFailed
 from finetune.registry.detect import query_gpus
 from finetune.train.failure import as_finetune_error
+from tests.helpers.paths import TINY_MODEL
+from tests.helpers.processes import cli_argv, run
+from tests.helpers.recipes import write_recipe
 
 
 def _model(tmp_path, **change):
     model = tmp_path / "model"
-    shutil.copytree(TINY, model)
+    shutil.copytree(TINY_MODEL, model)
     return model
 
 

@@ -8,14 +8,15 @@ import os
 import re
 
 import pytest
-from conftest import ROOT, resolve_recipe, tiny_recipe
-from reliability_util import checkpoints, cli_argv, run, write_recipe
 
 from finetune.errors import DataError, RecipeError
 from finetune.recipe.load import load_recipe
 from finetune.recipe.paths import check_data_path
 from finetune.train.checkpoint import check_resume, is_complete, latest_checkpoint, retain
 from finetune.train.integrity import MARKER, read_marker, recipe_fields, write_marker
+from tests.helpers.paths import ROOT
+from tests.helpers.processes import checkpoints, cli_argv, run
+from tests.helpers.recipes import resolve_recipe, tiny_recipe, write_recipe
 
 
 def _ckpt(tmp_path, recipe, *, step=4, world_size=1, strategy="ddp"):

@@ -12,12 +12,14 @@ import socket
 import time
 
 import pytest
-from reliability_util import TINY, TRAIN, checkpoints, cli_argv, kill_tree, losses, run, start, wait_for, write_recipe
 
 from finetune import rundir
 from finetune.cli import main
 from finetune.errors import FinetuneError
 from finetune.guard import LOCK_STALE_S, RunLock
+from tests.helpers.paths import TINY_MODEL, TRAIN
+from tests.helpers.processes import checkpoints, cli_argv, kill_tree, losses, run, start, wait_for
+from tests.helpers.recipes import write_recipe
 
 
 def tree(root):
@@ -41,7 +43,7 @@ def test_a_foreign_directory_is_refused_and_left_untouched(tmp_path, capsys):
 
 def test_the_output_can_never_be_the_model_or_the_data_directory(tmp_path, capsys):
     model = tmp_path / "model"
-    shutil.copytree(TINY, model)
+    shutil.copytree(TINY_MODEL, model)
     data = tmp_path / "data"
     data.mkdir()
     shutil.copy(TRAIN, data / "train.jsonl")

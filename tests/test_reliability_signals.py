@@ -7,9 +7,10 @@ import re
 import signal
 
 import pytest
-from reliability_util import checkpoints, cli_argv, cpu_preset, losses, run, start, wait_for, write_recipe
 
 from finetune.errors import EXIT_PREEMPTED
+from tests.helpers.processes import checkpoints, cli_argv, losses, run, start, wait_for
+from tests.helpers.recipes import cpu_preset, write_recipe
 
 pytestmark = pytest.mark.slow
 

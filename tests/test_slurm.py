@@ -10,8 +10,9 @@ import json
 import os
 
 import pytest
-from conftest import ROOT
-from slurm_cluster import PARTITION, Cluster, ensure_installed
+
+from tests.helpers.paths import ROOT
+from tests.helpers.slurm_cluster import PARTITION, Cluster, ensure_installed
 
 pytestmark = pytest.mark.slow
 

@@ -12,11 +12,11 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import ROOT, tiny_recipe
-from trained_run import trained_run
 
 from finetune.recipe import load_recipe
 from finetune.trackers import tracker_env, training_arguments
+from tests.helpers.paths import ROOT
+from tests.helpers.recipes import tiny_recipe
 
 
 def _recipe(**logging):
@@ -58,8 +58,8 @@ def test_missing_tracker_package_is_refused_before_anything_loads(tmp_path):
 
 
 @pytest.fixture(scope="module")
-def run_dir(tmp_path_factory):
-    return trained_run(tmp_path_factory.getbasetemp() / "trained")
+def run_dir(trained_run):
+    return trained_run
 
 
 @pytest.mark.slow

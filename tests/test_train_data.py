@@ -7,13 +7,14 @@ import shutil
 from pathlib import Path
 
 import pytest
-from conftest import QUICKSTART_DATA, SAMPLES, TINY_MODEL, resolve_recipe, tiny_recipe
 
 from finetune.errors import DataError
 from finetune.recipe.load import load_recipe
 from finetune.recipe.schema import DataSource
 from finetune.train.checkpoint import latest_checkpoint, resolve_resume
 from finetune.train.data import load_source
+from tests.helpers.paths import QUICKSTART_DATA, SAMPLES, TINY_MODEL
+from tests.helpers.recipes import resolve_recipe, tiny_recipe
 
 
 def _state():

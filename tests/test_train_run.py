@@ -11,10 +11,11 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, SAMPLES, TINY_MODEL, resolve_recipe, tiny_recipe
 
 from finetune.rundir import read_metrics
 from finetune.train.run import run_rank
+from tests.helpers.paths import ROOT, SAMPLES, TINY_MODEL
+from tests.helpers.recipes import resolve_recipe, tiny_recipe
 
 pytestmark = pytest.mark.slow
 
@@ -123,11 +124,7 @@ def test_resume_continues_from_the_last_complete_checkpoint(tmp_path):
 
 
 def test_quickstart_learns(tmp_path):
-    from finetune.recipe.load import read_yaml
-
-    raw = read_yaml(ROOT / "recipes" / "quickstart.yaml")
-    raw.pop("output", None)
-    summary = run_rank(resolve_recipe(raw, run_dir=tmp_path / "qs", base_dir=ROOT / "recipes"), resume="never")
+    summary = run_rank(resolve_recipe(ROOT / "recipes" / "quickstart.yaml", run_dir=tmp_path / "qs"), resume="never")
     assert summary["task_eval_before"]["exact_match"] <= 0.05
     assert summary["task_eval_after"]["exact_match"] >= 0.8
     assert summary["eval_loss_final"] < summary["eval_loss_before"] / 4

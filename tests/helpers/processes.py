@@ -1,4 +1,4 @@
-"""Helpers for the reliability tests: tiny recipes run through the real CLI in a subprocess, killing
+"""Tiny recipes run through the real CLI in a subprocess, killing
 a whole process tree (the CLI, accelerate, torchrun and every rank, which live in sessions of their
 own) the way a crashed node does, and reading metrics back."""
 
@@ -12,41 +12,9 @@ import time
 from pathlib import Path
 
 import psutil
-import yaml
 
 from finetune.rundir import read_metrics
-
-ROOT = Path(__file__).resolve().parents[1]
-TINY = ROOT / "data" / "tiny-llama"
-TRAIN = ROOT / "data" / "quickstart" / "train.jsonl"
-
-
-def write_recipe(path: Path, **sections) -> Path:
-    """32 examples, batch 8 -> 4 optimizer steps per epoch; LoRA on the tiny Llama; no eval."""
-    recipe = {
-        "model": {"name": str(TINY), "dtype": "float32"},
-        "adapter": {"type": "lora", "r": 8, "alpha": 16},
-        "data": {"sources": [{"path": str(TRAIN), "max_samples": 32}], "max_length": 32},
-        "train": {"epochs": 3, "lr": 3e-3, "global_batch_size": 8, "micro_batch_size": 8, "precision": "fp32",
-                  "warmup_ratio": 0.0, "scheduler": "linear", "seed": 7},
-        "output": {"save_every": 3, "keep": 2},
-        "hardware": "cpu",
-        "logging": {"report_to": ["none"]},
-    }
-    for key, value in sections.items():
-        recipe[key] = {**recipe.get(key, {}), **value} if isinstance(value, dict) else value
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(yaml.safe_dump(recipe))
-    return path
-
-
-def cpu_preset(path: Path, *, procs: int) -> Path:
-    path.write_text(yaml.safe_dump({
-        "name": f"cpu-x{procs}", "description": "test: CPU processes on gloo", "gpu_model": "cpu",
-        "vendor": "cpu", "gpu_memory_gib": 8, "gpus_per_node": procs, "nodes": 1, "intra_node_link": "none",
-        "intra_node_bandwidth_gbps": 10, "inter_node_fabric": "none", "inter_node_bandwidth_gbps": 0,
-        "host_ram_gib": 16, "peak_bf16_tflops": 1.0, "host_to_device_bandwidth_gbps": 10}))
-    return path
+from tests.helpers.paths import ROOT
 
 
 def cli_argv(recipe: Path, run_dir: Path, *extra: str) -> list[str]:

@@ -1,6 +1,7 @@
 """One tiny LoRA run trained for real (a subprocess of the per-rank entry point, in its own working
 directory), shared by the after-training tests: trackers, cards, loss.png, generate, eval.
-Built once per test session."""
+Built once per test session (the `trained_run` fixture in tests/conftest.py); tests that change the
+run dir copy it first."""
 
 from __future__ import annotations
 
@@ -9,16 +10,13 @@ import subprocess
 import sys
 from pathlib import Path
 
-from conftest import QUICKSTART_DATA, ROOT, resolve_recipe, tiny_recipe
+from tests.helpers.paths import QUICKSTART_DATA, ROOT
+from tests.helpers.recipes import resolve_recipe, tiny_recipe
 
-_CACHE: dict[str, Path] = {}
 
-
-def trained_run(root: Path) -> Path:
+def train_tiny_run(root: Path) -> Path:
     """RUN_DIR of an 8-step LoRA SFT on the tiny model, with tensorboard, an eval set, task eval and a
     checkpoint every 4 steps; `root/cwd` is the directory it ran in."""
-    if "run" in _CACHE:
-        return _CACHE["run"]
     run_dir, cwd = root / "run", root / "cwd"
     cwd.mkdir(parents=True)
     recipe = tiny_recipe(
@@ -33,5 +31,4 @@ def trained_run(root: Path) -> Path:
     proc = subprocess.run([sys.executable, "-m", "finetune.train", str(resolved), "--resume", "never"],
                           cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
-    _CACHE["run"] = run_dir
     return run_dir

@@ -1,8 +1,8 @@
 """Build what `finetune run` leaves in RUN_DIR, with a real tiny Llama and a real peft adapter.
 
-Used by test_merge.py and test_hub.py. Everything is created offline with fixed seeds: a
-64-wide 2-layer Llama, a BPE tokenizer trained on a few sentences, a LoRA adapter whose lora_B
-is non-zero (so merging changes the logits), the resolved recipe validated by load_recipe, and
+Used by the merge, push and generate tests (the session fixture `tiny_runs`). Everything is created
+offline with fixed seeds: a 64-wide 2-layer Llama, a BPE tokenizer trained on a few sentences, a LoRA
+adapter whose lora_B is non-zero (so merging changes the logits), the resolved recipe validated by load_recipe, and
 plausible metrics/summary/loss.png/checkpoints.
 """
 
@@ -165,18 +165,11 @@ def tree_hashes(root: Path) -> dict[str, str]:
             for p in sorted(root.rglob("*")) if p.is_file()}
 
 
-_CACHE: dict[str, Path] = {}
-
-
-def tiny_runs(root: Path) -> dict[str, Path]:
-    """base, lora, dora and full run dirs, built once per test session under `root`."""
-    if not _CACHE:
-        base = build_base(root / "tiny-llama")
-        _CACHE["base"] = base
-        _CACHE["lora"] = build_lora_run(base, root / "run-lora")
-        _CACHE["dora"] = build_lora_run(base, root / "run-dora", dora=True)
-        _CACHE["full"] = build_full_run(base, root / "run-full")
-    return dict(_CACHE)
+def build_tiny_runs(root: Path) -> dict[str, Path]:
+    """base, lora, dora and full run dirs under `root` (the session fixture `tiny_runs` builds them once)."""
+    base = build_base(root / "tiny-llama")
+    return {"base": base, "lora": build_lora_run(base, root / "run-lora"),
+            "dora": build_lora_run(base, root / "run-dora", dora=True), "full": build_full_run(base, root / "run-full")}
 
 
 def variant_run(src: Path, dst: Path, **sections) -> Path:
