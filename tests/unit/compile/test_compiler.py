@@ -22,9 +22,8 @@ from finetune.plan.types import Plan
 from finetune.recipe import load_recipe
 from finetune.registry import get_model, get_preset, list_presets
 from finetune.strategies import is_deepspeed
-from tests.helpers.paths import ROOT
+from tests.helpers.paths import GOLDEN, ROOT
 
-GOLDEN = Path(__file__).resolve().parent / "golden"
 GOLDEN_FILES = ("accelerate.yaml", "ds_config.json", "launch.sh", "job.sbatch", "recipe.resolved.yaml")
 UPDATE = os.environ.get("UPDATE_GOLDEN") == "1"
 ULTRACHAT = {"sources": [{"path": "HuggingFaceH4/ultrachat_200k", "split": "train_sft"}],

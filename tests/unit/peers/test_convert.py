@@ -11,9 +11,9 @@ import yaml
 
 from finetune.cli import main
 from finetune.recipe.load import load_recipe
-from tests.helpers.paths import ROOT
+from tests.helpers.paths import TEST_DATA
 
-CONFIGS = ROOT / "tests" / "data" / "convert"
+CONFIGS = TEST_DATA / "convert"
 
 
 def _convert(tmp_path: Path, name: str, source: str, *extra: str) -> tuple[int, Path]:

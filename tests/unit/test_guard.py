@@ -4,7 +4,6 @@ resume and rerun checks (recipe and data content) run before any file is written
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
@@ -20,11 +19,7 @@ from finetune.guard import LOCK_STALE_S, RunLock
 from tests.helpers.paths import TINY_MODEL, TRAIN
 from tests.helpers.processes import checkpoints, cli_argv, kill_tree, losses, run, start, wait_for
 from tests.helpers.recipes import write_recipe
-
-
-def tree(root):
-    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(root.rglob("*")) if p.is_file()}
+from tests.helpers.run_dirs import tree_hashes
 
 
 def test_a_foreign_directory_is_refused_and_left_untouched(tmp_path, capsys):
@@ -33,12 +28,12 @@ def test_a_foreign_directory_is_refused_and_left_untouched(tmp_path, capsys):
     for name in ("config.json", "model.safetensors", "metrics.jsonl", "summary.json",
                  "checkpoints/checkpoint-500/optimizer.pt"):
         (user / name).write_text(f"the user's {name}")
-    before = tree(user)
+    before = tree_hashes(user)
     recipe = write_recipe(tmp_path / "recipe.yaml")
     assert main(["run", str(recipe), "--output", str(user)]) == 2
     err = capsys.readouterr().err
     assert "not made by finetune" in err and "fix:" in err and "output.dir" in err, err
-    assert tree(user) == before
+    assert tree_hashes(user) == before
 
 
 def test_the_output_can_never_be_the_model_or_the_data_directory(tmp_path, capsys):
@@ -49,12 +44,12 @@ def test_the_output_can_never_be_the_model_or_the_data_directory(tmp_path, capsy
     shutil.copy(TRAIN, data / "train.jsonl")
     recipe = write_recipe(tmp_path / "recipe.yaml", model={"name": str(model)},
                           data={"sources": [{"path": str(data / "train.jsonl"), "max_samples": 32}]})
-    before = tree(tmp_path)
+    before = tree_hashes(tmp_path)
     for output, what in ((model, "the model's directory"), (data, "a data file"), (tmp_path, "the model's")):
         assert main(["run", str(recipe), "--output", str(output), "--dry-run"]) == 2
         err = capsys.readouterr().err
         assert what in err and "fix:" in err, err
-    assert tree(tmp_path) == before
+    assert tree_hashes(tmp_path) == before
 
 
 def test_an_empty_directory_is_taken_and_marked(tmp_path, capsys):
@@ -124,28 +119,28 @@ def test_a_finished_run_is_recognised_and_checks_run_before_any_write(tmp_path):
     run_dir, cache = tmp_path / "run", tmp_path / "cache"
     first = run(cli_argv(recipe, run_dir), cache=cache)
     assert first.returncode == 0, first.stderr[-3000:]
-    done = tree(run_dir)
+    done = tree_hashes(run_dir)
 
     again = run(cli_argv(recipe, run_dir), cache=cache)  # identical: nothing to do, nothing touched
     assert again.returncode == 0 and "is complete: it finished at step 4" in again.stdout, again.stdout[-2000:]
-    assert tree(run_dir) == done
+    assert tree_hashes(run_dir) == done
 
     changed = run(cli_argv(recipe, run_dir, "--set", "train.lr=0.01"), cache=cache)
     assert changed.returncode == 2 and "train.lr (0.003 -> 0.01)" in changed.stderr, changed.stderr[-2000:]
-    assert tree(run_dir) == done  # refused before recipe.resolved.yaml, launch.sh, plan.json were rewritten
+    assert tree_hashes(run_dir) == done  # refused before recipe.resolved.yaml, launch.sh, plan.json were rewritten
 
     rows = data.read_text().splitlines()
     data.write_text("\n".join(rows[1:] + rows[:1]) + "\n")  # same path, same rows, new content
     replaced = run(cli_argv(recipe, run_dir), cache=cache)
     assert replaced.returncode == 2 and "data.sources.0.path (same path, new content" in replaced.stderr, \
         replaced.stderr[-2000:]
-    assert tree(run_dir) == done
+    assert tree_hashes(run_dir) == done
     # an interrupted run (no finished.json) is checked the same way by the resume check
     (run_dir / rundir.FINISHED).unlink()
-    interrupted = tree(run_dir)
+    interrupted = tree_hashes(run_dir)
     resumed = run(cli_argv(recipe, run_dir), cache=cache)
     assert resumed.returncode == 2 and "cannot resume" in resumed.stderr and "new content" in resumed.stderr
-    assert tree(run_dir) == interrupted
+    assert tree_hashes(run_dir) == interrupted
     data.write_text("\n".join(rows) + "\n")
 
     longer = run(cli_argv(recipe, run_dir, "--set", "train.max_steps=6"), cache=cache)
@@ -161,12 +156,12 @@ def test_without_checkpoints_a_rerun_never_trains_past_the_end_and_start_over_ke
                           output={"save_every": None})
     run_dir, cache = tmp_path / "run", tmp_path / "cache"
     assert run(cli_argv(recipe, run_dir), cache=cache).returncode == 0
-    done = tree(run_dir)
+    done = tree_hashes(run_dir)
     again = run(cli_argv(recipe, run_dir), cache=cache)
-    assert again.returncode == 0 and "is complete" in again.stdout and tree(run_dir) == done
+    assert again.returncode == 0 and "is complete" in again.stdout and tree_hashes(run_dir) == done
     grown = run(cli_argv(recipe, run_dir, "--set", "train.max_steps=3"), cache=cache)
     assert grown.returncode == 2 and "kept no checkpoint" in grown.stderr and "--resume never" in grown.stderr
-    assert tree(run_dir) == done
+    assert tree_hashes(run_dir) == done
     previous = run_dir / rundir.PREVIOUS
     fresh = run(cli_argv(recipe, run_dir, "--resume", "never", "--set", "train.max_steps=3"), cache=cache)
     assert fresh.returncode == 0, fresh.stderr[-3000:]
@@ -180,8 +175,8 @@ def test_a_new_run_sets_the_previous_one_aside_instead_of_deleting_it(tmp_path):
     (run_dir / "checkpoints" / "checkpoint-4").mkdir(parents=True)
     for name in (rundir.SUMMARY, rundir.METRICS, rundir.FINISHED, "checkpoints/checkpoint-4/model.safetensors"):
         (run_dir / name).write_text(name)
-    before = tree(run_dir)
+    before = tree_hashes(run_dir)
     set_aside_previous(run_dir, resume="never")
-    after = tree(run_dir / rundir.PREVIOUS)
+    after = tree_hashes(run_dir / rundir.PREVIOUS)
     assert after == before  # every file kept, by rename (no space needed on a full disk)
     assert not (run_dir / rundir.SUMMARY).exists() and not (run_dir / rundir.FINISHED).exists()

@@ -9,7 +9,6 @@ import os
 import subprocess
 
 import pytest
-from test_reliability_rundir import tree
 
 from finetune import rundir
 from finetune.cli import main
@@ -17,6 +16,7 @@ from finetune.prelaunch import check_safetensors
 from finetune.train.integrity import verify
 from tests.helpers.processes import checkpoints, cli_argv, env, losses, run, start, wait_for
 from tests.helpers.recipes import write_recipe
+from tests.helpers.run_dirs import tree_hashes
 
 pytestmark = pytest.mark.slow
 SIZE_MIB = 40
@@ -94,9 +94,9 @@ def test_a_rerun_on_a_full_disk_removes_nothing(disk, tmp_path):
     run_dir, cache = disk / "run", tmp_path / "cache"
     assert run(cli_argv(recipe, run_dir), cache=cache).returncode == 0
     fill(disk, leave=1 << 20)
-    before = tree(run_dir)
+    before = tree_hashes(run_dir)
     again = run(cli_argv(recipe, run_dir, "--resume", "never"), cache=cache)
     assert again.returncode == 2 and "not enough free disk" in again.stderr, again.stderr[-2000:]
-    assert tree(run_dir) == before
+    assert tree_hashes(run_dir) == before
     same = run(cli_argv(recipe, run_dir), cache=cache)
-    assert same.returncode == 0 and "is complete" in same.stdout and tree(run_dir) == before
+    assert same.returncode == 0 and "is complete" in same.stdout and tree_hashes(run_dir) == before

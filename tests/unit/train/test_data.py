@@ -13,7 +13,7 @@ from finetune.recipe.load import load_recipe
 from finetune.recipe.schema import DataSource
 from finetune.train.checkpoint import latest_checkpoint, resolve_resume
 from finetune.train.data import load_source
-from tests.helpers.paths import QUICKSTART_DATA, SAMPLES, TINY_MODEL
+from tests.helpers.paths import QUICKSTART_DATA, ROOT, SAMPLES, TINY_MODEL
 from tests.helpers.recipes import resolve_recipe, tiny_recipe
 
 
@@ -231,6 +231,6 @@ def test_resume_discovery_skips_incomplete_checkpoints(tmp_path):
 
 
 def test_quickstart_recipe_validates():
-    recipe = load_recipe(Path(__file__).parent.parent / "recipes" / "quickstart.yaml")
+    recipe = load_recipe(ROOT / "recipes" / "quickstart.yaml")
     assert recipe.data.task_eval.n == 100
     assert (QUICKSTART_DATA / "eval.jsonl").exists()

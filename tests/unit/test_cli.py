@@ -102,12 +102,14 @@ def test_presets_and_models_list():
     assert proc.returncode == 0 and "llama-3.1-8b" in proc.stdout
 
 
-def test_api_run_returns_results_and_logs_progress_without_printing(tmp_path, capsys, caplog):
+def test_api_run_returns_results_and_logs_progress_without_printing(tmp_path, capsys, caplog, monkeypatch):
     import logging
 
     from finetune.api import run
     from finetune.cli import main as cli_main
 
+    # an earlier in-process `finetune run` in this session left the CLI's printing handler on the logger
+    monkeypatch.setattr(logging.getLogger("finetune.api"), "handlers", [])
     with caplog.at_level(logging.INFO, logger="finetune.api"):
         result = run(ROOT / "recipes" / "quickstart.yaml", output=tmp_path / "run", dry_run=True)
     assert capsys.readouterr().out == ""  # the CLI prints; the API returns and logs

@@ -20,7 +20,7 @@ from finetune.recipe import load_recipe
 from finetune.registry import get_model
 from finetune.registry.detect import parse_nvidia_smi, synthesize_preset
 
-DATA = Path(__file__).resolve().parent / "data" / "gpu_calibration.json"
+DATA = Path(__file__).resolve().parents[3] / "tests" / "data" / "gpu_calibration.json"
 LOW, HIGH = 0.95, 1.20
 # `nvidia-smi --query-gpu=name,memory.total --format=csv,noheader` on the measured cards
 MEMORY_TOTAL = {"NVIDIA H100 80GB HBM3": "81559 MiB", "NVIDIA H200": "143771 MiB"}
