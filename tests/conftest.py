@@ -41,11 +41,17 @@ def _isolated_cache(tmp_path_factory, monkeypatch):
 
 
 @pytest.fixture(scope="session")
-def trained_run(tmp_path_factory) -> Path:
-    """RUN_DIR of one real 8-step LoRA run (tests/helpers/trained_run.py); read it, or copy it to change it."""
+def trained_cli_run(tmp_path_factory):
+    """One real 8-step LoRA `finetune run` (tests/helpers/trained_run.py): its RUN_DIR and what it printed."""
     from tests.helpers.trained_run import train_tiny_run
 
     return train_tiny_run(tmp_path_factory.mktemp("trained"))
+
+
+@pytest.fixture(scope="session")
+def trained_run(trained_cli_run) -> Path:
+    """RUN_DIR of the session's trained LoRA run; read it, or copy it to change it."""
+    return trained_cli_run.run_dir
 
 
 @pytest.fixture(scope="session")

@@ -28,10 +28,13 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("case", sorted(CASES))
-def test_finetune_run_end_to_end(case, tmp_path):
+def _run(case, tmp_path, trained_cli_run):
+    """(RUN_DIR, output) of `finetune run` for `case`; the LoRA case is the session's shared run (the same
+    8 steps, checkpoint every 4, keep 1, plus trackers and evaluation), read and never changed here."""
     from finetune.recipe.load import deep_merge
 
+    if case == "sft-lora":
+        return trained_cli_run.run_dir, trained_cli_run.output
     common = {"train": {"max_steps": 8, "logging_steps": 1}, "output": {"save_every": 4, "keep": 1},
               "logging": {"report_to": ["none"]}, "data": {"allow_paths": [str(ROOT / "data")]}}
     recipe = tiny_recipe(**deep_merge(common, CASES[case]))
@@ -43,6 +46,12 @@ def test_finetune_run_end_to_end(case, tmp_path):
                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-4000:]
+    return run_dir, out
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_finetune_run_end_to_end(case, tmp_path, trained_cli_run):
+    run_dir, out = _run(case, tmp_path, trained_cli_run)
     assert "=== finetune: done ===" in out and "Traceback" not in out
 
     for name in ("recipe.resolved.yaml", "accelerate.yaml", "plan.json", "launch.sh", "metrics.jsonl",

@@ -57,15 +57,16 @@ def test_prompt_files(tmp_path):
 
 
 @pytest.mark.slow
-def test_cli_streams_one_prompt_and_writes_a_file_of_prompts(runs, tmp_path):
+def test_cli_streams_one_prompt_and_writes_a_file_of_prompts(runs, tmp_path, capsys):
+    from finetune.cli import main
+
     expected = finetune.generate(runs["lora"], "The quick", max_new_tokens=6)[0]
-    proc = _cli(runs["lora"], "The quick", "--max-new-tokens", 6)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    assert proc.stdout.strip() == expected  # TextStreamer printed the new tokens (not the prompt)
+    capsys.readouterr()
+    assert main(["generate", str(runs["lora"]), "The quick", "--max-new-tokens", "6"]) == 0
+    assert capsys.readouterr().out.strip() == expected  # TextStreamer printed the new tokens (not the prompt)
     (tmp_path / "p.txt").write_text("\n".join(PROMPTS) + "\n")
-    proc = _cli(runs["lora"], "--file", tmp_path / "p.txt", "--batch-size", 2, "--max-new-tokens", 6,
-                "-o", tmp_path / "out.jsonl")
-    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert main(["generate", str(runs["lora"]), "--file", str(tmp_path / "p.txt"), "--batch-size", "2",
+                 "--max-new-tokens", "6", "-o", str(tmp_path / "out.jsonl")]) == 0
     rows = [json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines()]
     assert [r["prompt"] for r in rows] == PROMPTS
     assert [r["completion"] for r in rows] == finetune.generate(runs["lora"], PROMPTS, max_new_tokens=6)
