@@ -1,5 +1,6 @@
 """SIGTERM / SIGUSR1 to the launcher of a 2-process gloo run: every rank saves one checkpoint at the
-next step boundary, the command exits 75, and running it again resumes from that checkpoint."""
+next step boundary, the command exits 75, and running it again resumes from that checkpoint (both signals
+in one chain of runs: one launch fewer than a run per signal). Then Ctrl-C, SIGHUP and a killed launcher."""
 
 from __future__ import annotations
 
@@ -13,36 +14,49 @@ from tests.helpers.processes import checkpoints, cli_argv, losses, run, start, w
 from tests.helpers.recipes import cpu_preset, write_recipe
 
 pytestmark = pytest.mark.slow
+STEPS = 60
 
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGUSR1], ids=lambda s: s.name)
-def test_signal_saves_on_every_rank_exits_75_and_resumes(tmp_path, sig):
-    preset = cpu_preset(tmp_path / "cpu2.yaml", procs=2)
-    # 2 ranks x micro-batch 4 = the global batch of 8; no periodic saves: the only checkpoint is the signal's
-    recipe = write_recipe(tmp_path / "recipe.yaml", hardware=str(preset),
-                          train={"epochs": None, "max_steps": 40, "micro_batch_size": 4},
-                          output={"save_every": None})
-    run_dir = tmp_path / "run"
-    proc = start(cli_argv(recipe, run_dir), cache=tmp_path / "cache")
-    assert wait_for(lambda: (run_dir / "metrics.jsonl").exists() and max(losses(run_dir), default=0) >= 3,
+def _preempt(proc, sig, run_dir, *, after_step):
+    """Wait until the run logged `after_step`, send `sig` to the launcher, check the checkpointed exit and
+    return (output, the step of the one checkpoint the signal added)."""
+    before = set(checkpoints(run_dir))
+    assert wait_for(lambda: (run_dir / "metrics.jsonl").exists() and max(losses(run_dir), default=0) >= after_step,
                     proc=proc), proc.communicate()[0][-3000:]
     proc.send_signal(sig)  # the CLI process is the launcher: it forwards the signal to every rank
     out, _ = proc.communicate(timeout=240)
     assert proc.returncode == EXIT_PREEMPTED, out[-4000:]
     assert "preempted: a checkpoint was saved" in out
     saved = checkpoints(run_dir)
-    assert len(saved) == 1 and all(saved.values()), saved
-    step = int(next(iter(saved)).split("-")[1])
-    assert 3 <= step < 40
+    added = set(saved) - before
+    assert len(added) == 1 and all(saved.values()), saved
+    step = int(next(iter(added)).split("-")[1])
+    assert after_step <= step < STEPS
     assert not (run_dir / "summary.json").exists()
     # both ranks stopped through our path (exit 75), neither was killed by the launcher
     assert out.count(f"stopped by {sig.name}") + out.count("stopped by a preemption signal") == 2, out[-4000:]
+    return out, step
 
-    again = run(cli_argv(recipe, run_dir), cache=tmp_path / "cache")
+
+def test_sigterm_then_sigusr1_save_on_every_rank_exit_75_and_resume(tmp_path):
+    """SIGTERM stops a fresh run, SIGUSR1 stops the run that resumed from it; each time every rank saves one
+    checkpoint and exits 75, and the next run resumes from exactly that checkpoint and finishes the rest."""
+    preset = cpu_preset(tmp_path / "cpu2.yaml", procs=2)
+    # 2 ranks x micro-batch 4 = the global batch of 8; no periodic saves: the only checkpoints are the signals'
+    recipe = write_recipe(tmp_path / "recipe.yaml", hardware=str(preset),
+                          train={"epochs": None, "max_steps": STEPS, "micro_batch_size": 4},
+                          output={"save_every": None, "keep": 2})
+    run_dir, cache = tmp_path / "run", tmp_path / "cache"
+    _, first = _preempt(start(cli_argv(recipe, run_dir), cache=cache), signal.SIGTERM, run_dir, after_step=3)
+    out, second = _preempt(start(cli_argv(recipe, run_dir), cache=cache), signal.SIGUSR1, run_dir,
+                           after_step=first + 3)
+    assert re.search(rf"resuming from \S*checkpoint-{first}\b", out), out[-3000:]
+
+    again = run(cli_argv(recipe, run_dir), cache=cache)
     text = again.stdout + again.stderr
     assert again.returncode == 0, text[-4000:]
-    assert re.search(rf"resuming from \S*checkpoint-{step}\b", text), text[-3000:]
-    assert sorted(losses(run_dir)) == list(range(1, 41))
+    assert re.search(rf"resuming from \S*checkpoint-{second}\b", text), text[-3000:]
+    assert sorted(losses(run_dir)) == list(range(1, STEPS + 1))
 
 
 def test_preemption_callback_restores_the_handlers_it_replaced():
