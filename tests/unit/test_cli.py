@@ -1,6 +1,7 @@
 """The CLI: exit codes, messages without tracebacks, plan without torch."""
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -55,19 +56,19 @@ def test_405b_full_never_fits_on_gpu_memory_alone():
     proc = finetune("plan", "recipes/llama405b-lora.yaml", "--hardware", "server-8xh100",
                     "--set", "adapter.type=full", "--json")
     plan = json.loads(proc.stdout)
-    if plan["fits"]:
-        assert strategies.offloads(plan["strategy"])
-    else:
-        assert proc.returncode == 3 and plan["suggestions"]
+    # it fits only by offloading (the preset has host RAM and NVMe for it), so the plan succeeds
+    assert proc.returncode == 0 and plan["fits"] and strategies.offloads(plan["strategy"]), plan["strategy"]
     on_gpu = [c for c in plan["candidates"] if not strategies.offloads(c["strategy"])]
     assert on_gpu and not any(c["fits"] for c in on_gpu)
 
 
 def test_plan_table_is_readable():
     proc = finetune("plan", "recipes/llama8b-lora.yaml", "--hardware", "workstation-1x4090")
-    assert proc.returncode in (0, 3), proc.stderr
+    assert proc.returncode == 0, proc.stderr  # 8B LoRA fits one 24 GB card
     assert "Traceback" not in proc.stderr
-    assert "fsdp2" in proc.stdout or "ddp" in proc.stdout
+    # one GPU: plain DDP (one process) is the chosen row of the table, and the summary says so
+    assert re.search(r"^ddp .*<- chosen$", proc.stdout, re.M), proc.stdout
+    assert "choice: ddp" in proc.stdout
 
 
 def test_does_not_fit_exits_3_with_suggestions():
