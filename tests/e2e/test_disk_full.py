@@ -12,6 +12,7 @@ import pytest
 
 from finetune import rundir
 from finetune.cli import main
+from finetune.errors import EXIT_TRAINING_FAILED
 from finetune.prelaunch import check_safetensors
 from finetune.train.integrity import verify
 from tests.helpers.processes import checkpoints, cli_argv, env, losses, run, start, wait_for
@@ -64,7 +65,7 @@ def test_a_disk_filling_mid_run_stops_before_the_next_checkpoint_and_keeps_the_l
     assert wait_for(lambda: checkpoints(run_dir).get("checkpoint-2") is True, proc=proc)
     fill(disk)
     out, _ = proc.communicate(timeout=240)
-    assert proc.returncode not in (0, 1), out[-4000:]
+    assert proc.returncode == EXIT_TRAINING_FAILED, out[-4000:]
     assert "disk full" in out and "internal error" not in out and "Traceback" not in out, out[-4000:]
     assert "fix:" in out
     newest = max((n for n, ok in checkpoints(run_dir).items() if ok), key=lambda n: int(n.split("-")[1]))

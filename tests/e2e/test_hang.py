@@ -8,6 +8,7 @@ import time
 
 import pytest
 
+from finetune.errors import EXIT_TRAINING_FAILED
 from tests.helpers.processes import cli_argv, losses, start, tree, wait_for
 from tests.helpers.recipes import cpu_preset, write_recipe
 
@@ -38,7 +39,7 @@ def test_a_dead_rank_fails_the_job_instead_of_hanging(tmp_path):
     victim.send_signal(signal.SIGKILL)
     out, _ = proc.communicate(timeout=120)
     elapsed = time.monotonic() - t0
-    assert proc.returncode not in (0, None), out[-3000:]
+    assert proc.returncode == EXIT_TRAINING_FAILED, out[-3000:]
     assert elapsed < 60, elapsed  # 0.2 min collective timeout + teardown, not a hang
     assert "rank: 1" in out or "rank 1" in out, out[-3000:]
 
@@ -58,7 +59,7 @@ def test_a_stalled_rank_fails_the_job_within_the_collective_timeout(tmp_path):
             victim.send_signal(signal.SIGCONT)
             victim.kill()
     elapsed = time.monotonic() - t0
-    assert proc.returncode not in (0, None), out[-3000:]
+    assert proc.returncode == EXIT_TRAINING_FAILED, out[-3000:]
     assert elapsed < 90, elapsed  # 12 s collective timeout + torchrun's 30 s kill grace + teardown
     assert "Timed out" in out, out[-3000:]  # the waiting rank's collective gave up ...
     assert "rank      : 1" in out, out[-3000:]  # ... and the summary names the stalled rank
