@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import socket
 import time
@@ -119,6 +120,7 @@ def test_a_finished_run_is_recognised_and_checks_run_before_any_write(tmp_path):
     run_dir, cache = tmp_path / "run", tmp_path / "cache"
     first = run(cli_argv(recipe, run_dir), cache=cache)
     assert first.returncode == 0, first.stderr[-3000:]
+    assert checkpoints(run_dir) == {"checkpoint-4": True}  # every 2 steps, keep 1
     done = tree_hashes(run_dir)
 
     again = run(cli_argv(recipe, run_dir), cache=cache)  # identical: nothing to do, nothing touched
@@ -127,6 +129,7 @@ def test_a_finished_run_is_recognised_and_checks_run_before_any_write(tmp_path):
 
     changed = run(cli_argv(recipe, run_dir, "--set", "train.lr=0.01"), cache=cache)
     assert changed.returncode == 2 and "train.lr (0.003 -> 0.01)" in changed.stderr, changed.stderr[-2000:]
+    assert "Traceback" not in changed.stderr
     assert tree_hashes(run_dir) == done  # refused before recipe.resolved.yaml, launch.sh, plan.json were rewritten
 
     rows = data.read_text().splitlines()
@@ -136,15 +139,21 @@ def test_a_finished_run_is_recognised_and_checks_run_before_any_write(tmp_path):
         replaced.stderr[-2000:]
     assert tree_hashes(run_dir) == done
     # an interrupted run (no finished.json) is checked the same way by the resume check
+    finished = (run_dir / rundir.FINISHED).read_bytes()
     (run_dir / rundir.FINISHED).unlink()
     interrupted = tree_hashes(run_dir)
     resumed = run(cli_argv(recipe, run_dir), cache=cache)
     assert resumed.returncode == 2 and "cannot resume" in resumed.stderr and "new content" in resumed.stderr
     assert tree_hashes(run_dir) == interrupted
     data.write_text("\n".join(rows) + "\n")
+    (run_dir / rundir.FINISHED).write_bytes(finished)  # finished again, as the first run left it
 
+    # a longer run continues the finished one from its last checkpoint, naming the safe change
     longer = run(cli_argv(recipe, run_dir, "--set", "train.max_steps=6"), cache=cache)
-    assert longer.returncode == 0, longer.stdout[-3000:] + longer.stderr[-3000:]
+    out = longer.stdout + longer.stderr
+    assert longer.returncode == 0, out[-3000:]
+    assert "changed safely: train.max_steps (4 -> 6)" in out and re.search(r"resuming from \S*checkpoint-4", out), \
+        out[-3000:]
     assert sorted(losses(run_dir)) == list(range(1, 7)) and checkpoints(run_dir) == {"checkpoint-6": True}
     assert json.loads((run_dir / rundir.FINISHED).read_text())["step"] == 6
     assert not (run_dir / rundir.PREVIOUS).exists()
