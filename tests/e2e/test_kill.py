@@ -10,7 +10,7 @@ import re
 import pytest
 
 from tests.helpers.processes import checkpoints, cli_argv, kill_tree, losses, run, start, wait_for
-from tests.helpers.recipes import write_recipe
+from tests.helpers.recipes import resolve_recipe, write_recipe
 
 pytestmark = pytest.mark.slow
 STEPS = 12  # 3 epochs x 4 steps; checkpoints every 3 steps, keep 2
@@ -18,11 +18,14 @@ STEPS = 12  # 3 epochs x 4 steps; checkpoints every 3 steps, keep 2
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
+    from finetune.train.run import run_rank
+
     root = tmp_path_factory.mktemp("kill")
     recipe = write_recipe(root / "recipe.yaml")
     cache = root / "cache"
-    done = run(cli_argv(recipe, root / "baseline"), cache=cache)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    # the uninterrupted reference: the same recipe planned and compiled for real, trained in this process
+    # (a rank is a rank: its losses equal a `finetune run` launch's exactly; no launch spent on it)
+    run_rank(resolve_recipe(recipe, run_dir=root / "baseline"), resume="never")
     baseline = losses(root / "baseline")
     assert sorted(baseline) == list(range(1, STEPS + 1))
     return recipe, cache, baseline
