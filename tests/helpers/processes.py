@@ -4,6 +4,7 @@ own) the way a crashed node does, and reading metrics back."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -82,3 +83,18 @@ def checkpoints(run_dir: Path) -> dict[str, bool]:
         return {}
     return {p.name: (p / "finetune_complete.json").is_file() for p in root.iterdir()
             if p.is_dir() and p.name.startswith("checkpoint-")}
+
+
+HEAVY = ("torch", "transformers", "accelerate", "trl", "peft", "deepspeed")
+
+
+def heavy_imports(code: str, *, timeout: float = 60) -> tuple[subprocess.CompletedProcess, list[str]]:
+    """Run `code` in a fresh interpreter at the repository root; return the process and which of HEAVY it
+    had imported when the code finished (the parent-process paths must import none of them)."""
+    probe = (f"{code}\nimport json as _json, sys as _sys\n"
+             f"print('heavy:', _json.dumps(sorted(m for m in {HEAVY!r} if m in _sys.modules)), file=_sys.stderr)\n")
+    proc = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, env=env(), capture_output=True, text=True,
+                          timeout=timeout)
+    reported = [line for line in proc.stderr.splitlines() if line.startswith("heavy: ")]
+    assert proc.returncode == 0 and reported, proc.stdout[-2000:] + proc.stderr[-2000:]
+    return proc, json.loads(reported[-1].removeprefix("heavy: "))

@@ -1,9 +1,9 @@
 """Build what `finetune run` leaves in RUN_DIR, with a real tiny Llama and a real peft adapter.
 
 Used by the merge, push and generate tests (the session fixture `tiny_runs`). Everything is created
-offline with fixed seeds: a 64-wide 2-layer Llama, a BPE tokenizer trained on a few sentences, a LoRA
-adapter whose lora_B is non-zero (so merging changes the logits), the resolved recipe validated by load_recipe, and
-plausible metrics/summary/loss.png/checkpoints.
+offline with fixed seeds: finetune.tiny's 64-wide 2-layer Llama and character tokenizer, a LoRA
+adapter whose lora_B is non-zero (so merging changes the logits), the resolved recipe and plan
+written by the real planner and compiler, and plausible metrics/summary/loss.png/checkpoints.
 """
 
 from __future__ import annotations
@@ -17,45 +17,16 @@ from pathlib import Path
 
 from finetune.recipe import dump_recipe, load_recipe
 
-SENTENCES = [
-    "The quick brown fox jumps over the lazy dog.",
-    "Fine-tuning adapts a pretrained language model to a task.",
-    "LoRA adds low-rank matrices to the attention and MLP projections.",
-    "Hello world! How are you today? I am fine, thank you.",
-    "user: what is two plus two? assistant: two plus two is four.",
-] * 20
-
-
-def build_tokenizer(out: Path):
-    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    tok = Tokenizer(models.BPE(unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    trainer = trainers.BpeTrainer(vocab_size=512, special_tokens=["<unk>", "<s>", "</s>", "<pad>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator(SENTENCES, trainer=trainer)
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>",
-                                   unk_token="<unk>", pad_token="<pad>")
-    fast.save_pretrained(out)
-    return fast
-
 
 def build_base(out: Path) -> Path:
-    """A random-init tiny Llama saved with save_pretrained (safetensors) plus its tokenizer."""
-    import torch
-    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+    """The package's own tiny Llama (finetune.tiny: random weights, character tokenizer) saved with
+    save_pretrained, without its chat template: the generate tests need a tokenizer that has none."""
+    from finetune import tiny
 
-    tokenizer = build_tokenizer(out)
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128,
-                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                         max_position_embeddings=128, bos_token_id=1, eos_token_id=2,
-                         pad_token_id=3, tie_word_embeddings=False)
-    model = LlamaForCausalLM(config).to(torch.float32)
-    model.generation_config = GenerationConfig(bos_token_id=1, eos_token_id=2, pad_token_id=3,
-                                               max_new_tokens=16)
-    model.save_pretrained(out)
+    tokenizer = tiny.build_tokenizer()
+    tokenizer.chat_template = None
+    tiny.build_model(tokenizer).save_pretrained(out)
+    tokenizer.save_pretrained(out)
     return out
 
 
@@ -76,10 +47,6 @@ def recipe_dict(base: Path, *, adapter: str = "lora", dora: bool = False) -> dic
         "hardware": "cpu",
         "hub": {"repo": "acme/tiny-from-recipe", "private": True, "push": "adapter",
                 "revision": "exp-1"},
-        "resolved": {"hardware": "cpu", "world_size": 1, "num_nodes": 1, "gpus_per_node": 1,
-                     "device": "cpu", "gradient_accumulation_steps": 2, "predicted_peak_gib": 0.2,
-                     "decoder_layer_class": "LlamaDecoderLayer",
-                     "lora_targets": ["q_proj", "k_proj", "v_proj", "o_proj"], "model_family": "llama"},
     }
 
 
@@ -98,9 +65,12 @@ def tiny_png(width: int = 8, height: int = 4) -> bytes:
 
 
 def _write_run_files(run: Path, recipe: dict) -> None:
-    recipe_obj = load_recipe(recipe, allow_resolved=True)  # a real, valid resolved recipe
-    (run / "recipe.resolved.yaml").write_text(dump_recipe(recipe_obj))
-    (run / "plan.json").write_text(json.dumps({"strategy": "ddp", "micro_batch_size": 2}))
+    from finetune.compile.compiler import prepare_recipe
+    from finetune.rundir import PLAN_JSON, RESOLVED_RECIPE
+
+    compiled = prepare_recipe(load_recipe(recipe), run_dir=run)  # what `finetune compile` writes for it
+    for name in (RESOLVED_RECIPE, PLAN_JSON):
+        (run / name).write_text(compiled.texts[name])
     rows = []
     for step in range(1, 5):
         rows.append({"step": step, "loss": 6.3 - 0.2 * step, "learning_rate": 1e-3,

@@ -32,8 +32,8 @@ def _reference_and_merged(runs, run, out, dtype):
     from transformers import AutoModelForCausalLM
 
     torch_dtype = getattr(torch, dtype)
-    ids = torch.randint(4, 400, (2, 24), generator=torch.Generator().manual_seed(3))
     base = AutoModelForCausalLM.from_pretrained(runs["base"], dtype=torch_dtype)
+    ids = torch.randint(4, base.config.vocab_size, (2, 24), generator=torch.Generator().manual_seed(3))
     plain = _logits(base, ids)
     peft_model = PeftModel.from_pretrained(base, str(run))
     reference = _logits(peft_model, ids)
@@ -134,7 +134,7 @@ def test_qlora_merges_into_unquantized_base_in_compute_dtype(runs, tmp_path):
     merged = AutoModelForCausalLM.from_pretrained(out)
     assert merged.dtype == torch.bfloat16  # the recipe's model.dtype is float32: compute dtype won
     assert "quantization_config" not in json.loads((out / "config.json").read_text())
-    ids = torch.randint(4, 400, (1, 16), generator=torch.Generator().manual_seed(5))
+    ids = torch.randint(4, merged.config.vocab_size, (1, 16), generator=torch.Generator().manual_seed(5))
     base = AutoModelForCausalLM.from_pretrained(runs["base"], dtype=torch.bfloat16)
     reference = _logits(PeftModel.from_pretrained(base, str(run)), ids)
     torch.testing.assert_close(_logits(merged, ids), reference, atol=5e-2, rtol=2e-2)
