@@ -39,7 +39,7 @@ def test_quickstart_sbatch_trains_is_preempted_requeues_and_finishes(cluster, tm
 
     run_dir = tmp_path / "run"
     compile_recipe(ROOT / "recipes" / "quickstart.yaml", output=run_dir, overrides=[
-        # enough steps that the signal lands while it trains (~40 steps/s on 2 cores; the test polls every 2 s)
+        # enough steps that the signal lands while it trains (~40 steps/s on 2 cores; the test polls every 0.5 s)
         f"train.max_steps={STEPS}", f"train.eval_steps={STEPS // 2}", "train.logging_steps=1",
         "data.task_eval.n=2",
         f"slurm.partition={PARTITION}", "slurm.account=finetune-ci", "slurm.time=00:15:00"])

@@ -146,7 +146,7 @@ class Cluster:
         out = self.run("scontrol", "-o", "show", "job", job_id, check=False).stdout
         return dict(item.split("=", 1) for item in out.split() if "=" in item)
 
-    def wait(self, condition, *, timeout: float, what: str, every: float = 2.0):
+    def wait(self, condition, *, timeout: float, what: str, every: float = 0.5):
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             value = condition()
