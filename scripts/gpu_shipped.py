@@ -145,8 +145,7 @@ def gv_losses(run_dir: Path) -> list[int]:
 
 def push_and_merge(args, run_dir: Path) -> dict:
     """`finetune push` to the local fake Hub, then `finetune merge` with its host RAM sampled."""
-    sys.path.insert(0, str(ROOT / "tests"))
-    from fakehub import FakeHub
+    from tests.helpers.fakehub import FakeHub  # the repository root is on sys.path (above)
 
     out: dict = {"name": "lora70b-push-merge"}
     hub = FakeHub().start()

@@ -3,4 +3,4 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/gpu_env.sh
-python3 -m pytest -q -m gpu tests/test_gpu.py "$@"
+python3 -m pytest -q -m gpu tests/gpu "$@"

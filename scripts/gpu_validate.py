@@ -239,7 +239,7 @@ def collect(run_dir: Path) -> dict:
         if known.get(resolved["model"].get("arch")) != derived:
             model_config = json.loads(config.read_text())
     return {
-        # the whole recipe.resolved.yaml (every pin the planner made): tests/calibration_rows.py
+        # the whole recipe.resolved.yaml (every pin the planner made): tests/helpers/calibration_rows.py
         # rebuilds the run's plan from it
         "resolved": resolved,
         **({"model_config": model_config} if model_config is not None else {}),

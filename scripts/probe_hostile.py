@@ -9,7 +9,7 @@
 
 Most attempts fail before anything is launched, so they run in this process through finetune.cli.main
 (`validate`, `run --dry-run`, or a `run` refused before launch). --full adds attempts that train the
-tiny model in a subprocess (reruns, a lock held by a live run, Ctrl-C, kill -9). tests/test_reliability_probe.py
+tiny model in a subprocess (reruns, a lock held by a live run, Ctrl-C, kill -9). tests/e2e/test_hostile_probe.py
 runs a fast subset (`quick_attempts()`).
 """
 

@@ -1,7 +1,7 @@
 """Keep each shipped recipe's "# Plan (...)" header line equal to what the planner says now.
 
     python scripts/recipe_headers.py          # rewrite the lines
-    python scripts/recipe_headers.py --check  # exit 1 if any is stale (tests/test_recipes_headers.py)
+    python scripts/recipe_headers.py --check  # exit 1 if any is stale (tests/unit/recipe/test_recipe_headers.py)
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ Every field's type, default and description come from the pydantic models, so th
 drift from what `finetune` accepts.
 
     python scripts/recipe_reference.py          # rewrite docs/recipe-reference.md
-    python scripts/recipe_reference.py --check  # exit 1 if it is stale (tests/test_recipe.py)
+    python scripts/recipe_reference.py --check  # exit 1 if it is stale (tests/unit/recipe/test_load.py)
 """
 
 from __future__ import annotations

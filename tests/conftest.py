@@ -1,4 +1,5 @@
-"""Shared fixtures: offline Hugging Face, the shipped tiny model, resolved recipes for train tests."""
+"""Shared fixtures: offline Hugging Face, GPU tests skipped without CUDA, a token cache per test, and the
+runs built once per session for the tests that only read a finished run. Builders live in tests/helpers."""
 
 from __future__ import annotations
 
@@ -7,15 +8,17 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
-TINY_MODEL = ROOT / "data" / "tiny-llama"
-SAMPLES = ROOT / "data" / "samples"
-QUICKSTART_DATA = ROOT / "data" / "quickstart"
+from tests.helpers.paths import TINY_MODEL
 
 # Nothing in the suite may reach the Hub; set before transformers/datasets are imported.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# One intra-op thread for the models trained in this process and in the processes it starts directly: a
+# 64-wide model gains nothing from two, and on a shared 2-core machine two threads spin against each
+# other (the quickstart trains in 11 s with one, 43 s with two). `finetune run` ranks get the launcher's
+# own setting (accelerate's --num_cpu_threads_per_process) either way.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
 def pytest_collection_modifyitems(config, items):
@@ -42,61 +45,23 @@ def _isolated_cache(tmp_path_factory, monkeypatch):
     monkeypatch.setenv("FINETUNE_CACHE_DIR", str(tmp_path_factory.mktemp("tokcache")))
 
 
-def resolve_recipe(raw: dict, *, run_dir: Path, base_dir: Path | None = None) -> Path:
-    """Stand-in for `finetune compile` on one CPU process: fill the resolved section and concrete
-    values, make data paths absolute, write RUN_DIR/recipe.resolved.yaml and return its path."""
-    import copy
+@pytest.fixture(scope="session")
+def trained_cli_run(tmp_path_factory):
+    """One real 8-step LoRA `finetune run` (tests/helpers/trained_run.py): its RUN_DIR and what it printed."""
+    from tests.helpers.trained_run import train_tiny_run
 
-    from finetune.recipe.load import dump_recipe, load_recipe
-
-    raw = copy.deepcopy(raw)
-    base = Path(base_dir or ROOT)
-    model = raw.setdefault("model", {})
-    if (base / model.get("name", "")).is_dir():
-        model["name"] = str((base / model["name"]).resolve())
-    data = raw.setdefault("data", {})
-    for key in ("sources", "eval_sources"):
-        for src in data.get(key, []):
-            if not Path(src["path"]).is_absolute():
-                src["path"] = str((base / src["path"]).resolve())
-    if "path" in data and not Path(data["path"]).is_absolute():
-        data["path"] = str((base / data["path"]).resolve())
-    if data.get("task_eval") and not Path(data["task_eval"]["path"]).is_absolute():
-        data["task_eval"]["path"] = str((base / data["task_eval"]["path"]).resolve())
-    train = raw.setdefault("train", {})
-    mbs = train.get("micro_batch_size", "auto")
-    train["micro_batch_size"] = mbs if isinstance(mbs, int) else 4
-    if train.get("activation_checkpointing", "auto") == "auto":
-        train["activation_checkpointing"] = "off"
-    raw.setdefault("distributed", {})["strategy"] = "ddp"
-    raw.setdefault("output", {})["dir"] = str(Path(run_dir).resolve())
-    raw.setdefault("logging", {}).setdefault("report_to", ["none"])
-    gbs = train.get("global_batch_size", 16)
-    raw["resolved"] = dict(hardware="cpu", world_size=1, num_nodes=1, gpus_per_node=0, device="cpu",
-                           gradient_accumulation_steps=max(1, gbs // train["micro_batch_size"]),
-                           predicted_peak_gib=0.5, decoder_layer_class="LlamaDecoderLayer",
-                           lora_targets=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
-                                         "down_proj"], model_family="llama")
-    recipe = load_recipe(raw, allow_resolved=True)
-    run_dir = Path(run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    out = run_dir / "recipe.resolved.yaml"
-    out.write_text(dump_recipe(recipe))
-    return out
+    return train_tiny_run(tmp_path_factory.mktemp("trained"))
 
 
-def tiny_recipe(**sections) -> dict:
-    """A small fast recipe on the shipped tiny model; keyword sections are merged over it."""
-    from finetune.recipe.load import deep_merge
+@pytest.fixture(scope="session")
+def trained_run(trained_cli_run) -> Path:
+    """RUN_DIR of the session's trained LoRA run; read it, or copy it to change it."""
+    return trained_cli_run.run_dir
 
-    base = {
-        "model": {"name": str(TINY_MODEL), "dtype": "float32"},
-        "adapter": {"type": "lora", "r": 8, "alpha": 16},
-        "data": {"sources": [{"path": str(QUICKSTART_DATA / "train.jsonl"), "max_samples": 64}],
-                 "eval_sources": [{"path": str(QUICKSTART_DATA / "eval.jsonl"), "max_samples": 16}],
-                 "max_length": 32},
-        "train": {"max_steps": 6, "lr": 3e-3, "global_batch_size": 8, "micro_batch_size": 8,
-                  "precision": "fp32", "warmup_ratio": 0.0, "scheduler": "constant"},
-        "hardware": "cpu",
-    }
-    return deep_merge(base, sections)
+
+@pytest.fixture(scope="session")
+def tiny_runs(tmp_path_factory) -> dict[str, Path]:
+    """base, lora, dora and full run dirs (tests/helpers/run_dirs.py); copy one to change it."""
+    from tests.helpers.run_dirs import build_tiny_runs
+
+    return build_tiny_runs(tmp_path_factory.mktemp("tiny"))

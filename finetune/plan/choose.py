@@ -25,7 +25,7 @@ HEADROOM = 0.90  # plan to at most 90% of GPU memory / host RAM: spikes, other p
 # A strategy later in strategies.NAMES (the order from the least machinery to the most: ddp, fsdp2, hybrid,
 # zero2, zero3, then the offload tiers) is chosen over an earlier one that fits only when its modelled step
 # is more than this share shorter. The step-time model misses measured tokens/s by up to 25%
-# (tests/test_calibration.py), so a few percent between two tiers is noise, and the earlier tier is the
+# (tests/unit/plan/test_calibration.py), so a few percent between two tiers is noise, and the earlier tier is the
 # one with fewer moving parts (and, for fsdp2, checkpoints that reshard to another GPU count).
 CLEARLY_FASTER = 0.10
 

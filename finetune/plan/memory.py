@@ -252,7 +252,7 @@ def dora_bytes_per_token_layer(job: Job) -> float:
     gradient, base_result and lora_result, each out_features wide in the compute dtype (the norm is
     detached). Measured with saved-tensor hooks on a Llama layer (h 256, i 640, all 7 projections,
     bf16 and fp32 adapters alike): 9,216 B per token more than LoRA = 2 x 2 B x (256+128+128+256+640
-    +640+256) (tests/test_dora_memory.py)."""
+    +640+256) (tests/unit/plan/test_memory.py)."""
     shapes = module_shapes(job.arch)
     return sum(2 * job.act_bytes * shapes[n][1] * shapes[n][2] for n in job.lora_targets if n in shapes)
 

@@ -24,7 +24,7 @@ bytes more per group), and when trained the bf16 copy of its fp32-cast input (ac
 over the top-k logits keeps act*k. Qwen2-MoE's sigmoid gate on the shared expert keeps the shared
 output and the gate (act*h + act).
 Checked by listing saved tensors with torch.autograd.graph.saved_tensors_hooks on one MoE block of
-each family (transformers 5.24, bf16, 1024 tokens, h 256, i 128, 8 experts, top-2; tests/test_moe_memory.py):
+each family (transformers 5.24, bf16, 1024 tokens, h 256, i 128, 8 experts, top-2; tests/unit/plan/test_moe_memory.py):
 with frozen experts Qwen2-MoE 5,478 B/token, Qwen3-MoE 2,672, Mixtral 2,676, DeepSeek-V3 ~3,450 (its
 group selection varies by a few bytes), GPT-OSS 4,168. Not covered: Liger's own expert kernels, where
 a Liger version patches a family's experts (the planner's `liger` flag changes the dense and shared

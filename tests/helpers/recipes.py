@@ -1,0 +1,87 @@
+"""Recipes, resolved recipes and hardware presets for tests, built the way users and `finetune compile` build
+them: tiny recipes on the shipped tiny model, resolved by the real planner and compiler, presets validated by
+the registry's schema."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import yaml
+
+from tests.helpers.paths import QUICKSTART_DATA, TINY_MODEL, TRAIN
+
+
+def tiny_recipe(**sections) -> dict:
+    """A small fast recipe on the shipped tiny model; keyword sections are merged over it."""
+    from finetune.recipe.load import deep_merge
+
+    base = {
+        "model": {"name": str(TINY_MODEL), "dtype": "float32"},
+        "adapter": {"type": "lora", "r": 8, "alpha": 16},
+        "data": {"sources": [{"path": str(QUICKSTART_DATA / "train.jsonl"), "max_samples": 64}],
+                 "eval_sources": [{"path": str(QUICKSTART_DATA / "eval.jsonl"), "max_samples": 16}],
+                 "max_length": 32},
+        "train": {"max_steps": 6, "lr": 3e-3, "global_batch_size": 8, "micro_batch_size": 8,
+                  "precision": "fp32", "warmup_ratio": 0.0, "scheduler": "constant"},
+        "hardware": "cpu",
+    }
+    return deep_merge(base, sections)
+
+
+def resolve_recipe(recipe: dict | str | Path, *, run_dir: Path, hardware: str | None = None) -> Path:
+    """What `finetune compile` writes for the ranks, through the real planner and compiler: write
+    RUN_DIR/recipe.resolved.yaml (only that file) and return its path.
+
+    A dict is taken as written (trackers default to none); a path is loaded like `finetune compile PATH`,
+    its relative paths anchored at its folder."""
+    from finetune.compile.compiler import prepare_recipe
+    from finetune.recipe.load import load_recipe
+    from finetune.rundir import RESOLVED_RECIPE
+
+    if isinstance(recipe, dict):
+        recipe = copy.deepcopy(recipe)
+        recipe.setdefault("logging", {}).setdefault("report_to", ["none"])
+    compiled = prepare_recipe(load_recipe(recipe), run_dir=run_dir, hardware=hardware)
+    out = Path(compiled.spec.run_dir) / RESOLVED_RECIPE
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(compiled.texts[RESOLVED_RECIPE])
+    return out
+
+
+def write_recipe(path: Path, **sections) -> Path:
+    """A recipe file for CLI runs: 32 examples, batch 8 -> 4 optimizer steps per epoch; LoRA on the tiny
+    Llama; no eval. Keyword sections are merged one level deep."""
+    recipe = {
+        "model": {"name": str(TINY_MODEL), "dtype": "float32"},
+        "adapter": {"type": "lora", "r": 8, "alpha": 16},
+        "data": {"sources": [{"path": str(TRAIN), "max_samples": 32}], "max_length": 32},
+        "train": {"epochs": 3, "lr": 3e-3, "global_batch_size": 8, "micro_batch_size": 8, "precision": "fp32",
+                  "warmup_ratio": 0.0, "scheduler": "linear", "seed": 7},
+        "output": {"save_every": 3, "keep": 2},
+        "hardware": "cpu",
+        "logging": {"report_to": ["none"]},
+    }
+    for key, value in sections.items():
+        recipe[key] = {**recipe.get(key, {}), **value} if isinstance(value, dict) else value
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(yaml.safe_dump(recipe))
+    return path
+
+
+def write_preset(path: Path, *, like: str | None = "cpu", **fields) -> Path:
+    """A hardware preset file: the shipped preset `like` (or nothing: `fields` alone) with `fields` over it,
+    validated by the registry's schema before it is written."""
+    from finetune.registry import get_preset
+    from finetune.registry.schema import HardwarePreset
+
+    base = get_preset(like).model_dump(exclude_defaults=True) if like else {}
+    preset = HardwarePreset.model_validate({**base, **fields})
+    path.write_text(yaml.safe_dump(preset.model_dump(exclude_defaults=True)))
+    return path
+
+
+def cpu_preset(path: Path, *, procs: int = 1, nodes: int = 1, **fields) -> Path:
+    """`procs` CPU processes (gloo) on each of `nodes` hosts."""
+    return write_preset(path, name=f"cpu-{nodes}x{procs}", description="test: CPU processes on gloo",
+                        gpus_per_node=procs, nodes=nodes, **fields)

@@ -1,0 +1,45 @@
+"""One tiny LoRA run trained for real through `finetune run` (the CLI, plan, compile, accelerate launch and
+TRL, started in a working directory of its own), shared by the tests that only read a finished run: the
+CLI end-to-end LoRA case, trackers, cards, loss.png, generate, eval. Built once per test session (the
+`trained_cli_run` / `trained_run` fixtures in tests/conftest.py); tests that change the run dir copy it."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import yaml
+
+from tests.helpers.paths import QUICKSTART_DATA, ROOT
+from tests.helpers.recipes import tiny_recipe
+
+
+@dataclass(frozen=True)
+class TrainedRun:
+    run_dir: Path
+    output: str  # what `finetune run` printed (stdout + stderr)
+
+
+def train_tiny_run(root: Path) -> TrainedRun:
+    """An 8-step LoRA SFT on the tiny model with tensorboard, an eval set, task eval and a checkpoint every
+    4 steps (keep 1), run from `root/cwd` into `root/run`."""
+    run_dir, cwd = root / "run", root / "cwd"
+    cwd.mkdir(parents=True)
+    recipe = tiny_recipe(
+        train={"max_steps": 8, "logging_steps": 1, "eval_steps": 4},
+        output={"save_every": 4, "keep": 1},
+        logging={"report_to": ["tensorboard"], "run_name": "tiny-after", "loss_log_scale": True},
+        data={"task_eval": {"path": str(QUICKSTART_DATA / "eval.jsonl"), "n": 4, "max_new_tokens": 8},
+              "allow_paths": [str(ROOT / "data")]})
+    path = root / "recipe.yaml"
+    path.write_text(yaml.safe_dump(recipe))
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT), "FINETUNE_CACHE_DIR": str(root / "cache")}
+    env.pop("TENSORBOARD_LOGGING_DIR", None)
+    proc = subprocess.run([sys.executable, "-m", "finetune.cli", "run", str(path), "--output", str(run_dir)],
+                          cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 0, output[-4000:]
+    return TrainedRun(run_dir=run_dir, output=output)

@@ -1,0 +1,121 @@
+"""`finetune convert --from axolotl|llamafactory|trl`: configs written in each peer's documented format
+(tests/data/convert, written for these tests) become recipes that validate and read their data; what
+cannot be mapped is a comment with its reason, and a material drop exits non-zero."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from finetune.cli import main
+from finetune.recipe.load import load_recipe
+from tests.helpers.paths import TEST_DATA
+
+CONFIGS = TEST_DATA / "convert"
+
+
+def _convert(tmp_path: Path, name: str, source: str, *extra: str) -> tuple[int, Path]:
+    out = tmp_path / "recipes" / "converted.yaml"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    rc = main(["convert", str(CONFIGS / name), "--from", source, "-o", str(out), *extra])
+    return rc, out
+
+
+def _recipe_and_data(out: Path):
+    from finetune.data.check import check_data
+
+    recipe = load_recipe(out)
+    recipe.data.allow_outside = True  # the samples live in the repository, the recipe in tmp
+    check_data(recipe)  # every local data row converts in the mapped format
+    return recipe
+
+
+def test_axolotl_qlora_sft(tmp_path):
+    rc, out = _convert(tmp_path, "axolotl-qlora.yaml", "axolotl")
+    assert rc == 0
+    r = _recipe_and_data(out)
+    assert (r.model.name, r.adapter.type, r.adapter.r, r.adapter.alpha) == ("NousResearch/Meta-Llama-3.1-8B",
+                                                                           "qlora", 32, 16)
+    assert r.adapter.target_modules == "all-linear" and r.data.packing and r.data.max_length == 4096
+    assert [s.format for s in r.data.sources] == ["sharegpt", "alpaca"]
+    assert (r.train.optimizer, r.train.warmup_steps, r.train.evals_per_epoch, r.output.saves_per_epoch) == (
+        "paged_adamw_8bit", 10, 4, 1)
+    assert r.train.global_batch_size == 8 and r.data.assistant_only_loss and r.data.chat_template == "llama3"
+    assert r.distributed.strategy == "zero3-offload"  # read from the DeepSpeed file it names
+    assert r.tokenizer.pad_token == "<|end_of_text|>"
+    text = out.read_text()
+    assert "# flash_attention: true   # ignored:" in text
+
+
+def test_axolotl_material_drops_exit_non_zero_and_are_commented(tmp_path, capsys):
+    rc, out = _convert(tmp_path, "axolotl-dpo-dropped.yaml", "axolotl")
+    assert rc == 2
+    text = out.read_text()
+    assert "# optimizer: lion_8bit   # NOT MAPPED:" in text and "# unfrozen_parameters:" in text
+    assert "settle them by hand" in capsys.readouterr().err
+    r = _recipe_and_data(out)  # what was mapped still validates
+    assert r.method.type == "dpo" and r.adapter.target_modules == ["q_proj", "v_proj"]
+    assert r.train.max_steps == 100 and r.train.epochs is None
+    assert r.data.sources[0].format == "preference"
+
+
+def test_llamafactory_dpo_with_dataset_info(tmp_path):
+    rc, out = _convert(tmp_path, "llamafactory-dpo.yaml", "llamafactory")
+    assert rc == 0
+    r = _recipe_and_data(out)
+    assert (r.method.type, r.method.beta, r.adapter.type, r.adapter.r) == ("dpo", 0.1, "lora", 8)
+    assert r.adapter.target_modules == "all-linear" and r.data.sources[0].format == "preference"
+    assert r.data.sources[0].max_samples == 1000 and r.data.eval_fraction == 0.1
+    assert (r.train.lr, r.train.epochs, r.output.save_every, r.output.dir) == (5e-6, 3.0, 500,
+                                                                              "saves/llama3-8b/lora/dpo")
+    assert "dataset_dir" not in out.read_text()
+
+
+def test_llamafactory_unsupported_stage_is_material(tmp_path):
+    rc, out = _convert(tmp_path, "llamafactory-ppo.yaml", "llamafactory")
+    assert rc == 2
+    text = out.read_text()
+    assert "# stage: ppo   # NOT MAPPED" in text and "# finetuning_type: freeze   # NOT MAPPED" in text
+
+
+def test_trl_sft_with_an_accelerate_file(tmp_path):
+    rc, out = _convert(tmp_path, "trl-sft.yaml", "trl", "--method", "sft")
+    assert rc == 0
+    r = load_recipe(out)
+    assert (r.method.type, r.adapter.type, r.adapter.r, r.adapter.target_modules) == ("sft", "lora", 32,
+                                                                                      "all-linear")
+    assert r.data.sources[0].path == "trl-lib/Capybara" and r.data.packing and r.data.max_length == 1024
+    assert r.distributed.strategy == "fsdp2" and r.train.activation_checkpointing == "on"
+    assert r.logging.report_to == ["none"] and r.train.global_batch_size == 16
+
+
+def test_trl_dpo_guessed_from_its_keys_and_a_deepspeed_accelerate_file(tmp_path):
+    config = tmp_path / "dpo.yaml"
+    (tmp_path / "acc.yaml").write_text(yaml.safe_dump({"distributed_type": "DEEPSPEED", "deepspeed_config": {
+        "zero_stage": 3, "offload_optimizer_device": "none", "offload_param_device": "none"}}))
+    config.write_text(yaml.safe_dump({"model_name_or_path": "Qwen/Qwen2.5-0.5B-Instruct",
+                                      "dataset_name": "trl-lib/ultrafeedback_binarized", "beta": 0.05,
+                                      "loss_type": ["sigmoid"], "learning_rate": 5e-7, "use_peft": True,
+                                      "lora_r": 16, "accelerate_config": "acc.yaml", "fancy_new_flag": 3}))
+    out = tmp_path / "out.yaml"
+    rc = main(["convert", str(config), "--from", "trl", "-o", str(out)])
+    assert rc == 2  # fancy_new_flag is unknown, so material
+    r = load_recipe(out)
+    assert (r.method.type, r.method.beta, r.distributed.strategy) == ("dpo", 0.05, "zero3")
+    assert r.data.sources[0].format == "preference"
+    assert "# fancy_new_flag: 3   # NOT MAPPED" in out.read_text()
+
+
+def test_python_api_returns_the_conversion(tmp_path):
+    from finetune import convert
+
+    conv = convert(CONFIGS / "axolotl-qlora.yaml", source="axolotl")
+    assert conv.recipe["adapter"]["type"] == "qlora" and not conv.material and conv.error is None
+
+
+@pytest.mark.parametrize("source", ["axolotl", "llamafactory", "trl"])
+def test_a_missing_config_is_a_clear_error(tmp_path, source, capsys):
+    assert main(["convert", str(tmp_path / "nope.yaml"), "--from", source, "-o", str(tmp_path / "r.yaml")]) == 2
+    assert "nope.yaml" in capsys.readouterr().err and not (tmp_path / "r.yaml").exists()

@@ -1,0 +1,60 @@
+"""data.max_length against the model's max_position_embeddings: refused without RoPE scaling, a warning
+with it (within its reach), refused past its reach; said before anything is launched."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from finetune.errors import RecipeError
+from finetune.plan import plan
+from finetune.recipe import load_recipe
+
+ROOT = Path(__file__).resolve().parents[3]
+
+
+def _raw(max_length: int, **model) -> dict:
+    return {"model": {"name": "Qwen/Qwen2.5-7B", "arch": "qwen2.5-7b", **model}, "adapter": "qlora",
+            "data": {"path": "t.jsonl", "max_length": max_length}, "train": {"global_batch_size": 8},
+            "hardware": "server-8xh100"}
+
+
+def test_the_models_own_context_plans_without_a_warning():
+    assert plan(load_recipe(_raw(32768))).warnings == []
+
+
+def test_beyond_max_position_embeddings_without_rope_scaling_is_refused_with_the_fix():
+    with pytest.raises(RecipeError) as err:
+        plan(load_recipe(_raw(65536)))
+    assert err.value.key == "data.max_length"
+    assert "max_position_embeddings 32768" in str(err.value)
+    assert "32768 or less" in err.value.hint and "model.rope_scaling" in err.value.hint
+    assert "factor: 2" in err.value.hint
+
+
+def test_rope_scaling_that_reaches_the_length_plans_with_a_warning():
+    yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}
+    result = plan(load_recipe(_raw(65536, rope_scaling=yarn)))
+    assert len(result.warnings) == 1 and "reach 131072" in result.warnings[0]
+    assert result.to_json()["warnings"] == result.warnings
+
+
+def test_rope_scaling_too_small_for_the_length_is_refused():
+    with pytest.raises(RecipeError) as err:
+        plan(load_recipe(_raw(65536, rope_scaling={"rope_type": "yarn", "factor": 1.5})))
+    assert err.value.key == "data.max_length" and "49152" in str(err.value)
+    assert "factor to 2" in err.value.hint
+
+
+def test_cli_plan_refuses_without_a_traceback(tmp_path):
+    recipe = tmp_path / "long.yaml"
+    recipe.write_text(yaml.safe_dump(_raw(65536)))
+    proc = subprocess.run([sys.executable, "-m", "finetune.cli", "plan", str(recipe)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0
+    assert "Traceback" not in proc.stderr
+    assert "data.max_length" in proc.stderr + proc.stdout

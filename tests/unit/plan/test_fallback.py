@@ -1,0 +1,202 @@
+"""Models whose layers finetune's varlen kernel does not run (sliding windows, logit soft-capping):
+the config reader sees them, the planner plans those layers over the masked packed row (sdpa; eager for
+soft-capping, which sdpa does not compute) for memory and executed attention FLOPs, says so, its rule
+matches the runtime's on real transformers layers, and a soft-capped layer computes what transformers'
+own eager attention computes."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from finetune.plan import attention_kind, job_from_recipe, plan_job, plan_on, varlen_fallback_layers
+from finetune.plan.memory import attention_matrix_bytes
+from finetune.plan.timing import flops_per_token, job_model_flops_per_token
+from finetune.plan.workload import executed_attention_positions
+from finetune.recipe import load_recipe
+from finetune.registry import get_model
+from finetune.registry.derive import arch_from_config
+from tests.helpers.calibration_rows import preset_for
+from tests.helpers.paths import ROOT
+
+H100 = preset_for("NVIDIA H100 80GB HBM3", gpus_per_node=1)
+SMALL = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+             head_dim=16, vocab_size=256, max_position_embeddings=512)
+
+
+def _derive(tmp_path, cfg: dict):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(cfg))
+    return arch_from_config(path, key="probe")
+
+
+@pytest.mark.parametrize("cfg, window, sliding, softcap", [
+    # absent keys take the config class's defaults
+    (dict(model_type="gemma2", num_hidden_layers=42), 4096, 21, 50.0),
+    (dict(model_type="gemma2", num_hidden_layers=4, attn_logit_softcapping=None, sliding_window=None), None, 0, None),
+    (dict(model_type="gemma3_text", num_hidden_layers=48, sliding_window=1024), 1024, 40, None),
+    (dict(model_type="gemma3_text", num_hidden_layers=62, sliding_window=1024, sliding_window_pattern=6),
+     1024, 52, None),
+    (dict(model_type="mistral", num_hidden_layers=32), 4096, 32, None),
+    (dict(model_type="mistral", num_hidden_layers=32, sliding_window=None), None, 0, None),
+    (dict(model_type="qwen2", num_hidden_layers=32, sliding_window=4096), None, 0, None),
+    (dict(model_type="qwen2", num_hidden_layers=32, use_sliding_window=True, sliding_window=2048), 2048, 4, None),
+    (dict(model_type="llama", num_hidden_layers=16), None, 0, None),
+])
+def test_config_reader_resolves_windows_and_softcap_like_transformers(tmp_path, cfg, window, sliding, softcap):
+    arch = _derive(tmp_path, {**SMALL, **cfg})
+    assert (arch.sliding_window, arch.sliding_layers, arch.attn_logit_softcap) == (window, sliding, softcap)
+
+
+def test_registry_gemma_and_mistral_entries_match_their_published_configs():
+    # google/gemma-2-9b, gemma-2-27b, gemma-3-12b-pt, gemma-3-27b-pt; mistralai's "sliding_window": null
+    expected = {"gemma-2-9b": (4096, 21, 50.0), "gemma-2-27b": (4096, 23, 50.0),
+                "gemma-3-12b": (1024, 40, None), "gemma-3-27b": (1024, 52, None),
+                "mistral-7b-v0.3": (None, 0, None), "mistral-small-24b": (None, 0, None)}
+    for key, want in expected.items():
+        arch = get_model(key)
+        assert (arch.sliding_window, arch.sliding_layers, arch.attn_logit_softcap) == want, key
+    assert varlen_fallback_layers(get_model("gemma-2-9b")) == 42  # soft-capping is on every layer
+    assert varlen_fallback_layers(get_model("gemma-3-12b")) == 40
+    assert varlen_fallback_layers(get_model("mistral-7b-v0.3")) == 0
+    assert varlen_fallback_layers(get_model("llama-3.1-8b")) == 0
+
+
+def test_attention_kind_falls_back_for_such_models():
+    assert attention_kind("varlen", packed=True, arch=get_model("gemma-2-9b")) == "eager"  # soft-capping
+    assert attention_kind("varlen", packed=True, arch=get_model("gemma-3-12b")) == "sdpa"  # sliding window
+    assert attention_kind("varlen", packed=True, arch=get_model("llama-3.1-8b")) == "varlen"
+    assert attention_kind("flash_attention_2", packed=True, arch=get_model("gemma-2-9b")) == "flash"
+
+
+def _recipe(model: str, *, micro: int = 4, seq: int = 2048, attn: str = "auto"):
+    return load_recipe({"model": {"name": model, "arch": model, "attn_implementation": attn},
+                        "method": {"type": "sft"},
+                        "adapter": {"type": "lora", "r": 16},
+                        "data": {"path": "train.jsonl", "max_length": seq, "packing": True},
+                        "train": {"global_batch_size": 32, "micro_batch_size": micro,
+                                  "activation_checkpointing": "off", "liger": "off"},
+                        "distributed": {"strategy": "ddp"}, "hardware": "auto"})
+
+
+def test_fallback_executes_the_whole_packed_square_and_keeps_its_mask():
+    preset = H100
+    # auto picks transformers' eager attention for Gemma-2 (soft-capping); asking for varlen gets the same
+    auto = job_from_recipe(_recipe("gemma-2-9b"), arch=get_model("gemma-2-9b"), preset=preset)
+    assert auto.attention == "eager"
+    gemma = job_from_recipe(_recipe("gemma-2-9b", attn="varlen"), arch=get_model("gemma-2-9b"), preset=preset)
+    assert gemma.attention == "eager" and gemma.varlen_layers == 0
+    arch = gemma.arch
+    width = arch.num_attention_heads * arch.head_dim
+    # every layer computes the 8192 x 8192 square of the packed row: 4 x the per-sequence figure
+    assert executed_attention_positions(gemma, micro_batch=4) == arch.num_layers * 4 * 2048
+    extra = flops_per_token(gemma, checkpointing=False, micro_batch=4) - flops_per_token(gemma, checkpointing=False)
+    assert extra == pytest.approx(12 * width * arch.num_layers * (4 * 2048 - 2048))
+    # the MFU numerator is the useful figure, unchanged
+    assert flops_per_token(gemma, checkpointing=False) == pytest.approx(job_model_flops_per_token(gemma))
+    heads = arch.num_attention_heads  # eager also keeps the scores: fp32 softmax and its bf16 copy
+    assert attention_matrix_bytes(gemma, micro_batch=4) == 8192 ** 2 * (2 + heads * (4 + 2))
+    # Gemma-3: the 8 global layers stay on the varlen kernel (seq-based figure, no mask)
+    g3 = job_from_recipe(_recipe("gemma-3-12b", micro=2), arch=get_model("gemma-3-12b"), preset=preset)
+    assert (g3.attention, g3.varlen_layers) == ("sdpa", 8)
+    assert executed_attention_positions(g3, micro_batch=2) == 40 * 4096 + 8 * 2048 / 2  # causal triangle
+    assert attention_matrix_bytes(g3, micro_batch=2) == pytest.approx(4096 ** 2 * 2 * 40 / 48)
+    # a model the kernel serves keeps the per-sequence figure
+    llama = job_from_recipe(_recipe("llama-3.1-8b"), arch=get_model("llama-3.1-8b"), preset=preset)
+    assert executed_attention_positions(llama, micro_batch=4) == 32 * 2048 / 2  # the causal triangle
+    assert plan_job(gemma).tokens_per_second < plan_job(gemma.__class__(**{
+        **gemma.__dict__, "attention": "varlen"})).tokens_per_second
+
+
+def test_plan_warns_what_the_fallback_costs():
+    recipe = _recipe("gemma-2-9b", attn="varlen")
+    result = plan_on(recipe, arch=get_model("gemma-2-9b"), preset=H100, source="auto")
+    (warning,) = [w for w in result.warnings if "varlen" in w]
+    assert "soft-capping (50)" in warning and "42 of 42 layers" in warning and "8192 x 8192" in warning
+    assert "GiB of mask" in warning and "of the step's FLOPs" in warning
+    assert "masked packed row on 42 of 42 layers" in result.kernels
+    llama = plan_on(_recipe("llama-3.1-8b"), arch=get_model("llama-3.1-8b"), preset=H100,
+                    source="auto")
+    assert not [w for w in llama.warnings if "varlen" in w]
+
+
+@pytest.mark.parametrize("cfg", [
+    dict(model_type="gemma2", num_hidden_layers=4),
+    dict(model_type="mistral", num_hidden_layers=3, sliding_window=64),
+    dict(model_type="gemma3_text", num_hidden_layers=6, sliding_window=32),
+    dict(model_type="llama", num_hidden_layers=3),
+])
+def test_planner_rule_matches_the_runtime_rule_on_real_layers(tmp_path, cfg):
+    """Count the layers whose attention call the runtime (train/attention.py's layer_falls_back) sends
+    to sdpa, on a real transformers model run through a registered attention function."""
+    torch = pytest.importorskip("torch")
+    from transformers import AttentionInterface, AutoConfig, AutoModelForCausalLM
+
+    from finetune.train.attention import layer_falls_back
+
+    seen: list[bool] = []
+
+    def probe(module, query, key, value, attention_mask, **kwargs):
+        seen.append(layer_falls_back(kwargs))
+        return query.transpose(1, 2).contiguous(), None
+
+    AttentionInterface.register("finetune_probe", probe)
+    full = {**SMALL, **cfg}
+    (tmp_path / "config.json").write_text(json.dumps(full))
+    config = AutoConfig.from_pretrained(tmp_path)
+    config._attn_implementation = "finetune_probe"
+    model = AutoModelForCausalLM.from_config(config)
+    with torch.no_grad():
+        model(input_ids=torch.zeros(1, 8, dtype=torch.long))
+    assert len(seen) == full["num_hidden_layers"]
+    assert sum(seen) == varlen_fallback_layers(_derive(tmp_path, full))
+
+
+@pytest.mark.parametrize("key", ["gemma-2-9b", "gemma-3-12b", "gemma-3-27b", "mistral-7b-v0.3", "llama-3.1-8b",
+                                 "qwen2.5-7b"])
+def test_random_models_are_the_registry_models(tmp_path, key):
+    """scripts/make_random_model.py's config.json, read back by the planner's config reader and by
+    transformers, has the registry's windows and soft-capping (not the config classes' defaults)."""
+    import importlib.util
+
+    from transformers import AutoConfig
+
+    script = ROOT / "scripts" / "make_random_model.py"
+    spec = importlib.util.spec_from_file_location("make_random_model", script)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    arch = get_model(key)
+    cfg = module.hf_config(arch)
+    read = _derive(tmp_path, cfg)
+    assert (read.sliding_window, read.sliding_layers, read.attn_logit_softcap) == (
+        arch.sliding_window, arch.sliding_layers, arch.attn_logit_softcap)
+    loaded = AutoConfig.from_pretrained(tmp_path)
+    assert getattr(loaded, "sliding_window", None) == arch.sliding_window
+    assert getattr(loaded, "attn_logit_softcapping", None) == arch.attn_logit_softcap
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_a_soft_capped_layer_computes_what_transformers_eager_attention_does(tmp_path, packed):
+    """Gemma-2 through finetune's varlen attention function (on CPU its fallback path): the same logits as
+    transformers' own eager attention, which applies the soft-capping that sdpa does not have."""
+    torch = pytest.importorskip("torch")
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from finetune.train.attention import register
+
+    (tmp_path / "config.json").write_text(json.dumps({**SMALL, "model_type": "gemma2", "num_hidden_layers": 2,
+                                                      "attn_logit_softcapping": 5.0, "sliding_window": 4}))
+    torch.manual_seed(0)
+    eager_config = AutoConfig.from_pretrained(tmp_path)
+    eager_config._attn_implementation = "eager"
+    model = AutoModelForCausalLM.from_config(eager_config).float().eval()
+    ids = torch.randint(0, 256, (1, 12))
+    kwargs = {"position_ids": torch.tensor([[0, 1, 2, 3, 4, 0, 1, 2, 3, 4, 5, 6]])} if packed else {}
+    with torch.no_grad():
+        expected = model(input_ids=ids, **kwargs).logits
+        model.config._attn_implementation = register()
+        for layer in model.model.layers:
+            layer.self_attn.config._attn_implementation = model.config._attn_implementation
+        got = model(input_ids=ids, **kwargs).logits
+    assert torch.allclose(got, expected, atol=1e-5)

@@ -1,0 +1,95 @@
+"""The planner's MoE activation bytes (finetune/plan/moe_memory.py) against what autograd really keeps
+in one transformers MoE block of each convention the config reader knows (saved-tensor hooks, CPU, bf16,
+transformers' default grouped_mm experts)."""
+
+from __future__ import annotations
+
+import pytest
+
+from finetune.plan.moe_memory import dense_mlp_bytes, routed_bytes
+from finetune.plan.workload import Job
+from finetune.registry.derive import arch_from_config
+from tests.helpers.calibration_rows import preset_for
+
+H, WIDTH, E, K, SHARED, TOKENS = 256, 128, 8, 2, 384, 1024
+ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
+
+
+def _config(family: str):
+    import transformers
+
+    common = dict(hidden_size=H, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=4,
+                  vocab_size=128, intermediate_size=WIDTH)
+    return {
+        "qwen2_moe": lambda: transformers.Qwen2MoeConfig(
+            num_experts=E, num_experts_per_tok=K, moe_intermediate_size=WIDTH, shared_expert_intermediate_size=SHARED,
+            norm_topk_prob=False, **common),
+        "qwen3_moe": lambda: transformers.Qwen3MoeConfig(
+            num_experts=E, num_experts_per_tok=K, moe_intermediate_size=WIDTH, head_dim=64, norm_topk_prob=True,
+            **common),  # the Hub's Qwen3-MoE configs normalize the top-k weights
+        "mixtral": lambda: transformers.MixtralConfig(num_local_experts=E, num_experts_per_tok=K, **common),
+        "deepseek_v3": lambda: transformers.DeepseekV3Config(
+            n_routed_experts=E, num_experts_per_tok=K, n_shared_experts=1, moe_intermediate_size=WIDTH,
+            first_k_dense_replace=0, n_group=1, topk_group=1, q_lora_rank=64, kv_lora_rank=32,
+            qk_rope_head_dim=16, qk_nope_head_dim=16, v_head_dim=16, **common),
+        "gpt_oss": lambda: transformers.GptOssConfig(num_local_experts=E, num_experts_per_tok=K, head_dim=64,
+                                                     **common),
+    }[family]()
+
+
+def _saved_bytes_per_token(config, *, train_experts: bool) -> float:
+    """Bytes per token autograd keeps in the MoE block when its input needs a gradient (LoRA upstream),
+    the block's input itself aside (the norm output the planner counts with the norms)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config).to(torch.bfloat16)
+    assert model.config._experts_implementation == "grouped_mm"
+    for p in model.parameters():
+        p.requires_grad_(train_experts)
+    x = torch.randn(1, TOKENS, H, dtype=torch.bfloat16, requires_grad=True)
+    skip = {p.untyped_storage().data_ptr() for p in model.parameters()} | {x.untyped_storage().data_ptr()}
+    kept: dict[int, int] = {}
+
+    def pack(t):
+        ptr = t.untyped_storage().data_ptr()
+        if ptr not in skip:
+            kept[ptr] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), torch.autocast("cpu", dtype=torch.bfloat16):
+        model.model.layers[0].mlp(x)
+    return sum(kept.values()) / TOKENS
+
+
+@pytest.mark.parametrize("family", ["qwen2_moe", "qwen3_moe", "mixtral", "deepseek_v3", "gpt_oss"])
+@pytest.mark.parametrize("adapter", ["lora", "full"])
+def test_moe_block_bytes_match_what_autograd_keeps(tmp_path, family, adapter):
+    config = _config(family)
+    config.to_json_file(tmp_path / "config.json")
+    arch = arch_from_config(tmp_path / "config.json", key=family)
+    assert arch.num_experts == E and arch.experts_per_token == K
+    job = Job(arch=arch, preset=preset_for("NVIDIA H100 80GB HBM3", gpus_per_node=1), adapter=adapter,
+              lora_targets=ATTENTION, act_bytes=2, liger=False)
+    shared = arch.shared_expert_intermediate_size
+    planned = routed_bytes(job) + (dense_mlp_bytes(job, shared) if shared else 0.0)
+    measured = _saved_bytes_per_token(config, train_experts=adapter == "full")
+    # exact but for the expert offsets (int32 per expert, not per token) and DeepSeek's group selection
+    tolerance = 0.01 * measured if family == "deepseek_v3" else 0.1
+    assert planned == pytest.approx(measured, abs=tolerance), (family, adapter, planned, measured)
+
+
+def test_dense_mlp_keeps_the_product_only_for_a_down_projection_that_needs_it(tmp_path):
+    """gate, up and silu(gate) are kept for the input gradient; gate*up only where down_proj's weight
+    (full) or its LoRA A needs its input. Liger's SwiGLU recomputes silu(gate)."""
+    from finetune.registry import get_model
+
+    preset = preset_for("NVIDIA H100 80GB HBM3", gpus_per_node=1)
+    arch = get_model("llama-3.2-1b")
+    width = arch.intermediate_size
+    attention_only = Job(arch=arch, preset=preset, lora_targets=ATTENTION, liger=False)
+    every = Job(arch=arch, preset=preset, liger=False)
+    assert dense_mlp_bytes(attention_only, width) == 3 * 2 * width
+    assert dense_mlp_bytes(every, width) == 4 * 2 * width
+    assert dense_mlp_bytes(Job(arch=arch, preset=preset, adapter="full", liger=True), width) == 3 * 2 * width

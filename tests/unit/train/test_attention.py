@@ -1,0 +1,43 @@
+"""finetune/train/attention.py: packed rows on torch's varlen flash kernel, everything else on sdpa.
+
+The kernel needs CUDA, so the equivalence test is in tests/gpu/test_attention.py; the routing (which batches take the
+varlen path, that the fallback is transformers' own sdpa) is checked on CPU with a real Llama layer.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from finetune.train import attention
+from tests.helpers.attention import AttentionModule, packed
+from tests.helpers.paths import TINY_MODEL
+
+
+def test_bounds_only_for_one_packed_row():
+    q, k, _, kwargs = packed([3, 5])
+    assert attention._packed_bounds(q, k, kwargs)[1] == 5
+    assert attention._packed_bounds(q, k, {}) is None  # no boundaries: not packed
+    assert attention._packed_bounds(q.expand(2, -1, -1, -1), k, kwargs) is None  # padded batch of rows
+    assert attention._packed_bounds(q[:, :, :1], k, kwargs) is None  # one query against a cache
+
+
+def test_without_boundaries_it_is_sdpa():
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    q, k, v, _ = packed([6])
+    ours, _ = attention.varlen_attention_forward(AttentionModule(), q, k, v, None, scaling=0.25)
+    theirs, _ = sdpa_attention_forward(AttentionModule(), q, k, v, None, scaling=0.25)
+    torch.testing.assert_close(ours, theirs)
+
+
+def test_registered_name_loads_a_model():
+    from transformers import AutoModelForCausalLM
+
+    name = attention.register()
+    model = AutoModelForCausalLM.from_pretrained(TINY_MODEL, attn_implementation=name)
+    assert model.config._attn_implementation == name
+    ids = torch.tensor([[1, 2, 3, 4]])
+    with torch.no_grad():  # CPU: the fallback path, same logits as sdpa
+        ours = model(ids).logits
+        model.set_attn_implementation("sdpa")
+        assert torch.allclose(ours, model(ids).logits, atol=1e-5)

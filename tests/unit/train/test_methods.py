@@ -1,0 +1,140 @@
+"""KTO, ORPO, SimPO, reward modelling and continued pre-training: schema rules, the planner's view,
+and each one training the tiny model (planned and compiled for real) with the loss falling."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from finetune.errors import RecipeError
+from finetune.recipe.load import deep_merge, load_recipe
+from tests.helpers.paths import ROOT, SAMPLES
+from tests.helpers.recipes import tiny_recipe
+
+PREF = {"sources": [{"path": str(SAMPLES / "preference.jsonl"), "format": "preference", "max_samples": 64}],
+        "eval_sources": []}
+TEXT = {"sources": [{"path": str(SAMPLES / "text.jsonl"), "format": "text", "max_samples": 64}],
+        "eval_sources": []}
+
+
+def _recipe(method: dict, data: dict, **extra):
+    return load_recipe(tiny_recipe(method=method, data=data, **extra))
+
+
+@pytest.mark.parametrize("method", ["kto", "orpo", "simpo", "reward", "dpo"])
+def test_preference_methods_accept_pairs_and_refuse_chat(method):
+    assert _recipe({"type": method}, PREF).method.type == method
+    with pytest.raises(RecipeError, match=f"method {method} trains on format"):
+        _recipe({"type": method}, {"eval_sources": []})
+
+
+def test_kto_takes_unpaired_rows_and_others_do_not(tmp_path):
+    path = tmp_path / "kto.jsonl"
+    path.write_text(json.dumps({"prompt": "a", "completion": "A", "label": True}) + "\n")
+    data = {"sources": [{"path": str(path), "format": "unpaired"}], "eval_sources": []}
+    assert _recipe("kto", data).data.sources[0].format == "unpaired"
+    with pytest.raises(RecipeError, match="method dpo trains on format preference, got unpaired"):
+        _recipe("dpo", data)
+
+
+def test_pretrain_packs_text_by_default_and_refuses_chat():
+    recipe = _recipe("pretrain", TEXT)
+    assert recipe.data.packing is True
+    assert _recipe("pretrain", {**TEXT, "packing": False}).data.packing is False
+    with pytest.raises(RecipeError, match="method pretrain trains on format text"):
+        _recipe("pretrain", {"eval_sources": []})
+    with pytest.raises(RecipeError, match="packing is not supported for method orpo"):
+        _recipe("orpo", {**PREF, "packing": True})
+
+
+@pytest.mark.parametrize("method,seqs,reference", [
+    ("sft", 1, "none"), ("pretrain", 1, "none"), ("dpo", 2, "implicit"), ("kto", 2, "implicit"),
+    ("orpo", 2, "none"), ("simpo", 2, "none"), ("reward", 2, "none"),
+])
+def test_planner_sequences_and_reference(method, seqs, reference):
+    from finetune.plan import job_from_recipe
+    from finetune.registry import get_model, get_preset
+
+    data = TEXT if method in ("sft", "pretrain") else PREF
+    recipe = _recipe({"type": method}, data)
+    job = job_from_recipe(recipe, arch=get_model("llama-3.1-8b"), preset=get_preset("server-8xh100"))
+    assert (job.sequences_per_sample, job.reference) == (seqs, reference)
+    full = _recipe({"type": method}, data, adapter={"type": "full"})
+    job = job_from_recipe(full, arch=get_model("llama-3.1-8b"), preset=get_preset("server-8xh100"))
+    assert job.reference == ("copy" if reference != "none" else "none")
+
+
+def test_a_reference_copy_costs_memory_for_kto_as_for_dpo():
+    from finetune.plan import plan
+
+    sizes = {}
+    for method in ("kto", "orpo"):
+        recipe = _recipe({"type": method}, PREF, adapter={"type": "full"}, train={"micro_batch_size": 1},
+                         distributed={"strategy": "zero3"}, model={"name": "x", "arch": "llama-3.1-8b"})
+        sizes[method] = plan(recipe, hardware="server-8xh100").memory.weights
+    assert sizes["kto"] == pytest.approx(2 * sizes["orpo"])
+
+
+CASES = {
+    "kto": ({"type": "kto", "beta": 0.1}, {"sources": [{"path": str(SAMPLES / "unpaired.jsonl"),
+                                                         "format": "unpaired"}], "eval_sources": []}),
+    "orpo": ({"type": "orpo", "beta": 0.1}, PREF),
+    "simpo": ({"type": "simpo", "beta": 2.0, "simpo_gamma": 0.5}, PREF),
+    "reward": ({"type": "reward"}, PREF),
+    "pretrain": ({"type": "pretrain"}, TEXT),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_method_trains_end_to_end(case, tmp_path):
+    """Planned and compiled by the real planner and compiler, trained in this process by the rank entry
+    point (the CLI and launcher around it are the same for every method: tests/e2e/test_cli_run.py)."""
+    from finetune.train.run import run_rank
+    from tests.helpers.recipes import resolve_recipe
+
+    method, data = CASES[case]
+    recipe = tiny_recipe(**deep_merge({"train": {"max_steps": 8, "logging_steps": 1},
+                                       "logging": {"report_to": ["none"]},
+                                       "data": {"allow_paths": [str(ROOT / "data")]}},
+                                      {"method": method, "data": data}))
+    run_dir = tmp_path / "run"
+    returned = run_rank(resolve_recipe(recipe, run_dir=run_dir), resume="never")
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary == json.loads(json.dumps(returned))
+    assert summary["method"] == case and summary["steps"] == 8
+    losses = [json.loads(line)["loss"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()
+              if json.loads(line).get("loss") is not None]
+    assert all(math.isfinite(x) for x in losses)
+    assert min(losses[-3:]) < losses[0], losses
+    assert (run_dir / "adapter_model.safetensors").stat().st_size > 0
+
+
+def test_streaming_rules():
+    stream = {"sources": [{"path": str(SAMPLES / "text.jsonl"), "format": "text", "streaming": True}],
+              "eval_sources": []}
+    assert _recipe("pretrain", stream).data.sources[0].streaming
+    with pytest.raises(RecipeError, match="train.max_steps: a streamed corpus has no known length"):
+        load_recipe(tiny_recipe(method="pretrain", data=stream, train={"max_steps": None, "epochs": 1}))
+    with pytest.raises(RecipeError, match="streaming reads format text"):
+        _recipe("dpo", {**PREF, "sources": [{**PREF["sources"][0], "streaming": True}]})
+
+
+@pytest.mark.slow
+def test_pretrain_streams_a_corpus_and_splits_long_documents(tmp_path):
+    from finetune.train.run import run_rank
+    from tests.helpers.recipes import resolve_recipe
+
+    corpus = tmp_path / "corpus.jsonl"
+    words = [json.loads(line)["text"] for line in (SAMPLES / "text.jsonl").read_text().splitlines()]
+    # documents far longer than max_length: packed pre-training splits them instead of dropping them
+    corpus.write_text("".join(json.dumps({"text": " ".join(words[i:i + 12])}) + "\n"
+                              for i in range(0, len(words), 12)))
+    raw = tiny_recipe(method="pretrain", data={"sources": [{"path": str(corpus), "format": "text",
+                                                            "streaming": True}], "eval_sources": []},
+                      train={"max_steps": 6, "logging_steps": 1})
+    summary = run_rank(resolve_recipe(raw, run_dir=tmp_path / "run"), resume="never")
+    assert summary["steps"] == 6 and summary["final_train_loss"] < summary["first_train_loss"]
+    assert summary["tokenized_cache"]["key"] == "streaming"

@@ -1,0 +1,66 @@
+"""Weights load from safetensors only unless allowed; remote code runs only when the recipe says so."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+
+from finetune.errors import RecipeError
+from finetune.recipe import load_recipe
+from finetune.train.model import load_model
+from tests.helpers.paths import TINY_MODEL
+from tests.helpers.recipes import resolve_recipe, tiny_recipe
+
+pytestmark = pytest.mark.slow
+
+
+def _model_dir(tmp_path, *, pickled: bool, remote_code: bool = False):
+    out = tmp_path / "model"
+    shutil.copytree(TINY_MODEL, out)
+    if pickled:
+        from safetensors.torch import load_file
+
+        torch.save(load_file(out / "model.safetensors"), out / "pytorch_model.bin")
+        (out / "model.safetensors").unlink()
+    if remote_code:
+        marker = tmp_path / "remote-code-ran"
+        (out / "modeling_evil.py").write_text(
+            f"open({str(marker)!r}, 'w').write('ran')\n"
+            "from transformers import LlamaForCausalLM\n"
+            "class EvilForCausalLM(LlamaForCausalLM):\n    pass\n")
+        import json
+
+        config = json.loads((out / "config.json").read_text())
+        config["auto_map"] = {"AutoModelForCausalLM": "modeling_evil.EvilForCausalLM"}
+        (out / "config.json").write_text(json.dumps(config))
+    return out
+
+
+def _resolved(tmp_path, model_dir, **model):
+    raw = tiny_recipe(model={"name": str(model_dir), **model})
+    return load_recipe(resolve_recipe(raw, run_dir=tmp_path / "run"), allow_resolved=True)
+
+
+def test_pickled_weights_are_refused_by_default(tmp_path):
+    recipe = _resolved(tmp_path, _model_dir(tmp_path, pickled=True))
+    with pytest.raises(RecipeError) as info:
+        load_model(recipe)
+    assert "allow_pickle" in info.value.render()
+
+
+def test_pickled_weights_load_when_allowed(tmp_path):
+    recipe = _resolved(tmp_path, _model_dir(tmp_path, pickled=True), allow_pickle=True)
+    model = load_model(recipe)
+    assert sum(p.numel() for p in model.parameters()) > 0
+
+
+def test_remote_code_does_not_run_unless_trusted(tmp_path):
+    model_dir = _model_dir(tmp_path, pickled=False, remote_code=True)
+    model = load_model(_resolved(tmp_path, model_dir))
+    assert type(model).__name__ == "LlamaForCausalLM"
+    assert not (tmp_path / "remote-code-ran").exists()
+    model = load_model(_resolved(tmp_path, model_dir, trust_remote_code=True))
+    assert type(model).__name__ == "EvilForCausalLM"
+    assert (tmp_path / "remote-code-ran").exists()
