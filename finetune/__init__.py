@@ -58,5 +58,19 @@ def evaluate(run_dir, tasks, **kwargs):
     return _evaluate(run_dir, tasks, **kwargs)
 
 
-__all__ = ["Recipe", "FinetuneError", "load_recipe", "plan", "make_plan", "measure", "compile", "run",
-           "merge", "push", "convert", "generate", "evaluate", "__version__"]
+__all__ = [
+    "Recipe",
+    "FinetuneError",
+    "load_recipe",
+    "plan",
+    "make_plan",
+    "measure",
+    "compile",
+    "run",
+    "merge",
+    "push",
+    "convert",
+    "generate",
+    "evaluate",
+    "__version__",
+]

@@ -28,8 +28,7 @@ from finetune.recipe import Recipe, load_recipe
 log = logging.getLogger("finetune.api")
 
 
-def _check_resume(run_dir: Path, resume: str, *, resolved: Recipe, world_size: int,
-                  fields: dict | None = None) -> None:
+def _check_resume(run_dir: Path, resume: str, *, resolved: Recipe, world_size: int, fields: dict | None = None) -> None:
     """Refuse a resume the checkpoint cannot support before launching (RecipeError, exit 2)."""
     start = resolve_resume(str(resume), run_dir)
     if start is None:
@@ -64,8 +63,9 @@ def plan(recipe, *, hardware: str | None = None, overrides: list[str] | None = N
     return make_plan(recipe, hardware=hardware, overrides=overrides)[1]
 
 
-def compile(recipe, *, hardware: str | None = None, overrides: list[str] | None = None,
-            output: str | Path | None = None):
+def compile(
+    recipe, *, hardware: str | None = None, overrides: list[str] | None = None, output: str | Path | None = None
+):
     """Plan and write the run directory's launch files; DoesNotFitError (exit 3) when nothing fits."""
     from finetune.compile.compiler import default_run_dir, prepare_recipe
 
@@ -108,11 +108,18 @@ class RunResult:
     pushed: str | None = None  # the Hub commit URL when the recipe's hub.repo was pushed
 
 
-
-def run(recipe, *, hardware: str | None = None, overrides: list[str] | None = None,
-        output: str | Path | None = None, dry_run: bool = False, resume: str = "auto",
-        node_rank: int | None = None, main_address: str | None = None,
-        main_port: int | None = None) -> RunResult:
+def run(
+    recipe,
+    *,
+    hardware: str | None = None,
+    overrides: list[str] | None = None,
+    output: str | Path | None = None,
+    dry_run: bool = False,
+    resume: str = "auto",
+    node_rank: int | None = None,
+    main_address: str | None = None,
+    main_port: int | None = None,
+) -> RunResult:
     """Plan, compile, launch, train, save (and push when the recipe has hub.repo).
 
     Every check (output directory, lock, data, finished run, resume, model files, disk) runs before
@@ -129,13 +136,24 @@ def run(recipe, *, hardware: str | None = None, overrides: list[str] | None = No
         lock.acquire()
         if lock.note:
             log.info(lock.note)
-        return _run_locked(recipe, target=target, hardware=hardware, dry_run=dry_run, resume=resume,
-                           node_rank=node_rank, main_address=main_address, main_port=main_port)
+        return _run_locked(
+            recipe,
+            target=target,
+            hardware=hardware,
+            dry_run=dry_run,
+            resume=resume,
+            node_rank=node_rank,
+            main_address=main_address,
+            main_port=main_port,
+        )
     except FinetuneError:
         lock.release()
         # a directory this call made and in which no step was trained holds nothing worth keeping
-        if created and not (target / rundir.METRICS).exists() \
-                and not any((target / rundir.CHECKPOINTS).glob("checkpoint-*")):
+        if (
+            created
+            and not (target / rundir.METRICS).exists()
+            and not any((target / rundir.CHECKPOINTS).glob("checkpoint-*"))
+        ):
             shutil.rmtree(target, ignore_errors=True)
         raise
     finally:
@@ -154,24 +172,30 @@ def _finished(run_dir: Path, resume: str, fields: dict) -> dict | None:
         return None
     notes, refused = compare_fields(done.get("recipe_fields", {}), fields)
     if refused:
-        raise RecipeError(f"{run_dir} holds a finished run, and the recipe changed since: {'; '.join(refused)}",
-                          key=refused[0].split(" ")[0],
-                          hint="change those keys back, or train again from scratch with --resume never (the "
-                               "finished outputs are kept aside until the new run replaces them), or pass "
-                               "another --output")
+        raise RecipeError(
+            f"{run_dir} holds a finished run, and the recipe changed since: {'; '.join(refused)}",
+            key=refused[0].split(" ")[0],
+            hint="change those keys back, or train again from scratch with --resume never (the "
+            "finished outputs are kept aside until the new run replaces them), or pass "
+            "another --output",
+        )
     if not grown(done.get("recipe_fields", {}), fields):
         return done
     if latest_checkpoint(run_dir) is None:
-        raise RecipeError(f"{run_dir} holds a finished run that kept no checkpoint, so it cannot continue to the "
-                          f"larger {', '.join(n.split(' ')[0] for n in notes if 'continues' in n)}",
-                          key="train.max_steps", hint="train again from scratch with --resume never, or pass "
-                                                      "another --output (set output.save_every to keep runs "
-                                                      "extendable)")
+        raise RecipeError(
+            f"{run_dir} holds a finished run that kept no checkpoint, so it cannot continue to the "
+            f"larger {', '.join(n.split(' ')[0] for n in notes if 'continues' in n)}",
+            key="train.max_steps",
+            hint="train again from scratch with --resume never, or pass "
+            "another --output (set output.save_every to keep runs "
+            "extendable)",
+        )
     return None
 
 
-def _run_locked(recipe: Recipe, *, target: Path, hardware, dry_run: bool, resume: str, node_rank,
-                main_address, main_port) -> RunResult:
+def _run_locked(
+    recipe: Recipe, *, target: Path, hardware, dry_run: bool, resume: str, node_rank, main_address, main_port
+) -> RunResult:
     from finetune import prelaunch
     from finetune.compile.compiler import prepare_recipe
     from finetune.guard import claim
@@ -184,8 +208,10 @@ def _run_locked(recipe: Recipe, *, target: Path, hardware, dry_run: bool, resume
     spec, fields = compiled.spec, _fields(compiled.resolved, data)
     done = _finished(target, resume, fields)
     if done is not None:
-        log.info(f"{target} is complete: it finished at step {done.get('step')} with this recipe; nothing to "
-                 f"do (to train again from scratch: --resume never)")
+        log.info(
+            f"{target} is complete: it finished at step {done.get('step')} with this recipe; nothing to "
+            f"do (to train again from scratch: --resume never)"
+        )
         return RunResult(target, 0, rundir.read_summary(target), launched=False)
     _check_resume(target, resume, resolved=compiled.resolved, world_size=spec.world_size, fields=fields)
     prelaunch.check_model_files(recipe)
@@ -203,8 +229,15 @@ def _run_locked(recipe: Recipe, *, target: Path, hardware, dry_run: bool, resume
         set_aside_previous(run_dir, resume=resume)
     (run_dir / rundir.RANK_ERROR).unlink(missing_ok=True)
     before = _newest_checkpoint(run_dir)
-    code, spec = run_with_oom_retries(recipe, spec, hardware=hardware, resume=str(resume), node_rank=node_rank,
-                                      main_address=main_address, main_port=main_port)
+    code, spec = run_with_oom_retries(
+        recipe,
+        spec,
+        hardware=hardware,
+        resume=str(resume),
+        node_rank=node_rank,
+        main_address=main_address,
+        main_port=main_port,
+    )
     if not isinstance(code, int):  # multi-node without --node-rank: what to run on each node
         return RunResult(run_dir, 0, launched=False, instructions=str(code))
     if code != 0:
@@ -248,8 +281,10 @@ def _stopped(run_dir: Path, code: int, *, before: Path | None) -> RunResult:
     if code in (EXIT_PREEMPTED, EXIT_INTERRUPTED):
         what = "preempted" if code == EXIT_PREEMPTED else "interrupted"
         if newest is not None and newest != before:
-            log.info(f"{what}: a checkpoint was saved ({newest.name}) in {run_dir}\n"
-                     f"  fix: run the same command to resume from it")
+            log.info(
+                f"{what}: a checkpoint was saved ({newest.name}) in {run_dir}\n"
+                f"  fix: run the same command to resume from it"
+            )
         else:
             log.info(f"{what} before a new checkpoint was written\n  fix: {resume_advice(run_dir)}")
         return RunResult(run_dir, code)
@@ -258,8 +293,11 @@ def _stopped(run_dir: Path, code: int, *, before: Path | None) -> RunResult:
         failure = TrainingFailed(f"training stopped: {err['message']}")
         failure.exit_code = err.get("exit_code", code)
         raise failure
-    raise TrainingFailed(f"training exited with code {code}; the log above names the failing rank and its error",
-                         file=str(run_dir), hint=f"fix the cause, {resume_advice(run_dir)}")
+    raise TrainingFailed(
+        f"training exited with code {code}; the log above names the failing rank and its error",
+        file=str(run_dir),
+        hint=f"fix the cause, {resume_advice(run_dir)}",
+    )
 
 
 MEASURE_STEPS = 5
@@ -271,15 +309,23 @@ def _measuring(recipe: Recipe, *, steps: int, run_dir: Path) -> Recipe:
     from finetune.launch import with_setting
 
     return with_setting(
-        recipe, train={"max_steps": steps, "epochs": None, "logging_steps": 1, "eval_steps": None,
-                       "oom_retries": 0},
+        recipe,
+        train={"max_steps": steps, "epochs": None, "logging_steps": 1, "eval_steps": None, "oom_retries": 0},
         data={"eval_sources": [], "eval_fraction": None, "task_eval": None},
-        output={"dir": str(run_dir), "save_every": None}, hub={"repo": None},
-        logging={"report_to": ["none"], "profile_steps": None})
+        output={"dir": str(run_dir), "save_every": None},
+        hub={"repo": None},
+        logging={"report_to": ["none"], "profile_steps": None},
+    )
 
 
-def measure(recipe, *, hardware: str | None = None, overrides: list[str] | None = None,
-            steps: int = MEASURE_STEPS, keep: str | Path | None = None):
+def measure(
+    recipe,
+    *,
+    hardware: str | None = None,
+    overrides: list[str] | None = None,
+    steps: int = MEASURE_STEPS,
+    keep: str | Path | None = None,
+):
     """Run `steps` real steps at the planned setting on this machine's devices (the real launcher and
     trainer, in a temporary run dir that is removed afterwards unless `keep` names a directory to use)
     and return a finetune.measurement.Measurement: measured vs predicted peak per rank and tokens/s."""
@@ -294,8 +340,10 @@ def measure(recipe, *, hardware: str | None = None, overrides: list[str] | None 
     from finetune.rundir import RESOLVED_RECIPE, read_oom_records
 
     if steps < 3:
-        raise FinetuneError(f"--steps {steps}: a steady tokens/s needs at least 3 steps",
-                            hint="measure 5 or more steps (the first ones warm up)")
+        raise FinetuneError(
+            f"--steps {steps}: a steady tokens/s needs at least 3 steps",
+            hint="measure 5 or more steps (the first ones warm up)",
+        )
     recipe = _as_recipe(recipe, overrides)
     check_data(recipe)
     run_dir = Path(keep).resolve() if keep else Path(tempfile.mkdtemp(prefix="finetune-measure-"))
@@ -303,28 +351,37 @@ def measure(recipe, *, hardware: str | None = None, overrides: list[str] | None 
         measuring = _measuring(recipe, steps=steps, run_dir=run_dir)
         spec = compile(measuring, hardware=hardware, output=run_dir)
         if spec.multi_node:
-            raise FinetuneError(f"--measure runs on this machine; the plan spans {spec.num_nodes} nodes",
-                                hint="measure one node's share with a one-node preset (--hardware auto)")
+            raise FinetuneError(
+                f"--measure runs on this machine; the plan spans {spec.num_nodes} nodes",
+                hint="measure one node's share with a one-node preset (--hardware auto)",
+            )
         resolved = load_recipe(run_dir / RESOLVED_RECIPE, allow_resolved=True)
         resolved.resolved.measure = True  # the ranks save nothing (finetune/train/run.py)
         write_atomic(run_dir / RESOLVED_RECIPE, dump_recipe(resolved))
         the_plan = plan(measuring, hardware=hardware)  # what compile planned (the recipe's own plan)
-        device_gib = get_preset(the_plan.hardware_source or hardware or recipe.hardware,
-                                base_dir=recipe_dir(recipe)).gpu_memory_gib
+        device_gib = get_preset(
+            the_plan.hardware_source or hardware or recipe.hardware, base_dir=recipe_dir(recipe)
+        ).gpu_memory_gib
         log.info(spec.summary)
         code = launch(spec, extra_args=["--resume", "never"])
         oom = read_oom_records(run_dir)
         if code != 0 and not oom:
-            raise TrainingFailed(f"the measurement run exited with code {code}; the log above names the failing rank",
-                                 file=str(run_dir), hint="fix the cause and measure again")
-        result = read_measurement(run_dir, plan=the_plan, steps=steps, usable_gib=HEADROOM * device_gib,
-                                  device_gib=device_gib)
+            raise TrainingFailed(
+                f"the measurement run exited with code {code}; the log above names the failing rank",
+                file=str(run_dir),
+                hint="fix the cause and measure again",
+            )
+        result = read_measurement(
+            run_dir, plan=the_plan, steps=steps, usable_gib=HEADROOM * device_gib, device_gib=device_gib
+        )
         if oom:  # the ranks' peaks at the failure, where no logged step wrote memory/rank-K.json
             result.out_of_memory = "; ".join(r["message"] for r in oom)
             logged = {r.rank for r in result.ranks}
-            result.ranks += [RankPeak(r["rank"], r["peak_bytes"] / 2**30,
-                                      (r.get("peak_allocated_bytes") or 0) / 2**30 or None)
-                             for r in oom if r["rank"] not in logged]
+            result.ranks += [
+                RankPeak(r["rank"], r["peak_bytes"] / 2**30, (r.get("peak_allocated_bytes") or 0) / 2**30 or None)
+                for r in oom
+                if r["rank"] not in logged
+            ]
     finally:
         if not keep:
             shutil.rmtree(run_dir, ignore_errors=True)

@@ -28,16 +28,22 @@ class _Parser(argparse.ArgumentParser):
 
 def _add_recipe_args(p: argparse.ArgumentParser, *, hardware=True):
     p.add_argument("recipe", help="recipe YAML file")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                   help="override a recipe key, e.g. --set train.lr=2e-4 (repeatable)")
+    p.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a recipe key, e.g. --set train.lr=2e-4 (repeatable)",
+    )
     if hardware:
-        p.add_argument("--hardware", default=None,
-                       help="preset name, preset YAML file, or auto (default: the recipe's)")
+        p.add_argument(
+            "--hardware", default=None, help="preset name, preset YAML file, or auto (default: the recipe's)"
+        )
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="finetune", description="Plan, compile, run and publish LLM fine-tunes "
-                                                   "from one YAML recipe.")
+    parser = _Parser(prog="finetune", description="Plan, compile, run and publish LLM fine-tunes from one YAML recipe.")
     parser.add_argument("--version", action="version", version=f"finetune {_version()}")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
@@ -47,13 +53,20 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("plan", help="will it fit, how, how fast")
     _add_recipe_args(p)
     p.add_argument("--json", action="store_true", help="print one JSON object")
-    p.add_argument("--measure", action="store_true",
-                   help="then run a few real steps at the chosen setting on this machine (nothing saved or "
-                        "pushed) and print measured vs predicted peak memory and tokens/s; exit 3 when the "
-                        "measured peak exceeds the usable memory")
+    p.add_argument(
+        "--measure",
+        action="store_true",
+        help="then run a few real steps at the chosen setting on this machine (nothing saved or "
+        "pushed) and print measured vs predicted peak memory and tokens/s; exit 3 when the "
+        "measured peak exceeds the usable memory",
+    )
     p.add_argument("--steps", type=int, default=5, help="steps to measure with --measure (default 5)")
-    p.add_argument("--keep", default=None, metavar="DIR",
-                   help="with --measure: run in DIR and keep it (default: a temporary directory, removed)")
+    p.add_argument(
+        "--keep",
+        default=None,
+        metavar="DIR",
+        help="with --measure: run in DIR and keep it (default: a temporary directory, removed)",
+    )
 
     p = sub.add_parser("compile", help="write the launch files into a run directory")
     _add_recipe_args(p)
@@ -63,8 +76,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_recipe_args(p)
     p.add_argument("-o", "--output", default=None, help="run directory (default: output.dir)")
     p.add_argument("--dry-run", action="store_true", help="plan and compile only")
-    p.add_argument("--resume", default="auto",
-                   help="auto (last complete checkpoint), never, or a checkpoint path")
+    p.add_argument("--resume", default="auto", help="auto (last complete checkpoint), never, or a checkpoint path")
     p.add_argument("--node-rank", type=int, default=None, help="this node's rank (multi-node)")
     p.add_argument("--main-address", default=None, help="address of node 0 (multi-node)")
     p.add_argument("--main-port", type=int, default=None, help="rendezvous port (multi-node)")
@@ -72,8 +84,11 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("merge", help="merge a LoRA adapter into its base model")
     p.add_argument("run_dir")
     p.add_argument("-o", "--output", required=True, help="output directory for the merged model")
-    p.add_argument("--max-shard-size", default="5GB",
-                   help="largest output shard (host RAM while merging is about one shard), e.g. 2GB")
+    p.add_argument(
+        "--max-shard-size",
+        default="5GB",
+        help="largest output shard (host RAM while merging is about one shard), e.g. 2GB",
+    )
 
     p = sub.add_parser("push", help="upload an adapter (or merged model) with a model card")
     p.add_argument("run_dir")
@@ -86,8 +101,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("config", help="the peer's YAML config")
     p.add_argument("--from", dest="source", required=True, choices=["axolotl", "llamafactory", "trl"])
     p.add_argument("-o", "--output", required=True, help="the recipe file to write")
-    p.add_argument("--method", default=None, choices=["sft", "dpo", "kto", "reward", "orpo", "cpo"],
-                   help="trl only: the trl subcommand the config was written for")
+    p.add_argument(
+        "--method",
+        default=None,
+        choices=["sft", "dpo", "kto", "reward", "orpo", "cpo"],
+        help="trl only: the trl subcommand the config was written for",
+    )
     _add_after_training_commands(sub)
 
     p = sub.add_parser("presets", help="list hardware presets")
@@ -108,7 +127,7 @@ def _add_after_training_commands(sub) -> None:
     p = sub.add_parser("generate", help="try a trained run: one prompt, a file of prompts, or a chat")
     p.add_argument("run_dir")
     p.add_argument("prompt", nargs="?", help="one prompt (streamed to the console)")
-    p.add_argument("--file", help="prompts: .jsonl ({\"prompt\"} or {\"messages\"} rows) or text, one per line")
+    p.add_argument("--file", help='prompts: .jsonl ({"prompt"} or {"messages"} rows) or text, one per line')
     p.add_argument("--chat", action="store_true", help="interactive chat with the model's chat template")
     p.add_argument("--merged", action="store_true", help="use the merged model (RUN_DIR/merged)")
     p.add_argument("--max-new-tokens", type=int, default=128)
@@ -139,20 +158,28 @@ def _add_after_training_commands(sub) -> None:
 def _cmd_generate(args):
     from finetune import inference as gen
 
-    settings = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
-                    chat_template=not args.no_chat_template, system=args.system)
+    settings = dict(
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        chat_template=not args.no_chat_template,
+        system=args.system,
+    )
     chosen = [name for name, on in (("PROMPT", args.prompt), ("--file", args.file), ("--chat", args.chat)) if on]
     if len(chosen) != 1:
-        raise FinetuneError(f"give exactly one of PROMPT, --file or --chat (got {', '.join(chosen) or 'none'})",
-                            hint='finetune generate RUN_DIR "Hello", --file prompts.jsonl, or --chat')
+        raise FinetuneError(
+            f"give exactly one of PROMPT, --file or --chat (got {', '.join(chosen) or 'none'})",
+            hint='finetune generate RUN_DIR "Hello", --file prompts.jsonl, or --chat',
+        )
     if args.chat:
         return gen.chat(args.run_dir, merged=args.merged, dtype=args.dtype, **settings)
     if args.prompt:
         gen.generate(args.run_dir, args.prompt, merged=args.merged, dtype=args.dtype, stream=True, **settings)
         return 0
     prompts = gen.read_prompts(args.file)
-    replies = gen.generate(args.run_dir, prompts, merged=args.merged, dtype=args.dtype,
-                           batch_size=args.batch_size, **settings)
+    replies = gen.generate(
+        args.run_dir, prompts, merged=args.merged, dtype=args.dtype, batch_size=args.batch_size, **settings
+    )
     lines = [json.dumps({"prompt": p, "completion": r}, ensure_ascii=False) for p, r in zip(prompts, replies)]
     if args.output:
         from pathlib import Path
@@ -168,12 +195,23 @@ def _cmd_eval(args):
     from finetune.evaluation import evaluate, render_table
 
     limit = int(args.limit) if args.limit is not None and args.limit >= 1 else args.limit
-    entry = evaluate(args.run_dir, args.tasks, include_path=args.include_path, num_fewshot=args.num_fewshot,
-                     limit=limit, batch_size=args.batch_size, base=not args.no_base, merged=args.merged,
-                     apply_chat_template=args.chat_template, dtype=args.dtype)
+    entry = evaluate(
+        args.run_dir,
+        args.tasks,
+        include_path=args.include_path,
+        num_fewshot=args.num_fewshot,
+        limit=limit,
+        batch_size=args.batch_size,
+        base=not args.no_base,
+        merged=args.merged,
+        apply_chat_template=args.chat_template,
+        dtype=args.dtype,
+    )
     print(render_table(entry))
-    print(f"results: {args.run_dir}/summary.json (lm_eval), {args.run_dir}/eval/; the model card shows them "
-          "at the next `finetune push`")
+    print(
+        f"results: {args.run_dir}/summary.json (lm_eval), {args.run_dir}/eval/; the model card shows them "
+        "at the next `finetune push`"
+    )
     return 0
 
 
@@ -216,8 +254,7 @@ def _measure(args) -> int:
     from finetune.measurement import render_measurement
 
     print("", flush=True)
-    result = measure(args.recipe, hardware=args.hardware, overrides=args.overrides, steps=args.steps,
-                     keep=args.keep)
+    result = measure(args.recipe, hardware=args.hardware, overrides=args.overrides, steps=args.steps, keep=args.keep)
     print(render_measurement(result), flush=True)
     if args.json:
         print(json.dumps(result.to_json()))
@@ -227,8 +264,7 @@ def _measure(args) -> int:
 def _cmd_compile(args):
     from finetune.api import compile as compile_recipe
 
-    spec = compile_recipe(args.recipe, hardware=args.hardware, overrides=args.overrides,
-                          output=args.output)
+    spec = compile_recipe(args.recipe, hardware=args.hardware, overrides=args.overrides, output=args.output)
     print(spec.summary)
     return 0
 
@@ -252,14 +288,21 @@ def _cmd_run(args):
     from finetune.api import run
 
     _show_api_progress()
-    result = run(args.recipe, hardware=args.hardware, overrides=args.overrides, output=args.output,
-                 dry_run=args.dry_run, resume=args.resume, node_rank=args.node_rank,
-                 main_address=args.main_address, main_port=args.main_port)
+    result = run(
+        args.recipe,
+        hardware=args.hardware,
+        overrides=args.overrides,
+        output=args.output,
+        dry_run=args.dry_run,
+        resume=args.resume,
+        node_rank=args.node_rank,
+        main_address=args.main_address,
+        main_port=args.main_port,
+    )
     if result.instructions is not None:
         print(result.instructions)
     elif not result.launched:
-        print(f"dry run: launch files are in {result.run_dir}; start with "
-              f"`bash {result.run_dir / rundir.LAUNCH_SH}`")
+        print(f"dry run: launch files are in {result.run_dir}; start with `bash {result.run_dir / rundir.LAUNCH_SH}`")
     if result.pushed:
         print(f"pushed to {result.pushed}")
     return result.exit_code
@@ -276,8 +319,7 @@ def _cmd_merge(args):
 def _cmd_push(args):
     from finetune.hub import push
 
-    url = push(args.run_dir, repo_id=args.repo, merged=args.merged, private=not args.public,
-               revision=args.revision)
+    url = push(args.run_dir, repo_id=args.repo, merged=args.merged, private=not args.public, revision=args.revision)
     print(f"pushed to {url}")
     return 0
 
@@ -295,8 +337,11 @@ def _cmd_convert(args):
     if conv.error:
         print(f"error: the written recipe does not validate:\n{conv.error}", file=sys.stderr)
     if material:
-        print(f"error: {len(material)} setting(s) that change training were not mapped (commented in "
-              f"{args.output}); settle them by hand", file=sys.stderr)
+        print(
+            f"error: {len(material)} setting(s) that change training were not mapped (commented in "
+            f"{args.output}); settle them by hand",
+            file=sys.stderr,
+        )
     return EXIT_USAGE if material or conv.error else 0
 
 
@@ -310,8 +355,10 @@ def _cmd_presets(args):
     print(f"{'name':26} {'GPUs':>9} {'GiB/GPU':>8} {'link':8} {'fabric':10} {'TFLOP/s':>8}")
     for p in presets:
         gpus = f"{p.nodes}x{p.gpus_per_node}" if p.nodes > 1 else str(p.gpus_per_node)
-        print(f"{p.name:26} {gpus:>9} {p.gpu_memory_gib:>8.0f} {p.intra_node_link:8} "
-              f"{p.inter_node_fabric:10} {p.peak_bf16_tflops:>8.0f}")
+        print(
+            f"{p.name:26} {gpus:>9} {p.gpu_memory_gib:>8.0f} {p.intra_node_link:8} "
+            f"{p.inter_node_fabric:10} {p.peak_bf16_tflops:>8.0f}"
+        )
     print("\nalso: --hardware auto (detect local GPUs) or --hardware path/to/preset.yaml")
     return 0
 
@@ -326,16 +373,27 @@ def _cmd_models(args):
     print(f"{'key':24} {'family':8} {'layers':>6} {'hidden':>6} {'heads/kv':>9} {'vocab':>7}  hub id")
     for m in models:
         hub = m.hub_ids[0] if m.hub_ids else "-"
-        print(f"{m.key:24} {m.family:8} {m.num_layers:>6} {m.hidden_size:>6} "
-              f"{m.num_attention_heads:>4}/{m.num_kv_heads:<4} {m.vocab_size:>7}  {hub}")
+        print(
+            f"{m.key:24} {m.family:8} {m.num_layers:>6} {m.hidden_size:>6} "
+            f"{m.num_attention_heads:>4}/{m.num_kv_heads:<4} {m.vocab_size:>7}  {hub}"
+        )
     print("\nany other Hub id or local path works when its config.json is on disk")
     return 0
 
 
 COMMANDS = {
-    "validate": _cmd_validate, "plan": _cmd_plan, "compile": _cmd_compile, "run": _cmd_run,
-    "merge": _cmd_merge, "push": _cmd_push, "convert": _cmd_convert, "presets": _cmd_presets,
-    "models": _cmd_models, "generate": _cmd_generate, "eval": _cmd_eval, "env": _cmd_env,
+    "validate": _cmd_validate,
+    "plan": _cmd_plan,
+    "compile": _cmd_compile,
+    "run": _cmd_run,
+    "merge": _cmd_merge,
+    "push": _cmd_push,
+    "convert": _cmd_convert,
+    "presets": _cmd_presets,
+    "models": _cmd_models,
+    "generate": _cmd_generate,
+    "eval": _cmd_eval,
+    "env": _cmd_env,
 }
 
 
@@ -363,15 +421,15 @@ def _main(args) -> int:
     try:
         return COMMANDS[args.command](args)
     except Stopped as stop:
-        print(f"stopped by {stop} while no training process was running\n"
-              "  fix: run the command again", file=sys.stderr)
+        print(f"stopped by {stop} while no training process was running\n  fix: run the command again", file=sys.stderr)
         return EXIT_PREEMPTED
     except FinetuneError as err:
         print(f"error: {err.render()}", file=sys.stderr)
         return err.exit_code
     except KeyboardInterrupt:
-        print("interrupted (Ctrl-C) while no training process was running\n"
-              "  fix: run the command again", file=sys.stderr)
+        print(
+            "interrupted (Ctrl-C) while no training process was running\n  fix: run the command again", file=sys.stderr
+        )
         return 130
     except BrokenPipeError:  # the reader went away (`finetune presets | head`): nothing more to say
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
@@ -380,9 +438,11 @@ def _main(args) -> int:
         if os.environ.get("FINETUNE_DEBUG"):
             traceback.print_exc()
         else:
-            print(f"internal error: {type(exc).__name__}: {exc}\n"
-                  "  this is a bug in finetune; rerun with FINETUNE_DEBUG=1 for the traceback",
-                  file=sys.stderr)
+            print(
+                f"internal error: {type(exc).__name__}: {exc}\n"
+                "  this is a bug in finetune; rerun with FINETUNE_DEBUG=1 for the traceback",
+                file=sys.stderr,
+            )
         return 1
 
 

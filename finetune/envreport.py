@@ -13,12 +13,42 @@ import platform
 import sys
 from importlib import metadata
 
-STACK = ("finetune", "torch", "transformers", "trl", "peft", "accelerate", "datasets", "tokenizers",
-         "safetensors", "huggingface_hub", "deepspeed", "bitsandbytes", "liger-kernel", "lm_eval",
-         "tensorboard", "wandb", "mlflow", "trackio", "pydantic")
+STACK = (
+    "finetune",
+    "torch",
+    "transformers",
+    "trl",
+    "peft",
+    "accelerate",
+    "datasets",
+    "tokenizers",
+    "safetensors",
+    "huggingface_hub",
+    "deepspeed",
+    "bitsandbytes",
+    "liger-kernel",
+    "lm_eval",
+    "tensorboard",
+    "wandb",
+    "mlflow",
+    "trackio",
+    "pydantic",
+)
 # settings worth seeing in a report (values shown unless the name looks secret)
-ENV_PREFIXES = ("CUDA_", "NCCL_", "HF_", "TRANSFORMERS_", "ACCELERATE_", "WANDB_", "MLFLOW_", "TRACKIO_",
-                "FINETUNE_", "SLURM_JOB_ID", "OMP_NUM_THREADS", "PYTORCH_")
+ENV_PREFIXES = (
+    "CUDA_",
+    "NCCL_",
+    "HF_",
+    "TRANSFORMERS_",
+    "ACCELERATE_",
+    "WANDB_",
+    "MLFLOW_",
+    "TRACKIO_",
+    "FINETUNE_",
+    "SLURM_JOB_ID",
+    "OMP_NUM_THREADS",
+    "PYTORCH_",
+)
 SECRET_WORDS = ("TOKEN", "KEY", "SECRET", "PASSWORD", "PASS", "AUTH", "CREDENTIAL")
 
 
@@ -31,8 +61,7 @@ def package_version(name: str) -> str | None:
 
 def stack_versions() -> dict[str, str]:
     """{package: version} of the training stack that is installed (for summary.json and the card)."""
-    names = ("finetune", "torch", "transformers", "trl", "peft", "accelerate", "datasets", "deepspeed",
-             "bitsandbytes")
+    names = ("finetune", "torch", "transformers", "trl", "peft", "accelerate", "datasets", "deepspeed", "bitsandbytes")
     return {name: v for name in names if (v := package_version(name))}
 
 
@@ -58,9 +87,10 @@ def torch_report() -> dict:
         return {}
     info: dict = {"cuda_available": torch.cuda.is_available(), "torch_cuda": torch.version.cuda}
     if info["cuda_available"]:
-        info["gpus"] = [f"{torch.cuda.get_device_name(i)} "
-                        f"({torch.cuda.get_device_properties(i).total_memory / 1024 ** 3:.1f} GiB)"
-                        for i in range(torch.cuda.device_count())]
+        info["gpus"] = [
+            f"{torch.cuda.get_device_name(i)} ({torch.cuda.get_device_properties(i).total_memory / 1024**3:.1f} GiB)"
+            for i in range(torch.cuda.device_count())
+        ]
         info["bf16_supported"] = torch.cuda.is_bf16_supported()
     return info
 
@@ -72,9 +102,11 @@ def auto_hardware() -> str:
     p = detect_preset()
     if p.name == "cpu":
         return f"cpu ({p.host_ram_gib:g} GiB host RAM, {p.gpu_memory_gib:g} GiB usable for training)"
-    return (f"{p.name}: {p.gpus_per_node} x {p.gpu_model}, {p.gpu_memory_gib:g} GiB usable per GPU, "
-            f"link {p.intra_node_link}, peak {p.peak_bf16_tflops:g} TFLOP/s bf16, "
-            f"host RAM {p.host_ram_gib:g} GiB" + (f", NVMe {p.nvme_path}" if p.nvme_path else ""))
+    return (
+        f"{p.name}: {p.gpus_per_node} x {p.gpu_model}, {p.gpu_memory_gib:g} GiB usable per GPU, "
+        f"link {p.intra_node_link}, peak {p.peak_bf16_tflops:g} TFLOP/s bf16, "
+        f"host RAM {p.host_ram_gib:g} GiB" + (f", NVMe {p.nvme_path}" if p.nvme_path else "")
+    )
 
 
 def collect() -> dict:
@@ -93,15 +125,21 @@ def collect() -> dict:
 
 
 def render(report: dict) -> str:
-    lines = ["finetune environment (paste this into a bug report)", "",
-             f"- python: {report['python']}", f"- platform: {report['platform']}",
-             f"- CPU cores: {report['cpus']}"]
+    lines = [
+        "finetune environment (paste this into a bug report)",
+        "",
+        f"- python: {report['python']}",
+        f"- platform: {report['platform']}",
+        f"- CPU cores: {report['cpus']}",
+    ]
     for name, version in report["packages"].items():
         lines.append(f"- {name}: {version or 'not installed'}")
     t = report["torch"]
     if t:
-        lines.append(f"- CUDA available to torch: {t['cuda_available']} (torch built for CUDA "
-                     f"{t['torch_cuda'] or 'none: CPU build'})")
+        lines.append(
+            f"- CUDA available to torch: {t['cuda_available']} (torch built for CUDA "
+            f"{t['torch_cuda'] or 'none: CPU build'})"
+        )
         for gpu in t.get("gpus", []):
             lines.append(f"  - GPU: {gpu}")
         if "bf16_supported" in t:

@@ -15,8 +15,7 @@ class FinetuneError(Exception):
 
     exit_code = EXIT_USAGE
 
-    def __init__(self, message: str, *, key: str | None = None, file: str | None = None,
-                 hint: str | None = None):
+    def __init__(self, message: str, *, key: str | None = None, file: str | None = None, hint: str | None = None):
         self.message = message
         self.key = key
         self.file = file

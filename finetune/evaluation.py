@@ -33,17 +33,20 @@ def _task_manager(tasks: list[str], include_path: str | None):
 
     if include_path:
         if not Path(include_path).is_dir():
-            raise EvalError("not a directory", file=str(include_path),
-                            hint="pass the directory that holds your task YAML files")
+            raise EvalError(
+                "not a directory", file=str(include_path), hint="pass the directory that holds your task YAML files"
+            )
         local = TaskManager(include_path=str(include_path), include_defaults=False)
         if all(task in local.all_tasks for task in tasks):
             return local
     manager = TaskManager(include_path=str(include_path) if include_path else None)
     unknown = [task for task in tasks if task not in manager.all_tasks]
     if unknown:
-        raise EvalError(f"unknown lm-eval task(s): {', '.join(unknown)}", key="--tasks",
-                        hint="see `lm-eval ls tasks`, or put your task YAML into a directory and pass "
-                             "--include-path DIR")
+        raise EvalError(
+            f"unknown lm-eval task(s): {', '.join(unknown)}",
+            key="--tasks",
+            hint="see `lm-eval ls tasks`, or put your task YAML into a directory and pass --include-path DIR",
+        )
     return manager
 
 
@@ -53,37 +56,57 @@ def scores(results: dict) -> dict[str, dict[str, float]]:
     out: dict[str, dict[str, float]] = {}
     for task, metrics in (results.get("results") or {}).items():
         known = (results.get("higher_is_better") or {}).get(task) or {}
-        kept = {k: float(v) for k, v in metrics.items()
-                if isinstance(v, (int, float)) and not isinstance(v, bool) and k.split(",")[0] in known
-                and math.isfinite(v)}
+        kept = {
+            k: float(v)
+            for k, v in metrics.items()
+            if isinstance(v, (int, float)) and not isinstance(v, bool) and k.split(",")[0] in known and math.isfinite(v)
+        }
         if kept:
             out[task] = kept
     return out
 
 
-def _run_lm_eval(model, tokenizer, tasks: list[str], *, manager, num_fewshot, limit, batch_size,
-                 apply_chat_template: bool) -> dict:
+def _run_lm_eval(
+    model, tokenizer, tasks: list[str], *, manager, num_fewshot, limit, batch_size, apply_chat_template: bool
+) -> dict:
     from lm_eval import simple_evaluate
     from lm_eval.models.huggingface import HFLM
 
     lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size)
-    results = simple_evaluate(model=lm, tasks=tasks, task_manager=manager, num_fewshot=num_fewshot,
-                              limit=limit, log_samples=False, apply_chat_template=apply_chat_template,
-                              bootstrap_iters=1000)
+    results = simple_evaluate(
+        model=lm,
+        tasks=tasks,
+        task_manager=manager,
+        num_fewshot=num_fewshot,
+        limit=limit,
+        log_samples=False,
+        apply_chat_template=apply_chat_template,
+        bootstrap_iters=1000,
+    )
     if results is None:  # a non-main process of a distributed lm-eval run; we run one process
         raise EvalError("lm-eval returned no results")
     return results
 
 
-def evaluate(run_dir: str | Path, tasks: list[str] | str, *, include_path: str | Path | None = None,
-             num_fewshot: int | None = None, limit: int | float | None = None, batch_size: int = 8,
-             base: bool = True, merged: bool = False, apply_chat_template: bool = False,
-             dtype: str | None = None) -> dict:
+def evaluate(
+    run_dir: str | Path,
+    tasks: list[str] | str,
+    *,
+    include_path: str | Path | None = None,
+    num_fewshot: int | None = None,
+    limit: int | float | None = None,
+    batch_size: int = 8,
+    base: bool = True,
+    merged: bool = False,
+    apply_chat_template: bool = False,
+    dtype: str | None = None,
+) -> dict:
     """Run lm-eval `tasks` on RUN_DIR's model (and its base unless base=False); record the results
     (see the module docstring) and return summary.json's `lm_eval` entry."""
     if importlib.util.find_spec("lm_eval") is None:
-        raise EvalError("lm-evaluation-harness is not installed",
-                        hint="pip install 'finetune[eval]'  (or: pip install lm_eval)")
+        raise EvalError(
+            "lm-evaluation-harness is not installed", hint="pip install 'finetune[eval]'  (or: pip install lm_eval)"
+        )
     from finetune.inference import load, model_dir
 
     run_dir = Path(run_dir)
@@ -92,8 +115,13 @@ def evaluate(run_dir: str | Path, tasks: list[str] | str, *, include_path: str |
         raise EvalError("no tasks given", key="--tasks", hint="e.g. --tasks hellaswag,arc_easy")
     model_dir(run_dir, merged=merged)  # a clear error before lm-eval indexes its tasks
     manager = _task_manager(tasks, str(include_path) if include_path else None)
-    options = dict(manager=manager, num_fewshot=num_fewshot, limit=limit, batch_size=batch_size,
-                   apply_chat_template=apply_chat_template)
+    options = dict(
+        manager=manager,
+        num_fewshot=num_fewshot,
+        limit=limit,
+        batch_size=batch_size,
+        apply_chat_template=apply_chat_template,
+    )
     labels = ["trained"] + (["base"] if base else [])
     raw: dict[str, dict] = {}
     for label in labels:
@@ -103,12 +131,20 @@ def evaluate(run_dir: str | Path, tasks: list[str] | str, *, include_path: str |
     per_label = {label: scores(raw[label]) for label in labels}
     table: dict[str, dict[str, dict]] = {}
     for task, metrics in per_label["trained"].items():
-        table[task] = {m: {"base": per_label.get("base", {}).get(task, {}).get(m), "trained": v}
-                       for m, v in metrics.items()}
+        table[task] = {
+            m: {"base": per_label.get("base", {}).get(task, {}).get(m), "trained": v} for m, v in metrics.items()
+        }
     from importlib.metadata import version
 
-    entry = {"results": table, "tasks": tasks, "num_fewshot": num_fewshot, "limit": limit,
-             "merged": merged, "chat_template": apply_chat_template, "version": version("lm_eval")}
+    entry = {
+        "results": table,
+        "tasks": tasks,
+        "num_fewshot": num_fewshot,
+        "limit": limit,
+        "merged": merged,
+        "chat_template": apply_chat_template,
+        "version": version("lm_eval"),
+    }
     _record(run_dir, raw, entry)
     return entry
 
@@ -117,8 +153,9 @@ def _record(run_dir: Path, raw: dict[str, dict], entry: dict) -> None:
     out = run_dir / rundir.EVAL_DIR
     out.mkdir(exist_ok=True)
     for label, results in raw.items():
-        keep = {k: results.get(k) for k in ("results", "versions", "n-shot", "higher_is_better", "n-samples",
-                                            "configs")}
+        keep = {
+            k: results.get(k) for k in ("results", "versions", "n-shot", "higher_is_better", "n-samples", "configs")
+        }
         rundir.write_json_atomic(out / f"{label}.json", keep)
     rundir.update_summary(run_dir, {rundir.SUMMARY_LM_EVAL: entry})
     step = rundir.read_summary(run_dir).get(rundir.SUMMARY_STEPS) or 0
@@ -131,8 +168,11 @@ def _record(run_dir: Path, raw: dict[str, dict], entry: dict) -> None:
 
 
 def render_table(entry: dict) -> str:
-    rows = [(task, metric, v.get("base"), v["trained"]) for task, metrics in entry["results"].items()
-            for metric, v in metrics.items()]
+    rows = [
+        (task, metric, v.get("base"), v["trained"])
+        for task, metrics in entry["results"].items()
+        for metric, v in metrics.items()
+    ]
     width = max([len(f"{t} {m}") for t, m, _, _ in rows] + [12])
     lines = [f"{'task metric':{width}}  {'base':>8}  {'trained':>8}  {'change':>8}"]
     for task, metric, before, after in rows:
@@ -140,7 +180,9 @@ def render_table(entry: dict) -> str:
         shown = f"{before:8.4f}" if before is not None else f"{'-':>8}"
         lines.append(f"{task + ' ' + metric:{width}}  {shown}  {after:8.4f}  {change}")
     shots = entry.get("num_fewshot")
-    lines.append(f"lm-evaluation-harness {entry['version']}"
-                 + (f", {shots}-shot" if shots is not None else "")
-                 + (f", limit {entry['limit']}" if entry.get("limit") else ""))
+    lines.append(
+        f"lm-evaluation-harness {entry['version']}"
+        + (f", {shots}-shot" if shots is not None else "")
+        + (f", limit {entry['limit']}" if entry.get("limit") else "")
+    )
     return "\n".join(lines)

@@ -71,24 +71,38 @@ def check_output_dir(run_dir: Path, recipe) -> None:
     run_dir = Path(run_dir).resolve()
     for key, path in protected_paths(recipe):
         what = "the model's directory" if key == "model.name" else "a data file"
-        if _inside(path, run_dir) or (key == "model.name" and _inside(run_dir, path)) \
-                or (key != "model.name" and run_dir == path.parent):
-            raise RecipeError(f"the output directory {run_dir} would hold or overwrite {what} ({path})",
-                              key="output.dir", hint="pass --output (or output.dir) naming a directory of "
-                                                     "its own, e.g. runs/my-run")
+        if (
+            _inside(path, run_dir)
+            or (key == "model.name" and _inside(run_dir, path))
+            or (key != "model.name" and run_dir == path.parent)
+        ):
+            raise RecipeError(
+                f"the output directory {run_dir} would hold or overwrite {what} ({path})",
+                key="output.dir",
+                hint="pass --output (or output.dir) naming a directory of its own, e.g. runs/my-run",
+            )
     blocker = next((p for p in run_dir.parents if p.exists() and not p.is_dir()), None)
     if blocker is not None:
-        raise RecipeError(f"the output {run_dir} lies under {blocker}, which is a file", key="output.dir",
-                          hint="pass --output naming a directory path")
+        raise RecipeError(
+            f"the output {run_dir} lies under {blocker}, which is a file",
+            key="output.dir",
+            hint="pass --output naming a directory path",
+        )
     if run_dir.exists() and not run_dir.is_dir():
-        raise RecipeError(f"the output {run_dir} is a file, not a directory", key="output.dir",
-                          hint="pass --output naming a new or finetune-made directory")
+        raise RecipeError(
+            f"the output {run_dir} is a file, not a directory",
+            key="output.dir",
+            hint="pass --output naming a new or finetune-made directory",
+        )
     if run_dir.is_dir() and any(run_dir.iterdir()) and not is_owned(run_dir):
         shown = ", ".join(sorted(p.name for p in run_dir.iterdir())[:5])
-        raise RecipeError(f"the output directory {run_dir} is not empty ({shown}, ...) and was not made by "
-                          f"finetune (no {rundir.OWNER}); nothing in it was touched", key="output.dir",
-                          hint="pass --output naming a new or empty directory (finetune never writes into "
-                               "or deletes from a directory it did not create)")
+        raise RecipeError(
+            f"the output directory {run_dir} is not empty ({shown}, ...) and was not made by "
+            f"finetune (no {rundir.OWNER}); nothing in it was touched",
+            key="output.dir",
+            hint="pass --output naming a new or empty directory (finetune never writes into "
+            "or deletes from a directory it did not create)",
+        )
 
 
 def claim(run_dir: Path) -> None:
@@ -99,8 +113,9 @@ def claim(run_dir: Path) -> None:
     if not marker.exists():
         from finetune.compile.files import json_text, write_atomic
 
-        write_atomic(marker, json_text({"created_by": "finetune", "created_at": time.time(),
-                                        "host": socket.gethostname()}))
+        write_atomic(
+            marker, json_text({"created_by": "finetune", "created_at": time.time(), "host": socket.gethostname()})
+        )
 
 
 def _process_start(pid: int) -> str | None:
@@ -154,8 +169,12 @@ class RunLock:
 
     def acquire(self) -> RunLock:
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        me = {"pid": os.getpid(), "host": socket.gethostname(), "start": _process_start(os.getpid()),
-              "since": time.time()}
+        me = {
+            "pid": os.getpid(),
+            "host": socket.gethostname(),
+            "start": _process_start(os.getpid()),
+            "since": time.time(),
+        }
         for _ in range(3):
             try:
                 fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
@@ -169,7 +188,8 @@ class RunLock:
                         f"another run is using {self.path.parent}: pid {holder.get('pid', '?')} on host "
                         f"{holder.get('host', '?')} holds {self.path.name}",
                         hint="wait for it to finish (or stop it), or pass another --output; if that "
-                             f"process is gone for good, delete {self.path}") from None
+                        f"process is gone for good, delete {self.path}",
+                    ) from None
                 self.note = f"took over {self.path.name}: {why}"
                 self.path.unlink(missing_ok=True)
                 continue

@@ -51,8 +51,7 @@ class PushError(FinetuneError):
     exit_code = EXIT_PUSH_FAILED
 
 
-def retry_command(run_dir: Path, *, repo_id: str, merged: bool, private: bool,
-                  revision: str | None) -> str:
+def retry_command(run_dir: Path, *, repo_id: str, merged: bool, private: bool, revision: str | None) -> str:
     parts = ["finetune", "push", str(run_dir), "--repo", repo_id]
     if merged:
         parts.append("--merged")
@@ -132,8 +131,9 @@ def _can_write(whoami: dict, namespace: str) -> tuple[bool, str]:
     return True, ""
 
 
-def check_push_access(repo_id: str, *, private: bool = True, token: str | None = None,
-                      endpoint: str | None = None, key: str = "hub.repo") -> str:
+def check_push_access(
+    repo_id: str, *, private: bool = True, token: str | None = None, endpoint: str | None = None, key: str = "hub.repo"
+) -> str:
     """Before training: the Hub is reachable, we are logged in, and the token may write to `repo_id`'s
     namespace (huggingface_hub's whoami), and an existing repo does not contradict `private`.
     Returns the user name. RecipeError (exit 2) with the fix otherwise; the token is never shown."""
@@ -141,42 +141,62 @@ def check_push_access(repo_id: str, *, private: bool = True, token: str | None =
 
     namespace = repo_id.split("/")[0]
     if namespace.lower() in PLACEHOLDER_NAMESPACES:
-        raise RecipeError(f"{repo_id!r} is a placeholder, not your Hub repo", key=key,
-                          hint="set hub.repo to YOUR-USER-OR-ORG/NAME (e.g. --set hub.repo=alice/llama-lora), "
-                               "or remove hub.repo to keep the run local")
+        raise RecipeError(
+            f"{repo_id!r} is a placeholder, not your Hub repo",
+            key=key,
+            hint="set hub.repo to YOUR-USER-OR-ORG/NAME (e.g. --set hub.repo=alice/llama-lora), "
+            "or remove hub.repo to keep the run local",
+        )
     import huggingface_hub
     from huggingface_hub import HfApi
     from huggingface_hub.errors import RepositoryNotFoundError
 
     if huggingface_hub.constants.is_offline_mode():
-        raise RecipeError("this run pushes to the Hub at the end, but the Hub is in offline mode "
-                          "(HF_HUB_OFFLINE is set)", key=key,
-                          hint="unset HF_HUB_OFFLINE, or remove hub.repo and push later with `finetune push`")
+        raise RecipeError(
+            "this run pushes to the Hub at the end, but the Hub is in offline mode (HF_HUB_OFFLINE is set)",
+            key=key,
+            hint="unset HF_HUB_OFFLINE, or remove hub.repo and push later with `finetune push`",
+        )
     token = token or huggingface_hub.get_token()
     if not token:
-        raise RecipeError("this run pushes to the Hub at the end, but you are not logged in", key=key,
-                          hint="set HF_TOKEN or run `hf auth login`, or remove hub.repo")
+        raise RecipeError(
+            "this run pushes to the Hub at the end, but you are not logged in",
+            key=key,
+            hint="set HF_TOKEN or run `hf auth login`, or remove hub.repo",
+        )
     api = HfApi(endpoint=endpoint or os.environ.get("HF_ENDPOINT") or None, token=token)
     try:
         who = api.whoami()
     except Exception as exc:  # invalid token (401), no network
-        raise RecipeError(_scrub(f"cannot check Hub access: {type(exc).__name__}: {exc}", token), key=key,
-                          hint="check HF_TOKEN / `hf auth login` and the network, or remove hub.repo") from None
+        raise RecipeError(
+            _scrub(f"cannot check Hub access: {type(exc).__name__}: {exc}", token),
+            key=key,
+            hint="check HF_TOKEN / `hf auth login` and the network, or remove hub.repo",
+        ) from None
     allowed, why = _can_write(who, namespace)
     if not allowed:
-        raise RecipeError(f"cannot push to {repo_id}: {why}", key=key,
-                          hint="use a write token for that namespace (hf auth login), or set hub.repo to a "
-                               "namespace you can write to")
+        raise RecipeError(
+            f"cannot push to {repo_id}: {why}",
+            key=key,
+            hint="use a write token for that namespace (hf auth login), or set hub.repo to a "
+            "namespace you can write to",
+        )
     try:
         info = api.model_info(repo_id)
     except RepositoryNotFoundError:
         return who.get("name", "")
     except Exception as exc:
-        raise RecipeError(_scrub(f"cannot read {repo_id} on the Hub: {type(exc).__name__}: {exc}", token),
-                          key=key, hint="check the network and the repo id") from None
+        raise RecipeError(
+            _scrub(f"cannot read {repo_id} on the Hub: {type(exc).__name__}: {exc}", token),
+            key=key,
+            hint="check the network and the repo id",
+        ) from None
     if private and info.private is False:
-        raise RecipeError(f"{repo_id} exists and is public, and hub.private is true", key="hub.private",
-                          hint="set hub.private: false to push to the public repo, or use another hub.repo")
+        raise RecipeError(
+            f"{repo_id} exists and is public, and hub.private is true",
+            key="hub.private",
+            hint="set hub.private: false to push to the public repo, or use another hub.repo",
+        )
     return who.get("name", "")
 
 
@@ -189,9 +209,18 @@ def _upload_content(name: str, path: Path, recipe) -> str | bytes:
     return str(path)
 
 
-def push(run_dir: str | Path, *, repo_id: str, merged: bool = False, private: bool = True,
-         revision: str | None = None, token: str | None = None, commit_message: str | None = None,
-         endpoint: str | None = None, max_shard_size: str | int = "5GB") -> str:
+def push(
+    run_dir: str | Path,
+    *,
+    repo_id: str,
+    merged: bool = False,
+    private: bool = True,
+    revision: str | None = None,
+    token: str | None = None,
+    commit_message: str | None = None,
+    endpoint: str | None = None,
+    max_shard_size: str | int = "5GB",
+) -> str:
     """Upload RUN_DIR to the Hub repo `repo_id` (created private unless private=False).
 
     merged=True uploads a merged model instead of the adapter: RUN_DIR/merged if it holds one,
@@ -210,11 +239,14 @@ def push(run_dir: str | Path, *, repo_id: str, merged: bool = False, private: bo
     target = _Target(repo_id=repo_id, private=private, revision=revision, token=token, retry=retry)
     with _weights_dir(run_dir, card_kind=card_kind, max_shard_size=max_shard_size) as weights_dir:
         base = _base_model(run_dir, recipe, kind=kind)
-        operations = _operations(run_dir, recipe, weights_dir=weights_dir, card_kind=card_kind, base=base,
-                                 target=target)
-        message = commit_message or (f"finetune: {recipe.method.type} "
-                                     f"{'merged model' if card_kind == 'merged' else card_kind}"
-                                     f" of {Path(base).name if not HUB_ID.match(base) else base}")
+        operations = _operations(
+            run_dir, recipe, weights_dir=weights_dir, card_kind=card_kind, base=base, target=target
+        )
+        message = commit_message or (
+            f"finetune: {recipe.method.type} "
+            f"{'merged model' if card_kind == 'merged' else card_kind}"
+            f" of {Path(base).name if not HUB_ID.match(base) else base}"
+        )
         url = _commit(target, operations=operations, message=message, endpoint=endpoint)
     logger.info("pushed to %s", url)
     return url
@@ -233,26 +265,36 @@ class _Target:
     def fail(self, what: str, exc: BaseException | None = None, hint: str | None = None) -> PushError:
         detail = f": {type(exc).__name__}: {exc}" if exc is not None else ""
         message = _scrub(f"push to {self.repo_id} failed while {what}{detail}", self.token)
-        return PushError(message, hint=hint or f"fix the cause, then retry with `{self.retry}` "
-                                               "(files already uploaded are not sent again)")
+        return PushError(
+            message,
+            hint=hint or f"fix the cause, then retry with `{self.retry}` (files already uploaded are not sent again)",
+        )
 
 
 def _check_run(run_dir: Path, *, repo_id: str):
     """(resolved recipe, run kind) of a run directory that holds final weights; PushError otherwise."""
     if not HUB_ID.match(repo_id):
-        raise PushError(f"--repo {repo_id!r} is not a Hub repo id", key="hub.repo",
-                        hint="use ORG/NAME, e.g. --repo my-org/llama-3.1-8b-sft")
+        raise PushError(
+            f"--repo {repo_id!r} is not a Hub repo id",
+            key="hub.repo",
+            hint="use ORG/NAME, e.g. --repo my-org/llama-3.1-8b-sft",
+        )
     if not (run_dir / rundir.RESOLVED_RECIPE).is_file():
-        raise PushError(f"not a run directory (no {rundir.RESOLVED_RECIPE})", file=str(run_dir),
-                        hint="pass the directory `finetune run` wrote its outputs to")
+        raise PushError(
+            f"not a run directory (no {rundir.RESOLVED_RECIPE})",
+            file=str(run_dir),
+            hint="pass the directory `finetune run` wrote its outputs to",
+        )
     from finetune.recipe import load_recipe
 
     recipe = load_recipe(run_dir / rundir.RESOLVED_RECIPE, allow_resolved=True)
     kind = run_kind(run_dir)
     if kind == "unknown":
-        raise PushError("no adapter (adapter_config.json) or model (config.json + *.safetensors) "
-                        "found", file=str(run_dir),
-                        hint="the run has not saved its final weights; resume it with `finetune run`")
+        raise PushError(
+            "no adapter (adapter_config.json) or model (config.json + *.safetensors) found",
+            file=str(run_dir),
+            hint="the run has not saved its final weights; resume it with `finetune run`",
+        )
     return recipe, kind
 
 
@@ -262,12 +304,15 @@ def _hub_token(token: str | None, *, retry: str) -> str:
     from huggingface_hub import constants, get_token
 
     if constants.is_offline_mode():
-        raise PushError("the Hugging Face Hub is in offline mode (HF_HUB_OFFLINE is set)",
-                        hint=f"unset HF_HUB_OFFLINE, then run `{retry}`")
+        raise PushError(
+            "the Hugging Face Hub is in offline mode (HF_HUB_OFFLINE is set)",
+            hint=f"unset HF_HUB_OFFLINE, then run `{retry}`",
+        )
     token = token or get_token()
     if not token:
-        raise PushError("not logged in to the Hugging Face Hub",
-                        hint=f"set HF_TOKEN or run `hf auth login`, then run `{retry}`")
+        raise PushError(
+            "not logged in to the Hugging Face Hub", hint=f"set HF_TOKEN or run `hf auth login`, then run `{retry}`"
+        )
     return token
 
 
@@ -304,15 +349,28 @@ def _operations(run_dir: Path, recipe, *, weights_dir: Path, card_kind: str, bas
     """The commit: the collected files plus the generated model card (passed as bytes)."""
     from huggingface_hub import CommitOperationAdd
 
-    card = render_model_card(recipe, run_dir=run_dir, repo_id=target.repo_id, kind=card_kind,
-                             license=base_license(recipe, base), base_model=recipe.model.name)
+    card = render_model_card(
+        recipe,
+        run_dir=run_dir,
+        repo_id=target.repo_id,
+        kind=card_kind,
+        license=base_license(recipe, base),
+        base_model=recipe.model.name,
+    )
     files = _collect(run_dir, weights_dir, card_kind)
     total = sum(p.stat().st_size for _, p in files)
-    logger.info("pushing %d files (%.1f MB) + README.md to %s (%s%s)", len(files), total / 1e6,
-                target.repo_id, "private" if target.private else "public",
-                f", branch {target.revision}" if target.revision else "")
-    operations = [CommitOperationAdd(path_in_repo=name, path_or_fileobj=_upload_content(name, path, recipe))
-                  for name, path in files]
+    logger.info(
+        "pushing %d files (%.1f MB) + README.md to %s (%s%s)",
+        len(files),
+        total / 1e6,
+        target.repo_id,
+        "private" if target.private else "public",
+        f", branch {target.revision}" if target.revision else "",
+    )
+    operations = [
+        CommitOperationAdd(path_in_repo=name, path_or_fileobj=_upload_content(name, path, recipe))
+        for name, path in files
+    ]
     operations.append(CommitOperationAdd(path_in_repo="README.md", path_or_fileobj=card.encode("utf-8")))
     return operations
 
@@ -330,9 +388,13 @@ def _commit(target: _Target, *, operations: list, message: str, endpoint: str | 
         step = "checking the repository's visibility"
         info = api.model_info(repo_id)
         if target.private and info.private is False:
-            raise target.fail("checking the repository's visibility", hint=(
-                f"{repo_id} already exists and is public, and a private push was asked for; "
-                f"push to another repo, or add --public: `{target.retry} --public`"))
+            raise target.fail(
+                "checking the repository's visibility",
+                hint=(
+                    f"{repo_id} already exists and is public, and a private push was asked for; "
+                    f"push to another repo, or add --public: `{target.retry} --public`"
+                ),
+            )
         if revision and revision != "main":
             step = f"creating the branch {revision!r}"
             api.create_branch(repo_id, branch=revision, exist_ok=True)
@@ -363,6 +425,6 @@ def push_from_recipe(run_dir: str | Path, **kwargs) -> str | None:
     hub = load_recipe(run_dir / rundir.RESOLVED_RECIPE, allow_resolved=True).hub
     if not hub.repo:
         return None
-    return push(run_dir, repo_id=hub.repo, merged=hub.push == "merged", private=hub.private,
-                revision=hub.revision, **kwargs)
-
+    return push(
+        run_dir, repo_id=hub.repo, merged=hub.push == "merged", private=hub.private, revision=hub.revision, **kwargs
+    )

@@ -35,8 +35,7 @@ class Settings:
 
     def generate_kwargs(self, tokenizer) -> dict:
         sampling = self.temperature > 0
-        kwargs = {"max_new_tokens": self.max_new_tokens, "do_sample": sampling,
-                  "pad_token_id": tokenizer.pad_token_id}
+        kwargs = {"max_new_tokens": self.max_new_tokens, "do_sample": sampling, "pad_token_id": tokenizer.pad_token_id}
         if sampling:
             kwargs.update(temperature=self.temperature, top_p=self.top_p)
         else:  # greedy: unset the sampling knobs a model's generation_config may carry
@@ -59,23 +58,34 @@ def model_dir(run_dir: Path, *, merged: bool) -> Path:
     merged model)."""
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
-        raise GenerateError("run directory not found", file=str(run_dir),
-                            hint="pass the directory `finetune run` wrote its outputs to")
+        raise GenerateError(
+            "run directory not found", file=str(run_dir), hint="pass the directory `finetune run` wrote its outputs to"
+        )
     if merged and run_kind(run_dir) != "full":
         if run_kind(run_dir / "merged") == "full":
             return run_dir / "merged"
-        raise GenerateError("no merged model here (neither RUN_DIR nor RUN_DIR/merged holds one)",
-                            file=str(run_dir), hint=f"run `finetune merge {run_dir} -o {run_dir}/merged` first, "
-                                                    "or leave out --merged to use the adapter")
+        raise GenerateError(
+            "no merged model here (neither RUN_DIR nor RUN_DIR/merged holds one)",
+            file=str(run_dir),
+            hint=f"run `finetune merge {run_dir} -o {run_dir}/merged` first, or leave out --merged to use the adapter",
+        )
     if run_kind(run_dir) == "unknown":
-        raise GenerateError("no adapter (adapter_config.json) or model (config.json + *.safetensors) found",
-                            file=str(run_dir), hint="the run has not saved its final weights; resume it with "
-                                                    "`finetune run`")
+        raise GenerateError(
+            "no adapter (adapter_config.json) or model (config.json + *.safetensors) found",
+            file=str(run_dir),
+            hint="the run has not saved its final weights; resume it with `finetune run`",
+        )
     return run_dir
 
 
-def load(run_dir: str | Path, *, merged: bool = False, base_only: bool = False, dtype: str | None = None,
-         device: str | None = None):
+def load(
+    run_dir: str | Path,
+    *,
+    merged: bool = False,
+    base_only: bool = False,
+    dtype: str | None = None,
+    device: str | None = None,
+):
     """(model, tokenizer) for inference. base_only: the base model the run started from (for
     before/after comparisons), with the run's tokenizer."""
     import torch
@@ -86,9 +96,15 @@ def load(run_dir: str | Path, *, merged: bool = False, base_only: bool = False, 
     recipe = _recipe(run_dir) or _recipe(weights)
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     if dtype is None:  # CPU: fp32 is the fast path; GPU: the dtype the run used
-        dtype = "float32" if device == "cpu" else (
-            recipe.adapter.compute_dtype if recipe and recipe.adapter.type == "qlora" else
-            (recipe.model.dtype if recipe else "bfloat16"))
+        dtype = (
+            "float32"
+            if device == "cpu"
+            else (
+                recipe.adapter.compute_dtype
+                if recipe and recipe.adapter.type == "qlora"
+                else (recipe.model.dtype if recipe else "bfloat16")
+            )
+        )
     kwargs = {"dtype": getattr(torch, dtype)}
     if recipe is not None:
         kwargs.update(revision=recipe.model.revision, trust_remote_code=recipe.model.trust_remote_code)
@@ -100,14 +116,17 @@ def load(run_dir: str | Path, *, merged: bool = False, base_only: bool = False, 
         elif recipe is not None:
             base = recipe.model.name
         else:
-            raise GenerateError("cannot tell the base model of a full fine-tune without recipe.resolved.yaml",
-                                file=str(run_dir))
+            raise GenerateError(
+                "cannot tell the base model of a full fine-tune without recipe.resolved.yaml", file=str(run_dir)
+            )
     source = base if base is not None else str(weights)
     try:
         model = AutoModelForCausalLM.from_pretrained(source, **kwargs)
     except OSError as exc:
-        raise GenerateError(f"cannot load the model {source!r}: {exc}",
-                            hint="make the base model available (local dir, or Hub access and login)") from None
+        raise GenerateError(
+            f"cannot load the model {source!r}: {exc}",
+            hint="make the base model available (local dir, or Hub access and login)",
+        ) from None
     if kind == "adapter" and not base_only:
         from peft import PeftModel
 
@@ -128,14 +147,16 @@ def _as_text(tokenizer, prompt, settings: Settings) -> str:
         if settings.system and not (messages and messages[0].get("role") == "system"):
             messages = [{"role": "system", "content": settings.system}, *messages]
         if not tokenizer.chat_template:
-            raise GenerateError("a messages prompt needs a chat template, and this tokenizer has none",
-                                hint="pass plain text prompts")
+            raise GenerateError(
+                "a messages prompt needs a chat template, and this tokenizer has none", hint="pass plain text prompts"
+            )
         return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     return prompt
 
 
-def complete(model, tokenizer, prompts: list, settings: Settings, *, batch_size: int = 8,
-             stream: bool = False) -> list[str]:
+def complete(
+    model, tokenizer, prompts: list, settings: Settings, *, batch_size: int = 8, stream: bool = False
+) -> list[str]:
     """The completion of each prompt (text or messages), `batch_size` at a time; stream=True prints
     the tokens of a single prompt as they come."""
     import torch
@@ -144,16 +165,23 @@ def complete(model, tokenizer, prompts: list, settings: Settings, *, batch_size:
     out: list[str] = []
     device = next(model.parameters()).device
     for start in range(0, len(prompts), batch_size):
-        texts = [_as_text(tokenizer, p, settings) for p in prompts[start:start + batch_size]]
+        texts = [_as_text(tokenizer, p, settings) for p in prompts[start : start + batch_size]]
         # the template already holds the special tokens it wants (e.g. BOS); don't add them twice
-        enc = tokenizer(texts, return_tensors="pt", padding=True,
-                        add_special_tokens=not (settings.chat_template and tokenizer.chat_template))
+        enc = tokenizer(
+            texts,
+            return_tensors="pt",
+            padding=True,
+            add_special_tokens=not (settings.chat_template and tokenizer.chat_template),
+        )
         enc = {k: v.to(device) for k, v in enc.items()}
-        streamer = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True) if (
-            stream and len(texts) == 1) else None
+        streamer = (
+            TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
+            if (stream and len(texts) == 1)
+            else None
+        )
         with torch.no_grad():
             ids = model.generate(**enc, **settings.generate_kwargs(tokenizer), streamer=streamer)
-        new = ids[:, enc["input_ids"].shape[1]:]
+        new = ids[:, enc["input_ids"].shape[1] :]
         out += [t.strip() for t in tokenizer.batch_decode(new, skip_special_tokens=True)]
     return out
 
@@ -181,13 +209,24 @@ def read_prompts(path: str | Path) -> list:
         elif isinstance(row, dict) and isinstance(row.get("prompt"), str):
             prompts.append(row["prompt"])
         else:
-            raise GenerateError(f"line {number} has neither a 'prompt' string nor a 'messages' list",
-                                file=str(path), hint='write {"prompt": "..."} or {"messages": [...]} per line')
+            raise GenerateError(
+                f"line {number} has neither a 'prompt' string nor a 'messages' list",
+                file=str(path),
+                hint='write {"prompt": "..."} or {"messages": [...]} per line',
+            )
     return prompts
 
 
-def generate(run_dir: str | Path, prompts, *, merged: bool = False, batch_size: int = 8,
-             stream: bool = False, dtype: str | None = None, **settings) -> list[str]:
+def generate(
+    run_dir: str | Path,
+    prompts,
+    *,
+    merged: bool = False,
+    batch_size: int = 8,
+    stream: bool = False,
+    dtype: str | None = None,
+    **settings,
+) -> list[str]:
     """Completions of `prompts` (a string, a messages list, or a list of either) by the run's model.
     settings: max_new_tokens, temperature, top_p, chat_template, system (see Settings)."""
     single = isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], dict))
@@ -196,16 +235,20 @@ def generate(run_dir: str | Path, prompts, *, merged: bool = False, batch_size: 
     return complete(model, tokenizer, items, Settings(**settings), batch_size=batch_size, stream=stream)
 
 
-def chat(run_dir: str | Path, *, merged: bool = False, dtype: str | None = None, stdin=None, stdout=None,
-         **settings) -> int:
+def chat(
+    run_dir: str | Path, *, merged: bool = False, dtype: str | None = None, stdin=None, stdout=None, **settings
+) -> int:
     """An interactive chat on stdin/stdout with the tokenizer's chat template; the history is kept.
     `/reset` starts over, `/exit` (or end of input) ends."""
     stdin, stdout = stdin or sys.stdin, stdout or sys.stdout
     config = Settings(**settings)
     model, tokenizer = load(run_dir, merged=merged, dtype=dtype)
     if not tokenizer.chat_template:
-        raise GenerateError("this model's tokenizer has no chat template, so there is no chat format",
-                            file=str(run_dir), hint="use `finetune generate RUN_DIR \"PROMPT\"` for plain text")
+        raise GenerateError(
+            "this model's tokenizer has no chat template, so there is no chat format",
+            file=str(run_dir),
+            hint='use `finetune generate RUN_DIR "PROMPT"` for plain text',
+        )
     interactive = stdin.isatty()
     history: list[dict] = []
     print("chat with the model: /reset starts over, /exit or Ctrl-D ends", file=stdout, flush=True)

@@ -67,9 +67,15 @@ def launch_env(spec: LaunchSpec) -> dict[str, str]:
     return env
 
 
-def launch(spec_or_run_dir: LaunchSpec | str | Path, *, node_rank: int | None = None,
-           main_address: str | None = None, main_port: int | None = None,
-           extra_args: list[str] | tuple = (), stream: bool = True) -> int | NodeInstructions:
+def launch(
+    spec_or_run_dir: LaunchSpec | str | Path,
+    *,
+    node_rank: int | None = None,
+    main_address: str | None = None,
+    main_port: int | None = None,
+    extra_args: list[str] | tuple = (),
+    stream: bool = True,
+) -> int | NodeInstructions:
     """Run this node's part of a compiled run; return its exit code.
 
     Multi-node runs need `node_rank` and `main_address` (node 0's host); without a node rank
@@ -79,17 +85,23 @@ def launch(spec_or_run_dir: LaunchSpec | str | Path, *, node_rank: int | None = 
     """
     spec = load_spec(spec_or_run_dir)
     if spec.multi_node and node_rank is None:
-        return NodeInstructions(text=spec.node_instructions(), commands=spec.node_argv(),
-                                sbatch=spec.files.get(JOB_SBATCH))
+        return NodeInstructions(
+            text=spec.node_instructions(), commands=spec.node_argv(), sbatch=spec.files.get(JOB_SBATCH)
+        )
     if spec.multi_node and not main_address:
-        raise FinetuneError(f"a {spec.num_nodes}-node run needs node 0's address",
-                            hint="pass --main-address HOST (the same on every node)")
+        raise FinetuneError(
+            f"a {spec.num_nodes}-node run needs node 0's address",
+            hint="pass --main-address HOST (the same on every node)",
+        )
     if not spec.multi_node and node_rank not in (None, 0):
-        raise FinetuneError(f"node rank {node_rank} given for a single-node run",
-                            hint="drop --node-rank, or compile for a multi-node preset")
+        raise FinetuneError(
+            f"node rank {node_rank} given for a single-node run",
+            hint="drop --node-rank, or compile for a multi-node preset",
+        )
     rank = node_rank or 0
-    argv = executable_argv(spec.argv(node_rank=rank, main_address=main_address,
-                                     main_port=main_port, extra_args=list(extra_args)))
+    argv = executable_argv(
+        spec.argv(node_rank=rank, main_address=main_address, main_port=main_port, extra_args=list(extra_args))
+    )
     if spec.device == "cpu":
         # what accelerate would pick anyway, said explicitly so it prints no "defaults used" notice;
         # decided here, not at compile time, because it depends on the machine that runs it
@@ -177,10 +189,16 @@ def _run(argv: list[str], *, env: dict[str, str], log_path: Path, stream: bool) 
     with open(log_path, "ab") as log:
         log.write(f"$ {' '.join(argv)}\n".encode())
         log.flush()
-        proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                stdin=subprocess.DEVNULL, start_new_session=True,
-                                # one prctl call in the child; the lock's heartbeat thread holds no lock
-                                preexec_fn=_children_die_with_us(prctl))  # noqa: PLW1509
+        proc = subprocess.Popen(
+            argv,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+            # one prctl call in the child; the lock's heartbeat thread holds no lock
+            preexec_fn=_children_die_with_us(prctl),
+        )  # noqa: PLW1509
 
         def forward(signum, _frame):
             if signum == signal.SIGINT and signal.SIGINT in received:
@@ -224,8 +242,7 @@ def _run(argv: list[str], *, env: dict[str, str], log_path: Path, stream: bool) 
 
 # Tracebacks raised by the launch stack itself (accelerate's launcher re-raising a rank's exit
 # code, torchrun's agent) repeat what the rank already said; they stay in the log file only.
-LAUNCHER_FRAMES = ("accelerate/commands/launch.py", "torch/distributed/run.py",
-                   "torch/distributed/elastic/")
+LAUNCHER_FRAMES = ("accelerate/commands/launch.py", "torch/distributed/run.py", "torch/distributed/elastic/")
 
 
 class _ConsoleFilter:
@@ -299,8 +316,9 @@ def _setting(micro_batch: int, checkpointing: bool) -> str:
     return f"micro-batch {micro_batch}, activation checkpointing {'on' if checkpointing else 'off'}"
 
 
-def replan_after_oom(recipe, spec: LaunchSpec, *, hardware: str | None, records: list[dict],
-                     tried: tuple[tuple[int, bool], ...]):
+def replan_after_oom(
+    recipe, spec: LaunchSpec, *, hardware: str | None, records: list[dict], tried: tuple[tuple[int, bool], ...]
+):
     """The re-plan for a run whose ranks ran out of memory (finetune.plan.replan on the recipe's job)."""
     from finetune.plan import job_from_recipe
     from finetune.plan.replan import OomEvidence, replan
@@ -308,15 +326,24 @@ def replan_after_oom(recipe, spec: LaunchSpec, *, hardware: str | None, records:
     from finetune.registry import get_preset, resolve_model
 
     base = recipe_dir(recipe)
-    job = job_from_recipe(recipe, arch=resolve_model(recipe.model, base_dir=base),
-                          preset=get_preset(hardware or recipe.hardware, base_dir=base))
-    return replan(job, strategy=spec.strategy, evidence=[OomEvidence.from_record(r) for r in records],
-                  tried=tried)
+    job = job_from_recipe(
+        recipe,
+        arch=resolve_model(recipe.model, base_dir=base),
+        preset=get_preset(hardware or recipe.hardware, base_dir=base),
+    )
+    return replan(job, strategy=spec.strategy, evidence=[OomEvidence.from_record(r) for r in records], tried=tried)
 
 
-def run_with_oom_retries(recipe, spec: LaunchSpec, *, hardware: str | None, resume: str = "auto",
-                         node_rank: int | None = None, main_address: str | None = None,
-                         main_port: int | None = None) -> tuple[int | NodeInstructions, LaunchSpec]:
+def run_with_oom_retries(
+    recipe,
+    spec: LaunchSpec,
+    *,
+    hardware: str | None,
+    resume: str = "auto",
+    node_rank: int | None = None,
+    main_address: str | None = None,
+    main_port: int | None = None,
+) -> tuple[int | NodeInstructions, LaunchSpec]:
     """launch(spec), and when ranks ran out of memory (their records in RUN_DIR/logs/oom-rank-K.json):
     re-plan with the measured peaks (finetune.plan.replan: same strategy and global batch, a smaller
     micro-batch or activation checkpointing), say what changed, recompile the run dir and resume from
@@ -331,47 +358,63 @@ def run_with_oom_retries(recipe, spec: LaunchSpec, *, hardware: str | None, resu
     history: list[dict] = []
     while True:
         clear_oom_records(run_dir)
-        code = launch(spec, node_rank=node_rank, main_address=main_address, main_port=main_port,
-                      extra_args=["--resume", resume])
+        code = launch(
+            spec, node_rank=node_rank, main_address=main_address, main_port=main_port, extra_args=["--resume", resume]
+        )
         records = read_oom_records(run_dir)
         if not isinstance(code, int) or code in (0, EXIT_PREEMPTED, EXIT_INTERRUPTED) or not records:
             return code, spec
         tried = tuple((h["micro_batch_size"], h["activation_checkpointing"]) for h in history)
         decision = replan_after_oom(recipe, spec, hardware=hardware, records=records, tried=tried)
         failed = records[0]  # every rank ran the same setting
-        history.append({"attempt": len(history) + 1, "micro_batch_size": failed["micro_batch_size"],
-                        "activation_checkpointing": failed["activation_checkpointing"],
-                        "gradient_accumulation_steps": failed["gradient_accumulation_steps"],
-                        "records": records, "decision": decision.text,
-                        "next": None if decision.micro_batch is None else
-                        {"micro_batch_size": decision.micro_batch,
-                         "activation_checkpointing": decision.checkpointing}})
+        history.append(
+            {
+                "attempt": len(history) + 1,
+                "micro_batch_size": failed["micro_batch_size"],
+                "activation_checkpointing": failed["activation_checkpointing"],
+                "gradient_accumulation_steps": failed["gradient_accumulation_steps"],
+                "records": records,
+                "decision": decision.text,
+                "next": None
+                if decision.micro_batch is None
+                else {"micro_batch_size": decision.micro_batch, "activation_checkpointing": decision.checkpointing},
+            }
+        )
         (run_dir / OOM_RETRIES).write_text(json.dumps(history, indent=2) + "\n")
         retries = recipe.train.oom_retries
         if decision.micro_batch is None or len(history) > retries or spec.multi_node:
-            raise TrainingFailed(_oom_failure(history, decision, retries=retries, multi_node=spec.multi_node),
-                                 file=str(run_dir / OOM_RETRIES), hint=_oom_hint(decision))
+            raise TrainingFailed(
+                _oom_failure(history, decision, retries=retries, multi_node=spec.multi_node),
+                file=str(run_dir / OOM_RETRIES),
+                hint=_oom_hint(decision),
+            )
         print(f"out of memory: {decision.text}", flush=True)
-        print(f"out of memory: retry {len(history)} of {retries}: "
-              f"{_setting(decision.micro_batch, decision.checkpointing)} x accumulation "
-              f"{decision.gradient_accumulation_steps} (was "
-              f"{_setting(failed['micro_batch_size'], failed['activation_checkpointing'])} x accumulation "
-              f"{failed['gradient_accumulation_steps']}); resuming from the last complete checkpoint, if any",
-              flush=True)
+        print(
+            f"out of memory: retry {len(history)} of {retries}: "
+            f"{_setting(decision.micro_batch, decision.checkpointing)} x accumulation "
+            f"{decision.gradient_accumulation_steps} (was "
+            f"{_setting(failed['micro_batch_size'], failed['activation_checkpointing'])} x accumulation "
+            f"{failed['gradient_accumulation_steps']}); resuming from the last complete checkpoint, if any",
+            flush=True,
+        )
         checkpointing = "on" if decision.checkpointing else "off"
-        recipe = with_setting(recipe, distributed={"strategy": spec.strategy},
-                              train={"micro_batch_size": decision.micro_batch,
-                                     "activation_checkpointing": checkpointing})
+        recipe = with_setting(
+            recipe,
+            distributed={"strategy": spec.strategy},
+            train={"micro_batch_size": decision.micro_batch, "activation_checkpointing": checkpointing},
+        )
         spec = compile_recipe(recipe, run_dir=run_dir, hardware=hardware)
         resume = "auto"  # what the failed attempt committed, whatever the first attempt was told
 
 
 def _oom_failure(history: list[dict], decision, *, retries: int, multi_node: bool) -> str:
-    tried = "; ".join(f"{h['attempt']}) {_setting(h['micro_batch_size'], h['activation_checkpointing'])} x "
-                      f"accumulation {h['gradient_accumulation_steps']}: rank(s) "
-                      f"{', '.join(str(r['rank']) for r in h['records'])} ran out at "
-                      f"{max(r['peak_bytes'] for r in h['records']) / 2**30:.2f} GiB"
-                      for h in history)
+    tried = "; ".join(
+        f"{h['attempt']}) {_setting(h['micro_batch_size'], h['activation_checkpointing'])} x "
+        f"accumulation {h['gradient_accumulation_steps']}: rank(s) "
+        f"{', '.join(str(r['rank']) for r in h['records'])} ran out at "
+        f"{max(r['peak_bytes'] for r in h['records']) / 2**30:.2f} GiB"
+        for h in history
+    )
     if multi_node:
         why = "a multi-node run is not re-planned automatically (every node would have to agree)"
     elif decision.micro_batch is None:
@@ -383,28 +426,38 @@ def _oom_failure(history: list[dict], decision, *, retries: int, multi_node: boo
 
 def _oom_hint(decision) -> str:
     if decision.micro_batch is None:
-        return ("the model states alone leave no room for activations: `finetune plan` lists what fits "
-                "(a sharded or offloading distributed.strategy, adapter.type: qlora, more GPUs, a shorter "
-                "data.max_length)")
-    return (f"set train.micro_batch_size: {decision.micro_batch} and train.activation_checkpointing: "
-            f"{'on' if decision.checkpointing else 'off'} in the recipe (what the measured peaks point to), "
-            f"or raise train.oom_retries")
+        return (
+            "the model states alone leave no room for activations: `finetune plan` lists what fits "
+            "(a sharded or offloading distributed.strategy, adapter.type: qlora, more GPUs, a shorter "
+            "data.max_length)"
+        )
+    return (
+        f"set train.micro_batch_size: {decision.micro_batch} and train.activation_checkpointing: "
+        f"{'on' if decision.checkpointing else 'off'} in the recipe (what the measured peaks point to), "
+        f"or raise train.oom_retries"
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m finetune.launch",
-                                     description="Launch this node's part of a compiled run.")
+    parser = argparse.ArgumentParser(
+        prog="python -m finetune.launch", description="Launch this node's part of a compiled run."
+    )
     parser.add_argument("run_dir")
     parser.add_argument("--node-rank", type=int, default=None)
     parser.add_argument("--main-address", default=None)
     parser.add_argument("--main-port", type=int, default=None)
     parser.epilog = "Arguments after -- are passed to every rank's entry point."
     argv = list(sys.argv[1:] if argv is None else argv)
-    extra = argv[argv.index("--") + 1:] if "--" in argv else []
-    args = parser.parse_args(argv[:argv.index("--")] if "--" in argv else argv)
+    extra = argv[argv.index("--") + 1 :] if "--" in argv else []
+    args = parser.parse_args(argv[: argv.index("--")] if "--" in argv else argv)
     try:
-        result = launch(args.run_dir, node_rank=args.node_rank, main_address=args.main_address,
-                        main_port=args.main_port, extra_args=extra)
+        result = launch(
+            args.run_dir,
+            node_rank=args.node_rank,
+            main_address=args.main_address,
+            main_port=args.main_port,
+            extra_args=extra,
+        )
     except FinetuneError as err:
         print(err.render(), file=sys.stderr)
         return err.exit_code

@@ -71,13 +71,23 @@ class Measurement:
         return not self.out_of_memory and self.peak_gib is not None and self.peak_gib <= self.usable_gib
 
     def to_json(self) -> dict:
-        return {"steps": self.steps, "device": self.device, "peak_kind": self.peak_kind,
-                "predicted_gib": round(self.predicted_gib, 3), "usable_gib": round(self.usable_gib, 3),
-                "device_gib": self.device_gib, "measured_peak_gib": self.peak_gib, "fits": self.fits,
-                "predicted_tokens_per_s": round(self.predicted_tokens_per_s, 1),
-                "tokens_per_s": self.tokens_per_s, "warmup_steps": self.warmup, "setting": self.setting,
-                "ranks": [r.__dict__ for r in self.ranks], "run_dir": self.run_dir,
-                "out_of_memory": self.out_of_memory}
+        return {
+            "steps": self.steps,
+            "device": self.device,
+            "peak_kind": self.peak_kind,
+            "predicted_gib": round(self.predicted_gib, 3),
+            "usable_gib": round(self.usable_gib, 3),
+            "device_gib": self.device_gib,
+            "measured_peak_gib": self.peak_gib,
+            "fits": self.fits,
+            "predicted_tokens_per_s": round(self.predicted_tokens_per_s, 1),
+            "tokens_per_s": self.tokens_per_s,
+            "warmup_steps": self.warmup,
+            "setting": self.setting,
+            "ranks": [r.__dict__ for r in self.ranks],
+            "run_dir": self.run_dir,
+            "out_of_memory": self.out_of_memory,
+        }
 
 
 def measurement_warmup(steps: int) -> int:
@@ -95,16 +105,25 @@ def read_measurement(run_dir: Path, *, plan, steps: int, usable_gib: float, devi
             ranks.append(RankPeak(row["rank"], row["gpu_max_reserved_gib"], row.get("gpu_max_allocated_gib")))
     warmup = measurement_warmup(steps)
     return Measurement(
-        steps=steps, device=plan.device, peak_kind="host RSS peak" if cpu else "max reserved",
-        predicted_gib=plan.per_gpu_memory_gib, usable_gib=usable_gib, device_gib=device_gib,
+        steps=steps,
+        device=plan.device,
+        peak_kind="host RSS peak" if cpu else "max reserved",
+        predicted_gib=plan.per_gpu_memory_gib,
+        usable_gib=usable_gib,
+        device_gib=device_gib,
         predicted_tokens_per_s=plan.tokens_per_second,
-        tokens_per_s=steady_tokens_per_second(read_metrics(run_dir), warmup), warmup=warmup, ranks=ranks,
-        setting=(f"{plan.strategy}, micro-batch {plan.micro_batch_size} x accumulation "
-                 f"{plan.gradient_accumulation_steps} x {plan.world_size} "
-                 f"{'process' if cpu else 'GPU'}{'es' if cpu and plan.world_size > 1 else ''}"
-                 f"{'s' if not cpu and plan.world_size > 1 else ''}, activation checkpointing "
-                 f"{'on' if plan.activation_checkpointing else 'off'}"),
-        run_dir=str(run_dir))
+        tokens_per_s=steady_tokens_per_second(read_metrics(run_dir), warmup),
+        warmup=warmup,
+        ranks=ranks,
+        setting=(
+            f"{plan.strategy}, micro-batch {plan.micro_batch_size} x accumulation "
+            f"{plan.gradient_accumulation_steps} x {plan.world_size} "
+            f"{'process' if cpu else 'GPU'}{'es' if cpu and plan.world_size > 1 else ''}"
+            f"{'s' if not cpu and plan.world_size > 1 else ''}, activation checkpointing "
+            f"{'on' if plan.activation_checkpointing else 'off'}"
+        ),
+        run_dir=str(run_dir),
+    )
 
 
 def _ratio(predicted: float, measured: float | None) -> str:
@@ -121,20 +140,28 @@ def render_measurement(m: Measurement) -> str:
         lines.append(f"  rank  {m.peak_kind + ' GiB':>20}{extra}  predicted  predicted/measured")
         for r in m.ranks:
             other = r.pss_gib if m.device == "cpu" else r.allocated_gib
-            lines.append(f"  {r.rank:>4}  {r.peak_gib:>20.2f}  {'-' if other is None else f'{other:8.2f}':>8}"
-                         f"  {m.predicted_gib:>9.2f}  {_ratio(m.predicted_gib, r.peak_gib):>18}")
+            lines.append(
+                f"  {r.rank:>4}  {r.peak_gib:>20.2f}  {'-' if other is None else f'{other:8.2f}':>8}"
+                f"  {m.predicted_gib:>9.2f}  {_ratio(m.predicted_gib, r.peak_gib):>18}"
+            )
     if m.tokens_per_s:
-        lines.append(f"  tokens/s (steady, after step {m.warmup}): measured {m.tokens_per_s:,.0f}, predicted "
-                     f"{m.predicted_tokens_per_s:,.0f}, predicted/measured "
-                     f"{_ratio(m.predicted_tokens_per_s, m.tokens_per_s)}")
+        lines.append(
+            f"  tokens/s (steady, after step {m.warmup}): measured {m.tokens_per_s:,.0f}, predicted "
+            f"{m.predicted_tokens_per_s:,.0f}, predicted/measured "
+            f"{_ratio(m.predicted_tokens_per_s, m.tokens_per_s)}"
+        )
     else:
-        lines.append(f"  tokens/s: too few logged steps after the warm-up ({m.warmup}) for a steady figure; "
-                     f"measure more steps (--steps)")
+        lines.append(
+            f"  tokens/s: too few logged steps after the warm-up ({m.warmup}) for a steady figure; "
+            f"measure more steps (--steps)"
+        )
     peak = m.peak_gib
     verdict = "fits" if m.fits else "DOES NOT FIT"
     shown = "no peak recorded" if peak is None else f"{peak:.2f} GiB"
-    lines.append(f"  memory: worst {unit} {shown} of {m.usable_gib:.2f} GiB usable "
-                 f"({HEADROOM:.0%} of {m.device_gib:g} GiB): {verdict}")
+    lines.append(
+        f"  memory: worst {unit} {shown} of {m.usable_gib:.2f} GiB usable "
+        f"({HEADROOM:.0%} of {m.device_gib:g} GiB): {verdict}"
+    )
     if m.device == "cpu":
         lines.append("  (cpu preset: the peak is the process's host RSS; the planner's figure is RAM per process)")
     return "\n".join(lines)

@@ -34,7 +34,7 @@ def parse_size(size: str | int) -> int:
 
 
 def streamable(adapter_config: dict) -> str:
-    """"" when the streaming merge covers this adapter, else why not."""
+    """ "" when the streaming merge covers this adapter, else why not."""
     if adapter_config.get("peft_type", "LORA") != "LORA":
         return f"peft_type {adapter_config.get('peft_type')}"
     for key in ("modules_to_save", "trainable_token_indices"):
@@ -106,8 +106,9 @@ class ShardWriter:
             (self.out / f"part-{i}.safetensors").rename(self.out / final)
             weight_map.update(dict.fromkeys(names, final))
         if n > 1:
-            (self.out / SAFE_INDEX).write_text(json.dumps(
-                {"metadata": {"total_size": self.total}, "weight_map": weight_map}, indent=2) + "\n")
+            (self.out / SAFE_INDEX).write_text(
+                json.dumps({"metadata": {"total_size": self.total}, "weight_map": weight_map}, indent=2) + "\n"
+            )
 
 
 def _skeleton(module_name: str, weight, *, embedding: bool):

@@ -21,9 +21,17 @@ from finetune.rundir import CHECKPOINTS, RESOLVED_RECIPE
 logger = logging.getLogger(__name__)
 
 # Files that make up a tokenizer in a saved run / model directory (copied byte for byte).
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
-                   "tokenizer.model", "added_tokens.json", "vocab.json", "merges.txt",
-                   "chat_template.jinja", "chat_template.json")
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "tokenizer.model",
+    "added_tokens.json",
+    "vocab.json",
+    "merges.txt",
+    "chat_template.jinja",
+    "chat_template.json",
+)
 ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
 _DTYPES = ("bfloat16", "float16", "float32")
 
@@ -57,9 +65,11 @@ def resolve_base(run_dir: Path, adapter_config: dict, recipe) -> str:
     """
     base = adapter_config.get("base_model_name_or_path") or (recipe.model.name if recipe else None)
     if not base:
-        raise MergeError("adapter_config.json names no base model (base_model_name_or_path)",
-                         file=str(run_dir / "adapter_config.json"),
-                         hint="set base_model_name_or_path to the base model's Hub id or directory")
+        raise MergeError(
+            "adapter_config.json names no base model (base_model_name_or_path)",
+            file=str(run_dir / "adapter_config.json"),
+            hint="set base_model_name_or_path to the base model's Hub id or directory",
+        )
     if not Path(base).exists() and (run_dir / base).exists():
         return str((run_dir / base).resolve())
     return base
@@ -81,17 +91,28 @@ def merge_dtype(recipe, dtype: str | None) -> str:
 def _check_output(output_dir: Path, run_dir: Path, overwrite: bool) -> None:
     out, run = output_dir.resolve(), run_dir.resolve()
     if out == run or out == run / CHECKPOINTS or run / CHECKPOINTS in out.parents:
-        raise MergeError("the output directory would overwrite the run's own files",
-                         file=str(output_dir),
-                         hint=f"use a new directory, e.g. -o {run_dir}/merged or -o {run_dir.name}-merged")
+        raise MergeError(
+            "the output directory would overwrite the run's own files",
+            file=str(output_dir),
+            hint=f"use a new directory, e.g. -o {run_dir}/merged or -o {run_dir.name}-merged",
+        )
     if output_dir.exists() and not (output_dir.is_dir() and not any(output_dir.iterdir())):
         if not overwrite:
-            raise MergeError("the output directory already exists and is not empty",
-                             file=str(output_dir), hint="choose another -o directory or remove it")
+            raise MergeError(
+                "the output directory already exists and is not empty",
+                file=str(output_dir),
+                hint="choose another -o directory or remove it",
+            )
 
 
-def merge(run_dir: str | Path, output_dir: str | Path, *, dtype: str | None = None,
-          max_shard_size: str | int = "5GB", overwrite: bool = False) -> Path:
+def merge(
+    run_dir: str | Path,
+    output_dir: str | Path,
+    *,
+    dtype: str | None = None,
+    max_shard_size: str | int = "5GB",
+    overwrite: bool = False,
+) -> Path:
     """Merge RUN_DIR's adapter into its base model and write a standalone model to OUT_DIR.
 
     How: shard by shard (finetune/merge_stream.py). Each base tensor is read, cast to the merge
@@ -113,22 +134,33 @@ def merge(run_dir: str | Path, output_dir: str | Path, *, dtype: str | None = No
     """
     run_dir, output_dir = Path(run_dir), Path(output_dir)
     if not run_dir.is_dir():
-        raise MergeError("run directory not found", file=str(run_dir),
-                         hint="pass the run's output directory (it has adapter_config.json)")
+        raise MergeError(
+            "run directory not found",
+            file=str(run_dir),
+            hint="pass the run's output directory (it has adapter_config.json)",
+        )
     recipe = _load_run_recipe(run_dir)
     kind = run_kind(run_dir)
     if kind == "full" or (kind != "adapter" and recipe is not None and recipe.adapter.type == "full"):
-        raise MergeError("nothing to merge: this is a full fine-tune, it is already a complete model",
-                         file=str(run_dir),
-                         hint=f"load it directly with AutoModelForCausalLM.from_pretrained('{run_dir}') "
-                              f"or push it with `finetune push {run_dir} --repo ORG/NAME`")
+        raise MergeError(
+            "nothing to merge: this is a full fine-tune, it is already a complete model",
+            file=str(run_dir),
+            hint=f"load it directly with AutoModelForCausalLM.from_pretrained('{run_dir}') "
+            f"or push it with `finetune push {run_dir} --repo ORG/NAME`",
+        )
     if kind != "adapter":
-        raise MergeError("no adapter_config.json found: not a LoRA/QLoRA run directory",
-                         file=str(run_dir), hint="pass the directory `finetune run` wrote the adapter to")
+        raise MergeError(
+            "no adapter_config.json found: not a LoRA/QLoRA run directory",
+            file=str(run_dir),
+            hint="pass the directory `finetune run` wrote the adapter to",
+        )
     missing = [f for f in ADAPTER_FILES if not (run_dir / f).is_file()]
     if missing:
-        raise MergeError(f"missing {', '.join(missing)}", file=str(run_dir),
-                         hint="the run did not finish saving its adapter; resume it with `finetune run`")
+        raise MergeError(
+            f"missing {', '.join(missing)}",
+            file=str(run_dir),
+            hint="the run did not finish saving its adapter; resume it with `finetune run`",
+        )
     adapter_config = json.loads((run_dir / "adapter_config.json").read_text())
     base = resolve_base(run_dir, adapter_config, recipe)
     torch_dtype_name = merge_dtype(recipe, dtype)
@@ -138,8 +170,7 @@ def merge(run_dir: str | Path, output_dir: str | Path, *, dtype: str | None = No
     # same filesystem as OUT_DIR, so the final rename is atomic
     tmp = Path(tempfile.mkdtemp(prefix=f".{output_dir.name}.partial-", dir=output_dir.parent))
     try:
-        _merge_into(run_dir, tmp, base=base, recipe=recipe, dtype=torch_dtype_name,
-                    max_shard_size=max_shard_size)
+        _merge_into(run_dir, tmp, base=base, recipe=recipe, dtype=torch_dtype_name, max_shard_size=max_shard_size)
         if output_dir.exists():
             trash = Path(tempfile.mkdtemp(prefix=f".{output_dir.name}.old-", dir=output_dir.parent))
             os.replace(output_dir, trash / "old")
@@ -154,8 +185,7 @@ def merge(run_dir: str | Path, output_dir: str | Path, *, dtype: str | None = No
     return output_dir
 
 
-def _merge_into(run_dir: Path, out: Path, *, base: str, recipe, dtype: str,
-                max_shard_size: str | int) -> None:
+def _merge_into(run_dir: Path, out: Path, *, base: str, recipe, dtype: str, max_shard_size: str | int) -> None:
     from finetune import merge_stream
 
     adapter_config = json.loads((run_dir / "adapter_config.json").read_text())
@@ -168,16 +198,21 @@ def _merge_into(run_dir: Path, out: Path, *, base: str, recipe, dtype: str,
     try:
         merge_stream.adapter_tensors(run_dir)
     except Exception as exc:  # truncated/corrupt safetensors: fail before the long part
-        raise MergeError(f"cannot load the adapter onto {base!r}: {type(exc).__name__}: {exc}",
-                         file=str(run_dir / "adapter_model.safetensors"),
-                         hint="check that the run finished saving and that the base model is the "
-                              "one it was trained on") from None
+        raise MergeError(
+            f"cannot load the adapter onto {base!r}: {type(exc).__name__}: {exc}",
+            file=str(run_dir / "adapter_model.safetensors"),
+            hint="check that the run finished saving and that the base model is the one it was trained on",
+        ) from None
     try:
-        merge_stream.merge_checkpoint(base_dir=base_dir, run_dir=run_dir, out=out, dtype=dtype,
-                                      max_shard_size=max_shard_size)
+        merge_stream.merge_checkpoint(
+            base_dir=base_dir, run_dir=run_dir, out=out, dtype=dtype, max_shard_size=max_shard_size
+        )
     except ValueError as exc:
-        raise MergeError(f"cannot merge the adapter into {base!r}: {exc}", file=str(run_dir),
-                         hint="check that the base model is the one the adapter was trained on") from None
+        raise MergeError(
+            f"cannot merge the adapter into {base!r}: {exc}",
+            file=str(run_dir),
+            hint="check that the base model is the one the adapter was trained on",
+        ) from None
     _write_model_files(base_dir, out, dtype=dtype)
     _copy_tokenizer(run_dir, out, base=base, recipe=recipe)
 
@@ -189,11 +224,18 @@ def _local_base(base: str, recipe) -> Path:
     from huggingface_hub import snapshot_download
 
     try:
-        return Path(snapshot_download(base, revision=recipe.model.revision if recipe else None,
-                                      allow_patterns=["*.json", "*.safetensors", *TOKENIZER_FILES]))
+        return Path(
+            snapshot_download(
+                base,
+                revision=recipe.model.revision if recipe else None,
+                allow_patterns=["*.json", "*.safetensors", *TOKENIZER_FILES],
+            )
+        )
     except Exception as exc:
-        raise MergeError(f"cannot fetch the base model {base!r}: {type(exc).__name__}: {exc}",
-                         hint="make the base model available (local dir, or Hub access and login)") from None
+        raise MergeError(
+            f"cannot fetch the base model {base!r}: {type(exc).__name__}: {exc}",
+            hint="make the base model available (local dir, or Hub access and login)",
+        ) from None
 
 
 def _write_model_files(base_dir: Path, out: Path, *, dtype: str) -> None:
@@ -220,12 +262,13 @@ def _copy_tokenizer(run_dir: Path, out: Path, *, base: str, recipe) -> None:
         from transformers import AutoTokenizer
 
         AutoTokenizer.from_pretrained(
-            base, revision=recipe.model.revision if recipe else None,
-            trust_remote_code=bool(recipe and recipe.model.trust_remote_code)).save_pretrained(out)
+            base,
+            revision=recipe.model.revision if recipe else None,
+            trust_remote_code=bool(recipe and recipe.model.trust_remote_code),
+        ).save_pretrained(out)
 
 
-def _merge_in_memory(run_dir: Path, out: Path, *, base: str, recipe, dtype: str,
-                     max_shard_size: str | int) -> None:
+def _merge_in_memory(run_dir: Path, out: Path, *, base: str, recipe, dtype: str, max_shard_size: str | int) -> None:
     import torch
     from peft import PeftModel
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -234,18 +277,20 @@ def _merge_in_memory(run_dir: Path, out: Path, *, base: str, recipe, dtype: str,
     tokenizer = None
     if not tokenizer_files:  # fail fast, before the long part, if the base has no tokenizer either
         tokenizer = AutoTokenizer.from_pretrained(
-            base, revision=recipe.model.revision if recipe else None,
-            trust_remote_code=bool(recipe and recipe.model.trust_remote_code))
+            base,
+            revision=recipe.model.revision if recipe else None,
+            trust_remote_code=bool(recipe and recipe.model.trust_remote_code),
+        )
     load_kwargs = {}
     if recipe is not None:
-        load_kwargs = {"revision": recipe.model.revision,
-                       "trust_remote_code": recipe.model.trust_remote_code}
+        load_kwargs = {"revision": recipe.model.revision, "trust_remote_code": recipe.model.trust_remote_code}
     try:
-        model = AutoModelForCausalLM.from_pretrained(base, dtype=getattr(torch, dtype),
-                                                     device_map="cpu", **load_kwargs)
+        model = AutoModelForCausalLM.from_pretrained(base, dtype=getattr(torch, dtype), device_map="cpu", **load_kwargs)
     except OSError as exc:
-        raise MergeError(f"cannot load the base model {base!r}: {exc}",
-                         hint="make the base model available (local dir, or Hub access and login)") from None
+        raise MergeError(
+            f"cannot load the base model {base!r}: {exc}",
+            hint="make the base model available (local dir, or Hub access and login)",
+        ) from None
     if tokenizer_files:  # tokens added in training (tokenizer.added_tokens): the base grows to match
         vocab = len(AutoTokenizer.from_pretrained(run_dir))
         if vocab > model.get_input_embeddings().weight.shape[0]:
@@ -253,10 +298,11 @@ def _merge_in_memory(run_dir: Path, out: Path, *, base: str, recipe, dtype: str,
     try:
         model = PeftModel.from_pretrained(model, str(run_dir), is_trainable=False)
     except Exception as exc:  # truncated/corrupt safetensors, shape mismatch with the base
-        raise MergeError(f"cannot load the adapter onto {base!r}: {type(exc).__name__}: {exc}",
-                         file=str(run_dir / "adapter_model.safetensors"),
-                         hint="check that the run finished saving and that the base model is the "
-                              "one it was trained on") from None
+        raise MergeError(
+            f"cannot load the adapter onto {base!r}: {type(exc).__name__}: {exc}",
+            file=str(run_dir / "adapter_model.safetensors"),
+            hint="check that the run finished saving and that the base model is the one it was trained on",
+        ) from None
     # safe_merge: checks the merged weights for NaN/inf before replacing the originals
     model = model.merge_and_unload(safe_merge=True)
     model.save_pretrained(out, max_shard_size=max_shard_size)

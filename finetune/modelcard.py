@@ -83,8 +83,10 @@ def remove_library_card(directory: Path, *, made_by: str) -> bool:
         return False
     text = path.read_text(errors="replace")
     meta = parse_front_matter(text)
-    ours = {"peft": meta.get("library_name") == "peft" and "### Framework versions" in text,
-            "trl": "trained using [TRL](https://github.com/huggingface/trl)" in text}[made_by]
+    ours = {
+        "peft": meta.get("library_name") == "peft" and "### Framework versions" in text,
+        "trl": "trained using [TRL](https://github.com/huggingface/trl)" in text,
+    }[made_by]
     if ours:
         path.unlink()
     return ours
@@ -118,8 +120,7 @@ def training_summary(run_dir: Path) -> dict[str, float]:
     return out
 
 
-def card_metadata(recipe: Recipe, *, kind: Kind, license: str | None = None,
-                  base_model: str | None = None) -> dict:
+def card_metadata(recipe: Recipe, *, kind: Kind, license: str | None = None, base_model: str | None = None) -> dict:
     """The YAML front matter the Hub indexes (base_model, library_name, tags, datasets, license)."""
     base = base_model or recipe.model.name
     adapter = "full" if kind == "full" else recipe.adapter.type
@@ -163,8 +164,10 @@ def _adapter_line(recipe: Recipe, kind: Kind) -> str:
     line = f"{'QLoRA' if a.type == 'qlora' else 'LoRA'} r={a.r}, alpha={a.alpha:g}, dropout={a.dropout:g}"
     line += f", targets: {shown}" + (f" ({', '.join(extras)})" if extras else "")
     if a.type == "qlora":
-        line += (f"; base quantized to {a.quant_type}{' (double quant)' if a.double_quant else ''}, "
-                 f"compute dtype {a.compute_dtype}")
+        line += (
+            f"; base quantized to {a.quant_type}{' (double quant)' if a.double_quant else ''}, "
+            f"compute dtype {a.compute_dtype}"
+        )
     if kind == "merged":
         line += "; merged into the base weights"
     return line
@@ -173,9 +176,14 @@ def _adapter_line(recipe: Recipe, kind: Kind) -> str:
 def _usage(repo_id: str, kind: Kind, base: str) -> str:
     base = public_name(base)
     if kind == "adapter":
-        note = "" if is_hub_id(base) else (
-            "\nThe base model was a local directory: set `base_model_name_or_path` in "
-            "`adapter_config.json` to where others can load it from.\n")
+        note = (
+            ""
+            if is_hub_id(base)
+            else (
+                "\nThe base model was a local directory: set `base_model_name_or_path` in "
+                "`adapter_config.json` to where others can load it from.\n"
+            )
+        )
         return (
             "```python\n"
             "from peft import AutoPeftModelForCausalLM\n"
@@ -184,21 +192,22 @@ def _usage(repo_id: str, kind: Kind, base: str) -> str:
             f'tokenizer = AutoTokenizer.from_pretrained("{repo_id}")\n'
             "```\n\n"
             "To fold the adapter into the base weights: `finetune merge RUN_DIR -o OUT_DIR`, or "
-            "`model.merge_and_unload()` in peft.\n" + note)
+            "`model.merge_and_unload()` in peft.\n" + note
+        )
     return (
         "```python\n"
         "from transformers import AutoModelForCausalLM, AutoTokenizer\n\n"
         f'model = AutoModelForCausalLM.from_pretrained("{repo_id}", dtype="auto")\n'
         f'tokenizer = AutoTokenizer.from_pretrained("{repo_id}")\n'
-        "```\n")
+        "```\n"
+    )
 
 
 def recipe_excerpt(recipe: Recipe) -> str:
     """The settings the recipe chose (non-defaults) of the sections that define the model, local
     paths shown by name."""
     dumped = public_recipe(recipe, exclude_defaults=True, exclude_none=True)
-    keep = {k: dumped[k] for k in ("model", "method", "adapter", "data", "train", "distributed")
-            if dumped.get(k)}
+    keep = {k: dumped[k] for k in ("model", "method", "adapter", "data", "train", "distributed") if dumped.get(k)}
     return yaml.safe_dump(keep, sort_keys=False).rstrip()
 
 
@@ -211,22 +220,45 @@ def eval_results(recipe: Recipe, summary: dict) -> list:
     evals = ", ".join(public_name(s.path) for s in recipe.data.eval_sources) or "held-out split of the training data"
     loss = summary.get(rundir.SUMMARY_EVAL_AFTER)
     if isinstance(loss, (int, float)) and math.isfinite(loss):
-        out.append(EvalResult(task_type="text-generation", dataset_type=evals, dataset_name=evals,
-                              metric_type="loss", metric_name="eval loss", metric_value=round(loss, 4)))
+        out.append(
+            EvalResult(
+                task_type="text-generation",
+                dataset_type=evals,
+                dataset_name=evals,
+                metric_type="loss",
+                metric_name="eval loss",
+                metric_value=round(loss, 4),
+            )
+        )
     task = summary.get(rundir.SUMMARY_TASK_EVAL_AFTER)
     if isinstance(task, dict) and recipe.data.task_eval is not None:
         name = public_name(recipe.data.task_eval.path)
-        out.append(EvalResult(task_type="text-generation", dataset_type=name, dataset_name=name,
-                              metric_type="exact_match", metric_name=f"exact match ({task.get('n')} examples)",
-                              metric_value=round(task["exact_match"], 4)))
+        out.append(
+            EvalResult(
+                task_type="text-generation",
+                dataset_type=name,
+                dataset_name=name,
+                metric_type="exact_match",
+                metric_name=f"exact match ({task.get('n')} examples)",
+                metric_value=round(task["exact_match"], 4),
+            )
+        )
     for task_name, metrics in (summary.get(rundir.SUMMARY_LM_EVAL) or {}).get("results", {}).items():
         for metric, values in metrics.items():
             value = values.get("trained")
             if isinstance(value, (int, float)):
-                out.append(EvalResult(task_type="text-generation", dataset_type=task_name, dataset_name=task_name,
-                                      metric_type=metric.split(",")[0], metric_name=f"{metric} (lm-eval)",
-                                      metric_value=round(value, 4), source_name="lm-evaluation-harness",
-                                      source_url="https://github.com/EleutherAI/lm-evaluation-harness"))
+                out.append(
+                    EvalResult(
+                        task_type="text-generation",
+                        dataset_type=task_name,
+                        dataset_name=task_name,
+                        metric_type=metric.split(",")[0],
+                        metric_name=f"{metric} (lm-eval)",
+                        metric_value=round(value, 4),
+                        source_name="lm-evaluation-harness",
+                        source_url="https://github.com/EleutherAI/lm-evaluation-harness",
+                    )
+                )
     return out
 
 
@@ -238,12 +270,22 @@ def _evaluation_lines(recipe: Recipe, summary: dict) -> list[str]:
         return format(x, spec) if isinstance(x, (int, float)) and math.isfinite(x) else "-"
 
     if isinstance(summary.get(rundir.SUMMARY_EVAL_AFTER), (int, float)):
-        rows.append(("eval loss (lower is better)", num(summary.get("eval_loss_before")),
-                     num(summary[rundir.SUMMARY_EVAL_AFTER])))
+        rows.append(
+            (
+                "eval loss (lower is better)",
+                num(summary.get("eval_loss_before")),
+                num(summary[rundir.SUMMARY_EVAL_AFTER]),
+            )
+        )
     before, after = summary.get(rundir.SUMMARY_TASK_EVAL_BEFORE), summary.get(rundir.SUMMARY_TASK_EVAL_AFTER)
     if isinstance(after, dict):
-        rows.append((f"exact match, {after.get('n')} held-out examples",
-                     num((before or {}).get("exact_match"), ".1%"), num(after.get("exact_match"), ".1%")))
+        rows.append(
+            (
+                f"exact match, {after.get('n')} held-out examples",
+                num((before or {}).get("exact_match"), ".1%"),
+                num(after.get("exact_match"), ".1%"),
+            )
+        )
     lm = summary.get(rundir.SUMMARY_LM_EVAL) or {}
     for task_name, metrics in lm.get("results", {}).items():
         for metric, values in metrics.items():
@@ -254,9 +296,13 @@ def _evaluation_lines(recipe: Recipe, summary: dict) -> list[str]:
     lines += [f"| {name.replace('|', '/')} | {b} | {a} |" for name, b, a in rows]
     if lm:
         shots = lm.get("num_fewshot")
-        lines += ["", f"lm-evaluation-harness {lm.get('version', '')}".rstrip()
-                  + (f", {shots}-shot" if shots is not None else "")
-                  + (f", first {lm['limit']} examples per task" if lm.get("limit") else "") + "."]
+        lines += [
+            "",
+            f"lm-evaluation-harness {lm.get('version', '')}".rstrip()
+            + (f", {shots}-shot" if shots is not None else "")
+            + (f", first {lm['limit']} examples per task" if lm.get("limit") else "")
+            + ".",
+        ]
     return lines
 
 
@@ -264,14 +310,22 @@ def _versions_lines(summary: dict) -> list[str]:
     from finetune.envreport import package_version
 
     versions = summary.get(rundir.SUMMARY_VERSIONS) or {
-        name: package_version(name) for name in ("finetune", "torch", "transformers", "trl", "peft",
-                                                 "accelerate", "datasets")}
+        name: package_version(name)
+        for name in ("finetune", "torch", "transformers", "trl", "peft", "accelerate", "datasets")
+    }
     shown = [f"- {name} {version}" for name, version in versions.items() if version]
     return ["", "## Framework versions", "", *shown] if shown else []
 
 
-def render_model_card(recipe: Recipe, *, run_dir: Path, repo_id: str, kind: Kind,
-                      license: str | None = None, base_model: str | None = None) -> str:
+def render_model_card(
+    recipe: Recipe,
+    *,
+    run_dir: Path,
+    repo_id: str,
+    kind: Kind,
+    license: str | None = None,
+    base_model: str | None = None,
+) -> str:
     """README.md text: YAML metadata (with model-index) + what was trained, how well, how to load it."""
     from huggingface_hub import ModelCard, ModelCardData
 
@@ -283,44 +337,77 @@ def render_model_card(recipe: Recipe, *, run_dir: Path, repo_id: str, kind: Kind
     data = ModelCardData(**meta, model_name=name if results else None, eval_results=results or None)
     stats = training_summary(run_dir)
     m = recipe.method
-    what = {"adapter": "a LoRA adapter for", "merged": "a fine-tune (adapter merged) of",
-            "full": "a full fine-tune of"}[kind]
+    what = {
+        "adapter": "a LoRA adapter for",
+        "merged": "a fine-tune (adapter merged) of",
+        "full": "a full fine-tune of",
+    }[kind]
     base_link = f"[{base}](https://huggingface.co/{base})" if is_hub_id(base) else f"`{public_name(base)}`"
-    method = "SFT (supervised fine-tuning)" if m.type == "sft" else (
-        f"DPO (beta={m.beta:g}, loss {m.loss_type})")
+    method = "SFT (supervised fine-tuning)" if m.type == "sft" else (f"DPO (beta={m.beta:g}, loss {m.loss_type})")
     rows = [("method", method), ("adapter", _adapter_line(recipe, kind))]
     rows.append(("data", "; ".join(f"{public_name(s.path)} ({s.format})" for s in recipe.data.sources)))
     t = recipe.train
     length = f"{t.max_steps} steps" if t.max_steps else f"{t.epochs or 1:g} epochs"
-    rows.append(("schedule", f"{length}, lr {t.lr:g} ({t.scheduler}), global batch "
-                             f"{t.global_batch_size}, max length {recipe.data.max_length}, "
-                             f"precision {t.precision}"))
+    rows.append(
+        (
+            "schedule",
+            f"{length}, lr {t.lr:g} ({t.scheduler}), global batch "
+            f"{t.global_batch_size}, max length {recipe.data.max_length}, "
+            f"precision {t.precision}",
+        )
+    )
     res = recipe.resolved
     if res is not None:
-        gpus = "CPU" if res.device == "cpu" else (
-            f"{res.world_size} GPU{'s' if res.world_size != 1 else ''}"
-            f" ({res.num_nodes} node{'s' if res.num_nodes != 1 else ''} x {res.gpus_per_node})")
+        gpus = (
+            "CPU"
+            if res.device == "cpu"
+            else (
+                f"{res.world_size} GPU{'s' if res.world_size != 1 else ''}"
+                f" ({res.num_nodes} node{'s' if res.num_nodes != 1 else ''} x {res.gpus_per_node})"
+            )
+        )
         rows.append(("hardware", f"{res.hardware}: {gpus}"))
     rows.append(("strategy", recipe.distributed.strategy))
-    labels = {"steps": "steps", "train_tokens": "training tokens", "train_loss": "final train loss",
-              "eval_loss": "best eval loss", "tokens_per_second": "throughput (tokens/s)"}
+    labels = {
+        "steps": "steps",
+        "train_tokens": "training tokens",
+        "train_loss": "final train loss",
+        "eval_loss": "best eval loss",
+        "tokens_per_second": "throughput (tokens/s)",
+    }
     for key, label in labels.items():
         if key in stats:
             rows.append((label, _fmt(key, stats[key])))
 
-    lines = [f"# {name}", "",
-             f"This is {what} {base_link}, trained with "
-             "`finetune` (a YAML recipe run on TRL, PEFT and Accelerate).", "",
-             "## Training", "", "| | |", "|---|---|"]
+    lines = [
+        f"# {name}",
+        "",
+        f"This is {what} {base_link}, trained with `finetune` (a YAML recipe run on TRL, PEFT and Accelerate).",
+        "",
+        "## Training",
+        "",
+        "| | |",
+        "|---|---|",
+    ]
     lines += [f"| {k} | {str(v).replace('|', '/')} |" for k, v in rows]
     lines += _evaluation_lines(recipe, summary)
     if (run_dir / rundir.LOSS_PNG).is_file():
         lines += ["", "## Loss curve", "", f"![training loss]({rundir.LOSS_PNG})"]
-    lines += ["", "## Recipe", "",
-              "The settings the recipe chose are below; the complete recipe, with every default and "
-              f"planner decision, is `{rundir.RESOLVED_RECIPE}` in this repository.", "",
-              "```yaml", recipe_excerpt(recipe), "```", "",
-              "## How to use", "", _usage(repo_id, kind, base)]
+    lines += [
+        "",
+        "## Recipe",
+        "",
+        "The settings the recipe chose are below; the complete recipe, with every default and "
+        f"planner decision, is `{rundir.RESOLVED_RECIPE}` in this repository.",
+        "",
+        "```yaml",
+        recipe_excerpt(recipe),
+        "```",
+        "",
+        "## How to use",
+        "",
+        _usage(repo_id, kind, base),
+    ]
     lines += _versions_lines(summary)
     card = ModelCard(f"---\n{data.to_yaml()}\n---\n\n" + "\n".join(lines) + "\n")
     return str(card)

@@ -35,23 +35,42 @@ def check_safetensors(path: Path) -> None:
     size = path.stat().st_size
     fix = "download the model again (or point model.name at a complete copy)"
     if size < 8:
-        raise RecipeError(f"{path.name} is {'empty' if size == 0 else 'truncated'} ({size} bytes)", file=str(path),
-                          key="model.name", hint=fix)
+        raise RecipeError(
+            f"{path.name} is {'empty' if size == 0 else 'truncated'} ({size} bytes)",
+            file=str(path),
+            key="model.name",
+            hint=fix,
+        )
     with path.open("rb") as fh:
         (length,) = struct.unpack("<Q", fh.read(8))
         if length > min(SAFETENSORS_MAX_HEADER, size - 8):
-            raise RecipeError(f"{path.name} is not a valid safetensors file (header length {length} for a "
-                              f"{size}-byte file)", file=str(path), key="model.name", hint=fix)
+            raise RecipeError(
+                f"{path.name} is not a valid safetensors file (header length {length} for a {size}-byte file)",
+                file=str(path),
+                key="model.name",
+                hint=fix,
+            )
         try:
             header = json.loads(fh.read(length))
         except (ValueError, UnicodeDecodeError):
-            raise RecipeError(f"{path.name} has an unreadable header", file=str(path), key="model.name",
-                              hint=fix) from None
-    ends = [t["data_offsets"][1] for k, t in header.items() if k != "__metadata__" and isinstance(t, dict)
-            and isinstance(t.get("data_offsets"), list) and len(t["data_offsets"]) == 2]
+            raise RecipeError(
+                f"{path.name} has an unreadable header", file=str(path), key="model.name", hint=fix
+            ) from None
+    ends = [
+        t["data_offsets"][1]
+        for k, t in header.items()
+        if k != "__metadata__"
+        and isinstance(t, dict)
+        and isinstance(t.get("data_offsets"), list)
+        and len(t["data_offsets"]) == 2
+    ]
     if ends and 8 + length + max(ends) > size:
-        raise RecipeError(f"{path.name} is truncated: its tensors need {8 + length + max(ends)} bytes, the file "
-                          f"has {size}", file=str(path), key="model.name", hint=fix)
+        raise RecipeError(
+            f"{path.name} is truncated: its tensors need {8 + length + max(ends)} bytes, the file has {size}",
+            file=str(path),
+            key="model.name",
+            hint=fix,
+        )
 
 
 def check_model_files(recipe) -> None:
@@ -60,14 +79,20 @@ def check_model_files(recipe) -> None:
     if model_dir is None:
         return
     if not (model_dir / "config.json").is_file():
-        raise RecipeError(f"{model_dir} has no config.json, so it is not a model directory", key="model.name",
-                          hint="point model.name at a directory saved with save_pretrained, or a Hub id")
+        raise RecipeError(
+            f"{model_dir} has no config.json, so it is not a model directory",
+            key="model.name",
+            hint="point model.name at a directory saved with save_pretrained, or a Hub id",
+        )
     for weights in sorted(model_dir.glob("*.safetensors")):
         check_safetensors(weights)
     if not any((model_dir / name).is_file() for name in TOKENIZER_FILES):
-        raise RecipeError(f"{model_dir} has no tokenizer files (none of {', '.join(TOKENIZER_FILES)})",
-                          key="model.name", hint="copy the tokenizer files next to the weights "
-                                                 "(tokenizer.save_pretrained(DIR)), or use the original model")
+        raise RecipeError(
+            f"{model_dir} has no tokenizer files (none of {', '.join(TOKENIZER_FILES)})",
+            key="model.name",
+            hint="copy the tokenizer files next to the weights "
+            "(tokenizer.save_pretrained(DIR)), or use the original model",
+        )
     check_remote_code(recipe, model_dir)
 
 
@@ -78,8 +103,12 @@ def check_remote_code(recipe, model_dir: Path) -> None:
     try:
         config = json.loads((model_dir / "config.json").read_text(encoding="utf-8"))
     except (OSError, ValueError, UnicodeDecodeError):
-        raise RecipeError("config.json is not readable JSON", file=str(model_dir / "config.json"),
-                          key="model.name", hint="download the model again") from None
+        raise RecipeError(
+            "config.json is not readable JSON",
+            file=str(model_dir / "config.json"),
+            key="model.name",
+            hint="download the model again",
+        ) from None
     model_type = config.get("model_type") if isinstance(config, dict) else None
     if not isinstance(config, dict) or not config.get("auto_map") or not isinstance(model_type, str):
         return
@@ -88,9 +117,12 @@ def check_remote_code(recipe, model_dir: Path) -> None:
     spec = importlib.util.find_spec("transformers")  # its location, without importing it (and torch)
     root = Path(spec.origin).parent / "models" if spec and spec.origin else None
     if root is not None and not (root / model_type.replace("-", "_")).is_dir():
-        raise RecipeError(f"the model type {model_type!r} is not part of transformers: this model runs its own "
-                          f"Python code ({', '.join(config['auto_map'])})", key="model.trust_remote_code",
-                          hint="read that code, then set model.trust_remote_code: true if you trust it")
+        raise RecipeError(
+            f"the model type {model_type!r} is not part of transformers: this model runs its own "
+            f"Python code ({', '.join(config['auto_map'])})",
+            key="model.trust_remote_code",
+            hint="read that code, then set model.trust_remote_code: true if you trust it",
+        )
 
 
 def _template_text(recipe) -> str | None:
@@ -141,16 +173,25 @@ def check_chat_template(recipe, first: dict | None) -> None:
 
     key = "data.chat_template" if recipe.data.chat_template else "model.name"
     try:
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                            extensions=[Generation, "jinja2.ext.loopcontrols"])
+        env = ImmutableSandboxedEnvironment(
+            trim_blocks=True, lstrip_blocks=True, extensions=[Generation, "jinja2.ext.loopcontrols"]
+        )
         env.globals["raise_exception"] = raise_exception
-        env.from_string(text).render(messages=first["messages"], add_generation_prompt=False,
-                                     bos_token="", eos_token="", pad_token="", unk_token="")
+        env.from_string(text).render(
+            messages=first["messages"],
+            add_generation_prompt=False,
+            bos_token="",
+            eos_token="",
+            pad_token="",
+            unk_token="",
+        )
     except Exception as exc:  # jinja syntax errors, raise_exception, undefined filters: the template's fault
-        raise DataError(f"row {first.get('_row', 1)}: the chat template fails on this conversation: "
-                        f"{type(exc).__name__}: {exc}", file=first.get("_file"), key=key,
-                        hint="fix the template (data.chat_template: jinja text or a .jinja file), or the row "
-                             "it rejects") from None
+        raise DataError(
+            f"row {first.get('_row', 1)}: the chat template fails on this conversation: {type(exc).__name__}: {exc}",
+            file=first.get("_file"),
+            key=key,
+            hint="fix the template (data.chat_template: jinja text or a .jinja file), or the row it rejects",
+        ) from None
 
 
 def check_devices(spec) -> None:
@@ -160,9 +201,12 @@ def check_devices(spec) -> None:
     from finetune.registry.detect import query_gpus
 
     if not query_gpus():
-        raise RecipeError(f"the plan runs {spec.world_size} CUDA process(es) ({spec.strategy}), and this machine "
-                          f"has no NVIDIA GPU (nvidia-smi lists none)", key="hardware",
-                          hint="run on a GPU machine, or use --hardware cpu (or auto) here")
+        raise RecipeError(
+            f"the plan runs {spec.world_size} CUDA process(es) ({spec.strategy}), and this machine "
+            f"has no NVIDIA GPU (nvidia-smi lists none)",
+            key="hardware",
+            hint="run on a GPU machine, or use --hardware cpu (or auto) here",
+        )
 
 
 def output_bytes(plan, recipe) -> tuple[int, int]:
@@ -187,10 +231,13 @@ def check_disk(run_dir: Path, *, plan, recipe) -> None:
     need = final + (ckpt if recipe.output.save_every else 0) + DISK_SLACK_BYTES
     free = free_bytes(run_dir)
     if free < need:
-        raise RecipeError(f"not enough free disk for this run's outputs in {run_dir}: {free / 2**20:.0f} MiB free, "
-                          f"about {need / 2**20:.0f} MiB needed (final weights"
-                          f"{' and a checkpoint' if recipe.output.save_every else ''} plus logs)",
-                          key="output.dir", hint="free disk space there, or pass --output on a disk with room")
+        raise RecipeError(
+            f"not enough free disk for this run's outputs in {run_dir}: {free / 2**20:.0f} MiB free, "
+            f"about {need / 2**20:.0f} MiB needed (final weights"
+            f"{' and a checkpoint' if recipe.output.save_every else ''} plus logs)",
+            key="output.dir",
+            hint="free disk space there, or pass --output on a disk with room",
+        )
 
 
 def rescue_dir(run_dir: Path) -> Path:

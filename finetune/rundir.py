@@ -1,24 +1,24 @@
 """The run directory's file names and their readers, once. Torch-free.
 
-    RUN_DIR/
-      recipe.resolved.yaml   every default and planner decision (the one artifact ranks read)
-      plan.json              the planner's candidates and choice
-      accelerate.yaml, ds_config.json, launch.sh, job.sbatch, launch.json
-      metrics.jsonl          one JSON object per logged step (rank 0)
-      summary.json           the figures of a finished run
-      loss.png               the loss curve
-      memory/rank-K.json     each rank's peak memory, rewritten at every logged step
-      profile/               torch.profiler traces (logging.profile_steps)
-      tensorboard/, wandb/, mlruns/, trackio/   the trackers' own files (finetune/trackers.py)
-      eval/                  `finetune eval`: lm-evaluation-harness results per model (base, trained)
-      logs/                  launcher logs and the main rank's error (rank-error.json)
-      logs/oom-rank-K.json   a rank that ran out of memory: its measured peak and the setting in force
-      logs/oom-retries.json  what the launcher changed after each out-of-memory failure
-      checkpoints/checkpoint-N
-      .finetune-run.json     ownership marker: finetune created this directory and may write into it
-      .finetune-node0.lock   held while a run of node 0 uses the directory (pid, host, heartbeat)
-      finished.json          written last by a finished run: its step and recipe fields
-      previous-run/          what a new run set aside (old metrics, summary, checkpoints) until it succeeds
+RUN_DIR/
+  recipe.resolved.yaml   every default and planner decision (the one artifact ranks read)
+  plan.json              the planner's candidates and choice
+  accelerate.yaml, ds_config.json, launch.sh, job.sbatch, launch.json
+  metrics.jsonl          one JSON object per logged step (rank 0)
+  summary.json           the figures of a finished run
+  loss.png               the loss curve
+  memory/rank-K.json     each rank's peak memory, rewritten at every logged step
+  profile/               torch.profiler traces (logging.profile_steps)
+  tensorboard/, wandb/, mlruns/, trackio/   the trackers' own files (finetune/trackers.py)
+  eval/                  `finetune eval`: lm-evaluation-harness results per model (base, trained)
+  logs/                  launcher logs and the main rank's error (rank-error.json)
+  logs/oom-rank-K.json   a rank that ran out of memory: its measured peak and the setting in force
+  logs/oom-retries.json  what the launcher changed after each out-of-memory failure
+  checkpoints/checkpoint-N
+  .finetune-run.json     ownership marker: finetune created this directory and may write into it
+  .finetune-node0.lock   held while a run of node 0 uses the directory (pid, host, heartbeat)
+  finished.json          written last by a finished run: its step and recipe fields
+  previous-run/          what a new run set aside (old metrics, summary, checkpoints) until it succeeds
 """
 
 from __future__ import annotations

@@ -40,30 +40,67 @@ class StrategyInfo:
 
 # The planner's order: among equally fast candidates the earlier one wins.
 STRATEGIES: tuple[StrategyInfo, ...] = (
-    StrategyInfo("ddp", "ddp", shards_params=False,
-                 summary="replicate the model on every GPU; all-reduce the gradients"),
-    StrategyInfo("fsdp2", "fsdp", shards_params=True, reshardable=True,
-                 summary="FSDP2 full shard across every GPU"),
-    StrategyInfo("fsdp2-hybrid", "fsdp", shards_params=True, hybrid=True, reshardable=True,
-                 summary="FSDP2 hybrid shard: shard within a node, replicate across nodes"),
-    StrategyInfo("zero2", "deepspeed", shards_params=False, zero_stage=2,
-                 summary="DeepSpeed ZeRO-2: gradients and optimizer states sharded, parameters replicated "
-                         "(no parameter gathering)"),
-    StrategyInfo("zero3", "deepspeed", shards_params=True, zero_stage=3,
-                 summary="DeepSpeed ZeRO-3 across every GPU"),
-    StrategyInfo("zero3-optim-offload", "deepspeed", shards_params=True, zero_stage=3, offload="cpu",
-                 offload_optimizer=True,
-                 summary="ZeRO-3 with the optimizer states and CPU Adam in host RAM; parameters stay on the GPUs"),
-    StrategyInfo("fsdp2-offload", "fsdp", shards_params=True, reshardable=True, offload="cpu",
-                 offload_params=True, offload_optimizer=True,
-                 summary="FSDP2 with sharded parameters, gradients and the optimizer step in host RAM "
-                         "(accelerate's fsdp_offload_params)"),
-    StrategyInfo("zero3-offload", "deepspeed", shards_params=True, zero_stage=3, offload="cpu",
-                 offload_params=True, offload_optimizer=True,
-                 summary="ZeRO-3 with parameters and optimizer states in host RAM (CPU Adam)"),
-    StrategyInfo("zero3-nvme", "deepspeed", shards_params=True, zero_stage=3, offload="nvme",
-                 offload_params=True, offload_optimizer=True,
-                 summary="ZeRO-Infinity: parameters and optimizer states on NVMe"),
+    StrategyInfo(
+        "ddp", "ddp", shards_params=False, summary="replicate the model on every GPU; all-reduce the gradients"
+    ),
+    StrategyInfo("fsdp2", "fsdp", shards_params=True, reshardable=True, summary="FSDP2 full shard across every GPU"),
+    StrategyInfo(
+        "fsdp2-hybrid",
+        "fsdp",
+        shards_params=True,
+        hybrid=True,
+        reshardable=True,
+        summary="FSDP2 hybrid shard: shard within a node, replicate across nodes",
+    ),
+    StrategyInfo(
+        "zero2",
+        "deepspeed",
+        shards_params=False,
+        zero_stage=2,
+        summary="DeepSpeed ZeRO-2: gradients and optimizer states sharded, parameters replicated "
+        "(no parameter gathering)",
+    ),
+    StrategyInfo("zero3", "deepspeed", shards_params=True, zero_stage=3, summary="DeepSpeed ZeRO-3 across every GPU"),
+    StrategyInfo(
+        "zero3-optim-offload",
+        "deepspeed",
+        shards_params=True,
+        zero_stage=3,
+        offload="cpu",
+        offload_optimizer=True,
+        summary="ZeRO-3 with the optimizer states and CPU Adam in host RAM; parameters stay on the GPUs",
+    ),
+    StrategyInfo(
+        "fsdp2-offload",
+        "fsdp",
+        shards_params=True,
+        reshardable=True,
+        offload="cpu",
+        offload_params=True,
+        offload_optimizer=True,
+        summary="FSDP2 with sharded parameters, gradients and the optimizer step in host RAM "
+        "(accelerate's fsdp_offload_params)",
+    ),
+    StrategyInfo(
+        "zero3-offload",
+        "deepspeed",
+        shards_params=True,
+        zero_stage=3,
+        offload="cpu",
+        offload_params=True,
+        offload_optimizer=True,
+        summary="ZeRO-3 with parameters and optimizer states in host RAM (CPU Adam)",
+    ),
+    StrategyInfo(
+        "zero3-nvme",
+        "deepspeed",
+        shards_params=True,
+        zero_stage=3,
+        offload="nvme",
+        offload_params=True,
+        offload_optimizer=True,
+        summary="ZeRO-Infinity: parameters and optimizer states on NVMe",
+    ),
 )
 _BY_NAME = {s.name: s for s in STRATEGIES}
 
@@ -71,8 +108,18 @@ AUTO = "auto"
 NAMES: tuple[str, ...] = tuple(_BY_NAME)  # every concrete strategy, in the planner's order
 # the recipe's distributed.strategy: auto (the planner chooses) or a concrete name. Spelled out for
 # type checkers; the check below keeps it equal to STRATEGIES.
-StrategyName = Literal["auto", "ddp", "fsdp2", "fsdp2-hybrid", "zero2", "zero3", "zero3-optim-offload",
-                       "fsdp2-offload", "zero3-offload", "zero3-nvme"]
+StrategyName = Literal[
+    "auto",
+    "ddp",
+    "fsdp2",
+    "fsdp2-hybrid",
+    "zero2",
+    "zero3",
+    "zero3-optim-offload",
+    "fsdp2-offload",
+    "zero3-offload",
+    "zero3-nvme",
+]
 if get_args(StrategyName) != (AUTO, *NAMES):
     raise ImportError("finetune.strategies: StrategyName and STRATEGIES disagree; edit both together")
 

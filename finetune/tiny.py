@@ -28,8 +28,14 @@ CHAT_TEMPLATE = (
 )
 # Every linear layer's output size is a multiple of 32: bitsandbytes' CPU 4-bit inference kernel
 # (used in eval mode) asserts N % 32 == 0 (bitsandbytes/functional.py, _convert_weight_packed_for_cpu).
-MODEL_SHAPE = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                   intermediate_size=192, max_position_embeddings=256)
+MODEL_SHAPE = dict(
+    hidden_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    intermediate_size=192,
+    max_position_embeddings=256,
+)
 
 
 def build_tokenizer():
@@ -48,8 +54,14 @@ def build_tokenizer():
     tok.decoder = decoders.Sequence([decoders.ByteFallback(), decoders.Fuse()])
     tok.add_special_tokens(SPECIAL_TOKENS)
     return PreTrainedTokenizerFast(
-        tokenizer_object=tok, bos_token="<|bos|>", eos_token="<|end|>", pad_token="<|pad|>",
-        unk_token="<unk>", chat_template=CHAT_TEMPLATE, model_max_length=MODEL_SHAPE["max_position_embeddings"])
+        tokenizer_object=tok,
+        bos_token="<|bos|>",
+        eos_token="<|end|>",
+        pad_token="<|pad|>",
+        unk_token="<unk>",
+        chat_template=CHAT_TEMPLATE,
+        model_max_length=MODEL_SHAPE["max_position_embeddings"],
+    )
 
 
 def build_model(tokenizer):
@@ -58,9 +70,17 @@ def build_model(tokenizer):
 
     torch.manual_seed(SEED)
     vocab_size = (len(tokenizer) + 63) // 64 * 64  # round up, as real models do
-    config = LlamaConfig(vocab_size=vocab_size, **MODEL_SHAPE, rms_norm_eps=1e-5, tie_word_embeddings=True,
-                         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-                         pad_token_id=tokenizer.pad_token_id, initializer_range=0.02, dtype="float32")
+    config = LlamaConfig(
+        vocab_size=vocab_size,
+        **MODEL_SHAPE,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=True,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        initializer_range=0.02,
+        dtype="float32",
+    )
     model = LlamaForCausalLM(config)
     model.generation_config.eos_token_id = tokenizer.eos_token_id
     model.generation_config.pad_token_id = tokenizer.pad_token_id
@@ -99,16 +119,30 @@ def build_samples(data_dir: str | Path) -> None:
     _write_jsonl(data / "quickstart" / "train.jsonl", [chat(w) for w in train_words])
     _write_jsonl(data / "quickstart" / "eval.jsonl", [chat(w) for w in eval_words])
     few = train_words[:64]
-    _write_jsonl(data / "samples" / "preference.jsonl", [
-        {"prompt": [{"role": "user", "content": w}], "chosen": [{"role": "assistant", "content": w.upper()}],
-         "rejected": [{"role": "assistant", "content": w[::-1]}]} for w in few])
-    _write_jsonl(data / "samples" / "alpaca.jsonl", [
-        {"instruction": "Uppercase the word.", "input": w, "output": w.upper()} for w in few[:16]])
-    _write_jsonl(data / "samples" / "sharegpt.jsonl", [
-        {"conversations": [{"from": "human", "value": w}, {"from": "gpt", "value": w.upper()}]} for w in few[:16]])
+    _write_jsonl(
+        data / "samples" / "preference.jsonl",
+        [
+            {
+                "prompt": [{"role": "user", "content": w}],
+                "chosen": [{"role": "assistant", "content": w.upper()}],
+                "rejected": [{"role": "assistant", "content": w[::-1]}],
+            }
+            for w in few
+        ],
+    )
+    _write_jsonl(
+        data / "samples" / "alpaca.jsonl",
+        [{"instruction": "Uppercase the word.", "input": w, "output": w.upper()} for w in few[:16]],
+    )
+    _write_jsonl(
+        data / "samples" / "sharegpt.jsonl",
+        [{"conversations": [{"from": "human", "value": w}, {"from": "gpt", "value": w.upper()}]} for w in few[:16]],
+    )
     _write_jsonl(data / "samples" / "text.jsonl", [{"text": f"{w} -> {w.upper()}"} for w in few[:16]])
-    _write_jsonl(data / "samples" / "prompt_completion.jsonl", [
-        {"prompt": f"{w} -> ", "completion": w.upper()} for w in few[:16]])
+    _write_jsonl(
+        data / "samples" / "prompt_completion.jsonl",
+        [{"prompt": f"{w} -> ", "completion": w.upper()} for w in few[:16]],
+    )
 
 
 def build(out_dir: str | Path) -> Path:

@@ -25,8 +25,12 @@ from finetune import rundir
 from finetune.errors import RecipeError
 
 # report_to name -> (module to import, pip package)
-PACKAGES = {"tensorboard": ("tensorboard", "tensorboard"), "wandb": ("wandb", "wandb"),
-            "mlflow": ("mlflow", "mlflow"), "trackio": ("trackio", "trackio")}
+PACKAGES = {
+    "tensorboard": ("tensorboard", "tensorboard"),
+    "wandb": ("wandb", "wandb"),
+    "mlflow": ("mlflow", "mlflow"),
+    "trackio": ("trackio", "trackio"),
+}
 DEFAULT_PROJECT = "finetune"
 
 
@@ -43,10 +47,12 @@ def check_trackers(recipe) -> None:
     missing = [name for name in enabled(recipe) if importlib.util.find_spec(PACKAGES[name][0]) is None]
     if missing:
         pkgs = " ".join(PACKAGES[name][1] for name in missing)
-        raise RecipeError(f"{', '.join(missing)} {'is' if len(missing) == 1 else 'are'} not installed",
-                          key="logging.report_to",
-                          hint=f"pip install {pkgs}, or remove {', '.join(missing)} from logging.report_to "
-                               "(tensorboard comes with the train extra; [none] logs nowhere)")
+        raise RecipeError(
+            f"{', '.join(missing)} {'is' if len(missing) == 1 else 'are'} not installed",
+            key="logging.report_to",
+            hint=f"pip install {pkgs}, or remove {', '.join(missing)} from logging.report_to "
+            "(tensorboard comes with the train extra; [none] logs nowhere)",
+        )
 
 
 def tracker_env(recipe, run_dir: Path, environ: dict[str, str]) -> dict[str, str]:
@@ -74,8 +80,11 @@ def tracker_env(recipe, run_dir: Path, environ: dict[str, str]) -> dict[str, str
 
 def training_arguments(recipe, run_dir: Path) -> dict:
     """report_to, run_name, project (and the trackio Space) for TrainingArguments."""
-    args = {"report_to": enabled(recipe) or "none", "run_name": run_name(recipe, run_dir),
-            "project": recipe.logging.project or DEFAULT_PROJECT}
+    args = {
+        "report_to": enabled(recipe) or "none",
+        "run_name": run_name(recipe, run_dir),
+        "project": recipe.logging.project or DEFAULT_PROJECT,
+    }
     if recipe.logging.offline and "trackio" in enabled(recipe):
         args["trackio_space_id"] = None  # local store only
     return args

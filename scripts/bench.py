@@ -28,7 +28,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
 
-from gpu_validate import WORK, base_recipe, ensure_model, write_data  # noqa: E402
+from gpu_validate import WORK, base_recipe, ensure_model, finetune_cmd, write_data  # noqa: E402
 
 from finetune import rundir  # noqa: E402
 from finetune.measurement import WARMUP_STEPS, steady_rate, steady_tokens_per_second  # noqa: E402
@@ -58,8 +58,17 @@ def _step_clock():
     return StepClock()
 
 
-def baseline(model_dir: str, data: str, *, seq: int, batch: int, steps: int, ckpt: bool,
-             method: str = "sft", expert: bool = False) -> dict:
+def baseline(
+    model_dir: str,
+    data: str,
+    *,
+    seq: int,
+    batch: int,
+    steps: int,
+    ckpt: bool,
+    method: str = "sft",
+    expert: bool = False,
+) -> dict:
     """Plain TRL, as the documentation shows it; `expert`: TRL as a user who knows its speed options
     configures it by hand (SFT: packing with the bfd strategy, which is padding-free; DPO: padding-free
     pairs; both with Liger's kernels, no checkpointing, micro-batch 4, flex attention, which runs packed
@@ -77,34 +86,68 @@ def baseline(model_dir: str, data: str, *, seq: int, batch: int, steps: int, ckp
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16, **attention).cuda()
     ds = load_dataset("json", data_files=data, split="train")
     mb = 4 if not ckpt else 8  # 8: TRL's default; without checkpointing 8 does not fit an 80 GB card
-    common = dict(output_dir="/tmp/bench-trl", max_length=seq, per_device_train_batch_size=mb,
-                  gradient_accumulation_steps=max(1, batch // mb), max_steps=steps, bf16=True,
-                  gradient_checkpointing=ckpt, logging_steps=5, save_strategy="no", report_to="none",
-                  include_num_input_tokens_seen="non_padding")
+    common = dict(
+        output_dir="/tmp/bench-trl",
+        max_length=seq,
+        per_device_train_batch_size=mb,
+        gradient_accumulation_steps=max(1, batch // mb),
+        max_steps=steps,
+        bf16=True,
+        gradient_checkpointing=ckpt,
+        logging_steps=5,
+        save_strategy="no",
+        report_to="none",
+        include_num_input_tokens_seen="non_padding",
+    )
     if expert:
         common["use_liger_kernel"] = True
     lora = LoraConfig(r=16, lora_alpha=32, target_modules="all-linear", task_type="CAUSAL_LM")
     if method == "dpo":
         tuned = {"padding_free": True} if expert else {}
-        trainer = DPOTrainer(model=model, args=DPOConfig(**common, **tuned, learning_rate=5e-6, beta=0.1),
-                             train_dataset=ds, processing_class=tok, peft_config=lora)
+        trainer = DPOTrainer(
+            model=model,
+            args=DPOConfig(**common, **tuned, learning_rate=5e-6, beta=0.1),
+            train_dataset=ds,
+            processing_class=tok,
+            peft_config=lora,
+        )
     else:
         tuned = {"packing": True, "packing_strategy": "bfd"} if expert else {}
-        trainer = SFTTrainer(model=model, args=SFTConfig(**common, **tuned, learning_rate=2e-4), train_dataset=ds,
-                             processing_class=tok, peft_config=lora)
+        trainer = SFTTrainer(
+            model=model,
+            args=SFTConfig(**common, **tuned, learning_rate=2e-4),
+            train_dataset=ds,
+            processing_class=tok,
+            peft_config=lora,
+        )
     clock = _step_clock()
     trainer.add_callback(clock)
     torch.cuda.reset_peak_memory_stats()
     result = trainer.train()
     runtime = result.metrics["train_runtime"]
-    return {"tokens_per_second": trainer.state.num_input_tokens_seen / runtime,
-            "steady_tokens_per_second": clock.steady(WARMUP_STEPS),
-            "peak_reserved_gib": torch.cuda.max_memory_reserved() / 2**30, "micro_batch": mb,
-            "activation_checkpointing": ckpt, "runtime_s": runtime, "expert": expert}
+    return {
+        "tokens_per_second": trainer.state.num_input_tokens_seen / runtime,
+        "steady_tokens_per_second": clock.steady(WARMUP_STEPS),
+        "peak_reserved_gib": torch.cuda.max_memory_reserved() / 2**30,
+        "micro_batch": mb,
+        "activation_checkpointing": ckpt,
+        "runtime_s": runtime,
+        "expert": expert,
+    }
 
 
-def finetune_side(model_dir: Path, data: Path, *, seq: int, batch: int, steps: int, name: str,
-                  overrides: list[str], method: str = "sft", out: Path | None = None) -> dict:
+def finetune_side(
+    model_dir: Path,
+    data: Path,
+    *,
+    seq: int,
+    batch: int,
+    steps: int,
+    name: str,
+    overrides: list[str],
+    method: str = "sft",
+    out: Path | None = None,
+) -> dict:
     import yaml
 
     work = WORK / f"bench-{name}"
@@ -116,8 +159,15 @@ def finetune_side(model_dir: Path, data: Path, *, seq: int, batch: int, steps: i
     recipe["output"] = {"keep": 1}  # no mid-run checkpoints in a benchmark
     recipe["data"]["allow_outside"] = True  # the shared data file sits beside the run folders
     (work / "recipe.yaml").write_text(yaml.safe_dump(recipe))
-    cmd = [sys.executable, "-m", "finetune.cli", "run", str(work / "recipe.yaml"), "--output",
-           str(work / "run"), "--resume", "never", *sum((["--set", s] for s in overrides), [])]
+    cmd = finetune_cmd(
+        "run",
+        str(work / "recipe.yaml"),
+        "--output",
+        str(work / "run"),
+        "--resume",
+        "never",
+        *sum((["--set", s] for s in overrides), []),
+    )
     subprocess.run(cmd, cwd=ROOT, check=True)
     run = work / "run"
     summary = rundir.read_summary(run)
@@ -125,13 +175,18 @@ def finetune_side(model_dir: Path, data: Path, *, seq: int, batch: int, steps: i
     mem = json.loads((run / rundir.memory_file(0)).read_text())
     resolved = yaml.safe_load((run / rundir.RESOLVED_RECIPE).read_text())
     metrics = rundir.read_metrics(run)
-    row = {"tokens_per_second": summary[rundir.SUMMARY_TOKENS_PER_S],
-           "steady_tokens_per_second": steady_tokens_per_second(metrics),
-           "peak_reserved_gib": mem.get("gpu_max_reserved_gib"),
-           "micro_batch": plan["micro_batch_size"], "activation_checkpointing": plan["activation_checkpointing"],
-           "runtime_s": summary["train_runtime_s"], "overrides": overrides,
-           "attn_implementation": resolved["model"]["attn_implementation"], "liger": resolved["train"]["liger"],
-           "predicted_peak_gib": plan.get("per_gpu_memory_gib")}
+    row = {
+        "tokens_per_second": summary[rundir.SUMMARY_TOKENS_PER_S],
+        "steady_tokens_per_second": steady_tokens_per_second(metrics),
+        "peak_reserved_gib": mem.get("gpu_max_reserved_gib"),
+        "micro_batch": plan["micro_batch_size"],
+        "activation_checkpointing": plan["activation_checkpointing"],
+        "runtime_s": summary["train_runtime_s"],
+        "overrides": overrides,
+        "attn_implementation": resolved["model"]["attn_implementation"],
+        "liger": resolved["train"]["liger"],
+        "predicted_peak_gib": plan.get("per_gpu_memory_gib"),
+    }
     stem = str(run / rundir.profile_stem(0))
     if Path(stem + ".json").exists():
         row["profile"] = json.loads(Path(stem + ".json").read_text())
@@ -162,11 +217,15 @@ def ratios(rows: dict, key: str, *, base: str = "trl") -> dict | None:
 
 
 def write_report(path: Path, rows: dict, meta: dict) -> None:
-    report = {**meta, "warmup_steps": WARMUP_STEPS, "rows": rows,
-              "ratio_to_trl_default": ratios(rows, "tokens_per_second"),
-              "steady_ratio_to_trl_default": ratios(rows, "steady_tokens_per_second"),
-              "ratio_to_trl_expert": ratios(rows, "tokens_per_second", base="trl-expert"),
-              "steady_ratio_to_trl_expert": ratios(rows, "steady_tokens_per_second", base="trl-expert")}
+    report = {
+        **meta,
+        "warmup_steps": WARMUP_STEPS,
+        "rows": rows,
+        "ratio_to_trl_default": ratios(rows, "tokens_per_second"),
+        "steady_ratio_to_trl_default": ratios(rows, "steady_tokens_per_second"),
+        "ratio_to_trl_expert": ratios(rows, "tokens_per_second", base="trl-expert"),
+        "steady_ratio_to_trl_expert": ratios(rows, "steady_tokens_per_second", base="trl-expert"),
+    }
     path.write_text(json.dumps(report, indent=2) + "\n")
 
 
@@ -177,8 +236,11 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=2048)
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--variants", default="finetune,finetune-nopack,trl,trl-no-ckpt,trl-expert",
-                        help="comma-separated; 'name:key=value;key=value' runs finetune with those --set overrides")
+    parser.add_argument(
+        "--variants",
+        default="finetune,finetune-nopack,trl,trl-no-ckpt,trl-expert",
+        help="comma-separated; 'name:key=value;key=value' runs finetune with those --set overrides",
+    )
     parser.add_argument("--profile", default=None, help="start,stop: logging.profile_steps for finetune variants")
     parser.add_argument("--out", default="bench.json")
     parser.add_argument("--baseline-only", choices=BASELINES, default=None)
@@ -192,9 +254,16 @@ def main() -> None:
     data = WORK / f"bench-data-{args.method}.jsonl"
     write_data(data, preference=args.method == "dpo", seq=args.seq)
     if args.baseline_only:  # run in a child so each variant gets a fresh CUDA context
-        res = baseline(str(model_dir), str(data), seq=args.seq, batch=args.batch, steps=args.steps,
-                       ckpt=args.baseline_only == "trl", method=args.method,
-                       expert=args.baseline_only == "trl-expert")
+        res = baseline(
+            str(model_dir),
+            str(data),
+            seq=args.seq,
+            batch=args.batch,
+            steps=args.steps,
+            ckpt=args.baseline_only == "trl",
+            method=args.method,
+            expert=args.baseline_only == "trl-expert",
+        )
         print("BENCH_RESULT " + json.dumps(res))
         return
     import torch
@@ -205,19 +274,45 @@ def main() -> None:
     recipe = load_recipe(base_recipe(model_dir, data, steps=args.steps, seq=args.seq, batch=args.batch))
     flops = recipe_flops_per_token(recipe, arch=arch)
     peak = peak_bf16_tflops(card)
-    meta = {"card": card, "arch": args.arch, "method": args.method, "seq": args.seq, "global_batch": args.batch,
-            "steps": args.steps, "date": time.strftime("%Y-%m-%d"), "flops_per_token": flops,
-            "peak_bf16_tflops": peak,
-            "versions": versions()}
+    meta = {
+        "card": card,
+        "arch": args.arch,
+        "method": args.method,
+        "seq": args.seq,
+        "global_batch": args.batch,
+        "steps": args.steps,
+        "date": time.strftime("%Y-%m-%d"),
+        "flops_per_token": flops,
+        "peak_bf16_tflops": peak,
+        "versions": versions(),
+    }
     out = Path(args.out)
     rows = {}
     for spec in args.variants.split(","):
         variant, overrides = parse_variant(spec)
         start = time.perf_counter()
         if variant.startswith("trl"):
-            proc = subprocess.run([sys.executable, __file__, "--arch", args.arch, "--seq", str(args.seq),
-                                   "--batch", str(args.batch), "--steps", str(args.steps), "--method", args.method,
-                                   "--baseline-only", variant], cwd=ROOT, capture_output=True, text=True)
+            proc = subprocess.run(
+                [
+                    sys.executable,
+                    __file__,
+                    "--arch",
+                    args.arch,
+                    "--seq",
+                    str(args.seq),
+                    "--batch",
+                    str(args.batch),
+                    "--steps",
+                    str(args.steps),
+                    "--method",
+                    args.method,
+                    "--baseline-only",
+                    variant,
+                ],
+                cwd=ROOT,
+                capture_output=True,
+                text=True,
+            )
             line = [x for x in proc.stdout.splitlines() if x.startswith("BENCH_RESULT ")]
             if not line:
                 print(proc.stdout[-3000:], proc.stderr[-3000:])
@@ -227,32 +322,48 @@ def main() -> None:
             if args.profile:
                 overrides = [*overrides, f"logging.profile_steps=[{args.profile}]"]
             try:
-                res = finetune_side(model_dir, data, seq=args.seq, batch=args.batch, steps=args.steps,
-                                    name=variant, overrides=overrides, method=args.method, out=out)
+                res = finetune_side(
+                    model_dir,
+                    data,
+                    seq=args.seq,
+                    batch=args.batch,
+                    steps=args.steps,
+                    name=variant,
+                    overrides=overrides,
+                    method=args.method,
+                    out=out,
+                )
             except subprocess.CalledProcessError as exc:
                 print(f"{variant} failed: {exc}", flush=True)
                 continue
-        res["mfu"] = mfu(tokens_per_second=res["tokens_per_second"], flops_per_token=flops,
-                         peak_tflops=peak, gpus=1)
-        res["steady_mfu"] = mfu(tokens_per_second=res.get("steady_tokens_per_second") or 0,
-                                flops_per_token=flops, peak_tflops=peak, gpus=1)
+        res["mfu"] = mfu(tokens_per_second=res["tokens_per_second"], flops_per_token=flops, peak_tflops=peak, gpus=1)
+        res["steady_mfu"] = mfu(
+            tokens_per_second=res.get("steady_tokens_per_second") or 0, flops_per_token=flops, peak_tflops=peak, gpus=1
+        )
         res["wall_s"] = round(time.perf_counter() - start, 1)
         rows[variant] = res
         print(variant, json.dumps(res), flush=True)
         write_report(out, rows, meta)  # after every variant: a timeout keeps what finished
     whole, steady = ratios(rows, "tokens_per_second") or {}, ratios(rows, "steady_tokens_per_second") or {}
     expert = ratios(rows, "steady_tokens_per_second", base="trl-expert") or {}
-    print(f"\ncard {card}, {args.arch} {args.method}, seq {args.seq}, global batch {args.batch}, "
-          f"{args.steps} steps; steady = after step {WARMUP_STEPS}")
-    print(f"{'variant':22} {'tok/s':>7} {'x TRL':>6} {'MFU':>6} | {'steady':>7} {'x TRL':>6} {'x exp':>6} "
-          f"{'MFU':>6} | {'peak GiB':>8} {'pred':>6} {'mb':>3} {'ckpt':>5} {'busy':>5}")
+    print(
+        f"\ncard {card}, {args.arch} {args.method}, seq {args.seq}, global batch {args.batch}, "
+        f"{args.steps} steps; steady = after step {WARMUP_STEPS}"
+    )
+    print(
+        f"{'variant':22} {'tok/s':>7} {'x TRL':>6} {'MFU':>6} | {'steady':>7} {'x TRL':>6} {'x exp':>6} "
+        f"{'MFU':>6} | {'peak GiB':>8} {'pred':>6} {'mb':>3} {'ckpt':>5} {'busy':>5}"
+    )
     for k, v in rows.items():
         busy = v.get("profile", {}).get("gpu_busy_share")
-        print(f"{k:22} {v['tokens_per_second']:7.0f} {whole.get(k, float('nan')):6.2f} {v['mfu']:6.1%} | "
-              f"{v.get('steady_tokens_per_second') or 0:7.0f} {steady.get(k, float('nan')):6.2f} "
-              f"{expert.get(k, float('nan')):6.2f} "
-              f"{v['steady_mfu']:6.1%} | {v['peak_reserved_gib'] or 0:8.1f} {v.get('predicted_peak_gib') or 0:6.1f} "
-              f"{v['micro_batch']:>3} {v['activation_checkpointing']!s:>5} {'' if busy is None else f'{busy:.0%}':>5}")
+        print(
+            f"{k:22} {v['tokens_per_second']:7.0f} {whole.get(k, float('nan')):6.2f} {v['mfu']:6.1%} | "
+            f"{v.get('steady_tokens_per_second') or 0:7.0f} {steady.get(k, float('nan')):6.2f} "
+            f"{expert.get(k, float('nan')):6.2f} "
+            f"{v['steady_mfu']:6.1%} | {v['peak_reserved_gib'] or 0:8.1f} {v.get('predicted_peak_gib') or 0:6.1f} "
+            f"{v['micro_batch']:>3} {v['activation_checkpointing']!s:>5} {'' if busy is None else f'{busy:.0%}':>5}"
+        )
+
 
 def versions() -> dict:
     from importlib.metadata import PackageNotFoundError, version

@@ -39,8 +39,10 @@ sys.path.insert(0, str(ROOT))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 
-LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
-                r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
 SPECIALS = ["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]
 CHAT_TEMPLATE = (
     "{{- bos_token }}"
@@ -65,8 +67,33 @@ class TextGen:
 
         self.np = np
         rng = np.random.default_rng(1234)  # one lexicon for the tokenizer's corpus and the data
-        onsets = ["", "b", "c", "d", "f", "g", "h", "k", "l", "m", "n", "p", "r", "s", "t", "v", "w", "st",
-                  "tr", "pl", "ch", "sh", "th", "gr", "br"]
+        onsets = [
+            "",
+            "b",
+            "c",
+            "d",
+            "f",
+            "g",
+            "h",
+            "k",
+            "l",
+            "m",
+            "n",
+            "p",
+            "r",
+            "s",
+            "t",
+            "v",
+            "w",
+            "st",
+            "tr",
+            "pl",
+            "ch",
+            "sh",
+            "th",
+            "gr",
+            "br",
+        ]
         vowels = ["a", "e", "i", "o", "u", "ou", "ea", "io", "y"]
         codas = ["", "", "n", "r", "s", "t", "l", "nd", "ng", "ck", "st"]
         syll = [o + v + c for o in onsets for v in vowels for c in codas]
@@ -109,7 +136,7 @@ def write_data(path: Path, *, n: int, seed: int) -> dict:
     def take(k):
         nonlocal pos
         pos += k
-        return " ".join(pool[pos - k:pos])
+        return " ".join(pool[pos - k : pos])
 
     with path.open("w") as fh:
         for i in range(n):
@@ -120,8 +147,13 @@ def write_data(path: Path, *, n: int, seed: int) -> dict:
                 messages.append({"role": "assistant", "content": take(int(turn_words[turn]) - u)})
                 turn += 1
             fh.write(json.dumps({"messages": messages}) + "\n")
-    return {"examples": n, "messages": int(2 * turns.sum() + has_system.sum()), "words": pos,
-            "turns_mean": float(turns.mean()), "bytes": path.stat().st_size}
+    return {
+        "examples": n,
+        "messages": int(2 * turns.sum() + has_system.sum()),
+        "words": pos,
+        "turns_mean": float(turns.mean()),
+        "bytes": path.stat().st_size,
+    }
 
 
 def build_tokenizer(out_dir: Path, *, seed: int, vocab_size: int = 32_000) -> dict:
@@ -131,18 +163,28 @@ def build_tokenizer(out_dir: Path, *, seed: int, vocab_size: int = 32_000) -> di
     gen = TextGen(seed + 1)
     corpus = [" ".join(gen.words(200)) for _ in range(4_000)]
     tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(LLAMA3_SPLIT), behavior="isolated"),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(LLAMA3_SPLIT), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIALS, show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIALS,
+        show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
     tok.train_from_iterator(corpus, trainer=trainer)
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|begin_of_text|>",
-                                   eos_token="<|eot_id|>", chat_template=CHAT_TEMPLATE)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<|begin_of_text|>", eos_token="<|eot_id|>", chat_template=CHAT_TEMPLATE
+    )
     fast.save_pretrained(str(out_dir))
-    return {"kind": "byte-level BPE, Llama-3 pre-tokenizer regex, trained offline on synthetic text",
-            "vocab_size": tok.get_vocab_size()}
+    return {
+        "kind": "byte-level BPE, Llama-3 pre-tokenizer regex, trained offline on synthetic text",
+        "vocab_size": tok.get_vocab_size(),
+    }
 
 
 def _column_stats(ds) -> dict:
@@ -158,8 +200,12 @@ def _column_stats(ds) -> dict:
         digest.update(np.asarray(pc.list_value_length(col), dtype=np.int64).tobytes())
         digest.update(np.asarray(pc.list_flatten(col), dtype=np.int64).tobytes())
     loss = pc.sum(pc.not_equal(pc.list_flatten(labels), -100)).as_py()
-    return {"rows": len(ds), "tokens": int(pc.sum(pc.list_value_length(ids)).as_py()), "loss_tokens": int(loss),
-            "digest": digest.hexdigest()[:16]}
+    return {
+        "rows": len(ds),
+        "tokens": int(pc.sum(pc.list_value_length(ids)).as_py()),
+        "loss_tokens": int(loss),
+        "digest": digest.hexdigest()[:16],
+    }
 
 
 def phase_finetune(work: Path, *, src: str | None, recipe_file: str) -> dict:
@@ -181,10 +227,16 @@ def phase_finetune(work: Path, *, src: str | None, recipe_file: str) -> dict:
     seconds = time.perf_counter() - t0
     import finetune
 
-    return {"seconds": seconds, "import_seconds": t_import, "cache_hit": data.cache_hit,
-            "finetune_src": str(Path(finetune.__file__).parent.parent),
-            "cache_key": data.cache_key, "notes": data.notes, "max_length": cfg["max_length"],
-            **_column_stats(data.train)}
+    return {
+        "seconds": seconds,
+        "import_seconds": t_import,
+        "cache_hit": data.cache_hit,
+        "finetune_src": str(Path(finetune.__file__).parent.parent),
+        "cache_key": data.cache_key,
+        "notes": data.notes,
+        "max_length": cfg["max_length"],
+        **_column_stats(data.train),
+    }
 
 
 def phase_trl(work: Path, *, num_proc: int | None) -> dict:
@@ -200,13 +252,28 @@ def phase_trl(work: Path, *, num_proc: int | None) -> dict:
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
     torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64,
-                                         num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2))
+    model = LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=len(tok),
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            num_key_value_heads=2,
+        )
+    )
     ds_cache = tempfile.mkdtemp(dir=work, prefix=f"hfds-{num_proc}-")
 
     def args(name):
-        return SFTConfig(output_dir=str(work / name), max_length=cfg["max_length"], assistant_only_loss=True,
-                         dataset_num_proc=num_proc, report_to="none", use_cpu=True, save_strategy="no")
+        return SFTConfig(
+            output_dir=str(work / name),
+            max_length=cfg["max_length"],
+            assistant_only_loss=True,
+            dataset_num_proc=num_proc,
+            report_to="none",
+            use_cpu=True,
+            save_strategy="no",
+        )
 
     # the constructor's fixed cost (accelerator, model wrapping, collator) on 16 examples
     small = load_dataset("json", data_files=str(work / "small.jsonl"), split="train", cache_dir=ds_cache)
@@ -220,10 +287,16 @@ def phase_trl(work: Path, *, num_proc: int | None) -> dict:
     t0 = time.perf_counter()
     trainer = SFTTrainer(model=model, args=args("trl"), train_dataset=ds, processing_class=tok)
     t_ctor = time.perf_counter() - t0
-    return {"seconds": t_load + t_ctor - overhead, "load_dataset_seconds": t_load,
-            "constructor_seconds": t_ctor, "constructor_fixed_seconds": overhead, "import_seconds": t_import,
-            "dataset_num_proc": num_proc, "max_length": cfg["max_length"],
-            **_column_stats(trainer.train_dataset)}
+    return {
+        "seconds": t_load + t_ctor - overhead,
+        "load_dataset_seconds": t_load,
+        "constructor_seconds": t_ctor,
+        "constructor_fixed_seconds": overhead,
+        "import_seconds": t_import,
+        "dataset_num_proc": num_proc,
+        "max_length": cfg["max_length"],
+        **_column_stats(trainer.train_dataset),
+    }
 
 
 def _run_phase(work: Path, phase: str, *, src: str | None) -> dict:
@@ -239,8 +312,13 @@ def _versions() -> dict:
     import transformers
     import trl
 
-    return {"python": platform.python_version(), "transformers": transformers.__version__,
-            "trl": trl.__version__, "datasets": datasets.__version__, "tokenizers": tokenizers.__version__}
+    return {
+        "python": platform.python_version(),
+        "transformers": transformers.__version__,
+        "trl": trl.__version__,
+        "datasets": datasets.__version__,
+        "tokenizers": tokenizers.__version__,
+    }
 
 
 def main() -> None:
@@ -258,9 +336,11 @@ def main() -> None:
     a = p.parse_args()
     if a.phase:
         recipe_file = "recipe-before.yaml" if a.phase.startswith("finetune-before") else "recipe.yaml"
-        result = (phase_finetune(a.work, src=a.finetune_src, recipe_file=recipe_file)
-                  if a.phase.startswith("finetune")
-                  else phase_trl(a.work, num_proc=None if a.phase == "trl-default" else 2))
+        result = (
+            phase_finetune(a.work, src=a.finetune_src, recipe_file=recipe_file)
+            if a.phase.startswith("finetune")
+            else phase_trl(a.work, num_proc=None if a.phase == "trl-default" else 2)
+        )
         a.phase_out.write_text(json.dumps(result))
         return
 
@@ -281,12 +361,17 @@ def main() -> None:
                 f"model: {{name: {work / 'tokenizer'}}}\n"
                 f"data: {{sources: [{{path: {work / 'data.jsonl'}, format: messages}}], max_length: {a.max_length},"
                 f" assistant_only_loss: true, cache_dir: {work / cache_dir}}}\n"
-                "hardware: cpu\n")
+                "hardware: cpu\n"
+            )
         print(f"tokenizer {tok_info}\ndata {data_info}", flush=True)
 
         phases = {}
         names = (["finetune-before-cold"] if a.before_src else []) + [
-            "finetune-cold", "finetune-warm", "trl-default", "trl-2proc"]
+            "finetune-cold",
+            "finetune-warm",
+            "trl-default",
+            "trl-2proc",
+        ]
         for name in names:
             if name in a.skip:
                 continue
@@ -294,14 +379,23 @@ def main() -> None:
             r = phases[name]
             r["examples_per_s"] = a.examples / r["seconds"]
             r["tokens_per_s"] = r["tokens"] / r["seconds"]
-            print(f"{name:20s} {r['seconds']:8.2f} s {r['examples_per_s']:10.0f} ex/s "
-                  f"{r['tokens_per_s']:12.0f} tok/s  rows {r['rows']} tokens {r['tokens']} "
-                  f"loss {r['loss_tokens']}" + (f" cache_hit={r['cache_hit']}" if "cache_hit" in r else ""),
-                  flush=True)
+            print(
+                f"{name:20s} {r['seconds']:8.2f} s {r['examples_per_s']:10.0f} ex/s "
+                f"{r['tokens_per_s']:12.0f} tok/s  rows {r['rows']} tokens {r['tokens']} "
+                f"loss {r['loss_tokens']}" + (f" cache_hit={r['cache_hit']}" if "cache_hit" in r else ""),
+                flush=True,
+            )
 
-    result = {"date": time.strftime("%Y-%m-%d"), "cpu_cores": os.cpu_count(), "cpu": platform.processor()
-              or platform.machine(), "versions": _versions(), "tokenizer": tok_info, "data": data_info,
-              "max_length": a.max_length, "phases": phases}
+    result = {
+        "date": time.strftime("%Y-%m-%d"),
+        "cpu_cores": os.cpu_count(),
+        "cpu": platform.processor() or platform.machine(),
+        "versions": _versions(),
+        "tokenizer": tok_info,
+        "data": data_info,
+        "max_length": a.max_length,
+        "phases": phases,
+    }
     ft = phases.get("finetune-cold")
     for trl_name in ("trl-default", "trl-2proc"):
         if ft and trl_name in phases:
@@ -313,8 +407,9 @@ def main() -> None:
         result["speedup_finetune_cold_vs_before"] = before["seconds"] / ft["seconds"]
         result["same_output_before_after"] = before["digest"] == ft["digest"]
     result["total_seconds"] = time.perf_counter() - started
-    print(json.dumps({k: v for k, v in result.items() if k.startswith(("ratio", "same", "speedup", "total"))},
-                     indent=1))
+    print(
+        json.dumps({k: v for k, v in result.items() if k.startswith(("ratio", "same", "speedup", "total"))}, indent=1)
+    )
     if a.out:
         a.out.parent.mkdir(parents=True, exist_ok=True)
         a.out.write_text(json.dumps(result, indent=2) + "\n")

@@ -37,8 +37,9 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("jobs", type=Path)
     parser.add_argument("--results", type=Path, required=True)
-    parser.add_argument("--budget", type=float, required=True,
-                        help="seconds: no job starts that its estimate says would end later")
+    parser.add_argument(
+        "--budget", type=float, required=True, help="seconds: no job starts that its estimate says would end later"
+    )
     parser.add_argument("--gpus", type=int, default=None, help="default: all the machine has")
     parser.add_argument("--only", nargs="*", help="run only these job names (and nothing they wait for)")
     args = parser.parse_args()
@@ -59,9 +60,14 @@ def main() -> None:
     done: dict[str, dict] = {}
 
     def write_state() -> None:
-        state = {"elapsed_s": round(time.time() - t0, 1), "free_gpus": free,
-                 "running": {n: {k: j[k] for k in ("gpus_used", "started_s")} for n, j in running.items()},
-                 "done": done, "waiting": [j["name"] for j in waiting], "too_big": skipped}
+        state = {
+            "elapsed_s": round(time.time() - t0, 1),
+            "free_gpus": free,
+            "running": {n: {k: j[k] for k in ("gpus_used", "started_s")} for n, j in running.items()},
+            "done": done,
+            "waiting": [j["name"] for j in waiting],
+            "too_big": skipped,
+        }
         state_path.write_text(json.dumps(state, indent=1) + "\n")
 
     def ready(job: dict) -> bool:
@@ -76,17 +82,16 @@ def main() -> None:
         log = (logs / f"{job['name']}.log").open("w")
         log.write(f"$ CUDA_VISIBLE_DEVICES={env.get('CUDA_VISIBLE_DEVICES', '')} {cmd}\n")
         log.flush()
-        proc = subprocess.Popen(["bash", "-c", cmd], stdout=log, stderr=subprocess.STDOUT, env=env,
-                                start_new_session=True)
-        running[job["name"]] = dict(job, proc=proc, gpus_used=gpus, started_s=round(time.time() - t0, 1),
-                                    log=log)
+        proc = subprocess.Popen(
+            ["bash", "-c", cmd], stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+        )
+        running[job["name"]] = dict(job, proc=proc, gpus_used=gpus, started_s=round(time.time() - t0, 1), log=log)
         waiting.remove(job)
 
     def head_start_time(head: dict) -> float:
         """When the waiting head job's GPUs are expected free, from the running jobs' estimates."""
         now = time.time() - t0
-        avail, ends = len(free), sorted((j["started_s"] + j["est_s"], len(j["gpus_used"]))
-                                        for j in running.values())
+        avail, ends = len(free), sorted((j["started_s"] + j["est_s"], len(j["gpus_used"])) for j in running.values())
         for end, n in ends:
             if avail >= head.get("gpus", 1):
                 break
@@ -103,18 +108,25 @@ def main() -> None:
                 job["log"].close()
                 free.extend(job["gpus_used"])
                 free.sort()
-                done[name] = {"exit_code": code, "gpus": job["gpus_used"], "started_s": job["started_s"],
-                              "ended_s": round(time.time() - t0, 1)}
+                done[name] = {
+                    "exit_code": code,
+                    "gpus": job["gpus_used"],
+                    "started_s": job["started_s"],
+                    "ended_s": round(time.time() - t0, 1),
+                }
                 del running[name]
                 for path in job.get("uses", []):
                     if any(str(path).startswith(d) for d in scratch) and not any(
-                            path in j.get("uses", []) for j in [*waiting, *running.values()]):
+                        path in j.get("uses", []) for j in [*waiting, *running.values()]
+                    ):
                         shutil.rmtree(path, ignore_errors=True)
             if time.time() - t0 > args.budget:
                 break  # no new job; the running ones finish
             pending = {j["name"] for j in waiting} | set(running) | set(done)
-            if not running and not any(time.time() - t0 + j["est_s"] <= args.budget
-                                       and all(a in pending for a in j.get("after", [])) for j in waiting):
+            if not running and not any(
+                time.time() - t0 + j["est_s"] <= args.budget and all(a in pending for a in j.get("after", []))
+                for j in waiting
+            ):
                 break  # what still waits can never start within the budget
             head_blocked_at = None
             for job in list(waiting):
@@ -134,8 +146,12 @@ def main() -> None:
             for name, job in list(running.items()):
                 if job["proc"].poll() is not None:
                     job["log"].close()
-                    done[name] = {"exit_code": job["proc"].returncode, "gpus": job["gpus_used"],
-                                  "started_s": job["started_s"], "ended_s": round(time.time() - t0, 1)}
+                    done[name] = {
+                        "exit_code": job["proc"].returncode,
+                        "gpus": job["gpus_used"],
+                        "started_s": job["started_s"],
+                        "ended_s": round(time.time() - t0, 1),
+                    }
                     del running[name]
             write_state()
             time.sleep(2)
@@ -155,12 +171,19 @@ def expand(job: dict, spec: dict) -> dict:
 
     name, env = job["run"], spec.get("env", {})
     entry = load_matrix(Path(spec["matrix"]))[name]
-    uses = [f"{env['FINETUNE_MODELS']}/{Path(entry['arch']).name.removesuffix('.json')}",
-            f"{env['FINETUNE_VALIDATION_DIR']}/{name}"]
-    return {"name": name, "gpus": entry["gpus"], "est_s": entry["est_s"], "env": env, "uses": uses,
-            "cmd": (f"python3 scripts/gpu_validate.py {name} --matrix {spec['matrix']} "
-                    f"--out {{results}}/rows/{name}.json"),
-            **{k: v for k, v in job.items() if k != "run"}}
+    uses = [
+        f"{env['FINETUNE_MODELS']}/{Path(entry['arch']).name.removesuffix('.json')}",
+        f"{env['FINETUNE_VALIDATION_DIR']}/{name}",
+    ]
+    return {
+        "name": name,
+        "gpus": entry["gpus"],
+        "est_s": entry["est_s"],
+        "env": env,
+        "uses": uses,
+        "cmd": (f"python3 scripts/gpu_validate.py {name} --matrix {spec['matrix']} --out {{results}}/rows/{name}.json"),
+        **{k: v for k, v in job.items() if k != "run"},
+    }
 
 
 def gpu_count() -> int:

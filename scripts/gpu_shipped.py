@@ -41,11 +41,14 @@ SHIPPED: dict[str, tuple[str, str, int, dict]] = {
     "lora70b": ("recipes/llama70b-lora.yaml", "llama-3.3-70b", 4, {}),
     "lora70b-preempt": ("recipes/llama70b-lora.yaml", "llama-3.3-70b", 4, {}),
     "qlora70b-1gpu": ("recipes/llama70b-qlora.yaml", "llama-3.3-70b", 1, {}),
-    "qlora70b-fsdp2-2gpu": ("recipes/llama70b-qlora.yaml", "llama-3.3-70b", 2,
-                            {"distributed": {"strategy": "fsdp2"}}),
+    "qlora70b-fsdp2-2gpu": ("recipes/llama70b-qlora.yaml", "llama-3.3-70b", 2, {"distributed": {"strategy": "fsdp2"}}),
     "dpo70b": ("recipes/llama70b-dpo-lora.yaml", "llama-3.3-70b", 4, {}),
-    "lora70b-hybrid-2x2": ("recipes/llama70b-lora.yaml", "llama-3.3-70b", 4,
-                           {"distributed": {"strategy": "fsdp2-hybrid"}}),
+    "lora70b-hybrid-2x2": (
+        "recipes/llama70b-lora.yaml",
+        "llama-3.3-70b",
+        4,
+        {"distributed": {"strategy": "fsdp2-hybrid"}},
+    ),
     # a CPU smoke test of this script itself (and of its preemption sequence)
     "quickstart-cpu": ("recipes/quickstart.yaml", "tiny-llama", 1, {}),
     "quickstart-cpu-preempt": ("recipes/quickstart.yaml", "tiny-llama", 1, {}),
@@ -68,8 +71,7 @@ def shipped_recipe(name: str, *, model_dir: Path, data: Path, steps: int, batch:
     raw["data"]["max_too_long_fraction"] = 0.5
     raw["hardware"] = "auto"
     raw.pop("hub", None)  # the push is made (and checked) separately against the local fake Hub
-    raw["train"] = {**raw.get("train", {}), "max_steps": steps, "global_batch_size": batch,
-                    "logging_steps": 1}
+    raw["train"] = {**raw.get("train", {}), "max_steps": steps, "global_batch_size": batch, "logging_steps": 1}
     raw["train"].pop("epochs", None)
     raw["logging"] = {"report_to": ["none"]}
     return gv.merge(raw, extra)
@@ -80,8 +82,7 @@ def start(name: str, *, gpus: list[int], args, resume: str = "never") -> tuple[s
     model_dir = gv.ensure_model(arch)
     work = gv.WORK / name
     work.mkdir(parents=True, exist_ok=True)
-    recipe = shipped_recipe(name, model_dir=model_dir, data=work / "data.jsonl", steps=args.steps,
-                            batch=args.batch)
+    recipe = shipped_recipe(name, model_dir=model_dir, data=work / "data.jsonl", steps=args.steps, batch=args.batch)
     method = recipe.get("method", "sft")
     preference = (method if isinstance(method, str) else method.get("type")) == "dpo"
     if not (work / "data.jsonl").exists():
@@ -91,16 +92,22 @@ def start(name: str, *, gpus: list[int], args, resume: str = "never") -> tuple[s
     run_dir = work / "run"
     if name.endswith("-2x2"):
         return None, run_dir, time.time()  # started by gv.run_two_nodes in run_group
-    cmd = [sys.executable, "-m", "finetune.cli", "run", str(work / "recipe.yaml"), "--output", str(run_dir),
-           "--resume", resume]
+    cmd = gv.finetune_cmd("run", str(work / "recipe.yaml"), "--output", str(run_dir), "--resume", resume)
     print(f"\n=== {name} on GPUs {gpus}: {' '.join(cmd)}", flush=True)
     return subprocess.Popen(cmd, cwd=ROOT, env=env, start_new_session=True), run_dir, time.time()
 
 
 def row_for(name: str, run_dir: Path, *, code: int, started: float) -> dict:
     path, arch, gpus, _ = SHIPPED[name]
-    row = {"name": name, "recipe": path, "arch": arch, "gpus": gpus, "exit_code": code,
-           "wall_s": round(time.time() - started, 1), "date": time.strftime("%Y-%m-%d")}
+    row = {
+        "name": name,
+        "recipe": path,
+        "arch": arch,
+        "gpus": gpus,
+        "exit_code": code,
+        "wall_s": round(time.time() - started, 1),
+        "date": time.strftime("%Y-%m-%d"),
+    }
     if (run_dir / rundir.PLAN_JSON).exists():
         try:
             row.update(gv.collect(run_dir))
@@ -150,21 +157,38 @@ def push_and_merge(args, run_dir: Path) -> dict:
     out: dict = {"name": "lora70b-push-merge"}
     hub = FakeHub().start()
     try:
-        env = {**os.environ, "HF_ENDPOINT": hub.url, "HF_TOKEN": "hf_validation", "HF_HUB_DISABLE_XET": "1",
-               "HF_HUB_OFFLINE": "0"}
+        env = {
+            **os.environ,
+            "HF_ENDPOINT": hub.url,
+            "HF_TOKEN": "hf_validation",
+            "HF_HUB_DISABLE_XET": "1",
+            "HF_HUB_OFFLINE": "0",
+        }
         t = time.time()
-        proc = subprocess.run([sys.executable, "-m", "finetune.cli", "push", str(run_dir), "--repo",
-                               "validation/llama70b-lora"], cwd=ROOT, env=env, capture_output=True, text=True)
+        proc = subprocess.run(
+            gv.finetune_cmd("push", str(run_dir), "--repo", "validation/llama70b-lora"),
+            cwd=ROOT,
+            env=env,
+            capture_output=True,
+            text=True,
+        )
         files = hub.files("validation/llama70b-lora") if proc.returncode == 0 else {}
-        out.update(push_exit_code=proc.returncode, push_s=round(time.time() - t, 1),
-                   pushed={k: len(v) for k, v in files.items()}, push_tail=(proc.stdout + proc.stderr)[-800:])
+        out.update(
+            push_exit_code=proc.returncode,
+            push_s=round(time.time() - t, 1),
+            pushed={k: len(v) for k, v in files.items()},
+            push_tail=(proc.stdout + proc.stderr)[-800:],
+        )
     finally:
         hub.stop()
     merge_dir = Path(args.merge_dir)
     shutil.rmtree(merge_dir, ignore_errors=True)
     t = time.time()
-    proc = subprocess.Popen([sys.executable, "-m", "finetune.cli", "merge", str(run_dir), "-o", str(merge_dir),
-                             "--max-shard-size", "2GB"], cwd=ROOT, start_new_session=True)
+    proc = subprocess.Popen(
+        gv.finetune_cmd("merge", str(run_dir), "-o", str(merge_dir), "--max-shard-size", "2GB"),
+        cwd=ROOT,
+        start_new_session=True,
+    )
     peak = {"RssAnon": 0, "RssFile": 0}
     deadline = t + args.merge_timeout
     while proc.poll() is None and time.time() < deadline:
@@ -176,14 +200,21 @@ def push_and_merge(args, run_dir: Path) -> dict:
     if not finished:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
-    written = list(merge_dir.parent.glob(f".{merge_dir.name}.partial-*/*.safetensors")) + \
-        list(merge_dir.glob("*.safetensors"))
+    written = list(merge_dir.parent.glob(f".{merge_dir.name}.partial-*/*.safetensors")) + list(
+        merge_dir.glob("*.safetensors")
+    )
     nbytes = sum(p.stat().st_size for p in written)
     seconds = time.time() - t
-    out.update(merge_exit_code=proc.returncode, merge_finished=finished, merge_s=round(seconds, 1),
-               merge_bytes_written=nbytes, merge_gb_per_s=round(nbytes / 1e9 / seconds, 3),
-               merge_peak_rss_anon_gib=round(peak["RssAnon"] / 2**20, 2),
-               merge_peak_rss_file_gib=round(peak["RssFile"] / 2**20, 2), merge_dir=str(merge_dir))
+    out.update(
+        merge_exit_code=proc.returncode,
+        merge_finished=finished,
+        merge_s=round(seconds, 1),
+        merge_bytes_written=nbytes,
+        merge_gb_per_s=round(nbytes / 1e9 / seconds, 3),
+        merge_peak_rss_anon_gib=round(peak["RssAnon"] / 2**20, 2),
+        merge_peak_rss_file_gib=round(peak["RssFile"] / 2**20, 2),
+        merge_dir=str(merge_dir),
+    )
     return out
 
 
@@ -212,8 +243,13 @@ def main() -> None:
     parser.add_argument("--merge-dir", default="/dev/shm/merged")
     parser.add_argument("--merge-timeout", type=float, default=300)
     parser.add_argument("--push-merge-of", type=Path, help="only push and merge this finished run directory")
-    parser.add_argument("--reference", type=Path, action="append", default=[],
-                        help="results JSON holding the uninterrupted run a -preempt run is compared with")
+    parser.add_argument(
+        "--reference",
+        type=Path,
+        action="append",
+        default=[],
+        help="results JSON holding the uninterrupted run a -preempt run is compared with",
+    )
     args = parser.parse_args()
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

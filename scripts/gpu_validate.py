@@ -41,40 +41,61 @@ WORK = Path(os.environ.get("FINETUNE_VALIDATION_DIR", "/tmp/validation"))
 # name -> (arch, recipe overrides). GPUs come from --hardware auto (the machine's own).
 RUNS: dict[str, tuple[str, dict]] = {
     # a CPU smoke test of this script itself
-    "tiny-cpu": ("tiny-llama", {"hardware": "cpu", "model": {"dtype": "float32"},
-                                "train": {"precision": "fp32", "lr": 2e-3}}),
+    "tiny-cpu": (
+        "tiny-llama",
+        {"hardware": "cpu", "model": {"dtype": "float32"}, "train": {"precision": "fp32", "lr": 2e-3}},
+    ),
     "lora8b": ("llama-3.1-8b", {"adapter": {"type": "lora", "r": 16, "alpha": 32}}),
     "qlora8b": ("llama-3.1-8b", {"adapter": {"type": "qlora", "r": 16, "alpha": 32}}),
-    "dpo8b": ("llama-3.1-8b", {"method": {"type": "dpo", "beta": 0.1},
-                               "adapter": {"type": "lora", "r": 16, "alpha": 32}}),
-    "full3b-fsdp2": ("llama-3.2-3b", {"adapter": {"type": "full"}, "train": {"lr": 1e-5},
-                                      "distributed": {"strategy": "fsdp2"}}),
+    "dpo8b": (
+        "llama-3.1-8b",
+        {"method": {"type": "dpo", "beta": 0.1}, "adapter": {"type": "lora", "r": 16, "alpha": 32}},
+    ),
+    "full3b-fsdp2": (
+        "llama-3.2-3b",
+        {"adapter": {"type": "full"}, "train": {"lr": 1e-5}, "distributed": {"strategy": "fsdp2"}},
+    ),
     "lora8b-fsdp2": ("llama-3.1-8b", {"adapter": {"type": "lora"}, "distributed": {"strategy": "fsdp2"}}),
     "qlora8b-fsdp2": ("llama-3.1-8b", {"adapter": {"type": "qlora"}, "distributed": {"strategy": "fsdp2"}}),
     "lora8b-zero3": ("llama-3.1-8b", {"adapter": {"type": "lora"}, "distributed": {"strategy": "zero3"}}),
     "lora3b-zero3-offload": ("llama-3.2-3b", {"distributed": {"strategy": "zero3-offload"}}),
     # 8B shape: ZeRO-3 full, and LoRA/full with CPU and NVMe (ZeRO-Infinity) offload
-    "full8b-zero3": ("llama-3.1-8b", {"adapter": {"type": "full"}, "train": {"lr": 1e-5},
-                                      "distributed": {"strategy": "zero3"}}),
+    "full8b-zero3": (
+        "llama-3.1-8b",
+        {"adapter": {"type": "full"}, "train": {"lr": 1e-5}, "distributed": {"strategy": "zero3"}},
+    ),
     "lora8b-zero3-offload": ("llama-3.1-8b", {"distributed": {"strategy": "zero3-offload"}}),
-    "full8b-zero3-offload": ("llama-3.1-8b", {"adapter": {"type": "full"}, "train": {"lr": 1e-5},
-                                              "distributed": {"strategy": "zero3-offload"}}),
-    "lora8b-zero3-nvme": ("llama-3.1-8b", {"distributed": {"strategy": "zero3-nvme",
-                                                           "nvme_path": "/tmp/nvme-swap"}}),
-    "full8b-zero3-nvme": ("llama-3.1-8b", {"adapter": {"type": "full"}, "train": {"lr": 1e-5},
-                                           "distributed": {"strategy": "zero3-nvme",
-                                                           "nvme_path": "/tmp/nvme-swap"}}),
-    "lora3b-zero3-nvme": ("llama-3.2-3b", {"distributed": {"strategy": "zero3-nvme",
-                                                           "nvme_path": "/tmp/nvme-swap"}}),
-    "full3b-zero3": ("llama-3.2-3b", {"adapter": {"type": "full"}, "train": {"lr": 1e-5},
-                                      "distributed": {"strategy": "zero3"}}),
+    "full8b-zero3-offload": (
+        "llama-3.1-8b",
+        {"adapter": {"type": "full"}, "train": {"lr": 1e-5}, "distributed": {"strategy": "zero3-offload"}},
+    ),
+    "lora8b-zero3-nvme": ("llama-3.1-8b", {"distributed": {"strategy": "zero3-nvme", "nvme_path": "/tmp/nvme-swap"}}),
+    "full8b-zero3-nvme": (
+        "llama-3.1-8b",
+        {
+            "adapter": {"type": "full"},
+            "train": {"lr": 1e-5},
+            "distributed": {"strategy": "zero3-nvme", "nvme_path": "/tmp/nvme-swap"},
+        },
+    ),
+    "lora3b-zero3-nvme": ("llama-3.2-3b", {"distributed": {"strategy": "zero3-nvme", "nvme_path": "/tmp/nvme-swap"}}),
+    "full3b-zero3": (
+        "llama-3.2-3b",
+        {"adapter": {"type": "full"}, "train": {"lr": 1e-5}, "distributed": {"strategy": "zero3"}},
+    ),
     # the tiers between "everything on the GPU" and "parameters and optimizer offloaded"
-    "full3b-zero2": ("llama-3.2-3b", {"adapter": {"type": "full"}, "train": {"lr": 1e-5},
-                                      "distributed": {"strategy": "zero2"}}),
-    "full3b-zero3-optim-offload": ("llama-3.2-3b", {"adapter": {"type": "full"}, "train": {"lr": 1e-5},
-                                                    "distributed": {"strategy": "zero3-optim-offload"}}),
-    "full3b-fsdp2-offload": ("llama-3.2-3b", {"adapter": {"type": "full"}, "train": {"lr": 1e-5},
-                                              "distributed": {"strategy": "fsdp2-offload"}}),
+    "full3b-zero2": (
+        "llama-3.2-3b",
+        {"adapter": {"type": "full"}, "train": {"lr": 1e-5}, "distributed": {"strategy": "zero2"}},
+    ),
+    "full3b-zero3-optim-offload": (
+        "llama-3.2-3b",
+        {"adapter": {"type": "full"}, "train": {"lr": 1e-5}, "distributed": {"strategy": "zero3-optim-offload"}},
+    ),
+    "full3b-fsdp2-offload": (
+        "llama-3.2-3b",
+        {"adapter": {"type": "full"}, "train": {"lr": 1e-5}, "distributed": {"strategy": "fsdp2-offload"}},
+    ),
     # hybrid shard: two launcher processes as two "nodes" of 2 GPUs on a 4-GPU machine (shard inside a
     # node, replicate across). With 1 GPU per node there is nothing to shard inside a node and the
     # planner refuses fsdp2-hybrid (test_hybrid_needs_two_gpus_per_node).
@@ -88,14 +109,29 @@ RUNS: dict[str, tuple[str, dict]] = {
 def gpu_preset(path: Path, *, nodes: int, gpus_per_node: int) -> Path:
     """A user preset file for this machine's card, split into `nodes` nodes."""
     name, memory_gib = query_gpus()[0]  # what --hardware auto sees (CUDA_VISIBLE_DEVICES honoured)
-    path.write_text(yaml.safe_dump({
-        "name": f"loopback-{nodes}x{gpus_per_node}", "gpu_model": name, "gpu_memory_gib": memory_gib,
-        "gpus_per_node": gpus_per_node, "nodes": nodes, "intra_node_link": "nvlink",
-        "intra_node_bandwidth_gbps": 300, "inter_node_fabric": "ethernet" if nodes > 1 else "none",
-        "inter_node_bandwidth_gbps": 25 if nodes > 1 else 0,
-        "host_ram_gib": round(host_ram_gib() / nodes, 1),  # loopback "nodes" share this host's RAM
-        "peak_bf16_tflops": peak_bf16_tflops(name)}))
+    path.write_text(
+        yaml.safe_dump(
+            {
+                "name": f"loopback-{nodes}x{gpus_per_node}",
+                "gpu_model": name,
+                "gpu_memory_gib": memory_gib,
+                "gpus_per_node": gpus_per_node,
+                "nodes": nodes,
+                "intra_node_link": "nvlink",
+                "intra_node_bandwidth_gbps": 300,
+                "inter_node_fabric": "ethernet" if nodes > 1 else "none",
+                "inter_node_bandwidth_gbps": 25 if nodes > 1 else 0,
+                "host_ram_gib": round(host_ram_gib() / nodes, 1),  # loopback "nodes" share this host's RAM
+                "peak_bf16_tflops": peak_bf16_tflops(name),
+            }
+        )
+    )
     return path
+
+
+def finetune_cmd(*args: str) -> list[str]:
+    """`finetune ARGS...` as this interpreter runs it (the GPU machine has no console script on PATH)."""
+    return [sys.executable, "-m", "finetune.cli", *args]
 
 
 def run_until(cmd: list[str], deadline_s: float | None) -> int:
@@ -120,9 +156,23 @@ def run_two_nodes(work: Path, run_dir: Path, extra: list[str], *, gpus_per_node:
     for rank in (0, 1):
         gpus = range(rank * gpus_per_node, (rank + 1) * gpus_per_node)
         env = {**os.environ, "CUDA_VISIBLE_DEVICES": ",".join(str(g) for g in gpus)}
-        cmd = [sys.executable, "-m", "finetune.cli", "run", str(work / "recipe.yaml"), "--hardware", str(preset),
-               "--output", str(run_dir) + (f"-node{rank}" if rank else ""), "--resume", "never",
-               "--node-rank", str(rank), "--main-address", "127.0.0.1", "--main-port", "29533", *extra]
+        cmd = finetune_cmd(
+            "run",
+            str(work / "recipe.yaml"),
+            "--hardware",
+            str(preset),
+            "--output",
+            str(run_dir) + (f"-node{rank}" if rank else ""),
+            "--resume",
+            "never",
+            "--node-rank",
+            str(rank),
+            "--main-address",
+            "127.0.0.1",
+            "--main-port",
+            "29533",
+            *extra,
+        )
         procs.append(subprocess.Popen(cmd, cwd=ROOT, env=env))
     return max(p.wait() for p in procs)
 
@@ -131,23 +181,36 @@ def run_portable(work: Path, run_dir: Path, extra: list[str], steps: int, *, fir
     """Save at the halfway step on `first` GPUs, then resume on `then` GPUs and finish."""
     presets = {n: gpu_preset(work / f"preset{n}.yaml", nodes=1, gpus_per_node=n) for n in {first, then}}
     half = steps // 2
-    base = [sys.executable, "-m", "finetune.cli", "run", str(work / "recipe.yaml"), "--output", str(run_dir),
-            "--set", f"output.save_every={half}", "--set", "train.global_batch_size=8", *extra]
+    base = finetune_cmd(
+        "run",
+        str(work / "recipe.yaml"),
+        "--output",
+        str(run_dir),
+        "--set",
+        f"output.save_every={half}",
+        "--set",
+        "train.global_batch_size=8",
+        *extra,
+    )
     gpus = lambda n: {**os.environ, "CUDA_VISIBLE_DEVICES": ",".join(str(i) for i in range(n))}  # noqa: E731
-    code = subprocess.run(base + ["--hardware", str(presets[first]), "--resume", "never",
-                                  "--set", f"train.max_steps={half}"], cwd=ROOT, env=gpus(first)).returncode
+    code = subprocess.run(
+        base + ["--hardware", str(presets[first]), "--resume", "never", "--set", f"train.max_steps={half}"],
+        cwd=ROOT,
+        env=gpus(first),
+    ).returncode
     if code:
         return code
     # the resumed run rewrites metrics.jsonl from the checkpoint's step on; keep the first half's rows
     shutil.copy(run_dir / rundir.METRICS, run_dir.parent / "first-half-metrics.jsonl")
-    return subprocess.run(base + ["--hardware", str(presets[then]), "--resume", "auto",
-                                  "--set", f"train.max_steps={steps}"], cwd=ROOT, env=gpus(then)).returncode
-
+    return subprocess.run(
+        base + ["--hardware", str(presets[then]), "--resume", "auto", "--set", f"train.max_steps={steps}"],
+        cwd=ROOT,
+        env=gpus(then),
+    ).returncode
 
 
 def words(rng: random.Random, n: int) -> str:
-    return " ".join("".join(rng.choice(string.ascii_lowercase) for _ in range(rng.randint(2, 8)))
-                    for _ in range(n))
+    return " ".join("".join(rng.choice(string.ascii_lowercase) for _ in range(rng.randint(2, 8))) for _ in range(n))
 
 
 def write_data(path: Path, *, preference: bool, seq: int, n: int = 4000, seed: int = 0) -> None:
@@ -160,12 +223,13 @@ def write_data(path: Path, *, preference: bool, seq: int, n: int = 4000, seed: i
         for _ in range(n):
             text = words(rng, rng.randint(least, most))
             if preference:
-                row = {"prompt": [{"role": "user", "content": text}],
-                       "chosen": [{"role": "assistant", "content": text.upper()}],
-                       "rejected": [{"role": "assistant", "content": text[::-1]}]}
+                row = {
+                    "prompt": [{"role": "user", "content": text}],
+                    "chosen": [{"role": "assistant", "content": text.upper()}],
+                    "rejected": [{"role": "assistant", "content": text[::-1]}],
+                }
             else:
-                row = {"messages": [{"role": "user", "content": text},
-                                    {"role": "assistant", "content": text.upper()}]}
+                row = {"messages": [{"role": "user", "content": text}, {"role": "assistant", "content": text.upper()}]}
             f.write(json.dumps(row) + "\n")
 
 
@@ -174,10 +238,14 @@ def base_recipe(model_dir: Path, data: Path, *, steps: int, seq: int, batch: int
         "model": {"name": str(model_dir), "dtype": "bfloat16"},  # attention: finetune's default (auto)
         "method": {"type": "sft"},
         "adapter": {"type": "lora"},
-        "data": {"path": str(data), "format": "messages", "max_length": seq, "packing": True,
-                 "max_too_long_fraction": 0.5},
-        "train": {"max_steps": steps, "lr": 2e-4, "global_batch_size": batch, "logging_steps": 5,
-                  "warmup_ratio": 0.1},
+        "data": {
+            "path": str(data),
+            "format": "messages",
+            "max_length": seq,
+            "packing": True,
+            "max_too_long_fraction": 0.5,
+        },
+        "train": {"max_steps": steps, "lr": 2e-4, "global_batch_size": batch, "logging_steps": 5, "warmup_ratio": 0.1},
         "hardware": "auto",
         "output": {"save_every": steps // 2, "keep": 1},
         "logging": {"report_to": ["none"]},
@@ -204,8 +272,9 @@ def ensure_model(arch: str) -> Path:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if not (out / "config.json").exists():
             source = str(ROOT / arch) if arch.endswith(".json") else arch
-            subprocess.run([sys.executable, str(ROOT / "scripts" / "make_random_model.py"), source, str(out)],
-                           check=True)
+            subprocess.run(
+                [sys.executable, str(ROOT / "scripts" / "make_random_model.py"), source, str(out)], check=True
+            )
     return out
 
 
@@ -248,7 +317,8 @@ def collect(run_dir: Path) -> dict:
         "liger": resolved["train"]["liger"] == "on",
         "cast_adapter_inputs": resolved["adapter"]["cast_adapter_inputs"],
         "card": ranks[0].get("gpu_name") if ranks else None,
-        "strategy": plan["strategy"], "world_size": plan["world_size"],
+        "strategy": plan["strategy"],
+        "world_size": plan["world_size"],
         "micro_batch_size": plan["micro_batch_size"],
         "gradient_accumulation_steps": plan["gradient_accumulation_steps"],
         "activation_checkpointing": plan["activation_checkpointing"],
@@ -271,7 +341,8 @@ def collect(run_dir: Path) -> dict:
         "resumed_from": summary.get("resumed_from"),
         "checkpoints": sorted(p.name for p in (run_dir / rundir.CHECKPOINTS).glob("checkpoint-*")),
         "adapter_bytes": (run_dir / "adapter_model.safetensors").stat().st_size
-        if (run_dir / "adapter_model.safetensors").exists() else None,
+        if (run_dir / "adapter_model.safetensors").exists()
+        else None,
     }
 
 
@@ -283,8 +354,9 @@ def add_mfu(row: dict, *, run_dir: Path) -> None:
     peak = peak_bf16_tflops(row.get("card") or "")
     for key in ("tokens_per_second", "steady_tokens_per_second"):
         if row.get(key):
-            row[key.replace("tokens_per_second", "mfu")] = round(mfu(
-                tokens_per_second=row[key], flops_per_token=flops, peak_tflops=peak, gpus=row["world_size"]), 4)
+            row[key.replace("tokens_per_second", "mfu")] = round(
+                mfu(tokens_per_second=row[key], flops_per_token=flops, peak_tflops=peak, gpus=row["world_size"]), 4
+            )
 
 
 def main() -> None:
@@ -296,8 +368,12 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--set", dest="overrides", action="append", default=[])
     parser.add_argument("--out", default="validation.json")
-    parser.add_argument("--run-timeout", type=float, default=None,
-                        help="seconds before a (single-launch) run is stopped and its partial figures kept")
+    parser.add_argument(
+        "--run-timeout",
+        type=float,
+        default=None,
+        help="seconds before a (single-launch) run is stopped and its partial figures kept",
+    )
     args = parser.parse_args()
 
     out = Path(args.out)
@@ -327,8 +403,15 @@ def main() -> None:
         (work / "recipe.yaml").write_text(yaml.safe_dump(recipe, sort_keys=False))
         run_dir = work / "run"
         start, started_at = time.perf_counter(), time.time()
-        cmd = [sys.executable, "-m", "finetune.cli", "run", str(work / "recipe.yaml"), "--output", str(run_dir),
-               "--resume", "never", *sum((["--set", s] for s in args.overrides), [])]
+        cmd = finetune_cmd(
+            "run",
+            str(work / "recipe.yaml"),
+            "--output",
+            str(run_dir),
+            "--resume",
+            "never",
+            *sum((["--set", s] for s in args.overrides), []),
+        )
         print(f"\n=== {name}: {' '.join(cmd)}", flush=True)
         extra = sum((["--set", s] for s in args.overrides), [])
         if name.endswith("-2x2"):  # a 4-GPU machine as two nodes of 2 GPUs
@@ -338,9 +421,15 @@ def main() -> None:
             code = run_portable(work, run_dir, extra, steps, first=first, then=then)
         else:
             code = run_until(cmd, args.run_timeout)
-        row = {"name": name, "arch": arch, "adapter": recipe["adapter"]["type"],
-               "method": recipe["method"]["type"], "exit_code": code,
-               "wall_s": round(time.perf_counter() - start, 1), "date": time.strftime("%Y-%m-%d")}
+        row = {
+            "name": name,
+            "arch": arch,
+            "adapter": recipe["adapter"]["type"],
+            "method": recipe["method"]["type"],
+            "exit_code": code,
+            "wall_s": round(time.perf_counter() - start, 1),
+            "date": time.strftime("%Y-%m-%d"),
+        }
         if (run_dir / rundir.SUMMARY).exists():  # wall_s minus this = the launcher's exit after training
             row["summary_written_at_s"] = round((run_dir / rundir.SUMMARY).stat().st_mtime - started_at, 1)
         if (run_dir / rundir.PLAN_JSON).exists():
@@ -355,12 +444,14 @@ def main() -> None:
 
     print("\nname            card                      strategy  mb  ckpt  predicted  reserved  alloc  tok/s  loss")
     for r in results:
-        print(f"{r['name']:15} {str(r.get('card'))[:25]:25} {r.get('strategy', '-'):9} "
-              f"{r.get('micro_batch_size', '-')!s:3} "
-              f"{r.get('activation_checkpointing', '-')!s:5} {r.get('predicted_gib', 0):9.1f} "
-              f"{r.get('measured_max_reserved_gib', 0):9.1f} {r.get('measured_max_allocated_gib', 0):6.1f} "
-              f"{r.get('tokens_per_second') or 0:6.0f}  {r.get('first_loss')} -> {r.get('last_loss')}  "
-              f"rc={r['exit_code']}")
+        print(
+            f"{r['name']:15} {str(r.get('card'))[:25]:25} {r.get('strategy', '-'):9} "
+            f"{r.get('micro_batch_size', '-')!s:3} "
+            f"{r.get('activation_checkpointing', '-')!s:5} {r.get('predicted_gib', 0):9.1f} "
+            f"{r.get('measured_max_reserved_gib', 0):9.1f} {r.get('measured_max_allocated_gib', 0):6.1f} "
+            f"{r.get('tokens_per_second') or 0:6.0f}  {r.get('first_loss')} -> {r.get('last_loss')}  "
+            f"rc={r['exit_code']}"
+        )
 
 
 if __name__ == "__main__":

@@ -72,8 +72,10 @@ def attention_window_fields(arch) -> dict:
     """sliding_window (None when the registry has none), use_sliding_window (Qwen's switch), layer_types
     with the registry's count of sliding layers, the global ones evenly spaced as the families place them
     (Gemma-2 every 2nd, Gemma-3 every 6th), and attn_logit_softcapping (None when the registry has none)."""
-    out = {"sliding_window": arch.sliding_window if arch.sliding_layers else None,
-           "attn_logit_softcapping": arch.attn_logit_softcap}
+    out = {
+        "sliding_window": arch.sliding_window if arch.sliding_layers else None,
+        "attn_logit_softcapping": arch.attn_logit_softcap,
+    }
     if arch.family.startswith("qwen"):
         out["use_sliding_window"] = bool(out["sliding_window"])
     if out["sliding_window"] and arch.family != "mistral":  # MistralConfig slides every layer, no layer_types
@@ -103,8 +105,9 @@ def tensor_shapes(config) -> list[tuple[str, tuple[int, ...]]]:
     return out
 
 
-def plan_shards(shapes: list[tuple[str, tuple[int, ...]]], *, element_bytes: int,
-                shard_bytes: int = SHARD_BYTES) -> list[list[tuple[str, tuple[int, ...]]]]:
+def plan_shards(
+    shapes: list[tuple[str, tuple[int, ...]]], *, element_bytes: int, shard_bytes: int = SHARD_BYTES
+) -> list[list[tuple[str, tuple[int, ...]]]]:
     """Consecutive tensors grouped into shards of at most `shard_bytes` (a larger tensor gets its own)."""
     shards: list[list[tuple[str, tuple[int, ...]]]] = [[]]
     size = 0
@@ -132,8 +135,9 @@ def draw(name: str, shape: tuple[int, ...], *, generator, device: str):
     return t.cpu()
 
 
-def write_random_checkpoint(config, out: Path, *, device: str = "cpu", seed: int = 0,
-                            shard_bytes: int = SHARD_BYTES, writers: int = 4) -> tuple[int, int]:
+def write_random_checkpoint(
+    config, out: Path, *, device: str = "cpu", seed: int = 0, shard_bytes: int = SHARD_BYTES, writers: int = 4
+) -> tuple[int, int]:
     """Write `config`'s model with random bf16 weights into `out` shard by shard; (params, bytes)."""
     import torch
     from safetensors.torch import save_file
@@ -158,16 +162,20 @@ def write_random_checkpoint(config, out: Path, *, device: str = "cpu", seed: int
         for name, _ in shard:
             weight_map[name] = names[i]
     total = 2 * params
-    (out / "model.safetensors.index.json").write_text(json.dumps(
-        {"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2) + "\n")
+    (out / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2) + "\n"
+    )
     config.save_pretrained(out)  # config.json last: its presence marks a finished checkpoint
     return params, total
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("arch", help="registry key, e.g. llama-3.1-8b, or a config.json path (any architecture "
-                        "transformers builds, e.g. a mixture-of-experts config)")
+    parser.add_argument(
+        "arch",
+        help="registry key, e.g. llama-3.1-8b, or a config.json path (any architecture "
+        "transformers builds, e.g. a mixture-of-experts config)",
+    )
     parser.add_argument("out")
     parser.add_argument("--device", default=None, help="where weights are drawn (default: cuda if available)")
     parser.add_argument("--tokenizer", default=str(ROOT / "data" / "tiny-llama"))
@@ -196,8 +204,10 @@ def main() -> None:
         if src.exists():
             shutil.copy(src, out / name)
     seconds = time.perf_counter() - start
-    print(f"{args.arch}: {params / 1e9:.2f}B parameters ({nbytes / 1e9:.1f} GB) written to {out} "
-          f"in {seconds:.0f}s ({nbytes / 1e9 / max(seconds, 1e-9):.2f} GB/s)")
+    print(
+        f"{args.arch}: {params / 1e9:.2f}B parameters ({nbytes / 1e9:.1f} GB) written to {out} "
+        f"in {seconds:.0f}s ({nbytes / 1e9 / max(seconds, 1e-9):.2f} GB/s)"
+    )
 
 
 if __name__ == "__main__":

@@ -71,9 +71,17 @@ def base_recipe(tmp: Path, **sections) -> dict:
         "model": {"name": str(TINY), "dtype": "float32"},
         "adapter": {"type": "lora", "r": 8, "alpha": 16},
         "data": {"sources": [{"path": str(data), "max_samples": 32}], "max_length": 32},
-        "train": {"max_steps": 2, "lr": 3e-3, "global_batch_size": 8, "micro_batch_size": 8, "precision": "fp32",
-                  "warmup_ratio": 0.0, "seed": 7},
-        "hardware": "cpu", "logging": {"report_to": ["none"]},
+        "train": {
+            "max_steps": 2,
+            "lr": 3e-3,
+            "global_batch_size": 8,
+            "micro_batch_size": 8,
+            "precision": "fp32",
+            "warmup_ratio": 0.0,
+            "seed": 7,
+        },
+        "hardware": "cpu",
+        "logging": {"report_to": ["none"]},
     }
     for key, value in sections.items():
         recipe[key] = {**recipe.get(key, {}), **value} if isinstance(value, dict) else value
@@ -87,14 +95,17 @@ def write(tmp: Path, recipe: dict | str, name: str = "recipe.yaml") -> Path:
 
 
 def validate(recipe: dict | str) -> Callable[[Path], list[str]]:
-    return lambda tmp: ["validate", str(write(tmp, recipe if isinstance(recipe, str) else
-                                              _merge(base_recipe(tmp), recipe)))]
+    return lambda tmp: [
+        "validate",
+        str(write(tmp, recipe if isinstance(recipe, str) else _merge(base_recipe(tmp), recipe))),
+    ]
 
 
 def dry_run(recipe: dict, *extra: str, output: str | None = None) -> Callable[[Path], list[str]]:
     def setup(tmp: Path) -> list[str]:
         out = output.format(tmp=tmp, tiny=TINY) if output else str(tmp / "run")
         return ["run", str(write(tmp, _merge(base_recipe(tmp), recipe))), "--output", out, "--dry-run", *extra]
+
     return setup
 
 
@@ -114,12 +125,28 @@ _DELETE = object()
 
 # --- recipe attempts: hostile values for every kind of key ---
 HOSTILE_VALUES = [True, "60", -1, 0, 1e30, 2**70, None, [], {}, "", "x" * 500, "0x10", ".nan", -0.5, "∞"]
-KEYS = [("train", "max_steps"), ("train", "epochs"), ("train", "lr"), ("train", "global_batch_size"),
-        ("train", "micro_batch_size"), ("train", "seed"), ("train", "warmup_ratio"), ("train", "scheduler"),
-        ("train", "precision"), ("adapter", "r"), ("adapter", "alpha"), ("adapter", "type"),
-        ("data", "max_length"), ("output", "save_every"), ("output", "keep"), ("model", "dtype"),
-        ("distributed", "strategy"), ("distributed", "timeout_minutes"), ("hub", "repo"),
-        ("logging", "report_to")]
+KEYS = [
+    ("train", "max_steps"),
+    ("train", "epochs"),
+    ("train", "lr"),
+    ("train", "global_batch_size"),
+    ("train", "micro_batch_size"),
+    ("train", "seed"),
+    ("train", "warmup_ratio"),
+    ("train", "scheduler"),
+    ("train", "precision"),
+    ("adapter", "r"),
+    ("adapter", "alpha"),
+    ("adapter", "type"),
+    ("data", "max_length"),
+    ("output", "save_every"),
+    ("output", "keep"),
+    ("model", "dtype"),
+    ("distributed", "strategy"),
+    ("distributed", "timeout_minutes"),
+    ("hub", "repo"),
+    ("logging", "report_to"),
+]
 
 
 def recipe_attempts() -> list[Attempt]:
@@ -129,11 +156,18 @@ def recipe_attempts() -> list[Attempt]:
             if (i + j) % 2:  # every key meets half the values, every value meets half the keys
                 continue
             out.append(Attempt(f"recipe {section}.{key}={value!r:.20}", validate({section: {key: value}})))
-    aliases = {"learning_rate": ("train", 1e-4), "num_train_epochs": ("train", 1),
-               "per_device_train_batch_size": ("train", 2), "rank": ("adapter", 8), "lora_alpha": ("adapter", 16),
-               "max_seq_length": ("data", 128), "output_dir": ("output", "x"),
-               "gradient_checkpointing": ("train", True),
-               "model_name_or_path": ("model", "x"), "save_steps": ("output", 5)}
+    aliases = {
+        "learning_rate": ("train", 1e-4),
+        "num_train_epochs": ("train", 1),
+        "per_device_train_batch_size": ("train", 2),
+        "rank": ("adapter", 8),
+        "lora_alpha": ("adapter", 16),
+        "max_seq_length": ("data", 128),
+        "output_dir": ("output", "x"),
+        "gradient_checkpointing": ("train", True),
+        "model_name_or_path": ("model", "x"),
+        "save_steps": ("output", 5),
+    }
     for alias, (section, value) in aliases.items():
         out.append(Attempt(f"alias {section}.{alias}", validate({section: {alias: value}})))
     head = f"model: {{name: {TINY}}}\ndata: {{path: {TRAIN}, max_samples: 8}}\n"
@@ -161,8 +195,9 @@ def recipe_attempts() -> list[Attempt]:
 
 
 # --- data attempts: files a careless user or an attacker might point at ---
-def _data(name: str, content: bytes | None, *, fmt: str = "messages",
-          kind: str = "file") -> Callable[[Path], list[str]]:
+def _data(
+    name: str, content: bytes | None, *, fmt: str = "messages", kind: str = "file"
+) -> Callable[[Path], list[str]]:
     def setup(tmp: Path) -> list[str]:
         path = tmp / name
         if kind == "dir":
@@ -175,9 +210,13 @@ def _data(name: str, content: bytes | None, *, fmt: str = "messages",
             pass
         else:
             path.write_bytes(content or b"")
-        recipe = base_recipe(tmp, data={"sources": [{"path": str(path), "format": fmt}]},
-                             train={"global_batch_size": 1, "micro_batch_size": 1})
+        recipe = base_recipe(
+            tmp,
+            data={"sources": [{"path": str(path), "format": fmt}]},
+            train={"global_batch_size": 1, "micro_batch_size": 1},
+        )
         return ["validate", str(write(tmp, recipe))]
+
     return setup
 
 
@@ -194,13 +233,22 @@ def data_attempts() -> list[Attempt]:
         "blank.jsonl": (b"\n\n  \n", "messages", "file"),
         "list-rows.jsonl": (b"[1, 2]\n", "messages", "file"),
         "string-rows.jsonl": (b'"just text"\n', "messages", "file"),
-        "no-assistant.jsonl": (json.dumps({"messages": [{"role": "user", "content": "hi"}]}).encode() + b"\n",
-                               "messages", "file"),
-        "bad-role.jsonl": (json.dumps({"messages": [{"role": "wizard", "content": "x"}]}).encode() + b"\n",
-                           "messages", "file"),
+        "no-assistant.jsonl": (
+            json.dumps({"messages": [{"role": "user", "content": "hi"}]}).encode() + b"\n",
+            "messages",
+            "file",
+        ),
+        "bad-role.jsonl": (
+            json.dumps({"messages": [{"role": "wizard", "content": "x"}]}).encode() + b"\n",
+            "messages",
+            "file",
+        ),
         "missing-column.jsonl": (b'{"prompt": "a"}\n', "prompt_completion", "file"),
-        "null-content.jsonl": (json.dumps({"messages": [{"role": "assistant", "content": None}]}).encode() + b"\n",
-                               "messages", "file"),
+        "null-content.jsonl": (
+            json.dumps({"messages": [{"role": "assistant", "content": None}]}).encode() + b"\n",
+            "messages",
+            "file",
+        ),
         "truncated.jsonl": (msg.encode()[:-5] + b"\n", "messages", "file"),
         "bom.jsonl": (b"\xef\xbb\xbf" + msg.encode() + b"\n", "messages", "file"),
         "nul-bytes.jsonl": (b"\x00" * 64 + b"\n", "messages", "file"),
@@ -212,16 +260,23 @@ def data_attempts() -> list[Attempt]:
         "csv-no-header.csv": (b"", "text", "file"),
         "number-text.jsonl": (b'{"text": 5}\n', "text", "file"),
     }
-    return [Attempt(f"data {name}", _data(name, content, fmt=fmt, kind=kind))
-            for name, (content, fmt, kind) in cases.items()]
+    return [
+        Attempt(f"data {name}", _data(name, content, fmt=fmt, kind=kind))
+        for name, (content, fmt, kind) in cases.items()
+    ]
 
 
 # --- output directory attempts ---
 def _foreign(tmp: Path) -> list[str]:
     user = tmp / "mine"
     (user / "checkpoints" / "checkpoint-500").mkdir(parents=True)
-    for name in ("config.json", "model.safetensors", "metrics.jsonl", "summary.json",
-                 "checkpoints/checkpoint-500/optimizer.pt"):
+    for name in (
+        "config.json",
+        "model.safetensors",
+        "metrics.jsonl",
+        "summary.json",
+        "checkpoints/checkpoint-500/optimizer.pt",
+    ):
         (user / name).write_text(name)
     return ["run", str(write(tmp, base_recipe(tmp))), "--output", str(user)]
 
@@ -239,8 +294,9 @@ def _stale_lock(tmp: Path, host: str | None = None, fresh: bool = True) -> list[
     run = tmp / "run"
     run.mkdir()
     (run / ".finetune-run.json").write_text("{}")
-    (run / ".finetune-node0.lock").write_text(json.dumps({"pid": os.getpid() if host else 2**22 + 3,
-                                                          "host": host or socket.gethostname()}))
+    (run / ".finetune-node0.lock").write_text(
+        json.dumps({"pid": os.getpid() if host else 2**22 + 3, "host": host or socket.gethostname()})
+    )
     if not fresh:
         old = time.time() - 3600
         os.utime(run / ".finetune-node0.lock", (old, old))
@@ -267,6 +323,7 @@ def _resume_path(what: str) -> Callable[[Path], list[str]]:
             (ckpt / "finetune_complete.json").write_text("{not json")
         target = {"missing": str(tmp / "nope"), "garbage marker": str(ckpt), "a file": str(tmp / "recipe.yaml")}
         return ["run", str(write(tmp, base_recipe(tmp))), "--output", str(tmp / "run"), "--resume", target[what]]
+
     return setup
 
 
@@ -311,26 +368,46 @@ def output_attempts() -> list[Attempt]:
         Attempt("cli recipe is a dir", _cli("validate", "{tmp}")),
         Attempt("cli unknown command", _cli("frobnicate")),
         Attempt("cli merge missing run", _cli("merge", "{tmp}/none", "-o", "{tmp}/out")),
-        Attempt("cli node rank single node", _cli("run", "{recipe}", "--output", "{tmp}/r", "--node-rank", "3",
-                                                  "--dry-run")),
-        Attempt("cli gpu preset, no gpu", _cli("run", "{recipe}", "--output", "{tmp}/r", "--hardware",
-                                               "workstation-1x4090")),
-        Attempt("cwd is /", lambda t: ["@cwd=/", "validate", str(write(t, base_recipe(
-            t, data={"sources": [{"path": str(t / "train.jsonl")}]})))]),
+        Attempt(
+            "cli node rank single node", _cli("run", "{recipe}", "--output", "{tmp}/r", "--node-rank", "3", "--dry-run")
+        ),
+        Attempt(
+            "cli gpu preset, no gpu", _cli("run", "{recipe}", "--output", "{tmp}/r", "--hardware", "workstation-1x4090")
+        ),
+        Attempt(
+            "cwd is /",
+            lambda t: [
+                "@cwd=/",
+                "validate",
+                str(write(t, base_recipe(t, data={"sources": [{"path": str(t / "train.jsonl")}]}))),
+            ],
+        ),
     ]
 
 
 # --- attempts that train (subprocess) ---
 def _env(tmp: Path) -> dict:
     env = {k: v for k, v in os.environ.items() if k != "FINETUNE_DEBUG"}
-    env.update(HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TOKENIZERS_PARALLELISM="false", PYTHONPATH=str(ROOT),
-               FINETUNE_CACHE_DIR=str(tmp / "cache"))
+    env.update(
+        HF_HUB_OFFLINE="1",
+        HF_DATASETS_OFFLINE="1",
+        TOKENIZERS_PARALLELISM="false",
+        PYTHONPATH=str(ROOT),
+        FINETUNE_CACHE_DIR=str(tmp / "cache"),
+    )
     return env
 
 
 def _cli_proc(tmp: Path, *argv: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "finetune.cli", *argv], cwd=tmp, env=_env(tmp),
-                          capture_output=True, text=True, timeout=600, check=False)
+    return subprocess.run(
+        [sys.executable, "-m", "finetune.cli", *argv],
+        cwd=tmp,
+        env=_env(tmp),
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
 
 
 def _finished_run(tmp: Path, **sections) -> tuple[Path, Path]:
@@ -346,21 +423,29 @@ def training_attempts() -> list[Attempt]:
         def setup(tmp):
             recipe, run = _finished_run(tmp, output={"save_every": 1})
             return ["@subprocess", "run", str(recipe), "--output", str(run), *extra]
+
         return setup
 
     def signal_run(sig: int, times: int):
         def setup(tmp):
             recipe = write(tmp, base_recipe(tmp, train={"max_steps": 400}))
             return ["@signal", str(sig), str(times), "run", str(recipe), "--output", str(tmp / "run")]
+
         return setup
 
     return [
         Attempt("train: identical rerun", rerun(), trains=True, expect=(0,)),
         Attempt("train: changed lr rerun", rerun("--set", "train.lr=0.01"), trains=True, expect=(2,)),
-        Attempt("train: replaced data rerun", lambda t: (rerun()(t), (t / "train.jsonl").write_text(
-            "\n".join(reversed(TRAIN.read_text().splitlines())) + "\n"))[0], trains=True, expect=(2,)),
-        Attempt("train: longer rerun", rerun("--set", "train.max_steps=3"), trains=True, may_change=True,
-                expect=(0,)),
+        Attempt(
+            "train: replaced data rerun",
+            lambda t: (
+                rerun()(t),
+                (t / "train.jsonl").write_text("\n".join(reversed(TRAIN.read_text().splitlines())) + "\n"),
+            )[0],
+            trains=True,
+            expect=(2,),
+        ),
+        Attempt("train: longer rerun", rerun("--set", "train.max_steps=3"), trains=True, may_change=True, expect=(0,)),
         Attempt("train: Ctrl-C", signal_run(signal.SIGINT, 1), trains=True, expect=(130,)),
         Attempt("train: Ctrl-C twice", signal_run(signal.SIGINT, 2), trains=True, expect=(130,)),
         Attempt("train: SIGHUP", signal_run(signal.SIGHUP, 1), trains=True, expect=(75,)),
@@ -383,8 +468,12 @@ def snapshot(root: Path) -> dict[str, str]:
     out = {}
     for path in sorted(root.rglob("*")):
         rel = path.relative_to(root)
-        if path.is_file() and not path.is_symlink() and "cache" not in rel.parts and not (
-                path.name.startswith(".finetune-node") and path.suffix == ".lock"):  # a lock is no data
+        if (
+            path.is_file()
+            and not path.is_symlink()
+            and "cache" not in rel.parts
+            and not (path.name.startswith(".finetune-node") and path.suffix == ".lock")
+        ):  # a lock is no data
             out[str(rel)] = hashlib.sha256(path.read_bytes()).hexdigest()
     return out
 
@@ -414,8 +503,15 @@ def _in_process(argv: list[str], cwd: Path) -> tuple[int, str]:
 
 def _with_signal(argv: list[str], tmp: Path) -> tuple[int, str]:
     sig, times, argv = int(argv[0]), int(argv[1]), argv[2:]
-    proc = subprocess.Popen([sys.executable, "-m", "finetune.cli", *argv], cwd=tmp, env=_env(tmp),
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "finetune.cli", *argv],
+        cwd=tmp,
+        env=_env(tmp),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
     metrics = tmp / "run" / "metrics.jsonl"
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline and proc.poll() is None:
@@ -447,8 +543,14 @@ def run_attempt(attempt: Attempt, root: Path) -> Outcome:
     after = snapshot(tmp)
     after.update({f"<model>/{k}": v for k, v in _model_hashes().items()})
     lost = [] if attempt.may_change else [k for k, v in before.items() if after.get(k) != v]
-    outcome = Outcome(attempt.name, code, lost=lost, traceback="Traceback (most recent call last)" in out,
-                      internal="internal error" in out, tail=out[-1500:])
+    outcome = Outcome(
+        attempt.name,
+        code,
+        lost=lost,
+        traceback="Traceback (most recent call last)" in out,
+        internal="internal error" in out,
+        tail=out[-1500:],
+    )
     outcome.no_fix = code != 0 and "fix:" not in out
     outcome.unexpected = attempt.expect is not None and code not in attempt.expect
     shutil.rmtree(tmp, ignore_errors=True)
@@ -471,8 +573,11 @@ def probe(attempts: list[Attempt], *, root: Path | None = None, verbose: bool = 
         outcomes.append(outcome)
         if verbose:
             flags = [f for f in ("lost", "traceback", "no_fix", "internal", "unexpected") if getattr(outcome, f)]
-            print(f"{'ok ' if outcome.ok else 'BAD'} exit {outcome.code:>3}  {attempt.name}"
-                  + (f"  [{', '.join(flags)}]" if flags else ""), flush=True)
+            print(
+                f"{'ok ' if outcome.ok else 'BAD'} exit {outcome.code:>3}  {attempt.name}"
+                + (f"  [{', '.join(flags)}]" if flags else ""),
+                flush=True,
+            )
             if not outcome.ok:
                 print("    " + outcome.tail.replace("\n", "\n    ")[-1200:], flush=True)
     return outcomes
@@ -480,11 +585,16 @@ def probe(attempts: list[Attempt], *, root: Path | None = None, verbose: bool = 
 
 def report(outcomes: list[Outcome]) -> dict:
     nonzero = [o for o in outcomes if o.code != 0]
-    return {"attempts": len(outcomes), "data_lost": sum(bool(o.lost) for o in outcomes),
-            "tracebacks": sum(o.traceback for o in outcomes), "internal_errors": sum(o.internal for o in outcomes),
-            "nonzero_exits": len(nonzero), "nonzero_without_fix": sum(o.no_fix for o in outcomes),
-            "unexpected_exit_codes": sum(o.unexpected for o in outcomes),
-            "bad": [o.name for o in outcomes if not o.ok]}
+    return {
+        "attempts": len(outcomes),
+        "data_lost": sum(bool(o.lost) for o in outcomes),
+        "tracebacks": sum(o.traceback for o in outcomes),
+        "internal_errors": sum(o.internal for o in outcomes),
+        "nonzero_exits": len(nonzero),
+        "nonzero_without_fix": sum(o.no_fix for o in outcomes),
+        "unexpected_exit_codes": sum(o.unexpected for o in outcomes),
+        "bad": [o.name for o in outcomes if not o.ok],
+    }
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,7 +1,7 @@
 """Keep each shipped recipe's "# Plan (...)" header line equal to what the planner says now.
 
-    python scripts/recipe_headers.py          # rewrite the lines
-    python scripts/recipe_headers.py --check  # exit 1 if any is stale (tests/unit/recipe/test_recipe_headers.py)
+python scripts/recipe_headers.py          # rewrite the lines
+python scripts/recipe_headers.py --check  # exit 1 if any is stale (tests/unit/recipe/test_recipe_headers.py)
 """
 
 from __future__ import annotations
@@ -24,9 +24,11 @@ def describe(recipe_path: str, hardware: str) -> str:
     if not plan.fits:
         return "does not fit; see `finetune plan` for what would"
     ckpt = checkpointing_text(plan)
-    return (f"{plan.strategy}, {plan.per_gpu_memory_gib:.1f} GiB per GPU, micro-batch {plan.micro_batch_size}"
-            f" x {plan.gradient_accumulation_steps} accumulation, checkpointing {ckpt}, "
-            f"~{plan.tokens_per_second:,.0f} tokens/s")
+    return (
+        f"{plan.strategy}, {plan.per_gpu_memory_gib:.1f} GiB per GPU, micro-batch {plan.micro_batch_size}"
+        f" x {plan.gradient_accumulation_steps} accumulation, checkpointing {ckpt}, "
+        f"~{plan.tokens_per_second:,.0f} tokens/s"
+    )
 
 
 def main() -> int:
@@ -37,8 +39,10 @@ def main() -> int:
         match = LINE.search(text)
         if not match:
             continue
-        fresh = (f"# Plan (finetune plan {match['recipe']} --hardware {match['hw']}): "
-                 f"{describe(match['recipe'], match['hw'])}")
+        fresh = (
+            f"# Plan (finetune plan {match['recipe']} --hardware {match['hw']}): "
+            f"{describe(match['recipe'], match['hw'])}"
+        )
         if fresh != match.group(0):
             stale.append(path.name)
             if not check:

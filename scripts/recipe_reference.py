@@ -91,7 +91,8 @@ def render() -> str:
             section = _section(info.annotation)
             if section is not None:
                 many = typing.get_origin(info.annotation) is list or any(
-                    typing.get_origin(a) is list for a in typing.get_args(info.annotation))
+                    typing.get_origin(a) is list for a in typing.get_args(info.annotation)
+                )
                 queue.append((f"{key}[]" if many else key, section))
             description = (info.description or "").replace("|", "\\|")
             lines.append(f"| `{key}` | {type_text(info.annotation)} | {default_text(info)} | {description} |")

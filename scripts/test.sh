@@ -4,7 +4,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
-# lint and types first: seconds, and a failure names the line. Formatting is not checked yet.
+# format, lint and types first: seconds, and a failure names the line (`ruff format` fixes the first)
+.venv/bin/python -m ruff format --check finetune scripts tests
 .venv/bin/python -m ruff check finetune scripts tests
 .venv/bin/python -m mypy  # the torch-free packages listed in pyproject.toml [tool.mypy]
 exec .venv/bin/python -m pytest -q -ra "$@"

@@ -15,21 +15,43 @@ from collections.abc import Sequence
 # Recipe keys that may change between a checkpoint and its resume without changing the training
 # it continues: where and how often things are logged/saved/evaluated, publishing, and timeouts.
 SAFE_KEYS = (
-    "logging.", "hub.", "output.", "train.eval_steps", "train.logging_steps", "train.on_nonfinite",
-    "train.max_bad_steps", "distributed.timeout_minutes", "distributed.nvme_path", "data.task_eval",
-    "data.cache_dir", "data.allow_paths", "data.allow_outside", "hardware", "resolved.predicted_peak_gib",
-    "resolved.hardware", "train.activation_checkpointing", "resolved.activation_checkpointing_by",
+    "logging.",
+    "hub.",
+    "output.",
+    "train.eval_steps",
+    "train.logging_steps",
+    "train.on_nonfinite",
+    "train.max_bad_steps",
+    "distributed.timeout_minutes",
+    "distributed.nvme_path",
+    "data.task_eval",
+    "data.cache_dir",
+    "data.allow_paths",
+    "data.allow_outside",
+    "hardware",
+    "resolved.predicted_peak_gib",
+    "resolved.hardware",
+    "train.activation_checkpointing",
+    "resolved.activation_checkpointing_by",
     # kernels that compute the same function (compile resolves them per machine: a resume on another
     # machine may get another attention kernel or no Liger)
-    "model.attn_implementation", "train.liger", "adapter.cast_adapter_inputs",
+    "model.attn_implementation",
+    "train.liger",
+    "adapter.cast_adapter_inputs",
     # what to do after an out-of-memory failure, and the measurement mode (which saves nothing)
-    "train.oom_retries", "resolved.measure",
+    "train.oom_retries",
+    "resolved.measure",
 )
 # Safe only when they grow: the run continues further with the same schedule of the steps it did.
 GROWING_KEYS = ("train.max_steps", "train.epochs")
 # How the global batch is laid out over processes; checked by the world-size rule instead.
-LAYOUT_KEYS = ("resolved.world_size", "resolved.num_nodes", "resolved.gpus_per_node",
-               "resolved.gradient_accumulation_steps", "train.micro_batch_size")
+LAYOUT_KEYS = (
+    "resolved.world_size",
+    "resolved.num_nodes",
+    "resolved.gpus_per_node",
+    "resolved.gradient_accumulation_steps",
+    "train.micro_batch_size",
+)
 CONTENT_SUFFIX = ".content"  # data.sources.N.content: the fingerprint of the file's bytes (or Hub revision)
 
 
@@ -64,14 +86,12 @@ def data_fields(*, train: Sequence[str | None], eval: Sequence[str | None] = ())
 
 def is_safe(key: str) -> bool:
     """A key whose change leaves the training a resume continues the same."""
-    return any(key == k or (k.endswith(".") and key.startswith(k)) or key.startswith(k + ".")
-               for k in SAFE_KEYS)
+    return any(key == k or (k.endswith(".") and key.startswith(k)) or key.startswith(k + ".") for k in SAFE_KEYS)
 
 
 def training_fields(fields: dict) -> dict:
     """The fields whose change makes a resumed run a different run (hashed into the marker)."""
-    return {k: v for k, v in fields.items()
-            if not is_safe(k) and k not in GROWING_KEYS and k not in LAYOUT_KEYS}
+    return {k: v for k, v in fields.items() if not is_safe(k) and k not in GROWING_KEYS and k not in LAYOUT_KEYS}
 
 
 def recipe_hash(fields: dict) -> str:
@@ -95,12 +115,12 @@ def compare_fields(old: dict, new: dict) -> tuple[list[str], list[str]]:
             continue
         change = f"{key} ({_fmt(a)} -> {_fmt(b)})"
         if key.endswith(CONTENT_SUFFIX):
-            refused.append(f"{key.removesuffix(CONTENT_SUFFIX)}.path (same path, new content: "
-                           f"{_fmt(a)} -> {_fmt(b)})")
+            refused.append(f"{key.removesuffix(CONTENT_SUFFIX)}.path (same path, new content: {_fmt(a)} -> {_fmt(b)})")
         elif key in GROWING_KEYS:
             if a is not None and b is not None and b > a:
-                notes.append(f"{change}: the run continues further; the learning-rate schedule is "
-                             f"stretched to the new length")
+                notes.append(
+                    f"{change}: the run continues further; the learning-rate schedule is stretched to the new length"
+                )
             else:
                 refused.append(change)
         elif is_safe(key) or key in LAYOUT_KEYS:

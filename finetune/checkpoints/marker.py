@@ -46,8 +46,9 @@ def fsync_path(path: Path) -> None:
 
 
 def list_files(ckpt: Path) -> dict[str, int]:
-    return {str(p.relative_to(ckpt)): p.stat().st_size for p in sorted(ckpt.rglob("*"))
-            if p.is_file() and p.name != MARKER}
+    return {
+        str(p.relative_to(ckpt)): p.stat().st_size for p in sorted(ckpt.rglob("*")) if p.is_file() and p.name != MARKER
+    }
 
 
 def write_marker(ckpt: Path, *, step: int, world_size: int, strategy: str, fields: dict) -> dict:
@@ -57,9 +58,17 @@ def write_marker(ckpt: Path, *, step: int, world_size: int, strategy: str, field
         fsync_path(ckpt / rel)
     for sub in sorted({p for p in ckpt.rglob("*") if p.is_dir()}, reverse=True):
         fsync_path(sub)
-    marker = {"marker_version": MARKER_VERSION, "step": step, "world_size": world_size,
-              "strategy": strategy, "versions": package_versions(), "recipe_hash": recipe_hash(fields),
-              "recipe_fields": fields, "files": files, "written_at": time.time()}
+    marker = {
+        "marker_version": MARKER_VERSION,
+        "step": step,
+        "world_size": world_size,
+        "strategy": strategy,
+        "versions": package_versions(),
+        "recipe_hash": recipe_hash(fields),
+        "recipe_fields": fields,
+        "files": files,
+        "written_at": time.time(),
+    }
     tmp = ckpt / f".{MARKER}.tmp"
     with open(tmp, "w", encoding="utf-8") as fh:
         json.dump(marker, fh, indent=1, default=str)

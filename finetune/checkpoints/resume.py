@@ -72,9 +72,10 @@ def resolve_resume(resume: str, run_dir: Path) -> Path | None:
     path = Path(resume).expanduser().resolve()
     why = why_incomplete(path) if path.is_dir() else "not a directory"
     if why is not None:
-        raise RecipeError(f"--resume {resume}: not a complete checkpoint ({why})",
-                          hint=f"use --resume auto, or one of {Path(run_dir) / CHECKPOINTS}/checkpoint-N "
-                               f"that has {MARKER}")
+        raise RecipeError(
+            f"--resume {resume}: not a complete checkpoint ({why})",
+            hint=f"use --resume auto, or one of {Path(run_dir) / CHECKPOINTS}/checkpoint-N that has {MARKER}",
+        )
     return path
 
 
@@ -85,19 +86,23 @@ def check_resume(ckpt: Path, recipe, *, world_size: int | None = None, fields: d
     marker = read_marker(ckpt)
     if marker is None:
         raise RecipeError(f"{ckpt} has no commit marker", hint="resume from a complete checkpoint")
-    notes, refused = compare_fields(marker.get("recipe_fields", {}),
-                                    recipe_fields(recipe) if fields is None else fields)
+    notes, refused = compare_fields(
+        marker.get("recipe_fields", {}), recipe_fields(recipe) if fields is None else fields
+    )
     strategy = recipe.distributed.strategy
-    if marker.get("strategy") not in (None, strategy) and not any(c.startswith("distributed.strategy")
-                                                                   for c in refused):
+    if marker.get("strategy") not in (None, strategy) and not any(
+        c.startswith("distributed.strategy") for c in refused
+    ):
         refused.append(f"distributed.strategy ({marker['strategy']!r} -> {strategy!r})")
     if refused:
         first = refused[0].split(" ")[0]
         raise RecipeError(
             f"cannot resume from {ckpt}: the recipe changed since it was saved: {'; '.join(refused)}",
-            key=first, hint="change those keys back to resume, or start over with --resume never (or another "
-                            "--output directory); logging, output.*, hub.*, eval/logging steps, timeouts "
-                            "and a larger train.max_steps/epochs may change freely")
+            key=first,
+            hint="change those keys back to resume, or start over with --resume never (or another "
+            "--output directory); logging, output.*, hub.*, eval/logging steps, timeouts "
+            "and a larger train.max_steps/epochs may change freely",
+        )
     saved_ws = marker.get("world_size")
     current_ws = world_size if world_size is not None else getattr(recipe.resolved, "world_size", saved_ws)
     if saved_ws is not None and current_ws is not None and saved_ws != current_ws:
@@ -107,12 +112,18 @@ def check_resume(ckpt: Path, recipe, *, world_size: int | None = None, fields: d
                 f"{saved_ws}, and ZeRO checkpoints are partitioned per rank (zero_pp_rank_* files)",
                 key="resolved.world_size",
                 hint=f"resume on {saved_ws} processes, or convert it with DeepSpeed's ds_to_universal.py and "
-                     f"load the result as a new model")
-        how = ("the sharded (torch.distributed.checkpoint) state is resharded on load"
-               if strategies.reshardable(strategy) else "a DDP checkpoint holds the full state")
-        notes.append(f"world size {saved_ws} -> {current_ws}: {how}; the global batch stays "
-                     f"train.global_batch_size, but the data order after the resume point differs from "
-                     f"a run on {saved_ws} processes")
+                f"load the result as a new model",
+            )
+        how = (
+            "the sharded (torch.distributed.checkpoint) state is resharded on load"
+            if strategies.reshardable(strategy)
+            else "a DDP checkpoint holds the full state"
+        )
+        notes.append(
+            f"world size {saved_ws} -> {current_ws}: {how}; the global batch stays "
+            f"train.global_batch_size, but the data order after the resume point differs from "
+            f"a run on {saved_ws} processes"
+        )
     return notes
 
 

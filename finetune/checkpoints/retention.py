@@ -31,15 +31,19 @@ def prepare_checkpoints(run_dir: Path, *, start: Path | None) -> None:
         if not is_complete(path):
             _remove(path, "an incomplete checkpoint (no commit marker; the save did not finish)")
         elif checkpoint_step(path) > start_step:
-            _remove(path, "starting over (--resume never)" if start is None
-                    else f"newer than the checkpoint this run resumes from ({start.name})")
+            _remove(
+                path,
+                "starting over (--resume never)"
+                if start is None
+                else f"newer than the checkpoint this run resumes from ({start.name})",
+            )
 
 
 def retain(run_dir: Path, *, keep: int, protect: str | None = None) -> list[Path]:
     """Delete complete checkpoints beyond the newest `keep` (called right after one is committed); the
     `protect`ed one (the best so far, for load_best_model_at_end) stays."""
     complete = complete_checkpoints(run_dir)
-    old = [p for p in complete[:-max(keep, 1)] if protect is None or p.resolve() != Path(protect).resolve()]
+    old = [p for p in complete[: -max(keep, 1)] if protect is None or p.resolve() != Path(protect).resolve()]
     for path in old:
         shutil.rmtree(path, ignore_errors=True)
     return old

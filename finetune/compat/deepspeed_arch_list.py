@@ -56,5 +56,7 @@ def make_arch_list_readable(environ=os.environ) -> str | None:
     if cleaned is None:
         return None
     environ["TORCH_CUDA_ARCH_LIST"] = cleaned
-    return (f"TORCH_CUDA_ARCH_LIST={value!r} -> {cleaned!r} for DeepSpeed's op builder, which cannot "
-            f"read arch-specific suffixes (deepspeed <= {LAST_AFFECTED})")
+    return (
+        f"TORCH_CUDA_ARCH_LIST={value!r} -> {cleaned!r} for DeepSpeed's op builder, which cannot "
+        f"read arch-specific suffixes (deepspeed <= {LAST_AFFECTED})"
+    )

@@ -14,5 +14,4 @@ loads, plans and compiles in one call (`finetune compile`). Pure Python: no torc
 from finetune.compile.compiler import ENTRY_MODULE, compile_recipe, compile_run, default_run_dir
 from finetune.compile.spec import DEFAULT_MAIN_PORT, LaunchSpec
 
-__all__ = ["compile_run", "compile_recipe", "default_run_dir", "LaunchSpec", "ENTRY_MODULE",
-           "DEFAULT_MAIN_PORT"]
+__all__ = ["compile_run", "compile_recipe", "default_run_dir", "LaunchSpec", "ENTRY_MODULE", "DEFAULT_MAIN_PORT"]

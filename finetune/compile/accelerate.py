@@ -16,8 +16,9 @@ from finetune.registry.schema import ModelArch
 MIXED_PRECISION = {"bf16": "bf16", "fp16": "fp16", "fp32": "no"}
 
 
-def accelerate_config(recipe: Recipe, plan: Plan, *, arch: ModelArch, main_port: int,
-                      ds_config_path: str | None = None) -> dict:
+def accelerate_config(
+    recipe: Recipe, plan: Plan, *, arch: ModelArch, main_port: int, ds_config_path: str | None = None
+) -> dict:
     strategy = plan.strategy
     cfg: dict = {"compute_environment": "LOCAL_MACHINE"}
     if plan.device == "cpu":

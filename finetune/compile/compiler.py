@@ -46,24 +46,29 @@ def _resolve_inputs(recipe: Recipe, plan: Plan, arch, preset):
 def _check_plan(plan: Plan) -> None:
     if not plan.fits:
         options = "; ".join(plan.suggestions) if plan.suggestions else "see `finetune plan`"
-        raise DoesNotFitError(f"nothing fits on {plan.hardware}: {plan.why}",
-                              key="distributed.strategy", hint=options)
+        raise DoesNotFitError(f"nothing fits on {plan.hardware}: {plan.why}", key="distributed.strategy", hint=options)
     if plan.strategy not in strategies.NAMES:
-        raise RecipeError(f"the plan's strategy {plan.strategy!r} is not one finetune can launch",
-                          key="distributed.strategy", hint=f"use one of {', '.join(strategies.NAMES)}")
+        raise RecipeError(
+            f"the plan's strategy {plan.strategy!r} is not one finetune can launch",
+            key="distributed.strategy",
+            hint=f"use one of {', '.join(strategies.NAMES)}",
+        )
     if plan.device == "cpu" and strategies.shards_params(plan.strategy):
-        raise RecipeError(f"{plan.strategy} needs GPUs; on CPU only ddp (gloo) runs",
-                          key="distributed.strategy", hint="set distributed.strategy: ddp or auto")
+        raise RecipeError(
+            f"{plan.strategy} needs GPUs; on CPU only ddp (gloo) runs",
+            key="distributed.strategy",
+            hint="set distributed.strategy: ddp or auto",
+        )
     if plan.world_size != plan.num_nodes * plan.gpus_per_node:
-        raise ValueError(f"inconsistent plan: world_size {plan.world_size} != "
-                         f"{plan.num_nodes} nodes x {plan.gpus_per_node}")
+        raise ValueError(
+            f"inconsistent plan: world_size {plan.world_size} != {plan.num_nodes} nodes x {plan.gpus_per_node}"
+        )
 
 
 def _env(plan: Plan, preset: HardwarePreset) -> tuple[dict, dict]:
     # PET_SIGNALS_TO_HANDLE is torchrun's --signals-to-handle (read by the torchrun inside
     # `accelerate launch`): its agent forwards SIGUSR1 to the ranks instead of dying of it
-    env = {"PYTHONUNBUFFERED": "1",
-           "PET_SIGNALS_TO_HANDLE": "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"}
+    env = {"PYTHONUNBUFFERED": "1", "PET_SIGNALS_TO_HANDLE": "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"}
     defaults = {"TORCH_ELASTIC_SHUTDOWN_TIMEOUT": str(SHUTDOWN_GRACE_S)}
     if plan.device == "cpu":
         # each rank's Accelerator takes the CPU/gloo path (see LaunchSpec.argv)
@@ -86,8 +91,7 @@ def _summary(recipe: Recipe, plan: Plan, preset: HardwarePreset, arch: ModelArch
         f"strategy {plan.strategy}, {plan.num_nodes} node(s) x {plan.gpus_per_node} = "
         f"{plan.world_size} process(es); micro-batch {plan.micro_batch_size} x accumulation "
         f"{plan.gradient_accumulation_steps}; activation checkpointing {ckpt}",
-        f"predicted peak {plan.per_gpu_memory_gib:.1f} GiB per "
-        f"{'GPU' if plan.device == 'cuda' else 'process'}",
+        f"predicted peak {plan.per_gpu_memory_gib:.1f} GiB per {'GPU' if plan.device == 'cuda' else 'process'}",
     ]
     lines += [f"substituted: {s}" for s in plan.substitutions]
     lines += [f"warning: {w}" for w in plan.warnings]
@@ -112,22 +116,37 @@ class Compiled:
         return self.spec
 
 
-def compile_run(recipe: Recipe, plan: Plan, *, run_dir: str | Path, arch: ModelArch | None = None,
-                preset: HardwarePreset | None = None, module: str = ENTRY_MODULE,
-                main_port: int = DEFAULT_MAIN_PORT) -> LaunchSpec:
+def compile_run(
+    recipe: Recipe,
+    plan: Plan,
+    *,
+    run_dir: str | Path,
+    arch: ModelArch | None = None,
+    preset: HardwarePreset | None = None,
+    module: str = ENTRY_MODULE,
+    main_port: int = DEFAULT_MAIN_PORT,
+) -> LaunchSpec:
     """Write the run directory for `recipe` as planned and return how to launch it.
 
     `arch`/`preset` default to the registry's answer for the recipe's model and the plan's
     hardware. `module` is the per-rank entry point (`python -m MODULE RESOLVED_RECIPE`).
     Only the files named here are (atomically) replaced; checkpoints and adapters stay.
     """
-    return prepare_run(recipe, plan, run_dir=run_dir, arch=arch, preset=preset, module=module,
-                       main_port=main_port).write()
+    return prepare_run(
+        recipe, plan, run_dir=run_dir, arch=arch, preset=preset, module=module, main_port=main_port
+    ).write()
 
 
-def prepare_run(recipe: Recipe, plan: Plan, *, run_dir: str | Path, arch: ModelArch | None = None,
-                preset: HardwarePreset | None = None, module: str = ENTRY_MODULE,
-                main_port: int = DEFAULT_MAIN_PORT) -> Compiled:
+def prepare_run(
+    recipe: Recipe,
+    plan: Plan,
+    *,
+    run_dir: str | Path,
+    arch: ModelArch | None = None,
+    preset: HardwarePreset | None = None,
+    module: str = ENTRY_MODULE,
+    main_port: int = DEFAULT_MAIN_PORT,
+) -> Compiled:
     """compile_run without writing anything: the launch spec, the resolved recipe and the file texts."""
     _check_plan(plan)
     arch, preset = _resolve_inputs(recipe, plan, arch, preset)
@@ -136,35 +155,52 @@ def prepare_run(recipe: Recipe, plan: Plan, *, run_dir: str | Path, arch: ModelA
     resolved_path = run_dir / RESOLVED_RECIPE
     env, env_defaults = _env(plan, preset)
     spec = LaunchSpec(
-        run_dir=str(run_dir), strategy=plan.strategy, device=plan.device,
-        num_nodes=plan.num_nodes, procs_per_node=plan.gpus_per_node, world_size=plan.world_size,
-        main_port=main_port, module=module, module_args=[str(resolved_path)],
-        config_file=str(run_dir / ACCELERATE_YAML), env=env, env_defaults=env_defaults,
-        summary=_summary(recipe, plan, preset, arch))
+        run_dir=str(run_dir),
+        strategy=plan.strategy,
+        device=plan.device,
+        num_nodes=plan.num_nodes,
+        procs_per_node=plan.gpus_per_node,
+        world_size=plan.world_size,
+        main_port=main_port,
+        module=module,
+        module_args=[str(resolved_path)],
+        config_file=str(run_dir / ACCELERATE_YAML),
+        env=env,
+        env_defaults=env_defaults,
+        summary=_summary(recipe, plan, preset, arch),
+    )
 
     texts: dict[str, str] = {}
     texts[RESOLVED_RECIPE] = (
         "# Written by `finetune compile`: the recipe with every default and planner decision\n"
-        "# made concrete. The ranks read this file; rerun compile instead of editing it.\n"
-        + dump_recipe(resolved))
+        "# made concrete. The ranks read this file; rerun compile instead of editing it.\n" + dump_recipe(resolved)
+    )
     texts[PLAN_JSON] = json_text(plan.to_json())
     ds_path = None
     if strategies.is_deepspeed(plan.strategy):
         ds_path = str(run_dir / DS_CONFIG)
         texts[DS_CONFIG] = json_text(ds_config(recipe, plan, arch=arch, preset=preset))
     acc = accelerate_config(recipe, plan, arch=arch, main_port=main_port, ds_config_path=ds_path)
-    texts[ACCELERATE_YAML] = yaml_text(acc, header=(
-        "Written by `finetune compile` for accelerate 1.15; rerun compile instead of editing.\n"
-        + spec.summary
-        + ("\nmachine_rank and main_process_ip are given per node on the command line."
-           if plan.num_nodes > 1 else "")))
+    texts[ACCELERATE_YAML] = yaml_text(
+        acc,
+        header=(
+            "Written by `finetune compile` for accelerate 1.15; rerun compile instead of editing.\n"
+            + spec.summary
+            + (
+                "\nmachine_rank and main_process_ip are given per node on the command line."
+                if plan.num_nodes > 1
+                else ""
+            )
+        ),
+    )
     spec.files = {name: str(run_dir / name) for name in texts}
     spec.files[LAUNCH_SH] = str(run_dir / LAUNCH_SH)
     spec.files[JOB_SBATCH] = str(run_dir / JOB_SBATCH)  # every run can go to Slurm, one node or many
     spec.files[LAUNCH_JSON] = str(run_dir / LAUNCH_JSON)
     texts[LAUNCH_SH] = render_launch_sh(spec)
-    texts[JOB_SBATCH] = render_sbatch(spec, job_name=f"finetune-{recipe_name(recipe)}",
-                                      **slurm_options(recipe, preset), python_env=sys.prefix)
+    texts[JOB_SBATCH] = render_sbatch(
+        spec, job_name=f"finetune-{recipe_name(recipe)}", **slurm_options(recipe, preset), python_env=sys.prefix
+    )
     texts[LAUNCH_JSON] = json_text(spec.to_json())
     return Compiled(spec=spec, resolved=resolved, plan=plan, texts=texts)
 
@@ -172,8 +208,11 @@ def prepare_run(recipe: Recipe, plan: Plan, *, run_dir: str | Path, arch: ModelA
 def slurm_options(recipe: Recipe, preset) -> dict:
     """partition, account, time for job.sbatch: the recipe's slurm section over the preset's."""
     r = recipe.slurm
-    return {"partition": r.partition or preset.slurm_partition, "account": r.account or preset.slurm_account,
-            "time": r.time or preset.slurm_time}
+    return {
+        "partition": r.partition or preset.slurm_partition,
+        "account": r.account or preset.slurm_account,
+        "time": r.time or preset.slurm_time,
+    }
 
 
 def default_run_dir(recipe: Recipe) -> Path:
@@ -181,21 +220,34 @@ def default_run_dir(recipe: Recipe) -> Path:
     return Path(recipe.output.dir or Path("runs") / recipe_name(recipe)).expanduser().resolve()
 
 
-def compile_recipe(recipe: Recipe | str | Path, *, run_dir: str | Path | None = None,
-                   hardware: str | None = None, overrides: list[str] | None = None,
-                   module: str = ENTRY_MODULE, main_port: int = DEFAULT_MAIN_PORT) -> LaunchSpec:
+def compile_recipe(
+    recipe: Recipe | str | Path,
+    *,
+    run_dir: str | Path | None = None,
+    hardware: str | None = None,
+    overrides: list[str] | None = None,
+    module: str = ENTRY_MODULE,
+    main_port: int = DEFAULT_MAIN_PORT,
+) -> LaunchSpec:
     """Load (if given a path), plan and compile in one call: what `finetune compile` does.
 
     `hardware` overrides the recipe's preset (name or file); `run_dir` overrides output.dir.
     Raises DoesNotFitError when the planner finds nothing that fits.
     """
-    return prepare_recipe(recipe, run_dir=run_dir, hardware=hardware, overrides=overrides, module=module,
-                          main_port=main_port).write()
+    return prepare_recipe(
+        recipe, run_dir=run_dir, hardware=hardware, overrides=overrides, module=module, main_port=main_port
+    ).write()
 
 
-def prepare_recipe(recipe: Recipe | str | Path, *, run_dir: str | Path | None = None,
-                   hardware: str | None = None, overrides: list[str] | None = None,
-                   module: str = ENTRY_MODULE, main_port: int = DEFAULT_MAIN_PORT) -> Compiled:
+def prepare_recipe(
+    recipe: Recipe | str | Path,
+    *,
+    run_dir: str | Path | None = None,
+    hardware: str | None = None,
+    overrides: list[str] | None = None,
+    module: str = ENTRY_MODULE,
+    main_port: int = DEFAULT_MAIN_PORT,
+) -> Compiled:
     """compile_recipe without writing anything (see Compiled.write)."""
     from finetune.plan import lookup, plan_on
     from finetune.recipe.load import load_recipe
@@ -206,5 +258,12 @@ def prepare_recipe(recipe: Recipe | str | Path, *, run_dir: str | Path | None = 
         raise ValueError("overrides apply when loading; pass a path, or apply them first")
     arch, preset, source = lookup(recipe, hardware=hardware)  # once: `auto` runs nvidia-smi
     the_plan = plan_on(recipe, arch=arch, preset=preset, source=source)
-    return prepare_run(recipe, the_plan, run_dir=run_dir or default_run_dir(recipe), arch=arch,
-                       preset=preset, module=module, main_port=main_port)
+    return prepare_run(
+        recipe,
+        the_plan,
+        run_dir=run_dir or default_run_dir(recipe),
+        arch=arch,
+        preset=preset,
+        module=module,
+        main_port=main_port,
+    )

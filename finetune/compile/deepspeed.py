@@ -26,7 +26,8 @@ def nvme_path_for(recipe: Recipe, preset: HardwarePreset) -> str:
         raise RecipeError(
             f"zero3-nvme needs an NVMe directory and preset {preset.name!r} names none",
             key="distributed.nvme_path",
-            hint="set distributed.nvme_path: /local/nvme/ds_swap (a fast local disk, not NFS)")
+            hint="set distributed.nvme_path: /local/nvme/ds_swap (a fast local disk, not NFS)",
+        )
     return path
 
 
@@ -43,10 +44,16 @@ def ds_config(recipe: Recipe, plan: Plan, *, arch: ModelArch, preset: HardwarePr
     tier = strategies.info(plan.strategy)
     h = arch.hidden_size
     if tier.zero_stage == 2:
-        zero2 = {"stage": 2, "overlap_comm": True, "contiguous_gradients": True,
-                 # the buckets the planner counts (plan/memory.py): h x h elements each
-                 "reduce_bucket_size": h * h, "allgather_bucket_size": h * h,
-                 "reduce_scatter": True, "allgather_partitions": True}
+        zero2 = {
+            "stage": 2,
+            "overlap_comm": True,
+            "contiguous_gradients": True,
+            # the buckets the planner counts (plan/memory.py): h x h elements each
+            "reduce_bucket_size": h * h,
+            "allgather_bucket_size": h * h,
+            "reduce_scatter": True,
+            "allgather_partitions": True,
+        }
         return _common(recipe, plan, zero2)
     zero: dict = {
         "stage": 3,
@@ -71,11 +78,21 @@ def ds_config(recipe: Recipe, plan: Plan, *, arch: ModelArch, preset: HardwarePr
         # the parameter swapper stages whole parameters: a buffer must hold the largest one
         # (the embedding or LM head, vocab x hidden), else DeepSpeed refuses to start
         largest = max(arch.vocab_size * h, arch.intermediate_size * h, 100_000_000)
-        zero["offload_param"] = {"device": "nvme", "nvme_path": path, "pin_memory": True,
-                                 "buffer_count": 5, "buffer_size": _round_up(largest, MIB),
-                                 "max_in_cpu": 1_000_000_000}
-        zero["offload_optimizer"] = {"device": "nvme", "nvme_path": path, "pin_memory": True,
-                                     "buffer_count": 4, "fast_init": False}
+        zero["offload_param"] = {
+            "device": "nvme",
+            "nvme_path": path,
+            "pin_memory": True,
+            "buffer_count": 5,
+            "buffer_size": _round_up(largest, MIB),
+            "max_in_cpu": 1_000_000_000,
+        }
+        zero["offload_optimizer"] = {
+            "device": "nvme",
+            "nvme_path": path,
+            "pin_memory": True,
+            "buffer_count": 4,
+            "fast_init": False,
+        }
         # optimizer states are swapped per sub-group; 1e8 keeps the pinned swap buffers at
         # ~1.6 GB per rank instead of ~16 GB with the 1e9 default (ZeRO-Infinity tutorial)
         zero["sub_group_size"] = 100_000_000
@@ -99,20 +116,38 @@ def _common(recipe: Recipe, plan: Plan, zero: dict, *, nvme: bool = False) -> di
         "train_batch_size": mbs * gas * world,
         "gradient_clipping": float(t.max_grad_norm),
         "bf16": {"enabled": t.precision == "bf16"},
-        "fp16": {"enabled": t.precision == "fp16", "loss_scale": 0, "initial_scale_power": 16,
-                 "loss_scale_window": 1000, "hysteresis": 2, "min_loss_scale": 1},
+        "fp16": {
+            "enabled": t.precision == "fp16",
+            "loss_scale": 0,
+            "initial_scale_power": 16,
+            "loss_scale_window": 1000,
+            "hysteresis": 2,
+            "min_loss_scale": 1,
+        },
         "zero_optimization": zero,
         "steps_per_print": 1_000_000_000,  # the trainer logs; keep DeepSpeed quiet
         "wall_clock_breakdown": False,
     }
     if optimizer_in_ds_config(plan):
-        config["optimizer"] = {"type": "AdamW", "params": {
-            "lr": t.lr, "betas": [t.adam_beta1, t.adam_beta2], "eps": t.adam_epsilon,
-            "weight_decay": t.weight_decay}}
+        config["optimizer"] = {
+            "type": "AdamW",
+            "params": {
+                "lr": t.lr,
+                "betas": [t.adam_beta1, t.adam_beta2],
+                "eps": t.adam_epsilon,
+                "weight_decay": t.weight_decay,
+            },
+        }
     if nvme:
         # libaio settings for the swap files (DeepSpeed's documented defaults, made explicit)
-        config["aio"] = {"block_size": MIB, "queue_depth": 8, "intra_op_parallelism": 1,
-                         "single_submit": False, "overlap_events": True, "use_gds": False}
+        config["aio"] = {
+            "block_size": MIB,
+            "queue_depth": 8,
+            "intra_op_parallelism": 1,
+            "single_submit": False,
+            "overlap_events": True,
+            "use_gds": False,
+        }
     return config
 
 

@@ -54,8 +54,7 @@ def render_launch_sh(spec: LaunchSpec) -> str:
         ]
     else:
         argv = spec.argv(node_rank=0)
-        lines += ["# Usage: bash launch.sh [extra arguments for the training entry point]",
-                  "set -euo pipefail"]
+        lines += ["# Usage: bash launch.sh [extra arguments for the training entry point]", "set -euo pipefail"]
     lines += _env_lines(spec)
     lines.append(f'exec {_shell_argv(argv)} "$@"')
     return "\n".join(lines) + "\n"
@@ -72,8 +71,15 @@ def activate_lines(python_env: str | None) -> list[str]:
     return [f'export PATH={shlex.quote(str(Path(python_env) / "bin"))}:"$PATH"']
 
 
-def render_sbatch(spec: LaunchSpec, *, job_name: str, partition: str | None = None,
-                  account: str | None = None, time: str | None = None, python_env: str | None = None) -> str:
+def render_sbatch(
+    spec: LaunchSpec,
+    *,
+    job_name: str,
+    partition: str | None = None,
+    account: str | None = None,
+    time: str | None = None,
+    python_env: str | None = None,
+) -> str:
     """One srun task per node; each runs our launcher, which runs `accelerate launch` for its
     node and forwards SIGUSR1/SIGTERM to the ranks so they checkpoint before the job ends.
     partition/account/time become #SBATCH lines; python_env (sys.prefix at compile time) is
@@ -127,7 +133,7 @@ def render_sbatch(spec: LaunchSpec, *, job_name: str, partition: str | None = No
     lines += [
         f"srun --nodes={spec.num_nodes} --ntasks-per-node=1 bash -c {shlex.quote(launcher)}",
         "rc=$?",
-        f"if [ \"$rc\" -eq {EXIT_PREEMPTED} ]; then",
+        f'if [ "$rc" -eq {EXIT_PREEMPTED} ]; then',
         '  echo "finetune: checkpoint saved on preemption; requeueing job $SLURM_JOB_ID"',
         '  scontrol requeue "$SLURM_JOB_ID"',
         "fi",

@@ -29,8 +29,7 @@ def _absolute_if_local(value: str | None, base: Path, *, want_dir: bool = False)
     return str(candidate.resolve()) if exists else value
 
 
-def resolve_recipe(recipe: Recipe, plan: Plan, *, run_dir: Path, arch: ModelArch,
-                   preset: HardwarePreset) -> Recipe:
+def resolve_recipe(recipe: Recipe, plan: Plan, *, run_dir: Path, arch: ModelArch, preset: HardwarePreset) -> Recipe:
     base = recipe_dir(recipe)
     data = recipe.model_dump(mode="python")
     data["model"]["name"] = _absolute_if_local(recipe.model.name, base, want_dir=True)
@@ -58,8 +57,7 @@ def resolve_recipe(recipe: Recipe, plan: Plan, *, run_dir: Path, arch: ModelArch
     train["micro_batch_size"] = plan.micro_batch_size
     train["activation_checkpointing"] = "on" if plan.activation_checkpointing else "off"
     # what actually runs: world x micro-batch x accumulation (the planner rounds to fit)
-    train["global_batch_size"] = (plan.world_size * plan.micro_batch_size
-                                  * plan.gradient_accumulation_steps)
+    train["global_batch_size"] = plan.world_size * plan.micro_batch_size * plan.gradient_accumulation_steps
     if optimizer_in_ds_config(plan) or strategies.offloads_optimizer(plan.strategy):
         # the offloaded states are stepped on the CPU: DeepSpeed's CPU Adam (declared in ds_config.json)
         # or torch's AdamW on FSDP2's host-RAM shards; bitsandbytes' 8-bit optimizers are CUDA kernels

@@ -44,20 +44,35 @@ class LaunchSpec:
     def multi_node(self) -> bool:
         return self.num_nodes > 1
 
-    def argv(self, *, node_rank: int = 0, main_address: str | None = None,
-             main_port: int | None = None, extra_args: list[str] | tuple = ()) -> list[str]:
+    def argv(
+        self,
+        *,
+        node_rank: int = 0,
+        main_address: str | None = None,
+        main_port: int | None = None,
+        extra_args: list[str] | tuple = (),
+    ) -> list[str]:
         """`accelerate launch ...` for one node; placeholders where the address is unknown."""
         if not 0 <= node_rank < self.num_nodes:
-            raise FinetuneError(f"node rank {node_rank} is out of range for {self.num_nodes} node(s)",
-                                hint=f"use a rank between 0 and {self.num_nodes - 1}")
-        argv = ["accelerate", "launch", "--config_file", self.config_file,
-                "--num_processes", str(self.world_size),
-                "--num_machines", str(self.num_nodes),
-                "--machine_rank", str(node_rank)]
+            raise FinetuneError(
+                f"node rank {node_rank} is out of range for {self.num_nodes} node(s)",
+                hint=f"use a rank between 0 and {self.num_nodes - 1}",
+            )
+        argv = [
+            "accelerate",
+            "launch",
+            "--config_file",
+            self.config_file,
+            "--num_processes",
+            str(self.world_size),
+            "--num_machines",
+            str(self.num_nodes),
+            "--machine_rank",
+            str(node_rank),
+        ]
         if self.multi_node:
             port = main_port if main_port is not None else self.main_port
-            argv += ["--main_process_ip", main_address or MAIN_ADDRESS_PLACEHOLDER,
-                     "--main_process_port", str(port)]
+            argv += ["--main_process_ip", main_address or MAIN_ADDRESS_PLACEHOLDER, "--main_process_port", str(port)]
         elif self.world_size > 1:
             # 0 = accelerate picks a free port, so two runs on one machine do not collide
             argv += ["--main_process_port", str(main_port if main_port is not None else 0)]
@@ -75,17 +90,22 @@ class LaunchSpec:
 
     def node_instructions(self) -> str:
         """What to run where, for a multi-node run (printed instead of launching)."""
-        lines = [f"{self.summary}", "",
-                 f"Run one launcher per node ({self.num_nodes} nodes, {self.procs_per_node} "
-                 f"processes each); node 0 hosts the rendezvous on port {self.main_port}.",
-                 "MAIN_ADDRESS is node 0's hostname or IP, reachable from every node.", ""]
+        lines = [
+            f"{self.summary}",
+            "",
+            f"Run one launcher per node ({self.num_nodes} nodes, {self.procs_per_node} "
+            f"processes each); node 0 hosts the rendezvous on port {self.main_port}.",
+            "MAIN_ADDRESS is node 0's hostname or IP, reachable from every node.",
+            "",
+        ]
         launch_sh = self.files.get(LAUNCH_SH)
         for k in range(self.num_nodes):
             lines.append(f"# node {k}")
             if launch_sh:
                 lines.append(f"NODE_RANK={k} MAIN_ADDRESS=<node-0-host> bash {shlex.quote(launch_sh)}")
-            lines.append(f"python -m finetune.launch {shlex.quote(self.run_dir)} --node-rank {k} "
-                         f"--main-address <node-0-host>")
+            lines.append(
+                f"python -m finetune.launch {shlex.quote(self.run_dir)} --node-rank {k} --main-address <node-0-host>"
+            )
             lines.append("")
         if JOB_SBATCH in self.files:
             lines.append(f"Slurm: sbatch {shlex.quote(self.files[JOB_SBATCH])}")
@@ -107,8 +127,10 @@ class LaunchSpec:
         try:
             return cls.from_json(json.loads(path.read_text(encoding="utf-8")))
         except FileNotFoundError:
-            raise FinetuneError("no compiled launch here", file=str(path),
-                                hint="run `finetune compile RECIPE -o RUN_DIR` first") from None
+            raise FinetuneError(
+                "no compiled launch here", file=str(path), hint="run `finetune compile RECIPE -o RUN_DIR` first"
+            ) from None
         except (ValueError, TypeError) as exc:
-            raise FinetuneError(f"unreadable launch spec: {exc}", file=str(path),
-                                hint="recompile the run directory") from None
+            raise FinetuneError(
+                f"unreadable launch spec: {exc}", file=str(path), hint="recompile the run directory"
+            ) from None

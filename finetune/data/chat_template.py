@@ -28,6 +28,8 @@ def read_chat_template(recipe: Recipe) -> str | None:
     shipped = named_template(text)
     if shipped is not None:
         return shipped
-    raise RecipeError(f"is neither a jinja template, a shipped template name, nor an existing file ({path})",
-                      key="data.chat_template",
-                      hint=f"give the template text inline, the path to a .jinja file, or a name ({suggest(text)})")
+    raise RecipeError(
+        f"is neither a jinja template, a shipped template name, nor an existing file ({path})",
+        key="data.chat_template",
+        hint=f"give the template text inline, the path to a .jinja file, or a name ({suggest(text)})",
+    )

@@ -33,8 +33,9 @@ def check_data(recipe: Recipe) -> DataCheck:
     d, base = recipe.data, recipe_dir(recipe)
     guard: dict[str, Any] = dict(base_dir=base, allow_paths=d.allow_paths, allow_outside=d.allow_outside)
     # (recipe key, source, "train" / "eval" / None for the task eval)
-    named: list[tuple[str, Any, str | None]] = [(f"data.sources[{i}].path", s, "train")
-                                                for i, s in enumerate(d.sources)]
+    named: list[tuple[str, Any, str | None]] = [
+        (f"data.sources[{i}].path", s, "train") for i, s in enumerate(d.sources)
+    ]
     named += [(f"data.eval_sources[{i}].path", s, "eval") for i, s in enumerate(d.eval_sources)]
     if d.task_eval is not None:
         named.append(("data.task_eval.path", d.task_eval, None))
@@ -65,7 +66,9 @@ def check_data(recipe: Recipe) -> DataCheck:
 def _check_batch(recipe: Recipe, rows: int | None) -> None:
     gbs = recipe.train.global_batch_size
     if rows and gbs > rows:
-        raise DataError(f"one optimizer step takes {gbs} examples, and the training data has {rows}: every "
-                        f"step would repeat the whole data set ({gbs / rows:.1f}x)",
-                        key="train.global_batch_size",
-                        hint=f"set train.global_batch_size to at most {rows} (or add data)")
+        raise DataError(
+            f"one optimizer step takes {gbs} examples, and the training data has {rows}: every "
+            f"step would repeat the whole data set ({gbs / rows:.1f}x)",
+            key="train.global_batch_size",
+            hint=f"set train.global_batch_size to at most {rows} (or add data)",
+        )

@@ -18,9 +18,19 @@ from finetune.recipe.schema import FORMAT_COLUMNS, OPTIONAL_COLUMNS
 
 ROLES = ("system", "user", "assistant", "tool")
 # sharegpt speakers -> chat roles (the common spellings seen in public sharegpt dumps)
-SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
-                  "model": "assistant", "bot": "assistant", "chatgpt": "assistant", "system": "system",
-                  "tool": "tool", "function": "tool", "observation": "tool"}
+SHAREGPT_ROLES = {
+    "human": "user",
+    "user": "user",
+    "gpt": "assistant",
+    "assistant": "assistant",
+    "model": "assistant",
+    "bot": "assistant",
+    "chatgpt": "assistant",
+    "system": "system",
+    "tool": "tool",
+    "function": "tool",
+    "observation": "tool",
+}
 
 
 def row_error(message: str, *, file: str, row: int, hint: str | None = None) -> DataError:
@@ -39,10 +49,12 @@ def check_columns(present: list[str], *, fmt: str, columns: dict[str, str], file
     for canonical, actual in column_map(fmt, columns).items():
         if actual not in present and canonical not in optional:
             shown = ", ".join(present) or "none"
-            raise row_error(f"column {actual!r} (needed by format {fmt!r}) is missing; the row has: {shown}",
-                        file=file, row=row,
-                        hint=f"map it with data.columns: {{{canonical}: <your column>}} or pick the right "
-                             f"data.format")
+            raise row_error(
+                f"column {actual!r} (needed by format {fmt!r}) is missing; the row has: {shown}",
+                file=file,
+                row=row,
+                hint=f"map it with data.columns: {{{canonical}: <your column>}} or pick the right data.format",
+            )
 
 
 def _text(value: Any, *, what: str, file: str, row: int, allow_empty: bool = False) -> str:
@@ -55,29 +67,50 @@ def _text(value: Any, *, what: str, file: str, row: int, allow_empty: bool = Fal
     return value
 
 
-def _messages(value: Any, *, what: str, file: str, row: int, roles: dict[str, str] | None = None,
-              role_key: str = "role", content_key: str = "content",
-              need_assistant: bool = True) -> list[dict[str, str]]:
+def _messages(
+    value: Any,
+    *,
+    what: str,
+    file: str,
+    row: int,
+    roles: dict[str, str] | None = None,
+    role_key: str = "role",
+    content_key: str = "content",
+    need_assistant: bool = True,
+) -> list[dict[str, str]]:
     if not isinstance(value, list) or not value:
         raise row_error(f"{what} must be a non-empty list of messages", file=file, row=row)
     out = []
     for i, msg in enumerate(value):
         if not isinstance(msg, dict):
-            raise row_error(f"{what}[{i}] must be a mapping with {role_key!r} and {content_key!r}",
-                        file=file, row=row)
+            raise row_error(f"{what}[{i}] must be a mapping with {role_key!r} and {content_key!r}", file=file, row=row)
         # sharegpt files sometimes carry role/content instead of from/value
         raw_role = msg.get(role_key, msg.get("role"))
         content = msg.get(content_key, msg.get("content"))
         role = (roles or {r: r for r in ROLES}).get(str(raw_role).lower() if raw_role is not None else "")
         if role is None:
             valid = ", ".join(sorted(roles or ROLES))
-            raise row_error(f"{what}[{i}] has role {raw_role!r}; valid roles: {valid}", file=file, row=row,
-                        hint="rename the role, or use data.format: sharegpt for from/value (human/gpt) data")
-        out.append({"role": role, "content": _text(content, what=f"{what}[{i}].{content_key}", file=file,
-                                                   row=row, allow_empty=(role != "assistant"))})
+            raise row_error(
+                f"{what}[{i}] has role {raw_role!r}; valid roles: {valid}",
+                file=file,
+                row=row,
+                hint="rename the role, or use data.format: sharegpt for from/value (human/gpt) data",
+            )
+        out.append(
+            {
+                "role": role,
+                "content": _text(
+                    content, what=f"{what}[{i}].{content_key}", file=file, row=row, allow_empty=(role != "assistant")
+                ),
+            }
+        )
     if need_assistant and not any(m["role"] == "assistant" for m in out):
-        raise row_error(f"{what} has no assistant message, so there is nothing to learn", file=file, row=row,
-                    hint="every conversation needs at least one assistant turn")
+        raise row_error(
+            f"{what} has no assistant message, so there is nothing to learn",
+            file=file,
+            row=row,
+            hint="every conversation needs at least one assistant turn",
+        )
     return out
 
 
@@ -92,19 +125,33 @@ def convert_row(raw: dict, *, fmt: str, columns: dict[str, str], file: str, row:
     if fmt == "messages":
         return {"messages": _messages(get["messages"], what=col["messages"], **kw)}
     if fmt == "sharegpt":
-        return {"messages": _messages(get["conversations"], what=col["conversations"], roles=SHAREGPT_ROLES,
-                                      role_key="from", content_key="value", **kw)}
+        return {
+            "messages": _messages(
+                get["conversations"],
+                what=col["conversations"],
+                roles=SHAREGPT_ROLES,
+                role_key="from",
+                content_key="value",
+                **kw,
+            )
+        }
     if fmt == "alpaca":
         instruction = _text(get["instruction"], what=col["instruction"], **kw)
         extra = _text(get.get("input"), what=col["input"], allow_empty=True, **kw)
         prompt = f"{instruction}\n\n{extra}" if extra.strip() else instruction
-        return {"messages": [{"role": "user", "content": prompt},
-                             {"role": "assistant", "content": _text(get["output"], what=col["output"], **kw)}]}
+        return {
+            "messages": [
+                {"role": "user", "content": prompt},
+                {"role": "assistant", "content": _text(get["output"], what=col["output"], **kw)},
+            ]
+        }
     if fmt == "text":
         return {"text": _text(get["text"], what=col["text"], **kw)}
     if fmt == "prompt_completion":
-        return {"prompt": _text(get["prompt"], what=col["prompt"], **kw),
-                "completion": _text(get["completion"], what=col["completion"], **kw)}
+        return {
+            "prompt": _text(get["prompt"], what=col["prompt"], **kw),
+            "completion": _text(get["completion"], what=col["completion"], **kw),
+        }
     if fmt in ("preference", "unpaired"):
         from finetune.data.preference import convert_preference, convert_unpaired
 

@@ -39,8 +39,11 @@ def _as_messages(value: Any, *, what: str, file: str, row: int) -> list[dict] | 
     if isinstance(value, dict):
         value = [value]
     if not isinstance(value, list) or not value:
-        raise row_error(f"{what} must be a string, a message, or a non-empty list of messages, got "
-                    f"{type(value).__name__}", file=file, row=row)
+        raise row_error(
+            f"{what} must be a string, a message, or a non-empty list of messages, got {type(value).__name__}",
+            file=file,
+            row=row,
+        )
     out = []
     for i, msg in enumerate(value):
         if not isinstance(msg, dict):
@@ -49,8 +52,9 @@ def _as_messages(value: Any, *, what: str, file: str, row: int) -> list[dict] | 
         content = msg.get("content", msg.get("value"))
         role = SPEAKERS.get(str(speaker).lower()) if speaker is not None else None
         if role is None:
-            raise row_error(f"{what}[{i}] has role {speaker!r}; valid: {', '.join(sorted(SPEAKERS))}",
-                        file=file, row=row)
+            raise row_error(
+                f"{what}[{i}] has role {speaker!r}; valid: {', '.join(sorted(SPEAKERS))}", file=file, row=row
+            )
         if not isinstance(content, str):
             raise row_error(f"{what}[{i}] content must be a string, got {type(content).__name__}", file=file, row=row)
         out.append({"role": role, "content": content})
@@ -87,9 +91,12 @@ def convert_preference(raw: dict, col: dict[str, str], *, file: str, row: int) -
     kw: dict[str, Any] = {"file": file, "row": row}
     for key in ("chosen", "rejected"):
         if raw.get(col[key]) is None:
-            raise row_error(f"column {col[key]!r} (needed by format 'preference') is missing or null; the row has: "
-                        f"{', '.join(raw) or 'none'}",
-                        hint=f"map it with data.columns: {{{key}: <your column>}}", **kw)
+            raise row_error(
+                f"column {col[key]!r} (needed by format 'preference') is missing or null; the row has: "
+                f"{', '.join(raw) or 'none'}",
+                hint=f"map it with data.columns: {{{key}: <your column>}}",
+                **kw,
+            )
     chosen = _as_messages(raw[col["chosen"]], what=col["chosen"], **kw)
     rejected = _as_messages(raw[col["rejected"]], what=col["rejected"], **kw)
     prompt_key = col["prompt"] if col["prompt"] in raw else next((k for k in PROMPT_FALLBACKS if k in raw), None)
@@ -97,8 +104,9 @@ def convert_preference(raw: dict, col: dict[str, str], *, file: str, row: int) -
     if isinstance(chosen, list) != isinstance(rejected, list):
         raise row_error("chosen and rejected must both be strings or both be messages", **kw)
     if chosen == rejected:
-        raise row_error("chosen and rejected are the same, so there is no preference to learn",
-                    hint="remove the row", **kw)
+        raise row_error(
+            "chosen and rejected are the same, so there is no preference to learn", hint="remove the row", **kw
+        )
     if prompt is None or (isinstance(prompt, str) and isinstance(chosen, list)):
         # implicit prompt, or a prompt string that the message lists repeat: TRL splits the shared prefix
         ex = extract_prompt(chosen, rejected)
@@ -116,12 +124,18 @@ def convert_preference(raw: dict, col: dict[str, str], *, file: str, row: int) -
     elif isinstance(chosen, list):
         raise row_error("the prompt is a string but chosen/rejected are messages", **kw)
     if not prompt:
-        raise row_error("no prompt: chosen and rejected share no beginning and there is no prompt column",
-                    hint="add a prompt column, or map it with data.columns: {prompt: <your column>}", **kw)
+        raise row_error(
+            "no prompt: chosen and rejected share no beginning and there is no prompt column",
+            hint="add a prompt column, or map it with data.columns: {prompt: <your column>}",
+            **kw,
+        )
     for key, value in (("chosen", chosen), ("rejected", rejected)):
         if not value or (isinstance(value, list) and not any(m["role"] == "assistant" for m in value)):
-            raise row_error(f"{key} has no answer after the prompt", hint="check that chosen and rejected differ "
-                        "only in the answer", **kw)
+            raise row_error(
+                f"{key} has no answer after the prompt",
+                hint="check that chosen and rejected differ only in the answer",
+                **kw,
+            )
     return {"prompt": prompt, "chosen": chosen, "rejected": rejected}
 
 
@@ -132,8 +146,12 @@ def _label(value: Any, *, what: str, file: str, row: int) -> bool:
         return bool(value)
     if isinstance(value, str) and value.strip().lower() in ("true", "false"):
         return value.strip().lower() == "true"
-    raise row_error(f"{what} must be true or false, got {value!r}", file=file, row=row,
-                hint="label marks a desirable (true) or undesirable (false) completion")
+    raise row_error(
+        f"{what} must be true or false, got {value!r}",
+        file=file,
+        row=row,
+        hint="label marks a desirable (true) or undesirable (false) completion",
+    )
 
 
 def convert_unpaired(raw: dict, col: dict[str, str], *, file: str, row: int) -> dict:
@@ -147,11 +165,12 @@ def convert_unpaired(raw: dict, col: dict[str, str], *, file: str, row: int) -> 
         raise row_error("the prompt is a string but the completion is messages", **kw)
     if isinstance(completion, list) and isinstance(prompt, list):
         completion = _strip_repeated_prompt(prompt, completion)
-    return {"prompt": prompt, "completion": completion, "label": _label(raw.get(col["label"]),
-                                                                        what=col["label"], **kw)}
+    return {"prompt": prompt, "completion": completion, "label": _label(raw.get(col["label"]), what=col["label"], **kw)}
 
 
 def unpair(record: dict) -> list[dict]:
     """A paired row as two KTO rows (chosen desirable, rejected not), as TRL's unpair_preference_dataset."""
-    return [{"prompt": record["prompt"], "completion": record["chosen"], "label": True},
-            {"prompt": record["prompt"], "completion": record["rejected"], "label": False}]
+    return [
+        {"prompt": record["prompt"], "completion": record["chosen"], "label": True},
+        {"prompt": record["prompt"], "completion": record["rejected"], "label": False},
+    ]

@@ -13,8 +13,10 @@ _SPLIT = re.compile(r"^(?P<name>[\w.-]+)(?:\[(?P<start>-?\d+%?)?:(?P<stop>-?\d+%
 def parse_split(text: str) -> tuple[str, str | None, str | None]:
     m = _SPLIT.match(text.strip())
     if not m:
-        raise ValueError(f"{text!r} is not a split; write NAME or NAME[start:stop] with row numbers or "
-                         f"percentages, e.g. train[:80%] or train[100:]")
+        raise ValueError(
+            f"{text!r} is not a split; write NAME or NAME[start:stop] with row numbers or "
+            f"percentages, e.g. train[:80%] or train[100:]"
+        )
     return m.group("name"), m.group("start"), m.group("stop")
 
 
@@ -31,7 +33,7 @@ def slice_rows(rows: list, split: str) -> list:
     if start is None and stop is None:
         return rows
     n = len(rows)
-    return rows[_index(start, n, 0):_index(stop, n, n)]
+    return rows[_index(start, n, 0) : _index(stop, n, n)]
 
 
 def has_slice(split: str) -> bool:

@@ -96,15 +96,17 @@ def read_mapping(path: Path, *, what: str) -> dict:
     try:
         data = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
     except (ValueError, yaml.YAMLError) as exc:
-        raise RecipeError(f"the {what} is not valid {'JSON' if path.suffix == '.json' else 'YAML'}: {exc}",
-                          file=str(path)) from None
+        raise RecipeError(
+            f"the {what} is not valid {'JSON' if path.suffix == '.json' else 'YAML'}: {exc}", file=str(path)
+        ) from None
     if not isinstance(data, dict):
         raise RecipeError(f"the {what} must be a mapping", file=str(path))
     return data
 
 
-def convert_mapping(raw: dict, *, source: str, config_dir: Path, out_dir: Path,
-                    method: str | None = None) -> Conversion:
+def convert_mapping(
+    raw: dict, *, source: str, config_dir: Path, out_dir: Path, method: str | None = None
+) -> Conversion:
     from finetune.peers import axolotl, llamafactory, trl
     from finetune.peers.common import map_aliases
 
@@ -146,14 +148,20 @@ def render(conv: Conversion) -> str:
     return "\n".join(head) + "\n" + body + ("\n".join(tail) + "\n" if tail else "")
 
 
-def convert_file(path: str | Path, *, source: str, output: str | Path | None = None,
-                 method: str | None = None) -> Conversion:
+def convert_file(
+    path: str | Path, *, source: str, output: str | Path | None = None, method: str | None = None
+) -> Conversion:
     """Convert the peer config at `path`; write the recipe to `output` (when given)."""
     path = Path(path)
     out = Path(output) if output else None
     raw = read_mapping(path, what=f"{source} config")
-    conv = convert_mapping(raw, source=source, config_dir=path.resolve().parent,
-                           out_dir=(out.resolve().parent if out else Path.cwd()), method=method)
+    conv = convert_mapping(
+        raw,
+        source=source,
+        config_dir=path.resolve().parent,
+        out_dir=(out.resolve().parent if out else Path.cwd()),
+        method=method,
+    )
     if out is not None:
         out.parent.mkdir(parents=True, exist_ok=True)
         tmp = out.with_name(out.name + ".tmp")

@@ -12,24 +12,85 @@ from finetune.peers.common import (
 )
 
 # keys that change nothing finetune does (it chooses attention kernels, logging, caching itself)
-IGNORED = {k: "finetune decides this itself or has no such switch" for k in (
-    "strict", "model_type", "tokenizer_type", "is_llama_derived_model", "flash_attention", "sdp_attention",
-    "xformers_attention", "flash_attn_cross_entropy", "flash_attn_rms_norm", "tf32", "dataset_prepared_path",
-    "wandb_entity", "wandb_watch", "wandb_name", "wandb_log_model", "wandb_run_id", "resume_from_checkpoint",
-    "auto_resume_from_checkpoints", "local_rank", "debug", "pad_to_sequence_len", "eval_sample_packing",
-    "group_by_length", "save_safetensors", "ddp_timeout", "dataloader_num_workers", "dataloader_pin_memory",
-    "dataloader_prefetch_factor", "gradient_checkpointing_kwargs", "plugins", "liger_rope", "liger_rms_norm",
-    "liger_glu_activation", "liger_layer_norm", "liger_fused_linear_cross_entropy", "lora_model_dir",
-    "special_tokens_pad_to_multiple_of", "eval_table_size", "eval_max_new_tokens", "fsdp_version",
-    "save_first_step", "bf16_full_eval", "use_tensorboard", "hub_strategy", "eval_causal_lm_metrics",
-    "lora_fan_in_fan_out", "tokenizer_use_fast", "tokenizer_legacy", "torch_compile", "unsloth_cross_entropy_loss",
-    "chat_template_jinja")}
+IGNORED = {
+    k: "finetune decides this itself or has no such switch"
+    for k in (
+        "strict",
+        "model_type",
+        "tokenizer_type",
+        "is_llama_derived_model",
+        "flash_attention",
+        "sdp_attention",
+        "xformers_attention",
+        "flash_attn_cross_entropy",
+        "flash_attn_rms_norm",
+        "tf32",
+        "dataset_prepared_path",
+        "wandb_entity",
+        "wandb_watch",
+        "wandb_name",
+        "wandb_log_model",
+        "wandb_run_id",
+        "resume_from_checkpoint",
+        "auto_resume_from_checkpoints",
+        "local_rank",
+        "debug",
+        "pad_to_sequence_len",
+        "eval_sample_packing",
+        "group_by_length",
+        "save_safetensors",
+        "ddp_timeout",
+        "dataloader_num_workers",
+        "dataloader_pin_memory",
+        "dataloader_prefetch_factor",
+        "gradient_checkpointing_kwargs",
+        "plugins",
+        "liger_rope",
+        "liger_rms_norm",
+        "liger_glu_activation",
+        "liger_layer_norm",
+        "liger_fused_linear_cross_entropy",
+        "lora_model_dir",
+        "special_tokens_pad_to_multiple_of",
+        "eval_table_size",
+        "eval_max_new_tokens",
+        "fsdp_version",
+        "save_first_step",
+        "bf16_full_eval",
+        "use_tensorboard",
+        "hub_strategy",
+        "eval_causal_lm_metrics",
+        "lora_fan_in_fan_out",
+        "tokenizer_use_fast",
+        "tokenizer_legacy",
+        "torch_compile",
+        "unsloth_cross_entropy_loss",
+        "chat_template_jinja",
+    )
+}
 # axolotl dataset types -> our formats (instruction prompt styles all read alpaca-like columns)
-FORMATS = {"alpaca": "alpaca", "alpaca_chat": "alpaca", "alpaca:chat": "alpaca", "sharegpt": "sharegpt",
-           "chat_template": "messages", "completion": "text", "input_output": "prompt_completion"}
-PREFERENCE_TYPES = ("chat_template.default", "chatml.intel", "chatml.ultra", "llama3.ultra", "llama3.intel",
-                    "chatml.argilla", "llama3.argilla", "chatml.prompt_pairs", "llama3.prompt_pairs",
-                    "chat_template.argilla_chat", "user_defined.default")
+FORMATS = {
+    "alpaca": "alpaca",
+    "alpaca_chat": "alpaca",
+    "alpaca:chat": "alpaca",
+    "sharegpt": "sharegpt",
+    "chat_template": "messages",
+    "completion": "text",
+    "input_output": "prompt_completion",
+}
+PREFERENCE_TYPES = (
+    "chat_template.default",
+    "chatml.intel",
+    "chatml.ultra",
+    "llama3.ultra",
+    "llama3.intel",
+    "chatml.argilla",
+    "llama3.argilla",
+    "chatml.prompt_pairs",
+    "llama3.prompt_pairs",
+    "chat_template.argilla_chat",
+    "user_defined.default",
+)
 RL = {"dpo": "dpo", "ipo": "dpo", "kto": "kto", "orpo": "orpo", "simpo": "simpo"}
 
 
@@ -48,32 +109,57 @@ def _source(conv: Conversion, i: int, ds: dict, *, preference: bool) -> dict | N
         if columns:
             src["columns"] = columns
         if kind not in PREFERENCE_TYPES:
-            conv.notes.append(f"{key}: preference type {kind!r} read as prompt/chosen/rejected (implicit prompts "
-                              f"and message lists are recognized); check data.sources[{i}]")
+            conv.notes.append(
+                f"{key}: preference type {kind!r} read as prompt/chosen/rejected (implicit prompts "
+                f"and message lists are recognized); check data.sources[{i}]"
+            )
     elif kind in FORMATS:
         src["format"] = FORMATS[kind]
         mapping = ds.get("message_property_mappings") or {}
-        role, content = ds.get("message_field_role") or mapping.get("role"), (
-            ds.get("message_field_content") or mapping.get("content"))
+        role, content = (
+            ds.get("message_field_role") or mapping.get("role"),
+            (ds.get("message_field_content") or mapping.get("content")),
+        )
         if src["format"] == "messages" and (role, content) == ("from", "value"):
             src["format"] = "sharegpt"  # from/value speakers
         field = ds.get("field_messages") or ds.get("field")
         if field:
-            column = {"messages": "conversations" if src["format"] == "sharegpt" else "messages",
-                      "text": "text"}.get(src["format"])
+            column = {"messages": "conversations" if src["format"] == "sharegpt" else "messages", "text": "text"}.get(
+                src["format"]
+            )
             if column and field != column:
                 src["columns"] = {column: field}
     else:
-        conv.drop(key, ds, f"dataset type {kind!r} has no finetune format (messages, alpaca, sharegpt, text, "
-                           f"prompt_completion, preference)")
+        conv.drop(
+            key,
+            ds,
+            f"dataset type {kind!r} has no finetune format (messages, alpaca, sharegpt, text, "
+            f"prompt_completion, preference)",
+        )
         return None
     for ours, theirs in (("split", "split"), ("subset", "name")):
         if ds.get(theirs):
             src[ours] = ds[theirs]
-    leftover = sorted(set(ds) - {"path", "type", "split", "name", "field_messages", "field", "field_prompt",
-                                 "field_chosen", "field_rejected", "message_property_mappings",
-                                 "message_field_role", "message_field_content", "roles_to_train", "ds_type",
-                                 "data_files"})
+    leftover = sorted(
+        set(ds)
+        - {
+            "path",
+            "type",
+            "split",
+            "name",
+            "field_messages",
+            "field",
+            "field_prompt",
+            "field_chosen",
+            "field_rejected",
+            "message_property_mappings",
+            "message_field_role",
+            "message_field_content",
+            "roles_to_train",
+            "ds_type",
+            "data_files",
+        }
+    )
     if leftover:
         conv.drop(f"{key}.{leftover[0]}", ds[leftover[0]], "dataset option without an equivalent")
     return src
@@ -88,8 +174,9 @@ def convert(conv: Conversion) -> None:
             if rl == "ipo":
                 conv.set("method.loss_type", "ipo")
         else:
-            conv.drop("rl", rl, f"method {rl!r} is not offered; finetune has sft, dpo, kto, orpo, simpo, reward, "
-                                f"pretrain")
+            conv.drop(
+                "rl", rl, f"method {rl!r} is not offered; finetune has sft, dpo, kto, orpo, simpo, reward, pretrain"
+            )
     if conv.has("reward_model"):
         conv.take("reward_model")
         conv.set("method.type", "reward")
@@ -108,16 +195,20 @@ def convert(conv: Conversion) -> None:
         conv.set("adapter.target_modules", "all-linear")
         conv.used.add("lora_target_modules")
     preference = conv.get("method.type") in ("dpo", "kto", "orpo", "simpo", "reward")
-    sources = [s for i, ds in enumerate(as_list(conv.take("datasets")))
-               if (s := _source(conv, i, ds, preference=preference))]
+    sources = [
+        s for i, ds in enumerate(as_list(conv.take("datasets"))) if (s := _source(conv, i, ds, preference=preference))
+    ]
     pretraining = as_list(conv.take("pretraining_dataset"))
     if pretraining:
         conv.set("method.type", "pretrain")
         for ds in pretraining:
             src = {"path": conv.local_path(str(ds.get("path") if isinstance(ds, dict) else ds)), "format": "text"}
             sources.append(src)
-    eval_sources = [s for i, ds in enumerate(as_list(conv.take("test_datasets")))
-                    if (s := _source(conv, i, ds, preference=preference))]
+    eval_sources = [
+        s
+        for i, ds in enumerate(as_list(conv.take("test_datasets")))
+        if (s := _source(conv, i, ds, preference=preference))
+    ]
     if sources:
         conv.set("data.sources", sources)
     if eval_sources:
@@ -139,8 +230,10 @@ def convert(conv: Conversion) -> None:
     if micro:
         conv.set("train.micro_batch_size", micro)
         conv.set("train.global_batch_size", micro * (accumulation or 1))
-        conv.notes.append("train.global_batch_size is micro_batch_size x gradient_accumulation_steps of ONE GPU; "
-                          "axolotl also multiplies by the GPU count, so multiply it by yours")
+        conv.notes.append(
+            "train.global_batch_size is micro_batch_size x gradient_accumulation_steps of ONE GPU; "
+            "axolotl also multiplies by the GPU count, so multiply it by yours"
+        )
     deepspeed_file(conv, "deepspeed")
     if conv.has("fsdp") or conv.has("fsdp_config"):
         conv.take("fsdp"), conv.take("fsdp_config")

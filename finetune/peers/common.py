@@ -10,18 +10,46 @@ from finetune.recipe.aliases import lookup
 from finetune.recipe.schema import TrainSection
 
 # transformers / bitsandbytes optimizer names -> ours
-OPTIMIZERS = {"adamw_torch": "adamw", "adamw_hf": "adamw", "adamw": "adamw", "adamw_torch_fused": "adamw_torch_fused",
-              "adamw_bnb_8bit": "adamw_8bit", "adamw_8bit": "adamw_8bit", "paged_adamw_8bit": "paged_adamw_8bit",
-              "paged_adamw_32bit": "paged_adamw_32bit", "adafactor": "adafactor"}
+OPTIMIZERS = {
+    "adamw_torch": "adamw",
+    "adamw_hf": "adamw",
+    "adamw": "adamw",
+    "adamw_torch_fused": "adamw_torch_fused",
+    "adamw_bnb_8bit": "adamw_8bit",
+    "adamw_8bit": "adamw_8bit",
+    "paged_adamw_8bit": "paged_adamw_8bit",
+    "paged_adamw_32bit": "paged_adamw_32bit",
+    "adafactor": "adafactor",
+}
 # the scheduler names are transformers' own (SchedulerType), so the schema's list is the table
 SCHEDULERS = {name: name for name in get_args(TrainSection.model_fields["scheduler"].annotation)}
 # the peers' template names -> our shipped templates (finetune/registry/templates)
-TEMPLATES = {"chatml": "chatml", "llama3": "llama3", "qwen": "qwen2.5", "qwen2.5": "qwen2.5", "qwen2": "qwen2.5",
-             "qwen3": "qwen3", "mistral": "mistral", "gemma": "gemma", "gemma2": "gemma", "gemma3": "gemma",
-             "phi": "phi-3", "phi_3": "phi-3", "phi3": "phi-3", "phi-3": "phi-3"}
+TEMPLATES = {
+    "chatml": "chatml",
+    "llama3": "llama3",
+    "qwen": "qwen2.5",
+    "qwen2.5": "qwen2.5",
+    "qwen2": "qwen2.5",
+    "qwen3": "qwen3",
+    "mistral": "mistral",
+    "gemma": "gemma",
+    "gemma2": "gemma",
+    "gemma3": "gemma",
+    "phi": "phi-3",
+    "phi_3": "phi-3",
+    "phi3": "phi-3",
+    "phi-3": "phi-3",
+}
 TOKENIZER_DEFAULT = ("tokenizer_default", "default", "empty", "tokenizer_default_fallback_chatml")
-DTYPES = {"bfloat16": "bfloat16", "bf16": "bfloat16", "float16": "float16", "fp16": "float16",
-          "float32": "float32", "fp32": "float32", "auto": None}
+DTYPES = {
+    "bfloat16": "bfloat16",
+    "bf16": "bfloat16",
+    "float16": "float16",
+    "fp16": "float16",
+    "float32": "float32",
+    "fp32": "float32",
+    "auto": None,
+}
 
 
 def map_aliases(conv: Conversion, *, ignore: dict[str, str]) -> None:
@@ -66,8 +94,14 @@ def _named(conv: Conversion, key: str, *, table: dict[str, str], ours: str, what
 
 
 def optimizer(conv: Conversion, key: str) -> None:
-    _named(conv, key, table=OPTIMIZERS, ours="train.optimizer", what="optimizer",
-           offered=", ".join(sorted(set(OPTIMIZERS.values()))))
+    _named(
+        conv,
+        key,
+        table=OPTIMIZERS,
+        ours="train.optimizer",
+        what="optimizer",
+        offered=", ".join(sorted(set(OPTIMIZERS.values()))),
+    )
 
 
 def scheduler(conv: Conversion, key: str) -> None:
@@ -83,8 +117,12 @@ def template(conv: Conversion, key: str) -> None:
     elif "{%" in str(name):
         conv.set("data.chat_template", name)
     else:
-        conv.drop(key, name, "no shipped template of that name; the tokenizer's own template is used (set "
-                             "data.chat_template to a .jinja file to pin it)")
+        conv.drop(
+            key,
+            name,
+            "no shipped template of that name; the tokenizer's own template is used (set "
+            "data.chat_template to a .jinja file to pin it)",
+        )
 
 
 def deepspeed_file(conv: Conversion, key: str) -> None:
@@ -110,11 +148,16 @@ def deepspeed_file(conv: Conversion, key: str) -> None:
         nvme = (zero.get("offload_param") or zero.get("offload_optimizer") or {}).get("nvme_path")
         if strategy == "zero3-nvme" and nvme:
             conv.set("distributed.nvme_path", nvme)
-        conv.notes.append(f"{key}: ZeRO-3 pinned as distributed.strategy {strategy}; set it to auto to let "
-                          f"the planner choose")
+        conv.notes.append(
+            f"{key}: ZeRO-3 pinned as distributed.strategy {strategy}; set it to auto to let the planner choose"
+        )
     else:
-        conv.drop(key, value, f"ZeRO stage {stage} has no tier here; the planner picks DDP, FSDP2 or ZeRO-3 "
-                              f"(distributed.strategy: auto)", material=False)
+        conv.drop(
+            key,
+            value,
+            f"ZeRO stage {stage} has no tier here; the planner picks DDP, FSDP2 or ZeRO-3 (distributed.strategy: auto)",
+            material=False,
+        )
 
 
 def accelerate_file(conv: Conversion, key: str) -> None:
@@ -122,8 +165,14 @@ def accelerate_file(conv: Conversion, key: str) -> None:
     value = conv.take(key)
     if value is None:
         return
-    named = {"zero3": "zero3", "zero3_offload": "zero3-offload", "fsdp2": "fsdp2", "fsdp": "fsdp2",
-             "multi_gpu": "ddp", "ddp": "ddp"}
+    named = {
+        "zero3": "zero3",
+        "zero3_offload": "zero3-offload",
+        "fsdp2": "fsdp2",
+        "fsdp": "fsdp2",
+        "multi_gpu": "ddp",
+        "ddp": "ddp",
+    }
     if str(value) in named:
         conv.set("distributed.strategy", named[str(value)])
         return
@@ -139,10 +188,13 @@ def accelerate_file(conv: Conversion, key: str) -> None:
         if ds.get("deepspeed_config_file"):
             conv.raw["_accelerate_deepspeed"] = ds["deepspeed_config_file"]
         else:
-            conv.raw["_accelerate_deepspeed"] = {"zero_optimization": {
-                "stage": ds.get("zero_stage", 0),
-                "offload_optimizer": {"device": ds.get("offload_optimizer_device", "none")},
-                "offload_param": {"device": ds.get("offload_param_device", "none")}}}
+            conv.raw["_accelerate_deepspeed"] = {
+                "zero_optimization": {
+                    "stage": ds.get("zero_stage", 0),
+                    "offload_optimizer": {"device": ds.get("offload_optimizer_device", "none")},
+                    "offload_param": {"device": ds.get("offload_param_device", "none")},
+                }
+            }
         deepspeed_file(conv, "_accelerate_deepspeed")
     elif kind == "FSDP":
         conv.set("distributed.strategy", "fsdp2")
@@ -165,5 +217,7 @@ def batch_sizes(conv) -> None:
     if micro:
         conv.set("train.micro_batch_size", micro)
         conv.set("train.global_batch_size", micro * (accumulation or 1))
-        conv.notes.append("train.global_batch_size is per_device_train_batch_size x gradient_accumulation_steps "
-                          "of ONE GPU; multiply it by your GPU count for the same effective batch")
+        conv.notes.append(
+            "train.global_batch_size is per_device_train_batch_size x gradient_accumulation_steps "
+            "of ONE GPU; multiply it by your GPU count for the same effective batch"
+        )

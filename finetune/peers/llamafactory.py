@@ -19,17 +19,51 @@ from finetune.peers.common import (
     template,
 )
 
-IGNORED = {k: "finetune decides this itself or has no such switch" for k in (
-    "do_train", "do_eval", "do_predict", "overwrite_cache", "preprocessing_num_workers", "plot_loss",
-    "overwrite_output_dir", "save_only_model", "ddp_timeout", "per_device_eval_batch_size", "flash_attn",
-    "dataloader_num_workers", "resume_from_checkpoint", "enable_liger_kernel", "use_unsloth", "infer_backend",
-    "tokenized_path", "streaming", "buffer_size", "mix_strategy", "trust_remote_code_hf", "logging_dir",
-    "disable_gradient_checkpointing", "upcast_layernorm", "upcast_lmhead_output", "print_param_status",
-    "include_num_input_tokens_seen", "save_strategy", "eval_strategy", "evaluation_strategy",
-    "create_new_adapter", "packing_strategy")}
+IGNORED = {
+    k: "finetune decides this itself or has no such switch"
+    for k in (
+        "do_train",
+        "do_eval",
+        "do_predict",
+        "overwrite_cache",
+        "preprocessing_num_workers",
+        "plot_loss",
+        "overwrite_output_dir",
+        "save_only_model",
+        "ddp_timeout",
+        "per_device_eval_batch_size",
+        "flash_attn",
+        "dataloader_num_workers",
+        "resume_from_checkpoint",
+        "enable_liger_kernel",
+        "use_unsloth",
+        "infer_backend",
+        "tokenized_path",
+        "streaming",
+        "buffer_size",
+        "mix_strategy",
+        "trust_remote_code_hf",
+        "logging_dir",
+        "disable_gradient_checkpointing",
+        "upcast_layernorm",
+        "upcast_lmhead_output",
+        "print_param_status",
+        "include_num_input_tokens_seen",
+        "save_strategy",
+        "eval_strategy",
+        "evaluation_strategy",
+        "create_new_adapter",
+        "packing_strategy",
+    )
+}
 STAGES = {"sft": "sft", "pt": "pretrain", "dpo": "dpo", "kto": "kto", "rm": "reward"}
-PREF_LOSS = {"orpo": ("orpo", None), "simpo": ("simpo", None), "sigmoid": ("dpo", "sigmoid"), "ipo": ("dpo", "ipo"),
-             "hinge": ("dpo", "hinge")}
+PREF_LOSS = {
+    "orpo": ("orpo", None),
+    "simpo": ("simpo", None),
+    "sigmoid": ("dpo", "sigmoid"),
+    "ipo": ("dpo", "ipo"),
+    "hinge": ("dpo", "hinge"),
+}
 
 
 def _dataset_info(conv: Conversion) -> tuple[dict, Path] | tuple[None, None]:
@@ -64,15 +98,20 @@ def _source(conv: Conversion, name: str, info: dict | None, folder: Path | None,
     sharegpt = entry.get("formatting") == "sharegpt"
     if entry.get("ranking"):
         src["format"] = "preference"  # conversations + chosen/rejected objects are recognized as they are
-        mapped = {ours: columns[theirs] for ours, theirs in (("chosen", "chosen"), ("rejected", "rejected"))
-                  if columns.get(theirs) and columns[theirs] != ours}
+        mapped = {
+            ours: columns[theirs]
+            for ours, theirs in (("chosen", "chosen"), ("rejected", "rejected"))
+            if columns.get(theirs) and columns[theirs] != ours
+        }
         if mapped:
             src["columns"] = mapped
     elif columns.get("kto_tag"):
         src["format"] = "unpaired"
         src["columns"] = {"label": columns["kto_tag"]}
-        conv.notes.append(f"{key}: KTO rows read as prompt/completion/label; map prompt/completion with "
-                          f"data.sources[].columns if they are named otherwise")
+        conv.notes.append(
+            f"{key}: KTO rows read as prompt/completion/label; map prompt/completion with "
+            f"data.sources[].columns if they are named otherwise"
+        )
     elif sharegpt:
         src["format"] = "sharegpt"
         if columns.get("messages", "conversations") != "conversations":
@@ -83,8 +122,11 @@ def _source(conv: Conversion, name: str, info: dict | None, folder: Path | None,
             src["columns"] = {"text": columns["prompt"]}
     else:
         src["format"] = "alpaca"
-        mapped = {ours: columns[theirs] for ours, theirs in (("instruction", "prompt"), ("input", "query"),
-                                                             ("output", "response")) if columns.get(theirs)}
+        mapped = {
+            ours: columns[theirs]
+            for ours, theirs in (("instruction", "prompt"), ("input", "query"), ("output", "response"))
+            if columns.get(theirs)
+        }
         mapped = {k: v for k, v in mapped.items() if k != v}
         if mapped:
             src["columns"] = mapped

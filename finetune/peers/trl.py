@@ -7,13 +7,41 @@ from __future__ import annotations
 from finetune.peers import Conversion
 from finetune.peers.common import DTYPES, accelerate_file, as_list, batch_sizes, optimizer, scheduler
 
-IGNORED = {k: "finetune decides this itself or has no such switch" for k in (
-    "dataset_num_proc", "logging_strategy", "save_strategy", "eval_strategy", "per_device_eval_batch_size",
-    "run_name", "log_level", "logging_first_step", "overwrite_output_dir", "do_train", "do_eval",
-    "dataloader_num_workers", "ddp_timeout", "push_to_hub", "hub_strategy", "use_liger_kernel",
-    "gradient_checkpointing_kwargs", "remove_unused_columns", "dataset_text_field", "completion_only_loss",
-    "assistant_only_loss", "ignore_bias_buffers", "torch_compile", "tf32", "save_safetensors",
-    "padding_free", "packing_strategy", "lora_task_type", "use_bnb_nested_quant", "bnb_4bit_quant_storage")}
+IGNORED = {
+    k: "finetune decides this itself or has no such switch"
+    for k in (
+        "dataset_num_proc",
+        "logging_strategy",
+        "save_strategy",
+        "eval_strategy",
+        "per_device_eval_batch_size",
+        "run_name",
+        "log_level",
+        "logging_first_step",
+        "overwrite_output_dir",
+        "do_train",
+        "do_eval",
+        "dataloader_num_workers",
+        "ddp_timeout",
+        "push_to_hub",
+        "hub_strategy",
+        "use_liger_kernel",
+        "gradient_checkpointing_kwargs",
+        "remove_unused_columns",
+        "dataset_text_field",
+        "completion_only_loss",
+        "assistant_only_loss",
+        "ignore_bias_buffers",
+        "torch_compile",
+        "tf32",
+        "save_safetensors",
+        "padding_free",
+        "packing_strategy",
+        "lora_task_type",
+        "use_bnb_nested_quant",
+        "bnb_4bit_quant_storage",
+    )
+}
 DPO_KEYS = ("beta", "loss_type", "max_prompt_length", "precompute_ref_log_probs", "rpo_alpha")
 METHODS = ("sft", "dpo", "kto", "reward", "orpo", "cpo")
 
@@ -45,8 +73,7 @@ def convert(conv: Conversion, *, method: str | None) -> None:
         conv.set("adapter.type", "full")
         for key in ("lora_r", "lora_alpha", "lora_dropout", "lora_target_modules", "load_in_4bit", "load_in_8bit"):
             if conv.has(key):
-                conv.drop(key, conv.raw[key], "use_peft is off, so this LoRA setting does nothing",
-                          material=False)
+                conv.drop(key, conv.raw[key], "use_peft is off, so this LoRA setting does nothing", material=False)
     name = conv.take("dataset_name")
     if name:
         source = {"path": conv.local_path(str(name)), "format": _format(method)}

@@ -1,8 +1,8 @@
 """The planner: per-GPU memory and step time of every strategy, the choice, or a refusal.
 
-    plan(recipe, *, hardware=None) -> Plan           (pure arithmetic, no torch)
-    render_plan_table(plan) -> str                   (the CLI's table)
-    job_from_recipe(recipe, *, arch, preset) -> Job  (the numbers the planner works on)
+plan(recipe, *, hardware=None) -> Plan           (pure arithmetic, no torch)
+render_plan_table(plan) -> str                   (the CLI's table)
+job_from_recipe(recipe, *, arch, preset) -> Job  (the numbers the planner works on)
 """
 
 from __future__ import annotations
@@ -33,9 +33,25 @@ from finetune.plan.workload import (
 from finetune.recipe.paths import anchored
 from finetune.recipe.schema import dpo_reference
 
-__all__ = ["plan", "plan_on", "lookup", "plan_job", "job_from_recipe", "render_plan_table", "Plan", "Candidate",
-           "MemoryBreakdown", "Job", "zero_model_state_bytes", "allreduce_time_s", "allgather_time_s",
-           "HEADROOM", "recipe_flops_per_token", "mfu", "varlen_fallback_layers"]
+__all__ = [
+    "plan",
+    "plan_on",
+    "lookup",
+    "plan_job",
+    "job_from_recipe",
+    "render_plan_table",
+    "Plan",
+    "Candidate",
+    "MemoryBreakdown",
+    "Job",
+    "zero_model_state_bytes",
+    "allreduce_time_s",
+    "allgather_time_s",
+    "HEADROOM",
+    "recipe_flops_per_token",
+    "mfu",
+    "varlen_fallback_layers",
+]
 
 
 def _targets(recipe, arch) -> tuple[str, ...]:
@@ -48,20 +64,27 @@ def _targets(recipe, arch) -> tuple[str, ...]:
         import re
 
         pattern = re.compile(chosen)
-        return tuple(n for n in module_shapes(arch) if any(
-            pattern.fullmatch(f"model.layers.0.{part}.{n}") for part in ("self_attn", "mlp")))
+        return tuple(
+            n
+            for n in module_shapes(arch)
+            if any(pattern.fullmatch(f"model.layers.0.{part}.{n}") for part in ("self_attn", "mlp"))
+        )
     known = set(module_shapes(arch)) | {"embed_tokens"}
     names = tuple(name.rsplit(".", 1)[-1] for name in chosen)  # peft matches on the name's suffix
     if "lm_head" in names:
         # TRL's fused LM head multiplies by lm_head.weight directly: a LoRA there would never be applied
-        raise RecipeError("LoRA on lm_head is not applied by TRL's fused LM head (it reads lm_head.weight)",
-                          key="adapter.target_modules",
-                          hint="train the head in full with adapter.modules_to_save: [lm_head]")
+        raise RecipeError(
+            "LoRA on lm_head is not applied by TRL's fused LM head (it reads lm_head.weight)",
+            key="adapter.target_modules",
+            hint="train the head in full with adapter.modules_to_save: [lm_head]",
+        )
     unknown = [n for n in names if n not in known]
     if unknown:
-        raise RecipeError(f"{', '.join(unknown)} is not a module of {arch.key} the planner knows",
-                          key="adapter.target_modules",
-                          hint=f"use names from: {', '.join(sorted(known))}, or all-linear")
+        raise RecipeError(
+            f"{', '.join(unknown)} is not a module of {arch.key} the planner knows",
+            key="adapter.target_modules",
+            hint=f"use names from: {', '.join(sorted(known))}, or all-linear",
+        )
     return names
 
 
@@ -69,10 +92,12 @@ def recipe_flops_per_token(recipe, *, arch) -> float:
     """model_flops_per_token of `recipe` (its adapter, LoRA shape and data.max_length) on `arch`: what
     the planner's MFU and the benchmarks' measured MFU divide by."""
     adapter = recipe.adapter.type
-    trainable = 0 if adapter == "full" else lora_param_count(
-        arch, r=recipe.adapter.r, targets=_targets(recipe, arch), dora=recipe.adapter.dora)
-    return model_flops_per_token(arch, seq_len=recipe.data.max_length, adapter=adapter,
-                                 trainable_params=trainable)
+    trainable = (
+        0
+        if adapter == "full"
+        else lora_param_count(arch, r=recipe.adapter.r, targets=_targets(recipe, arch), dora=recipe.adapter.dora)
+    )
+    return model_flops_per_token(arch, seq_len=recipe.data.max_length, adapter=adapter, trainable_params=trainable)
 
 
 def attention_implementation(recipe, preset, *, arch=None) -> str:
@@ -116,8 +141,11 @@ def liger_enabled(recipe, preset) -> bool:
     if choice == "on" and preset.vendor == "cpu":
         from finetune.errors import RecipeError
 
-        raise RecipeError("Liger's kernels are Triton GPU kernels; this run is on CPU", key="train.liger",
-                          hint="set train.liger: auto (or off)")
+        raise RecipeError(
+            "Liger's kernels are Triton GPU kernels; this run is on CPU",
+            key="train.liger",
+            hint="set train.liger: auto (or off)",
+        )
     if choice != "auto":
         return choice == "on"
     return preset.vendor == "nvidia" and importlib.util.find_spec("liger_kernel") is not None
@@ -142,23 +170,35 @@ def job_from_recipe(recipe, *, arch, preset) -> Job:
     fallback = varlen_fallback_layers(arch)
     served = arch.num_layers - fallback if implementation == "varlen" and recipe.data.packing else 0
     return Job(
-        arch=arch, preset=preset, adapter=adapter, method=method, reference=reference,
+        arch=arch,
+        preset=preset,
+        adapter=adapter,
+        method=method,
+        reference=reference,
         fused_lm_head=method in FUSED_HEAD_METHODS,
-        lora_r=recipe.adapter.r, lora_targets=_targets(recipe, arch),
-        lora_dropout=recipe.adapter.dropout, dora=recipe.adapter.dora,
+        lora_r=recipe.adapter.r,
+        lora_targets=_targets(recipe, arch),
+        lora_dropout=recipe.adapter.dropout,
+        dora=recipe.adapter.dora,
         modules_to_save=tuple(recipe.adapter.modules_to_save or ()) if adapter != "full" else (),
-        cast_adapter_inputs=recipe.adapter.cast_adapter_inputs, liger=liger_enabled(recipe, preset),
-        double_quant=recipe.adapter.double_quant, weight_bytes=DTYPE_BYTES[recipe.model.dtype],
+        cast_adapter_inputs=recipe.adapter.cast_adapter_inputs,
+        liger=liger_enabled(recipe, preset),
+        double_quant=recipe.adapter.double_quant,
+        weight_bytes=DTYPE_BYTES[recipe.model.dtype],
         int8_base=recipe.adapter.type == "lora" and recipe.adapter.load_in_8bit,
-        act_bytes=4 if recipe.train.precision == "fp32" else 2, optimizer=recipe.train.optimizer,
-        seq_len=recipe.data.max_length, packed=recipe.data.packing, attention=attention,
+        act_bytes=4 if recipe.train.precision == "fp32" else 2,
+        optimizer=recipe.train.optimizer,
+        seq_len=recipe.data.max_length,
+        packed=recipe.data.packing,
+        attention=attention,
         varlen_layers=served if fallback else 0,
         global_batch_size=recipe.train.global_batch_size,
         micro_batch=micro if isinstance(micro, int) else None,
         checkpointing=recipe.train.activation_checkpointing,
         checkpoint_layers=recipe.resolved.checkpoint_layers if recipe.resolved else None,
         strategy=recipe.distributed.strategy,
-        nvme_path=recipe.distributed.nvme_path or preset.nvme_path)
+        nvme_path=recipe.distributed.nvme_path or preset.nvme_path,
+    )
 
 
 def lookup(recipe, *, hardware: str | None = None):
@@ -206,31 +246,40 @@ def context_check(recipe, arch) -> str:
         factor = -(-length // native)
         raise RecipeError(
             f"{length} tokens are beyond {arch.key}'s max_position_embeddings {native}: the model "
-            f"has never seen positions past {native}", key="data.max_length",
-            hint=(f"set data.max_length to {native} or less, or extend the context with model.rope_scaling, "
-                  f"e.g. {{rope_type: yarn, factor: {factor}, original_max_position_embeddings: {native}}}"))
+            f"has never seen positions past {native}",
+            key="data.max_length",
+            hint=(
+                f"set data.max_length to {native} or less, or extend the context with model.rope_scaling, "
+                f"e.g. {{rope_type: yarn, factor: {factor}, original_max_position_embeddings: {native}}}"
+            ),
+        )
     factor = float(scaling.get("factor", 1.0))
     original = int(scaling.get("original_max_position_embeddings", native))
     reach = int(original * factor)
     if length > reach:
         raise RecipeError(
             f"{length} tokens are beyond what model.rope_scaling reaches: factor {factor:g} x "
-            f"{original} positions = {reach}", key="data.max_length",
-            hint=f"raise model.rope_scaling.factor to {length / original:g} or more, or lower data.max_length")
+            f"{original} positions = {reach}",
+            key="data.max_length",
+            hint=f"raise model.rope_scaling.factor to {length / original:g} or more, or lower data.max_length",
+        )
     kind = scaling.get("rope_type", scaling.get("type", "rope scaling"))
-    return (f"data.max_length {length} is beyond {arch.key}'s max_position_embeddings {native}; positions "
-            f"past {native} rely on model.rope_scaling ({kind}, factor {factor:g}, reach {reach}): check "
-            f"the model on long inputs after training")
+    return (
+        f"data.max_length {length} is beyond {arch.key}'s max_position_embeddings {native}; positions "
+        f"past {native} rely on model.rope_scaling ({kind}, factor {factor:g}, reach {reach}): check "
+        f"the model on long inputs after training"
+    )
 
 
 def substitutions(recipe, result: Plan) -> list[str]:
     """What the compiled run will use instead of what the recipe asked for (printed with the plan)."""
     out = []
     if result.fits and strategies.offloads_optimizer(result.strategy) and recipe.train.optimizer != "adamw":
-        stepper = ("DeepSpeed's CPU AdamW" if strategies.is_deepspeed(result.strategy)
-                   else "torch's AdamW on the CPU")
-        out.append(f"train.optimizer {recipe.train.optimizer} -> {stepper}: under {result.strategy} the "
-                   f"optimizer states live in host RAM and are stepped there")
+        stepper = "DeepSpeed's CPU AdamW" if strategies.is_deepspeed(result.strategy) else "torch's AdamW on the CPU"
+        out.append(
+            f"train.optimizer {recipe.train.optimizer} -> {stepper}: under {result.strategy} the "
+            f"optimizer states live in host RAM and are stepped there"
+        )
     return out
 
 
@@ -242,22 +291,43 @@ def plan_job(job: Job) -> Plan:
     tokens = seqs * job.seq_len * job.sequences_per_sample
     step = chosen.step_time_s
     rate = tokens / step if step > 0 else 0.0
-    utilisation = mfu(tokens_per_second=rate, flops_per_token=job_model_flops_per_token(job),
-                      peak_tflops=p.peak_bf16_tflops, gpus=world)
+    utilisation = mfu(
+        tokens_per_second=rate,
+        flops_per_token=job_model_flops_per_token(job),
+        peak_tflops=p.peak_bf16_tflops,
+        gpus=world,
+    )
     plan = Plan(
-        model=job.arch.key, hardware=p.name, adapter=job.adapter, method=job.method,
-        strategy=chosen.strategy, fits=chosen.fits, micro_batch_size=chosen.micro_batch_size,
+        model=job.arch.key,
+        hardware=p.name,
+        adapter=job.adapter,
+        method=job.method,
+        strategy=chosen.strategy,
+        fits=chosen.fits,
+        micro_batch_size=chosen.micro_batch_size,
         gradient_accumulation_steps=chosen.gradient_accumulation_steps,
         activation_checkpointing=chosen.activation_checkpointing,
-        checkpoint_layers=chosen.checkpoint_layers, num_layers=job.arch.num_layers,
-        per_gpu_memory_gib=chosen.per_gpu_memory_gib, world_size=world, num_nodes=p.nodes,
-        gpus_per_node=p.gpus_per_node, seq_len=job.seq_len, global_batch_size=seqs,
-        tokens_per_step=tokens, step_time_s=step,
-        tokens_per_second=rate, mfu=utilisation, why="",
-        candidates=candidates, total_params=float(count_params(job.arch).total),
+        checkpoint_layers=chosen.checkpoint_layers,
+        num_layers=job.arch.num_layers,
+        per_gpu_memory_gib=chosen.per_gpu_memory_gib,
+        world_size=world,
+        num_nodes=p.nodes,
+        gpus_per_node=p.gpus_per_node,
+        seq_len=job.seq_len,
+        global_batch_size=seqs,
+        tokens_per_step=tokens,
+        step_time_s=step,
+        tokens_per_second=rate,
+        mfu=utilisation,
+        why="",
+        candidates=candidates,
+        total_params=float(count_params(job.arch).total),
         active_params=float(count_params(job.arch).active),
-        trainable_params=float(trainable_params(job)), memory=chosen.memory,
-        host_ram_gib=chosen.host_ram_bytes / GIB, device="cpu" if p.vendor == "cpu" else "cuda")
+        trainable_params=float(trainable_params(job)),
+        memory=chosen.memory,
+        host_ram_gib=chosen.host_ram_bytes / GIB,
+        device="cpu" if p.vendor == "cpu" else "cuda",
+    )
     plan.kernels = _kernels(job, chosen.strategy)
     if chosen.fits:
         plan.why = _why(job, chosen, seqs, candidates)
@@ -265,20 +335,28 @@ def plan_job(job: Job) -> Plan:
         if job.strategy != "auto":
             plan.why = f"distributed.strategy {job.strategy} (pinned) does not fit: {chosen.reason}."
         else:
-            plan.why = (f"no strategy fits; the closest, {chosen.strategy} at micro-batch "
-                        f"{chosen.micro_batch_size}, {chosen.reason}.")
+            plan.why = (
+                f"no strategy fits; the closest, {chosen.strategy} at micro-batch "
+                f"{chosen.micro_batch_size}, {chosen.reason}."
+            )
         plan.suggestions = suggestions(job, candidates)
     return plan
 
 
 def _kernels(job: Job, strategy: str) -> str:
-    attention = {"varlen": "varlen flash attention on packed rows", "flash": "flash attention",
-                 "sdpa": "sdpa attention", "eager": "eager attention"}[job.attention]
+    attention = {
+        "varlen": "varlen flash attention on packed rows",
+        "flash": "flash attention",
+        "sdpa": "sdpa attention",
+        "eager": "eager attention",
+    }[job.attention]
     fallback = varlen_fallback_layers(job.arch)
     if job.attention in ("sdpa", "eager") and job.packed and fallback and job.varlen_layers < job.arch.num_layers:
-        attention = (f"{job.attention} attention with a masked packed row on {fallback} of {job.arch.num_layers} "
-                     f"layers (the varlen kernel does not run them)"
-                     + (", varlen flash on the rest" if job.varlen_layers else ""))
+        attention = (
+            f"{job.attention} attention with a masked packed row on {fallback} of {job.arch.num_layers} "
+            f"layers (the varlen kernel does not run them)"
+            + (", varlen flash on the rest" if job.varlen_layers else "")
+        )
     parts = [attention, "Liger RMSNorm/RoPE/SwiGLU" if job.liger else "no Liger"]
     if adapter_input_casts(job, strategy):
         parts.append("peft's fp32 adapter-input casts")
@@ -293,19 +371,25 @@ def _why(job: Job, chosen: Candidate, achieved: int, candidates: list[Candidate]
     else:
         first = f"{chosen.strategy} is the fastest strategy that fits"
         level = strategies.offload_level(chosen.strategy)
-        faster = [c for c in candidates if c.fits and c.step_time_s < chosen.step_time_s
-                  and strategies.offload_level(c.strategy) == level]
+        faster = [
+            c
+            for c in candidates
+            if c.fits and c.step_time_s < chosen.step_time_s and strategies.offload_level(c.strategy) == level
+        ]
         if faster:
             best = min(faster, key=lambda c: c.step_time_s)
-            first = (f"{chosen.strategy} fits and is kept over {best.strategy} (modelled "
-                     f"{1 - best.step_time_s / chosen.step_time_s:.0%} faster): a later tier must be more "
-                     f"than {CLEARLY_FASTER:.0%} faster to be chosen")
-        elif any(c.fits and strategies.offloads(c.strategy) and c.step_time_s < chosen.step_time_s
-                 for c in candidates):
+            first = (
+                f"{chosen.strategy} fits and is kept over {best.strategy} (modelled "
+                f"{1 - best.step_time_s / chosen.step_time_s:.0%} faster): a later tier must be more "
+                f"than {CLEARLY_FASTER:.0%} faster to be chosen"
+            )
+        elif any(c.fits and strategies.offloads(c.strategy) and c.step_time_s < chosen.step_time_s for c in candidates):
             first += " without offloading, the last resort"
-    first += (f" ({chosen.per_gpu_memory_gib:.1f} of {limit:.1f} GiB usable per "
-              f"{'process' if p.vendor == 'cpu' else 'GPU'}, {chosen.step_time_s:.2f} s/step, "
-              f"{chosen.bottleneck}-bound")
+    first += (
+        f" ({chosen.per_gpu_memory_gib:.1f} of {limit:.1f} GiB usable per "
+        f"{'process' if p.vendor == 'cpu' else 'GPU'}, {chosen.step_time_s:.2f} s/step, "
+        f"{chosen.bottleneck}-bound"
+    )
     if strategies.offloads(chosen.strategy):
         first += f", {chosen.host_ram_bytes / GIB:.0f} GiB host RAM per node"
     first += ")."
@@ -317,11 +401,12 @@ def _why(job: Job, chosen: Candidate, achieved: int, candidates: list[Candidate]
     else:
         ckpt = f"with activation checkpointing on {chosen.checkpoint_layers} of {layers} layers"
     pinned = job.micro_batch is not None or job.checkpointing != "auto"
-    second = (f" Micro-batch {chosen.micro_batch_size} {ckpt} "
-              f"{'as pinned' if pinned else 'is the fastest setting that fits'}, "
-              f"x {chosen.gradient_accumulation_steps} accumulation steps x {p.world_size} "
-              f"rank{'s' if p.world_size > 1 else ''} = global batch {achieved}")
+    second = (
+        f" Micro-batch {chosen.micro_batch_size} {ckpt} "
+        f"{'as pinned' if pinned else 'is the fastest setting that fits'}, "
+        f"x {chosen.gradient_accumulation_steps} accumulation steps x {p.world_size} "
+        f"rank{'s' if p.world_size > 1 else ''} = global batch {achieved}"
+    )
     if achieved != job.global_batch_size:
-        second += (f" (train.global_batch_size {job.global_batch_size} rounded to the nearest "
-                   f"achievable)")
+        second += f" (train.global_batch_size {job.global_batch_size} rounded to the nearest achievable)"
     return first + second + "."

@@ -40,8 +40,10 @@ def not_applicable(job: Job, strategy: str) -> str:
         return "hybrid sharding replicates across nodes; this preset has one node"
     if tier.hybrid and p.gpus_per_node < 2:
         # accelerate refuses an FSDP mesh whose shard dimension is 1 (seen on 2 x 1-GPU nodes)
-        return ("hybrid sharding shards within a node; with one GPU per node use ddp (replicate) "
-                "or fsdp2 (shard across nodes)")
+        return (
+            "hybrid sharding shards within a node; with one GPU per node use ddp (replicate) "
+            "or fsdp2 (shard across nodes)"
+        )
     splits = tier.shards_params or tier.zero_stage >= 2
     if splits and tier.offload_level == 0 and p.world_size < 2 and job.strategy != strategy:
         # never chosen on one GPU (no memory to gain), but allowed when pinned: an FSDP2
@@ -66,7 +68,7 @@ def micro_batch_options(job: Job) -> list[int]:
     if job.micro_batch:
         return [job.micro_batch]
     share = batch_share(job)
-    return [m for m in (2 ** k for k in range(0, 17)) if m <= share and share % m == 0]
+    return [m for m in (2**k for k in range(0, 17)) if m <= share and share % m == 0]
 
 
 def evaluate(job: Job, *, strategy: str, micro_batch: int, checkpointing: bool | int) -> Candidate:
@@ -80,19 +82,33 @@ def evaluate(job: Job, *, strategy: str, micro_batch: int, checkpointing: bool |
     limit = HEADROOM * p.gpu_memory_gib * GIB
     if fp.memory.total > limit:
         unit = "RAM" if p.vendor == "cpu" else "GPU memory"
-        reason = (f"needs {fp.memory.total / GIB:.1f} GiB per {'process' if p.vendor == 'cpu' else 'GPU'}; "
-                  f"{limit / GIB:.1f} GiB usable ({HEADROOM:.0%} of {p.gpu_memory_gib:g} GiB {unit})")
+        reason = (
+            f"needs {fp.memory.total / GIB:.1f} GiB per {'process' if p.vendor == 'cpu' else 'GPU'}; "
+            f"{limit / GIB:.1f} GiB usable ({HEADROOM:.0%} of {p.gpu_memory_gib:g} GiB {unit})"
+        )
     elif fp.host_ram_bytes > HEADROOM * p.host_ram_gib * GIB:
-        reason = (f"needs {fmt_bytes(fp.host_ram_bytes)} host RAM per node; "
-                  f"{fmt_bytes(HEADROOM * p.host_ram_gib * GIB)} usable")
+        reason = (
+            f"needs {fmt_bytes(fp.host_ram_bytes)} host RAM per node; "
+            f"{fmt_bytes(HEADROOM * p.host_ram_gib * GIB)} usable"
+        )
     elif p.nvme_capacity_gib and fp.nvme_bytes > HEADROOM * p.nvme_capacity_gib * GIB:
         reason = f"needs {fmt_bytes(fp.nvme_bytes)} of NVMe per node; the preset has {p.nvme_capacity_gib:g} GiB"
     return Candidate(
-        strategy=strategy, micro_batch_size=micro_batch, activation_checkpointing=k > 0, checkpoint_layers=k,
-        memory=fp.memory, fits=not reason, host_ram_bytes=fp.host_ram_bytes, nvme_bytes=fp.nvme_bytes,
-        compute_time_s=t.compute_s, comm_time_s=t.intra_s + t.inter_s + t.offload_s,
-        step_time_s=t.step_s, bottleneck=t.bottleneck, reason=reason,
-        gradient_accumulation_steps=grad_accum)
+        strategy=strategy,
+        micro_batch_size=micro_batch,
+        activation_checkpointing=k > 0,
+        checkpoint_layers=k,
+        memory=fp.memory,
+        fits=not reason,
+        host_ram_bytes=fp.host_ram_bytes,
+        nvme_bytes=fp.nvme_bytes,
+        compute_time_s=t.compute_s,
+        comm_time_s=t.intra_s + t.inter_s + t.offload_s,
+        step_time_s=t.step_s,
+        bottleneck=t.bottleneck,
+        reason=reason,
+        gradient_accumulation_steps=grad_accum,
+    )
 
 
 def _least_checkpointing(job: Job, *, strategy: str, micro_batch: int) -> list[Candidate]:
@@ -102,8 +118,9 @@ def _least_checkpointing(job: Job, *, strategy: str, micro_batch: int) -> list[C
     none = evaluate(job, strategy=strategy, micro_batch=micro_batch, checkpointing=0)
     layers = job.arch.num_layers
     if none.fits or layers == 1:
-        return [none] if none.fits else [none, evaluate(job, strategy=strategy, micro_batch=micro_batch,
-                                                        checkpointing=1)]
+        return (
+            [none] if none.fits else [none, evaluate(job, strategy=strategy, micro_batch=micro_batch, checkpointing=1)]
+        )
     most = evaluate(job, strategy=strategy, micro_batch=micro_batch, checkpointing=layers - 1)
     if not most.fits:
         return [none, most]
@@ -136,8 +153,7 @@ def best_for_strategy(job: Job, strategy: str) -> Candidate:
             tried.append(evaluate(job, strategy=strategy, micro_batch=m, checkpointing=pinned_checkpointing(job)))
     fitting = [c for c in tried if c.fits]
     if fitting and not why_not:
-        return min(fitting, key=lambda c: (round(c.step_time_s, 6), -c.micro_batch_size,
-                                           c.checkpoint_layers))
+        return min(fitting, key=lambda c: (round(c.step_time_s, 6), -c.micro_batch_size, c.checkpoint_layers))
     smallest = min(tried, key=lambda c: (c.memory.total, c.host_ram_bytes))
     if why_not:
         smallest.fits, smallest.reason = False, why_not
@@ -173,7 +189,7 @@ def simplest_near_fastest(fitting: list[Candidate]) -> Candidate:
 
 
 def fmt_bytes(n: float) -> str:
-    return f"{n / 1024 ** 4:.1f} TiB" if n >= 1024 ** 4 else f"{n / GIB:.1f} GiB"
+    return f"{n / 1024**4:.1f} TiB" if n >= 1024**4 else f"{n / GIB:.1f} GiB"
 
 
 def _fits_text(job: Job) -> tuple[bool, str]:
@@ -190,10 +206,12 @@ def suggestions(job: Job, candidates: list[Candidate]) -> list[str]:
     """Concrete changes that make the recipe fit, each verified by re-planning the variant."""
     out: list[str] = []
     if job.strategy != "auto":
-        for c in sorted((c for c in candidates if c.fits and c.strategy != job.strategy),
-                        key=lambda c: c.step_time_s)[:2]:
-            extra = (f", needs {fmt_bytes(c.host_ram_bytes)} host RAM per node"
-                     if strategies.offloads(c.strategy) else "")
+        for c in sorted((c for c in candidates if c.fits and c.strategy != job.strategy), key=lambda c: c.step_time_s)[
+            :2
+        ]:
+            extra = (
+                f", needs {fmt_bytes(c.host_ram_bytes)} host RAM per node" if strategies.offloads(c.strategy) else ""
+            )
             out.append(f"distributed.strategy: {c.strategy} fits at {c.per_gpu_memory_gib:.1f} GiB/GPU{extra}")
     variants: list[tuple[str, Job]] = []
     if job.micro_batch and job.micro_batch > 1:
@@ -205,9 +223,17 @@ def suggestions(job: Job, candidates: list[Candidate]) -> list[str]:
         strategy = job.strategy
         if adapter == "qlora" and strategy != "auto" and strategies.offloads(strategy):
             strategy = "auto"
-        variants.append((f"adapter.type: {adapter}", replace(
-            job, adapter=adapter, strategy=strategy,
-            reference="implicit" if job.reference == "copy" else job.reference)))
+        variants.append(
+            (
+                f"adapter.type: {adapter}",
+                replace(
+                    job,
+                    adapter=adapter,
+                    strategy=strategy,
+                    reference="implicit" if job.reference == "copy" else job.reference,
+                ),
+            )
+        )
     if job.adapter == "full" and "8bit" not in job.optimizer:
         variants.append(("train.optimizer: adamw_8bit", replace(job, optimizer="adamw_8bit")))
     if job.reference == "copy":
@@ -231,8 +257,13 @@ def _hardware_suggestions(job: Job, limit: int = 2) -> list[str]:
     from finetune.registry import list_presets
 
     current = job.preset
-    bigger = [p for p in list_presets() if p.vendor != "cpu" and p.name != current.name
-              and p.world_size * p.gpu_memory_gib > current.world_size * current.gpu_memory_gib]
+    bigger = [
+        p
+        for p in list_presets()
+        if p.vendor != "cpu"
+        and p.name != current.name
+        and p.world_size * p.gpu_memory_gib > current.world_size * current.gpu_memory_gib
+    ]
     bigger.sort(key=lambda p: (p.world_size * p.gpu_memory_gib, p.world_size))
     out = []
     for preset in bigger:

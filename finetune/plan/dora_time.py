@@ -29,8 +29,9 @@ from __future__ import annotations
 from finetune.plan.workload import Job, layer_kinds
 
 
-def _weight_side_bytes(*, fin: int, fout: int, r: int, adapter: int, compute: int, x: int, weight: float,
-                       dequantize: float) -> float:
+def _weight_side_bytes(
+    *, fin: int, fout: int, r: int, adapter: int, compute: int, x: int, weight: float, dequantize: float
+) -> float:
     """One module's weight-norm recomputation, bytes moved (see the module docstring)."""
     square, io, thin = fin * fin, fin * fout, fin * r
     moved: float = adapter * square  # torch.eye
@@ -77,8 +78,15 @@ def dora_seconds(job: Job, *, micro_batch: int, casts: bool, checkpointed_share:
             fin, fout, copies = shapes[name]
             n = count * copies
             weight_side += n * _weight_side_bytes(
-                fin=fin, fout=fout, r=job.lora_r, adapter=adapter, compute=a, x=x,
-                weight=a if qlora else job.weight_bytes, dequantize=(0.5 + 2) if qlora else 0.0)
+                fin=fin,
+                fout=fout,
+                r=job.lora_r,
+                adapter=adapter,
+                compute=a,
+                x=x,
+                weight=a if qlora else job.weight_bytes,
+                dequantize=(0.5 + 2) if qlora else 0.0,
+            )
             flops += n * 2 * fin * job.lora_r * (fin + fout)
             token_out += n * fout
     forward, backward = _token_side_bytes(promoted=promoted, compute=a)

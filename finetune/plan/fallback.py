@@ -21,14 +21,12 @@ def attention_fallback_warning(job: Job, plan: Plan) -> str:
     from finetune.plan.timing import flops_per_token
 
     fallback = varlen_fallback_layers(job.arch)
-    if not (fallback and job.packed and job.attention in ("sdpa", "eager")
-            and job.varlen_layers < job.arch.num_layers):
+    if not (fallback and job.packed and job.attention in ("sdpa", "eager") and job.varlen_layers < job.arch.num_layers):
         return ""
     arch, micro = job.arch, plan.micro_batch_size
     why = [f"attention logit soft-capping ({arch.attn_logit_softcap:g})"] if arch.attn_logit_softcap else []
     if arch.sliding_window and arch.sliding_layers:
-        why.append(f"a {arch.sliding_window}-token sliding window on {arch.sliding_layers} of "
-                   f"{arch.num_layers} layers")
+        why.append(f"a {arch.sliding_window}-token sliding window on {arch.sliding_layers} of {arch.num_layers} layers")
     ckpt = plan.checkpoint_layers or False
     executed = flops_per_token(job, checkpointing=ckpt, micro_batch=micro)
     useful = flops_per_token(job, checkpointing=ckpt)
@@ -37,9 +35,11 @@ def attention_fallback_warning(job: Job, plan: Plan) -> str:
     kept = arch.num_layers - k + (1 if k == arch.num_layers else 0)
     mask = attention_matrix_bytes(job, micro_batch=micro) * kept / GIB
     row = micro * job.seq_len
-    return (f"{arch.key} has {' and '.join(why)}, which finetune's varlen flash kernel does not run: "
-            f"{fallback} of {arch.num_layers} layers use {job.attention} with a block-diagonal mask over each packed "
-            f"row of {micro} x {job.seq_len} = {row} tokens, computing all {row} x {row} blocks "
-            f"(modelled {extra:.0%} of the step's FLOPs) and keeping {mask:.1f} GiB of mask bias per GPU; "
-            f"a smaller train.micro_batch_size shrinks the row (model.attn_implementation: "
-            f"flash_attention_2 runs both natively where flash-attn is installed)")
+    return (
+        f"{arch.key} has {' and '.join(why)}, which finetune's varlen flash kernel does not run: "
+        f"{fallback} of {arch.num_layers} layers use {job.attention} with a block-diagonal mask over each packed "
+        f"row of {micro} x {job.seq_len} = {row} tokens, computing all {row} x {row} blocks "
+        f"(modelled {extra:.0%} of the step's FLOPs) and keeping {mask:.1f} GiB of mask bias per GPU; "
+        f"a smaller train.micro_batch_size shrinks the row (model.attn_implementation: "
+        f"flash_attention_2 runs both natively where flash-attn is installed)"
+    )

@@ -200,8 +200,9 @@ def peft_casts_adapter_inputs(*, adapter: str, strategy: str, act_bytes: int) ->
 
 def adapter_input_casts(job: Job, strategy: str) -> bool:
     """Whether the casts run in this job (finetune keeps them only on request or for DoRA)."""
-    return ((job.cast_adapter_inputs or job.dora)
-            and peft_casts_adapter_inputs(adapter=job.adapter, strategy=strategy, act_bytes=job.act_bytes))
+    return (job.cast_adapter_inputs or job.dora) and peft_casts_adapter_inputs(
+        adapter=job.adapter, strategy=strategy, act_bytes=job.act_bytes
+    )
 
 
 def masked_attention(job: Job, *, micro_batch: int) -> tuple[int, int] | None:
@@ -224,8 +225,7 @@ def activation_bytes_per_token_layer(job: Job, *, micro_batch: int = 1, casts: b
     # Liger's RMSNorm keeps its bf16 input and an fp32 rstd per row instead of the fp32 upcast input
     # (LigerRMSNormFunction saves only X, W and rstd: its weight gradient needs no normalized copy either)
     norms = 2 * ((a * h + 4) if job.liger else 4 * h) + 2 * (a * h + (a * h if full and not job.liger else 0))
-    repeated = (job.attention in ("eager", "varlen")
-                or masked_attention(job, micro_batch=micro_batch) is not None)
+    repeated = job.attention in ("eager", "varlen") or masked_attention(job, micro_batch=micro_batch) is not None
     attention = a * (2 * q + (q if repeated else kv) + (q if repeated else v)) + 4 * arch.num_attention_heads
     mlp = mlp_bytes_per_token_layer(job)  # dense SwiGLU and routed experts (plan/moe_memory.py)
     lora = 0.0
@@ -238,8 +238,14 @@ def activation_bytes_per_token_layer(job: Job, *, micro_batch: int = 1, casts: b
             # each module keeps its own copy of its input; the norm outputs and the MLP product that
             # the adapters shared are no longer kept (Llama 8B: 3*a*h + a*q = 32 KB per token)
             lora += sum(a * shapes.get(n, (h, h, 1))[0] for n in job.lora_targets)
-            lora -= a * h * (any(n in job.lora_targets for n in ("q_proj", "k_proj", "v_proj"))
-                             + any(n in job.lora_targets for n in ("gate_proj", "up_proj")))
+            lora -= (
+                a
+                * h
+                * (
+                    any(n in job.lora_targets for n in ("q_proj", "k_proj", "v_proj"))
+                    + any(n in job.lora_targets for n in ("gate_proj", "up_proj"))
+                )
+            )
             lora -= a * i * ("down_proj" in job.lora_targets)
         if job.dora:
             lora += dora_bytes_per_token_layer(job)
@@ -263,8 +269,11 @@ def dora_transient_bytes(job: Job) -> float:
     largest targeted module's temporaries, in fp32 (peft's adapter dtype): the identity and its r-wide
     image, BA, its cast, the cast W and the sum (4 out x in matrices)."""
     shapes = module_shapes(job.arch)
-    sizes = [4 * (fin * fin + fin * job.lora_r) + 4 * 4 * fin * fout
-             for n, (fin, fout, _) in shapes.items() if n in job.lora_targets]
+    sizes = [
+        4 * (fin * fin + fin * job.lora_r) + 4 * 4 * fin * fout
+        for n, (fin, fout, _) in shapes.items()
+        if n in job.lora_targets
+    ]
     return max(sizes, default=0.0)
 
 
@@ -301,8 +310,9 @@ def activation_bytes(job: Job, *, micro_batch: int, checkpointing: bool | int, c
     adds to the peak only when every layer is checkpointed: (L-k) x layer + k x input, or L x input +
     one layer when k = L (which is why k = L - 1 needs less memory than k = L)."""
     tokens = tokens_per_micro_batch(job, micro_batch)
-    per_layer = (activation_bytes_per_token_layer(job, micro_batch=micro_batch, casts=casts) * tokens
-                 + attention_matrix_bytes(job, micro_batch=micro_batch))
+    per_layer = activation_bytes_per_token_layer(
+        job, micro_batch=micro_batch, casts=casts
+    ) * tokens + attention_matrix_bytes(job, micro_batch=micro_batch)
     layers = job.arch.num_layers
     k = checkpointed_layers(job, checkpointing)
     edges = 4 * job.act_bytes * job.arch.hidden_size * tokens  # embedding output + final norm
@@ -353,7 +363,7 @@ def footprint(job: Job, *, strategy: str, micro_batch: int, checkpointing: bool 
     elif tier.zero_stage == 2:
         # ZeRO-2 reduces through two reduce buckets and re-gathers updated params through one
         # all-gather bucket, each reduce_bucket_size (h x h, compile/deepspeed.py) 16-bit elements
-        comm = 3 * job.arch.hidden_size ** 2 * 2 if p.world_size > 1 else 0.0
+        comm = 3 * job.arch.hidden_size**2 * 2 if p.world_size > 1 else 0.0
     elif tier.backend == "fsdp":
         comm = root + 2 * layer + fsdp_gradient_buffers(job, strategy=strategy)
         if accumulation_steps(job, micro_batch) > 1:
@@ -369,9 +379,11 @@ def footprint(job: Job, *, strategy: str, micro_batch: int, checkpointing: bool 
         weights=0.0 if tier.offload_params else states.weights / shard,
         trainable=opt_on_gpu * states.trainable / states_shard,
         gradients=opt_on_gpu * states.gradients / states_shard + extra_grads,
-        optimizer=opt_on_gpu * states.optimizer / states_shard)
-    acts = activation_bytes(job, micro_batch=micro_batch, checkpointing=checkpointing,
-                            casts=adapter_input_casts(job, strategy))
+        optimizer=opt_on_gpu * states.optimizer / states_shard,
+    )
+    acts = activation_bytes(
+        job, micro_batch=micro_batch, checkpointing=checkpointing, casts=adapter_input_casts(job, strategy)
+    )
     logits = loss_head_bytes(job, micro_batch=micro_batch)
     fixed = CPU_FIXED_BYTES if cpu else CUDA_FIXED_BYTES + (NCCL_BYTES if p.world_size > 1 else 0)
     if job.adapter == "qlora":
@@ -384,13 +396,20 @@ def footprint(job: Job, *, strategy: str, micro_batch: int, checkpointing: bool 
     if not tier.offload_optimizer:
         deepspeed = tier.backend == "deepspeed"
         step = optimizer_step_transient_bytes(
-            job, flat=deepspeed, shard=state_shard_degree(job, strategy) if deepspeed else shard)
+            job, flat=deepspeed, shard=state_shard_degree(job, strategy) if deepspeed else shard
+        )
     fixed += max(0.0, step - acts - logits)
     subtotal = on_gpu.total + acts + logits + comm
-    memory = MemoryBreakdown(weights=on_gpu.weights, trainable=on_gpu.trainable,
-                             gradients=on_gpu.gradients, optimizer=on_gpu.optimizer,
-                             activations=acts, logits=logits, comm_buffers=comm,
-                             overhead=fixed + FRAGMENTATION * subtotal)
+    memory = MemoryBreakdown(
+        weights=on_gpu.weights,
+        trainable=on_gpu.trainable,
+        gradients=on_gpu.gradients,
+        optimizer=on_gpu.optimizer,
+        activations=acts,
+        logits=logits,
+        comm_buffers=comm,
+        overhead=fixed + FRAGMENTATION * subtotal,
+    )
     host, nvme = _host_and_nvme(job, strategy=strategy, states=states, layer=layer)
     return Footprint(memory, host, nvme)
 

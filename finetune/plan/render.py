@@ -76,8 +76,7 @@ def render_plan_table(plan: Plan) -> str:
             f"{plan.gradient_accumulation_steps}, activation checkpointing "
             f"{checkpointing_text(plan)}, "
             f"{plan.per_gpu_memory_gib:.1f} GiB/GPU peak",
-            f"estimate: {plan.step_time_s:.2f} s/step, {plan.tokens_per_second:,.0f} tokens/s, "
-            f"MFU {plan.mfu:.0%}",
+            f"estimate: {plan.step_time_s:.2f} s/step, {plan.tokens_per_second:,.0f} tokens/s, MFU {plan.mfu:.0%}",
             f"kernels: {plan.kernels}",
             f"why: {plan.why}",
         ]

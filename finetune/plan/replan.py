@@ -49,14 +49,17 @@ class OomEvidence:
 
     @classmethod
     def from_record(cls, record: dict) -> OomEvidence:
-        return cls(rank=int(record["rank"]), micro_batch=int(record["micro_batch_size"]),
-                   checkpointing=bool(record["activation_checkpointing"]),
-                   peak_bytes=float(record.get("peak_bytes") or 0.0),
-                   capacity_bytes=float(record.get("capacity_bytes") or 0.0),
-                   requested_bytes=float(record.get("requested_bytes") or 0.0),
-                   baseline_bytes=float(record.get("baseline_bytes") or 0.0),
-                   peak_kind=str(record.get("peak_kind", "max reserved")),
-                   before_training=bool(record.get("before_training", False)))
+        return cls(
+            rank=int(record["rank"]),
+            micro_batch=int(record["micro_batch_size"]),
+            checkpointing=bool(record["activation_checkpointing"]),
+            peak_bytes=float(record.get("peak_bytes") or 0.0),
+            capacity_bytes=float(record.get("capacity_bytes") or 0.0),
+            requested_bytes=float(record.get("requested_bytes") or 0.0),
+            baseline_bytes=float(record.get("baseline_bytes") or 0.0),
+            peak_kind=str(record.get("peak_kind", "max reserved")),
+            before_training=bool(record.get("before_training", False)),
+        )
 
 
 @dataclass(frozen=True)
@@ -80,12 +83,13 @@ def activation_term(job: Job, *, strategy: str, micro_batch: int, checkpointing:
 
 
 def _describe(micro_batch: int, checkpointing: bool, accumulation: int) -> str:
-    return (f"micro-batch {micro_batch} x accumulation {accumulation}, activation checkpointing "
-            f"{'on' if checkpointing else 'off'}")
+    return (
+        f"micro-batch {micro_batch} x accumulation {accumulation}, activation checkpointing "
+        f"{'on' if checkpointing else 'off'}"
+    )
 
 
-def replan(job: Job, *, strategy: str, evidence: list[OomEvidence],
-           tried: tuple[tuple[int, bool], ...] = ()) -> Replan:
+def replan(job: Job, *, strategy: str, evidence: list[OomEvidence], tried: tuple[tuple[int, bool], ...] = ()) -> Replan:
     """The fastest setting of `strategy` with the job's global batch that the evidence says fits.
 
     `evidence` holds the failed attempt's records (one per rank that ran out; the worst one counts),
@@ -96,13 +100,21 @@ def replan(job: Job, *, strategy: str, evidence: list[OomEvidence],
     worst = max(evidence, key=lambda e: e.demand_bytes / max(e.capacity_bytes, 1.0))
     if any(e.before_training for e in evidence):
         early = next(e for e in evidence if e.before_training)
-        return Replan(None, None, None, 1.0, early.demand_bytes, HEADROOM * early.capacity_bytes,
-                      f"rank {early.rank} ran out of memory before the first step (loading or wrapping the "
-                      f"model, {early.peak_kind} {early.peak_bytes / GIB:.2f} GiB of "
-                      f"{early.capacity_bytes / GIB:.2f} GiB): no micro-batch or checkpointing setting "
-                      f"changes that")
-    total, act = activation_term(job, strategy=strategy, micro_batch=worst.micro_batch,
-                                 checkpointing=worst.checkpointing)
+        return Replan(
+            None,
+            None,
+            None,
+            1.0,
+            early.demand_bytes,
+            HEADROOM * early.capacity_bytes,
+            f"rank {early.rank} ran out of memory before the first step (loading or wrapping the "
+            f"model, {early.peak_kind} {early.peak_bytes / GIB:.2f} GiB of "
+            f"{early.capacity_bytes / GIB:.2f} GiB): no micro-batch or checkpointing setting "
+            f"changes that",
+        )
+    total, act = activation_term(
+        job, strategy=strategy, micro_batch=worst.micro_batch, checkpointing=worst.checkpointing
+    )
     other = max(total - act, worst.baseline_bytes)
     scale = (worst.demand_bytes - other) / act if act > 0 else float("inf")
     limit = HEADROOM * worst.capacity_bytes
@@ -117,26 +129,41 @@ def replan(job: Job, *, strategy: str, evidence: list[OomEvidence],
             t_total, t_act = activation_term(job, strategy=strategy, micro_batch=mb, checkpointing=ckpt)
             predicted = max(t_total - t_act, worst.baseline_bytes) + scale * t_act
             accumulation = max(1, round(share / mb))
-            seconds = step_time(job, strategy=strategy, micro_batch=mb, grad_accum=accumulation,
-                                checkpointing=ckpt).step_s
+            seconds = step_time(
+                job, strategy=strategy, micro_batch=mb, grad_accum=accumulation, checkpointing=ckpt
+            ).step_s
             options.append((predicted, seconds, mb, ckpt, accumulation))
     fitting = [o for o in options if o[0] <= limit]
     failed = _describe(worst.micro_batch, worst.checkpointing, max(1, round(share / worst.micro_batch)))
-    evidence_text = (f"rank {worst.rank} ran out of memory at {failed}: it needed more than "
-                     f"{worst.demand_bytes / GIB:.2f} GiB ({worst.peak_kind} {worst.peak_bytes / GIB:.2f} GiB"
-                     + (f" + a failed request of {worst.requested_bytes / GIB:.2f} GiB"
-                        if worst.requested_bytes else "")
-                     + f", {worst.capacity_bytes / GIB:.2f} GiB available"
-                     + (f", {worst.baseline_bytes / GIB:.2f} GiB held when training began"
-                        if worst.baseline_bytes else "")
-                     + f"), the plan said {total / GIB:.2f} GiB; activation estimate scaled x{scale:.2f}")
+    evidence_text = (
+        f"rank {worst.rank} ran out of memory at {failed}: it needed more than "
+        f"{worst.demand_bytes / GIB:.2f} GiB ({worst.peak_kind} {worst.peak_bytes / GIB:.2f} GiB"
+        + (f" + a failed request of {worst.requested_bytes / GIB:.2f} GiB" if worst.requested_bytes else "")
+        + f", {worst.capacity_bytes / GIB:.2f} GiB available"
+        + (f", {worst.baseline_bytes / GIB:.2f} GiB held when training began" if worst.baseline_bytes else "")
+        + f"), the plan said {total / GIB:.2f} GiB; activation estimate scaled x{scale:.2f}"
+    )
     if not fitting:
         smallest = min(options)[0] if options else other
-        return Replan(None, None, None, scale, smallest, limit,
-                      f"{evidence_text}; no other micro-batch or checkpointing setting of {strategy} is "
-                      f"expected to fit (the smallest needs {smallest / GIB:.2f} GiB of {limit / GIB:.2f} "
-                      f"GiB usable)")
+        return Replan(
+            None,
+            None,
+            None,
+            scale,
+            smallest,
+            limit,
+            f"{evidence_text}; no other micro-batch or checkpointing setting of {strategy} is "
+            f"expected to fit (the smallest needs {smallest / GIB:.2f} GiB of {limit / GIB:.2f} "
+            f"GiB usable)",
+        )
     predicted, _, mb, ckpt, accumulation = min(fitting, key=lambda o: (round(o[1], 6), -o[2], o[3]))
-    return Replan(mb, ckpt, accumulation, scale, predicted, limit,
-                  f"{evidence_text}; expected to fit: {_describe(mb, ckpt, accumulation)} (same global "
-                  f"batch) at {predicted / GIB:.2f} GiB of {limit / GIB:.2f} GiB usable")
+    return Replan(
+        mb,
+        ckpt,
+        accumulation,
+        scale,
+        predicted,
+        limit,
+        f"{evidence_text}; expected to fit: {_describe(mb, ckpt, accumulation)} (same global "
+        f"batch) at {predicted / GIB:.2f} GiB of {limit / GIB:.2f} GiB usable",
+    )

@@ -94,8 +94,12 @@ def model_flops_per_token(arch: ModelArch, *, seq_len: int, adapter: str, traina
 
 
 def job_model_flops_per_token(job: Job) -> float:
-    return model_flops_per_token(job.arch, seq_len=job.seq_len, adapter=job.adapter,
-                                 trainable_params=trainable_params(job) if job.adapter != "full" else 0)
+    return model_flops_per_token(
+        job.arch,
+        seq_len=job.seq_len,
+        adapter=job.adapter,
+        trainable_params=trainable_params(job) if job.adapter != "full" else 0,
+    )
 
 
 def flops_per_token(job: Job, *, checkpointing: bool | int, micro_batch: int | None = None) -> float:
@@ -143,31 +147,37 @@ class StepTime:
     bottleneck: str  # compute | intra-node | inter-node | offload
 
 
-def _sharded_collectives(*, gather: float, reduce: float, n_intra: int, n_nodes: int,
-                         intra_bw: float, inter_bw: float, hybrid: bool) -> tuple[float, float]:
+def _sharded_collectives(
+    *, gather: float, reduce: float, n_intra: int, n_nodes: int, intra_bw: float, inter_bw: float, hybrid: bool
+) -> tuple[float, float]:
     """(intra, inter) seconds of one micro-batch: gather params twice (forward, backward), reduce grads."""
-    intra = 2 * allgather_time_s(gather, n=n_intra, bus_bandwidth_gbps=intra_bw) \
-        + allgather_time_s(reduce, n=n_intra, bus_bandwidth_gbps=intra_bw)
+    intra = 2 * allgather_time_s(gather, n=n_intra, bus_bandwidth_gbps=intra_bw) + allgather_time_s(
+        reduce, n=n_intra, bus_bandwidth_gbps=intra_bw
+    )
     if n_nodes <= 1:
         return intra, 0.0
     if hybrid:  # replicas across nodes: all-reduce the gradients only
         return intra, allreduce_time_s(reduce, n=n_nodes, bus_bandwidth_gbps=inter_bw)
-    inter = 2 * allgather_time_s(gather, n=n_nodes, bus_bandwidth_gbps=inter_bw) \
-        + allgather_time_s(reduce, n=n_nodes, bus_bandwidth_gbps=inter_bw)
+    inter = 2 * allgather_time_s(gather, n=n_nodes, bus_bandwidth_gbps=inter_bw) + allgather_time_s(
+        reduce, n=n_nodes, bus_bandwidth_gbps=inter_bw
+    )
     return intra, inter
 
 
-def step_time(job: Job, *, strategy: str, micro_batch: int, grad_accum: int,
-              checkpointing: bool | int) -> StepTime:
+def step_time(job: Job, *, strategy: str, micro_batch: int, grad_accum: int, checkpointing: bool | int) -> StepTime:
     """Seconds per optimizer step (grad_accum micro-batches on every rank)."""
     p = job.preset
     tokens = tokens_per_micro_batch(job, micro_batch) * grad_accum
-    compute = flops_per_token(job, checkpointing=checkpointing, micro_batch=micro_batch) * tokens / (
-        p.peak_bf16_tflops * 1e12 * efficiency(job, micro_batch=micro_batch))
+    compute = (
+        flops_per_token(job, checkpointing=checkpointing, micro_batch=micro_batch)
+        * tokens
+        / (p.peak_bf16_tflops * 1e12 * efficiency(job, micro_batch=micro_batch))
+    )
     if job.dora:  # memory-bound weight norms and elementwise passes (plan/dora_time.py)
-        share = (1.0 if checkpointing is True else min(1.0, int(checkpointing) / job.arch.num_layers))
-        compute += grad_accum * dora_seconds(job, micro_batch=micro_batch, casts=adapter_input_casts(job, strategy),
-                                             checkpointed_share=share)
+        share = 1.0 if checkpointing is True else min(1.0, int(checkpointing) / job.arch.num_layers)
+        compute += grad_accum * dora_seconds(
+            job, micro_batch=micro_batch, casts=adapter_input_casts(job, strategy), checkpointed_share=share
+        )
     states = state_bytes(job, strategy)
     grad_bytes = states.trainable_params * (4 if job.adapter != "full" else 2)
     intra_bw, inter_bw = p.intra_node_bandwidth_gbps, p.inter_node_bandwidth_gbps or 1.0
@@ -181,13 +191,16 @@ def step_time(job: Job, *, strategy: str, micro_batch: int, grad_accum: int,
         # no parameter gathering: DeepSpeed reduce-scatters the 16-bit gradients every micro-batch and
         # all-gathers the updated parameters once per optimizer step
         grads16 = states.trainable_params * 2
-        per_step = allgather_time_s(states.trainable_params * job.weight_bytes, n=p.gpus_per_node,
-                                    bus_bandwidth_gbps=intra_bw)
-        intra = (allgather_time_s(grads16, n=p.gpus_per_node, bus_bandwidth_gbps=intra_bw) * grad_accum
-                 + per_step) * ZERO3_COMM_FACTOR
-        inter = (allgather_time_s(grads16, n=p.nodes, bus_bandwidth_gbps=inter_bw) * grad_accum
-                 + allgather_time_s(states.trainable_params * job.weight_bytes, n=p.nodes,
-                                    bus_bandwidth_gbps=inter_bw)) * ZERO3_COMM_FACTOR
+        per_step = allgather_time_s(
+            states.trainable_params * job.weight_bytes, n=p.gpus_per_node, bus_bandwidth_gbps=intra_bw
+        )
+        intra = (
+            allgather_time_s(grads16, n=p.gpus_per_node, bus_bandwidth_gbps=intra_bw) * grad_accum + per_step
+        ) * ZERO3_COMM_FACTOR
+        inter = (
+            allgather_time_s(grads16, n=p.nodes, bus_bandwidth_gbps=inter_bw) * grad_accum
+            + allgather_time_s(states.trainable_params * job.weight_bytes, n=p.nodes, bus_bandwidth_gbps=inter_bw)
+        ) * ZERO3_COMM_FACTOR
     else:
         fsdp = tier.backend == "fsdp"
         # accelerate's FSDP2 reduces in the compute dtype and, under the Trainer's no_sync, only on the
@@ -195,11 +208,23 @@ def step_time(job: Job, *, strategy: str, micro_batch: int, grad_accum: int,
         reduce = states.trainable_params * (job.act_bytes if fsdp else 4)
         reductions = 1 if fsdp else grad_accum
         g_intra, g_inter = _sharded_collectives(
-            gather=weight_bytes(job), reduce=0.0, n_intra=p.gpus_per_node, n_nodes=p.nodes,
-            intra_bw=intra_bw, inter_bw=inter_bw, hybrid=tier.hybrid)
+            gather=weight_bytes(job),
+            reduce=0.0,
+            n_intra=p.gpus_per_node,
+            n_nodes=p.nodes,
+            intra_bw=intra_bw,
+            inter_bw=inter_bw,
+            hybrid=tier.hybrid,
+        )
         r_intra, r_inter = _sharded_collectives(
-            gather=0.0, reduce=reduce, n_intra=p.gpus_per_node, n_nodes=p.nodes,
-            intra_bw=intra_bw, inter_bw=inter_bw, hybrid=tier.hybrid)
+            gather=0.0,
+            reduce=reduce,
+            n_intra=p.gpus_per_node,
+            n_nodes=p.nodes,
+            intra_bw=intra_bw,
+            inter_bw=inter_bw,
+            hybrid=tier.hybrid,
+        )
         factor = 1.0 if fsdp else ZERO3_COMM_FACTOR
         intra = (g_intra * grad_accum + r_intra * reductions) * factor
         inter = (g_inter * grad_accum + r_inter * reductions) * factor

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
-GIB = 1024 ** 3
+GIB = 1024**3
 
 
 @dataclass(frozen=True)
@@ -22,8 +22,16 @@ class MemoryBreakdown:
 
     @property
     def total(self) -> float:
-        return (self.weights + self.trainable + self.gradients + self.optimizer
-                + self.activations + self.logits + self.comm_buffers + self.overhead)
+        return (
+            self.weights
+            + self.trainable
+            + self.gradients
+            + self.optimizer
+            + self.activations
+            + self.logits
+            + self.comm_buffers
+            + self.overhead
+        )
 
     def gib(self) -> dict[str, float]:
         out = {k: round(v / GIB, 3) for k, v in asdict(self).items()}
@@ -116,24 +124,36 @@ class Plan:
 
     def to_json(self) -> dict:
         return {
-            "model": self.model, "hardware": self.hardware, "adapter": self.adapter,
-            "method": self.method, "strategy": self.strategy, "fits": self.fits,
+            "model": self.model,
+            "hardware": self.hardware,
+            "adapter": self.adapter,
+            "method": self.method,
+            "strategy": self.strategy,
+            "fits": self.fits,
             "per_gpu_memory_gib": round(self.per_gpu_memory_gib, 2),
             "memory_gib": self.memory.gib() if self.memory else None,
             "host_ram_gib": round(self.host_ram_gib, 2),
             "micro_batch_size": self.micro_batch_size,
             "gradient_accumulation_steps": self.gradient_accumulation_steps,
             "activation_checkpointing": self.activation_checkpointing,
-            "checkpoint_layers": self.checkpoint_layers, "num_layers": self.num_layers,
-            "world_size": self.world_size, "num_nodes": self.num_nodes,
-            "gpus_per_node": self.gpus_per_node, "seq_len": self.seq_len,
-            "global_batch_size": self.global_batch_size, "tokens_per_step": self.tokens_per_step,
+            "checkpoint_layers": self.checkpoint_layers,
+            "num_layers": self.num_layers,
+            "world_size": self.world_size,
+            "num_nodes": self.num_nodes,
+            "gpus_per_node": self.gpus_per_node,
+            "seq_len": self.seq_len,
+            "global_batch_size": self.global_batch_size,
+            "tokens_per_step": self.tokens_per_step,
             "step_time_s": round(self.step_time_s, 3),
             "tokens_per_second": round(self.tokens_per_second, 1),
-            "mfu": round(self.mfu, 3), "why": self.why,
-            "total_params": self.total_params, "active_params": self.active_params,
+            "mfu": round(self.mfu, 3),
+            "why": self.why,
+            "total_params": self.total_params,
+            "active_params": self.active_params,
             "trainable_params": self.trainable_params,
-            "device": self.device, "kernels": self.kernels, "substitutions": self.substitutions,
+            "device": self.device,
+            "kernels": self.kernels,
+            "substitutions": self.substitutions,
             "warnings": self.warnings,
             "candidates": [c.to_json() for c in self.candidates],
             "suggestions": self.suggestions,

@@ -176,8 +176,7 @@ def is_mla(arch: ModelArch) -> bool:
 def mla_dims(arch: ModelArch) -> tuple[int, int, int, int]:
     """(kv_lora_rank, qk_nope_head_dim, qk_rope_head_dim, v_head_dim) of an MLA architecture (the
     config reader sets all four together)."""
-    return (arch.kv_lora_rank or 0, arch.qk_nope_head_dim or 0, arch.qk_rope_head_dim or 0,
-            arch.v_head_dim or 0)
+    return (arch.kv_lora_rank or 0, arch.qk_nope_head_dim or 0, arch.qk_rope_head_dim or 0, arch.v_head_dim or 0)
 
 
 def attention_widths(arch: ModelArch) -> tuple[int, int, int]:
@@ -209,10 +208,14 @@ def _attention_shapes(arch: ModelArch) -> dict[str, tuple[int, int, int]]:
     heads = arch.num_attention_heads
     kv_rank, nope, rope, v = mla_dims(arch)
     qk = heads * (nope + rope)
-    shapes = ({"q_a_proj": (h, arch.q_lora_rank, 1), "q_b_proj": (arch.q_lora_rank, qk, 1)}
-              if arch.q_lora_rank else {"q_proj": (h, qk, 1)})
-    shapes.update(kv_a_proj_with_mqa=(h, kv_rank + rope, 1), kv_b_proj=(kv_rank, heads * (nope + v), 1),
-                  o_proj=(heads * v, h, 1))
+    shapes = (
+        {"q_a_proj": (h, arch.q_lora_rank, 1), "q_b_proj": (arch.q_lora_rank, qk, 1)}
+        if arch.q_lora_rank
+        else {"q_proj": (h, qk, 1)}
+    )
+    shapes.update(
+        kv_a_proj_with_mqa=(h, kv_rank + rope, 1), kv_b_proj=(kv_rank, heads * (nope + v), 1), o_proj=(heads * v, h, 1)
+    )
     return shapes
 
 
@@ -254,12 +257,33 @@ def count_params(arch: ModelArch) -> Params:
     return _count_params(tuple(getattr(arch, f) for f in _COUNTED))
 
 
-_COUNTED = ("family", "hidden_size", "intermediate_size", "num_experts", "experts_per_token",
-            "num_attention_heads", "num_kv_heads", "head_dim", "attention_bias", "vocab_size",
-            "tied_embeddings", "num_layers", "moe_intermediate_size", "shared_expert_intermediate_size",
-            "shared_expert_gate", "moe_layers", "router_bias", "expert_bias", "attention_sinks",
-            "o_proj_bias", "q_lora_rank", "kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim",
-            "v_head_dim")
+_COUNTED = (
+    "family",
+    "hidden_size",
+    "intermediate_size",
+    "num_experts",
+    "experts_per_token",
+    "num_attention_heads",
+    "num_kv_heads",
+    "head_dim",
+    "attention_bias",
+    "vocab_size",
+    "tied_embeddings",
+    "num_layers",
+    "moe_intermediate_size",
+    "shared_expert_intermediate_size",
+    "shared_expert_gate",
+    "moe_layers",
+    "router_bias",
+    "expert_bias",
+    "attention_sinks",
+    "o_proj_bias",
+    "q_lora_rank",
+    "kv_lora_rank",
+    "qk_rope_head_dim",
+    "qk_nope_head_dim",
+    "v_head_dim",
+)
 
 
 @lru_cache(maxsize=256)
@@ -304,9 +328,16 @@ def _count_params(values: tuple) -> Params:
         layers_active += moe * (base + min(arch.experts_per_token, e) * one + shared + router)
         largest = max(largest, layer)
     embed = arch.vocab_size * h
-    return Params(embed=embed, lm_head=0 if arch.tied_embeddings else embed, layers=layers,
-                  layers_linear=layers_linear, layers_active=layers_active, largest_layer=largest,
-                  final_norm=h, num_layers=arch.num_layers)
+    return Params(
+        embed=embed,
+        lm_head=0 if arch.tied_embeddings else embed,
+        layers=layers,
+        layers_linear=layers_linear,
+        layers_active=layers_active,
+        largest_layer=largest,
+        final_norm=h,
+        num_layers=arch.num_layers,
+    )
 
 
 def lora_params(job: Job) -> int:

@@ -36,8 +36,12 @@ class _StrictLoader(yaml.SafeLoader):
             key = self.construct_object(key_node, deep=deep)
             if isinstance(key, (str, int, float, bool)) and key in seen:
                 raise yaml.constructor.ConstructorError(
-                    None, None, f"duplicate key {key!r} (first at line {seen[key] + 1}; a repeated key would "
-                                f"silently replace the first)", key_node.start_mark)
+                    None,
+                    None,
+                    f"duplicate key {key!r} (first at line {seen[key] + 1}; a repeated key would "
+                    f"silently replace the first)",
+                    key_node.start_mark,
+                )
             if isinstance(key, (str, int, float, bool)):
                 seen[key] = key_node.start_mark.line
         return super().construct_mapping(node, deep=deep)
@@ -45,11 +49,12 @@ class _StrictLoader(yaml.SafeLoader):
 
 _StrictLoader.yaml_implicit_resolvers = {
     first: [(tag, regexp) for tag, regexp in resolvers if tag != "tag:yaml.org,2002:int"]
-    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.copy().items()}
+    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.copy().items()
+}
 _StrictLoader.add_implicit_resolver("tag:yaml.org,2002:int", re.compile(r"^[-+]?[0-9]+$"), list("-+0123456789"))
 _StrictLoader.add_implicit_resolver(
-    "tag:yaml.org,2002:float", re.compile(r"^[-+]?([0-9][0-9_]*)?\.?[0-9]*[eE][-+]?[0-9]+$"),
-    list("-+0123456789."))
+    "tag:yaml.org,2002:float", re.compile(r"^[-+]?([0-9][0-9_]*)?\.?[0-9]*[eE][-+]?[0-9]+$"), list("-+0123456789.")
+)
 
 
 def safe_load(text: str) -> Any:
@@ -60,22 +65,28 @@ def read_yaml(path: Path) -> Any:
     try:
         text = path.read_text(encoding="utf-8")
     except FileNotFoundError:
-        raise RecipeError("file not found", file=str(path),
-                          hint="check the path; recipes ship in recipes/") from None
+        raise RecipeError("file not found", file=str(path), hint="check the path; recipes ship in recipes/") from None
     except IsADirectoryError:
-        raise RecipeError("is a directory, not a recipe file", file=str(path),
-                          hint="pass the recipe's YAML file, e.g. recipes/quickstart.yaml") from None
+        raise RecipeError(
+            "is a directory, not a recipe file",
+            file=str(path),
+            hint="pass the recipe's YAML file, e.g. recipes/quickstart.yaml",
+        ) from None
     except (OSError, UnicodeDecodeError) as exc:
-        raise RecipeError(f"cannot read: {exc}", file=str(path),
-                          hint="check the file is a readable UTF-8 YAML recipe") from None
+        raise RecipeError(
+            f"cannot read: {exc}", file=str(path), hint="check the file is a readable UTF-8 YAML recipe"
+        ) from None
     try:
         return safe_load(text)
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
         problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
-        raise RecipeError(f"not valid YAML{where}: {problem}", file=str(path),
-                          hint="fix the YAML syntax (indentation, quotes, colons)") from None
+        raise RecipeError(
+            f"not valid YAML{where}: {problem}",
+            file=str(path),
+            hint="fix the YAML syntax (indentation, quotes, colons)",
+        ) from None
 
 
 def deep_merge(base: dict, override: dict) -> dict:
@@ -93,25 +104,41 @@ def _load_raw(path: Path, depth: int = 0, seen: tuple[Path, ...] = ()) -> dict:
     path = path.resolve()
     if path in seen:
         chain = " -> ".join(p.name for p in seen + (path,))
-        raise RecipeError(f"extends forms a cycle: {chain}", file=str(path), key="extends",
-                          hint="remove the extends: that points back into the chain")
+        raise RecipeError(
+            f"extends forms a cycle: {chain}",
+            file=str(path),
+            key="extends",
+            hint="remove the extends: that points back into the chain",
+        )
     if depth > MAX_EXTENDS_DEPTH:
-        raise RecipeError(f"extends chain deeper than {MAX_EXTENDS_DEPTH}", file=str(path), key="extends",
-                          hint="merge some of the recipes in the chain")
+        raise RecipeError(
+            f"extends chain deeper than {MAX_EXTENDS_DEPTH}",
+            file=str(path),
+            key="extends",
+            hint="merge some of the recipes in the chain",
+        )
     raw = read_yaml(path)
     if raw is None:
-        raise RecipeError("the recipe is empty", file=str(path),
-                          hint="start from a recipe in recipes/, e.g. recipes/quickstart.yaml")
+        raise RecipeError(
+            "the recipe is empty", file=str(path), hint="start from a recipe in recipes/, e.g. recipes/quickstart.yaml"
+        )
     if not isinstance(raw, dict):
-        raise RecipeError(f"a recipe is a mapping of sections, got a {type(raw).__name__}",
-                          file=str(path), hint="the top level needs keys like model:, data:, train:")
+        raise RecipeError(
+            f"a recipe is a mapping of sections, got a {type(raw).__name__}",
+            file=str(path),
+            hint="the top level needs keys like model:, data:, train:",
+        )
     parent = raw.pop("extends", None)
     if parent is None:
         return raw
     if not isinstance(parent, str):
-        raise RecipeError("must be a path to another recipe", file=str(path), key="extends",
-                          hint="write extends: other-recipe.yaml (relative to this file)")
-    parent_path = (path.parent / parent)
+        raise RecipeError(
+            "must be a path to another recipe",
+            file=str(path),
+            key="extends",
+            hint="write extends: other-recipe.yaml (relative to this file)",
+        )
+    parent_path = path.parent / parent
     base = _load_raw(parent_path, depth + 1, seen + (path,))
     return deep_merge(base, raw)
 
@@ -155,11 +182,15 @@ def _step(node: Any, part: str | int, *, text: str, path: list, at: int, create:
     where = _shown(path[:at]) or "the recipe"
     if isinstance(part, int):
         if not isinstance(node, list):
-            raise RecipeError(f"--set {text}: {where} is not a list", key=_shown(path),
-                              hint=f"address it without [{part}]")
+            raise RecipeError(
+                f"--set {text}: {where} is not a list", key=_shown(path), hint=f"address it without [{part}]"
+            )
         if part >= len(node):
-            raise RecipeError(f"--set {text}: {where} has {len(node)} item(s), so [{part}] does not exist",
-                              key=_shown(path), hint=f"use an index below {len(node)}, or add the item in the recipe")
+            raise RecipeError(
+                f"--set {text}: {where} has {len(node)} item(s), so [{part}] does not exist",
+                key=_shown(path),
+                hint=f"use an index below {len(node)}, or add the item in the recipe",
+            )
         return node[part]
     if not isinstance(node, dict):
         raise RecipeError(f"--set {text}: {where} is not a section", key=_shown(path))
@@ -177,22 +208,32 @@ def apply_overrides(raw: dict, overrides: list[str]) -> dict:
             into_list = isinstance(path[i + 1], int)
             if into_list and isinstance(node, dict) and node.get(part) is None:
                 shorthand = part == "sources" and "path" in node  # `data: {path: ...}` is one source
-                raise RecipeError(f"--set {text}: {_shown(path[:i + 1])} is not set in the recipe, so it has no "
-                                  f"items", key=_shown(path),
-                                  hint=("this recipe uses the one-source shorthand (data.path); address "
-                                        f"data.{path[-1]} instead" if shorthand else
-                                        f"write {_shown(path[:i + 1])} out in the recipe first"))
+                raise RecipeError(
+                    f"--set {text}: {_shown(path[: i + 1])} is not set in the recipe, so it has no items",
+                    key=_shown(path),
+                    hint=(
+                        f"this recipe uses the one-source shorthand (data.path); address data.{path[-1]} instead"
+                        if shorthand
+                        else f"write {_shown(path[: i + 1])} out in the recipe first"
+                    ),
+                )
             nxt = _step(node, part, text=text, path=path, at=i, create=True)
             if not isinstance(nxt, (dict, list)):
-                raise RecipeError(f"--set {text}: {_shown(path[:i + 1])} is not a section",
-                                  key=_shown(path), hint=f"set {_shown(path[:i + 1])}=VALUE itself")
+                raise RecipeError(
+                    f"--set {text}: {_shown(path[: i + 1])} is not a section",
+                    key=_shown(path),
+                    hint=f"set {_shown(path[: i + 1])}=VALUE itself",
+                )
             node = nxt
         last = path[-1]
         if isinstance(last, int):
             _step(node, last, text=text, path=path, at=len(path) - 1, create=False)
         elif not isinstance(node, dict):
-            raise RecipeError(f"--set {text}: {_shown(path[:-1])} is a list; pick an item with [N]",
-                              key=_shown(path), hint=f"e.g. {_shown(path[:-1])}[0].{last}")
+            raise RecipeError(
+                f"--set {text}: {_shown(path[:-1])} is a list; pick an item with [N]",
+                key=_shown(path),
+                hint=f"e.g. {_shown(path[:-1])}[0].{last}",
+            )
         node[last] = value
     return raw
 
@@ -235,8 +276,9 @@ def check_types(raw: Any, model: type[BaseModel], *, prefix: str = "", file: str
         members = _members(field.annotation)
         problem = _number_problem(value, members)
         if problem:
-            raise RecipeError(problem, key=key, file=file,
-                              hint="write a plain decimal number (e.g. 60, 0.0002), without quotes")
+            raise RecipeError(
+                problem, key=key, file=file, hint="write a plain decimal number (e.g. 60, 0.0002), without quotes"
+            )
         for sub in (m for m in members if isinstance(m, type) and issubclass(m, BaseModel)):
             check_types(value, sub, prefix=f"{key}.", file=file)
         for m in members:
@@ -295,8 +337,9 @@ def _key_path(loc: tuple) -> str:
     return "".join(parts)
 
 
-def validation_error_to_recipe_error(exc: ValidationError, *, file: str | None,
-                                     schema: type[BaseModel] = Recipe) -> RecipeError:
+def validation_error_to_recipe_error(
+    exc: ValidationError, *, file: str | None, schema: type[BaseModel] = Recipe
+) -> RecipeError:
     err = exc.errors()[0]
     loc = tuple(p for p in err["loc"] if not (isinstance(p, str) and ("[" in p or "function" in p)))
     key = _key_path(loc)
@@ -306,10 +349,14 @@ def validation_error_to_recipe_error(exc: ValidationError, *, file: str | None,
         prefix = _key_path(loc[:-1])
         alias = _alias_for(schema, loc)
         if alias is not None:
-            renamed = RecipeError(f"unknown key; {key} is a peer's name for {alias.key} here"
-                                  + (f" ({alias.note})" if alias.note else ""), key=key, file=file,
-                                  hint=f"{'rename' if alias.key.rsplit('.', 1)[0] == prefix else 'move'} it to "
-                                       f"{alias.key}" + (" and convert its value" if alias.value else ""))
+            renamed = RecipeError(
+                f"unknown key; {key} is a peer's name for {alias.key} here"
+                + (f" ({alias.note})" if alias.note else ""),
+                key=key,
+                file=file,
+                hint=f"{'rename' if alias.key.rsplit('.', 1)[0] == prefix else 'move'} it to "
+                f"{alias.key}" + (" and convert its value" if alias.value else ""),
+            )
             renamed.rename = (key, alias.key, alias.value)  # machine-applicable (finetune convert, tests)
             return renamed
         # a typo of a key in this section; a close spelling of another key (warmup_steps -> warmup_ratio)
@@ -317,18 +364,20 @@ def validation_error_to_recipe_error(exc: ValidationError, *, file: str | None,
         close = difflib.get_close_matches(str(loc[-1]), valid, n=1, cutoff=0.8)
         if close:
             suggestion = f"{prefix}.{close[0]}" if prefix else close[0]
-            typo = RecipeError(f"unknown key; did you mean {suggestion}?", key=key, file=file,
-                               hint=f"rename it to {suggestion}")
+            typo = RecipeError(
+                f"unknown key; did you mean {suggestion}?", key=key, file=file, hint=f"rename it to {suggestion}"
+            )
             typo.rename = (key, suggestion, None)
             return typo
         listed = ", ".join(valid) if valid else "none"
         return RecipeError("unknown key", key=key, file=file, hint=f"valid keys here: {listed}")
     if etype == "missing":
-        return RecipeError("required key is missing", key=key, file=file,
-                           hint=f"add {key}: ... (see recipes/quickstart.yaml)")
+        return RecipeError(
+            "required key is missing", key=key, file=file, hint=f"add {key}: ... (see recipes/quickstart.yaml)"
+        )
     msg = err["msg"]
     if msg.startswith("Value error, "):
-        msg = msg[len("Value error, "):]
+        msg = msg[len("Value error, ") :]
     fix = "change it as the message says; `finetune validate RECIPE` checks the result"
     if etype == CONFLICT_ERROR:  # a cross-field conflict names its own key path
         return RecipeError(err["ctx"]["message"], key=err["ctx"]["key"], file=file, hint=fix)
@@ -338,8 +387,7 @@ def validation_error_to_recipe_error(exc: ValidationError, *, file: str | None,
     shown = repr(got) if not isinstance(got, (dict, list)) else type(got).__name__
     if len(shown) > 80:
         shown = shown[:77] + "..."
-    return RecipeError(f"{msg} (got {shown})", key=key or None, file=file,
-                       hint=_type_hint(etype, err))
+    return RecipeError(f"{msg} (got {shown})", key=key or None, file=file, hint=_type_hint(etype, err))
 
 
 BOUNDS = {"greater_than": ">", "greater_than_equal": ">=", "less_than": "<", "less_than_equal": "<="}
@@ -362,8 +410,9 @@ def _type_hint(etype: str, err) -> str | None:
     return "compare with the shipped recipes in recipes/ (`finetune validate RECIPE` checks a change)"
 
 
-def load_recipe(source: str | Path | dict, *, overrides: list[str] | None = None,
-                allow_resolved: bool = False) -> Recipe:
+def load_recipe(
+    source: str | Path | dict, *, overrides: list[str] | None = None, allow_resolved: bool = False
+) -> Recipe:
     """Load and validate a recipe from a YAML path (or an already-parsed mapping)."""
     file = None
     if isinstance(source, dict):
@@ -374,8 +423,12 @@ def load_recipe(source: str | Path | dict, *, overrides: list[str] | None = None
         raw = _load_raw(Path(source))
     raw = apply_overrides(raw, list(overrides or []))
     if raw.get("resolved") is not None and not allow_resolved:
-        raise RecipeError("is written by the planner, not by hand", key="resolved", file=file,
-                          hint=f"remove the resolved: section (it appears only in {RESOLVED_RECIPE})")
+        raise RecipeError(
+            "is written by the planner, not by hand",
+            key="resolved",
+            file=file,
+            hint=f"remove the resolved: section (it appears only in {RESOLVED_RECIPE})",
+        )
     check_types(raw, Recipe, file=file)
     try:
         recipe = Recipe.model_validate(raw)

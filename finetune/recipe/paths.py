@@ -71,8 +71,15 @@ def allowed_roots(base_dir: Path, allow_paths: Sequence[str] = (), *, cwd: Path 
     return roots
 
 
-def check_data_path(path: Path, *, key: str, base_dir: Path, allow_paths: Sequence[str] = (),
-                    allow_outside: bool = False, cwd: Path | None = None) -> Path:
+def check_data_path(
+    path: Path,
+    *,
+    key: str,
+    base_dir: Path,
+    allow_paths: Sequence[str] = (),
+    allow_outside: bool = False,
+    cwd: Path | None = None,
+) -> Path:
     """The resolved path, or DataError when it leaves every allowed root."""
     raw = Path(path)
     real = raw.resolve()  # follows every symlink, collapses ..
@@ -82,7 +89,10 @@ def check_data_path(path: Path, *, key: str, base_dir: Path, allow_paths: Sequen
     if any(real == root or real.is_relative_to(root) for root in roots):
         return real
     via = " through a symlink" if raw.is_symlink() or any(p.is_symlink() for p in raw.parents) else ""
-    raise DataError(f"reads {real}{via}, outside the recipe's directory, its project and the current "
-                    f"directory", file=str(raw), key=key,
-                    hint="move the data next to the recipe, list its directory in data.allow_paths, or set "
-                         "data.allow_outside: true if you trust this recipe")
+    raise DataError(
+        f"reads {real}{via}, outside the recipe's directory, its project and the current directory",
+        file=str(raw),
+        key=key,
+        hint="move the data next to the recipe, list its directory in data.allow_paths, or set "
+        "data.allow_outside: true if you trust this recipe",
+    )

@@ -21,7 +21,10 @@ MethodType = Literal["sft", "dpo", "kto", "orpo", "simpo", "reward", "pretrain"]
 METHOD_FORMATS: dict[str, tuple[str, ...]] = {
     "sft": ("messages", "alpaca", "sharegpt", "text", "prompt_completion"),
     "pretrain": ("text",),
-    "dpo": ("preference",), "orpo": ("preference",), "simpo": ("preference",), "reward": ("preference",),
+    "dpo": ("preference",),
+    "orpo": ("preference",),
+    "simpo": ("preference",),
+    "reward": ("preference",),
     "kto": ("preference", "unpaired"),
 }
 # methods that score against a reference model (the others need none)
@@ -56,48 +59,73 @@ class Strict(BaseModel):
 
 
 class ModelSection(Strict):
-    name: str = Field(description="Hub id (org/name) or a local directory with config.json (relative "
-                                  "paths are read from the recipe's folder)")
-    arch: str | None = Field(None, description="model registry key; default: derived from name (a known Hub "
-                                               "id, or the config.json of a local or cached model)")
+    name: str = Field(
+        description="Hub id (org/name) or a local directory with config.json (relative "
+        "paths are read from the recipe's folder)"
+    )
+    arch: str | None = Field(
+        None,
+        description="model registry key; default: derived from name (a known Hub "
+        "id, or the config.json of a local or cached model)",
+    )
     dtype: Dtype = Field("bfloat16", description="dtype the weights are loaded and trained in")
-    attn_implementation: Literal["auto", "varlen", "sdpa", "eager", "flash_attention_2",
-                                 "flash_attention_3", "flex_attention"] = Field(
-        "auto", description="attention kernel; auto: varlen (PyTorch's flash varlen kernel) for packed SFT "
-                            "on NVIDIA GPUs, else sdpa")
-    trust_remote_code: bool = Field(False, description="allow the model repo's own Python code "
-                                                       "(transformers' trust_remote_code)")
+    attn_implementation: Literal[
+        "auto", "varlen", "sdpa", "eager", "flash_attention_2", "flash_attention_3", "flex_attention"
+    ] = Field(
+        "auto",
+        description="attention kernel; auto: varlen (PyTorch's flash varlen kernel) for packed SFT "
+        "on NVIDIA GPUs, else sdpa",
+    )
+    trust_remote_code: bool = Field(
+        False, description="allow the model repo's own Python code (transformers' trust_remote_code)"
+    )
     revision: str | None = Field(None, description="Hub revision (branch, tag or commit) of the model")
     allow_pickle: bool = Field(False, description="allow .bin (pickle) weights; off: safetensors only")
-    rope_scaling: dict[str, str | float | int] | None = Field(None, description=(
-        "RoPE scaling override for context extension, passed to the model config, e.g. {rope_type: yarn, "
-        "factor: 4.0, original_max_position_embeddings: 8192}; merged into the model's own RoPE parameters"))
-
+    rope_scaling: dict[str, str | float | int] | None = Field(
+        None,
+        description=(
+            "RoPE scaling override for context extension, passed to the model config, e.g. {rope_type: yarn, "
+            "factor: 4.0, original_max_position_embeddings: 8192}; merged into the model's own RoPE parameters"
+        ),
+    )
 
 
 class MethodSection(Strict):
-    type: MethodType = Field("sft", description=(
-        "sft; dpo; kto (unpaired or paired preferences); orpo; simpo (TRL's CPOTrainer, loss simpo); "
-        "reward (a reward model scoring chosen over rejected); pretrain (continued pre-training on raw text, "
-        "packed, loss on every token)"))
+    type: MethodType = Field(
+        "sft",
+        description=(
+            "sft; dpo; kto (unpaired or paired preferences); orpo; simpo (TRL's CPOTrainer, loss simpo); "
+            "reward (a reward model scoring chosen over rejected); pretrain (continued pre-training on raw text, "
+            "packed, loss on every token)"
+        ),
+    )
     # DPO, KTO, ORPO (its lambda), SimPO
-    beta: float = Field(0.1, gt=0, le=10, description="dpo/kto: KL strength; orpo: the odds-ratio weight "
-                                                      "(lambda); simpo: the reward scale (paper: 2.0-2.5)")
-    loss_type: Literal["sigmoid", "ipo", "hinge", "robust", "bco_pair", "sppo_hard",
-                       "nca_pair", "apo_zero", "apo_down"] = Field("sigmoid", description="DPO only: TRL's "
-                                                                              "DPO loss variant")
+    beta: float = Field(
+        0.1,
+        gt=0,
+        le=10,
+        description="dpo/kto: KL strength; orpo: the odds-ratio weight "
+        "(lambda); simpo: the reward scale (paper: 2.0-2.5)",
+    )
+    loss_type: Literal[
+        "sigmoid", "ipo", "hinge", "robust", "bco_pair", "sppo_hard", "nca_pair", "apo_zero", "apo_down"
+    ] = Field("sigmoid", description="DPO only: TRL's DPO loss variant")
     reference: Literal["auto", "implicit", "copy", "precompute"] = Field(
-        "auto", description="DPO/KTO: the reference model. implicit: LoRA/QLoRA reuse the base with the "
-                            "adapter disabled (no second copy); copy: a frozen copy of the model; "
-                            "precompute: reference log-probs computed once up front; auto: implicit for "
-                            "LoRA/QLoRA, copy for a full fine-tune")
+        "auto",
+        description="DPO/KTO: the reference model. implicit: LoRA/QLoRA reuse the base with the "
+        "adapter disabled (no second copy); copy: a frozen copy of the model; "
+        "precompute: reference log-probs computed once up front; auto: implicit for "
+        "LoRA/QLoRA, copy for a full fine-tune",
+    )
     simpo_gamma: float = Field(0.5, ge=0, description="simpo: the target reward margin")
-    cpo_alpha: float = Field(0.0, ge=0, description="simpo: weight of an added NLL term on chosen "
-                                                    "(0 = pure SimPO; >0 = CPO-SimPO)")
+    cpo_alpha: float = Field(
+        0.0, ge=0, description="simpo: weight of an added NLL term on chosen (0 = pure SimPO; >0 = CPO-SimPO)"
+    )
     desirable_weight: float = Field(1.0, gt=0, description="kto: loss weight of desirable (label true) rows")
     undesirable_weight: float = Field(1.0, gt=0, description="kto: loss weight of undesirable rows")
     center_rewards_coefficient: float | None = Field(
-        None, ge=0, description="reward: pull the mean reward to 0 with this weight (none: off)")
+        None, ge=0, description="reward: pull the mean reward to 0 with this weight (none: off)"
+    )
 
     @model_validator(mode="before")
     @classmethod
@@ -107,39 +135,59 @@ class MethodSection(Strict):
 
 
 class AdapterSection(Strict):
-    type: Literal["full", "lora", "qlora"] = Field("lora", description="full: train every weight; lora: "
-                                                                     "low-rank adapters on a frozen base; "
-                                                                     "qlora: LoRA on a 4-bit base")
+    type: Literal["full", "lora", "qlora"] = Field(
+        "lora",
+        description="full: train every weight; lora: low-rank adapters on a frozen base; qlora: LoRA on a 4-bit base",
+    )
     r: int = Field(16, ge=1, le=4096, description="LoRA rank")
     alpha: float = Field(32, gt=0, description="LoRA scaling numerator (the update is scaled by alpha / r)")
     dropout: float = Field(0.0, ge=0, lt=1, description="dropout on the LoRA input")
     target_modules: list[str] | str | None = Field(
-        None, description="default: the model registry's LoRA targets; a list of module names, all-linear, or "
-                          "a regular expression matched against each module's full name (peft's rule), e.g. "
-                          "'.*\\.(q_proj|v_proj)'")
+        None,
+        description="default: the model registry's LoRA targets; a list of module names, all-linear, or "
+        "a regular expression matched against each module's full name (peft's rule), e.g. "
+        "'.*\\.(q_proj|v_proj)'",
+    )
     dora: bool = Field(False, description="weight-decomposed LoRA (DoRA)")
     rslora: bool = Field(False, description="rank-stabilized LoRA: scale by alpha / sqrt(r)")
     modules_to_save: list[Literal["embed_tokens", "lm_head"]] | None = Field(
-        None, description="modules trained in full beside the adapter and saved with it (peft's "
-        "modules_to_save), e.g. [embed_tokens, lm_head] after adding tokens")
-    load_in_8bit: bool = Field(False, description=(
-        "LoRA only: load the frozen base in 8 bit (bitsandbytes LLM.int8()), half the weight memory of bf16"))
-    loraplus_lr_ratio: float | None = Field(None, gt=0, description=(
-        "LoRA+: the lora_B matrices learn this many times faster than lora_A (paper: 16); peft's "
-        "create_loraplus_optimizer"))
+        None,
+        description="modules trained in full beside the adapter and saved with it (peft's "
+        "modules_to_save), e.g. [embed_tokens, lm_head] after adding tokens",
+    )
+    load_in_8bit: bool = Field(
+        False,
+        description=(
+            "LoRA only: load the frozen base in 8 bit (bitsandbytes LLM.int8()), half the weight memory of bf16"
+        ),
+    )
+    loraplus_lr_ratio: float | None = Field(
+        None,
+        gt=0,
+        description=(
+            "LoRA+: the lora_B matrices learn this many times faster than lora_A (paper: 16); peft's "
+            "create_loraplus_optimizer"
+        ),
+    )
     quant_type: Literal["nf4", "fp4"] = Field("nf4", description="QLoRA only: bitsandbytes 4-bit data type")
-    double_quant: bool = Field(True, description="QLoRA only: quantize the quantization scales too "
-                                                 "(about 0.4 bits per parameter saved)")
-    compute_dtype: Dtype = Field("bfloat16", description="QLoRA only: dtype the 4-bit weights are "
-                                                         "dequantized to for each matmul")
+    double_quant: bool = Field(
+        True, description="QLoRA only: quantize the quantization scales too (about 0.4 bits per parameter saved)"
+    )
+    compute_dtype: Dtype = Field(
+        "bfloat16", description="QLoRA only: dtype the 4-bit weights are dequantized to for each matmul"
+    )
     storage_dtype: Literal["bfloat16", "float16", "float32", "uint8"] = Field(
-        "bfloat16", description="QLoRA only: dtype the packed 4-bit weights are stored in; it must match "
-                                "model.dtype so FSDP2/ZeRO-3 can shard them with everything else (uint8 is "
-                                "not shardable, TRL #3436)")
+        "bfloat16",
+        description="QLoRA only: dtype the packed 4-bit weights are stored in; it must match "
+        "model.dtype so FSDP2/ZeRO-3 can shard them with everything else (uint8 is "
+        "not shardable, TRL #3436)",
+    )
     cast_adapter_inputs: bool = Field(
-        False, description="peft's cast of each LoRA input to the adapter weights' fp32; under bf16/fp16 "
-                           "autocast the matmul casts back at once, so finetune skips that round trip "
-                           "(false); true restores peft's default")
+        False,
+        description="peft's cast of each LoRA input to the adapter weights' fp32; under bf16/fp16 "
+        "autocast the matmul casts back at once, so finetune skips that round trip "
+        "(false); true restores peft's default",
+    )
 
     @model_validator(mode="before")
     @classmethod
@@ -155,29 +203,42 @@ class AdapterSection(Strict):
             try:
                 re.compile(v)
             except re.error as exc:
-                raise ValueError(f"not a valid regular expression ({exc}); use a list of module names, "
-                                 f"all-linear, or a valid pattern") from None
+                raise ValueError(
+                    f"not a valid regular expression ({exc}); use a list of module names, "
+                    f"all-linear, or a valid pattern"
+                ) from None
         return v
 
 
-
 class DataSource(Strict):
-    path: str = Field(description="local .jsonl/.json/.parquet/.csv file (relative paths are read from the "
-                                  "recipe's folder), or a Hub dataset id")
-    format: DataFormat = Field("messages", description="row layout: messages, alpaca, sharegpt, text, "
-                                                       "prompt_completion, preference or unpaired (KTO)")
-    columns: dict[str, str] = Field(default_factory=dict,
-                                    description="canonical column -> column in the file")
+    path: str = Field(
+        description="local .jsonl/.json/.parquet/.csv file (relative paths are read from the "
+        "recipe's folder), or a Hub dataset id"
+    )
+    format: DataFormat = Field(
+        "messages",
+        description="row layout: messages, alpaca, sharegpt, text, prompt_completion, preference or unpaired (KTO)",
+    )
+    columns: dict[str, str] = Field(default_factory=dict, description="canonical column -> column in the file")
     split: str = Field("train", description="dataset split to read; a slice like train[:80%] also on local files")
     subset: str | None = Field(None, description="dataset configuration (Hub datasets with several)")
     max_samples: int | None = Field(None, ge=1, description="read at most this many rows")
-    streaming: bool = Field(False, description=(
-        "read the source lazily while training (text corpora larger than RAM): format text with method "
-        "pretrain or sft, train.max_steps set; every train source streams, rows are tokenized on the fly, "
-        "only the first 1000 rows are checked before launch and nothing is cached"))
-    weight: float | None = Field(None, gt=0, description=(
-        "mixing weight: when any train source has one, examples are drawn from the sources in proportion "
-        "to their weights (datasets.interleave_datasets, until every source is used up; unset = 1)"))
+    streaming: bool = Field(
+        False,
+        description=(
+            "read the source lazily while training (text corpora larger than RAM): format text with method "
+            "pretrain or sft, train.max_steps set; every train source streams, rows are tokenized on the fly, "
+            "only the first 1000 rows are checked before launch and nothing is cached"
+        ),
+    )
+    weight: float | None = Field(
+        None,
+        gt=0,
+        description=(
+            "mixing weight: when any train source has one, examples are drawn from the sources in proportion "
+            "to their weights (datasets.interleave_datasets, until every source is used up; unset = 1)"
+        ),
+    )
 
     @field_validator("split")
     @classmethod
@@ -193,8 +254,8 @@ class DataSource(Strict):
         for canonical in self.columns:
             if canonical not in valid:
                 raise ValueError(
-                    f"columns.{canonical}: not a column of format {self.format!r}; "
-                    f"its columns are {', '.join(valid)}")
+                    f"columns.{canonical}: not a column of format {self.format!r}; its columns are {', '.join(valid)}"
+                )
         return self
 
 
@@ -206,33 +267,44 @@ class TaskEvalSection(DataSource):
 
 
 class DataSection(Strict):
-    sources: list[DataSource] = Field(min_length=1, description="training data, one or more sources "
-                                                                "(`data: {path: ...}` is shorthand for one)")
-    eval_sources: list[DataSource] = Field(default_factory=list, description="held-out data for the eval "
-                                                                             "loss")
-    eval_fraction: float | None = Field(None, gt=0, lt=1, description="hold out this share of the training "
-                                                                      "rows for the eval loss instead")
-    max_length: int = Field(2048, ge=8, le=1_048_576, description="tokens per sequence (per packed row when "
-                                                                  "packing)")
+    sources: list[DataSource] = Field(
+        min_length=1, description="training data, one or more sources (`data: {path: ...}` is shorthand for one)"
+    )
+    eval_sources: list[DataSource] = Field(default_factory=list, description="held-out data for the eval loss")
+    eval_fraction: float | None = Field(
+        None, gt=0, lt=1, description="hold out this share of the training rows for the eval loss instead"
+    )
+    max_length: int = Field(2048, ge=8, le=1_048_576, description="tokens per sequence (per packed row when packing)")
     packing: bool = Field(False, description="SFT: pack examples into padding-free rows of max_length")
-    chat_template: str | None = Field(None, description=(
-        "default: the tokenizer's own. Jinja text, a path to a .jinja file, or a shipped template's name: "
-        "chatml, llama3, qwen2.5, qwen3, mistral, gemma, phi-3"))
+    chat_template: str | None = Field(
+        None,
+        description=(
+            "default: the tokenizer's own. Jinja text, a path to a .jinja file, or a shipped template's name: "
+            "chatml, llama3, qwen2.5, qwen3, mistral, gemma, phi-3"
+        ),
+    )
     assistant_only_loss: bool = Field(True, description="loss on assistant/completion tokens only")
-    max_too_long_fraction: float = Field(0.05, ge=0, le=1, description="preflight: error when more than this "
-                                                                       "share of examples is longer than "
-                                                                       "max_length")
-    seed: int = Field(0, ge=0, le=2**32 - 1, description="seed of the data order and of the eval_fraction "
-                                                          "split (0 .. 2**32-1)")
-    cache_dir: str | None = Field(None, description="tokenized-data cache; default $FINETUNE_CACHE_DIR, "
-                                                    "else ~/.cache/finetune/tokenized")
-    task_eval: TaskEvalSection | None = Field(None, description="greedy-generation exact-match eval on "
-                                                                "held-out prompts, before and after training")
-    allow_paths: list[str] = Field(default_factory=list, description="more directories data files may lie "
-                                                                     "in (besides the recipe's folder, its "
-                                                                     "project root and the current directory)")
-    allow_outside: bool = Field(False, description="turn off the check that data files lie inside the "
-                                                   "allowed directories (docs/reliability.md)")
+    max_too_long_fraction: float = Field(
+        0.05, ge=0, le=1, description="preflight: error when more than this share of examples is longer than max_length"
+    )
+    seed: int = Field(
+        0, ge=0, le=2**32 - 1, description="seed of the data order and of the eval_fraction split (0 .. 2**32-1)"
+    )
+    cache_dir: str | None = Field(
+        None, description="tokenized-data cache; default $FINETUNE_CACHE_DIR, else ~/.cache/finetune/tokenized"
+    )
+    task_eval: TaskEvalSection | None = Field(
+        None, description="greedy-generation exact-match eval on held-out prompts, before and after training"
+    )
+    allow_paths: list[str] = Field(
+        default_factory=list,
+        description="more directories data files may lie "
+        "in (besides the recipe's folder, its "
+        "project root and the current directory)",
+    )
+    allow_outside: bool = Field(
+        False, description="turn off the check that data files lie inside the allowed directories (docs/reliability.md)"
+    )
 
     @model_validator(mode="before")
     @classmethod
@@ -247,67 +319,111 @@ class DataSection(Strict):
 
 
 class TrainSection(Strict):
-    epochs: float | None = Field(None, gt=0, le=1000, description="passes over the training data "
-                                                                  "(default 1 when max_steps is unset)")
+    epochs: float | None = Field(
+        None, gt=0, le=1000, description="passes over the training data (default 1 when max_steps is unset)"
+    )
     max_steps: int | None = Field(None, ge=1, description="optimizer steps; set this or epochs")
     lr: float = Field(2e-4, gt=0, lt=1, description="peak learning rate")
     scheduler: Literal["cosine", "linear", "constant", "constant_with_warmup", "cosine_with_min_lr"] = Field(
-        "cosine", description="learning-rate schedule after warmup")
+        "cosine", description="learning-rate schedule after warmup"
+    )
     warmup_ratio: float = Field(0.03, ge=0, lt=1, description="share of the steps spent warming up")
     weight_decay: float = Field(0.0, ge=0, le=1, description="AdamW weight decay")
     max_grad_norm: float = Field(1.0, ge=0, description="gradient clipping norm (0: off)")
-    global_batch_size: int = Field(16, ge=1, le=1_000_000, description="sequences per optimizer step over "
-                                                                       "all GPUs (the planner rounds it to "
-                                                                       "the nearest achievable)")
-    micro_batch_size: Literal["auto"] | int = Field("auto", description="sequences per GPU per forward pass; "
-                                                                       "auto: the planner picks the largest "
-                                                                       "that fits")
-    activation_checkpointing: OnOffAuto = Field("auto", description="recompute activations in backward; "
-                                                                    "auto: only where needed to fit")
-    optimizer: Literal["adamw", "adamw_8bit", "paged_adamw_8bit", "adamw_torch_fused", "paged_adamw_32bit",
-                       "adafactor"] = Field("adamw", description=(
-        "adamw: torch's fused AdamW on GPUs; adamw_8bit / paged_adamw_8bit / paged_adamw_32bit: bitsandbytes; "
-        "adafactor: transformers' Adafactor, factored fp32 second moments and no first moment (DeepSpeed's flat "
-        "partitions are not factored); where the optimizer is offloaded its CPU AdamW replaces any of these "
-        "(the plan says so)"))
+    global_batch_size: int = Field(
+        16,
+        ge=1,
+        le=1_000_000,
+        description="sequences per optimizer step over all GPUs (the planner rounds it to the nearest achievable)",
+    )
+    micro_batch_size: Literal["auto"] | int = Field(
+        "auto", description="sequences per GPU per forward pass; auto: the planner picks the largest that fits"
+    )
+    activation_checkpointing: OnOffAuto = Field(
+        "auto", description="recompute activations in backward; auto: only where needed to fit"
+    )
+    optimizer: Literal[
+        "adamw", "adamw_8bit", "paged_adamw_8bit", "adamw_torch_fused", "paged_adamw_32bit", "adafactor"
+    ] = Field(
+        "adamw",
+        description=(
+            "adamw: torch's fused AdamW on GPUs; adamw_8bit / paged_adamw_8bit / paged_adamw_32bit: bitsandbytes; "
+            "adafactor: transformers' Adafactor, factored fp32 second moments and no first moment (DeepSpeed's flat "
+            "partitions are not factored); where the optimizer is offloaded its CPU AdamW replaces any of these "
+            "(the plan says so)"
+        ),
+    )
     adam_beta1: float = Field(0.9, ge=0, lt=1, description="Adam's first-moment decay")
     adam_beta2: float = Field(0.999, ge=0, lt=1, description="Adam's second-moment decay")
     adam_epsilon: float = Field(1e-8, gt=0, description="Adam's epsilon")
-    neftune_noise_alpha: float | None = Field(None, gt=0, description=(
-        "NEFTune: noise added to the input embeddings while training (paper: 5)"))
-    seed: int = Field(42, ge=0, le=2**32 - 1, description="seed of the model initialization and dropout "
-                                                           "(0 .. 2**32-1, numpy's range)")
+    neftune_noise_alpha: float | None = Field(
+        None, gt=0, description=("NEFTune: noise added to the input embeddings while training (paper: 5)")
+    )
+    seed: int = Field(
+        42, ge=0, le=2**32 - 1, description="seed of the model initialization and dropout (0 .. 2**32-1, numpy's range)"
+    )
     precision: Literal["bf16", "fp16", "fp32"] = Field("bf16", description="mixed-precision mode")
     logging_steps: int = Field(1, ge=1, description="log metrics every this many steps")
-    eval_steps: int | None = Field(None, ge=1, description="eval loss every this many steps (default: "
-                                                           "before and after training only)")
-    evals_per_epoch: int | None = Field(None, ge=1, description=(
-        "evaluate this many times per pass over the training data (instead of train.eval_steps); the step "
-        "interval is computed from the real number of optimizer steps per epoch"))
+    eval_steps: int | None = Field(
+        None, ge=1, description="eval loss every this many steps (default: before and after training only)"
+    )
+    evals_per_epoch: int | None = Field(
+        None,
+        ge=1,
+        description=(
+            "evaluate this many times per pass over the training data (instead of train.eval_steps); the step "
+            "interval is computed from the real number of optimizer steps per epoch"
+        ),
+    )
     warmup_steps: int | None = Field(None, ge=0, description="warmup in optimizer steps (instead of warmup_ratio)")
     min_lr: float | None = Field(None, ge=0, description="scheduler cosine_with_min_lr: the final learning rate")
-    min_lr_ratio: float | None = Field(None, ge=0, lt=1, description=(
-        "scheduler cosine_with_min_lr: the final learning rate as a share of train.lr (default 0.1 when "
-        "neither min_lr nor min_lr_ratio is set)"))
-    early_stopping_patience: int | None = Field(None, ge=1, description=(
-        "stop when the eval loss has not improved for this many evaluations (needs eval data and an eval "
-        "cadence); the best checkpoint is kept"))
-    early_stopping_threshold: float = Field(0.0, ge=0, description=(
-        "early stopping: how much the eval loss must fall to count as an improvement"))
-    load_best_model_at_end: bool = Field(False, description=(
-        "after training, load the checkpoint with the lowest eval loss and save that as the result; checkpoints "
-        "are written at every evaluation unless output.save_every / saves_per_epoch say otherwise"))
-    on_nonfinite: Literal["stop", "skip"] = Field("stop", description="a non-finite loss or gradient norm: "
-                                                                      "stop at once, or skip the step")
-    max_bad_steps: int = Field(0, ge=0, description="with on_nonfinite: skip, stop after this many skipped "
-                                                    "steps")
-    liger: OnOffAuto = Field("auto", description="Liger's Triton RMSNorm/RoPE/SwiGLU kernels; auto: on for "
-                                                 "supported models on NVIDIA GPUs when liger-kernel is "
-                                                 "installed (the LM head is already fused by TRL)")
-    oom_retries: int = Field(2, ge=0, le=10, description=(
-        "when a rank runs out of memory, `finetune run` re-plans from its measured peak (a smaller "
-        "micro-batch with more accumulation, or activation checkpointing; the global batch stays) and "
-        "resumes from the last complete checkpoint, at most this many times; 0: fail at once"))
+    min_lr_ratio: float | None = Field(
+        None,
+        ge=0,
+        lt=1,
+        description=(
+            "scheduler cosine_with_min_lr: the final learning rate as a share of train.lr (default 0.1 when "
+            "neither min_lr nor min_lr_ratio is set)"
+        ),
+    )
+    early_stopping_patience: int | None = Field(
+        None,
+        ge=1,
+        description=(
+            "stop when the eval loss has not improved for this many evaluations (needs eval data and an eval "
+            "cadence); the best checkpoint is kept"
+        ),
+    )
+    early_stopping_threshold: float = Field(
+        0.0, ge=0, description=("early stopping: how much the eval loss must fall to count as an improvement")
+    )
+    load_best_model_at_end: bool = Field(
+        False,
+        description=(
+            "after training, load the checkpoint with the lowest eval loss and save that as the result; checkpoints "
+            "are written at every evaluation unless output.save_every / saves_per_epoch say otherwise"
+        ),
+    )
+    on_nonfinite: Literal["stop", "skip"] = Field(
+        "stop", description="a non-finite loss or gradient norm: stop at once, or skip the step"
+    )
+    max_bad_steps: int = Field(0, ge=0, description="with on_nonfinite: skip, stop after this many skipped steps")
+    liger: OnOffAuto = Field(
+        "auto",
+        description="Liger's Triton RMSNorm/RoPE/SwiGLU kernels; auto: on for "
+        "supported models on NVIDIA GPUs when liger-kernel is "
+        "installed (the LM head is already fused by TRL)",
+    )
+    oom_retries: int = Field(
+        2,
+        ge=0,
+        le=10,
+        description=(
+            "when a rank runs out of memory, `finetune run` re-plans from its measured peak (a smaller "
+            "micro-batch with more accumulation, or activation checkpointing; the global batch stays) and "
+            "resumes from the last complete checkpoint, at most this many times; 0: fail at once"
+        ),
+    )
 
     @field_validator("micro_batch_size")
     @classmethod
@@ -318,46 +434,63 @@ class TrainSection(Strict):
 
 
 class DistributedSection(Strict):
-    strategy: StrategyName = Field("auto", description="auto (the planner chooses) or one of "
-                                                       "finetune/strategies.py: ddp, fsdp2, fsdp2-hybrid, zero3, "
-                                                       "zero3-offload, zero3-nvme")
-    timeout_minutes: float = Field(30, gt=0, le=24 * 60, description="collective-operation timeout: a rank "
-                                                                     "waiting longer fails the run")
+    strategy: StrategyName = Field(
+        "auto",
+        description="auto (the planner chooses) or one of "
+        "finetune/strategies.py: ddp, fsdp2, fsdp2-hybrid, zero3, "
+        "zero3-offload, zero3-nvme",
+    )
+    timeout_minutes: float = Field(
+        30, gt=0, le=24 * 60, description="collective-operation timeout: a rank waiting longer fails the run"
+    )
     nvme_path: str | None = Field(None, description="ZeRO-Infinity swap dir; default: the preset's")
 
 
 class OutputSection(Strict):
     dir: str | None = Field(None, description="default: runs/<recipe file name>")
     save_every: int | None = Field(None, ge=1, description="steps; default: at the end only")
-    saves_per_epoch: int | None = Field(None, ge=1, description=(
-        "checkpoint this many times per pass over the training data (instead of output.save_every)"))
+    saves_per_epoch: int | None = Field(
+        None,
+        ge=1,
+        description=("checkpoint this many times per pass over the training data (instead of output.save_every)"),
+    )
     keep: int = Field(2, ge=1, description="complete checkpoints kept (older ones are deleted)")
 
 
 class HubSection(Strict):
-    repo: str | None = Field(None, pattern=r"^[A-Za-z0-9][\w.-]*/[\w.-]+$",
-                             description="ORG/NAME to push to after a successful run; unset: no push")
+    repo: str | None = Field(
+        None,
+        pattern=r"^[A-Za-z0-9][\w.-]*/[\w.-]+$",
+        description="ORG/NAME to push to after a successful run; unset: no push",
+    )
     private: bool = Field(True, description="create the repo private")
-    push: Literal["adapter", "merged"] = Field("adapter", description="push the adapter, or the model with "
-                                                                      "the adapter merged in")
+    push: Literal["adapter", "merged"] = Field(
+        "adapter", description="push the adapter, or the model with the adapter merged in"
+    )
     revision: str | None = Field(None, description="branch to push to (created from main if missing)")
 
 
 class LoggingSection(Strict):
+    # pydantic copies a list default for every instance, so no factory is needed
     report_to: list[Literal["tensorboard", "wandb", "mlflow", "trackio", "none"]] = Field(
-        default_factory=lambda: ["tensorboard"], description="experiment trackers")  # type: ignore[arg-type]
+        ["tensorboard"], description="experiment trackers"
+    )
     project: str | None = Field(None, description="tracker project name")
-    run_name: str | None = Field(None, description="the run's name in every tracker; default: the run "
-                                                   "directory's name")
+    run_name: str | None = Field(None, description="the run's name in every tracker; default: the run directory's name")
     entity: str | None = Field(None, description="wandb team or user the run is logged under (WANDB_ENTITY)")
-    offline: bool = Field(False, description="trackers write only inside RUN_DIR (wandb offline mode, "
-                                             "mlflow file store RUN_DIR/mlruns, trackio local); sync later")
+    offline: bool = Field(
+        False,
+        description="trackers write only inside RUN_DIR (wandb offline mode, "
+        "mlflow file store RUN_DIR/mlruns, trackio local); sync later",
+    )
     loss_log_scale: bool = Field(False, description="loss.png: logarithmic loss axis")
-    loss_smoothing: float = Field(0.9, ge=0, lt=1, description="loss.png: weight of the past in the "
-                                                                 "smoothed line (EMA); 0 draws no smoothed line")
-    profile_steps: tuple[int, int] | None = Field(None, description="[start, stop]: torch.profiler over "
-                                                                    "optimizer steps start..stop-1, written "
-                                                                    "to RUN_DIR/profile/")
+    loss_smoothing: float = Field(
+        0.9, ge=0, lt=1, description="loss.png: weight of the past in the smoothed line (EMA); 0 draws no smoothed line"
+    )
+    profile_steps: tuple[int, int] | None = Field(
+        None,
+        description="[start, stop]: torch.profiler over optimizer steps start..stop-1, written to RUN_DIR/profile/",
+    )
 
     @field_validator("profile_steps")
     @classmethod
@@ -370,14 +503,21 @@ class LoggingSection(Strict):
 class TokenizerSection(Strict):
     """Special-token overrides and new tokens (the embedding matrix grows to fit them)."""
 
-    pad_token: str | None = Field(None, description="the padding token (added when the vocabulary lacks it); "
-                                                    "default: the tokenizer's, else its EOS token")
+    pad_token: str | None = Field(
+        None,
+        description="the padding token (added when the vocabulary lacks it); "
+        "default: the tokenizer's, else its EOS token",
+    )
     eos_token: str | None = Field(None, description="the end-of-sequence token (added when missing)")
     bos_token: str | None = Field(None, description="the beginning-of-sequence token (added when missing)")
-    added_tokens: list[str] = Field(default_factory=list, description=(
-        "new special tokens (never split), e.g. chat markers such as <|im_start|>; the embeddings grow to the "
-        "new vocabulary (new rows start at the mean embedding); with LoRA set adapter.modules_to_save: "
-        "[embed_tokens, lm_head] so they are learned"))
+    added_tokens: list[str] = Field(
+        default_factory=list,
+        description=(
+            "new special tokens (never split), e.g. chat markers such as <|im_start|>; the embeddings grow to the "
+            "new vocabulary (new rows start at the mean embedding); with LoRA set adapter.modules_to_save: "
+            "[embed_tokens, lm_head] so they are learned"
+        ),
+    )
 
     @property
     def new_token_count(self) -> int:
@@ -391,12 +531,15 @@ SLURM_TIME = r"^(\d+-)?\d+(:\d{2}){0,2}$"  # what sbatch --time accepts: MM, HH:
 class SlurmSection(Strict):
     """Settings of the generated job.sbatch; each overrides the hardware preset's."""
 
-    partition: str | None = Field(None, description="#SBATCH --partition; default: the preset's, else the "
-                                                    "cluster's default partition")
+    partition: str | None = Field(
+        None, description="#SBATCH --partition; default: the preset's, else the cluster's default partition"
+    )
     account: str | None = Field(None, description="#SBATCH --account; default: the preset's, else none")
-    time: str | None = Field(None, pattern=SLURM_TIME, description="#SBATCH --time limit, e.g. 2-00:00:00 or "
-                                                                   "12:00:00; default: the preset's, else the "
-                                                                   "partition's")
+    time: str | None = Field(
+        None,
+        pattern=SLURM_TIME,
+        description="#SBATCH --time limit, e.g. 2-00:00:00 or 12:00:00; default: the preset's, else the partition's",
+    )
 
 
 class ResolvedSection(Strict):
@@ -413,40 +556,50 @@ class ResolvedSection(Strict):
     lora_targets: list[str] = Field(description="the registry's LoRA target modules of the model")
     model_family: str = Field(description="the architecture family (model registry)")
     activation_checkpointing_by: Literal["trainer", "fsdp", "none"] = Field(
-        "trainer", description="who applies train.activation_checkpointing: fsdp = accelerate's FSDP plugin "
-                               "(the trainer must not set gradient_checkpointing too), trainer = "
-                               "TrainingArguments.gradient_checkpointing, none = off")
+        "trainer",
+        description="who applies train.activation_checkpointing: fsdp = accelerate's FSDP plugin "
+        "(the trainer must not set gradient_checkpointing too), trainer = "
+        "TrainingArguments.gradient_checkpointing, none = off",
+    )
     checkpoint_layers: int | None = Field(
-        None, ge=0, description="decoder layers checkpointed, the first k of the model's (None: all when "
-        "train.activation_checkpointing is on); the planner's choice for a tight fit")
-    measure: bool = Field(False, description=(
-        "written by `finetune plan --measure`: train max_steps steps to measure peak memory and "
-        "tokens/s, then save nothing (no checkpoint, no model) and evaluate nothing"))
+        None,
+        ge=0,
+        description="decoder layers checkpointed, the first k of the model's (None: all when "
+        "train.activation_checkpointing is on); the planner's choice for a tight fit",
+    )
+    measure: bool = Field(
+        False,
+        description=(
+            "written by `finetune plan --measure`: train max_steps steps to measure peak memory and "
+            "tokens/s, then save nothing (no checkpoint, no model) and evaluate nothing"
+        ),
+    )
 
 
 class Recipe(Strict):
     model: ModelSection = Field(description="the base model")
-    method: MethodSection = Field(default_factory=MethodSection, description="the training objective "
-                                                                             "(`method: dpo` is shorthand)")
-    adapter: AdapterSection = Field(default_factory=AdapterSection, description="what is trained "
-                                                                                "(`adapter: qlora` is "
-                                                                                "shorthand)")
+    method: MethodSection = Field(
+        default_factory=MethodSection, description="the training objective (`method: dpo` is shorthand)"
+    )
+    adapter: AdapterSection = Field(
+        default_factory=AdapterSection, description="what is trained (`adapter: qlora` is shorthand)"
+    )
     data: DataSection = Field(description="training and eval data, and how it is tokenized")
     train: TrainSection = Field(default_factory=TrainSection, description="optimization")
-    distributed: DistributedSection = Field(default_factory=DistributedSection, description="how the work "
-                                                                                            "is spread over "
-                                                                                            "GPUs")
+    distributed: DistributedSection = Field(
+        default_factory=DistributedSection, description="how the work is spread over GPUs"
+    )
     hardware: str = Field("auto", description="preset name, a preset file, or auto")
-    output: OutputSection = Field(default_factory=OutputSection, description="the run directory and its "
-                                                                             "checkpoints")
+    output: OutputSection = Field(default_factory=OutputSection, description="the run directory and its checkpoints")
     hub: HubSection = Field(default_factory=HubSection, description="publishing to the Hugging Face Hub")
     logging: LoggingSection = Field(default_factory=LoggingSection, description="trackers and profiling")
-    tokenizer: TokenizerSection = Field(default_factory=TokenizerSection,
-                                        description="special-token overrides and added tokens")
-    slurm: SlurmSection = Field(default_factory=SlurmSection, description="job.sbatch: partition, account, "
-                                                                          "time limit")
-    resolved: ResolvedSection | None = Field(None, description="written by the planner into "
-                                                               "recipe.resolved.yaml; never set by hand")
+    tokenizer: TokenizerSection = Field(
+        default_factory=TokenizerSection, description="special-token overrides and added tokens"
+    )
+    slurm: SlurmSection = Field(default_factory=SlurmSection, description="job.sbatch: partition, account, time limit")
+    resolved: ResolvedSection | None = Field(
+        None, description="written by the planner into recipe.resolved.yaml; never set by hand"
+    )
     # where the recipe came from: relative data paths are anchored at _source_dir
     _source_dir: str | None = PrivateAttr(None)
     _source_name: str | None = PrivateAttr(None)
@@ -477,30 +630,47 @@ def recipe_conflicts(recipe: Recipe):
     """Yield (key path, message with a fix) for settings that contradict each other."""
     t, a, m, d = recipe.train, recipe.adapter, recipe.method, recipe.data
     if t.epochs is not None and t.max_steps is not None:
-        yield "train.max_steps", ("train.epochs and train.max_steps are both set; "
-                                  "keep one of them (max_steps wins in most tools, here it is an error)")
+        yield (
+            "train.max_steps",
+            (
+                "train.epochs and train.max_steps are both set; "
+                "keep one of them (max_steps wins in most tools, here it is an error)"
+            ),
+        )
     formats = {s.format for s in d.sources + d.eval_sources}
     allowed = METHOD_FORMATS[m.type]
     bad = sorted(formats - set(allowed))
     if bad:
-        fix = ("set method: dpo (or kto/orpo/simpo/reward)" if set(bad) <= {"preference", "unpaired"}
-               else f"set data.format: {allowed[0]}"
-               + (f" (or {', '.join(allowed[1:])})" if len(allowed) > 1 else "") + ", or pick another method.type")
-        yield "data.sources", (f"method {m.type} trains on format {', '.join(allowed)}, got {', '.join(bad)}; "
-                               f"{fix}")
+        fix = (
+            "set method: dpo (or kto/orpo/simpo/reward)"
+            if set(bad) <= {"preference", "unpaired"}
+            else f"set data.format: {allowed[0]}"
+            + (f" (or {', '.join(allowed[1:])})" if len(allowed) > 1 else "")
+            + ", or pick another method.type"
+        )
+        yield "data.sources", (f"method {m.type} trains on format {', '.join(allowed)}, got {', '.join(bad)}; {fix}")
     if m.type == "reward" and d.task_eval is not None:
         yield "data.task_eval", "a reward model scores text and does not generate; remove data.task_eval"
     if d.packing and m.type not in ("sft", "pretrain"):
         yield "data.packing", f"packing is not supported for method {m.type}; set data.packing: false"
     if a.type == "qlora":
         if a.storage_dtype != recipe.model.dtype and _shards(recipe.distributed.strategy):
-            yield "adapter.storage_dtype", (
-                f"QLoRA with {recipe.distributed.strategy} needs the 4-bit weights stored in the "
-                f"model dtype ({recipe.model.dtype}) so they can be sharded; set "
-                f"adapter.storage_dtype: {recipe.model.dtype}")
+            yield (
+                "adapter.storage_dtype",
+                (
+                    f"QLoRA with {recipe.distributed.strategy} needs the 4-bit weights stored in the "
+                    f"model dtype ({recipe.model.dtype}) so they can be sharded; set "
+                    f"adapter.storage_dtype: {recipe.model.dtype}"
+                ),
+            )
         if t.precision == "fp32" and a.compute_dtype != "float32":
-            yield "adapter.compute_dtype", ("train.precision fp32 with a 16-bit QLoRA compute dtype; "
-                                            "set adapter.compute_dtype: float32 or train.precision: bf16")
+            yield (
+                "adapter.compute_dtype",
+                (
+                    "train.precision fp32 with a 16-bit QLoRA compute dtype; "
+                    "set adapter.compute_dtype: float32 or train.precision: bf16"
+                ),
+            )
     if a.load_in_8bit and a.type != "lora":
         yield "adapter.load_in_8bit", "load_in_8bit is for adapter.type: lora (qlora is 4-bit already)"
     if a.loraplus_lr_ratio and a.type == "full":
@@ -508,23 +678,35 @@ def recipe_conflicts(recipe: Recipe):
     if a.type == "full" and (a.dora or a.rslora):
         yield "adapter.dora", "dora/rslora are LoRA options; set adapter.type: lora or remove them"
     if a.type == "full" and a.modules_to_save:
-        yield "adapter.modules_to_save", ("a full fine-tune already trains every module; remove "
-                                          "adapter.modules_to_save or set adapter.type: lora")
+        yield (
+            "adapter.modules_to_save",
+            ("a full fine-tune already trains every module; remove adapter.modules_to_save or set adapter.type: lora"),
+        )
     if t.precision == "bf16" and recipe.model.dtype == "float16":
         yield "train.precision", "model.dtype float16 with bf16 precision; set train.precision: fp16"
     yield from cadence_conflicts(recipe)
     yield from streaming_conflicts(recipe)
     if recipe.tokenizer.added_tokens and a.type != "full" and not a.modules_to_save:
-        yield "adapter.modules_to_save", ("tokenizer.added_tokens with a LoRA adapter leaves the new tokens' "
-                                          "embeddings untrained; set adapter.modules_to_save: "
-                                          "[embed_tokens, lm_head]")
+        yield (
+            "adapter.modules_to_save",
+            (
+                "tokenizer.added_tokens with a LoRA adapter leaves the new tokens' "
+                "embeddings untrained; set adapter.modules_to_save: "
+                "[embed_tokens, lm_head]"
+            ),
+        )
     if t.on_nonfinite == "stop" and t.max_bad_steps:
         yield "train.max_bad_steps", "max_bad_steps needs train.on_nonfinite: skip"
     if d.eval_fraction and d.eval_sources:
         yield "data.eval_fraction", "set either data.eval_fraction or data.eval_sources, not both"
     if m.type in REFERENCE_METHODS and m.reference == "implicit" and a.type == "full":
-        yield "method.reference", ("an implicit reference needs an adapter to disable; full fine-tuning has "
-                                   "none; use reference: copy or precompute, or adapter: lora")
+        yield (
+            "method.reference",
+            (
+                "an implicit reference needs an adapter to disable; full fine-tuning has "
+                "none; use reference: copy or precompute, or adapter: lora"
+            ),
+        )
 
 
 def dpo_reference(recipe: Recipe) -> str:
@@ -557,8 +739,13 @@ def cadence_conflicts(recipe: Recipe):
         cadence = t.eval_steps or t.evals_per_epoch
         if not (d.eval_sources or d.eval_fraction):
             also = "" if cadence else " and train.evals_per_epoch: 1"
-            yield what, (f"{what} needs eval data{'' if cadence else ' and an eval cadence'}; add "
-                         f"data.eval_fraction: 0.1 (or data.eval_sources){also}")
+            yield (
+                what,
+                (
+                    f"{what} needs eval data{'' if cadence else ' and an eval cadence'}; add "
+                    f"data.eval_fraction: 0.1 (or data.eval_sources){also}"
+                ),
+            )
         elif not cadence:
             yield what, f"{what} needs an eval cadence; set train.evals_per_epoch: 1 (or train.eval_steps)"
 
@@ -578,7 +765,12 @@ def streaming_conflicts(recipe: Recipe):
     elif t.max_steps is None:
         yield "train.max_steps", "a streamed corpus has no known length; set train.max_steps (and remove train.epochs)"
     elif t.evals_per_epoch or recipe.output.saves_per_epoch:
-        yield "train.evals_per_epoch", ("a streamed corpus has no epochs; use train.eval_steps / output.save_every "
-                                        "instead of the per-epoch cadence")
+        yield (
+            "train.evals_per_epoch",
+            (
+                "a streamed corpus has no epochs; use train.eval_steps / output.save_every "
+                "instead of the per-epoch cadence"
+            ),
+        )
     elif d.eval_fraction:
         yield "data.eval_fraction", "a streamed corpus cannot be split; use data.eval_sources instead"

@@ -23,8 +23,17 @@ REGISTRY_DIR = Path(__file__).resolve().parent
 MODELS_DIR = REGISTRY_DIR / "models"
 HARDWARE_DIR = REGISTRY_DIR / "hardware"
 
-__all__ = ["ModelArch", "HardwarePreset", "list_models", "list_presets", "get_model", "get_preset",
-           "resolve_model", "load_yaml_as", "REGISTRY_DIR"]
+__all__ = [
+    "ModelArch",
+    "HardwarePreset",
+    "list_models",
+    "list_presets",
+    "get_model",
+    "get_preset",
+    "resolve_model",
+    "load_yaml_as",
+    "REGISTRY_DIR",
+]
 
 
 def load_yaml_as(path: Path, schema: type[BaseModel]):
@@ -33,8 +42,7 @@ def load_yaml_as(path: Path, schema: type[BaseModel]):
 
     raw = read_yaml(Path(path))
     if not isinstance(raw, dict):
-        raise RecipeError(f"expected a mapping of {schema.__name__} fields, got "
-                          f"{type(raw).__name__}", file=str(path))
+        raise RecipeError(f"expected a mapping of {schema.__name__} fields, got {type(raw).__name__}", file=str(path))
     try:
         return schema.model_validate(raw)
     except ValidationError as exc:
@@ -82,8 +90,11 @@ def get_model(key: str) -> ModelArch:
     lowered = {k.lower(): v for k, v in models.items()}
     if key.lower() in lowered:
         return lowered[key.lower()]
-    raise RecipeError(f"unknown model architecture {key!r}", key="model.arch",
-                      hint=f"{_did_you_mean(key, list(models))}known: {', '.join(models)}")
+    raise RecipeError(
+        f"unknown model architecture {key!r}",
+        key="model.arch",
+        hint=f"{_did_you_mean(key, list(models))}known: {', '.join(models)}",
+    )
 
 
 def _by_hub_id(name: str) -> ModelArch | None:
@@ -126,9 +137,13 @@ def resolve_model(model_section, *, base_dir: str | Path | None = None) -> Model
         return arch_from_config(path, key=name.split("/")[-1].lower(), hub_id=name)
     raise RecipeError(
         f"cannot tell the architecture of {name!r}: not a known Hub id, and no config.json found "
-        f"at {base / name} or in the Hugging Face cache", key="model.name",
-        hint=(f"{_did_you_mean(name, choices)}set model.arch to one of: {', '.join(_models())}; "
-              f"or point model.name at a directory with config.json"))
+        f"at {base / name} or in the Hugging Face cache",
+        key="model.name",
+        hint=(
+            f"{_did_you_mean(name, choices)}set model.arch to one of: {', '.join(_models())}; "
+            f"or point model.name at a directory with config.json"
+        ),
+    )
 
 
 def get_preset(name_or_path: str, *, base_dir: str | Path | None = None) -> HardwarePreset:
@@ -146,8 +161,14 @@ def get_preset(name_or_path: str, *, base_dir: str | Path | None = None) -> Hard
     if path.is_file():
         return load_yaml_as(path, HardwarePreset)
     if looks_like_file:
-        raise RecipeError("hardware preset file not found", file=str(path), key="hardware",
-                          hint="check the path (relative paths start at the recipe's directory)")
-    raise RecipeError(f"unknown hardware preset {name_or_path!r}", key="hardware",
-                      hint=(f"{_did_you_mean(name_or_path, list(presets))}use auto, a preset file, "
-                            f"or one of: {', '.join(presets)}"))
+        raise RecipeError(
+            "hardware preset file not found",
+            file=str(path),
+            key="hardware",
+            hint="check the path (relative paths start at the recipe's directory)",
+        )
+    raise RecipeError(
+        f"unknown hardware preset {name_or_path!r}",
+        key="hardware",
+        hint=(f"{_did_you_mean(name_or_path, list(presets))}use auto, a preset file, or one of: {', '.join(presets)}"),
+    )

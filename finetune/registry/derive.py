@@ -23,30 +23,76 @@ DEFAULT_LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up
 # transformers 5 stores MoE experts as fused 3D parameters, which LoRA cannot target by module name
 MOE_LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj"]
 _LAYER_CLASS = {
-    "llama": "LlamaDecoderLayer", "mistral": "MistralDecoderLayer", "qwen2": "Qwen2DecoderLayer",
-    "qwen3": "Qwen3DecoderLayer", "gemma": "GemmaDecoderLayer", "gemma2": "Gemma2DecoderLayer",
-    "gemma3": "Gemma3DecoderLayer", "gemma3_text": "Gemma3DecoderLayer",
-    "mixtral": "MixtralDecoderLayer", "qwen3_moe": "Qwen3MoeDecoderLayer", "phi3": "Phi3DecoderLayer",
+    "llama": "LlamaDecoderLayer",
+    "mistral": "MistralDecoderLayer",
+    "qwen2": "Qwen2DecoderLayer",
+    "qwen3": "Qwen3DecoderLayer",
+    "gemma": "GemmaDecoderLayer",
+    "gemma2": "Gemma2DecoderLayer",
+    "gemma3": "Gemma3DecoderLayer",
+    "gemma3_text": "Gemma3DecoderLayer",
+    "mixtral": "MixtralDecoderLayer",
+    "qwen3_moe": "Qwen3MoeDecoderLayer",
+    "phi3": "Phi3DecoderLayer",
 }
-_LAYER_CLASS.update(qwen2_moe="Qwen2MoeDecoderLayer", deepseek_v2="DeepseekV2DecoderLayer",
-                    deepseek_v3="DeepseekV3DecoderLayer", gpt_oss="GptOssDecoderLayer")
+_LAYER_CLASS.update(
+    qwen2_moe="Qwen2MoeDecoderLayer",
+    deepseek_v2="DeepseekV2DecoderLayer",
+    deepseek_v3="DeepseekV3DecoderLayer",
+    gpt_oss="GptOssDecoderLayer",
+)
 _BIAS_FAMILIES = {"qwen2", "qwen2_moe", "gpt_oss"}  # q/k/v biases are the default in these families
 KNOWN_FAMILIES = frozenset(_LAYER_CLASS)
 # The MoE keys each family's reader understands; routing hyper-parameters that change no parameter
 # count or memory (aux-loss coefficients, scoring functions, group-limited routing) are listed too.
-_ROUTING_ONLY = {"router_aux_loss_coef", "output_router_logits", "norm_topk_prob", "router_jitter_noise",
-                 "routed_scaling_factor", "n_group", "topk_group", "topk_method", "scoring_func",
-                 "aux_loss_alpha", "seq_aux", "ep_size", "num_experts_per_tok", "router_z_loss_coef"}
+_ROUTING_ONLY = {
+    "router_aux_loss_coef",
+    "output_router_logits",
+    "norm_topk_prob",
+    "router_jitter_noise",
+    "routed_scaling_factor",
+    "n_group",
+    "topk_group",
+    "topk_method",
+    "scoring_func",
+    "aux_loss_alpha",
+    "seq_aux",
+    "ep_size",
+    "num_experts_per_tok",
+    "router_z_loss_coef",
+}
 _MOE_KEYS = {
     "mixtral": {"num_local_experts"},
-    "qwen2_moe": {"num_experts", "num_local_experts", "moe_intermediate_size", "shared_expert_intermediate_size",
-                  "decoder_sparse_step", "mlp_only_layers"},
-    "qwen3_moe": {"num_experts", "num_local_experts", "moe_intermediate_size", "decoder_sparse_step",
-                  "mlp_only_layers"},
-    "deepseek_v2": {"n_routed_experts", "n_shared_experts", "moe_intermediate_size",
-                    "first_k_dense_replace", "moe_layer_freq"},
-    "deepseek_v3": {"n_routed_experts", "n_shared_experts", "moe_intermediate_size",
-                    "first_k_dense_replace", "moe_layer_freq", "num_nextn_predict_layers"},
+    "qwen2_moe": {
+        "num_experts",
+        "num_local_experts",
+        "moe_intermediate_size",
+        "shared_expert_intermediate_size",
+        "decoder_sparse_step",
+        "mlp_only_layers",
+    },
+    "qwen3_moe": {
+        "num_experts",
+        "num_local_experts",
+        "moe_intermediate_size",
+        "decoder_sparse_step",
+        "mlp_only_layers",
+    },
+    "deepseek_v2": {
+        "n_routed_experts",
+        "n_shared_experts",
+        "moe_intermediate_size",
+        "first_k_dense_replace",
+        "moe_layer_freq",
+    },
+    "deepseek_v3": {
+        "n_routed_experts",
+        "n_shared_experts",
+        "moe_intermediate_size",
+        "first_k_dense_replace",
+        "moe_layer_freq",
+        "num_nextn_predict_layers",
+    },
     "gpt_oss": {"num_local_experts", "experts_per_token"},
 }
 _MOE_WORDS = ("expert", "moe", "dense_replace", "sparse_step", "mlp_only")
@@ -93,8 +139,11 @@ def arch_from_config(path: Path, *, key: str, hub_id: str | None = None) -> Mode
     try:
         cfg = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError) as exc:
-        raise RecipeError(f"cannot read the model's config.json: {exc}", file=str(path),
-                          hint="point model.name at a directory with a valid config.json") from None
+        raise RecipeError(
+            f"cannot read the model's config.json: {exc}",
+            file=str(path),
+            hint="point model.name at a directory with a valid config.json",
+        ) from None
     if not isinstance(cfg, dict):
         raise RecipeError("config.json is not a JSON object", file=str(path))
     top_family = cfg.get("model_type", "")
@@ -104,23 +153,33 @@ def arch_from_config(path: Path, *, key: str, hub_id: str | None = None) -> Mode
     if family not in KNOWN_FAMILIES and inner not in KNOWN_FAMILIES:
         raise RecipeError(
             f"model_type {family or '(none)'!r} is not an architecture the planner can read; it will "
-            f"not guess its parameters and memory", file=str(path), key="model.name",
+            f"not guess its parameters and memory",
+            file=str(path),
+            key="model.name",
             hint=f"set model.arch to the closest registry entry (finetune models); readable model_types: "
-                 f"{', '.join(sorted(KNOWN_FAMILIES))}")
+            f"{', '.join(sorted(KNOWN_FAMILIES))}",
+        )
     reader = family if family in KNOWN_FAMILIES else inner
     if text.get("mlp_bias"):
-        raise RecipeError("config.json sets mlp_bias: true (biases on the MLP projections), which the "
-                          "planner does not count", file=str(path), key="model.name",
-                          hint="set model.arch to the closest registry entry (finetune models)")
-    missing = [k for k in ("hidden_size", "num_hidden_layers", "num_attention_heads",
-                           "intermediate_size", "vocab_size") if k not in text]
+        raise RecipeError(
+            "config.json sets mlp_bias: true (biases on the MLP projections), which the planner does not count",
+            file=str(path),
+            key="model.name",
+            hint="set model.arch to the closest registry entry (finetune models)",
+        )
+    missing = [
+        k
+        for k in ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size")
+        if k not in text
+    ]
     if missing:
-        raise RecipeError(f"config.json lacks {', '.join(missing)}; not a decoder-only LM the planner "
-                          f"knows", file=str(path),
-                          hint="set model.arch to the closest registry entry (finetune models)")
+        raise RecipeError(
+            f"config.json lacks {', '.join(missing)}; not a decoder-only LM the planner knows",
+            file=str(path),
+            hint="set model.arch to the closest registry entry (finetune models)",
+        )
     heads = int(text["num_attention_heads"])
-    tied = cfg.get("tie_word_embeddings", text.get("tie_word_embeddings",
-                                                   family.startswith("gemma")))
+    tied = cfg.get("tie_word_embeddings", text.get("tie_word_embeddings", family.startswith("gemma")))
     architectures = cfg.get("architectures") or []
     layer_class = _LAYER_CLASS.get(family) or _LAYER_CLASS.get(inner)
     if layer_class is None and architectures:
@@ -137,34 +196,54 @@ def arch_from_config(path: Path, *, key: str, hub_id: str | None = None) -> Mode
             mla["head_dim"] = int(text["head_dim"])
         bias = bool(text.get("attention_bias", text.get("qkv_bias", reader in _BIAS_FAMILIES)))
         return ModelArch(
-            key=key, hub_ids=[hub_id] if hub_id else [], family=family or "unknown",
-            hidden_size=int(text["hidden_size"]), num_layers=int(text["num_hidden_layers"]),
+            key=key,
+            hub_ids=[hub_id] if hub_id else [],
+            family=family or "unknown",
+            hidden_size=int(text["hidden_size"]),
+            num_layers=int(text["num_hidden_layers"]),
             num_attention_heads=heads,
             # no num_key_value_heads means multi-head attention (one kv head per query head)
             num_kv_heads=int(text.get("num_key_value_heads") or heads),
-            intermediate_size=int(text["intermediate_size"]), vocab_size=int(text["vocab_size"]),
-            tied_embeddings=bool(tied), attention_bias=bias,
+            intermediate_size=int(text["intermediate_size"]),
+            vocab_size=int(text["vocab_size"]),
+            tied_embeddings=bool(tied),
+            attention_bias=bias,
             o_proj_bias=bias and reader == "gpt_oss",
             max_position_embeddings=int(text.get("max_position_embeddings") or 8192),
             decoder_layer_class=layer_class or "DecoderLayer",
-            lora_targets=targets, notes=f"derived from {path}", **moe, **mla,
+            lora_targets=targets,
+            notes=f"derived from {path}",
+            **moe,
+            **mla,
             **sliding_fields(text, reader=reader),
         )
     except (ValidationError, TypeError, ValueError) as exc:
-        raise RecipeError(f"config.json has values the planner cannot use: {exc}", file=str(path),
-                          hint="set model.arch to the closest registry entry (finetune models)") from None
+        raise RecipeError(
+            f"config.json has values the planner cannot use: {exc}",
+            file=str(path),
+            hint="set model.arch to the closest registry entry (finetune models)",
+        ) from None
 
 
 def moe_fields(text: dict, *, family: str, path: Path) -> dict:
     """ModelArch's MoE fields from one family's config keys; unknown MoE keys are refused by name."""
     known = _MOE_KEYS.get(family, set())
-    unknown = sorted(k for k, v in text.items() if any(w in k for w in _MOE_WORDS)
-                     and k not in known and k not in _ROUTING_ONLY and v not in (None, 0, [], False))
+    unknown = sorted(
+        k
+        for k, v in text.items()
+        if any(w in k for w in _MOE_WORDS)
+        and k not in known
+        and k not in _ROUTING_ONLY
+        and v not in (None, 0, [], False)
+    )
     if unknown:
         raise RecipeError(
             f"config.json of model_type {family!r} has mixture-of-experts keys the planner cannot read: "
-            f"{', '.join(unknown)}", file=str(path), key="model.name",
-            hint="set model.arch to a registry entry with the same shape (finetune models)")
+            f"{', '.join(unknown)}",
+            file=str(path),
+            key="model.name",
+            hint="set model.arch to a registry entry with the same shape (finetune models)",
+        )
     layers = int(text["num_hidden_layers"])
     if family == "mixtral":
         experts, width = int(text.get("num_local_experts") or 8), None
@@ -175,9 +254,12 @@ def moe_fields(text: dict, *, family: str, path: Path) -> dict:
     elif family in ("deepseek_v2", "deepseek_v3"):
         experts, width = int(text.get("n_routed_experts") or 0), text.get("moe_intermediate_size")
         if int(text.get("moe_layer_freq") or 1) != 1:
-            raise RecipeError("config.json sets moe_layer_freq != 1, which transformers' DeepSeek models "
-                              "do not implement", file=str(path), key="model.name",
-                              hint="set model.arch to a registry entry with the same shape")
+            raise RecipeError(
+                "config.json sets moe_layer_freq != 1, which transformers' DeepSeek models do not implement",
+                file=str(path),
+                key="model.name",
+                hint="set model.arch to a registry entry with the same shape",
+            )
     elif family == "gpt_oss":
         experts, width = int(text.get("num_local_experts") or 0), None
     else:
@@ -185,8 +267,11 @@ def moe_fields(text: dict, *, family: str, path: Path) -> dict:
     if experts <= 1:
         return {}
     per_token = int(text.get("num_experts_per_tok") or text.get("experts_per_token") or 2)
-    out = {"num_experts": experts, "experts_per_token": min(per_token, experts),
-           "moe_intermediate_size": int(width) if width else None}
+    out = {
+        "num_experts": experts,
+        "experts_per_token": min(per_token, experts),
+        "moe_intermediate_size": int(width) if width else None,
+    }
     if family in ("qwen2_moe", "qwen3_moe"):
         step = int(text.get("decoder_sparse_step") or 1)
         dense = set(text.get("mlp_only_layers") or [])
@@ -204,9 +289,13 @@ def moe_fields(text: dict, *, family: str, path: Path) -> dict:
 
 def mla_fields(text: dict) -> dict:
     """DeepSeek's multi-head latent attention dimensions."""
-    return {"q_lora_rank": int(text["q_lora_rank"]) if text.get("q_lora_rank") else None,
-            "kv_lora_rank": int(text["kv_lora_rank"]), "qk_rope_head_dim": int(text["qk_rope_head_dim"]),
-            "qk_nope_head_dim": int(text["qk_nope_head_dim"]), "v_head_dim": int(text["v_head_dim"])}
+    return {
+        "q_lora_rank": int(text["q_lora_rank"]) if text.get("q_lora_rank") else None,
+        "kv_lora_rank": int(text["kv_lora_rank"]),
+        "qk_rope_head_dim": int(text["qk_rope_head_dim"]),
+        "qk_nope_head_dim": int(text["qk_nope_head_dim"]),
+        "v_head_dim": int(text["v_head_dim"]),
+    }
 
 
 # config.json keys a family's config class fills with its own defaults when they are absent
@@ -236,10 +325,15 @@ def sliding_fields(text: dict, *, reader: str) -> dict:
     else:
         top = int(text.get("max_window_layers") or 28)
         pattern = int(text.get("sliding_window_pattern") or text.get("_sliding_window_pattern") or 6)
-        rule = {"gemma2": lambda i: (i + 1) % 2, "gpt_oss": lambda i: (i + 1) % 2,
-                "gemma3": lambda i: (i + 1) % pattern, "gemma3_text": lambda i: (i + 1) % pattern,
-                "qwen2": lambda i: i >= top, "qwen3": lambda i: i >= top,
-                "qwen2_moe": lambda i: (i + 1) % 2 and i < top}.get(reader, lambda i: True)
+        rule = {
+            "gemma2": lambda i: (i + 1) % 2,
+            "gpt_oss": lambda i: (i + 1) % 2,
+            "gemma3": lambda i: (i + 1) % pattern,
+            "gemma3_text": lambda i: (i + 1) % pattern,
+            "qwen2": lambda i: i >= top,
+            "qwen3": lambda i: i >= top,
+            "qwen2_moe": lambda i: (i + 1) % 2 and i < top,
+        }.get(reader, lambda i: True)
         kinds = ["sliding_attention" if rule(i) else "full_attention" for i in range(layers)]
     sliding = sum(1 for t in kinds if t == "sliding_attention")
     if sliding:

@@ -23,8 +23,13 @@ def query_gpus() -> list[tuple[str, float]]:
     if exe is None:
         return []
     try:
-        out = subprocess.run([exe, "--query-gpu=index,uuid,name,memory.total", "--format=csv,noheader"],
-                             capture_output=True, text=True, timeout=20, check=True).stdout
+        out = subprocess.run(
+            [exe, "--query-gpu=index,uuid,name,memory.total", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            timeout=20,
+            check=True,
+        ).stdout
     except (OSError, subprocess.SubprocessError):
         return []
     rows = []
@@ -45,8 +50,10 @@ def visible_gpus(rows: list[tuple[str, str, str, float]], visible: str | None) -
         return [(name, gib) for _, _, name, gib in rows]
     chosen = []
     for token in (t.strip() for t in visible.split(",")):
-        match = next((r for r in rows if token and (token == r[0] or (token.startswith("GPU-")
-                                                                       and r[1].startswith(token)))), None)
+        match = next(
+            (r for r in rows if token and (token == r[0] or (token.startswith("GPU-") and r[1].startswith(token)))),
+            None,
+        )
         if match is None:
             break
         chosen.append((match[2], match[3]))
@@ -73,7 +80,7 @@ def host_ram_gib() -> float:
     try:
         for line in Path("/proc/meminfo").read_text().splitlines():
             if line.startswith("MemTotal:"):
-                return int(line.split()[1]) / 1024 ** 2
+                return int(line.split()[1]) / 1024**2
     except OSError:
         pass
     return 16.0
@@ -87,9 +94,14 @@ def _nvme_path() -> str | None:
 
 
 # GPU name token -> the preset whose per-GPU numbers (link, peak, PCIe) we borrow
-_KNOWN = {"h100": "server-8xh100", "h200": "server-8xh200", "b200": "server-8xb200",
-          "4090": "workstation-1x4090", "5090": "workstation-1x5090",
-          "rtxpro6000": "workstation-4xrtxpro6000"}
+_KNOWN = {
+    "h100": "server-8xh100",
+    "h200": "server-8xh200",
+    "b200": "server-8xb200",
+    "4090": "workstation-1x4090",
+    "5090": "workstation-1x5090",
+    "rtxpro6000": "workstation-4xrtxpro6000",
+}
 
 
 UNKNOWN_GPU_PEAK_TFLOPS = 100.0  # a GPU we have no preset for: slow estimates, never optimistic
@@ -118,8 +130,7 @@ def peak_bf16_tflops(gpu_name: str) -> float:
     return match.peak_bf16_tflops if match is not None else UNKNOWN_GPU_PEAK_TFLOPS
 
 
-def synthesize_preset(gpus: list[tuple[str, float]], *, ram_gib: float,
-                      nvme: str | None = None) -> HardwarePreset:
+def synthesize_preset(gpus: list[tuple[str, float]], *, ram_gib: float, nvme: str | None = None) -> HardwarePreset:
     """A one-node preset for the detected GPUs (pure: testable without a GPU)."""
     from finetune.registry import get_preset
 
@@ -133,24 +144,41 @@ def synthesize_preset(gpus: list[tuple[str, float]], *, ram_gib: float,
     # nvidia-smi's total includes a driver reserve we do not get to use
     usable = round(mem - 0.5, 1)
     base = dict(
-        name=f"auto-{count}x{_normalize(name) or 'gpu'}", description=f"detected: {count} x {name}",
-        gpu_model=name, vendor="nvidia", gpu_memory_gib=usable, gpus_per_node=count, nodes=1,
-        inter_node_fabric="none", inter_node_bandwidth_gbps=0, host_ram_gib=round(ram_gib, 1),
-        nvme_path=nvme, nvme_bandwidth_gbps=5.0 if nvme else 0, nvme_capacity_gib=None)
+        name=f"auto-{count}x{_normalize(name) or 'gpu'}",
+        description=f"detected: {count} x {name}",
+        gpu_model=name,
+        vendor="nvidia",
+        gpu_memory_gib=usable,
+        gpus_per_node=count,
+        nodes=1,
+        inter_node_fabric="none",
+        inter_node_bandwidth_gbps=0,
+        host_ram_gib=round(ram_gib, 1),
+        nvme_path=nvme,
+        nvme_bandwidth_gbps=5.0 if nvme else 0,
+        nvme_capacity_gib=None,
+    )
     if match is not None:
-        base.update(intra_node_link=match.intra_node_link if count > 1 else "none",
-                    intra_node_bandwidth_gbps=match.intra_node_bandwidth_gbps,
-                    peak_bf16_tflops=match.peak_bf16_tflops,
-                    gpu_memory_bandwidth_gbps=match.gpu_memory_bandwidth_gbps,
-                    host_to_device_bandwidth_gbps=match.host_to_device_bandwidth_gbps,
-                    nccl_env={k: v for k, v in match.nccl_env.items() if not k.startswith("NCCL_IB")
-                              and k != "NCCL_SOCKET_IFNAME"})
+        base.update(
+            intra_node_link=match.intra_node_link if count > 1 else "none",
+            intra_node_bandwidth_gbps=match.intra_node_bandwidth_gbps,
+            peak_bf16_tflops=match.peak_bf16_tflops,
+            gpu_memory_bandwidth_gbps=match.gpu_memory_bandwidth_gbps,
+            host_to_device_bandwidth_gbps=match.host_to_device_bandwidth_gbps,
+            nccl_env={
+                k: v for k, v in match.nccl_env.items() if not k.startswith("NCCL_IB") and k != "NCCL_SOCKET_IFNAME"
+            },
+        )
         if nvme and match.nvme_path:
             base["nvme_bandwidth_gbps"] = match.nvme_bandwidth_gbps
     else:
         # unknown GPU: assume PCIe without peer-to-peer and a modest peak (slow estimates, never optimistic)
-        base.update(intra_node_link="pcie" if count > 1 else "none", intra_node_bandwidth_gbps=10,
-                    peak_bf16_tflops=UNKNOWN_GPU_PEAK_TFLOPS, host_to_device_bandwidth_gbps=16)
+        base.update(
+            intra_node_link="pcie" if count > 1 else "none",
+            intra_node_bandwidth_gbps=10,
+            peak_bf16_tflops=UNKNOWN_GPU_PEAK_TFLOPS,
+            host_to_device_bandwidth_gbps=16,
+        )
     return HardwarePreset(**base)
 
 

@@ -32,13 +32,18 @@ class ModelArch(Strict):
     experts_per_token: int = Field(1, ge=1)
     # Mixture-of-experts detail (transformers' conventions: Mixtral, Qwen2/3-MoE, DeepSeek-V2/V3, GPT-OSS)
     moe_intermediate_size: int | None = Field(
-        None, ge=1, description="width of one routed expert's MLP; default intermediate_size (Mixtral)")
+        None, ge=1, description="width of one routed expert's MLP; default intermediate_size (Mixtral)"
+    )
     shared_expert_intermediate_size: int = Field(
-        0, ge=0, description="width of the always-on shared expert MLP of an MoE layer (0: none)")
+        0, ge=0, description="width of the always-on shared expert MLP of an MoE layer (0: none)"
+    )
     shared_expert_gate: bool = Field(False, description="Qwen2-MoE: a 1-wide sigmoid gate on the shared expert")
     moe_layers: int | None = Field(
-        None, ge=0, description="decoder layers with the MoE MLP (the others are dense with "
-        "intermediate_size); default all layers when num_experts > 1")
+        None,
+        ge=0,
+        description="decoder layers with the MoE MLP (the others are dense with "
+        "intermediate_size); default all layers when num_experts > 1",
+    )
     router_bias: bool = Field(False, description="GPT-OSS: the router has a bias per expert")
     expert_bias: bool = Field(False, description="GPT-OSS: each expert's gate_up/down projections have biases")
     attention_sinks: bool = Field(False, description="GPT-OSS: one learned sink logit per head")
@@ -52,12 +57,15 @@ class ModelArch(Strict):
     sliding_window: int | None = Field(None, ge=1, description="window of the sliding-attention layers")
     sliding_layers: int = Field(0, ge=0, description="how many layers attend within sliding_window only")
     attn_logit_softcap: float | None = Field(
-        None, gt=0, description="attention logit soft-capping (config.json attn_logit_softcapping; Gemma-2: "
-        "50.0): scores pass through cap * tanh(score / cap), which no torch flash kernel does")
+        None,
+        gt=0,
+        description="attention logit soft-capping (config.json attn_logit_softcapping; Gemma-2: "
+        "50.0): scores pass through cap * tanh(score / cap), which no torch flash kernel does",
+    )
     decoder_layer_class: str = Field(description="e.g. LlamaDecoderLayer (FSDP wrap policy)")
     lora_targets: list[str] = Field(
-        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj",
-                                 "gate_proj", "up_proj", "down_proj"])
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    )
     chat_template: bool = True
     license: str | None = None
     notes: str | None = None
@@ -82,8 +90,11 @@ class HardwarePreset(Strict):
     nvme_bandwidth_gbps: float = Field(0, ge=0)
     peak_bf16_tflops: float = Field(gt=0, description="dense, per GPU")
     gpu_memory_bandwidth_gbps: float | None = Field(
-        None, gt=0, description="per-GPU memory (HBM/GDDR) bandwidth from the vendor datasheet, GB/s: the "
-        "step time of memory-bound work the FLOPs do not show (DoRA's weight norms); None: not modelled")
+        None,
+        gt=0,
+        description="per-GPU memory (HBM/GDDR) bandwidth from the vendor datasheet, GB/s: the "
+        "step time of memory-bound work the FLOPs do not show (DoRA's weight norms); None: not modelled",
+    )
     # offload strategies move states over PCIe and run Adam on the host CPUs
     host_to_device_bandwidth_gbps: float = Field(25, gt=0, description="per GPU, PCIe, GB/s")
     nvme_capacity_gib: float | None = Field(None, gt=0, description="per node; None: not checked")
@@ -91,8 +102,9 @@ class HardwarePreset(Strict):
     nccl_env: dict[str, str] = Field(default_factory=dict, description="NCCL settings for launches")
     slurm_partition: str | None = Field(None, description="job.sbatch --partition for this cluster")
     slurm_account: str | None = Field(None, description="job.sbatch --account for this cluster")
-    slurm_time: str | None = Field(None, pattern=r"^(\d+-)?\d+(:\d{2}){0,2}$",
-                                   description="job.sbatch --time limit, e.g. 2-00:00:00")
+    slurm_time: str | None = Field(
+        None, pattern=r"^(\d+-)?\d+(:\d{2}){0,2}$", description="job.sbatch --time limit, e.g. 2-00:00:00"
+    )
 
     @property
     def world_size(self) -> int:

@@ -21,16 +21,23 @@ from finetune.errors import EXIT_INTERRUPTED
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m finetune.train", description=__doc__.splitlines()[0])
     parser.add_argument("resolved", help="RUN_DIR/recipe.resolved.yaml written by `finetune compile`/`run`")
-    parser.add_argument("--resume", default="auto", metavar="auto|never|PATH",
-                        help="auto: newest complete checkpoint (default); never: start over; or a checkpoint dir")
+    parser.add_argument(
+        "--resume",
+        default="auto",
+        metavar="auto|never|PATH",
+        help="auto: newest complete checkpoint (default); never: start over; or a checkpoint dir",
+    )
     args = parser.parse_args(argv)
     try:
         from finetune.train.run import run_rank
 
         run_rank(args.resolved, resume=args.resume)
     except KeyboardInterrupt:  # Ctrl-C before the trainer's handler was installed: nothing to save yet
-        print("error: interrupted before training started; nothing was written\n"
-              "  fix: run the same command again", file=sys.stderr, flush=True)
+        print(
+            "error: interrupted before training started; nothing was written\n  fix: run the same command again",
+            file=sys.stderr,
+            flush=True,
+        )
         return EXIT_INTERRUPTED
     except Exception as exc:
         from pathlib import Path

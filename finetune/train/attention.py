@@ -89,27 +89,45 @@ def _eager_with_softcap(module, query, key, value, attention_mask, **kwargs):
         mask = torch.ones(q_len, k_len, dtype=torch.bool, device=query.device).tril(k_len - q_len)[None, None]
     if mask.dtype == torch.bool:
         mask = torch.zeros(mask.shape, dtype=query.dtype, device=query.device).masked_fill(
-            ~mask, torch.finfo(query.dtype).min)
+            ~mask, torch.finfo(query.dtype).min
+        )
     return eager(module, query, key, value, mask, **kwargs)
 
 
-def varlen_attention_forward(module, query, key, value, attention_mask, dropout: float = 0.0,
-                             scaling: float | None = None, is_causal: bool | None = None, **kwargs):
+def varlen_attention_forward(
+    module,
+    query,
+    key,
+    value,
+    attention_mask,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    is_causal: bool | None = None,
+    **kwargs,
+):
     """AttentionInterface signature: q/k/v are (batch, heads, seq, head_dim); returns (b, s, h, d)."""
     import torch
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     kernel = _varlen()
     bounds = _packed_bounds(query, key, kwargs)
-    plain = (kernel is None or bounds is None or not query.is_cuda or dropout
-             or query.dtype not in (torch.bfloat16, torch.float16) or layer_falls_back(kwargs)
-             or not (is_causal if is_causal is not None else module.is_causal))
+    plain = (
+        kernel is None
+        or bounds is None
+        or not query.is_cuda
+        or dropout
+        or query.dtype not in (torch.bfloat16, torch.float16)
+        or layer_falls_back(kwargs)
+        or not (is_causal if is_causal is not None else module.is_causal)
+    )
     if plain and kwargs.get("softcap") is not None:
-        return _eager_with_softcap(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
-                                   **kwargs)
+        return _eager_with_softcap(
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
+        )
     if plain:
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
-                                      is_causal=is_causal, **kwargs)
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal, **kwargs
+        )
     varlen_attn, causal, has_gqa = kernel
     cu_seq_lens, max_length = bounds
     # (1, h, t, d) -> (t, h, d): a view; the kernel needs only the last dimension contiguous

@@ -27,16 +27,23 @@ def cadence_args(recipe: Recipe, *, has_eval: bool) -> dict:
     # per-epoch cadences start at 1 (a multiple of everything) until EpochCadence knows the epoch length
     eval_steps = t.eval_steps or 1
     save_steps = o.save_every or (1 if o.saves_per_epoch else eval_steps if best else 500)
-    args = {"eval_strategy": "steps" if evaluates else "no", "eval_steps": eval_steps,
-                "save_strategy": "steps" if saves else "no", "save_steps": save_steps,
-                "warmup_steps": t.warmup_steps if t.warmup_steps is not None else t.warmup_ratio}
+    args = {
+        "eval_strategy": "steps" if evaluates else "no",
+        "eval_steps": eval_steps,
+        "save_strategy": "steps" if saves else "no",
+        "save_steps": save_steps,
+        "warmup_steps": t.warmup_steps if t.warmup_steps is not None else t.warmup_ratio,
+    }
     if t.scheduler == "cosine_with_min_lr":
-        args["lr_scheduler_kwargs"] = ({"min_lr": t.min_lr} if t.min_lr is not None else
-                                       {"min_lr_ratio": t.min_lr_ratio if t.min_lr_ratio is not None
-                                        else DEFAULT_MIN_LR_RATIO})
+        args["lr_scheduler_kwargs"] = (
+            {"min_lr": t.min_lr}
+            if t.min_lr is not None
+            else {"min_lr_ratio": t.min_lr_ratio if t.min_lr_ratio is not None else DEFAULT_MIN_LR_RATIO}
+        )
     if best and evaluates:
-        args.update(load_best_model_at_end=t.load_best_model_at_end, metric_for_best_model="eval_loss",
-                    greater_is_better=False)
+        args.update(
+            load_best_model_at_end=t.load_best_model_at_end, metric_for_best_model="eval_loss", greater_is_better=False
+        )
     return args
 
 
@@ -59,8 +66,10 @@ class EpochCadence(TrainerCallback):
         if args.load_best_model_at_end and state.save_steps % state.eval_steps:
             # the best checkpoint must be one that was evaluated
             state.save_steps = max(state.save_steps // state.eval_steps, 1) * state.eval_steps
-        log.info(f"{per_epoch} optimizer steps per epoch: evaluating every {state.eval_steps}, "
-                 f"saving every {state.save_steps} steps")
+        log.info(
+            f"{per_epoch} optimizer steps per epoch: evaluating every {state.eval_steps}, "
+            f"saving every {state.save_steps} steps"
+        )
 
 
 def cadence_callbacks(recipe: Recipe, *, has_eval: bool) -> list:
@@ -68,12 +77,19 @@ def cadence_callbacks(recipe: Recipe, *, has_eval: bool) -> list:
     out = []
     best = t.load_best_model_at_end or bool(t.early_stopping_patience)
     if t.evals_per_epoch or o.saves_per_epoch:
-        out.append(EpochCadence(evals_per_epoch=t.evals_per_epoch if has_eval else None,
-                                saves_per_epoch=o.saves_per_epoch,
-                                saves_follow_evals=best and not (o.save_every or o.saves_per_epoch)))
+        out.append(
+            EpochCadence(
+                evals_per_epoch=t.evals_per_epoch if has_eval else None,
+                saves_per_epoch=o.saves_per_epoch,
+                saves_follow_evals=best and not (o.save_every or o.saves_per_epoch),
+            )
+        )
     if t.early_stopping_patience and has_eval:
         from transformers import EarlyStoppingCallback
 
-        out.append(EarlyStoppingCallback(early_stopping_patience=t.early_stopping_patience,
-                                         early_stopping_threshold=t.early_stopping_threshold))
+        out.append(
+            EarlyStoppingCallback(
+                early_stopping_patience=t.early_stopping_patience, early_stopping_threshold=t.early_stopping_threshold
+            )
+        )
     return out

@@ -30,7 +30,7 @@ def ema(values: list[float], weight: float) -> list[float]:
     out, avg = [], 0.0
     for i, v in enumerate(values, start=1):
         avg = weight * avg + (1 - weight) * v
-        out.append(avg / (1 - weight ** i) if weight else v)
+        out.append(avg / (1 - weight**i) if weight else v)
     return out
 
 
@@ -43,26 +43,33 @@ def plot_loss(rows: list[dict], out: Path, **options) -> None:
     plt.close(fig)
 
 
-def loss_figure(rows: list[dict], *, title: str | None = None, log_scale: bool = False,
-                smoothing: float = 0.9):
+def loss_figure(rows: list[dict], *, title: str | None = None, log_scale: bool = False, smoothing: float = 0.9):
     """Raw train loss faint, its EMA (logging.loss_smoothing) solid, eval loss as points."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    train = [(r["step"], r["loss"]) for r in rows if isinstance(r.get("loss"), (int, float))
-             and math.isfinite(r["loss"])]
+    train = [
+        (r["step"], r["loss"]) for r in rows if isinstance(r.get("loss"), (int, float)) and math.isfinite(r["loss"])
+    ]
     evals = [(r["step"], r["eval_loss"]) for r in rows if r.get("eval_loss") is not None]
     fig, ax = plt.subplots(figsize=(8, 4.5))
     if train:
         steps, losses = zip(*train)
         smooth = smoothing > 0 and len(train) > 2
-        ax.plot(steps, losses, color="C0", alpha=0.3 if smooth else 1.0, linewidth=0.8,
-                label="train loss" + (" (raw)" if smooth else ""))
+        ax.plot(
+            steps,
+            losses,
+            color="C0",
+            alpha=0.3 if smooth else 1.0,
+            linewidth=0.8,
+            label="train loss" + (" (raw)" if smooth else ""),
+        )
         if smooth:
-            ax.plot(steps, ema(list(losses), smoothing), color="C0", linewidth=1.8,
-                    label=f"train loss (EMA {smoothing:g})")
+            ax.plot(
+                steps, ema(list(losses), smoothing), color="C0", linewidth=1.8, label=f"train loss (EMA {smoothing:g})"
+            )
     if evals:
         ax.plot(*zip(*evals), "o-", color="C1", label="eval loss")
     if log_scale:
@@ -110,9 +117,15 @@ class MetricsCallback(TrainerCallback):
         self.run_dir = Path(run_dir)
         self.path = self.run_dir / rundir.METRICS
         self.png = self.run_dir / rundir.LOSS_PNG
-        self.plot = {} if recipe is None else {
-            "title": plot_title(recipe, self.run_dir), "log_scale": recipe.logging.loss_log_scale,
-            "smoothing": recipe.logging.loss_smoothing}
+        self.plot = (
+            {}
+            if recipe is None
+            else {
+                "title": plot_title(recipe, self.run_dir),
+                "log_scale": recipe.logging.loss_log_scale,
+                "smoothing": recipe.logging.loss_smoothing,
+            }
+        )
         self._last = (time.perf_counter(), 0)
         self._began = time.perf_counter()
 
@@ -205,11 +218,14 @@ class CommitCallback(TrainerCallback):
         barrier()
         if args.should_save:
             ckpt = Path(args.output_dir) / f"checkpoint-{state.global_step}"
-            write_marker(ckpt, step=state.global_step, world_size=rank_and_world()[1], strategy=self.strategy,
-                         fields=self.fields)
+            write_marker(
+                ckpt, step=state.global_step, world_size=rank_and_world()[1], strategy=self.strategy, fields=self.fields
+            )
             removed = retain(self.run_dir, keep=self.keep, protect=state.best_model_checkpoint)
-            log.info(f"checkpoint {ckpt.name} complete" + (f"; removed {', '.join(p.name for p in removed)} "
-                                                           f"(output.keep={self.keep})" if removed else ""))
+            log.info(
+                f"checkpoint {ckpt.name} complete"
+                + (f"; removed {', '.join(p.name for p in removed)} (output.keep={self.keep})" if removed else "")
+            )
         barrier()
 
 
@@ -239,8 +255,10 @@ class NonFiniteCallback(TrainerCallback):
 
         rank, world = rank_and_world()
         params = [p for p in model.parameters() if p.grad is not None] if model is not None else []
-        grads = [p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad  # FSDP2: this rank's shard
-                 for p in params]
+        grads = [
+            p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad  # FSDP2: this rank's shard
+            for p in params
+        ]
         # one device sync per step, not one per parameter
         local = 0.0 if not grads or bool(torch.stack([torch.isfinite(g).all() for g in grads]).all()) else 1.0
         flags = [0.0] * world
@@ -256,8 +274,10 @@ class NonFiniteCallback(TrainerCallback):
         where = f"step {step} (rank {ranks} of {world})"
         if self.policy == "skip" and self.bad <= self.max_bad_steps:
             self.skipped.append(step)
-            log.warning(f"non-finite gradients at {where}: step skipped, weights unchanged "
-                        f"({self.bad} of train.max_bad_steps={self.max_bad_steps})")
+            log.warning(
+                f"non-finite gradients at {where}: step skipped, weights unchanged "
+                f"({self.bad} of train.max_bad_steps={self.max_bad_steps})"
+            )
             return control
         self.stopping = where
         control.should_log = True  # log this step now: on_log stops the run with the loss it saw
@@ -270,8 +290,11 @@ class NonFiniteCallback(TrainerCallback):
             return
         window = (self._last_logged, state.global_step)
         self._last_logged = state.global_step
-        bad = {k: logs[k] for k in ("loss", "grad_norm")
-               if isinstance(logs.get(k), (int, float)) and not math.isfinite(logs[k])}
+        bad = {
+            k: logs[k]
+            for k in ("loss", "grad_norm")
+            if isinstance(logs.get(k), (int, float)) and not math.isfinite(logs[k])
+        }
         if self.stopping is None:
             if not bad or any(window[0] < s <= window[1] for s in self.skipped):
                 return  # finite, or the non-finite average includes a step that was already skipped
@@ -283,8 +306,9 @@ class NonFiniteCallback(TrainerCallback):
         what = ", ".join(f"{k}={v}" for k, v in bad.items()) or "gradients"
         raise TrainingFailed(
             f"non-finite {what} at {self.stopping}; {self.bad} bad step(s), policy "
-            f"train.on_nonfinite={self.policy}" + (f", max_bad_steps={self.max_bad_steps}"
-                                                   if self.policy == "skip" else ""),
+            f"train.on_nonfinite={self.policy}"
+            + (f", max_bad_steps={self.max_bad_steps}" if self.policy == "skip" else ""),
             key="train.on_nonfinite",
             hint="lower train.lr, keep train.max_grad_norm > 0, use bf16 instead of fp16, or resume from the "
-                 "last checkpoint with --resume auto")
+            "last checkpoint with --resume auto",
+        )

@@ -44,8 +44,7 @@ def output_bytes(recipe, run_dir: Path) -> tuple[int, int]:
         plan = json.loads((Path(run_dir) / rundir.PLAN_JSON).read_text())
     except (OSError, ValueError):
         plan = {}
-    return planned_bytes(SimpleNamespace(**{k: plan.get(k, 0) for k in ("total_params", "trainable_params")}),
-                         recipe)
+    return planned_bytes(SimpleNamespace(**{k: plan.get(k, 0) for k in ("total_params", "trainable_params")}), recipe)
 
 
 def _newest_size(run_dir: Path) -> int | None:
@@ -61,11 +60,14 @@ def disk_full_error(run_dir: Path, *, free: int, need: int, what: str) -> Traini
     from finetune.checkpoints.resume import complete_checkpoints
 
     done = complete_checkpoints(run_dir)
-    kept = (f"{done[-1].name} is complete and stays usable" if done else "no complete checkpoint exists yet")
-    return TrainingFailed(f"disk full: {free / 2**20:.1f} MiB free in {run_dir}, {what} needs about "
-                          f"{need / 2**20:.1f} MiB; stopped before writing it ({kept})", key="output.dir",
-                          hint="free disk space there (or lower output.keep), then run the same command "
-                               "again" + (" to resume" if done else ""))
+    kept = f"{done[-1].name} is complete and stays usable" if done else "no complete checkpoint exists yet"
+    return TrainingFailed(
+        f"disk full: {free / 2**20:.1f} MiB free in {run_dir}, {what} needs about "
+        f"{need / 2**20:.1f} MiB; stopped before writing it ({kept})",
+        key="output.dir",
+        hint="free disk space there (or lower output.keep), then run the same command "
+        "again" + (" to resume" if done else ""),
+    )
 
 
 class DiskSpaceCallback(TrainerCallback):
@@ -80,8 +82,7 @@ class DiskSpaceCallback(TrainerCallback):
         need = (_newest_size(self.run_dir) or self.estimate) + SAVE_SLACK_BYTES
         free = free_bytes(self.run_dir)
         if reduce_flags([1.0 if free < need else 0.0])[0]:
-            raise disk_full_error(self.run_dir, free=free, need=need,
-                                  what=f"checkpoint-{state.global_step}")
+            raise disk_full_error(self.run_dir, free=free, need=need, what=f"checkpoint-{state.global_step}")
         return control
 
 
@@ -113,11 +114,14 @@ def save_final(trainer, tokenizer, *, recipe, run_dir: Path, state) -> None:
             _save_into(trainer, tokenizer, target, state=state)
     state.wait_for_everyone()
     if target != staging:
-        raise TrainingFailed(f"disk full: the trained {'model' if recipe.adapter.type == 'full' else 'adapter'} "
-                             f"did not fit in {run_dir} ({free_bytes(run_dir) / 2**20:.1f} MiB free, about "
-                             f"{need / 2**20:.1f} MiB needed), so it was saved to {target}", key="output.dir",
-                             hint=f"free disk space, then move the files of {target} into {run_dir} (training "
-                                  f"is done: nothing needs to run again)")
+        raise TrainingFailed(
+            f"disk full: the trained {'model' if recipe.adapter.type == 'full' else 'adapter'} "
+            f"did not fit in {run_dir} ({free_bytes(run_dir) / 2**20:.1f} MiB free, about "
+            f"{need / 2**20:.1f} MiB needed), so it was saved to {target}",
+            key="output.dir",
+            hint=f"free disk space, then move the files of {target} into {run_dir} (training "
+            f"is done: nothing needs to run again)",
+        )
     if state.is_main_process:
         for item in sorted(staging.iterdir()):
             if item.is_dir() and (run_dir / item.name).is_dir():

@@ -17,7 +17,7 @@ MAX_DETAIL = 400
 
 def _detail(exc: BaseException) -> str:
     text = " ".join(str(exc).split()) or type(exc).__name__
-    return text if len(text) <= MAX_DETAIL else text[:MAX_DETAIL - 3] + "..."
+    return text if len(text) <= MAX_DETAIL else text[: MAX_DETAIL - 3] + "..."
 
 
 def as_finetune_error(exc: BaseException, *, run_dir: Path) -> FinetuneError:
@@ -28,22 +28,38 @@ def as_finetune_error(exc: BaseException, *, run_dir: Path) -> FinetuneError:
     name, detail = type(exc).__name__, _detail(exc)
     if is_disk_full(exc):
         where = getattr(exc, "filename", None) or run_dir
-        return TrainingFailed(f"disk full while writing {where} ({exc.strerror})", key="output.dir",
-                              hint=f"free disk space there, then {resume_advice(run_dir)}")
+        return TrainingFailed(
+            f"disk full while writing {where} ({exc.strerror})",
+            key="output.dir",
+            hint=f"free disk space there, then {resume_advice(run_dir)}",
+        )
     if name == "OutOfMemoryError" or "out of memory" in detail.lower():
-        return TrainingFailed(f"out of memory: {detail}", key="train.micro_batch_size",
-                              hint="lower train.micro_batch_size or data.max_length, set "
-                                   "train.activation_checkpointing: on, or use QLoRA / more GPUs; then "
-                                   + resume_advice(run_dir))
+        return TrainingFailed(
+            f"out of memory: {detail}",
+            key="train.micro_batch_size",
+            hint="lower train.micro_batch_size or data.max_length, set "
+            "train.activation_checkpointing: on, or use QLoRA / more GPUs; then " + resume_advice(run_dir),
+        )
     if name in ("SafetensorError", "HeaderTooLarge", "HeaderTooSmall") or "deserializing header" in detail:
-        return RecipeError(f"the model's weights cannot be read ({name}: {detail})", key="model.name",
-                           hint="download the model again, or point model.name at a complete copy")
+        return RecipeError(
+            f"the model's weights cannot be read ({name}: {detail})",
+            key="model.name",
+            hint="download the model again, or point model.name at a complete copy",
+        )
     if "trust_remote_code" in detail:
-        return RecipeError(f"the model needs its own Python code to load ({detail})", key="model.trust_remote_code",
-                           hint="read that code, then set model.trust_remote_code: true if you trust it")
+        return RecipeError(
+            f"the model needs its own Python code to load ({detail})",
+            key="model.trust_remote_code",
+            hint="read that code, then set model.trust_remote_code: true if you trust it",
+        )
     if name.startswith("Template") or type(exc).__module__.startswith("jinja2"):
-        return DataError(f"the chat template failed: {name}: {detail}", key="data.chat_template",
-                         hint="fix the template (data.chat_template), or the rows it rejects")
-    return TrainingFailed(f"{name}: {detail}",
-                          hint="this looks like a bug in finetune or a library under it: rerun with "
-                               "FINETUNE_DEBUG=1 for the traceback and report it; " + resume_advice(run_dir))
+        return DataError(
+            f"the chat template failed: {name}: {detail}",
+            key="data.chat_template",
+            hint="fix the template (data.chat_template), or the rows it rejects",
+        )
+    return TrainingFailed(
+        f"{name}: {detail}",
+        hint="this looks like a bug in finetune or a library under it: rerun with "
+        "FINETUNE_DEBUG=1 for the traceback and report it; " + resume_advice(run_dir),
+    )

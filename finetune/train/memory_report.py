@@ -74,8 +74,10 @@ class PeakMemoryCallback(TrainerCallback):
         # wall clock when training starts: a launcher that noted its own start gets the load time
         self.at_start = {"train_begin_unix": time.time()}
         if torch.cuda.is_available() and torch.cuda.is_initialized():
-            self.at_start |= {"gpu_load_peak_allocated_gib": torch.cuda.max_memory_allocated() / GIB,
-                             "gpu_allocated_at_start_gib": torch.cuda.memory_allocated() / GIB}
+            self.at_start |= {
+                "gpu_load_peak_allocated_gib": torch.cuda.max_memory_allocated() / GIB,
+                "gpu_allocated_at_start_gib": torch.cuda.memory_allocated() / GIB,
+            }
             if model is not None:
                 self.at_start["weights_on_gpu_gib"] = weights_on_gpu_bytes(model) / GIB
 

@@ -25,7 +25,8 @@ METHOD_NAMES = {"kto": "KTO", "orpo": "ORPO", "simpo": "SimPO", "reward": "rewar
 def _pair_lengths(record: dict, tokenizer) -> tuple[int, bool]:
     f = dpo_features(record, tokenizer)
     return len(f["prompt_ids"]) + max(len(f["chosen_ids"]), len(f["rejected_ids"])), bool(
-        f["chosen_ids"] and f["rejected_ids"])
+        f["chosen_ids"] and f["rejected_ids"]
+    )
 
 
 def method_rows(records: list[dict], tokenizer, *, method: str) -> list[dict]:
@@ -37,21 +38,34 @@ def method_rows(records: list[dict], tokenizer, *, method: str) -> list[dict]:
         where = {"_file": record["_file"], "_row": record["_row"]}
         if method == "reward":
             f = dpo_features(record, tokenizer)
-            out.append({"chosen_ids": f["prompt_ids"] + f["chosen_ids"],
-                        "rejected_ids": f["prompt_ids"] + f["rejected_ids"],
-                        "_length": len(f["prompt_ids"]) + max(len(f["chosen_ids"]), len(f["rejected_ids"])),
-                        "_has_loss": bool(f["chosen_ids"] and f["rejected_ids"]), **where})
+            out.append(
+                {
+                    "chosen_ids": f["prompt_ids"] + f["chosen_ids"],
+                    "rejected_ids": f["prompt_ids"] + f["rejected_ids"],
+                    "_length": len(f["prompt_ids"]) + max(len(f["chosen_ids"]), len(f["rejected_ids"])),
+                    "_has_loss": bool(f["chosen_ids"] and f["rejected_ids"]),
+                    **where,
+                }
+            )
         elif method == "kto":
-            rows = unpair(record) if "chosen" in record else [
-                {k: record[k] for k in ("prompt", "completion", "label")}]
+            rows = unpair(record) if "chosen" in record else [{k: record[k] for k in ("prompt", "completion", "label")}]
             for row in rows:
-                length, ok = _pair_lengths({"prompt": row["prompt"], "chosen": row["completion"],
-                                            "rejected": row["completion"]}, tokenizer)
+                length, ok = _pair_lengths(
+                    {"prompt": row["prompt"], "chosen": row["completion"], "rejected": row["completion"]}, tokenizer
+                )
                 out.append({**row, "_length": length, "_has_loss": ok, **where})
         else:
             length, ok = _pair_lengths(record, tokenizer)
-            out.append({"prompt": record["prompt"], "chosen": record["chosen"], "rejected": record["rejected"],
-                        "_length": length, "_has_loss": ok, **where})
+            out.append(
+                {
+                    "prompt": record["prompt"],
+                    "chosen": record["chosen"],
+                    "rejected": record["rejected"],
+                    "_length": length,
+                    "_has_loss": ok,
+                    **where,
+                }
+            )
     return out
 
 
@@ -61,14 +75,18 @@ def method_config(recipe: Recipe, common: dict):
     if m.type == "kto":
         from trl import KTOConfig
 
-        return KTOConfig(**common, max_length=max_length, beta=m.beta, desirable_weight=m.desirable_weight,
-                         undesirable_weight=m.undesirable_weight,
-                         precompute_ref_log_probs=m.reference == "precompute")
+        return KTOConfig(
+            **common,
+            max_length=max_length,
+            beta=m.beta,
+            desirable_weight=m.desirable_weight,
+            undesirable_weight=m.undesirable_weight,
+            precompute_ref_log_probs=m.reference == "precompute",
+        )
     if m.type == "reward":
         from trl import RewardConfig
 
-        return RewardConfig(**common, max_length=max_length,
-                            center_rewards_coefficient=m.center_rewards_coefficient)
+        return RewardConfig(**common, max_length=max_length, center_rewards_coefficient=m.center_rewards_coefficient)
     _quiet_experimental()
     if m.type == "orpo":
         from trl.experimental.orpo import ORPOConfig
@@ -76,8 +94,14 @@ def method_config(recipe: Recipe, common: dict):
         return ORPOConfig(**common, max_length=max_length, beta=m.beta)
     from trl.experimental.cpo import CPOConfig
 
-    return CPOConfig(**common, max_length=max_length, loss_type="simpo", beta=m.beta, simpo_gamma=m.simpo_gamma,
-                     cpo_alpha=m.cpo_alpha)
+    return CPOConfig(
+        **common,
+        max_length=max_length,
+        loss_type="simpo",
+        beta=m.beta,
+        simpo_gamma=m.simpo_gamma,
+        cpo_alpha=m.cpo_alpha,
+    )
 
 
 def _quiet_experimental() -> None:
@@ -86,8 +110,15 @@ def _quiet_experimental() -> None:
 
 
 def method_trainer(recipe: Recipe, *, args, model, tokenizer, data, callbacks: list, peft_config):
-    kw = {"model": model, "args": args, "train_dataset": data.train, "eval_dataset": data.eval,
-              "processing_class": tokenizer, "peft_config": peft_config, "callbacks": callbacks}
+    kw = {
+        "model": model,
+        "args": args,
+        "train_dataset": data.train,
+        "eval_dataset": data.eval,
+        "processing_class": tokenizer,
+        "peft_config": peft_config,
+        "callbacks": callbacks,
+    }
     m = recipe.method.type
     if m == "kto":
         from trl import KTOTrainer

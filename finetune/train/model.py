@@ -15,8 +15,7 @@ log = logging.getLogger("finetune.train")
 def _torch_dtype(name: str):
     import torch
 
-    return {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32,
-            "uint8": torch.uint8}[name]
+    return {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32, "uint8": torch.uint8}[name]
 
 
 def load_tokenizer(recipe: Recipe):
@@ -24,12 +23,15 @@ def load_tokenizer(recipe: Recipe):
 
     m = recipe.model
     try:
-        tokenizer = AutoTokenizer.from_pretrained(model_path(recipe), revision=m.revision,
-                                                  trust_remote_code=m.trust_remote_code)
+        tokenizer = AutoTokenizer.from_pretrained(
+            model_path(recipe), revision=m.revision, trust_remote_code=m.trust_remote_code
+        )
     except OSError as exc:
-        raise RecipeError(f"cannot load the tokenizer: {exc}", key="model.name",
-                          hint="check the model id or directory; offline runs need the model in the local "
-                               "Hugging Face cache") from None
+        raise RecipeError(
+            f"cannot load the tokenizer: {exc}",
+            key="model.name",
+            hint="check the model id or directory; offline runs need the model in the local Hugging Face cache",
+        ) from None
     template = read_chat_template(recipe)
     if template is not None:
         tokenizer.chat_template = template
@@ -37,8 +39,11 @@ def load_tokenizer(recipe: Recipe):
     if tokenizer.pad_token is None:
         # The EOS token pads; labels come from our own columns, so EOS is still learned.
         if tokenizer.eos_token is None:
-            raise RecipeError("the tokenizer has neither a pad nor an EOS token", key="model.name",
-                              hint="use a tokenizer that defines an EOS token")
+            raise RecipeError(
+                "the tokenizer has neither a pad nor an EOS token",
+                key="model.name",
+                hint="use a tokenizer that defines an EOS token",
+            )
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer
 
@@ -82,10 +87,13 @@ def quantization_config(recipe: Recipe):
         return None
     from transformers import BitsAndBytesConfig
 
-    return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type=a.quant_type,
-                              bnb_4bit_use_double_quant=a.double_quant,
-                              bnb_4bit_compute_dtype=_torch_dtype(a.compute_dtype),
-                              bnb_4bit_quant_storage=_torch_dtype(a.storage_dtype))
+    return BitsAndBytesConfig(
+        load_in_4bit=True,
+        bnb_4bit_quant_type=a.quant_type,
+        bnb_4bit_use_double_quant=a.double_quant,
+        bnb_4bit_compute_dtype=_torch_dtype(a.compute_dtype),
+        bnb_4bit_quant_storage=_torch_dtype(a.storage_dtype),
+    )
 
 
 def attn_implementation(chosen: str) -> str:
@@ -100,9 +108,10 @@ def attn_implementation(chosen: str) -> str:
             return attention.register()
         import warnings
 
-        warnings.warn("model.attn_implementation: varlen needs torch.nn.attention.varlen and a CUDA device; "
-                      "using sdpa",
-                      stacklevel=2)
+        warnings.warn(
+            "model.attn_implementation: varlen needs torch.nn.attention.varlen and a CUDA device; using sdpa",
+            stacklevel=2,
+        )
         return "sdpa"
     return chosen
 
@@ -126,8 +135,12 @@ def rope_scaled_config(recipe: Recipe):
 def model_kwargs(recipe: Recipe) -> dict:
     """from_pretrained keyword arguments (also used to reload the base for the after-training eval)."""
     m = recipe.model
-    kwargs = dict(dtype=_torch_dtype(m.dtype), revision=m.revision, trust_remote_code=m.trust_remote_code,
-                  attn_implementation=attn_implementation(m.attn_implementation))
+    kwargs = dict(
+        dtype=_torch_dtype(m.dtype),
+        revision=m.revision,
+        trust_remote_code=m.trust_remote_code,
+        attn_implementation=attn_implementation(m.attn_implementation),
+    )
     if not m.allow_pickle:
         kwargs["use_safetensors"] = True
     if m.rope_scaling:
@@ -154,8 +167,11 @@ def load_model(recipe: Recipe):
     try:
         model = auto.from_pretrained(model_path(recipe), **kwargs)
     except OSError as exc:
-        hint = ("it has only .bin (pickle) weights; set model.allow_pickle: true if you trust it"
-                if "safetensors" in str(exc) else "check model.name and that the weights are available")
+        hint = (
+            "it has only .bin (pickle) weights; set model.allow_pickle: true if you trust it"
+            if "safetensors" in str(exc)
+            else "check model.name and that the weights are available"
+        )
         raise RecipeError(f"cannot load the model: {exc}", key="model.name", hint=hint) from None
     # QLoRA: peft's prepare_model_for_kbit_training is deliberately not called. It upcasts every
     # non-4-bit parameter (embeddings, lm_head, norms) to fp32: +4 GiB for a 128k vocabulary, fp32
@@ -182,10 +198,17 @@ def lora_config(recipe: Recipe):
     targets = a.target_modules
     if targets is None:
         targets = recipe.resolved.lora_targets if recipe.resolved and recipe.resolved.lora_targets else "all-linear"
-    return LoraConfig(r=a.r, lora_alpha=a.alpha, lora_dropout=a.dropout, target_modules=targets,
-                      use_dora=a.dora, use_rslora=a.rslora, modules_to_save=list(a.modules_to_save or []) or None,
-                      # SEQ_CLS: peft also trains the new score head (modules_to_save)
-                      task_type="SEQ_CLS" if recipe.method.type == "reward" else "CAUSAL_LM")
+    return LoraConfig(
+        r=a.r,
+        lora_alpha=a.alpha,
+        lora_dropout=a.dropout,
+        target_modules=targets,
+        use_dora=a.dora,
+        use_rslora=a.rslora,
+        modules_to_save=list(a.modules_to_save or []) or None,
+        # SEQ_CLS: peft also trains the new score head (modules_to_save)
+        task_type="SEQ_CLS" if recipe.method.type == "reward" else "CAUSAL_LM",
+    )
 
 
 def adapter_input_casting(recipe: Recipe, model):
@@ -199,8 +222,9 @@ def adapter_input_casting(recipe: Recipe, model):
     from finetune.plan.memory import peft_casts_adapter_inputs
 
     a = recipe.adapter
-    casts = peft_casts_adapter_inputs(adapter=a.type, strategy=recipe.distributed.strategy,
-                                      act_bytes=4 if recipe.train.precision == "fp32" else 2)
+    casts = peft_casts_adapter_inputs(
+        adapter=a.type, strategy=recipe.distributed.strategy, act_bytes=4 if recipe.train.precision == "fp32" else 2
+    )
     if not casts or a.cast_adapter_inputs or a.dora:
         return nullcontext()
     from peft.helpers import disable_input_dtype_casting

@@ -92,16 +92,25 @@ def measured() -> dict:
 
     if _on_cuda():
         index = torch.cuda.current_device()
-        return {"peak_kind": "max reserved", "peak_bytes": float(torch.cuda.max_memory_reserved(index)),
-                "peak_allocated_bytes": float(torch.cuda.max_memory_allocated(index)),
-                "capacity_bytes": float(torch.cuda.get_device_properties(index).total_memory),
-                "device_name": torch.cuda.get_device_name(index)}
+        return {
+            "peak_kind": "max reserved",
+            "peak_bytes": float(torch.cuda.max_memory_reserved(index)),
+            "peak_allocated_bytes": float(torch.cuda.max_memory_allocated(index)),
+            "capacity_bytes": float(torch.cuda.get_device_properties(index).total_memory),
+            "device_name": torch.cuda.get_device_name(index),
+        }
     if _limited():
-        return {"peak_kind": "address space (VmPeak)", "peak_bytes": _status_bytes("VmPeak") or 0.0,
-                "capacity_bytes": float(resource.getrlimit(resource.RLIMIT_AS)[0])}
+        return {
+            "peak_kind": "address space (VmPeak)",
+            "peak_bytes": _status_bytes("VmPeak") or 0.0,
+            "capacity_bytes": float(resource.getrlimit(resource.RLIMIT_AS)[0]),
+        }
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024.0
-    return {"peak_kind": "host RSS", "peak_bytes": rss,
-            "capacity_bytes": float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))}
+    return {
+        "peak_kind": "host RSS",
+        "peak_bytes": rss,
+        "capacity_bytes": float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")),
+    }
 
 
 _BASELINE: dict = {}  # what the rank held when training began (BaselineCallback), one rank per process
@@ -116,14 +125,21 @@ def record(run_dir: Path, recipe, *, error: BaseException) -> OutOfMemory:
     figures = measured()
     if recipe.resolved.device == "cuda" and torch.cuda.is_available():
         torch.cuda.empty_cache()  # after measuring: give the memory back while the launcher decides
-    data = {"rank": rank, "world_size": recipe.resolved.world_size, "device": recipe.resolved.device,
-            "strategy": recipe.distributed.strategy, "micro_batch_size": recipe.train.micro_batch_size,
-            "gradient_accumulation_steps": recipe.resolved.gradient_accumulation_steps,
-            "activation_checkpointing": recipe.train.activation_checkpointing == "on",
-            "predicted_peak_gib": recipe.resolved.predicted_peak_gib,
-            "requested_bytes": requested_bytes(message), "message": message, **figures,
-            "baseline_bytes": _BASELINE.get("bytes", 0.0),
-            "before_training": "bytes" not in _BASELINE}  # loading or wrapping the model, not a step
+    data = {
+        "rank": rank,
+        "world_size": recipe.resolved.world_size,
+        "device": recipe.resolved.device,
+        "strategy": recipe.distributed.strategy,
+        "micro_batch_size": recipe.train.micro_batch_size,
+        "gradient_accumulation_steps": recipe.resolved.gradient_accumulation_steps,
+        "activation_checkpointing": recipe.train.activation_checkpointing == "on",
+        "predicted_peak_gib": recipe.resolved.predicted_peak_gib,
+        "requested_bytes": requested_bytes(message),
+        "message": message,
+        **figures,
+        "baseline_bytes": _BASELINE.get("bytes", 0.0),
+        "before_training": "bytes" not in _BASELINE,
+    }  # loading or wrapping the model, not a step
     path = Path(run_dir) / oom_record(rank)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp")
@@ -134,7 +150,9 @@ def record(run_dir: Path, recipe, *, error: BaseException) -> OutOfMemory:
         f"checkpointing {'on' if data['activation_checkpointing'] else 'off'} ({figures['peak_kind']} peak "
         f"{figures['peak_bytes'] / 2**30:.2f} GiB of {figures['capacity_bytes'] / 2**30:.2f} GiB; planned "
         f"{recipe.resolved.predicted_peak_gib:.2f} GiB): {message}",
-        file=str(path), hint="`finetune run` re-plans with this record and retries (train.oom_retries)")
+        file=str(path),
+        hint="`finetune run` re-plans with this record and retries (train.oom_retries)",
+    )
 
 
 class BaselineCallback(TrainerCallback):

@@ -23,9 +23,14 @@ def with_optimizer(cls: type, recipe: Recipe) -> type:
             opt_cls, kwargs = self.get_optimizer_cls_and_kwargs(self.args, self.model if model is None else model)
             kwargs = dict(kwargs)
             lr = kwargs.pop("lr", self.args.learning_rate)
-            self.optimizer = create_loraplus_optimizer(self.model if model is None else model, opt_cls, lr=lr,
-                                                       loraplus_lr_ratio=ratio,
-                                                       weight_decay=self.args.weight_decay, **kwargs)
+            self.optimizer = create_loraplus_optimizer(
+                self.model if model is None else model,
+                opt_cls,
+                lr=lr,
+                loraplus_lr_ratio=ratio,
+                weight_decay=self.args.weight_decay,
+                **kwargs,
+            )
         return self.optimizer
 
     return type(f"LoraPlus{cls.__name__}", (cls,), {"create_optimizer": create_optimizer})

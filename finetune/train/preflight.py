@@ -38,14 +38,20 @@ def check_chat_template(recipe: Recipe, tokenizer, sources: list[LoadedSource]) 
     if tokenizer.chat_template:
         return
     fmts = [s.format for s in recipe.data.sources + recipe.data.eval_sources]
-    needs = [(src, fmt) for src, fmt in zip(sources, fmts) if fmt in CHAT_FORMATS
-             or (fmt in ("preference", "unpaired") and isinstance(src.records[0]["prompt"], list))]
+    needs = [
+        (src, fmt)
+        for src, fmt in zip(sources, fmts)
+        if fmt in CHAT_FORMATS or (fmt in ("preference", "unpaired") and isinstance(src.records[0]["prompt"], list))
+    ]
     if needs:
         src, fmt = needs[0]
-        raise DataError(f"format {fmt!r} is rendered with a chat template, and the tokenizer of "
-                        f"{recipe.model.name} has none", file=src.name, key="data.chat_template",
-                        hint="set data.chat_template (jinja text or a .jinja file), use a chat model, or use "
-                             "format text / prompt_completion")
+        raise DataError(
+            f"format {fmt!r} is rendered with a chat template, and the tokenizer of {recipe.model.name} has none",
+            file=src.name,
+            key="data.chat_template",
+            hint="set data.chat_template (jinja text or a .jinja file), use a chat model, or use "
+            "format text / prompt_completion",
+        )
 
 
 def _chars(value) -> int:
@@ -84,8 +90,11 @@ def _tokenize(records: list[dict], tokenizer, *, method: str, assistant_only_los
         feats = [dpo_features(r, tokenizer) for r in keep]
     else:
         feats = sft_features_batch(keep, tokenizer, assistant_only_loss=assistant_only_loss)
-    columns = list(feats[0]) if feats else (["prompt_ids", "chosen_ids", "rejected_ids"] if method == "dpo"
-                                            else ["input_ids", "labels"])
+    columns = (
+        list(feats[0])
+        if feats
+        else (["prompt_ids", "chosen_ids", "rejected_ids"] if method == "dpo" else ["input_ids", "labels"])
+    )
     made = iter(feats)
     rows = []
     for i, r in enumerate(records):
@@ -107,29 +116,40 @@ def _enforce_lengths(ds, *, recipe: Recipe, split: str, notes: list[str]):
     too_long = [] if split_long else [i for i, n in enumerate(lengths) if n > max_len]
     if too_long and len(too_long) / total > limit:
         first = too_long[0]
-        raise DataError(f"row {rows[first]}: {len(too_long)} of {total} {split} examples "
-                        f"({len(too_long) / total:.1%}) are longer than data.max_length={max_len} tokens "
-                        f"(this one: {lengths[first]}); the limit is data.max_too_long_fraction={limit}",
-                        file=files[first], key="data.max_length",
-                        hint=f"raise data.max_length (longest: {max(lengths)} tokens), or raise "
-                             f"data.max_too_long_fraction to drop them")
+        raise DataError(
+            f"row {rows[first]}: {len(too_long)} of {total} {split} examples "
+            f"({len(too_long) / total:.1%}) are longer than data.max_length={max_len} tokens "
+            f"(this one: {lengths[first]}); the limit is data.max_too_long_fraction={limit}",
+            file=files[first],
+            key="data.max_length",
+            hint=f"raise data.max_length (longest: {max(lengths)} tokens), or raise "
+            f"data.max_too_long_fraction to drop them",
+        )
     no_loss = [i for i, ok in enumerate(ds["_has_loss"]) if not ok]
     drop = set(too_long) | set(no_loss)
     if too_long:
-        msg = (f"dropped {len(too_long)} of {total} {split} examples longer than data.max_length={max_len} "
-               f"(first: {files[too_long[0]]} row {rows[too_long[0]]})")
+        msg = (
+            f"dropped {len(too_long)} of {total} {split} examples longer than data.max_length={max_len} "
+            f"(first: {files[too_long[0]]} row {rows[too_long[0]]})"
+        )
         log.warning(msg)
         notes.append(msg)
     if no_loss:
-        msg = (f"dropped {len(no_loss)} {split} examples with no tokens to learn from "
-               f"(first: {files[no_loss[0]]} row {rows[no_loss[0]]})")
+        msg = (
+            f"dropped {len(no_loss)} {split} examples with no tokens to learn from "
+            f"(first: {files[no_loss[0]]} row {rows[no_loss[0]]})"
+        )
         log.warning(msg)
         notes.append(msg)
     if drop:
         ds = ds.select([i for i in range(total) if i not in drop])
     if len(ds) == 0:
-        raise DataError(f"no {split} examples left after filtering ({total} read, {len(drop)} dropped)",
-                        file=files[0], key="data.max_length", hint="raise data.max_length or fix the data")
+        raise DataError(
+            f"no {split} examples left after filtering ({total} read, {len(drop)} dropped)",
+            file=files[0],
+            key="data.max_length",
+            hint="raise data.max_length or fix the data",
+        )
     return ds.remove_columns(["_length", "_has_loss", "_file", "_row"])
 
 
@@ -142,21 +162,54 @@ def prepare_data(recipe: Recipe, tokenizer, *, state) -> PreparedData:
     check_chat_template(recipe, tokenizer, train_sources + eval_sources)
 
     def describe(srcs, cfgs):
-        return [{"data": s.fingerprint, "format": c.format, "columns": c.columns, "max_samples": c.max_samples,
-                 "split": c.split, "weight": c.weight} for s, c in zip(srcs, cfgs)]
+        return [
+            {
+                "data": s.fingerprint,
+                "format": c.format,
+                "columns": c.columns,
+                "max_samples": c.max_samples,
+                "split": c.split,
+                "weight": c.weight,
+            }
+            for s, c in zip(srcs, cfgs)
+        ]
 
-    parts = {"train": describe(train_sources, d.sources), "eval": describe(eval_sources, d.eval_sources),
-             "eval_fraction": d.eval_fraction, "seed": d.seed, "max_length": d.max_length,
-             "method": recipe.method.type, "packing": d.packing, "assistant_only_loss": d.assistant_only_loss}
+    parts = {
+        "train": describe(train_sources, d.sources),
+        "eval": describe(eval_sources, d.eval_sources),
+        "eval_fraction": d.eval_fraction,
+        "seed": d.seed,
+        "max_length": d.max_length,
+        "method": recipe.method.type,
+        "packing": d.packing,
+        "assistant_only_loss": d.assistant_only_loss,
+    }
     if any(s.streaming for s in d.sources):  # read lazily while training; nothing to cache
         from finetune.train.streaming import streaming_train
 
-        evals = (_enforce_lengths(_tokenize([r for s in eval_sources for r in s.records], tokenizer,
-                                            method=recipe.method.type, assistant_only_loss=d.assistant_only_loss),
-                                  recipe=recipe, split="eval", notes=[]) if eval_sources else None)
+        evals = (
+            _enforce_lengths(
+                _tokenize(
+                    [r for s in eval_sources for r in s.records],
+                    tokenizer,
+                    method=recipe.method.type,
+                    assistant_only_loss=d.assistant_only_loss,
+                ),
+                recipe=recipe,
+                split="eval",
+                notes=[],
+            )
+            if eval_sources
+            else None
+        )
         log.info("tokenized data: streaming the train sources (tokenized as they are read)")
-        return PreparedData(train=streaming_train(recipe, tokenizer), eval=evals, cache_key="streaming",
-                            cache_hit=False, notes=["train sources streamed: only their first rows were checked"])
+        return PreparedData(
+            train=streaming_train(recipe, tokenizer),
+            eval=evals,
+            cache_key="streaming",
+            cache_hit=False,
+            notes=["train sources streamed: only their first rows were checked"],
+        )
     key = cache.cache_key(tokenizer_fp=cache.tokenizer_fingerprint(tokenizer), parts=parts)
     root = cache.cache_root(d.cache_dir)
     hit = True
@@ -171,23 +224,36 @@ def prepare_data(recipe: Recipe, tokenizer, *, state) -> PreparedData:
     notes: list[str] = []
     train = _enforce_lengths(dd["train"], recipe=recipe, split="train", notes=notes)
     evals = _enforce_lengths(dd["eval"], recipe=recipe, split="eval", notes=notes) if "eval" in dd else None
-    return PreparedData(train=train, eval=evals, cache_key=key, cache_hit=hit, notes=notes,
-                        fingerprints={"train": [s.fingerprint for s in train_sources],
-                                      "eval": [s.fingerprint for s in eval_sources]})
+    return PreparedData(
+        train=train,
+        eval=evals,
+        cache_key=key,
+        cache_hit=hit,
+        notes=notes,
+        fingerprints={"train": [s.fingerprint for s in train_sources], "eval": [s.fingerprint for s in eval_sources]},
+    )
 
 
 def _build(recipe: Recipe, tokenizer, train_sources, eval_sources):
     import datasets
 
-    kw = dict(tokenizer=tokenizer, method=recipe.method.type, assistant_only_loss=recipe.data.assistant_only_loss,
-              max_length=recipe.data.max_length)
+    kw = dict(
+        tokenizer=tokenizer,
+        method=recipe.method.type,
+        assistant_only_loss=recipe.data.assistant_only_loss,
+        max_length=recipe.data.max_length,
+    )
     weights = [s.weight for s in recipe.data.sources]
     if len(train_sources) > 1 and any(w is not None for w in weights):
         # mixing by weight: draw from each source in proportion until every one is used up
         parts = [_tokenize(s.records, **kw) for s in train_sources]
         total = sum(w or 1.0 for w in weights)
-        train = datasets.interleave_datasets(parts, probabilities=[(w or 1.0) / total for w in weights],
-                                             seed=recipe.data.seed, stopping_strategy="all_exhausted")
+        train = datasets.interleave_datasets(
+            parts,
+            probabilities=[(w or 1.0) / total for w in weights],
+            seed=recipe.data.seed,
+            stopping_strategy="all_exhausted",
+        )
     else:
         train = _tokenize([r for s in train_sources for r in s.records], **kw)
     out = {"train": train}
@@ -195,8 +261,12 @@ def _build(recipe: Recipe, tokenizer, train_sources, eval_sources):
         out["eval"] = _tokenize([r for s in eval_sources for r in s.records], **kw)
     elif recipe.data.eval_fraction:
         if len(train) < 2:
-            raise DataError("too few examples to split off an eval set", file=train_sources[0].name,
-                            key="data.eval_fraction", hint="add examples or remove data.eval_fraction")
+            raise DataError(
+                "too few examples to split off an eval set",
+                file=train_sources[0].name,
+                key="data.eval_fraction",
+                hint="add examples or remove data.eval_fraction",
+            )
         split = train.train_test_split(test_size=recipe.data.eval_fraction, seed=recipe.data.seed)
         out = {"train": split["train"], "eval": split["test"]}
     return datasets.DatasetDict(out)

@@ -59,11 +59,15 @@ def summarize(events, *, wall_s: float, steps: int) -> dict:
         busy += us
         kind = kernel_kind(event.key)
         kinds[kind] = kinds.get(kind, 0.0) + us
-    return {"steps": steps, "wall_s": round(wall_s, 4), "gpu_busy_s": round(busy / 1e6, 4),
-            "gpu_busy_share": round(busy / 1e6 / wall_s, 4) if wall_s else None,
-            "by_kind_s": {k: round(v / 1e6, 4) for k, v in sorted(kinds.items(), key=lambda kv: -kv[1])},
-            # time the host blocked on a full launch queue: the GPU, not Python, set the pace
-            "host_waited_on_full_queue_s": round(queue_full / 1e6, 4)}
+    return {
+        "steps": steps,
+        "wall_s": round(wall_s, 4),
+        "gpu_busy_s": round(busy / 1e6, 4),
+        "gpu_busy_share": round(busy / 1e6 / wall_s, 4) if wall_s else None,
+        "by_kind_s": {k: round(v / 1e6, 4) for k, v in sorted(kinds.items(), key=lambda kv: -kv[1])},
+        # time the host blocked on a full launch queue: the GPU, not Python, set the pace
+        "host_waited_on_full_queue_s": round(queue_full / 1e6, 4),
+    }
 
 
 class ProfilerCallback(TrainerCallback):

@@ -42,16 +42,20 @@ def run_rank(resolved_path: str | Path, *, resume: str = "auto") -> dict | None:
     """Train one rank. Returns the summary on the main process (None elsewhere)."""
     recipe = load_recipe(resolved_path, allow_resolved=True)
     if recipe.resolved is None:
-        raise RecipeError("not a resolved recipe (it has no resolved: section)", file=str(resolved_path),
-                          hint="run it with `finetune run RECIPE`, which plans and compiles it first")
+        raise RecipeError(
+            "not a resolved recipe (it has no resolved: section)",
+            file=str(resolved_path),
+            hint="run it with `finetune run RECIPE`, which plans and compiles it first",
+        )
     run_dir = Path(recipe.output.dir or Path(resolved_path).parent).resolve()
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # forked dataloader workers otherwise warn
 
     from accelerate import PartialState
     from transformers import set_seed
 
-    state = PartialState(cpu=recipe.resolved.device == "cpu",
-                         timeout=timedelta(minutes=recipe.distributed.timeout_minutes))
+    state = PartialState(
+        cpu=recipe.resolved.device == "cpu", timeout=timedelta(minutes=recipe.distributed.timeout_minutes)
+    )
     _setup_logging(state.is_main_process)
     set_seed(recipe.train.seed)
     from finetune.train.signals import Preempted, PreemptionCallback
@@ -134,8 +138,10 @@ def _setup(recipe, *, state, run_dir: Path, resume: str) -> _Session:
     tokenizer = load_tokenizer(recipe)
     data = prepare_data(recipe, tokenizer, state=state)  # preflight: before any model is loaded
     cases = taskeval.load_cases(recipe) if recipe.data.task_eval else None
-    fields = {**recipe_fields(recipe), **data_fields(train=data.fingerprints.get("train", []),
-                                                     eval=data.fingerprints.get("eval", []))}
+    fields = {
+        **recipe_fields(recipe),
+        **data_fields(train=data.fingerprints.get("train", []), eval=data.fingerprints.get("eval", [])),
+    }
     resume_from = _resume_point(recipe, state=state, run_dir=run_dir, resume=resume, fields=fields)
     if strategies.is_deepspeed(recipe.distributed.strategy):  # before DeepSpeed JIT-builds its ops
         from finetune.compat.deepspeed_arch_list import make_arch_list_readable
@@ -148,16 +154,30 @@ def _setup(recipe, *, state, run_dir: Path, resume: str) -> _Session:
     # the eval before training runs inside train(), after the model is wrapped: FSDP2 cannot wrap a model
     # for an evaluate() called first (accelerate needs the model and optimizer prepared together)
     args.eval_on_start = data.eval is not None and resume_from is None
-    session = _Session(recipe=recipe, state=state, run_dir=run_dir, tokenizer=tokenizer, data=data,
-                       model=load_model(recipe), args=args, resume_from=resume_from, cases=cases,
-                       fields=fields)
-    session.summary = {"run_dir": str(run_dir), "tokenized_cache": {"key": data.cache_key, "hit": data.cache_hit},
-                       "data_notes": data.notes, "resumed_from": str(resume_from) if resume_from else None}
+    session = _Session(
+        recipe=recipe,
+        state=state,
+        run_dir=run_dir,
+        tokenizer=tokenizer,
+        data=data,
+        model=load_model(recipe),
+        args=args,
+        resume_from=resume_from,
+        cases=cases,
+        fields=fields,
+    )
+    session.summary = {
+        "run_dir": str(run_dir),
+        "tokenized_cache": {"key": data.cache_key, "hit": data.cache_hit},
+        "data_notes": data.notes,
+        "resumed_from": str(resume_from) if resume_from else None,
+    }
     if cases and resume_from is None:
         if state.is_main_process:
             before_model = session.model if state.num_processes == 1 else taskeval.load_base(recipe)
             session.summary["task_eval_before"] = taskeval.exact_match(
-                before_model, tokenizer, cases, max_new_tokens=recipe.data.task_eval.max_new_tokens)
+                before_model, tokenizer, cases, max_new_tokens=recipe.data.task_eval.max_new_tokens
+            )
             session.model.train()
             log.info(f"exact match before training: {session.summary['task_eval_before']['exact_match']:.1%}")
         state.wait_for_everyone()
@@ -189,13 +209,17 @@ def _callbacks(session: _Session, *, preempt) -> list:
     from finetune.train.trainers import trainer_checkpointing
 
     recipe, run_dir = session.recipe, session.run_dir
-    callbacks = [MetricsCallback(run_dir, recipe=recipe), LibraryCardCallback(), PeakMemoryCallback(run_dir),
-                 ConsoleProgress(),
-                 NonFiniteCallback(policy=recipe.train.on_nonfinite, max_bad_steps=recipe.train.max_bad_steps),
-                 CommitCallback(run_dir, fields=session.fields, strategy=recipe.distributed.strategy,
-                                keep=recipe.output.keep),
-                 DiskSpaceCallback(run_dir, estimate=output_bytes(recipe, run_dir)[1]), preempt,
-                 BaselineCallback()]
+    callbacks = [
+        MetricsCallback(run_dir, recipe=recipe),
+        LibraryCardCallback(),
+        PeakMemoryCallback(run_dir),
+        ConsoleProgress(),
+        NonFiniteCallback(policy=recipe.train.on_nonfinite, max_bad_steps=recipe.train.max_bad_steps),
+        CommitCallback(run_dir, fields=session.fields, strategy=recipe.distributed.strategy, keep=recipe.output.keep),
+        DiskSpaceCallback(run_dir, estimate=output_bytes(recipe, run_dir)[1]),
+        preempt,
+        BaselineCallback(),
+    ]
     k = getattr(recipe.resolved, "checkpoint_layers", None)
     if k is not None and trainer_checkpointing(recipe):
         from finetune.train.checkpointing import PartialCheckpointing
@@ -221,8 +245,14 @@ def _train(session: _Session, *, preempt):
     from finetune.train.trainers import build_trainer
 
     recipe, resume_from = session.recipe, session.resume_from
-    trainer = build_trainer(recipe, args=session.args, model=session.model, tokenizer=session.tokenizer,
-                            data=session.data, callbacks=_callbacks(session, preempt=preempt))
+    trainer = build_trainer(
+        recipe,
+        args=session.args,
+        model=session.model,
+        tokenizer=session.tokenizer,
+        data=session.data,
+        callbacks=_callbacks(session, preempt=preempt),
+    )
     trainer.remove_callback(PrinterCallback)  # ConsoleProgress prints the readable version
     with adapter_input_casting(recipe, trainer.model):
         result = trainer.train(resume_from_checkpoint=str(resume_from) if resume_from else None)
@@ -230,7 +260,8 @@ def _train(session: _Session, *, preempt):
         raise preempt.error(session.run_dir)
     if session.args.eval_on_start:
         session.summary["eval_loss_before"] = next(
-            (h["eval_loss"] for h in trainer.state.log_history if "eval_loss" in h and h.get("step") == 0), None)
+            (h["eval_loss"] for h in trainer.state.log_history if "eval_loss" in h and h.get("step") == 0), None
+        )
     return trainer, result
 
 
@@ -241,8 +272,11 @@ def _finish(session: _Session, *, trainer, result) -> dict | None:
 
     recipe, state, run_dir, summary = session.recipe, session.state, session.run_dir, session.summary
     if session.data.eval is not None:
-        done = [h["eval_loss"] for h in trainer.state.log_history
-                if "eval_loss" in h and h.get("step") == trainer.state.global_step]
+        done = [
+            h["eval_loss"]
+            for h in trainer.state.log_history
+            if "eval_loss" in h and h.get("step") == trainer.state.global_step
+        ]
         summary["eval_loss_final"] = done[-1] if done else trainer.evaluate()["eval_loss"]
     if getattr(trainer, "is_fsdp_enabled", False):
         # checkpoints stay sharded (resumable on another world size); the final model or adapter
@@ -257,8 +291,9 @@ def _finish(session: _Session, *, trainer, result) -> dict | None:
     state.wait_for_everyone()
     if session.cases and state.is_main_process:
         trained = taskeval.load_trained(recipe, run_dir)
-        summary["task_eval_after"] = taskeval.exact_match(trained, session.tokenizer, session.cases,
-                                                          max_new_tokens=recipe.data.task_eval.max_new_tokens)
+        summary["task_eval_after"] = taskeval.exact_match(
+            trained, session.tokenizer, session.cases, max_new_tokens=recipe.data.task_eval.max_new_tokens
+        )
     if not state.is_main_process:
         return None
     summary.update(_train_figures(recipe, run_dir, trainer, result))
@@ -269,8 +304,10 @@ def _finish(session: _Session, *, trainer, result) -> dict | None:
     if recipe.resolved.measure:  # its run dir is temporary: `plan --measure` prints its own figures
         return summary
     # written last: a rerun of the same recipe finds the run complete (finetune.api)
-    write_atomic(run_dir / rundir.FINISHED, json.dumps({"step": trainer.state.global_step,
-                                                        "recipe_fields": session.fields}, default=str) + "\n")
+    write_atomic(
+        run_dir / rundir.FINISHED,
+        json.dumps({"step": trainer.state.global_step, "recipe_fields": session.fields}, default=str) + "\n",
+    )
     print(format_summary(summary), flush=True)
     return summary
 
@@ -283,7 +320,8 @@ def _train_figures(recipe, run_dir: Path, trainer, result) -> dict:
     tokens = trainer.state.num_input_tokens_seen or 0
     adapter = recipe.adapter.type != "full"
     return {
-        "method": recipe.method.type, "adapter": recipe.adapter.type,
+        "method": recipe.method.type,
+        "adapter": recipe.adapter.type,
         "output": str(run_dir / ("adapter_model.safetensors" if adapter else "")).rstrip("/"),
         rundir.SUMMARY_STEPS: trainer.state.global_step,
         rundir.SUMMARY_FINAL_LOSS: losses[-1] if losses else None,
@@ -300,19 +338,26 @@ def _fmt(value, spec=".4f") -> str:
 
 
 def format_summary(s: dict) -> str:
-    lines = ["", "=== finetune: done ===",
-             f"  {'adapter' if s['adapter'] != 'full' else 'model'}: {s['output']}",
-             f"  steps: {s['steps']}   train loss: {_fmt(s['first_train_loss'])} -> {_fmt(s['final_train_loss'])}",
-             f"  eval loss: before {_fmt(s.get('eval_loss_before'))}, final {_fmt(s.get('eval_loss_final'))}, "
-             f"best {_fmt(s.get('best_eval_loss'))}",
-             f"  throughput: {_fmt(s['tokens_per_second'], '.0f')} tokens/s over {s['train_runtime_s']} s"]
+    lines = [
+        "",
+        "=== finetune: done ===",
+        f"  {'adapter' if s['adapter'] != 'full' else 'model'}: {s['output']}",
+        f"  steps: {s['steps']}   train loss: {_fmt(s['first_train_loss'])} -> {_fmt(s['final_train_loss'])}",
+        f"  eval loss: before {_fmt(s.get('eval_loss_before'))}, final {_fmt(s.get('eval_loss_final'))}, "
+        f"best {_fmt(s.get('best_eval_loss'))}",
+        f"  throughput: {_fmt(s['tokens_per_second'], '.0f')} tokens/s over {s['train_runtime_s']} s",
+    ]
     before, after = s.get("task_eval_before"), s.get("task_eval_after")
     if after:
-        lines.append(f"  exact match on {after['n']} held-out examples: "
-                     f"before {_fmt(before['exact_match'] if before else None, '.0%')}, "
-                     f"after {after['exact_match']:.0%}")
+        lines.append(
+            f"  exact match on {after['n']} held-out examples: "
+            f"before {_fmt(before['exact_match'] if before else None, '.0%')}, "
+            f"after {after['exact_match']:.0%}"
+        )
         for ex in after["examples"]:
             lines.append(f"    {ex['prompt']!r} -> {ex['got']!r} (expected {ex['expected']!r})")
-    lines.append(f"  metrics: {s['run_dir']}/{rundir.METRICS}, loss curve: {s['run_dir']}/{rundir.LOSS_PNG}, "
-                 f"summary: {s['run_dir']}/{rundir.SUMMARY}")
+    lines.append(
+        f"  metrics: {s['run_dir']}/{rundir.METRICS}, loss curve: {s['run_dir']}/{rundir.LOSS_PNG}, "
+        f"summary: {s['run_dir']}/{rundir.SUMMARY}"
+    )
     return "\n".join(lines)

@@ -89,11 +89,12 @@ class PreemptionCallback(TrainerCallback):
 
     def error(self, run_dir) -> Preempted:
         kind = Interrupted if self.received == signal.SIGINT else Preempted
-        return kind(f"stopped by {self.signal_name} at step {self.stopped_at}; checkpoint-{self.stopped_at} "
-                    f"is saved in {Path(run_dir) / CHECKPOINTS}",
-                    hint="run the same command again to resume from it" + (
-                        "" if self.received == signal.SIGINT else
-                        f" (the Slurm script requeues on exit code {EXIT_PREEMPTED})"))
+        return kind(
+            f"stopped by {self.signal_name} at step {self.stopped_at}; checkpoint-{self.stopped_at} "
+            f"is saved in {Path(run_dir) / CHECKPOINTS}",
+            hint="run the same command again to resume from it"
+            + ("" if self.received == signal.SIGINT else f" (the Slurm script requeues on exit code {EXIT_PREEMPTED})"),
+        )
 
     def restore(self) -> None:
         """Put back the handlers that were installed before this callback (run_rank calls it last)."""

@@ -42,6 +42,10 @@ def streaming_train(recipe: Recipe, tokenizer):
         return parts[0]
     if any(w is not None for w in weights):
         total = sum(w or 1.0 for w in weights)
-        return datasets.interleave_datasets(parts, probabilities=[(w or 1.0) / total for w in weights],
-                                            seed=recipe.data.seed, stopping_strategy="all_exhausted")
+        return datasets.interleave_datasets(
+            parts,
+            probabilities=[(w or 1.0) / total for w in weights],
+            seed=recipe.data.seed,
+            stopping_strategy="all_exhausted",
+        )
     return datasets.concatenate_datasets(parts)

@@ -41,19 +41,26 @@ def exact_match(model, tokenizer, cases, *, max_new_tokens: int) -> dict:
     with torch.no_grad():
         for prompt, expected in cases:
             if isinstance(prompt, list):
-                enc = tokenizer.apply_chat_template(prompt, add_generation_prompt=True, return_dict=True,
-                                                    return_tensors="pt")
+                enc = tokenizer.apply_chat_template(
+                    prompt, add_generation_prompt=True, return_dict=True, return_tensors="pt"
+                )
             else:
                 enc = tokenizer(prompt, return_tensors="pt")
             enc = {k: v.to(device) for k, v in enc.items()}
-            out = model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False,
-                                 pad_token_id=tokenizer.pad_token_id)
-            text = tokenizer.decode(out[0, enc["input_ids"].shape[1]:], skip_special_tokens=True).strip()
+            out = model.generate(
+                **enc, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=tokenizer.pad_token_id
+            )
+            text = tokenizer.decode(out[0, enc["input_ids"].shape[1] :], skip_special_tokens=True).strip()
             ok = text == expected.strip()
             hits += ok
             if len(shown) < 3:
-                shown.append({"prompt": prompt[-1]["content"] if isinstance(prompt, list) else prompt,
-                              "expected": expected, "got": text})
+                shown.append(
+                    {
+                        "prompt": prompt[-1]["content"] if isinstance(prompt, list) else prompt,
+                        "expected": expected,
+                        "got": text,
+                    }
+                )
     return {"exact_match": hits / max(len(cases), 1), "n": len(cases), "examples": shown}
 
 

@@ -51,8 +51,11 @@ def _assistant_mask_by_prefix(tokenizer, messages: list[dict]) -> tuple[list[int
         start = common_prefix_length(start_ids, ids)
         end = common_prefix_length(end_ids, ids)
         if start < len(start_ids) or end < len(end_ids):
-            _warn_once("prefix", "the chat template does not render a conversation's beginning as a prefix of "
-                                 "the whole; assistant-only loss masks from the first differing token")
+            _warn_once(
+                "prefix",
+                "the chat template does not render a conversation's beginning as a prefix of "
+                "the whole; assistant-only loss masks from the first differing token",
+            )
         for j in range(start, max(start, end)):
             mask[j] = 1
     return ids, mask
@@ -67,8 +70,9 @@ def sft_features(record: dict, tokenizer, *, assistant_only_loss: bool) -> dict:
             ids = _chat_ids(tokenizer, messages)
             return {"input_ids": ids, "labels": list(ids)}
         if has_generation_markers(tokenizer.chat_template):
-            out = tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True,
-                                                return_assistant_tokens_mask=True)
+            out = tokenizer.apply_chat_template(
+                messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True
+            )
             ids, mask = list(out["input_ids"]), list(out["assistant_masks"])
         else:
             ids, mask = _assistant_mask_by_prefix(tokenizer, messages)
@@ -101,7 +105,7 @@ def _labels_from_spans(encoding, ids: list[int], spans: list[tuple[int, int]]) -
         # gives the first of them, so the span's last character may continue into the next tokens
         while last + 1 < n and (encoding.token_to_chars(last + 1) or (end, end))[0] < end:
             last += 1
-        labels[first:last + 1] = ids[first:last + 1]
+        labels[first : last + 1] = ids[first : last + 1]
     return labels
 
 
@@ -125,6 +129,7 @@ def _render_with_spans(tokenizer):
         return None
     try:
         from transformers.utils.chat_template_utils import render_jinja_template
+
         template = tokenizer.get_chat_template()
     except (ImportError, ValueError):
         return None
@@ -132,24 +137,29 @@ def _render_with_spans(tokenizer):
         return None
 
     def render(conversations):
-        return render_jinja_template(conversations=conversations, chat_template=template,
-                                     return_assistant_tokens_mask=True, **tokenizer.special_tokens_map)
+        return render_jinja_template(
+            conversations=conversations,
+            chat_template=template,
+            return_assistant_tokens_mask=True,
+            **tokenizer.special_tokens_map,
+        )
+
     return render
 
 
-def sft_features_batch(records: list[dict], tokenizer, *, assistant_only_loss: bool,
-                       chunk: int = 512) -> list[dict]:
+def sft_features_batch(records: list[dict], tokenizer, *, assistant_only_loss: bool, chunk: int = 512) -> list[dict]:
     """`sft_features` for every record, in order; conversations in batches (see the module doc)."""
     out: list[dict | None] = [None] * len(records)
     chats = [i for i, r in enumerate(records) if "messages" in r]
     render = _render_with_spans(tokenizer) if assistant_only_loss else None
     if render is not None or not assistant_only_loss:
         for lo in range(0, len(chats), chunk):
-            idx = chats[lo:lo + chunk]
+            idx = chats[lo : lo + chunk]
             convs = [records[i]["messages"] for i in idx]
             if render is None:  # full loss: ids only
-                for i, ids in zip(idx, tokenizer.apply_chat_template(convs, tokenize=True, return_dict=True)
-                                  ["input_ids"]):
+                for i, ids in zip(
+                    idx, tokenizer.apply_chat_template(convs, tokenize=True, return_dict=True)["input_ids"]
+                ):
                     out[i] = {"input_ids": list(ids), "labels": list(ids)}
                 continue
             texts, spans = render(convs)
@@ -157,8 +167,10 @@ def sft_features_batch(records: list[dict], tokenizer, *, assistant_only_loss: b
             for j, i in enumerate(idx):
                 ids = enc["input_ids"][j]
                 out[i] = {"input_ids": ids, "labels": _labels_from_spans(enc.encodings[j], ids, spans[j])}
-    return [o if o is not None else sft_features(r, tokenizer, assistant_only_loss=assistant_only_loss)
-            for o, r in zip(out, records)]
+    return [
+        o if o is not None else sft_features(r, tokenizer, assistant_only_loss=assistant_only_loss)
+        for o, r in zip(out, records)
+    ]
 
 
 def dpo_features(record: dict, tokenizer) -> dict:

@@ -17,8 +17,11 @@ from finetune.trackers import training_arguments
 def _micro_batch(recipe: Recipe) -> int:
     mbs = recipe.train.micro_batch_size
     if not isinstance(mbs, int):
-        raise RecipeError("must be an integer in a resolved recipe (the planner writes it)",
-                          key="train.micro_batch_size", hint="run through `finetune run`, or set an integer")
+        raise RecipeError(
+            "must be an integer in a resolved recipe (the planner writes it)",
+            key="train.micro_batch_size",
+            hint="run through `finetune run`, or set an integer",
+        )
     return mbs
 
 
@@ -33,8 +36,11 @@ def _checkpointing_args(on: bool) -> dict:
     warns); 5.17 knows only the old one."""
     from transformers import TrainingArguments
 
-    name = ("activation_checkpointing" if "activation_checkpointing" in TrainingArguments.__dataclass_fields__
-            else "gradient_checkpointing")
+    name = (
+        "activation_checkpointing"
+        if "activation_checkpointing" in TrainingArguments.__dataclass_fields__
+        else "gradient_checkpointing"
+    )
     return {name: on, f"{name}_kwargs": {"use_reentrant": False} if on else None}
 
 
@@ -57,7 +63,9 @@ def common_args(recipe: Recipe, *, run_dir: Path, has_eval: bool) -> dict:
         weight_decay=t.weight_decay,
         max_grad_norm=t.max_grad_norm,
         optim=_optimizer(t.optimizer, cuda=cuda),
-        adam_beta1=t.adam_beta1, adam_beta2=t.adam_beta2, adam_epsilon=t.adam_epsilon,
+        adam_beta1=t.adam_beta1,
+        adam_beta2=t.adam_beta2,
+        adam_epsilon=t.adam_epsilon,
         neftune_noise_alpha=t.neftune_noise_alpha,
         bf16=t.precision == "bf16",
         fp16=t.precision == "fp16",
@@ -83,8 +91,13 @@ def common_args(recipe: Recipe, *, run_dir: Path, has_eval: bool) -> dict:
 
 # Liger's layer kernels only: TRL's fused LM head already scores tokens without full logits, and
 # Liger's own fused cross-entropy would replace that forward (TRL refuses it)
-LIGER_LAYERS = {"rope": True, "rms_norm": True, "swiglu": True, "cross_entropy": False,
-                "fused_linear_cross_entropy": False}
+LIGER_LAYERS = {
+    "rope": True,
+    "rms_norm": True,
+    "swiglu": True,
+    "cross_entropy": False,
+    "fused_linear_cross_entropy": False,
+}
 
 
 def liger_args(recipe: Recipe) -> dict:
@@ -95,8 +108,11 @@ def liger_args(recipe: Recipe) -> dict:
     if recipe.train.liger != "on":
         return {}
     if importlib.util.find_spec("liger_kernel") is None:
-        raise RecipeError("liger-kernel is not installed on this machine", key="train.liger",
-                          hint="pip install liger-kernel, or set train.liger: off")
+        raise RecipeError(
+            "liger-kernel is not installed on this machine",
+            key="train.liger",
+            hint="pip install liger-kernel, or set train.liger: off",
+        )
     import warnings
 
     # TRL 1.x marks use_liger_kernel deprecated in favour of Hub kernels, which need the Hub
@@ -157,14 +173,22 @@ def build_trainer(recipe: Recipe, *, args, model, tokenizer, data, callbacks: li
     from finetune.train.methods import is_method_here, method_trainer
 
     if is_method_here(recipe):
-        return method_trainer(recipe, args=args, model=model, tokenizer=tokenizer, data=data,
-                              callbacks=callbacks, peft_config=peft_config)
+        return method_trainer(
+            recipe, args=args, model=model, tokenizer=tokenizer, data=data, callbacks=callbacks, peft_config=peft_config
+        )
     if recipe.method.type in ("sft", "pretrain"):
         from trl import SFTTrainer
 
         sft = with_optimizer(SFTTrainer, recipe)
-        return sft(model=model, args=args, train_dataset=data.train, eval_dataset=data.eval,
-                   processing_class=tokenizer, peft_config=peft_config, callbacks=callbacks)
+        return sft(
+            model=model,
+            args=args,
+            train_dataset=data.train,
+            eval_dataset=data.eval,
+            processing_class=tokenizer,
+            peft_config=peft_config,
+            callbacks=callbacks,
+        )
     from finetune.train.dpo import PretokenizedDPOTrainer
 
     ref_model = None
@@ -174,8 +198,16 @@ def build_trainer(recipe: Recipe, *, args, model, tokenizer, data, callbacks: li
         ref_model = load_model(recipe)  # a frozen, separate base copy
     # full + copy: DPOTrainer builds the frozen copy itself from the model's path
     dpo = with_optimizer(PretokenizedDPOTrainer, recipe)
-    return dpo(model=model, ref_model=ref_model, args=args, train_dataset=data.train, eval_dataset=data.eval,
-               processing_class=tokenizer, peft_config=peft_config, callbacks=callbacks)
+    return dpo(
+        model=model,
+        ref_model=ref_model,
+        args=args,
+        train_dataset=data.train,
+        eval_dataset=data.eval,
+        processing_class=tokenizer,
+        peft_config=peft_config,
+        callbacks=callbacks,
+    )
 
 
 def _optimizer(name: str, *, cuda: bool) -> str:

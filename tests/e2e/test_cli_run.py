@@ -22,9 +22,13 @@ CASES = {
     "sft-lora": {},
     "sft-full": {"adapter": {"type": "full"}, "train": {"lr": 1e-3}},
     "sft-qlora": {"adapter": {"type": "qlora", "compute_dtype": "float32", "storage_dtype": "float32"}},
-    "dpo-lora": {"method": {"type": "dpo", "beta": 0.1},
-                 "data": {"sources": [{"path": str(SAMPLES / "preference.jsonl"), "format": "preference",
-                                       "max_samples": 64}], "eval_sources": []}},
+    "dpo-lora": {
+        "method": {"type": "dpo", "beta": 0.1},
+        "data": {
+            "sources": [{"path": str(SAMPLES / "preference.jsonl"), "format": "preference", "max_samples": 64}],
+            "eval_sources": [],
+        },
+    },
 }
 
 
@@ -35,15 +39,25 @@ def _run(case, tmp_path, trained_cli_run):
 
     if case == "sft-lora":
         return trained_cli_run.run_dir, trained_cli_run.output
-    common = {"train": {"max_steps": 8, "logging_steps": 1}, "output": {"save_every": 4, "keep": 1},
-              "logging": {"report_to": ["none"]}, "data": {"allow_paths": [str(ROOT / "data")]}}
+    common = {
+        "train": {"max_steps": 8, "logging_steps": 1},
+        "output": {"save_every": 4, "keep": 1},
+        "logging": {"report_to": ["none"]},
+        "data": {"allow_paths": [str(ROOT / "data")]},
+    }
     recipe = tiny_recipe(**deep_merge(common, CASES[case]))
     path = tmp_path / "recipe.yaml"
     path.write_text(yaml.safe_dump(recipe))
     run_dir = tmp_path / "run"
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT), "FINETUNE_CACHE_DIR": str(tmp_path / "c")}
-    proc = subprocess.run([sys.executable, "-m", "finetune.cli", "run", str(path), "--output", str(run_dir)],
-                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [sys.executable, "-m", "finetune.cli", "run", str(path), "--output", str(run_dir)],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-4000:]
     return run_dir, out
@@ -54,8 +68,16 @@ def test_finetune_run_end_to_end(case, tmp_path, trained_cli_run):
     run_dir, out = _run(case, tmp_path, trained_cli_run)
     assert "=== finetune: done ===" in out and "Traceback" not in out
 
-    for name in ("recipe.resolved.yaml", "accelerate.yaml", "plan.json", "launch.sh", "metrics.jsonl",
-                 "loss.png", "summary.json", "tokenizer.json"):
+    for name in (
+        "recipe.resolved.yaml",
+        "accelerate.yaml",
+        "plan.json",
+        "launch.sh",
+        "metrics.jsonl",
+        "loss.png",
+        "summary.json",
+        "tokenizer.json",
+    ):
         assert (run_dir / name).exists(), name
     rows = read_metrics(run_dir)
     train = [r for r in rows if r.get("loss") is not None]
@@ -77,7 +99,8 @@ def test_finetune_run_end_to_end(case, tmp_path, trained_cli_run):
 
         assert (run_dir / "adapter_model.safetensors").stat().st_size > 0
         model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(TINY_MODEL), run_dir)
-    ids = tokenizer.apply_chat_template([{"role": "user", "content": "abc"}], add_generation_prompt=True,
-                                        return_tensors="pt", return_dict=True)
+    ids = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "abc"}], add_generation_prompt=True, return_tensors="pt", return_dict=True
+    )
     out_ids = model.generate(**ids, max_new_tokens=4, do_sample=False)
     assert out_ids.shape[-1] > ids["input_ids"].shape[-1]

@@ -28,8 +28,13 @@ def disk(tmp_path):
     mount = tmp_path / "disk"
     mount.mkdir()
     try:
-        done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={SIZE_MIB}m", "tmpfs", str(mount)],
-                              capture_output=True, text=True, timeout=30, check=False)
+        done = subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", f"size={SIZE_MIB}m", "tmpfs", str(mount)],
+            capture_output=True,
+            text=True,
+            timeout=30,
+            check=False,
+        )
     except (OSError, subprocess.SubprocessError) as exc:
         pytest.skip(f"cannot mount a tmpfs here: {exc}")
     if done.returncode != 0:
@@ -58,8 +63,9 @@ def test_a_launch_that_cannot_fit_is_refused_before_anything_is_written(disk, tm
 
 
 def test_a_disk_filling_mid_run_stops_before_the_next_checkpoint_and_keeps_the_last(disk, tmp_path):
-    recipe = write_recipe(tmp_path / "recipe.yaml", train={"epochs": None, "max_steps": 400},
-                          output={"save_every": 2, "keep": 1})
+    recipe = write_recipe(
+        tmp_path / "recipe.yaml", train={"epochs": None, "max_steps": 400}, output={"save_every": 2, "keep": 1}
+    )
     run_dir = disk / "run"
     proc = start(cli_argv(recipe, run_dir), cache=tmp_path / "cache")
     assert wait_for(lambda: checkpoints(run_dir).get("checkpoint-2") is True, proc=proc)
@@ -73,13 +79,19 @@ def test_a_disk_filling_mid_run_stops_before_the_next_checkpoint_and_keeps_the_l
 
 
 def test_a_final_save_that_does_not_fit_goes_to_the_rescue_directory(disk, tmp_path):
-    recipe = write_recipe(tmp_path / "recipe.yaml", train={"epochs": None, "max_steps": 12},
-                          output={"save_every": None})
+    recipe = write_recipe(
+        tmp_path / "recipe.yaml", train={"epochs": None, "max_steps": 12}, output={"save_every": None}
+    )
     run_dir, rescue = disk / "run", tmp_path / "rescue"
-    proc = subprocess.Popen(cli_argv(recipe, run_dir), env={**env(tmp_path / "cache"), rundir.RESCUE_ENV: str(rescue)},
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    assert wait_for(lambda: (run_dir / "metrics.jsonl").exists() and max(losses(run_dir), default=0) >= 1,
-                    proc=proc)
+    proc = subprocess.Popen(
+        cli_argv(recipe, run_dir),
+        env={**env(tmp_path / "cache"), rundir.RESCUE_ENV: str(rescue)},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    assert wait_for(lambda: (run_dir / "metrics.jsonl").exists() and max(losses(run_dir), default=0) >= 1, proc=proc)
     fill(disk, leave=512 << 10)  # room for metrics rows, not for the final save's margin
     out, _ = proc.communicate(timeout=240)
     assert proc.returncode == 4, out[-4000:]
@@ -90,8 +102,7 @@ def test_a_final_save_that_does_not_fit_goes_to_the_rescue_directory(disk, tmp_p
 
 
 def test_a_rerun_on_a_full_disk_removes_nothing(disk, tmp_path):
-    recipe = write_recipe(tmp_path / "recipe.yaml", train={"epochs": None, "max_steps": 2},
-                          output={"save_every": None})
+    recipe = write_recipe(tmp_path / "recipe.yaml", train={"epochs": None, "max_steps": 2}, output={"save_every": None})
     run_dir, cache = disk / "run", tmp_path / "cache"
     assert run(cli_argv(recipe, run_dir), cache=cache).returncode == 0
     fill(disk, leave=1 << 20)

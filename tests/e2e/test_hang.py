@@ -19,15 +19,20 @@ def _two_rank_run_in_training(tmp_path):
     """Start a 2-process gloo run (collective timeout 12 s) and wait until it trains; return the
     launcher process and local rank 1's process."""
     preset = cpu_preset(tmp_path / "cpu2.yaml", procs=2)
-    recipe = write_recipe(tmp_path / "recipe.yaml", hardware=str(preset),
-                          train={"epochs": None, "max_steps": 400, "micro_batch_size": 4},
-                          output={"save_every": None})
+    recipe = write_recipe(
+        tmp_path / "recipe.yaml",
+        hardware=str(preset),
+        train={"epochs": None, "max_steps": 400, "micro_batch_size": 4},
+        output={"save_every": None},
+    )
     run_dir = tmp_path / "run"
     proc = start(cli_argv(recipe, run_dir, "--set", "distributed.timeout_minutes=0.2"), cache=tmp_path / "cache")
-    assert wait_for(lambda: (run_dir / "metrics.jsonl").exists() and max(losses(run_dir), default=0) >= 2,
-                    proc=proc), proc.communicate()[0][-3000:]
-    ranks = [p for p in tree(proc) if "finetune.train" in " ".join(p.cmdline()) and "accelerate" not in
-             " ".join(p.cmdline())]
+    assert wait_for(lambda: (run_dir / "metrics.jsonl").exists() and max(losses(run_dir), default=0) >= 2, proc=proc), (
+        proc.communicate()[0][-3000:]
+    )
+    ranks = [
+        p for p in tree(proc) if "finetune.train" in " ".join(p.cmdline()) and "accelerate" not in " ".join(p.cmdline())
+    ]
     assert len(ranks) == 2, [p.cmdline() for p in ranks]
     victim = next(p for p in ranks if "LOCAL_RANK" in p.environ() and p.environ()["LOCAL_RANK"] == "1")
     return proc, victim

@@ -45,6 +45,7 @@ def _past_step(run_dir, step):
             return max(losses(run_dir), default=0) >= step
         except FileNotFoundError:
             return False
+
     return check
 
 

@@ -23,22 +23,51 @@ from finetune.registry import get_model, get_preset
 from tests.helpers.paths import ROOT
 
 PROBE = "tests.helpers.dist_probe"
-RECIPE = {"model": {"name": "tiny-llama", "dtype": "float32"}, "data": {"path": "d.jsonl"},
-          "train": {"precision": "fp32", "global_batch_size": 8}, "hardware": "cpu"}
+RECIPE = {
+    "model": {"name": "tiny-llama", "dtype": "float32"},
+    "data": {"path": "d.jsonl"},
+    "train": {"precision": "fp32", "global_batch_size": 8},
+    "hardware": "cpu",
+}
 
 
 def cpu_run(run_dir: Path, *, nodes: int, procs: int):
-    preset = get_preset("cpu").model_copy(update={"gpus_per_node": procs, "nodes": nodes,
-                                                  "name": f"cpu-{nodes}x{procs}"})
+    preset = get_preset("cpu").model_copy(
+        update={"gpus_per_node": procs, "nodes": nodes, "name": f"cpu-{nodes}x{procs}"}
+    )
     world = nodes * procs
-    plan = Plan(model="tiny-llama", hardware=preset.name, adapter="lora", method="sft",
-                strategy="ddp", fits=True, micro_batch_size=2, gradient_accumulation_steps=8 // (2 * world),
-                activation_checkpointing=False, per_gpu_memory_gib=0.3, world_size=world,
-                num_nodes=nodes, gpus_per_node=procs, seq_len=64, global_batch_size=8,
-                tokens_per_step=512, step_time_s=0.1, tokens_per_second=1.0, mfu=0.1, why="test",
-                device="cpu")
-    return compile_run(load_recipe(RECIPE), plan, run_dir=run_dir, arch=get_model("tiny-llama"),
-                       preset=preset, module=PROBE, main_port=free_port())
+    plan = Plan(
+        model="tiny-llama",
+        hardware=preset.name,
+        adapter="lora",
+        method="sft",
+        strategy="ddp",
+        fits=True,
+        micro_batch_size=2,
+        gradient_accumulation_steps=8 // (2 * world),
+        activation_checkpointing=False,
+        per_gpu_memory_gib=0.3,
+        world_size=world,
+        num_nodes=nodes,
+        gpus_per_node=procs,
+        seq_len=64,
+        global_batch_size=8,
+        tokens_per_step=512,
+        step_time_s=0.1,
+        tokens_per_second=1.0,
+        mfu=0.1,
+        why="test",
+        device="cpu",
+    )
+    return compile_run(
+        load_recipe(RECIPE),
+        plan,
+        run_dir=run_dir,
+        arch=get_model("tiny-llama"),
+        preset=preset,
+        module=PROBE,
+        main_port=free_port(),
+    )
 
 
 def free_port() -> int:
@@ -103,10 +132,15 @@ def test_two_nodes_on_loopback(tmp_path):
     with pytest.raises(FinetuneError, match="address"):
         launch(run_dir, node_rank=1)
     port = str(free_port())
-    procs = [subprocess.Popen(launcher_cmd(run_dir, "--node-rank", str(k), "--main-address",
-                                           "127.0.0.1", "--main-port", port),
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for k in (1, 0)]  # the non-main node first: it waits for the rendezvous
+    procs = [
+        subprocess.Popen(
+            launcher_cmd(run_dir, "--node-rank", str(k), "--main-address", "127.0.0.1", "--main-port", port),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for k in (1, 0)
+    ]  # the non-main node first: it waits for the rendezvous
     outs = [p.communicate(timeout=240)[0] for p in procs]
     assert [p.returncode for p in procs] == [0, 0], outs
     seen = ranks(run_dir)
@@ -119,8 +153,9 @@ def test_two_nodes_on_loopback(tmp_path):
 def test_signal_reaches_every_rank(tmp_path, sig):
     run_dir = tmp_path / "run"
     cpu_run(run_dir, nodes=1, procs=2)
-    proc = subprocess.Popen(launcher_cmd(run_dir, "--", "--wait-signal"), stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(
+        launcher_cmd(run_dir, "--", "--wait-signal"), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
     probe = run_dir / "probe"
     deadline = time.monotonic() + 120
     while not (probe.is_dir() and len(list(probe.glob("ready*"))) == 2):

@@ -20,18 +20,26 @@ CANARY = "hf_CANARYe2eToken0987654321fedcba"
 
 
 def _cli(*args, env, cwd):
-    return subprocess.run([sys.executable, "-m", "finetune.cli", *args], cwd=cwd, env=env,
-                          capture_output=True, text=True, timeout=600)
+    return subprocess.run(
+        [sys.executable, "-m", "finetune.cli", *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=600
+    )
 
 
 def test_run_pushes_then_merge_and_push_merged(tmp_path):
     hub = FakeHub().start()
     try:
-        env = {**os.environ, "HF_ENDPOINT": hub.url, "HF_TOKEN": CANARY, "HF_HUB_DISABLE_XET": "1",
-               "HF_HUB_OFFLINE": "0", "HF_HUB_DISABLE_PROGRESS_BARS": "1",
-               "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-        recipe = tiny_recipe(hub={"repo": "acme/tiny-lora"}, logging={"report_to": ["none"]},
-                             data={"allow_paths": [str(ROOT / "data")]})
+        env = {
+            **os.environ,
+            "HF_ENDPOINT": hub.url,
+            "HF_TOKEN": CANARY,
+            "HF_HUB_DISABLE_XET": "1",
+            "HF_HUB_OFFLINE": "0",
+            "HF_HUB_DISABLE_PROGRESS_BARS": "1",
+            "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+        }
+        recipe = tiny_recipe(
+            hub={"repo": "acme/tiny-lora"}, logging={"report_to": ["none"]}, data={"allow_paths": [str(ROOT / "data")]}
+        )
         path = tmp_path / "recipe.yaml"
         path.write_text(yaml.safe_dump(recipe))
         run_dir = tmp_path / "run"
@@ -41,8 +49,13 @@ def test_run_pushes_then_merge_and_push_merged(tmp_path):
         assert "pushed to" in out
 
         files = hub.files("acme/tiny-lora")
-        assert {"adapter_model.safetensors", "adapter_config.json", "README.md",
-                "recipe.resolved.yaml", "loss.png"} <= set(files)
+        assert {
+            "adapter_model.safetensors",
+            "adapter_config.json",
+            "README.md",
+            "recipe.resolved.yaml",
+            "loss.png",
+        } <= set(files)
         assert not any(name.startswith("checkpoints/") for name in files)
         assert files["adapter_model.safetensors"] == (run_dir / "adapter_model.safetensors").read_bytes()
         card = parse_front_matter(files["README.md"].decode())
@@ -55,8 +68,7 @@ def test_run_pushes_then_merge_and_push_merged(tmp_path):
         assert main(["merge", str(run_dir), "-o", str(merged)]) == 0  # no Hub involved: in this process
         assert list(merged.glob("*.safetensors")) and (merged / "config.json").exists()
 
-        proc = _cli("push", str(run_dir), "--repo", "acme/tiny-merged", "--merged", "--public",
-                    env=env, cwd=tmp_path)
+        proc = _cli("push", str(run_dir), "--repo", "acme/tiny-merged", "--merged", "--public", env=env, cwd=tmp_path)
         assert proc.returncode == 0, proc.stderr[-2000:]
         merged_files = hub.files("acme/tiny-merged")
         assert "config.json" in merged_files and any(n.endswith(".safetensors") for n in merged_files)

@@ -17,7 +17,7 @@ def test_varlen_matches_per_example_attention_forward_and_backward():
     q, k, v, kwargs = packed(lengths, heads=8, kv_heads=2, dim=64, device="cuda", dtype=torch.bfloat16)
     for t in (q, k, v):
         t.requires_grad_(True)
-    out, _ = attention.varlen_attention_forward(AttentionModule(), q, k, v, None, scaling=64 ** -0.5, **kwargs)
+    out, _ = attention.varlen_attention_forward(AttentionModule(), q, k, v, None, scaling=64**-0.5, **kwargs)
     ref = block_causal_reference(q, k, v, lengths)
     torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=2e-2)
     grads = torch.autograd.grad(out.float().sum(), (q, k, v))

@@ -39,8 +39,11 @@ def _gpu_memory_gib() -> float:
 
 def _validate(name: str, tmp_path: Path, steps: int = 10, extra: tuple[str, ...] = ()) -> dict:
     out = tmp_path / "validation.json"
-    proc = subprocess.run([sys.executable, "scripts/gpu_validate.py", name, "--steps", str(steps),
-                           "--out", str(out), *extra], cwd=ROOT, timeout=1800)
+    proc = subprocess.run(
+        [sys.executable, "scripts/gpu_validate.py", name, "--steps", str(steps), "--out", str(out), *extra],
+        cwd=ROOT,
+        timeout=1800,
+    )
     assert proc.returncode == 0
     row = json.loads(out.read_text())[-1]
     assert row["exit_code"] == 0, row
@@ -62,8 +65,18 @@ def test_one_gpu(name, tmp_path):
     _check(_validate(name, tmp_path))
 
 
-@pytest.mark.parametrize("name", ["full3b-fsdp2", "lora8b-fsdp2", "qlora8b-fsdp2", "lora8b-zero3", "full3b-zero3",
-                                  "lora3b-zero3-offload", "lora3b-zero3-nvme"])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "full3b-fsdp2",
+        "lora8b-fsdp2",
+        "qlora8b-fsdp2",
+        "lora8b-zero3",
+        "full3b-zero3",
+        "lora3b-zero3-offload",
+        "lora3b-zero3-nvme",
+    ],
+)
 def test_two_gpus(name, tmp_path):
     if _gpus() < 2:
         pytest.skip("needs 2 CUDA GPUs")
@@ -77,8 +90,7 @@ def test_two_gpus_partial_offload_tiers(name, tmp_path):
     _check(_validate(name, tmp_path))
 
 
-@pytest.mark.parametrize("name", ["lora8b-zero3-offload", "lora8b-zero3-nvme", "full8b-zero3",
-                                  "full8b-zero3-offload"])
+@pytest.mark.parametrize("name", ["lora8b-zero3-offload", "lora8b-zero3-nvme", "full8b-zero3", "full8b-zero3-offload"])
 def test_two_gpus_8b_zero3(name, tmp_path):
     """Run 6 at the issue's 8B shape. No mid-run checkpoint: a full 8B ZeRO-3 checkpoint with its
     optimizer states is ~112 GB of disk per save."""
@@ -126,10 +138,21 @@ def _overstated_preset(path: Path, factor: float) -> Path:
     from finetune.registry.detect import query_gpus
 
     name, memory_gib = query_gpus()[0]
-    return write_preset(path, like=None, name="overstated-1gpu", gpu_model=name,
-                        gpu_memory_gib=memory_gib * factor, gpus_per_node=1, nodes=1, intra_node_link="none",
-                        intra_node_bandwidth_gbps=300, inter_node_fabric="none", inter_node_bandwidth_gbps=0,
-                        host_ram_gib=512, peak_bf16_tflops=989)
+    return write_preset(
+        path,
+        like=None,
+        name="overstated-1gpu",
+        gpu_model=name,
+        gpu_memory_gib=memory_gib * factor,
+        gpus_per_node=1,
+        nodes=1,
+        intra_node_link="none",
+        intra_node_bandwidth_gbps=300,
+        inter_node_fabric="none",
+        inter_node_bandwidth_gbps=0,
+        host_ram_gib=512,
+        peak_bf16_tflops=989,
+    )
 
 
 def test_cuda_out_of_memory_is_replanned_and_the_run_finishes(tmp_path):
@@ -141,9 +164,29 @@ def test_cuda_out_of_memory_is_replanned_and_the_run_finishes(tmp_path):
     recipe = _lora3b_recipe(tmp_path, steps=6)
     preset = _overstated_preset(tmp_path / "preset.yaml", 4.0)
     run_dir = tmp_path / "run"
-    proc = subprocess.run([sys.executable, "-m", "finetune.cli", "run", str(recipe), "--hardware", str(preset),
-                           "--output", str(run_dir), "--resume", "never", "--set", "train.micro_batch_size=32",
-                           "--set", "output.save_every=null"], cwd=ROOT, timeout=1800, capture_output=True, text=True)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "finetune.cli",
+            "run",
+            str(recipe),
+            "--hardware",
+            str(preset),
+            "--output",
+            str(run_dir),
+            "--resume",
+            "never",
+            "--set",
+            "train.micro_batch_size=32",
+            "--set",
+            "output.save_every=null",
+        ],
+        cwd=ROOT,
+        timeout=1800,
+        capture_output=True,
+        text=True,
+    )
     text = proc.stdout + proc.stderr
     assert proc.returncode == 0, text[-6000:]
     history = json.loads((run_dir / "logs" / "oom-retries.json").read_text())
@@ -168,9 +211,28 @@ def test_plan_measure_on_one_gpu(tmp_path):
     keep = tmp_path / "measured"
     first = os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0]  # one GPU of those this test was given
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": first}
-    proc = subprocess.run([sys.executable, "-m", "finetune.cli", "plan", str(recipe), "--hardware", "auto",
-                           "--measure", "--steps", "10", "--keep", str(keep), "--json"],
-                          cwd=ROOT, timeout=1800, capture_output=True, text=True, env=env)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "finetune.cli",
+            "plan",
+            str(recipe),
+            "--hardware",
+            "auto",
+            "--measure",
+            "--steps",
+            "10",
+            "--keep",
+            str(keep),
+            "--json",
+        ],
+        cwd=ROOT,
+        timeout=1800,
+        capture_output=True,
+        text=True,
+        env=env,
+    )
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     print(json.dumps(result, indent=2))

@@ -28,7 +28,10 @@ def block_causal_reference(q, k, v, lengths):
     outs, start = [], 0
     for n in lengths:
         sl = slice(start, start + n)
-        outs.append(torch.nn.functional.scaled_dot_product_attention(
-            q[:, :, sl].float(), k[:, :, sl].float(), v[:, :, sl].float(), is_causal=True))
+        outs.append(
+            torch.nn.functional.scaled_dot_product_attention(
+                q[:, :, sl].float(), k[:, :, sl].float(), v[:, :, sl].float(), is_causal=True
+            )
+        )
         start += n
     return torch.cat(outs, dim=2).transpose(1, 2)  # (b, s, h, d)

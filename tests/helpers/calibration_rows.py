@@ -36,8 +36,9 @@ def preset_for(card: str, *, gpus_per_node: int, nodes: int = 1) -> HardwarePres
     smi = "\n".join([f"{card}, {MEMORY_TOTAL[card]}"] * gpus_per_node)
     preset = synthesize_preset(parse_nvidia_smi(smi), ram_gib=1024)
     if nodes > 1:
-        preset = preset.model_copy(update={"nodes": nodes, "inter_node_fabric": "ethernet",
-                                           "inter_node_bandwidth_gbps": 25})
+        preset = preset.model_copy(
+            update={"nodes": nodes, "inter_node_fabric": "ethernet", "inter_node_bandwidth_gbps": 25}
+        )
     return preset
 
 
@@ -72,20 +73,37 @@ def legacy_recipe(row: dict):
     dpo = row["method"] == "dpo"
     raw = {
         # rows measured before finetune chose varlen attention and skipped peft's input casts carry neither key
-        "model": {"name": row["arch"], "arch": row["arch"], "dtype": "bfloat16",
-                  "attn_implementation": row.get("attn_implementation", "sdpa")},
+        "model": {
+            "name": row["arch"],
+            "arch": row["arch"],
+            "dtype": "bfloat16",
+            "attn_implementation": row.get("attn_implementation", "sdpa"),
+        },
         "method": {"type": row["method"]},
-        "adapter": {"type": row["adapter"], "r": 16, "alpha": 32, "dropout": row.get("lora_dropout", 0.0),
-                    "cast_adapter_inputs": row.get("cast_adapter_inputs", True)},
+        "adapter": {
+            "type": row["adapter"],
+            "r": 16,
+            "alpha": 32,
+            "dropout": row.get("lora_dropout", 0.0),
+            "cast_adapter_inputs": row.get("cast_adapter_inputs", True),
+        },
         # SFT packs padding-free; DPO pads chosen/rejected (pairs filling max_length)
-        "data": {"path": "train.jsonl", "max_length": row["seq_len"], "packing": not dpo,
-                 "format": "preference" if dpo else "messages"},
-        "train": {"global_batch_size": row["micro_batch_size"] * row["gradient_accumulation_steps"]
-                  * row["world_size"], "micro_batch_size": row["micro_batch_size"],
-                  "activation_checkpointing": "on" if row["activation_checkpointing"] else "off",
-                  "liger": "on" if row.get("liger") else "off"},
-        "distributed": {"strategy": row["strategy"], **(
-            {"nvme_path": "/tmp/nvme-swap"} if strategies.info(row["strategy"]).offload == "nvme" else {})},
+        "data": {
+            "path": "train.jsonl",
+            "max_length": row["seq_len"],
+            "packing": not dpo,
+            "format": "preference" if dpo else "messages",
+        },
+        "train": {
+            "global_batch_size": row["micro_batch_size"] * row["gradient_accumulation_steps"] * row["world_size"],
+            "micro_batch_size": row["micro_batch_size"],
+            "activation_checkpointing": "on" if row["activation_checkpointing"] else "off",
+            "liger": "on" if row.get("liger") else "off",
+        },
+        "distributed": {
+            "strategy": row["strategy"],
+            **({"nvme_path": "/tmp/nvme-swap"} if strategies.info(row["strategy"]).offload == "nvme" else {}),
+        },
         "hardware": "auto",
     }
     return load_recipe(raw)
@@ -116,20 +134,30 @@ def run_pins(row: dict, *, num_layers: int) -> dict:
     if "resolved" in row:
         recipe, section = row["resolved"], row["resolved"]["resolved"]
         on = recipe["train"]["activation_checkpointing"] == "on"
-        return {"strategy": recipe["distributed"]["strategy"],
-                "micro_batch_size": recipe["train"]["micro_batch_size"],
-                "gradient_accumulation_steps": section["gradient_accumulation_steps"],
-                "world_size": section["world_size"],
-                "checkpoint_layers": (section.get("checkpoint_layers") or num_layers) if on else 0}
-    return {"strategy": row["strategy"], "micro_batch_size": row["micro_batch_size"],
-            "gradient_accumulation_steps": row["gradient_accumulation_steps"], "world_size": row["world_size"],
-            "checkpoint_layers": num_layers if row["activation_checkpointing"] else 0}
+        return {
+            "strategy": recipe["distributed"]["strategy"],
+            "micro_batch_size": recipe["train"]["micro_batch_size"],
+            "gradient_accumulation_steps": section["gradient_accumulation_steps"],
+            "world_size": section["world_size"],
+            "checkpoint_layers": (section.get("checkpoint_layers") or num_layers) if on else 0,
+        }
+    return {
+        "strategy": row["strategy"],
+        "micro_batch_size": row["micro_batch_size"],
+        "gradient_accumulation_steps": row["gradient_accumulation_steps"],
+        "world_size": row["world_size"],
+        "checkpoint_layers": num_layers if row["activation_checkpointing"] else 0,
+    }
 
 
 def plan_pins(plan: Plan) -> dict:
-    return {"strategy": plan.strategy, "micro_batch_size": plan.micro_batch_size,
-            "gradient_accumulation_steps": plan.gradient_accumulation_steps, "world_size": plan.world_size,
-            "checkpoint_layers": plan.checkpoint_layers}
+    return {
+        "strategy": plan.strategy,
+        "micro_batch_size": plan.micro_batch_size,
+        "gradient_accumulation_steps": plan.gradient_accumulation_steps,
+        "world_size": plan.world_size,
+        "checkpoint_layers": plan.checkpoint_layers,
+    }
 
 
 def pin_mismatch(row: dict, plan: Plan) -> str:
@@ -146,14 +174,18 @@ MEMORY_LOW, MEMORY_HIGH = 0.95, 1.15  # max reserved of the worst rank
 
 def speed_figures(row: dict, plan: Plan) -> str:
     measured = row["steady_tokens_per_second"]
-    return (f"measured {measured:,.0f} tokens/s, predicted {plan.tokens_per_second:,.0f} "
-            f"(ratio {plan.tokens_per_second / measured:.3f})")
+    return (
+        f"measured {measured:,.0f} tokens/s, predicted {plan.tokens_per_second:,.0f} "
+        f"(ratio {plan.tokens_per_second / measured:.3f})"
+    )
 
 
 def memory_figures(row: dict, plan: Plan) -> str:
     measured = row["measured_max_reserved_gib"]
-    return (f"measured {measured:.2f} GiB, predicted {plan.per_gpu_memory_gib:.2f} "
-            f"(ratio {plan.per_gpu_memory_gib / measured:.3f})")
+    return (
+        f"measured {measured:.2f} GiB, predicted {plan.per_gpu_memory_gib:.2f} "
+        f"(ratio {plan.per_gpu_memory_gib / measured:.3f})"
+    )
 
 
 def speed_miss(row: dict, plan: Plan) -> str:

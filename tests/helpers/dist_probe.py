@@ -28,12 +28,16 @@ def main() -> int:
     if dist.is_initialized():
         dist.all_reduce(total)
     record = {
-        "rank": state.process_index, "world_size": state.num_processes,
-        "local_rank": state.local_process_index, "node_rank": int(os.environ.get("GROUP_RANK", -1)),
-        "distributed_type": str(state.distributed_type), "backend": state.backend,
-        "allreduce_sum": total.item(), "argv": sys.argv[1:], "pid": os.getpid(),
-        "env": {k: os.environ.get(k) for k in ("ACCELERATE_USE_CPU", "TORCH_ELASTIC_SHUTDOWN_TIMEOUT",
-                                               "PROBE_MARK")},
+        "rank": state.process_index,
+        "world_size": state.num_processes,
+        "local_rank": state.local_process_index,
+        "node_rank": int(os.environ.get("GROUP_RANK", -1)),
+        "distributed_type": str(state.distributed_type),
+        "backend": state.backend,
+        "allreduce_sum": total.item(),
+        "argv": sys.argv[1:],
+        "pid": os.getpid(),
+        "env": {k: os.environ.get(k) for k in ("ACCELERATE_USE_CPU", "TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "PROBE_MARK")},
     }
     path = out / f"rank{state.process_index}.json"
     if "--wait-signal" in sys.argv:

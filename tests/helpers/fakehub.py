@@ -59,10 +59,12 @@ class FakeHub:
         self.authorized: list[bool] = []  # one per write request: carried a Bearer hf_ token
         self.gated: set[str] = set()  # repos whose files answer 403 GatedRepo without a token
         # what /api/whoami-v2 answers for any hf_ token (tests change the role or the orgs)
-        self.whoami: dict = {"type": "user", "name": "tester",
-                             "orgs": [{"name": "acme", "roleInOrg": "write"}],
-                             "auth": {"type": "access_token", "accessToken": {"displayName": "test",
-                                                                               "role": "write"}}}
+        self.whoami: dict = {
+            "type": "user",
+            "name": "tester",
+            "orgs": [{"name": "acme", "roleInOrg": "write"}],
+            "auth": {"type": "access_token", "accessToken": {"displayName": "test", "role": "write"}},
+        }
         self.lock = threading.Lock()
         self.server: ThreadingHTTPServer | None = None
         self.url = ""
@@ -76,8 +78,7 @@ class FakeHub:
 
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
-        threading.Thread(target=self.server.serve_forever, kwargs={"poll_interval": 0.05},
-                         daemon=True).start()
+        threading.Thread(target=self.server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
         return self
 
     def stop(self) -> None:
@@ -88,8 +89,9 @@ class FakeHub:
     # -- helpers for tests -----------------------------------------------------------------
     def add_model(self, repo_id: str, files: dict[str, bytes], *, gated: bool = False) -> str:
         """A public model repo holding `files` on main (for downloads); returns its commit sha."""
-        sha = hashlib.sha1(json.dumps(sorted((k, hashlib.sha1(v).hexdigest()) for k, v in files.items()))
-                           .encode()).hexdigest()
+        sha = hashlib.sha1(
+            json.dumps(sorted((k, hashlib.sha1(v).hexdigest()) for k, v in files.items())).encode()
+        ).hexdigest()
         self.repos[repo_id] = Repo(private=False, branches={"main": dict(files)}, heads={"main": sha})
         if gated:
             self.gated.add(repo_id)
@@ -99,8 +101,9 @@ class FakeHub:
         return dict(self.repos[repo_id].branches[branch])
 
     def count(self, method: str, prefix: str, status: int | None = None) -> int:
-        return sum(1 for m, p, s in self.requests
-                   if m == method and p.startswith(prefix) and (status is None or s == status))
+        return sum(
+            1 for m, p, s in self.requests if m == method and p.startswith(prefix) and (status is None or s == status)
+        )
 
     def _should_fail(self, kind: str) -> bool:
         with self.lock:
@@ -261,8 +264,9 @@ class _Handler(BaseHTTPRequestHandler):
             return self._error(401, "Invalid credentials in Authorization header")
         repo_id = f"{payload['organization']}/{payload['name']}"
         if repo_id in self.fake.repos:
-            return self._send(409, {"error": "You already created this model repo",
-                                    "url": f"{self.fake.url}/{repo_id}"})
+            return self._send(
+                409, {"error": "You already created this model repo", "url": f"{self.fake.url}/{repo_id}"}
+            )
         self.fake.repos[repo_id] = Repo(private=payload.get("visibility") == "private")
         return self._send(200, {"url": f"{self.fake.url}/{repo_id}", "name": repo_id})
 
@@ -307,8 +311,9 @@ class _Handler(BaseHTTPRequestHandler):
             if f["path"] in stored:
                 data = stored[f["path"]]
                 oid = hashlib.sha256(data).hexdigest() if lfs else git_blob_sha1(data)
-            out.append({"path": f["path"], "uploadMode": "lfs" if lfs else "regular",
-                        "shouldIgnore": False, "oid": oid})
+            out.append(
+                {"path": f["path"], "uploadMode": "lfs" if lfs else "regular", "shouldIgnore": False, "oid": oid}
+            )
         return self._send(200, {"files": out})
 
     def _lfs_batch(self, repo_id: str, payload: dict) -> None:
@@ -347,19 +352,25 @@ class _Handler(BaseHTTPRequestHandler):
                 new_files.pop(value["path"], None)
             else:
                 return self._error(400, f"unsupported commit operation {item['key']}")
-        oid = hashlib.sha1(json.dumps([repo.heads[rev], sorted(new_files), header["summary"]])
-                           .encode()).hexdigest()
+        oid = hashlib.sha1(json.dumps([repo.heads[rev], sorted(new_files), header["summary"]]).encode()).hexdigest()
         repo.branches[rev] = new_files
         repo.heads[rev] = oid
-        repo.commits.append({"oid": oid, "branch": rev, "summary": header["summary"],
-                             "paths": sorted(new_files)})
-        return self._send(200, {"commitUrl": f"{self.fake.url}/{repo_id}/commit/{oid}",
-                                "commitOid": oid, "pullRequestUrl": None})
+        repo.commits.append({"oid": oid, "branch": rev, "summary": header["summary"], "paths": sorted(new_files)})
+        return self._send(
+            200, {"commitUrl": f"{self.fake.url}/{repo_id}/commit/{oid}", "commitOid": oid, "pullRequestUrl": None}
+        )
 
     def _repo_info(self, repo_id: str, rev: str) -> None:
         repo = self._repo(repo_id, rev)
         if repo is None:
             return None
-        return self._send(200, {"id": repo_id, "modelId": repo_id, "sha": repo.heads[rev],
-                                "private": repo.private,
-                                "siblings": [{"rfilename": p} for p in sorted(repo.branches[rev])]})
+        return self._send(
+            200,
+            {
+                "id": repo_id,
+                "modelId": repo_id,
+                "sha": repo.heads[rev],
+                "private": repo.private,
+                "siblings": [{"rfilename": p} for p in sorted(repo.branches[rev])],
+            },
+        )

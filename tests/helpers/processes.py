@@ -24,16 +24,22 @@ def cli_argv(recipe: Path, run_dir: Path, *extra: str) -> list[str]:
 
 def env(cache: Path | None = None) -> dict:
     out = dict(os.environ)
-    out.update(HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TOKENIZERS_PARALLELISM="false",
-               PYTHONPATH=str(ROOT))
+    out.update(HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TOKENIZERS_PARALLELISM="false", PYTHONPATH=str(ROOT))
     if cache is not None:
         out["FINETUNE_CACHE_DIR"] = str(cache)
     return out
 
 
 def start(argv: list[str], *, cache: Path | None = None, extra_env: dict | None = None) -> subprocess.Popen:
-    return subprocess.Popen(argv, cwd=ROOT, env={**env(cache), **(extra_env or {})}, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    return subprocess.Popen(
+        argv,
+        cwd=ROOT,
+        env={**env(cache), **(extra_env or {})},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
 
 
 def run(argv: list[str], *, cache: Path | None = None, timeout: float = 240) -> subprocess.CompletedProcess:
@@ -81,8 +87,11 @@ def checkpoints(run_dir: Path) -> dict[str, bool]:
     root = run_dir / "checkpoints"
     if not root.is_dir():
         return {}
-    return {p.name: (p / "finetune_complete.json").is_file() for p in root.iterdir()
-            if p.is_dir() and p.name.startswith("checkpoint-")}
+    return {
+        p.name: (p / "finetune_complete.json").is_file()
+        for p in root.iterdir()
+        if p.is_dir() and p.name.startswith("checkpoint-")
+    }
 
 
 HEAVY = ("torch", "transformers", "accelerate", "trl", "peft", "deepspeed")
@@ -91,10 +100,13 @@ HEAVY = ("torch", "transformers", "accelerate", "trl", "peft", "deepspeed")
 def heavy_imports(code: str, *, timeout: float = 60) -> tuple[subprocess.CompletedProcess, list[str]]:
     """Run `code` in a fresh interpreter at the repository root; return the process and which of HEAVY it
     had imported when the code finished (the parent-process paths must import none of them)."""
-    probe = (f"{code}\nimport json as _json, sys as _sys\n"
-             f"print('heavy:', _json.dumps(sorted(m for m in {HEAVY!r} if m in _sys.modules)), file=_sys.stderr)\n")
-    proc = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, env=env(), capture_output=True, text=True,
-                          timeout=timeout)
+    probe = (
+        f"{code}\nimport json as _json, sys as _sys\n"
+        f"print('heavy:', _json.dumps(sorted(m for m in {HEAVY!r} if m in _sys.modules)), file=_sys.stderr)\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", probe], cwd=ROOT, env=env(), capture_output=True, text=True, timeout=timeout
+    )
     reported = [line for line in proc.stderr.splitlines() if line.startswith("heavy: ")]
     assert proc.returncode == 0 and reported, proc.stdout[-2000:] + proc.stderr[-2000:]
     return proc, json.loads(reported[-1].removeprefix("heavy: "))

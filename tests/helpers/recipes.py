@@ -19,11 +19,20 @@ def tiny_recipe(**sections) -> dict:
     base = {
         "model": {"name": str(TINY_MODEL), "dtype": "float32"},
         "adapter": {"type": "lora", "r": 8, "alpha": 16},
-        "data": {"sources": [{"path": str(QUICKSTART_DATA / "train.jsonl"), "max_samples": 64}],
-                 "eval_sources": [{"path": str(QUICKSTART_DATA / "eval.jsonl"), "max_samples": 16}],
-                 "max_length": 32},
-        "train": {"max_steps": 6, "lr": 3e-3, "global_batch_size": 8, "micro_batch_size": 8,
-                  "precision": "fp32", "warmup_ratio": 0.0, "scheduler": "constant"},
+        "data": {
+            "sources": [{"path": str(QUICKSTART_DATA / "train.jsonl"), "max_samples": 64}],
+            "eval_sources": [{"path": str(QUICKSTART_DATA / "eval.jsonl"), "max_samples": 16}],
+            "max_length": 32,
+        },
+        "train": {
+            "max_steps": 6,
+            "lr": 3e-3,
+            "global_batch_size": 8,
+            "micro_batch_size": 8,
+            "precision": "fp32",
+            "warmup_ratio": 0.0,
+            "scheduler": "constant",
+        },
         "hardware": "cpu",
     }
     return deep_merge(base, sections)
@@ -56,8 +65,16 @@ def write_recipe(path: Path, **sections) -> Path:
         "model": {"name": str(TINY_MODEL), "dtype": "float32"},
         "adapter": {"type": "lora", "r": 8, "alpha": 16},
         "data": {"sources": [{"path": str(TRAIN), "max_samples": 32}], "max_length": 32},
-        "train": {"epochs": 3, "lr": 3e-3, "global_batch_size": 8, "micro_batch_size": 8, "precision": "fp32",
-                  "warmup_ratio": 0.0, "scheduler": "linear", "seed": 7},
+        "train": {
+            "epochs": 3,
+            "lr": 3e-3,
+            "global_batch_size": 8,
+            "micro_batch_size": 8,
+            "precision": "fp32",
+            "warmup_ratio": 0.0,
+            "scheduler": "linear",
+            "seed": 7,
+        },
         "output": {"save_every": 3, "keep": 2},
         "hardware": "cpu",
         "logging": {"report_to": ["none"]},
@@ -83,5 +100,11 @@ def write_preset(path: Path, *, like: str | None = "cpu", **fields) -> Path:
 
 def cpu_preset(path: Path, *, procs: int = 1, nodes: int = 1, **fields) -> Path:
     """`procs` CPU processes (gloo) on each of `nodes` hosts."""
-    return write_preset(path, name=f"cpu-{nodes}x{procs}", description="test: CPU processes on gloo",
-                        gpus_per_node=procs, nodes=nodes, **fields)
+    return write_preset(
+        path,
+        name=f"cpu-{nodes}x{procs}",
+        description="test: CPU processes on gloo",
+        gpus_per_node=procs,
+        nodes=nodes,
+        **fields,
+    )

@@ -34,34 +34,40 @@ def recipe_dict(base: Path, *, adapter: str = "lora", dora: bool = False) -> dic
     return {
         "model": {"name": str(base), "dtype": "float32"},
         "method": {"type": "sft"},
-        "adapter": {"type": adapter, "r": 8, "alpha": 16, "dora": dora,
-                    "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
-                                       "up_proj", "down_proj"]}
-        if adapter != "full" else {"type": "full"},
-        "data": {"sources": [{"path": "data/chat.jsonl", "format": "messages"},
-                             {"path": "HuggingFaceH4/ultrachat_200k", "split": "train_sft"}],
-                 "max_length": 128},
-        "train": {"max_steps": 4, "lr": 1e-3, "global_batch_size": 4, "micro_batch_size": 2,
-                  "precision": "fp32"},
+        "adapter": {
+            "type": adapter,
+            "r": 8,
+            "alpha": 16,
+            "dora": dora,
+            "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+        }
+        if adapter != "full"
+        else {"type": "full"},
+        "data": {
+            "sources": [
+                {"path": "data/chat.jsonl", "format": "messages"},
+                {"path": "HuggingFaceH4/ultrachat_200k", "split": "train_sft"},
+            ],
+            "max_length": 128,
+        },
+        "train": {"max_steps": 4, "lr": 1e-3, "global_batch_size": 4, "micro_batch_size": 2, "precision": "fp32"},
         "distributed": {"strategy": "ddp"},
         "hardware": "cpu",
-        "hub": {"repo": "acme/tiny-from-recipe", "private": True, "push": "adapter",
-                "revision": "exp-1"},
+        "hub": {"repo": "acme/tiny-from-recipe", "private": True, "push": "adapter", "revision": "exp-1"},
     }
 
 
 def tiny_png(width: int = 8, height: int = 4) -> bytes:
     # one filter byte (0) per row, then RGB pixels
-    raw = b"".join(b"\x00" + b"".join(bytes([(x * 30) % 256, (y * 60) % 256, 128])
-                                       for x in range(width))
-                   for y in range(height))
+    raw = b"".join(
+        b"\x00" + b"".join(bytes([(x * 30) % 256, (y * 60) % 256, 128]) for x in range(width)) for y in range(height)
+    )
 
     def chunk(kind: bytes, data: bytes) -> bytes:
         return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
 
     ihdr = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
-    return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", zlib.compress(raw))
-            + chunk(b"IEND", b""))
+    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", zlib.compress(raw)) + chunk(b"IEND", b"")
 
 
 def _write_run_files(run: Path, recipe: dict) -> None:
@@ -73,18 +79,39 @@ def _write_run_files(run: Path, recipe: dict) -> None:
         (run / name).write_text(compiled.texts[name])
     rows = []
     for step in range(1, 5):
-        rows.append({"step": step, "loss": 6.3 - 0.2 * step, "learning_rate": 1e-3,
-                     "grad_norm": 1.5, "tokens_per_second": 900.0 + step, "peak_memory_gib": 0.1})
+        rows.append(
+            {
+                "step": step,
+                "loss": 6.3 - 0.2 * step,
+                "learning_rate": 1e-3,
+                "grad_norm": 1.5,
+                "tokens_per_second": 900.0 + step,
+                "peak_memory_gib": 0.1,
+            }
+        )
         if step % 2 == 0:
             rows.append({"step": step, "eval_loss": 6.4 - 0.1 * step})
     (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     # the keys finetune.train.run writes
-    (run / "summary.json").write_text(json.dumps({
-        "run_dir": str(run), "tokenized_cache": {"key": "abc123", "hit": False},
-        "method": "sft", "adapter": recipe["adapter"]["type"], "steps": 4,
-        "final_train_loss": 5.5, "first_train_loss": 6.1, "best_eval_loss": 6.0,
-        "eval_loss_before": 6.4, "eval_loss_final": 6.0, "train_runtime_s": 2.27,
-        "tokens_seen": 2048, "tokens_per_second": 902.5}))
+    (run / "summary.json").write_text(
+        json.dumps(
+            {
+                "run_dir": str(run),
+                "tokenized_cache": {"key": "abc123", "hit": False},
+                "method": "sft",
+                "adapter": recipe["adapter"]["type"],
+                "steps": 4,
+                "final_train_loss": 5.5,
+                "first_train_loss": 6.1,
+                "best_eval_loss": 6.0,
+                "eval_loss_before": 6.4,
+                "eval_loss_final": 6.0,
+                "train_runtime_s": 2.27,
+                "tokens_seen": 2048,
+                "tokens_per_second": 902.5,
+            }
+        )
+    )
     (run / "loss.png").write_bytes(tiny_png())
     ckpt = run / "checkpoints" / "checkpoint-2"
     ckpt.mkdir(parents=True)
@@ -103,10 +130,14 @@ def build_lora_run(base: Path, run: Path, *, dora: bool = False) -> Path:
 
     run.mkdir(parents=True)
     model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
-    config = LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0, use_dora=dora,
-                        target_modules=["q_proj", "k_proj", "v_proj", "o_proj",
-                                        "gate_proj", "up_proj", "down_proj"],
-                        task_type="CAUSAL_LM")
+    config = LoraConfig(
+        r=8,
+        lora_alpha=16,
+        lora_dropout=0.0,
+        use_dora=dora,
+        target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+        task_type="CAUSAL_LM",
+    )
     model = get_peft_model(model, config)
     gen = torch.Generator().manual_seed(1)
     with torch.no_grad():  # lora_B starts at zero; make the adapter actually do something
@@ -116,8 +147,7 @@ def build_lora_run(base: Path, run: Path, *, dora: bool = False) -> Path:
             elif "lora_magnitude" in name:
                 param.mul_(1.0 + 0.1 * torch.rand(param.shape, generator=gen))
     model.save_pretrained(run)
-    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
-                 "chat_template.jinja"):
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja"):
         if (base / name).is_file():
             shutil.copy2(base / name, run / name)
     _write_run_files(run, recipe_dict(base, dora=dora))
@@ -131,15 +161,22 @@ def build_full_run(base: Path, run: Path) -> Path:
 
 
 def tree_hashes(root: Path) -> dict[str, str]:
-    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(root.rglob("*")) if p.is_file()}
+    return {
+        str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(root.rglob("*"))
+        if p.is_file()
+    }
 
 
 def build_tiny_runs(root: Path) -> dict[str, Path]:
     """base, lora, dora and full run dirs under `root` (the session fixture `tiny_runs` builds them once)."""
     base = build_base(root / "tiny-llama")
-    return {"base": base, "lora": build_lora_run(base, root / "run-lora"),
-            "dora": build_lora_run(base, root / "run-dora", dora=True), "full": build_full_run(base, root / "run-full")}
+    return {
+        "base": base,
+        "lora": build_lora_run(base, root / "run-lora"),
+        "dora": build_lora_run(base, root / "run-dora", dora=True),
+        "full": build_full_run(base, root / "run-full"),
+    }
 
 
 def variant_run(src: Path, dst: Path, **sections) -> Path:

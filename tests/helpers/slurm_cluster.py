@@ -50,8 +50,15 @@ def _free_port() -> int:
 
 def _plugin_dir() -> str | None:
     # Debian: /usr/lib/<triplet>/slurm-wlm; source builds: /usr/lib/slurm, /usr/local/lib/slurm
-    found = [p for pattern in ("/usr/lib*/*/slurm*/auth_munge.so", "/usr/lib*/slurm*/auth_munge.so",
-                               "/usr/local/lib*/slurm*/auth_munge.so") for p in glob.glob(pattern)]
+    found = [
+        p
+        for pattern in (
+            "/usr/lib*/*/slurm*/auth_munge.so",
+            "/usr/lib*/slurm*/auth_munge.so",
+            "/usr/local/lib*/slurm*/auth_munge.so",
+        )
+        for p in glob.glob(pattern)
+    ]
     return str(Path(found[0]).parent) if found else None
 
 
@@ -77,16 +84,30 @@ class Cluster:
             auth = ["AuthType=auth/munge", "CredType=cred/munge", f"AuthInfo=socket={self.root / 'munge.socket'}"]
         cpus = os.cpu_count() or 1
         conf = [
-            "ClusterName=finetune-test", f"SlurmctldHost={self.node}(127.0.0.1)", *auth,
-            "SlurmUser=root", "SlurmdUser=root",
-            f"SlurmctldPort={_free_port()}", f"SlurmdPort={_free_port()}",
-            f"StateSaveLocation={self.root / 'state'}", f"SlurmdSpoolDir={self.root / 'spool'}",
-            f"SlurmctldPidFile={self.root / 'slurmctld.pid'}", f"SlurmdPidFile={self.root / 'slurmd.pid'}",
-            f"SlurmctldLogFile={self.root / 'slurmctld.log'}", f"SlurmdLogFile={self.root / 'slurmd.log'}",
-            "ProctrackType=proctrack/linuxproc", "TaskPlugin=task/none", "MpiDefault=none",
-            "SelectType=select/cons_tres", "SelectTypeParameters=CR_Core", "ReturnToService=2",
-            "SchedulerType=sched/builtin", "JobRequeue=1", "JobCompType=jobcomp/none",
-            "AccountingStorageType=accounting_storage/none", "JobAcctGatherType=jobacct_gather/none",
+            "ClusterName=finetune-test",
+            f"SlurmctldHost={self.node}(127.0.0.1)",
+            *auth,
+            "SlurmUser=root",
+            "SlurmdUser=root",
+            f"SlurmctldPort={_free_port()}",
+            f"SlurmdPort={_free_port()}",
+            f"StateSaveLocation={self.root / 'state'}",
+            f"SlurmdSpoolDir={self.root / 'spool'}",
+            f"SlurmctldPidFile={self.root / 'slurmctld.pid'}",
+            f"SlurmdPidFile={self.root / 'slurmd.pid'}",
+            f"SlurmctldLogFile={self.root / 'slurmctld.log'}",
+            f"SlurmdLogFile={self.root / 'slurmd.log'}",
+            "ProctrackType=proctrack/linuxproc",
+            "TaskPlugin=task/none",
+            "MpiDefault=none",
+            "SelectType=select/cons_tres",
+            "SelectTypeParameters=CR_Core",
+            "ReturnToService=2",
+            "SchedulerType=sched/builtin",
+            "JobRequeue=1",
+            "JobCompType=jobcomp/none",
+            "AccountingStorageType=accounting_storage/none",
+            "JobAcctGatherType=jobacct_gather/none",
             f"NodeName={self.node} NodeAddr=127.0.0.1 CPUs={cpus} RealMemory=2000 State=UNKNOWN",
             f"PartitionName={PARTITION} Nodes={self.node} Default=YES MaxTime=INFINITE State=UP",
         ]
@@ -94,8 +115,15 @@ class Cluster:
         conf_path = str(self.root / "slurm.conf")
         for daemon in ("slurmctld", "slurmd"):
             out = open(self.root / f"{daemon}.out", "wb")
-            self.procs.append(subprocess.Popen([daemon, "-D", "-f", conf_path], env=self.env, stdout=out,
-                                               stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL))
+            self.procs.append(
+                subprocess.Popen(
+                    [daemon, "-D", "-f", conf_path],
+                    env=self.env,
+                    stdout=out,
+                    stderr=subprocess.STDOUT,
+                    stdin=subprocess.DEVNULL,
+                )
+            )
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
             if any(p.poll() is not None for p in self.procs):
@@ -112,9 +140,19 @@ class Cluster:
         key = self.root / "munge.key"
         subprocess.run(["mungekey", "--create", "--keyfile", str(key)], check=False, capture_output=True)
         os.chmod(key, 0o600)
-        proc = subprocess.run(["munged", "--force", f"--key-file={key}", f"--socket={self.root / 'munge.socket'}",
-                               f"--pid-file={self.root / 'munged.pid'}", f"--log-file={self.root / 'munged.log'}",
-                               f"--seed-file={self.root / 'munge.seed'}"], capture_output=True, text=True)
+        proc = subprocess.run(
+            [
+                "munged",
+                "--force",
+                f"--key-file={key}",
+                f"--socket={self.root / 'munge.socket'}",
+                f"--pid-file={self.root / 'munged.pid'}",
+                f"--log-file={self.root / 'munged.log'}",
+                f"--seed-file={self.root / 'munge.seed'}",
+            ],
+            capture_output=True,
+            text=True,
+        )
         if proc.returncode != 0:
             return f"munged did not start: {proc.stderr[-500:]}"
         return None
@@ -138,8 +176,9 @@ class Cluster:
 
     # -- helpers for tests -----------------------------------------------------------------
     def run(self, *cmd: str, check: bool = True, env: dict | None = None, cwd=None) -> subprocess.CompletedProcess:
-        return subprocess.run(list(cmd), env={**self.env, **(env or {})}, capture_output=True, text=True,
-                              timeout=60, check=check, cwd=cwd)
+        return subprocess.run(
+            list(cmd), env={**self.env, **(env or {})}, capture_output=True, text=True, timeout=60, check=check, cwd=cwd
+        )
 
     def job(self, job_id: str) -> dict[str, str]:
         """`scontrol show job` as key -> value."""

@@ -32,14 +32,23 @@ def train_tiny_run(root: Path) -> TrainedRun:
         train={"max_steps": 8, "logging_steps": 1, "eval_steps": 4},
         output={"save_every": 4, "keep": 1},
         logging={"report_to": ["tensorboard"], "run_name": "tiny-after", "loss_log_scale": True},
-        data={"task_eval": {"path": str(QUICKSTART_DATA / "eval.jsonl"), "n": 4, "max_new_tokens": 8},
-              "allow_paths": [str(ROOT / "data")]})
+        data={
+            "task_eval": {"path": str(QUICKSTART_DATA / "eval.jsonl"), "n": 4, "max_new_tokens": 8},
+            "allow_paths": [str(ROOT / "data")],
+        },
+    )
     path = root / "recipe.yaml"
     path.write_text(yaml.safe_dump(recipe))
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT), "FINETUNE_CACHE_DIR": str(root / "cache")}
     env.pop("TENSORBOARD_LOGGING_DIR", None)
-    proc = subprocess.run([sys.executable, "-m", "finetune.cli", "run", str(path), "--output", str(run_dir)],
-                          cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [sys.executable, "-m", "finetune.cli", "run", str(path), "--output", str(run_dir)],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     output = proc.stdout + proc.stderr
     assert proc.returncode == 0, output[-4000:]
     return TrainedRun(run_dir=run_dir, output=output)

@@ -14,8 +14,9 @@ from tests.helpers.processes import heavy_imports
 
 
 def finetune(*args, cwd=ROOT):
-    return subprocess.run([sys.executable, "-m", "finetune.cli", *args], cwd=cwd,
-                          capture_output=True, text=True, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "finetune.cli", *args], cwd=cwd, capture_output=True, text=True, timeout=120
+    )
 
 
 def test_plan_is_fast():
@@ -42,8 +43,15 @@ def test_plan_json_fields_for_70b_lora():
     proc = finetune("plan", "recipes/llama70b-lora.yaml", "--hardware", "server-8xh100", "--json")
     assert proc.returncode == 0, proc.stderr
     plan = json.loads(proc.stdout)
-    for key in ("strategy", "fits", "per_gpu_memory_gib", "micro_batch_size",
-                "gradient_accumulation_steps", "activation_checkpointing", "candidates"):
+    for key in (
+        "strategy",
+        "fits",
+        "per_gpu_memory_gib",
+        "micro_batch_size",
+        "gradient_accumulation_steps",
+        "activation_checkpointing",
+        "candidates",
+    ):
         assert key in plan
     assert plan["strategy"] == "fsdp2" and plan["fits"]
     assert plan["per_gpu_memory_gib"] < 80
@@ -52,8 +60,9 @@ def test_plan_json_fields_for_70b_lora():
 
 
 def test_405b_full_never_fits_on_gpu_memory_alone():
-    proc = finetune("plan", "recipes/llama405b-lora.yaml", "--hardware", "server-8xh100",
-                    "--set", "adapter.type=full", "--json")
+    proc = finetune(
+        "plan", "recipes/llama405b-lora.yaml", "--hardware", "server-8xh100", "--set", "adapter.type=full", "--json"
+    )
     plan = json.loads(proc.stdout)
     # it fits only by offloading (the preset has host RAM and NVMe for it), so the plan succeeds
     assert proc.returncode == 0 and plan["fits"] and strategies.offloads(plan["strategy"]), plan["strategy"]
@@ -71,21 +80,32 @@ def test_plan_table_is_readable():
 
 
 def test_does_not_fit_exits_3_with_suggestions():
-    proc = finetune("compile", "recipes/llama70b-full.yaml", "--hardware", "workstation-1x4090",
-                    "-o", "/tmp/finetune-should-not-exist")
+    proc = finetune(
+        "compile",
+        "recipes/llama70b-full.yaml",
+        "--hardware",
+        "workstation-1x4090",
+        "-o",
+        "/tmp/finetune-should-not-exist",
+    )
     assert proc.returncode == 3, proc.stderr
     assert "nothing fits" in proc.stderr and "Traceback" not in proc.stderr
     assert not Path("/tmp/finetune-should-not-exist").exists()
 
 
-@pytest.mark.parametrize("args,needle", [
-    (["validate", "recipes/llama8b-lora.yaml", "--set", "train.shceduler=linear"],
-     "train.shceduler: unknown key; did you mean train.scheduler?"),
-    (["validate", "recipes/nope.yaml"], "file not found"),
-    (["plan", "recipes/llama8b-lora.yaml", "--hardware", "server-8xh10"], "server-8xh100"),
-    (["validate", "recipes/llama8b-lora.yaml", "--set", "adapter.r=lots"], "adapter.r"),
-    (["run"], "error:"),
-])
+@pytest.mark.parametrize(
+    "args,needle",
+    [
+        (
+            ["validate", "recipes/llama8b-lora.yaml", "--set", "train.shceduler=linear"],
+            "train.shceduler: unknown key; did you mean train.scheduler?",
+        ),
+        (["validate", "recipes/nope.yaml"], "file not found"),
+        (["plan", "recipes/llama8b-lora.yaml", "--hardware", "server-8xh10"], "server-8xh100"),
+        (["validate", "recipes/llama8b-lora.yaml", "--set", "adapter.r=lots"], "adapter.r"),
+        (["run"], "error:"),
+    ],
+)
 def test_bad_input_exits_2_without_traceback(args, needle):
     proc = finetune(*args)
     assert proc.returncode == 2, (proc.stdout, proc.stderr)
@@ -116,7 +136,6 @@ def test_api_run_returns_results_and_logs_progress_without_printing(tmp_path, ca
     assert result.exit_code == 0 and not result.launched and result.instructions is None
     assert any("strategy ddp" in r.getMessage() for r in caplog.records)
     assert (tmp_path / "run" / "launch.sh").is_file()
-    rc = cli_main(
-        ["run", str(ROOT / "recipes" / "quickstart.yaml"), "--dry-run", "--output", str(tmp_path / "cli")])
+    rc = cli_main(["run", str(ROOT / "recipes" / "quickstart.yaml"), "--dry-run", "--output", str(tmp_path / "cli")])
     out = capsys.readouterr().out
     assert rc == 0 and "strategy ddp" in out and f"dry run: launch files are in {tmp_path / 'cli'}" in out

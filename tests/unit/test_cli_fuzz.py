@@ -24,8 +24,10 @@ from finetune.recipe.load import load_recipe
 from tests.helpers.paths import ROOT
 
 TINY_MODEL = ROOT / "data" / "tiny-llama"
-ROWS = [{"messages": [{"role": "user", "content": w}, {"role": "assistant", "content": w.upper()}]}
-        for w in ("abc", "dog", "sun", "map", "kit", "fox")]
+ROWS = [
+    {"messages": [{"role": "user", "content": w}, {"role": "assistant", "content": w.upper()}]}
+    for w in ("abc", "dog", "sun", "map", "kit", "fox")
+]
 BASE = {
     "model": {"name": str(TINY_MODEL), "dtype": "float32"},
     "adapter": {"type": "lora", "r": 8},
@@ -37,10 +39,15 @@ BASE = {
 FUZZ = settings(max_examples=30, deadline=None, suppress_health_check=list(HealthCheck))
 
 leaf = st.one_of(
-    st.none(), st.booleans(), st.integers(min_value=-(10**30), max_value=10**30),
-    st.floats(allow_nan=True, allow_infinity=True), st.text(max_size=30),
+    st.none(),
+    st.booleans(),
+    st.integers(min_value=-(10**30), max_value=10**30),
+    st.floats(allow_nan=True, allow_infinity=True),
+    st.text(max_size=30),
     st.sampled_from(["", "🦙" * 5, "../../../../etc/passwd", "auto", "-1", "1e400", "null", "ａｕｔｏ"]),
-    st.lists(st.integers(), max_size=3), st.dictionaries(st.text(max_size=5), st.integers(), max_size=2))
+    st.lists(st.integers(), max_size=3),
+    st.dictionaries(st.text(max_size=5), st.integers(), max_size=2),
+)
 
 
 def _paths(tree, prefix=()):
@@ -138,13 +145,19 @@ ROW_MUTATIONS = {
     "empty_messages": (lambda r: {"messages": []}, 2),
     "huge_row": (lambda r: {"messages": [{"role": "user", "content": "a" * 200_000}, r["messages"][1]]}, 0),
 }
-LINE_MUTATIONS = {"invalid_json": ('{"messages": [', 2), "empty_line": ("   ", 0),
-                  "unicode_garbage": ("\ufeff🦙\x00", 2)}
+LINE_MUTATIONS = {
+    "invalid_json": ('{"messages": [', 2),
+    "empty_line": ("   ", 0),
+    "unicode_garbage": ("\ufeff🦙\x00", 2),
+}
 
 
 @settings(FUZZ, max_examples=30)
-@given(kind=st.sampled_from(sorted(ROW_MUTATIONS) + sorted(LINE_MUTATIONS)),
-       where=st.integers(0, len(ROWS) - 1), command=st.sampled_from(["validate", "run"]))
+@given(
+    kind=st.sampled_from(sorted(ROW_MUTATIONS) + sorted(LINE_MUTATIONS)),
+    where=st.integers(0, len(ROWS) - 1),
+    command=st.sampled_from(["validate", "run"]),
+)
 def test_fuzz_dataset(kind, where, command, capsys):
     work = _workdir()
     lines = [json.dumps(r) for r in ROWS]
@@ -169,8 +182,14 @@ def test_fuzz_dataset(kind, where, command, capsys):
 
 
 def _cli(*args, cwd=ROOT):
-    return subprocess.run([sys.executable, "-m", "finetune.cli", *args], cwd=cwd, capture_output=True, text=True,
-                          timeout=300, env={**__import__("os").environ, "HF_HUB_OFFLINE": "1"})
+    return subprocess.run(
+        [sys.executable, "-m", "finetune.cli", *args],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**__import__("os").environ, "HF_HUB_OFFLINE": "1"},
+    )
 
 
 def test_real_process_validate_unknown_key(tmp_path):
@@ -186,9 +205,13 @@ def test_real_process_run_rank_preflight_failure_leaves_no_run_dir(tmp_path):
     """Too many over-long examples are found by the ranks' tokenizer preflight: exit 2 and the
     run directory this run created is removed."""
     work = _workdir()
-    (work / "data.jsonl").write_text("".join(
-        json.dumps({"messages": [{"role": "user", "content": "a" * 200}, {"role": "assistant", "content": "A"}]})
-        + "\n" for _ in range(4)))
+    (work / "data.jsonl").write_text(
+        "".join(
+            json.dumps({"messages": [{"role": "user", "content": "a" * 200}, {"role": "assistant", "content": "A"}]})
+            + "\n"
+            for _ in range(4)
+        )
+    )
     path = work / "recipe.yaml"
     path.write_text(yaml.safe_dump(BASE))
     run_dir = tmp_path / "run"

@@ -17,8 +17,9 @@ CANARY = "hf_CANARYenvToken0123456789"
 
 def _cli(*args, env=None):
     env = {**os.environ, "PYTHONPATH": str(ROOT), **(env or {})}
-    return subprocess.run([sys.executable, "-m", "finetune.cli", *args], env=env, capture_output=True, text=True,
-                          timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "finetune.cli", *args], env=env, capture_output=True, text=True, timeout=120
+    )
 
 
 def test_version():
@@ -41,6 +42,7 @@ def test_env_reports_the_stack_and_hides_secrets():
 
 
 def test_relevant_env_filters_and_masks():
-    shown = relevant_env({"HOME": "/root", "NCCL_DEBUG": "INFO", "MLFLOW_TRACKING_PASSWORD": "x",
-                          "HF_HUB_OFFLINE": "1"})
+    shown = relevant_env(
+        {"HOME": "/root", "NCCL_DEBUG": "INFO", "MLFLOW_TRACKING_PASSWORD": "x", "HF_HUB_OFFLINE": "1"}
+    )
     assert shown == {"HF_HUB_OFFLINE": "1", "MLFLOW_TRACKING_PASSWORD": "set (value hidden)", "NCCL_DEBUG": "INFO"}

@@ -22,8 +22,9 @@ def test_local_task_base_and_trained_side_by_side(tmp_path, trained_run, monkeyp
     run = tmp_path / "run"
     shutil.copytree(trained_run, run)
     monkeypatch.chdir(ROOT)  # the shipped task's data path is relative to the repository root
-    entry = evaluate(run, "tiny_upper", include_path=ROOT / "data" / "lm-eval", limit=6, batch_size=4,
-                     apply_chat_template=True)
+    entry = evaluate(
+        run, "tiny_upper", include_path=ROOT / "data" / "lm-eval", limit=6, batch_size=4, apply_chat_template=True
+    )
 
     acc = entry["results"]["tiny_upper"]["acc,none"]
     assert set(entry["results"]["tiny_upper"]) == {"acc,none"}
@@ -44,8 +45,14 @@ def test_local_task_base_and_trained_side_by_side(tmp_path, trained_run, monkeyp
     from finetune.modelcard import render_model_card
     from finetune.recipe import load_recipe
 
-    card = ModelCard(render_model_card(load_recipe(run / "recipe.resolved.yaml", allow_resolved=True),
-                                       run_dir=run, repo_id="acme/tiny", kind="adapter"))
+    card = ModelCard(
+        render_model_card(
+            load_recipe(run / "recipe.resolved.yaml", allow_resolved=True),
+            run_dir=run,
+            repo_id="acme/tiny",
+            kind="adapter",
+        )
+    )
     found = {(r.dataset_name, r.metric_type): r.metric_value for r in card.data.eval_results}
     assert found[("tiny_upper", "acc")] == round(acc["trained"], 4)
 

@@ -26,8 +26,13 @@ from tests.helpers.run_dirs import tree_hashes
 def test_a_foreign_directory_is_refused_and_left_untouched(tmp_path, capsys):
     user = tmp_path / "mine"
     (user / "checkpoints" / "checkpoint-500").mkdir(parents=True)
-    for name in ("config.json", "model.safetensors", "metrics.jsonl", "summary.json",
-                 "checkpoints/checkpoint-500/optimizer.pt"):
+    for name in (
+        "config.json",
+        "model.safetensors",
+        "metrics.jsonl",
+        "summary.json",
+        "checkpoints/checkpoint-500/optimizer.pt",
+    ):
         (user / name).write_text(f"the user's {name}")
     before = tree_hashes(user)
     recipe = write_recipe(tmp_path / "recipe.yaml")
@@ -43,8 +48,11 @@ def test_the_output_can_never_be_the_model_or_the_data_directory(tmp_path, capsy
     data = tmp_path / "data"
     data.mkdir()
     shutil.copy(TRAIN, data / "train.jsonl")
-    recipe = write_recipe(tmp_path / "recipe.yaml", model={"name": str(model)},
-                          data={"sources": [{"path": str(data / "train.jsonl"), "max_samples": 32}]})
+    recipe = write_recipe(
+        tmp_path / "recipe.yaml",
+        model={"name": str(model)},
+        data={"sources": [{"path": str(data / "train.jsonl"), "max_samples": 32}]},
+    )
     before = tree_hashes(tmp_path)
     for output, what in ((model, "the model's directory"), (data, "a data file"), (tmp_path, "the model's")):
         assert main(["run", str(recipe), "--output", str(output), "--dry-run"]) == 2
@@ -91,13 +99,15 @@ def test_lock_names_the_holder_and_is_taken_over_when_it_is_gone(tmp_path):
 
 @pytest.mark.slow
 def test_a_second_run_into_the_same_directory_is_refused_and_a_killed_ones_lock_is_taken_over(tmp_path):
-    recipe = write_recipe(tmp_path / "recipe.yaml", train={"epochs": None, "max_steps": 400},
-                          output={"save_every": None})
+    recipe = write_recipe(
+        tmp_path / "recipe.yaml", train={"epochs": None, "max_steps": 400}, output={"save_every": None}
+    )
     run_dir, cache = tmp_path / "run", tmp_path / "cache"
     first = start(cli_argv(recipe, run_dir), cache=cache)
     try:
-        assert wait_for(lambda: max(losses(run_dir), default=0) >= 1 if (run_dir / "metrics.jsonl").exists()
-                        else False, proc=first)
+        assert wait_for(
+            lambda: max(losses(run_dir), default=0) >= 1 if (run_dir / "metrics.jsonl").exists() else False, proc=first
+        )
         second = run(cli_argv(recipe, run_dir), cache=cache)
         assert second.returncode == 2, second.stdout[-2000:] + second.stderr[-2000:]
         assert f"pid {first.pid} on host {socket.gethostname()}" in second.stderr, second.stderr
@@ -114,9 +124,12 @@ def test_a_second_run_into_the_same_directory_is_refused_and_a_killed_ones_lock_
 def test_a_finished_run_is_recognised_and_checks_run_before_any_write(tmp_path):
     data = tmp_path / "train.jsonl"
     shutil.copy(TRAIN, data)
-    recipe = write_recipe(tmp_path / "recipe.yaml", train={"epochs": None, "max_steps": 4},
-                          data={"sources": [{"path": str(data), "max_samples": 32}]},
-                          output={"save_every": 2, "keep": 1})
+    recipe = write_recipe(
+        tmp_path / "recipe.yaml",
+        train={"epochs": None, "max_steps": 4},
+        data={"sources": [{"path": str(data), "max_samples": 32}]},
+        output={"save_every": 2, "keep": 1},
+    )
     run_dir, cache = tmp_path / "run", tmp_path / "cache"
     first = run(cli_argv(recipe, run_dir), cache=cache)
     assert first.returncode == 0, first.stderr[-3000:]
@@ -135,8 +148,9 @@ def test_a_finished_run_is_recognised_and_checks_run_before_any_write(tmp_path):
     rows = data.read_text().splitlines()
     data.write_text("\n".join(rows[1:] + rows[:1]) + "\n")  # same path, same rows, new content
     replaced = run(cli_argv(recipe, run_dir), cache=cache)
-    assert replaced.returncode == 2 and "data.sources.0.path (same path, new content" in replaced.stderr, \
+    assert replaced.returncode == 2 and "data.sources.0.path (same path, new content" in replaced.stderr, (
         replaced.stderr[-2000:]
+    )
     assert tree_hashes(run_dir) == done
     # an interrupted run (no finished.json) is checked the same way by the resume check
     finished = (run_dir / rundir.FINISHED).read_bytes()
@@ -152,8 +166,9 @@ def test_a_finished_run_is_recognised_and_checks_run_before_any_write(tmp_path):
     longer = run(cli_argv(recipe, run_dir, "--set", "train.max_steps=6"), cache=cache)
     out = longer.stdout + longer.stderr
     assert longer.returncode == 0, out[-3000:]
-    assert "changed safely: train.max_steps (4 -> 6)" in out and re.search(r"resuming from \S*checkpoint-4", out), \
-        out[-3000:]
+    assert "changed safely: train.max_steps (4 -> 6)" in out and re.search(r"resuming from \S*checkpoint-4", out), out[
+        -3000:
+    ]
     assert sorted(losses(run_dir)) == list(range(1, 7)) and checkpoints(run_dir) == {"checkpoint-6": True}
     assert json.loads((run_dir / rundir.FINISHED).read_text())["step"] == 6
     assert not (run_dir / rundir.PREVIOUS).exists()
@@ -161,8 +176,7 @@ def test_a_finished_run_is_recognised_and_checks_run_before_any_write(tmp_path):
 
 @pytest.mark.slow
 def test_without_checkpoints_a_rerun_never_trains_past_the_end_and_start_over_keeps_the_old_run(tmp_path):
-    recipe = write_recipe(tmp_path / "recipe.yaml", train={"epochs": None, "max_steps": 2},
-                          output={"save_every": None})
+    recipe = write_recipe(tmp_path / "recipe.yaml", train={"epochs": None, "max_steps": 2}, output={"save_every": None})
     run_dir, cache = tmp_path / "run", tmp_path / "cache"
     assert run(cli_argv(recipe, run_dir), cache=cache).returncode == 0
     done = tree_hashes(run_dir)

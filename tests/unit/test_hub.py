@@ -17,8 +17,15 @@ from tests.helpers.fakehub import FakeHub  # noqa: E402
 from tests.helpers.run_dirs import tree_hashes  # noqa: E402
 
 CANARY = "hf_CANARYtoken1234567890abcdef"
-ALLOWED = {"README.md", "adapter_config.json", "adapter_model.safetensors", "tokenizer.json",
-           "tokenizer_config.json", "recipe.resolved.yaml", "loss.png"}
+ALLOWED = {
+    "README.md",
+    "adapter_config.json",
+    "adapter_model.safetensors",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "recipe.resolved.yaml",
+    "loss.png",
+}
 
 
 @pytest.fixture(scope="module")
@@ -76,10 +83,18 @@ def test_push_adapter(runs, hub):
     assert meta["datasets"] == ["HuggingFaceH4/ultrachat_200k"]  # the local jsonl is not a Hub id
     assert "base_model" not in meta  # the base is a local directory, not a Hub id
     assert "license" not in meta
-    for fragment in ("![training loss](loss.png)", "| final train loss | 5.5000 |",
-                     "| best eval loss | 6.0000 |", "| steps | 4 |", "| training tokens | 2,048 |",
-                     "| strategy | ddp |", "| hardware | cpu: CPU |", "LoRA r=8, alpha=16",
-                     "AutoPeftModelForCausalLM", "recipe.resolved.yaml"):
+    for fragment in (
+        "![training loss](loss.png)",
+        "| final train loss | 5.5000 |",
+        "| best eval loss | 6.0000 |",
+        "| steps | 4 |",
+        "| training tokens | 2,048 |",
+        "| strategy | ddp |",
+        "| hardware | cpu: CPU |",
+        "LoRA r=8, alpha=16",
+        "AutoPeftModelForCausalLM",
+        "recipe.resolved.yaml",
+    ):
         assert fragment in text
     # the weights went through git-LFS (not inlined in the commit), everything in one commit
     assert hub.count("PUT", "/lfs-upload/") >= 2
@@ -89,8 +104,7 @@ def test_push_adapter(runs, hub):
 
 
 def test_push_public_to_branch(runs, hub):
-    push(runs["lora"], repo_id="acme/tiny-public", private=False, revision="exp-7",
-         commit_message="first try")
+    push(runs["lora"], repo_id="acme/tiny-public", private=False, revision="exp-7", commit_message="first try")
     repo = hub.repos["acme/tiny-public"]
     assert repo.private is False
     assert hub.files("acme/tiny-public") == {}  # main untouched
@@ -154,8 +168,14 @@ def test_push_merged_merges_in_a_temp_dir_and_resumes(runs, hub, tmp_path, caplo
     files = hub.files("acme/tiny-merged")
     shards = {n for n in files if n.startswith("model-") and n.endswith(".safetensors")}
     assert len(shards) > 1 and "model.safetensors.index.json" in files
-    assert {"config.json", "generation_config.json", "tokenizer.json", "README.md",
-            "recipe.resolved.yaml", "loss.png"} <= set(files)
+    assert {
+        "config.json",
+        "generation_config.json",
+        "tokenizer.json",
+        "README.md",
+        "recipe.resolved.yaml",
+        "loss.png",
+    } <= set(files)
     assert not any(n.startswith("adapter_") for n in files)
     meta, text = _card(files)
     assert meta["library_name"] == "transformers" and "merged" in meta["tags"]
@@ -225,17 +245,24 @@ def test_bad_repo_id(runs, hub):
 
 
 def test_card_for_hub_base_dpo_qlora(tmp_path):
-    recipe = load_recipe({
-        "model": {"name": "meta-llama/Llama-3.1-8B-Instruct"},
-        "method": "dpo",
-        "adapter": {"type": "qlora", "r": 16},
-        "data": {"path": "trl-lib/ultrafeedback_binarized", "format": "preference"},
-        "train": {"epochs": 1},
-    })
+    recipe = load_recipe(
+        {
+            "model": {"name": "meta-llama/Llama-3.1-8B-Instruct"},
+            "method": "dpo",
+            "adapter": {"type": "qlora", "r": 16},
+            "data": {"path": "trl-lib/ultrafeedback_binarized", "format": "preference"},
+            "train": {"epochs": 1},
+        }
+    )
     meta = card_metadata(recipe, kind="adapter", license="llama3.1")
-    assert meta == {"base_model": "meta-llama/Llama-3.1-8B-Instruct", "library_name": "peft",
-                    "pipeline_tag": "text-generation", "tags": ["finetune", "dpo", "qlora", "trl"],
-                    "datasets": ["trl-lib/ultrafeedback_binarized"], "license": "llama3.1"}
+    assert meta == {
+        "base_model": "meta-llama/Llama-3.1-8B-Instruct",
+        "library_name": "peft",
+        "pipeline_tag": "text-generation",
+        "tags": ["finetune", "dpo", "qlora", "trl"],
+        "datasets": ["trl-lib/ultrafeedback_binarized"],
+        "license": "llama3.1",
+    }
     text = render_model_card(recipe, run_dir=tmp_path, repo_id="acme/x", kind="adapter")
     assert parse_front_matter(text)["base_model"] == "meta-llama/Llama-3.1-8B-Instruct"
     assert "DPO (beta=0.1, loss sigmoid)" in text and "QLoRA r=16" in text
@@ -252,8 +279,7 @@ def test_license_from_local_base_card(runs, tmp_path):
     assert base_license(recipe, str(base)) == "apache-2.0"
     assert base_license(recipe, str(runs["base"])) is None
     # listed in the model registry (finetune/registry/models/llama-3.1-8b.yaml)
-    listed = load_recipe({"model": {"name": "meta-llama/Llama-3.1-8B-Instruct"},
-                          "data": {"path": "x.jsonl"}})
+    listed = load_recipe({"model": {"name": "meta-llama/Llama-3.1-8B-Instruct"}, "data": {"path": "x.jsonl"}})
     assert base_license(listed, listed.model.name) == "llama3.1"
 
 
@@ -261,8 +287,7 @@ def _assert_no_canary(directory, caplog, capsys, extra: str = "") -> None:
     captured = capsys.readouterr()
     logs = caplog.text + "\n".join(r.getMessage() for r in caplog.records)
     assert caplog.records  # logging was on, so this checks real log lines
-    for where, text in (("log", logs), ("stdout", captured.out), ("stderr", captured.err),
-                        ("error", extra)):
+    for where, text in (("log", logs), ("stdout", captured.out), ("stderr", captured.err), ("error", extra)):
         assert CANARY not in text, where
     for path in directory.rglob("*"):
         if path.is_file():
@@ -276,16 +301,33 @@ def test_card_shows_names_not_local_paths_and_evaluations_as_model_index(runs, t
     run = tmp_path / "run"
     shutil.copytree(runs["lora"], run)
     summary = json.loads((run / "summary.json").read_text())
-    summary.update(task_eval_before={"exact_match": 0.0, "n": 10, "examples": []},
-                   task_eval_after={"exact_match": 0.8, "n": 10, "examples": []},
-                   versions={"transformers": "5.24.0", "trl": "1.16.0"},
-                   lm_eval={"version": "0.4.13", "num_fewshot": 0, "limit": 8,
-                            "results": {"tiny_words": {"acc,none": {"base": 0.25, "trained": 0.75}}}})
+    summary.update(
+        task_eval_before={"exact_match": 0.0, "n": 10, "examples": []},
+        task_eval_after={"exact_match": 0.8, "n": 10, "examples": []},
+        versions={"transformers": "5.24.0", "trl": "1.16.0"},
+        lm_eval={
+            "version": "0.4.13",
+            "num_fewshot": 0,
+            "limit": 8,
+            "results": {"tiny_words": {"acc,none": {"base": 0.25, "trained": 0.75}}},
+        },
+    )
     (run / "summary.json").write_text(json.dumps(summary))
     recipe = load_recipe(run / "recipe.resolved.yaml", allow_resolved=True)
-    recipe = recipe.model_copy(update={"data": recipe.data.model_copy(update={"task_eval": load_recipe({
-        "model": {"name": "x/y"}, "data": {"path": "a.jsonl", "task_eval": {"path": str(tmp_path / "held.jsonl")}}
-    }).data.task_eval})})
+    recipe = recipe.model_copy(
+        update={
+            "data": recipe.data.model_copy(
+                update={
+                    "task_eval": load_recipe(
+                        {
+                            "model": {"name": "x/y"},
+                            "data": {"path": "a.jsonl", "task_eval": {"path": str(tmp_path / "held.jsonl")}},
+                        }
+                    ).data.task_eval
+                }
+            )
+        }
+    )
     text = render_model_card(recipe, run_dir=run, repo_id="acme/card", kind="adapter")
     assert str(runs["base"]) not in text and str(tmp_path) not in text  # no absolute local path anywhere
     assert "`tiny-llama`" in text and "chat.jsonl (messages)" in text
@@ -328,8 +370,12 @@ def test_push_access_checked_before_training(runs, hub):
     hub.whoami["auth"]["accessToken"]["role"] = "read"
     with pytest.raises(RecipeError, match="read token"):
         check_push_access("acme/new-model")
-    hub.whoami["auth"]["accessToken"] = {"role": "fineGrained", "fineGrained": {"scoped": [
-        {"entity": {"type": "org", "name": "acme"}, "permissions": ["repo.content.read", "repo.write"]}]}}
+    hub.whoami["auth"]["accessToken"] = {
+        "role": "fineGrained",
+        "fineGrained": {
+            "scoped": [{"entity": {"type": "org", "name": "acme"}, "permissions": ["repo.content.read", "repo.write"]}]
+        },
+    }
     assert check_push_access("acme/new-model") == "tester"
     with pytest.raises(RecipeError, match="no repo.write permission on 'tester'"):
         check_push_access("tester/own")
@@ -364,10 +410,18 @@ def test_push_access_offline_or_logged_out(hub, monkeypatch, tmp_path):
 def test_public_recipe_has_no_local_paths(tmp_path):
     from finetune.modelcard import public_recipe
 
-    recipe = load_recipe({"model": {"name": str(tmp_path / "base")},
-                          "data": {"path": str(tmp_path / "d" / "train.jsonl"), "cache_dir": str(tmp_path / "c"),
-                                   "chat_template": str(tmp_path / "t.jinja"), "allow_paths": [str(tmp_path)]},
-                          "output": {"dir": str(tmp_path / "runs" / "r1")}})
+    recipe = load_recipe(
+        {
+            "model": {"name": str(tmp_path / "base")},
+            "data": {
+                "path": str(tmp_path / "d" / "train.jsonl"),
+                "cache_dir": str(tmp_path / "c"),
+                "chat_template": str(tmp_path / "t.jinja"),
+                "allow_paths": [str(tmp_path)],
+            },
+            "output": {"dir": str(tmp_path / "runs" / "r1")},
+        }
+    )
     public = public_recipe(recipe)
     assert str(tmp_path) not in yaml.safe_dump(public)
     assert public["model"]["name"] == "base" and public["data"]["sources"][0]["path"] == "train.jsonl"

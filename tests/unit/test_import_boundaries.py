@@ -15,9 +15,23 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 HEAVY = ("torch", "transformers", "trl", "peft", "accelerate", "deepspeed", "bitsandbytes")
 # every module of these is imported (packages with all their submodules)
-TORCH_FREE = ("finetune", "finetune.errors", "finetune.strategies", "finetune.rundir", "finetune.recipe",
-              "finetune.registry", "finetune.plan", "finetune.compile", "finetune.data", "finetune.checkpoints",
-              "finetune.cli", "finetune.api", "finetune.guard", "finetune.prelaunch", "finetune.launch")
+TORCH_FREE = (
+    "finetune",
+    "finetune.errors",
+    "finetune.strategies",
+    "finetune.rundir",
+    "finetune.recipe",
+    "finetune.registry",
+    "finetune.plan",
+    "finetune.compile",
+    "finetune.data",
+    "finetune.checkpoints",
+    "finetune.cli",
+    "finetune.api",
+    "finetune.guard",
+    "finetune.prelaunch",
+    "finetune.launch",
+)
 
 PROBE = """
 import importlib, json, pkgutil, sys
@@ -67,11 +81,13 @@ def test_the_launching_process_imports_no_training_stack(tmp_path):
 def test_importing_a_module_keeps_the_api_functions():
     # a submodule named like an API function (finetune.plan, finetune.compile) would replace the function
     # as an attribute of the package when it is first imported
-    code = ("import importlib, pkgutil, finetune\n"
-            "api = {name: getattr(finetune, name) for name in finetune.__all__ if callable(getattr(finetune, name))}\n"
-            "for info in pkgutil.iter_modules(finetune.__path__):\n"
-            "    importlib.import_module('finetune.' + info.name)\n"
-            "print(sorted(name for name, value in api.items() if getattr(finetune, name) is not value))\n")
+    code = (
+        "import importlib, pkgutil, finetune\n"
+        "api = {name: getattr(finetune, name) for name in finetune.__all__ if callable(getattr(finetune, name))}\n"
+        "for info in pkgutil.iter_modules(finetune.__path__):\n"
+        "    importlib.import_module('finetune.' + info.name)\n"
+        "print(sorted(name for name, value in api.items() if getattr(finetune, name) is not value))\n"
+    )
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.strip() == "[]"

@@ -24,8 +24,14 @@ def runs(tiny_runs):
 
 def _cli(*args, stdin=None):
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)}
-    return subprocess.run([sys.executable, "-m", "finetune.cli", "generate", *map(str, args)], input=stdin,
-                          env=env, capture_output=True, text=True, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-m", "finetune.cli", "generate", *map(str, args)],
+        input=stdin,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
 
 
 def test_batched_equals_one_by_one_and_merged_equals_adapter(runs, tmp_path):
@@ -46,8 +52,10 @@ def test_batched_equals_one_by_one_and_merged_equals_adapter(runs, tmp_path):
 
 
 def test_prompt_files(tmp_path):
-    (tmp_path / "p.jsonl").write_text('{"prompt": "ab"}\n\n{"messages": [{"role": "user", "content": "cd"}, '
-                                      '{"role": "assistant", "content": "CD"}]}\n')
+    (tmp_path / "p.jsonl").write_text(
+        '{"prompt": "ab"}\n\n{"messages": [{"role": "user", "content": "cd"}, '
+        '{"role": "assistant", "content": "CD"}]}\n'
+    )
     assert read_prompts(tmp_path / "p.jsonl") == ["ab", [{"role": "user", "content": "cd"}]]
     (tmp_path / "p.txt").write_text("one\n\ntwo\n")
     assert read_prompts(tmp_path / "p.txt") == ["one", "two"]
@@ -65,8 +73,23 @@ def test_cli_streams_one_prompt_and_writes_a_file_of_prompts(runs, tmp_path, cap
     assert main(["generate", str(runs["lora"]), "The quick", "--max-new-tokens", "6"]) == 0
     assert capsys.readouterr().out.strip() == expected  # TextStreamer printed the new tokens (not the prompt)
     (tmp_path / "p.txt").write_text("\n".join(PROMPTS) + "\n")
-    assert main(["generate", str(runs["lora"]), "--file", str(tmp_path / "p.txt"), "--batch-size", "2",
-                 "--max-new-tokens", "6", "-o", str(tmp_path / "out.jsonl")]) == 0
+    assert (
+        main(
+            [
+                "generate",
+                str(runs["lora"]),
+                "--file",
+                str(tmp_path / "p.txt"),
+                "--batch-size",
+                "2",
+                "--max-new-tokens",
+                "6",
+                "-o",
+                str(tmp_path / "out.jsonl"),
+            ]
+        )
+        == 0
+    )
     rows = [json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines()]
     assert [r["prompt"] for r in rows] == PROMPTS
     assert [r["completion"] for r in rows] == finetune.generate(runs["lora"], PROMPTS, max_new_tokens=6)

@@ -29,25 +29,49 @@ def test_steady_rate_skips_the_warm_up_steps():
 @pytest.mark.slow
 def test_plan_measure_on_the_quickstart_recipe(tmp_path):
     keep = tmp_path / "measured"
-    proc = subprocess.run([sys.executable, "-m", "finetune.cli", "plan", str(QUICKSTART), "--measure",
-                           "--steps", "4", "--keep", str(keep), "--json"],
-                          cwd=ROOT, env=env(), capture_output=True, text=True, timeout=400)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "finetune.cli",
+            "plan",
+            str(QUICKSTART),
+            "--measure",
+            "--steps",
+            "4",
+            "--keep",
+            str(keep),
+            "--json",
+        ],
+        cwd=ROOT,
+        env=env(),
+        capture_output=True,
+        text=True,
+        timeout=400,
+    )
     out = proc.stdout
     assert proc.returncode == 0, out[-3000:] + proc.stderr[-3000:]
     assert "Traceback" not in out + proc.stderr
     result = json.loads(out.strip().splitlines()[-1])
     planned = plan(str(QUICKSTART))
     # the planned setting ran: quickstart's micro-batch 16, predicted peak and tokens/s from the planner
-    assert f"micro-batch {planned.micro_batch_size} x accumulation {planned.gradient_accumulation_steps}" \
+    assert (
+        f"micro-batch {planned.micro_batch_size} x accumulation {planned.gradient_accumulation_steps}"
         in result["setting"]
+    )
     assert result["predicted_gib"] == pytest.approx(planned.per_gpu_memory_gib, abs=1e-3)
     assert result["predicted_tokens_per_s"] == pytest.approx(planned.tokens_per_second, rel=1e-3)
     assert result["peak_kind"] == "host RSS peak" and result["device"] == "cpu"
     assert result["measured_peak_gib"] > 0.1 and result["tokens_per_s"] > 0 and result["fits"]
     assert result["usable_gib"] == pytest.approx(HEADROOM * 16)  # the cpu preset: 16 GiB per process
     # what was printed: per-rank measured vs predicted, the ratios, the headroom verdict, the label
-    for text in ("host RSS peak GiB", "predicted/measured", "tokens/s (steady, after step 2)",
-                 "fits", "cpu preset: the peak is the process's host RSS"):
+    for text in (
+        "host RSS peak GiB",
+        "predicted/measured",
+        "tokens/s (steady, after step 2)",
+        "fits",
+        "cpu preset: the peak is the process's host RSS",
+    ):
         assert text in out, out[-3000:]
     # the run: 4 steps logged one by one, no checkpoint, no model saved, nothing evaluated
     rows = [json.loads(line) for line in (keep / METRICS).read_text().splitlines()]
@@ -58,6 +82,11 @@ def test_plan_measure_on_the_quickstart_recipe(tmp_path):
     assert (keep / memory_file(0)).is_file()
 
     # the verdict on the same measured files against a device whose usable memory is below the peak
-    tight = read_measurement(keep, plan=planned, steps=4, usable_gib=result["measured_peak_gib"] * 0.9,
-                             device_gib=result["measured_peak_gib"])
+    tight = read_measurement(
+        keep,
+        plan=planned,
+        steps=4,
+        usable_gib=result["measured_peak_gib"] * 0.9,
+        device_gib=result["measured_peak_gib"],
+    )
     assert not tight.fits and "DOES NOT FIT" in render_measurement(tight)

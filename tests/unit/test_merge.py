@@ -127,9 +127,12 @@ def test_qlora_merges_into_unquantized_base_in_compute_dtype(runs, tmp_path):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    run = variant_run(runs["lora"], tmp_path / "run-qlora",
-                      adapter={"type": "qlora", "compute_dtype": "bfloat16"},
-                      train={"precision": "bf16"})
+    run = variant_run(
+        runs["lora"],
+        tmp_path / "run-qlora",
+        adapter={"type": "qlora", "compute_dtype": "bfloat16"},
+        train={"precision": "bf16"},
+    )
     out = merge(run, tmp_path / "out")
     merged = AutoModelForCausalLM.from_pretrained(out)
     assert merged.dtype == torch.bfloat16  # the recipe's model.dtype is float32: compute dtype won
@@ -159,9 +162,16 @@ def test_streaming_merge_honours_rslora_and_rank_patterns(runs, tmp_path):
     """rsLoRA scaling and per-module rank/alpha patterns come from peft's own layers, not our arithmetic."""
     import torch
 
-    run = _peft_adapter_run(runs, tmp_path / "run", r=8, lora_alpha=16, use_rslora=True,
-                            target_modules=["q_proj", "v_proj", "down_proj"],
-                            rank_pattern={"down_proj": 4}, alpha_pattern={"v_proj": 3})
+    run = _peft_adapter_run(
+        runs,
+        tmp_path / "run",
+        r=8,
+        lora_alpha=16,
+        use_rslora=True,
+        target_modules=["q_proj", "v_proj", "down_proj"],
+        rank_pattern={"down_proj": 4},
+        alpha_pattern={"v_proj": 3},
+    )
     plain, reference, merged = _reference_and_merged(runs, run, tmp_path / "out", "float32")
     assert (reference - plain).abs().max() > 1e-2
     torch.testing.assert_close(merged, reference, atol=1e-4, rtol=1e-4)
@@ -173,8 +183,9 @@ def test_merge_streams_tensor_by_tensor(runs, tmp_path):
 
     out = tmp_path / "out"
     out.mkdir()
-    n = merge_stream.merge_checkpoint(base_dir=runs["base"], run_dir=runs["lora"], out=out, dtype="float32",
-                                      max_shard_size="100KB")
+    n = merge_stream.merge_checkpoint(
+        base_dir=runs["base"], run_dir=runs["lora"], out=out, dtype="float32", max_shard_size="100KB"
+    )
     adapter = json.loads((runs["lora"] / "adapter_config.json").read_text())
     layers = json.loads((runs["base"] / "config.json").read_text())["num_hidden_layers"]
     assert n == layers * len(adapter["target_modules"])

@@ -24,17 +24,31 @@ def _recipe(**logging):
 
 
 def test_each_tracker_gets_the_recipes_names_and_writes_inside_the_run_dir(tmp_path):
-    recipe = _recipe(report_to=["tensorboard", "wandb", "mlflow", "trackio"], project="proj",
-                     run_name="r1", entity="team", offline=True)
+    recipe = _recipe(
+        report_to=["tensorboard", "wandb", "mlflow", "trackio"],
+        project="proj",
+        run_name="r1",
+        entity="team",
+        offline=True,
+    )
     env = tracker_env(recipe, tmp_path, {"MLFLOW_TRACKING_URI": "http://mlflow.example"})
-    assert env == {"TENSORBOARD_LOGGING_DIR": str(tmp_path / "tensorboard"),
-                   "WANDB_PROJECT": "proj", "WANDB_DIR": str(tmp_path), "WANDB_ENTITY": "team",
-                   "WANDB_MODE": "offline", "MLFLOW_EXPERIMENT_NAME": "proj",
-                   "MLFLOW_TRACKING_URI": (tmp_path / "mlruns").as_uri(),  # offline wins over the server
-                   "TRACKIO_DIR": str(tmp_path / "trackio")}
+    assert env == {
+        "TENSORBOARD_LOGGING_DIR": str(tmp_path / "tensorboard"),
+        "WANDB_PROJECT": "proj",
+        "WANDB_DIR": str(tmp_path),
+        "WANDB_ENTITY": "team",
+        "WANDB_MODE": "offline",
+        "MLFLOW_EXPERIMENT_NAME": "proj",
+        "MLFLOW_TRACKING_URI": (tmp_path / "mlruns").as_uri(),  # offline wins over the server
+        "TRACKIO_DIR": str(tmp_path / "trackio"),
+    }
     args = training_arguments(recipe, tmp_path)
-    assert args == {"report_to": ["tensorboard", "wandb", "mlflow", "trackio"], "run_name": "r1",
-                    "project": "proj", "trackio_space_id": None}
+    assert args == {
+        "report_to": ["tensorboard", "wandb", "mlflow", "trackio"],
+        "run_name": "r1",
+        "project": "proj",
+        "trackio_space_id": None,
+    }
     online = _recipe(report_to=["mlflow", "wandb"])
     env = tracker_env(online, tmp_path / "run-7", {"MLFLOW_TRACKING_URI": "http://mlflow.example"})
     assert "MLFLOW_TRACKING_URI" not in env and "WANDB_MODE" not in env  # the user's server is kept
@@ -44,13 +58,18 @@ def test_each_tracker_gets_the_recipes_names_and_writes_inside_the_run_dir(tmp_p
 
 @pytest.mark.skipif(importlib.util.find_spec("wandb") is not None, reason="wandb is installed here")
 def test_missing_tracker_package_is_refused_before_anything_loads(tmp_path):
-    recipe = tiny_recipe(logging={"report_to": ["tensorboard", "wandb"]},
-                         data={"allow_paths": [str(ROOT / "data")]})
+    recipe = tiny_recipe(logging={"report_to": ["tensorboard", "wandb"]}, data={"allow_paths": [str(ROOT / "data")]})
     path = tmp_path / "recipe.yaml"
     path.write_text(yaml.safe_dump(recipe))
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run([sys.executable, "-m", "finetune.cli", "run", str(path), "-o", str(tmp_path / "run")],
-                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-m", "finetune.cli", "run", str(path), "-o", str(tmp_path / "run")],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 2, proc.stderr
     assert "logging.report_to: wandb is not installed" in proc.stderr and "pip install wandb" in proc.stderr
     assert "Traceback" not in proc.stderr
@@ -100,7 +119,9 @@ def test_loss_png_has_title_smoothing_and_log_scale(run_dir, tmp_path):
     ax = fig.axes[0]
     assert ax.get_title() == "tiny · sft lora · r1" and ax.get_yscale() == "log"
     assert [(ln.get_label(), ln.get_alpha()) for ln in ax.get_lines()] == [
-        ("train loss (raw)", 0.3), ("train loss (EMA 0.9)", None)]
+        ("train loss (raw)", 0.3),
+        ("train loss (EMA 0.9)", None),
+    ]
     plt.close(fig)
     plot_loss(rows, tmp_path / "loss.png", smoothing=0)  # no smoothed line, linear axis
     assert Path(tmp_path / "loss.png").stat().st_size > 5000

@@ -86,9 +86,18 @@ def test_safe_changes_continue_and_are_reported(tmp_path, recipe):
         check_resume(ckpt, fewer)
 
 
-@pytest.mark.parametrize("strategy,allowed", [("ddp", True), ("fsdp2", True), ("zero3", False),
-                                              ("zero3-offload", False), ("zero2", False),
-                                              ("zero3-optim-offload", False), ("fsdp2-offload", True)])
+@pytest.mark.parametrize(
+    "strategy,allowed",
+    [
+        ("ddp", True),
+        ("fsdp2", True),
+        ("zero3", False),
+        ("zero3-offload", False),
+        ("zero2", False),
+        ("zero3-optim-offload", False),
+        ("fsdp2-offload", True),
+    ],
+)
 def test_other_world_size(tmp_path, recipe, strategy, allowed):
     recipe.distributed.strategy = strategy
     ckpt = _ckpt(tmp_path, recipe, world_size=8, strategy=strategy)

@@ -15,10 +15,13 @@ def _qlora_model(tiny_model_path):
     from peft import LoraConfig
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
-    quant = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
-                               bnb_4bit_compute_dtype=torch.float32, bnb_4bit_quant_storage=torch.float32)
-    base = AutoModelForCausalLM.from_pretrained(tiny_model_path, quantization_config=quant,
-                                                dtype=torch.float32)
+    quant = BitsAndBytesConfig(
+        load_in_4bit=True,
+        bnb_4bit_quant_type="nf4",
+        bnb_4bit_compute_dtype=torch.float32,
+        bnb_4bit_quant_storage=torch.float32,
+    )
+    base = AutoModelForCausalLM.from_pretrained(tiny_model_path, quantization_config=quant, dtype=torch.float32)
     return base, LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", task_type="CAUSAL_LM")
 
 
@@ -31,16 +34,18 @@ def _eval_then_train(model) -> tuple[list[str], torch.Tensor]:
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         model(input_ids=ids, labels=ids).loss.backward()
-    first_layer_grad = next(p.grad for n, p in model.named_parameters()
-                            if "layers.0." in n and "lora_B" in n and "q_proj" in n)  # lora_A grads are 0 at init
+    first_layer_grad = next(
+        p.grad for n, p in model.named_parameters() if "layers.0." in n and "lora_B" in n and "q_proj" in n
+    )  # lora_A grads are 0 at init
     return [str(w.message) for w in caught], first_layer_grad
 
 
 def _cpu_repacks(base) -> bool:
     import bitsandbytes as bnb
 
-    return any(getattr(m, "support_avx512bf16_for_cpu", False) for m in base.modules()
-               if isinstance(m, bnb.nn.Linear4bit))
+    return any(
+        getattr(m, "support_avx512bf16_for_cpu", False) for m in base.modules() if isinstance(m, bnb.nn.Linear4bit)
+    )
 
 
 @bnb_affected

@@ -26,76 +26,154 @@ from tests.helpers.paths import GOLDEN, ROOT
 
 GOLDEN_FILES = ("accelerate.yaml", "ds_config.json", "launch.sh", "job.sbatch", "recipe.resolved.yaml")
 UPDATE = os.environ.get("UPDATE_GOLDEN") == "1"
-ULTRACHAT = {"sources": [{"path": "HuggingFaceH4/ultrachat_200k", "split": "train_sft"}],
-             "max_length": 4096, "packing": True}
+ULTRACHAT = {
+    "sources": [{"path": "HuggingFaceH4/ultrachat_200k", "split": "train_sft"}],
+    "max_length": 4096,
+    "packing": True,
+}
 
 
 def make_plan(preset, *, strategy, mbs, gas, ckpt, peak, model="m", device="cuda") -> Plan:
     world = preset.gpus_per_node * preset.nodes
-    return Plan(model=model, hardware=preset.name, adapter="lora", method="sft", strategy=strategy,
-                fits=True, micro_batch_size=mbs, gradient_accumulation_steps=gas,
-                activation_checkpointing=ckpt, per_gpu_memory_gib=peak, world_size=world,
-                num_nodes=preset.nodes, gpus_per_node=preset.gpus_per_node, seq_len=4096,
-                global_batch_size=world * mbs * gas, tokens_per_step=world * mbs * gas * 4096,
-                step_time_s=1.0, tokens_per_second=1.0, mfu=0.3, why="test plan", device=device)
+    return Plan(
+        model=model,
+        hardware=preset.name,
+        adapter="lora",
+        method="sft",
+        strategy=strategy,
+        fits=True,
+        micro_batch_size=mbs,
+        gradient_accumulation_steps=gas,
+        activation_checkpointing=ckpt,
+        per_gpu_memory_gib=peak,
+        world_size=world,
+        num_nodes=preset.nodes,
+        gpus_per_node=preset.gpus_per_node,
+        seq_len=4096,
+        global_batch_size=world * mbs * gas,
+        tokens_per_step=world * mbs * gas * 4096,
+        step_time_s=1.0,
+        tokens_per_second=1.0,
+        mfu=0.3,
+        why="test plan",
+        device=device,
+    )
 
 
 # name -> (recipe dict, model key, preset, plan kwargs); plans are hand-made so each strategy
 # is pinned whatever the planner would choose today
 CASES = {
     "llama8b-lora-workstation-1x4090": (
-        {"model": {"name": "meta-llama/Llama-3.1-8B-Instruct"}, "data": ULTRACHAT,
-         "train": {"epochs": 1, "global_batch_size": 16}},
-        "llama-3.1-8b", "workstation-1x4090",
-        dict(strategy="ddp", mbs=1, gas=16, ckpt=True, peak=21.3)),
+        {
+            "model": {"name": "meta-llama/Llama-3.1-8B-Instruct"},
+            "data": ULTRACHAT,
+            "train": {"epochs": 1, "global_batch_size": 16},
+        },
+        "llama-3.1-8b",
+        "workstation-1x4090",
+        dict(strategy="ddp", mbs=1, gas=16, ckpt=True, peak=21.3),
+    ),
     "llama70b-lora-server-8xh100-fsdp2": (
-        {"model": {"name": "meta-llama/Llama-3.3-70B-Instruct"}, "data": ULTRACHAT,
-         "train": {"epochs": 1, "lr": 1e-4, "global_batch_size": 64}},
-        "llama-3.3-70b", "server-8xh100",
-        dict(strategy="fsdp2", mbs=2, gas=4, ckpt=False, peak=61.0)),
+        {
+            "model": {"name": "meta-llama/Llama-3.3-70B-Instruct"},
+            "data": ULTRACHAT,
+            "train": {"epochs": 1, "lr": 1e-4, "global_batch_size": 64},
+        },
+        "llama-3.3-70b",
+        "server-8xh100",
+        dict(strategy="fsdp2", mbs=2, gas=4, ckpt=False, peak=61.0),
+    ),
     "llama70b-full-server-8xh100-zero3-offload": (
-        {"model": {"name": "meta-llama/Llama-3.1-70B"}, "adapter": "full", "data": ULTRACHAT,
-         "train": {"epochs": 1, "lr": 5e-6, "weight_decay": 0.1, "optimizer": "adamw_8bit",
-                   "global_batch_size": 128}},
-        "llama-3.1-70b", "server-8xh100",
-        dict(strategy="zero3-offload", mbs=1, gas=16, ckpt=True, peak=55.0)),
+        {
+            "model": {"name": "meta-llama/Llama-3.1-70B"},
+            "adapter": "full",
+            "data": ULTRACHAT,
+            "train": {
+                "epochs": 1,
+                "lr": 5e-6,
+                "weight_decay": 0.1,
+                "optimizer": "adamw_8bit",
+                "global_batch_size": 128,
+            },
+        },
+        "llama-3.1-70b",
+        "server-8xh100",
+        dict(strategy="zero3-offload", mbs=1, gas=16, ckpt=True, peak=55.0),
+    ),
     "llama8b-full-workstation-2x4090-zero3-nvme": (
-        {"model": {"name": "meta-llama/Llama-3.1-8B"}, "adapter": "full", "data": ULTRACHAT,
-         "train": {"max_steps": 1000, "lr": 1e-5, "precision": "bf16", "global_batch_size": 32}},
-        "llama-3.1-8b", "workstation-2x4090",
-        dict(strategy="zero3-nvme", mbs=1, gas=16, ckpt=True, peak=18.0)),
+        {
+            "model": {"name": "meta-llama/Llama-3.1-8B"},
+            "adapter": "full",
+            "data": ULTRACHAT,
+            "train": {"max_steps": 1000, "lr": 1e-5, "precision": "bf16", "global_batch_size": 32},
+        },
+        "llama-3.1-8b",
+        "workstation-2x4090",
+        dict(strategy="zero3-nvme", mbs=1, gas=16, ckpt=True, peak=18.0),
+    ),
     "llama70b-full-cluster-2x8xh100-hybrid": (
-        {"model": {"name": "meta-llama/Llama-3.1-70B"}, "adapter": "full", "data": ULTRACHAT,
-         "train": {"epochs": 1, "lr": 5e-6, "global_batch_size": 128}},
-        "llama-3.1-70b", "cluster-2x8xh100",
-        dict(strategy="fsdp2-hybrid", mbs=1, gas=8, ckpt=True, peak=70.2)),
+        {
+            "model": {"name": "meta-llama/Llama-3.1-70B"},
+            "adapter": "full",
+            "data": ULTRACHAT,
+            "train": {"epochs": 1, "lr": 5e-6, "global_batch_size": 128},
+        },
+        "llama-3.1-70b",
+        "cluster-2x8xh100",
+        dict(strategy="fsdp2-hybrid", mbs=1, gas=8, ckpt=True, peak=70.2),
+    ),
     "llama70b-lora-cluster-2x8xh100-zero3": (
-        {"model": {"name": "meta-llama/Llama-3.3-70B-Instruct"}, "data": ULTRACHAT,
-         "train": {"epochs": 1, "precision": "fp16"}, "model_dtype": "float16"},
-        "llama-3.3-70b", "cluster-2x8xh100",
-        dict(strategy="zero3", mbs=1, gas=1, ckpt=True, peak=40.0)),
+        {
+            "model": {"name": "meta-llama/Llama-3.3-70B-Instruct"},
+            "data": ULTRACHAT,
+            "train": {"epochs": 1, "precision": "fp16"},
+            "model_dtype": "float16",
+        },
+        "llama-3.3-70b",
+        "cluster-2x8xh100",
+        dict(strategy="zero3", mbs=1, gas=1, ckpt=True, peak=40.0),
+    ),
     "qwen14b-full-server-8xh100-zero2": (
-        {"model": {"name": "Qwen/Qwen2.5-14B"}, "adapter": "full", "data": ULTRACHAT,
-         "train": {"epochs": 1, "lr": 1e-5, "global_batch_size": 64}},
-        "qwen2.5-14b", "server-8xh100",
-        dict(strategy="zero2", mbs=1, gas=8, ckpt=True, peak=60.0)),
+        {
+            "model": {"name": "Qwen/Qwen2.5-14B"},
+            "adapter": "full",
+            "data": ULTRACHAT,
+            "train": {"epochs": 1, "lr": 1e-5, "global_batch_size": 64},
+        },
+        "qwen2.5-14b",
+        "server-8xh100",
+        dict(strategy="zero2", mbs=1, gas=8, ckpt=True, peak=60.0),
+    ),
     "qwen14b-full-server-8xh100-zero3-optim-offload": (
-        {"model": {"name": "Qwen/Qwen2.5-14B"}, "adapter": "full", "data": ULTRACHAT,
-         "train": {"epochs": 1, "lr": 1e-5, "optimizer": "adamw_8bit", "global_batch_size": 64}},
-        "qwen2.5-14b", "server-8xh100",
-        dict(strategy="zero3-optim-offload", mbs=2, gas=4, ckpt=False, peak=64.0)),
+        {
+            "model": {"name": "Qwen/Qwen2.5-14B"},
+            "adapter": "full",
+            "data": ULTRACHAT,
+            "train": {"epochs": 1, "lr": 1e-5, "optimizer": "adamw_8bit", "global_batch_size": 64},
+        },
+        "qwen2.5-14b",
+        "server-8xh100",
+        dict(strategy="zero3-optim-offload", mbs=2, gas=4, ckpt=False, peak=64.0),
+    ),
     "llama70b-full-server-8xh100-fsdp2-offload": (
-        {"model": {"name": "meta-llama/Llama-3.1-70B"}, "adapter": "full", "data": ULTRACHAT,
-         "train": {"epochs": 1, "lr": 5e-6, "global_batch_size": 64}},
-        "llama-3.1-70b", "server-8xh100",
-        dict(strategy="fsdp2-offload", mbs=1, gas=8, ckpt=True, peak=40.0)),
+        {
+            "model": {"name": "meta-llama/Llama-3.1-70B"},
+            "adapter": "full",
+            "data": ULTRACHAT,
+            "train": {"epochs": 1, "lr": 5e-6, "global_batch_size": 64},
+        },
+        "llama-3.1-70b",
+        "server-8xh100",
+        dict(strategy="fsdp2-offload", mbs=1, gas=8, ckpt=True, peak=40.0),
+    ),
 }
 
 
 def normalize(text: str, *, run_dir: Path, recipe_dir: Path) -> str:
     # job.sbatch activates the environment it was compiled in: this machine's Python prefix
-    return (text.replace(str(run_dir), "RUN_DIR").replace(str(recipe_dir), "RECIPE_DIR")
-            .replace(sys.prefix, "PYTHON_ENV"))
+    return (
+        text.replace(str(run_dir), "RUN_DIR").replace(str(recipe_dir), "RECIPE_DIR").replace(sys.prefix, "PYTHON_ENV")
+    )
 
 
 def _compile_case(name: str, tmp_path: Path):
@@ -118,8 +196,11 @@ def _compile_case(name: str, tmp_path: Path):
 
 def check_golden(name: str, run_dir: Path, recipe_dir: Path) -> None:
     golden = GOLDEN / name
-    produced = {f: normalize((run_dir / f).read_text(), run_dir=run_dir, recipe_dir=recipe_dir)
-                for f in GOLDEN_FILES if (run_dir / f).exists()}
+    produced = {
+        f: normalize((run_dir / f).read_text(), run_dir=run_dir, recipe_dir=recipe_dir)
+        for f in GOLDEN_FILES
+        if (run_dir / f).exists()
+    }
     if UPDATE:
         shutil.rmtree(golden, ignore_errors=True)
         golden.mkdir(parents=True)
@@ -151,14 +232,11 @@ def test_resolved_recipe_reloads_equal(name, tmp_path):
     assert again.output.dir == str(run_dir)
     assert again.resolved.world_size == plan.world_size
     assert again.resolved.gradient_accumulation_steps == plan.gradient_accumulation_steps
-    assert (again.train.global_batch_size
-            == plan.world_size * plan.micro_batch_size * plan.gradient_accumulation_steps)
-    assert again.adapter.target_modules == (None if recipe.adapter.type == "full"
-                                            else again.resolved.lora_targets)
+    assert again.train.global_batch_size == plan.world_size * plan.micro_batch_size * plan.gradient_accumulation_steps
+    assert again.adapter.target_modules == (None if recipe.adapter.type == "full" else again.resolved.lora_targets)
     # compiling again gives the same files (deterministic, idempotent)
     before = {f: (run_dir / f).read_text() for f in GOLDEN_FILES if (run_dir / f).exists()}
-    compile_run(recipe, plan, run_dir=run_dir, arch=get_model(CASES[name][1]),
-                preset=get_preset(CASES[name][2]))
+    compile_run(recipe, plan, run_dir=run_dir, arch=get_model(CASES[name][1]), preset=get_preset(CASES[name][2]))
     assert before == {f: (run_dir / f).read_text() for f in before}
 
 
@@ -169,10 +247,20 @@ def test_local_paths_made_absolute_hub_ids_kept(tmp_path):
     model_dir = recipe_dir / "models" / "tiny"
     model_dir.mkdir(parents=True)
     shutil.copy(ROOT / "data" / "tiny-llama" / "config.json", model_dir / "config.json")
-    (recipe_dir / "r.yaml").write_text(yaml.safe_dump({
-        "model": {"name": "models/tiny"}, "hardware": "cpu",
-        "data": {"sources": [{"path": "data/train.jsonl", "format": "text"},
-                             {"path": "org/hub-dataset", "format": "text"}]}}))
+    (recipe_dir / "r.yaml").write_text(
+        yaml.safe_dump(
+            {
+                "model": {"name": "models/tiny"},
+                "hardware": "cpu",
+                "data": {
+                    "sources": [
+                        {"path": "data/train.jsonl", "format": "text"},
+                        {"path": "org/hub-dataset", "format": "text"},
+                    ]
+                },
+            }
+        )
+    )
     recipe = load_recipe(recipe_dir / "r.yaml")
     preset = get_preset("cpu")
     plan = make_plan(preset, strategy="ddp", mbs=4, gas=4, ckpt=False, peak=0.4, device="cpu")
@@ -219,16 +307,19 @@ def test_ds_config_concrete_and_valid_for_deepspeed(name, tmp_path):
     autos = [p for p, v in _walk(cfg) if v == "auto" or v is None]
     assert autos == [], f"unresolved values: {autos}"
     # every top-level key is one DeepSpeed reads (its config ignores unknown ones silently)
-    known = {v for mod in (ds_constants, aio_constants, zero_constants) for n, v in vars(mod).items()
-             if n.isupper() and isinstance(v, str)}
+    known = {
+        v
+        for mod in (ds_constants, aio_constants, zero_constants)
+        for n, v in vars(mod).items()
+        if n.isupper() and isinstance(v, str)
+    }
     assert set(cfg) <= known, set(cfg) - known
     # the ZeRO section is strict (extra="forbid"): unknown or misspelt keys raise here
     zero = DeepSpeedZeroConfig(**cfg["zero_optimization"])
     tier = strategies.info(plan.strategy)
     assert zero.stage == tier.zero_stage
     assert zero.gather_16bit_weights_on_model_save == (tier.zero_stage == 3)
-    assert cfg["train_batch_size"] == (plan.world_size * plan.micro_batch_size
-                                       * plan.gradient_accumulation_steps)
+    assert cfg["train_batch_size"] == (plan.world_size * plan.micro_batch_size * plan.gradient_accumulation_steps)
     # DeepSpeed's full parser; without a process group it assumes world size 1, so it derives
     # train_batch_size itself from micro-batch x accumulation
     single = {k: v for k, v in cfg.items() if k != "train_batch_size"}
@@ -239,7 +330,7 @@ def test_ds_config_concrete_and_valid_for_deepspeed(name, tmp_path):
     assert parsed.bfloat16_config.enabled == (recipe.train.precision == "bf16")
     assert parsed.float16_config.enabled == (recipe.train.precision == "fp16")
     arch = get_model(CASES[name][1])
-    assert parsed.zero_config.reduce_bucket_size == arch.hidden_size ** 2
+    assert parsed.zero_config.reduce_bucket_size == arch.hidden_size**2
     if tier.offload == "cpu":
         # parameters stay on the GPUs unless the tier offloads them; the optimizer always goes
         params = parsed.zero_config.offload_param
@@ -249,7 +340,7 @@ def test_ds_config_concrete_and_valid_for_deepspeed(name, tmp_path):
         resolved = yaml.safe_load((run_dir / "recipe.resolved.yaml").read_text())
         assert resolved["train"]["optimizer"] == "adamw"  # bitsandbytes' 8-bit cannot step on the CPU
     if tier.zero_stage == 2:
-        assert parsed.zero_config.allgather_bucket_size == arch.hidden_size ** 2
+        assert parsed.zero_config.allgather_bucket_size == arch.hidden_size**2
         assert parsed.zero_optimization_stage == 2
     if tier.offload == "nvme":
         nvme = get_preset(CASES[name][2]).nvme_path
@@ -268,8 +359,9 @@ def _accelerate_env(run_dir: Path, argv: list[str]) -> dict:
     args = launch_command_parser().parse_args(argv[2:])
     args, _, _ = _validate_launch_command(args)
     if args.use_deepspeed:
-        args.deepspeed_fields_from_accelerate_config = "deepspeed_config_file," \
-            "deepspeed_multinode_launcher,zero3_init_flag"
+        args.deepspeed_fields_from_accelerate_config = (
+            "deepspeed_config_file,deepspeed_multinode_launcher,zero3_init_flag"
+        )
         cmd, env = prepare_deepspeed_cmd_env(args)
         assert cmd is None, "the multi-node DeepSpeed launch must be torchrun per node, not pdsh"
         return env
@@ -319,8 +411,13 @@ def test_accelerate_reads_config_and_builds_plugins(name, tmp_path, monkeypatch)
 
 def test_sbatch_partition_account_time_and_environment(tmp_path):
     preset = get_preset("cluster-2x8xh100").model_copy(update={"slurm_partition": "gpu", "slurm_time": "2-00:00:00"})
-    recipe = load_recipe({"model": {"name": "meta-llama/Llama-3.1-8B-Instruct"}, "data": {"path": "d.jsonl"},
-                          "slurm": {"account": "proj-42", "time": "12:00:00"}})
+    recipe = load_recipe(
+        {
+            "model": {"name": "meta-llama/Llama-3.1-8B-Instruct"},
+            "data": {"path": "d.jsonl"},
+            "slurm": {"account": "proj-42", "time": "12:00:00"},
+        }
+    )
     run_dir = tmp_path / "run"
     compile_run(recipe, real_plan(recipe, hardware="cluster-2x8xh100"), run_dir=run_dir, preset=preset)
     sbatch = (run_dir / "job.sbatch").read_text()
@@ -347,7 +444,7 @@ def test_multi_node_argv_and_sbatch(tmp_path):
     assert "#SBATCH --nodes=2" in sbatch and "#SBATCH --gpus-per-node=8" in sbatch
     assert "#SBATCH --requeue" in sbatch and "#SBATCH --signal=USR1@120" in sbatch
     assert 'scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n1' in sbatch
-    assert '-eq 75 ]' in sbatch
+    assert "-eq 75 ]" in sbatch
     for text in (sbatch, (run_dir / "launch.sh").read_text()):
         assert 'NCCL_NVLS_ENABLE="${NCCL_NVLS_ENABLE:-0}"' in text
         proc = subprocess.run(["bash", "-n"], input=text, text=True, capture_output=True)
@@ -359,8 +456,7 @@ def test_multi_node_argv_and_sbatch(tmp_path):
 def test_launch_sh_requires_node_rank_on_multi_node(tmp_path):
     _, _, spec, run_dir, _ = _compile_case("llama70b-lora-cluster-2x8xh100-zero3", tmp_path)
     env = {k: v for k, v in os.environ.items() if k not in ("NODE_RANK", "MAIN_ADDRESS")}
-    proc = subprocess.run(["bash", str(run_dir / "launch.sh")], env=env, capture_output=True,
-                          text=True, timeout=30)
+    proc = subprocess.run(["bash", str(run_dir / "launch.sh")], env=env, capture_output=True, text=True, timeout=30)
     assert proc.returncode != 0 and "NODE_RANK" in proc.stderr
 
 
@@ -391,11 +487,11 @@ def test_hardware_auto_is_detected_once_per_compile(tmp_path):
         "from finetune.compile.compiler import compile_recipe\n"
         f"spec = compile_recipe({str(ROOT / 'recipes' / 'llama8b-lora.yaml')!r}, "
         f"run_dir={str(tmp_path / 'run')!r}, hardware='auto')\n"
-        "print(json.dumps({'device': spec.device, 'world': spec.world_size}))\n")
+        "print(json.dumps({'device': spec.device, 'world': spec.world_size}))\n"
+    )
     env = {**os.environ, "PATH": f"{smi.parent}{os.pathsep}{os.environ['PATH']}"}
     env.pop("CUDA_VISIBLE_DEVICES", None)
-    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
-                          timeout=60, env=env)
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60, env=env)
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout.strip().splitlines()[-1]) == {"device": "cuda", "world": 1}
     assert calls.read_text().count("called") == 1
@@ -403,8 +499,10 @@ def test_hardware_auto_is_detected_once_per_compile(tmp_path):
 
 # --- through the real planner -------------------------------------------------------------------
 
-REAL = {"llama70b-lora-server-8xh100-planned": ("llama70b-lora.yaml", "server-8xh100"),
-        "llama70b-full-cluster-2x8xh100-planned": ("llama70b-full.yaml", "cluster-2x8xh100")}
+REAL = {
+    "llama70b-lora-server-8xh100-planned": ("llama70b-lora.yaml", "server-8xh100"),
+    "llama70b-full-cluster-2x8xh100-planned": ("llama70b-full.yaml", "cluster-2x8xh100"),
+}
 
 
 @pytest.mark.parametrize("name", sorted(REAL))

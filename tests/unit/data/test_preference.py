@@ -27,38 +27,65 @@ def test_ultrafeedback_prompt_string_with_lists_that_repeat_the_user_turn():
     assert _first("preference_ultrafeedback.jsonl") == {
         "prompt": [{"role": "user", "content": "daczsb"}],
         "chosen": [{"role": "assistant", "content": "DACZSB"}],
-        "rejected": [{"role": "assistant", "content": "bszcad"}]}
+        "rejected": [{"role": "assistant", "content": "bszcad"}],
+    }
 
 
 def test_hh_rlhf_implicit_prompt_as_text_keeps_whole_answers():
-    assert _first("preference_hh.jsonl") == {"prompt": "\n\nHuman: daczsb\n\nAssistant:",
-                                             "chosen": " DACZSB", "rejected": " bszcad"}
+    assert _first("preference_hh.jsonl") == {
+        "prompt": "\n\nHuman: daczsb\n\nAssistant:",
+        "chosen": " DACZSB",
+        "rejected": " bszcad",
+    }
 
 
 def test_hh_text_answers_that_start_alike_are_split_at_the_turn_marker(tmp_path):
     path = tmp_path / "hh.jsonl"
-    path.write_text(json.dumps({"chosen": "\n\nHuman: sky?\n\nAssistant: It is blue.",
-                                "rejected": "\n\nHuman: sky?\n\nAssistant: It is green."}) + "\n")
+    path.write_text(
+        json.dumps(
+            {
+                "chosen": "\n\nHuman: sky?\n\nAssistant: It is blue.",
+                "rejected": "\n\nHuman: sky?\n\nAssistant: It is green.",
+            }
+        )
+        + "\n"
+    )
     rec = load_source(DataSource(path=str(path), format="preference"), base_dir=tmp_path).records[0]
     assert (rec["prompt"], rec["chosen"], rec["rejected"]) == (
-        "\n\nHuman: sky?\n\nAssistant:", " It is blue.", " It is green.")
+        "\n\nHuman: sky?\n\nAssistant:",
+        " It is blue.",
+        " It is green.",
+    )
 
 
 def test_llamafactory_conversations_with_chosen_rejected_objects():
     assert _first("preference_llamafactory.jsonl") == {
         "prompt": [{"role": "user", "content": "daczsb"}],
         "chosen": [{"role": "assistant", "content": "DACZSB"}],
-        "rejected": [{"role": "assistant", "content": "bszcad"}]}
+        "rejected": [{"role": "assistant", "content": "bszcad"}],
+    }
 
 
-@pytest.mark.parametrize("row", [
-    {"chosen": [U, {"role": "assistant", "content": "ABC"}], "rejected": [U, {"role": "assistant", "content": "x"}]},
-    {"prompt": [U], "chosen": {"role": "assistant", "content": "ABC"}, "rejected": {"role": "assistant",
-                                                                                  "content": "x"}},
-    {"prompt": [U], "chosen": "ABC", "rejected": "x"},
-    {"prompt": [U], "chosen": [U, {"role": "assistant", "content": "ABC"}],
-     "rejected": [U, {"role": "assistant", "content": "x"}]},
-])
+@pytest.mark.parametrize(
+    "row",
+    [
+        {
+            "chosen": [U, {"role": "assistant", "content": "ABC"}],
+            "rejected": [U, {"role": "assistant", "content": "x"}],
+        },
+        {
+            "prompt": [U],
+            "chosen": {"role": "assistant", "content": "ABC"},
+            "rejected": {"role": "assistant", "content": "x"},
+        },
+        {"prompt": [U], "chosen": "ABC", "rejected": "x"},
+        {
+            "prompt": [U],
+            "chosen": [U, {"role": "assistant", "content": "ABC"}],
+            "rejected": [U, {"role": "assistant", "content": "x"}],
+        },
+    ],
+)
 def test_message_layouts_all_become_the_same_row(tmp_path, row):
     path = tmp_path / "p.jsonl"
     path.write_text(json.dumps(row) + "\n")
@@ -70,17 +97,23 @@ def test_message_layouts_all_become_the_same_row(tmp_path, row):
 
 def test_unpaired_rows_with_a_boolean_label():
     rec = _first("unpaired.jsonl", "unpaired")
-    assert rec == {"prompt": [{"role": "user", "content": "daczsb"}],
-                   "completion": [{"role": "assistant", "content": "DACZSB"}], "label": True}
+    assert rec == {
+        "prompt": [{"role": "user", "content": "daczsb"}],
+        "completion": [{"role": "assistant", "content": "DACZSB"}],
+        "label": True,
+    }
 
 
-@pytest.mark.parametrize("row,words", [
-    ({"chosen": "same", "rejected": "same"}, "chosen and rejected are the same"),
-    ({"prompt": [U], "chosen": [{"role": "assistant", "content": "A"}], "rejected": [U]}, "rejected has no answer"),
-    ({"chosen": "abc", "rejected": "xyz"}, "no prompt"),
-    ({"prompt": "p", "chosen": [U], "rejected": "x"}, "both be strings or both be messages"),
-    ({"prompt": "p", "rejected": "x"}, "column 'chosen'"),
-])
+@pytest.mark.parametrize(
+    "row,words",
+    [
+        ({"chosen": "same", "rejected": "same"}, "chosen and rejected are the same"),
+        ({"prompt": [U], "chosen": [{"role": "assistant", "content": "A"}], "rejected": [U]}, "rejected has no answer"),
+        ({"chosen": "abc", "rejected": "xyz"}, "no prompt"),
+        ({"prompt": "p", "chosen": [U], "rejected": "x"}, "both be strings or both be messages"),
+        ({"prompt": "p", "rejected": "x"}, "column 'chosen'"),
+    ],
+)
 def test_bad_preference_rows_name_the_row(tmp_path, row, words):
     path = tmp_path / "bad.jsonl"
     path.write_text(json.dumps({"prompt": "a", "chosen": "b", "rejected": "c"}) + "\n" + json.dumps(row) + "\n")
@@ -96,11 +129,14 @@ def test_unpaired_label_must_be_boolean(tmp_path):
         load_source(DataSource(path=str(path), format="unpaired"), base_dir=tmp_path)
 
 
-@pytest.mark.parametrize("chosen,rejected", [
-    ("\n\nHuman: q\n\nAssistant: It is blue.", "\n\nHuman: q\n\nAssistant: It is green."),
-    ([U, {"role": "assistant", "content": "A"}], [U, {"role": "assistant", "content": "B"}]),
-    ("same start, then a", "same start, then b"),
-])
+@pytest.mark.parametrize(
+    "chosen,rejected",
+    [
+        ("\n\nHuman: q\n\nAssistant: It is blue.", "\n\nHuman: q\n\nAssistant: It is green."),
+        ([U, {"role": "assistant", "content": "A"}], [U, {"role": "assistant", "content": "B"}]),
+        ("same start, then a", "same start, then b"),
+    ],
+)
 def test_prompt_extraction_matches_trl(chosen, rejected):
     from trl.data_utils import maybe_extract_prompt
 
@@ -112,8 +148,9 @@ def test_shipped_dpo_recipes_validate_against_their_dataset_layout(name):
     from finetune.data.check import check_data
 
     sample = SAMPLES / "preference_ultrafeedback.jsonl"
-    recipe = load_recipe(ROOT / "recipes" / name, overrides=[
-        f"data.sources[0].path={sample}", f"data.eval_sources[0].path={sample}"])
+    recipe = load_recipe(
+        ROOT / "recipes" / name, overrides=[f"data.sources[0].path={sample}", f"data.eval_sources[0].path={sample}"]
+    )
     assert recipe.data.sources[0].path == str(sample) and recipe.data.sources[0].split == "train_prefs"
     check_data(recipe)  # every row converts in the recipe's own format
     src = load_source(recipe.data.sources[0], base_dir=Path(ROOT))
@@ -124,7 +161,15 @@ def test_shipped_dpo_recipe_validates_from_the_cli(capsys):
     from finetune.cli import main
 
     sample = SAMPLES / "preference_ultrafeedback.jsonl"
-    rc = main(["validate", str(ROOT / "recipes" / "llama8b-dpo-lora.yaml"), "--set", f"data.sources[0].path={sample}",
-               "--set", f"data.eval_sources[0].path={sample}"])
+    rc = main(
+        [
+            "validate",
+            str(ROOT / "recipes" / "llama8b-dpo-lora.yaml"),
+            "--set",
+            f"data.sources[0].path={sample}",
+            "--set",
+            f"data.eval_sources[0].path={sample}",
+        ]
+    )
     assert rc == 0, capsys.readouterr().err
     assert "valid (dpo / lora" in capsys.readouterr().out

@@ -29,10 +29,16 @@ def _tokenizer(path=TINY_MODEL):
     return AutoTokenizer.from_pretrained(path)
 
 
-@pytest.mark.parametrize("fmt,expect", [
-    ("alpaca", "messages"), ("sharegpt", "messages"), ("text", "text"),
-    ("prompt_completion", "prompt"), ("preference", "chosen"),
-])
+@pytest.mark.parametrize(
+    "fmt,expect",
+    [
+        ("alpaca", "messages"),
+        ("sharegpt", "messages"),
+        ("text", "text"),
+        ("prompt_completion", "prompt"),
+        ("preference", "chosen"),
+    ],
+)
 def test_every_sample_format_converts(fmt, expect):
     src = load_source(DataSource(path=str(SAMPLES / f"{fmt}.jsonl"), format=fmt), base_dir=Path("."))
     first = src.records[0]
@@ -48,10 +54,19 @@ def test_every_sample_format_converts(fmt, expect):
 
 def test_messages_format_and_column_mapping(tmp_path):
     path = tmp_path / "chat.jsonl"
-    path.write_text(json.dumps({"conv": [{"role": "system", "content": "s"}, {"role": "user", "content": "hi"},
-                                         {"role": "assistant", "content": "HI"}]}) + "\n")
-    src = load_source(DataSource(path=str(path), format="messages", columns={"messages": "conv"}),
-                      base_dir=tmp_path)
+    path.write_text(
+        json.dumps(
+            {
+                "conv": [
+                    {"role": "system", "content": "s"},
+                    {"role": "user", "content": "hi"},
+                    {"role": "assistant", "content": "HI"},
+                ]
+            }
+        )
+        + "\n"
+    )
+    src = load_source(DataSource(path=str(path), format="messages", columns={"messages": "conv"}), base_dir=tmp_path)
     assert [m["role"] for m in src.records[0]["messages"]] == ["system", "user", "assistant"]
 
 
@@ -64,14 +79,17 @@ def _write(tmp_path, lines: list[str], name="bad.jsonl") -> Path:
 GOOD = json.dumps({"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "A"}]})
 
 
-@pytest.mark.parametrize("lines,fmt,row,words", [
-    ([GOOD, GOOD, '{"messages": [ broken'], "messages", 3, "not valid JSON"),
-    ([GOOD, json.dumps({"msgs": []})], "messages", 2, "column 'messages'"),
-    ([json.dumps({"instruction": "x"})], "alpaca", 1, "column 'output'"),
-    ([GOOD, json.dumps({"messages": [{"role": "human", "content": "a"}]})], "messages", 2, "role 'human'"),
-    ([json.dumps({"messages": [{"role": "user", "content": "a"}]})], "messages", 1, "no assistant"),
-    ([json.dumps({"conversations": [{"from": "alien", "value": "x"}]})], "sharegpt", 1, "role 'alien'"),
-])
+@pytest.mark.parametrize(
+    "lines,fmt,row,words",
+    [
+        ([GOOD, GOOD, '{"messages": [ broken'], "messages", 3, "not valid JSON"),
+        ([GOOD, json.dumps({"msgs": []})], "messages", 2, "column 'messages'"),
+        ([json.dumps({"instruction": "x"})], "alpaca", 1, "column 'output'"),
+        ([GOOD, json.dumps({"messages": [{"role": "human", "content": "a"}]})], "messages", 2, "role 'human'"),
+        ([json.dumps({"messages": [{"role": "user", "content": "a"}]})], "messages", 1, "no assistant"),
+        ([json.dumps({"conversations": [{"from": "alien", "value": "x"}]})], "sharegpt", 1, "role 'alien'"),
+    ],
+)
 def test_bad_rows_name_file_and_row(tmp_path, lines, fmt, row, words):
     path = _write(tmp_path, lines)
     with pytest.raises(DataError) as info:
@@ -100,8 +118,14 @@ def test_assistant_mask_with_and_without_generation_markers():
 
     tok = _tokenizer()
     assert has_generation_markers(tok.chat_template)
-    conv = {"messages": [{"role": "user", "content": "abc"}, {"role": "assistant", "content": "ABC"},
-                         {"role": "user", "content": "de"}, {"role": "assistant", "content": "DE"}]}
+    conv = {
+        "messages": [
+            {"role": "user", "content": "abc"},
+            {"role": "assistant", "content": "ABC"},
+            {"role": "user", "content": "de"},
+            {"role": "assistant", "content": "DE"},
+        ]
+    }
     marked = sft_features(conv, tok, assistant_only_loss=True)
     # the same template with the markers removed takes the turn-by-turn rendering path
     tok.chat_template = tok.chat_template.replace("{% generation %}", "").replace("{% endgeneration %}", "")
@@ -121,12 +145,16 @@ def _byte_bpe_tokenizer(template: str):
     bpe = Tokenizer(models.BPE())
     bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     bpe.decoder = decoders.ByteLevel()
-    bpe.train_from_iterator(["hello world, the answer is 42", "ünïcödé text and more words"] * 20,
-                            trainer=trainers.BpeTrainer(vocab_size=300, special_tokens=["<|end|>", "<|s|>"],
-                                                        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-                                                        show_progress=False))
-    return PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<|end|>", bos_token="<|s|>",
-                                   chat_template=template)
+    bpe.train_from_iterator(
+        ["hello world, the answer is 42", "ünïcödé text and more words"] * 20,
+        trainer=trainers.BpeTrainer(
+            vocab_size=300,
+            special_tokens=["<|end|>", "<|s|>"],
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+            show_progress=False,
+        ),
+    )
+    return PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<|end|>", bos_token="<|s|>", chat_template=template)
 
 
 def test_batched_tokenization_equals_record_by_record():
@@ -134,12 +162,25 @@ def test_batched_tokenization_equals_record_by_record():
 
     records = [json.loads(line) for line in (QUICKSTART_DATA / "train.jsonl").read_text().splitlines()[:40]]
     records += [
-        {"messages": [{"role": "system", "content": ""}, {"role": "user", "content": "héllo 😀"},
-                      {"role": "assistant", "content": "😀 ünïcödé 漢字"}, {"role": "user", "content": " "},
-                      {"role": "assistant", "content": "🙂"}]},
-        {"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": "yes"},
-                      {"role": "user", "content": "z"}, {"role": "assistant", "content": ""}]},  # an empty span
-        {"text": "plain text"}, {"prompt": "the answer", "completion": " is 42"},
+        {
+            "messages": [
+                {"role": "system", "content": ""},
+                {"role": "user", "content": "héllo 😀"},
+                {"role": "assistant", "content": "😀 ünïcödé 漢字"},
+                {"role": "user", "content": " "},
+                {"role": "assistant", "content": "🙂"},
+            ]
+        },
+        {
+            "messages": [
+                {"role": "user", "content": "x"},
+                {"role": "assistant", "content": "yes"},
+                {"role": "user", "content": "z"},
+                {"role": "assistant", "content": ""},
+            ]
+        },  # an empty span
+        {"text": "plain text"},
+        {"prompt": "the answer", "completion": " is 42"},
     ]
     tiny = _tokenizer()
     template = tiny.chat_template
@@ -147,8 +188,12 @@ def test_batched_tokenization_equals_record_by_record():
     content_only = template.replace("<|end|>{% endgeneration %}", "{% endgeneration %}<|end|>")
     assert content_only != template
     no_markers = template.replace("{% generation %}", "").replace("{% endgeneration %}", "")
-    for tok in (tiny, _byte_bpe_tokenizer(template), _byte_bpe_tokenizer(content_only),
-                _byte_bpe_tokenizer(no_markers)):
+    for tok in (
+        tiny,
+        _byte_bpe_tokenizer(template),
+        _byte_bpe_tokenizer(content_only),
+        _byte_bpe_tokenizer(no_markers),
+    ):
         for assistant_only_loss in (True, False):
             one = [sft_features(r, tok, assistant_only_loss=assistant_only_loss) for r in records]
             assert sft_features_batch(records, tok, assistant_only_loss=assistant_only_loss, chunk=7) == one
@@ -165,16 +210,19 @@ def _prepare(tmp_path, **sections):
 
 
 def test_too_many_long_examples_is_an_error_with_the_count(tmp_path):
-    lines = [GOOD] * 8 + [json.dumps({"messages": [{"role": "user", "content": "x" * 60},
-                                                   {"role": "assistant", "content": "y"}]})] * 2
+    lines = [GOOD] * 8 + [
+        json.dumps({"messages": [{"role": "user", "content": "x" * 60}, {"role": "assistant", "content": "y"}]})
+    ] * 2
     path = _write(tmp_path, lines, "long.jsonl")
     with pytest.raises(DataError) as info:
         _prepare(tmp_path, data={"sources": [{"path": str(path)}], "eval_sources": [], "max_length": 32})
     text = info.value.render()
     assert "2 of 10 train examples" in text and "row 9:" in text and str(path) in text, text
     # under the threshold they are dropped with a note instead
-    data = _prepare(tmp_path, data={"sources": [{"path": str(path)}], "eval_sources": [], "max_length": 32,
-                                    "max_too_long_fraction": 0.25})
+    data = _prepare(
+        tmp_path,
+        data={"sources": [{"path": str(path)}], "eval_sources": [], "max_length": 32, "max_too_long_fraction": 0.25},
+    )
     assert len(data.train) == 8 and "dropped 2 of 10" in data.notes[0]
 
 
@@ -186,8 +234,11 @@ def test_chat_format_without_template_is_an_error(tmp_path):
         _prepare(tmp_path, model={"name": str(model)})
     assert "chat template" in info.value.render() and "data.chat_template" in info.value.render()
     # an inline template fixes it
-    data = _prepare(tmp_path, model={"name": str(model)},
-                    data={"chat_template": "{% for m in messages %}{{ m['content'] }}<|end|>{% endfor %}"})
+    data = _prepare(
+        tmp_path,
+        model={"name": str(model)},
+        data={"chat_template": "{% for m in messages %}{{ m['content'] }}<|end|>{% endfor %}"},
+    )
     assert len(data.train) == 64
 
 

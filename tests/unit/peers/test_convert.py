@@ -36,12 +36,20 @@ def test_axolotl_qlora_sft(tmp_path):
     rc, out = _convert(tmp_path, "axolotl-qlora.yaml", "axolotl")
     assert rc == 0
     r = _recipe_and_data(out)
-    assert (r.model.name, r.adapter.type, r.adapter.r, r.adapter.alpha) == ("NousResearch/Meta-Llama-3.1-8B",
-                                                                           "qlora", 32, 16)
+    assert (r.model.name, r.adapter.type, r.adapter.r, r.adapter.alpha) == (
+        "NousResearch/Meta-Llama-3.1-8B",
+        "qlora",
+        32,
+        16,
+    )
     assert r.adapter.target_modules == "all-linear" and r.data.packing and r.data.max_length == 4096
     assert [s.format for s in r.data.sources] == ["sharegpt", "alpaca"]
     assert (r.train.optimizer, r.train.warmup_steps, r.train.evals_per_epoch, r.output.saves_per_epoch) == (
-        "paged_adamw_8bit", 10, 4, 1)
+        "paged_adamw_8bit",
+        10,
+        4,
+        1,
+    )
     assert r.train.global_batch_size == 8 and r.data.assistant_only_loss and r.data.chat_template == "llama3"
     assert r.distributed.strategy == "zero3-offload"  # read from the DeepSpeed file it names
     assert r.tokenizer.pad_token == "<|end_of_text|>"
@@ -68,8 +76,12 @@ def test_llamafactory_dpo_with_dataset_info(tmp_path):
     assert (r.method.type, r.method.beta, r.adapter.type, r.adapter.r) == ("dpo", 0.1, "lora", 8)
     assert r.adapter.target_modules == "all-linear" and r.data.sources[0].format == "preference"
     assert r.data.sources[0].max_samples == 1000 and r.data.eval_fraction == 0.1
-    assert (r.train.lr, r.train.epochs, r.output.save_every, r.output.dir) == (5e-6, 3.0, 500,
-                                                                              "saves/llama3-8b/lora/dpo")
+    assert (r.train.lr, r.train.epochs, r.output.save_every, r.output.dir) == (
+        5e-6,
+        3.0,
+        500,
+        "saves/llama3-8b/lora/dpo",
+    )
     assert "dataset_dir" not in out.read_text()
 
 
@@ -84,8 +96,7 @@ def test_trl_sft_with_an_accelerate_file(tmp_path):
     rc, out = _convert(tmp_path, "trl-sft.yaml", "trl", "--method", "sft")
     assert rc == 0
     r = load_recipe(out)
-    assert (r.method.type, r.adapter.type, r.adapter.r, r.adapter.target_modules) == ("sft", "lora", 32,
-                                                                                      "all-linear")
+    assert (r.method.type, r.adapter.type, r.adapter.r, r.adapter.target_modules) == ("sft", "lora", 32, "all-linear")
     assert r.data.sources[0].path == "trl-lib/Capybara" and r.data.packing and r.data.max_length == 1024
     assert r.distributed.strategy == "fsdp2" and r.train.activation_checkpointing == "on"
     assert r.logging.report_to == ["none"] and r.train.global_batch_size == 16
@@ -93,12 +104,33 @@ def test_trl_sft_with_an_accelerate_file(tmp_path):
 
 def test_trl_dpo_guessed_from_its_keys_and_a_deepspeed_accelerate_file(tmp_path):
     config = tmp_path / "dpo.yaml"
-    (tmp_path / "acc.yaml").write_text(yaml.safe_dump({"distributed_type": "DEEPSPEED", "deepspeed_config": {
-        "zero_stage": 3, "offload_optimizer_device": "none", "offload_param_device": "none"}}))
-    config.write_text(yaml.safe_dump({"model_name_or_path": "Qwen/Qwen2.5-0.5B-Instruct",
-                                      "dataset_name": "trl-lib/ultrafeedback_binarized", "beta": 0.05,
-                                      "loss_type": ["sigmoid"], "learning_rate": 5e-7, "use_peft": True,
-                                      "lora_r": 16, "accelerate_config": "acc.yaml", "fancy_new_flag": 3}))
+    (tmp_path / "acc.yaml").write_text(
+        yaml.safe_dump(
+            {
+                "distributed_type": "DEEPSPEED",
+                "deepspeed_config": {
+                    "zero_stage": 3,
+                    "offload_optimizer_device": "none",
+                    "offload_param_device": "none",
+                },
+            }
+        )
+    )
+    config.write_text(
+        yaml.safe_dump(
+            {
+                "model_name_or_path": "Qwen/Qwen2.5-0.5B-Instruct",
+                "dataset_name": "trl-lib/ultrafeedback_binarized",
+                "beta": 0.05,
+                "loss_type": ["sigmoid"],
+                "learning_rate": 5e-7,
+                "use_peft": True,
+                "lora_r": 16,
+                "accelerate_config": "acc.yaml",
+                "fancy_new_flag": 3,
+            }
+        )
+    )
     out = tmp_path / "out.yaml"
     rc = main(["convert", str(config), "--from", "trl", "-o", str(out)])
     assert rc == 2  # fancy_new_flag is unknown, so material

@@ -45,26 +45,40 @@ def test_calibration_data_is_present():
 # Rows the current models miss, by _row_id. Not fitted away: the models change only with new GPU data.
 SPEED_MISSES = {
     "14-qlora8b-fsdp2": "QLoRA under FSDP2 on 2 GPUs: predicted faster than measured",
-    "17-full3b-fsdp2": ("full 3B FSDP2: predicted ~9x faster; row 18, the same setting without a mid-run "
-                        "checkpoint in the measured window, holds"),
+    "17-full3b-fsdp2": (
+        "full 3B FSDP2: predicted ~9x faster; row 18, the same setting without a mid-run "
+        "checkpoint in the measured window, holds"
+    ),
     "21-lora3b-hybrid-2x2": "fsdp2-hybrid on two loopback 'nodes' of one host: predicted ~3.6x faster",
-    "22-lora8b-zero3-offload": ("ZeRO-3 CPU offload, LoRA: the modelled PCIe traffic (two blocking 16-bit "
-                                "fetches per micro-batch at 45 GB/s) is 0.38 s and CPU Adam negligible; about "
-                                "1 s per step is not explained (the fetch rate, or stalls between the copies)"),
-    "24-full8b-zero3-offload": ("ZeRO-3 CPU offload, full: with DeepSpeed's fetch and gradient traffic "
-                                "modelled, CPU Adam's assumed 2e9 params/s per node is what remains; the "
-                                "row implies ~0.9e9 on a host shared with another run"),
+    "22-lora8b-zero3-offload": (
+        "ZeRO-3 CPU offload, LoRA: the modelled PCIe traffic (two blocking 16-bit "
+        "fetches per micro-batch at 45 GB/s) is 0.38 s and CPU Adam negligible; about "
+        "1 s per step is not explained (the fetch rate, or stalls between the copies)"
+    ),
+    "24-full8b-zero3-offload": (
+        "ZeRO-3 CPU offload, full: with DeepSpeed's fetch and gradient traffic "
+        "modelled, CPU Adam's assumed 2e9 params/s per node is what remains; the "
+        "row implies ~0.9e9 on a host shared with another run"
+    ),
     "25-lora8b-zero3-nvme": "ZeRO-Infinity NVMe offload: predicted slower than measured",
-    "28-dora8b": ("DoRA r16 on 8B: peft's weight norm per forward and its elementwise passes are modelled from "
-                  "bytes moved (finetune/plan/dora_time.py), about 60% of the measured gap; kernel launches "
-                  "and below-peak bandwidth are not"),
-    "39-lora8b-s32k": ("seq 32k: the planner assumes examples as long as the row (long-context data); this row's "
-                       "examples were 1/40 to 1/120 of it, so the varlen kernel's attention was far smaller"),
-    "42-mistral7b-lora-s4k": ("masked SDPA over the packed micro-batch (the random model's 4096 sliding window) "
-                              "is now planned over the whole 8192 x 8192 square, at the matmul efficiency; the "
-                              "masked kernel runs below it"),
-    "43-qwen-moe-a2.7b-lora": ("MoE (60 experts, top-4): the grouped experts' dispatch traffic explains under a "
-                               "fifth of the gap to the active parameters' FLOPs"),
+    "28-dora8b": (
+        "DoRA r16 on 8B: peft's weight norm per forward and its elementwise passes are modelled from "
+        "bytes moved (finetune/plan/dora_time.py), about 60% of the measured gap; kernel launches "
+        "and below-peak bandwidth are not"
+    ),
+    "39-lora8b-s32k": (
+        "seq 32k: the planner assumes examples as long as the row (long-context data); this row's "
+        "examples were 1/40 to 1/120 of it, so the varlen kernel's attention was far smaller"
+    ),
+    "42-mistral7b-lora-s4k": (
+        "masked SDPA over the packed micro-batch (the random model's 4096 sliding window) "
+        "is now planned over the whole 8192 x 8192 square, at the matmul efficiency; the "
+        "masked kernel runs below it"
+    ),
+    "43-qwen-moe-a2.7b-lora": (
+        "MoE (60 experts, top-4): the grouped experts' dispatch traffic explains under a "
+        "fifth of the gap to the active parameters' FLOPs"
+    ),
 }
 MEMORY_MISSES = {
     "01-dpo8b": "DPO LoRA on H100 predicted more than 15% over the measured max reserved",

@@ -29,11 +29,21 @@ from tests.helpers.paths import ROOT
 
 H100, H200 = "NVIDIA H100 80GB HBM3", "NVIDIA H200"
 # a Qwen2.5-1.5B-shaped config.json: not a registry entry, so the row must carry it
-QWEN_1_5B = {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_size": 1536,
-             "intermediate_size": 8960, "num_hidden_layers": 28, "num_attention_heads": 12,
-             "num_key_value_heads": 2, "vocab_size": 151936, "tie_word_embeddings": True,
-             "max_position_embeddings": 32768, "rms_norm_eps": 1e-6, "hidden_act": "silu",
-             "torch_dtype": "bfloat16"}
+QWEN_1_5B = {
+    "architectures": ["Qwen2ForCausalLM"],
+    "model_type": "qwen2",
+    "hidden_size": 1536,
+    "intermediate_size": 8960,
+    "num_hidden_layers": 28,
+    "num_attention_heads": 12,
+    "num_key_value_heads": 2,
+    "vocab_size": 151936,
+    "tie_word_embeddings": True,
+    "max_position_embeddings": 32768,
+    "rms_norm_eps": 1e-6,
+    "hidden_act": "silu",
+    "torch_dtype": "bfloat16",
+}
 
 
 def _collect():
@@ -45,17 +55,21 @@ def _collect():
     return collect
 
 
-def _row(tmp: Path, name: str, *, arch: str | None, config: dict | None, card: str, gpus: int,
-         nodes: int = 1, **sections) -> dict:
+def _row(
+    tmp: Path, name: str, *, arch: str | None, config: dict | None, card: str, gpus: int, nodes: int = 1, **sections
+) -> dict:
     """Plan and compile `sections` on a model folder of the "GPU machine", collect the run directory
     into a row, then remove the folder."""
     model = tmp / "gpu-machine" / (arch or name)
     model.mkdir(parents=True)
     if config is not None:
         (model / "config.json").write_text(json.dumps(config))
-    raw = {"model": {"name": str(model), **({"arch": arch} if arch else {})},
-           "data": {"path": str(tmp / "train.jsonl"), "max_length": 2048, "packing": True},
-           "hardware": "auto", **sections}
+    raw = {
+        "model": {"name": str(model), **({"arch": arch} if arch else {})},
+        "data": {"path": str(tmp / "train.jsonl"), "max_length": 2048, "packing": True},
+        "hardware": "auto",
+        **sections,
+    }
     recipe = load_recipe(raw)
     arch_obj = resolve_model(recipe.model)
     preset = preset_for(card, gpus_per_node=gpus, nodes=nodes)
@@ -66,9 +80,12 @@ def _row(tmp: Path, name: str, *, arch: str | None, config: dict | None, card: s
     row = {"name": name, "arch": arch, **_collect()(run_dir)}
     shutil.rmtree(model)
     # what collect() reads from the ranks' memory files and metrics, here the prediction itself
-    row.update(card=card, measured_max_reserved_gib=row["predicted_gib"],
-               measured_max_allocated_gib=row["predicted_gib"],
-               steady_tokens_per_second=row["predicted_tokens_per_s"])
+    row.update(
+        card=card,
+        measured_max_reserved_gib=row["predicted_gib"],
+        measured_max_allocated_gib=row["predicted_gib"],
+        steady_tokens_per_second=row["predicted_tokens_per_s"],
+    )
     return row
 
 
@@ -78,18 +95,39 @@ def rows(tmp_path_factory) -> dict[str, dict]:
     return {
         # DoRA at r 128 and seq 8192 on one H100: a tight fit, the planner checkpoints k of 32 layers
         "dora-r128-partial": _row(
-            tmp, "dora-r128-partial", arch="llama-3.1-8b", config=None, card=H100, gpus=1,
+            tmp,
+            "dora-r128-partial",
+            arch="llama-3.1-8b",
+            config=None,
+            card=H100,
+            gpus=1,
             adapter={"type": "lora", "r": 128, "alpha": 256, "dora": True},
             data={"path": str(tmp / "train.jsonl"), "max_length": 8192, "packing": True},
-            train={"global_batch_size": 8}),
+            train={"global_batch_size": 8},
+        ),
         # a model the registry does not have, full fine-tune on 2 x H200 as the planner chose it
         "full-qwen1.5b-config": _row(
-            tmp, "full-qwen1.5b-config", arch=None, config=QWEN_1_5B, card=H200, gpus=2,
-            adapter={"type": "full"}, train={"global_batch_size": 16}),
+            tmp,
+            "full-qwen1.5b-config",
+            arch=None,
+            config=QWEN_1_5B,
+            card=H200,
+            gpus=2,
+            adapter={"type": "full"},
+            train={"global_batch_size": 16},
+        ),
         # hybrid shard over 2 loopback nodes x 2 GPUs, pinned
         "lora3b-hybrid": _row(
-            tmp, "lora3b-hybrid", arch="llama-3.2-3b", config=None, card=H200, gpus=2, nodes=2,
-            train={"global_batch_size": 8}, distributed={"strategy": "fsdp2-hybrid"}),
+            tmp,
+            "lora3b-hybrid",
+            arch="llama-3.2-3b",
+            config=None,
+            card=H200,
+            gpus=2,
+            nodes=2,
+            train={"global_batch_size": 8},
+            distributed={"strategy": "fsdp2-hybrid"},
+        ),
     }
 
 

@@ -11,19 +11,23 @@ from finetune.strategies import offload_level
 
 
 def _candidate(strategy: str, step_s: float) -> Candidate:
-    return Candidate(strategy=strategy, micro_batch_size=1, activation_checkpointing=False,
-                     memory=MemoryBreakdown(), fits=True, step_time_s=step_s)
+    return Candidate(
+        strategy=strategy,
+        micro_batch_size=1,
+        activation_checkpointing=False,
+        memory=MemoryBreakdown(),
+        fits=True,
+        step_time_s=step_s,
+    )
 
 
 def test_an_earlier_tier_within_the_margin_is_kept():
-    fitting = [_candidate("zero2", 1.0), _candidate("fsdp2", 1.0 * (1 + CLEARLY_FASTER) - 1e-9),
-               _candidate("ddp", 1.2)]
+    fitting = [_candidate("zero2", 1.0), _candidate("fsdp2", 1.0 * (1 + CLEARLY_FASTER) - 1e-9), _candidate("ddp", 1.2)]
     assert simplest_near_fastest(fitting).strategy == "fsdp2"
 
 
 def test_a_later_tier_wins_when_it_is_clearly_faster_than_every_earlier_one():
-    fitting = [_candidate("zero2", 1.0), _candidate("fsdp2", 1.0 * (1 + CLEARLY_FASTER) + 1e-6),
-               _candidate("ddp", 1.5)]
+    fitting = [_candidate("zero2", 1.0), _candidate("fsdp2", 1.0 * (1 + CLEARLY_FASTER) + 1e-6), _candidate("ddp", 1.5)]
     assert simplest_near_fastest(fitting).strategy == "zero2"
 
 
@@ -33,8 +37,13 @@ def test_the_order_not_the_list_position_decides():
 
 
 def test_8b_full_on_8_h100s_keeps_fsdp2_over_a_2_percent_faster_zero2():
-    raw = {"model": {"name": "x", "arch": "llama-3.1-8b"}, "adapter": "full", "data": {"path": "t.jsonl"},
-           "train": {"global_batch_size": 64}, "hardware": "server-8xh100"}
+    raw = {
+        "model": {"name": "x", "arch": "llama-3.1-8b"},
+        "adapter": "full",
+        "data": {"path": "t.jsonl"},
+        "train": {"global_batch_size": 64},
+        "hardware": "server-8xh100",
+    }
     result = plan(load_recipe(raw))
     by_name = {c.strategy: c for c in result.candidates}
     assert by_name["zero2"].fits and by_name["zero2"].step_time_s < by_name["fsdp2"].step_time_s
@@ -46,8 +55,13 @@ def test_8b_full_on_8_h100s_keeps_fsdp2_over_a_2_percent_faster_zero2():
 def test_offload_levels_come_before_the_margin():
     # 3B full on 4 x 4090: the offload tiers are modelled more than CLEARLY_FASTER faster than the
     # tier that keeps every state on the GPUs, but nothing offloads while such a tier fits
-    raw = {"model": {"name": "x", "arch": "llama-3.2-3b"}, "adapter": "full", "data": {"path": "t.jsonl"},
-           "train": {"global_batch_size": 64}, "hardware": "workstation-4x4090"}
+    raw = {
+        "model": {"name": "x", "arch": "llama-3.2-3b"},
+        "adapter": "full",
+        "data": {"path": "t.jsonl"},
+        "train": {"global_batch_size": 64},
+        "hardware": "workstation-4x4090",
+    }
     result = plan(load_recipe(raw))
     chosen = next(c for c in result.candidates if c.strategy == result.strategy)
     assert offload_level(result.strategy) == 0

@@ -18,9 +18,13 @@ ROOT = Path(__file__).resolve().parents[3]
 
 
 def _raw(max_length: int, **model) -> dict:
-    return {"model": {"name": "Qwen/Qwen2.5-7B", "arch": "qwen2.5-7b", **model}, "adapter": "qlora",
-            "data": {"path": "t.jsonl", "max_length": max_length}, "train": {"global_batch_size": 8},
-            "hardware": "server-8xh100"}
+    return {
+        "model": {"name": "Qwen/Qwen2.5-7B", "arch": "qwen2.5-7b", **model},
+        "adapter": "qlora",
+        "data": {"path": "t.jsonl", "max_length": max_length},
+        "train": {"global_batch_size": 8},
+        "hardware": "server-8xh100",
+    }
 
 
 def test_the_models_own_context_plans_without_a_warning():
@@ -53,8 +57,13 @@ def test_rope_scaling_too_small_for_the_length_is_refused():
 def test_cli_plan_refuses_without_a_traceback(tmp_path):
     recipe = tmp_path / "long.yaml"
     recipe.write_text(yaml.safe_dump(_raw(65536)))
-    proc = subprocess.run([sys.executable, "-m", "finetune.cli", "plan", str(recipe)], cwd=ROOT,
-                          capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-m", "finetune.cli", "plan", str(recipe)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode != 0
     assert "Traceback" not in proc.stderr
     assert "data.max_length" in proc.stderr + proc.stdout

@@ -17,9 +17,32 @@ from tests.helpers.calibration_rows import preset_for
 
 H100 = preset_for("NVIDIA H100 80GB HBM3", gpus_per_node=1)
 FIN, FOUT, R = 256, 192, 8
-_VIEWS = {"view", "t", "transpose", "expand", "detach", "alias", "_unsafe_view", "unsqueeze", "squeeze",
-          "as_strided", "permute", "slice", "select", "reshape", "_reshape_alias", "lift_fresh", "empty",
-          "empty_like", "zeros_like", "ones_like", "new_zeros", "new_ones", "new_empty", "empty_strided"}
+_VIEWS = {
+    "view",
+    "t",
+    "transpose",
+    "expand",
+    "detach",
+    "alias",
+    "_unsafe_view",
+    "unsqueeze",
+    "squeeze",
+    "as_strided",
+    "permute",
+    "slice",
+    "select",
+    "reshape",
+    "_reshape_alias",
+    "lift_fresh",
+    "empty",
+    "empty_like",
+    "zeros_like",
+    "ones_like",
+    "new_zeros",
+    "new_ones",
+    "new_empty",
+    "empty_strided",
+}
 
 
 def _bytes_moved(*, dora: bool, tokens: int) -> int:
@@ -48,8 +71,9 @@ def _bytes_moved(*, dora: bool, tokens: int) -> int:
             return self.lin(x)
 
     torch.manual_seed(0)
-    model = get_peft_model(One().to(torch.bfloat16),
-                           LoraConfig(r=R, lora_alpha=16, target_modules=["lin"], use_dora=dora))
+    model = get_peft_model(
+        One().to(torch.bfloat16), LoraConfig(r=R, lora_alpha=16, target_modules=["lin"], use_dora=dora)
+    )
     torch.nn.init.normal_(model.base_model.model.lin.lora_B["default"].weight)
     x = torch.randn(tokens, FIN, dtype=torch.bfloat16, requires_grad=True)
     with Moved():
@@ -71,8 +95,18 @@ def test_byte_count_matches_what_peft_dora_moves():
 
 
 def _job(**changes) -> Job:
-    base = Job(arch=get_model("llama-3.1-8b"), preset=H100, adapter="lora", dora=True, seq_len=2048,
-               packed=True, attention="varlen", liger=True, global_batch_size=8, micro_batch=2)
+    base = Job(
+        arch=get_model("llama-3.1-8b"),
+        preset=H100,
+        adapter="lora",
+        dora=True,
+        seq_len=2048,
+        packed=True,
+        attention="varlen",
+        liger=True,
+        global_batch_size=8,
+        micro_batch=2,
+    )
     return dataclasses.replace(base, **changes)
 
 
@@ -82,8 +116,9 @@ def test_dora_time_is_added_to_the_step_and_needs_a_bandwidth():
     assert casts  # finetune keeps peft's fp32 input casts for DoRA under DDP
     extra = dora_seconds(job, micro_batch=2, casts=casts)
     with_dora = step_time(job, strategy="ddp", micro_batch=2, grad_accum=4, checkpointing=False)
-    without = step_time(dataclasses.replace(job, dora=False), strategy="ddp", micro_batch=2, grad_accum=4,
-                        checkpointing=False)
+    without = step_time(
+        dataclasses.replace(job, dora=False), strategy="ddp", micro_batch=2, grad_accum=4, checkpointing=False
+    )
     assert extra > 0.1  # 8B, all seven projections: ~0.3 s per 4096-token micro-batch on an H100
     # DoRA's magnitude adds trained parameters (6 FLOPs each) besides the memory-bound time
     assert with_dora.compute_s - without.compute_s == pytest.approx(4 * extra, rel=0.01)

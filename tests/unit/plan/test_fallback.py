@@ -21,8 +21,15 @@ from tests.helpers.calibration_rows import preset_for
 from tests.helpers.paths import ROOT
 
 H100 = preset_for("NVIDIA H100 80GB HBM3", gpus_per_node=1)
-SMALL = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
-             head_dim=16, vocab_size=256, max_position_embeddings=512)
+SMALL = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    vocab_size=256,
+    max_position_embeddings=512,
+)
 
 
 def _derive(tmp_path, cfg: dict):
@@ -31,19 +38,31 @@ def _derive(tmp_path, cfg: dict):
     return arch_from_config(path, key="probe")
 
 
-@pytest.mark.parametrize("cfg, window, sliding, softcap", [
-    # absent keys take the config class's defaults
-    (dict(model_type="gemma2", num_hidden_layers=42), 4096, 21, 50.0),
-    (dict(model_type="gemma2", num_hidden_layers=4, attn_logit_softcapping=None, sliding_window=None), None, 0, None),
-    (dict(model_type="gemma3_text", num_hidden_layers=48, sliding_window=1024), 1024, 40, None),
-    (dict(model_type="gemma3_text", num_hidden_layers=62, sliding_window=1024, sliding_window_pattern=6),
-     1024, 52, None),
-    (dict(model_type="mistral", num_hidden_layers=32), 4096, 32, None),
-    (dict(model_type="mistral", num_hidden_layers=32, sliding_window=None), None, 0, None),
-    (dict(model_type="qwen2", num_hidden_layers=32, sliding_window=4096), None, 0, None),
-    (dict(model_type="qwen2", num_hidden_layers=32, use_sliding_window=True, sliding_window=2048), 2048, 4, None),
-    (dict(model_type="llama", num_hidden_layers=16), None, 0, None),
-])
+@pytest.mark.parametrize(
+    "cfg, window, sliding, softcap",
+    [
+        # absent keys take the config class's defaults
+        (dict(model_type="gemma2", num_hidden_layers=42), 4096, 21, 50.0),
+        (
+            dict(model_type="gemma2", num_hidden_layers=4, attn_logit_softcapping=None, sliding_window=None),
+            None,
+            0,
+            None,
+        ),
+        (dict(model_type="gemma3_text", num_hidden_layers=48, sliding_window=1024), 1024, 40, None),
+        (
+            dict(model_type="gemma3_text", num_hidden_layers=62, sliding_window=1024, sliding_window_pattern=6),
+            1024,
+            52,
+            None,
+        ),
+        (dict(model_type="mistral", num_hidden_layers=32), 4096, 32, None),
+        (dict(model_type="mistral", num_hidden_layers=32, sliding_window=None), None, 0, None),
+        (dict(model_type="qwen2", num_hidden_layers=32, sliding_window=4096), None, 0, None),
+        (dict(model_type="qwen2", num_hidden_layers=32, use_sliding_window=True, sliding_window=2048), 2048, 4, None),
+        (dict(model_type="llama", num_hidden_layers=16), None, 0, None),
+    ],
+)
 def test_config_reader_resolves_windows_and_softcap_like_transformers(tmp_path, cfg, window, sliding, softcap):
     arch = _derive(tmp_path, {**SMALL, **cfg})
     assert (arch.sliding_window, arch.sliding_layers, arch.attn_logit_softcap) == (window, sliding, softcap)
@@ -51,9 +70,14 @@ def test_config_reader_resolves_windows_and_softcap_like_transformers(tmp_path, 
 
 def test_registry_gemma_and_mistral_entries_match_their_published_configs():
     # google/gemma-2-9b, gemma-2-27b, gemma-3-12b-pt, gemma-3-27b-pt; mistralai's "sliding_window": null
-    expected = {"gemma-2-9b": (4096, 21, 50.0), "gemma-2-27b": (4096, 23, 50.0),
-                "gemma-3-12b": (1024, 40, None), "gemma-3-27b": (1024, 52, None),
-                "mistral-7b-v0.3": (None, 0, None), "mistral-small-24b": (None, 0, None)}
+    expected = {
+        "gemma-2-9b": (4096, 21, 50.0),
+        "gemma-2-27b": (4096, 23, 50.0),
+        "gemma-3-12b": (1024, 40, None),
+        "gemma-3-27b": (1024, 52, None),
+        "mistral-7b-v0.3": (None, 0, None),
+        "mistral-small-24b": (None, 0, None),
+    }
     for key, want in expected.items():
         arch = get_model(key)
         assert (arch.sliding_window, arch.sliding_layers, arch.attn_logit_softcap) == want, key
@@ -71,13 +95,22 @@ def test_attention_kind_falls_back_for_such_models():
 
 
 def _recipe(model: str, *, micro: int = 4, seq: int = 2048, attn: str = "auto"):
-    return load_recipe({"model": {"name": model, "arch": model, "attn_implementation": attn},
-                        "method": {"type": "sft"},
-                        "adapter": {"type": "lora", "r": 16},
-                        "data": {"path": "train.jsonl", "max_length": seq, "packing": True},
-                        "train": {"global_batch_size": 32, "micro_batch_size": micro,
-                                  "activation_checkpointing": "off", "liger": "off"},
-                        "distributed": {"strategy": "ddp"}, "hardware": "auto"})
+    return load_recipe(
+        {
+            "model": {"name": model, "arch": model, "attn_implementation": attn},
+            "method": {"type": "sft"},
+            "adapter": {"type": "lora", "r": 16},
+            "data": {"path": "train.jsonl", "max_length": seq, "packing": True},
+            "train": {
+                "global_batch_size": 32,
+                "micro_batch_size": micro,
+                "activation_checkpointing": "off",
+                "liger": "off",
+            },
+            "distributed": {"strategy": "ddp"},
+            "hardware": "auto",
+        }
+    )
 
 
 def test_fallback_executes_the_whole_packed_square_and_keeps_its_mask():
@@ -96,17 +129,19 @@ def test_fallback_executes_the_whole_packed_square_and_keeps_its_mask():
     # the MFU numerator is the useful figure, unchanged
     assert flops_per_token(gemma, checkpointing=False) == pytest.approx(job_model_flops_per_token(gemma))
     heads = arch.num_attention_heads  # eager also keeps the scores: fp32 softmax and its bf16 copy
-    assert attention_matrix_bytes(gemma, micro_batch=4) == 8192 ** 2 * (2 + heads * (4 + 2))
+    assert attention_matrix_bytes(gemma, micro_batch=4) == 8192**2 * (2 + heads * (4 + 2))
     # Gemma-3: the 8 global layers stay on the varlen kernel (seq-based figure, no mask)
     g3 = job_from_recipe(_recipe("gemma-3-12b", micro=2), arch=get_model("gemma-3-12b"), preset=preset)
     assert (g3.attention, g3.varlen_layers) == ("sdpa", 8)
     assert executed_attention_positions(g3, micro_batch=2) == 40 * 4096 + 8 * 2048 / 2  # causal triangle
-    assert attention_matrix_bytes(g3, micro_batch=2) == pytest.approx(4096 ** 2 * 2 * 40 / 48)
+    assert attention_matrix_bytes(g3, micro_batch=2) == pytest.approx(4096**2 * 2 * 40 / 48)
     # a model the kernel serves keeps the per-sequence figure
     llama = job_from_recipe(_recipe("llama-3.1-8b"), arch=get_model("llama-3.1-8b"), preset=preset)
     assert executed_attention_positions(llama, micro_batch=4) == 32 * 2048 / 2  # the causal triangle
-    assert plan_job(gemma).tokens_per_second < plan_job(gemma.__class__(**{
-        **gemma.__dict__, "attention": "varlen"})).tokens_per_second
+    assert (
+        plan_job(gemma).tokens_per_second
+        < plan_job(gemma.__class__(**{**gemma.__dict__, "attention": "varlen"})).tokens_per_second
+    )
 
 
 def test_plan_warns_what_the_fallback_costs():
@@ -116,17 +151,19 @@ def test_plan_warns_what_the_fallback_costs():
     assert "soft-capping (50)" in warning and "42 of 42 layers" in warning and "8192 x 8192" in warning
     assert "GiB of mask" in warning and "of the step's FLOPs" in warning
     assert "masked packed row on 42 of 42 layers" in result.kernels
-    llama = plan_on(_recipe("llama-3.1-8b"), arch=get_model("llama-3.1-8b"), preset=H100,
-                    source="auto")
+    llama = plan_on(_recipe("llama-3.1-8b"), arch=get_model("llama-3.1-8b"), preset=H100, source="auto")
     assert not [w for w in llama.warnings if "varlen" in w]
 
 
-@pytest.mark.parametrize("cfg", [
-    dict(model_type="gemma2", num_hidden_layers=4),
-    dict(model_type="mistral", num_hidden_layers=3, sliding_window=64),
-    dict(model_type="gemma3_text", num_hidden_layers=6, sliding_window=32),
-    dict(model_type="llama", num_hidden_layers=3),
-])
+@pytest.mark.parametrize(
+    "cfg",
+    [
+        dict(model_type="gemma2", num_hidden_layers=4),
+        dict(model_type="mistral", num_hidden_layers=3, sliding_window=64),
+        dict(model_type="gemma3_text", num_hidden_layers=6, sliding_window=32),
+        dict(model_type="llama", num_hidden_layers=3),
+    ],
+)
 def test_planner_rule_matches_the_runtime_rule_on_real_layers(tmp_path, cfg):
     """Count the layers whose attention call the runtime (train/attention.py's layer_falls_back) sends
     to sdpa, on a real transformers model run through a registered attention function."""
@@ -153,8 +190,9 @@ def test_planner_rule_matches_the_runtime_rule_on_real_layers(tmp_path, cfg):
     assert sum(seen) == varlen_fallback_layers(_derive(tmp_path, full))
 
 
-@pytest.mark.parametrize("key", ["gemma-2-9b", "gemma-3-12b", "gemma-3-27b", "mistral-7b-v0.3", "llama-3.1-8b",
-                                 "qwen2.5-7b"])
+@pytest.mark.parametrize(
+    "key", ["gemma-2-9b", "gemma-3-12b", "gemma-3-27b", "mistral-7b-v0.3", "llama-3.1-8b", "qwen2.5-7b"]
+)
 def test_random_models_are_the_registry_models(tmp_path, key):
     """scripts/make_random_model.py's config.json, read back by the planner's config reader and by
     transformers, has the registry's windows and soft-capping (not the config classes' defaults)."""
@@ -170,7 +208,10 @@ def test_random_models_are_the_registry_models(tmp_path, key):
     cfg = module.hf_config(arch)
     read = _derive(tmp_path, cfg)
     assert (read.sliding_window, read.sliding_layers, read.attn_logit_softcap) == (
-        arch.sliding_window, arch.sliding_layers, arch.attn_logit_softcap)
+        arch.sliding_window,
+        arch.sliding_layers,
+        arch.attn_logit_softcap,
+    )
     loaded = AutoConfig.from_pretrained(tmp_path)
     assert getattr(loaded, "sliding_window", None) == arch.sliding_window
     assert getattr(loaded, "attn_logit_softcapping", None) == arch.attn_logit_softcap
@@ -185,8 +226,17 @@ def test_a_soft_capped_layer_computes_what_transformers_eager_attention_does(tmp
 
     from finetune.train.attention import register
 
-    (tmp_path / "config.json").write_text(json.dumps({**SMALL, "model_type": "gemma2", "num_hidden_layers": 2,
-                                                      "attn_logit_softcapping": 5.0, "sliding_window": 4}))
+    (tmp_path / "config.json").write_text(
+        json.dumps(
+            {
+                **SMALL,
+                "model_type": "gemma2",
+                "num_hidden_layers": 2,
+                "attn_logit_softcapping": 5.0,
+                "sliding_window": 4,
+            }
+        )
+    )
     torch.manual_seed(0)
     eager_config = AutoConfig.from_pretrained(tmp_path)
     eager_config._attn_implementation = "eager"

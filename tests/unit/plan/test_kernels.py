@@ -11,8 +11,7 @@ from finetune.registry import get_preset
 
 
 def _recipe(**over):
-    raw = {"model": {"name": "llama-3.1-8b", "arch": "llama-3.1-8b"},
-           "data": {"path": "train.jsonl", "packing": True}}
+    raw = {"model": {"name": "llama-3.1-8b", "arch": "llama-3.1-8b"}, "data": {"path": "train.jsonl", "packing": True}}
     for section, values in over.items():
         raw[section] = {**raw.get(section, {}), **values}
     return load_recipe(raw)
@@ -46,7 +45,8 @@ def test_liger_switch():
 
 def test_yaml_bare_on_off_mean_the_words(tmp_path):
     path = tmp_path / "r.yaml"
-    path.write_text("model: {name: llama-3.1-8b}\ndata: {path: t.jsonl}\n"
-                    "train: {activation_checkpointing: off, liger: on}\n")
+    path.write_text(
+        "model: {name: llama-3.1-8b}\ndata: {path: t.jsonl}\ntrain: {activation_checkpointing: off, liger: on}\n"
+    )
     recipe = load_recipe(path)
     assert (recipe.train.activation_checkpointing, recipe.train.liger) == ("off", "on")

@@ -24,10 +24,19 @@ def _retained_bytes(*, dora: bool, tokens: int) -> int:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=1000, hidden_size=H, intermediate_size=INTER, num_hidden_layers=1,
-                      num_attention_heads=4, num_key_value_heads=2, attn_implementation="sdpa")
-    model = get_peft_model(LlamaForCausalLM(cfg).to(torch.bfloat16),
-                           LoraConfig(r=16, lora_alpha=32, target_modules=list(ALL_LINEAR), use_dora=dora))
+    cfg = LlamaConfig(
+        vocab_size=1000,
+        hidden_size=H,
+        intermediate_size=INTER,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        attn_implementation="sdpa",
+    )
+    model = get_peft_model(
+        LlamaForCausalLM(cfg).to(torch.bfloat16),
+        LoraConfig(r=16, lora_alpha=32, target_modules=list(ALL_LINEAR), use_dora=dora),
+    )
     refs = {}
 
     def pack(t):
@@ -38,8 +47,7 @@ def _retained_bytes(*, dora: bool, tokens: int) -> int:
     ids, pos = torch.randint(0, 1000, (1, tokens)), torch.arange(tokens)[None]
     hidden = inner.embed_tokens(ids).detach().requires_grad_(True)
     rope = inner.rotary_emb(hidden, pos)
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), \
-            torch.autocast("cpu", dtype=torch.bfloat16):
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), torch.autocast("cpu", dtype=torch.bfloat16):
         out = inner.layers[0](hidden, position_embeddings=rope, position_ids=pos)
     gc.collect()
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
@@ -55,10 +63,27 @@ def test_dora_keeps_two_compute_dtype_outputs_per_targeted_module():
     measured = per_token[True] - per_token[False]
     # out_features of q, k, v, o, gate, up, down: 256 + 128 + 128 + 256 + 640 + 640 + 256 = 2304;
     # base_result and lora_result in bf16 for each: 2 x 2 B x 2304 = 9216 B per token per layer
-    arch = ModelArch(key="t", family="llama", hidden_size=H, num_layers=1, num_attention_heads=4,
-                     num_kv_heads=2, intermediate_size=INTER, vocab_size=1000, decoder_layer_class="LlamaDecoderLayer")
-    preset = HardwarePreset(name="t", gpu_model="cpu", vendor="cpu", gpu_memory_gib=8, gpus_per_node=1,
-                            intra_node_bandwidth_gbps=1, host_ram_gib=8, peak_bf16_tflops=1)
+    arch = ModelArch(
+        key="t",
+        family="llama",
+        hidden_size=H,
+        num_layers=1,
+        num_attention_heads=4,
+        num_kv_heads=2,
+        intermediate_size=INTER,
+        vocab_size=1000,
+        decoder_layer_class="LlamaDecoderLayer",
+    )
+    preset = HardwarePreset(
+        name="t",
+        gpu_model="cpu",
+        vendor="cpu",
+        gpu_memory_gib=8,
+        gpus_per_node=1,
+        intra_node_bandwidth_gbps=1,
+        host_ram_gib=8,
+        peak_bf16_tflops=1,
+    )
     planned = dora_bytes_per_token_layer(Job(arch=arch, preset=preset, dora=True))
     assert planned == 2 * 2 * 2304 == 9216
     assert measured == pytest.approx(planned, rel=0.02)

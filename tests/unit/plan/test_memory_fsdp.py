@@ -25,11 +25,14 @@ H100x4 = synthesize_preset(parse_nvidia_smi("\n".join(["NVIDIA H100 80GB HBM3, 8
 
 
 def _job(arch: str, *, adapter: str = "full", global_batch: int = 4, liger: str = "on", checkpointing="on"):
-    raw = {"model": {"name": "x", "arch": arch}, "adapter": adapter,
-           "data": {"path": "t.jsonl", "max_length": 2048, "packing": True},
-           "train": {"global_batch_size": global_batch, "liger": liger,
-                     "activation_checkpointing": checkpointing},
-           "distributed": {"strategy": "fsdp2"}, "hardware": "auto"}
+    raw = {
+        "model": {"name": "x", "arch": arch},
+        "adapter": adapter,
+        "data": {"path": "t.jsonl", "max_length": 2048, "packing": True},
+        "train": {"global_batch_size": global_batch, "liger": liger, "activation_checkpointing": checkpointing},
+        "distributed": {"strategy": "fsdp2"},
+        "hardware": "auto",
+    }
     return job_from_recipe(load_recipe(raw), arch=get_model(arch), preset=H100x4)
 
 

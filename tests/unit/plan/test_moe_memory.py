@@ -18,22 +18,48 @@ ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
 def _config(family: str):
     import transformers
 
-    common = dict(hidden_size=H, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=4,
-                  vocab_size=128, intermediate_size=WIDTH)
+    common = dict(
+        hidden_size=H,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        vocab_size=128,
+        intermediate_size=WIDTH,
+    )
     return {
         "qwen2_moe": lambda: transformers.Qwen2MoeConfig(
-            num_experts=E, num_experts_per_tok=K, moe_intermediate_size=WIDTH, shared_expert_intermediate_size=SHARED,
-            norm_topk_prob=False, **common),
+            num_experts=E,
+            num_experts_per_tok=K,
+            moe_intermediate_size=WIDTH,
+            shared_expert_intermediate_size=SHARED,
+            norm_topk_prob=False,
+            **common,
+        ),
         "qwen3_moe": lambda: transformers.Qwen3MoeConfig(
-            num_experts=E, num_experts_per_tok=K, moe_intermediate_size=WIDTH, head_dim=64, norm_topk_prob=True,
-            **common),  # the Hub's Qwen3-MoE configs normalize the top-k weights
+            num_experts=E,
+            num_experts_per_tok=K,
+            moe_intermediate_size=WIDTH,
+            head_dim=64,
+            norm_topk_prob=True,
+            **common,
+        ),  # the Hub's Qwen3-MoE configs normalize the top-k weights
         "mixtral": lambda: transformers.MixtralConfig(num_local_experts=E, num_experts_per_tok=K, **common),
         "deepseek_v3": lambda: transformers.DeepseekV3Config(
-            n_routed_experts=E, num_experts_per_tok=K, n_shared_experts=1, moe_intermediate_size=WIDTH,
-            first_k_dense_replace=0, n_group=1, topk_group=1, q_lora_rank=64, kv_lora_rank=32,
-            qk_rope_head_dim=16, qk_nope_head_dim=16, v_head_dim=16, **common),
-        "gpt_oss": lambda: transformers.GptOssConfig(num_local_experts=E, num_experts_per_tok=K, head_dim=64,
-                                                     **common),
+            n_routed_experts=E,
+            num_experts_per_tok=K,
+            n_shared_experts=1,
+            moe_intermediate_size=WIDTH,
+            first_k_dense_replace=0,
+            n_group=1,
+            topk_group=1,
+            q_lora_rank=64,
+            kv_lora_rank=32,
+            qk_rope_head_dim=16,
+            qk_nope_head_dim=16,
+            v_head_dim=16,
+            **common,
+        ),
+        "gpt_oss": lambda: transformers.GptOssConfig(num_local_experts=E, num_experts_per_tok=K, head_dim=64, **common),
     }[family]()
 
 
@@ -70,8 +96,14 @@ def test_moe_block_bytes_match_what_autograd_keeps(tmp_path, family, adapter):
     config.to_json_file(tmp_path / "config.json")
     arch = arch_from_config(tmp_path / "config.json", key=family)
     assert arch.num_experts == E and arch.experts_per_token == K
-    job = Job(arch=arch, preset=preset_for("NVIDIA H100 80GB HBM3", gpus_per_node=1), adapter=adapter,
-              lora_targets=ATTENTION, act_bytes=2, liger=False)
+    job = Job(
+        arch=arch,
+        preset=preset_for("NVIDIA H100 80GB HBM3", gpus_per_node=1),
+        adapter=adapter,
+        lora_targets=ATTENTION,
+        act_bytes=2,
+        liger=False,
+    )
     shared = arch.shared_expert_intermediate_size
     planned = routed_bytes(job) + (dense_mlp_bytes(job, shared) if shared else 0.0)
     measured = _saved_bytes_per_token(config, train_experts=adapter == "full")

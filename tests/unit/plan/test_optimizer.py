@@ -17,8 +17,13 @@ SQUARE, MLP, EXPERTS, NORM = (4096, 4096), (14336, 4096), (8, 28672, 4096), (409
 
 
 def _job(arch: str, adapter: str, preset: str, **train):
-    raw = {"model": {"name": "x", "arch": arch}, "adapter": adapter, "data": {"path": "t.jsonl"},
-           "train": {"global_batch_size": 8, **train}, "hardware": preset}
+    raw = {
+        "model": {"name": "x", "arch": arch},
+        "adapter": adapter,
+        "data": {"path": "t.jsonl"},
+        "train": {"global_batch_size": 8, **train},
+        "hardware": preset,
+    }
     return job_from_recipe(load_recipe(raw), arch=get_model(arch), preset=get_preset(preset))
 
 
@@ -100,15 +105,35 @@ def test_a_real_adafactor_keeps_what_the_planner_counts():
 
     from finetune.registry.schema import ModelArch
 
-    config = LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)
+    config = LlamaConfig(
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=160,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=False,
+    )
     model = LlamaForCausalLM(config).to(torch.bfloat16)
     opt = Adafactor(model.parameters(), lr=1e-3, scale_parameter=False, relative_step=False)
     model(input_ids=torch.randint(0, 512, (1, 16)), labels=torch.randint(0, 512, (1, 16))).loss.backward()
     opt.step()
-    kept = sum(t.numel() * t.element_size() for st in opt.state.values() for t in st.values()
-               if torch.is_tensor(t) and t.dim() > 0)  # and a 0-dim fp32 RMS per tensor
-    arch = ModelArch(key="t", family="llama", hidden_size=64, num_layers=2, num_attention_heads=4, num_kv_heads=2,
-                     intermediate_size=160, vocab_size=512, decoder_layer_class="LlamaDecoderLayer")
+    kept = sum(
+        t.numel() * t.element_size()
+        for st in opt.state.values()
+        for t in st.values()
+        if torch.is_tensor(t) and t.dim() > 0
+    )  # and a 0-dim fp32 RMS per tensor
+    arch = ModelArch(
+        key="t",
+        family="llama",
+        hidden_size=64,
+        num_layers=2,
+        num_attention_heads=4,
+        num_kv_heads=2,
+        intermediate_size=160,
+        vocab_size=512,
+        decoder_layer_class="LlamaDecoderLayer",
+    )
     # the planner lumps the norms into one vector: the same bytes (both unfactored, fp32)
     assert kept == optimizer_bytes("adafactor", model_tensors(arch), param_bytes=2, flat=False)

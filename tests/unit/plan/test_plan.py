@@ -25,14 +25,19 @@ from tests.helpers.paths import ROOT
 from tests.helpers.recipes import write_preset
 
 GB = 1e9
-GIB = 1024 ** 3
+GIB = 1024**3
 
 
-def recipe(model: str, adapter: str, hardware: str = "server-8xh100", *, seq: int = 2048,
-           global_batch: int = 64, **sections):
-    raw = {"model": {"name": model}, "adapter": {"type": adapter},
-           "data": {"path": "train.jsonl", "max_length": seq},
-           "train": {"global_batch_size": global_batch}, "hardware": hardware}
+def recipe(
+    model: str, adapter: str, hardware: str = "server-8xh100", *, seq: int = 2048, global_batch: int = 64, **sections
+):
+    raw = {
+        "model": {"name": model},
+        "adapter": {"type": adapter},
+        "data": {"path": "train.jsonl", "max_length": seq},
+        "train": {"global_batch_size": global_batch},
+        "hardware": hardware,
+    }
     for dotted, value in sections.items():
         section, key = dotted.split("__")
         raw.setdefault(section, {})[key] = value
@@ -45,6 +50,7 @@ def job(model_key: str, adapter: str, hardware: str = "server-8xh100", **kw):
 
 
 # --- published figures ---------------------------------------------------------------------
+
 
 def test_zero_paper_7_5b_on_64_gpus():
     # ZeRO paper Figure 1: Psi = 7.5B, N = 64, K = 12 (mixed-precision Adam)
@@ -68,34 +74,43 @@ def test_mixed_precision_adam_is_16_bytes_per_param():
     # an "8B" model: 8e9 * 16 = 128 GB (Llama 3.1 8B has 8.03e9 params -> 128.5 GB)
     assert total / GB == pytest.approx(128, rel=0.01)
     # the planner's full-shard model states agree with ZeRO stage 3 at K = 12
-    assert total / 8 == pytest.approx(
-        zero_model_state_bytes(count_params(j.arch).total, stage=3, world=8))
+    assert total / 8 == pytest.approx(zero_model_state_bytes(count_params(j.arch).total, stage=3, world=8))
     # 8-bit Adam keeps m and v in 1 byte each plus an fp32 absmax per 256-block each:
     # 2 + 4 + 2 + (2 + 2 * 4 / 256 = 2.03125) = 10.03125 bytes/param
     s8 = state_bytes(job("llama-3.1-8b", "full", train__optimizer="adamw_8bit"))
-    assert (s8.weights + s8.trainable + s8.gradients + s8.optimizer) / count_params(j.arch).total \
-        == pytest.approx(10.03125)
+    assert (s8.weights + s8.trainable + s8.gradients + s8.optimizer) / count_params(j.arch).total == pytest.approx(
+        10.03125
+    )
 
 
 def _four_gpu_96gb_preset(tmp_path) -> str:
     # 96e9 B = 89.4 GiB, small RAM
-    return str(write_preset(tmp_path / "4x96.yaml", like=None, name="test-4x96gb", gpu_model="96 GB GPU",
-                            gpu_memory_gib=89.4, gpus_per_node=4, intra_node_link="pcie",
-                            intra_node_bandwidth_gbps=40, host_ram_gib=256, peak_bf16_tflops=500))
+    return str(
+        write_preset(
+            tmp_path / "4x96.yaml",
+            like=None,
+            name="test-4x96gb",
+            gpu_model="96 GB GPU",
+            gpu_memory_gib=89.4,
+            gpus_per_node=4,
+            intra_node_link="pcie",
+            intra_node_bandwidth_gbps=40,
+            host_ram_gib=256,
+            peak_bf16_tflops=500,
+        )
+    )
 
 
 def test_70b_on_4x96gb_lora_fits_full_does_not(tmp_path):
     preset = _four_gpu_96gb_preset(tmp_path)
-    lora = plan(recipe("meta-llama/Llama-3.1-70B", "lora", preset,
-                       distributed__strategy="fsdp2"))
+    lora = plan(recipe("meta-llama/Llama-3.1-70B", "lora", preset, distributed__strategy="fsdp2"))
     assert lora.fits and lora.strategy == "fsdp2"
     # bf16 weights fully sharded: 70.55e9 params * 2 bytes / 4 GPUs = 35.3 GB per GPU
     assert lora.memory.weights / GB == pytest.approx(70.55 * 2 / 4, rel=0.01)
     assert lora.memory.weights / GB == pytest.approx(35, rel=0.02)
     full = plan(recipe("meta-llama/Llama-3.1-70B", "full", preset, distributed__strategy="fsdp2"))
     assert not full.fits and "pinned" in full.why
-    states = (full.memory.weights + full.memory.trainable + full.memory.gradients
-              + full.memory.optimizer)
+    states = full.memory.weights + full.memory.trainable + full.memory.gradients + full.memory.optimizer
     # 70.55e9 params * 16 bytes / 4 GPUs = 282 GB of model state per GPU (~280 GB)
     assert states / GB == pytest.approx(280, rel=0.02)
     # and no strategy fits with fp32 Adam on this machine (256 GiB host RAM rules out offload)
@@ -117,6 +132,7 @@ def test_allreduce_of_70b_bf16_gradients():
 
 
 # --- memory terms by hand ----------------------------------------------------------------
+
 
 def test_logits_term_for_128k_vocab():
     j = job("llama-3.1-8b", "lora")
@@ -146,8 +162,7 @@ def test_flops_formula_lora_vs_full():
     lora_t = 41_943_040  # r16 on 7 modules: 16 * (4096+4096 + 2*(4096+1024) + 4096+4096 + 3*(4096+14336)) * 32
     assert flops_per_token(lora, checkpointing=False) == 4 * n + 12 * attn + 6 * lora_t
     # checkpointing recomputes one forward: + 2N + 4 * attn
-    assert flops_per_token(full, checkpointing=True) - flops_per_token(full, checkpointing=False) \
-        == 2 * n + 4 * attn
+    assert flops_per_token(full, checkpointing=True) - flops_per_token(full, checkpointing=False) == 2 * n + 4 * attn
 
 
 def test_benchmarks_measure_the_mfu_the_planner_predicts():
@@ -170,14 +185,18 @@ def test_benchmarks_measure_the_mfu_the_planner_predicts():
         p = plan(r)
         preset = get_preset("server-8xh100")
         assert peak_bf16_tflops(preset.gpu_model) == preset.peak_bf16_tflops
-        measured = mfu(tokens_per_second=p.tokens_per_second, peak_tflops=peak_bf16_tflops(preset.gpu_model),
-                       flops_per_token=recipe_flops_per_token(r, arch=get_model("llama-3.1-8b")),
-                       gpus=p.world_size)
+        measured = mfu(
+            tokens_per_second=p.tokens_per_second,
+            peak_tflops=peak_bf16_tflops(preset.gpu_model),
+            flops_per_token=recipe_flops_per_token(r, arch=get_model("llama-3.1-8b")),
+            gpus=p.world_size,
+        )
         assert measured == pytest.approx(p.mfu, rel=1e-9)
     assert peak_bf16_tflops("Some Future GPU") == 100.0  # unknown: never optimistic
 
 
 # --- choices -------------------------------------------------------------------------------
+
 
 def test_llama70b_lora_on_8xh100_chooses_fsdp2_and_fits():
     p = plan(recipe("meta-llama/Llama-3.1-70B-Instruct", "lora"))
@@ -210,8 +229,9 @@ def test_micro_batch_grows_with_free_memory_and_checkpointing_off_when_it_fits()
     assert short.micro_batch_size > long.micro_batch_size
     assert short.micro_batch_size >= 8 and not short.activation_checkpointing
     # pinning checkpointing on frees memory, so the micro-batch can only grow
-    on = plan(recipe("meta-llama/Llama-3.2-1B", "lora", seq=8192, global_batch=256,
-                     train__activation_checkpointing="on"))
+    on = plan(
+        recipe("meta-llama/Llama-3.2-1B", "lora", seq=8192, global_batch=256, train__activation_checkpointing="on")
+    )
     assert on.activation_checkpointing and on.micro_batch_size >= long.micro_batch_size
 
 
@@ -219,8 +239,15 @@ def test_checkpointing_turns_on_only_when_needed():
     # 8B full fine-tune at 8k tokens: without checkpointing even micro-batch 1 does not fit
     p = plan(recipe("meta-llama/Llama-3.1-8B", "full", seq=8192))
     assert p.fits and p.activation_checkpointing
-    off = plan(recipe("meta-llama/Llama-3.1-8B", "full", seq=8192,
-                      train__activation_checkpointing="off", distributed__strategy="fsdp2"))
+    off = plan(
+        recipe(
+            "meta-llama/Llama-3.1-8B",
+            "full",
+            seq=8192,
+            train__activation_checkpointing="off",
+            distributed__strategy="fsdp2",
+        )
+    )
     assert not off.fits and off.suggestions
 
 
@@ -273,8 +300,15 @@ def test_fsdp2_hybrid_only_on_multi_node_presets():
 
 def test_plan_json_has_the_cli_keys():
     data = plan(recipe("meta-llama/Llama-3.1-8B", "qlora", "workstation-1x4090")).to_json()
-    for key in ("strategy", "fits", "per_gpu_memory_gib", "micro_batch_size",
-                "gradient_accumulation_steps", "activation_checkpointing", "candidates"):
+    for key in (
+        "strategy",
+        "fits",
+        "per_gpu_memory_gib",
+        "micro_batch_size",
+        "gradient_accumulation_steps",
+        "activation_checkpointing",
+        "candidates",
+    ):
         assert key in data
     for c in data["candidates"]:
         assert {"strategy", "fits", "per_gpu_memory_gib", "step_time_s"} <= set(c)
@@ -289,19 +323,43 @@ def test_planning_405b_is_fast():
 
 
 def _gpu_preset(tmp_path, *, nodes: int, gpus_per_node: int) -> str:
-    return str(write_preset(tmp_path / f"{nodes}x{gpus_per_node}.yaml", like=None, name=f"test-{nodes}x{gpus_per_node}",
-                            gpu_model="H100", gpu_memory_gib=79.1, gpus_per_node=gpus_per_node, nodes=nodes,
-                            intra_node_bandwidth_gbps=300, inter_node_fabric="ethernet",
-                            inter_node_bandwidth_gbps=25, host_ram_gib=120, peak_bf16_tflops=989))
+    return str(
+        write_preset(
+            tmp_path / f"{nodes}x{gpus_per_node}.yaml",
+            like=None,
+            name=f"test-{nodes}x{gpus_per_node}",
+            gpu_model="H100",
+            gpu_memory_gib=79.1,
+            gpus_per_node=gpus_per_node,
+            nodes=nodes,
+            intra_node_bandwidth_gbps=300,
+            inter_node_fabric="ethernet",
+            inter_node_bandwidth_gbps=25,
+            host_ram_gib=120,
+            peak_bf16_tflops=989,
+        )
+    )
 
 
 def test_hybrid_needs_two_gpus_per_node(tmp_path):
     # measured: accelerate refuses an FSDP mesh with a shard dimension of 1 (2 x 1-GPU nodes)
-    p = plan(recipe("meta-llama/Llama-3.2-3B", "lora", _gpu_preset(tmp_path, nodes=2, gpus_per_node=1),
-                    distributed__strategy="fsdp2-hybrid"))
+    p = plan(
+        recipe(
+            "meta-llama/Llama-3.2-3B",
+            "lora",
+            _gpu_preset(tmp_path, nodes=2, gpus_per_node=1),
+            distributed__strategy="fsdp2-hybrid",
+        )
+    )
     assert not p.fits and "one GPU per node" in p.why
-    p = plan(recipe("meta-llama/Llama-3.2-3B", "lora", _gpu_preset(tmp_path, nodes=2, gpus_per_node=2),
-                    distributed__strategy="fsdp2-hybrid"))
+    p = plan(
+        recipe(
+            "meta-llama/Llama-3.2-3B",
+            "lora",
+            _gpu_preset(tmp_path, nodes=2, gpus_per_node=2),
+            distributed__strategy="fsdp2-hybrid",
+        )
+    )
     assert p.fits and p.strategy == "fsdp2-hybrid"
 
 
@@ -313,6 +371,7 @@ def test_pinned_fsdp2_allowed_on_one_gpu_but_never_chosen(tmp_path):
 
 
 # --- memory terms: DDP without fp32 masters, DoRA, modules_to_save, sliding windows, ZeRO-2, partial offload ---
+
 
 def test_ddp_full_fine_tune_of_a_bf16_model_keeps_no_fp32_master():
     from finetune.plan.memory import state_bytes
@@ -339,7 +398,7 @@ def test_dora_adds_two_outputs_per_module_per_token_and_its_norm_temporaries():
     assert 32 * 4096 * 172_032 / GIB == pytest.approx(21.0, abs=0.05)
     # weight-norm temporaries of the largest module, down_proj (in 14336, out 4096), fp32:
     # identity 14336^2 x 4 + its r-wide image 14336 x 16 x 4 + 4 matrices of 14336 x 4096 x 4
-    assert dora_transient_bytes(j) == 4 * (14336 ** 2 + 14336 * 16) + 16 * 14336 * 4096
+    assert dora_transient_bytes(j) == 4 * (14336**2 + 14336 * 16) + 16 * 14336 * 4096
 
 
 def test_modules_to_save_trains_full_copies_of_embedding_and_head():
@@ -351,7 +410,10 @@ def test_modules_to_save_trains_full_copies_of_embedding_and_head():
     a, b = state_bytes(base, "ddp"), state_bytes(saved, "ddp")
     # under DDP the copy is trained in bf16: 2 (copy) + 2 (grad) + 4 (bf16 moments) bytes/param
     assert (b.weights - a.weights, b.gradients - a.gradients, b.optimizer - a.optimizer) == (
-        2 * embed, 2 * embed, 4 * embed)
+        2 * embed,
+        2 * embed,
+        4 * embed,
+    )
     assert b.trainable_params - a.trainable_params == embed
     from finetune.errors import RecipeError
 
@@ -370,6 +432,7 @@ def test_lora_on_lm_head_and_unknown_targets_are_refused():
     a = job("llama-3.1-8b", "lora", adapter__target_modules=["q_proj"])
     b = job("llama-3.1-8b", "lora", adapter__target_modules=["q_proj", "embed_tokens"])
     from finetune.plan.workload import lora_params
+
     assert lora_params(b) - lora_params(a) == 16 * (128256 + 4096)
 
 
@@ -392,9 +455,10 @@ def test_zero2_replicates_params_and_splits_grads_and_optimizer():
     assert m.weights == 2 * n
     assert m.trainable + m.gradients + m.optimizer == pytest.approx(14 * n / 8)
     assert m.weights + m.trainable + m.gradients + m.optimizer == pytest.approx(
-        zero_model_state_bytes(n, stage=2, world=8))
+        zero_model_state_bytes(n, stage=2, world=8)
+    )
     # its buckets: two reduce and one all-gather bucket of h x h bf16 elements = 3 x 5120^2 x 2 B
-    assert m.comm_buffers == 3 * 5120 ** 2 * 2
+    assert m.comm_buffers == 3 * 5120**2 * 2
     assert state_bytes(j, "zero2").trainable == 4 * n  # DeepSpeed keeps fp32 master partitions
 
 
@@ -418,8 +482,17 @@ def test_optimizer_only_offload_keeps_sharded_params_on_gpu_and_states_in_host_r
 def test_partial_offload_is_preferred_to_full_offload_when_it_fits(tmp_path):
     # the 14B full fine-tune on 4 x 80 GB: nothing fits with every state on the GPUs, so the
     # planner offloads the optimizer only (parameters stay sharded on the GPUs), not everything
-    path = write_preset(tmp_path / "4x80.yaml", like=None, name="test-4x80", gpu_model="H100", gpu_memory_gib=79.1,
-                        gpus_per_node=4, intra_node_bandwidth_gbps=450, host_ram_gib=1024, peak_bf16_tflops=989)
+    path = write_preset(
+        tmp_path / "4x80.yaml",
+        like=None,
+        name="test-4x80",
+        gpu_model="H100",
+        gpu_memory_gib=79.1,
+        gpus_per_node=4,
+        intra_node_bandwidth_gbps=450,
+        host_ram_gib=1024,
+        peak_bf16_tflops=989,
+    )
     r = recipe("qwen2.5-14b", "full", str(path), model__arch="qwen2.5-14b", global_batch=32)
     p = plan(r, hardware=str(path))
     by_name = {c.strategy: c for c in p.candidates}

@@ -21,8 +21,13 @@ PRESET = "server-8xh100"
 
 
 def _job(adapter: str):
-    raw = {"model": {"name": "x", "arch": "llama-3.1-8b"}, "adapter": adapter, "data": {"path": "t.jsonl"},
-           "train": {"global_batch_size": 64}, "hardware": PRESET}
+    raw = {
+        "model": {"name": "x", "arch": "llama-3.1-8b"},
+        "adapter": adapter,
+        "data": {"path": "t.jsonl"},
+        "train": {"global_batch_size": 64},
+        "hardware": PRESET,
+    }
     return job_from_recipe(load_recipe(raw), arch=get_model("llama-3.1-8b"), preset=get_preset(PRESET))
 
 
@@ -45,8 +50,7 @@ def test_optimizer_only_offload_sends_the_updated_partition_back_once_per_step()
     p, n = job.preset, count_params(job.arch).total
     _, serial = _offload_time(job, strategy="zero3-optim-offload", grad_accum=2)
     pcie = ((2 * 2 + 2 * 2 + 4) + 2) * n / p.world_size
-    assert serial == pytest.approx(pcie / (p.host_to_device_bandwidth_gbps * 1e9)
-                                   + n / p.nodes / CPU_ADAM_PARAMS_PER_S)
+    assert serial == pytest.approx(pcie / (p.host_to_device_bandwidth_gbps * 1e9) + n / p.nodes / CPU_ADAM_PARAMS_PER_S)
 
 
 def test_fsdp2_offload_prefetches_its_shards_in_their_stored_dtype():

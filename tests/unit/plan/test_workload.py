@@ -19,28 +19,68 @@ from finetune.registry import resolve_model
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-SMALL = dict(vocab_size=512, hidden_size=64, num_hidden_layers=4, num_attention_heads=4,
-             num_key_value_heads=2, intermediate_size=96)
+SMALL = dict(
+    vocab_size=512,
+    hidden_size=64,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    intermediate_size=96,
+)
 
 CONFIGS = {
     "mixtral": ("MixtralConfig", dict(num_local_experts=4, num_experts_per_tok=2)),
-    "qwen2_moe": ("Qwen2MoeConfig", dict(num_experts=6, num_experts_per_tok=2, moe_intermediate_size=32,
-                                         shared_expert_intermediate_size=80, decoder_sparse_step=1,
-                                         mlp_only_layers=[1])),
-    "qwen3_moe": ("Qwen3MoeConfig", dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=24,
-                                         decoder_sparse_step=2, head_dim=16)),
+    "qwen2_moe": (
+        "Qwen2MoeConfig",
+        dict(
+            num_experts=6,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            shared_expert_intermediate_size=80,
+            decoder_sparse_step=1,
+            mlp_only_layers=[1],
+        ),
+    ),
+    "qwen3_moe": (
+        "Qwen3MoeConfig",
+        dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=24, decoder_sparse_step=2, head_dim=16),
+    ),
     # DeepSeek-V2-Lite style: no query compression (q_proj), one dense layer first
-    "deepseek_v2": ("DeepseekV2Config", dict(n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=2,
-                                             moe_intermediate_size=16, first_k_dense_replace=1,
-                                             q_lora_rank=None, kv_lora_rank=32, qk_rope_head_dim=8,
-                                             qk_nope_head_dim=16, v_head_dim=16, num_key_value_heads=4)),
-    "deepseek_v3": ("DeepseekV3Config", dict(n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1,
-                                             moe_intermediate_size=16, first_k_dense_replace=2,
-                                             q_lora_rank=24, kv_lora_rank=32, qk_rope_head_dim=8,
-                                             qk_nope_head_dim=16, v_head_dim=16, num_key_value_heads=4,
-                                             n_group=2, topk_group=1)),
-    "gpt_oss": ("GptOssConfig", dict(num_local_experts=4, num_experts_per_tok=2, head_dim=16,
-                                     sliding_window=8)),
+    "deepseek_v2": (
+        "DeepseekV2Config",
+        dict(
+            n_routed_experts=8,
+            num_experts_per_tok=2,
+            n_shared_experts=2,
+            moe_intermediate_size=16,
+            first_k_dense_replace=1,
+            q_lora_rank=None,
+            kv_lora_rank=32,
+            qk_rope_head_dim=8,
+            qk_nope_head_dim=16,
+            v_head_dim=16,
+            num_key_value_heads=4,
+        ),
+    ),
+    "deepseek_v3": (
+        "DeepseekV3Config",
+        dict(
+            n_routed_experts=8,
+            num_experts_per_tok=2,
+            n_shared_experts=1,
+            moe_intermediate_size=16,
+            first_k_dense_replace=2,
+            q_lora_rank=24,
+            kv_lora_rank=32,
+            qk_rope_head_dim=8,
+            qk_nope_head_dim=16,
+            v_head_dim=16,
+            num_key_value_heads=4,
+            n_group=2,
+            topk_group=1,
+        ),
+    ),
+    "gpt_oss": ("GptOssConfig", dict(num_local_experts=4, num_experts_per_tok=2, head_dim=16, sliding_window=8)),
 }
 
 
@@ -79,8 +119,7 @@ def test_active_params_leave_out_the_unrouted_experts(tmp_path, family):
 
 
 def test_layer_mix_read_from_each_convention(tmp_path):
-    read = {f: resolve_model(ModelSection(name=str(_config_dir(tmp_path, f)[1])), base_dir=tmp_path)
-            for f in CONFIGS}
+    read = {f: resolve_model(ModelSection(name=str(_config_dir(tmp_path, f)[1])), base_dir=tmp_path) for f in CONFIGS}
     assert read["qwen2_moe"].moe_layers == 3  # mlp_only_layers [1] of 4
     assert read["qwen3_moe"].moe_layers == 2  # decoder_sparse_step 2: layers 1 and 3
     assert read["deepseek_v3"].moe_layers == 2  # first_k_dense_replace 2
@@ -105,8 +144,9 @@ def test_unknown_model_type_is_refused_by_name(tmp_path):
 
 def test_unknown_moe_keys_are_refused_not_planned_dense(tmp_path):
     # a DeepSeek-style config under a dense model_type: its expert keys are not read as dense
-    folder = _write(tmp_path, "y", {"model_type": "llama", **SMALL, "n_routed_experts": 64,
-                                    "moe_intermediate_size": 32})
+    folder = _write(
+        tmp_path, "y", {"model_type": "llama", **SMALL, "n_routed_experts": 64, "moe_intermediate_size": 32}
+    )
     with pytest.raises(RecipeError, match="moe_intermediate_size, n_routed_experts"):
         resolve_model(ModelSection(name=str(folder)), base_dir=tmp_path)
 
@@ -117,11 +157,16 @@ def test_finetune_plan_prints_total_and_active_params(tmp_path):
     from finetune.registry import get_preset
 
     _, folder = _config_dir(tmp_path, "deepseek_v3")
-    recipe = load_recipe({"model": {"name": str(folder)}, "data": {"path": "train.jsonl"},
-                          "adapter": {"type": "lora"}, "hardware": "server-8xh100"})
+    recipe = load_recipe(
+        {
+            "model": {"name": str(folder)},
+            "data": {"path": "train.jsonl"},
+            "adapter": {"type": "lora"},
+            "hardware": "server-8xh100",
+        }
+    )
     arch = resolve_model(recipe.model, base_dir=tmp_path)
     plan = plan_job(job_from_recipe(recipe, arch=arch, preset=get_preset("server-8xh100")))
     p = count_params(arch)
     assert (plan.total_params, plan.active_params) == (p.total, p.active)
-    assert f"{p.total / 1e6:.1f}M params total, {p.active / 1e6:.1f}M active per token" \
-        in render_plan_table(plan)
+    assert f"{p.total / 1e6:.1f}M params total, {p.active / 1e6:.1f}M active per token" in render_plan_table(plan)

@@ -14,21 +14,60 @@ from tests.helpers.recipes import tiny_recipe
 
 # a value of the peer's kind for each of our keys, and any context the key needs to be valid
 SAMPLE = {
-    "train.lr": 1e-4, "train.epochs": 2, "train.max_steps": 5, "train.warmup_steps": 3, "train.warmup_ratio": 0.1,
-    "train.evals_per_epoch": 2, "train.eval_steps": 5, "output.saves_per_epoch": 2, "output.save_every": 5,
-    "output.keep": 3, "output.dir": "out", "train.micro_batch_size": 2, "train.scheduler": "linear",
-    "train.weight_decay": 0.01, "train.max_grad_norm": 0.5, "train.optimizer": "adafactor", "train.adam_beta1": 0.8,
-    "train.adam_beta2": 0.95, "train.adam_epsilon": 1e-6, "train.seed": 1, "train.logging_steps": 2,
-    "train.neftune_noise_alpha": 5, "train.early_stopping_patience": 2, "train.load_best_model_at_end": True,
-    "train.min_lr_ratio": 0.1, "train.activation_checkpointing": True, "train.precision": True,
-    "adapter.r": 8, "adapter.alpha": 16, "adapter.dropout": 0.05, "adapter.target_modules": ["q_proj"],
-    "adapter.modules_to_save": ["lm_head"], "adapter.loraplus_lr_ratio": 16, "adapter.dora": True,
-    "adapter.rslora": True, "adapter.load_in_8bit": True, "adapter.type": True, "model.name": "some/model",
-    "model.trust_remote_code": True, "model.rope_scaling": {"type": "linear", "factor": 2.0},
-    "data.max_length": 64, "data.packing": True, "data.chat_template": "chatml", "data.assistant_only_loss": False,
-    "data.eval_fraction": 0.1, "tokenizer.added_tokens": ["<x>"], "hub.repo": "me/model",
-    "logging.project": "p", "logging.report_to": ["none"], "method.beta": 0.2, "method.simpo_gamma": 1.0,
-    "method.cpo_alpha": 0.5, "train.global_batch_size": 8, "model.dtype": "float32",
+    "train.lr": 1e-4,
+    "train.epochs": 2,
+    "train.max_steps": 5,
+    "train.warmup_steps": 3,
+    "train.warmup_ratio": 0.1,
+    "train.evals_per_epoch": 2,
+    "train.eval_steps": 5,
+    "output.saves_per_epoch": 2,
+    "output.save_every": 5,
+    "output.keep": 3,
+    "output.dir": "out",
+    "train.micro_batch_size": 2,
+    "train.scheduler": "linear",
+    "train.weight_decay": 0.01,
+    "train.max_grad_norm": 0.5,
+    "train.optimizer": "adafactor",
+    "train.adam_beta1": 0.8,
+    "train.adam_beta2": 0.95,
+    "train.adam_epsilon": 1e-6,
+    "train.seed": 1,
+    "train.logging_steps": 2,
+    "train.neftune_noise_alpha": 5,
+    "train.early_stopping_patience": 2,
+    "train.load_best_model_at_end": True,
+    "train.min_lr_ratio": 0.1,
+    "train.activation_checkpointing": True,
+    "train.precision": True,
+    "adapter.r": 8,
+    "adapter.alpha": 16,
+    "adapter.dropout": 0.05,
+    "adapter.target_modules": ["q_proj"],
+    "adapter.modules_to_save": ["lm_head"],
+    "adapter.loraplus_lr_ratio": 16,
+    "adapter.dora": True,
+    "adapter.rslora": True,
+    "adapter.load_in_8bit": True,
+    "adapter.type": True,
+    "model.name": "some/model",
+    "model.trust_remote_code": True,
+    "model.rope_scaling": {"type": "linear", "factor": 2.0},
+    "data.max_length": 64,
+    "data.packing": True,
+    "data.chat_template": "chatml",
+    "data.assistant_only_loss": False,
+    "data.eval_fraction": 0.1,
+    "tokenizer.added_tokens": ["<x>"],
+    "hub.repo": "me/model",
+    "logging.project": "p",
+    "logging.report_to": ["none"],
+    "method.beta": 0.2,
+    "method.simpo_gamma": 1.0,
+    "method.cpo_alpha": 0.5,
+    "train.global_batch_size": 8,
+    "model.dtype": "float32",
 }
 CONTEXT = {
     "train.early_stopping_patience": {"train": {"eval_steps": 2}},
@@ -81,10 +120,15 @@ def test_every_peer_name_points_at_ours_and_the_fix_validates(peer):
     load_recipe(raw)  # the hint fixed it, and nothing else broke
 
 
-@pytest.mark.parametrize("typo,suggested", [
-    ("train.warmup_step", "train.warmup_steps"), ("data.max_len", "data.max_length"),
-    ("adapter.dropuot", "adapter.dropout"), ("train.eval_step", "train.eval_steps"),
-])
+@pytest.mark.parametrize(
+    "typo,suggested",
+    [
+        ("train.warmup_step", "train.warmup_steps"),
+        ("data.max_len", "data.max_length"),
+        ("adapter.dropuot", "adapter.dropout"),
+        ("train.eval_step", "train.eval_steps"),
+    ],
+)
 def test_typos_are_corrected_and_the_fix_validates(typo, suggested):
     raw = _base(suggested)
     _put(raw, typo, SAMPLE[suggested])
@@ -105,16 +149,21 @@ def test_no_look_alike_with_another_meaning_is_proposed(key):
     assert "did you mean" not in info.value.render() and "valid keys here" in info.value.render()
 
 
-@pytest.mark.parametrize("sections", [
-    {"train": {"early_stopping_patience": 2}, "data": {"eval_sources": []}},
-    {"train": {"load_best_model_at_end": True}},
-    {"train": {"min_lr": 1e-5}},
-])
+@pytest.mark.parametrize(
+    "sections",
+    [
+        {"train": {"early_stopping_patience": 2}, "data": {"eval_sources": []}},
+        {"train": {"load_best_model_at_end": True}},
+        {"train": {"min_lr": 1e-5}},
+    ],
+)
 def test_conflict_fixes_lead_to_a_valid_recipe(sections):
     """Each cadence conflict's fix, applied as written, validates (no second error)."""
-    fixes = {"train.early_stopping_patience": {"data": {"eval_fraction": 0.1}, "train": {"evals_per_epoch": 1}},
-             "train.load_best_model_at_end": {"train": {"evals_per_epoch": 1}},
-             "train.scheduler": {"train": {"scheduler": "cosine_with_min_lr"}}}
+    fixes = {
+        "train.early_stopping_patience": {"data": {"eval_fraction": 0.1}, "train": {"evals_per_epoch": 1}},
+        "train.load_best_model_at_end": {"train": {"evals_per_epoch": 1}},
+        "train.scheduler": {"train": {"scheduler": "cosine_with_min_lr"}},
+    }
     from finetune.recipe.load import deep_merge
 
     raw = tiny_recipe(**sections)

@@ -63,18 +63,34 @@ def test_wrong_literal_lists_choices():
     assert "train.optimizer" in msg and "adamw_8bit" in msg
 
 
-@pytest.mark.parametrize("update,key,fix", [
-    ({"method": "dpo"}, "data.sources", "format: preference"),
-    ({"train": {"epochs": 1, "max_steps": 10}}, "train.max_steps", "keep one"),
-    ({"adapter": {"type": "qlora", "storage_dtype": "uint8"}, "distributed": {"strategy": "fsdp2"}},
-     "adapter.storage_dtype", "storage_dtype: bfloat16"),
-    ({"adapter": {"type": "full", "dora": True}}, "adapter.dora", "adapter.type: lora"),
-    ({"method": "dpo", "data": {"path": "p.jsonl", "format": "preference", "packing": True}},
-     "data.packing", "packing: false"),
-    ({"data": {"path": "p.jsonl", "format": "preference"}}, "data.sources", "method: dpo"),
-    ({"method": {"type": "dpo", "reference": "implicit"}, "adapter": "full",
-      "data": {"path": "p.jsonl", "format": "preference"}}, "method.reference", "reference: copy"),
-])
+@pytest.mark.parametrize(
+    "update,key,fix",
+    [
+        ({"method": "dpo"}, "data.sources", "format: preference"),
+        ({"train": {"epochs": 1, "max_steps": 10}}, "train.max_steps", "keep one"),
+        (
+            {"adapter": {"type": "qlora", "storage_dtype": "uint8"}, "distributed": {"strategy": "fsdp2"}},
+            "adapter.storage_dtype",
+            "storage_dtype: bfloat16",
+        ),
+        ({"adapter": {"type": "full", "dora": True}}, "adapter.dora", "adapter.type: lora"),
+        (
+            {"method": "dpo", "data": {"path": "p.jsonl", "format": "preference", "packing": True}},
+            "data.packing",
+            "packing: false",
+        ),
+        ({"data": {"path": "p.jsonl", "format": "preference"}}, "data.sources", "method: dpo"),
+        (
+            {
+                "method": {"type": "dpo", "reference": "implicit"},
+                "adapter": "full",
+                "data": {"path": "p.jsonl", "format": "preference"},
+            },
+            "method.reference",
+            "reference: copy",
+        ),
+    ],
+)
 def test_conflicts_say_how_to_fix(update, key, fix):
     msg = _err(update)
     assert msg.startswith(key + ":") and fix in msg
@@ -129,8 +145,11 @@ def test_resolved_section_is_not_for_users():
 def test_chat_template_is_jinja_text_or_a_file_path():
     from finetune.recipe.paths import is_inline_template
 
-    for text in ("{{ bos_token }}{% for m in messages %}{{ m['content'] }}{% endfor %}",
-                 "{# only a comment #}", "line one\nline two"):
+    for text in (
+        "{{ bos_token }}{% for m in messages %}{{ m['content'] }}{% endfor %}",
+        "{# only a comment #}",
+        "line one\nline two",
+    ):
         assert is_inline_template(text), text
     for path in ("templates/chat.jinja", "/abs/llama3.jinja", "~/t.jinja", "chat{1}.jinja"):
         assert not is_inline_template(path), path
@@ -145,18 +164,31 @@ def test_relative_paths_are_anchored_at_the_recipe_folder(tmp_path, monkeypatch)
     assert anchored("~/x.jsonl", tmp_path) == tmp_path / "home" / "x.jsonl"
 
 
-@pytest.mark.parametrize("method,adapter,reference,expected", [
-    ("sft", "lora", "auto", "none"), ("dpo", "lora", "auto", "implicit"), ("dpo", "qlora", "auto", "implicit"),
-    ("dpo", "full", "auto", "copy"), ("dpo", "lora", "copy", "copy"), ("dpo", "full", "precompute", "precompute"),
-])
+@pytest.mark.parametrize(
+    "method,adapter,reference,expected",
+    [
+        ("sft", "lora", "auto", "none"),
+        ("dpo", "lora", "auto", "implicit"),
+        ("dpo", "qlora", "auto", "implicit"),
+        ("dpo", "full", "auto", "copy"),
+        ("dpo", "lora", "copy", "copy"),
+        ("dpo", "full", "precompute", "precompute"),
+    ],
+)
 def test_dpo_reference_auto_is_decided_once(method, adapter, reference, expected):
     from finetune.plan import job_from_recipe
     from finetune.recipe.schema import dpo_reference
     from finetune.registry import get_model, get_preset
 
     fmt = "preference" if method == "dpo" else "messages"
-    recipe = load_recipe({**BASE, "method": {"type": method, "reference": reference}, "adapter": adapter,
-                          "data": {"path": "p.jsonl", "format": fmt}})
+    recipe = load_recipe(
+        {
+            **BASE,
+            "method": {"type": method, "reference": reference},
+            "adapter": adapter,
+            "data": {"path": "p.jsonl", "format": fmt},
+        }
+    )
     assert dpo_reference(recipe) == expected
     job = job_from_recipe(recipe, arch=get_model("llama-3.1-8b"), preset=get_preset("server-8xh100"))
     assert job.reference == expected  # the planner asks the same function as the trainer
@@ -170,11 +202,23 @@ def test_every_schema_field_is_described_and_the_reference_is_current():
 
     from finetune.recipe import schema
 
-    sections = [c for c in vars(schema).values()
-                if isinstance(c, type) and issubclass(c, BaseModel) and c.__module__ == schema.__name__]
-    undocumented = [f"{c.__name__}.{name}" for c in sections for name, info in c.model_fields.items()
-                    if not (info.description or "").strip()]
+    sections = [
+        c
+        for c in vars(schema).values()
+        if isinstance(c, type) and issubclass(c, BaseModel) and c.__module__ == schema.__name__
+    ]
+    undocumented = [
+        f"{c.__name__}.{name}"
+        for c in sections
+        for name, info in c.model_fields.items()
+        if not (info.description or "").strip()
+    ]
     assert undocumented == []
-    proc = subprocess.run([sys.executable, "scripts/recipe_reference.py", "--check"], cwd=ROOT,
-                          capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "scripts/recipe_reference.py", "--check"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 0, proc.stderr

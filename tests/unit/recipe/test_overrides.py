@@ -15,17 +15,21 @@ def test_parse_override_reads_list_indices():
 
 
 def test_set_changes_one_list_item():
-    recipe = load_recipe(tiny_recipe(), overrides=["data.sources[0].max_samples=3",
-                                                   "data.eval_sources[0].split=validation"])
+    recipe = load_recipe(
+        tiny_recipe(), overrides=["data.sources[0].max_samples=3", "data.eval_sources[0].split=validation"]
+    )
     assert recipe.data.sources[0].max_samples == 3 and recipe.data.eval_sources[0].split == "validation"
 
 
-@pytest.mark.parametrize("text,words", [
-    ("data.sources[3].format=text", "data.sources has 1 item(s), so [3] does not exist"),
-    ("train[0].lr=1", "train is not a list"),
-    ("data.sources.format=text", "data.sources is a list; pick an item with [N]"),
-    ("data.sources[x].format=text", "is not a key"),
-])
+@pytest.mark.parametrize(
+    "text,words",
+    [
+        ("data.sources[3].format=text", "data.sources has 1 item(s), so [3] does not exist"),
+        ("train[0].lr=1", "train is not a list"),
+        ("data.sources.format=text", "data.sources is a list; pick an item with [N]"),
+        ("data.sources[x].format=text", "is not a key"),
+    ],
+)
 def test_bad_list_addresses_are_explained(text, words):
     with pytest.raises(RecipeError) as info:
         load_recipe(tiny_recipe(), overrides=[text])

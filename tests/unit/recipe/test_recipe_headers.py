@@ -7,8 +7,9 @@ from tests.helpers.paths import ROOT
 
 
 def test_recipe_plan_headers_match_the_planner():
-    proc = subprocess.run([sys.executable, "scripts/recipe_headers.py", "--check"], cwd=ROOT,
-                          capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "scripts/recipe_headers.py", "--check"], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
     assert proc.returncode == 0, f"{proc.stdout}{proc.stderr}\nrun: python scripts/recipe_headers.py"
 
 

@@ -13,9 +13,13 @@ from finetune.registry.chat_templates import template_names
 from tests.helpers.paths import TINY_MODEL
 from tests.helpers.recipes import resolve_recipe, tiny_recipe
 
-CONV = [{"role": "system", "content": "Be terse."}, {"role": "user", "content": "abc"},
-        {"role": "assistant", "content": "ABC"}, {"role": "user", "content": "de"},
-        {"role": "assistant", "content": "DE"}]
+CONV = [
+    {"role": "system", "content": "Be terse."},
+    {"role": "user", "content": "abc"},
+    {"role": "assistant", "content": "ABC"},
+    {"role": "user", "content": "de"},
+    {"role": "assistant", "content": "DE"},
+]
 
 
 def _tokenizer(recipe_sections: dict):
@@ -61,8 +65,12 @@ def test_an_unknown_name_is_refused_before_launch_with_a_suggestion():
 
 
 def test_special_tokens_and_added_tokens():
-    tok = _tokenizer({"tokenizer": {"pad_token": "<|mypad|>", "added_tokens": ["<|im_start|>", "<|im_end|>"]},
-                      "adapter": {"modules_to_save": ["embed_tokens", "lm_head"]}})
+    tok = _tokenizer(
+        {
+            "tokenizer": {"pad_token": "<|mypad|>", "added_tokens": ["<|im_start|>", "<|im_end|>"]},
+            "adapter": {"modules_to_save": ["embed_tokens", "lm_head"]},
+        }
+    )
     assert tok.pad_token == "<|mypad|>"
     assert tok.tokenize("<|im_start|>ab") == ["<|im_start|>", "a", "b"]
 
@@ -79,19 +87,28 @@ def test_planner_counts_the_added_rows():
 
     arch, preset = get_model("llama-3.1-8b"), get_preset("server-8xh100")
     base = load_recipe(tiny_recipe())
-    grown = load_recipe(tiny_recipe(tokenizer={"added_tokens": ["<a>", "<b>"], "pad_token": "<p>"},
-                                    adapter={"modules_to_save": ["embed_tokens", "lm_head"]}))
-    assert job_from_recipe(grown, arch=arch, preset=preset).arch.vocab_size == \
-        job_from_recipe(base, arch=arch, preset=preset).arch.vocab_size + 3
+    grown = load_recipe(
+        tiny_recipe(
+            tokenizer={"added_tokens": ["<a>", "<b>"], "pad_token": "<p>"},
+            adapter={"modules_to_save": ["embed_tokens", "lm_head"]},
+        )
+    )
+    assert (
+        job_from_recipe(grown, arch=arch, preset=preset).arch.vocab_size
+        == job_from_recipe(base, arch=arch, preset=preset).arch.vocab_size + 3
+    )
 
 
 @pytest.mark.slow
 def test_training_with_a_named_template_and_new_tokens(tmp_path):
     from finetune.train.run import run_rank
 
-    raw = tiny_recipe(data={"chat_template": "chatml", "max_length": 48}, train={"max_steps": 4},
-                      tokenizer={"added_tokens": ["<|im_start|>", "<|im_end|>"]},
-                      adapter={"modules_to_save": ["embed_tokens", "lm_head"]})
+    raw = tiny_recipe(
+        data={"chat_template": "chatml", "max_length": 48},
+        train={"max_steps": 4},
+        tokenizer={"added_tokens": ["<|im_start|>", "<|im_end|>"]},
+        adapter={"modules_to_save": ["embed_tokens", "lm_head"]},
+    )
     summary = run_rank(resolve_recipe(raw, run_dir=tmp_path / "run"), resume="never")
     assert summary["steps"] == 4
     from transformers import AutoTokenizer

@@ -20,26 +20,43 @@ CONFIG = json.loads((TINY_MODEL / "config.json").read_text())
 @pytest.fixture
 def hub():
     fake = FakeHub().start()
-    fake.add_model("acme/tiny-chat", {"config.json": json.dumps(CONFIG).encode(),
-                                      "model.safetensors": b"\0" * 1024})
+    fake.add_model("acme/tiny-chat", {"config.json": json.dumps(CONFIG).encode(), "model.safetensors": b"\0" * 1024})
     fake.add_model("acme/gated", {"config.json": json.dumps(CONFIG).encode()}, gated=True)
     yield fake
     fake.stop()
 
 
 def _plan(tmp_path, name: str, *, hub: FakeHub | None, offline: bool, token: bool = False):
-    recipe = {"model": {"name": name}, "data": {"path": "train.jsonl", "max_length": 256}, "hardware": "cpu",
-              "train": {"max_steps": 2}}
+    recipe = {
+        "model": {"name": name},
+        "data": {"path": "train.jsonl", "max_length": 256},
+        "hardware": "cpu",
+        "train": {"max_steps": 2},
+    }
     path = tmp_path / "recipe.yaml"
     path.write_text(yaml.safe_dump(recipe))
     env = {k: v for k, v in os.environ.items() if not k.startswith("HF_")}
-    env.update(PYTHONPATH=str(ROOT), HF_HUB_CACHE=str(tmp_path / "cache"), HF_HUB_DISABLE_XET="1",
-               HF_HUB_OFFLINE="1" if offline else "0", HF_ENDPOINT=hub.url if hub else "http://127.0.0.1:9",
-               HF_HUB_DISABLE_TELEMETRY="1", HF_HUB_ETAG_TIMEOUT="5", HF_HOME=str(tmp_path / "hf"))
+    env.update(
+        PYTHONPATH=str(ROOT),
+        HF_HUB_CACHE=str(tmp_path / "cache"),
+        HF_HUB_DISABLE_XET="1",
+        HF_HUB_OFFLINE="1" if offline else "0",
+        HF_ENDPOINT=hub.url if hub else "http://127.0.0.1:9",
+        HF_HUB_DISABLE_TELEMETRY="1",
+        HF_HUB_ETAG_TIMEOUT="5",
+        HF_HOME=str(tmp_path / "hf"),
+    )
     if token:
         env["HF_TOKEN"] = "hf_test_token_0123456789"
-    return subprocess.run([sys.executable, "-m", "finetune.cli", "plan", str(path), "--json"], cwd=tmp_path,
-                          env=env, capture_output=True, text=True, timeout=120, check=False)
+    return subprocess.run(
+        [sys.executable, "-m", "finetune.cli", "plan", str(path), "--json"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
 
 
 def test_any_hub_id_plans_online_then_offline_from_the_cache(tmp_path, hub):
@@ -56,11 +73,14 @@ def test_any_hub_id_plans_online_then_offline_from_the_cache(tmp_path, hub):
     assert json.loads(offline.stdout)["total_params"] == plan["total_params"]
 
 
-@pytest.mark.parametrize("name,online,words", [
-    ("acme/missing", True, "no model 'acme/missing' on the Hub"),
-    ("acme/gated", True, "is gated"),
-    ("acme/tiny-chat", False, "offline (HF_HUB_OFFLINE=1) and acme/tiny-chat's config.json is not in the"),
-])
+@pytest.mark.parametrize(
+    "name,online,words",
+    [
+        ("acme/missing", True, "no model 'acme/missing' on the Hub"),
+        ("acme/gated", True, "is gated"),
+        ("acme/tiny-chat", False, "offline (HF_HUB_OFFLINE=1) and acme/tiny-chat's config.json is not in the"),
+    ],
+)
 def test_hub_errors_say_what_to_do(tmp_path, hub, name, online, words):
     proc = _plan(tmp_path, name, hub=hub, offline=not online)
     assert proc.returncode == 2, proc.stdout + proc.stderr

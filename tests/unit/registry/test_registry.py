@@ -23,9 +23,19 @@ from finetune.registry.schema import HardwarePreset, ModelArch
 from tests.helpers.paths import ROOT
 
 PRESET_NAMES = {
-    "cpu", "workstation-1x4090", "workstation-2x4090", "workstation-4x4090", "workstation-1x5090",
-    "workstation-2x5090", "workstation-4xrtxpro6000", "server-8xh100", "server-8xh200",
-    "server-8xb200", "server-8xmi300x", "cluster-2x8xh100", "cluster-4x8xh100",
+    "cpu",
+    "workstation-1x4090",
+    "workstation-2x4090",
+    "workstation-4x4090",
+    "workstation-1x5090",
+    "workstation-2x5090",
+    "workstation-4xrtxpro6000",
+    "server-8xh100",
+    "server-8xh200",
+    "server-8xb200",
+    "server-8xmi300x",
+    "cluster-2x8xh100",
+    "cluster-4x8xh100",
     "cluster-2x8xrtxpro6000",
 }
 ALL_YAML = sorted(REGISTRY_DIR.rglob("*.yaml"))
@@ -61,8 +71,7 @@ def test_presets_are_self_consistent():
 def test_published_model_numbers():
     # spot checks against the models' config.json (the numbers people get wrong most often)
     l8 = get_model("llama-3.1-8b")
-    assert (l8.vocab_size, l8.num_kv_heads, l8.intermediate_size, l8.tied_embeddings) == \
-        (128256, 8, 14336, False)
+    assert (l8.vocab_size, l8.num_kv_heads, l8.intermediate_size, l8.tied_embeddings) == (128256, 8, 14336, False)
     assert get_model("llama-3.2-1b").tied_embeddings and get_model("llama-3.2-3b").tied_embeddings
     assert get_model("qwen2.5-7b").vocab_size == 152064 and get_model("qwen3-8b").vocab_size == 151936
     assert get_model("qwen2.5-72b").intermediate_size == 29568
@@ -75,8 +84,7 @@ def test_published_model_numbers():
 def test_hub_id_matching_is_case_insensitive(tmp_path):
     arch = resolve_model(ModelSection(name="META-LLAMA/llama-3.1-70b-instruct"), base_dir=tmp_path)
     assert arch.key == "llama-3.1-70b"
-    assert resolve_model(ModelSection(name="whatever", arch="qwen3-14b"), base_dir=tmp_path).key == \
-        "qwen3-14b"
+    assert resolve_model(ModelSection(name="whatever", arch="qwen3-14b"), base_dir=tmp_path).key == "qwen3-14b"
 
 
 def _write_config(directory: Path, config: dict) -> Path:
@@ -86,10 +94,18 @@ def _write_config(directory: Path, config: dict) -> Path:
 
 
 def test_derive_llama_config_defaults_kv_heads(tmp_path):
-    _write_config(tmp_path / "my-llama", {
-        "model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": 256,
-        "num_hidden_layers": 3, "num_attention_heads": 8, "intermediate_size": 688,
-        "vocab_size": 1000})
+    _write_config(
+        tmp_path / "my-llama",
+        {
+            "model_type": "llama",
+            "architectures": ["LlamaForCausalLM"],
+            "hidden_size": 256,
+            "num_hidden_layers": 3,
+            "num_attention_heads": 8,
+            "intermediate_size": 688,
+            "vocab_size": 1000,
+        },
+    )
     arch = resolve_model(ModelSection(name="my-llama"), base_dir=tmp_path)
     assert arch.key == "my-llama" and arch.family == "llama"
     assert arch.num_kv_heads == 8  # no num_key_value_heads: multi-head attention
@@ -97,40 +113,90 @@ def test_derive_llama_config_defaults_kv_heads(tmp_path):
 
 
 def test_derive_qwen2_config(tmp_path):
-    _write_config(tmp_path / "q", {
-        "model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"], "hidden_size": 896,
-        "num_hidden_layers": 24, "num_attention_heads": 14, "num_key_value_heads": 2,
-        "intermediate_size": 4864, "vocab_size": 151936, "tie_word_embeddings": True})
+    _write_config(
+        tmp_path / "q",
+        {
+            "model_type": "qwen2",
+            "architectures": ["Qwen2ForCausalLM"],
+            "hidden_size": 896,
+            "num_hidden_layers": 24,
+            "num_attention_heads": 14,
+            "num_key_value_heads": 2,
+            "intermediate_size": 4864,
+            "vocab_size": 151936,
+            "tie_word_embeddings": True,
+        },
+    )
     arch = resolve_model(ModelSection(name=str(tmp_path / "q")), base_dir=Path("/"))
     assert (arch.num_kv_heads, arch.tied_embeddings, arch.attention_bias) == (2, True, True)
     assert arch.decoder_layer_class == "Qwen2DecoderLayer"
 
 
 def test_derive_gemma3_text_config_nesting(tmp_path):
-    _write_config(tmp_path / "g3", {
-        "model_type": "gemma3", "architectures": ["Gemma3ForConditionalGeneration"],
-        "text_config": {"model_type": "gemma3_text", "hidden_size": 3840, "num_hidden_layers": 48,
-                        "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 256,
-                        "intermediate_size": 15360, "vocab_size": 262208},
-        "vision_config": {"hidden_size": 1152}})
+    _write_config(
+        tmp_path / "g3",
+        {
+            "model_type": "gemma3",
+            "architectures": ["Gemma3ForConditionalGeneration"],
+            "text_config": {
+                "model_type": "gemma3_text",
+                "hidden_size": 3840,
+                "num_hidden_layers": 48,
+                "num_attention_heads": 16,
+                "num_key_value_heads": 8,
+                "head_dim": 256,
+                "intermediate_size": 15360,
+                "vocab_size": 262208,
+            },
+            "vision_config": {"hidden_size": 1152},
+        },
+    )
     arch = resolve_model(ModelSection(name="g3"), base_dir=tmp_path)
     registry = get_model("gemma-3-12b")
-    for field in ("hidden_size", "num_layers", "num_attention_heads", "num_kv_heads", "head_dim",
-                  "intermediate_size", "vocab_size", "tied_embeddings", "decoder_layer_class"):
+    for field in (
+        "hidden_size",
+        "num_layers",
+        "num_attention_heads",
+        "num_kv_heads",
+        "head_dim",
+        "intermediate_size",
+        "vocab_size",
+        "tied_embeddings",
+        "decoder_layer_class",
+    ):
         assert getattr(arch, field) == getattr(registry, field), field
 
 
 def test_derive_gemma2_and_mixtral(tmp_path):
-    _write_config(tmp_path / "g2", {
-        "model_type": "gemma2", "hidden_size": 3584, "num_hidden_layers": 42,
-        "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 256,
-        "intermediate_size": 14336, "vocab_size": 256000})
+    _write_config(
+        tmp_path / "g2",
+        {
+            "model_type": "gemma2",
+            "hidden_size": 3584,
+            "num_hidden_layers": 42,
+            "num_attention_heads": 16,
+            "num_key_value_heads": 8,
+            "head_dim": 256,
+            "intermediate_size": 14336,
+            "vocab_size": 256000,
+        },
+    )
     g2 = resolve_model(ModelSection(name="g2"), base_dir=tmp_path)
     assert g2.tied_embeddings and g2.head_dim == 256 and g2.decoder_layer_class == "Gemma2DecoderLayer"
-    _write_config(tmp_path / "mx", {
-        "model_type": "mixtral", "hidden_size": 4096, "num_hidden_layers": 32,
-        "num_attention_heads": 32, "num_key_value_heads": 8, "intermediate_size": 14336,
-        "vocab_size": 32000, "num_local_experts": 8, "num_experts_per_tok": 2})
+    _write_config(
+        tmp_path / "mx",
+        {
+            "model_type": "mixtral",
+            "hidden_size": 4096,
+            "num_hidden_layers": 32,
+            "num_attention_heads": 32,
+            "num_key_value_heads": 8,
+            "intermediate_size": 14336,
+            "vocab_size": 32000,
+            "num_local_experts": 8,
+            "num_experts_per_tok": 2,
+        },
+    )
     mx = resolve_model(ModelSection(name="mx"), base_dir=tmp_path)
     assert (mx.num_experts, mx.experts_per_token) == (8, 2)
 
@@ -142,8 +208,17 @@ def test_tiny_llama_registry_agrees_with_its_config_json():
     derived = resolve_model(ModelSection(name="data/tiny-llama"), base_dir=ROOT)
     registry = get_model("tiny-llama")
     assert derived.key == "tiny-llama"
-    for field in ("family", "hidden_size", "num_layers", "num_attention_heads", "num_kv_heads",
-                  "intermediate_size", "vocab_size", "tied_embeddings", "decoder_layer_class"):
+    for field in (
+        "family",
+        "hidden_size",
+        "num_layers",
+        "num_attention_heads",
+        "num_kv_heads",
+        "intermediate_size",
+        "vocab_size",
+        "tied_embeddings",
+        "decoder_layer_class",
+    ):
         assert getattr(derived, field) == getattr(registry, field), field
 
 
@@ -166,14 +241,17 @@ def test_unknown_preset_did_you_mean():
 def test_user_preset_file(tmp_path):
     (tmp_path / "lab.yaml").write_text(
         "name: lab-2xa100\ngpu_model: NVIDIA A100 80GB\ngpu_memory_gib: 79\ngpus_per_node: 2\n"
-        "intra_node_bandwidth_gbps: 200\nhost_ram_gib: 512\npeak_bf16_tflops: 312\n")
+        "intra_node_bandwidth_gbps: 200\nhost_ram_gib: 512\npeak_bf16_tflops: 312\n"
+    )
     preset = get_preset("lab.yaml", base_dir=tmp_path)
     assert (preset.name, preset.world_size) == ("lab-2xa100", 2)
 
 
 def test_bad_user_preset_file_names_file_and_key(tmp_path):
-    good = ("name: x\ngpu_model: y\ngpu_memory_gib: 80\ngpus_per_node: 2\n"
-            "intra_node_bandwidth_gbps: 200\nhost_ram_gib: 512\npeak_bf16_tflops: 312\n")
+    good = (
+        "name: x\ngpu_model: y\ngpu_memory_gib: 80\ngpus_per_node: 2\n"
+        "intra_node_bandwidth_gbps: 200\nhost_ram_gib: 512\npeak_bf16_tflops: 312\n"
+    )
     bad = tmp_path / "bad.yaml"
     bad.write_text(good + "nvme_pth: /scratch\n")
     with pytest.raises(RecipeError) as err:

@@ -16,9 +16,22 @@ ROOT = Path(__file__).resolve().parents[3]
 def _queue(tmp_path: Path, jobs: list[dict], *, budget: float, gpus: int, scratch: list[str] = ()) -> dict:
     spec = tmp_path / "jobs.yaml"
     spec.write_text(yaml.safe_dump({"jobs": jobs, "scratch": list(scratch)}))
-    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "gpu_queue.py"), str(spec), "--results",
-                           str(tmp_path / "results"), "--budget", str(budget), "--gpus", str(gpus)],
-                          capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "scripts" / "gpu_queue.py"),
+            str(spec),
+            "--results",
+            str(tmp_path / "results"),
+            "--budget",
+            str(budget),
+            "--gpus",
+            str(gpus),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 0, proc.stderr
     return json.loads((tmp_path / "results" / "queue.json").read_text())
 
@@ -26,14 +39,20 @@ def _queue(tmp_path: Path, jobs: list[dict], *, budget: float, gpus: int, scratc
 def test_jobs_share_the_gpus_wait_for_inputs_and_respect_the_budget(tmp_path):
     used = tmp_path / "scratch" / "model"
     used.mkdir(parents=True)
-    state = _queue(tmp_path, [
-        {"name": "two", "gpus": 2, "est_s": 3, "cmd": "sleep 2; echo $CUDA_VISIBLE_DEVICES", "uses": [str(used)]},
-        {"name": "one", "gpus": 1, "est_s": 1, "cmd": "echo $CUDA_VISIBLE_DEVICES"},
-        {"name": "all", "gpus": 4, "est_s": 1, "after": ["two"], "cmd": "echo $CUDA_VISIBLE_DEVICES"},
-        {"name": "too-long", "gpus": 1, "est_s": 500, "cmd": "echo never"},
-        {"name": "cpu", "gpus": 0, "est_s": 1, "after": ["all"], "cmd": "echo cpu:$CUDA_VISIBLE_DEVICES"},
-        {"name": "too-big", "gpus": 8, "est_s": 1, "cmd": "echo never"},
-    ], budget=30, gpus=4, scratch=[str(tmp_path / "scratch")])
+    state = _queue(
+        tmp_path,
+        [
+            {"name": "two", "gpus": 2, "est_s": 3, "cmd": "sleep 2; echo $CUDA_VISIBLE_DEVICES", "uses": [str(used)]},
+            {"name": "one", "gpus": 1, "est_s": 1, "cmd": "echo $CUDA_VISIBLE_DEVICES"},
+            {"name": "all", "gpus": 4, "est_s": 1, "after": ["two"], "cmd": "echo $CUDA_VISIBLE_DEVICES"},
+            {"name": "too-long", "gpus": 1, "est_s": 500, "cmd": "echo never"},
+            {"name": "cpu", "gpus": 0, "est_s": 1, "after": ["all"], "cmd": "echo cpu:$CUDA_VISIBLE_DEVICES"},
+            {"name": "too-big", "gpus": 8, "est_s": 1, "cmd": "echo never"},
+        ],
+        budget=30,
+        gpus=4,
+        scratch=[str(tmp_path / "scratch")],
+    )
     done = state["done"]
     assert done["two"]["gpus"] == [0, 1] and done["one"]["gpus"] == [2]  # side by side
     assert done["all"]["gpus"] == [0, 1, 2, 3] and done["all"]["started_s"] >= done["two"]["ended_s"]

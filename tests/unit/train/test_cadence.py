@@ -34,15 +34,18 @@ def test_epoch_cadence_and_best_model_arguments():
     assert _args()["eval_strategy"] == "no" and _args()["save_strategy"] == "no"
 
 
-@pytest.mark.parametrize("sections,key", [
-    ({"train": {"evals_per_epoch": 2, "eval_steps": 5}}, "train.evals_per_epoch"),
-    ({"output": {"saves_per_epoch": 2, "save_every": 5}}, "output.saves_per_epoch"),
-    ({"train": {"warmup_steps": 5, "warmup_ratio": 0.1}}, "train.warmup_steps"),
-    ({"train": {"min_lr": 1e-5}}, "train.scheduler"),
-    ({"train": {"scheduler": "cosine_with_min_lr", "min_lr": 1e-5, "min_lr_ratio": 0.1}}, "train.min_lr"),
-    ({"train": {"early_stopping_patience": 2}}, "train.early_stopping_patience"),
-    ({"train": {"load_best_model_at_end": True}, "data": {"eval_sources": []}}, "train.load_best_model_at_end"),
-])
+@pytest.mark.parametrize(
+    "sections,key",
+    [
+        ({"train": {"evals_per_epoch": 2, "eval_steps": 5}}, "train.evals_per_epoch"),
+        ({"output": {"saves_per_epoch": 2, "save_every": 5}}, "output.saves_per_epoch"),
+        ({"train": {"warmup_steps": 5, "warmup_ratio": 0.1}}, "train.warmup_steps"),
+        ({"train": {"min_lr": 1e-5}}, "train.scheduler"),
+        ({"train": {"scheduler": "cosine_with_min_lr", "min_lr": 1e-5, "min_lr_ratio": 0.1}}, "train.min_lr"),
+        ({"train": {"early_stopping_patience": 2}}, "train.early_stopping_patience"),
+        ({"train": {"load_best_model_at_end": True}, "data": {"eval_sources": []}}, "train.load_best_model_at_end"),
+    ],
+)
 def test_cadence_conflicts_name_the_key(sections, key):
     with pytest.raises(RecipeError) as info:
         load_recipe(tiny_recipe(**sections))
@@ -55,16 +58,23 @@ def test_evals_per_epoch_early_stopping_and_best_checkpoint(tmp_path):
 
     # 64 rows at batch 8 = 8 steps per epoch; 2 evals per epoch = every 4 steps; an improvement must
     # beat the threshold, which none does, so patience 1 stops at the second evaluation
-    raw = tiny_recipe(train={"max_steps": 40, "evals_per_epoch": 2, "early_stopping_patience": 1,
-                             "early_stopping_threshold": 10.0, "load_best_model_at_end": True,
-                             "warmup_steps": 2},
-                      output={"keep": 1})
+    raw = tiny_recipe(
+        train={
+            "max_steps": 40,
+            "evals_per_epoch": 2,
+            "early_stopping_patience": 1,
+            "early_stopping_threshold": 10.0,
+            "load_best_model_at_end": True,
+            "warmup_steps": 2,
+        },
+        output={"keep": 1},
+    )
     raw["train"].pop("warmup_ratio")
     summary = run_rank(resolve_recipe(raw, run_dir=tmp_path / "run"), resume="never")
     rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     evals = [r["step"] for r in rows if r.get("eval_loss") is not None and r["step"] > 0]
     assert evals == [4, 8] and summary["steps"] == 8  # stopped early
-    state = json.loads(next((tmp_path / "run" / "checkpoints").glob("checkpoint-*/trainer_state.json"))
-                       .read_text())
+    state = json.loads(next((tmp_path / "run" / "checkpoints").glob("checkpoint-*/trainer_state.json")).read_text())
     assert state["best_model_checkpoint"] and state["best_metric"] == min(
-        r["eval_loss"] for r in rows if r.get("eval_loss") is not None and r["step"] > 0)
+        r["eval_loss"] for r in rows if r.get("eval_loss") is not None and r["step"] > 0
+    )

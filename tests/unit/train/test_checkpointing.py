@@ -14,9 +14,13 @@ from finetune.registry import get_model, get_preset
 
 
 def _job(**train):
-    raw = {"model": {"name": "llama-3.1-8b", "arch": "llama-3.1-8b"}, "adapter": {"type": "lora"},
-           "data": {"path": "t.jsonl", "max_length": 2048},
-           "train": {"global_batch_size": 8, "liger": "off", **train}, "hardware": "workstation-1x4090"}
+    raw = {
+        "model": {"name": "llama-3.1-8b", "arch": "llama-3.1-8b"},
+        "adapter": {"type": "lora"},
+        "data": {"path": "t.jsonl", "max_length": 2048},
+        "train": {"global_batch_size": 8, "liger": "off", **train},
+        "hardware": "workstation-1x4090",
+    }
     recipe = load_recipe(raw)
     return job_from_recipe(recipe, arch=get_model("llama-3.1-8b"), preset=get_preset("workstation-1x4090"))
 
@@ -28,7 +32,8 @@ def test_activation_bytes_for_k_of_l_layers():
     edges = 4 * a * h * tokens
     # k = 10: 22 layers keep everything, 10 keep only their bf16 input: 22 x layer + 10 x 2 x 4096 x 2048
     assert activation_bytes(job, micro_batch=1, checkpointing=10) == pytest.approx(
-        22 * per_layer + 10 * a * h * tokens + edges)
+        22 * per_layer + 10 * a * h * tokens + edges
+    )
     # every layer: 32 inputs plus one layer recomputed at a time; k = 31 keeps one layer whole and no
     # recompute overlaps it, so it needs one input less than k = 32
     all_layers = activation_bytes(job, micro_batch=1, checkpointing=True)
@@ -53,14 +58,18 @@ def test_a_tight_fit_checkpoints_some_layers_and_spends_the_memory():
 def test_compile_records_k_and_hands_checkpointing_to_the_trainer(tmp_path):
     from finetune.compile import compile_run
 
-    raw = {"model": {"name": "meta-llama/Llama-3.1-8B", "arch": "llama-3.1-8b"}, "adapter": {"type": "lora"},
-           "data": {"path": "t.jsonl", "max_length": 2048},
-           "train": {"global_batch_size": 8, "micro_batch_size": 1, "liger": "off"},
-           "hardware": "workstation-1x4090"}
+    raw = {
+        "model": {"name": "meta-llama/Llama-3.1-8B", "arch": "llama-3.1-8b"},
+        "adapter": {"type": "lora"},
+        "data": {"path": "t.jsonl", "max_length": 2048},
+        "train": {"global_batch_size": 8, "micro_batch_size": 1, "liger": "off"},
+        "hardware": "workstation-1x4090",
+    }
     recipe = load_recipe(raw)
     plan = plan_job(job_from_recipe(recipe, arch=get_model("llama-3.1-8b"), preset=get_preset("workstation-1x4090")))
-    compile_run(recipe, plan, run_dir=tmp_path / "run", arch=get_model("llama-3.1-8b"),
-                preset=get_preset("workstation-1x4090"))
+    compile_run(
+        recipe, plan, run_dir=tmp_path / "run", arch=get_model("llama-3.1-8b"), preset=get_preset("workstation-1x4090")
+    )
     import yaml
 
     resolved = yaml.safe_load((tmp_path / "run" / "recipe.resolved.yaml").read_text())
@@ -78,8 +87,16 @@ def test_trainer_recomputes_exactly_the_first_k_layers(tmp_path):
     from finetune.train.trainers import _checkpointing_args
 
     torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
-                                         num_attention_heads=2, num_key_value_heads=1))
+    model = LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=64,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=4,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+        )
+    )
     calls = [0] * 4
     # transformers checkpoints the layer's forward, not its __call__ (module hooks stay outside the
     # recompute), and torch stops a recompute once the saved tensors are back; so count the start of the
@@ -87,11 +104,19 @@ def test_trainer_recomputes_exactly_the_first_k_layers(tmp_path):
     for i, layer in enumerate(decoder_layers(model)):
         layer.self_attn.register_forward_pre_hook(lambda *_, i=i: calls.__setitem__(i, calls[i] + 1))
     ids = torch.randint(0, 64, (8,)).tolist()
-    args = TrainingArguments(output_dir=str(tmp_path), max_steps=1, per_device_train_batch_size=1,
-                             use_cpu=True, report_to="none", save_strategy="no", disable_tqdm=True,
-                             **_checkpointing_args(True))
-    trainer = Trainer(model=model, args=args, train_dataset=[{"input_ids": ids, "labels": ids}],
-                      callbacks=[PartialCheckpointing(2)])
+    args = TrainingArguments(
+        output_dir=str(tmp_path),
+        max_steps=1,
+        per_device_train_batch_size=1,
+        use_cpu=True,
+        report_to="none",
+        save_strategy="no",
+        disable_tqdm=True,
+        **_checkpointing_args(True),
+    )
+    trainer = Trainer(
+        model=model, args=args, train_dataset=[{"input_ids": ids, "labels": ids}], callbacks=[PartialCheckpointing(2)]
+    )
     trainer.train()
     # one forward each; the first two run again when the backward recomputes them
     assert calls == [2, 2, 1, 1]

@@ -41,8 +41,12 @@ def test_damaged_weights_are_refused_before_launch(tmp_path, capsys, size):
     weights = model / "model.safetensors"
     weights.write_bytes(weights.read_bytes()[:size])
     recipe = write_recipe(tmp_path / "recipe.yaml", model={"name": str(model)})
-    _refused(capsys, ["run", str(recipe), "--output", str(tmp_path / "run"), "--dry-run"], "model.name",
-             "empty" if size == 0 else "truncated" if size == 4 else "model.safetensors")
+    _refused(
+        capsys,
+        ["run", str(recipe), "--output", str(tmp_path / "run"), "--dry-run"],
+        "model.name",
+        "empty" if size == 0 else "truncated" if size == 4 else "model.safetensors",
+    )
     assert not (tmp_path / "run").exists()
 
 
@@ -61,28 +65,38 @@ def test_seed_out_of_range_is_refused(tmp_path, capsys, seed):
 
 
 def test_a_chat_template_that_raises_is_found_on_the_first_row(tmp_path, capsys):
-    recipe = write_recipe(tmp_path / "recipe.yaml",
-                          data={"chat_template": "{{ raise_exception('this template takes no user turns') }}"})
-    _refused(capsys, ["run", str(recipe), "--output", str(tmp_path / "run"), "--dry-run"],
-             "data.chat_template", "row 1", "this template takes no user turns")
+    recipe = write_recipe(
+        tmp_path / "recipe.yaml", data={"chat_template": "{{ raise_exception('this template takes no user turns') }}"}
+    )
+    _refused(
+        capsys,
+        ["run", str(recipe), "--output", str(tmp_path / "run"), "--dry-run"],
+        "data.chat_template",
+        "row 1",
+        "this template takes no user turns",
+    )
 
 
 def test_a_model_that_needs_remote_code_is_refused_by_key(tmp_path, capsys):
     model = _model(tmp_path)
     config = json.loads((model / "config.json").read_text())
-    config.update(model_type="my_own_arch", auto_map={"AutoConfig": "my_arch.MyConfig",
-                                                       "AutoModelForCausalLM": "my_arch.MyModel"})
+    config.update(
+        model_type="my_own_arch", auto_map={"AutoConfig": "my_arch.MyConfig", "AutoModelForCausalLM": "my_arch.MyModel"}
+    )
     (model / "config.json").write_text(json.dumps(config))
     recipe = write_recipe(tmp_path / "recipe.yaml", model={"name": str(model), "arch": "tiny-llama"})
-    _refused(capsys, ["run", str(recipe), "--output", str(tmp_path / "run"), "--dry-run"],
-             "model.trust_remote_code")
+    _refused(capsys, ["run", str(recipe), "--output", str(tmp_path / "run"), "--dry-run"], "model.trust_remote_code")
 
 
 @pytest.mark.skipif(bool(query_gpus()), reason="this machine has GPUs")
 def test_a_gpu_preset_on_a_machine_without_gpus_is_refused_before_launch(tmp_path, capsys):
     recipe = write_recipe(tmp_path / "recipe.yaml", train={"precision": "bf16"}, model={"dtype": "bfloat16"})
-    _refused(capsys, ["run", str(recipe), "--output", str(tmp_path / "run"), "--hardware", "workstation-1x4090"],
-             "no NVIDIA GPU", "--hardware cpu")
+    _refused(
+        capsys,
+        ["run", str(recipe), "--output", str(tmp_path / "run"), "--hardware", "workstation-1x4090"],
+        "no NVIDIA GPU",
+        "--hardware cpu",
+    )
     assert not (tmp_path / "run").exists()
 
 
@@ -98,14 +112,22 @@ def test_errors_inside_a_rank_become_one_paragraph_with_fitting_advice(tmp_path)
 @pytest.mark.slow
 def test_a_rank_error_prints_one_paragraph_without_a_traceback(tmp_path):
     # the template fails only on a row the pre-launch render does not try: the rank reports it
-    rows = [{"messages": [{"role": "user", "content": f"question {i}" + (" forbidden" if i == 5 else "")},
-                          {"role": "assistant", "content": f"answer {i}"}]} for i in range(1, 9)]
+    rows = [
+        {
+            "messages": [
+                {"role": "user", "content": f"question {i}" + (" forbidden" if i == 5 else "")},
+                {"role": "assistant", "content": f"answer {i}"},
+            ]
+        }
+        for i in range(1, 9)
+    ]
     data = tmp_path / "chat.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    template = ("{% for m in messages %}{% if 'forbidden' in m['content'] %}{{ raise_exception('row too long "
-                "for this template') }}{% endif %}{{ m['content'] }}{% endfor %}")
-    recipe = write_recipe(tmp_path / "recipe.yaml", data={"chat_template": template,
-                                                          "sources": [{"path": str(data)}]})
+    template = (
+        "{% for m in messages %}{% if 'forbidden' in m['content'] %}{{ raise_exception('row too long "
+        "for this template') }}{% endif %}{{ m['content'] }}{% endfor %}"
+    )
+    recipe = write_recipe(tmp_path / "recipe.yaml", data={"chat_template": template, "sources": [{"path": str(data)}]})
     done = run(cli_argv(recipe, tmp_path / "run"), cache=tmp_path / "cache")
     out = done.stdout + done.stderr
     assert done.returncode == 2, out[-3000:]

@@ -13,10 +13,11 @@ from finetune.recipe.load import deep_merge, load_recipe
 from tests.helpers.paths import ROOT, SAMPLES
 from tests.helpers.recipes import tiny_recipe
 
-PREF = {"sources": [{"path": str(SAMPLES / "preference.jsonl"), "format": "preference", "max_samples": 64}],
-        "eval_sources": []}
-TEXT = {"sources": [{"path": str(SAMPLES / "text.jsonl"), "format": "text", "max_samples": 64}],
-        "eval_sources": []}
+PREF = {
+    "sources": [{"path": str(SAMPLES / "preference.jsonl"), "format": "preference", "max_samples": 64}],
+    "eval_sources": [],
+}
+TEXT = {"sources": [{"path": str(SAMPLES / "text.jsonl"), "format": "text", "max_samples": 64}], "eval_sources": []}
 
 
 def _recipe(method: dict, data: dict, **extra):
@@ -49,10 +50,18 @@ def test_pretrain_packs_text_by_default_and_refuses_chat():
         _recipe("orpo", {**PREF, "packing": True})
 
 
-@pytest.mark.parametrize("method,seqs,reference", [
-    ("sft", 1, "none"), ("pretrain", 1, "none"), ("dpo", 2, "implicit"), ("kto", 2, "implicit"),
-    ("orpo", 2, "none"), ("simpo", 2, "none"), ("reward", 2, "none"),
-])
+@pytest.mark.parametrize(
+    "method,seqs,reference",
+    [
+        ("sft", 1, "none"),
+        ("pretrain", 1, "none"),
+        ("dpo", 2, "implicit"),
+        ("kto", 2, "implicit"),
+        ("orpo", 2, "none"),
+        ("simpo", 2, "none"),
+        ("reward", 2, "none"),
+    ],
+)
 def test_planner_sequences_and_reference(method, seqs, reference):
     from finetune.plan import job_from_recipe
     from finetune.registry import get_model, get_preset
@@ -71,15 +80,23 @@ def test_a_reference_copy_costs_memory_for_kto_as_for_dpo():
 
     sizes = {}
     for method in ("kto", "orpo"):
-        recipe = _recipe({"type": method}, PREF, adapter={"type": "full"}, train={"micro_batch_size": 1},
-                         distributed={"strategy": "zero3"}, model={"name": "x", "arch": "llama-3.1-8b"})
+        recipe = _recipe(
+            {"type": method},
+            PREF,
+            adapter={"type": "full"},
+            train={"micro_batch_size": 1},
+            distributed={"strategy": "zero3"},
+            model={"name": "x", "arch": "llama-3.1-8b"},
+        )
         sizes[method] = plan(recipe, hardware="server-8xh100").memory.weights
     assert sizes["kto"] == pytest.approx(2 * sizes["orpo"])
 
 
 CASES = {
-    "kto": ({"type": "kto", "beta": 0.1}, {"sources": [{"path": str(SAMPLES / "unpaired.jsonl"),
-                                                         "format": "unpaired"}], "eval_sources": []}),
+    "kto": (
+        {"type": "kto", "beta": 0.1},
+        {"sources": [{"path": str(SAMPLES / "unpaired.jsonl"), "format": "unpaired"}], "eval_sources": []},
+    ),
     "orpo": ({"type": "orpo", "beta": 0.1}, PREF),
     "simpo": ({"type": "simpo", "beta": 2.0, "simpo_gamma": 0.5}, PREF),
     "reward": ({"type": "reward"}, PREF),
@@ -96,25 +113,36 @@ def test_method_trains_end_to_end(case, tmp_path):
     from tests.helpers.recipes import resolve_recipe
 
     method, data = CASES[case]
-    recipe = tiny_recipe(**deep_merge({"train": {"max_steps": 8, "logging_steps": 1},
-                                       "logging": {"report_to": ["none"]},
-                                       "data": {"allow_paths": [str(ROOT / "data")]}},
-                                      {"method": method, "data": data}))
+    recipe = tiny_recipe(
+        **deep_merge(
+            {
+                "train": {"max_steps": 8, "logging_steps": 1},
+                "logging": {"report_to": ["none"]},
+                "data": {"allow_paths": [str(ROOT / "data")]},
+            },
+            {"method": method, "data": data},
+        )
+    )
     run_dir = tmp_path / "run"
     returned = run_rank(resolve_recipe(recipe, run_dir=run_dir), resume="never")
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary == json.loads(json.dumps(returned))
     assert summary["method"] == case and summary["steps"] == 8
-    losses = [json.loads(line)["loss"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()
-              if json.loads(line).get("loss") is not None]
+    losses = [
+        json.loads(line)["loss"]
+        for line in (run_dir / "metrics.jsonl").read_text().splitlines()
+        if json.loads(line).get("loss") is not None
+    ]
     assert all(math.isfinite(x) for x in losses)
     assert min(losses[-3:]) < losses[0], losses
     assert (run_dir / "adapter_model.safetensors").stat().st_size > 0
 
 
 def test_streaming_rules():
-    stream = {"sources": [{"path": str(SAMPLES / "text.jsonl"), "format": "text", "streaming": True}],
-              "eval_sources": []}
+    stream = {
+        "sources": [{"path": str(SAMPLES / "text.jsonl"), "format": "text", "streaming": True}],
+        "eval_sources": [],
+    }
     assert _recipe("pretrain", stream).data.sources[0].streaming
     with pytest.raises(RecipeError, match="train.max_steps: a streamed corpus has no known length"):
         load_recipe(tiny_recipe(method="pretrain", data=stream, train={"max_steps": None, "epochs": 1}))
@@ -130,11 +158,14 @@ def test_pretrain_streams_a_corpus_and_splits_long_documents(tmp_path):
     corpus = tmp_path / "corpus.jsonl"
     words = [json.loads(line)["text"] for line in (SAMPLES / "text.jsonl").read_text().splitlines()]
     # documents far longer than max_length: packed pre-training splits them instead of dropping them
-    corpus.write_text("".join(json.dumps({"text": " ".join(words[i:i + 12])}) + "\n"
-                              for i in range(0, len(words), 12)))
-    raw = tiny_recipe(method="pretrain", data={"sources": [{"path": str(corpus), "format": "text",
-                                                            "streaming": True}], "eval_sources": []},
-                      train={"max_steps": 6, "logging_steps": 1})
+    corpus.write_text(
+        "".join(json.dumps({"text": " ".join(words[i : i + 12])}) + "\n" for i in range(0, len(words), 12))
+    )
+    raw = tiny_recipe(
+        method="pretrain",
+        data={"sources": [{"path": str(corpus), "format": "text", "streaming": True}], "eval_sources": []},
+        train={"max_steps": 6, "logging_steps": 1},
+    )
     summary = run_rank(resolve_recipe(raw, run_dir=tmp_path / "run"), resume="never")
     assert summary["steps"] == 6 and summary["final_train_loss"] < summary["first_train_loss"]
     assert summary["tokenized_cache"]["key"] == "streaming"

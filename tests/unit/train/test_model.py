@@ -29,7 +29,8 @@ def _model_dir(tmp_path, *, pickled: bool, remote_code: bool = False):
         (out / "modeling_evil.py").write_text(
             f"open({str(marker)!r}, 'w').write('ran')\n"
             "from transformers import LlamaForCausalLM\n"
-            "class EvilForCausalLM(LlamaForCausalLM):\n    pass\n")
+            "class EvilForCausalLM(LlamaForCausalLM):\n    pass\n"
+        )
         import json
 
         config = json.loads((out / "config.json").read_text())

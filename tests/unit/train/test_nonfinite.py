@@ -37,20 +37,44 @@ def poisoned(tmp_path_factory):
     with torch.no_grad():
         model.get_input_embeddings().weight[bad_id] = float("nan")
     model.save_pretrained(model_dir)
-    words = ["abc", "dog", "sun", "map", "kit", "fox", "owl", "bee", "cat", "elk", "gnu", "yak", "ram",
-             "hen", "ant", "eel"]
-    rows = [{"messages": [{"role": "user", "content": w + (BAD if i % 4 == 1 else "")},
-                          {"role": "assistant", "content": w.upper()}]} for i, w in enumerate(words)]
+    words = [
+        "abc",
+        "dog",
+        "sun",
+        "map",
+        "kit",
+        "fox",
+        "owl",
+        "bee",
+        "cat",
+        "elk",
+        "gnu",
+        "yak",
+        "ram",
+        "hen",
+        "ant",
+        "eel",
+    ]
+    rows = [
+        {
+            "messages": [
+                {"role": "user", "content": w + (BAD if i % 4 == 1 else "")},
+                {"role": "assistant", "content": w.upper()},
+            ]
+        }
+        for i, w in enumerate(words)
+    ]
     data = root / "data.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return model_dir, data
 
 
 def _recipe(model_dir, data, **train):
-    return tiny_recipe(model={"name": str(model_dir)},
-                       data={"sources": [{"path": str(data)}], "eval_sources": [], "max_length": 32},
-                       train={"max_steps": 8, "global_batch_size": 2, "micro_batch_size": 2,
-                              "weight_decay": 0.1, **train})
+    return tiny_recipe(
+        model={"name": str(model_dir)},
+        data={"sources": [{"path": str(data)}], "eval_sources": [], "max_length": 32},
+        train={"max_steps": 8, "global_batch_size": 2, "micro_batch_size": 2, "weight_decay": 0.1, **train},
+    )
 
 
 class WeightProbe(TrainerCallback):
@@ -78,14 +102,21 @@ def test_skip_leaves_weights_untouched_on_bad_steps_only(poisoned, tmp_path):
     from finetune.train.preflight import prepare_data
     from finetune.train.trainers import build_trainer, training_args
 
-    recipe = load_recipe(resolve_recipe(_recipe(*poisoned, on_nonfinite="skip", max_bad_steps=8),
-                                        run_dir=tmp_path / "run"), allow_resolved=True)
+    recipe = load_recipe(
+        resolve_recipe(_recipe(*poisoned, on_nonfinite="skip", max_bad_steps=8), run_dir=tmp_path / "run"),
+        allow_resolved=True,
+    )
     tokenizer = load_tokenizer(recipe)
     data = prepare_data(recipe, tokenizer, state=PartialState(cpu=True))
     nonfinite, probe = NonFiniteCallback(policy="skip", max_bad_steps=8), WeightProbe()
-    trainer = build_trainer(recipe, args=training_args(recipe, run_dir=tmp_path / "run", has_eval=False),
-                            model=load_model(recipe), tokenizer=tokenizer,
-                            data=data, callbacks=[nonfinite, probe])
+    trainer = build_trainer(
+        recipe,
+        args=training_args(recipe, run_dir=tmp_path / "run", has_eval=False),
+        model=load_model(recipe),
+        tokenizer=tokenizer,
+        data=data,
+        callbacks=[nonfinite, probe],
+    )
     trainer.train()
     assert trainer.state.global_step == 8
     skipped = set(nonfinite.skipped)
@@ -98,8 +129,10 @@ def test_skip_stops_after_max_bad_steps(poisoned, tmp_path):
     from finetune.train.run import run_rank
 
     with pytest.raises(TrainingFailed) as info:
-        run_rank(resolve_recipe(_recipe(*poisoned, on_nonfinite="skip", max_bad_steps=1),
-                                run_dir=tmp_path / "run"), resume="never")
+        run_rank(
+            resolve_recipe(_recipe(*poisoned, on_nonfinite="skip", max_bad_steps=1), run_dir=tmp_path / "run"),
+            resume="never",
+        )
     text = info.value.render()
     assert "2 bad step(s)" in text and "max_bad_steps=1" in text and "(rank 0 of 1)" in text, text
     assert "non-finite loss=nan" in text

@@ -33,10 +33,16 @@ from tests.helpers.recipes import resolve_recipe, tiny_recipe, write_recipe
 
 
 def _job(**train):
-    recipe = load_recipe({"model": {"name": "meta-llama/Llama-3.1-8B", "arch": "llama-3.1-8b"},
-                          "adapter": {"type": "lora"}, "data": {"path": "x.jsonl", "max_length": 2048},
-                          "train": {"global_batch_size": 16, **train}, "distributed": {"strategy": "ddp"},
-                          "hardware": "auto"})
+    recipe = load_recipe(
+        {
+            "model": {"name": "meta-llama/Llama-3.1-8B", "arch": "llama-3.1-8b"},
+            "adapter": {"type": "lora"},
+            "data": {"path": "x.jsonl", "max_length": 2048},
+            "train": {"global_batch_size": 16, **train},
+            "distributed": {"strategy": "ddp"},
+            "hardware": "auto",
+        }
+    )
     # the preset `--hardware auto` makes on one H100 80GB
     preset = synthesize_preset(parse_nvidia_smi("NVIDIA H100 80GB HBM3, 81559 MiB"), ram_gib=1024)
     return job_from_recipe(recipe, arch=get_model("llama-3.1-8b"), preset=preset)
@@ -46,9 +52,15 @@ def _evidence(*, micro_batch, checkpointing=False, requested_gib=1.0, baseline=0
     """A rank that filled an 80 GB card (max reserved 0.5 GiB under its capacity) and then asked for
     `requested_gib` more."""
     capacity = 79.1 * GIB
-    return OomEvidence(rank=0, micro_batch=micro_batch, checkpointing=checkpointing,
-                       peak_bytes=capacity - 0.5 * GIB, capacity_bytes=capacity,
-                       requested_bytes=requested_gib * GIB, baseline_bytes=baseline)
+    return OomEvidence(
+        rank=0,
+        micro_batch=micro_batch,
+        checkpointing=checkpointing,
+        peak_bytes=capacity - 0.5 * GIB,
+        capacity_bytes=capacity,
+        requested_bytes=requested_gib * GIB,
+        baseline_bytes=baseline,
+    )
 
 
 def test_replan_scales_the_activation_term_to_the_measured_peak():
@@ -76,8 +88,9 @@ def test_replan_never_proposes_a_setting_already_tried_and_turns_checkpointing_o
     out = replan(job, strategy="ddp", evidence=[ev])
     assert (out.micro_batch, out.checkpointing) != (1, False)
     assert out.checkpointing  # micro-batch 1 is the smallest: only checkpointing is left
-    again = replan(job, strategy="ddp", evidence=[replace(ev, checkpointing=True)],
-                   tried=((1, False), (out.micro_batch, True)))
+    again = replan(
+        job, strategy="ddp", evidence=[replace(ev, checkpointing=True)], tried=((1, False), (out.micro_batch, True))
+    )
     assert again.micro_batch is None or (again.micro_batch, again.checkpointing) not in {(1, False), (1, True)}
 
 
@@ -115,19 +128,21 @@ def test_a_real_allocator_failure_is_recognised_and_its_request_read():
         "    try:\n        raise ValueError('wrapped') from exc\n"
         "    except ValueError as outer:\n"
         "        found = out_of_memory_error(outer)\n"
-        "        print(type(found).__name__, int(requested_bytes(str(found))))\n")
+        "        print(type(found).__name__, int(requested_bytes(str(found))))\n"
+    )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env(), timeout=120)
     assert proc.stdout.split() == ["RuntimeError", str(2**28 * 4)], proc.stderr[-2000:]
     from finetune.train.oom import out_of_memory_error, requested_bytes
 
     assert out_of_memory_error(ValueError("not memory")) is None
-    assert requested_bytes("CUDA out of memory. Tried to allocate 2.50 GiB. GPU 0 has a total capacity") \
-        == 2.5 * GIB
+    assert requested_bytes("CUDA out of memory. Tried to allocate 2.50 GiB. GPU 0 has a total capacity") == 2.5 * GIB
 
 
 def test_resume_accepts_another_micro_batch_and_checkpointing_with_the_same_global_batch(tmp_path):
-    saved = load_recipe(resolve_recipe(tiny_recipe(train={"global_batch_size": 8, "micro_batch_size": 8}),
-                                       run_dir=tmp_path / "run"), allow_resolved=True)
+    saved = load_recipe(
+        resolve_recipe(tiny_recipe(train={"global_batch_size": 8, "micro_batch_size": 8}), run_dir=tmp_path / "run"),
+        allow_resolved=True,
+    )
     ckpt = tmp_path / "run" / "checkpoints" / "checkpoint-2"
     ckpt.mkdir(parents=True)
     (ckpt / "trainer_state.json").write_text("{}")
@@ -150,8 +165,17 @@ def _rows(path, n=64, seed=0):
     with path.open("w") as fh:
         for _ in range(n):
             text = " ".join("".join(rng.choice("abcdefgh") for _ in range(5)) for _ in range(20))
-            fh.write(json.dumps({"messages": [{"role": "user", "content": text[:50]},
-                                              {"role": "assistant", "content": text[50:100]}]}) + "\n")
+            fh.write(
+                json.dumps(
+                    {
+                        "messages": [
+                            {"role": "user", "content": text[:50]},
+                            {"role": "assistant", "content": text[50:100]},
+                        ]
+                    }
+                )
+                + "\n"
+            )
     return path
 
 
@@ -170,9 +194,12 @@ def _run(argv, *, timeout=400):
 @pytest.mark.slow
 def test_a_rank_out_of_memory_is_replanned_and_resumed_from_the_last_checkpoint(tmp_path):
     data = _rows(tmp_path / "rows.jsonl")
-    recipe = write_recipe(tmp_path / "r.yaml", data={"sources": [{"path": str(data)}], "max_length": 128},
-                          train={"epochs": None, "max_steps": 2, "global_batch_size": 32, "micro_batch_size": 8},
-                          output={"save_every": 2, "keep": 2})
+    recipe = write_recipe(
+        tmp_path / "r.yaml",
+        data={"sources": [{"path": str(data)}], "max_length": 128},
+        train={"epochs": None, "max_steps": 2, "global_batch_size": 32, "micro_batch_size": 8},
+        output={"save_every": 2, "keep": 2},
+    )
     run_dir = tmp_path / "run"
     # two steps at micro-batch 8, committed as checkpoint-2 (compiled as `finetune run` does, trained in
     # this process to save a launch)

@@ -29,18 +29,21 @@ def _validate(capsys, recipe) -> str:
 RECIPE_HEAD = f"model: {{name: {TINY_MODEL}}}\ndata: {{path: data.jsonl, format: text}}\n"
 
 
-@pytest.mark.parametrize("text,needles", [
-    (RECIPE_HEAD + "train: {lr: 0.001}\ntrain: {max_steps: 3}\n", ["duplicate key 'train'", "line 4"]),
-    (RECIPE_HEAD + "train:\n  lr: 0.001\n  lr: 0.002\n", ["duplicate key 'lr'"]),
-    (RECIPE_HEAD + "train: {max_steps: true}\n", ["train.max_steps", "not true"]),
-    (RECIPE_HEAD + "train: {max_steps: \"60\"}\n", ["train.max_steps", "without quotes"]),
-    (RECIPE_HEAD + "train: {max_steps: 0x10}\n", ["train.max_steps", "'0x10'"]),
-    (RECIPE_HEAD + "train: {max_steps: 1e30}\n", ["train.max_steps", "whole number"]),
-    (RECIPE_HEAD + "train: {learning_rate: 0.001}\n", ["train.learning_rate", "train.lr"]),
-    (RECIPE_HEAD + "adapter: {rank: 8}\n", ["adapter.rank", "adapter.r"]),
-    (RECIPE_HEAD + "train: {max_seq_length: 512}\n", ["data.max_length"]),
-    (RECIPE_HEAD + "train: {global_batch_size: 4000}\n", ["train.global_batch_size", "at most 4"]),
-])
+@pytest.mark.parametrize(
+    "text,needles",
+    [
+        (RECIPE_HEAD + "train: {lr: 0.001}\ntrain: {max_steps: 3}\n", ["duplicate key 'train'", "line 4"]),
+        (RECIPE_HEAD + "train:\n  lr: 0.001\n  lr: 0.002\n", ["duplicate key 'lr'"]),
+        (RECIPE_HEAD + "train: {max_steps: true}\n", ["train.max_steps", "not true"]),
+        (RECIPE_HEAD + 'train: {max_steps: "60"}\n', ["train.max_steps", "without quotes"]),
+        (RECIPE_HEAD + "train: {max_steps: 0x10}\n", ["train.max_steps", "'0x10'"]),
+        (RECIPE_HEAD + "train: {max_steps: 1e30}\n", ["train.max_steps", "whole number"]),
+        (RECIPE_HEAD + "train: {learning_rate: 0.001}\n", ["train.learning_rate", "train.lr"]),
+        (RECIPE_HEAD + "adapter: {rank: 8}\n", ["adapter.rank", "adapter.r"]),
+        (RECIPE_HEAD + "train: {max_seq_length: 512}\n", ["data.max_length"]),
+        (RECIPE_HEAD + "train: {global_batch_size: 4000}\n", ["train.global_batch_size", "at most 4"]),
+    ],
+)
 def test_recipes_are_taken_literally(tmp_path, capsys, text, needles):
     (tmp_path / "data.jsonl").write_text("".join(json.dumps({"text": f"row {i}"}) + "\n" for i in range(4)))
     (tmp_path / "recipe.yaml").write_text(text)
@@ -68,9 +71,11 @@ BAD_FILES = {
 def test_broken_data_files_name_the_file_and_row(tmp_path, capsys, name):
     content, needles = BAD_FILES[name]
     (tmp_path / name).write_bytes(content)
-    recipe = write_recipe(tmp_path / "recipe.yaml", data={"sources": [{"path": str(tmp_path / name),
-                                                                      "format": "text"}]},
-                          train={"global_batch_size": 1, "micro_batch_size": 1})
+    recipe = write_recipe(
+        tmp_path / "recipe.yaml",
+        data={"sources": [{"path": str(tmp_path / name), "format": "text"}]},
+        train={"global_batch_size": 1, "micro_batch_size": 1},
+    )
     err = _validate(capsys, recipe)
     assert name in err, err
     for needle in needles:
@@ -124,8 +129,14 @@ def test_a_huge_row_goes_through_preflight_as_too_long(tmp_path):
     from finetune.train.preflight import _tokenize
 
     tokenizer = AutoTokenizer.from_pretrained(TINY_MODEL)
-    rows = [{"messages": [{"role": "user", "content": c}, {"role": "assistant", "content": "ok"}],
-             "_file": "f.jsonl", "_row": i + 1} for i, c in enumerate(["hi", "word " * 2_000_000, "yo"])]
+    rows = [
+        {
+            "messages": [{"role": "user", "content": c}, {"role": "assistant", "content": "ok"}],
+            "_file": "f.jsonl",
+            "_row": i + 1,
+        }
+        for i, c in enumerate(["hi", "word " * 2_000_000, "yo"])
+    ]
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     ds = _tokenize(rows, tokenizer, method="sft", assistant_only_loss=True, max_length=32)
     grown_mib = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) / 1024

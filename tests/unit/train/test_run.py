@@ -48,8 +48,9 @@ def _check_outputs(run_dir: Path, summary: dict, *, adapter: bool) -> list[dict]
 
 
 def _generate(model, tokenizer) -> str:
-    enc = tokenizer.apply_chat_template([{"role": "user", "content": "abc"}], add_generation_prompt=True,
-                                        return_dict=True, return_tensors="pt")
+    enc = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "abc"}], add_generation_prompt=True, return_dict=True, return_tensors="pt"
+    )
     out = model.generate(**enc, max_new_tokens=4, do_sample=False)
     assert out.shape[1] > enc["input_ids"].shape[1]
     return tokenizer.decode(out[0])
@@ -71,8 +72,7 @@ def test_sft_lora_trains_and_adapter_reloads(tmp_path):
 
 def test_sft_full_trains_and_reloads(tmp_path):
     run_dir = tmp_path / "run"
-    summary = run_rank(resolve_recipe(tiny_recipe(adapter="full", train={"lr": 1e-3}), run_dir=run_dir),
-                       resume="never")
+    summary = run_rank(resolve_recipe(tiny_recipe(adapter="full", train={"lr": 1e-3}), run_dir=run_dir), resume="never")
     _check_outputs(run_dir, summary, adapter=False)
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -97,9 +97,14 @@ def test_sft_qlora_trains_on_cpu_with_4bit_base(tmp_path):
 
 def test_dpo_lora_trains(tmp_path):
     run_dir = tmp_path / "run"
-    recipe = tiny_recipe(method={"type": "dpo", "beta": 0.1},
-                         data={"sources": [{"path": str(SAMPLES / "preference.jsonl"), "format": "preference"}],
-                               "eval_sources": [], "max_length": 32})
+    recipe = tiny_recipe(
+        method={"type": "dpo", "beta": 0.1},
+        data={
+            "sources": [{"path": str(SAMPLES / "preference.jsonl"), "format": "preference"}],
+            "eval_sources": [],
+            "max_length": 32,
+        },
+    )
     summary = run_rank(resolve_recipe(recipe, run_dir=run_dir), resume="never")
     rows = _check_outputs(run_dir, summary, adapter=True)
     assert rows[0]["loss"] == pytest.approx(math.log(2), abs=1e-3)  # implicit reference == policy at step 1
@@ -134,10 +139,12 @@ def test_entrypoint_bad_data_exits_2_naming_file_and_row(tmp_path):
     bad = tmp_path / "bad.jsonl"
     good = (ROOT / "data" / "quickstart" / "train.jsonl").read_text().splitlines()[:3]
     bad.write_text("\n".join(good + ['{"messages": oops}']) + "\n")
-    path = resolve_recipe(tiny_recipe(data={"sources": [{"path": str(bad)}], "eval_sources": []}),
-                          run_dir=tmp_path / "run")
-    proc = subprocess.run([sys.executable, "-m", "finetune.train", str(path)], capture_output=True, text=True,
-                          cwd=ROOT, timeout=300)
+    path = resolve_recipe(
+        tiny_recipe(data={"sources": [{"path": str(bad)}], "eval_sources": []}), run_dir=tmp_path / "run"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-m", "finetune.train", str(path)], capture_output=True, text=True, cwd=ROOT, timeout=300
+    )
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert f"{bad}: row 4: not valid JSON" in proc.stderr
     assert "Traceback" not in proc.stderr
@@ -169,8 +176,12 @@ def test_bf16_lora_without_input_casts_and_profile_window(tmp_path):
     """bf16 autocast LoRA with peft's fp32 input casts off (finetune's default) trains, metrics rows carry
     cumulative tokens and time, and logging.profile_steps writes the profiler's outputs for that window."""
     run_dir = tmp_path / "run"
-    recipe = tiny_recipe(model={"dtype": "bfloat16"}, data={"packing": True},
-                         train={"precision": "bf16", "max_steps": 5}, logging={"profile_steps": [2, 4]})
+    recipe = tiny_recipe(
+        model={"dtype": "bfloat16"},
+        data={"packing": True},
+        train={"precision": "bf16", "max_steps": 5},
+        logging={"profile_steps": [2, 4]},
+    )
     summary = run_rank(resolve_recipe(recipe, run_dir=run_dir), resume="never")
     rows = [r for r in _metrics(run_dir) if "loss" in r]
     assert rows[-1]["loss"] < rows[0]["loss"] and summary["steps"] == 5
