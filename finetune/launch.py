@@ -103,14 +103,22 @@ def launch(
         spec.argv(node_rank=rank, main_address=main_address, main_port=main_port, extra_args=list(extra_args))
     )
     if spec.device == "cpu":
-        # what accelerate would pick anyway, said explicitly so it prints no "defaults used" notice;
-        # decided here, not at compile time, because it depends on the machine that runs it
-        threads = max(1, (os.cpu_count() or 1) // max(1, spec.procs_per_node))
+        # said explicitly so accelerate prints no "defaults used" notice; decided here, not at compile
+        # time, because it depends on the machine that runs it
         at = argv.index("--config_file")
-        argv[at:at] = ["--num_cpu_threads_per_process", str(threads)]
+        argv[at:at] = ["--num_cpu_threads_per_process", str(cpu_threads_per_process(spec.procs_per_node))]
     log_path = Path(spec.run_dir) / launch_log(rank)
     log_path.parent.mkdir(parents=True, exist_ok=True)
     return _run(argv, env=launch_env(spec), log_path=log_path, stream=stream)
+
+
+def cpu_threads_per_process(procs: int) -> int:
+    """Intra-op threads of each CPU rank: the caller's OMP_NUM_THREADS when set (a user sharing the
+    machine, or a test suite, has chosen), else the cores split between the ranks (accelerate's default)."""
+    chosen = os.environ.get("OMP_NUM_THREADS", "")
+    if chosen.isdigit() and int(chosen) > 0:
+        return int(chosen)
+    return max(1, (os.cpu_count() or 1) // max(1, procs))
 
 
 def prctl_or_none():

@@ -16,8 +16,8 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # One intra-op thread for the models trained in this process and in the processes it starts directly: a
 # 64-wide model gains nothing from two, and on a shared 2-core machine two threads spin against each
-# other (the quickstart trains in 11 s with one, 43 s with two). `finetune run` ranks get the launcher's
-# own setting (accelerate's --num_cpu_threads_per_process) either way.
+# other (the quickstart trains in 11 s with one, 43 s with two). The CPU ranks `finetune run` launches
+# take the same setting (finetune.launch.cpu_threads_per_process).
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
