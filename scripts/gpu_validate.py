@@ -213,12 +213,17 @@ def words(rng: random.Random, n: int) -> str:
     return " ".join("".join(rng.choice(string.ascii_lowercase) for _ in range(rng.randint(2, 8))) for _ in range(n))
 
 
-def write_data(path: Path, *, preference: bool, seq: int, n: int = 4000, seed: int = 0) -> None:
-    """Examples of up to about a third of `seq` tokens (character-level tokenizer: ~6 per word x 2)."""
+def write_data(
+    path: Path, *, preference: bool, seq: int, n: int = 4000, seed: int = 0, long_examples: bool = False
+) -> None:
+    """Examples of up to about a third of `seq` tokens (character-level tokenizer: ~6 per word x 2), or,
+    with `long_examples`, examples that fill most of `seq` (long-context data: each packed row is about
+    one example, the attention cost the planner assumes)."""
     rng = random.Random(seed)
     # preference pairs fill max_length (prompt + one answer ~ 12 tokens a word): the planner's
     # worst case is what a calibration point must measure; SFT rows are packed to max_length anyway
-    most, least = (seq // 13, seq // 15) if preference else (max(4, seq // 40), max(1, seq // 120))
+    fill = preference or long_examples
+    most, least = (seq // 13, seq // 15) if fill else (max(4, seq // 40), max(1, seq // 120))
     with path.open("w") as f:
         for _ in range(n):
             text = words(rng, rng.randint(least, most))
@@ -396,7 +401,9 @@ def main() -> None:
         work.mkdir(parents=True, exist_ok=True)
         preference = override.get("method", {}).get("type") == "dpo"
         data = work / "data.jsonl"
-        write_data(data, preference=preference, seq=seq)
+        long_examples = entry.get("long_examples", False) if name in matrix else False
+        examples = entry.get("examples", 4000) if name in matrix else 4000
+        write_data(data, preference=preference, seq=seq, n=examples, long_examples=long_examples)
         recipe = merge(base_recipe(model_dir, data, steps=steps, seq=seq, batch=batch), override)
         if preference:
             recipe["data"].update(format="preference", packing=False)
