@@ -3,8 +3,8 @@
 A GPU machine is lent by the minute, and most calibration runs need one GPU of four: this packs them.
 Jobs start in list order (first come, first served) with backfilling: while the first waiting job
 cannot start, a later one may, if it fits in the free GPUs and its estimate says it ends before the
-waiting job's GPUs free up. A job can wait for others (`after`); a job with `gpus: 0` runs on the CPU
-(e.g. a merge). Each job's output goes to LOGS/<name>.log and the queue's state to STATE (rewritten at
+waiting job's GPUs free up. A job can wait for others (`after`), and never starts if one of them failed;
+a job with `gpus: 0` runs on the CPU (e.g. a merge). Each job's output goes to LOGS/<name>.log and the queue's state to STATE (rewritten at
 every change), so a poll can copy both away while the queue runs. No job starts whose estimate would
 take it past --budget seconds; the ones left unrun are listed in STATE.
 
@@ -58,6 +58,7 @@ def main() -> None:
     skipped = [j["name"] for j in jobs if j.get("gpus", 1) > total]
     running: dict[str, dict] = {}
     done: dict[str, dict] = {}
+    failed_inputs: dict[str, str] = {}  # job -> the job it waited for, which failed: it never starts
 
     def write_state() -> None:
         state = {
@@ -67,6 +68,7 @@ def main() -> None:
             "done": done,
             "waiting": [j["name"] for j in waiting],
             "too_big": skipped,
+            "input_failed": failed_inputs,
         }
         state_path.write_text(json.dumps(state, indent=1) + "\n")
 
@@ -120,6 +122,12 @@ def main() -> None:
                         path in j.get("uses", []) for j in [*waiting, *running.values()]
                     ):
                         shutil.rmtree(path, ignore_errors=True)
+            for job in list(waiting):  # a job whose input failed would only fail too (or measure nothing)
+                bad = [a for a in job.get("after", []) if a in done and done[a]["exit_code"] != 0]
+                bad += [a for a in job.get("after", []) if a in failed_inputs]
+                if bad:
+                    failed_inputs[job["name"]] = bad[0]
+                    waiting.remove(job)
             if time.time() - t0 > args.budget:
                 break  # no new job; the running ones finish
             pending = {j["name"] for j in waiting} | set(running) | set(done)

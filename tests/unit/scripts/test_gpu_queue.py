@@ -48,6 +48,9 @@ def test_jobs_share_the_gpus_wait_for_inputs_and_respect_the_budget(tmp_path):
             {"name": "too-long", "gpus": 1, "est_s": 500, "cmd": "echo never"},
             {"name": "cpu", "gpus": 0, "est_s": 1, "after": ["all"], "cmd": "echo cpu:$CUDA_VISIBLE_DEVICES"},
             {"name": "too-big", "gpus": 8, "est_s": 1, "cmd": "echo never"},
+            {"name": "fails", "gpus": 1, "est_s": 1, "cmd": "exit 3"},
+            {"name": "needs-failed", "gpus": 1, "est_s": 1, "after": ["fails"], "cmd": "echo never"},
+            {"name": "needs-needs-failed", "gpus": 0, "est_s": 1, "after": ["needs-failed"], "cmd": "echo never"},
         ],
         budget=30,
         gpus=4,
@@ -56,7 +59,9 @@ def test_jobs_share_the_gpus_wait_for_inputs_and_respect_the_budget(tmp_path):
     done = state["done"]
     assert done["two"]["gpus"] == [0, 1] and done["one"]["gpus"] == [2]  # side by side
     assert done["all"]["gpus"] == [0, 1, 2, 3] and done["all"]["started_s"] >= done["two"]["ended_s"]
-    assert done["cpu"]["gpus"] == [] and all(j["exit_code"] == 0 for j in done.values())
+    assert done["cpu"]["gpus"] == [] and done.pop("fails")["exit_code"] == 3
+    assert all(j["exit_code"] == 0 for j in done.values())
+    assert state["input_failed"] == {"needs-failed": "fails", "needs-needs-failed": "needs-failed"}
     assert state["waiting"] == ["too-long"] and state["too_big"] == ["too-big"]
     logs = tmp_path / "results" / "logs"
     assert logs.joinpath("all.log").read_text().splitlines()[-1] == "0,1,2,3"
