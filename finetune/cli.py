@@ -410,11 +410,17 @@ def main(argv: list[str] | None = None) -> int:
     previous = {}
     if threading.current_thread() is threading.main_thread():
         previous = {sig: signal.signal(sig, _stop) for sig in (signal.SIGTERM, signal.SIGHUP)}
+    api_logger = logging.getLogger("finetune.api")
+    level = api_logger.level
     try:
         return _main(args)
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+        # the API prints nothing once the command is over (main() may run inside a user's process)
+        for handler in [h for h in api_logger.handlers if isinstance(h, _Print)]:
+            api_logger.removeHandler(handler)
+        api_logger.setLevel(level)
 
 
 def _main(args) -> int:

@@ -122,14 +122,12 @@ def test_presets_and_models_list():
     assert proc.returncode == 0 and "llama-3.1-8b" in proc.stdout
 
 
-def test_api_run_returns_results_and_logs_progress_without_printing(tmp_path, capsys, caplog, monkeypatch):
+def test_api_run_returns_results_and_logs_progress_without_printing(tmp_path, capsys, caplog):
     import logging
 
     from finetune.api import run
     from finetune.cli import main as cli_main
 
-    # an earlier in-process `finetune run` in this session left the CLI's printing handler on the logger
-    monkeypatch.setattr(logging.getLogger("finetune.api"), "handlers", [])
     with caplog.at_level(logging.INFO, logger="finetune.api"):
         result = run(ROOT / "recipes" / "quickstart.yaml", output=tmp_path / "run", dry_run=True)
     assert capsys.readouterr().out == ""  # the CLI prints; the API returns and logs
@@ -139,3 +137,6 @@ def test_api_run_returns_results_and_logs_progress_without_printing(tmp_path, ca
     rc = cli_main(["run", str(ROOT / "recipes" / "quickstart.yaml"), "--dry-run", "--output", str(tmp_path / "cli")])
     out = capsys.readouterr().out
     assert rc == 0 and "strategy ddp" in out and f"dry run: launch files are in {tmp_path / 'cli'}" in out
+    # once the command is over, the API prints nothing again (main() may run inside a user's process)
+    run(ROOT / "recipes" / "quickstart.yaml", output=tmp_path / "after", dry_run=True)
+    assert capsys.readouterr().out == ""
