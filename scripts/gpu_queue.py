@@ -4,9 +4,10 @@ A GPU machine is lent by the minute, and most calibration runs need one GPU of f
 Jobs start in list order (first come, first served) with backfilling: while the first waiting job
 cannot start, a later one may, if it fits in the free GPUs and its estimate says it ends before the
 waiting job's GPUs free up. A job can wait for others (`after`), and never starts if one of them failed;
-a job with `gpus: 0` runs on the CPU (e.g. a merge). Each job's output goes to LOGS/<name>.log and the queue's state to STATE (rewritten at
-every change), so a poll can copy both away while the queue runs. No job starts whose estimate would
-take it past --budget seconds; the ones left unrun are listed in STATE.
+a job with `gpus: 0` runs on the CPU (e.g. a merge). Each job's output goes to LOGS/<name>.log and the
+queue's state to STATE (rewritten at every change), so a poll can copy both away while the queue runs.
+No job starts whose estimate would take it past --budget seconds; the ones left unrun are listed in
+STATE.
 
     python scripts/gpu_queue.py scripts/gpu_session.yaml --results /tmp/results --budget 1500
 
