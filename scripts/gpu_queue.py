@@ -32,6 +32,7 @@ from pathlib import Path
 import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from gpu_validate import load_matrix, model_folder_name  # noqa: E402
 
 
 def main() -> None:
@@ -46,7 +47,8 @@ def main() -> None:
     args = parser.parse_args()
 
     spec = yaml.safe_load(args.jobs.read_text())
-    jobs, scratch = [expand(j, spec) for j in spec["jobs"]], [str(p) for p in spec.get("scratch", [])]
+    matrix = load_matrix(Path(spec["matrix"])) if "matrix" in spec else {}
+    jobs, scratch = [expand(j, spec, matrix) for j in spec["jobs"]], [str(p) for p in spec.get("scratch", [])]
     if args.only:
         jobs = [j for j in jobs if j["name"] in args.only]
     total = args.gpus if args.gpus is not None else gpu_count()
@@ -102,27 +104,31 @@ def main() -> None:
             now = max(now, end)
         return now
 
+    def reap() -> None:
+        """Record the jobs that ended, free their GPUs, and delete the scratch paths nobody still uses."""
+        for name, job in list(running.items()):
+            code = job["proc"].poll()
+            if code is None:
+                continue
+            job["log"].close()
+            free.extend(job["gpus_used"])
+            free.sort()
+            done[name] = {
+                "exit_code": code,
+                "gpus": job["gpus_used"],
+                "started_s": job["started_s"],
+                "ended_s": round(time.time() - t0, 1),
+            }
+            del running[name]
+            for path in job.get("uses", []):
+                if any(str(path).startswith(d) for d in scratch) and not any(
+                    path in j.get("uses", []) for j in [*waiting, *running.values()]
+                ):
+                    shutil.rmtree(path, ignore_errors=True)
+
     try:
         while waiting or running:
-            for name, job in list(running.items()):
-                code = job["proc"].poll()
-                if code is None:
-                    continue
-                job["log"].close()
-                free.extend(job["gpus_used"])
-                free.sort()
-                done[name] = {
-                    "exit_code": code,
-                    "gpus": job["gpus_used"],
-                    "started_s": job["started_s"],
-                    "ended_s": round(time.time() - t0, 1),
-                }
-                del running[name]
-                for path in job.get("uses", []):
-                    if any(str(path).startswith(d) for d in scratch) and not any(
-                        path in j.get("uses", []) for j in [*waiting, *running.values()]
-                    ):
-                        shutil.rmtree(path, ignore_errors=True)
+            reap()
             for job in list(waiting):  # a job whose input failed would only fail too (or measure nothing)
                 bad = [a for a in job.get("after", []) if a in done and done[a]["exit_code"] != 0]
                 bad += [a for a in job.get("after", []) if a in failed_inputs]
@@ -152,16 +158,7 @@ def main() -> None:
             write_state()
             time.sleep(2)
         while running:  # past the budget: let the started jobs end
-            for name, job in list(running.items()):
-                if job["proc"].poll() is not None:
-                    job["log"].close()
-                    done[name] = {
-                        "exit_code": job["proc"].returncode,
-                        "gpus": job["gpus_used"],
-                        "started_s": job["started_s"],
-                        "ended_s": round(time.time() - t0, 1),
-                    }
-                    del running[name]
+            reap()
             write_state()
             time.sleep(2)
     finally:
@@ -171,17 +168,15 @@ def main() -> None:
     print(json.dumps({"done": done, "not_started": [j["name"] for j in waiting]}, indent=1))
 
 
-def expand(job: dict, spec: dict) -> dict:
-    """`{run: NAME}` stands for gpu_validate.py's run NAME of the jobs file's `matrix:`, on its GPUs, with
-    its model and work folders (under the jobs file's `env`) as the paths it uses."""
+def expand(job: dict, spec: dict, matrix: dict[str, dict]) -> dict:
+    """`{run: NAME}` stands for gpu_validate.py's run NAME of the jobs file's `matrix:` (loaded), on its
+    GPUs, with its model and work folders (under the jobs file's `env`) as the paths it uses."""
     if "run" not in job:
         return job
-    from gpu_validate import load_matrix
-
     name, env = job["run"], spec.get("env", {})
-    entry = load_matrix(Path(spec["matrix"]))[name]
+    entry = matrix[name]
     uses = [
-        f"{env['FINETUNE_MODELS']}/{Path(entry['arch']).name.removesuffix('.json')}",
+        f"{env['FINETUNE_MODELS']}/{model_folder_name(entry['arch'])}",
         f"{env['FINETUNE_VALIDATION_DIR']}/{name}",
     ]
     return {

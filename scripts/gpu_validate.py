@@ -264,6 +264,12 @@ def merge(a: dict, b: dict) -> dict:
     return out
 
 
+def model_folder_name(arch: str) -> str:
+    """The folder under FINETUNE_MODELS a random checkpoint of `arch` (a registry key or a config.json
+    path) is written to."""
+    return Path(arch).name.removesuffix(".json")
+
+
 def ensure_model(arch: str) -> Path:
     """The random-weight checkpoint of `arch` (a registry key or a config.json path), written on first use;
     runs started side by side that need the same model wait for one writer (a lock file)."""
@@ -271,7 +277,7 @@ def ensure_model(arch: str) -> Path:
 
     if arch == "tiny-llama":
         return ROOT / "data" / "tiny-llama"
-    out = MODELS / Path(arch).name.removesuffix(".json")
+    out = MODELS / model_folder_name(arch)
     MODELS.mkdir(parents=True, exist_ok=True)
     with open(MODELS / f".{out.name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
@@ -389,21 +395,21 @@ def main() -> None:
     if unknown:
         parser.error(f"unknown runs {unknown}")
     for name in args.runs:
-        steps, seq, batch = args.steps, args.seq, args.batch
-        if name in matrix:
-            entry = matrix[name]
-            arch, override = entry["arch"], entry.get("recipe", {})
-            steps, seq, batch = entry.get("steps", steps), entry.get("seq", seq), entry.get("batch", batch)
-        else:
-            arch, override = RUNS[name]
+        entry = matrix.get(name, {})
+        arch, override = (entry["arch"], entry.get("recipe", {})) if entry else RUNS[name]
+        steps, seq, batch = entry.get("steps", args.steps), entry.get("seq", args.seq), entry.get("batch", args.batch)
         model_dir = ensure_model(arch)
         work = WORK / name
         work.mkdir(parents=True, exist_ok=True)
         preference = override.get("method", {}).get("type") == "dpo"
         data = work / "data.jsonl"
-        long_examples = entry.get("long_examples", False) if name in matrix else False
-        examples = entry.get("examples", 4000) if name in matrix else 4000
-        write_data(data, preference=preference, seq=seq, n=examples, long_examples=long_examples)
+        write_data(
+            data,
+            preference=preference,
+            seq=seq,
+            n=entry.get("examples", 4000),
+            long_examples=entry.get("long_examples", False),
+        )
         recipe = merge(base_recipe(model_dir, data, steps=steps, seq=seq, batch=batch), override)
         if preference:
             recipe["data"].update(format="preference", packing=False)

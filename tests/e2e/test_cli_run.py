@@ -5,15 +5,14 @@ adapter that reloads with peft and generates."""
 from __future__ import annotations
 
 import math
-import os
 import subprocess
-import sys
 
 import pytest
 import yaml
 
 from finetune.rundir import read_metrics
 from tests.helpers.paths import ROOT, SAMPLES, TINY_MODEL
+from tests.helpers.processes import cli_argv, env
 from tests.helpers.recipes import tiny_recipe
 
 pytestmark = pytest.mark.slow
@@ -49,14 +48,8 @@ def _run(case, tmp_path, trained_cli_run):
     path = tmp_path / "recipe.yaml"
     path.write_text(yaml.safe_dump(recipe))
     run_dir = tmp_path / "run"
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT), "FINETUNE_CACHE_DIR": str(tmp_path / "c")}
     proc = subprocess.run(
-        [sys.executable, "-m", "finetune.cli", "run", str(path), "--output", str(run_dir)],
-        cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
+        cli_argv(path, run_dir), cwd=tmp_path, env=env(tmp_path / "c"), capture_output=True, text=True, timeout=600
     )
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-4000:]

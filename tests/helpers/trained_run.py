@@ -5,15 +5,14 @@ CLI end-to-end LoRA case, trackers, cards, loss.png, generate, eval. Built once 
 
 from __future__ import annotations
 
-import os
 import subprocess
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 import yaml
 
 from tests.helpers.paths import QUICKSTART_DATA, ROOT
+from tests.helpers.processes import cli_argv, env
 from tests.helpers.recipes import tiny_recipe
 
 
@@ -39,16 +38,9 @@ def train_tiny_run(root: Path) -> TrainedRun:
     )
     path = root / "recipe.yaml"
     path.write_text(yaml.safe_dump(recipe))
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT), "FINETUNE_CACHE_DIR": str(root / "cache")}
-    env.pop("TENSORBOARD_LOGGING_DIR", None)
-    proc = subprocess.run(
-        [sys.executable, "-m", "finetune.cli", "run", str(path), "--output", str(run_dir)],
-        cwd=cwd,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    launch_env = env(root / "cache")
+    launch_env.pop("TENSORBOARD_LOGGING_DIR", None)
+    proc = subprocess.run(cli_argv(path, run_dir), cwd=cwd, env=launch_env, capture_output=True, text=True, timeout=600)
     output = proc.stdout + proc.stderr
     assert proc.returncode == 0, output[-4000:]
     return TrainedRun(run_dir=run_dir, output=output)
