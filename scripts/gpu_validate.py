@@ -350,6 +350,7 @@ def collect(run_dir: Path) -> dict:
         "steps": summary.get(rundir.SUMMARY_STEPS),
         "loss_by_step": [[m["step"], round(m["loss"], 4)] for m in metrics if m.get("loss") is not None],
         "resumed_from": summary.get("resumed_from"),
+        "model_load_s": summary.get("model_load_s"),  # rank 0 from_pretrained; load_s adds launch and wrapping
         "checkpoints": sorted(p.name for p in (run_dir / rundir.CHECKPOINTS).glob("checkpoint-*")),
         "adapter_bytes": (run_dir / "adapter_model.safetensors").stat().st_size
         if (run_dir / "adapter_model.safetensors").exists()

@@ -10,6 +10,7 @@ import json
 import logging
 import math
 import os
+import time
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
@@ -154,13 +155,17 @@ def _setup(recipe, *, state, run_dir: Path, resume: str) -> _Session:
     # the eval before training runs inside train(), after the model is wrapped: FSDP2 cannot wrap a model
     # for an evaluate() called first (accelerate needs the model and optimizer prepared together)
     args.eval_on_start = data.eval is not None and resume_from is None
+    loading = time.perf_counter()
+    model = load_model(recipe)
+    load_s = time.perf_counter() - loading
+    log.info(f"model loaded in {load_s:.0f} s")
     session = _Session(
         recipe=recipe,
         state=state,
         run_dir=run_dir,
         tokenizer=tokenizer,
         data=data,
-        model=load_model(recipe),
+        model=model,
         args=args,
         resume_from=resume_from,
         cases=cases,
@@ -171,6 +176,7 @@ def _setup(recipe, *, state, run_dir: Path, resume: str) -> _Session:
         "tokenized_cache": {"key": data.cache_key, "hit": data.cache_hit},
         "data_notes": data.notes,
         "resumed_from": str(resume_from) if resume_from else None,
+        "model_load_s": round(load_s, 1),  # from_pretrained (and quantization) on this rank; wrapping is later
     }
     if cases and resume_from is None:
         if state.is_main_process:
