@@ -32,13 +32,13 @@ from dataclasses import dataclass
 from finetune import strategies
 from finetune.plan.dora_time import dora_seconds
 from finetune.plan.memory import adapter_input_casts, state_bytes, tokens_per_micro_batch, weight_bytes
+from finetune.plan.offload_time import offload_seconds
 from finetune.plan.workload import (
     Job,
     attended_positions,
     count_params,
     executed_attention_positions,
     head_dim,
-    lora_params,
     trainable_params,
 )
 from finetune.registry.schema import ModelArch
@@ -49,10 +49,6 @@ QLORA_EFFICIENCY = 0.95  # dequantizing NF4 weights on every matmul: measured 0.
 MICRO_BATCH_HALF_TOKENS = 512  # efficiency x tokens/(tokens + this): small micro-batches underuse the GPU
 ZERO3_COMM_FACTOR = 1.2  # DeepSpeed's parameter fetching overlaps less than FSDP2's prefetch
 OVERLAP_LEAK = 0.1  # share of the smaller of compute/communication that is not hidden
-# DeepSpeed's CPUAdam on one node's cores, parameters per second: an assumption, not measured in
-# isolation (the 8B full ZeRO-3 offload row implies ~0.9e9 on a host shared with another run); torch's
-# fused CPU AdamW follows from it (cpu_optimizer_params_per_s)
-CPU_ADAM_PARAMS_PER_S = 2e9
 
 
 def allreduce_time_s(nbytes: float, *, n: int, bus_bandwidth_gbps: float) -> float:
@@ -234,7 +230,7 @@ def step_time(job: Job, *, strategy: str, micro_batch: int, grad_accum: int, che
     if tier.offload != "none":
         # fetch: host-to-device copies prefetched like the all-gathers they feed (FSDP2); offload: the
         # CPU optimizer step, NVMe swaps and DeepSpeed's blocking copies, not overlapped
-        fetch, offload = _offload_time(job, strategy=strategy, grad_accum=grad_accum)
+        fetch, offload = offload_seconds(job, strategy=strategy, grad_accum=grad_accum)
     comm = intra + inter + fetch
     overlapped = max(compute, comm) + OVERLAP_LEAK * min(compute, comm)
     total = overlapped + offload
@@ -242,63 +238,3 @@ def step_time(job: Job, *, strategy: str, micro_batch: int, grad_accum: int, che
     parts = {"compute": compute, "intra-node": intra, "inter-node": inter, "offload": offload}
     bottleneck = max(parts, key=lambda name: parts[name])
     return StepTime(compute, intra, inter, offload, total, bottleneck)
-
-
-def _offload_time(job: Job, *, strategy: str, grad_accum: int) -> tuple[float, float]:
-    """(seconds that overlap the compute like a collective, seconds added after it) of one optimizer
-    step's host traffic, per rank, as the libraries move it (PCIe at the preset's host_to_device
-    bandwidth, each rank its own shard):
-
-    DeepSpeed ZeRO-3 (stage3.py, partition_parameters.py): a parameter partition is fetched with a
-    blocking `ds_tensor.to(device)` (16-bit) for the forward and again for the backward of every
-    micro-batch; gradient partitions go down into a pinned buffer in the 16-bit accumulation dtype and
-    come back to the GPU to be accumulated (micro-batch 1: down and up; each further one: up and down),
-    then down once more as fp32 for the CPU optimizer at the boundary; with parameters on the GPUs
-    (optimizer-only offload) the updated 16-bit partition comes back up once per step. All of it counts
-    as serial: the fetch blocks the host thread that launches the compute.
-    FSDP2 with CPUOffloadPolicy (_fsdp_param.py, _fsdp_collectives.py): shards are copied up
-    non-blocking in the dtype they are stored in (fp32 for trained parameters, which accelerate upcasts;
-    the model dtype for frozen ones) for forward and backward, prefetched like the all-gathers they feed
-    (overlapped); the fp32 gradient shards go down once per step, non-blocking (under the Trainer's
-    no_sync the reduce-scatter runs on the last micro-batch only).
-    The optimizer step itself (serial) runs at `cpu_optimizer_params_per_s`."""
-    p = job.preset
-    tier = strategies.info(strategy)
-    states = state_bytes(job, strategy)
-    world = p.world_size
-    n = states.trainable_params
-    bw = p.host_to_device_bandwidth_gbps * 1e9
-    overlapped = serial = 0.0
-    if tier.backend == "fsdp":
-        trained16 = count_params(job.arch).total * job.weight_bytes if job.adapter == "full" else 0.0
-        fetched = weight_bytes(job) - trained16 + 4 * (n if job.adapter == "full" else lora_params(job))
-        # gradients: reduced once per step (the Trainer's no_sync holds them unsharded on the GPU until
-        # the last micro-batch), then the fp32 shard goes down non-blocking
-        overlapped = (2 * fetched * grad_accum + 4 * n) / world / bw
-    else:
-        grads = 2 * (2 + 2 * (grad_accum - 1)) + 4  # bytes per trained parameter per step (see above)
-        pcie = grads * n / world
-        if tier.offload_params:
-            pcie += 2 * weight_bytes(job) / world * grad_accum
-        else:
-            pcie += job.weight_bytes * n / world
-        serial = pcie / bw
-    serial += n / p.nodes / cpu_optimizer_params_per_s(strategy)
-    if tier.offload == "nvme":
-        nvme_bw = (p.nvme_bandwidth_gbps or 1.0) * 1e9
-        # params read per forward and backward; optimizer states (fp32 master + moments) read and written
-        params = 2 * weight_bytes(job) / p.nodes * grad_accum
-        optimizer = 2 * (states.trainable + states.optimizer) / p.nodes
-        serial += (params + optimizer) / nvme_bw
-    return overlapped, serial
-
-
-def cpu_optimizer_params_per_s(strategy: str) -> float:
-    """Parameters per second one node's CPU optimizer steps. DeepSpeed's CPUAdam and torch's fused AdamW
-    on CPU tensors (what the Trainer's adamw_torch_fused runs on FSDP2's offloaded shards) are both
-    single-pass vectorized kernels bound by host memory traffic: per parameter, fp32 param, gradient and
-    both moments read and the param and moments written (28 bytes), and DeepSpeed also writes the 16-bit
-    partition the GPUs fetch (+6). So torch's rate is DeepSpeed's x 34/28."""
-    if strategies.is_deepspeed(strategy):
-        return CPU_ADAM_PARAMS_PER_S
-    return CPU_ADAM_PARAMS_PER_S * 34 / 28

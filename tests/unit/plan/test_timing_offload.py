@@ -1,18 +1,22 @@
-"""Host traffic and the CPU optimizer step of the offload tiers (plan/timing._offload_time), hand-computed
-from what DeepSpeed's ZeRO-3 and torch's FSDP2 CPUOffloadPolicy move per micro-batch."""
+"""Host traffic and the CPU optimizer step of the offload tiers (plan/offload_time.py), hand-computed
+from what DeepSpeed's ZeRO-3 and torch's FSDP2 CPUOffloadPolicy move per micro-batch and per step."""
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 import pytest
 
 from finetune.plan import job_from_recipe
 from finetune.plan.memory import weight_bytes
-from finetune.plan.timing import (
-    CPU_ADAM_PARAMS_PER_S,
-    _offload_time,
-    cpu_optimizer_params_per_s,
-    step_time,
+from finetune.plan.offload_time import (
+    CPU_CORE_BANDWIDTH,
+    CPU_THREADS_PER_RANK,
+    cpu_optimizer_seconds,
+    host_optimizer_bytes_per_param,
 )
+from finetune.plan.offload_time import offload_seconds as _offload_time
+from finetune.plan.timing import step_time
 from finetune.plan.workload import count_params, lora_params
 from finetune.recipe import load_recipe
 from finetune.registry import get_model, get_preset
@@ -42,7 +46,8 @@ def test_deepspeed_param_offload_fetches_twice_per_micro_batch_and_moves_gradien
         # gradients: down and up (bf16) on micro-batch 1, up and down on each further one, fp32 down once
         grads = (2 * 2 + 2 * 2 * (accum - 1) + 4) * n / world
         assert overlapped == 0.0  # the fetch is a blocking copy on the thread that launches the compute
-        assert serial == pytest.approx((fetch + grads) / bw + n / p.nodes / CPU_ADAM_PARAMS_PER_S)
+        # CPUAdam on one thread per rank over its partition: unscale (8) + Adam (28) + 16-bit copy (6)
+        assert serial == pytest.approx((fetch + grads) / bw + n / world * 42 / CPU_CORE_BANDWIDTH)
 
 
 def test_optimizer_only_offload_sends_the_updated_partition_back_once_per_step():
@@ -50,7 +55,9 @@ def test_optimizer_only_offload_sends_the_updated_partition_back_once_per_step()
     p, n = job.preset, count_params(job.arch).total
     _, serial = _offload_time(job, strategy="zero3-optim-offload", grad_accum=2)
     pcie = ((2 * 2 + 2 * 2 + 4) + 2) * n / p.world_size
-    assert serial == pytest.approx(pcie / (p.host_to_device_bandwidth_gbps * 1e9) + n / p.nodes / CPU_ADAM_PARAMS_PER_S)
+    # the 16-bit partition lives on the GPU: no host-side copy after the step (8 + 28 bytes)
+    cpu = n / p.world_size * 36 / CPU_CORE_BANDWIDTH
+    assert serial == pytest.approx(pcie / (p.host_to_device_bandwidth_gbps * 1e9) + cpu)
 
 
 def test_fsdp2_offload_prefetches_its_shards_in_their_stored_dtype():
@@ -61,7 +68,7 @@ def test_fsdp2_offload_prefetches_its_shards_in_their_stored_dtype():
     # accelerate upcasts trained parameters to fp32: the shards go up in fp32 (forward and backward) and
     # their fp32 gradients come down, non-blocking
     assert overlapped == pytest.approx((2 * 4 * n + 4 * n) / world / bw)
-    assert serial == pytest.approx(n / p.nodes / cpu_optimizer_params_per_s("fsdp2-offload"))
+    assert serial == pytest.approx(cpu_optimizer_seconds(full, strategy="fsdp2-offload"))
     # a frozen base goes up in its 16-bit dtype
     lora_fetch, _ = _offload_time(lora, strategy="fsdp2-offload", grad_accum=1)
     adapters = lora_params(lora)
@@ -71,9 +78,29 @@ def test_fsdp2_offload_prefetches_its_shards_in_their_stored_dtype():
     assert overlapped4 == pytest.approx((4 * 2 * 4 * n + 4 * n) / world / bw) and serial4 == serial
 
 
-def test_torch_fused_cpu_adamw_moves_fewer_bytes_than_deepspeed_cpuadam():
-    assert cpu_optimizer_params_per_s("fsdp2-offload") == pytest.approx(CPU_ADAM_PARAMS_PER_S * 34 / 28)
-    assert cpu_optimizer_params_per_s("zero3-offload") == CPU_ADAM_PARAMS_PER_S
+def test_host_optimizer_bytes_follow_what_each_library_does_per_step():
+    # torch: clip_grad_norm_ reads (4) and scales (8) the gradients, fused AdamW 28
+    assert host_optimizer_bytes_per_param("fsdp2-offload") == 40
+    # DeepSpeed: unscale_and_clip_grads (8), CPUAdam (28), + the 16-bit partition copy when params are on the host
+    assert host_optimizer_bytes_per_param("zero3-offload") == 42
+    assert host_optimizer_bytes_per_param("zero3-nvme") == 42
+    assert host_optimizer_bytes_per_param("zero3-optim-offload") == 36
+
+
+def test_cpu_optimizer_step_runs_one_thread_per_rank_over_its_partition():
+    """accelerate launches GPU ranks with OMP_NUM_THREADS=1: a rank's step takes its partition x bytes /
+    one core's bandwidth, so more GPUs per node (smaller partitions, stepped in parallel) shorten it and
+    the node's core count does not enter."""
+    job = _job("full")
+    n = count_params(job.arch).total
+    t = cpu_optimizer_seconds(job, strategy="zero3-offload")
+    assert CPU_THREADS_PER_RANK == 1
+    assert t == pytest.approx(n / job.preset.world_size * 42 / CPU_CORE_BANDWIDTH)
+    half = replace(job, preset=job.preset.model_copy(update={"gpus_per_node": job.preset.gpus_per_node // 2}))
+    assert cpu_optimizer_seconds(half, strategy="zero3-offload") == pytest.approx(2 * t)
+    # LoRA: only the adapters are stepped on the host
+    lora = _job("lora")
+    assert cpu_optimizer_seconds(lora, strategy="zero3-offload") < t / 100
 
 
 def test_fsdp2_offload_fetch_overlaps_the_compute():

@@ -1,0 +1,95 @@
+"""Step time of the offload tiers: host <-> GPU traffic, NVMe swaps and the optimizer step on the CPU.
+
+Traffic, per rank (PCIe at the preset's host_to_device bandwidth, each rank its own shard):
+
+DeepSpeed ZeRO-3 (stage3.py, partition_parameters.py): a parameter partition is fetched with a
+blocking `ds_tensor.to(device)` (16-bit) for the forward and again for the backward of every
+micro-batch; gradient partitions go down into a pinned buffer in the 16-bit accumulation dtype and
+come back to the GPU to be accumulated (micro-batch 1: down and up; each further one: up and down),
+then down once more as fp32 for the CPU optimizer at the boundary; with parameters on the GPUs
+(optimizer-only offload) the updated 16-bit partition comes back up once per step. All of it counts
+as serial: the fetch blocks the host thread that launches the compute.
+FSDP2 with CPUOffloadPolicy (_fsdp_param.py, _fsdp_collectives.py): shards are copied up
+non-blocking in the dtype they are stored in (fp32 for trained parameters, which accelerate upcasts;
+the model dtype for frozen ones) for forward and backward, prefetched like the all-gathers they feed
+(overlapped); the fp32 gradient shards go down once per step, non-blocking (under the Trainer's
+no_sync the reduce-scatter runs on the last micro-batch only).
+
+The optimizer step on the host (`cpu_optimizer_seconds`) is bound by host memory traffic, and it runs
+on ONE thread per rank: `accelerate launch` sets OMP_NUM_THREADS to --num_cpu_threads_per_process,
+which defaults to 1 for GPU launches (finetune/launch.py passes it only for the cpu preset), and both
+DeepSpeed's CPUAdam (`#pragma omp parallel for`, csrc/adam/cpu_adam_impl.cpp) and torch's CPU kernels
+use that many threads. So each rank steps its own partition at one core's streaming bandwidth, the
+ranks of a node in parallel: the step takes partition params x bytes moved per param / one core's
+bandwidth, whatever the node's core count.
+"""
+
+from __future__ import annotations
+
+from finetune import strategies
+from finetune.plan.memory import state_bytes, state_shard_degree, weight_bytes
+from finetune.plan.workload import Job, count_params, lora_params
+
+# One core's streaming bandwidth (mixed reads and writes) on the Xeon / EPYC hosts of H100/H200
+# servers: one thread cannot use the socket's memory channels, ~20 GB/s (single-thread STREAM-like
+# figures of Sapphire Rapids / Genoa are 15-25 GB/s)
+CPU_CORE_BANDWIDTH = 20e9
+# accelerate launch's OMP_NUM_THREADS for a GPU launch (its --num_cpu_threads_per_process default)
+CPU_THREADS_PER_RANK = 1
+
+
+def host_optimizer_bytes_per_param(strategy: str) -> int:
+    """Host memory bytes one optimizer step moves per trained parameter (fp32 everywhere on the host).
+
+    DeepSpeed ZeRO-3 with offload_optimizer (stage3.py `step`): `unscale_and_clip_grads` multiplies the
+    fp32 gradient partition in place every step (read + write, 8); CPUAdam reads param, gradient and
+    both moments and writes param and moments (28); with the parameters offloaded too, the updated fp32
+    partition is copied into the 16-bit partition on the host (read 4 + write 2). (The gradient norm is
+    taken on the GPU before the partitions go down.)
+    torch (FSDP2 CPUOffloadPolicy, the Trainer's adamw_torch_fused on CPU shards): clip_grad_norm_ reads
+    the gradients for the norm (4) and scales them in place (8), then fused AdamW (28)."""
+    if strategies.is_deepspeed(strategy):
+        return 8 + 28 + (6 if strategies.info(strategy).offload_params else 0)
+    return 4 + 8 + 28
+
+
+def cpu_optimizer_seconds(job: Job, *, strategy: str) -> float:
+    """Seconds of one optimizer step on the host: each rank steps the partition it owns (the trained
+    parameters over the state shard degree) on CPU_THREADS_PER_RANK threads, the ranks in parallel."""
+    n = state_bytes(job, strategy).trainable_params
+    partition = n / state_shard_degree(job, strategy)
+    return partition * host_optimizer_bytes_per_param(strategy) / (CPU_THREADS_PER_RANK * CPU_CORE_BANDWIDTH)
+
+
+def offload_seconds(job: Job, *, strategy: str, grad_accum: int) -> tuple[float, float]:
+    """(seconds that overlap the compute like a collective, seconds added after it) of one optimizer
+    step's host traffic and host work, per rank (see the module docstring)."""
+    p = job.preset
+    tier = strategies.info(strategy)
+    n = state_bytes(job, strategy).trainable_params
+    world = p.world_size
+    bw = p.host_to_device_bandwidth_gbps * 1e9
+    overlapped = serial = 0.0
+    if tier.backend == "fsdp":
+        trained16 = count_params(job.arch).total * job.weight_bytes if job.adapter == "full" else 0.0
+        fetched = weight_bytes(job) - trained16 + 4 * (n if job.adapter == "full" else lora_params(job))
+        # gradients: reduced once per step (the Trainer's no_sync holds them unsharded on the GPU until
+        # the last micro-batch), then the fp32 shard goes down non-blocking
+        overlapped = (2 * fetched * grad_accum + 4 * n) / world / bw
+    else:
+        grads = 2 * (2 + 2 * (grad_accum - 1)) + 4  # bytes per trained parameter per step (see above)
+        pcie = grads * n / world
+        if tier.offload_params:
+            pcie += 2 * weight_bytes(job) / world * grad_accum
+        else:
+            pcie += job.weight_bytes * n / world
+        serial = pcie / bw
+    serial += cpu_optimizer_seconds(job, strategy=strategy)
+    if tier.offload == "nvme":
+        states = state_bytes(job, strategy)
+        nvme_bw = (p.nvme_bandwidth_gbps or 1.0) * 1e9
+        # params read per forward and backward; optimizer states (fp32 master + moments) read and written
+        params = 2 * weight_bytes(job) / p.nodes * grad_accum
+        optimizer = 2 * (states.trainable + states.optimizer) / p.nodes
+        serial += (params + optimizer) / nvme_bw
+    return overlapped, serial
