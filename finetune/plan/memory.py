@@ -20,6 +20,8 @@ torch.autograd.graph.saved_tensors_hooks on an 8B-shaped layer): autograd keeps 
 the other one needs a gradient, so a frozen base saves less than a full fine-tune.
   2 RMSNorms, each: the fp32 upcast input (4*h) + the output the next linear/LoRA keeps (act*h), and for
   a full fine-tune with torch's RMSNorm also the pre-weight input its weight gradient needs (act*h);
+  Gemma-2/3 add a post-norm on each branch (its input kept; its output only feeds the residual add), and
+  Qwen3/Gemma-3 norm every query and key head before RoPE (the input kept: 4*(q+kv), Liger act*(q+kv));
   attention (fused kernel, no s x s scores): q, k, v, the output (act*(2q + 2kv)) and the fp32
   logsumexp; RoPE inputs are not kept (cos/sin need no gradient). With an explicit mask (sdpa on packed
   rows or padded batches) transformers repeats k/v to all heads (act*q each) and torch turns the boolean
@@ -224,7 +226,18 @@ def activation_bytes_per_token_layer(job: Job, *, micro_batch: int = 1, casts: b
     full = job.adapter == "full"
     # Liger's RMSNorm keeps its bf16 input and an fp32 rstd per row instead of the fp32 upcast input
     # (LigerRMSNormFunction saves only X, W and rstd: its weight gradient needs no normalized copy either)
-    norms = 2 * ((a * h + 4) if job.liger else 4 * h) + 2 * (a * h + (a * h if full and not job.liger else 0))
+    # every norm keeps its input; the two pre-norms' outputs feed the linears/LoRA (Gemma-2/3's post-norms
+    # feed the residual add, which keeps nothing)
+    n_norms = arch.norms_per_layer
+    norms = (
+        n_norms * ((a * h + 4) if job.liger else 4 * h) + 2 * a * h + n_norms * (a * h if full and not job.liger else 0)
+    )
+    if arch.qk_norm:
+        # per-head norms on q and k before RoPE: their input kept like any RMSNorm's (RoPE multiplies the
+        # output by cos/sin, which need no gradient, so keeps neither operand of it)
+        qk = q + kv
+        norms += (a * qk + 4 * (arch.num_attention_heads + arch.num_kv_heads)) if job.liger else 4 * qk
+        norms += a * qk if full and not job.liger else 0
     repeated = job.attention in ("eager", "varlen") or masked_attention(job, micro_batch=micro_batch) is not None
     attention = a * (2 * q + (q if repeated else kv) + (q if repeated else v)) + 4 * arch.num_attention_heads
     mlp = mlp_bytes_per_token_layer(job)  # dense SwiGLU and routed experts (plan/moe_memory.py)

@@ -42,6 +42,10 @@ _LAYER_CLASS.update(
     gpt_oss="GptOssDecoderLayer",
 )
 _BIAS_FAMILIES = {"qwen2", "qwen2_moe", "gpt_oss"}  # q/k/v biases are the default in these families
+# per-head RMSNorms on queries and keys (Qwen3Attention / Gemma3Attention q_norm, k_norm)
+_QK_NORM_FAMILIES = {"qwen3", "qwen3_moe", "gemma3", "gemma3_text"}
+# pre- and post-norms on both residual branches (Gemma2/Gemma3DecoderLayer: 4 RMSNorms)
+_SANDWICH_NORM_FAMILIES = {"gemma2", "gemma3", "gemma3_text"}
 KNOWN_FAMILIES = frozenset(_LAYER_CLASS)
 # The MoE keys each family's reader understands; routing hyper-parameters that change no parameter
 # count or memory (aux-loss coefficients, scoring functions, group-limited routing) are listed too.
@@ -213,6 +217,8 @@ def arch_from_config(path: Path, *, key: str, hub_id: str | None = None) -> Mode
             decoder_layer_class=layer_class or "DecoderLayer",
             lora_targets=targets,
             notes=f"derived from {path}",
+            qk_norm=reader in _QK_NORM_FAMILIES,
+            norms_per_layer=4 if reader in _SANDWICH_NORM_FAMILIES else 2,
             **moe,
             **mla,
             **sliding_fields(text, reader=reader),

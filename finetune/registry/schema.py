@@ -69,6 +69,18 @@ class ModelArch(Strict):
     chat_template: bool = True
     license: str | None = None
     notes: str | None = None
+    qk_norm: bool = Field(
+        False,
+        description="an RMSNorm over each query and key head before RoPE (Qwen3, Gemma-3): its saved input "
+        "adds to every layer's activations",
+    )
+    norms_per_layer: int = Field(
+        2,
+        ge=1,
+        le=4,
+        description="RMSNorms on each decoder layer's residual branches: 2 (pre-attention, pre-MLP), 4 with "
+        "Gemma-2/3's post-attention and post-MLP norms",
+    )
 
 
 class HardwarePreset(Strict):

@@ -6,20 +6,18 @@ difference between two token counts, per token, is compared between LoRA and DoR
 
 from __future__ import annotations
 
-import gc
-import weakref
-
 import pytest
 
 from finetune.plan.memory import dora_bytes_per_token_layer
 from finetune.plan.workload import ALL_LINEAR, Job
 from finetune.registry.schema import HardwarePreset, ModelArch
+from tests.helpers.saved_tensors import per_token_bytes
 
 torch = pytest.importorskip("torch")
 H, INTER = 256, 640
 
 
-def _retained_bytes(*, dora: bool, tokens: int) -> int:
+def _model(*, dora: bool):
     from peft import LoraConfig, get_peft_model
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -33,33 +31,16 @@ def _retained_bytes(*, dora: bool, tokens: int) -> int:
         num_key_value_heads=2,
         attn_implementation="sdpa",
     )
-    model = get_peft_model(
+    return get_peft_model(
         LlamaForCausalLM(cfg).to(torch.bfloat16),
         LoraConfig(r=16, lora_alpha=32, target_modules=list(ALL_LINEAR), use_dora=dora),
     )
-    refs = {}
-
-    def pack(t):
-        refs[t.untyped_storage().data_ptr()] = (weakref.ref(t), t.untyped_storage().nbytes())
-        return t
-
-    inner = model.base_model.model.model
-    ids, pos = torch.randint(0, 1000, (1, tokens)), torch.arange(tokens)[None]
-    hidden = inner.embed_tokens(ids).detach().requires_grad_(True)
-    rope = inner.rotary_emb(hidden, pos)
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), torch.autocast("cpu", dtype=torch.bfloat16):
-        out = inner.layers[0](hidden, position_embeddings=rope, position_ids=pos)
-    gc.collect()
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    kept = sum(n for ptr, (ref, n) in refs.items() if ref() is not None and ptr not in params)
-    del out
-    return kept
 
 
 def test_dora_keeps_two_compute_dtype_outputs_per_targeted_module():
     per_token = {}
     for dora in (False, True):
-        per_token[dora] = (_retained_bytes(dora=dora, tokens=512) - _retained_bytes(dora=dora, tokens=256)) / 256
+        per_token[dora] = per_token_bytes(lambda dora=dora: _model(dora=dora))
     measured = per_token[True] - per_token[False]
     # out_features of q, k, v, o, gate, up, down: 256 + 128 + 128 + 256 + 640 + 640 + 256 = 2304;
     # base_result and lora_result in bf16 for each: 2 x 2 B x 2304 = 9216 B per token per layer
