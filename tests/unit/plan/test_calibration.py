@@ -60,9 +60,11 @@ SPEED_MISSES = {
         "1 GB/s over sockets); ~0.42 s per step is not traffic volume and the row has no profile"
     ),
     "22-lora8b-zero3-offload": (
-        "ZeRO-3 CPU offload, LoRA: the modelled PCIe traffic (two blocking 16-bit "
-        "fetches per micro-batch at 45 GB/s) is 0.38 s and CPU Adam negligible; about "
-        "1 s per step is not explained (the fetch rate, or stalls between the copies)"
+        "ZeRO-3 CPU offload, LoRA: DeepSpeed fetches every frozen partition with a blocking per-parameter "
+        "ds_tensor.to(device) for the forward and again for the backward (16 GB a step per rank, 0.36 s at "
+        "45 GB/s, counted serially); the host step of the 42M adapter parameters is 0.04 s even on one "
+        "thread; ~1 s per step is not bytes moved (stalls between the blocking copies, or a lower copy "
+        "rate with another run on the host)"
     ),
     "25-lora8b-zero3-nvme": (
         "ZeRO-Infinity NVMe offload: the frozen base is read from the swap directory for the forward and "
