@@ -23,8 +23,10 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from finetune import strategies
 from finetune.compile.spec import LaunchSpec
 from finetune.errors import EXIT_INTERRUPTED, EXIT_PREEMPTED, FinetuneError
+from finetune.plan.offload_time import split_cores
 from finetune.rundir import JOB_SBATCH, launch_log
 
 # SIGHUP (the terminal closed) is a preemption too: the ranks save and stop instead of being orphaned
@@ -102,23 +104,35 @@ def launch(
     argv = executable_argv(
         spec.argv(node_rank=rank, main_address=main_address, main_port=main_port, extra_args=list(extra_args))
     )
-    if spec.device == "cpu":
-        # said explicitly so accelerate prints no "defaults used" notice; decided here, not at compile
-        # time, because it depends on the machine that runs it
+    threads = host_threads(spec)
+    if threads is not None:
         at = argv.index("--config_file")
-        argv[at:at] = ["--num_cpu_threads_per_process", str(cpu_threads_per_process(spec.procs_per_node))]
+        argv[at:at] = ["--num_cpu_threads_per_process", str(threads)]
     log_path = Path(spec.run_dir) / launch_log(rank)
     log_path.parent.mkdir(parents=True, exist_ok=True)
     return _run(argv, env=launch_env(spec), log_path=log_path, stream=stream)
 
 
+def host_threads(spec: LaunchSpec) -> int | None:
+    """--num_cpu_threads_per_process for this launch, or None for accelerate's default (one per GPU rank).
+
+    CPU ranks compute on the host; the ranks of an offload tier step the optimizer there (DeepSpeed's
+    CPUAdam and torch's CPU kernels run on OMP_NUM_THREADS threads, one by accelerate's default, which
+    made a host step several times slower than the cores allow). Decided here, not at compile time,
+    because it depends on the machine that runs it; the planner assumes the same split of its preset's
+    cores (finetune.plan.offload_time.host_threads_per_rank)."""
+    if spec.device == "cpu" or strategies.info(spec.strategy).offload_optimizer:
+        return cpu_threads_per_process(spec.procs_per_node)
+    return None
+
+
 def cpu_threads_per_process(procs: int) -> int:
-    """Intra-op threads of each CPU rank: the caller's OMP_NUM_THREADS when set (a user sharing the
-    machine, or a test suite, has chosen), else the cores split between the ranks (accelerate's default)."""
+    """Intra-op threads of each rank that computes on the host: the caller's OMP_NUM_THREADS when set (a
+    user sharing the machine, or a test suite, has chosen), else the cores split between the ranks."""
     chosen = os.environ.get("OMP_NUM_THREADS", "")
     if chosen.isdigit() and int(chosen) > 0:
         return int(chosen)
-    return max(1, (os.cpu_count() or 1) // max(1, procs))
+    return split_cores(os.cpu_count() or 1, procs)
 
 
 def prctl_or_none():

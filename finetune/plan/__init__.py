@@ -384,7 +384,11 @@ def _why(job: Job, chosen: Candidate, achieved: int, candidates: list[Candidate]
                 f"than {CLEARLY_FASTER:.0%} faster to be chosen"
             )
         elif any(c.fits and strategies.offloads(c.strategy) and c.step_time_s < chosen.step_time_s for c in candidates):
-            first += " without offloading, the last resort"
+            first += (
+                " with the least offloading; more of the model on the host is the last resort"
+                if level
+                else " without offloading, the last resort"
+            )
     first += (
         f" ({chosen.per_gpu_memory_gib:.1f} of {limit:.1f} GiB usable per "
         f"{'process' if p.vendor == 'cpu' else 'GPU'}, {chosen.step_time_s:.2f} s/step, "

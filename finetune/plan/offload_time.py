@@ -15,13 +15,15 @@ the model dtype for frozen ones) for forward and backward, prefetched like the a
 (overlapped); the fp32 gradient shards go down once per step, non-blocking (under the Trainer's
 no_sync the reduce-scatter runs on the last micro-batch only).
 
-The optimizer step on the host (`cpu_optimizer_seconds`) is bound by host memory traffic, and it runs
-on ONE thread per rank: `accelerate launch` sets OMP_NUM_THREADS to --num_cpu_threads_per_process,
-which defaults to 1 for GPU launches (finetune/launch.py passes it only for the cpu preset), and both
-DeepSpeed's CPUAdam (`#pragma omp parallel for`, csrc/adam/cpu_adam_impl.cpp) and torch's CPU kernels
-use that many threads. So each rank steps its own partition at one core's streaming bandwidth, the
-ranks of a node in parallel: the step takes partition params x bytes moved per param / one core's
-bandwidth, whatever the node's core count.
+The optimizer step on the host (`cpu_optimizer_seconds`) is bound by host memory traffic. Each rank
+steps its own partition on the threads it was launched with (OMP_NUM_THREADS: both DeepSpeed's CPUAdam,
+`#pragma omp parallel for` in csrc/adam/cpu_adam_impl.cpp, and torch's CPU kernels use that many), the
+ranks of a node in parallel: partition params x bytes moved per param / the rank's bandwidth, which is
+its threads x one core's streaming bandwidth, capped by its share of the node's memory bandwidth.
+`accelerate launch` gives a GPU rank ONE thread unless told otherwise; finetune's launcher gives the
+ranks of an offload tier the node's cores split between them (`host_threads_per_rank`, one home for the
+launcher and this model). Runs launched before that (the calibration rows without
+`host_threads_per_rank`) had one thread.
 """
 
 from __future__ import annotations
@@ -29,13 +31,31 @@ from __future__ import annotations
 from finetune import strategies
 from finetune.plan.memory import state_bytes, state_shard_degree, weight_bytes
 from finetune.plan.workload import Job, count_params, lora_params
+from finetune.registry.schema import HardwarePreset
 
 # One core's streaming bandwidth (mixed reads and writes) on the Xeon / EPYC hosts of H100/H200
 # servers: one thread cannot use the socket's memory channels, ~20 GB/s (single-thread STREAM-like
 # figures of Sapphire Rapids / Genoa are 15-25 GB/s)
 CPU_CORE_BANDWIDTH = 20e9
-# accelerate launch's OMP_NUM_THREADS for a GPU launch (its --num_cpu_threads_per_process default)
-CPU_THREADS_PER_RANK = 1
+# A node's host memory bandwidth that all its ranks' optimizer threads share: about half of a two-socket
+# DDR5 server's STREAM figure (~400-500 GB/s), since Adam's mixed reads and writes of five fp32 streams
+# per parameter and NUMA-remote pages reach less (an assumption; no row measures many threads yet)
+NODE_HOST_BANDWIDTH = 200e9
+# cores per GPU assumed when a preset does not say how many CPU cores its node has
+CORES_PER_GPU_ASSUMED = 8
+
+
+def host_threads_per_rank(preset: HardwarePreset, strategy: str) -> int:
+    """Threads finetune's launcher gives each rank of `strategy` on a node of `preset`: the node's cores
+    split between its ranks where the host steps the optimizer (offload tiers), else accelerate's one."""
+    if not strategies.info(strategy).offload_optimizer:
+        return 1
+    return split_cores(preset.host_cpu_cores or CORES_PER_GPU_ASSUMED * preset.gpus_per_node, preset.gpus_per_node)
+
+
+def split_cores(cores: int, ranks: int) -> int:
+    """A node's cores split between its ranks (accelerate's rule for CPU launches)."""
+    return max(1, cores // max(1, ranks))
 
 
 def host_optimizer_bytes_per_param(strategy: str) -> int:
@@ -55,10 +75,12 @@ def host_optimizer_bytes_per_param(strategy: str) -> int:
 
 def cpu_optimizer_seconds(job: Job, *, strategy: str) -> float:
     """Seconds of one optimizer step on the host: each rank steps the partition it owns (the trained
-    parameters over the state shard degree) on CPU_THREADS_PER_RANK threads, the ranks in parallel."""
+    parameters over the state shard degree) at its threads' bandwidth, the ranks in parallel."""
     n = state_bytes(job, strategy).trainable_params
     partition = n / state_shard_degree(job, strategy)
-    return partition * host_optimizer_bytes_per_param(strategy) / (CPU_THREADS_PER_RANK * CPU_CORE_BANDWIDTH)
+    threads = job.host_threads_per_rank or host_threads_per_rank(job.preset, strategy)
+    bandwidth = min(threads * CPU_CORE_BANDWIDTH, NODE_HOST_BANDWIDTH / job.preset.gpus_per_node)
+    return partition * host_optimizer_bytes_per_param(strategy) / bandwidth
 
 
 def offload_seconds(job: Job, *, strategy: str, grad_accum: int) -> tuple[float, float]:

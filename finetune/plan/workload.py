@@ -54,6 +54,9 @@ class Job:
     checkpoint_layers: int | None = None
     strategy: str = "auto"  # auto or a pinned concrete strategy
     nvme_path: str | None = None  # ZeRO-Infinity swap dir (recipe's, else the preset's)
+    # host threads of each rank for the offload tiers' CPU optimizer step; None: as finetune's launcher
+    # gives them (finetune.plan.offload_time.host_threads_per_rank)
+    host_threads_per_rank: int | None = None
 
     @property
     def sequences_per_sample(self) -> int:

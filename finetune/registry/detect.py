@@ -130,7 +130,9 @@ def peak_bf16_tflops(gpu_name: str) -> float:
     return match.peak_bf16_tflops if match is not None else UNKNOWN_GPU_PEAK_TFLOPS
 
 
-def synthesize_preset(gpus: list[tuple[str, float]], *, ram_gib: float, nvme: str | None = None) -> HardwarePreset:
+def synthesize_preset(
+    gpus: list[tuple[str, float]], *, ram_gib: float, nvme: str | None = None, cpu_cores: int | None = None
+) -> HardwarePreset:
     """A one-node preset for the detected GPUs (pure: testable without a GPU)."""
     from finetune.registry import get_preset
 
@@ -157,6 +159,7 @@ def synthesize_preset(gpus: list[tuple[str, float]], *, ram_gib: float, nvme: st
         nvme_path=nvme,
         nvme_bandwidth_gbps=5.0 if nvme else 0,
         nvme_capacity_gib=None,
+        host_cpu_cores=cpu_cores,
     )
     if match is not None:
         base.update(
@@ -183,4 +186,4 @@ def synthesize_preset(gpus: list[tuple[str, float]], *, ram_gib: float, nvme: st
 
 
 def detect_preset() -> HardwarePreset:
-    return synthesize_preset(query_gpus(), ram_gib=host_ram_gib(), nvme=_nvme_path())
+    return synthesize_preset(query_gpus(), ram_gib=host_ram_gib(), nvme=_nvme_path(), cpu_cores=os.cpu_count())

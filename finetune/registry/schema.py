@@ -117,6 +117,12 @@ class HardwarePreset(Strict):
     slurm_time: str | None = Field(
         None, pattern=r"^(\d+-)?\d+(:\d{2}){0,2}$", description="job.sbatch --time limit, e.g. 2-00:00:00"
     )
+    host_cpu_cores: int | None = Field(
+        None,
+        ge=1,
+        description="CPU cores per node (os.cpu_count() when detected): the offload tiers step the optimizer "
+        "on the host with cores / ranks-per-node threads each; None: 8 per GPU assumed",
+    )
 
     @property
     def world_size(self) -> int:

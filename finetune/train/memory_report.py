@@ -72,7 +72,7 @@ class PeakMemoryCallback(TrainerCallback):
 
         self._sample_pss()
         # wall clock when training starts: a launcher that noted its own start gets the load time
-        self.at_start = {"train_begin_unix": time.time()}
+        self.at_start = {"train_begin_unix": time.time(), "host_threads": torch.get_num_threads()}
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             self.at_start |= {
                 "gpu_load_peak_allocated_gib": torch.cuda.max_memory_allocated() / GIB,

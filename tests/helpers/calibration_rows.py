@@ -13,6 +13,7 @@ Older rows carry a few fields instead of `resolved`; `legacy_recipe` rebuilds th
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import tempfile
 from pathlib import Path
@@ -126,7 +127,10 @@ def predict(row: dict) -> Plan:
     else:
         recipe = legacy_recipe(row)
         arch = get_model(row["arch"])
-    return plan_job(job_from_recipe(recipe, arch=arch, preset=preset))
+    job = job_from_recipe(recipe, arch=arch, preset=preset)
+    # the rank's host threads as launched; rows that do not say ran before finetune's launcher split the
+    # cores for the offload tiers, on accelerate's one thread per GPU rank
+    return plan_job(dataclasses.replace(job, host_threads_per_rank=row.get("host_threads_per_rank") or 1))
 
 
 def run_pins(row: dict, *, num_layers: int) -> dict:

@@ -4,7 +4,12 @@ from __future__ import annotations
 
 import os
 
-from finetune.launch import cpu_threads_per_process
+import pytest
+
+from finetune.compile.spec import LaunchSpec
+from finetune.launch import cpu_threads_per_process, host_threads
+from finetune.plan.offload_time import host_threads_per_rank
+from finetune.registry import get_preset
 
 
 def test_cpu_ranks_take_the_callers_thread_count_or_split_the_cores(monkeypatch):
@@ -15,3 +20,38 @@ def test_cpu_ranks_take_the_callers_thread_count_or_split_the_cores(monkeypatch)
         assert cpu_threads_per_process(2) == max(1, (os.cpu_count() or 1) // 2)
     monkeypatch.delenv("OMP_NUM_THREADS")
     assert cpu_threads_per_process(10_000) == 1
+
+
+def _spec(strategy: str, *, device: str = "cuda", procs: int = 4) -> LaunchSpec:
+    return LaunchSpec(
+        run_dir="run",
+        strategy=strategy,
+        device=device,
+        num_nodes=1,
+        procs_per_node=procs,
+        world_size=procs,
+        main_port=0,
+        module="finetune.train",
+        module_args=[],
+        config_file="run/accelerate.yaml",
+    )
+
+
+@pytest.mark.parametrize("strategy", ["zero3-offload", "zero3-optim-offload", "fsdp2-offload", "zero3-nvme"])
+def test_ranks_that_step_the_optimizer_on_the_host_get_the_cores_split_between_them(monkeypatch, strategy):
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    assert host_threads(_spec(strategy)) == max(1, (os.cpu_count() or 1) // 4)
+    monkeypatch.setenv("OMP_NUM_THREADS", "5")
+    assert host_threads(_spec(strategy)) == 5
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp2", "zero3", "zero2"])
+def test_gpu_ranks_of_the_other_tiers_keep_accelerates_one_thread(strategy):
+    assert host_threads(_spec(strategy)) is None
+    assert host_threads(_spec(strategy, device="cpu", procs=1)) == cpu_threads_per_process(1)
+
+
+def test_the_planner_assumes_the_split_the_launcher_makes():
+    server = get_preset("server-8xh100")
+    assert host_threads_per_rank(server, "zero3-offload") == server.host_cpu_cores // 8
+    assert host_threads_per_rank(server, "fsdp2") == 1

@@ -89,8 +89,29 @@ SPEED_MISSES = {
         "MoE (60 experts, top-4): the grouped experts' dispatch traffic explains under a "
         "fifth of the gap to the active parameters' FLOPs"
     ),
+    "51-gemma2-9b-lora": (
+        "Gemma-2's soft-capped attention runs the model's eager attention (no torch flash kernel caps "
+        "scores): the scores of all 16 heads are materialized, capped with tanh, masked and soft-maxed in "
+        "fp32 per layer; the planner prices its FLOPs at the flash kernels' efficiency and does not model "
+        "eager's passes over the scores"
+    ),
+    "52-llama3b-full-fsdp2-offload": (
+        "FSDP2 CPU offload, full 3B on 2 GPUs with one host thread per rank (accelerate's default, before "
+        "finetune's launcher split the cores): torch's CPU AdamW and gradient clipping over 1.6e9 fp32 "
+        "parameters per rank took ~11 s a step, ~3.5x the bytes-moved model at one core's 20 GB/s; the "
+        "single-thread kernels are not bandwidth-bound"
+    ),
+    "54-llama3b-full-zero3-optim-offload": (
+        "ZeRO-3 optimizer-only offload, full 3B on 2 GPUs with one host thread per rank (as row 52): "
+        "~2 s a step beyond the modelled CPUAdam and PCIe traffic; row 24 (parameters offloaded too, 8B) "
+        "holds with the same CPUAdam model"
+    ),
 }
 MEMORY_MISSES = {
+    "50-dpo70b": (
+        "DPO LoRA 70B on 4 GPUs, FSDP2: the same data generator as row 01 (chosen and rejected of equal "
+        "length, so no padding and no sdpa mask), while the planner plans a padded pair's mask"
+    ),
     "01-dpo8b": (
         "DPO LoRA 8B: the planner plans a padded pair at max_length (sdpa gets a mask: its float bias "
         "and k/v repeated to every head, 2 GiB here); this row's chosen and rejected were equal-length "

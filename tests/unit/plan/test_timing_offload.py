@@ -11,7 +11,7 @@ from finetune.plan import job_from_recipe
 from finetune.plan.memory import weight_bytes
 from finetune.plan.offload_time import (
     CPU_CORE_BANDWIDTH,
-    CPU_THREADS_PER_RANK,
+    NODE_HOST_BANDWIDTH,
     cpu_optimizer_seconds,
     host_optimizer_bytes_per_param,
 )
@@ -24,7 +24,8 @@ from finetune.registry import get_model, get_preset
 PRESET = "server-8xh100"
 
 
-def _job(adapter: str):
+def _job(adapter: str, *, threads: int | None = 1):
+    """One host thread per rank unless said: the byte counts below are then one core's."""
     raw = {
         "model": {"name": "x", "arch": "llama-3.1-8b"},
         "adapter": adapter,
@@ -32,7 +33,8 @@ def _job(adapter: str):
         "train": {"global_batch_size": 64},
         "hardware": PRESET,
     }
-    return job_from_recipe(load_recipe(raw), arch=get_model("llama-3.1-8b"), preset=get_preset(PRESET))
+    job = job_from_recipe(load_recipe(raw), arch=get_model("llama-3.1-8b"), preset=get_preset(PRESET))
+    return replace(job, host_threads_per_rank=threads)
 
 
 def test_deepspeed_param_offload_fetches_twice_per_micro_batch_and_moves_gradients_four_ways():
@@ -87,20 +89,26 @@ def test_host_optimizer_bytes_follow_what_each_library_does_per_step():
     assert host_optimizer_bytes_per_param("zero3-optim-offload") == 36
 
 
-def test_cpu_optimizer_step_runs_one_thread_per_rank_over_its_partition():
-    """accelerate launches GPU ranks with OMP_NUM_THREADS=1: a rank's step takes its partition x bytes /
-    one core's bandwidth, so more GPUs per node (smaller partitions, stepped in parallel) shorten it and
-    the node's core count does not enter."""
+def test_cpu_optimizer_step_runs_on_the_ranks_threads_over_its_partition():
+    """A rank's step takes its partition x bytes / its bandwidth: its threads x one core's, capped by its
+    share of the node's memory bandwidth; the ranks of a node step in parallel."""
     job = _job("full")
     n = count_params(job.arch).total
-    t = cpu_optimizer_seconds(job, strategy="zero3-offload")
-    assert CPU_THREADS_PER_RANK == 1
-    assert t == pytest.approx(n / job.preset.world_size * 42 / CPU_CORE_BANDWIDTH)
+    one = cpu_optimizer_seconds(job, strategy="zero3-offload")
+    assert one == pytest.approx(n / job.preset.world_size * 42 / CPU_CORE_BANDWIDTH)
+    two = cpu_optimizer_seconds(replace(job, host_threads_per_rank=2), strategy="zero3-offload")
+    assert two == pytest.approx(n / job.preset.world_size * 42 / min(2 * CPU_CORE_BANDWIDTH, NODE_HOST_BANDWIDTH / 8))
+    # as launched by finetune: the node's cores split between its ranks, the node's bandwidth shared
+    launched = _job("full", threads=None)
+    per_rank = min(job.preset.host_cpu_cores // 8 * CPU_CORE_BANDWIDTH, NODE_HOST_BANDWIDTH / 8)
+    assert cpu_optimizer_seconds(launched, strategy="zero3-offload") == pytest.approx(
+        n / job.preset.world_size * 42 / per_rank
+    )
     half = replace(job, preset=job.preset.model_copy(update={"gpus_per_node": job.preset.gpus_per_node // 2}))
-    assert cpu_optimizer_seconds(half, strategy="zero3-offload") == pytest.approx(2 * t)
+    assert cpu_optimizer_seconds(half, strategy="zero3-offload") == pytest.approx(2 * one)
     # LoRA: only the adapters are stepped on the host
     lora = _job("lora")
-    assert cpu_optimizer_seconds(lora, strategy="zero3-offload") < t / 100
+    assert cpu_optimizer_seconds(lora, strategy="zero3-offload") < one / 100
 
 
 def test_fsdp2_offload_fetch_overlaps_the_compute():
