@@ -221,7 +221,9 @@ def write_data(
     one example, the attention cost the planner assumes)."""
     rng = random.Random(seed)
     # preference pairs fill max_length (prompt + one answer ~ 12 tokens a word): the planner's
-    # worst case is what a calibration point must measure; SFT rows are packed to max_length anyway
+    # worst case is what a calibration point must measure; SFT rows are packed to max_length anyway.
+    # The rejected answer is shorter than the chosen one, as in real pairs, so each pair is padded and
+    # the attention gets the mask the planner plans for (equal lengths would let sdpa drop it)
     fill = preference or long_examples
     most, least = (seq // 13, seq // 15) if fill else (max(4, seq // 40), max(1, seq // 120))
     with path.open("w") as f:
@@ -231,7 +233,9 @@ def write_data(
                 row = {
                     "prompt": [{"role": "user", "content": text}],
                     "chosen": [{"role": "assistant", "content": text.upper()}],
-                    "rejected": [{"role": "assistant", "content": text[::-1]}],
+                    "rejected": [
+                        {"role": "assistant", "content": text[::-1][: rng.randint(len(text) // 2, len(text))]}
+                    ],
                 }
             else:
                 row = {"messages": [{"role": "user", "content": text}, {"role": "assistant", "content": text.upper()}]}
