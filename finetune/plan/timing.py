@@ -31,6 +31,7 @@ from dataclasses import dataclass
 
 from finetune import strategies
 from finetune.plan.dora_time import dora_seconds
+from finetune.plan.eager_time import eager_seconds
 from finetune.plan.memory import adapter_input_casts, state_bytes, tokens_per_micro_batch, weight_bytes
 from finetune.plan.offload_time import offload_seconds
 from finetune.plan.workload import (
@@ -174,6 +175,9 @@ def step_time(job: Job, *, strategy: str, micro_batch: int, grad_accum: int, che
         compute += grad_accum * dora_seconds(
             job, micro_batch=micro_batch, casts=adapter_input_casts(job, strategy), checkpointed_share=share
         )
+    if job.attention == "eager":  # passes over the materialized scores (plan/eager_time.py)
+        share = 1.0 if checkpointing is True else min(1.0, int(checkpointing) / job.arch.num_layers)
+        compute += grad_accum * eager_seconds(job, micro_batch=micro_batch, checkpointed_share=share)
     states = state_bytes(job, strategy)
     grad_bytes = states.trainable_params * (4 if job.adapter != "full" else 2)
     intra_bw, inter_bw = p.intra_node_bandwidth_gbps, p.inter_node_bandwidth_gbps or 1.0
