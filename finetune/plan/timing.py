@@ -30,6 +30,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from finetune import strategies
+from finetune.plan.attention_time import mask_seconds
 from finetune.plan.dora_time import dora_seconds
 from finetune.plan.memory import adapter_input_casts, state_bytes, tokens_per_micro_batch, weight_bytes
 from finetune.plan.workload import (
@@ -173,8 +174,11 @@ def step_time(job: Job, *, strategy: str, micro_batch: int, grad_accum: int, che
         * tokens
         / (p.peak_bf16_tflops * 1e12 * efficiency(job, micro_batch=micro_batch))
     )
-    if job.dora:  # memory-bound weight norms and elementwise passes (plan/dora_time.py)
-        share = 1.0 if checkpointing is True else min(1.0, int(checkpointing) / job.arch.num_layers)
+    share = 1.0 if checkpointing is True else min(1.0, int(checkpointing) / job.arch.num_layers)
+    # memory-bound work the FLOPs do not show: attention mask biases (plan/attention_time.py), DoRA's
+    # weight norms and elementwise passes (plan/dora_time.py)
+    compute += grad_accum * mask_seconds(job, micro_batch=micro_batch, checkpointed_share=share)
+    if job.dora:
         compute += grad_accum * dora_seconds(
             job, micro_batch=micro_batch, casts=adapter_input_casts(job, strategy), checkpointed_share=share
         )

@@ -70,11 +70,6 @@ SPEED_MISSES = {
         "seq 32k: the planner assumes examples as long as the row (long-context data); this row's "
         "examples were 1/40 to 1/120 of it, so the varlen kernel's attention was far smaller"
     ),
-    "42-mistral7b-lora-s4k": (
-        "masked SDPA over the packed micro-batch (the random model's 4096 sliding window) "
-        "is now planned over the whole 8192 x 8192 square, at the matmul efficiency; the "
-        "masked kernel runs below it"
-    ),
     "43-qwen-moe-a2.7b-lora": (
         "MoE (60 experts, top-4): the grouped experts' dispatch traffic explains under a "
         "fifth of the gap to the active parameters' FLOPs"
