@@ -8,15 +8,17 @@ mask where finetune's varlen kernel falls back, or over padded rows) computes ev
     checkpointed layer recomputes its forward): 1 byte read and `act` bytes written per mask element;
   - the masked kernels (memory-efficient / cuDNN attention) read that bias tile by tile, broadcast over
     the heads: every head reads the whole rows x len^2 bias in the forward, and the backward, which
-    recomputes the scores, reads it again. A head's pass over a 4k x 4k bf16 bias is 32 MiB and 8k x 8k
-    128 MiB, beyond what the L2 keeps for the next head, so each read comes from HBM.
-Timed at the card's memory bandwidth (the preset's gpu_memory_bandwidth_gbps); 0 where the preset has
-none. Not counted: eager attention's own score-matrix traffic (scores, fp32 softmax and their gradients,
-several passes per head), which is larger still.
+    recomputes the scores, reads it again. Every read is counted from HBM: a head's pass over an 8k x 8k
+    bf16 bias is 128 MiB, beyond an H100's 50 MB L2 (for short rows the L2 may serve part of it, so
+    there the term is an upper bound).
+Timed at the bandwidth streaming kernels reach (plan/bandwidth.py); 0 where the preset has none. Not
+counted: eager attention's own score-matrix traffic (scores, fp32 softmax and their gradients, several
+passes per head), which is larger still.
 """
 
 from __future__ import annotations
 
+from finetune.plan.bandwidth import memory_seconds
 from finetune.plan.memory import masked_attention
 from finetune.plan.workload import Job
 
@@ -24,9 +26,8 @@ from finetune.plan.workload import Job
 def mask_seconds(job: Job, *, micro_batch: int, checkpointed_share: float = 0.0) -> float:
     """Seconds one micro-batch's forward and backward spend converting and reading attention mask
     biases, per GPU (0 for unmasked kernels, eager attention, or a preset without memory bandwidth)."""
-    bandwidth = job.preset.gpu_memory_bandwidth_gbps
     masked = masked_attention(job, micro_batch=micro_batch)
-    if masked is None or job.attention != "sdpa" or not bandwidth:
+    if masked is None or job.attention != "sdpa":
         return 0.0
     arch, a = job.arch, job.act_bytes
     rows, length = masked
@@ -37,4 +38,4 @@ def mask_seconds(job: Job, *, micro_batch: int, checkpointed_share: float = 0.0)
     read = arch.num_attention_heads * square * a
     forward = convert + read
     moved = layers * ((1.0 + checkpointed_share) * forward + read)
-    return moved / (bandwidth * 1e9)
+    return memory_seconds(job.preset, moved)

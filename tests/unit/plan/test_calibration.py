@@ -61,11 +61,6 @@ SPEED_MISSES = {
         "row implies ~0.9e9 on a host shared with another run"
     ),
     "25-lora8b-zero3-nvme": "ZeRO-Infinity NVMe offload: predicted slower than measured",
-    "28-dora8b": (
-        "DoRA r16 on 8B: peft's weight norm per forward and its elementwise passes are modelled from "
-        "bytes moved (finetune/plan/dora_time.py), about 60% of the measured gap; kernel launches "
-        "and below-peak bandwidth are not"
-    ),
     "39-lora8b-s32k": (
         "seq 32k: the planner assumes examples as long as the row (long-context data); this row's "
         "examples were 1/40 to 1/120 of it, so the varlen kernel's attention was far smaller"
