@@ -17,11 +17,12 @@ runs per targeted module on every training forward (its cache is off while train
     (a reduction over tokens), the dtype casts between, and the two gradients of the base output summed.
 Bytes are counted per pass (read + write, each tensor's own dtype) and timed at the bandwidth a
 streaming kernel reaches (plan/bandwidth.py: a share of the preset's datasheet gpu_memory_bandwidth_gbps):
-these kernels move bytes, they do not multiply. Counts per token and output feature, with p the promoted dtype's and a the compute
-dtype's bytes: forward 3a + 9p (+ a + p for the cast back when p != a) against LoRA's 5a; backward
-16p + 9a where p != a (17a otherwise) against LoRA's 2a. Activation checkpointing repeats the forward
-of the checkpointed layers. Not counted: kernel launch latency (about twenty small kernels per module
-and micro-batch) and peft's fp32 cast of each module's input, which LoRA with casts pays as well.
+these kernels move bytes, they do not multiply. Counts per token and output feature, with p the
+promoted dtype's and a the compute dtype's bytes: forward 3a + 9p (+ a + p for the cast back when
+p != a) against LoRA's 5a; backward 16p + 9a where p != a (17a otherwise) against LoRA's 2a.
+Activation checkpointing repeats the forward of the checkpointed layers. Not counted: kernel launch
+latency (about twenty small kernels per module and micro-batch) and peft's fp32 cast of each module's
+input, which LoRA with casts pays as well.
 """
 
 from __future__ import annotations

@@ -33,6 +33,7 @@ from finetune import strategies
 from finetune.plan.attention_time import mask_seconds
 from finetune.plan.dora_time import dora_seconds
 from finetune.plan.memory import adapter_input_casts, state_bytes, tokens_per_micro_batch, weight_bytes
+from finetune.plan.moe_time import moe_seconds
 from finetune.plan.workload import (
     Job,
     attended_positions,
@@ -178,6 +179,14 @@ def step_time(job: Job, *, strategy: str, micro_batch: int, grad_accum: int, che
     # memory-bound work the FLOPs do not show: attention mask biases (plan/attention_time.py), DoRA's
     # weight norms and elementwise passes (plan/dora_time.py)
     compute += grad_accum * mask_seconds(job, micro_batch=micro_batch, checkpointed_share=share)
+    # mixture of experts: small per-expert GEMMs and the dispatch traffic (plan/moe_time.py)
+    compute += grad_accum * moe_seconds(
+        job,
+        micro_batch=micro_batch,
+        efficiency=efficiency(job, micro_batch=micro_batch),
+        half_tokens=MICRO_BATCH_HALF_TOKENS,
+        repeat=1.0 + share,
+    )
     if job.dora:
         compute += grad_accum * dora_seconds(
             job, micro_batch=micro_batch, casts=adapter_input_casts(job, strategy), checkpointed_share=share

@@ -66,8 +66,9 @@ SPEED_MISSES = {
         "examples were 1/40 to 1/120 of it, so the varlen kernel's attention was far smaller"
     ),
     "43-qwen-moe-a2.7b-lora": (
-        "MoE (60 experts, top-4): the grouped experts' dispatch traffic explains under a "
-        "fifth of the gap to the active parameters' FLOPs"
+        "MoE (60 experts, top-4): the small grouped expert GEMMs (~1,100 rows per expert) and the "
+        "dispatch traffic (finetune/plan/moe_time.py) explain about half of the gap to the active "
+        "parameters' FLOPs at the dense rate; the rest is not identified without a profile"
     ),
 }
 MEMORY_MISSES = {
