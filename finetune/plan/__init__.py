@@ -190,6 +190,7 @@ def job_from_recipe(recipe, *, arch, preset) -> Job:
         optimizer=recipe.train.optimizer,
         seq_len=recipe.data.max_length,
         packed=recipe.data.packing,
+        example_tokens=recipe.data.example_tokens if recipe.data.packing else None,
         attention=attention,
         varlen_layers=served if fallback else 0,
         global_batch_size=recipe.train.global_batch_size,

@@ -61,10 +61,6 @@ SPEED_MISSES = {
         "row implies ~0.9e9 on a host shared with another run"
     ),
     "25-lora8b-zero3-nvme": "ZeRO-Infinity NVMe offload: predicted slower than measured",
-    "39-lora8b-s32k": (
-        "seq 32k: the planner assumes examples as long as the row (long-context data); this row's "
-        "examples were 1/40 to 1/120 of it, so the varlen kernel's attention was far smaller"
-    ),
     "43-qwen-moe-a2.7b-lora": (
         "MoE (60 experts, top-4): the small grouped expert GEMMs (~1,100 rows per expert) and the "
         "dispatch traffic (finetune/plan/moe_time.py) explain about half of the gap to the active "
