@@ -12,8 +12,12 @@ finetune's varlen kernel does not serve, or sdpa/eager chosen) the whole square 
 Compute time = FLOPs / (peak x efficiency). Efficiency is an HF-stack MFU: 0.45 on GPUs for a full
 fine-tune; LoRA/QLoRA with finetune's GPU defaults (varlen attention, Liger, no peft input casts) reach
 about the same (their extra elementwise adapter kernels are balanced by the frozen base's cheaper
-backward); QLoRA also dequantizes NF4 on every matmul; small micro-batches underuse the GPU. DoRA
-adds memory-bound work the FLOPs do not show, timed at the card's memory bandwidth (plan/dora_time.py).
+backward); QLoRA also dequantizes NF4 on every matmul; small micro-batches underuse the GPU. Memory-bound work the
+FLOPs do not show is timed at the bandwidth streaming kernels reach (plan/bandwidth.py): DoRA's weight
+norms and elementwise passes (plan/dora_time.py), a masked attention kernel's mask bias
+(plan/attention_time.py), and an MoE layer's dispatch, whose expert GEMMs also run at a lower
+efficiency for their few rows per expert (plan/moe_time.py). A packed row's varlen attention is the
+triangle of its examples' token-weighted length where the data's lengths are known (data.example_tokens).
 Calibrated on the second-pass runs in tests/data/gpu_calibration.json (H200, tokens/s over 20-30 steps,
 start-up included): 8B LoRA 1 GPU 13.4k tokens/s (steady 13.7k), QLoRA 13.2k = 0.99 of LoRA's, 3B full
 FSDP2 on 2 GPUs 39.2k (steady 52.1k).
