@@ -70,8 +70,10 @@ def compile(
 ):
     """Plan and write the run directory's launch files; DoesNotFitError (exit 3) when nothing fits."""
     from finetune.compile.compiler import default_run_dir, prepare_recipe
+    from finetune.data.lengths import local_sample, with_example_tokens
 
     recipe = _as_recipe(recipe, overrides)
+    recipe = with_example_tokens(recipe, local_sample(recipe))  # as `finetune plan` and `run` plan it
     target = Path(output).resolve() if output else default_run_dir(recipe)
     return _write_guarded(prepare_recipe(recipe, run_dir=target, hardware=hardware), recipe)
 

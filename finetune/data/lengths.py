@@ -5,7 +5,7 @@ kernel that runs each packed example on its own computes l^2/2 scores for an exa
 (finetune.plan.workload.packed_length). Torch-free: the local training records (as finetune.data
 reads them), each rendered with the chat template the ranks will use (finetune.prelaunch.chat_renderer,
 as transformers renders it) and counted with the local model's tokenizer.json through the `tokenizers`
-library. An evenly spread sample of SAMPLE records is enough for the mean (a few % at most). None when
+library. An evenly spread sample of SAMPLE records is enough for the mean (a few %). None when
 the data or the tokenizer is not local, a record is neither a conversation nor text, or the recipe does
 not pack (then the planner keeps its assumption: examples as long as max_length).
 """
@@ -15,7 +15,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-SAMPLE = 2000  # records measured per run, evenly spread over the training data
+SAMPLE = 1000  # records measured per run, evenly spread over the training data
+PLAN_READ_BYTES = 256 * 2**20  # `finetune plan` reads local data up to this size to measure it
 
 
 def spread(records: list[dict], n: int = SAMPLE) -> list[dict]:
@@ -89,20 +90,25 @@ def with_example_tokens(recipe, records: list[dict]):
     return recipe.model_copy(update={"data": recipe.data.model_copy(update={"example_tokens": round(measured, 1)})})
 
 
-def local_sample(recipe) -> list[dict]:
-    """Training records spread over the recipe's local data for `finetune plan`, which checks no data:
-    [] when a source is on the Hub, missing or unreadable (the plan then keeps its assumption)."""
+def local_sample(recipe, *, max_bytes: int = PLAN_READ_BYTES) -> list[dict]:
+    """Training records spread over the recipe's local data for `finetune plan` and `compile`, which
+    check no data: [] when a source is on the Hub, missing, unreadable, or the files are larger than
+    `max_bytes` together (planning stays fast; `finetune run` reads every row anyway and measures
+    there). With [] the plan keeps its assumption."""
     from finetune.data.sources import load_source, resolve_path
     from finetune.errors import FinetuneError
     from finetune.recipe.load import recipe_dir
 
     if not recipe.data.packing or recipe.data.example_tokens is not None:
         return []
-    base, records = recipe_dir(recipe), []
+    base, records, size = recipe_dir(recipe), [], 0
     for source in recipe.data.sources:
         try:
             path = resolve_path(source.path, base)
             if path is None or not path.is_file():
+                return []
+            size += path.stat().st_size
+            if size > max_bytes:
                 return []
             records += spread(load_source(source, base_dir=base).records)
         except (FinetuneError, OSError, ValueError):

@@ -76,3 +76,9 @@ def test_plan_uses_the_measured_lengths(tmp_path):
     _, long_examples = make_plan(_recipe(tmp_path, example_tokens=64), hardware="server-8xh100")
     assert "varlen" in plan.kernels
     assert plan.tokens_per_second > long_examples.tokens_per_second
+
+
+def test_plan_reads_no_large_data(tmp_path):
+    recipe = _recipe(tmp_path)
+    assert local_sample(recipe, max_bytes=100) == []
+    assert len(local_sample(recipe)) == 40
