@@ -74,7 +74,7 @@ def test_plan_uses_the_measured_lengths(tmp_path):
     recipe, plan = make_plan(_recipe(tmp_path), hardware="server-8xh100")
     assert recipe.data.example_tokens is not None
     _, long_examples = make_plan(_recipe(tmp_path, example_tokens=64), hardware="server-8xh100")
-    assert "varlen" in plan.kernels
+    assert "varlen" in plan.kernels and f"~{recipe.data.example_tokens:,.0f} tokens" in plan.kernels
     assert plan.tokens_per_second > long_examples.tokens_per_second
 
 
