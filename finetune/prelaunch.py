@@ -125,7 +125,8 @@ def check_remote_code(recipe, model_dir: Path) -> None:
         )
 
 
-def _template_text(recipe) -> str | None:
+def template_text(recipe) -> str | None:
+    """The chat template the ranks will use: data.chat_template, else the local model's own."""
     text = read_chat_template(recipe)
     model_dir = local_model_dir(recipe)
     if text is not None or model_dir is None:
@@ -140,20 +141,16 @@ def _template_text(recipe) -> str | None:
     return template if isinstance(template, str) else None
 
 
-def check_chat_template(recipe, first: dict | None) -> None:
-    """Render the chat template on the first conversation, as transformers does (sandboxed jinja2 with
-    raise_exception), so a template that raises is reported with the file and row."""
-    if not first or "messages" not in first:
-        return
-    text = _template_text(recipe)
-    if not text:
-        return
+def chat_renderer(text: str):
+    """A function messages -> str rendering the chat template `text` as transformers does (sandboxed
+    jinja2 with raise_exception, {% generation %} markers, trim_blocks and lstrip_blocks); keyword
+    arguments go to the template (bos_token, add_generation_prompt, ...). None without jinja2."""
     try:
         import jinja2
         from jinja2.ext import Extension
         from jinja2.sandbox import ImmutableSandboxedEnvironment
     except ImportError:
-        return
+        return None
 
     class Generation(Extension):
         """{% generation %}...{% endgeneration %} (transformers' assistant-mask markers): render the body."""
@@ -171,20 +168,32 @@ def check_chat_template(recipe, first: dict | None) -> None:
     def raise_exception(message):
         raise ValueError(message)
 
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[Generation, "jinja2.ext.loopcontrols"]
+    )
+    env.globals["raise_exception"] = raise_exception
+    template = env.from_string(text)
+
+    def render(messages, **kwargs) -> str:
+        return template.render(messages=messages, **kwargs)
+
+    return render
+
+
+def check_chat_template(recipe, first: dict | None) -> None:
+    """Render the chat template on the first conversation, as transformers does (sandboxed jinja2 with
+    raise_exception), so a template that raises is reported with the file and row."""
+    if not first or "messages" not in first:
+        return
+    text = template_text(recipe)
+    if not text:
+        return
     key = "data.chat_template" if recipe.data.chat_template else "model.name"
     try:
-        env = ImmutableSandboxedEnvironment(
-            trim_blocks=True, lstrip_blocks=True, extensions=[Generation, "jinja2.ext.loopcontrols"]
-        )
-        env.globals["raise_exception"] = raise_exception
-        env.from_string(text).render(
-            messages=first["messages"],
-            add_generation_prompt=False,
-            bos_token="",
-            eos_token="",
-            pad_token="",
-            unk_token="",
-        )
+        render = chat_renderer(text)
+        if render is None:
+            return
+        render(first["messages"], add_generation_prompt=False, bos_token="", eos_token="", pad_token="", unk_token="")
     except Exception as exc:  # jinja syntax errors, raise_exception, undefined filters: the template's fault
         raise DataError(
             f"row {first.get('_row', 1)}: the chat template fails on this conversation: {type(exc).__name__}: {exc}",

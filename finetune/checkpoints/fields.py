@@ -26,6 +26,7 @@ SAFE_KEYS = (
     "distributed.nvme_path",
     "data.task_eval",
     "data.cache_dir",
+    "data.example_tokens",  # measured for the planner's speed estimate; the training is the same
     "data.allow_paths",
     "data.allow_outside",
     "hardware",

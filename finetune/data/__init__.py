@@ -5,6 +5,7 @@
     splits.py         `split` with slicing ("train[:80%]"), for local files too
     chat_template.py  data.chat_template as text (inline jinja, a file, or a shipped name)
     check.py          what the launching process checks before anything is written
+    lengths.py        the packed examples' token-weighted length (data.example_tokens) for the planner
 
 The ranks tokenize what these modules read (finetune/train/preflight.py, tokenize.py).
 """

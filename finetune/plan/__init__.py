@@ -190,6 +190,7 @@ def job_from_recipe(recipe, *, arch, preset) -> Job:
         optimizer=recipe.train.optimizer,
         seq_len=recipe.data.max_length,
         packed=recipe.data.packing,
+        example_tokens=recipe.data.example_tokens if recipe.data.packing else None,
         attention=attention,
         varlen_layers=served if fallback else 0,
         global_batch_size=recipe.train.global_batch_size,
@@ -357,6 +358,8 @@ def _kernels(job: Job, strategy: str) -> str:
             f"layers (the varlen kernel does not run them)"
             + (", varlen flash on the rest" if job.varlen_layers else "")
         )
+    if job.packed and job.example_tokens and job.attention in ("varlen", "flash"):
+        attention += f" (examples of ~{job.example_tokens:,.0f} tokens, token-weighted: data.example_tokens)"
     parts = [attention, "Liger RMSNorm/RoPE/SwiGLU" if job.liger else "no Liger"]
     if adapter_input_casts(job, strategy):
         parts.append("peft's fp32 adapter-input casts")

@@ -15,17 +15,19 @@ runs per targeted module on every training forward (its cache is off while train
     five elementwise passes forward, promoted to the magnitude's dtype (fp32 adapters), and in the
     backward the gradients of both products with respect to the token tensors and to the magnitude
     (a reduction over tokens), the dtype casts between, and the two gradients of the base output summed.
-Bytes are counted per pass (read + write, each tensor's own dtype) and timed at the card's memory
-bandwidth (the preset's gpu_memory_bandwidth_gbps, vendor datasheet): these kernels move bytes, they
-do not multiply. Counts per token and output feature, with p the promoted dtype's and a the compute
-dtype's bytes: forward 3a + 9p (+ a + p for the cast back when p != a) against LoRA's 5a; backward
-16p + 9a where p != a (17a otherwise) against LoRA's 2a. Activation checkpointing repeats the forward
-of the checkpointed layers. Not counted: kernel launch latency (about twenty small kernels per module
-and micro-batch) and peft's fp32 cast of each module's input, which LoRA with casts pays as well.
+Bytes are counted per pass (read + write, each tensor's own dtype) and timed at the bandwidth a
+streaming kernel reaches (plan/bandwidth.py: a share of the preset's datasheet gpu_memory_bandwidth_gbps):
+these kernels move bytes, they do not multiply. Counts per token and output feature, with p the
+promoted dtype's and a the compute dtype's bytes: forward 3a + 9p (+ a + p for the cast back when
+p != a) against LoRA's 5a; backward 16p + 9a where p != a (17a otherwise) against LoRA's 2a.
+Activation checkpointing repeats the forward of the checkpointed layers. Not counted: kernel launch
+latency (about twenty small kernels per module and micro-batch) and peft's fp32 cast of each module's
+input, which LoRA with casts pays as well.
 """
 
 from __future__ import annotations
 
+from finetune.plan.bandwidth import memory_seconds
 from finetune.plan.workload import Job, layer_kinds
 
 
@@ -93,4 +95,4 @@ def dora_seconds(job: Job, *, micro_batch: int, casts: bool, checkpointed_share:
     tokens = micro_batch * job.seq_len * job.sequences_per_sample
     repeat = 1.0 + checkpointed_share
     moved = repeat * weight_side + tokens * token_out * (repeat * forward + backward)
-    return moved / (bandwidth * 1e9) + repeat * flops / (job.preset.peak_bf16_tflops * 1e12)
+    return memory_seconds(job.preset, moved) + repeat * flops / (job.preset.peak_bf16_tflops * 1e12)

@@ -13,13 +13,15 @@ dtype's bytes and fp32 softmax (4 bytes), reads + writes of each CUDA kernel:
             grads read dS twice (2a)                                   = 15a + 12 with soft-capping
 (On CPU the fp32 casts around softmax are kernels of their own; tests/unit/plan/test_eager_time.py
 traces the ops.) Without soft-capping the forward drops 6a and the backward 7a. Checkpointed layers run
-the forward again. The elements are the executed attention positions (`executed_attention_positions`: a packed row
-under a mask computes every block) x tokens x heads, timed at the card's memory bandwidth as the DoRA
-passes are (plan/dora_time.py). Not counted: kernel launch latency, repeat_kv's copies of keys and values.
+the forward again. The elements are the executed attention positions (`executed_attention_positions`:
+a packed row under a mask computes every block) x tokens x heads, timed at the bandwidth streaming
+kernels reach (plan/bandwidth.py), as the DoRA and mask passes are. Not counted: kernel launch latency,
+repeat_kv's copies of keys and values.
 """
 
 from __future__ import annotations
 
+from finetune.plan.bandwidth import memory_seconds
 from finetune.plan.memory import tokens_per_micro_batch
 from finetune.plan.workload import Job, executed_attention_positions
 
@@ -38,8 +40,7 @@ def score_pass_bytes(job: Job) -> tuple[float, float]:
 def eager_seconds(job: Job, *, micro_batch: int, checkpointed_share: float = 0.0) -> float:
     """Seconds one micro-batch's forward and backward spend on eager attention's score passes, per GPU
     (0 for the fused kernels, or when the preset has no memory bandwidth)."""
-    bandwidth = job.preset.gpu_memory_bandwidth_gbps
-    if job.attention != "eager" or not bandwidth:
+    if job.attention != "eager":
         return 0.0
     elements = (
         job.arch.num_attention_heads
@@ -47,4 +48,4 @@ def eager_seconds(job: Job, *, micro_batch: int, checkpointed_share: float = 0.0
         * executed_attention_positions(job, micro_batch=micro_batch)
     )
     forward, backward = score_pass_bytes(job)
-    return elements * ((1 + checkpointed_share) * forward + backward) / (bandwidth * 1e9)
+    return memory_seconds(job.preset, elements * ((1 + checkpointed_share) * forward + backward))

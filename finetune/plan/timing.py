@@ -12,8 +12,12 @@ finetune's varlen kernel does not serve, or sdpa/eager chosen) the whole square 
 Compute time = FLOPs / (peak x efficiency). Efficiency is an HF-stack MFU: 0.45 on GPUs for a full
 fine-tune; LoRA/QLoRA with finetune's GPU defaults (varlen attention, Liger, no peft input casts) reach
 about the same (their extra elementwise adapter kernels are balanced by the frozen base's cheaper
-backward); QLoRA also dequantizes NF4 on every matmul; small micro-batches underuse the GPU. DoRA
-adds memory-bound work the FLOPs do not show, timed at the card's memory bandwidth (plan/dora_time.py).
+backward); QLoRA also dequantizes NF4 on every matmul; small micro-batches underuse the GPU. Memory-bound work the
+FLOPs do not show is timed at the bandwidth streaming kernels reach (plan/bandwidth.py): DoRA's weight
+norms and elementwise passes (plan/dora_time.py), a masked attention kernel's mask bias
+(plan/attention_time.py), and an MoE layer's dispatch, whose expert GEMMs also run at a lower
+efficiency for their few rows per expert (plan/moe_time.py). A packed row's varlen attention is the
+triangle of its examples' token-weighted length where the data's lengths are known (data.example_tokens).
 Calibrated on the second-pass runs in tests/data/gpu_calibration.json (H200, tokens/s over 20-30 steps,
 start-up included): 8B LoRA 1 GPU 13.4k tokens/s (steady 13.7k), QLoRA 13.2k = 0.99 of LoRA's, 3B full
 FSDP2 on 2 GPUs 39.2k (steady 52.1k).
@@ -30,9 +34,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from finetune import strategies
+from finetune.plan.attention_time import mask_seconds
 from finetune.plan.dora_time import dora_seconds
 from finetune.plan.eager_time import eager_seconds
 from finetune.plan.memory import adapter_input_casts, state_bytes, tokens_per_micro_batch, weight_bytes
+from finetune.plan.moe_time import moe_seconds
 from finetune.plan.offload_time import offload_seconds
 from finetune.plan.workload import (
     Job,
@@ -170,8 +176,19 @@ def step_time(job: Job, *, strategy: str, micro_batch: int, grad_accum: int, che
         * tokens
         / (p.peak_bf16_tflops * 1e12 * efficiency(job, micro_batch=micro_batch))
     )
-    if job.dora:  # memory-bound weight norms and elementwise passes (plan/dora_time.py)
-        share = 1.0 if checkpointing is True else min(1.0, int(checkpointing) / job.arch.num_layers)
+    share = 1.0 if checkpointing is True else min(1.0, int(checkpointing) / job.arch.num_layers)
+    # memory-bound work the FLOPs do not show: attention mask biases (plan/attention_time.py), DoRA's
+    # weight norms and elementwise passes (plan/dora_time.py)
+    compute += grad_accum * mask_seconds(job, micro_batch=micro_batch, checkpointed_share=share)
+    # mixture of experts: small per-expert GEMMs and the dispatch traffic (plan/moe_time.py)
+    compute += grad_accum * moe_seconds(
+        job,
+        micro_batch=micro_batch,
+        efficiency=efficiency(job, micro_batch=micro_batch),
+        half_tokens=MICRO_BATCH_HALF_TOKENS,
+        repeat=1.0 + share,
+    )
+    if job.dora:
         compute += grad_accum * dora_seconds(
             job, micro_batch=micro_batch, casts=adapter_input_casts(job, strategy), checkpointed_share=share
         )

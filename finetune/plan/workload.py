@@ -35,6 +35,9 @@ class Job:
     optimizer: str = "adamw"
     seq_len: int = 2048
     packed: bool = False  # data.packing: padding-free rows of micro_batch x seq_len tokens
+    # data.example_tokens: the packed examples' token-weighted mean length, sum(l^2)/sum(l) (`packed_length`);
+    # None: unknown, planned as examples as long as the row (long-context data, the slower case)
+    example_tokens: float | None = None
     # flash (flash_attention_2/3, flex: no materialized mask) | varlen (finetune's, no mask) | sdpa | eager
     attention: str = "sdpa"
     # attention "sdpa" on packed rows because some layers fall back from finetune's varlen kernel
@@ -137,7 +140,7 @@ def varlen_fallback_layers(arch: ModelArch) -> int:
     return min(arch.sliding_layers, arch.num_layers) if arch.sliding_window else 0
 
 
-def causal_positions(arch: ModelArch, seq_len: int) -> float:
+def causal_positions(arch: ModelArch, seq_len: float) -> float:
     """L x the keys a query attends to on average in a causal row of `seq_len` tokens: s/2 for a full
     layer (query i sees i+1 keys), w - w^2/(2s) for a sliding layer of window w < s (a band)."""
     sliding = min(arch.sliding_layers, arch.num_layers) if arch.sliding_window else 0
@@ -155,19 +158,33 @@ def skips_masked_blocks(job: Job, *, micro_batch: int) -> bool:
     return job.attention == "sdpa" and not job.packed and micro_batch * job.sequences_per_sample == 1
 
 
+def packed_length(lengths, *, max_length: int) -> float | None:
+    """The token-weighted mean length of examples (each cut at `max_length`): sum(l^2) / sum(l). A
+    causal kernel that runs each packed example on its own (varlen, flash) computes l^2/2 scores for an
+    example of l tokens, so per token of a packed row it computes sum(l^2)/(2 sum(l)) of them: this
+    length's triangle, whatever the row length. None for no tokens."""
+    cut = [min(int(n), max_length) for n in lengths if n > 0]
+    total = sum(cut)
+    return sum(n * n for n in cut) / total if total else None
+
+
 def executed_attention_positions(job: Job, *, micro_batch: int) -> float:
     """L x key positions per query token that the attention kernels really compute (the step time's
     attention FLOPs; the MFU's stay `attended_positions`, the convention that counts the full s x s).
     sdpa or eager with a mask over a packed row of T = micro_batch x seq_len tokens compute every T x T
     block (a masked kernel skips none, and a sliding window is only more mask); a causal kernel
-    computes the triangle of each row (`causal_positions`). The varlen kernel's rows are the packed
-    examples, whose lengths the planner never reads: it assumes examples as long as seq_len (long-context
-    data), so rows of shorter examples run faster than planned."""
+    computes the triangle of each row (`causal_positions`). The varlen and flash kernels run each
+    packed example as its own row: the triangle of the examples' token-weighted mean length
+    (`Job.example_tokens`, `packed_length`) when the data's lengths are known, else of examples as long
+    as seq_len (long-context data, the slower assumption)."""
     arch = job.arch
     if job.packed and job.attention in ("sdpa", "eager"):
         varlen = min(job.varlen_layers, arch.num_layers)
-        return (arch.num_layers - varlen) * micro_batch * job.seq_len + varlen * job.seq_len / 2
+        served = min(job.seq_len, job.example_tokens or job.seq_len)
+        return (arch.num_layers - varlen) * micro_batch * job.seq_len + varlen * served / 2
     if skips_masked_blocks(job, micro_batch=micro_batch):
+        if job.packed and job.example_tokens:
+            return causal_positions(arch, min(job.seq_len, job.example_tokens))
         return causal_positions(arch, job.seq_len)
     return attended_positions(arch, job.seq_len)
 

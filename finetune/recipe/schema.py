@@ -305,6 +305,14 @@ class DataSection(Strict):
     allow_outside: bool = Field(
         False, description="turn off the check that data files lie inside the allowed directories (docs/reliability.md)"
     )
+    example_tokens: float | None = Field(
+        None,
+        gt=0,
+        description="packing: the examples' token-weighted mean length, sum(l^2)/sum(l) in tokens, which sets "
+        "the attention cost the planner plans for packed rows; `finetune run` and `finetune plan` measure it "
+        "from local data with the model's tokenizer.json (set it for Hub data; unset: examples as long as "
+        "max_length)",
+    )
 
     @model_validator(mode="before")
     @classmethod

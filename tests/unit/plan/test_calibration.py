@@ -68,28 +68,15 @@ SPEED_MISSES = {
         "again for the backward (32 GB a step here); the detected preset knows no disk bandwidth and the "
         "planner assumes 1 GB/s, the run's /tmp disk gave ~1.6 GB/s"
     ),
-    "28-dora8b": (
-        "DoRA r16 on 8B: peft's weight norm per forward and its elementwise passes are modelled from "
-        "bytes moved (finetune/plan/dora_time.py), about 60% of the measured gap; kernel launches "
-        "and below-peak bandwidth are not"
-    ),
-    "39-lora8b-s32k": (
-        "seq 32k: the planner assumes examples as long as the row (long-context data); this row's "
-        "examples were 1/40 to 1/120 of it, so the varlen kernel's attention was far smaller"
-    ),
-    "42-mistral7b-lora-s4k": (
-        "masked SDPA over the packed micro-batch (the random model's 4096 sliding window) "
-        "is now planned over the whole 8192 x 8192 square, at the matmul efficiency; the "
-        "masked kernel runs below it"
-    ),
     "43-qwen-moe-a2.7b-lora": (
-        "MoE (60 experts, top-4): the grouped experts' dispatch traffic explains under a "
-        "fifth of the gap to the active parameters' FLOPs"
+        "MoE (60 experts, top-4): the small grouped expert GEMMs (~1,100 rows per expert) and the "
+        "dispatch traffic (finetune/plan/moe_time.py) explain about half of the gap to the active "
+        "parameters' FLOPs at the dense rate; the rest is not identified without a profile"
     ),
     "51-gemma2-9b-lora": (
         "Gemma-2's soft-capped attention runs the model's eager attention: its passes over the "
-        "materialized scores (plan/eager_time.py, 0.5 s of a 3.4 s step) take the ratio from 1.76 to "
-        "1.37; the rest (~0.9 s a step) is not explained without a profile (GeGLU without a Liger kernel, "
+        "materialized scores (plan/eager_time.py, 0.7 s of a 3.4 s step) take the ratio from 1.76 to "
+        "1.30; the rest (~0.8 s a step) is not explained without a profile (GeGLU without a Liger kernel, "
         "kernel launches of the eager ops, micro-batch 1)"
     ),
     "52-llama3b-full-fsdp2-offload": (

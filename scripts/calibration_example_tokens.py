@@ -1,0 +1,79 @@
+"""Record data.example_tokens on calibration rows measured before `finetune run` measured it.
+
+A row of tests/data/gpu_calibration.json that came from scripts/gpu_validate.py's matrix trained on
+`write_data(seed=0)` with the run's sequence length, example count and `long_examples` (deterministic),
+tokenized by the random models' tokenizer (data/tiny-llama's files, copied by make_random_model.py).
+This rebuilds that data, measures the packed examples' token-weighted length exactly as `finetune run`
+now does (finetune.data.lengths), and writes it into the row as `example_tokens`, a property of the
+input data (no measured value changes). Rows whose resolved recipe already carries
+data.example_tokens, or that do not pack, are left alone.
+
+    python scripts/calibration_example_tokens.py [--check]
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from gpu_validate import load_matrix, write_data  # noqa: E402
+
+from finetune.data.lengths import measure_example_tokens  # noqa: E402
+from finetune.data.sources import load_source  # noqa: E402
+from finetune.recipe import load_recipe  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+ROWS = ROOT / "tests" / "data" / "gpu_calibration.json"
+MATRIX = ROOT / "scripts" / "calibration_matrix.yaml"
+# the matrix runs' raw files
+QUEUE_SOURCES = {"validation-2026-11-26-h100x4-queue.json", "validation-2026-11-26-h100x4-queue2.json"}
+
+
+def example_tokens(row: dict, entry: dict, work: Path) -> float | None:
+    raw = copy.deepcopy(row["resolved"])
+    seq = raw["data"]["max_length"]
+    data = work / f"{row['name']}.jsonl"
+    write_data(
+        data,
+        preference=False,
+        seq=seq,
+        n=entry.get("examples", 4000),
+        long_examples=entry.get("long_examples", False),
+    )
+    raw["model"].update(name=str(ROOT / "data" / "tiny-llama"), arch=None)
+    raw["data"]["sources"][0]["path"] = str(data)
+    recipe = load_recipe(raw, allow_resolved=True)
+    records = load_source(recipe.data.sources[0], base_dir=work).records
+    return measure_example_tokens(recipe, records)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--check", action="store_true", help="only print what would change")
+    args = parser.parse_args()
+    rows, matrix = json.loads(ROWS.read_text()), load_matrix(MATRIX)
+    with tempfile.TemporaryDirectory() as tmp:
+        for row in rows:
+            entry = matrix.get(row["name"])
+            resolved = row.get("resolved")
+            if entry is None or row.get("source") not in QUEUE_SOURCES or not resolved:
+                continue
+            if not resolved["data"].get("packing") or resolved["data"].get("example_tokens") is not None:
+                continue
+            measured = example_tokens(row, entry, Path(tmp))
+            if measured is None:
+                continue
+            print(f"{row['name']}: example_tokens {round(measured, 1)} (max_length {resolved['data']['max_length']})")
+            row["example_tokens"] = round(measured, 1)
+    if not args.check:
+        ROWS.write_text(json.dumps(rows, indent=1))  # the file's own layout
+
+
+if __name__ == "__main__":
+    main()

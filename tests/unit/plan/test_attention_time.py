@@ -1,0 +1,69 @@
+"""The mask traffic of masked attention kernels (finetune/plan/attention_time.py) and its place in the
+planner's step time."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from finetune.plan.attention_time import mask_seconds
+from finetune.plan.bandwidth import ACHIEVED_BANDWIDTH
+from finetune.plan.timing import step_time
+from finetune.plan.workload import Job
+from finetune.registry import get_model
+from tests.helpers.calibration_rows import preset_for
+
+H100 = preset_for("NVIDIA H100 80GB HBM3", gpus_per_node=1)
+
+
+def _job(**changes) -> Job:
+    arch = get_model("mistral-7b-v0.3").model_copy(update={"sliding_window": 4096, "sliding_layers": 32})
+    base = Job(arch=arch, preset=H100, seq_len=4096, packed=True, attention="sdpa", liger=True, global_batch_size=8)
+    return dataclasses.replace(base, **changes)
+
+
+def test_mask_bytes_by_hand():
+    job = _job()
+    # one packed row of 2 x 4096 tokens, 32 layers, 32 heads, bf16: the bool -> bf16 conversion
+    # (3 bytes per element) and one read per head forward, one per head backward
+    square = 8192**2
+    moved = 32 * (square * 3 + 2 * 32 * square * 2)
+    assert mask_seconds(job, micro_batch=2) == pytest.approx(moved / (ACHIEVED_BANDWIDTH * 3350e9))
+    # a checkpointed layer converts and reads again in its recompute
+    again = mask_seconds(job, micro_batch=2, checkpointed_share=1.0)
+    assert again == pytest.approx((moved + 32 * (square * 3 + 32 * square * 2)) / (ACHIEVED_BANDWIDTH * 3350e9))
+    # the square grows with the packed row: four times the bytes at twice the micro-batch
+    assert mask_seconds(job, micro_batch=4) == pytest.approx(4 * mask_seconds(job, micro_batch=2))
+    # layers the varlen kernel still serves read no mask
+    assert mask_seconds(_job(varlen_layers=8), micro_batch=2) == pytest.approx(0.75 * mask_seconds(job, micro_batch=2))
+
+
+def test_no_mask_no_time():
+    assert mask_seconds(_job(attention="varlen"), micro_batch=2) == 0.0
+    assert mask_seconds(_job(attention="flash"), micro_batch=2) == 0.0
+    assert mask_seconds(_job(packed=False), micro_batch=1) == 0.0  # sdpa on one unpadded row: is_causal
+    assert mask_seconds(_job(packed=False), micro_batch=2) > 0.0  # padded rows get a mask
+    no_bandwidth = H100.model_copy(update={"gpu_memory_bandwidth_gbps": None})
+    assert mask_seconds(_job(preset=no_bandwidth), micro_batch=2) == 0.0
+
+
+def test_mask_time_is_in_the_step():
+    job = _job()
+    masked = step_time(job, strategy="ddp", micro_batch=2, grad_accum=4, checkpointing=False)
+    bare = step_time(
+        dataclasses.replace(job, preset=H100.model_copy(update={"gpu_memory_bandwidth_gbps": None})),
+        strategy="ddp",
+        micro_batch=2,
+        grad_accum=4,
+        checkpointing=False,
+    )
+    assert masked.compute_s - bare.compute_s == pytest.approx(4 * mask_seconds(job, micro_batch=2))
+
+
+def test_memory_seconds_runs_below_the_datasheet():
+    from finetune.plan.bandwidth import memory_seconds
+
+    assert memory_seconds(H100, 3350e9) == pytest.approx(1 / ACHIEVED_BANDWIDTH)
+    assert 0.7 <= ACHIEVED_BANDWIDTH < 1.0
+    assert memory_seconds(H100.model_copy(update={"gpu_memory_bandwidth_gbps": None}), 1e9) == 0.0
