@@ -75,7 +75,10 @@ class Params:
     embed: int
     lm_head: int  # 0 when tied to the embedding
     layers: int  # every decoder layer, all experts
-    layers_linear: int  # the quantizable linear/expert weights of all layers (QLoRA packs these to 4 bit)
+    # the nn.Linear weights of all layers, what bitsandbytes quantizes (QLoRA packs these to 4 bit); an MoE
+    # layer's routed experts are not among them: transformers 5 keeps every family's experts in fused 3D
+    # parameters (e.g. MixtralExperts.gate_up_proj), which its bitsandbytes integration leaves in the dtype
+    layers_linear: int
     layers_active: int  # every layer, counting only the experts a token is routed to (+ shared experts)
     largest_layer: int  # the biggest decoder layer: what FSDP/ZeRO-3 gathers at once
     final_norm: int
@@ -344,7 +347,7 @@ def _count_params(values: tuple) -> Params:
         router = h * e + (e if arch.router_bias else 0)
         layer = base + e * one + shared + router
         layers += moe * layer
-        layers_linear += moe * (attention + e * 3 * h * i + 3 * h * arch.shared_expert_intermediate_size)
+        layers_linear += moe * (attention + 3 * h * arch.shared_expert_intermediate_size)
         layers_active += moe * (base + min(arch.experts_per_token, e) * one + shared + router)
         largest = max(largest, layer)
     embed = arch.vocab_size * h

@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import pytest
 
+from finetune.plan.memory import weight_bytes
 from finetune.plan.moe_memory import dense_mlp_bytes, routed_bytes
-from finetune.plan.workload import Job
+from finetune.plan.workload import Job, count_params
+from finetune.registry import get_model, get_preset
 from finetune.registry.derive import arch_from_config
 from tests.helpers.calibration_rows import preset_for
 
@@ -125,3 +127,41 @@ def test_dense_mlp_keeps_the_product_only_for_a_down_projection_that_needs_it(tm
     assert dense_mlp_bytes(attention_only, width) == 3 * 2 * width
     assert dense_mlp_bytes(every, width) == 4 * 2 * width
     assert dense_mlp_bytes(Job(arch=arch, preset=preset, adapter="full", liger=True), width) == 3 * 2 * width
+
+
+def test_qlora_keeps_routed_experts_in_the_model_dtype_as_transformers_loads_them(tmp_path):
+    """bitsandbytes quantizes nn.Linear only; transformers 5 stores routed experts as fused 3D parameters,
+    so a QLoRA MoE keeps them in bf16: the planner counts them so (here checked on a real load)."""
+    torch = pytest.importorskip("torch")
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig, MixtralConfig, MixtralForCausalLM
+
+    config = MixtralConfig(
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        vocab_size=256,
+    )
+    MixtralForCausalLM(config).to(torch.bfloat16).save_pretrained(tmp_path)
+    quant = BitsAndBytesConfig(
+        load_in_4bit=True, bnb_4bit_quant_storage=torch.bfloat16, bnb_4bit_compute_dtype=torch.bfloat16
+    )
+    try:
+        model = AutoModelForCausalLM.from_pretrained(
+            tmp_path, dtype=torch.bfloat16, quantization_config=quant, device_map={"": "cpu"}
+        )
+    except (ImportError, RuntimeError) as exc:  # a bitsandbytes build without its CPU backend
+        pytest.skip(f"bitsandbytes cannot quantize on this CPU: {exc}")
+    layer = model.model.layers[0]
+    assert type(layer.self_attn.q_proj.weight).__name__ == "Params4bit"
+    experts = layer.mlp.experts
+    assert experts.gate_up_proj.dtype == torch.bfloat16 and experts.gate_up_proj.shape == (4, 512, 128)
+
+    mixtral = Job(arch=get_model("mixtral-8x7b"), preset=get_preset("server-8xh100"), adapter="qlora")
+    params = count_params(mixtral.arch)
+    experts_bytes = 32 * 8 * 3 * 4096 * 14336 * 2  # Mixtral-8x7B's routed experts, bf16
+    assert weight_bytes(mixtral) > experts_bytes
+    assert params.layers_linear < params.layers - 32 * 8 * 3 * 4096 * 14336
