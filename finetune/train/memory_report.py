@@ -35,6 +35,19 @@ def host_pss_gib() -> float | None:
     return None
 
 
+def storage_read_gib() -> float | None:
+    """Bytes this process has had read from storage (not from the page cache) so far, from
+    /proc/self/io's read_bytes: at the first step it says whether loading the weights waited on the disk
+    or copied cached pages. None where the file does not exist or is not readable."""
+    try:
+        for line in Path("/proc/self/io").read_text().splitlines():
+            if line.startswith("read_bytes:"):
+                return int(line.split()[1]) / GIB
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
 def memory_figures() -> dict:
     import torch
 
@@ -72,7 +85,11 @@ class PeakMemoryCallback(TrainerCallback):
 
         self._sample_pss()
         # wall clock when training starts: a launcher that noted its own start gets the load time
-        self.at_start = {"train_begin_unix": time.time(), "host_threads": torch.get_num_threads()}
+        self.at_start = {
+            "train_begin_unix": time.time(),
+            "host_threads": torch.get_num_threads(),
+            "storage_read_gib_at_start": storage_read_gib(),
+        }
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             self.at_start |= {
                 "gpu_load_peak_allocated_gib": torch.cuda.max_memory_allocated() / GIB,
