@@ -11,6 +11,7 @@ from pathlib import Path
 
 from finetune.checkpoints.resume import resume_advice
 from finetune.errors import DataError, FinetuneError, RecipeError, TrainingFailed
+from finetune.prelaunch import free_bytes
 
 MAX_DETAIL = 400
 
@@ -23,13 +24,25 @@ def _detail(exc: BaseException) -> str:
 def as_finetune_error(exc: BaseException, *, run_dir: Path) -> FinetuneError:
     if isinstance(exc, FinetuneError):
         return exc
-    from finetune.train.diskspace import is_disk_full
+    from finetune.train.diskspace import SAVE_SLACK_BYTES, is_disk_full
 
     name, detail = type(exc).__name__, _detail(exc)
     if is_disk_full(exc):
         where = getattr(exc, "filename", None) or run_dir
         return TrainingFailed(
             f"disk full while writing {where} ({exc.strerror})",
+            key="output.dir",
+            hint=f"free disk space there, then {resume_advice(run_dir)}",
+        )
+    try:
+        free: int | None = free_bytes(run_dir)
+    except OSError:
+        free = None
+    if free is not None and free < SAVE_SLACK_BYTES:
+        # a writer that does not raise ENOSPC as OSError (torch.save's C++ stream: "basic_ios::clear:
+        # iostream error", "PytorchStreamWriter failed writing file") on a disk that has filled up
+        return TrainingFailed(
+            f"disk full: {free / 2**20:.1f} MiB free in {run_dir} when the run failed ({name}: {detail})",
             key="output.dir",
             hint=f"free disk space there, then {resume_advice(run_dir)}",
         )

@@ -135,3 +135,17 @@ def test_a_rank_error_prints_one_paragraph_without_a_traceback(tmp_path):
     assert "row too long for this template" in out and "data.chat_template" in out and "fix:" in done.stderr
     assert "rerun to resume" not in out
     assert isinstance(as_finetune_error(DataError("x"), run_dir=tmp_path), DataError)
+
+
+def test_a_write_error_that_is_not_enospc_on_a_full_disk_is_reported_as_disk_full(tmp_path, monkeypatch):
+    """torch.save's C++ writer reports a full disk as a RuntimeError ("basic_ios::clear: iostream
+    error"), not as OSError(ENOSPC): with the run directory's filesystem full, the cause is the disk."""
+    import finetune.train.failure as failure
+
+    error = RuntimeError("basic_ios::clear: iostream error")
+    monkeypatch.setattr(failure, "free_bytes", lambda path: 0)
+    err = as_finetune_error(error, run_dir=tmp_path)
+    assert isinstance(err, TrainingFailed) and err.key == "output.dir"
+    assert "disk full" in err.message and "iostream error" in err.message and "free disk space" in err.hint
+    monkeypatch.setattr(failure, "free_bytes", lambda path: 10 << 30)  # room: not the disk
+    assert "disk full" not in as_finetune_error(error, run_dir=tmp_path).message
