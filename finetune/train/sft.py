@@ -35,22 +35,30 @@ def deferred_metrics_supported() -> bool:
     """The installed TRL is one whose compute_loss this trainer follows, and its fused LM head returns
     log_probs, label_mask, entropy and is_top1."""
     import trl
-    from packaging.version import Version
 
-    if not Version(TRL_MIN) <= Version(trl.__version__) < Version(TRL_BEFORE):
-        return False
     try:
         from trl.trainer.utils import FusedCausalLMOutput
     except ImportError:
         return False
-    fields = getattr(FusedCausalLMOutput, "__dataclass_fields__", {})
-    return all(name in fields for name in FUSED_FIELDS)
+    return follows(trl.__version__, getattr(FusedCausalLMOutput, "__dataclass_fields__", {}))
+
+
+def follows(trl_version: str, output_fields) -> bool:
+    """TRL_MIN <= trl_version < TRL_BEFORE, and the fused head's output has every field of FUSED_FIELDS."""
+    from packaging.version import Version
+
+    in_range = Version(TRL_MIN) <= Version(trl_version) < Version(TRL_BEFORE)
+    return in_range and all(name in output_fields for name in FUSED_FIELDS)
+
+
+# what this trainer reads of SFTTrainer's own state (TRL 1.16)
+TRAINER_STATE = ("_metrics", "_total_train_tokens", "_tp_size", "aux_loss_enabled")
 
 
 class DeferredMetricsSFTTrainer(SFTTrainer):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self._deferred = deferred_metrics_supported()
+        self._deferred = deferred_metrics_supported() and all(hasattr(self, name) for name in TRAINER_STATE)
         # per mode: [entropy sum, correct, valid] per micro-batch, float64 on the device (exact for fp32/bf16
         # sums and integer counts below 2**53); the sums' own dtypes, to divide in them as TRL does
         self._pending: dict[str, list[torch.Tensor]] = {"train": [], "eval": []}

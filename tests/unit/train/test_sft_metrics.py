@@ -167,7 +167,14 @@ def test_return_outputs_goes_to_trl_and_the_loss_is_the_same(tmp_path):
     assert trainer.state.log_history[-1]["num_tokens"] == 2 * int(inputs["attention_mask"].sum())
 
 
-def test_installed_trl_has_the_fused_head_outputs():
-    from finetune.train.sft import deferred_metrics_supported
+def test_version_guard():
+    """TRL's own compute_loss runs where TRL is not the version this trainer follows, or where its fused
+    head lacks a field the metrics read."""
+    from trl.trainer.utils import FusedCausalLMOutput
 
-    assert deferred_metrics_supported()
+    from finetune.train.sft import FUSED_FIELDS, deferred_metrics_supported, follows
+
+    assert deferred_metrics_supported()  # the installed TRL
+    assert follows("1.16.0", FUSED_FIELDS) and follows("1.99.1", FusedCausalLMOutput.__dataclass_fields__)
+    assert not follows("1.15.2", FUSED_FIELDS) and not follows("2.0.0", FUSED_FIELDS)
+    assert not follows("1.16.0", [f for f in FUSED_FIELDS if f != "is_top1"])
