@@ -432,6 +432,14 @@ class TrainSection(Strict):
             "resumes from the last complete checkpoint, at most this many times; 0: fail at once"
         ),
     )
+    deferred_metrics: bool = Field(
+        True,
+        description=(
+            "SFT/pretrain: keep the per-micro-batch metrics (entropy, mean_token_accuracy, num_tokens) on the "
+            "GPU and gather them once per logged step, instead of TRL's host syncs and gathers on every "
+            "micro-batch; the logged figures and the loss are the same. false: TRL's own compute_loss"
+        ),
+    )
 
     @field_validator("micro_batch_size")
     @classmethod

@@ -177,9 +177,7 @@ def build_trainer(recipe: Recipe, *, args, model, tokenizer, data, callbacks: li
             recipe, args=args, model=model, tokenizer=tokenizer, data=data, callbacks=callbacks, peft_config=peft_config
         )
     if recipe.method.type in ("sft", "pretrain"):
-        from trl import SFTTrainer
-
-        sft = with_optimizer(SFTTrainer, recipe)
+        sft = with_optimizer(sft_trainer_class(recipe), recipe)
         return sft(
             model=model,
             args=args,
@@ -208,6 +206,18 @@ def build_trainer(recipe: Recipe, *, args, model, tokenizer, data, callbacks: li
         peft_config=peft_config,
         callbacks=callbacks,
     )
+
+
+def sft_trainer_class(recipe: Recipe) -> type:
+    """train.deferred_metrics: finetune's SFTTrainer subclass that logs TRL's metrics without a host sync per
+    micro-batch (finetune/train/sft.py), or TRL's SFTTrainer as it is."""
+    if recipe.train.deferred_metrics:
+        from finetune.train.sft import DeferredMetricsSFTTrainer
+
+        return DeferredMetricsSFTTrainer
+    from trl import SFTTrainer
+
+    return SFTTrainer
 
 
 def _optimizer(name: str, *, cuda: bool) -> str:

@@ -1,0 +1,180 @@
+"""train.deferred_metrics: finetune's SFTTrainer subclass (finetune/train/sft.py) logs what TRL's SFTTrainer
+logs (the loss, entropy, mean_token_accuracy, num_tokens, in training and evaluation) and trains the same
+weights bit for bit, with gradient accumulation, padded and padding-free batches; and its compute_loss makes
+no host sync and no gather, where TRL's makes several per micro-batch."""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+
+from tests.helpers.recipes import resolve_recipe, tiny_recipe
+
+pytestmark = pytest.mark.slow
+METRICS = ("loss", "entropy", "mean_token_accuracy", "num_tokens")
+# what a host sync looks like from Python on any device: a tensor read into a Python value or copied to the
+# host; boolean-mask indexing is not spied (the CPU path of TRL's fused head does not use it)
+SYNCS = ("item", "tolist", "__bool__", "__int__", "__float__", "__index__", "cpu", "numpy", "nonzero")
+
+
+def _trainer(tmp_path, *, deferred: bool, packing: bool, callbacks=()):
+    from accelerate import PartialState
+
+    from finetune.recipe.load import load_recipe
+    from finetune.train.model import load_model, load_tokenizer
+    from finetune.train.preflight import prepare_data
+    from finetune.train.trainers import build_trainer, training_args
+
+    raw = tiny_recipe(
+        data={"packing": packing, "max_length": 48},
+        # 4 micro-batches per optimizer step, evaluated after step 2 and at the end
+        train={
+            "max_steps": 3,
+            "global_batch_size": 8,
+            "micro_batch_size": 2,
+            "deferred_metrics": deferred,
+            "eval_steps": 2,
+        },
+    )
+    run_dir = tmp_path / ("deferred" if deferred else "trl") / ("packed" if packing else "padded")
+    recipe = load_recipe(resolve_recipe(raw, run_dir=run_dir), allow_resolved=True)
+    assert recipe.resolved.gradient_accumulation_steps == 4
+    tokenizer = load_tokenizer(recipe)
+    data = prepare_data(recipe, tokenizer, state=PartialState(cpu=True))
+    return build_trainer(
+        recipe,
+        args=training_args(recipe, run_dir=run_dir, has_eval=True),
+        model=load_model(recipe),
+        tokenizer=tokenizer,
+        data=data,
+        callbacks=list(callbacks),
+    )
+
+
+def _logged(trainer) -> list[dict]:
+    keep = METRICS + tuple(f"eval_{m}" for m in METRICS)
+    return [{k: v for k, v in row.items() if k in keep} | {"step": row["step"]} for row in trainer.state.log_history]
+
+
+@pytest.mark.parametrize("packing", [False, True], ids=["padded", "padding-free"])
+def test_same_losses_metrics_and_weights_as_trl(tmp_path, packing):
+    from trl import SFTTrainer
+
+    from finetune.train.sft import DeferredMetricsSFTTrainer
+
+    ours = _trainer(tmp_path, deferred=True, packing=packing)
+    theirs = _trainer(tmp_path, deferred=False, packing=packing)
+    assert isinstance(ours, DeferredMetricsSFTTrainer) and ours._deferred
+    assert type(theirs) is SFTTrainer
+    ours.train()
+    theirs.train()
+
+    mine, trl = _logged(ours), _logged(theirs)
+    assert [sorted(r) for r in mine] == [sorted(r) for r in trl]
+    # every optimizer step logged, and the evals after steps 2 and 3
+    assert sum("entropy" in r for r in mine) == 3 and sum("eval_entropy" in r for r in mine) == 2
+    # the same operations on the same values: equal, not merely close
+    assert mine == trl
+    assert all(r["num_tokens"] > 0 for r in mine if "num_tokens" in r)
+    for (name, a), (_, b) in zip(ours.model.named_parameters(), theirs.model.named_parameters(), strict=True):
+        assert torch.equal(a, b), name
+
+
+class _SyncSpy:
+    """Counts, per name, the host syncs and gathers the trainer's compute_loss makes outside the model's
+    forward (transformers' mask building syncs inside it, with or without this trainer), and the
+    compute_loss calls."""
+
+    def __init__(self, trainer, monkeypatch):
+        self.inside = False
+        self.calls: dict[str, int] = {}
+        self.compute_loss_calls = 0
+        trainer.model.register_forward_pre_hook(lambda *_: self._set(False))
+        trainer.model.register_forward_hook(lambda *_: self._set(True))
+        for name in SYNCS:
+            monkeypatch.setattr(torch.Tensor, name, self._counting(name, getattr(torch.Tensor, name)))
+        for name in ("gather", "gather_for_metrics", "reduce"):
+            monkeypatch.setattr(trainer.accelerator, name, self._counting(name, getattr(trainer.accelerator, name)))
+        compute_loss = trainer.compute_loss
+
+        def spied(*args, **kwargs):
+            with self._inside():
+                return compute_loss(*args, **kwargs)
+
+        monkeypatch.setattr(trainer, "compute_loss", spied)
+
+    def _set(self, inside: bool) -> None:
+        self.inside = inside
+
+    @contextlib.contextmanager
+    def _inside(self):
+        self.compute_loss_calls += 1
+        self.inside = True
+        try:
+            yield
+        finally:
+            self.inside = False
+
+    def _counting(self, name, real):
+        def call(*args, **kwargs):
+            if self.inside:
+                self.calls[name] = self.calls.get(name, 0) + 1
+            return real(*args, **kwargs)
+
+        return call
+
+
+def test_compute_loss_makes_no_host_sync_or_gather(tmp_path, monkeypatch):
+    trainer = _trainer(tmp_path, deferred=True, packing=True)
+    spy = _SyncSpy(trainer, monkeypatch)
+    trainer.train()
+    assert spy.compute_loss_calls > 3 * 4 and spy.calls == {}
+    assert trainer.state.global_step == 3 and any("entropy" in r for r in trainer.state.log_history)
+
+
+def test_the_spy_sees_trls_syncs(tmp_path, monkeypatch):
+    """The control: the same spy on TRL's SFTTrainer sees its per-micro-batch syncs and gathers."""
+    trainer = _trainer(tmp_path, deferred=False, packing=True)
+    spy = _SyncSpy(trainer, monkeypatch)
+    trainer.train()
+    calls = spy.compute_loss_calls
+    assert calls > 3 * 4
+    # entropy and accuracy read with .item() and tested with `num_valid > 0`, three gathers, on every call
+    assert spy.calls.get("item", 0) >= 2 * calls and spy.calls.get("__bool__", 0) >= 2 * calls, spy.calls
+    assert spy.calls.get("gather_for_metrics", 0) >= 3 * calls, spy.calls
+
+
+def test_return_outputs_goes_to_trl_and_the_loss_is_the_same(tmp_path):
+    """A path the subclass does not re-implement (return_outputs) is TRL's own: its metrics go straight into
+    `_metrics`; the subclass's path gives the same loss on the same batch and defers its metrics to log()."""
+    trainer = _trainer(tmp_path, deferred=True, packing=False)
+    trainer.model.train()
+    inputs = trainer._prepare_inputs(next(iter(trainer.get_train_dataloader())))
+    with pytest.warns(FutureWarning, match="return_outputs=True"):
+        trl_loss, outputs = trainer.compute_loss(trainer.model, dict(inputs), return_outputs=True)
+    assert outputs.logits is not None
+    assert len(trainer._metrics["train"]["entropy"]) == 1 and trainer._pending["train"] == []
+    trl_entropy = trainer._metrics["train"]["entropy"][0]
+
+    loss = trainer.compute_loss(trainer.model, dict(inputs))
+    assert torch.equal(loss, trl_loss)
+    assert len(trainer._metrics["train"]["entropy"]) == 1 and len(trainer._pending["train"]) == 1
+    trainer.log({})
+    # the same batch twice: TRL's value and the deferred one are equal, and so is their mean
+    assert trainer._pending["train"] == [] and trainer.state.log_history[-1]["entropy"] == trl_entropy
+    assert trainer.state.log_history[-1]["num_tokens"] == 2 * int(inputs["attention_mask"].sum())
+
+
+def test_version_guard():
+    """TRL's own compute_loss runs where TRL is not the version this trainer follows, or where its fused
+    head lacks a field the metrics read."""
+    from trl.trainer.utils import FusedCausalLMOutput
+
+    from finetune.train.sft import FUSED_FIELDS, deferred_metrics_supported, follows
+
+    assert deferred_metrics_supported()  # the installed TRL
+    assert follows("1.16.0", FUSED_FIELDS) and follows("1.99.1", FusedCausalLMOutput.__dataclass_fields__)
+    assert not follows("1.15.2", FUSED_FIELDS) and not follows("2.0.0", FUSED_FIELDS)
+    assert not follows("1.16.0", [f for f in FUSED_FIELDS if f != "is_top1"])
