@@ -112,6 +112,9 @@ class MetricsCallback(TrainerCallback):
     """One JSON object per logged step in RUN_DIR/metrics.jsonl; loss.png at evals and at the end."""
 
     TRAIN_KEYS = ("loss", "learning_rate", "grad_norm", "epoch")
+    # what TRL's trainers add to a training log when they compute it (SFT: token entropy and accuracy,
+    # tokens trained so far; MoE: the router's auxiliary loss)
+    TRL_TRAIN_KEYS = ("entropy", "mean_token_accuracy", "num_tokens", "aux_loss")
 
     def __init__(self, run_dir: Path, *, recipe=None):
         self.run_dir = Path(run_dir)
@@ -147,6 +150,7 @@ class MetricsCallback(TrainerCallback):
             row["epoch"] = logs.get("epoch", state.epoch)
         elif "loss" in logs:
             row.update({k: logs.get(k) for k in self.TRAIN_KEYS})
+            row.update({k: logs[k] for k in self.TRL_TRAIN_KEYS if k in logs})
             now, seen = time.perf_counter(), state.num_input_tokens_seen or 0
             elapsed = now - self._last[0]
             row["tokens_per_second"] = (seen - self._last[1]) / elapsed if seen and elapsed > 0 else None
