@@ -22,30 +22,31 @@ from finetune import rundir
 GIB = 2**30
 
 
+def _proc_field(path: str, key: str) -> int | None:
+    """The first number after `key` in a /proc file of this process, or None where it cannot be read."""
+    try:
+        for line in Path(path).read_text().splitlines():
+            if line.startswith(key):
+                return int(line.split()[1])
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
 def host_pss_gib() -> float | None:
     """This process's proportional set size: pages shared with other ranks (the mmapped safetensors,
     the libraries) count once across the node when summed over ranks, unlike RSS, which counts them
     in every rank. None where /proc/self/smaps_rollup does not exist."""
-    try:
-        for line in Path("/proc/self/smaps_rollup").read_text().splitlines():
-            if line.startswith("Pss:"):
-                return int(line.split()[1]) * 1024 / GIB
-    except (OSError, ValueError, IndexError):
-        pass
-    return None
+    kib = _proc_field("/proc/self/smaps_rollup", "Pss:")
+    return None if kib is None else kib * 1024 / GIB
 
 
 def storage_read_gib() -> float | None:
     """Bytes this process has had read from storage (not from the page cache) so far, from
     /proc/self/io's read_bytes: at the first step it says whether loading the weights waited on the disk
     or copied cached pages. None where the file does not exist or is not readable."""
-    try:
-        for line in Path("/proc/self/io").read_text().splitlines():
-            if line.startswith("read_bytes:"):
-                return int(line.split()[1]) / GIB
-    except (OSError, ValueError, IndexError):
-        pass
-    return None
+    read = _proc_field("/proc/self/io", "read_bytes:")
+    return None if read is None else read / GIB
 
 
 def memory_figures() -> dict:

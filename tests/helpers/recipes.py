@@ -108,3 +108,32 @@ def cpu_preset(path: Path, *, procs: int = 1, nodes: int = 1, **fields) -> Path:
         nodes=nodes,
         **fields,
     )
+
+
+def shape_recipe(
+    model: str, adapter: str, hardware: str = "server-8xh100", *, seq: int = 2048, global_batch: int = 64, **sections
+):
+    """A loaded recipe of a registry model shape for planner arithmetic (nothing is read or trained);
+    `section__key=value` keywords set single keys, e.g. train__optimizer="adamw_8bit"."""
+    from finetune.recipe import load_recipe
+
+    raw = {
+        "model": {"name": model},
+        "adapter": {"type": adapter},
+        "data": {"path": "train.jsonl", "max_length": seq},
+        "train": {"global_batch_size": global_batch},
+        "hardware": hardware,
+    }
+    for dotted, value in sections.items():
+        section, key = dotted.split("__")
+        raw.setdefault(section, {})[key] = value
+    return load_recipe(raw)
+
+
+def shape_job(model_key: str, adapter: str, hardware: str = "server-8xh100", **kw):
+    """The planner's Job for shape_recipe(model_key, ...) on the registry preset `hardware`."""
+    from finetune.plan import job_from_recipe
+    from finetune.registry import get_model, get_preset
+
+    r = shape_recipe(model_key, adapter, hardware, model__arch=model_key, **kw)
+    return job_from_recipe(r, arch=get_model(model_key), preset=get_preset(hardware))

@@ -7,13 +7,11 @@ from dataclasses import replace
 
 import pytest
 
-from finetune.plan import job_from_recipe
 from finetune.plan.attention_time import mask_seconds
 from finetune.plan.bandwidth import ACHIEVED_BANDWIDTH
 from finetune.plan.eager_time import eager_seconds, score_pass_bytes
 from finetune.plan.timing import step_time
-from finetune.recipe import load_recipe
-from finetune.registry import get_model, get_preset
+from tests.helpers.recipes import shape_job
 
 B, HEADS, KV_HEADS, S, D = 1, 4, 2, 32, 16
 VIEWS = {"aten.view.default", "aten._unsafe_view.default", "aten.detach.default", "aten.expand.default"}
@@ -72,9 +70,7 @@ def test_the_modelled_passes_are_the_ops_gemma2_eager_attention_runs():
 
 
 def _job(arch: str):
-    raw = {"model": {"name": "x", "arch": arch}, "data": {"path": "t.jsonl"}, "hardware": "server-8xh100"}
-    job = job_from_recipe(load_recipe(raw), arch=get_model(arch), preset=get_preset("server-8xh100"))
-    return replace(job, attention="eager", packed=True, varlen_layers=0)
+    return replace(shape_job(arch, "lora"), attention="eager", packed=True, varlen_layers=0)
 
 
 def test_bytes_per_score_element_follow_the_hand_count():

@@ -11,7 +11,6 @@ from finetune import strategies
 from finetune.plan import (
     allgather_time_s,
     allreduce_time_s,
-    job_from_recipe,
     plan,
     render_plan_table,
     zero_model_state_bytes,
@@ -19,34 +18,12 @@ from finetune.plan import (
 from finetune.plan.memory import NF4_DOUBLE_QUANT_SCALE_BYTES, logits_bytes, state_bytes, weight_bytes
 from finetune.plan.timing import flops_per_token
 from finetune.plan.workload import count_params
-from finetune.recipe import load_recipe
 from finetune.registry import get_model, get_preset
 from tests.helpers.paths import ROOT
-from tests.helpers.recipes import write_preset
+from tests.helpers.recipes import shape_job, shape_recipe, write_preset
 
 GB = 1e9
 GIB = 1024**3
-
-
-def recipe(
-    model: str, adapter: str, hardware: str = "server-8xh100", *, seq: int = 2048, global_batch: int = 64, **sections
-):
-    raw = {
-        "model": {"name": model},
-        "adapter": {"type": adapter},
-        "data": {"path": "train.jsonl", "max_length": seq},
-        "train": {"global_batch_size": global_batch},
-        "hardware": hardware,
-    }
-    for dotted, value in sections.items():
-        section, key = dotted.split("__")
-        raw.setdefault(section, {})[key] = value
-    return load_recipe(raw)
-
-
-def job(model_key: str, adapter: str, hardware: str = "server-8xh100", **kw):
-    r = recipe(model_key, adapter, hardware, model__arch=model_key, **kw)
-    return job_from_recipe(r, arch=get_model(model_key), preset=get_preset(hardware))
 
 
 # --- published figures ---------------------------------------------------------------------
@@ -66,7 +43,7 @@ def test_zero_paper_7_5b_on_64_gpus():
 
 
 def test_mixed_precision_adam_is_16_bytes_per_param():
-    j = job("llama-3.1-8b", "full")
+    j = shape_job("llama-3.1-8b", "full")
     s = state_bytes(j)
     total = s.weights + s.trainable + s.gradients + s.optimizer
     # 2 (bf16 weights) + 4 (fp32 master) + 2 (bf16 grads) + 8 (fp32 m, v) = 16 bytes/param
@@ -77,7 +54,7 @@ def test_mixed_precision_adam_is_16_bytes_per_param():
     assert total / 8 == pytest.approx(zero_model_state_bytes(count_params(j.arch).total, stage=3, world=8))
     # 8-bit Adam keeps m and v in 1 byte each plus an fp32 absmax per 256-block each:
     # 2 + 4 + 2 + (2 + 2 * 4 / 256 = 2.03125) = 10.03125 bytes/param
-    s8 = state_bytes(job("llama-3.1-8b", "full", train__optimizer="adamw_8bit"))
+    s8 = state_bytes(shape_job("llama-3.1-8b", "full", train__optimizer="adamw_8bit"))
     assert (s8.weights + s8.trainable + s8.gradients + s8.optimizer) / count_params(j.arch).total == pytest.approx(
         10.03125
     )
@@ -103,18 +80,18 @@ def _four_gpu_96gb_preset(tmp_path) -> str:
 
 def test_70b_on_4x96gb_lora_fits_full_does_not(tmp_path):
     preset = _four_gpu_96gb_preset(tmp_path)
-    lora = plan(recipe("meta-llama/Llama-3.1-70B", "lora", preset, distributed__strategy="fsdp2"))
+    lora = plan(shape_recipe("meta-llama/Llama-3.1-70B", "lora", preset, distributed__strategy="fsdp2"))
     assert lora.fits and lora.strategy == "fsdp2"
     # bf16 weights fully sharded: 70.55e9 params * 2 bytes / 4 GPUs = 35.3 GB per GPU
     assert lora.memory.weights / GB == pytest.approx(70.55 * 2 / 4, rel=0.01)
     assert lora.memory.weights / GB == pytest.approx(35, rel=0.02)
-    full = plan(recipe("meta-llama/Llama-3.1-70B", "full", preset, distributed__strategy="fsdp2"))
+    full = plan(shape_recipe("meta-llama/Llama-3.1-70B", "full", preset, distributed__strategy="fsdp2"))
     assert not full.fits and "pinned" in full.why
     states = full.memory.weights + full.memory.trainable + full.memory.gradients + full.memory.optimizer
     # 70.55e9 params * 16 bytes / 4 GPUs = 282 GB of model state per GPU (~280 GB)
     assert states / GB == pytest.approx(280, rel=0.02)
     # and no strategy fits with fp32 Adam on this machine (256 GiB host RAM rules out offload)
-    assert not plan(recipe("meta-llama/Llama-3.1-70B", "full", preset)).fits
+    assert not plan(shape_recipe("meta-llama/Llama-3.1-70B", "full", preset)).fits
 
 
 def test_allreduce_of_70b_bf16_gradients():
@@ -135,16 +112,16 @@ def test_allreduce_of_70b_bf16_gradients():
 
 
 def test_logits_term_for_128k_vocab():
-    j = job("llama-3.1-8b", "lora")
+    j = shape_job("llama-3.1-8b", "lora")
     # 1 x 2048 tokens x 128256 vocab x (2 bf16 + 4 fp32 upcast + 4 fp32 log-softmax + 2 grad) bytes
     assert logits_bytes(j, micro_batch=1) == 2048 * 128256 * 12  # 3.15 GB
     # DPO runs chosen and rejected: twice the tokens
-    d = job("llama-3.1-8b", "lora", method__type="dpo", data__format="preference")
+    d = shape_job("llama-3.1-8b", "lora", method__type="dpo", data__format="preference")
     assert logits_bytes(d, micro_batch=1) == 2 * 2048 * 128256 * 12
 
 
 def test_qlora_weights_are_about_4_13_bits_per_linear_param():
-    j = job("llama-3.1-70b", "qlora")
+    j = shape_job("llama-3.1-70b", "qlora")
     p = count_params(j.arch)
     # NF4 4 bits + double-quantized absmax: 8 bits per 64 + 32 bits per 64*256 = 0.127 bits
     assert NF4_DOUBLE_QUANT_SCALE_BYTES * 8 == pytest.approx(0.127, abs=0.001)
@@ -155,7 +132,7 @@ def test_qlora_weights_are_about_4_13_bits_per_linear_param():
 
 
 def test_flops_formula_lora_vs_full():
-    full, lora = job("llama-3.1-8b", "full"), job("llama-3.1-8b", "lora")
+    full, lora = shape_job("llama-3.1-8b", "full"), shape_job("llama-3.1-8b", "lora")
     n = count_params(full.arch).matmul_active  # 7.5e9 (no embedding lookup, lm_head counted)
     attn = 32 * 32 * 128 * 2048  # L * heads * head_dim * seq
     assert flops_per_token(full, checkpointing=False) == 6 * n + 12 * attn
@@ -181,7 +158,7 @@ def test_benchmarks_measure_the_mfu_the_planner_predicts():
     assert bench.mfu is gpu_validate.mfu is mfu
     assert bench.peak_bf16_tflops is gpu_validate.peak_bf16_tflops is peak_bf16_tflops
     for adapter in ("full", "lora", "qlora"):
-        r = recipe("meta-llama/Llama-3.1-8B", adapter, seq=8192, model__arch="llama-3.1-8b")
+        r = shape_recipe("meta-llama/Llama-3.1-8B", adapter, seq=8192, model__arch="llama-3.1-8b")
         p = plan(r)
         preset = get_preset("server-8xh100")
         assert peak_bf16_tflops(preset.gpu_model) == preset.peak_bf16_tflops
@@ -199,7 +176,7 @@ def test_benchmarks_measure_the_mfu_the_planner_predicts():
 
 
 def test_llama70b_lora_on_8xh100_chooses_fsdp2_and_fits():
-    p = plan(recipe("meta-llama/Llama-3.1-70B-Instruct", "lora"))
+    p = plan(shape_recipe("meta-llama/Llama-3.1-70B-Instruct", "lora"))
     assert p.fits and p.strategy == "fsdp2"
     assert p.per_gpu_memory_gib <= 0.9 * get_preset("server-8xh100").gpu_memory_gib
     assert p.micro_batch_size * p.gradient_accumulation_steps * p.world_size == p.global_batch_size
@@ -210,37 +187,39 @@ def test_llama70b_lora_on_8xh100_chooses_fsdp2_and_fits():
 
 
 def test_llama405b_qlora_on_8xh100_fits():
-    p = plan(recipe("meta-llama/Llama-3.1-405B", "qlora"))
+    p = plan(shape_recipe("meta-llama/Llama-3.1-405B", "qlora"))
     assert p.fits and p.strategy in ("fsdp2", "zero3")
 
 
 def test_llama405b_full_on_8xh100_never_fits_on_gpu_memory_alone():
-    p = plan(recipe("meta-llama/Llama-3.1-405B", "full"))
+    p = plan(shape_recipe("meta-llama/Llama-3.1-405B", "full"))
     assert not p.fits or strategies.offloads(p.strategy)
     assert not any(c.fits for c in p.candidates if not strategies.offloads(c.strategy))
-    pinned = plan(recipe("meta-llama/Llama-3.1-405B", "full", distributed__strategy="fsdp2"))
+    pinned = plan(shape_recipe("meta-llama/Llama-3.1-405B", "full", distributed__strategy="fsdp2"))
     assert not pinned.fits
 
 
 def test_micro_batch_grows_with_free_memory_and_checkpointing_off_when_it_fits():
-    short = plan(recipe("meta-llama/Llama-3.2-1B", "lora", seq=512, global_batch=256))
-    long = plan(recipe("meta-llama/Llama-3.2-1B", "lora", seq=8192, global_batch=256))
+    short = plan(shape_recipe("meta-llama/Llama-3.2-1B", "lora", seq=512, global_batch=256))
+    long = plan(shape_recipe("meta-llama/Llama-3.2-1B", "lora", seq=8192, global_batch=256))
     assert short.fits and long.fits
     assert short.micro_batch_size > long.micro_batch_size
     assert short.micro_batch_size >= 8 and not short.activation_checkpointing
     # pinning checkpointing on frees memory, so the micro-batch can only grow
     on = plan(
-        recipe("meta-llama/Llama-3.2-1B", "lora", seq=8192, global_batch=256, train__activation_checkpointing="on")
+        shape_recipe(
+            "meta-llama/Llama-3.2-1B", "lora", seq=8192, global_batch=256, train__activation_checkpointing="on"
+        )
     )
     assert on.activation_checkpointing and on.micro_batch_size >= long.micro_batch_size
 
 
 def test_checkpointing_turns_on_only_when_needed():
     # 8B full fine-tune at 8k tokens: without checkpointing even micro-batch 1 does not fit
-    p = plan(recipe("meta-llama/Llama-3.1-8B", "full", seq=8192))
+    p = plan(shape_recipe("meta-llama/Llama-3.1-8B", "full", seq=8192))
     assert p.fits and p.activation_checkpointing
     off = plan(
-        recipe(
+        shape_recipe(
             "meta-llama/Llama-3.1-8B",
             "full",
             seq=8192,
@@ -252,54 +231,54 @@ def test_checkpointing_turns_on_only_when_needed():
 
 
 def test_pinned_strategy_that_does_not_fit_reports_reason():
-    p = plan(recipe("meta-llama/Llama-3.1-70B", "full", distributed__strategy="ddp"))
+    p = plan(shape_recipe("meta-llama/Llama-3.1-70B", "full", distributed__strategy="ddp"))
     assert not p.fits and p.strategy == "ddp"
     assert "ddp" in p.why and "GiB" in p.why
     assert any(s.startswith("distributed.strategy: ") for s in p.suggestions)
 
 
 def test_suggestions_are_computed_and_verified():
-    p = plan(recipe("meta-llama/Llama-3.1-70B", "full", "workstation-2x4090"))
+    p = plan(shape_recipe("meta-llama/Llama-3.1-70B", "full", "workstation-2x4090"))
     assert not p.fits and p.suggestions
     text = render_plan_table(p)
     assert "does not fit" in text and "what would fit" in text
     # every 'adapter.type: X' suggestion is a variant that really fits when re-planned
-    p405 = plan(recipe("meta-llama/Llama-3.1-405B", "full", distributed__strategy="fsdp2"))
+    p405 = plan(shape_recipe("meta-llama/Llama-3.1-405B", "full", distributed__strategy="fsdp2"))
     adapters = [s for s in p405.suggestions if s.startswith("adapter.type: ")]
     assert adapters
     for s in adapters:
         adapter = s.split()[1]
-        again = plan(recipe("meta-llama/Llama-3.1-405B", adapter, distributed__strategy="fsdp2"))
+        again = plan(shape_recipe("meta-llama/Llama-3.1-405B", adapter, distributed__strategy="fsdp2"))
         assert again.fits, s
 
 
 def test_global_batch_rounding_is_explained():
-    p = plan(recipe("meta-llama/Llama-3.2-1B", "lora", global_batch=100))
+    p = plan(shape_recipe("meta-llama/Llama-3.2-1B", "lora", global_batch=100))
     # 100 sequences over 8 GPUs: 12.5 per GPU -> 12 -> global batch 96
     assert p.global_batch_size == 96 and "rounded" in p.why
 
 
 def test_cpu_preset_plans_one_ddp_process_on_cpu():
-    p = plan(recipe("tiny-llama", "lora", "cpu", seq=128, global_batch=4, model__arch="tiny-llama"))
+    p = plan(shape_recipe("tiny-llama", "lora", "cpu", seq=128, global_batch=4, model__arch="tiny-llama"))
     assert p.fits and p.device == "cpu" and p.strategy == "ddp" and p.world_size == 1
     assert [c.strategy for c in p.candidates] == ["ddp"]
 
 
 def test_hardware_argument_overrides_the_recipe():
-    r = recipe("meta-llama/Llama-3.1-8B", "lora", "cpu")
+    r = shape_recipe("meta-llama/Llama-3.1-8B", "lora", "cpu")
     assert plan(r, hardware="server-8xh200").hardware == "server-8xh200"
 
 
 def test_fsdp2_hybrid_only_on_multi_node_presets():
-    single = plan(recipe("meta-llama/Llama-3.1-8B", "lora"))
-    multi = plan(recipe("meta-llama/Llama-3.1-8B", "lora", "cluster-2x8xh100"))
+    single = plan(shape_recipe("meta-llama/Llama-3.1-8B", "lora"))
+    multi = plan(shape_recipe("meta-llama/Llama-3.1-8B", "lora", "cluster-2x8xh100"))
     assert "fsdp2-hybrid" not in {c.strategy for c in single.candidates}
     assert "fsdp2-hybrid" in {c.strategy for c in multi.candidates}
     assert multi.world_size == 16 and multi.num_nodes == 2
 
 
 def test_plan_json_has_the_cli_keys():
-    data = plan(recipe("meta-llama/Llama-3.1-8B", "qlora", "workstation-1x4090")).to_json()
+    data = plan(shape_recipe("meta-llama/Llama-3.1-8B", "qlora", "workstation-1x4090")).to_json()
     for key in (
         "strategy",
         "fits",
@@ -315,7 +294,7 @@ def test_plan_json_has_the_cli_keys():
 
 
 def test_planning_405b_is_fast():
-    r = recipe("meta-llama/Llama-3.1-405B", "full", distributed__strategy="fsdp2")
+    r = shape_recipe("meta-llama/Llama-3.1-405B", "full", distributed__strategy="fsdp2")
     plan(r)  # warm the registry cache
     start = time.perf_counter()
     p = plan(r)  # includes re-planning every suggestion variant
@@ -344,7 +323,7 @@ def _gpu_preset(tmp_path, *, nodes: int, gpus_per_node: int) -> str:
 def test_hybrid_needs_two_gpus_per_node(tmp_path):
     # measured: accelerate refuses an FSDP mesh with a shard dimension of 1 (2 x 1-GPU nodes)
     p = plan(
-        recipe(
+        shape_recipe(
             "meta-llama/Llama-3.2-3B",
             "lora",
             _gpu_preset(tmp_path, nodes=2, gpus_per_node=1),
@@ -353,7 +332,7 @@ def test_hybrid_needs_two_gpus_per_node(tmp_path):
     )
     assert not p.fits and "one GPU per node" in p.why
     p = plan(
-        recipe(
+        shape_recipe(
             "meta-llama/Llama-3.2-3B",
             "lora",
             _gpu_preset(tmp_path, nodes=2, gpus_per_node=2),
@@ -365,9 +344,9 @@ def test_hybrid_needs_two_gpus_per_node(tmp_path):
 
 def test_pinned_fsdp2_allowed_on_one_gpu_but_never_chosen(tmp_path):
     one = _gpu_preset(tmp_path, nodes=1, gpus_per_node=1)
-    pinned = plan(recipe("meta-llama/Llama-3.2-3B", "lora", one, distributed__strategy="fsdp2"))
+    pinned = plan(shape_recipe("meta-llama/Llama-3.2-3B", "lora", one, distributed__strategy="fsdp2"))
     assert pinned.fits and pinned.strategy == "fsdp2"  # resuming a sharded checkpoint on one GPU
-    assert plan(recipe("meta-llama/Llama-3.2-3B", "lora", one)).strategy == "ddp"
+    assert plan(shape_recipe("meta-llama/Llama-3.2-3B", "lora", one)).strategy == "ddp"
 
 
 # --- memory terms: DDP without fp32 masters, DoRA, modules_to_save, sliding windows, ZeRO-2, partial offload ---
@@ -376,7 +355,7 @@ def test_pinned_fsdp2_allowed_on_one_gpu_but_never_chosen(tmp_path):
 def test_ddp_full_fine_tune_of_a_bf16_model_keeps_no_fp32_master():
     from finetune.plan.memory import state_bytes
 
-    j = job("llama-3.2-1b", "full", "workstation-1x4090")
+    j = shape_job("llama-3.2-1b", "full", "workstation-1x4090")
     n = count_params(j.arch).total
     s = state_bytes(j, "ddp")
     # DDP trains the bf16 parameters in place: 2 (weights) + 0 (master) + 2 (bf16 grads)
@@ -390,7 +369,7 @@ def test_ddp_full_fine_tune_of_a_bf16_model_keeps_no_fp32_master():
 def test_dora_adds_two_outputs_per_module_per_token_and_its_norm_temporaries():
     from finetune.plan.memory import dora_bytes_per_token_layer, dora_transient_bytes
 
-    j = job("llama-3.1-8b", "lora", "workstation-1x4090", adapter__dora=True)
+    j = shape_job("llama-3.1-8b", "lora", "workstation-1x4090", adapter__dora=True)
     # out_features of the 7 projections of Llama 3.1 8B: 4096 + 1024 + 1024 + 4096 + 14336 + 14336 + 4096
     # = 43008; base_result and lora_result in bf16: 2 x 2 x 43008 = 172,032 B per token per layer
     assert dora_bytes_per_token_layer(j) == 172_032
@@ -404,8 +383,8 @@ def test_dora_adds_two_outputs_per_module_per_token_and_its_norm_temporaries():
 def test_modules_to_save_trains_full_copies_of_embedding_and_head():
     from finetune.plan.memory import state_bytes
 
-    base = job("llama-3.2-1b", "lora", "workstation-1x4090")
-    saved = job("llama-3.2-1b", "lora", "workstation-1x4090", adapter__modules_to_save=["embed_tokens"])
+    base = shape_job("llama-3.2-1b", "lora", "workstation-1x4090")
+    saved = shape_job("llama-3.2-1b", "lora", "workstation-1x4090", adapter__modules_to_save=["embed_tokens"])
     embed = 128256 * 2048  # vocab x hidden = 262.7M params
     a, b = state_bytes(base, "ddp"), state_bytes(saved, "ddp")
     # under DDP the copy is trained in bf16: 2 (copy) + 2 (grad) + 4 (bf16 moments) bytes/param
@@ -418,19 +397,19 @@ def test_modules_to_save_trains_full_copies_of_embedding_and_head():
     from finetune.errors import RecipeError
 
     with pytest.raises(RecipeError, match="adapter.modules_to_save"):
-        recipe("llama-3.2-1b", "full", adapter__modules_to_save=["lm_head"])
+        shape_recipe("llama-3.2-1b", "full", adapter__modules_to_save=["lm_head"])
 
 
 def test_lora_on_lm_head_and_unknown_targets_are_refused():
     from finetune.errors import RecipeError
 
     with pytest.raises(RecipeError, match="modules_to_save"):
-        job("llama-3.1-8b", "lora", adapter__target_modules=["q_proj", "lm_head"])
+        shape_job("llama-3.1-8b", "lora", adapter__target_modules=["q_proj", "lm_head"])
     with pytest.raises(RecipeError, match="qkv_proj"):
-        job("llama-3.1-8b", "lora", adapter__target_modules=["qkv_proj"])
+        shape_job("llama-3.1-8b", "lora", adapter__target_modules=["qkv_proj"])
     # LoRA on the embedding: A is r x vocab, B is hidden x r: 16 x (128256 + 4096) more params
-    a = job("llama-3.1-8b", "lora", adapter__target_modules=["q_proj"])
-    b = job("llama-3.1-8b", "lora", adapter__target_modules=["q_proj", "embed_tokens"])
+    a = shape_job("llama-3.1-8b", "lora", adapter__target_modules=["q_proj"])
+    b = shape_job("llama-3.1-8b", "lora", adapter__target_modules=["q_proj", "embed_tokens"])
     from finetune.plan.workload import lora_params
 
     assert lora_params(b) - lora_params(a) == 16 * (128256 + 4096)
@@ -448,7 +427,7 @@ def test_sliding_window_layers_attend_within_their_window():
 def test_zero2_replicates_params_and_splits_grads_and_optimizer():
     from finetune.plan.memory import footprint, state_bytes
 
-    j = job("qwen2.5-14b", "full", "server-8xh100")
+    j = shape_job("qwen2.5-14b", "full", "server-8xh100")
     n = count_params(j.arch).total
     m = footprint(j, strategy="zero2", micro_batch=1, checkpointing=True).memory
     # ZeRO paper stage 2: 2 bytes/param of bf16 weights on every GPU, (4 master + 2 grads + 8 moments) / 8
@@ -465,7 +444,7 @@ def test_zero2_replicates_params_and_splits_grads_and_optimizer():
 def test_optimizer_only_offload_keeps_sharded_params_on_gpu_and_states_in_host_ram():
     from finetune.plan.memory import footprint
 
-    j = job("qwen2.5-14b", "full", "server-8xh100")
+    j = shape_job("qwen2.5-14b", "full", "server-8xh100")
     n = count_params(j.arch).total
     opt = footprint(j, strategy="zero3-optim-offload", micro_batch=1, checkpointing=True)
     full = footprint(j, strategy="zero3-offload", micro_batch=1, checkpointing=True)
@@ -493,7 +472,7 @@ def test_partial_offload_is_preferred_to_full_offload_when_it_fits(tmp_path):
         host_ram_gib=1024,
         peak_bf16_tflops=989,
     )
-    r = recipe("qwen2.5-14b", "full", str(path), model__arch="qwen2.5-14b", global_batch=32)
+    r = shape_recipe("qwen2.5-14b", "full", str(path), model__arch="qwen2.5-14b", global_batch=32)
     p = plan(r, hardware=str(path))
     by_name = {c.strategy: c for c in p.candidates}
     assert not by_name["fsdp2"].fits and by_name["zero3-offload"].fits

@@ -7,7 +7,6 @@ from dataclasses import replace
 
 import pytest
 
-from finetune.plan import job_from_recipe
 from finetune.plan.memory import weight_bytes
 from finetune.plan.offload_time import (
     CPU_CORE_BANDWIDTH,
@@ -18,23 +17,14 @@ from finetune.plan.offload_time import (
 from finetune.plan.offload_time import offload_seconds as _offload_time
 from finetune.plan.timing import step_time
 from finetune.plan.workload import count_params, lora_params
-from finetune.recipe import load_recipe
-from finetune.registry import get_model, get_preset
+from tests.helpers.recipes import shape_job
 
 PRESET = "server-8xh100"
 
 
 def _job(adapter: str, *, threads: int | None = 1):
     """One host thread per rank unless said: the byte counts below are then one core's."""
-    raw = {
-        "model": {"name": "x", "arch": "llama-3.1-8b"},
-        "adapter": adapter,
-        "data": {"path": "t.jsonl"},
-        "train": {"global_batch_size": 64},
-        "hardware": PRESET,
-    }
-    job = job_from_recipe(load_recipe(raw), arch=get_model("llama-3.1-8b"), preset=get_preset(PRESET))
-    return replace(job, host_threads_per_rank=threads)
+    return replace(shape_job("llama-3.1-8b", adapter, PRESET), host_threads_per_rank=threads)
 
 
 def test_deepspeed_param_offload_fetches_twice_per_micro_batch_and_moves_gradients_four_ways():
