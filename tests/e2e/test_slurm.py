@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 
 import pytest
 
@@ -32,6 +33,7 @@ def cluster(tmp_path_factory):
 
 
 STEPS = 400
+REQUEUE_START_DELAY_S = 3
 
 
 def test_quickstart_sbatch_trains_is_preempted_requeues_and_finishes(cluster, tmp_path):
@@ -82,16 +84,21 @@ def test_quickstart_sbatch_trains_is_preempted_requeues_and_finishes(cluster, tm
         timeout=60,
         what="the preemption and requeue lines in the job's output",
     )
-    # Slurm holds a requeued batch job for about two minutes before it may start again; let it start now
-    if cluster.job(job_id).get("JobState") == "PENDING":
-        cluster.run("scontrol", "update", f"JobId={job_id}", "StartTime=now")
+    # Slurm holds a requeued batch job for about two minutes before it may start again; let it start
+    # sooner, but not within the second its old credential was revoked: slurmd compares whole seconds and
+    # kills a relaunch from that second as "Job credential revoked"
+    cluster.wait(lambda: cluster.job(job_id).get("JobState") == "PENDING", timeout=120, what="the requeued job to pend")
+    time.sleep(REQUEUE_START_DELAY_S)
+    cluster.run("scontrol", "update", f"JobId={job_id}", "StartTime=now")
     state = cluster.wait(
         lambda: (s := cluster.job(job_id).get("JobState")) in ("COMPLETED", "FAILED", "CANCELLED") and s,
         timeout=400,
         what="the requeued job to finish",
     )
     text = log()
-    assert state == "COMPLETED" and cluster.job(job_id)["ExitCode"] == "0:0", text[-3000:]
+    assert state == "COMPLETED" and cluster.job(job_id)["ExitCode"] == "0:0", (
+        f"{text[-3000:]}\n--- scontrol show job\n{cluster.job(job_id)}\n{cluster.log_tail(40)}"
+    )
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["steps"] == STEPS and summary["resumed_from"].endswith(
         os.sep + "checkpoint-" + text.split("saving checkpoint-")[1].split()[0]
