@@ -238,23 +238,24 @@ def _cmd_plan(args):
     from finetune.errors import EXIT_DOES_NOT_FIT
     from finetune.plan import render_plan_table
 
-    _, plan = make_plan(args.recipe, hardware=args.hardware, overrides=args.overrides)
+    recipe, plan = make_plan(args.recipe, hardware=args.hardware, overrides=args.overrides)
     if args.json:
         print(json.dumps(plan.to_json(), indent=2))
     else:
         print(render_plan_table(plan))
     if not plan.fits:
         return EXIT_DOES_NOT_FIT
-    return _measure(args) if args.measure else 0
+    return _measure(args, recipe) if args.measure else 0
 
 
-def _measure(args) -> int:
+def _measure(args, recipe) -> int:
+    """`recipe` is the one just planned: its overrides applied and its example lengths measured."""
     from finetune.api import measure
     from finetune.errors import EXIT_DOES_NOT_FIT
     from finetune.measurement import render_measurement
 
     print("", flush=True)
-    result = measure(args.recipe, hardware=args.hardware, overrides=args.overrides, steps=args.steps, keep=args.keep)
+    result = measure(recipe, hardware=args.hardware, steps=args.steps, keep=args.keep)
     print(render_measurement(result), flush=True)
     if args.json:
         print(json.dumps(result.to_json()))

@@ -41,8 +41,6 @@ CPU_CORE_BANDWIDTH = 20e9
 # DDR5 server's STREAM figure (~400-500 GB/s), since Adam's mixed reads and writes of five fp32 streams
 # per parameter and NUMA-remote pages reach less (an assumption; no row measures many threads yet)
 NODE_HOST_BANDWIDTH = 200e9
-# cores per GPU assumed when a preset does not say how many CPU cores its node has
-CORES_PER_GPU_ASSUMED = 8
 
 
 def host_threads_per_rank(preset: HardwarePreset, strategy: str) -> int:
@@ -50,7 +48,7 @@ def host_threads_per_rank(preset: HardwarePreset, strategy: str) -> int:
     split between its ranks where the host steps the optimizer (offload tiers), else accelerate's one."""
     if not strategies.info(strategy).offload_optimizer:
         return 1
-    return split_cores(preset.host_cpu_cores or CORES_PER_GPU_ASSUMED * preset.gpus_per_node, preset.gpus_per_node)
+    return split_cores(preset.node_cpu_cores, preset.gpus_per_node)
 
 
 def split_cores(cores: int, ranks: int) -> int:

@@ -11,6 +11,9 @@ from pydantic import Field
 
 from finetune.recipe.schema import Strict
 
+# cores per GPU assumed when a preset does not say how many CPU cores its node has
+CORES_PER_GPU_ASSUMED = 8
+
 
 class ModelArch(Strict):
     """The numbers the planner needs about a decoder-only transformer."""
@@ -121,9 +124,14 @@ class HardwarePreset(Strict):
         None,
         ge=1,
         description="CPU cores per node (os.cpu_count() when detected): the offload tiers step the optimizer "
-        "on the host with cores / ranks-per-node threads each; None: 8 per GPU assumed",
+        f"on the host with cores / ranks-per-node threads each; None: {CORES_PER_GPU_ASSUMED} per GPU assumed",
     )
 
     @property
     def world_size(self) -> int:
         return self.gpus_per_node * self.nodes
+
+    @property
+    def node_cpu_cores(self) -> int:
+        """host_cpu_cores, or the assumption for a preset that does not say."""
+        return self.host_cpu_cores or CORES_PER_GPU_ASSUMED * self.gpus_per_node

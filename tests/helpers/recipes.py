@@ -130,10 +130,13 @@ def shape_recipe(
     return load_recipe(raw)
 
 
-def shape_job(model_key: str, adapter: str, hardware: str = "server-8xh100", **kw):
-    """The planner's Job for shape_recipe(model_key, ...) on the registry preset `hardware`."""
+def shape_job(model_key: str, adapter: str, hardware="server-8xh100", **kw):
+    """The planner's Job for shape_recipe(model_key, ...) on `hardware`: a registry preset's name, or a
+    HardwarePreset object (e.g. one synthesize_preset detected; the recipe then says hardware: auto)."""
     from finetune.plan import job_from_recipe
     from finetune.registry import get_model, get_preset
 
-    r = shape_recipe(model_key, adapter, hardware, model__arch=model_key, **kw)
-    return job_from_recipe(r, arch=get_model(model_key), preset=get_preset(hardware))
+    name = hardware if isinstance(hardware, str) else "auto"
+    preset = get_preset(hardware) if isinstance(hardware, str) else hardware
+    r = shape_recipe(model_key, adapter, name, model__arch=model_key, **kw)
+    return job_from_recipe(r, arch=get_model(model_key), preset=preset)

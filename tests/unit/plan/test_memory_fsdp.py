@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import pytest
 
-from finetune.plan import job_from_recipe
 from finetune.plan.memory import (
     activation_bytes_per_token_layer,
     footprint,
@@ -17,23 +16,23 @@ from finetune.plan.memory import (
 )
 from finetune.plan.types import GIB
 from finetune.plan.workload import count_params
-from finetune.recipe import load_recipe
-from finetune.registry import get_model
 from finetune.registry.detect import parse_nvidia_smi, synthesize_preset
+from tests.helpers.recipes import shape_job
 
 H100x4 = synthesize_preset(parse_nvidia_smi("\n".join(["NVIDIA H100 80GB HBM3, 81559 MiB"] * 4)), ram_gib=1024)
 
 
 def _job(arch: str, *, adapter: str = "full", global_batch: int = 4, liger: str = "on", checkpointing="on"):
-    raw = {
-        "model": {"name": "x", "arch": arch},
-        "adapter": adapter,
-        "data": {"path": "t.jsonl", "max_length": 2048, "packing": True},
-        "train": {"global_batch_size": global_batch, "liger": liger, "activation_checkpointing": checkpointing},
-        "distributed": {"strategy": "fsdp2"},
-        "hardware": "auto",
-    }
-    return job_from_recipe(load_recipe(raw), arch=get_model(arch), preset=H100x4)
+    return shape_job(
+        arch,
+        adapter,
+        H100x4,
+        global_batch=global_batch,
+        data__packing=True,
+        train__liger=liger,
+        train__activation_checkpointing=checkpointing,
+        distributed__strategy="fsdp2",
+    )
 
 
 def test_fsdp2_keeps_fp32_shards_and_fp32_sharded_gradients_only():

@@ -6,25 +6,17 @@ from __future__ import annotations
 
 import pytest
 
-from finetune.plan import job_from_recipe
 from finetune.plan.memory import CUDA_FIXED_BYTES, FRAGMENTATION, footprint, state_bytes
 from finetune.plan.optimizer import optimizer_bytes, optimizer_step_transient_bytes
 from finetune.plan.workload import adapter_tensors, count_params, model_tensors, numel
-from finetune.recipe import load_recipe
-from finetune.registry import get_model, get_preset
+from finetune.registry import get_model
+from tests.helpers.recipes import shape_job
 
 SQUARE, MLP, EXPERTS, NORM = (4096, 4096), (14336, 4096), (8, 28672, 4096), (4096,)
 
 
 def _job(arch: str, adapter: str, preset: str, **train):
-    raw = {
-        "model": {"name": "x", "arch": arch},
-        "adapter": adapter,
-        "data": {"path": "t.jsonl"},
-        "train": {"global_batch_size": 8, **train},
-        "hardware": preset,
-    }
-    return job_from_recipe(load_recipe(raw), arch=get_model(arch), preset=get_preset(preset))
+    return shape_job(arch, adapter, preset, global_batch=8, **{f"train__{k}": v for k, v in train.items()})
 
 
 def test_adamw_keeps_two_moments_like_the_parameter():
