@@ -64,11 +64,19 @@ def _targets(recipe, arch) -> tuple[str, ...]:
         import re
 
         pattern = re.compile(chosen)
-        return tuple(
+        matched = tuple(
             n
             for n in module_shapes(arch)
             if any(pattern.fullmatch(f"model.layers.0.{part}.{n}") for part in ("self_attn", "mlp"))
         )
+        if not matched:  # peft would refuse it only after loading the model
+            raise RecipeError(
+                f"the pattern {chosen!r} matches no linear module of {arch.key}",
+                key="adapter.target_modules",
+                hint=f"a regex over full names such as model.layers.0.self_attn.{next(iter(module_shapes(arch)))}, "
+                "a list of module names, or all-linear",
+            )
+        return matched
     known = set(module_shapes(arch)) | {"embed_tokens"}
     names = tuple(name.rsplit(".", 1)[-1] for name in chosen)  # peft matches on the name's suffix
     if "lm_head" in names:

@@ -407,6 +407,13 @@ def test_lora_on_lm_head_and_unknown_targets_are_refused():
         shape_job("llama-3.1-8b", "lora", adapter__target_modules=["q_proj", "lm_head"])
     with pytest.raises(RecipeError, match="qkv_proj"):
         shape_job("llama-3.1-8b", "lora", adapter__target_modules=["qkv_proj"])
+    # a regex (peft's string form) that matches nothing is refused before the model loads
+    with pytest.raises(RecipeError, match="matches no linear module"):
+        shape_job("llama-3.1-8b", "lora", adapter__target_modules=r".*\.qkv_proj")
+    assert shape_job("llama-3.1-8b", "lora", adapter__target_modules=r".*\.(q|v)_proj").lora_targets == (
+        "q_proj",
+        "v_proj",
+    )
     # LoRA on the embedding: A is r x vocab, B is hidden x r: 16 x (128256 + 4096) more params
     a = shape_job("llama-3.1-8b", "lora", adapter__target_modules=["q_proj"])
     b = shape_job("llama-3.1-8b", "lora", adapter__target_modules=["q_proj", "embed_tokens"])
