@@ -67,6 +67,13 @@ class DeferredMetricsSFTTrainer(SFTTrainer):
         # host count (padding-free rows, whose length is known on the host)
         self._pending_tokens: torch.Tensor | None = None
         self._pending_token_count = 0
+        # transformers counts the tokens seen (finetune's tokens/s) with a gather and an .item() on every
+        # micro-batch; where every training micro-batch goes through _record, the count is taken from the
+        # same deferred sum instead, and it counts a padding-free row's EOS tokens that transformers'
+        # non_padding rule (input_ids != pad) drops when the pad token is the EOS token
+        self._counts_input_tokens = self._takes_own_path(return_outputs=False)
+        if self._counts_input_tokens:
+            self.args.include_num_input_tokens_seen = "no"
 
     def _takes_own_path(self, return_outputs: bool) -> bool:
         if not self._deferred or return_outputs:
@@ -134,7 +141,10 @@ class DeferredMetricsSFTTrainer(SFTTrainer):
         self._pending_tokens, self._pending_token_count = None, 0
 
         # like TRL, the gathered token count repeats each token once per tensor-parallel rank
-        self._total_train_tokens += int(total[0].item()) // self._tp_size
+        trained = int(total[0].item()) // self._tp_size
+        self._total_train_tokens += trained
+        if self._counts_input_tokens:
+            self.state.num_input_tokens_seen += trained
         metrics = self._metrics[mode]
         if rows:
             entropy_dtype, correct_dtype, valid_dtype = self._sum_dtypes
@@ -149,5 +159,5 @@ class DeferredMetricsSFTTrainer(SFTTrainer):
             metrics["num_tokens"] = [self._total_train_tokens]
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
-        self._flush("train" if self.model.training else "eval")
+        self._flush("train" if self.model.training else "eval")  # the pending train tokens in either mode
         super().log(logs, start_time)

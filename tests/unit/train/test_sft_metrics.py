@@ -19,7 +19,7 @@ METRICS = ("loss", "entropy", "mean_token_accuracy", "num_tokens")
 SYNCS = ("item", "tolist", "__bool__", "__int__", "__float__", "__index__", "cpu", "numpy", "nonzero")
 
 
-def _trainer(tmp_path, *, deferred: bool, packing: bool, callbacks=()):
+def _trainer(tmp_path, *, deferred: bool, packing: bool, callbacks=(), pad_token: str | None = None):
     from accelerate import PartialState
 
     from finetune.recipe.load import load_recipe
@@ -29,6 +29,7 @@ def _trainer(tmp_path, *, deferred: bool, packing: bool, callbacks=()):
 
     raw = tiny_recipe(
         data={"packing": packing, "max_length": 48},
+        tokenizer={"pad_token": pad_token} if pad_token else {},
         # 4 micro-batches per optimizer step, evaluated after step 2 and at the end
         train={
             "max_steps": 3,
@@ -78,6 +79,25 @@ def test_same_losses_metrics_and_weights_as_trl(tmp_path, packing):
     # the same operations on the same values: equal, not merely close
     assert mine == trl
     assert all(r["num_tokens"] > 0 for r in mine if "num_tokens" in r)
+    # the tokens seen (finetune's tokens/s): every token of the rows trained on, without transformers'
+    # per-micro-batch gather; transformers' own count (non_padding) agrees where it sees every token
+    assert ours.args.include_num_input_tokens_seen == "no"
+    trained = [r["num_tokens"] for r in mine if "num_tokens" in r and "loss" in r]
+    assert ours.state.num_input_tokens_seen == trained[-1] > 0
+    assert ours.state.num_input_tokens_seen == theirs.state.num_input_tokens_seen
+
+
+def test_tokens_seen_keep_the_eos_tokens_when_the_pad_token_is_eos(tmp_path):
+    """transformers' non_padding rule (input_ids != pad) drops every EOS token of a padding-free row when the
+    pad token is the EOS token; the deferred count keeps them, as TRL's num_tokens does."""
+    ours = _trainer(tmp_path, deferred=True, packing=True, pad_token="<|end|>")
+    theirs = _trainer(tmp_path / "trl", deferred=False, packing=True, pad_token="<|end|>")
+    assert ours.processing_class.pad_token_id == ours.processing_class.eos_token_id
+    ours.train()
+    theirs.train()
+    trained = [r["num_tokens"] for r in ours.state.log_history if "num_tokens" in r and "loss" in r]
+    assert ours.state.num_input_tokens_seen == trained[-1]
+    assert ours.state.num_input_tokens_seen > theirs.state.num_input_tokens_seen
     for (name, a), (_, b) in zip(ours.model.named_parameters(), theirs.model.named_parameters(), strict=True):
         assert torch.equal(a, b), name
 
@@ -132,6 +152,36 @@ def test_compute_loss_makes_no_host_sync_or_gather(tmp_path, monkeypatch):
     trainer.train()
     assert spy.compute_loss_calls > 3 * 4 and spy.calls == {}
     assert trainer.state.global_step == 3 and any("entropy" in r for r in trainer.state.log_history)
+
+
+def test_the_training_loop_gathers_once_per_log_not_per_micro_batch(tmp_path, monkeypatch):
+    """transformers' token count gathers on every micro-batch; with this trainer only the logs gather
+    (gathers inside the evaluation loop, the same with either trainer, are not counted)."""
+    for deferred in (True, False):
+        trainer = _trainer(tmp_path / str(deferred), deferred=deferred, packing=True)
+        gathers, evaluating = [], []
+        real_gather, real_evaluate = trainer.accelerator.gather, trainer.evaluate
+
+        def gather(tensor, real=real_gather, evaluating=evaluating, gathers=gathers):
+            if not evaluating:
+                gathers.append(1)
+            return real(tensor)
+
+        def evaluate(*args, real=real_evaluate, evaluating=evaluating, **kwargs):
+            evaluating.append(1)
+            try:
+                return real(*args, **kwargs)
+            finally:
+                evaluating.pop()
+
+        monkeypatch.setattr(trainer.accelerator, "gather", gather)
+        monkeypatch.setattr(trainer, "evaluate", evaluate)
+        trainer.train()
+        logs = sum("loss" in r or "train_runtime" in r for r in trainer.state.log_history)
+        if deferred:
+            assert 0 < len(gathers) <= logs, (len(gathers), logs)
+        else:
+            assert len(gathers) >= 3 * 4, len(gathers)  # one per micro-batch: 3 steps x 4
 
 
 def test_the_spy_sees_trls_syncs(tmp_path, monkeypatch):
