@@ -288,6 +288,12 @@ def _check_run(run_dir: Path, *, repo_id: str):
     from finetune.recipe import load_recipe
 
     recipe = load_recipe(run_dir / rundir.RESOLVED_RECIPE, allow_resolved=True)
+    if recipe.model.init == "random":
+        raise PushError(
+            "this run trained on random weights (model.init: random): a throughput and memory trial, not a model",
+            file=str(run_dir),
+            hint="train with model.init: pretrained to publish the result",
+        )
     kind = run_kind(run_dir)
     if kind == "unknown":
         raise PushError(

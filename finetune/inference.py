@@ -18,7 +18,7 @@ from pathlib import Path
 
 from finetune import rundir
 from finetune.errors import FinetuneError
-from finetune.merging import TOKENIZER_FILES, resolve_base, run_kind
+from finetune.merging import TOKENIZER_FILES, check_base_exists, resolve_base, run_kind
 
 
 class GenerateError(FinetuneError):
@@ -114,6 +114,7 @@ def load(
         if kind == "adapter":
             base = resolve_base(weights, json.loads((weights / "adapter_config.json").read_text()), recipe)
         elif recipe is not None:
+            check_base_exists(run_dir, recipe)
             base = recipe.model.name
         else:
             raise GenerateError(

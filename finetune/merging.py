@@ -58,11 +58,24 @@ def _load_run_recipe(run_dir: Path):
     return load_recipe(path, allow_resolved=True)
 
 
+def check_base_exists(run_dir: Path, recipe) -> None:
+    """A run trained from random weights (model.init: random) has no base model anywhere to load."""
+    if recipe is not None and recipe.model.init == "random":
+        raise FinetuneError(
+            "this run trained on random weights (model.init: random): its base model was never saved, so "
+            "there is no base to load or to apply the adapter to",
+            file=str(run_dir),
+            hint="model.init: random runs are throughput and memory trials; train with model.init: pretrained "
+            "to use the result",
+        )
+
+
 def resolve_base(run_dir: Path, adapter_config: dict, recipe) -> str:
     """The base model to merge into: adapter_config's base path/id, else the recipe's model.name.
 
     A relative local path is tried as given and relative to RUN_DIR; otherwise it is a Hub id.
     """
+    check_base_exists(run_dir, recipe)
     base = adapter_config.get("base_model_name_or_path") or (recipe.model.name if recipe else None)
     if not base:
         raise MergeError(

@@ -86,6 +86,21 @@ def check_model_files(recipe) -> None:
         )
     for weights in sorted(model_dir.glob("*.safetensors")):
         check_safetensors(weights)
+    if recipe.model.init == "pretrained" and not any(model_dir.glob("*.safetensors")):
+        pickled = any(model_dir.glob("*.bin"))
+        if pickled and not recipe.model.allow_pickle:
+            raise RecipeError(
+                f"{model_dir} has only .bin (pickle) weights",
+                key="model.allow_pickle",
+                hint="set model.allow_pickle: true if you trust them, or convert them to safetensors",
+            )
+        if not pickled:
+            raise RecipeError(
+                f"{model_dir} has config.json but no weights (no *.safetensors or *.bin)",
+                key="model.name",
+                hint="copy the weights there, or set model.init: random for a throughput and memory trial "
+                "with random weights",
+            )
     if not any((model_dir / name).is_file() for name in TOKENIZER_FILES):
         raise RecipeError(
             f"{model_dir} has no tokenizer files (none of {', '.join(TOKENIZER_FILES)})",

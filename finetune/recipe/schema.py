@@ -88,6 +88,15 @@ class ModelSection(Strict):
             "factor: 4.0, original_max_position_embeddings: 8192}; merged into the model's own RoPE parameters"
         ),
     )
+    init: Literal["pretrained", "random"] = Field(
+        "pretrained",
+        description=(
+            "pretrained: load the weights. random: build the model from its config.json with random weights "
+            "(seeded by train.seed; needs only the config and tokenizer files), for throughput and memory "
+            "trials such as `finetune plan --measure` before downloading a model; the trained result is not "
+            "a usable model"
+        ),
+    )
 
 
 class MethodSection(Strict):
@@ -643,6 +652,24 @@ def _shards(strategy: str) -> bool:
     return strategy != AUTO and shards_params(strategy)
 
 
+def _random_init_conflicts(recipe: Recipe):
+    """model.init: random builds the weights, so nothing may need them loaded or worth keeping."""
+    a = recipe.adapter
+    if a.type == "qlora" or a.load_in_8bit:
+        key = "adapter.type" if a.type == "qlora" else "adapter.load_in_8bit"
+        yield (
+            key,
+            (
+                "model.init: random builds the weights in the model dtype, and bitsandbytes quantizes only while "
+                "loading a checkpoint; trial the shape with adapter.type: lora, or use model.init: pretrained"
+            ),
+        )
+    if recipe.data.task_eval is not None:
+        yield "data.task_eval", "model.init: random trains a trial model with nothing to score; remove data.task_eval"
+    if recipe.hub.repo:
+        yield "hub.repo", "a model trained from random weights (model.init: random) is a trial; remove hub.repo"
+
+
 def recipe_conflicts(recipe: Recipe):
     """Yield (key path, message with a fix) for settings that contradict each other."""
     t, a, m, d = recipe.train, recipe.adapter, recipe.method, recipe.data
@@ -688,6 +715,8 @@ def recipe_conflicts(recipe: Recipe):
                     "set adapter.compute_dtype: float32 or train.precision: bf16"
                 ),
             )
+    if recipe.model.init == "random":
+        yield from _random_init_conflicts(recipe)
     if a.load_in_8bit and a.type != "lora":
         yield "adapter.load_in_8bit", "load_in_8bit is for adapter.type: lora (qlora is 4-bit already)"
     if a.loraplus_lr_ratio and a.type == "full":

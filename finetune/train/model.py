@@ -165,7 +165,10 @@ def load_model(recipe: Recipe):
     if recipe.method.type == "reward":  # one score per sequence, on the same backbone
         auto, kwargs["num_labels"] = AutoModelForSequenceClassification, 1
     try:
-        model = auto.from_pretrained(model_path(recipe), **kwargs)
+        if recipe.model.init == "random":
+            model = random_model(recipe, auto, kwargs)
+        else:
+            model = auto.from_pretrained(model_path(recipe), **kwargs)
     except OSError as exc:
         hint = (
             "it has only .bin (pickle) weights; set model.allow_pickle: true if you trust it"
@@ -187,6 +190,32 @@ def load_model(recipe: Recipe):
         # the score is read at each row's last non-pad token, which needs the pad id
         model.config.pad_token_id = load_tokenizer(recipe).pad_token_id
     return model
+
+
+def random_model(recipe: Recipe, auto, kwargs: dict):
+    """model.init: random: the model built from its config.json with random weights seeded by train.seed.
+
+    Under FSDP with accelerate's cpu_ram_efficient_loading (finetune's FSDP configs) only the main process
+    builds real weights, which accelerate then broadcasts shard by shard as it does loaded ones; the other
+    ranks build empty (meta) parameters with real buffers. Under ZeRO-3 transformers builds the model inside
+    deepspeed.zero.Init, each rank materialising its own partition."""
+    import torch
+    from accelerate import PartialState, init_empty_weights
+    from transformers import AutoConfig
+    from transformers.integrations import is_fsdp_enabled
+
+    m = recipe.model
+    config = kwargs.get("config") or AutoConfig.from_pretrained(
+        model_path(recipe), revision=m.revision, trust_remote_code=m.trust_remote_code
+    )
+    if "num_labels" in kwargs:
+        config.num_labels = kwargs["num_labels"]
+    build = {k: kwargs[k] for k in ("dtype", "attn_implementation", "trust_remote_code")}
+    torch.manual_seed(recipe.train.seed)
+    if is_fsdp_enabled() and not PartialState().is_main_process:
+        with init_empty_weights():
+            return auto.from_config(config, **build)
+    return auto.from_config(config, **build)
 
 
 def lora_config(recipe: Recipe):

@@ -83,6 +83,15 @@ def test_two_gpus(name, tmp_path):
     _check(_validate(name, tmp_path))
 
 
+@pytest.mark.parametrize("name", ["full3b-fsdp2", "lora8b-zero3"])
+def test_two_gpus_random_init(name, tmp_path):
+    """model.init: random where the build is sharded: FSDP2 (the main process builds the weights, the
+    other rank empty ones, and accelerate broadcasts them) and ZeRO-3 (deepspeed.zero.Init partitions)."""
+    if _gpus() < 2:
+        pytest.skip("needs 2 CUDA GPUs")
+    _check(_validate(name, tmp_path, extra=("--set", "model.init=random")))
+
+
 @pytest.mark.parametrize("name", ["full3b-zero2", "full3b-zero3-optim-offload", "full3b-fsdp2-offload"])
 def test_two_gpus_partial_offload_tiers(name, tmp_path):
     if _gpus() < 2:

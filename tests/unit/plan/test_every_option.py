@@ -56,6 +56,7 @@ NO_EFFECT = {
     "model.trust_remote_code": "permission to run the repository's code",
     "model.allow_pickle": "which weight file format may be read",
     "model.rope_scaling": "changes RoPE's frequencies, not tensor shapes or FLOPs",
+    "model.init": "the weights' values, not their shapes (a random build's time is in the load, not a step)",
     "method.beta": "a coefficient of the preference loss",
     "method.loss_type": "DPO's loss variants are elementwise on the same per-sequence log-probabilities",
     "method.simpo_gamma": "a coefficient of the loss",
