@@ -6,8 +6,10 @@ from finetune.peers import Conversion
 from finetune.peers.common import (
     as_list,
     deepspeed_file,
+    fsdp_strategy,
     optimizer,
     scheduler,
+    sniff_format,
     template,
 )
 
@@ -26,9 +28,7 @@ IGNORED = {
         "flash_attn_rms_norm",
         "tf32",
         "dataset_prepared_path",
-        "wandb_entity",
         "wandb_watch",
-        "wandb_name",
         "wandb_log_model",
         "wandb_run_id",
         "resume_from_checkpoint",
@@ -54,7 +54,6 @@ IGNORED = {
         "special_tokens_pad_to_multiple_of",
         "eval_table_size",
         "eval_max_new_tokens",
-        "fsdp_version",
         "save_first_step",
         "bf16_full_eval",
         "use_tensorboard",
@@ -66,8 +65,25 @@ IGNORED = {
         "torch_compile",
         "unsloth_cross_entropy_loss",
         "chat_template_jinja",
+        "experimental_skip_move_to_device",
+        "skip_prepare_dataset",
+        "remove_unused_columns",
+        "shuffle_merged_datasets",
+        "sample_packing_eff_est",
+        "total_num_tokens",
+        "include_tokens_per_second",
+        "gc_steps",
     )
+} | {
+    "fsdp_version": "finetune always uses FSDP2 when it picks FSDP",
+    "loss_watchdog_threshold": "no loss watchdog; a non-finite loss stops the run (train.on_nonfinite)",
+    "loss_watchdog_patience": "no loss watchdog; a non-finite loss stops the run (train.on_nonfinite)",
+    "num_labels": "a reward model (method: reward) has one score head; other heads are not offered",
 }
+# axolotl's attention switch -> model.attn_implementation (flash: finetune picks its flash kernel itself)
+ATTENTION = {"sdpa": "sdpa", "eager": "eager", "flex": "flex_attention", "flash": None, "xformers": None}
+# dataset options that keep finetune's defaults (anything else is reported)
+_SAME = {"train_on_eos": ("turn",), "roles_to_train": (["assistant"], ["gpt"], ["assistant", "gpt"])}
 # axolotl dataset types -> our formats (instruction prompt styles all read alpaca-like columns)
 FORMATS = {
     "alpaca": "alpaca",
@@ -103,9 +119,14 @@ def _source(conv: Conversion, i: int, ds: dict, *, preference: bool) -> dict | N
     kind = str(ds.get("type") or ("chat_template.default" if preference else "alpaca"))
     if preference:
         src["format"] = "preference"
+        if conv.get("method.type") == "kto" and sniff_format(conv, str(ds["path"]), method="kto") == "unpaired":
+            src["format"] = "unpaired"  # prompt/completion/label rows
         columns = {c: ds[f"field_{c}"] for c in ("prompt", "chosen", "rejected") if ds.get(f"field_{c}")}
         if ds.get("field_messages") and "prompt" not in columns:
             columns["prompt"] = ds["field_messages"]
+        columns = {k: v for k, v in columns.items() if k != v}
+        if src["format"] == "unpaired":
+            columns = {}
         if columns:
             src["columns"] = columns
         if kind not in PREFERENCE_TYPES:
@@ -140,9 +161,27 @@ def _source(conv: Conversion, i: int, ds: dict, *, preference: bool) -> dict | N
     for ours, theirs in (("split", "split"), ("subset", "name")):
         if ds.get(theirs):
             src[ours] = ds[theirs]
+    for option, same in _SAME.items():
+        if option in ds and ds[option] not in same:
+            conv.drop(
+                f"{key}.{option}",
+                ds[option],
+                "finetune's loss covers each assistant turn through its end-of-turn token (roles_to_train "
+                "[assistant], train_on_eos turn); set data.assistant_only_loss: false to train on every token",
+            )
+    roles = ds.get("roles") or {}
+    if any(str(r) not in {str(v) for v in vs or []} for r, vs in roles.items()):
+        conv.drop(
+            f"{key}.roles",
+            roles,
+            "renamed roles are not mapped; finetune reads user/assistant/system (and sharegpt's human/gpt); "
+            "rename them in the data",
+        )
     leftover = sorted(
         set(ds)
+        - set(_SAME)
         - {
+            "roles",
             "path",
             "type",
             "split",
@@ -160,8 +199,13 @@ def _source(conv: Conversion, i: int, ds: dict, *, preference: bool) -> dict | N
             "data_files",
         }
     )
-    if leftover:
-        conv.drop(f"{key}.{leftover[0]}", ds[leftover[0]], "dataset option without an equivalent")
+    for option in leftover:
+        conv.drop(
+            f"{key}.{option}",
+            ds[option],
+            "dataset option without a finetune equivalent"
+            + ("; multimodal rows are not trained (text-only causal LMs)" if "image" in option else ""),
+        )
     return src
 
 
@@ -177,6 +221,26 @@ def convert(conv: Conversion) -> None:
             conv.drop(
                 "rl", rl, f"method {rl!r} is not offered; finetune has sft, dpo, kto, orpo, simpo, reward, pretrain"
             )
+    if conv.has("dpo_loss_type"):
+        loss = as_list(conv.take("dpo_loss_type"))
+        conv.set("method.loss_type", loss[0])
+        if len(loss) > 1:
+            conv.drop("dpo_loss_type", loss, "combined DPO losses are not offered; the first is used")
+    if conv.has("orpo_alpha"):
+        conv.set("method.beta", conv.take("orpo_alpha"))  # ORPO's lambda is our method.beta
+    for theirs, ours in (
+        ("kto_desirable_weight", "desirable_weight"),
+        ("kto_undesirable_weight", "undesirable_weight"),
+    ):
+        if conv.has(theirs):
+            conv.set(f"method.{ours}", conv.take(theirs))
+    if conv.has("processor_type"):
+        conv.drop(
+            "processor_type",
+            conv.take("processor_type"),
+            "multimodal (image/audio) fine-tuning is not offered; finetune trains text-only causal LMs "
+            "(convert the rows to text, or train this model with axolotl)",
+        )
     if conv.has("reward_model"):
         conv.take("reward_model")
         conv.set("method.type", "reward")
@@ -213,7 +277,7 @@ def convert(conv: Conversion) -> None:
         conv.set("data.sources", sources)
     if eval_sources:
         conv.set("data.eval_sources", eval_sources)
-    if conv.get("method.type") == "kto" and sources:
+    if conv.get("method.type") == "kto" and any(s["format"] == "preference" for s in sources):
         conv.notes.append("KTO: paired rows are unpaired; rows with a boolean label need data.format: unpaired")
     tokens = conv.take("special_tokens") or {}
     for name in ("pad_token", "eos_token", "bos_token"):
@@ -235,9 +299,21 @@ def convert(conv: Conversion) -> None:
             "axolotl also multiplies by the GPU count, so multiply it by yours"
         )
     deepspeed_file(conv, "deepspeed")
-    if conv.has("fsdp") or conv.has("fsdp_config"):
-        conv.take("fsdp"), conv.take("fsdp_config")
-        conv.set("distributed.strategy", "fsdp2")
+    flags, fsdp_config = as_list(conv.take("fsdp")), conv.take("fsdp_config")
+    if flags or fsdp_config:
+        fsdp_strategy(conv, "fsdp_config" if fsdp_config else "fsdp", fsdp_config or {}, flags=flags)
+    attention = conv.take("attention")
+    if attention is not None:
+        if str(attention) in ATTENTION:
+            if ATTENTION[str(attention)]:
+                conv.set("model.attn_implementation", ATTENTION[str(attention)])
+        else:
+            conv.drop(
+                "attention", attention, "unknown kernel; finetune offers sdpa, eager, flex (model.attn_implementation)"
+            )
+    for theirs, ours in (("wandb_entity", "logging.entity"), ("wandb_name", "logging.run_name")):
+        if conv.has(theirs):
+            conv.set(ours, conv.take(theirs))
     if conv.has("warmup_steps") and conv.has("warmup_ratio"):
         conv.drop("warmup_ratio", conv.take("warmup_ratio"), "warmup_steps is set too; finetune takes one")
     if conv.has("wandb_project"):

@@ -5,7 +5,16 @@ names it, else DPO-only keys (beta, loss_type, max_prompt_length) mean dpo and t
 from __future__ import annotations
 
 from finetune.peers import Conversion
-from finetune.peers.common import DTYPES, accelerate_file, as_list, batch_sizes, optimizer, scheduler
+from finetune.peers.common import (
+    DTYPES,
+    accelerate_file,
+    as_list,
+    batch_sizes,
+    optimizer,
+    scheduler,
+    sniff_format,
+    template,
+)
 
 IGNORED = {
     k: "finetune decides this itself or has no such switch"
@@ -29,8 +38,10 @@ IGNORED = {
         "gradient_checkpointing_kwargs",
         "remove_unused_columns",
         "dataset_text_field",
-        "completion_only_loss",
-        "assistant_only_loss",
+        "evaluation_strategy",
+        "preprocessing_num_workers",
+        "hub_private_repo",
+        "bnb_4bit_quant_storage",
         "ignore_bias_buffers",
         "torch_compile",
         "tf32",
@@ -38,9 +49,10 @@ IGNORED = {
         "padding_free",
         "packing_strategy",
         "lora_task_type",
-        "use_bnb_nested_quant",
-        "bnb_4bit_quant_storage",
     )
+} | {
+    "max_prompt_length": "TRL 1.x has no prompt limit either; a pair longer than data.max_length is truncated whole",
+    "dataset_test_split": "read only when eval_strategy is not 'no'",
 }
 DPO_KEYS = ("beta", "loss_type", "max_prompt_length", "precompute_ref_log_probs", "rpo_alpha")
 METHODS = ("sft", "dpo", "kto", "reward", "orpo", "cpo")
@@ -64,6 +76,12 @@ def convert(conv: Conversion, *, method: str | None) -> None:
             conv.drop("loss_type", loss, "combined DPO losses are not offered; the first is used")
     if conv.take("use_peft"):
         conv.set("adapter.type", "qlora" if conv.take("load_in_4bit") else "lora")
+        if conv.get("adapter.type") == "qlora":
+            if conv.has("bnb_4bit_quant_type"):
+                conv.set("adapter.quant_type", conv.take("bnb_4bit_quant_type"))
+            conv.set("adapter.double_quant", bool(conv.take("use_bnb_nested_quant")))  # TRL's default: off
+        else:
+            conv.used.update({"bnb_4bit_quant_type", "use_bnb_nested_quant"})
         if conv.take("load_in_8bit"):
             conv.set("adapter.load_in_8bit", True)
         targets = conv.take("lora_target_modules")
@@ -71,19 +89,26 @@ def convert(conv: Conversion, *, method: str | None) -> None:
             conv.set("adapter.target_modules", targets if targets == "all-linear" else as_list(targets))
     else:
         conv.set("adapter.type", "full")
-        for key in ("lora_r", "lora_alpha", "lora_dropout", "lora_target_modules", "load_in_4bit", "load_in_8bit"):
+        for key in (
+            "lora_r",
+            "lora_alpha",
+            "lora_dropout",
+            "lora_target_modules",
+            "lora_modules_to_save",
+            "load_in_4bit",
+            "load_in_8bit",
+            "use_dora",
+            "use_rslora",
+        ):
             if conv.has(key):
                 conv.drop(key, conv.raw[key], "use_peft is off, so this LoRA setting does nothing", material=False)
-    name = conv.take("dataset_name")
-    if name:
-        source = {"path": conv.local_path(str(name)), "format": _format(method)}
-        if conv.has("dataset_config"):
-            source["subset"] = conv.take("dataset_config")
-        source["split"] = conv.take("dataset_train_split", "train")
-        conv.set("data.sources", [source])
-        conv.notes.append(f"data.sources[0].format {source['format']} assumed for {name}; check it")
-        if conv.has("dataset_test_split") and conv.raw.get("eval_strategy", "no") != "no":
-            conv.set("data.eval_sources", [{**source, "split": conv.take("dataset_test_split")}])
+    _datasets(conv, method)
+    _loss_mask(conv, method)
+    if conv.has("model_revision"):
+        conv.set("model.revision", conv.take("model_revision"))
+    template(conv, "chat_template")
+    if conv.has("run_name"):
+        conv.set("logging.run_name", conv.take("run_name"))
     dtype = conv.take("dtype") or conv.take("torch_dtype")
     if dtype is not None and DTYPES.get(str(dtype)):
         conv.set("model.dtype", DTYPES[str(dtype)])
@@ -102,3 +127,105 @@ def convert(conv: Conversion, *, method: str | None) -> None:
 
 def _format(method: str) -> str:
     return "messages" if method == "sft" else "unpaired" if method == "kto" else "preference"
+
+
+def _evaluates(conv: Conversion) -> bool:
+    strategy = conv.raw.get("eval_strategy", conv.raw.get("evaluation_strategy", "no"))
+    return str(strategy) != "no" or bool(conv.raw.get("do_eval"))
+
+
+def _source(conv: Conversion, path: str, method: str, **extra) -> dict:
+    fmt = sniff_format(conv, path, method=method)
+    if fmt is None:
+        fmt = _format(method)
+        note = f"format {fmt} assumed for {path}; check data.sources[].format"
+        if note not in conv.notes:
+            conv.notes.append(note)
+    src = {"path": conv.local_path(path), "format": fmt}
+    return src | {k: v for k, v in extra.items() if v is not None}
+
+
+def _datasets(conv: Conversion, method: str) -> None:
+    """dataset_name (ScriptArguments), the handbooks' dataset_mixer + dataset_splits, and dataset_mixture /
+    datasets (a list of {path|id, config|name, split, columns, weight}) -> data.sources."""
+    sources: list[dict] = []
+    evals: list[dict] = []
+    name = conv.take("dataset_name")
+    test_split = conv.take("dataset_test_split")
+    if name:
+        src = _source(conv, str(name), method, subset=conv.take("dataset_config"))
+        src["split"] = conv.take("dataset_train_split", "train")
+        sources.append(src)
+        if test_split and _evaluates(conv):
+            evals.append({**src, "split": test_split})
+        elif test_split:
+            conv.drop("dataset_test_split", test_split, "eval_strategy is 'no', so it is not read", material=False)
+    mixer = conv.take("dataset_mixer")
+    if mixer:
+        splits = as_list(conv.take("dataset_splits")) or ["train", "test"]
+        weights = mixer if isinstance(mixer, dict) else {m: 1.0 for m in as_list(mixer)}
+        for path, weight in weights.items():
+            for split in splits:
+                src = _source(conv, str(path), method, split=split)
+                if "test" in split:
+                    if _evaluates(conv):
+                        evals.append(src)
+                else:
+                    sources.append(src | ({"weight": weight} if weight != 1 else {}))
+        if weights and any(w < 1 for w in weights.values()):
+            conv.notes.append(
+                "dataset_mixer: a weight below 1 took that share of the rows; here a weight sets the sampling "
+                "proportion between sources (data.sources[].weight)"
+            )
+    mixture = conv.take("dataset_mixture")
+    entries = conv.take("datasets")
+    if isinstance(mixture, dict):
+        entries = mixture.get("datasets") or entries
+        for key, ours in (("test_split_size", "data.eval_fraction"), ("seed", "data.seed")):
+            if mixture.get(key) is not None:
+                conv.set(ours, mixture[key])
+    if conv.has("test_split_size"):  # TRL's own DatasetMixtureConfig, at the top level
+        conv.set("data.eval_fraction", conv.take("test_split_size"))
+    for i, entry in enumerate(as_list(entries)):
+        if not isinstance(entry, dict) or not (entry.get("path") or entry.get("id")):
+            conv.drop(f"datasets[{i}]", entry, "a dataset entry needs a path (or id)")
+            continue
+        src = _source(
+            conv,
+            str(entry.get("path") or entry.get("id")),
+            method,
+            subset=entry.get("config") or entry.get("name"),
+            split=entry.get("split"),
+        )
+        if entry.get("weight") not in (None, 1, 1.0):
+            src["weight"] = entry["weight"]
+        rest = set(entry) - {"path", "id", "config", "name", "split", "weight", "columns"}
+        for key in sorted(rest):
+            conv.drop(f"datasets[{i}].{key}", entry[key], "dataset option without a finetune equivalent")
+        (evals if "test" in str(src.get("split", "")) and _evaluates(conv) else sources).append(src)
+    if sources:
+        conv.set("data.sources", sources)
+    if evals:
+        conv.set("data.eval_sources", evals)
+        if conv.get("data.eval_fraction"):
+            del conv.recipe["data"]["eval_fraction"]  # held-out splits are given; no second split
+
+
+def _loss_mask(conv: Conversion, method: str) -> None:
+    """TRL's SFT defaults: completion_only_loss (None = on) for prompt/completion rows, assistant_only_loss
+    (off) for conversations; finetune has one switch, data.assistant_only_loss."""
+    completion, assistant = conv.take("completion_only_loss"), conv.take("assistant_only_loss")
+    if method != "sft":
+        return
+    formats = {s["format"] for s in conv.get("data.sources", [])}
+    if formats <= {"prompt_completion"} and formats:
+        conv.set("data.assistant_only_loss", completion is not False)
+    elif formats <= {"text"} and formats:
+        return
+    else:
+        conv.set("data.assistant_only_loss", bool(assistant))
+        if assistant is None:
+            conv.notes.append(
+                "data.assistant_only_loss false: TRL's default trains conversations on every token; set it "
+                "to true for loss on the assistant turns only"
+            )
