@@ -5,8 +5,10 @@ from __future__ import annotations
 from finetune.peers import Conversion
 from finetune.peers.common import (
     as_list,
+    batch_sizes,
     deepspeed_file,
     fsdp_strategy,
+    loss_type,
     optimizer,
     scheduler,
     sniff_format,
@@ -115,6 +117,10 @@ def _source(conv: Conversion, i: int, ds: dict, *, preference: bool) -> dict | N
     if not isinstance(ds, dict) or not ds.get("path"):
         conv.drop(key, ds, "a dataset entry needs a path")
         return None
+    ds = dict(ds)
+    for option in ("message_property_mappings", "roles"):
+        if ds.get(option) is not None and not isinstance(ds[option], dict):
+            conv.drop(f"{key}.{option}", ds.pop(option), "must be a mapping")
     src: dict = {"path": conv.local_path(str(ds["path"]))}
     kind = str(ds.get("type") or ("chat_template.default" if preference else "alpaca"))
     if preference:
@@ -170,7 +176,7 @@ def _source(conv: Conversion, i: int, ds: dict, *, preference: bool) -> dict | N
                 "[assistant], train_on_eos turn); set data.assistant_only_loss: false to train on every token",
             )
     roles = ds.get("roles") or {}
-    if any(str(r) not in {str(v) for v in vs or []} for r, vs in roles.items()):
+    if any(str(r) not in {str(v) for v in as_list(vs)} for r, vs in roles.items()):
         conv.drop(
             f"{key}.roles",
             roles,
@@ -222,10 +228,7 @@ def convert(conv: Conversion) -> None:
                 "rl", rl, f"method {rl!r} is not offered; finetune has sft, dpo, kto, orpo, simpo, reward, pretrain"
             )
     if conv.has("dpo_loss_type"):
-        loss = as_list(conv.take("dpo_loss_type"))
-        conv.set("method.loss_type", loss[0])
-        if len(loss) > 1:
-            conv.drop("dpo_loss_type", loss, "combined DPO losses are not offered; the first is used")
+        loss_type(conv, "dpo_loss_type")
     if conv.has("orpo_alpha"):
         conv.set("method.beta", conv.take("orpo_alpha"))  # ORPO's lambda is our method.beta
     for theirs, ours in (
@@ -280,6 +283,9 @@ def convert(conv: Conversion) -> None:
     if conv.get("method.type") == "kto" and any(s["format"] == "preference" for s in sources):
         conv.notes.append("KTO: paired rows are unpaired; rows with a boolean label need data.format: unpaired")
     tokens = conv.take("special_tokens") or {}
+    if not isinstance(tokens, dict):
+        conv.drop("special_tokens", tokens, "must be a mapping such as {pad_token: ..., eos_token: ...}")
+        tokens = {}
     for name in ("pad_token", "eos_token", "bos_token"):
         if tokens.get(name):
             conv.set(f"tokenizer.{name}", tokens[name])
@@ -290,14 +296,7 @@ def convert(conv: Conversion) -> None:
     scheduler(conv, "lr_scheduler")
     if conv.has("cosine_min_lr_ratio"):
         conv.set("train.scheduler", "cosine_with_min_lr")
-    micro, accumulation = conv.take("micro_batch_size"), conv.take("gradient_accumulation_steps")
-    if micro:
-        conv.set("train.micro_batch_size", micro)
-        conv.set("train.global_batch_size", micro * (accumulation or 1))
-        conv.notes.append(
-            "train.global_batch_size is micro_batch_size x gradient_accumulation_steps of ONE GPU; "
-            "axolotl also multiplies by the GPU count, so multiply it by yours"
-        )
+    batch_sizes(conv, micro_key="micro_batch_size", also="axolotl also multiplies by the GPU count, so ")
     deepspeed_file(conv, "deepspeed")
     flags, fsdp_config = as_list(conv.take("fsdp")), conv.take("fsdp_config")
     if flags or fsdp_config:

@@ -77,8 +77,8 @@ def map_aliases(conv: Conversion, *, ignore: dict[str, str]) -> None:
             continue
         try:
             ours = alias.value(value) if alias.value else value
-        except ValueError as exc:
-            conv.drop(key, value, str(exc))
+        except (ValueError, TypeError) as exc:
+            conv.drop(key, value, f"not a value finetune reads here ({exc})")
             continue
         conv.used.add(key)
         if ours is not None:
@@ -95,7 +95,9 @@ def _named(conv: Conversion, key: str, *, table: dict[str, str], ours: str, what
     name = conv.take(key)
     if name is None:
         return
-    if name in table:
+    if not isinstance(name, str):
+        conv.drop(key, name, f"must be one {what} name; finetune has {offered}")
+    elif name in table:
         conv.set(ours, table[name])
     else:
         conv.drop(key, name, f"{what} {name!r} is not offered; finetune has {offered}")
@@ -278,6 +280,10 @@ def fsdp_strategy(conv: Conversion, key: str, config: dict, *, flags: list | Non
     """accelerate/axolotl FSDP settings (v1 `fsdp_*` keys or v2 bare keys, and axolotl's `fsdp:` list) ->
     distributed.strategy: fsdp2, fsdp2-offload or fsdp2-hybrid."""
 
+    if not isinstance(config, dict):
+        conv.drop(key, config, "must be a mapping of FSDP settings; the planner picks the strategy", material=False)
+        config = {}
+
     def get(name: str) -> Any:
         return config.get(f"fsdp_{name}", config.get(name))
 
@@ -346,17 +352,34 @@ def as_list(value: Any) -> list:
     return list(value) if isinstance(value, (list, tuple)) else [value]
 
 
-def batch_sizes(conv) -> None:
-    """per_device_train_batch_size x gradient_accumulation_steps (transformers' TrainingArguments): our
-    micro-batch, and a global batch for ONE GPU (said in the notes, since ours spans every GPU)."""
-    micro, accumulation = conv.take("per_device_train_batch_size"), conv.take("gradient_accumulation_steps")
+def batch_sizes(conv: Conversion, *, micro_key: str = "per_device_train_batch_size", also: str = "") -> None:
+    """micro-batch x gradient_accumulation_steps (transformers' TrainingArguments names; axolotl's
+    micro_batch_size): our micro-batch, and a global batch for ONE GPU (said in the notes, since ours spans
+    every GPU)."""
+    micro, accumulation = conv.raw.get(micro_key), conv.raw.get("gradient_accumulation_steps")
+    for key, value in ((micro_key, micro), ("gradient_accumulation_steps", accumulation)):
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+            conv.drop(key, value, "must be a positive whole number; set train.global_batch_size by hand")
+            return
+    conv.used.update({micro_key, "gradient_accumulation_steps"})
     if micro:
         conv.set("train.micro_batch_size", micro)
         conv.set("train.global_batch_size", micro * (accumulation or 1))
         conv.notes.append(
-            "train.global_batch_size is per_device_train_batch_size x gradient_accumulation_steps "
-            "of ONE GPU; multiply it by your GPU count for the same effective batch"
+            f"train.global_batch_size is {micro_key} x gradient_accumulation_steps of ONE GPU; {also}"
+            "multiply it by your GPU count for the same effective batch"
         )
+
+
+def loss_type(conv: Conversion, key: str) -> None:
+    """A DPO loss name, or TRL's list of losses (only one is offered) -> method.loss_type."""
+    losses = as_list(conv.take(key))
+    if not losses or not all(isinstance(v, str) for v in losses):
+        conv.drop(key, losses, "must name one DPO loss (sigmoid, ipo, hinge, robust, ...)")
+        return
+    conv.set("method.loss_type", losses[0])
+    if len(losses) > 1:
+        conv.drop(key, losses, f"combined DPO losses are not offered; only {losses[0]} is used")
 
 
 # YAML 1.1 (PyYAML) reads `2e-5` (no dot) as a string; the peers' loaders read it as a number

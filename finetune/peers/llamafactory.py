@@ -88,8 +88,11 @@ def _dataset_info(conv: Conversion) -> tuple[dict, Path] | tuple[None, None]:
 
 
 def _source(conv: Conversion, name: str, info: dict | None, folder: Path | None, key: str) -> dict | None:
+    if not isinstance(name, str):
+        conv.drop(key, name, "must be a dataset name from dataset_info.json (comma-separated for several)")
+        return None
     entry = (info or {}).get(name)
-    if entry is None:
+    if not isinstance(entry, dict):
         conv.drop(key, name, "not found in dataset_info.json (dataset_dir); add it to data.sources by path")
         return None
     if entry.get("file_name"):

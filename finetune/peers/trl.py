@@ -10,6 +10,7 @@ from finetune.peers.common import (
     accelerate_file,
     as_list,
     batch_sizes,
+    loss_type,
     optimizer,
     scheduler,
     sniff_format,
@@ -70,10 +71,7 @@ def convert(conv: Conversion, *, method: str | None) -> None:
     if method in ("dpo", "kto", "orpo", "cpo") and conv.has("beta"):
         conv.set("method.beta", conv.take("beta"))
     if method == "dpo" and conv.has("loss_type"):
-        loss = as_list(conv.take("loss_type"))
-        conv.set("method.loss_type", loss[0])
-        if len(loss) > 1:
-            conv.drop("loss_type", loss, "combined DPO losses are not offered; the first is used")
+        loss_type(conv, "loss_type")
     if conv.take("use_peft"):
         conv.set("adapter.type", "qlora" if conv.take("load_in_4bit") else "lora")
         if conv.get("adapter.type") == "qlora":
@@ -162,8 +160,11 @@ def _datasets(conv: Conversion, method: str) -> None:
             conv.drop("dataset_test_split", test_split, "eval_strategy is 'no', so it is not read", material=False)
     mixer = conv.take("dataset_mixer")
     if mixer:
-        splits = as_list(conv.take("dataset_splits")) or ["train", "test"]
-        weights = mixer if isinstance(mixer, dict) else {m: 1.0 for m in as_list(mixer)}
+        splits = [str(x) for x in as_list(conv.take("dataset_splits"))] or ["train", "test"]
+        weights = mixer if isinstance(mixer, dict) else {str(m): 1.0 for m in as_list(mixer)}
+        if not all(isinstance(w, (int, float)) and w > 0 for w in weights.values()):
+            conv.drop("dataset_mixer", mixer, "must map dataset ids to positive weights")
+            weights = {}
         for path, weight in weights.items():
             for split in splits:
                 src = _source(conv, str(path), method, split=split)

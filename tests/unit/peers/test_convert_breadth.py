@@ -362,3 +362,25 @@ def test_every_shipped_peer_config_is_exercised():
         "trl-sft.yaml",
     }  # the last five: tests/unit/peers/test_convert.py
     assert configs <= covered, configs - covered
+
+
+@pytest.mark.parametrize(
+    ("source", "config", "key"),
+    [
+        ("axolotl", {"special_tokens": True}, "special_tokens"),
+        ("axolotl", {"dpo_loss_type": [], "rl": "dpo"}, "dpo_loss_type"),
+        ("axolotl", {"micro_batch_size": 2, "gradient_accumulation_steps": {"k": "v"}}, "gradient_accumulation_steps"),
+        ("axolotl", {"optimizer": ["adamw_torch"]}, "optimizer"),
+        ("axolotl", {"num_epochs": []}, "num_epochs"),
+        ("axolotl", {"datasets": [{"path": "x.jsonl", "type": "alpaca", "roles": "user"}]}, "datasets[0].roles"),
+        ("llamafactory", {"dataset": {"name": "x"}}, "dataset[0]"),
+        ("trl", {"dataset_mixer": {"org/data": "all"}}, "dataset_mixer"),
+        ("trl", {"loss_type": [], "beta": 0.1}, "loss_type"),
+    ],
+)
+def test_odd_value_shapes_are_reported_by_key_not_raised(tmp_path, source, config, key):
+    from finetune.peers import convert_mapping
+
+    raw = {"base_model" if source == "axolotl" else "model_name_or_path": "meta-llama/Llama-3.2-1B", **config}
+    conv = convert_mapping(raw, source=source, config_dir=tmp_path, out_dir=tmp_path)
+    assert key in {d.key for d in conv.material}, [d.key for d in conv.dropped]
