@@ -108,7 +108,7 @@ def convert_mapping(
     raw: dict, *, source: str, config_dir: Path, out_dir: Path, method: str | None = None
 ) -> Conversion:
     from finetune.peers import axolotl, llamafactory, trl
-    from finetune.peers.common import coerce_numbers, map_aliases, shared_keys
+    from finetune.peers.common import coerce_numbers, drop_packing, map_aliases, shared_keys
 
     if source not in SOURCES:
         raise RecipeError(f"unknown source {source!r}", hint=f"use --from {' | '.join(SOURCES)}")
@@ -120,6 +120,7 @@ def convert_mapping(
         module.convert(conv)
     shared_keys(conv)
     map_aliases(conv, ignore=module.IGNORED)
+    drop_packing(conv)
     _validate(conv)
     return conv
 

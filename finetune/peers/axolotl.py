@@ -6,6 +6,7 @@ from finetune.peers import Conversion
 from finetune.peers.common import (
     as_list,
     batch_sizes,
+    continue_adapter,
     deepspeed_file,
     fsdp_strategy,
     loss_type,
@@ -52,7 +53,6 @@ IGNORED = {
         "liger_glu_activation",
         "liger_layer_norm",
         "liger_fused_linear_cross_entropy",
-        "lora_model_dir",
         "special_tokens_pad_to_multiple_of",
         "eval_table_size",
         "eval_max_new_tokens",
@@ -66,7 +66,6 @@ IGNORED = {
         "tokenizer_legacy",
         "torch_compile",
         "unsloth_cross_entropy_loss",
-        "chat_template_jinja",
         "experimental_skip_move_to_device",
         "skip_prepare_dataset",
         "remove_unused_columns",
@@ -291,12 +290,18 @@ def convert(conv: Conversion) -> None:
             conv.set(f"tokenizer.{name}", tokens[name])
     if set(tokens) - {"pad_token", "eos_token", "bos_token"}:
         conv.drop("special_tokens", tokens, "only pad/eos/bos overrides map (tokenizer.*)")
-    template(conv, "chat_template")
+    jinja = conv.take("chat_template_jinja")
+    if jinja and conv.raw.get("chat_template") in (None, "jinja"):
+        conv.take("chat_template")
+        conv.set("data.chat_template", jinja)
+    else:
+        template(conv, "chat_template")
+    continue_adapter(conv, "lora_model_dir")
     optimizer(conv, "optimizer")
     scheduler(conv, "lr_scheduler")
     if conv.has("cosine_min_lr_ratio"):
         conv.set("train.scheduler", "cosine_with_min_lr")
-    batch_sizes(conv, micro_key="micro_batch_size", also="axolotl also multiplies by the GPU count, so ")
+    batch_sizes(conv, micro_key="micro_batch_size", also="axolotl multiplies by the GPU count too; ")
     deepspeed_file(conv, "deepspeed")
     flags, fsdp_config = as_list(conv.take("fsdp")), conv.take("fsdp_config")
     if flags or fsdp_config:

@@ -10,7 +10,7 @@ from typing import Any, get_args
 from finetune import strategies
 from finetune.peers import Conversion, read_mapping
 from finetune.recipe.aliases import lookup
-from finetune.recipe.schema import METHOD_FORMATS, TrainSection
+from finetune.recipe.schema import METHOD_FORMATS, LoggingSection, TrainSection
 
 # transformers / bitsandbytes optimizer names -> ours
 OPTIMIZERS = {
@@ -167,7 +167,7 @@ def _pin(conv: Conversion, key: str, value: Any, name: str | None, *, what: str)
         conv.drop(
             key,
             value,
-            f"{what} has no tier here; the nearest are {', '.join(strategies.NAMES)}; leave "
+            f"{what} has no tier here (finetune's: {', '.join(strategies.NAMES)}); leave "
             "distributed.strategy: auto and the planner picks one that fits",
             material=False,
         )
@@ -405,14 +405,11 @@ def shared_keys(conv: Conversion) -> None:
     if isinstance(steps, (int, float)) and steps <= 0:
         conv.used.add("max_steps")  # transformers' -1: no step limit, the epochs decide
     scheduler_kwargs(conv, "lr_scheduler_kwargs")
-    repo = conv.raw.get("hub_model_id")
-    if repo and "/" not in str(repo):
-        conv.drop(
-            "hub_model_id",
-            repo,
-            "the Hub repo needs its owner; set hub.repo: YOUR-NAME/" + str(repo),
-            material=False,
-        )
+    _hub(conv)
+    _trackers(conv)
+    _cadence(conv, strategy="save_strategy", steps="save_steps", per_epoch="output.saves_per_epoch")
+    _cadence(conv, strategy="eval_strategy", steps="eval_steps", per_epoch="train.evals_per_epoch")
+    _cadence(conv, strategy="evaluation_strategy", steps="eval_steps", per_epoch="train.evals_per_epoch")
     if conv.raw.get("fp16") in (True, "true") and not conv.get("model.dtype"):
         conv.set("model.dtype", "float16")  # the peers load the weights in the fp16 they train in
 
@@ -464,3 +461,85 @@ def sniff_format(conv: Conversion, path: str, *, method: str | None = None) -> s
     found = [fmt for keys, fmt in _SNIFF if keys <= set(row)]
     allowed = METHOD_FORMATS.get(method or "", tuple(found))
     return next((fmt for fmt in found if fmt in allowed), None)
+
+
+def _hub(conv: Conversion) -> None:
+    """hub_model_id (+ push_to_hub, hub_private_repo) -> hub.repo; a set hub.repo pushes after the run."""
+    repo = conv.take("hub_model_id")
+    push = conv.take("push_to_hub")
+    if conv.has("hub_private_repo"):
+        conv.set("hub.private", bool(conv.take("hub_private_repo")))
+    if not repo:
+        return
+    if conv.source != "axolotl" and not push:  # TrainingArguments push only with push_to_hub
+        conv.drop(
+            "hub_model_id", repo, "push_to_hub is off, so nothing is pushed; set hub.repo to push", material=False
+        )
+    elif "/" not in str(repo):
+        conv.drop("hub_model_id", repo, f"the Hub repo needs its owner; set hub.repo: YOUR-NAME/{repo}", material=False)
+    else:
+        conv.set("hub.repo", str(repo))
+
+
+TRACKERS = get_args(get_args(LoggingSection.model_fields["report_to"].annotation)[0])
+
+
+def _trackers(conv: Conversion) -> None:
+    """report_to (a name, a comma list or a list) -> logging.report_to, the trackers finetune offers."""
+    if not conv.has("report_to"):
+        return
+    wanted = [str(t) for t in as_list(conv.take("report_to"))]
+    kept = [t for t in wanted if t in TRACKERS]
+    if len(kept) < len(wanted):
+        conv.drop(
+            "report_to",
+            wanted,
+            f"finetune logs to {', '.join(t for t in TRACKERS if t != 'none')}; "
+            f"{', '.join(t for t in wanted if t not in TRACKERS)} dropped",
+            material=False,
+        )
+    if kept:
+        conv.set("logging.report_to", kept)
+
+
+def _cadence(conv: Conversion, *, strategy: str, steps: str, per_epoch: str) -> None:
+    """TrainingArguments' save/eval strategy and steps: 'epoch' is once per epoch, 'no' ignores the steps,
+    and steps below 1 are a share of the whole run (which finetune does not take)."""
+    mode = conv.take(strategy)
+    value = conv.raw.get(steps)
+    if str(mode) == "epoch":
+        conv.set(per_epoch, 1)
+        if value is not None:
+            conv.drop(steps, conv.take(steps), f"{strategy} is epoch", material=False)
+    elif str(mode) == "no" and value is not None and "save" in steps:
+        conv.drop(steps, conv.take(steps), f"{strategy} is no: a checkpoint at the end only", material=False)
+    elif isinstance(value, float) and 0 < value < 1:
+        conv.drop(
+            steps,
+            conv.take(steps),
+            f"a share of the run is not offered; set {per_epoch} (or an interval in steps) instead",
+        )
+
+
+def drop_packing(conv: Conversion) -> None:
+    """Packing is SFT/pretrain only here; the peers accept it for preference methods and use it loosely."""
+    if conv.get("data.packing") and conv.get("method.type", "sft") not in ("sft", "pretrain"):
+        del conv.recipe["data"]["packing"]
+        key = next((k for k in ("sample_packing", "packing", "neat_packing") if conv.raw.get(k)), "packing")
+        conv.drop(
+            key,
+            conv.raw.get(key, True),
+            f"packing is for sft/pretrain here; {conv.get('method.type')} pads each batch instead",
+            material=False,
+        )
+
+
+def continue_adapter(conv: Conversion, key: str) -> None:
+    """A LoRA adapter to train on from (axolotl lora_model_dir, LLaMA-Factory adapter_name_or_path)."""
+    if conv.has(key):
+        conv.drop(
+            key,
+            conv.take(key),
+            "training on from an existing adapter is not offered: merge it into the base first (finetune merge, "
+            "or peft's merge_and_unload) and set model.name to the merged model",
+        )

@@ -14,6 +14,7 @@ from finetune.peers import Conversion
 from finetune.peers.common import (
     as_list,
     batch_sizes,
+    continue_adapter,
     deepspeed_file,
     optimizer,
     scheduler,
@@ -49,9 +50,6 @@ IGNORED = {
         "upcast_lmhead_output",
         "print_param_status",
         "include_num_input_tokens_seen",
-        "save_strategy",
-        "eval_strategy",
-        "evaluation_strategy",
         "create_new_adapter",
         "packing_strategy",
         "quantization_device_map",
@@ -204,6 +202,7 @@ def convert(conv: Conversion) -> None:
         for src in conv.get("data.sources", []):
             src["max_samples"] = max_samples
     _method_extras(conv)
+    continue_adapter(conv, "adapter_name_or_path")
     template(conv, "template")
     optimizer(conv, "optim")
     scheduler(conv, "lr_scheduler_type")
@@ -211,8 +210,6 @@ def convert(conv: Conversion) -> None:
     if conv.has("val_size"):
         conv.set("data.eval_fraction", conv.take("val_size"))
     deepspeed_file(conv, "deepspeed")
-    if conv.has("report_to"):
-        conv.set("logging.report_to", as_list(conv.take("report_to")))
 
 
 def _method_extras(conv: Conversion) -> None:

@@ -22,8 +22,6 @@ IGNORED = {
     for k in (
         "dataset_num_proc",
         "logging_strategy",
-        "save_strategy",
-        "eval_strategy",
         "per_device_eval_batch_size",
         "run_name",
         "log_level",
@@ -33,15 +31,11 @@ IGNORED = {
         "do_eval",
         "dataloader_num_workers",
         "ddp_timeout",
-        "push_to_hub",
         "hub_strategy",
         "use_liger_kernel",
         "gradient_checkpointing_kwargs",
         "remove_unused_columns",
-        "dataset_text_field",
-        "evaluation_strategy",
         "preprocessing_num_workers",
-        "hub_private_repo",
         "bnb_4bit_quant_storage",
         "ignore_bias_buffers",
         "torch_compile",
@@ -113,14 +107,24 @@ def convert(conv: Conversion, *, method: str | None) -> None:
     attention = conv.take("attn_implementation")
     if attention in ("sdpa", "eager", "flash_attention_2", "flash_attention_3", "flex_attention"):
         conv.set("model.attn_implementation", attention)
+    elif attention is not None:
+        conv.drop(
+            "attn_implementation",
+            attention,
+            "finetune offers sdpa, eager, flash_attention_2/3, flex_attention (Hub kernels are not loaded)",
+            material=False,
+        )
+    field = conv.take("dataset_text_field")
+    if field and field != "text":
+        for src in conv.get("data.sources", []) + conv.get("data.eval_sources", []):
+            if src["format"] == "text":
+                src["columns"] = {"text": field}
     optimizer(conv, "optim")
     scheduler(conv, "lr_scheduler_type")
     batch_sizes(conv)  # transformers' TrainingArguments names, as both tools use them
     if conv.has("max_seq_length"):
         conv.set("data.max_length", conv.take("max_seq_length"))
     accelerate_file(conv, "accelerate_config")
-    if conv.has("hub_model_id"):
-        conv.set("hub.repo", conv.take("hub_model_id"))
 
 
 def _format(method: str) -> str:

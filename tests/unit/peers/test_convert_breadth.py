@@ -122,6 +122,7 @@ CASES = [
             "method.undesirable_weight": 1.0,
             "adapter.type": "qlora",
             "data.sources[0].format": "unpaired",
+            "data.chat_template": "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}",
             "train.optimizer": "adamw_8bit",
         },
         [],
@@ -138,9 +139,10 @@ CASES = [
             "train.scheduler": "constant_with_warmup",
             "train.lr": 8e-6,
             "distributed.strategy": "auto",  # ZeRO-2 for a LoRA adapter is left to the planner
+            "data.packing": False,  # sft/pretrain only
         },
         [],
-        [],
+        ["sample_packing"],
     ),
     (
         "axolotl-reward.yaml",
@@ -155,7 +157,7 @@ CASES = [
         "axolotl",
         None,
         {"adapter.type": "qlora", "data.chat_template": "gemma"},
-        ["processor_type", "datasets[0].image_size", "optimizer"],
+        ["processor_type", "datasets[0].image_size", "optimizer", "lora_model_dir"],
         ["skip_prepare_dataset"],
     ),
     (
@@ -178,7 +180,7 @@ CASES = [
             "logging.report_to": ["none"],
         },
         [],
-        ["plot_loss", "eval_strategy"],
+        ["plot_loss", "per_device_eval_batch_size"],
     ),
     (
         "llamafactory-qlora-fsdp.yaml",
@@ -225,10 +227,10 @@ CASES = [
             "data.sources[0].format": "unpaired",
             "data.sources[0].columns": {},
             "data.chat_template": "qwen2.5",
-            "logging.report_to": ["wandb"],
+            "logging.report_to": ["wandb"],  # swanlab is reported
         },
         [],
-        [],
+        ["report_to"],
     ),
     (
         "llamafactory-lora-extras.yaml",
@@ -245,7 +247,7 @@ CASES = [
             "model.dtype": "float16",
             "data.sources[0].format": "preference",
         },
-        ["pissa_init"],
+        ["pissa_init", "adapter_name_or_path"],
         ["resize_vocab"],
     ),
     (
@@ -271,7 +273,7 @@ CASES = [
             "distributed.strategy": "auto",  # optimizer-only offload for an adapter: left to the planner
         },
         [],
-        ["max_prompt_length", "push_to_hub"],
+        ["max_prompt_length", "log_level"],
     ),
     (
         "trl-sft-mixture.yaml",
@@ -290,6 +292,8 @@ CASES = [
             "train.max_steps": None,  # -1: no step limit
             "train.epochs": 2.0,
             "train.min_lr_ratio": 0.1,
+            "train.evals_per_epoch": 1,  # eval_strategy: epoch
+            "hub.repo": "my-org/qwen-sft",  # push_to_hub: true
             "logging.report_to": ["tensorboard", "wandb"],
         },
         ["dataset_kwargs"],
@@ -312,9 +316,10 @@ CASES = [
             "train.neftune_noise_alpha": 5,
             "logging.report_to": ["mlflow"],
             "logging.run_name": "llama-sft",
+            "hub.repo": None,  # hub_model_id without push_to_hub pushes nothing in TRL
         },
         [],
-        ["dataset_test_split"],
+        ["dataset_test_split", "hub_model_id"],
     ),
 ]
 
