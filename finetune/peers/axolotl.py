@@ -5,6 +5,7 @@ from __future__ import annotations
 from finetune.peers import Conversion
 from finetune.peers.common import (
     as_list,
+    attention,
     batch_sizes,
     continue_adapter,
     deepspeed_file,
@@ -74,6 +75,8 @@ IGNORED = {
         "total_num_tokens",
         "include_tokens_per_second",
         "gc_steps",
+        "ddp_find_unused_parameters",
+        "eager_attention",
     )
 } | {
     "fsdp_version": "finetune always uses FSDP2 when it picks FSDP",
@@ -83,6 +86,9 @@ IGNORED = {
 }
 # axolotl's attention switch -> model.attn_implementation (flash: finetune picks its flash kernel itself)
 ATTENTION = {"sdpa": "sdpa", "eager": "eager", "flex": "flex_attention", "flash": None, "xformers": None}
+_OPTION_FIX = {
+    "data_files": "a file inside a Hub dataset is not selected here; download it and set path to the file",
+}
 # dataset options that keep finetune's defaults (anything else is reported)
 _SAME = {"train_on_eos": ("turn",), "roles_to_train": (["assistant"], ["gpt"], ["assistant", "gpt"])}
 # axolotl dataset types -> our formats (instruction prompt styles all read alpaca-like columns)
@@ -113,8 +119,10 @@ RL = {"dpo": "dpo", "ipo": "dpo", "kto": "kto", "orpo": "orpo", "simpo": "simpo"
 
 def _source(conv: Conversion, i: int, ds: dict, *, preference: bool) -> dict | None:
     key = f"datasets[{i}]"
+    if isinstance(ds, dict) and not ds.get("path") and len(as_list(ds.get("data_files"))) == 1:
+        ds = {**ds, "path": as_list(ds["data_files"])[0], "data_files": None}  # axolotl reads the one file
     if not isinstance(ds, dict) or not ds.get("path"):
-        conv.drop(key, ds, "a dataset entry needs a path")
+        conv.drop(key, ds, "a dataset entry needs a path (or one data_files entry)")
         return None
     ds = dict(ds)
     for option in ("message_property_mappings", "roles"):
@@ -183,7 +191,7 @@ def _source(conv: Conversion, i: int, ds: dict, *, preference: bool) -> dict | N
             "rename them in the data",
         )
     leftover = sorted(
-        set(ds)
+        {k for k, v in ds.items() if v is not None}
         - set(_SAME)
         - {
             "roles",
@@ -201,14 +209,13 @@ def _source(conv: Conversion, i: int, ds: dict, *, preference: bool) -> dict | N
             "message_field_content",
             "roles_to_train",
             "ds_type",
-            "data_files",
         }
     )
     for option in leftover:
         conv.drop(
             f"{key}.{option}",
             ds[option],
-            "dataset option without a finetune equivalent"
+            _OPTION_FIX.get(option, "dataset option without a finetune equivalent")
             + ("; multimodal rows are not trained (text-only causal LMs)" if "image" in option else ""),
         )
     return src
@@ -306,15 +313,16 @@ def convert(conv: Conversion) -> None:
     flags, fsdp_config = as_list(conv.take("fsdp")), conv.take("fsdp_config")
     if flags or fsdp_config:
         fsdp_strategy(conv, "fsdp_config" if fsdp_config else "fsdp", fsdp_config or {}, flags=flags)
-    attention = conv.take("attention")
-    if attention is not None:
-        if str(attention) in ATTENTION:
-            if ATTENTION[str(attention)]:
-                conv.set("model.attn_implementation", ATTENTION[str(attention)])
+    kernel = conv.take("attention")
+    if kernel is not None:
+        if str(kernel) in ATTENTION:
+            if ATTENTION[str(kernel)]:
+                conv.set("model.attn_implementation", ATTENTION[str(kernel)])
         else:
             conv.drop(
-                "attention", attention, "unknown kernel; finetune offers sdpa, eager, flex (model.attn_implementation)"
+                "attention", kernel, "unknown kernel; finetune offers sdpa, eager, flex (model.attn_implementation)"
             )
+    attention(conv, "attn_implementation")
     for theirs, ours in (("wandb_entity", "logging.entity"), ("wandb_name", "logging.run_name")):
         if conv.has(theirs):
             conv.set(ours, conv.take(theirs))

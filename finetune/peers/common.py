@@ -193,6 +193,7 @@ def _pin(conv: Conversion, key: str, value: Any, name: str | None, *, what: str)
 _DS_NAMES = (
     (re.compile(r"z(ero)?_?3.*nvme"), (3, True, True, True)),
     (re.compile(r"z(ero)?_?3.*partial"), (3, False, True, False)),
+    (re.compile(r"z(ero)?_?3.*offload_?params?\b"), (3, True, False, False)),
     (re.compile(r"z(ero)?_?3.*offload"), (3, True, True, False)),
     (re.compile(r"z(ero)?_?3"), (3, False, False, False)),
     (re.compile(r"z(ero)?_?2.*offload"), (2, False, True, False)),
@@ -216,6 +217,8 @@ def _deepspeed_strategy(stage: int, *, params: bool, optimizer: bool, nvme: bool
         return "ddp", what
     if stage == 1 and not (params or optimizer):  # ZeRO-1 shards the optimizer; ZeRO-2 adds the gradients
         return "zero2", what
+    if stage == 3 and params and not optimizer and not nvme:  # no params-only tier: the optimizer goes too
+        return "zero3-offload", what + " (read as parameters and optimizer offloaded)"
     return strategy_for(
         backend="deepspeed", stage=stage, offload_params=params, offload_optimizer=optimizer, nvme=nvme
     ), what
@@ -542,4 +545,21 @@ def continue_adapter(conv: Conversion, key: str) -> None:
             conv.take(key),
             "training on from an existing adapter is not offered: merge it into the base first (finetune merge, "
             "or peft's merge_and_unload) and set model.name to the merged model",
+        )
+
+
+ATTENTION_KERNELS = ("sdpa", "eager", "flash_attention_2", "flash_attention_3", "flex_attention")
+
+
+def attention(conv: Conversion, key: str) -> None:
+    """transformers' attn_implementation -> model.attn_implementation."""
+    value = conv.take(key)
+    if value in ATTENTION_KERNELS:
+        conv.set("model.attn_implementation", value)
+    elif value is not None:
+        conv.drop(
+            key,
+            value,
+            f"finetune offers {', '.join(ATTENTION_KERNELS)} (Hub kernels are not loaded); auto picks one",
+            material=False,
         )

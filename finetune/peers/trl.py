@@ -9,6 +9,7 @@ from finetune.peers.common import (
     DTYPES,
     accelerate_file,
     as_list,
+    attention,
     batch_sizes,
     loss_type,
     optimizer,
@@ -66,6 +67,14 @@ def convert(conv: Conversion, *, method: str | None) -> None:
         conv.set("method.beta", conv.take("beta"))
     if method == "dpo" and conv.has("loss_type"):
         loss_type(conv, "loss_type")
+    if method == "cpo" and conv.raw.get("loss_type", "sigmoid") != "simpo":
+        conv.drop(
+            "loss_type",
+            conv.take("loss_type") or "sigmoid",
+            "CPO is offered with loss simpo only (method: simpo; cpo_alpha > 0 adds CPO's NLL term)",
+        )
+    conv.used.add("loss_type")
+    _method_knobs(conv, method)
     if conv.take("use_peft"):
         conv.set("adapter.type", "qlora" if conv.take("load_in_4bit") else "lora")
         if conv.get("adapter.type") == "qlora":
@@ -104,16 +113,7 @@ def convert(conv: Conversion, *, method: str | None) -> None:
     dtype = conv.take("dtype") or conv.take("torch_dtype")
     if dtype is not None and DTYPES.get(str(dtype)):
         conv.set("model.dtype", DTYPES[str(dtype)])
-    attention = conv.take("attn_implementation")
-    if attention in ("sdpa", "eager", "flash_attention_2", "flash_attention_3", "flex_attention"):
-        conv.set("model.attn_implementation", attention)
-    elif attention is not None:
-        conv.drop(
-            "attn_implementation",
-            attention,
-            "finetune offers sdpa, eager, flash_attention_2/3, flex_attention (Hub kernels are not loaded)",
-            material=False,
-        )
+    attention(conv, "attn_implementation")
     field = conv.take("dataset_text_field")
     if field and field != "text":
         for src in conv.get("data.sources", []) + conv.get("data.eval_sources", []):
@@ -234,3 +234,16 @@ def _loss_mask(conv: Conversion, method: str) -> None:
                 "data.assistant_only_loss false: TRL's default trains conversations on every token; set it "
                 "to true for loss on the assistant turns only"
             )
+
+
+def _method_knobs(conv: Conversion, method: str) -> None:
+    """DPOConfig / KTOConfig / RewardConfig settings with a finetune field, and those without one."""
+    if conv.take("precompute_ref_log_probs"):
+        conv.set("method.reference", "precompute")
+    for key in ("desirable_weight", "undesirable_weight", "center_rewards_coefficient"):
+        if conv.has(key):
+            conv.set(f"method.{key}", conv.take(key))
+    for key in ("rpo_alpha", "label_smoothing", "sync_ref_model", "use_weighting", "ld_alpha", "f_divergence_type"):
+        if conv.raw.get(key) not in (None, False, 0, 0.0, "reverse_kl"):
+            conv.drop(key, conv.take(key), f"not offered for {method}: finetune runs TRL's loss with its defaults")
+        conv.used.add(key)
