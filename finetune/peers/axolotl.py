@@ -221,6 +221,34 @@ def _source(conv: Conversion, i: int, ds: dict, *, preference: bool) -> dict | N
     return src
 
 
+def _pretraining(conv: Conversion, entries: list) -> list[dict]:
+    """pretraining_dataset: a streamed text corpus (axolotl streams it and needs max_steps, as we do)."""
+    sources = []
+    for i, ds in enumerate(entries):
+        ds = ds if isinstance(ds, dict) else {"path": ds}
+        if not ds.get("path") or not isinstance(ds["path"], str):
+            conv.drop(f"pretraining_dataset[{i}]", ds, "a pretraining dataset needs a path")
+            continue
+        src: dict = {"path": conv.local_path(ds["path"]), "format": "text", "streaming": True}
+        for ours, theirs in (("subset", "name"), ("split", "split")):
+            if ds.get(theirs):
+                src[ours] = ds[theirs]
+        if ds.get("text_column", "text") != "text":
+            src["columns"] = {"text": ds["text_column"]}
+        for option in sorted(set(ds) - {"path", "name", "split", "text_column", "type"}):
+            conv.drop(f"pretraining_dataset[{i}].{option}", ds[option], "dataset option without a finetune equivalent")
+        sources.append(src)
+    if sources:
+        conv.set("method.type", "pretrain")
+        for key, fix in (("saves_per_epoch", "output.save_every"), ("evals_per_epoch", "train.eval_steps")):
+            if conv.raw.get(key):
+                conv.drop(key, conv.take(key), f"a streamed corpus has no epochs; set {fix} (steps)", material=False)
+        if conv.raw.get("val_set_size"):
+            conv.drop("val_set_size", conv.take("val_set_size"), "a streamed corpus is not split; add test_datasets")
+        conv.used.add("num_epochs")  # axolotl stops a streamed corpus at max_steps
+    return sources
+
+
 def convert(conv: Conversion) -> None:
     conv.set("model.name", conv.take("base_model", ""))
     rl = conv.take("rl")
@@ -271,12 +299,7 @@ def convert(conv: Conversion) -> None:
     sources = [
         s for i, ds in enumerate(as_list(conv.take("datasets"))) if (s := _source(conv, i, ds, preference=preference))
     ]
-    pretraining = as_list(conv.take("pretraining_dataset"))
-    if pretraining:
-        conv.set("method.type", "pretrain")
-        for ds in pretraining:
-            src = {"path": conv.local_path(str(ds.get("path") if isinstance(ds, dict) else ds)), "format": "text"}
-            sources.append(src)
+    sources += _pretraining(conv, as_list(conv.take("pretraining_dataset")))
     eval_sources = [
         s
         for i, ds in enumerate(as_list(conv.take("test_datasets")))

@@ -45,7 +45,6 @@ IGNORED = {
         "mix_strategy",
         "trust_remote_code_hf",
         "logging_dir",
-        "disable_gradient_checkpointing",
         "upcast_layernorm",
         "upcast_lmhead_output",
         "print_param_status",
@@ -214,6 +213,8 @@ def convert(conv: Conversion) -> None:
 
 def _method_extras(conv: Conversion) -> None:
     """LLaMA-Factory's own method keys: loss masking, packing, KTO weights, LoRA extras, optimizer families."""
+    if conv.take("disable_gradient_checkpointing"):
+        conv.set("train.activation_checkpointing", "off")
     if conv.has("train_on_prompt"):
         conv.set("data.assistant_only_loss", not conv.take("train_on_prompt"))
     if conv.take("mask_history"):

@@ -170,6 +170,40 @@ CASES = [
         ["skip_prepare_dataset"],
     ),
     (
+        "axolotl-pretrain.yaml",
+        "axolotl",
+        None,
+        {
+            "method.type": "pretrain",
+            "data.sources[0].path": "allenai/c4",
+            "data.sources[0].subset": "en",
+            "data.sources[0].streaming": True,  # axolotl streams pretraining_dataset
+            "data.packing": True,
+            "train.max_steps": 200,
+            "train.epochs": None,
+            "output.saves_per_epoch": None,
+        },
+        [],
+        ["saves_per_epoch"],
+    ),
+    (
+        "llamafactory-pretrain.yaml",
+        "llamafactory",
+        None,
+        {
+            "method.type": "pretrain",
+            "adapter.type": "lora",
+            "data.sources[0].format": "text",
+            "data.eval_sources[0].format": "text",
+            "data.packing": True,
+            "data.chat_template": None,
+            "train.eval_steps": 500,
+            "train.activation_checkpointing": "off",  # disable_gradient_checkpointing: true
+        },
+        [],
+        [],
+    ),
+    (
         "llamafactory-lora-sft-ds3.yaml",
         "llamafactory",
         None,
