@@ -59,7 +59,6 @@ IGNORED = {
         "eval_max_new_tokens",
         "save_first_step",
         "bf16_full_eval",
-        "use_tensorboard",
         "hub_strategy",
         "eval_causal_lm_metrics",
         "lora_fan_in_fan_out",
@@ -351,5 +350,28 @@ def convert(conv: Conversion) -> None:
             conv.set(ours, conv.take(theirs))
     if conv.has("warmup_steps") and conv.has("warmup_ratio"):
         conv.drop("warmup_ratio", conv.take("warmup_ratio"), "warmup_steps is set too; finetune takes one")
-    if conv.has("wandb_project"):
-        conv.set("logging.report_to", ["wandb"])
+    _trackers(conv)
+
+
+def _trackers(conv: Conversion) -> None:
+    """axolotl turns a tracker on by naming its project (wandb_project, mlflow_experiment_name)."""
+    trackers = []
+    mode = str(conv.take("wandb_mode") or "online")
+    if conv.has("wandb_project") and mode != "disabled":
+        trackers.append("wandb")
+        conv.set("logging.offline", mode == "offline")
+    if conv.has("mlflow_experiment_name") or conv.has("mlflow_tracking_uri"):
+        trackers.append("mlflow")
+        if conv.has("mlflow_experiment_name") and not conv.has("wandb_project"):
+            conv.set("logging.project", conv.take("mlflow_experiment_name"))
+        if conv.has("mlflow_tracking_uri"):
+            conv.drop(
+                "mlflow_tracking_uri",
+                conv.take("mlflow_tracking_uri"),
+                "set MLFLOW_TRACKING_URI in the environment",
+                material=False,
+            )
+    if conv.take("use_tensorboard"):
+        trackers.append("tensorboard")
+    if trackers:
+        conv.set("logging.report_to", trackers)

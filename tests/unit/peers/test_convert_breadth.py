@@ -51,6 +51,7 @@ CASES = [
             "logging.project": "my-project",
             "logging.entity": "my-team",
             "logging.run_name": "run-1",
+            "logging.offline": True,  # wandb_mode: offline
         },
         [],
         ["flash_attention", "pad_to_sequence_len", "model_type"],
@@ -70,9 +71,11 @@ CASES = [
             "train.scheduler": "linear",
             "train.warmup_steps": 100,
             "train.evals_per_epoch": 2,
+            "logging.report_to": ["mlflow", "tensorboard"],
+            "logging.project": "llama-fft",
         },
         [],
-        ["plugins", "liger_rope", "gradient_checkpointing_kwargs"],
+        ["plugins", "liger_rope", "gradient_checkpointing_kwargs", "mlflow_tracking_uri"],
     ),
     (
         "axolotl-qlora-fsdp2.yaml",
