@@ -8,14 +8,13 @@ from finetune.peers.common import (
     attention,
     batch_sizes,
     continue_adapter,
-    deepspeed_file,
-    fsdp_strategy,
     loss_type,
     optimizer,
     scheduler,
     sniff_format,
     template,
 )
+from finetune.peers.distributed import deepspeed_file, fsdp_strategy
 
 # keys that change nothing finetune does (it chooses attention kernels, logging, caching itself)
 IGNORED = {

@@ -15,11 +15,11 @@ from finetune.peers.common import (
     as_list,
     batch_sizes,
     continue_adapter,
-    deepspeed_file,
     optimizer,
     scheduler,
     template,
 )
+from finetune.peers.distributed import deepspeed_file
 
 IGNORED = {
     k: "finetune decides this itself or has no such switch"

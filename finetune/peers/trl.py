@@ -7,7 +7,6 @@ from __future__ import annotations
 from finetune.peers import Conversion
 from finetune.peers.common import (
     DTYPES,
-    accelerate_file,
     as_list,
     attention,
     batch_sizes,
@@ -17,6 +16,7 @@ from finetune.peers.common import (
     sniff_format,
     template,
 )
+from finetune.peers.distributed import accelerate_file
 
 IGNORED = {
     k: "finetune decides this itself or has no such switch"
