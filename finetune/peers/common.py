@@ -72,7 +72,12 @@ def map_aliases(conv: Conversion, *, ignore: dict[str, str]) -> None:
             continue
         alias = lookup("", key)
         if alias is None:
-            conv.drop(key, value, "no finetune setting does this")
+            conv.drop(
+                key,
+                value,
+                f"no finetune setting does this (unknown to the {conv.source} converter); if it changes training, "
+                "find the nearest recipe key in docs/porting.md, else delete this line",
+            )
             continue
         try:
             ours = alias.value(value) if alias.value else value

@@ -39,7 +39,8 @@ def strategy_for(
 
 
 def _pin(conv: Conversion, key: str, value: Any, name: str | None, *, what: str) -> None:
-    """Pin distributed.strategy to `name`, or say which tier is missing (a strategy never changes the math)."""
+    """Pin distributed.strategy to `name`, or say which tier is missing (not material: a strategy moves states
+    between GPUs, host and disk; the planner says where an offloaded optimizer runs as CPU Adam)."""
     if name is None:
         conv.drop(
             key,
