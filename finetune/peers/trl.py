@@ -52,12 +52,19 @@ IGNORED = {
 }
 DPO_KEYS = ("beta", "loss_type", "max_prompt_length", "precompute_ref_log_probs", "rpo_alpha")
 METHODS = ("sft", "dpo", "kto", "reward", "orpo", "cpo")
+# keys only one trainer's config has, in the order they are asked (beta alone means DPO)
+GUESS = (
+    ("kto", ("desirable_weight", "undesirable_weight")),
+    ("cpo", ("simpo_gamma", "cpo_alpha")),
+    ("reward", ("center_rewards_coefficient",)),
+    ("dpo", DPO_KEYS),
+)
 
 
 def convert(conv: Conversion, *, method: str | None) -> None:
     conv.set("model.name", conv.take("model_name_or_path", ""))
     if method is None:
-        method = "dpo" if any(conv.has(k) for k in DPO_KEYS) else "sft"
+        method = next((m for m, keys in GUESS if any(conv.has(k) for k in keys)), "sft")
         conv.notes.append(f"method {method}: the trl subcommand is not in the file; pass --method to say it")
     if method not in METHODS:
         conv.drop("method", method, f"trl {method} has no finetune method")

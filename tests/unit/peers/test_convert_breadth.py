@@ -454,3 +454,22 @@ def test_odd_value_shapes_are_reported_by_key_not_raised(tmp_path, source, confi
     raw = {"base_model" if source == "axolotl" else "model_name_or_path": "meta-llama/Llama-3.2-1B", **config}
     conv = convert_mapping(raw, source=source, config_dir=tmp_path, out_dir=tmp_path)
     assert key in {d.key for d in conv.material}, [d.key for d in conv.dropped]
+
+
+@pytest.mark.parametrize(
+    ("keys", "method"),
+    [
+        ({"desirable_weight": 1.0, "beta": 0.1}, "kto"),
+        ({"simpo_gamma": 0.5, "loss_type": "simpo"}, "simpo"),
+        ({"center_rewards_coefficient": 0.01}, "reward"),
+        ({"beta": 0.1}, "dpo"),
+        ({"packing": True}, "sft"),
+    ],
+)
+def test_trl_method_is_guessed_from_keys_only_one_trainer_has(tmp_path, keys, method):
+    from finetune.peers import convert_mapping
+
+    raw = {"model_name_or_path": "meta-llama/Llama-3.2-1B", **keys}
+    conv = convert_mapping(raw, source="trl", config_dir=tmp_path, out_dir=tmp_path)
+    assert conv.recipe["method"]["type"] == method
+    assert any("pass --method" in note for note in conv.notes)
