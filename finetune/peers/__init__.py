@@ -108,17 +108,19 @@ def convert_mapping(
     raw: dict, *, source: str, config_dir: Path, out_dir: Path, method: str | None = None
 ) -> Conversion:
     from finetune.peers import axolotl, llamafactory, trl
-    from finetune.peers.common import map_aliases
+    from finetune.peers.common import coerce_numbers, drop_packing, map_aliases, shared_keys
 
     if source not in SOURCES:
         raise RecipeError(f"unknown source {source!r}", hint=f"use --from {' | '.join(SOURCES)}")
-    conv = Conversion(source=source, raw=dict(raw), config_dir=config_dir, out_dir=out_dir)
+    conv = Conversion(source=source, raw=coerce_numbers(raw), config_dir=config_dir, out_dir=out_dir)
     module = {"axolotl": axolotl, "llamafactory": llamafactory, "trl": trl}[source]
     if source == "trl":
         module.convert(conv, method=method)
     else:
         module.convert(conv)
+    shared_keys(conv)
     map_aliases(conv, ignore=module.IGNORED)
+    drop_packing(conv)
     _validate(conv)
     return conv
 

@@ -5,11 +5,16 @@ from __future__ import annotations
 from finetune.peers import Conversion
 from finetune.peers.common import (
     as_list,
-    deepspeed_file,
+    attention,
+    batch_sizes,
+    continue_adapter,
+    loss_type,
     optimizer,
     scheduler,
+    sniff_format,
     template,
 )
+from finetune.peers.distributed import deepspeed_file, fsdp_strategy
 
 # keys that change nothing finetune does (it chooses attention kernels, logging, caching itself)
 IGNORED = {
@@ -26,9 +31,7 @@ IGNORED = {
         "flash_attn_rms_norm",
         "tf32",
         "dataset_prepared_path",
-        "wandb_entity",
         "wandb_watch",
-        "wandb_name",
         "wandb_log_model",
         "wandb_run_id",
         "resume_from_checkpoint",
@@ -50,14 +53,11 @@ IGNORED = {
         "liger_glu_activation",
         "liger_layer_norm",
         "liger_fused_linear_cross_entropy",
-        "lora_model_dir",
         "special_tokens_pad_to_multiple_of",
         "eval_table_size",
         "eval_max_new_tokens",
-        "fsdp_version",
         "save_first_step",
         "bf16_full_eval",
-        "use_tensorboard",
         "hub_strategy",
         "eval_causal_lm_metrics",
         "lora_fan_in_fan_out",
@@ -65,9 +65,30 @@ IGNORED = {
         "tokenizer_legacy",
         "torch_compile",
         "unsloth_cross_entropy_loss",
-        "chat_template_jinja",
+        "experimental_skip_move_to_device",
+        "skip_prepare_dataset",
+        "remove_unused_columns",
+        "shuffle_merged_datasets",
+        "sample_packing_eff_est",
+        "total_num_tokens",
+        "include_tokens_per_second",
+        "gc_steps",
+        "ddp_find_unused_parameters",
+        "eager_attention",
     )
+} | {
+    "fsdp_version": "finetune always uses FSDP2 when it picks FSDP",
+    "loss_watchdog_threshold": "no loss watchdog; a non-finite loss stops the run (train.on_nonfinite)",
+    "loss_watchdog_patience": "no loss watchdog; a non-finite loss stops the run (train.on_nonfinite)",
+    "num_labels": "a reward model (method: reward) has one score head; other heads are not offered",
 }
+# axolotl's attention switch -> model.attn_implementation (flash: finetune picks its flash kernel itself)
+ATTENTION = {"sdpa": "sdpa", "eager": "eager", "flex": "flex_attention", "flash": None, "xformers": None}
+_OPTION_FIX = {
+    "data_files": "a file inside a Hub dataset is not selected here; download it and set path to the file",
+}
+# dataset options that keep finetune's defaults (anything else is reported)
+_SAME = {"train_on_eos": ("turn",), "roles_to_train": (["assistant"], ["gpt"], ["assistant", "gpt"])}
 # axolotl dataset types -> our formats (instruction prompt styles all read alpaca-like columns)
 FORMATS = {
     "alpaca": "alpaca",
@@ -96,16 +117,27 @@ RL = {"dpo": "dpo", "ipo": "dpo", "kto": "kto", "orpo": "orpo", "simpo": "simpo"
 
 def _source(conv: Conversion, i: int, ds: dict, *, preference: bool) -> dict | None:
     key = f"datasets[{i}]"
+    if isinstance(ds, dict) and not ds.get("path") and len(as_list(ds.get("data_files"))) == 1:
+        ds = {**ds, "path": as_list(ds["data_files"])[0], "data_files": None}  # axolotl reads the one file
     if not isinstance(ds, dict) or not ds.get("path"):
-        conv.drop(key, ds, "a dataset entry needs a path")
+        conv.drop(key, ds, "a dataset entry needs a path (or one data_files entry)")
         return None
+    ds = dict(ds)
+    for option in ("message_property_mappings", "roles"):
+        if ds.get(option) is not None and not isinstance(ds[option], dict):
+            conv.drop(f"{key}.{option}", ds.pop(option), "must be a mapping")
     src: dict = {"path": conv.local_path(str(ds["path"]))}
     kind = str(ds.get("type") or ("chat_template.default" if preference else "alpaca"))
     if preference:
         src["format"] = "preference"
+        if conv.get("method.type") == "kto" and sniff_format(conv, str(ds["path"]), method="kto") == "unpaired":
+            src["format"] = "unpaired"  # prompt/completion/label rows
         columns = {c: ds[f"field_{c}"] for c in ("prompt", "chosen", "rejected") if ds.get(f"field_{c}")}
         if ds.get("field_messages") and "prompt" not in columns:
             columns["prompt"] = ds["field_messages"]
+        columns = {k: v for k, v in columns.items() if k != v}
+        if src["format"] == "unpaired":
+            columns = {}
         if columns:
             src["columns"] = columns
         if kind not in PREFERENCE_TYPES:
@@ -140,9 +172,27 @@ def _source(conv: Conversion, i: int, ds: dict, *, preference: bool) -> dict | N
     for ours, theirs in (("split", "split"), ("subset", "name")):
         if ds.get(theirs):
             src[ours] = ds[theirs]
+    for option, same in _SAME.items():
+        if option in ds and ds[option] not in same:
+            conv.drop(
+                f"{key}.{option}",
+                ds[option],
+                "finetune's loss covers each assistant turn through its end-of-turn token (roles_to_train "
+                "[assistant], train_on_eos turn); set data.assistant_only_loss: false to train on every token",
+            )
+    roles = ds.get("roles") or {}
+    if any(str(r) not in {str(v) for v in as_list(vs)} for r, vs in roles.items()):
+        conv.drop(
+            f"{key}.roles",
+            roles,
+            "renamed roles are not mapped; finetune reads user/assistant/system (and sharegpt's human/gpt); "
+            "rename them in the data",
+        )
     leftover = sorted(
-        set(ds)
+        {k for k, v in ds.items() if v is not None}
+        - set(_SAME)
         - {
+            "roles",
             "path",
             "type",
             "split",
@@ -157,12 +207,44 @@ def _source(conv: Conversion, i: int, ds: dict, *, preference: bool) -> dict | N
             "message_field_content",
             "roles_to_train",
             "ds_type",
-            "data_files",
         }
     )
-    if leftover:
-        conv.drop(f"{key}.{leftover[0]}", ds[leftover[0]], "dataset option without an equivalent")
+    for option in leftover:
+        conv.drop(
+            f"{key}.{option}",
+            ds[option],
+            _OPTION_FIX.get(option, "dataset option without a finetune equivalent")
+            + ("; multimodal rows are not trained (text-only causal LMs)" if "image" in option else ""),
+        )
     return src
+
+
+def _pretraining(conv: Conversion, entries: list) -> list[dict]:
+    """pretraining_dataset: a streamed text corpus (axolotl streams it and needs max_steps, as we do)."""
+    sources = []
+    for i, ds in enumerate(entries):
+        ds = ds if isinstance(ds, dict) else {"path": ds}
+        if not ds.get("path") or not isinstance(ds["path"], str):
+            conv.drop(f"pretraining_dataset[{i}]", ds, "a pretraining dataset needs a path")
+            continue
+        src: dict = {"path": conv.local_path(ds["path"]), "format": "text", "streaming": True}
+        for ours, theirs in (("subset", "name"), ("split", "split")):
+            if ds.get(theirs):
+                src[ours] = ds[theirs]
+        if ds.get("text_column", "text") != "text":
+            src["columns"] = {"text": ds["text_column"]}
+        for option in sorted(set(ds) - {"path", "name", "split", "text_column", "type"}):
+            conv.drop(f"pretraining_dataset[{i}].{option}", ds[option], "dataset option without a finetune equivalent")
+        sources.append(src)
+    if sources:
+        conv.set("method.type", "pretrain")
+        for key, fix in (("saves_per_epoch", "output.save_every"), ("evals_per_epoch", "train.eval_steps")):
+            if conv.raw.get(key):
+                conv.drop(key, conv.take(key), f"a streamed corpus has no epochs; set {fix} (steps)", material=False)
+        if conv.raw.get("val_set_size"):
+            conv.drop("val_set_size", conv.take("val_set_size"), "a streamed corpus is not split; add test_datasets")
+        conv.used.add("num_epochs")  # axolotl stops a streamed corpus at max_steps
+    return sources
 
 
 def convert(conv: Conversion) -> None:
@@ -177,6 +259,23 @@ def convert(conv: Conversion) -> None:
             conv.drop(
                 "rl", rl, f"method {rl!r} is not offered; finetune has sft, dpo, kto, orpo, simpo, reward, pretrain"
             )
+    if conv.has("dpo_loss_type"):
+        loss_type(conv, "dpo_loss_type")
+    if conv.has("orpo_alpha"):
+        conv.set("method.beta", conv.take("orpo_alpha"))  # ORPO's lambda is our method.beta
+    for theirs, ours in (
+        ("kto_desirable_weight", "desirable_weight"),
+        ("kto_undesirable_weight", "undesirable_weight"),
+    ):
+        if conv.has(theirs):
+            conv.set(f"method.{ours}", conv.take(theirs))
+    if conv.has("processor_type"):
+        conv.drop(
+            "processor_type",
+            conv.take("processor_type"),
+            "multimodal (image/audio) fine-tuning is not offered; finetune trains text-only causal LMs "
+            "(convert the rows to text, or train this model with axolotl)",
+        )
     if conv.has("reward_model"):
         conv.take("reward_model")
         conv.set("method.type", "reward")
@@ -198,12 +297,7 @@ def convert(conv: Conversion) -> None:
     sources = [
         s for i, ds in enumerate(as_list(conv.take("datasets"))) if (s := _source(conv, i, ds, preference=preference))
     ]
-    pretraining = as_list(conv.take("pretraining_dataset"))
-    if pretraining:
-        conv.set("method.type", "pretrain")
-        for ds in pretraining:
-            src = {"path": conv.local_path(str(ds.get("path") if isinstance(ds, dict) else ds)), "format": "text"}
-            sources.append(src)
+    sources += _pretraining(conv, as_list(conv.take("pretraining_dataset")))
     eval_sources = [
         s
         for i, ds in enumerate(as_list(conv.take("test_datasets")))
@@ -213,32 +307,70 @@ def convert(conv: Conversion) -> None:
         conv.set("data.sources", sources)
     if eval_sources:
         conv.set("data.eval_sources", eval_sources)
-    if conv.get("method.type") == "kto" and sources:
+    if conv.get("method.type") == "kto" and any(s["format"] == "preference" for s in sources):
         conv.notes.append("KTO: paired rows are unpaired; rows with a boolean label need data.format: unpaired")
     tokens = conv.take("special_tokens") or {}
+    if not isinstance(tokens, dict):
+        conv.drop("special_tokens", tokens, "must be a mapping such as {pad_token: ..., eos_token: ...}")
+        tokens = {}
     for name in ("pad_token", "eos_token", "bos_token"):
         if tokens.get(name):
             conv.set(f"tokenizer.{name}", tokens[name])
     if set(tokens) - {"pad_token", "eos_token", "bos_token"}:
         conv.drop("special_tokens", tokens, "only pad/eos/bos overrides map (tokenizer.*)")
-    template(conv, "chat_template")
+    jinja = conv.take("chat_template_jinja")
+    if jinja and conv.raw.get("chat_template") in (None, "jinja"):
+        conv.take("chat_template")
+        conv.set("data.chat_template", jinja)
+    else:
+        template(conv, "chat_template")
+    continue_adapter(conv, "lora_model_dir")
     optimizer(conv, "optimizer")
     scheduler(conv, "lr_scheduler")
     if conv.has("cosine_min_lr_ratio"):
         conv.set("train.scheduler", "cosine_with_min_lr")
-    micro, accumulation = conv.take("micro_batch_size"), conv.take("gradient_accumulation_steps")
-    if micro:
-        conv.set("train.micro_batch_size", micro)
-        conv.set("train.global_batch_size", micro * (accumulation or 1))
-        conv.notes.append(
-            "train.global_batch_size is micro_batch_size x gradient_accumulation_steps of ONE GPU; "
-            "axolotl also multiplies by the GPU count, so multiply it by yours"
-        )
+    batch_sizes(conv, micro_key="micro_batch_size", also="axolotl multiplies by the GPU count too; ")
     deepspeed_file(conv, "deepspeed")
-    if conv.has("fsdp") or conv.has("fsdp_config"):
-        conv.take("fsdp"), conv.take("fsdp_config")
-        conv.set("distributed.strategy", "fsdp2")
+    flags, fsdp_config = as_list(conv.take("fsdp")), conv.take("fsdp_config")
+    if flags or fsdp_config:
+        fsdp_strategy(conv, "fsdp_config" if fsdp_config else "fsdp", fsdp_config or {}, flags=flags)
+    kernel = conv.take("attention")
+    if kernel is not None:
+        if str(kernel) in ATTENTION:
+            if ATTENTION[str(kernel)]:
+                conv.set("model.attn_implementation", ATTENTION[str(kernel)])
+        else:
+            conv.drop(
+                "attention", kernel, "unknown kernel; finetune offers sdpa, eager, flex (model.attn_implementation)"
+            )
+    attention(conv, "attn_implementation")
+    for theirs, ours in (("wandb_entity", "logging.entity"), ("wandb_name", "logging.run_name")):
+        if conv.has(theirs):
+            conv.set(ours, conv.take(theirs))
     if conv.has("warmup_steps") and conv.has("warmup_ratio"):
         conv.drop("warmup_ratio", conv.take("warmup_ratio"), "warmup_steps is set too; finetune takes one")
-    if conv.has("wandb_project"):
-        conv.set("logging.report_to", ["wandb"])
+    _trackers(conv)
+
+
+def _trackers(conv: Conversion) -> None:
+    """axolotl turns a tracker on by naming its project (wandb_project, mlflow_experiment_name)."""
+    trackers = []
+    mode = str(conv.take("wandb_mode") or "online")
+    if conv.has("wandb_project") and mode != "disabled":
+        trackers.append("wandb")
+        conv.set("logging.offline", mode == "offline")
+    if conv.has("mlflow_experiment_name") or conv.has("mlflow_tracking_uri"):
+        trackers.append("mlflow")
+        if conv.has("mlflow_experiment_name") and not conv.has("wandb_project"):
+            conv.set("logging.project", conv.take("mlflow_experiment_name"))
+        if conv.has("mlflow_tracking_uri"):
+            conv.drop(
+                "mlflow_tracking_uri",
+                conv.take("mlflow_tracking_uri"),
+                "set MLFLOW_TRACKING_URI in the environment",
+                material=False,
+            )
+    if conv.take("use_tensorboard"):
+        trackers.append("tensorboard")
+    if trackers:
+        conv.set("logging.report_to", trackers)

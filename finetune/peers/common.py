@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import json
+import re
 from pathlib import Path
 from typing import Any, get_args
 
-from finetune.peers import Conversion, read_mapping
+from finetune.peers import Conversion
 from finetune.recipe.aliases import lookup
-from finetune.recipe.schema import TrainSection
+from finetune.recipe.schema import METHOD_FORMATS, LoggingSection, TrainSection
 
 # transformers / bitsandbytes optimizer names -> ours
 OPTIMIZERS = {
@@ -31,10 +33,15 @@ TEMPLATES = {
     "qwen2.5": "qwen2.5",
     "qwen2": "qwen2.5",
     "qwen3": "qwen3",
+    "qwen3_nothink": "qwen3",
     "mistral": "mistral",
     "gemma": "gemma",
     "gemma2": "gemma",
     "gemma3": "gemma",
+    "llama3.1": "llama3",
+    "llama3.2": "llama3",
+    "llama-3": "llama3",
+    "mistral_v3": "mistral",
     "phi": "phi-3",
     "phi_3": "phi-3",
     "phi3": "phi-3",
@@ -65,12 +72,17 @@ def map_aliases(conv: Conversion, *, ignore: dict[str, str]) -> None:
             continue
         alias = lookup("", key)
         if alias is None:
-            conv.drop(key, value, "no finetune setting does this")
+            conv.drop(
+                key,
+                value,
+                f"no finetune setting does this (unknown to the {conv.source} converter); if it changes training, "
+                "find the nearest recipe key in docs/porting.md, else delete this line",
+            )
             continue
         try:
             ours = alias.value(value) if alias.value else value
-        except ValueError as exc:
-            conv.drop(key, value, str(exc))
+        except (ValueError, TypeError) as exc:
+            conv.drop(key, value, f"not a value finetune reads here ({exc})")
             continue
         conv.used.add(key)
         if ours is not None:
@@ -87,7 +99,9 @@ def _named(conv: Conversion, key: str, *, table: dict[str, str], ours: str, what
     name = conv.take(key)
     if name is None:
         return
-    if name in table:
+    if not isinstance(name, str):
+        conv.drop(key, name, f"must be one {what} name; finetune has {offered}")
+    elif name in table:
         conv.set(ours, table[name])
     else:
         conv.drop(key, name, f"{what} {name!r} is not offered; finetune has {offered}")
@@ -125,81 +139,16 @@ def template(conv: Conversion, key: str) -> None:
         )
 
 
-def deepspeed_file(conv: Conversion, key: str) -> None:
-    """A DeepSpeed JSON file (or an inline mapping) -> distributed.strategy."""
-    value = conv.take(key)
-    if value is None:
-        return
-    if isinstance(value, dict):
-        config = value
-    else:
-        path = Path(str(value))
-        path = path if path.is_absolute() else conv.config_dir / path
-        if not path.is_file():
-            conv.drop(key, value, f"DeepSpeed file {path} not found; the planner picks the strategy", material=False)
-            return
-        config = read_mapping(path, what="DeepSpeed config")
-    zero = config.get("zero_optimization") or {}
-    stage = zero.get("stage", 0)
-    devices = {(zero.get(k) or {}).get("device") for k in ("offload_optimizer", "offload_param")}
-    if stage == 3:
-        strategy = "zero3-nvme" if "nvme" in devices else "zero3-offload" if "cpu" in devices else "zero3"
-        conv.set("distributed.strategy", strategy)
-        nvme = (zero.get("offload_param") or zero.get("offload_optimizer") or {}).get("nvme_path")
-        if strategy == "zero3-nvme" and nvme:
-            conv.set("distributed.nvme_path", nvme)
-        conv.notes.append(
-            f"{key}: ZeRO-3 pinned as distributed.strategy {strategy}; set it to auto to let the planner choose"
-        )
-    else:
-        conv.drop(
-            key,
-            value,
-            f"ZeRO stage {stage} has no tier here; the planner picks DDP, FSDP2 or ZeRO-3 (distributed.strategy: auto)",
-            material=False,
-        )
-
-
-def accelerate_file(conv: Conversion, key: str) -> None:
-    """An accelerate config file -> distributed.strategy (its DeepSpeed part through deepspeed_file)."""
-    value = conv.take(key)
-    if value is None:
-        return
-    named = {
-        "zero3": "zero3",
-        "zero3_offload": "zero3-offload",
-        "fsdp2": "fsdp2",
-        "fsdp": "fsdp2",
-        "multi_gpu": "ddp",
-        "ddp": "ddp",
-    }
-    if str(value) in named:
-        conv.set("distributed.strategy", named[str(value)])
-        return
-    path = Path(str(value))
-    path = path if path.is_absolute() else conv.config_dir / path
-    if not path.is_file():
-        conv.drop(key, value, f"accelerate file {path} not found; the planner picks the strategy", material=False)
-        return
-    config = read_mapping(path, what="accelerate config")
-    kind = str(config.get("distributed_type", "")).upper()
-    if kind == "DEEPSPEED":
-        ds = config.get("deepspeed_config") or {}
-        if ds.get("deepspeed_config_file"):
-            conv.raw["_accelerate_deepspeed"] = ds["deepspeed_config_file"]
-        else:
-            conv.raw["_accelerate_deepspeed"] = {
-                "zero_optimization": {
-                    "stage": ds.get("zero_stage", 0),
-                    "offload_optimizer": {"device": ds.get("offload_optimizer_device", "none")},
-                    "offload_param": {"device": ds.get("offload_param_device", "none")},
-                }
-            }
-        deepspeed_file(conv, "_accelerate_deepspeed")
-    elif kind == "FSDP":
-        conv.set("distributed.strategy", "fsdp2")
-    elif kind == "MULTI_GPU":
-        conv.set("distributed.strategy", "ddp")
+def find_file(conv: Conversion, value: str, *, base: Path | None = None) -> Path | None:
+    """A file a config names: relative to `base`, the config's folder, or the current directory."""
+    path = Path(value).expanduser()
+    for folder in (base, conv.config_dir, Path.cwd()):
+        if folder is None:
+            continue
+        full = path if path.is_absolute() else folder / path
+        if full.is_file():
+            return full
+    return None
 
 
 def as_list(value: Any) -> list:
@@ -210,14 +159,211 @@ def as_list(value: Any) -> list:
     return list(value) if isinstance(value, (list, tuple)) else [value]
 
 
-def batch_sizes(conv) -> None:
-    """per_device_train_batch_size x gradient_accumulation_steps (transformers' TrainingArguments): our
-    micro-batch, and a global batch for ONE GPU (said in the notes, since ours spans every GPU)."""
-    micro, accumulation = conv.take("per_device_train_batch_size"), conv.take("gradient_accumulation_steps")
+def batch_sizes(conv: Conversion, *, micro_key: str = "per_device_train_batch_size", also: str = "") -> None:
+    """micro-batch x gradient_accumulation_steps (transformers' TrainingArguments names; axolotl's
+    micro_batch_size): our micro-batch, and a global batch for ONE GPU (said in the notes, since ours spans
+    every GPU)."""
+    micro, accumulation = conv.raw.get(micro_key), conv.raw.get("gradient_accumulation_steps")
+    for key, value in ((micro_key, micro), ("gradient_accumulation_steps", accumulation)):
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+            conv.drop(key, value, "must be a positive whole number; set train.global_batch_size by hand")
+            return
+    conv.used.update({micro_key, "gradient_accumulation_steps"})
     if micro:
         conv.set("train.micro_batch_size", micro)
         conv.set("train.global_batch_size", micro * (accumulation or 1))
         conv.notes.append(
-            "train.global_batch_size is per_device_train_batch_size x gradient_accumulation_steps "
-            "of ONE GPU; multiply it by your GPU count for the same effective batch"
+            f"train.global_batch_size is {micro_key} x gradient_accumulation_steps of ONE GPU; {also}"
+            "multiply it by your GPU count for the same effective batch"
+        )
+
+
+def loss_type(conv: Conversion, key: str) -> None:
+    """A DPO loss name, or TRL's list of losses (only one is offered) -> method.loss_type."""
+    losses = as_list(conv.take(key))
+    if not losses or not all(isinstance(v, str) for v in losses):
+        conv.drop(key, losses, "must name one DPO loss (sigmoid, ipo, hinge, robust, ...)")
+        return
+    conv.set("method.loss_type", losses[0])
+    if len(losses) > 1:
+        conv.drop(key, losses, f"combined DPO losses are not offered; only {losses[0]} is used")
+
+
+# YAML 1.1 (PyYAML) reads `2e-5` (no dot) as a string; the peers' loaders read it as a number
+_EXPONENT = re.compile(r"^[+-]?(\d+\.?\d*|\.\d+)[eE][+-]?\d+$")
+
+
+def coerce_numbers(raw: dict) -> dict:
+    return {k: float(v) if isinstance(v, str) and _EXPONENT.match(v) else v for k, v in raw.items()}
+
+
+def shared_keys(conv: Conversion) -> None:
+    """Top-level keys every peer spells the same way (transformers' TrainingArguments names, mostly) whose
+    values need more than a rename; run after the peer module, before the alias pass."""
+    if conv.has("gradient_checkpointing") and "gradient_checkpointing" not in conv.used:
+        value = conv.take("gradient_checkpointing")
+        conv.set("train.activation_checkpointing", "off" if value in (False, "false") else "on")
+        if str(value).lower() == "offload":
+            conv.notes.append(
+                "gradient_checkpointing: offload read as activation checkpointing on; finetune keeps the "
+                "checkpointed activations on the GPU (the planner counts them)"
+            )
+    steps = conv.raw.get("max_steps")
+    if isinstance(steps, (int, float)) and steps <= 0:
+        conv.used.add("max_steps")  # transformers' -1: no step limit, the epochs decide
+    scheduler_kwargs(conv, "lr_scheduler_kwargs")
+    _hub(conv)
+    _trackers(conv)
+    _cadence(conv, strategy="save_strategy", steps="save_steps", per_epoch="output.saves_per_epoch")
+    _cadence(conv, strategy="eval_strategy", steps="eval_steps", per_epoch="train.evals_per_epoch")
+    _cadence(conv, strategy="evaluation_strategy", steps="eval_steps", per_epoch="train.evals_per_epoch")
+    if conv.raw.get("fp16") in (True, "true") and not conv.get("model.dtype"):
+        conv.set("model.dtype", "float16")  # the peers load the weights in the fp16 they train in
+
+
+def scheduler_kwargs(conv: Conversion, key: str) -> None:
+    """transformers' lr_scheduler_kwargs: cosine_with_min_lr's min_lr / min_lr_rate."""
+    kwargs = conv.take(key)
+    if not kwargs:
+        return
+    if not isinstance(kwargs, dict):
+        conv.drop(key, kwargs, "must be a mapping of scheduler arguments")
+        return
+    rest = dict(kwargs)
+    if "min_lr_rate" in rest:
+        conv.set("train.min_lr_ratio", rest.pop("min_lr_rate"))
+    if "min_lr" in rest:
+        conv.set("train.min_lr", rest.pop("min_lr"))
+    if rest:
+        conv.drop(key, rest, "only min_lr / min_lr_rate (cosine_with_min_lr) have finetune settings")
+
+
+# a local file's columns -> our format, as TRL and the handbooks infer it from the first row
+_SNIFF = (
+    ({"chosen", "rejected"}, "preference"),
+    ({"label", "completion"}, "unpaired"),
+    ({"messages"}, "messages"),
+    ({"conversations"}, "sharegpt"),
+    ({"prompt", "completion"}, "prompt_completion"),
+    ({"instruction", "output"}, "alpaca"),
+    ({"text"}, "text"),
+)
+
+
+def sniff_format(conv: Conversion, path: str, *, method: str | None = None) -> str | None:
+    """The format of a local .jsonl/.json file from its first row's columns (None: not local or unknown);
+    with `method`, the first format that method trains on (a row may carry both messages and pairs)."""
+    full = find_file(conv, path)
+    if full is None or full.suffix not in (".jsonl", ".json"):
+        return None
+    try:
+        with full.open(encoding="utf-8") as fh:
+            first = fh.readline() if full.suffix == ".jsonl" else fh.read()
+        row = json.loads(first)
+    except (OSError, ValueError):
+        return None
+    row = row[0] if isinstance(row, list) and row else row
+    if not isinstance(row, dict):
+        return None
+    found = [fmt for keys, fmt in _SNIFF if keys <= set(row)]
+    allowed = METHOD_FORMATS.get(method or "", tuple(found))
+    return next((fmt for fmt in found if fmt in allowed), None)
+
+
+def _hub(conv: Conversion) -> None:
+    """hub_model_id (+ push_to_hub, hub_private_repo) -> hub.repo; a set hub.repo pushes after the run."""
+    repo = conv.take("hub_model_id")
+    push = conv.take("push_to_hub")
+    if conv.has("hub_private_repo"):
+        conv.set("hub.private", bool(conv.take("hub_private_repo")))
+    if not repo:
+        return
+    if conv.source != "axolotl" and not push:  # TrainingArguments push only with push_to_hub
+        conv.drop(
+            "hub_model_id", repo, "push_to_hub is off, so nothing is pushed; set hub.repo to push", material=False
+        )
+    elif "/" not in str(repo):
+        conv.drop("hub_model_id", repo, f"the Hub repo needs its owner; set hub.repo: YOUR-NAME/{repo}", material=False)
+    else:
+        conv.set("hub.repo", str(repo))
+
+
+TRACKERS = get_args(get_args(LoggingSection.model_fields["report_to"].annotation)[0])
+
+
+def _trackers(conv: Conversion) -> None:
+    """report_to (a name, a comma list or a list) -> logging.report_to, the trackers finetune offers."""
+    if not conv.has("report_to"):
+        return
+    wanted = [str(t) for t in as_list(conv.take("report_to"))]
+    kept = [t for t in wanted if t in TRACKERS]
+    if len(kept) < len(wanted):
+        conv.drop(
+            "report_to",
+            wanted,
+            f"finetune logs to {', '.join(t for t in TRACKERS if t != 'none')}; "
+            f"{', '.join(t for t in wanted if t not in TRACKERS)} dropped",
+            material=False,
+        )
+    if kept:
+        conv.set("logging.report_to", kept)
+
+
+def _cadence(conv: Conversion, *, strategy: str, steps: str, per_epoch: str) -> None:
+    """TrainingArguments' save/eval strategy and steps: 'epoch' is once per epoch, 'no' ignores the steps,
+    and steps below 1 are a share of the whole run (which finetune does not take)."""
+    mode = conv.take(strategy)
+    value = conv.raw.get(steps)
+    if str(mode) == "epoch":
+        conv.set(per_epoch, 1)
+        if value is not None:
+            conv.drop(steps, conv.take(steps), f"{strategy} is epoch", material=False)
+    elif str(mode) == "no" and value is not None and "save" in steps:
+        conv.drop(steps, conv.take(steps), f"{strategy} is no: a checkpoint at the end only", material=False)
+    elif isinstance(value, float) and 0 < value < 1:
+        conv.drop(
+            steps,
+            conv.take(steps),
+            f"a share of the run is not offered; set {per_epoch} (or an interval in steps) instead",
+        )
+
+
+def drop_packing(conv: Conversion) -> None:
+    """Packing is SFT/pretrain only here; the peers accept it for preference methods and use it loosely."""
+    if conv.get("data.packing") and conv.get("method.type", "sft") not in ("sft", "pretrain"):
+        del conv.recipe["data"]["packing"]
+        key = next((k for k in ("sample_packing", "packing", "neat_packing") if conv.raw.get(k)), "packing")
+        conv.drop(
+            key,
+            conv.raw.get(key, True),
+            f"packing is for sft/pretrain here; {conv.get('method.type')} pads each batch instead",
+            material=False,
+        )
+
+
+def continue_adapter(conv: Conversion, key: str) -> None:
+    """A LoRA adapter to train on from (axolotl lora_model_dir, LLaMA-Factory adapter_name_or_path)."""
+    if conv.has(key):
+        conv.drop(
+            key,
+            conv.take(key),
+            "training on from an existing adapter is not offered: merge it into the base first (finetune merge, "
+            "or peft's merge_and_unload) and set model.name to the merged model",
+        )
+
+
+ATTENTION_KERNELS = ("sdpa", "eager", "flash_attention_2", "flash_attention_3", "flex_attention")
+
+
+def attention(conv: Conversion, key: str) -> None:
+    """transformers' attn_implementation -> model.attn_implementation."""
+    value = conv.take(key)
+    if value in ATTENTION_KERNELS:
+        conv.set("model.attn_implementation", value)
+    elif value is not None:
+        conv.drop(
+            key,
+            value,
+            f"finetune offers {', '.join(ATTENTION_KERNELS)} (Hub kernels are not loaded); auto picks one",
+            material=False,
         )

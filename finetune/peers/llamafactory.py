@@ -8,16 +8,18 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 from finetune.peers import Conversion
 from finetune.peers.common import (
     as_list,
     batch_sizes,
-    deepspeed_file,
+    continue_adapter,
     optimizer,
     scheduler,
     template,
 )
+from finetune.peers.distributed import deepspeed_file
 
 IGNORED = {
     k: "finetune decides this itself or has no such switch"
@@ -32,7 +34,6 @@ IGNORED = {
         "save_only_model",
         "ddp_timeout",
         "per_device_eval_batch_size",
-        "flash_attn",
         "dataloader_num_workers",
         "resume_from_checkpoint",
         "enable_liger_kernel",
@@ -44,18 +45,23 @@ IGNORED = {
         "mix_strategy",
         "trust_remote_code_hf",
         "logging_dir",
-        "disable_gradient_checkpointing",
         "upcast_layernorm",
         "upcast_lmhead_output",
         "print_param_status",
         "include_num_input_tokens_seen",
-        "save_strategy",
-        "eval_strategy",
-        "evaluation_strategy",
         "create_new_adapter",
         "packing_strategy",
+        "quantization_device_map",
+        "report_to_swanlab",
+        "export_dir",
     )
+} | {
+    "resize_vocab": "finetune grows the embeddings itself when tokenizer.added_tokens needs it",
 }
+# optimizer families LLaMA-Factory switches on with use_X (their own keys come along: galore_rank, ...)
+OPTIMIZER_SWITCHES = ("use_galore", "use_badam", "use_apollo", "use_adam_mini", "use_muon")
+# LoRA initializations and variants finetune does not offer
+LORA_EXTRAS = ("pissa_init", "pissa_convert", "use_llama_pro", "use_mca")
 STAGES = {"sft": "sft", "pt": "pretrain", "dpo": "dpo", "kto": "kto", "rm": "reward"}
 PREF_LOSS = {
     "orpo": ("orpo", None),
@@ -79,12 +85,15 @@ def _dataset_info(conv: Conversion) -> tuple[dict, Path] | tuple[None, None]:
 
 
 def _source(conv: Conversion, name: str, info: dict | None, folder: Path | None, key: str) -> dict | None:
+    if not isinstance(name, str):
+        conv.drop(key, name, "must be a dataset name from dataset_info.json (comma-separated for several)")
+        return None
     entry = (info or {}).get(name)
-    if entry is None:
+    if not isinstance(entry, dict):
         conv.drop(key, name, "not found in dataset_info.json (dataset_dir); add it to data.sources by path")
         return None
     if entry.get("file_name"):
-        src = {"path": conv.local_path(str(folder / entry["file_name"]))}
+        src: dict[str, Any] = {"path": conv.local_path(str(folder / entry["file_name"]))}
     elif entry.get("hf_hub_url"):
         src = {"path": entry["hf_hub_url"]}
         if entry.get("subset"):
@@ -107,15 +116,29 @@ def _source(conv: Conversion, name: str, info: dict | None, folder: Path | None,
             src["columns"] = mapped
     elif columns.get("kto_tag"):
         src["format"] = "unpaired"
-        src["columns"] = {"label": columns["kto_tag"]}
+        mapped = {"label": columns["kto_tag"], "prompt": columns.get("prompt"), "completion": columns.get("response")}
+        mapped = {k: v for k, v in mapped.items() if v and v != k}
+        if mapped:
+            src["columns"] = mapped
         conv.notes.append(
             f"{key}: KTO rows read as prompt/completion/label; map prompt/completion with "
             f"data.sources[].columns if they are named otherwise"
         )
     elif sharegpt:
-        src["format"] = "sharegpt"
-        if columns.get("messages", "conversations") != "conversations":
-            src["columns"] = {"conversations": columns["messages"]}
+        tags = entry.get("tags") or {}
+        # role/content tags are OpenAI-style messages; from/value (the default) are sharegpt speakers
+        openai = tags.get("role_tag", "from") == "role" and tags.get("content_tag", "value") == "content"
+        src["format"] = "messages" if openai else "sharegpt"
+        column, default = ("messages", "messages") if openai else ("conversations", "conversations")
+        if columns.get("messages", default) != column:
+            src["columns"] = {column: columns["messages"]}
+        if columns.get("system") or columns.get("tools") or columns.get("images") or columns.get("videos"):
+            conv.drop(
+                f"{key}.columns",
+                {k: columns[k] for k in ("system", "tools", "images", "videos") if columns.get(k)},
+                "a separate system/tools/images column is not read; put the system prompt into the messages "
+                "(images and videos are not trained)",
+            )
     elif conv.get("method.type") == "pretrain":
         src["format"] = "text"
         if columns.get("prompt", "text") != "text":
@@ -151,6 +174,11 @@ def convert(conv: Conversion) -> None:
             conv.drop("pref_loss", loss, "no such preference loss here")
     kind = conv.take("finetuning_type", "lora")
     bits = conv.take("quantization_bit")
+    quant = str(conv.take("quantization_method", "bnb") or "bnb").lower()
+    if bits and quant not in ("bnb", "bitsandbytes"):
+        conv.drop("quantization_method", quant, "only bitsandbytes quantization is offered (QLoRA NF4, 8-bit LoRA)")
+    if bits not in (None, 4, 8):
+        conv.drop("quantization_bit", bits, "only 4-bit (adapter: qlora) and 8-bit (load_in_8bit) are offered")
     if kind == "full":
         conv.set("adapter.type", "full")
     elif kind == "lora":
@@ -172,6 +200,8 @@ def convert(conv: Conversion) -> None:
     if max_samples:
         for src in conv.get("data.sources", []):
             src["max_samples"] = max_samples
+    _method_extras(conv)
+    continue_adapter(conv, "adapter_name_or_path")
     template(conv, "template")
     optimizer(conv, "optim")
     scheduler(conv, "lr_scheduler_type")
@@ -179,5 +209,65 @@ def convert(conv: Conversion) -> None:
     if conv.has("val_size"):
         conv.set("data.eval_fraction", conv.take("val_size"))
     deepspeed_file(conv, "deepspeed")
-    if conv.has("report_to"):
-        conv.set("logging.report_to", as_list(conv.take("report_to")))
+
+
+def _method_extras(conv: Conversion) -> None:
+    """LLaMA-Factory's own method keys: loss masking, packing, KTO weights, LoRA extras, optimizer families."""
+    if conv.take("disable_gradient_checkpointing"):
+        conv.set("train.activation_checkpointing", "off")
+    if conv.has("train_on_prompt"):
+        conv.set("data.assistant_only_loss", not conv.take("train_on_prompt"))
+    if conv.take("mask_history"):
+        conv.drop(
+            "mask_history",
+            True,
+            "loss on the last turn only is not offered; finetune trains every assistant turn (split the "
+            "conversations into one row per final turn to get the same loss)",
+        )
+    if conv.take("neat_packing"):
+        conv.set("data.packing", True)
+        conv.notes.append("neat_packing: finetune's packing is padding-free, each example attends only to itself")
+    for theirs, ours in (("kto_chosen_weight", "desirable_weight"), ("kto_rejected_weight", "undesirable_weight")):
+        if conv.has(theirs):
+            conv.set(f"method.{ours}", conv.take(theirs))
+    if conv.has("double_quantization"):
+        conv.set("adapter.double_quant", bool(conv.take("double_quantization")))
+    if conv.has("quantization_type"):
+        conv.set("adapter.quant_type", conv.take("quantization_type"))
+    for key, ours in (
+        ("additional_target", "adapter.modules_to_save"),
+        ("new_special_tokens", "tokenizer.added_tokens"),
+    ):
+        if conv.has(key):
+            conv.set(ours, as_list(conv.take(key)))
+    if conv.has("rope_scaling") and not isinstance(conv.raw["rope_scaling"], dict):
+        conv.drop(
+            "rope_scaling",
+            conv.take("rope_scaling"),
+            "LLaMA-Factory derives the factor from cutoff_len; write it out as model.rope_scaling: "
+            "{rope_type: linear|dynamic|yarn|llama3, factor: cutoff_len / the model's max_position_embeddings}",
+        )
+    for switch in OPTIMIZER_SWITCHES:
+        if conv.take(switch):
+            family = switch.removeprefix("use_")
+            conv.drop(
+                switch,
+                True,
+                f"the {family} optimizer is not offered; use train.optimizer adamw_8bit or adafactor, or a LoRA "
+                "adapter, for the memory it saves",
+            )
+            for key in [k for k in conv.raw if k.startswith(f"{family}_")]:
+                conv.drop(key, conv.take(key), f"belongs to {switch}", material=False)
+    for key in LORA_EXTRAS:
+        if conv.take(key):
+            conv.drop(key, True, "this LoRA variant/initialization is not offered; remove it for plain (Do/rs)LoRA")
+    if conv.has("pref_ftx") and conv.raw["pref_ftx"]:
+        conv.drop(
+            "pref_ftx",
+            conv.take("pref_ftx"),
+            "an added SFT loss in preference training is offered only as simpo's cpo_alpha (method: simpo)",
+        )
+    if conv.has("flash_attn"):
+        attention = {"sdpa": "sdpa", "disabled": "eager", "eager": "eager"}.get(str(conv.take("flash_attn")))
+        if attention:
+            conv.set("model.attn_implementation", attention)

@@ -5,15 +5,24 @@ names it, else DPO-only keys (beta, loss_type, max_prompt_length) mean dpo and t
 from __future__ import annotations
 
 from finetune.peers import Conversion
-from finetune.peers.common import DTYPES, accelerate_file, as_list, batch_sizes, optimizer, scheduler
+from finetune.peers.common import (
+    DTYPES,
+    as_list,
+    attention,
+    batch_sizes,
+    loss_type,
+    optimizer,
+    scheduler,
+    sniff_format,
+    template,
+)
+from finetune.peers.distributed import accelerate_file
 
 IGNORED = {
     k: "finetune decides this itself or has no such switch"
     for k in (
         "dataset_num_proc",
         "logging_strategy",
-        "save_strategy",
-        "eval_strategy",
         "per_device_eval_batch_size",
         "run_name",
         "log_level",
@@ -23,14 +32,12 @@ IGNORED = {
         "do_eval",
         "dataloader_num_workers",
         "ddp_timeout",
-        "push_to_hub",
         "hub_strategy",
         "use_liger_kernel",
         "gradient_checkpointing_kwargs",
         "remove_unused_columns",
-        "dataset_text_field",
-        "completion_only_loss",
-        "assistant_only_loss",
+        "preprocessing_num_workers",
+        "bnb_4bit_quant_storage",
         "ignore_bias_buffers",
         "torch_compile",
         "tf32",
@@ -38,18 +45,26 @@ IGNORED = {
         "padding_free",
         "packing_strategy",
         "lora_task_type",
-        "use_bnb_nested_quant",
-        "bnb_4bit_quant_storage",
     )
+} | {
+    "max_prompt_length": "TRL 1.x has no prompt limit either; a pair longer than data.max_length is truncated whole",
+    "dataset_test_split": "read only when eval_strategy is not 'no'",
 }
 DPO_KEYS = ("beta", "loss_type", "max_prompt_length", "precompute_ref_log_probs", "rpo_alpha")
 METHODS = ("sft", "dpo", "kto", "reward", "orpo", "cpo")
+# keys only one trainer's config has, in the order they are asked (beta alone means DPO)
+GUESS = (
+    ("kto", ("desirable_weight", "undesirable_weight")),
+    ("cpo", ("simpo_gamma", "cpo_alpha")),
+    ("reward", ("center_rewards_coefficient",)),
+    ("dpo", DPO_KEYS),
+)
 
 
 def convert(conv: Conversion, *, method: str | None) -> None:
     conv.set("model.name", conv.take("model_name_or_path", ""))
     if method is None:
-        method = "dpo" if any(conv.has(k) for k in DPO_KEYS) else "sft"
+        method = next((m for m, keys in GUESS if any(conv.has(k) for k in keys)), "sft")
         conv.notes.append(f"method {method}: the trl subcommand is not in the file; pass --method to say it")
     if method not in METHODS:
         conv.drop("method", method, f"trl {method} has no finetune method")
@@ -58,12 +73,23 @@ def convert(conv: Conversion, *, method: str | None) -> None:
     if method in ("dpo", "kto", "orpo", "cpo") and conv.has("beta"):
         conv.set("method.beta", conv.take("beta"))
     if method == "dpo" and conv.has("loss_type"):
-        loss = as_list(conv.take("loss_type"))
-        conv.set("method.loss_type", loss[0])
-        if len(loss) > 1:
-            conv.drop("loss_type", loss, "combined DPO losses are not offered; the first is used")
+        loss_type(conv, "loss_type")
+    if method == "cpo" and conv.raw.get("loss_type", "sigmoid") != "simpo":
+        conv.drop(
+            "loss_type",
+            conv.take("loss_type") or "sigmoid",
+            "CPO is offered with loss simpo only (method: simpo; cpo_alpha > 0 adds CPO's NLL term)",
+        )
+    conv.used.add("loss_type")
+    _method_knobs(conv, method)
     if conv.take("use_peft"):
         conv.set("adapter.type", "qlora" if conv.take("load_in_4bit") else "lora")
+        if conv.get("adapter.type") == "qlora":
+            if conv.has("bnb_4bit_quant_type"):
+                conv.set("adapter.quant_type", conv.take("bnb_4bit_quant_type"))
+            conv.set("adapter.double_quant", bool(conv.take("use_bnb_nested_quant")))  # TRL's default: off
+        else:
+            conv.used.update({"bnb_4bit_quant_type", "use_bnb_nested_quant"})
         if conv.take("load_in_8bit"):
             conv.set("adapter.load_in_8bit", True)
         targets = conv.take("lora_target_modules")
@@ -71,34 +97,160 @@ def convert(conv: Conversion, *, method: str | None) -> None:
             conv.set("adapter.target_modules", targets if targets == "all-linear" else as_list(targets))
     else:
         conv.set("adapter.type", "full")
-        for key in ("lora_r", "lora_alpha", "lora_dropout", "lora_target_modules", "load_in_4bit", "load_in_8bit"):
+        for key in (
+            "lora_r",
+            "lora_alpha",
+            "lora_dropout",
+            "lora_target_modules",
+            "lora_modules_to_save",
+            "load_in_4bit",
+            "load_in_8bit",
+            "use_dora",
+            "use_rslora",
+        ):
             if conv.has(key):
                 conv.drop(key, conv.raw[key], "use_peft is off, so this LoRA setting does nothing", material=False)
-    name = conv.take("dataset_name")
-    if name:
-        source = {"path": conv.local_path(str(name)), "format": _format(method)}
-        if conv.has("dataset_config"):
-            source["subset"] = conv.take("dataset_config")
-        source["split"] = conv.take("dataset_train_split", "train")
-        conv.set("data.sources", [source])
-        conv.notes.append(f"data.sources[0].format {source['format']} assumed for {name}; check it")
-        if conv.has("dataset_test_split") and conv.raw.get("eval_strategy", "no") != "no":
-            conv.set("data.eval_sources", [{**source, "split": conv.take("dataset_test_split")}])
+    _datasets(conv, method)
+    _loss_mask(conv, method)
+    if conv.has("model_revision"):
+        conv.set("model.revision", conv.take("model_revision"))
+    template(conv, "chat_template")
+    if conv.has("run_name"):
+        conv.set("logging.run_name", conv.take("run_name"))
     dtype = conv.take("dtype") or conv.take("torch_dtype")
     if dtype is not None and DTYPES.get(str(dtype)):
         conv.set("model.dtype", DTYPES[str(dtype)])
-    attention = conv.take("attn_implementation")
-    if attention in ("sdpa", "eager", "flash_attention_2", "flash_attention_3", "flex_attention"):
-        conv.set("model.attn_implementation", attention)
+    attention(conv, "attn_implementation")
+    field = conv.take("dataset_text_field")
+    if field and field != "text":
+        for src in conv.get("data.sources", []) + conv.get("data.eval_sources", []):
+            if src["format"] == "text":
+                src["columns"] = {"text": field}
     optimizer(conv, "optim")
     scheduler(conv, "lr_scheduler_type")
     batch_sizes(conv)  # transformers' TrainingArguments names, as both tools use them
     if conv.has("max_seq_length"):
         conv.set("data.max_length", conv.take("max_seq_length"))
     accelerate_file(conv, "accelerate_config")
-    if conv.has("hub_model_id"):
-        conv.set("hub.repo", conv.take("hub_model_id"))
 
 
 def _format(method: str) -> str:
     return "messages" if method == "sft" else "unpaired" if method == "kto" else "preference"
+
+
+def _evaluates(conv: Conversion) -> bool:
+    strategy = conv.raw.get("eval_strategy", conv.raw.get("evaluation_strategy", "no"))
+    return str(strategy) != "no" or bool(conv.raw.get("do_eval"))
+
+
+def _source(conv: Conversion, path: str, method: str, **extra) -> dict:
+    fmt = sniff_format(conv, path, method=method)
+    if fmt is None:
+        fmt = _format(method)
+        note = f"format {fmt} assumed for {path}; check data.sources[].format"
+        if note not in conv.notes:
+            conv.notes.append(note)
+    src = {"path": conv.local_path(path), "format": fmt}
+    return src | {k: v for k, v in extra.items() if v is not None}
+
+
+def _datasets(conv: Conversion, method: str) -> None:
+    """dataset_name (ScriptArguments), the handbooks' dataset_mixer + dataset_splits, and dataset_mixture /
+    datasets (a list of {path|id, config|name, split, columns, weight}) -> data.sources."""
+    sources: list[dict] = []
+    evals: list[dict] = []
+    name = conv.take("dataset_name")
+    test_split = conv.take("dataset_test_split")
+    if name:
+        src = _source(conv, str(name), method, subset=conv.take("dataset_config"))
+        src["split"] = conv.take("dataset_train_split", "train")
+        sources.append(src)
+        if test_split and _evaluates(conv):
+            evals.append({**src, "split": test_split})
+        elif test_split:
+            conv.drop("dataset_test_split", test_split, "eval_strategy is 'no', so it is not read", material=False)
+    mixer = conv.take("dataset_mixer")
+    if mixer:
+        splits = [str(x) for x in as_list(conv.take("dataset_splits"))] or ["train", "test"]
+        weights = mixer if isinstance(mixer, dict) else {str(m): 1.0 for m in as_list(mixer)}
+        if not all(isinstance(w, (int, float)) and w > 0 for w in weights.values()):
+            conv.drop("dataset_mixer", mixer, "must map dataset ids to positive weights")
+            weights = {}
+        for path, weight in weights.items():
+            for split in splits:
+                src = _source(conv, str(path), method, split=split)
+                if "test" in split:
+                    if _evaluates(conv):
+                        evals.append(src)
+                else:
+                    sources.append(src | ({"weight": weight} if weight != 1 else {}))
+        if weights and any(w < 1 for w in weights.values()):
+            conv.notes.append(
+                "dataset_mixer: a weight below 1 took that share of the rows; here a weight sets the sampling "
+                "proportion between sources (data.sources[].weight)"
+            )
+    mixture = conv.take("dataset_mixture")
+    entries = conv.take("datasets")
+    if isinstance(mixture, dict):
+        entries = mixture.get("datasets") or entries
+        for key, ours in (("test_split_size", "data.eval_fraction"), ("seed", "data.seed")):
+            if mixture.get(key) is not None:
+                conv.set(ours, mixture[key])
+    if conv.has("test_split_size"):  # TRL's own DatasetMixtureConfig, at the top level
+        conv.set("data.eval_fraction", conv.take("test_split_size"))
+    for i, entry in enumerate(as_list(entries)):
+        if not isinstance(entry, dict) or not (entry.get("path") or entry.get("id")):
+            conv.drop(f"datasets[{i}]", entry, "a dataset entry needs a path (or id)")
+            continue
+        src = _source(
+            conv,
+            str(entry.get("path") or entry.get("id")),
+            method,
+            subset=entry.get("config") or entry.get("name"),
+            split=entry.get("split"),
+        )
+        if entry.get("weight") not in (None, 1, 1.0):
+            src["weight"] = entry["weight"]
+        rest = set(entry) - {"path", "id", "config", "name", "split", "weight", "columns"}
+        for key in sorted(rest):
+            conv.drop(f"datasets[{i}].{key}", entry[key], "dataset option without a finetune equivalent")
+        (evals if "test" in str(src.get("split", "")) and _evaluates(conv) else sources).append(src)
+    if sources:
+        conv.set("data.sources", sources)
+    if evals:
+        conv.set("data.eval_sources", evals)
+        if conv.get("data.eval_fraction"):
+            del conv.recipe["data"]["eval_fraction"]  # held-out splits are given; no second split
+
+
+def _loss_mask(conv: Conversion, method: str) -> None:
+    """TRL's SFT defaults: completion_only_loss (None = on) for prompt/completion rows, assistant_only_loss
+    (off) for conversations; finetune has one switch, data.assistant_only_loss."""
+    completion, assistant = conv.take("completion_only_loss"), conv.take("assistant_only_loss")
+    if method != "sft":
+        return
+    formats = {s["format"] for s in conv.get("data.sources", [])}
+    if formats <= {"prompt_completion"} and formats:
+        conv.set("data.assistant_only_loss", completion is not False)
+    elif formats <= {"text"} and formats:
+        return
+    else:
+        conv.set("data.assistant_only_loss", bool(assistant))
+        if assistant is None:
+            conv.notes.append(
+                "data.assistant_only_loss false: TRL's default trains conversations on every token; set it "
+                "to true for loss on the assistant turns only"
+            )
+
+
+def _method_knobs(conv: Conversion, method: str) -> None:
+    """DPOConfig / KTOConfig / RewardConfig settings with a finetune field, and those without one."""
+    if conv.take("precompute_ref_log_probs"):
+        conv.set("method.reference", "precompute")
+    for key in ("desirable_weight", "undesirable_weight", "center_rewards_coefficient"):
+        if conv.has(key):
+            conv.set(f"method.{key}", conv.take(key))
+    for key in ("rpo_alpha", "label_smoothing", "sync_ref_model", "use_weighting", "ld_alpha", "f_divergence_type"):
+        if conv.raw.get(key) not in (None, False, 0, 0.0, "reverse_kl"):
+            conv.drop(key, conv.take(key), f"not offered for {method}: finetune runs TRL's loss with its defaults")
+        conv.used.add(key)

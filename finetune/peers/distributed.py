@@ -1,0 +1,213 @@
+"""The launch files a peer config names (DeepSpeed JSON, accelerate YAML) and axolotl's FSDP keys ->
+distributed.strategy, a name from finetune/strategies.py chosen by what the strategy does."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+from finetune import strategies
+from finetune.peers import Conversion, read_mapping
+from finetune.peers.common import find_file
+
+
+def strategy_for(
+    *,
+    backend: str,
+    stage: int = 0,
+    offload_params: bool = False,
+    offload_optimizer: bool = False,
+    nvme: bool = False,
+    hybrid: bool = False,
+) -> str | None:
+    """The finetune strategy (finetune/strategies.py) with these properties, or None when there is no such tier."""
+    offload = "nvme" if nvme else "cpu" if (offload_params or offload_optimizer) else "none"
+    for name in strategies.NAMES:
+        s = strategies.info(name)
+        if (s.backend, s.hybrid, s.offload, s.offload_params, s.offload_optimizer) != (
+            backend,
+            hybrid,
+            offload,
+            offload_params and offload != "none",
+            offload_optimizer and offload != "none",
+        ):
+            continue
+        if backend != "deepspeed" or s.zero_stage == stage:
+            return name
+    return None
+
+
+def _pin(conv: Conversion, key: str, value: Any, name: str | None, *, what: str) -> None:
+    """Pin distributed.strategy to `name`, or say which tier is missing (not material: a strategy moves states
+    between GPUs, host and disk; the planner says where an offloaded optimizer runs as CPU Adam)."""
+    if name is None:
+        conv.drop(
+            key,
+            value,
+            f"{what} has no tier here (finetune's: {', '.join(strategies.NAMES)}); leave "
+            "distributed.strategy: auto and the planner picks one that fits",
+            material=False,
+        )
+        return
+    adapter = conv.get("adapter.type") in ("lora", "qlora")
+    if (
+        adapter
+        and not strategies.offloads_params(name)
+        and (strategies.zero_stage(name) == 2 or strategies.offloads_optimizer(name))
+    ):
+        # the planner refuses these pins for adapters: their gradients and optimizer states are tiny
+        conv.notes.append(
+            f"{key}: {what} ({name}) is not pinned: it only splits gradients and optimizer states, which an "
+            "adapter barely has; the planner picks the strategy (distributed.strategy: auto)"
+        )
+        return
+    conv.set("distributed.strategy", name)
+    conv.notes.append(f"{key}: {what} pinned as distributed.strategy {name}; set it to auto to let the planner choose")
+
+
+# LLaMA-Factory's and the handbooks' stock DeepSpeed file names, read when the file itself is not here
+# (their configs name it relative to the tool's own checkout)
+_DS_NAMES = (
+    (re.compile(r"z(ero)?_?3.*nvme"), (3, True, True, True)),
+    (re.compile(r"z(ero)?_?3.*partial"), (3, False, True, False)),
+    (re.compile(r"z(ero)?_?3.*offload_?params?\b"), (3, True, False, False)),
+    (re.compile(r"z(ero)?_?3.*offload"), (3, True, True, False)),
+    (re.compile(r"z(ero)?_?3"), (3, False, False, False)),
+    (re.compile(r"z(ero)?_?2.*offload"), (2, False, True, False)),
+    (re.compile(r"z(ero)?_?2"), (2, False, False, False)),
+    (re.compile(r"z(ero)?_?1"), (1, False, False, False)),
+    (re.compile(r"z(ero)?_?0"), (0, False, False, False)),
+)
+
+
+def _deepspeed_strategy(stage: int, *, params: bool, optimizer: bool, nvme: bool) -> tuple[str | None, str]:
+    what = f"DeepSpeed ZeRO-{stage}" + (
+        " with NVMe offload"
+        if nvme
+        else " with parameter offload"
+        if params
+        else " with optimizer offload"
+        if optimizer
+        else ""
+    )
+    if stage == 0:
+        return "ddp", what
+    if stage == 1 and not (params or optimizer):  # ZeRO-1 shards the optimizer; ZeRO-2 adds the gradients
+        return "zero2", what
+    if stage == 3 and params and not optimizer and not nvme:  # no params-only tier: the optimizer goes too
+        return "zero3-offload", what + " (read as parameters and optimizer offloaded)"
+    return strategy_for(
+        backend="deepspeed", stage=stage, offload_params=params, offload_optimizer=optimizer, nvme=nvme
+    ), what
+
+
+def deepspeed_file(conv: Conversion, key: str) -> None:
+    """A DeepSpeed JSON file (or an inline mapping) -> distributed.strategy."""
+    value = conv.take(key)
+    if value is not None:
+        _deepspeed(conv, key, value, base=None)
+
+
+def _deepspeed(conv: Conversion, key: str, value: Any, *, base: Path | None) -> None:
+    if isinstance(value, dict):
+        config = value
+    else:
+        path = find_file(conv, str(value), base=base)
+        if path is None:
+            known = next((v for pattern, v in _DS_NAMES if pattern.search(Path(str(value)).name.lower())), None)
+            if known is None:
+                conv.drop(
+                    key,
+                    value,
+                    "DeepSpeed file not found; the planner picks the strategy (distributed.strategy: auto)",
+                    material=False,
+                )
+                return
+            stage, params, optimizer, nvme = known
+            name, what = _deepspeed_strategy(stage, params=params, optimizer=optimizer, nvme=nvme)
+            _pin(conv, key, value, name, what=f"{what} (from the file name; the file is not here)")
+            return
+        config = read_mapping(path, what="DeepSpeed config")
+    zero = config.get("zero_optimization") or {}
+    stage = int(zero.get("stage", 0) or 0)
+    devices = {k: (zero.get(k) or {}).get("device") or "none" for k in ("offload_optimizer", "offload_param")}
+    nvme = "nvme" in devices.values()
+    name, what = _deepspeed_strategy(
+        stage,
+        params=devices["offload_param"] != "none",
+        optimizer=devices["offload_optimizer"] != "none",
+        nvme=nvme,
+    )
+    _pin(conv, key, value, name, what=what)
+    nvme_path = (zero.get("offload_param") or zero.get("offload_optimizer") or {}).get("nvme_path")
+    if name and nvme and nvme_path:
+        conv.set("distributed.nvme_path", nvme_path)
+
+
+def fsdp_strategy(conv: Conversion, key: str, config: dict, *, flags: list | None = None) -> None:
+    """accelerate/axolotl FSDP settings (v1 `fsdp_*` keys or v2 bare keys, and axolotl's `fsdp:` list) ->
+    distributed.strategy: fsdp2, fsdp2-offload or fsdp2-hybrid."""
+
+    if not isinstance(config, dict):
+        conv.drop(key, config, "must be a mapping of FSDP settings; the planner picks the strategy", material=False)
+        config = {}
+
+    def get(name: str) -> Any:
+        return config.get(f"fsdp_{name}", config.get(name))
+
+    words = {str(f).lower() for f in (flags or [])}
+    sharding = str(get("sharding_strategy") or "").upper()
+    hybrid = "HYBRID" in sharding or "hybrid_shard" in words
+    offload = get("offload_params") in (True, "true") or "offload" in words
+    if sharding in ("NO_SHARD", "SHARD_GRAD_OP") or words & {"shard_grad_op", "no_shard"}:
+        conv.notes.append(f"{key}: FSDP {sharding or 'shard_grad_op'} is read as a full shard (fsdp2)")
+    name = strategy_for(backend="fsdp", offload_params=offload, offload_optimizer=offload, hybrid=hybrid)
+    what = "FSDP" + (" hybrid shard" if hybrid else "") + (" with parameter offload" if offload else "")
+    _pin(conv, key, config or flags, name, what=what)
+    if get("activation_checkpointing") in (True, "true"):
+        conv.set("train.activation_checkpointing", "on")
+
+
+def accelerate_file(conv: Conversion, key: str) -> None:
+    """An accelerate config file -> distributed.strategy (its DeepSpeed part through deepspeed_file)."""
+    value = conv.take(key)
+    if value is None:
+        return
+    named = {
+        "zero2": "zero2",
+        "zero3": "zero3",
+        "zero3_offload": "zero3-offload",
+        "fsdp2": "fsdp2",
+        "fsdp": "fsdp2",
+        "multi_gpu": "ddp",
+        "ddp": "ddp",
+    }
+    if str(value) in named:  # TRL's shipped accelerate configs, named by their file stem
+        conv.set("distributed.strategy", named[str(value)])
+        return
+    path = find_file(conv, str(value))
+    if path is None:
+        conv.drop(key, value, "accelerate file not found; the planner picks the strategy", material=False)
+        return
+    config = read_mapping(path, what="accelerate config")
+    kind = str(config.get("distributed_type", "")).upper()
+    if kind == "DEEPSPEED":
+        ds = config.get("deepspeed_config") or {}
+        inline = {
+            "zero_optimization": {
+                "stage": ds.get("zero_stage", 0),
+                "offload_optimizer": {"device": ds.get("offload_optimizer_device", "none")},
+                "offload_param": {"device": ds.get("offload_param_device", "none")},
+            }
+        }
+        _deepspeed(conv, key, ds.get("deepspeed_config_file") or inline, base=path.parent)
+    elif kind == "FSDP":
+        fsdp_strategy(conv, key, config.get("fsdp_config") or {})
+    elif kind == "MULTI_GPU":
+        conv.set("distributed.strategy", "ddp")
+    if config.get("num_processes"):
+        conv.notes.append(
+            f"{key}: num_processes {config['num_processes']} is not carried over; pick the machine with "
+            "--hardware (a preset), which sets the GPU count"
+        )

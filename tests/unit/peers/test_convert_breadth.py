@@ -1,0 +1,475 @@
+"""`finetune convert` on configs shaped like the peers' own shipped examples (tests/data/convert, each file
+names the upstream example it stands for): every translated value lands on the right recipe key, every key
+finetune cannot honour is reported by name, and the written recipe validates, reads its local data and
+plans on a hardware preset offline (the models are registry Hub ids, so no Hub is needed)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from finetune.api import make_plan
+from finetune.cli import main
+from finetune.data.check import check_data
+from finetune.recipe.load import load_recipe
+from tests.helpers.paths import TEST_DATA
+
+CONFIGS = TEST_DATA / "convert"
+HARDWARE = "server-8xh100"
+
+# (config, --from, --method, {recipe key: value}, material keys reported, ignored keys reported)
+CASES = [
+    (
+        "axolotl-lora-chat.yaml",
+        "axolotl",
+        None,
+        {
+            "adapter.type": "lora",
+            "adapter.target_modules": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+            "adapter.modules_to_save": ["embed_tokens", "lm_head"],
+            "adapter.dora": True,
+            "data.sources[0].format": "messages",
+            "data.packing": True,
+            "data.max_length": 2048,
+            "data.eval_fraction": 0.1,
+            "data.assistant_only_loss": True,
+            "data.chat_template": "llama3",
+            "tokenizer.added_tokens": ["<|tool_call|>"],
+            "tokenizer.eos_token": "<|eot_id|>",
+            "train.optimizer": "adamw_8bit",
+            "train.scheduler": "cosine",
+            "train.warmup_ratio": 0.05,
+            "train.eval_steps": 50,
+            "train.activation_checkpointing": "on",  # gradient_checkpointing: offload
+            "train.global_batch_size": 8,
+            "train.seed": 7,
+            "output.saves_per_epoch": 2,
+            "output.keep": 3,
+            "hub.repo": "my-org/llama-lora",
+            "logging.report_to": ["wandb"],
+            "logging.project": "my-project",
+            "logging.entity": "my-team",
+            "logging.run_name": "run-1",
+            "logging.offline": True,  # wandb_mode: offline
+        },
+        [],
+        ["flash_attention", "pad_to_sequence_len", "model_type"],
+    ),
+    (
+        "axolotl-fsdp1-full.yaml",
+        "axolotl",
+        None,
+        {
+            "adapter.type": "full",
+            "train.lr": 2e-5,  # written `2e-5`, which YAML 1.1 reads as text
+            "distributed.strategy": "fsdp2-offload",  # fsdp_offload_params: true
+            "data.sources[0].format": "sharegpt",
+            "data.sources[0].split": "train[:80%]",
+            "data.chat_template": "chatml",
+            "train.optimizer": "adamw_torch_fused",
+            "train.scheduler": "linear",
+            "train.warmup_steps": 100,
+            "train.evals_per_epoch": 2,
+            "logging.report_to": ["mlflow", "tensorboard"],
+            "logging.project": "llama-fft",
+        },
+        [],
+        ["plugins", "liger_rope", "gradient_checkpointing_kwargs", "mlflow_tracking_uri"],
+    ),
+    (
+        "axolotl-qlora-fsdp2.yaml",
+        "axolotl",
+        None,
+        {
+            "adapter.type": "qlora",
+            "adapter.target_modules": "all-linear",
+            "distributed.strategy": "fsdp2",
+            "train.max_steps": 200,
+            "train.epochs": None,
+            "train.scheduler": "cosine_with_min_lr",
+            "train.min_lr_ratio": 0.1,
+            "data.assistant_only_loss": False,  # train_on_inputs: true
+            "data.sources[0].format": "alpaca",
+            "data.eval_fraction": None,  # val_set_size: 0
+        },
+        [],
+        ["loss_watchdog_threshold", "fsdp_version"],
+    ),
+    (
+        "axolotl-dpo-8bit.yaml",
+        "axolotl",
+        None,
+        {
+            "method.type": "dpo",
+            "method.beta": 0.05,
+            "method.loss_type": "ipo",
+            "adapter.type": "lora",
+            "adapter.load_in_8bit": True,
+            "data.sources[0].format": "preference",
+            "data.sources[0].columns": {},
+            "data.sources[1].format": "preference",  # ds_type json + one data_files entry
+            "data.packing": False,
+            "model.attn_implementation": "flash_attention_2",
+            "tokenizer.pad_token": "<|finetune_right_pad_id|>",
+        },
+        ["dataset_exact_deduplication"],
+        ["tokenizer_type", "ddp_find_unused_parameters"],
+    ),
+    (
+        "axolotl-kto.yaml",
+        "axolotl",
+        None,
+        {
+            "method.type": "kto",
+            "method.beta": 0.5,
+            "method.desirable_weight": 0.2,
+            "method.undesirable_weight": 1.0,
+            "adapter.type": "qlora",
+            "data.sources[0].format": "unpaired",
+            "data.chat_template": "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}",
+            "train.optimizer": "adamw_8bit",
+        },
+        [],
+        ["tf32", "eval_max_new_tokens"],
+    ),
+    (
+        "axolotl-orpo-zero2.yaml",
+        "axolotl",
+        None,
+        {
+            "method.type": "orpo",
+            "method.beta": 0.1,  # orpo_alpha, ORPO's lambda
+            "data.sources[0].format": "preference",
+            "train.scheduler": "constant_with_warmup",
+            "train.lr": 8e-6,
+            "distributed.strategy": "auto",  # ZeRO-2 for a LoRA adapter is left to the planner
+            "data.packing": False,  # sft/pretrain only
+        },
+        [],
+        ["sample_packing"],
+    ),
+    (
+        "axolotl-reward.yaml",
+        "axolotl",
+        None,
+        {
+            "method.type": "reward",
+            "adapter.type": "full",
+            "data.chat_template": "gemma",
+            "train.warmup_ratio": 0.1,
+            # axolotl's deepspeed_configs/zero3_bf16_cpuoffload_params.json, read from its name
+            "distributed.strategy": "zero3-offload",
+        },
+        [],
+        ["num_labels", "model_type"],
+    ),
+    (
+        "axolotl-vision-dropped.yaml",
+        "axolotl",
+        None,
+        {"adapter.type": "qlora", "data.chat_template": "gemma"},
+        ["processor_type", "datasets[0].image_size", "optimizer", "lora_model_dir"],
+        ["skip_prepare_dataset"],
+    ),
+    (
+        "axolotl-pretrain.yaml",
+        "axolotl",
+        None,
+        {
+            "method.type": "pretrain",
+            "data.sources[0].path": "allenai/c4",
+            "data.sources[0].subset": "en",
+            "data.sources[0].streaming": True,  # axolotl streams pretraining_dataset
+            "data.packing": True,
+            "train.max_steps": 200,
+            "train.epochs": None,
+            "output.saves_per_epoch": None,
+        },
+        [],
+        ["saves_per_epoch"],
+    ),
+    (
+        "llamafactory-pretrain.yaml",
+        "llamafactory",
+        None,
+        {
+            "method.type": "pretrain",
+            "adapter.type": "lora",
+            "data.sources[0].format": "text",
+            "data.eval_sources[0].format": "text",
+            "data.packing": True,
+            "data.chat_template": None,
+            "train.eval_steps": 500,
+            "train.activation_checkpointing": "off",  # disable_gradient_checkpointing: true
+        },
+        [],
+        [],
+    ),
+    (
+        "llamafactory-lora-sft-ds3.yaml",
+        "llamafactory",
+        None,
+        {
+            "model.trust_remote_code": True,
+            "adapter.r": 8,
+            "adapter.target_modules": "all-linear",
+            "distributed.strategy": "zero3",  # from ds_z3_config.json's name; the file is LLaMA-Factory's
+            "data.sources[0].format": "sharegpt",
+            "data.sources[1].format": "alpaca",
+            "data.sources[1].max_samples": 1000,
+            "data.chat_template": "qwen3",
+            "data.eval_fraction": 0.1,
+            "train.eval_steps": 500,
+            "train.global_batch_size": 2,
+            "output.save_every": 500,
+            "logging.report_to": ["none"],
+        },
+        [],
+        ["plot_loss", "per_device_eval_batch_size"],
+    ),
+    (
+        "llamafactory-qlora-fsdp.yaml",
+        "llamafactory",
+        None,
+        {
+            "adapter.type": "qlora",
+            "adapter.double_quant": False,
+            "adapter.target_modules": ["q_proj", "v_proj"],
+            "adapter.alpha": 16,
+            "data.sources[0].format": "messages",  # sharegpt formatting with role/content tags
+            "data.assistant_only_loss": False,  # train_on_prompt: true
+            "train.optimizer": "paged_adamw_8bit",
+        },
+        [],
+        [],
+    ),
+    (
+        "llamafactory-full-extras.yaml",
+        "llamafactory",
+        None,
+        {
+            "adapter.type": "full",
+            "distributed.strategy": "zero3-offload",
+            "data.packing": True,  # neat_packing
+            "data.max_length": 8192,
+            "train.scheduler": "cosine_with_min_lr",
+            "train.min_lr_ratio": 0.1,
+            "output.keep": 2,
+            "model.rope_scaling": None,
+        },
+        ["use_galore", "mask_history", "rope_scaling"],
+        ["galore_rank", "enable_liger_kernel"],
+    ),
+    (
+        "llamafactory-kto.yaml",
+        "llamafactory",
+        None,
+        {
+            "method.type": "kto",
+            "method.beta": 0.1,
+            "method.desirable_weight": 1.0,
+            "method.undesirable_weight": 1.5,
+            "data.sources[0].format": "unpaired",
+            "data.sources[0].columns": {},
+            "data.chat_template": "qwen2.5",
+            "logging.report_to": ["wandb"],  # swanlab is reported
+        },
+        [],
+        ["report_to"],
+    ),
+    (
+        "llamafactory-lora-extras.yaml",
+        "llamafactory",
+        None,
+        {
+            "method.type": "reward",
+            "adapter.dora": True,
+            "adapter.rslora": True,
+            "adapter.loraplus_lr_ratio": 16.0,
+            "adapter.modules_to_save": ["embed_tokens", "lm_head"],
+            "tokenizer.added_tokens": ["<think>", "</think>"],
+            "train.precision": "fp16",
+            "model.dtype": "float16",
+            "data.sources[0].format": "preference",
+        },
+        ["pissa_init", "adapter_name_or_path"],
+        ["resize_vocab"],
+    ),
+    (
+        "trl-dpo-handbook.yaml",
+        "trl",
+        "dpo",
+        {
+            "method.type": "dpo",
+            "method.beta": 0.01,
+            "method.loss_type": "sigmoid",
+            "method.reference": "precompute",
+            "adapter.type": "qlora",
+            "adapter.double_quant": False,
+            "adapter.r": 128,
+            "model.dtype": "bfloat16",
+            "data.sources[0].path": "HuggingFaceH4/ultrafeedback_binarized",
+            "data.sources[0].split": "train_prefs",
+            "data.eval_sources[0].split": "test_prefs",
+            "data.max_length": 1024,
+            "train.optimizer": "paged_adamw_32bit",
+            "train.eval_steps": 100,
+            "hub.repo": "my-org/qwen-dpo-qlora",
+            "output.keep": 1,
+            "distributed.strategy": "auto",  # optimizer-only offload for an adapter: left to the planner
+        },
+        [],
+        ["max_prompt_length", "log_level"],
+    ),
+    (
+        "trl-kto.yaml",
+        "trl",
+        "kto",
+        {
+            "method.type": "kto",
+            "method.beta": 0.1,
+            "method.undesirable_weight": 1.33,
+            "adapter.type": "lora",
+            "adapter.target_modules": "all-linear",
+            "data.sources[0].format": "unpaired",
+            "model.attn_implementation": "auto",
+            "train.lr": 5e-7,
+            "logging.report_to": ["trackio"],
+        },
+        ["rpo_alpha"],
+        ["attn_implementation"],
+    ),
+    (
+        "trl-sft-mixture.yaml",
+        "trl",
+        "sft",
+        {
+            "adapter.type": "full",
+            "model.revision": "main",
+            "model.attn_implementation": "sdpa",
+            "data.sources[0].format": "messages",  # pairs and messages in one row: sft reads the messages
+            "data.sources[1].format": "sharegpt",
+            "data.sources[1].weight": 0.5,
+            "data.eval_fraction": 0.05,
+            "data.assistant_only_loss": True,
+            "data.packing": True,
+            "train.max_steps": None,  # -1: no step limit
+            "train.epochs": 2.0,
+            "train.min_lr_ratio": 0.1,
+            "train.evals_per_epoch": 1,  # eval_strategy: epoch
+            "hub.repo": "my-org/qwen-sft",  # push_to_hub: true
+            "logging.report_to": ["tensorboard", "wandb"],
+        },
+        ["dataset_kwargs"],
+        ["dataset_num_proc"],
+    ),
+    (
+        "trl-sft-peft.yaml",
+        "trl",
+        "sft",
+        {
+            "adapter.type": "lora",
+            "adapter.load_in_8bit": True,
+            "adapter.rslora": True,
+            "adapter.modules_to_save": ["lm_head"],
+            "adapter.target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"],
+            "data.sources[0].format": "prompt_completion",
+            "data.assistant_only_loss": False,  # completion_only_loss: false
+            "train.max_steps": 300,
+            "train.adam_beta2": 0.95,
+            "train.neftune_noise_alpha": 5,
+            "logging.report_to": ["mlflow"],
+            "logging.run_name": "llama-sft",
+            "hub.repo": None,  # hub_model_id without push_to_hub pushes nothing in TRL
+        },
+        [],
+        ["dataset_test_split", "hub_model_id"],
+    ),
+]
+
+
+def _value(obj, path: str):
+    for part in path.split("."):
+        name, _, index = part.partition("[")
+        obj = obj[name] if isinstance(obj, dict) else getattr(obj, name)
+        if index:
+            obj = obj[int(index.rstrip("]"))]
+    return obj
+
+
+@pytest.mark.parametrize(("name", "source", "method", "expected", "material", "ignored"), CASES, ids=lambda c: c)
+def test_peer_example_converts_validates_and_plans(tmp_path, name, source, method, expected, material, ignored):
+    out = tmp_path / "recipes" / "converted.yaml"
+    argv = ["convert", str(CONFIGS / name), "--from", source, "-o", str(out)]
+    rc = main(argv + (["--method", method] if method else []))
+    assert rc == (2 if material else 0)
+    text = out.read_text()
+    assert "this recipe does not validate" not in text
+    reported = {line.split(":")[0].lstrip("# ").strip("'") for line in text.splitlines() if "   # " in line}
+    assert set(material) | set(ignored) <= reported
+    for line in text.splitlines():
+        if "   # NOT MAPPED" in line:
+            assert line.split(":")[0].lstrip("# ").strip("'") in material, line  # nothing else is material
+
+    recipe = load_recipe(out)
+    for key, want in expected.items():
+        assert _value(recipe, key) == want, key
+    recipe.data.allow_outside = True  # the samples live in the repository, the recipe in tmp
+    if all(not Path(s.path).is_absolute() and (out.parent / s.path).exists() for s in recipe.data.sources):
+        check_data(recipe)  # every local row reads in the mapped format
+    _, plan = make_plan(recipe, hardware=HARDWARE)
+    assert plan.fits, plan.to_json()
+
+
+def test_every_shipped_peer_config_is_exercised():
+    configs = {p.name for p in CONFIGS.glob("*.yaml") if p.name.split("-")[0] in ("axolotl", "llamafactory", "trl")}
+    covered = {c[0] for c in CASES} | {
+        "axolotl-qlora.yaml",
+        "axolotl-dpo-dropped.yaml",
+        "llamafactory-dpo.yaml",
+        "llamafactory-ppo.yaml",
+        "trl-sft.yaml",
+    }  # the last five: tests/unit/peers/test_convert.py
+    assert configs <= covered, configs - covered
+
+
+@pytest.mark.parametrize(
+    ("source", "config", "key"),
+    [
+        ("axolotl", {"special_tokens": True}, "special_tokens"),
+        ("axolotl", {"dpo_loss_type": [], "rl": "dpo"}, "dpo_loss_type"),
+        ("axolotl", {"micro_batch_size": 2, "gradient_accumulation_steps": {"k": "v"}}, "gradient_accumulation_steps"),
+        ("axolotl", {"optimizer": ["adamw_torch"]}, "optimizer"),
+        ("axolotl", {"num_epochs": []}, "num_epochs"),
+        ("axolotl", {"datasets": [{"path": "x.jsonl", "type": "alpaca", "roles": "user"}]}, "datasets[0].roles"),
+        ("llamafactory", {"dataset": {"name": "x"}}, "dataset[0]"),
+        ("trl", {"dataset_mixer": {"org/data": "all"}}, "dataset_mixer"),
+        ("trl", {"loss_type": [], "beta": 0.1}, "loss_type"),
+    ],
+)
+def test_odd_value_shapes_are_reported_by_key_not_raised(tmp_path, source, config, key):
+    from finetune.peers import convert_mapping
+
+    raw = {"base_model" if source == "axolotl" else "model_name_or_path": "meta-llama/Llama-3.2-1B", **config}
+    conv = convert_mapping(raw, source=source, config_dir=tmp_path, out_dir=tmp_path)
+    assert key in {d.key for d in conv.material}, [d.key for d in conv.dropped]
+
+
+@pytest.mark.parametrize(
+    ("keys", "method"),
+    [
+        ({"desirable_weight": 1.0, "beta": 0.1}, "kto"),
+        ({"simpo_gamma": 0.5, "loss_type": "simpo"}, "simpo"),
+        ({"center_rewards_coefficient": 0.01}, "reward"),
+        ({"beta": 0.1}, "dpo"),
+        ({"packing": True}, "sft"),
+    ],
+)
+def test_trl_method_is_guessed_from_keys_only_one_trainer_has(tmp_path, keys, method):
+    from finetune.peers import convert_mapping
+
+    raw = {"model_name_or_path": "meta-llama/Llama-3.2-1B", **keys}
+    conv = convert_mapping(raw, source="trl", config_dir=tmp_path, out_dir=tmp_path)
+    assert conv.recipe["method"]["type"] == method
+    assert any("pass --method" in note for note in conv.notes)
