@@ -54,20 +54,29 @@ __all__ = [
 ]
 
 
+# where transformers keeps the decoder layers: causal LMs, and the text model of a multimodal one
+# (Gemma-3, Llama-4, Mistral-3 load as *ForConditionalGeneration)
+DECODER_LAYER_PATHS = ("model.layers", "model.language_model.layers", "language_model.model.layers")
+
+
 def _targets(recipe, arch) -> tuple[str, ...]:
     chosen = recipe.adapter.target_modules
     if chosen is None:
         return tuple(arch.lora_targets)
     if chosen == "all-linear":
         return tuple(module_shapes(arch))  # peft's all-linear: every nn.Linear of the layers
-    if isinstance(chosen, str):  # a regex over full module names (peft's rule): try each at its usual path
+    if isinstance(chosen, str):  # a regex over full module names (peft's rule): try each at its usual paths
         import re
 
         pattern = re.compile(chosen)
         matched = tuple(
             n
             for n in module_shapes(arch)
-            if any(pattern.fullmatch(f"model.layers.0.{part}.{n}") for part in ("self_attn", "mlp"))
+            if any(
+                pattern.fullmatch(f"{layers}.0.{part}.{n}")
+                for layers in DECODER_LAYER_PATHS
+                for part in ("self_attn", "mlp", "cross_attn")
+            )
         )
         if not matched:  # peft would refuse it only after loading the model
             raise RecipeError(

@@ -29,7 +29,13 @@ def _inverse(flag: Any) -> bool:
 
 
 def _on_off(flag: Any) -> str:
-    return "on" if flag in (True, "true", "unsloth") else "off"
+    # axolotl's "unsloth" and "offload" checkpoint too (offloading the saved activations, which finetune
+    # does not: its checkpointing keeps them on the GPU)
+    if flag in (True, "true", "unsloth", "offload", "offload_disk"):
+        return "on"
+    if flag in (False, "false", None):
+        return "off"
+    raise ValueError(f"{flag!r} is not a checkpointing setting; use true or false")
 
 
 def _epochs(value: Any) -> float:

@@ -174,3 +174,14 @@ def test_conflict_fixes_lead_to_a_valid_recipe(sections):
         if path.split(":")[0].split(".")[-1] in str(fixes[key]):
             assert path in info.value.render(), info.value.render()
     load_recipe(deep_merge(raw, fixes[key]))
+
+
+@pytest.mark.parametrize("value, ours", [(True, "on"), ("offload", "on"), ("unsloth", "on"), (False, "off")])
+def test_every_axolotl_checkpointing_value_keeps_its_meaning(value, ours):
+    """axolotl's gradient_checkpointing: offload (or unsloth) checkpoints; the suggested value says so."""
+    raw = tiny_recipe()
+    raw["gradient_checkpointing"] = value
+    with pytest.raises(RecipeError) as info:
+        load_recipe(raw)
+    _, new, convert = info.value.rename
+    assert new == "train.activation_checkpointing" and convert(value) == ours
