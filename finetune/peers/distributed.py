@@ -50,18 +50,6 @@ def _pin(conv: Conversion, key: str, value: Any, name: str | None, *, what: str)
             material=False,
         )
         return
-    adapter = conv.get("adapter.type") in ("lora", "qlora")
-    if (
-        adapter
-        and not strategies.offloads_params(name)
-        and (strategies.zero_stage(name) == 2 or strategies.offloads_optimizer(name))
-    ):
-        # the planner refuses these pins for adapters: their gradients and optimizer states are tiny
-        conv.notes.append(
-            f"{key}: {what} ({name}) is not pinned: it only splits gradients and optimizer states, which an "
-            "adapter barely has; the planner picks the strategy (distributed.strategy: auto)"
-        )
-        return
     conv.set("distributed.strategy", name)
     conv.notes.append(f"{key}: {what} pinned as distributed.strategy {name}; set it to auto to let the planner choose")
 

@@ -53,9 +53,10 @@ def not_applicable(job: Job, strategy: str) -> str:
         return "the preset has no NVMe path; set distributed.nvme_path"
     if tier.offload_params and job.adapter == "qlora":
         return "bitsandbytes 4-bit weights cannot be offloaded to the CPU; use fsdp2 or zero3"
-    if tier.zero_stage == 2 and job.adapter != "full":
+    pinned = job.strategy == strategy  # a user's choice that works is planned, not second-guessed
+    if tier.zero_stage == 2 and job.adapter != "full" and not pinned:
         return "ZeRO-2 splits gradients and optimizer states; an adapter's are small: use ddp"
-    if tier.offload_optimizer and not tier.offload_params and job.adapter != "full":
+    if tier.offload_optimizer and not tier.offload_params and job.adapter != "full" and not pinned:
         return "an adapter's optimizer states are small: offloading them frees little; use zero3"
     return ""
 

@@ -128,6 +128,15 @@ def resolve_model(model_section, *, base_dir: str | Path | None = None) -> Model
     from finetune.registry.hub_config import fetch_config, looks_like_hub_id
 
     choices = [h for a in _models().values() for h in a.hub_ids] + list(_models())
+    registered = _models().get(name.strip().lower())
+    if registered is not None:  # a registry key written where a Hub id or a directory belongs
+        hub = registered.hub_ids[0] if registered.hub_ids else None
+        raise RecipeError(
+            f"{name!r} is a key of finetune's model registry (`finetune models`), not a Hub id or a directory",
+            key="model.name",
+            hint=(f"set model.name: {hub} to load its weights, or " if hub else "")
+            + f"keep this name and add model.arch: {registered.key} to plan only",
+        )
     if looks_like_hub_id(name) and not (base / name).exists():
         try:
             path = fetch_config(name, revision=getattr(model_section, "revision", None))

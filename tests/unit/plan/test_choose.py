@@ -67,3 +67,20 @@ def test_offload_levels_come_before_the_margin():
     assert offload_level(result.strategy) == 0
     offloading = [c for c in result.candidates if c.fits and offload_level(c.strategy) > 0]
     assert any(c.step_time_s * (1 + CLEARLY_FASTER) < chosen.step_time_s for c in offloading)
+
+
+def test_an_adapter_never_gets_zero2_or_optimizer_offload_unasked_but_a_pin_is_planned():
+    """They gain an adapter little, so the planner does not pick them; a user's pin (an axolotl or
+    LLaMA-Factory ZeRO-2 file with LoRA) works, so it is planned rather than refused."""
+    for strategy in ("zero2", "zero3-optim-offload"):
+        raw = {
+            "model": {"name": "x", "arch": "llama-3.1-8b"},
+            "adapter": "lora",
+            "data": {"path": "t.jsonl"},
+            "train": {"global_batch_size": 16},
+            "hardware": "server-8xh100",
+        }
+        auto = plan(load_recipe(raw))
+        assert auto.strategy != strategy and strategy not in {c.strategy for c in auto.candidates if c.fits}
+        pinned = plan(load_recipe({**raw, "distributed": {"strategy": strategy}}))
+        assert pinned.fits and pinned.strategy == strategy

@@ -289,3 +289,11 @@ def test_auto_detection_honours_cuda_visible_devices():
     assert len(visible_gpus(rows, "1,7,2")) == 1  # CUDA stops at the first entry naming no GPU
     assert len(visible_gpus(rows, "MIG-abc")) == 4  # MIG instances: nvidia-smi cannot tell, no filter
     assert synthesize_preset(visible_gpus(rows, "2,3"), ram_gib=500).gpus_per_node == 2
+
+
+def test_a_registry_key_as_model_name_says_which_hub_id_to_use(tmp_path):
+    with pytest.raises(RecipeError) as err:
+        resolve_model(ModelSection(name="llama-3.1-8b"), base_dir=tmp_path)
+    text = err.value.render()
+    assert "model registry" in text and "model.name: meta-llama/Llama-3.1-8B" in text
+    assert "model.arch: llama-3.1-8b" in text and "did you mean" not in text
