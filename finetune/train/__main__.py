@@ -15,7 +15,11 @@ import os
 import sys
 import traceback
 
-from finetune.errors import EXIT_INTERRUPTED
+# the launcher that started this rank, read before the first slow import: if it is killed before
+# main() asks for its death signal, the pid no longer matches and the rank does not start (see main)
+_LAUNCHER = os.getppid()
+
+from finetune.errors import EXIT_INTERRUPTED, EXIT_PREEMPTED  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -28,6 +32,12 @@ def main(argv: list[str] | None = None) -> int:
         help="auto: newest complete checkpoint (default); never: start over; or a checkpoint dir",
     )
     args = parser.parse_args(argv)
+    from finetune.launch import die_with_parent
+
+    # SIGTERM as soon as the launcher dies (until training can save, its default action: exit at once,
+    # with nothing trained to lose); a rank orphaned earlier stops here instead of training unwatched
+    if not die_with_parent(parent=_LAUNCHER):
+        return EXIT_PREEMPTED
     try:
         from finetune.train.run import run_rank
 
