@@ -159,5 +159,5 @@ def _survive_a_dead_reader(stream, detach):
         io.BufferedWriter(_PipeOrLog(fd, detach)),
         encoding=stream.encoding,
         errors=stream.errors,
-        line_buffering=True,  # one progress line per step, as the launcher's pipe had it
+        write_through=True,  # each write reaches the pipe at once, as PYTHONUNBUFFERED has it in a launch
     )
