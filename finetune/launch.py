@@ -145,18 +145,31 @@ def prctl_or_none():
         return None
 
 
-def die_with_parent(prctl=None) -> None:
+def die_with_parent(prctl=None, *, parent: int | None = None) -> bool:
     """SIGTERM to this process when its parent dies (a rank whose launcher was killed checkpoints and
-    stops instead of training on as an orphan)."""
+    stops instead of training on as an orphan). False when `parent`, the pid read before this call, is
+    already gone: it died before the request took effect, and the kernel sends no signal for that.
+
+    The kernel sends the signal when the parent *thread* that started us exits, so a multi-threaded
+    launcher whose threads die one by one may send it more than once; the handlers treat a repeat
+    SIGTERM as the same request."""
     prctl = prctl or prctl_or_none()
     if prctl is not None:
         prctl(PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0)
+    return parent is None or os.getppid() == parent
 
 
 def _children_die_with_us(prctl):
     """Run in the child before exec: SIGTERM when the `finetune` process dies (even of SIGKILL), so the
-    ranks checkpoint and stop instead of training on as orphans."""
-    return lambda: die_with_parent(prctl)
+    ranks checkpoint and stop instead of training on as orphans. If it died between the fork and the
+    request, the child exits instead of starting ranks nobody waits for."""
+    parent = os.getpid()
+
+    def child() -> None:
+        if not die_with_parent(prctl, parent=parent):
+            os._exit(EXIT_PREEMPTED)
+
+    return child
 
 
 def _descendants(pid: int) -> list[int]:

@@ -12,10 +12,60 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 import traceback
+from pathlib import Path
 
-from finetune.errors import EXIT_INTERRUPTED
+# the launcher that started this rank, read before anything slow (only the package __init__ ran): if it is
+# killed before main() asks for its death signal, the pid no longer matches and the rank stops (see main)
+_LAUNCHER = os.getppid()
+
+from finetune.errors import EXIT_INTERRUPTED, EXIT_PREEMPTED  # noqa: E402
+
+# until run_rank installs the handlers that save a checkpoint (finetune.train.signals), a stop request
+# ends the rank with a record that nothing was trained (SIGINT: KeyboardInterrupt, handled below)
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGHUP)
+
+
+class StoppedBeforeTraining(BaseException):
+    """A stop signal before training started (a BaseException, like KeyboardInterrupt, so no library's
+    `except Exception` swallows it)."""
+
+
+def _stop_before_training():
+    """The handler: one StoppedBeforeTraining, however many signals come (a killed launcher whose threads
+    die one by one sends its parent-death SIGTERM once per thread; a repeat must not cut the record short)."""
+    stopped: list[str] = []
+
+    def handle(signum, _frame):
+        if not stopped:
+            stopped.append(signal.Signals(signum).name)
+            raise StoppedBeforeTraining(stopped[0])
+
+    return handle
+
+
+def _report_early_stop(run_dir: Path, why: str) -> int:
+    """Say in the run directory (the console may be gone: its death is what stopped us) that no step was
+    trained, so there is no checkpoint to save, and exit EXIT_PREEMPTED."""
+    from finetune.checkpoints.resume import resume_advice
+    from finetune.errors import FinetuneError
+    from finetune.rundir import write_rank_error
+
+    err = FinetuneError(
+        f"stopped by {why} before training started: no step was trained, so there was nothing to checkpoint",
+        hint=resume_advice(run_dir),
+    )
+    try:
+        write_rank_error(run_dir, exit_code=EXIT_PREEMPTED, message=err.render())
+    except OSError:
+        pass
+    try:
+        print(f"error: {err.render()}", file=sys.stderr, flush=True)
+    except OSError:  # the console went with the launcher
+        pass
+    return EXIT_PREEMPTED
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -28,10 +78,25 @@ def main(argv: list[str] | None = None) -> int:
         help="auto: newest complete checkpoint (default); never: start over; or a checkpoint dir",
     )
     args = parser.parse_args(argv)
-    try:
-        from finetune.train.run import run_rank
+    run_dir = Path(args.resolved).resolve().parent
+    from finetune.launch import die_with_parent
 
-        run_rank(args.resolved, resume=args.resume)
+    handle = _stop_before_training()
+    try:
+        previous = {sig: signal.signal(sig, handle) for sig in STOP_SIGNALS}
+        try:
+            # SIGTERM as soon as the launcher dies, not only once training runs; a launcher that died
+            # before this request counts as the same stop (the kernel would never send it)
+            if not die_with_parent(parent=_LAUNCHER):
+                handle(signal.SIGTERM, None)
+            from finetune.train.run import run_rank
+
+            run_rank(args.resolved, resume=args.resume)
+        except StoppedBeforeTraining as stop:
+            return _report_early_stop(run_dir, str(stop))  # with the handler still in place
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
     except KeyboardInterrupt:  # Ctrl-C before the trainer's handler was installed: nothing to save yet
         print(
             "error: interrupted before training started; nothing was written\n  fix: run the same command again",
@@ -40,13 +105,11 @@ def main(argv: list[str] | None = None) -> int:
         )
         return EXIT_INTERRUPTED
     except Exception as exc:
-        from pathlib import Path
-
         from finetune.train.failure import as_finetune_error
 
         if os.environ.get("FINETUNE_DEBUG"):
             traceback.print_exc()
-        err = as_finetune_error(exc, run_dir=Path(args.resolved).resolve().parent)
+        err = as_finetune_error(exc, run_dir=run_dir)
         print(f"error: {err.render()}", file=sys.stderr, flush=True)
         return err.exit_code
     return 0

@@ -57,13 +57,14 @@ def run_rank(resolved_path: str | Path, *, resume: str = "auto") -> dict | None:
     state = PartialState(
         cpu=recipe.resolved.device == "cpu", timeout=timedelta(minutes=recipe.distributed.timeout_minutes)
     )
-    _setup_logging(state.is_main_process)
     set_seed(recipe.train.seed)
     from finetune.train.signals import Preempted, PreemptionCallback
 
     # SIGTERM/SIGUSR1/SIGHUP from now on: checkpoint at the next step, exit 75 (SIGINT: 130)
     (run_dir / rundir.LOGS_DIR).mkdir(parents=True, exist_ok=True)
     preempt = PreemptionCallback(log_path=run_dir / rundir.LOGS_DIR / f"rank-{state.process_index}.log")
+    # after the callback: the log handler writes to the stream it installs, which outlives the console
+    _setup_logging(state.is_main_process)
     try:
         summary = _run(recipe, state=state, run_dir=run_dir, resume=resume, preempt=preempt)
     except Exception as exc:

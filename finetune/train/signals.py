@@ -6,13 +6,21 @@ flag (nothing unsafe runs inside a signal handler). At each step end the ranks a
 so they agree on the same step even when the signal reached them at different times: the Trainer
 then saves (CommitCallback marks the checkpoint complete) and stops, and run_rank raises
 Preempted, which exits with EXIT_PREEMPTED (75) for the Slurm script to requeue.
+
+When the `finetune` process itself is killed (SIGKILL: no handler runs there), the kernel closes the
+pipe it read the ranks' output from at once, but the ranks learn of its death only later, through a
+chain of parent-death signals (finetune -> accelerate's launcher -> rank). A rank that prints in
+between must not die of BrokenPipeError before that signal arrives: its console moves to its log file.
 """
 
 from __future__ import annotations
 
+import io
 import logging
 import os
 import signal
+import stat
+import sys
 from pathlib import Path
 
 from transformers import TrainerCallback
@@ -45,6 +53,8 @@ class PreemptionCallback(TrainerCallback):
         self._previous = {sig: signal.getsignal(sig) for sig in PREEMPT_SIGNALS}
         for sig in PREEMPT_SIGNALS:
             signal.signal(sig, self._handle)
+        self._streams = (sys.stdout, sys.stderr)
+        sys.stdout, sys.stderr = (_survive_a_dead_reader(s, self._detach_from_a_dead_console) for s in self._streams)
         from finetune.launch import die_with_parent
 
         die_with_parent()  # the launcher (accelerate or torchrun's agent) was killed: save and stop
@@ -97,6 +107,57 @@ class PreemptionCallback(TrainerCallback):
         )
 
     def restore(self) -> None:
-        """Put back the handlers that were installed before this callback (run_rank calls it last)."""
+        """Put back the handlers and streams that were in place before this callback (run_rank calls it
+        last); output still to come (the exit message) goes to the log if the console is gone."""
         for sig, handler in self._previous.items():
             signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (OSError, ValueError):
+                pass
+        sys.stdout, sys.stderr = self._streams
+        self._detach_from_a_dead_console()
+
+
+class _PipeOrLog(io.RawIOBase):
+    """The rank's end of the launcher's output pipe (fd 1 or 2): a write that finds the reader gone calls
+    `detach` (which points fds 1 and 2 at the rank's log file) and lands in the log instead."""
+
+    def __init__(self, fd: int, detach):
+        super().__init__()
+        self._fd, self._detach = fd, detach
+
+    def writable(self) -> bool:
+        return True
+
+    def fileno(self) -> int:
+        return self._fd
+
+    def write(self, data) -> int:
+        try:
+            return os.write(self._fd, data)
+        except BrokenPipeError:
+            self._detach()
+            return os.write(self._fd, data)
+
+
+def _survive_a_dead_reader(stream, detach):
+    """`stream` (sys.stdout or sys.stderr) as an equivalent text stream over _PipeOrLog when it writes to
+    a pipe; otherwise `stream` itself (a file or a terminal does not vanish with the `finetune` process)."""
+    try:
+        fd = stream.fileno()
+        if not stat.S_ISFIFO(os.fstat(fd).st_mode):
+            return stream
+        stream.flush()
+    except BrokenPipeError:  # the reader is gone already: what follows goes to the log
+        detach()
+        return stream
+    except (AttributeError, OSError, ValueError):  # no fd: a host program captures the output
+        return stream
+    return io.TextIOWrapper(
+        io.BufferedWriter(_PipeOrLog(fd, detach)),
+        encoding=stream.encoding,
+        errors=stream.errors,
+        write_through=True,  # each write reaches the pipe at once, as PYTHONUNBUFFERED has it in a launch
+    )
