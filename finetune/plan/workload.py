@@ -281,7 +281,10 @@ def count_params(arch: ModelArch) -> Params:
 
 
 _COUNTED = (
-    "family",
+    "norms_per_layer",
+    "qk_norm",
+    "qk_norm_per_head",
+    "mlp_bias",
     "hidden_size",
     "intermediate_size",
     "num_experts",
@@ -312,14 +315,12 @@ _COUNTED = (
 @lru_cache(maxsize=256)
 def _count_params(values: tuple) -> Params:
     arch = ModelArch.model_construct(**dict(zip(_COUNTED, values)))
-    h, e, family = arch.hidden_size, arch.num_experts, arch.family
-    hd = head_dim(arch)
-    # gemma2/3 have 4 norms per layer (pre/post attention and MLP); qwen3/gemma3 add q/k norms
-    norms = (4 if family.startswith("gemma") else 2) * h
-    if family in ("qwen3", "qwen3_moe", "gemma3", "gemma3_text"):
-        norms += 2 * hd
+    h, e = arch.hidden_size, arch.num_experts
     attention = sum(fin * fout for fin, fout, _ in _attention_shapes(arch).values())
     q, kv, _ = attention_widths(arch)
+    norms = arch.norms_per_layer * h
+    if arch.qk_norm:  # one head wide (shared by the heads), or over all q and k heads
+        norms += 2 * head_dim(arch) if arch.qk_norm_per_head else q + kv
     if is_mla(arch):  # q_a/kv_a RMSNorms; attention_bias adds biases to q_a, kv_a and o
         kv_rank, _, rope, _ = mla_dims(arch)
         norms += (arch.q_lora_rank or 0) + kv_rank
@@ -330,14 +331,14 @@ def _count_params(values: tuple) -> Params:
     if arch.attention_sinks:
         bias += arch.num_attention_heads
     base = attention + bias + norms
-    dense_mlp = 3 * h * arch.intermediate_size
+    dense_mlp = 3 * h * arch.intermediate_size + ((2 * arch.intermediate_size + h) if arch.mlp_bias else 0)
     moe = moe_layer_count(arch)
     layers = layers_linear = layers_active = 0
     largest = 0
     if arch.num_layers - moe:
         n = arch.num_layers - moe
         layers += n * (base + dense_mlp)
-        layers_linear += n * (attention + dense_mlp)
+        layers_linear += n * (attention + 3 * h * arch.intermediate_size)
         layers_active += n * (base + dense_mlp)
         largest = base + dense_mlp
     if moe:

@@ -1,11 +1,10 @@
 """Derive a ModelArch from a model's config.json with plain json (no transformers, no torch).
 
-Handles the key spellings of the families we support: dense (llama, mistral, qwen2, qwen3, gemma,
-gemma2, gemma3 with its multimodal `text_config` nesting, phi3) and mixture-of-experts in each convention
-transformers uses (mixtral; qwen2_moe / qwen3_moe; deepseek_v2 / deepseek_v3 with multi-head latent
-attention; gpt_oss). A model_type outside these, or an MoE key the family's reader does not know, is
-refused by name: guessing such a model as dense has planned a 236B model as 18.7B.
-"""
+Reads the families of finetune/registry/families.py: dense Llama-shaped decoders (llama, mistral, qwen2/3,
+gemma 1-3 with Gemma-3's multimodal `text_config` nesting, olmo2/3, cohere, phi3, ...) and mixture-of-
+experts in each convention transformers uses (mixtral; qwen2_moe / qwen3_moe; deepseek_v2 / deepseek_v3
+with multi-head latent attention; gpt_oss). A model_type outside these, or an MoE key the family's reader
+does not know, is refused by name: guessing such a model as dense has planned a 236B model as 18.7B."""
 
 from __future__ import annotations
 
@@ -17,36 +16,12 @@ from pydantic import ValidationError
 
 from finetune.errors import RecipeError
 from finetune.recipe.paths import anchored
+from finetune.registry.families import FAMILIES, KNOWN_FAMILIES, TEXT_OF_MULTIMODAL, biases, refusal_reason
 from finetune.registry.schema import ModelArch
 
 DEFAULT_LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 # transformers 5 stores MoE experts as fused 3D parameters, which LoRA cannot target by module name
 MOE_LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj"]
-_LAYER_CLASS = {
-    "llama": "LlamaDecoderLayer",
-    "mistral": "MistralDecoderLayer",
-    "qwen2": "Qwen2DecoderLayer",
-    "qwen3": "Qwen3DecoderLayer",
-    "gemma": "GemmaDecoderLayer",
-    "gemma2": "Gemma2DecoderLayer",
-    "gemma3": "Gemma3DecoderLayer",
-    "gemma3_text": "Gemma3DecoderLayer",
-    "mixtral": "MixtralDecoderLayer",
-    "qwen3_moe": "Qwen3MoeDecoderLayer",
-    "phi3": "Phi3DecoderLayer",
-}
-_LAYER_CLASS.update(
-    qwen2_moe="Qwen2MoeDecoderLayer",
-    deepseek_v2="DeepseekV2DecoderLayer",
-    deepseek_v3="DeepseekV3DecoderLayer",
-    gpt_oss="GptOssDecoderLayer",
-)
-_BIAS_FAMILIES = {"qwen2", "qwen2_moe", "gpt_oss"}  # q/k/v biases are the default in these families
-# per-head RMSNorms on queries and keys (Qwen3Attention / Gemma3Attention q_norm, k_norm)
-_QK_NORM_FAMILIES = {"qwen3", "qwen3_moe", "gemma3", "gemma3_text"}
-# pre- and post-norms on both residual branches (Gemma2/Gemma3DecoderLayer: 4 RMSNorms)
-_SANDWICH_NORM_FAMILIES = {"gemma2", "gemma3", "gemma3_text"}
-KNOWN_FAMILIES = frozenset(_LAYER_CLASS)
 # The MoE keys each family's reader understands; routing hyper-parameters that change no parameter
 # count or memory (aux-loss coefficients, scoring functions, group-limited routing) are listed too.
 _ROUTING_ONLY = {
@@ -150,27 +125,22 @@ def arch_from_config(path: Path, *, key: str, hub_id: str | None = None) -> Mode
         ) from None
     if not isinstance(cfg, dict):
         raise RecipeError("config.json is not a JSON object", file=str(path))
-    top_family = cfg.get("model_type", "")
     text: dict = cfg["text_config"] if isinstance(cfg.get("text_config"), dict) else cfg
-    family = top_family or text.get("model_type", "")
     inner = text.get("model_type", "")
-    if family not in KNOWN_FAMILIES and inner not in KNOWN_FAMILIES:
+    family = cfg.get("model_type") or inner
+    # a multimodal wrapper is read as its text decoder only where the registry says the towers it adds
+    # are left out knowingly (TEXT_OF_MULTIMODAL); another wrapper's towers would go uncounted
+    wrapped = text is not cfg and family != inner and family not in TEXT_OF_MULTIMODAL
+    if family not in KNOWN_FAMILIES or wrapped:
         raise RecipeError(
-            f"model_type {family or '(none)'!r} is not an architecture the planner can read; it will "
-            f"not guess its parameters and memory",
+            f"model_type {family or '(none)'!r} is not supported by the planner: "
+            f"{refusal_reason(cfg, text, model_type=family)}; it will not guess its parameters and memory",
             file=str(path),
             key="model.name",
-            hint=f"set model.arch to the closest registry entry (finetune models); readable model_types: "
-            f"{', '.join(sorted(KNOWN_FAMILIES))}",
+            hint=f"set model.arch to the closest registry entry (finetune models), or open an issue to have "
+            f"{family or 'it'} modelled; readable model_types: {', '.join(sorted(KNOWN_FAMILIES))}",
         )
-    reader = family if family in KNOWN_FAMILIES else inner
-    if text.get("mlp_bias"):
-        raise RecipeError(
-            "config.json sets mlp_bias: true (biases on the MLP projections), which the planner does not count",
-            file=str(path),
-            key="model.name",
-            hint="set model.arch to the closest registry entry (finetune models)",
-        )
+    reader, traits = family, FAMILIES[family]
     missing = [
         k
         for k in ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size")
@@ -183,11 +153,9 @@ def arch_from_config(path: Path, *, key: str, hub_id: str | None = None) -> Mode
             hint="set model.arch to the closest registry entry (finetune models)",
         )
     heads = int(text["num_attention_heads"])
-    tied = cfg.get("tie_word_embeddings", text.get("tie_word_embeddings", family.startswith("gemma")))
-    architectures = cfg.get("architectures") or []
-    layer_class = _LAYER_CLASS.get(family) or _LAYER_CLASS.get(inner)
-    if layer_class is None and architectures:
-        layer_class = architectures[0].replace("ForCausalLM", "DecoderLayer")
+    tied = cfg.get("tie_word_embeddings", text.get("tie_word_embeddings", traits.tied))
+    # Cohere builds its optional q/k norms (use_qk_norm) over all heads; the other families' are fixed
+    qk_norm = traits.qk_norm or ("all" if reader == "cohere" and text.get("use_qk_norm") else "")
     try:
         moe = moe_fields(text, family=reader, path=path)
         mla = mla_fields(text) if reader in ("deepseek_v2", "deepseek_v3") else {}
@@ -198,7 +166,6 @@ def arch_from_config(path: Path, *, key: str, hub_id: str | None = None) -> Mode
             mla["head_dim"] = mla["qk_nope_head_dim"] + mla["qk_rope_head_dim"]
         elif text.get("head_dim"):
             mla["head_dim"] = int(text["head_dim"])
-        bias = bool(text.get("attention_bias", text.get("qkv_bias", reader in _BIAS_FAMILIES)))
         return ModelArch(
             key=key,
             hub_ids=[hub_id] if hub_id else [],
@@ -211,14 +178,14 @@ def arch_from_config(path: Path, *, key: str, hub_id: str | None = None) -> Mode
             intermediate_size=int(text["intermediate_size"]),
             vocab_size=int(text["vocab_size"]),
             tied_embeddings=bool(tied),
-            attention_bias=bias,
-            o_proj_bias=bias and reader == "gpt_oss",
+            **biases(text, traits),
             max_position_embeddings=int(text.get("max_position_embeddings") or 8192),
-            decoder_layer_class=layer_class or "DecoderLayer",
+            decoder_layer_class=traits.layer_class,
             lora_targets=targets,
             notes=f"derived from {path}",
-            qk_norm=reader in _QK_NORM_FAMILIES,
-            norms_per_layer=4 if reader in _SANDWICH_NORM_FAMILIES else 2,
+            qk_norm=bool(qk_norm),
+            qk_norm_per_head=qk_norm != "all",
+            norms_per_layer=traits.norms,
             **moe,
             **mla,
             **sliding_fields(text, reader=reader),

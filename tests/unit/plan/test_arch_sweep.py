@@ -1,0 +1,173 @@
+"""Every causal-LM architecture transformers ships is either planned exactly or refused by name.
+
+For each model type of transformers' MODEL_FOR_CAUSAL_LM_MAPPING_NAMES a small config is built with the
+type's own config class, saved as the config.json the Hub would serve (only the values that differ
+from the class defaults, as save_pretrained writes them) and read by the planner's config reader. Then
+exactly one of:
+- planned: the planner's total parameter count equals sum(p.numel()) of the model
+  AutoModelForCausalLM builds on the meta device (exact, no tolerance), and for a mixture of experts the
+  active count leaves out exactly the experts a token is not routed to;
+- refused: a RecipeError that names the model type and says what to do (never another exception, never
+  a dense guess).
+PLANNED lists the types that must be planned, so support cannot vanish into a refusal unnoticed.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from finetune.errors import RecipeError
+from finetune.plan.workload import count_params, expert_size, moe_layer_count
+from finetune.recipe.schema import ModelSection
+from finetune.registry import resolve_model
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+from transformers import CONFIG_MAPPING, AutoModelForCausalLM  # noqa: E402
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES  # noqa: E402
+
+# set on whichever config (top level or text_config) has the key; 2 layers of 64 wide keep meta models cheap
+SMALL = dict(
+    vocab_size=512,
+    hidden_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    intermediate_size=96,
+    head_dim=16,
+    num_local_experts=4,
+    num_experts=4,
+    n_routed_experts=4,
+    moe_intermediate_size=32,
+    num_experts_per_tok=2,
+    max_position_embeddings=256,
+)
+TOKEN_IDS = ("pad_token_id", "bos_token_id", "eos_token_id", "decoder_start_token_id")
+
+# types whose config class needs more than SMALL to build at this size (each with the reason)
+OVERRIDES: dict[str, tuple[dict, str]] = {
+    "deepseek_v3": (dict(first_k_dense_replace=1), "the default 3 dense layers would leave 2 layers no experts"),
+    "dots3_note_text": (dict(num_key_value_heads=4), "its attention requires as many kv heads as query heads"),
+    "mamba2": (dict(num_heads=8), "hidden_size x expand must equal num_heads x head_dim"),
+    "zaya": (dict(num_experts_per_tok=1), "ZAYA routes each token to one expert only"),
+}
+# types whose config only validates at the class's own size (their layer pattern, vision adapter or tied
+# shared blocks are sized with it): read at full size, which the meta device builds as cheaply
+FULL_SIZE = {
+    "dots3_note": "the vision adapter's width must equal the text hidden size",
+    "zamba": "the shared transformer blocks' tying and layer pattern follow the class's 76 layers",
+    "zamba2": "layers_block_type and hybrid_layer_ids are fixed at the class's 54 layers",
+}
+# types whose config cannot be built at all offline (each with the reason)
+UNBUILDABLE = {
+    "gemma4_assistant": "Gemma4AssistantConfig() fails its own check (hidden_size_per_layer_input must be 0, "
+    "its default is 256)",
+}
+# multimodal checkpoints planned as their text decoder: the towers they add are not counted (the registry's
+# gemma-3 entries say so), so the real model has exactly those modules more
+TEXT_ONLY = {"gemma3": ("model.vision_tower.", "model.multi_modal_projector.")}
+
+PLANNED = {
+    "cohere",
+    "cohere2",
+    "cwm",
+    "deepseek_v2",
+    "deepseek_v3",
+    "exaone",
+    "exaone4",
+    "gemma",
+    "gemma2",
+    "gemma3",
+    "gemma3_text",
+    "gpt_oss",
+    "granite",
+    "helium",
+    "internlm3",
+    "iquestcoder",
+    "llama",
+    "ministral",
+    "ministral3",
+    "mistral",
+    "mixtral",
+    "olmo2",
+    "olmo3",
+    "phi3",
+    "qwen2",
+    "qwen2_moe",
+    "qwen3",
+    "qwen3_moe",
+    "seed_oss",
+    "smollm3",
+    "vaultgemma",
+}
+
+
+def _shrink(defaults: dict) -> dict:
+    kwargs = {k: v for k, v in SMALL.items() if k in defaults}
+    for k in TOKEN_IDS:  # token ids past the small vocabulary would not index the embedding
+        value = defaults.get(k)
+        if isinstance(value, int) and value >= SMALL["vocab_size"]:
+            kwargs[k] = 1
+        elif isinstance(value, list):
+            kwargs[k] = [1]
+    kinds = defaults.get("layer_types")
+    if isinstance(kinds, list) and kinds and "num_hidden_layers" in kwargs:
+        # keep one layer of each of the first two kinds (a sliding and a full layer, a mamba and an attention)
+        other = next((t for t in kinds if t != kinds[0]), kinds[0])
+        kwargs["layer_types"] = [kinds[0], other]
+    return kwargs
+
+
+def small_config(model_type: str):
+    cls = CONFIG_MAPPING[model_type]
+    if model_type in FULL_SIZE:
+        return cls()
+    defaults = cls().to_dict()
+    kwargs = _shrink(defaults)
+    if isinstance(defaults.get("text_config"), dict):
+        kwargs["text_config"] = _shrink(defaults["text_config"])
+    extra, _ = OVERRIDES.get(model_type, ({}, ""))
+    for key, value in extra.items():
+        if isinstance(value, dict) and isinstance(kwargs.get(key), dict):
+            kwargs[key] = {**kwargs[key], **value}
+        else:
+            kwargs[key] = value
+    return cls(**kwargs)
+
+
+def real_count(config, *, leave_out: tuple[str, ...] = ()) -> int:
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    return sum(p.numel() for name, p in model.named_parameters() if not name.startswith(leave_out))
+
+
+def read(tmp_path, config):
+    folder = tmp_path / "model"
+    folder.mkdir()
+    config.to_json_file(str(folder / "config.json"))
+    return resolve_model(ModelSection(name=str(folder)), base_dir=tmp_path)
+
+
+@pytest.mark.parametrize("model_type", sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES))
+def test_planned_exactly_or_refused_by_name(tmp_path, model_type):
+    if model_type in UNBUILDABLE:
+        pytest.skip(UNBUILDABLE[model_type])
+    config = small_config(model_type)
+    try:
+        arch = read(tmp_path, config)
+    except RecipeError as err:
+        text = err.render()
+        assert model_type not in PLANNED, text
+        assert repr(config.model_type) in text, text  # names the type (gpt-sw3's config is GPT-2's)
+        assert err.hint and err.key == "model.name", text  # and says what to do
+        return
+    assert model_type in PLANNED, f"{model_type} is planned: add it to PLANNED"
+    p = count_params(arch)
+    assert p.total == real_count(config, leave_out=TEXT_ONLY.get(model_type, ()))
+    if arch.num_experts > 1:
+        h, i = arch.hidden_size, expert_size(arch)
+        one = 3 * h * i + ((2 * i + h) if arch.expert_bias else 0)
+        unrouted = moe_layer_count(arch) * (arch.num_experts - arch.experts_per_token) * one
+        assert p.total - p.active == unrouted > 0  # every MoE type here has MoE layers at this size
+    else:
+        assert p.active == p.total
