@@ -227,6 +227,8 @@ def _attention_shapes(arch: ModelArch) -> dict[str, tuple[int, int, int]]:
     h = arch.hidden_size
     if not is_mla(arch):
         q, kv, _ = attention_widths(arch)
+        if arch.fused_qkv:
+            return {"qkv_proj": (h, q + 2 * kv, 1), "o_proj": (q, h, 1)}
         return {"q_proj": (h, q, 1), "k_proj": (h, kv, 1), "v_proj": (h, kv, 1), "o_proj": (q, h, 1)}
     heads = arch.num_attention_heads
     kv_rank, nope, rope, v = mla_dims(arch)
@@ -249,7 +251,8 @@ def layer_kinds(arch: ModelArch) -> list[tuple[int, bool, dict[str, tuple[int, i
     as fused 3D parameters (not nn.Linear), so an MoE layer lists only its shared expert (and gate)."""
     h, i = arch.hidden_size, arch.intermediate_size
     attention = _attention_shapes(arch)
-    dense = dict(attention, gate_proj=(h, i, 1), up_proj=(h, i, 1), down_proj=(i, h, 1))
+    gate_up = {"gate_up_proj": (h, 2 * i, 1)} if arch.fused_gate_up else {"gate_proj": (h, i, 1), "up_proj": (h, i, 1)}
+    dense = dict(attention, **gate_up, down_proj=(i, h, 1))
     moe = moe_layer_count(arch)
     kinds = []
     if arch.num_layers - moe:
@@ -344,7 +347,9 @@ def _count_params(values: tuple) -> Params:
     if moe:
         i = expert_size(arch)
         one = 3 * h * i + ((2 * i + h) if arch.expert_bias else 0)
-        shared = 3 * h * arch.shared_expert_intermediate_size + (h if arch.shared_expert_gate else 0)
+        width = arch.shared_expert_intermediate_size
+        shared = 3 * h * width + (h if arch.shared_expert_gate else 0)
+        shared += (2 * width + h) if arch.mlp_bias and width else 0  # DeepSeek-V2's MLP class, shared too
         router = h * e + (e if arch.router_bias else 0)
         layer = base + e * one + shared + router
         layers += moe * layer

@@ -161,6 +161,14 @@ def arch_from_config(path: Path, *, key: str, hub_id: str | None = None) -> Mode
         mla = mla_fields(text) if reader in ("deepseek_v2", "deepseek_v3") else {}
         experts = moe.get("num_experts", 1)
         targets = MOE_LORA_TARGETS if experts > 1 else DEFAULT_LORA_TARGETS
+        if traits.fused_qkv:
+            targets = ["qkv_proj", *[t for t in targets if t not in ("q_proj", "k_proj", "v_proj")]]
+        if traits.fused_gate_up and "down_proj" in targets:
+            targets = [
+                *[t for t in targets if t not in ("gate_proj", "up_proj", "down_proj")],
+                "gate_up_proj",
+                "down_proj",
+            ]
         if mla:
             targets = MLA_LORA_TARGETS if mla["q_lora_rank"] else ["q_proj", *MLA_LORA_TARGETS[2:]]
             mla["head_dim"] = mla["qk_nope_head_dim"] + mla["qk_rope_head_dim"]
@@ -179,6 +187,8 @@ def arch_from_config(path: Path, *, key: str, hub_id: str | None = None) -> Mode
             vocab_size=int(text["vocab_size"]),
             tied_embeddings=bool(tied),
             **biases(text, traits),
+            fused_qkv=traits.fused_qkv,
+            fused_gate_up=traits.fused_gate_up,
             max_position_embeddings=int(text.get("max_position_embeddings") or 8192),
             decoder_layer_class=traits.layer_class,
             lora_targets=targets,

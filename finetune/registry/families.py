@@ -23,6 +23,8 @@ class Family:
     qk_norm: str = ""  # "head": a norm one head wide on q and k (Qwen3); "all": over all heads (OLMo-2)
     norms: int = 2  # weighted norms per decoder layer
     tied: bool = False  # tie_word_embeddings' class default
+    fused_qkv: bool = False  # q, k and v are one qkv_proj module
+    fused_gate_up: bool = False  # gate and up are one gate_up_proj module
 
 
 _FIXED: dict[str, Any] = dict(
@@ -56,12 +58,12 @@ FAMILIES: dict[str, Family] = {
     # attention and MLP in parallel from one norm; Cohere's optional q/k norms (use_qk_norm) span all heads
     "cohere": Family("CohereDecoderLayer", norms=1, tied=True),
     "cohere2": Family("Cohere2DecoderLayer", norms=1, tied=True),
-    "phi3": Family("Phi3DecoderLayer", **_FIXED),
+    "phi3": Family("Phi3DecoderLayer", **_FIXED, fused_qkv=True, fused_gate_up=True),
     "mixtral": Family("MixtralDecoderLayer", **_FIXED),
     "qwen2_moe": Family("Qwen2MoeDecoderLayer", qkv_bias="qkv_bias", o_bias=False, bias_default=True),
     "qwen3_moe": Family("Qwen3MoeDecoderLayer", qk_norm="head"),
     # DeepSeek's attention_bias covers q_a, kv_a and o (workload.count_params)
-    "deepseek_v2": Family("DeepseekV2DecoderLayer", o_bias=False),
+    "deepseek_v2": Family("DeepseekV2DecoderLayer", o_bias=False, mlp_bias="mlp_bias"),
     "deepseek_v3": Family("DeepseekV3DecoderLayer", o_bias=False),
     "gpt_oss": Family("GptOssDecoderLayer", bias_default=True),
 }

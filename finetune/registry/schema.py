@@ -48,7 +48,11 @@ class ModelArch(Strict):
     expert_bias: bool = Field(False, description="GPT-OSS: each expert's gate_up/down projections have biases")
     attention_sinks: bool = Field(False, description="GPT-OSS: one learned sink logit per head")
     o_proj_bias: bool = Field(False, description="the attention output projection has a bias (GPT-OSS)")
-    mlp_bias: bool = Field(False, description="the dense MLP's gate/up/down projections have biases (mlp_bias)")
+    fused_qkv: bool = Field(False, description="q, k and v are one qkv_proj linear module (Phi-3)")
+    fused_gate_up: bool = Field(False, description="gate and up are one gate_up_proj linear module (Phi-3, GLM)")
+    mlp_bias: bool = Field(
+        False, description="the dense MLPs' (and shared experts') gate/up/down projections have biases (mlp_bias)"
+    )
     # Multi-head latent attention (DeepSeek-V2/V3); kv_lora_rank set means MLA
     q_lora_rank: int | None = Field(None, ge=1, description="MLA: query down-projection rank (None: full q_proj)")
     kv_lora_rank: int | None = Field(None, ge=1, description="MLA: key/value down-projection rank")

@@ -17,7 +17,7 @@ from __future__ import annotations
 import pytest
 
 from finetune.errors import RecipeError
-from finetune.plan.workload import count_params, expert_size, moe_layer_count
+from finetune.plan.workload import count_params, expert_size, lora_param_count, moe_layer_count
 from finetune.recipe.schema import ModelSection
 from finetune.registry import resolve_model
 
@@ -118,14 +118,21 @@ def _shrink(defaults: dict) -> dict:
     return kwargs
 
 
-def small_config(model_type: str):
+def small_config(model_type: str, *, switches: dict | None = None, tie: bool | None = None):
+    """The type's config at SMALL size; `switches` set on the text config where it has those keys, `tie`
+    as the top-level tie_word_embeddings (a multimodal model ties by its top-level config)."""
     cls = CONFIG_MAPPING[model_type]
     if model_type in FULL_SIZE:
         return cls()
     defaults = cls().to_dict()
     kwargs = _shrink(defaults)
-    if isinstance(defaults.get("text_config"), dict):
-        kwargs["text_config"] = _shrink(defaults["text_config"])
+    text = defaults.get("text_config")
+    if isinstance(text, dict):
+        kwargs["text_config"] = _shrink(text)
+    target = kwargs["text_config"] if isinstance(text, dict) else kwargs
+    target.update({k: v for k, v in (switches or {}).items() if k in (text if isinstance(text, dict) else defaults)})
+    if tie is not None:
+        kwargs["tie_word_embeddings"] = tie
     extra, _ = OVERRIDES.get(model_type, ({}, ""))
     for key, value in extra.items():
         if isinstance(value, dict) and isinstance(kwargs.get(key), dict):
@@ -135,10 +142,25 @@ def small_config(model_type: str):
     return cls(**kwargs)
 
 
-def real_count(config, *, leave_out: tuple[str, ...] = ()) -> int:
+def meta_model(config):
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
+        return AutoModelForCausalLM.from_config(config)
+
+
+def real_count(model, *, leave_out: tuple[str, ...] = ()) -> int:
     return sum(p.numel() for name, p in model.named_parameters() if not name.startswith(leave_out))
+
+
+def real_lora_count(model, *, targets: list[str], r: int, leave_out: tuple[str, ...] = ()) -> int:
+    """What peft adds for these target names: r x (in + out) per nn.Linear of the decoder layers so named."""
+    return sum(
+        r * (m.in_features + m.out_features)
+        for name, m in model.named_modules()
+        if isinstance(m, torch.nn.Linear)
+        and ".layers." in name
+        and name.rsplit(".", 1)[-1] in targets
+        and not name.startswith(leave_out)
+    )
 
 
 def read(tmp_path, config):
@@ -163,7 +185,12 @@ def test_planned_exactly_or_refused_by_name(tmp_path, model_type):
         return
     assert model_type in PLANNED, f"{model_type} is planned: add it to PLANNED"
     p = count_params(arch)
-    assert p.total == real_count(config, leave_out=TEXT_ONLY.get(model_type, ()))
+    model, towers = meta_model(config), TEXT_ONLY.get(model_type, ())
+    assert p.total == real_count(model, leave_out=towers)
+    # the LoRA targets the planner writes into the resolved recipe are the model's linear modules, and
+    # the adapter it plans is the one peft builds on them
+    lora = lora_param_count(arch, r=8, targets=arch.lora_targets, dora=False)
+    assert lora == real_lora_count(model, targets=arch.lora_targets, r=8, leave_out=towers) > 0
     if arch.num_experts > 1:
         h, i = arch.hidden_size, expert_size(arch)
         one = 3 * h * i + ((2 * i + h) if arch.expert_bias else 0)
@@ -171,3 +198,18 @@ def test_planned_exactly_or_refused_by_name(tmp_path, model_type):
         assert p.total - p.active == unrouted > 0  # every MoE type here has MoE layers at this size
     else:
         assert p.active == p.total
+
+
+# the config switches that add parameters in some families and not in others (each family's attention
+# decides whether attention_bias reaches o_proj); flipped together with the embedding tying
+SWITCHES = dict(attention_bias=True, mlp_bias=True, qkv_bias=False, attention_out_bias=True, use_qk_norm=True)
+
+
+@pytest.mark.parametrize("model_type", sorted(PLANNED - set(FULL_SIZE)))
+def test_biases_qk_norms_and_tying_switched_on_are_counted(tmp_path, model_type):
+    tied = small_config(model_type).tie_word_embeddings
+    config = small_config(model_type, switches=SWITCHES, tie=not tied)
+    arch = read(tmp_path, config)
+    assert arch.tied_embeddings is not tied
+    model, towers = meta_model(config), TEXT_ONLY.get(model_type, ())
+    assert count_params(arch).total == real_count(model, leave_out=towers)
