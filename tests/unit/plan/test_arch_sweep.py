@@ -14,6 +14,8 @@ PLANNED lists the types that must be planned, so support cannot vanish into a re
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from finetune.errors import RecipeError
@@ -213,3 +215,42 @@ def test_biases_qk_norms_and_tying_switched_on_are_counted(tmp_path, model_type)
     assert arch.tied_embeddings is not tied
     model, towers = meta_model(config), TEXT_ONLY.get(model_type, ())
     assert count_params(arch).total == real_count(model, leave_out=towers)
+
+
+@pytest.mark.parametrize("model_type", ["olmo2", "cohere2", "phi3", "qwen3_next"])
+def test_finetune_plan_cli_plans_new_families_and_refuses_without_a_traceback(tmp_path, model_type):
+    import json
+    import subprocess
+    import sys
+
+    import yaml
+
+    from tests.helpers.paths import ROOT
+
+    config = small_config(model_type)
+    (tmp_path / "model").mkdir()
+    config.to_json_file(str(tmp_path / "model" / "config.json"))
+    recipe = {
+        "model": {"name": "model"},
+        "data": {"path": "train.jsonl", "max_length": 256},
+        "adapter": {"type": "lora"},
+        "hardware": "server-8xh100",
+    }
+    (tmp_path / "recipe.yaml").write_text(yaml.safe_dump(recipe))
+    proc = subprocess.run(
+        [sys.executable, "-m", "finetune.cli", "plan", "recipe.yaml", "--json"],
+        cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert "Traceback" not in proc.stderr, proc.stderr
+    if model_type not in PLANNED:
+        assert proc.returncode != 0, proc.stdout
+        assert f"model_type {model_type!r} is not supported by the planner" in proc.stderr, proc.stderr
+        assert "linear-attention" in proc.stderr and "set model.arch" in proc.stderr, proc.stderr
+        return
+    assert proc.returncode == 0, proc.stderr
+    plan = json.loads(proc.stdout)
+    assert plan["fits"] and plan["total_params"] == real_count(meta_model(config))
