@@ -58,6 +58,11 @@ FAMILIES: dict[str, Family] = {
     # attention and MLP in parallel from one norm; Cohere's optional q/k norms (use_qk_norm) span all heads
     "cohere": Family("CohereDecoderLayer", norms=1, tied=True),
     "cohere2": Family("Cohere2DecoderLayer", norms=1, tied=True),
+    "ernie4_5": Family("Ernie4_5DecoderLayer", qkv_bias="use_bias", o_bias="use_bias", mlp_bias="use_bias", tied=True),
+    "hunyuan_v1_dense": Family("HunYuanDenseV1DecoderLayer", qk_norm="head"),
+    # GLM and GLM-4: q/k/v biases by default, gate and up fused; GLM-4 adds post-norms on both branches
+    "glm": Family("GlmDecoderLayer", o_bias=False, bias_default=True, fused_gate_up=True),
+    "glm4": Family("Glm4DecoderLayer", o_bias=False, bias_default=True, fused_gate_up=True, norms=4),
     "phi3": Family("Phi3DecoderLayer", **_FIXED, fused_qkv=True, fused_gate_up=True),
     "mixtral": Family("MixtralDecoderLayer", **_FIXED),
     "qwen2_moe": Family("Qwen2MoeDecoderLayer", qkv_bias="qkv_bias", o_bias=False, bias_default=True),
@@ -105,6 +110,12 @@ def refusal_reason(cfg: dict, text: dict, *, model_type: str) -> str:
         return (
             f"it has recurrent, state-space or linear-attention layers ({what}) whose memory and time "
             f"the planner does not model"
+        )
+    experts = sorted(k for k in text if any(w in k for w in ("expert", "moe")) and text[k] not in (None, 0, [], False))
+    if experts:
+        return (
+            f"its mixture-of-experts layers ({', '.join(experts[:3])}) follow a convention whose parameters "
+            f"and routed-expert memory the planner has not been checked against"
         )
     if cfg.get("is_encoder_decoder") or any(k in cfg for k in _ENCODER_KEYS):
         return "it is an encoder or encoder-decoder model, not a decoder-only LM the planner models"

@@ -75,15 +75,19 @@ PLANNED = {
     "cwm",
     "deepseek_v2",
     "deepseek_v3",
+    "ernie4_5",
     "exaone",
     "exaone4",
     "gemma",
     "gemma2",
     "gemma3",
     "gemma3_text",
+    "glm",
+    "glm4",
     "gpt_oss",
     "granite",
     "helium",
+    "hunyuan_v1_dense",
     "internlm3",
     "iquestcoder",
     "llama",
@@ -204,7 +208,9 @@ def test_planned_exactly_or_refused_by_name(tmp_path, model_type):
 
 # the config switches that add parameters in some families and not in others (each family's attention
 # decides whether attention_bias reaches o_proj); flipped together with the embedding tying
-SWITCHES = dict(attention_bias=True, mlp_bias=True, qkv_bias=False, attention_out_bias=True, use_qk_norm=True)
+SWITCHES = dict(
+    attention_bias=True, mlp_bias=True, qkv_bias=False, attention_out_bias=True, use_qk_norm=True, use_bias=True
+)
 
 
 @pytest.mark.parametrize("model_type", sorted(PLANNED - set(FULL_SIZE)))
