@@ -260,3 +260,29 @@ def test_finetune_plan_cli_plans_new_families_and_refuses_without_a_traceback(tm
     assert proc.returncode == 0, proc.stderr
     plan = json.loads(proc.stdout)
     assert plan["fits"] and plan["total_params"] == real_count(meta_model(config))
+
+
+WINDOWED = sorted(t for t in PLANNED if "layer_types" in CONFIG_MAPPING[t]().get_text_config().to_dict())
+
+
+@pytest.mark.parametrize("model_type", WINDOWED)
+def test_sliding_layers_follow_the_config_class_rule_when_layer_types_is_left_out(tmp_path, model_type):
+    """A config.json written before layer_types existed: the planner's rule for which layers slide is the
+    one the config class fills layer_types with (8 layers, so every pattern repeats)."""
+    import json
+
+    cls = CONFIG_MAPPING[model_type]
+    defaults = cls().to_dict()
+    text = defaults.get("text_config")
+    kwargs = {k: v for k, v in _shrink(text or defaults).items() if k != "layer_types"}
+    kwargs.update(num_hidden_layers=8, sliding_window=32, use_sliding_window=True, max_window_layers=3)
+    kwargs = {k: v for k, v in kwargs.items() if k in (text or defaults)}
+    config = cls(**({"text_config": kwargs} if text else kwargs))
+    kinds = config.get_text_config().layer_types
+    saved = json.loads(config.to_json_string())
+    saved.get("text_config", saved).pop("layer_types")
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "config.json").write_text(json.dumps(saved))
+    arch = resolve_model(ModelSection(name=str(tmp_path / "model")), base_dir=tmp_path)
+    assert arch.sliding_layers == kinds.count("sliding_attention")
+    assert arch.sliding_window == (32 if arch.sliding_layers else None)
