@@ -28,7 +28,8 @@ transformers = pytest.importorskip("transformers")
 from transformers import CONFIG_MAPPING, AutoModelForCausalLM  # noqa: E402
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES  # noqa: E402
 
-# set on whichever config (top level or text_config) has the key; 2 layers of 64 wide keep meta models cheap
+# set on whichever config (top level or text_config) has the key; 2 layers of 64 wide keep meta models cheap;
+# head_dim 24 is not hidden / heads (16), so a family that reads head_dim and one that does not both show
 SMALL = dict(
     vocab_size=512,
     hidden_size=64,
@@ -36,7 +37,7 @@ SMALL = dict(
     num_attention_heads=4,
     num_key_value_heads=2,
     intermediate_size=96,
-    head_dim=16,
+    head_dim=24,
     num_local_experts=4,
     num_experts=4,
     n_routed_experts=4,
@@ -50,7 +51,8 @@ TOKEN_IDS = ("pad_token_id", "bos_token_id", "eos_token_id", "decoder_start_toke
 OVERRIDES: dict[str, tuple[dict, str]] = {
     "deepseek_v3": (dict(first_k_dense_replace=1), "the default 3 dense layers would leave 2 layers no experts"),
     "dots3_note_text": (dict(num_key_value_heads=4), "its attention requires as many kv heads as query heads"),
-    "mamba2": (dict(num_heads=8), "hidden_size x expand must equal num_heads x head_dim"),
+    "mamba2": (dict(num_heads=8, head_dim=16), "hidden_size x expand must equal num_heads x head_dim"),
+    "helium": (dict(head_dim=16), "its o_proj is hidden x hidden: the heads must span hidden_size exactly"),
     "zaya": (dict(num_experts_per_tok=1), "ZAYA routes each token to one expert only"),
 }
 # types whose config only validates at the class's own size (their layer pattern, vision adapter or tied
