@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import lru_cache
+from operator import attrgetter
 
 from finetune.registry.schema import HardwarePreset, ModelArch
 
@@ -279,8 +280,9 @@ def module_shapes(arch: ModelArch) -> dict[str, tuple[int, int, int]]:
 
 
 def count_params(arch: ModelArch) -> Params:
-    # pydantic models are not hashable; cache on the numbers that matter
-    return _count_params(tuple(getattr(arch, f) for f in _COUNTED))
+    # pydantic models are not hashable; cache on the numbers that matter (read by one C-level getter:
+    # the planner's search calls this thousands of times per plan)
+    return _count_params(_counted(arch))
 
 
 _COUNTED = (
@@ -313,6 +315,9 @@ _COUNTED = (
     "qk_nope_head_dim",
     "v_head_dim",
 )
+
+
+_counted = attrgetter(*_COUNTED)
 
 
 @lru_cache(maxsize=256)
