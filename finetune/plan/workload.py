@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import lru_cache
+from operator import attrgetter
 
 from finetune.registry.schema import HardwarePreset, ModelArch
 
@@ -227,6 +228,8 @@ def _attention_shapes(arch: ModelArch) -> dict[str, tuple[int, int, int]]:
     h = arch.hidden_size
     if not is_mla(arch):
         q, kv, _ = attention_widths(arch)
+        if arch.fused_qkv:
+            return {"qkv_proj": (h, q + 2 * kv, 1), "o_proj": (q, h, 1)}
         return {"q_proj": (h, q, 1), "k_proj": (h, kv, 1), "v_proj": (h, kv, 1), "o_proj": (q, h, 1)}
     heads = arch.num_attention_heads
     kv_rank, nope, rope, v = mla_dims(arch)
@@ -249,7 +252,8 @@ def layer_kinds(arch: ModelArch) -> list[tuple[int, bool, dict[str, tuple[int, i
     as fused 3D parameters (not nn.Linear), so an MoE layer lists only its shared expert (and gate)."""
     h, i = arch.hidden_size, arch.intermediate_size
     attention = _attention_shapes(arch)
-    dense = dict(attention, gate_proj=(h, i, 1), up_proj=(h, i, 1), down_proj=(i, h, 1))
+    gate_up = {"gate_up_proj": (h, 2 * i, 1)} if arch.fused_gate_up else {"gate_proj": (h, i, 1), "up_proj": (h, i, 1)}
+    dense = dict(attention, **gate_up, down_proj=(i, h, 1))
     moe = moe_layer_count(arch)
     kinds = []
     if arch.num_layers - moe:
@@ -276,12 +280,16 @@ def module_shapes(arch: ModelArch) -> dict[str, tuple[int, int, int]]:
 
 
 def count_params(arch: ModelArch) -> Params:
-    # pydantic models are not hashable; cache on the numbers that matter
-    return _count_params(tuple(getattr(arch, f) for f in _COUNTED))
+    # pydantic models are not hashable; cache on the numbers that matter (read by one C-level getter:
+    # the planner's search calls this thousands of times per plan)
+    return _count_params(_counted(arch))
 
 
 _COUNTED = (
-    "family",
+    "norms_per_layer",
+    "qk_norm",
+    "qk_norm_per_head",
+    "mlp_bias",
     "hidden_size",
     "intermediate_size",
     "num_experts",
@@ -309,17 +317,18 @@ _COUNTED = (
 )
 
 
+_counted = attrgetter(*_COUNTED)
+
+
 @lru_cache(maxsize=256)
 def _count_params(values: tuple) -> Params:
     arch = ModelArch.model_construct(**dict(zip(_COUNTED, values)))
-    h, e, family = arch.hidden_size, arch.num_experts, arch.family
-    hd = head_dim(arch)
-    # gemma2/3 have 4 norms per layer (pre/post attention and MLP); qwen3/gemma3 add q/k norms
-    norms = (4 if family.startswith("gemma") else 2) * h
-    if family in ("qwen3", "qwen3_moe", "gemma3", "gemma3_text"):
-        norms += 2 * hd
+    h, e = arch.hidden_size, arch.num_experts
     attention = sum(fin * fout for fin, fout, _ in _attention_shapes(arch).values())
     q, kv, _ = attention_widths(arch)
+    norms = arch.norms_per_layer * h
+    if arch.qk_norm:  # one head wide (shared by the heads), or over all q and k heads
+        norms += 2 * head_dim(arch) if arch.qk_norm_per_head else q + kv
     if is_mla(arch):  # q_a/kv_a RMSNorms; attention_bias adds biases to q_a, kv_a and o
         kv_rank, _, rope, _ = mla_dims(arch)
         norms += (arch.q_lora_rank or 0) + kv_rank
@@ -330,20 +339,22 @@ def _count_params(values: tuple) -> Params:
     if arch.attention_sinks:
         bias += arch.num_attention_heads
     base = attention + bias + norms
-    dense_mlp = 3 * h * arch.intermediate_size
+    dense_mlp = 3 * h * arch.intermediate_size + ((2 * arch.intermediate_size + h) if arch.mlp_bias else 0)
     moe = moe_layer_count(arch)
     layers = layers_linear = layers_active = 0
     largest = 0
     if arch.num_layers - moe:
         n = arch.num_layers - moe
         layers += n * (base + dense_mlp)
-        layers_linear += n * (attention + dense_mlp)
+        layers_linear += n * (attention + 3 * h * arch.intermediate_size)
         layers_active += n * (base + dense_mlp)
         largest = base + dense_mlp
     if moe:
         i = expert_size(arch)
         one = 3 * h * i + ((2 * i + h) if arch.expert_bias else 0)
-        shared = 3 * h * arch.shared_expert_intermediate_size + (h if arch.shared_expert_gate else 0)
+        width = arch.shared_expert_intermediate_size
+        shared = 3 * h * width + (h if arch.shared_expert_gate else 0)
+        shared += (2 * width + h) if arch.mlp_bias and width else 0  # DeepSeek-V2's MLP class, shared too
         router = h * e + (e if arch.router_bias else 0)
         layer = base + e * one + shared + router
         layers += moe * layer

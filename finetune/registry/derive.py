@@ -1,11 +1,10 @@
 """Derive a ModelArch from a model's config.json with plain json (no transformers, no torch).
 
-Handles the key spellings of the families we support: dense (llama, mistral, qwen2, qwen3, gemma,
-gemma2, gemma3 with its multimodal `text_config` nesting, phi3) and mixture-of-experts in each convention
-transformers uses (mixtral; qwen2_moe / qwen3_moe; deepseek_v2 / deepseek_v3 with multi-head latent
-attention; gpt_oss). A model_type outside these, or an MoE key the family's reader does not know, is
-refused by name: guessing such a model as dense has planned a 236B model as 18.7B.
-"""
+Reads the families of finetune/registry/families.py: dense Llama-shaped decoders (llama, mistral, qwen2/3,
+gemma 1-3 with Gemma-3's multimodal `text_config` nesting, olmo2/3, cohere, phi3, ...) and mixture-of-
+experts in each convention transformers uses (mixtral; qwen2_moe / qwen3_moe; deepseek_v2 / deepseek_v3
+with multi-head latent attention; gpt_oss). A model_type outside these, or an MoE key the family's reader
+does not know, is refused by name: guessing such a model as dense has planned a 236B model as 18.7B."""
 
 from __future__ import annotations
 
@@ -17,36 +16,12 @@ from pydantic import ValidationError
 
 from finetune.errors import RecipeError
 from finetune.recipe.paths import anchored
+from finetune.registry.families import FAMILIES, KNOWN_FAMILIES, TEXT_OF_MULTIMODAL, biases, refusal_reason
 from finetune.registry.schema import ModelArch
 
 DEFAULT_LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 # transformers 5 stores MoE experts as fused 3D parameters, which LoRA cannot target by module name
 MOE_LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj"]
-_LAYER_CLASS = {
-    "llama": "LlamaDecoderLayer",
-    "mistral": "MistralDecoderLayer",
-    "qwen2": "Qwen2DecoderLayer",
-    "qwen3": "Qwen3DecoderLayer",
-    "gemma": "GemmaDecoderLayer",
-    "gemma2": "Gemma2DecoderLayer",
-    "gemma3": "Gemma3DecoderLayer",
-    "gemma3_text": "Gemma3DecoderLayer",
-    "mixtral": "MixtralDecoderLayer",
-    "qwen3_moe": "Qwen3MoeDecoderLayer",
-    "phi3": "Phi3DecoderLayer",
-}
-_LAYER_CLASS.update(
-    qwen2_moe="Qwen2MoeDecoderLayer",
-    deepseek_v2="DeepseekV2DecoderLayer",
-    deepseek_v3="DeepseekV3DecoderLayer",
-    gpt_oss="GptOssDecoderLayer",
-)
-_BIAS_FAMILIES = {"qwen2", "qwen2_moe", "gpt_oss"}  # q/k/v biases are the default in these families
-# per-head RMSNorms on queries and keys (Qwen3Attention / Gemma3Attention q_norm, k_norm)
-_QK_NORM_FAMILIES = {"qwen3", "qwen3_moe", "gemma3", "gemma3_text"}
-# pre- and post-norms on both residual branches (Gemma2/Gemma3DecoderLayer: 4 RMSNorms)
-_SANDWICH_NORM_FAMILIES = {"gemma2", "gemma3", "gemma3_text"}
-KNOWN_FAMILIES = frozenset(_LAYER_CLASS)
 # The MoE keys each family's reader understands; routing hyper-parameters that change no parameter
 # count or memory (aux-loss coefficients, scoring functions, group-limited routing) are listed too.
 _ROUTING_ONLY = {
@@ -150,27 +125,22 @@ def arch_from_config(path: Path, *, key: str, hub_id: str | None = None) -> Mode
         ) from None
     if not isinstance(cfg, dict):
         raise RecipeError("config.json is not a JSON object", file=str(path))
-    top_family = cfg.get("model_type", "")
     text: dict = cfg["text_config"] if isinstance(cfg.get("text_config"), dict) else cfg
-    family = top_family or text.get("model_type", "")
     inner = text.get("model_type", "")
-    if family not in KNOWN_FAMILIES and inner not in KNOWN_FAMILIES:
+    family = cfg.get("model_type") or inner
+    # a multimodal wrapper is read as its text decoder only where the registry says the towers it adds
+    # are left out knowingly (TEXT_OF_MULTIMODAL); another wrapper's towers would go uncounted
+    wrapped = text is not cfg and family != inner and family not in TEXT_OF_MULTIMODAL
+    if family not in KNOWN_FAMILIES or wrapped:
         raise RecipeError(
-            f"model_type {family or '(none)'!r} is not an architecture the planner can read; it will "
-            f"not guess its parameters and memory",
+            f"model_type {family or '(none)'!r} is not supported by the planner: "
+            f"{refusal_reason(cfg, text, model_type=family)}; it will not guess its parameters and memory",
             file=str(path),
             key="model.name",
-            hint=f"set model.arch to the closest registry entry (finetune models); readable model_types: "
-            f"{', '.join(sorted(KNOWN_FAMILIES))}",
+            hint=f"set model.arch to the closest registry entry (finetune models), or open an issue to have "
+            f"{family or 'it'} modelled; readable model_types: {', '.join(sorted(KNOWN_FAMILIES))}",
         )
-    reader = family if family in KNOWN_FAMILIES else inner
-    if text.get("mlp_bias"):
-        raise RecipeError(
-            "config.json sets mlp_bias: true (biases on the MLP projections), which the planner does not count",
-            file=str(path),
-            key="model.name",
-            hint="set model.arch to the closest registry entry (finetune models)",
-        )
+    reader, traits = family, FAMILIES[family]
     missing = [
         k
         for k in ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size")
@@ -183,22 +153,27 @@ def arch_from_config(path: Path, *, key: str, hub_id: str | None = None) -> Mode
             hint="set model.arch to the closest registry entry (finetune models)",
         )
     heads = int(text["num_attention_heads"])
-    tied = cfg.get("tie_word_embeddings", text.get("tie_word_embeddings", family.startswith("gemma")))
-    architectures = cfg.get("architectures") or []
-    layer_class = _LAYER_CLASS.get(family) or _LAYER_CLASS.get(inner)
-    if layer_class is None and architectures:
-        layer_class = architectures[0].replace("ForCausalLM", "DecoderLayer")
+    tied = cfg.get("tie_word_embeddings", text.get("tie_word_embeddings", traits.tied))
+    # Cohere builds its optional q/k norms (use_qk_norm) over all heads; the other families' are fixed
+    qk_norm = traits.qk_norm or ("all" if reader == "cohere" and text.get("use_qk_norm") else "")
     try:
         moe = moe_fields(text, family=reader, path=path)
         mla = mla_fields(text) if reader in ("deepseek_v2", "deepseek_v3") else {}
         experts = moe.get("num_experts", 1)
         targets = MOE_LORA_TARGETS if experts > 1 else DEFAULT_LORA_TARGETS
+        if traits.fused_qkv:
+            targets = ["qkv_proj", *[t for t in targets if t not in ("q_proj", "k_proj", "v_proj")]]
+        if traits.fused_gate_up and "down_proj" in targets:
+            targets = [
+                *[t for t in targets if t not in ("gate_proj", "up_proj", "down_proj")],
+                "gate_up_proj",
+                "down_proj",
+            ]
         if mla:
             targets = MLA_LORA_TARGETS if mla["q_lora_rank"] else ["q_proj", *MLA_LORA_TARGETS[2:]]
             mla["head_dim"] = mla["qk_nope_head_dim"] + mla["qk_rope_head_dim"]
         elif text.get("head_dim"):
             mla["head_dim"] = int(text["head_dim"])
-        bias = bool(text.get("attention_bias", text.get("qkv_bias", reader in _BIAS_FAMILIES)))
         return ModelArch(
             key=key,
             hub_ids=[hub_id] if hub_id else [],
@@ -211,14 +186,16 @@ def arch_from_config(path: Path, *, key: str, hub_id: str | None = None) -> Mode
             intermediate_size=int(text["intermediate_size"]),
             vocab_size=int(text["vocab_size"]),
             tied_embeddings=bool(tied),
-            attention_bias=bias,
-            o_proj_bias=bias and reader == "gpt_oss",
+            **biases(text, traits),
+            fused_qkv=traits.fused_qkv,
+            fused_gate_up=traits.fused_gate_up,
             max_position_embeddings=int(text.get("max_position_embeddings") or 8192),
-            decoder_layer_class=layer_class or "DecoderLayer",
+            decoder_layer_class=traits.layer_class,
             lora_targets=targets,
             notes=f"derived from {path}",
-            qk_norm=reader in _QK_NORM_FAMILIES,
-            norms_per_layer=4 if reader in _SANDWICH_NORM_FAMILIES else 2,
+            qk_norm=bool(qk_norm),
+            qk_norm_per_head=qk_norm != "all",
+            norms_per_layer=traits.norms,
             **moe,
             **mla,
             **sliding_fields(text, reader=reader),
@@ -305,23 +282,40 @@ def mla_fields(text: dict) -> dict:
 
 
 # config.json keys a family's config class fills with its own defaults when they are absent
-_WINDOW_DEFAULT = {"mistral": 4096, "gemma2": 4096, "gemma3": 4096, "gemma3_text": 4096}
-_SOFTCAP_DEFAULT = {"gemma2": 50.0}
+_WINDOW_DEFAULT = {
+    "mistral": 4096,
+    "ministral": 4096,
+    "gemma2": 4096,
+    "gemma3": 4096,
+    "gemma3_text": 4096,
+    "vaultgemma": 4096,
+    "olmo3": 4096,
+    "exaone4": 4096,
+    "cohere2": 4096,
+    "cwm": 8192,
+}
+_SOFTCAP_DEFAULT = {"gemma2": 50.0, "vaultgemma": 50.0}
+# families whose attention applies sliding_window on every layer (the others only where layer_types says)
+_EVERY_LAYER_SLIDES = frozenset({"mistral", "ministral", "mixtral", "phi3", "qwen3_moe"})
+_PATTERN_DEFAULT = {"gemma3": 6, "gemma3_text": 6, "exaone4": 4, "cohere2": 4}
 _QWEN_WINDOWED = ("qwen2", "qwen2_moe", "qwen3", "qwen3_moe")
 
 
 def sliding_fields(text: dict, *, reader: str) -> dict:
     """sliding_window, sliding_layers and attn_logit_softcap as transformers' config class of the family
-    resolves them (an absent key takes the class default: MistralConfig and Gemma2/3's sliding_window
-    4096, Gemma2's attn_logit_softcapping 50.0; an explicit null is none). Which layers slide: the
-    config's layer_types when present, else the class's rule (Gemma-2 and GPT-OSS every other layer,
-    Gemma-3 all but every sliding_window_pattern-th (6), Qwen2/Qwen3 from max_window_layers on, Qwen2-MoE
-    every other layer below it, Mistral/Mixtral/Phi-3/Qwen3-MoE every layer)."""
+    resolves them (an absent key takes the class default: _WINDOW_DEFAULT, Gemma-2/VaultGemma's
+    attn_logit_softcapping 50.0; an explicit null is none). Which layers slide: the config's layer_types
+    when present, else the class's rule (Gemma-2, VaultGemma and GPT-OSS every other layer; Gemma-3,
+    EXAONE-4 and Cohere-2 all but every sliding_window_pattern-th (6, 4, 4); OLMo-3 all but every 4th;
+    CWM all but every 4th from the first; Qwen2/Qwen3 from max_window_layers on, Qwen2-MoE every other
+    layer below it; SmolLM3 its NoPE layers; Mistral/Ministral/Mixtral/Phi-3/Qwen3-MoE every layer)."""
     layers = int(text["num_hidden_layers"])
     softcap = text.get("attn_logit_softcapping", _SOFTCAP_DEFAULT.get(reader))
     out = {"attn_logit_softcap": float(softcap)} if softcap else {}
     if reader in _QWEN_WINDOWED:
         window = text.get("sliding_window", 4096) if text.get("use_sliding_window") else None
+    elif reader == "smollm3":  # also behind use_sliding_window, and no class default window
+        window = text.get("sliding_window") if text.get("use_sliding_window") else None
     else:
         window = text.get("sliding_window", _WINDOW_DEFAULT.get(reader))
     if not window:
@@ -330,16 +324,27 @@ def sliding_fields(text: dict, *, reader: str) -> dict:
         kinds = list(text["layer_types"])
     else:
         top = int(text.get("max_window_layers") or 28)
-        pattern = int(text.get("sliding_window_pattern") or text.get("_sliding_window_pattern") or 6)
+        pattern = text.get("sliding_window_pattern") or text.get("_sliding_window_pattern")
+        # EXAONE-4 may spell its pattern as letters ("LLLG": three local layers, then a global one)
+        pattern = len(pattern) if isinstance(pattern, str) else int(pattern or _PATTERN_DEFAULT.get(reader, 6))
+        # SmolLM3 slides on its NoPE layers: no_rope_layers[i] == 0, by default every 4th
+        every = int(text.get("no_rope_layer_interval") or 4)
+        rope = text.get("no_rope_layers") or [int((i + 1) % every != 0) for i in range(layers)]
         rule = {
+            "smollm3": lambda i: not rope[i],
             "gemma2": lambda i: (i + 1) % 2,
+            "vaultgemma": lambda i: (i + 1) % 2,
             "gpt_oss": lambda i: (i + 1) % 2,
             "gemma3": lambda i: (i + 1) % pattern,
             "gemma3_text": lambda i: (i + 1) % pattern,
+            "exaone4": lambda i: (i + 1) % pattern,
+            "cohere2": lambda i: (i + 1) % pattern,
+            "olmo3": lambda i: (i + 1) % 4,
+            "cwm": lambda i: i % 4,
             "qwen2": lambda i: i >= top,
             "qwen3": lambda i: i >= top,
             "qwen2_moe": lambda i: (i + 1) % 2 and i < top,
-        }.get(reader, lambda i: True)
+        }.get(reader, lambda i: reader in _EVERY_LAYER_SLIDES)
         kinds = ["sliding_attention" if rule(i) else "full_attention" for i in range(layers)]
     sliding = sum(1 for t in kinds if t == "sliding_attention")
     if sliding:

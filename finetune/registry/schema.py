@@ -51,6 +51,11 @@ class ModelArch(Strict):
     expert_bias: bool = Field(False, description="GPT-OSS: each expert's gate_up/down projections have biases")
     attention_sinks: bool = Field(False, description="GPT-OSS: one learned sink logit per head")
     o_proj_bias: bool = Field(False, description="the attention output projection has a bias (GPT-OSS)")
+    fused_qkv: bool = Field(False, description="q, k and v are one qkv_proj linear module (Phi-3)")
+    fused_gate_up: bool = Field(False, description="gate and up are one gate_up_proj linear module (Phi-3, GLM)")
+    mlp_bias: bool = Field(
+        False, description="the dense MLPs' (and shared experts') gate/up/down projections have biases (mlp_bias)"
+    )
     # Multi-head latent attention (DeepSeek-V2/V3); kv_lora_rank set means MLA
     q_lora_rank: int | None = Field(None, ge=1, description="MLA: query down-projection rank (None: full q_proj)")
     kv_lora_rank: int | None = Field(None, ge=1, description="MLA: key/value down-projection rank")
@@ -77,12 +82,17 @@ class ModelArch(Strict):
         description="an RMSNorm over each query and key head before RoPE (Qwen3, Gemma-3): its saved input "
         "adds to every layer's activations",
     )
+    qk_norm_per_head: bool = Field(
+        True,
+        description="the q/k norms' weights are one head wide (Qwen3, Gemma-3); False: they span all heads "
+        "(OLMo-2, Cohere)",
+    )
     norms_per_layer: int = Field(
         2,
         ge=1,
         le=4,
-        description="RMSNorms on each decoder layer's residual branches: 2 (pre-attention, pre-MLP), 4 with "
-        "Gemma-2/3's post-attention and post-MLP norms",
+        description="weighted norms on each decoder layer's residual branches: 2 (pre-attention, pre-MLP), 4 "
+        "with Gemma-2/3's post-attention and post-MLP norms, 1 where attention and MLP run in parallel (Cohere)",
     )
 
 

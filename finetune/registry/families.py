@@ -1,0 +1,127 @@
+"""The model_types the planner's config reader knows, and why it refuses the others.
+
+A family is readable when its decoder layers are what the memory and time model describes: q/k/v/o
+attention projections (or DeepSeek's latent attention), a gated MLP (gate, up, down) or fused routed
+experts, and weighted norms. What differs between such families and is not in config.json (the class
+defaults a config.json written by save_pretrained leaves out, the norms a layer has) is one row here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Family:
+    layer_class: str  # the decoder layer's class (FSDP's wrap unit)
+    # the config key that switches q/k/v biases on (the family's attention reads it), or a fixed answer
+    qkv_bias: str | bool = "attention_bias"
+    o_bias: str | bool = "attention_bias"  # the same for the attention output projection
+    mlp_bias: str | bool = False  # the same for gate/up/down
+    bias_default: bool = False  # the class default of the qkv_bias key (a config.json may leave it out)
+    qk_norm: str = ""  # "head": a norm one head wide on q and k (Qwen3); "all": over all heads (OLMo-2)
+    norms: int = 2  # weighted norms per decoder layer
+    tied: bool = False  # tie_word_embeddings' class default
+    fused_qkv: bool = False  # q, k and v are one qkv_proj module
+    fused_gate_up: bool = False  # gate and up are one gate_up_proj module
+
+
+_FIXED: dict[str, Any] = dict(
+    qkv_bias=False, o_bias=False
+)  # families whose attention has no biases whatever config.json says
+_LLAMA: dict[str, Any] = dict(mlp_bias="mlp_bias")  # Llama's attention_bias covers q/k/v and o; mlp_bias the MLP
+FAMILIES: dict[str, Family] = {
+    "llama": Family("LlamaDecoderLayer", **_LLAMA),
+    "mistral": Family("MistralDecoderLayer", **_FIXED),
+    "ministral": Family("MinistralDecoderLayer", **_FIXED),
+    "ministral3": Family("Ministral3DecoderLayer", **_FIXED),
+    "helium": Family("HeliumDecoderLayer", o_bias=False, mlp_bias="mlp_bias"),
+    "granite": Family("GraniteDecoderLayer", **_LLAMA),  # its multipliers scale activations, not shapes
+    "internlm3": Family("LlamaDecoderLayer", **_LLAMA),  # transformers builds these three as Llama
+    "exaone": Family("LlamaDecoderLayer", **_LLAMA),
+    "iquestcoder": Family("LlamaDecoderLayer", **_LLAMA),
+    "cwm": Family("CwmDecoderLayer", **_FIXED, mlp_bias="mlp_bias"),
+    "smollm3": Family("SmolLM3DecoderLayer", **_LLAMA, tied=True),
+    "seed_oss": Family("SeedOssDecoderLayer", o_bias="attention_out_bias", mlp_bias="mlp_bias", bias_default=True),
+    "qwen2": Family("Qwen2DecoderLayer", qkv_bias=True, o_bias=False),
+    "qwen3": Family("Qwen3DecoderLayer", qk_norm="head"),
+    "gemma": Family("GemmaDecoderLayer", tied=True),
+    "vaultgemma": Family("VaultGemmaDecoderLayer", tied=True),
+    "gemma2": Family("Gemma2DecoderLayer", norms=4, tied=True),
+    "gemma3": Family("Gemma3DecoderLayer", qk_norm="head", norms=4, tied=True),
+    "gemma3_text": Family("Gemma3DecoderLayer", qk_norm="head", norms=4, tied=True),
+    # post-norms only (after attention and after the MLP), q/k norms over all heads
+    "olmo2": Family("Olmo2DecoderLayer", qk_norm="all"),
+    "olmo3": Family("Olmo3DecoderLayer", qk_norm="all"),
+    "exaone4": Family("Exaone4DecoderLayer", **_FIXED, qk_norm="head"),
+    # attention and MLP in parallel from one norm; Cohere's optional q/k norms (use_qk_norm) span all heads
+    "cohere": Family("CohereDecoderLayer", norms=1, tied=True),
+    "cohere2": Family("Cohere2DecoderLayer", norms=1, tied=True),
+    "ernie4_5": Family("Ernie4_5DecoderLayer", qkv_bias="use_bias", o_bias="use_bias", mlp_bias="use_bias", tied=True),
+    "hunyuan_v1_dense": Family("HunYuanDenseV1DecoderLayer", qk_norm="head"),
+    # GLM and GLM-4: q/k/v biases by default, gate and up fused; GLM-4 adds post-norms on both branches
+    "glm": Family("GlmDecoderLayer", o_bias=False, bias_default=True, fused_gate_up=True),
+    "glm4": Family("Glm4DecoderLayer", o_bias=False, bias_default=True, fused_gate_up=True, norms=4),
+    "phi3": Family("Phi3DecoderLayer", **_FIXED, fused_qkv=True, fused_gate_up=True),
+    "mixtral": Family("MixtralDecoderLayer", **_FIXED),
+    "qwen2_moe": Family("Qwen2MoeDecoderLayer", qkv_bias="qkv_bias", o_bias=False, bias_default=True),
+    "qwen3_moe": Family("Qwen3MoeDecoderLayer", qk_norm="head"),
+    # DeepSeek's attention_bias covers q_a, kv_a and o (workload.count_params)
+    "deepseek_v2": Family("DeepseekV2DecoderLayer", o_bias=False, mlp_bias="mlp_bias"),
+    "deepseek_v3": Family("DeepseekV3DecoderLayer", o_bias=False),
+    "gpt_oss": Family("GptOssDecoderLayer", bias_default=True),
+}
+KNOWN_FAMILIES = frozenset(FAMILIES)
+
+
+def biases(text: dict, family: Family) -> dict:
+    """ModelArch's attention_bias, o_proj_bias and mlp_bias as the family's modules read config.json."""
+
+    def read(rule: str | bool, default: bool) -> bool:
+        return rule if isinstance(rule, bool) else bool(text.get(rule, default))
+
+    qkv = read(family.qkv_bias, family.bias_default)
+    same = family.o_bias == family.qkv_bias
+    return dict(
+        attention_bias=qkv,
+        o_proj_bias=qkv if same else read(family.o_bias, False),
+        mlp_bias=read(family.mlp_bias, False),
+    )
+
+
+# the text decoders of multimodal checkpoints the planner reads as text models: their vision tower is
+# loaded but not counted (the registry's gemma-3 entries say so)
+TEXT_OF_MULTIMODAL = frozenset({"gemma3"})
+
+# config.json keys and layer kinds of layers that are not attention: their state, memory and time
+# (recurrences, convolutions, linear attention) are nothing the planner models
+_RECURRENT_WORDS = ("mamba", "ssm", "conv", "linear_attn", "linear_attention", "recurrent", "rwkv", "lstm", "lru")
+_ENCODER_KEYS = ("type_vocab_size", "encoder_layers", "encoder_layerdrop")
+
+
+def refusal_reason(cfg: dict, text: dict, *, model_type: str) -> str:
+    """Why `model_type` is not read, as specifically as its config.json shows."""
+    kinds = {str(k) for k in text.get("layer_types") or [] if isinstance(k, str)}
+    odd = sorted(k for k in kinds if any(w in k for w in _RECURRENT_WORDS))
+    keys = sorted(k for k in text if any(w in k.lower() for w in _RECURRENT_WORDS) and text[k] not in (None, [], {}))
+    if odd or keys:
+        what = ", ".join(odd) if odd else ", ".join(keys[:3])
+        return (
+            f"it has recurrent, state-space or linear-attention layers ({what}) whose memory and time "
+            f"the planner does not model"
+        )
+    experts = sorted(k for k in text if any(w in k for w in ("expert", "moe")) and text[k] not in (None, 0, [], False))
+    if experts:
+        return (
+            f"its mixture-of-experts layers ({', '.join(experts[:3])}) follow a convention whose parameters "
+            f"and routed-expert memory the planner has not been checked against"
+        )
+    if cfg.get("is_encoder_decoder") or any(k in cfg for k in _ENCODER_KEYS):
+        return "it is an encoder or encoder-decoder model, not a decoder-only LM the planner models"
+    if cfg is not text and text.get("model_type") in KNOWN_FAMILIES:
+        return (
+            f"it wraps a {text['model_type']} text decoder with other towers (vision, audio) whose "
+            f"weights and activations the planner does not count"
+        )
+    return "its decoder layers are not a shape the planner's memory and time model describes"

@@ -1,0 +1,89 @@
+"""The config reader's family table and refusals, on plain config.json dicts (no torch): what each refusal
+says, and the class defaults a config.json written by save_pretrained leaves out. The counts themselves
+are checked against transformers' models in tests/unit/plan/test_arch_sweep.py."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from finetune.errors import RecipeError
+from finetune.recipe.schema import ModelSection
+from finetune.registry import resolve_model
+
+SHAPE = dict(hidden_size=64, num_hidden_layers=8, num_attention_heads=4, intermediate_size=96, vocab_size=512)
+
+
+def _read(tmp_path, config: dict):
+    folder = tmp_path / "model"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(config))
+    return resolve_model(ModelSection(name=str(folder)), base_dir=tmp_path)
+
+
+@pytest.mark.parametrize(
+    "config,words",
+    [
+        (
+            dict(SHAPE, model_type="jamba", mamba_d_conv=4, layer_types=["mamba", "attention"]),
+            "recurrent, state-space or linear-attention layers (mamba)",
+        ),
+        (dict(SHAPE, model_type="qwen3_next", layer_types=["linear_attention"] * 8), "(linear_attention)"),
+        (dict(SHAPE, model_type="bert", type_vocab_size=2), "an encoder or encoder-decoder model"),
+        (dict(SHAPE, model_type="olmoe", num_experts=64), "mixture-of-experts layers (num_experts)"),
+        # Mistral-Small-3.1: a Mistral text decoder under a Pixtral vision tower that would go uncounted
+        (
+            dict(model_type="mistral3", text_config=dict(SHAPE, model_type="mistral"), vision_config={}),
+            "wraps a mistral text decoder with other towers",
+        ),
+        (dict(SHAPE, model_type="gpt2"), "not a shape the planner's memory and time model describes"),
+    ],
+)
+def test_refusals_name_the_type_say_why_and_what_to_do(tmp_path, config, words):
+    with pytest.raises(RecipeError) as caught:
+        _read(tmp_path, config)
+    err = caught.value
+    assert f"model_type {config['model_type']!r} is not supported by the planner" in err.message
+    assert words in err.message
+    assert err.key == "model.name" and "set model.arch" in err.hint and "open an issue" in err.hint
+
+
+def test_gemma3_multimodal_is_read_as_its_text_decoder(tmp_path):
+    arch = _read(tmp_path, dict(model_type="gemma3", text_config=dict(SHAPE, model_type="gemma3_text")))
+    assert (arch.family, arch.norms_per_layer, arch.qk_norm, arch.tied_embeddings) == ("gemma3", 4, True, True)
+
+
+@pytest.mark.parametrize(
+    "config,expected",
+    [
+        # class defaults left out of config.json: Seed-OSS's q/k/v biases, SmolLM3's tying
+        (dict(model_type="seed_oss"), dict(attention_bias=True, o_proj_bias=False, tied_embeddings=False)),
+        (dict(model_type="smollm3"), dict(attention_bias=False, tied_embeddings=True)),
+        # Llama's attention_bias reaches o_proj; Qwen2's fixed q/k/v biases never do
+        (dict(model_type="llama", attention_bias=True), dict(attention_bias=True, o_proj_bias=True)),
+        (dict(model_type="qwen2", attention_bias=False), dict(attention_bias=True, o_proj_bias=False)),
+        # Mistral's attention has no biases whatever the config says; ERNIE-4.5's use_bias covers all
+        (dict(model_type="mistral", attention_bias=True), dict(attention_bias=False, o_proj_bias=False)),
+        (dict(model_type="ernie4_5", use_bias=True), dict(attention_bias=True, o_proj_bias=True, mlp_bias=True)),
+        # OLMo-2's q/k norms span all heads; Cohere's only with use_qk_norm, one norm per layer
+        (dict(model_type="olmo2"), dict(qk_norm=True, qk_norm_per_head=False, norms_per_layer=2)),
+        (dict(model_type="cohere", use_qk_norm=True), dict(qk_norm=True, qk_norm_per_head=False, norms_per_layer=1)),
+        (dict(model_type="glm4"), dict(fused_gate_up=True, fused_qkv=False, norms_per_layer=4)),
+        # EXAONE-4's pattern in letters: three local layers, then a global one
+        (
+            dict(model_type="exaone4", sliding_window=64, sliding_window_pattern="LLLG"),
+            dict(sliding_window=64, sliding_layers=6),
+        ),
+        # a family whose attention ignores sliding_window is not planned as sliding
+        (dict(model_type="granite", sliding_window=64), dict(sliding_window=None, sliding_layers=0)),
+    ],
+)
+def test_family_traits_and_class_defaults(tmp_path, config, expected):
+    arch = _read(tmp_path, dict(SHAPE, **config))
+    assert {k: getattr(arch, k) for k in expected} == expected
+
+
+def test_phi3_lora_targets_are_its_fused_modules(tmp_path):
+    arch = _read(tmp_path, dict(SHAPE, model_type="phi3"))
+    assert arch.lora_targets == ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"]
