@@ -48,7 +48,7 @@ def resolve_recipe(recipe: Recipe, plan: Plan, *, run_dir: Path, arch: ModelArch
     data["hardware"] = hardware
 
     data["model"]["attn_implementation"] = attention_implementation(recipe, preset, arch=arch)
-    data["train"]["liger"] = "on" if liger_enabled(recipe, preset) else "off"
+    data["train"]["liger"] = "on" if liger_enabled(recipe, preset, arch=arch) else "off"
     targets = list(arch.lora_targets)
     if recipe.adapter.type != "full" and recipe.adapter.target_modules is None:
         data["adapter"]["target_modules"] = targets

@@ -148,24 +148,32 @@ def attention_kind(implementation: str, *, packed: bool, arch=None) -> str:
     return "flash"
 
 
-def liger_enabled(recipe, preset) -> bool:
+def liger_enabled(recipe, preset, *, arch) -> bool:
     """train.liger: auto = on for NVIDIA GPUs when liger-kernel is installed where the run is compiled
     (the training machine for `finetune run`; a planning laptop without it plans without, which only
-    over-estimates memory). find_spec does not import it (planning stays torch-free)."""
+    over-estimates memory) and patches `arch`'s model type. find_spec does not import it (planning
+    stays torch-free)."""
     import importlib.util
+
+    from finetune.registry.families import LIGER_MODEL_TYPES
 
     choice = recipe.train.liger
     if choice == "on" and preset.vendor == "cpu":
-        from finetune.errors import RecipeError
-
         raise RecipeError(
             "Liger's kernels are Triton GPU kernels; this run is on CPU",
             key="train.liger",
             hint="set train.liger: auto (or off)",
         )
+    supported = arch.family in LIGER_MODEL_TYPES
+    if choice == "on" and not supported:
+        raise RecipeError(
+            f"Liger has no kernels for model type {arch.family}: the run would train without them",
+            key="train.liger",
+            hint="set train.liger: auto (or off)",
+        )
     if choice != "auto":
         return choice == "on"
-    return preset.vendor == "nvidia" and importlib.util.find_spec("liger_kernel") is not None
+    return supported and preset.vendor == "nvidia" and importlib.util.find_spec("liger_kernel") is not None
 
 
 # trainers that score tokens through TRL's chunked LM head; ORPO/CPO/KTO compute full logits (reward
@@ -199,7 +207,7 @@ def job_from_recipe(recipe, *, arch, preset) -> Job:
         dora=recipe.adapter.dora,
         modules_to_save=tuple(recipe.adapter.modules_to_save or ()) if adapter != "full" else (),
         cast_adapter_inputs=recipe.adapter.cast_adapter_inputs,
-        liger=liger_enabled(recipe, preset),
+        liger=liger_enabled(recipe, preset, arch=arch),
         double_quant=recipe.adapter.double_quant,
         weight_bytes=DTYPE_BYTES[recipe.model.dtype],
         int8_base=recipe.adapter.type == "lora" and recipe.adapter.load_in_8bit,

@@ -74,6 +74,36 @@ FAMILIES: dict[str, Family] = {
 }
 KNOWN_FAMILIES = frozenset(FAMILIES)
 
+# the model types Liger patches (liger-kernel 0.8.5's MODEL_TYPE_TO_APPLY_LIGER_FN, for the families above);
+# for any other the Trainer's use_liger_kernel changes nothing, so the planner must not count Liger's
+# smaller activations. tests/unit/registry/test_families.py checks this against an installed liger-kernel.
+LIGER_MODEL_TYPES = frozenset(
+    {
+        "deepseek_v2",
+        "deepseek_v3",
+        "exaone4",
+        "gemma",
+        "gemma2",
+        "gemma3",
+        "gemma3_text",
+        "glm4",
+        "gpt_oss",
+        "granite",
+        "hunyuan_v1_dense",
+        "llama",
+        "ministral",
+        "mistral",
+        "mixtral",
+        "olmo2",
+        "olmo3",
+        "phi3",
+        "qwen2",
+        "qwen3",
+        "qwen3_moe",
+        "smollm3",
+    }
+)
+
 
 def biases(text: dict, family: Family) -> dict:
     """ModelArch's attention_bias, o_proj_bias and mlp_bias as the family's modules read config.json."""

@@ -26,6 +26,7 @@ from finetune.plan.types import Plan
 from finetune.recipe import load_recipe
 from finetune.registry import get_model, resolve_model
 from finetune.registry.detect import parse_nvidia_smi, synthesize_preset
+from finetune.registry.families import LIGER_MODEL_TYPES
 from finetune.registry.schema import HardwarePreset
 
 # `nvidia-smi --query-gpu=name,memory.total --format=csv,noheader` on the measured cards
@@ -65,10 +66,15 @@ def resolved_recipe(row: dict):
         raw["data"].setdefault("example_tokens", row["example_tokens"])
     if row.get("arch"):
         raw["model"].update(name=row["arch"], arch=row["arch"])
+        family = get_model(row["arch"]).family
     elif row.get("model_config"):
         raw["model"].update(name=str(_model_dir(row)), arch=None)
+        family = row["model_config"].get("model_type")
     else:
         raise ValueError(f"row {row['name']!r} has `resolved` but neither `arch` nor `model_config`")
+    if raw["train"].get("liger") == "on" and family not in LIGER_MODEL_TYPES:
+        # compiled before the planner knew which model types Liger patches: the run trained without it
+        raw["train"]["liger"] = "off"
     return load_recipe(raw, allow_resolved=True)
 
 

@@ -71,7 +71,9 @@ SPEED_MISSES = {
     "43-qwen-moe-a2.7b-lora": (
         "MoE (60 experts, top-4): the small grouped expert GEMMs (~1,100 rows per expert) and the "
         "dispatch traffic (finetune/plan/moe_time.py) explain about half of the gap to the active "
-        "parameters' FLOPs at the dense rate; the rest is not identified without a profile"
+        "parameters' FLOPs at the dense rate; the rest is not identified without a profile. It trained "
+        "without Liger (liger-kernel does not patch qwen2_moe, though the run was compiled with it on), "
+        "as it is now planned"
     ),
     "51-gemma2-9b-lora": (
         "Gemma-2's soft-capped attention runs the model's eager attention: its passes over the "

@@ -7,7 +7,7 @@ import pytest
 from finetune.errors import RecipeError
 from finetune.plan import attention_implementation, attention_kind, liger_enabled
 from finetune.recipe import load_recipe
-from finetune.registry import get_preset
+from finetune.registry import get_model, get_preset
 
 
 def _recipe(**over):
@@ -34,13 +34,26 @@ def test_varlen_without_packing_is_planned_as_sdpa():
 
 
 def test_liger_switch():
-    gpu, cpu = get_preset("server-8xh100"), get_preset("cpu")
-    assert liger_enabled(_recipe(train={"liger": "on"}), gpu) is True
-    assert liger_enabled(_recipe(train={"liger": "off"}), gpu) is False
-    assert liger_enabled(_recipe(), cpu) is False
+    gpu, cpu, llama = get_preset("server-8xh100"), get_preset("cpu"), get_model("llama-3.1-8b")
+    assert liger_enabled(_recipe(train={"liger": "on"}), gpu, arch=llama) is True
+    assert liger_enabled(_recipe(train={"liger": "off"}), gpu, arch=llama) is False
+    assert liger_enabled(_recipe(), cpu, arch=llama) is False
     with pytest.raises(RecipeError) as err:
-        liger_enabled(_recipe(train={"liger": "on"}), cpu)
+        liger_enabled(_recipe(train={"liger": "on"}), cpu, arch=llama)
     assert err.value.key == "train.liger"
+
+
+def test_liger_is_planned_only_for_the_model_types_it_patches():
+    """For another model type the Trainer's use_liger_kernel changes nothing: auto plans without Liger's
+    smaller activations, and a pinned `on` is refused."""
+    gpu = get_preset("server-8xh100")
+    unpatched = get_model("llama-3.1-8b").model_copy(update={"family": "qwen2_moe"})
+    assert liger_enabled(_recipe(train={"liger": "off"}), gpu, arch=unpatched) is False
+    with pytest.raises(RecipeError, match="no kernels for model type qwen2_moe") as err:
+        liger_enabled(_recipe(train={"liger": "on"}), gpu, arch=unpatched)
+    assert err.value.key == "train.liger"
+    # auto: whatever liger-kernel's presence says for a patched type, never on for this one
+    assert liger_enabled(_recipe(), gpu, arch=unpatched) is False
 
 
 def test_yaml_bare_on_off_mean_the_words(tmp_path):

@@ -87,3 +87,15 @@ def test_family_traits_and_class_defaults(tmp_path, config, expected):
 def test_phi3_lora_targets_are_its_fused_modules(tmp_path):
     arch = _read(tmp_path, dict(SHAPE, model_type="phi3"))
     assert arch.lora_targets == ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"]
+
+
+def test_the_liger_model_types_are_the_ones_an_installed_liger_kernel_patches():
+    """LIGER_MODEL_TYPES agrees with liger-kernel's own dispatch table on every family the planner reads
+    (runs where liger-kernel is installed, e.g. the GPU environment of scripts/gpu_env.sh)."""
+    pytest.importorskip("liger_kernel")
+    from liger_kernel.transformers.monkey_patch import MODEL_TYPE_TO_APPLY_LIGER_FN
+
+    from finetune.registry.families import FAMILIES, LIGER_MODEL_TYPES
+
+    for family in FAMILIES:
+        assert (family in LIGER_MODEL_TYPES) == (family in MODEL_TYPE_TO_APPLY_LIGER_FN), family
