@@ -84,9 +84,10 @@ def check_model_files(recipe) -> None:
             key="model.name",
             hint="point model.name at a directory saved with save_pretrained, or a Hub id",
         )
-    for weights in sorted(model_dir.glob("*.safetensors")):
+    safetensors = sorted(model_dir.glob("*.safetensors"))
+    for weights in safetensors:
         check_safetensors(weights)
-    if recipe.model.init == "pretrained" and not any(model_dir.glob("*.safetensors")):
+    if recipe.model.init == "pretrained" and not safetensors:
         pickled = any(model_dir.glob("*.bin"))
         if pickled and not recipe.model.allow_pickle:
             raise RecipeError(

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any, get_args
 
 from finetune.peers import Conversion
-from finetune.recipe.aliases import lookup
+from finetune.recipe.aliases import checkpointing_setting, lookup
 from finetune.recipe.schema import METHOD_FORMATS, LoggingSection, TrainSection
 
 # transformers / bitsandbytes optimizer names -> ours
@@ -202,7 +202,10 @@ def shared_keys(conv: Conversion) -> None:
     values need more than a rename; run after the peer module, before the alias pass."""
     if conv.has("gradient_checkpointing") and "gradient_checkpointing" not in conv.used:
         value = conv.take("gradient_checkpointing")
-        conv.set("train.activation_checkpointing", "off" if value in (False, "false") else "on")
+        try:
+            conv.set("train.activation_checkpointing", checkpointing_setting(value))
+        except ValueError as exc:  # not a value the peers define: the planner decides
+            conv.drop("gradient_checkpointing", value, f"{exc}; the planner chooses (auto)", material=False)
         if str(value).lower() == "offload":
             conv.notes.append(
                 "gradient_checkpointing: offload read as activation checkpointing on; finetune keeps the "

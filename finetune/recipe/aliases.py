@@ -28,7 +28,8 @@ def _inverse(flag: Any) -> bool:
     return not bool(flag)
 
 
-def _on_off(flag: Any) -> str:
+def checkpointing_setting(flag: Any) -> str:
+    """A peer's gradient_checkpointing value as train.activation_checkpointing (on/off)."""
     # axolotl's "unsloth" and "offload" checkpoint too (offloading the saved activations, which finetune
     # does not: its checkpointing keeps them on the GPU)
     if flag in (True, "true", "unsloth", "offload", "offload_disk"):
@@ -94,8 +95,8 @@ ALIASES: dict[str, Alias] = {
     "load_best_model_at_end": Alias("train.load_best_model_at_end"),
     "cosine_min_lr_ratio": Alias("train.min_lr_ratio"),
     "min_lr_ratio": Alias("train.min_lr_ratio"),
-    "gradient_checkpointing": Alias("train.activation_checkpointing", _on_off),
-    "train.gradient_checkpointing": Alias("train.activation_checkpointing", _on_off),
+    "gradient_checkpointing": Alias("train.activation_checkpointing", checkpointing_setting),
+    "train.gradient_checkpointing": Alias("train.activation_checkpointing", checkpointing_setting),
     "bf16": Alias("train.precision", _precision),
     "fp16": Alias("train.precision", _fp16),
     "lora_r": Alias("adapter.r"),

@@ -199,6 +199,8 @@ def random_model(recipe: Recipe, auto, kwargs: dict):
     builds real weights, which accelerate then broadcasts shard by shard as it does loaded ones; the other
     ranks build empty (meta) parameters with real buffers. Under ZeRO-3 transformers builds the model inside
     deepspeed.zero.Init, each rank materialising its own partition."""
+    from contextlib import nullcontext
+
     import torch
     from accelerate import PartialState, init_empty_weights
     from transformers import AutoConfig
@@ -212,10 +214,9 @@ def random_model(recipe: Recipe, auto, kwargs: dict):
         config.num_labels = kwargs["num_labels"]
     build = {k: kwargs[k] for k in ("dtype", "attn_implementation", "trust_remote_code")}
     torch.manual_seed(recipe.train.seed)
-    if is_fsdp_enabled() and not PartialState().is_main_process:
-        with init_empty_weights():
-            return auto.from_config(config, **build)
-    return auto.from_config(config, **build)
+    empty = is_fsdp_enabled() and not PartialState().is_main_process
+    with init_empty_weights() if empty else nullcontext():
+        return auto.from_config(config, **build)
 
 
 def lora_config(recipe: Recipe):

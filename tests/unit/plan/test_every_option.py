@@ -17,16 +17,9 @@ from finetune.plan import plan_on
 from finetune.recipe import load_recipe
 from finetune.recipe.schema import Recipe
 from finetune.registry import get_model
-from finetune.registry.detect import parse_nvidia_smi, synthesize_preset
+from tests.helpers.calibration_rows import preset_for
 
-
-def _h100(n: int):
-    return synthesize_preset(
-        parse_nvidia_smi("\n".join(["NVIDIA H100 80GB HBM3, 81559 MiB"] * n)), ram_gib=1024, cpu_cores=64
-    )
-
-
-PRESETS = {1: _h100(1), 4: _h100(4)}
+PRESETS = {n: preset_for("NVIDIA H100 80GB HBM3", gpus_per_node=n) for n in (1, 4)}
 MODEL = {"name": "llama-3.1-8b", "arch": "llama-3.1-8b"}
 FIXED = {"global_batch_size": 8, "micro_batch_size": 2, "activation_checkpointing": "off", "max_steps": 10}
 # (GPUs, recipe): micro-batch and checkpointing pinned so a changed cost shows in the numbers
