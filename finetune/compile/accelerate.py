@@ -55,6 +55,10 @@ def accelerate_config(
     # next to a deepspeed_config_file ("will be ignored ... specify them in the DeepSpeed config").
     if cfg["distributed_type"] != "DEEPSPEED":
         cfg["mixed_precision"] = MIXED_PRECISION[recipe.train.precision]
+    if recipe.train.compile == "regions":
+        # exported by `accelerate launch` as ACCELERATE_DYNAMO_*; the Trainer's Accelerator reads them and
+        # compiles the repeated blocks (after FSDP2 wrapping / inside the DeepSpeed engine)
+        cfg["dynamo_config"] = {"dynamo_backend": "INDUCTOR", "dynamo_use_regional_compilation": True}
     cfg["num_processes"] = plan.world_size
     cfg["num_machines"] = plan.num_nodes
     cfg["machine_rank"] = 0  # placeholder: each node passes --machine_rank K

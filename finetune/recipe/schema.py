@@ -431,6 +431,15 @@ class TrainSection(Strict):
         "supported models on NVIDIA GPUs when liger-kernel is "
         "installed (the LM head is already fused by TRL)",
     )
+    compile: Literal["off", "regions"] = Field(
+        "off",
+        description=(
+            "regions: torch.compile each decoder layer (accelerate's regional compilation with the inductor "
+            "backend: one layer is compiled and its code reused by the others), which fuses the elementwise "
+            "work between the matmuls (residual adds, LoRA's scale-and-add); the first steps pay the "
+            "compilation. off: eager"
+        ),
+    )
     oom_retries: int = Field(
         2,
         ge=0,

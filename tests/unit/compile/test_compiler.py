@@ -176,9 +176,10 @@ def normalize(text: str, *, run_dir: Path, recipe_dir: Path) -> str:
     )
 
 
-def _compile_case(name: str, tmp_path: Path):
+def _compile_case(name: str, tmp_path: Path, *, train: dict | None = None):
     raw, model_key, preset_name, plan_kwargs = CASES[name]
     raw = json.loads(json.dumps(raw))
+    raw.setdefault("train", {}).update(train or {})
     if raw.pop("model_dtype", None):
         raw["model"]["dtype"] = "float16"
     raw["hardware"] = preset_name
@@ -407,6 +408,31 @@ def test_accelerate_reads_config_and_builds_plugins(name, tmp_path, monkeypatch)
         assert ds.zero_stage == stage and ds.zero3_init_flag is (stage == 3)
         assert ds.gradient_accumulation_steps == plan.gradient_accumulation_steps
         assert ds.zero3_save_16bit_model is (stage == 3)
+
+
+def _fresh(path: Path) -> Path:
+    path.mkdir(parents=True)
+    return path
+
+
+@pytest.mark.parametrize("name", ["llama8b-lora-workstation-1x4090", "llama70b-lora-server-8xh100-fsdp2"])
+def test_regional_compilation_reaches_the_ranks_accelerator(name, tmp_path, monkeypatch):
+    """train.compile: regions -> accelerate.yaml's dynamo_config -> the ACCELERATE_DYNAMO_* variables that
+    `accelerate launch` exports -> the TorchDynamoPlugin the Trainer builds (it passes no backend of its
+    own unless TrainingArguments.torch_compile is set, so the plugin reads them)."""
+    from accelerate.utils import DynamoBackend, TorchDynamoPlugin
+
+    for setting, backend in (("regions", DynamoBackend.INDUCTOR), ("off", DynamoBackend.NO)):
+        for var in [k for k in os.environ if k.startswith("ACCELERATE_DYNAMO_")]:
+            monkeypatch.delenv(var)
+        _, plan, spec, run_dir, _ = _compile_case(name, _fresh(tmp_path / setting), train={"compile": setting})
+        argv = spec.argv(node_rank=0, main_address="10.0.0.1", main_port=29999)
+        for key, value in _accelerate_env(run_dir, argv).items():
+            if key.startswith("ACCELERATE_DYNAMO_"):
+                monkeypatch.setenv(key, value)
+        dynamo = TorchDynamoPlugin(backend=None, mode=None, dynamic=None)  # as transformers' Trainer builds it
+        assert dynamo.backend == backend
+        assert dynamo.use_regional_compilation is (setting == "regions")
 
 
 def test_sbatch_partition_account_time_and_environment(tmp_path):
