@@ -104,13 +104,24 @@ def launch(
     argv = executable_argv(
         spec.argv(node_rank=rank, main_address=main_address, main_port=main_port, extra_args=list(extra_args))
     )
-    threads = host_threads(spec)
-    if threads is not None:
-        at = argv.index("--config_file")
-        argv[at:at] = ["--num_cpu_threads_per_process", str(threads)]
+    argv, env = with_host_threads(spec, argv, launch_env(spec))
     log_path = Path(spec.run_dir) / launch_log(rank)
     log_path.parent.mkdir(parents=True, exist_ok=True)
-    return _run(argv, env=launch_env(spec), log_path=log_path, stream=stream)
+    return _run(argv, env=env, log_path=log_path, stream=stream)
+
+
+def with_host_threads(spec: LaunchSpec, argv: list[str], env: dict[str, str]) -> tuple[list[str], dict[str, str]]:
+    """The launch's argv and environment with `host_threads` given to the ranks. accelerate turns
+    --num_cpu_threads_per_process into OMP_NUM_THREADS for its CPU and multi-GPU launches but not for
+    DeepSpeed's (torchrun then sets 1), so the variable is set for every launch as well."""
+    threads = host_threads(spec)
+    if threads is None:
+        return argv, env
+    at = argv.index("--config_file")
+    return [*argv[:at], "--num_cpu_threads_per_process", str(threads), *argv[at:]], {
+        **env,
+        "OMP_NUM_THREADS": str(threads),
+    }
 
 
 def host_threads(spec: LaunchSpec) -> int | None:

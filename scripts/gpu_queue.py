@@ -11,10 +11,13 @@ STATE.
 
     python scripts/gpu_queue.py scripts/gpu_session.yaml --results /tmp/results --budget 1500
 
-The jobs file: `jobs:` a list of {name, gpus, cmd, est_s, after: [names], env: {..}, uses: [paths]}, and
+The jobs file: `jobs:` a list of {name, gpus, cmd, est_s, after: [names], env: {..}, uses: [paths],
+exclusive: true|false}, and
 `scratch:` a list of folders. `{results}` in cmd is replaced by the results folder. A path a job `uses`
 inside a scratch folder (e.g. a model written to /dev/shm) is deleted when the last job using it ends,
-so the RAM-backed disk holds only the models still needed.
+so the RAM-backed disk holds only the models still needed. An `exclusive` job runs alone on the machine:
+the offload tiers' step time is the host's memory bandwidth and cores, which a job beside it (writing a
+70B checkpoint, tokenizing) takes a share of.
 """
 
 from __future__ import annotations
@@ -96,6 +99,8 @@ def main() -> None:
     def head_start_time(head: dict) -> float:
         """When the waiting head job's GPUs are expected free, from the running jobs' estimates."""
         now = time.time() - t0
+        if head.get("exclusive"):  # it waits for every running job
+            return max([now, *(j["started_s"] + j["est_s"] for j in running.values())])
         avail, ends = len(free), sorted((j["started_s"] + j["est_s"], len(j["gpus_used"])) for j in running.values())
         for end, n in ends:
             if avail >= head.get("gpus", 1):
@@ -147,6 +152,9 @@ def main() -> None:
             for job in list(waiting):
                 if not ready(job) or time.time() - t0 + job["est_s"] > args.budget:
                     continue  # waits for its inputs, or would not end within the budget
+                if running and (job.get("exclusive") or any(j.get("exclusive") for j in running.values())):
+                    head_blocked_at = head_blocked_at or head_start_time(job)
+                    continue  # an exclusive job (host-bound timing) shares the host with nothing
                 fits = job.get("gpus", 1) <= len(free)
                 if head_blocked_at is None:
                     if fits:
@@ -183,6 +191,7 @@ def expand(job: dict, spec: dict, matrix: dict[str, dict]) -> dict:
         "name": name,
         "gpus": entry["gpus"],
         "est_s": entry["est_s"],
+        "exclusive": bool(entry.get("exclusive", False)),
         "env": env,
         "uses": uses,
         "cmd": (f"python3 scripts/gpu_validate.py {name} --matrix {spec['matrix']} --out {{results}}/rows/{name}.json"),

@@ -63,7 +63,6 @@ IGNORED = {
         "lora_fan_in_fan_out",
         "tokenizer_use_fast",
         "tokenizer_legacy",
-        "torch_compile",
         "unsloth_cross_entropy_loss",
         "experimental_skip_move_to_device",
         "skip_prepare_dataset",

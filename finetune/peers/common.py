@@ -211,6 +211,13 @@ def shared_keys(conv: Conversion) -> None:
                 "gradient_checkpointing: offload read as activation checkpointing on; finetune keeps the "
                 "checkpointed activations on the GPU (the planner counts them)"
             )
+    if conv.has("torch_compile") and "torch_compile" not in conv.used:
+        if conv.take("torch_compile") is True:
+            conv.set("train.compile", "regions")
+            conv.notes.append(
+                "torch_compile: true read as train.compile: regions (each decoder layer compiled, not the whole "
+                "model); docs/benchmarks.md has what it measured"
+            )
     steps = conv.raw.get("max_steps")
     if isinstance(steps, (int, float)) and steps <= 0:
         conv.used.add("max_steps")  # transformers' -1: no step limit, the epochs decide

@@ -39,7 +39,6 @@ IGNORED = {
         "preprocessing_num_workers",
         "bnb_4bit_quant_storage",
         "ignore_bias_buffers",
-        "torch_compile",
         "tf32",
         "save_safetensors",
         "padding_free",

@@ -22,10 +22,14 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from finetune.plan.choose import HEADROOM, batch_share, micro_batch_options
-from finetune.plan.memory import FRAGMENTATION, footprint
+from finetune.plan.memory import CUDA_FIXED_BYTES, FRAGMENTATION, NCCL_BYTES, footprint
 from finetune.plan.timing import step_time
 from finetune.plan.types import GIB
 from finetune.plan.workload import Job
+
+# device memory outside a rank's allocator beyond its own CUDA context and NCCL buffers (and a margin):
+# another process holds it, and no micro-batch or checkpointing setting of this run is the fix
+SHARED_DEVICE_BYTES = CUDA_FIXED_BYTES + NCCL_BYTES + 2 * GIB
 
 
 @dataclass(frozen=True)
@@ -41,6 +45,7 @@ class OomEvidence:
     baseline_bytes: float = 0.0  # held when training began (the same kind as peak_bytes; 0: unknown)
     peak_kind: str = "max reserved"
     before_training: bool = False  # it failed loading or wrapping the model, before the first step
+    other_bytes: float = 0.0  # device memory held outside the rank's allocator (other processes, its context)
 
     @property
     def demand_bytes(self) -> float:
@@ -59,6 +64,7 @@ class OomEvidence:
             baseline_bytes=float(record.get("baseline_bytes") or 0.0),
             peak_kind=str(record.get("peak_kind", "max reserved")),
             before_training=bool(record.get("before_training", False)),
+            other_bytes=float(record.get("other_bytes") or 0.0),
         )
 
 
@@ -98,6 +104,20 @@ def replan(job: Job, *, strategy: str, evidence: list[OomEvidence], tried: tuple
     if not evidence:
         raise ValueError("replan needs at least one out-of-memory record")
     worst = max(evidence, key=lambda e: e.demand_bytes / max(e.capacity_bytes, 1.0))
+    shared = [e for e in evidence if e.other_bytes > SHARED_DEVICE_BYTES]
+    if shared:  # the card was not the run's alone: no setting of this run is the fix
+        e = shared[0]
+        return Replan(
+            None,
+            None,
+            None,
+            1.0,
+            e.demand_bytes,
+            HEADROOM * e.capacity_bytes,
+            f"rank {e.rank}'s GPU was shared: other processes held {e.other_bytes / GIB:.2f} GiB of its "
+            f"{e.capacity_bytes / GIB:.2f} GiB when it ran out (this run held {e.peak_bytes / GIB:.2f} GiB); "
+            f"free the GPU (`nvidia-smi` lists its processes) and run again",
+        )
     if any(e.before_training for e in evidence):
         early = next(e for e in evidence if e.before_training)
         return Replan(

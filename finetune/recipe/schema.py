@@ -435,9 +435,9 @@ class TrainSection(Strict):
         "off",
         description=(
             "regions: torch.compile each decoder layer (accelerate's regional compilation with the inductor "
-            "backend: one layer is compiled and its code reused by the others), which fuses the elementwise "
-            "work between the matmuls (residual adds, LoRA's scale-and-add); the first steps pay the "
-            "compilation. off: eager"
+            "backend: one layer is compiled and its code reused by the others), to fuse the elementwise "
+            "work between the matmuls; the first steps pay the compilation, and on 8B LoRA with packed rows "
+            "it measured slower than eager (docs/benchmarks.md). off: eager"
         ),
     )
     oom_retries: int = Field(

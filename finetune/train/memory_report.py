@@ -18,8 +18,7 @@ from pathlib import Path
 from transformers import TrainerCallback
 
 from finetune import rundir
-
-GIB = 2**30
+from finetune.plan.types import GIB
 
 
 def _proc_field(path: str, key: str) -> int | None:

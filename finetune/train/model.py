@@ -199,10 +199,8 @@ def random_model(recipe: Recipe, auto, kwargs: dict):
     builds real weights, which accelerate then broadcasts shard by shard as it does loaded ones; the other
     ranks build empty (meta) parameters with real buffers. Under ZeRO-3 transformers builds the model inside
     deepspeed.zero.Init, each rank materialising its own partition."""
-    from contextlib import nullcontext
-
     import torch
-    from accelerate import PartialState, init_empty_weights
+    from accelerate import PartialState
     from transformers import AutoConfig
     from transformers.integrations import is_fsdp_enabled
 
@@ -214,9 +212,23 @@ def random_model(recipe: Recipe, auto, kwargs: dict):
         config.num_labels = kwargs["num_labels"]
     build = {k: kwargs[k] for k in ("dtype", "attn_implementation", "trust_remote_code")}
     torch.manual_seed(recipe.train.seed)
-    empty = is_fsdp_enabled() and not PartialState().is_main_process
+    return build_from_config(auto, config, build, empty=is_fsdp_enabled() and not PartialState().is_main_process)
+
+
+def build_from_config(auto, config, build: dict, *, empty: bool):
+    """`auto.from_config`, with meta parameters when `empty`. Under init_empty_weights transformers does not
+    tie the input and output embeddings (lm_head gets a meta parameter of its own), while the main rank's
+    real build and from_pretrained tie them; accelerate's FSDP2 wrapping then finds lm_head.weight on one
+    rank and not on another and fails, so the empty build is tied here as from_pretrained would."""
+    from contextlib import nullcontext
+
+    from accelerate import init_empty_weights
+
     with init_empty_weights() if empty else nullcontext():
-        return auto.from_config(config, **build)
+        model = auto.from_config(config, **build)
+    if empty:
+        model.tie_weights()
+    return model
 
 
 def lora_config(recipe: Recipe):

@@ -91,8 +91,12 @@ def measured() -> dict:
     import torch
 
     if _on_cuda():
+        from finetune.train.occupancy import others_bytes
+
         index = torch.cuda.current_device()
+        free, total = torch.cuda.mem_get_info(index)
         return {
+            "other_bytes": others_bytes(free, total, torch.cuda.memory_reserved(index)),
             "peak_kind": "max reserved",
             "peak_bytes": float(torch.cuda.max_memory_reserved(index)),
             "peak_allocated_bytes": float(torch.cuda.max_memory_allocated(index)),

@@ -131,6 +131,7 @@ def _setup(recipe, *, state, run_dir: Path, resume: str) -> _Session:
     from finetune.trackers import apply_tracker_env, check_trackers
     from finetune.train import taskeval
     from finetune.train.model import load_model, load_tokenizer
+    from finetune.train.occupancy import check_device_free
     from finetune.train.preflight import prepare_data
     from finetune.train.trainers import training_args
 
@@ -156,6 +157,7 @@ def _setup(recipe, *, state, run_dir: Path, resume: str) -> _Session:
     # the eval before training runs inside train(), after the model is wrapped: FSDP2 cannot wrap a model
     # for an evaluate() called first (accelerate needs the model and optimizer prepared together)
     args.eval_on_start = data.eval is not None and resume_from is None
+    check_device_free(recipe)  # another process on this GPU would look like a planning error
     loading = time.perf_counter()
     model = load_model(recipe)
     load_s = time.perf_counter() - loading

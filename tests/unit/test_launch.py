@@ -7,7 +7,7 @@ import os
 import pytest
 
 from finetune.compile.spec import LaunchSpec
-from finetune.launch import cpu_threads_per_process, host_threads
+from finetune.launch import cpu_threads_per_process, host_threads, with_host_threads
 from finetune.plan.offload_time import host_threads_per_rank
 from finetune.registry import get_preset
 
@@ -55,3 +55,15 @@ def test_the_planner_assumes_the_split_the_launcher_makes():
     server = get_preset("server-8xh100")
     assert host_threads_per_rank(server, "zero3-offload") == server.host_cpu_cores // 8
     assert host_threads_per_rank(server, "fsdp2") == 1
+
+
+@pytest.mark.parametrize("strategy", ["zero3-optim-offload", "fsdp2-offload"])
+def test_the_host_threads_reach_deepspeeds_ranks_too(monkeypatch, strategy):
+    """accelerate's DeepSpeed launch copies the environment but ignores --num_cpu_threads_per_process (a
+    zero3-optim-offload row ran on one thread per rank): the launch sets OMP_NUM_THREADS itself."""
+    monkeypatch.setenv("OMP_NUM_THREADS", "6")
+    argv = ["python", "-m", "accelerate.commands.launch", "--config_file", "run/accelerate.yaml", "-m", "x"]
+    out, env = with_host_threads(_spec(strategy), argv, {"PATH": "/bin"})
+    assert out[out.index("--num_cpu_threads_per_process") + 1] == "6" and env["OMP_NUM_THREADS"] == "6"
+    assert out[out.index("--config_file") + 1] == "run/accelerate.yaml" and env["PATH"] == "/bin"
+    assert with_host_threads(_spec("fsdp2"), argv, {"PATH": "/bin"}) == (argv, {"PATH": "/bin"})

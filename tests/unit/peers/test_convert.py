@@ -151,3 +151,16 @@ def test_python_api_returns_the_conversion(tmp_path):
 def test_a_missing_config_is_a_clear_error(tmp_path, source, capsys):
     assert main(["convert", str(tmp_path / "nope.yaml"), "--from", source, "-o", str(tmp_path / "r.yaml")]) == 2
     assert "nope.yaml" in capsys.readouterr().err and not (tmp_path / "r.yaml").exists()
+
+
+@pytest.mark.parametrize("source", ["axolotl", "trl"])
+@pytest.mark.parametrize("value", [True, False])
+def test_torch_compile_becomes_regional_compilation(tmp_path, source, value):
+    from finetune import convert
+
+    config = tmp_path / "config.yaml"
+    base = {"base_model": "Qwen/Qwen2.5-0.5B"} if source == "axolotl" else {"model_name_or_path": "Qwen/Qwen2.5-0.5B"}
+    config.write_text(yaml.safe_dump({**base, "torch_compile": value}))
+    conv = convert(config, source=source, method="sft" if source == "trl" else None)
+    assert conv.recipe.get("train", {}).get("compile") == ("regions" if value else None)
+    assert "torch_compile" not in {d.key for d in conv.dropped}

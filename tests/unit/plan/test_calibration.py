@@ -92,6 +92,20 @@ SPEED_MISSES = {
         "~2 s a step beyond the modelled CPUAdam and PCIe traffic; row 24 (parameters offloaded too, 8B) "
         "holds with the same CPUAdam model"
     ),
+    "60-llama3b-full-fsdp2-offload": (
+        "FSDP2 CPU offload, full 3B on 2 H200s, 32 host threads per rank (finetune's launcher split the "
+        "cores): 5.2 s a step against 1.1 s planned, though 2.4x faster than row 52's one thread. It shared the "
+        "host with a 70B checkpoint being written (141 GB) and the 8B benchmark (scripts/gpu_queue.py packed "
+        "them side by side; offload runs are now `exclusive`), so the host's memory bandwidth it got is not "
+        "known; rows 52 and 60 together say torch's CPU AdamW and clipping reach ~5 GB/s on one thread and "
+        "~13 GB/s on 32 per rank, where the model assumes 20 GB/s a thread up to 100 GB/s a rank"
+    ),
+    "61-llama3b-full-zero3-optim-offload": (
+        "ZeRO-3 optimizer-only offload, full 3B on 2 H200s with ONE host thread per rank: accelerate's "
+        "DeepSpeed launch ignores --num_cpu_threads_per_process and torchrun sets OMP_NUM_THREADS=1 (the "
+        "launcher now sets the variable itself); it also shared the host with the 8B benchmark and a "
+        "random-init build. The same run on an H100 host alone took 5.6 s a step (row 54), here 8.4 s"
+    ),
 }
 MEMORY_MISSES = {
     "50-dpo70b": (

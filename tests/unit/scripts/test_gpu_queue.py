@@ -67,3 +67,20 @@ def test_jobs_share_the_gpus_wait_for_inputs_and_respect_the_budget(tmp_path):
     assert logs.joinpath("all.log").read_text().splitlines()[-1] == "0,1,2,3"
     assert logs.joinpath("cpu.log").read_text().splitlines()[-1] == "cpu:"  # a CPU job sees no GPU
     assert not used.exists()  # its last user ended: the scratch copy is gone
+
+
+def test_an_exclusive_job_runs_alone(tmp_path):
+    """Host-bound timings (the offload tiers) are measured with nothing else on the machine."""
+    state = _queue(
+        tmp_path,
+        [
+            {"name": "before", "gpus": 1, "est_s": 2, "cmd": "sleep 1"},
+            {"name": "alone", "gpus": 2, "est_s": 2, "exclusive": True, "cmd": "sleep 1"},
+            {"name": "after", "gpus": 1, "est_s": 1, "cmd": "true"},
+        ],
+        budget=30,
+        gpus=4,
+    )
+    done, alone = state["done"], state["done"]["alone"]
+    for other in ("before", "after"):  # "after" may backfill before it, never beside it
+        assert done[other]["ended_s"] <= alone["started_s"] or done[other]["started_s"] >= alone["ended_s"]

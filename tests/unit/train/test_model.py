@@ -65,3 +65,20 @@ def test_remote_code_does_not_run_unless_trusted(tmp_path):
     model = load_model(_resolved(tmp_path, model_dir, trust_remote_code=True))
     assert type(model).__name__ == "EvilForCausalLM"
     assert (tmp_path / "remote-code-ran").exists()
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_empty_random_build_has_the_main_ranks_parameters(tied):
+    """model.init: random under FSDP: the non-main ranks' meta build must list the same parameters as the
+    main rank's real one (accelerate maps them by name after fully_shard), tied embeddings included."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from finetune.tiny import MODEL_SHAPE
+    from finetune.train.model import build_from_config
+
+    config = LlamaConfig(**MODEL_SHAPE, vocab_size=64, tie_word_embeddings=tied)
+    real = build_from_config(AutoModelForCausalLM, config, {}, empty=False)
+    empty = build_from_config(AutoModelForCausalLM, config, {}, empty=True)
+    assert [n for n, _ in empty.named_parameters()] == [n for n, _ in real.named_parameters()]
+    assert all(p.is_meta for p in empty.parameters())
+    assert (empty.lm_head.weight is empty.model.embed_tokens.weight) is tied

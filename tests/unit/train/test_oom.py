@@ -107,6 +107,32 @@ def test_a_failure_before_the_first_step_is_not_retried():
     assert out.micro_batch is None and "before the first step" in out.text
 
 
+def test_a_gpu_shared_with_another_process_is_not_replanned():
+    """The 70B QLoRA run that met a finishing job's 85 GiB on its GPU: the record's other_bytes says the card
+    was not the run's alone, so no smaller setting is proposed; a rank's own context is not counted as that."""
+    from finetune.plan.replan import SHARED_DEVICE_BYTES
+
+    job = _job(micro_batch_size=4)
+    shared = replace(_evidence(micro_batch=4), rank=1, other_bytes=85.25 * GIB)
+    out = replan(job, strategy="ddp", evidence=[_evidence(micro_batch=4), shared])
+    assert out.micro_batch is None
+    assert out.text.startswith("rank 1's GPU was shared: other processes held 85.25 GiB")
+    own_context = replace(_evidence(micro_batch=4), other_bytes=SHARED_DEVICE_BYTES - 0.1 * GIB)
+    assert replan(job, strategy="ddp", evidence=[own_context]).micro_batch is not None
+
+
+def test_the_device_check_fails_only_when_others_take_what_the_plan_needs():
+    from finetune.train.occupancy import others_bytes, shortfall
+
+    total = 139.8 * GIB
+    assert not shortfall(free=139.3 * GIB, total=total, planned=125.4 * GIB)  # only this rank's context
+    assert shortfall(free=54.0 * GIB, total=total, planned=125.4 * GIB)  # another run holds 85 GiB
+    assert not shortfall(free=54.0 * GIB, total=total, planned=50.0 * GIB)  # shared, but there is room
+    # planned for a bigger card than this one: running out re-plans it; this check does not refuse it
+    assert not shortfall(free=70.0 * GIB, total=79.1 * GIB, planned=125.4 * GIB)
+    assert others_bytes(54.0 * GIB, total, 0.5 * GIB) == pytest.approx(85.3 * GIB)
+
+
 def test_the_worst_rank_decides():
     job = _job(micro_batch_size=4)
     mild = _evidence(micro_batch=4)
