@@ -158,6 +158,10 @@ def resolve_model(model_section, *, base_dir: str | Path | None = None) -> Model
 def get_preset(name_or_path: str, *, base_dir: str | Path | None = None) -> HardwarePreset:
     """A preset by name, `auto` (detect the local GPUs), or a path to a user's preset YAML file."""
     presets = _presets()
+    if name_or_path == "cpu":  # the host's CPU: its peak follows the cores this process has
+        from finetune.registry.detect import on_cores, usable_cores
+
+        return on_cores(presets["cpu"], usable_cores())
     if name_or_path in presets:
         return presets[name_or_path]
     if name_or_path == "auto":

@@ -137,7 +137,7 @@ def synthesize_preset(
     from finetune.registry import get_preset
 
     if not gpus:
-        cpu = get_preset("cpu")
+        cpu = on_cores(get_preset("cpu"), cpu_cores)
         usable = max(1.0, round(ram_gib * 0.8, 1))
         return cpu.model_copy(update={"name": "cpu", "gpu_memory_gib": usable, "host_ram_gib": round(ram_gib, 1)})
     name, mem = gpus[0]
@@ -186,4 +186,24 @@ def synthesize_preset(
 
 
 def detect_preset() -> HardwarePreset:
-    return synthesize_preset(query_gpus(), ram_gib=host_ram_gib(), nvme=_nvme_path(), cpu_cores=os.cpu_count())
+    return synthesize_preset(query_gpus(), ram_gib=host_ram_gib(), nvme=_nvme_path(), cpu_cores=usable_cores())
+
+
+# fp32 FLOPs one core can issue per second: two 8-lane AVX2 FMA units (32 FLOP a cycle) at ~3 GHz. A peak, as
+# the GPU presets' are; what a training step reaches of it is the planner's CPU efficiency.
+CPU_FLOPS_PER_CORE = 96e9
+
+
+def usable_cores() -> int:
+    """The cores this process may run on (a container's or taskset's share, not the host's count)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def on_cores(cpu: HardwarePreset, cores: int | None) -> HardwarePreset:
+    """The CPU preset for a host of `cores` cores: their peak, not a workstation's."""
+    if not cores:
+        return cpu
+    return cpu.model_copy(update={"host_cpu_cores": cores, "peak_bf16_tflops": cores * CPU_FLOPS_PER_CORE / 1e12})
