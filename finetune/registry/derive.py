@@ -16,7 +16,14 @@ from pydantic import ValidationError
 
 from finetune.errors import RecipeError
 from finetune.recipe.paths import anchored
-from finetune.registry.families import FAMILIES, KNOWN_FAMILIES, TEXT_OF_MULTIMODAL, biases, refusal_reason
+from finetune.registry.families import (
+    FAMILIES,
+    KNOWN_FAMILIES,
+    TEXT_OF_MULTIMODAL,
+    Family,
+    biases,
+    refusal_reason,
+)
 from finetune.registry.schema import ModelArch
 
 DEFAULT_LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -198,7 +205,7 @@ def arch_from_config(path: Path, *, key: str, hub_id: str | None = None) -> Mode
             norms_per_layer=traits.norms,
             **moe,
             **mla,
-            **sliding_fields(text, reader=reader),
+            **sliding_fields(text, family=traits),
         )
     except (ValidationError, TypeError, ValueError) as exc:
         raise RecipeError(
@@ -282,71 +289,43 @@ def mla_fields(text: dict) -> dict:
 
 
 # config.json keys a family's config class fills with its own defaults when they are absent
-_WINDOW_DEFAULT = {
-    "mistral": 4096,
-    "ministral": 4096,
-    "gemma2": 4096,
-    "gemma3": 4096,
-    "gemma3_text": 4096,
-    "vaultgemma": 4096,
-    "olmo3": 4096,
-    "exaone4": 4096,
-    "cohere2": 4096,
-    "cwm": 8192,
-}
-_SOFTCAP_DEFAULT = {"gemma2": 50.0, "vaultgemma": 50.0}
-# families whose attention applies sliding_window on every layer (the others only where layer_types says)
-_EVERY_LAYER_SLIDES = frozenset({"mistral", "ministral", "mixtral", "phi3", "qwen3_moe"})
-_PATTERN_DEFAULT = {"gemma3": 6, "gemma3_text": 6, "exaone4": 4, "cohere2": 4}
-_QWEN_WINDOWED = ("qwen2", "qwen2_moe", "qwen3", "qwen3_moe")
-
-
-def sliding_fields(text: dict, *, reader: str) -> dict:
+def sliding_fields(text: dict, *, family: Family) -> dict:
     """sliding_window, sliding_layers and attn_logit_softcap as transformers' config class of the family
-    resolves them (an absent key takes the class default: _WINDOW_DEFAULT, Gemma-2/VaultGemma's
-    attn_logit_softcapping 50.0; an explicit null is none). Which layers slide: the config's layer_types
-    when present, else the class's rule (Gemma-2, VaultGemma and GPT-OSS every other layer; Gemma-3,
-    EXAONE-4 and Cohere-2 all but every sliding_window_pattern-th (6, 4, 4); OLMo-3 all but every 4th;
-    CWM all but every 4th from the first; Qwen2/Qwen3 from max_window_layers on, Qwen2-MoE every other
-    layer below it; SmolLM3 its NoPE layers; Mistral/Ministral/Mixtral/Phi-3/Qwen3-MoE every layer)."""
+    resolves them: an absent key takes the class default (Family.window, Family.softcap), an explicit null
+    is none, and a family with Family.window_switch applies the window only under use_sliding_window.
+    Which layers slide: the config's layer_types when present, else the class's rule (Family.slides)."""
     layers = int(text["num_hidden_layers"])
-    softcap = text.get("attn_logit_softcapping", _SOFTCAP_DEFAULT.get(reader))
+    softcap = text.get("attn_logit_softcapping", family.softcap)
     out = {"attn_logit_softcap": float(softcap)} if softcap else {}
-    if reader in _QWEN_WINDOWED:
-        window = text.get("sliding_window", 4096) if text.get("use_sliding_window") else None
-    elif reader == "smollm3":  # also behind use_sliding_window, and no class default window
-        window = text.get("sliding_window") if text.get("use_sliding_window") else None
-    else:
-        window = text.get("sliding_window", _WINDOW_DEFAULT.get(reader))
+    window = text.get("sliding_window", family.window)
+    if family.window_switch and not text.get("use_sliding_window"):
+        window = None
     if not window:
         return out
     if text.get("layer_types"):
         kinds = list(text["layer_types"])
     else:
-        top = int(text.get("max_window_layers") or 28)
-        pattern = text.get("sliding_window_pattern") or text.get("_sliding_window_pattern")
-        # EXAONE-4 may spell its pattern as letters ("LLLG": three local layers, then a global one)
-        pattern = len(pattern) if isinstance(pattern, str) else int(pattern or _PATTERN_DEFAULT.get(reader, 6))
-        # SmolLM3 slides on its NoPE layers: no_rope_layers[i] == 0, by default every 4th
-        every = int(text.get("no_rope_layer_interval") or 4)
-        rope = text.get("no_rope_layers") or [int((i + 1) % every != 0) for i in range(layers)]
-        rule = {
-            "smollm3": lambda i: not rope[i],
-            "gemma2": lambda i: (i + 1) % 2,
-            "vaultgemma": lambda i: (i + 1) % 2,
-            "gpt_oss": lambda i: (i + 1) % 2,
-            "gemma3": lambda i: (i + 1) % pattern,
-            "gemma3_text": lambda i: (i + 1) % pattern,
-            "exaone4": lambda i: (i + 1) % pattern,
-            "cohere2": lambda i: (i + 1) % pattern,
-            "olmo3": lambda i: (i + 1) % 4,
-            "cwm": lambda i: i % 4,
-            "qwen2": lambda i: i >= top,
-            "qwen3": lambda i: i >= top,
-            "qwen2_moe": lambda i: (i + 1) % 2 and i < top,
-        }.get(reader, lambda i: reader in _EVERY_LAYER_SLIDES)
-        kinds = ["sliding_attention" if rule(i) else "full_attention" for i in range(layers)]
+        kinds = ["sliding_attention" if _slides(text, family, i, layers) else "full_attention" for i in range(layers)]
     sliding = sum(1 for t in kinds if t == "sliding_attention")
     if sliding:
         out.update(sliding_window=int(window), sliding_layers=sliding)
     return out
+
+
+def _slides(text: dict, family: Family, i: int, layers: int) -> bool:
+    """Whether layer i applies the window, by the family's rule (Family.slides) and config.json's keys."""
+    rule = family.slides
+    if rule == "pattern":
+        pattern = text.get("sliding_window_pattern") or text.get("_sliding_window_pattern")
+        # EXAONE-4 may spell its pattern as letters ("LLLG": three local layers, then a global one)
+        pattern = len(pattern) if isinstance(pattern, str) else int(pattern or family.pattern)
+        return bool((i + 1) % pattern)
+    if rule in ("qwen", "qwen_moe"):
+        top = int(text.get("max_window_layers") or 28)
+        return i >= top if rule == "qwen" else bool((i + 1) % 2) and i < top
+    if rule == "nope":  # SmolLM3 slides on its NoPE layers: no_rope_layers[i] == 0, by default every 4th
+        every = int(text.get("no_rope_layer_interval") or 4)
+        rope = text.get("no_rope_layers") or [int((k + 1) % every != 0) for k in range(layers)]
+        return not rope[i]
+    fixed = {"every": True, "odd": bool((i + 1) % 2), "every4": bool((i + 1) % 4), "cwm": bool(i % 4)}
+    return fixed.get(rule, False)

@@ -25,6 +25,16 @@ class Family:
     tied: bool = False  # tie_word_embeddings' class default
     fused_qkv: bool = False  # q, k and v are one qkv_proj module
     fused_gate_up: bool = False  # gate and up are one gate_up_proj module
+    # sliding-window attention as the config class resolves it (registry/derive.py sliding_fields):
+    window: int | None = None  # the class default of sliding_window (a config.json may leave it out)
+    window_switch: bool = False  # the window applies only with use_sliding_window: true
+    softcap: float | None = None  # the class default of attn_logit_softcapping
+    # which layers slide when config.json has no layer_types: "" none, "every" all, "odd" every other
+    # (i + 1) % 2, "pattern" all but every sliding_window_pattern-th (default `pattern`), "every4" all but
+    # every 4th, "cwm" all but every 4th from the first, "qwen" from max_window_layers on, "qwen_moe" every
+    # other below max_window_layers, "nope" the NoPE layers (SmolLM3's no_rope_layers)
+    slides: str = ""
+    pattern: int = 6
 
 
 _FIXED: dict[str, Any] = dict(
@@ -33,44 +43,52 @@ _FIXED: dict[str, Any] = dict(
 _LLAMA: dict[str, Any] = dict(mlp_bias="mlp_bias")  # Llama's attention_bias covers q/k/v and o; mlp_bias the MLP
 FAMILIES: dict[str, Family] = {
     "llama": Family("LlamaDecoderLayer", **_LLAMA),
-    "mistral": Family("MistralDecoderLayer", **_FIXED),
-    "ministral": Family("MinistralDecoderLayer", **_FIXED),
+    "mistral": Family("MistralDecoderLayer", **_FIXED, window=4096, slides="every"),
+    "ministral": Family("MinistralDecoderLayer", **_FIXED, window=4096, slides="every"),
     "ministral3": Family("Ministral3DecoderLayer", **_FIXED),
     "helium": Family("HeliumDecoderLayer", o_bias=False, mlp_bias="mlp_bias"),
     "granite": Family("GraniteDecoderLayer", **_LLAMA),  # its multipliers scale activations, not shapes
     "internlm3": Family("LlamaDecoderLayer", **_LLAMA),  # transformers builds these three as Llama
     "exaone": Family("LlamaDecoderLayer", **_LLAMA),
     "iquestcoder": Family("LlamaDecoderLayer", **_LLAMA),
-    "cwm": Family("CwmDecoderLayer", **_FIXED, mlp_bias="mlp_bias"),
-    "smollm3": Family("SmolLM3DecoderLayer", **_LLAMA, tied=True),
+    "cwm": Family("CwmDecoderLayer", **_FIXED, mlp_bias="mlp_bias", window=8192, slides="cwm"),
+    "smollm3": Family("SmolLM3DecoderLayer", **_LLAMA, tied=True, window_switch=True, slides="nope"),
     "seed_oss": Family("SeedOssDecoderLayer", o_bias="attention_out_bias", mlp_bias="mlp_bias", bias_default=True),
-    "qwen2": Family("Qwen2DecoderLayer", qkv_bias=True, o_bias=False),
-    "qwen3": Family("Qwen3DecoderLayer", qk_norm="head"),
+    "qwen2": Family("Qwen2DecoderLayer", qkv_bias=True, o_bias=False, window=4096, window_switch=True, slides="qwen"),
+    "qwen3": Family("Qwen3DecoderLayer", qk_norm="head", window=4096, window_switch=True, slides="qwen"),
     "gemma": Family("GemmaDecoderLayer", tied=True),
-    "vaultgemma": Family("VaultGemmaDecoderLayer", tied=True),
-    "gemma2": Family("Gemma2DecoderLayer", norms=4, tied=True),
-    "gemma3": Family("Gemma3DecoderLayer", qk_norm="head", norms=4, tied=True),
-    "gemma3_text": Family("Gemma3DecoderLayer", qk_norm="head", norms=4, tied=True),
+    "vaultgemma": Family("VaultGemmaDecoderLayer", tied=True, window=4096, softcap=50.0, slides="odd"),
+    "gemma2": Family("Gemma2DecoderLayer", norms=4, tied=True, window=4096, softcap=50.0, slides="odd"),
+    "gemma3": Family("Gemma3DecoderLayer", qk_norm="head", norms=4, tied=True, window=4096, slides="pattern"),
+    "gemma3_text": Family("Gemma3DecoderLayer", qk_norm="head", norms=4, tied=True, window=4096, slides="pattern"),
     # post-norms only (after attention and after the MLP), q/k norms over all heads
     "olmo2": Family("Olmo2DecoderLayer", qk_norm="all"),
-    "olmo3": Family("Olmo3DecoderLayer", qk_norm="all"),
-    "exaone4": Family("Exaone4DecoderLayer", **_FIXED, qk_norm="head"),
+    "olmo3": Family("Olmo3DecoderLayer", qk_norm="all", window=4096, slides="every4"),
+    "exaone4": Family("Exaone4DecoderLayer", **_FIXED, qk_norm="head", window=4096, slides="pattern", pattern=4),
     # attention and MLP in parallel from one norm; Cohere's optional q/k norms (use_qk_norm) span all heads
     "cohere": Family("CohereDecoderLayer", norms=1, tied=True),
-    "cohere2": Family("Cohere2DecoderLayer", norms=1, tied=True),
+    "cohere2": Family("Cohere2DecoderLayer", norms=1, tied=True, window=4096, slides="pattern", pattern=4),
     "ernie4_5": Family("Ernie4_5DecoderLayer", qkv_bias="use_bias", o_bias="use_bias", mlp_bias="use_bias", tied=True),
     "hunyuan_v1_dense": Family("HunYuanDenseV1DecoderLayer", qk_norm="head"),
     # GLM and GLM-4: q/k/v biases by default, gate and up fused; GLM-4 adds post-norms on both branches
     "glm": Family("GlmDecoderLayer", o_bias=False, bias_default=True, fused_gate_up=True),
     "glm4": Family("Glm4DecoderLayer", o_bias=False, bias_default=True, fused_gate_up=True, norms=4),
-    "phi3": Family("Phi3DecoderLayer", **_FIXED, fused_qkv=True, fused_gate_up=True),
-    "mixtral": Family("MixtralDecoderLayer", **_FIXED),
-    "qwen2_moe": Family("Qwen2MoeDecoderLayer", qkv_bias="qkv_bias", o_bias=False, bias_default=True),
-    "qwen3_moe": Family("Qwen3MoeDecoderLayer", qk_norm="head"),
+    "phi3": Family("Phi3DecoderLayer", **_FIXED, fused_qkv=True, fused_gate_up=True, slides="every"),
+    "mixtral": Family("MixtralDecoderLayer", **_FIXED, slides="every"),
+    "qwen2_moe": Family(
+        "Qwen2MoeDecoderLayer",
+        qkv_bias="qkv_bias",
+        o_bias=False,
+        bias_default=True,
+        window=4096,
+        window_switch=True,
+        slides="qwen_moe",
+    ),
+    "qwen3_moe": Family("Qwen3MoeDecoderLayer", qk_norm="head", window=4096, window_switch=True, slides="every"),
     # DeepSeek's attention_bias covers q_a, kv_a and o (workload.count_params)
     "deepseek_v2": Family("DeepseekV2DecoderLayer", o_bias=False, mlp_bias="mlp_bias"),
     "deepseek_v3": Family("DeepseekV3DecoderLayer", o_bias=False),
-    "gpt_oss": Family("GptOssDecoderLayer", bias_default=True),
+    "gpt_oss": Family("GptOssDecoderLayer", bias_default=True, slides="odd"),
 }
 KNOWN_FAMILIES = frozenset(FAMILIES)
 
