@@ -34,7 +34,7 @@ from pathlib import Path
 
 from finetune import rundir
 from finetune.errors import FinetuneError
-from finetune.merging import ADAPTER_FILES, TOKENIZER_FILES, merge, run_kind
+from finetune.merging import ADAPTER_FILES, TOKENIZER_FILES, merge, refuse_random_init, run_kind
 from finetune.modelcard import HUB_ID, parse_front_matter, public_recipe, render_model_card
 
 logger = logging.getLogger(__name__)
@@ -288,12 +288,7 @@ def _check_run(run_dir: Path, *, repo_id: str):
     from finetune.recipe import load_recipe
 
     recipe = load_recipe(run_dir / rundir.RESOLVED_RECIPE, allow_resolved=True)
-    if recipe.model.init == "random":
-        raise PushError(
-            "this run trained on random weights (model.init: random): a throughput and memory trial, not a model",
-            file=str(run_dir),
-            hint="train with model.init: pretrained to publish the result",
-        )
+    refuse_random_init(run_dir, recipe, why="not a model to publish", error=PushError)
     kind = run_kind(run_dir)
     if kind == "unknown":
         raise PushError(

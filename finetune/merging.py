@@ -58,16 +58,22 @@ def _load_run_recipe(run_dir: Path):
     return load_recipe(path, allow_resolved=True)
 
 
-def check_base_exists(run_dir: Path, recipe) -> None:
-    """A run trained from random weights (model.init: random) has no base model anywhere to load."""
+def refuse_random_init(run_dir: Path, recipe, *, why: str, error: type[FinetuneError] = FinetuneError) -> None:
+    """The one rule for using a run's result: a run trained on random weights (model.init: random) is a
+    throughput and memory trial, not a model; `why` says what that means for the command refusing it."""
     if recipe is not None and recipe.model.init == "random":
-        raise FinetuneError(
-            "this run trained on random weights (model.init: random): its base model was never saved, so "
-            "there is no base to load or to apply the adapter to",
+        raise error(
+            f"this run trained on random weights (model.init: random), a throughput and memory trial: {why}",
             file=str(run_dir),
-            hint="model.init: random runs are throughput and memory trials; train with model.init: pretrained "
-            "to use the result",
+            hint="train with model.init: pretrained to use the result",
         )
+
+
+def check_base_exists(run_dir: Path, recipe) -> None:
+    """A run trained from random weights has no base model anywhere to load."""
+    refuse_random_init(
+        run_dir, recipe, why="its base model was never saved, so there is no base to load or apply the adapter to"
+    )
 
 
 def resolve_base(run_dir: Path, adapter_config: dict, recipe) -> str:

@@ -426,3 +426,21 @@ def test_public_recipe_has_no_local_paths(tmp_path):
     assert str(tmp_path) not in yaml.safe_dump(public)
     assert public["model"]["name"] == "base" and public["data"]["sources"][0]["path"] == "train.jsonl"
     assert public["data"]["chat_template"] == "t.jinja" and public["output"]["dir"] == "r1"
+
+
+def test_a_random_init_trial_is_not_published(runs, hub, tmp_path):
+    import shutil
+
+    import yaml
+
+    from finetune import rundir
+
+    trial = tmp_path / "trial"
+    shutil.copytree(runs["lora"], trial)
+    resolved = yaml.safe_load((trial / rundir.RESOLVED_RECIPE).read_text())
+    resolved["model"]["init"] = "random"
+    resolved["hub"]["repo"] = None  # a random-init recipe may not name one (load_recipe refuses it)
+    (trial / rundir.RESOLVED_RECIPE).write_text(yaml.safe_dump(resolved))
+    with pytest.raises(PushError, match="a throughput and memory trial: not a model to publish") as info:
+        push(trial, repo_id="acme/trial")
+    assert "model.init: pretrained" in info.value.render() and "acme/trial" not in hub.repos
