@@ -152,7 +152,7 @@ class StepTime:
     inter_s: float
     offload_s: float
     step_s: float
-    bottleneck: str  # compute | intra-node | inter-node | offload
+    bottleneck: str  # compute | intra-node | inter-node | offload | host (the Trainer on a CPU)
 
 
 def _sharded_collectives(
@@ -259,10 +259,10 @@ def step_time(job: Job, *, strategy: str, micro_batch: int, grad_accum: int, che
         fetch, offload = offload_seconds(job, strategy=strategy, grad_accum=grad_accum)
     comm = intra + inter + fetch
     overlapped = max(compute, comm) + OVERLAP_LEAK * min(compute, comm)
-    total = overlapped + offload
-    if p.vendor == "cpu":  # the host runs the Trainer's Python between the kernels too, not beside them
-        total += grad_accum * CPU_HOST_S_PER_MICRO_BATCH
+    # on a CPU the host runs the Trainer's Python between the kernels too, not beside them
+    host = grad_accum * CPU_HOST_S_PER_MICRO_BATCH if p.vendor == "cpu" else 0.0
+    total = overlapped + offload + host
     offload += fetch
-    parts = {"compute": compute, "intra-node": intra, "inter-node": inter, "offload": offload}
+    parts = {"compute": compute, "intra-node": intra, "inter-node": inter, "offload": offload, "host": host}
     bottleneck = max(parts, key=lambda name: parts[name])
     return StepTime(compute, intra, inter, offload, total, bottleneck)

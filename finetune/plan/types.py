@@ -51,7 +51,7 @@ class Candidate:
     compute_time_s: float = 0.0  # one optimizer step (all micro-batches)
     comm_time_s: float = 0.0  # exposed communication per optimizer step
     step_time_s: float = 0.0
-    bottleneck: str = ""  # "compute" | "intra-node" | "inter-node" | "offload"
+    bottleneck: str = ""  # "compute" | "intra-node" | "inter-node" | "offload" | "host" (the Trainer on a CPU)
     reason: str = ""  # why it does not fit (empty when it fits)
     gradient_accumulation_steps: int = 1
     checkpoint_layers: int = 0  # decoder layers checkpointed (the first k); activation_checkpointing = k > 0

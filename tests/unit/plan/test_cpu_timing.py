@@ -30,6 +30,7 @@ def test_a_cpu_step_adds_the_host_work_per_micro_batch_and_a_gpu_step_does_not(a
     job = shape_job("llama-3.2-1b", "lora", cpu)
     timed = step_time(job, strategy="ddp", micro_batch=1, grad_accum=accumulation, checkpointing=False)
     assert timed.step_s == pytest.approx(timed.compute_s + accumulation * CPU_HOST_S_PER_MICRO_BATCH)
+    assert timed.bottleneck == ("host" if accumulation * CPU_HOST_S_PER_MICRO_BATCH > timed.compute_s else "compute")
     gpu = shape_job("llama-3.2-1b", "lora", "server-8xh100")
     single = dataclasses.replace(gpu, preset=gpu.preset.model_copy(update={"gpus_per_node": 1}))
     on_gpu = step_time(single, strategy="ddp", micro_batch=1, grad_accum=accumulation, checkpointing=False)
