@@ -28,7 +28,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
 
-from gpu_validate import WORK, base_recipe, ensure_model, finetune_cmd, write_data  # noqa: E402
+from gpu_validate import WORK, base_recipe, ensure_model, finetune_cmd, run_recipe, write_data  # noqa: E402
 
 from finetune import rundir  # noqa: E402
 from finetune.measurement import WARMUP_STEPS, steady_rate, steady_tokens_per_second  # noqa: E402
@@ -152,10 +152,8 @@ def finetune_side(
 
     work = WORK / f"bench-{name}"
     work.mkdir(parents=True, exist_ok=True)
-    recipe = base_recipe(model_dir, data, steps=steps, seq=seq, batch=batch)
-    if method == "dpo":
-        recipe["method"] = {"type": "dpo", "beta": 0.1}
-        recipe["data"].update(format="preference", packing=False)
+    dpo = {"method": {"type": "dpo", "beta": 0.1}} if method == "dpo" else {}
+    recipe = run_recipe(model_dir, data, dpo, steps=steps, seq=seq, batch=batch)
     recipe["output"] = {"keep": 1}  # no mid-run checkpoints in a benchmark
     recipe["data"]["allow_outside"] = True  # the shared data file sits beside the run folders
     (work / "recipe.yaml").write_text(yaml.safe_dump(recipe))

@@ -261,6 +261,14 @@ def base_recipe(model_dir: Path, data: Path, *, steps: int, seq: int, batch: int
     }
 
 
+def run_recipe(model_dir: Path, data: Path, override: dict, *, steps: int, seq: int, batch: int) -> dict:
+    """The recipe a named run trains: base_recipe with its settings over it (DPO on preference rows)."""
+    recipe = merge(base_recipe(model_dir, data, steps=steps, seq=seq, batch=batch), override)
+    if recipe["method"]["type"] == "dpo":
+        recipe["data"].update(format="preference", packing=False)
+    return recipe
+
+
 def merge(a: dict, b: dict) -> dict:
     out = dict(a)
     for k, v in b.items():
@@ -417,9 +425,7 @@ def main() -> None:
             n=entry.get("examples", 4000),
             long_examples=entry.get("long_examples", False),
         )
-        recipe = merge(base_recipe(model_dir, data, steps=steps, seq=seq, batch=batch), override)
-        if preference:
-            recipe["data"].update(format="preference", packing=False)
+        recipe = run_recipe(model_dir, data, override, steps=steps, seq=seq, batch=batch)
         (work / "recipe.yaml").write_text(yaml.safe_dump(recipe, sort_keys=False))
         run_dir = work / "run"
         start, started_at = time.perf_counter(), time.time()
@@ -458,6 +464,9 @@ def main() -> None:
                 add_mfu(row, run_dir=run_dir)
             except Exception as exc:  # keep the other runs' results
                 row["collect_error"] = repr(exc)
+        table = run_dir / (rundir.profile_stem(0) + ".txt")
+        if table.is_file():  # logging.profile_steps: the operator table travels back beside the rows
+            shutil.copy(table, out.parent / f"profile-{name}-rank0.txt")
         results.append(row)
         out.write_text(json.dumps(results, indent=2) + "\n")
         print(json.dumps({k: v for k, v in row.items() if k != "ranks"}), flush=True)
