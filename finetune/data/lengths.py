@@ -55,6 +55,12 @@ def _texts(records: list[dict], render, special: dict[str, str]) -> list[str] | 
     return texts
 
 
+def _packs_examples(recipe) -> bool:
+    """Packed rows of SFT/pretrain examples, whose lengths the planner's attention time reads; DPO's
+    padding-free pairs are planned at data.max_length per sequence."""
+    return recipe.data.packing and recipe.method.type in ("sft", "pretrain")
+
+
 def measure_example_tokens(recipe, records: list[dict]) -> float | None:
     """The token-weighted mean length sum(l^2)/sum(l) of `records` (training records as finetune.data
     reads them, each cut at data.max_length), or None when it cannot be measured here."""
@@ -62,7 +68,7 @@ def measure_example_tokens(recipe, records: list[dict]) -> float | None:
     from finetune.prelaunch import chat_renderer, local_model_dir, template_text
 
     model_dir = local_model_dir(recipe)
-    if not recipe.data.packing or not records or model_dir is None or not (model_dir / "tokenizer.json").is_file():
+    if not _packs_examples(recipe) or not records or model_dir is None or not (model_dir / "tokenizer.json").is_file():
         return None
     try:
         from tokenizers import Tokenizer
@@ -99,7 +105,7 @@ def local_sample(recipe, *, max_bytes: int = PLAN_READ_BYTES) -> list[dict]:
     from finetune.errors import FinetuneError
     from finetune.recipe.load import recipe_dir
 
-    if not recipe.data.packing or recipe.data.example_tokens is not None:
+    if not _packs_examples(recipe) or recipe.data.example_tokens is not None:
         return []
     base, records, size = recipe_dir(recipe), [], 0
     for source in recipe.data.sources:

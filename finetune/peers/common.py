@@ -339,14 +339,16 @@ def _cadence(conv: Conversion, *, strategy: str, steps: str, per_epoch: str) -> 
 
 
 def drop_packing(conv: Conversion) -> None:
-    """Packing is SFT/pretrain only here; the peers accept it for preference methods and use it loosely."""
+    """Packing examples together is SFT/pretrain; the peers accept the key for preference methods and use it
+    loosely, so it is not read as finetune's padding-free DPO pairs (which a recipe asks for itself)."""
     if conv.get("data.packing") and conv.get("method.type", "sft") not in ("sft", "pretrain"):
         del conv.recipe["data"]["packing"]
         key = next((k for k in ("sample_packing", "packing", "neat_packing") if conv.raw.get(k)), "packing")
         conv.drop(
             key,
             conv.raw.get(key, True),
-            f"packing is for sft/pretrain here; {conv.get('method.type')} pads each batch instead",
+            f"packing is for sft/pretrain here; {conv.get('method.type')} pads each batch instead"
+            + (" (data.packing: true runs DPO pairs padding-free)" if conv.get("method.type") == "dpo" else ""),
             material=False,
         )
 

@@ -119,15 +119,15 @@ def recipe_flops_per_token(recipe, *, arch) -> float:
 
 def attention_implementation(recipe, preset, *, arch=None) -> str:
     """What train/model.py loads for model.attn_implementation. auto: PyTorch's varlen flash kernel for
-    padding-free packed SFT rows on NVIDIA GPUs (finetune/train/attention.py), sdpa otherwise; eager for
+    padding-free packed SFT rows and DPO pairs on NVIDIA GPUs (finetune/train/attention.py), sdpa otherwise; eager for
     an `arch` with attention logit soft-capping (Gemma-2), which neither sdpa nor the varlen kernel
     computes (transformers' own eager attention is its reference implementation)."""
     chosen = recipe.model.attn_implementation
     if chosen == "auto":
         if arch is not None and arch.attn_logit_softcap:
             return "eager"
-        packed_sft = recipe.data.packing and recipe.method.type == "sft"
-        chosen = "varlen" if packed_sft and preset.vendor == "nvidia" else "sdpa"
+        packed = recipe.data.packing and recipe.method.type in ("sft", "dpo")
+        chosen = "varlen" if packed and preset.vendor == "nvidia" else "sdpa"
     return chosen
 
 
@@ -215,7 +215,7 @@ def job_from_recipe(recipe, *, arch, preset) -> Job:
         optimizer=recipe.train.optimizer,
         seq_len=recipe.data.max_length,
         packed=recipe.data.packing,
-        example_tokens=recipe.data.example_tokens if recipe.data.packing else None,
+        example_tokens=recipe.data.example_tokens if recipe.data.packing and recipe.method.type != "dpo" else None,
         attention=attention,
         varlen_layers=served if fallback else 0,
         global_batch_size=recipe.train.global_batch_size,

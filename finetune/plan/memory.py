@@ -211,8 +211,8 @@ def masked_attention(job: Job, *, micro_batch: int) -> tuple[int, int] | None:
     """(rows, row length) of the attention mask the kernel gets, None when it gets none."""
     if job.attention in ("flash", "varlen"):
         return None
-    if job.packed:  # padding-free: one flat row, a block-diagonal mask from the position_ids
-        return 1, micro_batch * job.seq_len
+    if job.packed:  # padding-free: one flat row (DPO: both sequences of each pair), a block-diagonal mask
+        return 1, micro_batch * job.seq_len * job.sequences_per_sample
     rows = micro_batch * job.sequences_per_sample
     if rows > 1:  # padded to the batch's longest (DPO: chosen and rejected are two rows)
         return rows, job.seq_len

@@ -185,7 +185,8 @@ def executed_attention_positions(job: Job, *, micro_batch: int) -> float:
     if job.packed and job.attention in ("sdpa", "eager"):
         varlen = min(job.varlen_layers, arch.num_layers)
         served = min(job.seq_len, job.example_tokens or job.seq_len)
-        return (arch.num_layers - varlen) * micro_batch * job.seq_len + varlen * served / 2
+        row = micro_batch * job.seq_len * job.sequences_per_sample
+        return (arch.num_layers - varlen) * row + varlen * served / 2
     if skips_masked_blocks(job, micro_batch=micro_batch):
         if job.packed and job.example_tokens:
             return causal_positions(arch, min(job.seq_len, job.example_tokens))

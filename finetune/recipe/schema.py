@@ -284,7 +284,11 @@ class DataSection(Strict):
         None, gt=0, lt=1, description="hold out this share of the training rows for the eval loss instead"
     )
     max_length: int = Field(2048, ge=8, le=1_048_576, description="tokens per sequence (per packed row when packing)")
-    packing: bool = Field(False, description="SFT: pack examples into padding-free rows of max_length")
+    packing: bool = Field(
+        False,
+        description="SFT: pack examples into padding-free rows of max_length; DPO: run each micro-batch's chosen "
+        "and rejected sequences as one padding-free row of their real tokens (no padding, no mask)",
+    )
     chat_template: str | None = Field(
         None,
         description=(
@@ -704,7 +708,7 @@ def recipe_conflicts(recipe: Recipe):
         yield "data.sources", (f"method {m.type} trains on format {', '.join(allowed)}, got {', '.join(bad)}; {fix}")
     if m.type == "reward" and d.task_eval is not None:
         yield "data.task_eval", "a reward model scores text and does not generate; remove data.task_eval"
-    if d.packing and m.type not in ("sft", "pretrain"):
+    if d.packing and m.type not in ("sft", "pretrain", "dpo"):
         yield "data.packing", f"packing is not supported for method {m.type}; set data.packing: false"
     if a.type == "qlora":
         if a.storage_dtype != recipe.model.dtype and _shards(recipe.distributed.strategy):

@@ -6,12 +6,15 @@ compiler) reach the Trainer's Accelerator through `accelerate launch`.
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 from finetune.errors import RecipeError
 from finetune.recipe.schema import Recipe, dpo_reference
 from finetune.rundir import CHECKPOINTS
 from finetune.trackers import training_arguments
+
+PADDING_FREE_PAIRS_NOTE = "DPO pairs run padding-free: each micro-batch's sequences as one row of their real tokens"
 
 
 def _micro_batch(recipe: Recipe) -> int:
@@ -196,7 +199,7 @@ def build_trainer(recipe: Recipe, *, args, model, tokenizer, data, callbacks: li
         ref_model = load_model(recipe)  # a frozen, separate base copy
     # full + copy: DPOTrainer builds the frozen copy itself from the model's path
     dpo = with_optimizer(PretokenizedDPOTrainer, recipe)
-    return dpo(
+    trainer = dpo(
         model=model,
         ref_model=ref_model,
         args=args,
@@ -206,6 +209,15 @@ def build_trainer(recipe: Recipe, *, args, model, tokenizer, data, callbacks: li
         peft_config=peft_config,
         callbacks=callbacks,
     )
+    if recipe.data.packing:  # padding-free pairs (finetune/train/dpo_pairs.py)
+        from finetune.train.dpo_pairs import PaddingFreePairs
+
+        pairs = PaddingFreePairs()
+        for module in (trainer.model, trainer.ref_model):
+            if module is not None:
+                pairs.attach(module)
+        logging.getLogger("finetune.train").info(PADDING_FREE_PAIRS_NOTE)
+    return trainer
 
 
 def sft_trainer_class(recipe: Recipe) -> type:

@@ -75,7 +75,7 @@ def test_wrong_literal_lists_choices():
         ),
         ({"adapter": {"type": "full", "dora": True}}, "adapter.dora", "adapter.type: lora"),
         (
-            {"method": "dpo", "data": {"path": "p.jsonl", "format": "preference", "packing": True}},
+            {"method": "kto", "data": {"path": "p.jsonl", "format": "unpaired", "packing": True}},
             "data.packing",
             "packing: false",
         ),

@@ -14,6 +14,7 @@ import pytest
 
 from finetune.rundir import read_metrics
 from finetune.train.run import run_rank
+from finetune.train.trainers import PADDING_FREE_PAIRS_NOTE
 from tests.helpers.paths import ROOT, SAMPLES, TINY_MODEL
 from tests.helpers.recipes import resolve_recipe, tiny_recipe
 
@@ -95,20 +96,30 @@ def test_sft_qlora_trains_on_cpu_with_4bit_base(tmp_path):
     _generate(PeftModel.from_pretrained(base, run_dir), AutoTokenizer.from_pretrained(run_dir))
 
 
-def test_dpo_lora_trains(tmp_path):
-    run_dir = tmp_path / "run"
-    recipe = tiny_recipe(
-        method={"type": "dpo", "beta": 0.1},
-        data={
-            "sources": [{"path": str(SAMPLES / "preference.jsonl"), "format": "preference"}],
-            "eval_sources": [],
-            "max_length": 32,
-        },
-    )
-    summary = run_rank(resolve_recipe(recipe, run_dir=run_dir), resume="never")
-    rows = _check_outputs(run_dir, summary, adapter=True)
-    assert rows[0]["loss"] == pytest.approx(math.log(2), abs=1e-3)  # implicit reference == policy at step 1
-    assert any("rewards/margins" in r for r in rows)
+def test_dpo_lora_trains_padded_and_padding_free_alike(tmp_path, caplog):
+    """data.packing with DPO runs each micro-batch's pairs as one padding-free row (finetune/train/dpo_pairs.py):
+    the same steps give the same losses as TRL's padded pairs."""
+    losses = {}
+    for packing in (False, True):
+        run_dir = tmp_path / f"packing-{packing}"
+        recipe = tiny_recipe(
+            method={"type": "dpo", "beta": 0.1},
+            data={
+                "sources": [{"path": str(SAMPLES / "preference.jsonl"), "format": "preference"}],
+                "eval_sources": [],
+                "max_length": 32,
+                "packing": packing,
+            },
+        )
+        caplog.clear()
+        with caplog.at_level("INFO", logger="finetune.train"):
+            summary = run_rank(resolve_recipe(recipe, run_dir=run_dir), resume="never")
+        assert (PADDING_FREE_PAIRS_NOTE in caplog.text) is packing  # the hooks are attached only when asked
+        rows = _check_outputs(run_dir, summary, adapter=True)
+        assert rows[0]["loss"] == pytest.approx(math.log(2), abs=1e-3)  # implicit reference == policy at step 1
+        assert any("rewards/margins" in r for r in rows)
+        losses[packing] = [r["loss"] for r in rows]
+    assert losses[True] == pytest.approx(losses[False], rel=1e-3, abs=1e-4)
 
 
 def test_resume_continues_from_the_last_complete_checkpoint(tmp_path):

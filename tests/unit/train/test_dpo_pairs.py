@@ -1,0 +1,89 @@
+"""Padding-free DPO pairs (finetune/train/dpo_pairs.py): through the real tiny model with TRL's fused LM head
+and a PEFT adapter, the hooked call returns the padded call's per-token log-probabilities and gradients, for
+pairs of different lengths (TRL's own collator pads them)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.helpers.paths import TINY_MODEL
+
+
+def _model():
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+    from trl.trainer.utils import add_fused_lm_head
+
+    torch.manual_seed(0)
+    base = AutoModelForCausalLM.from_pretrained(TINY_MODEL, dtype=torch.float32, attn_implementation="sdpa")
+    add_fused_lm_head(base)
+    config = LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", init_lora_weights=False)
+    return get_peft_model(base, config)
+
+
+def _batch():
+    from trl.trainer.dpo_trainer import DataCollatorForPreference
+
+    examples = [
+        {"prompt_ids": [5, 6, 7], "chosen_ids": [8, 9, 10, 11], "rejected_ids": [12]},
+        {"prompt_ids": [13], "chosen_ids": [14, 15], "rejected_ids": [16, 17, 18, 19, 20, 21]},
+        {"prompt_ids": [22, 23, 24, 25, 26], "chosen_ids": [27], "rejected_ids": [28, 29]},
+    ]
+    batch = DataCollatorForPreference(pad_token_id=0)(examples)
+    labels = batch["input_ids"].masked_fill(batch["completion_mask"] == 0, -100)
+    return batch, labels
+
+
+def _log_probs(model, batch, labels):
+    model.zero_grad()
+    out = model(
+        input_ids=batch["input_ids"],
+        attention_mask=batch["attention_mask"],
+        labels=labels,
+        fused_lm_head=True,
+        use_cache=False,
+    )
+    out.log_probs.sum().backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    return out.log_probs.detach(), grads
+
+
+def test_padding_free_pairs_give_the_padded_log_probs_and_gradients():
+    from finetune.train.dpo_pairs import PaddingFreePairs
+
+    model = _model()
+    batch, labels = _batch()
+    padded, padded_grads = _log_probs(model, batch, labels)
+    assert padded.shape == (6, batch["input_ids"].shape[1] - 1)
+
+    pairs = PaddingFreePairs()
+    pairs.attach(model)
+    seen = {}  # what the model is called with, after the pairs' hook (pre-hooks run in registration order)
+    model.register_forward_pre_hook(lambda m, a, k: seen.update(k), with_kwargs=True)
+    free, free_grads = _log_probs(model, batch, labels)
+    real = int(batch["attention_mask"].sum())
+    # the model saw one row of the real tokens, with the boundaries the varlen kernel reads
+    assert seen["input_ids"].shape == (1, real) and "attention_mask" not in seen
+    assert seen["cu_seq_lens_q"].tolist() == [0, *batch["attention_mask"].sum(1).cumsum(0).tolist()]
+    assert seen["position_ids"][0, :7].tolist() == list(range(7))  # the first pair's chosen: prompt 3 + 4
+    assert free.shape == padded.shape
+    torch.testing.assert_close(free, padded, rtol=1e-5, atol=1e-5)
+    assert padded_grads.keys() == free_grads.keys() and padded_grads
+    for name, grad in padded_grads.items():
+        scale = float(grad.abs().max())  # fp32 summation order differs between the layouts
+        torch.testing.assert_close(free_grads[name], grad, rtol=1e-4, atol=1e-5 * scale, msg=name)
+    assert pairs.layouts == []  # nothing left over between calls
+
+
+@pytest.mark.parametrize("fused", [False])
+def test_other_calls_pass_through_unchanged(fused):
+    """generate() and plain forwards (no fused LM head) are not the DPO loss's calls: nothing is repacked."""
+    from finetune.train.dpo_pairs import PaddingFreePairs
+
+    model = _model()
+    batch, _ = _batch()
+    before = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    PaddingFreePairs().attach(model)
+    after = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    torch.testing.assert_close(after, before)
