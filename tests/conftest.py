@@ -60,6 +60,14 @@ def trained_run(trained_cli_run) -> Path:
 
 
 @pytest.fixture(scope="session")
+def two_step_run(tmp_path_factory) -> Path:
+    """RUN_DIR of a finished 2-step run that kept no checkpoint (tests/helpers/trained_run.py); copy it to use it."""
+    from tests.helpers.trained_run import finished_two_step_run
+
+    return finished_two_step_run(tmp_path_factory.mktemp("two-steps"))
+
+
+@pytest.fixture(scope="session")
 def tiny_runs(tmp_path_factory) -> dict[str, Path]:
     """base, lora, dora and full run dirs (tests/helpers/run_dirs.py); copy one to change it."""
     from tests.helpers.run_dirs import build_tiny_runs
