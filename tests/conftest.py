@@ -1,5 +1,6 @@
 """Shared fixtures: offline Hugging Face, GPU tests skipped without CUDA, a token cache per test, and the
-runs built once per session for the tests that only read a finished run. Builders live in tests/helpers."""
+runs built once per session (once for all pytest-xdist workers: tests/helpers/once.py) for the tests that only
+read a finished run. Builders live in tests/helpers."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers.once import once_per_session
 from tests.helpers.paths import TINY_MODEL
 
 # Nothing in the suite may reach the Hub; set before transformers/datasets are imported.
@@ -50,7 +52,7 @@ def trained_cli_run(tmp_path_factory):
     """One real 8-step LoRA `finetune run` (tests/helpers/trained_run.py): its RUN_DIR and what it printed."""
     from tests.helpers.trained_run import train_tiny_run
 
-    return train_tiny_run(tmp_path_factory.mktemp("trained"))
+    return once_per_session(tmp_path_factory, "trained", train_tiny_run)
 
 
 @pytest.fixture(scope="session")
@@ -60,8 +62,16 @@ def trained_run(trained_cli_run) -> Path:
 
 
 @pytest.fixture(scope="session")
+def two_step_run(tmp_path_factory) -> Path:
+    """RUN_DIR of a finished 2-step run that kept no checkpoint (tests/helpers/trained_run.py); copy it to use it."""
+    from tests.helpers.trained_run import finished_two_step_run
+
+    return once_per_session(tmp_path_factory, "two-steps", finished_two_step_run)
+
+
+@pytest.fixture(scope="session")
 def tiny_runs(tmp_path_factory) -> dict[str, Path]:
     """base, lora, dora and full run dirs (tests/helpers/run_dirs.py); copy one to change it."""
     from tests.helpers.run_dirs import build_tiny_runs
 
-    return build_tiny_runs(tmp_path_factory.mktemp("tiny"))
+    return once_per_session(tmp_path_factory, "tiny", build_tiny_runs)

@@ -6,6 +6,7 @@ rescue directory; a rerun on a full disk removes nothing."""
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 
 import pytest
@@ -18,6 +19,7 @@ from finetune.prelaunch import check_safetensors
 from tests.helpers.processes import checkpoints, cli_argv, env, losses, run, start, wait_for
 from tests.helpers.recipes import write_recipe
 from tests.helpers.run_dirs import tree_hashes
+from tests.helpers.trained_run import TWO_STEPS_NO_CHECKPOINT
 
 pytestmark = pytest.mark.slow
 SIZE_MIB = 40
@@ -101,10 +103,10 @@ def test_a_final_save_that_does_not_fit_goes_to_the_rescue_directory(disk, tmp_p
     assert "Traceback" not in out
 
 
-def test_a_rerun_on_a_full_disk_removes_nothing(disk, tmp_path):
-    recipe = write_recipe(tmp_path / "recipe.yaml", train={"epochs": None, "max_steps": 2}, output={"save_every": None})
+def test_a_rerun_on_a_full_disk_removes_nothing(disk, tmp_path, two_step_run):
+    recipe = write_recipe(tmp_path / "recipe.yaml", **TWO_STEPS_NO_CHECKPOINT)
     run_dir, cache = disk / "run", tmp_path / "cache"
-    assert run(cli_argv(recipe, run_dir), cache=cache).returncode == 0
+    shutil.copytree(two_step_run, run_dir)  # a finished run of this recipe on the disk (built once per session)
     fill(disk, leave=1 << 20)
     before = tree_hashes(run_dir)
     again = run(cli_argv(recipe, run_dir, "--resume", "never"), cache=cache)

@@ -1,7 +1,8 @@
 """One tiny LoRA run trained for real through `finetune run` (the CLI, plan, compile, accelerate launch and
 TRL, started in a working directory of its own), shared by the tests that only read a finished run: the
 CLI end-to-end LoRA case, trackers, cards, loss.png, generate, eval. Built once per test session (the
-`trained_cli_run` / `trained_run` fixtures in tests/conftest.py); tests that change the run dir copy it."""
+`trained_cli_run` / `trained_run` fixtures in tests/conftest.py); tests that change the run dir copy it.
+Also a finished 2-step run that kept no checkpoint, for the rerun checks (the `two_step_run` fixture)."""
 
 from __future__ import annotations
 
@@ -12,8 +13,8 @@ from pathlib import Path
 import yaml
 
 from tests.helpers.paths import QUICKSTART_DATA, ROOT
-from tests.helpers.processes import cli_argv, env
-from tests.helpers.recipes import tiny_recipe
+from tests.helpers.processes import cli_argv, env, run
+from tests.helpers.recipes import tiny_recipe, write_recipe
 
 
 @dataclass(frozen=True)
@@ -44,3 +45,16 @@ def train_tiny_run(root: Path) -> TrainedRun:
     output = proc.stdout + proc.stderr
     assert proc.returncode == 0, output[-4000:]
     return TrainedRun(run_dir=run_dir, output=output)
+
+
+# write_recipe's sections of a 2-step run that keeps no checkpoint: a finished run that cannot be extended
+TWO_STEPS_NO_CHECKPOINT = {"train": {"epochs": None, "max_steps": 2}, "output": {"save_every": None}}
+
+
+def finished_two_step_run(root: Path) -> Path:
+    """RUN_DIR of a `finetune run` of write_recipe(**TWO_STEPS_NO_CHECKPOINT) that finished: built once per
+    session for the rerun checks, which copy it (shutil.copytree) beside their own copy of the same recipe."""
+    recipe = write_recipe(root / "recipe.yaml", **TWO_STEPS_NO_CHECKPOINT)
+    done = run(cli_argv(recipe, root / "run"), cache=root / "cache")
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return root / "run"

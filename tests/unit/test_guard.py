@@ -21,6 +21,7 @@ from tests.helpers.paths import TINY_MODEL, TRAIN
 from tests.helpers.processes import checkpoints, cli_argv, kill_tree, losses, run, start, wait_for
 from tests.helpers.recipes import write_recipe
 from tests.helpers.run_dirs import tree_hashes
+from tests.helpers.trained_run import TWO_STEPS_NO_CHECKPOINT
 
 
 def test_a_foreign_directory_is_refused_and_left_untouched(tmp_path, capsys):
@@ -175,10 +176,10 @@ def test_a_finished_run_is_recognised_and_checks_run_before_any_write(tmp_path):
 
 
 @pytest.mark.slow
-def test_without_checkpoints_a_rerun_never_trains_past_the_end_and_start_over_keeps_the_old_run(tmp_path):
-    recipe = write_recipe(tmp_path / "recipe.yaml", train={"epochs": None, "max_steps": 2}, output={"save_every": None})
+def test_without_checkpoints_a_rerun_never_trains_past_the_end_and_start_over_keeps_the_old_run(tmp_path, two_step_run):
+    recipe = write_recipe(tmp_path / "recipe.yaml", **TWO_STEPS_NO_CHECKPOINT)
     run_dir, cache = tmp_path / "run", tmp_path / "cache"
-    assert run(cli_argv(recipe, run_dir), cache=cache).returncode == 0
+    shutil.copytree(two_step_run, run_dir)  # what `finetune run` of this recipe left (built once per session)
     done = tree_hashes(run_dir)
     again = run(cli_argv(recipe, run_dir), cache=cache)
     assert again.returncode == 0 and "is complete" in again.stdout and tree_hashes(run_dir) == done
