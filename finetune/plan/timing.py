@@ -59,7 +59,7 @@ OVERLAP_LEAK = 0.1  # share of the smaller of compute/communication that is not 
 # The Trainer's own work per micro-batch on the host (collate, training_step, the loss's bookkeeping; the
 # optimizer's Python): on a GPU it runs while queued kernels do (the GPU efficiency above includes the
 # gaps it leaves); on a CPU the same cores do both, one after the other. Measured with the quickstart on
-# 2 cores: ~33 ms a step, of which the forward, backward and AdamW step themselves took ~13 ms.
+# 2 cores: ~33 ms a step (another run: ~53 ms), of which the forward, backward and AdamW step took ~13 ms.
 CPU_HOST_S_PER_MICRO_BATCH = 0.02
 
 
