@@ -191,6 +191,12 @@ class AdapterSection(Strict):
         "model.dtype so FSDP2/ZeRO-3 can shard them with everything else (uint8 is "
         "not shardable, TRL #3436)",
     )
+    fused_lora: bool = Field(
+        False,
+        description="LoRA (not QLoRA/8-bit): fold the adapter's scale and its add to the base output into the "
+        "second matmul (torch.addmm), removing two elementwise passes per targeted module in the forward and "
+        "one in the backward; the same parameters and checkpoints as peft's. Not yet measured on a GPU",
+    )
     cast_adapter_inputs: bool = Field(
         False,
         description="peft's cast of each LoRA input to the adapter weights' fp32; under bf16/fp16 "

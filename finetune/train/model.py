@@ -240,7 +240,7 @@ def lora_config(recipe: Recipe):
     targets = a.target_modules
     if targets is None:
         targets = recipe.resolved.lora_targets if recipe.resolved and recipe.resolved.lora_targets else "all-linear"
-    return LoraConfig(
+    config = LoraConfig(
         r=a.r,
         lora_alpha=a.alpha,
         lora_dropout=a.dropout,
@@ -251,6 +251,13 @@ def lora_config(recipe: Recipe):
         # SEQ_CLS: peft also trains the new score head (modules_to_save)
         task_type="SEQ_CLS" if recipe.method.type == "reward" else "CAUSAL_LM",
     )
+    if a.fused_lora and a.type == "lora" and not a.load_in_8bit:  # plain Linear layers only (not bitsandbytes')
+        from torch import nn
+
+        from finetune.train.fused_lora import FusedLoraLinear
+
+        config._register_custom_module({nn.Linear: FusedLoraLinear})
+    return config
 
 
 def adapter_input_casting(recipe: Recipe, model):

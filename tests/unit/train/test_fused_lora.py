@@ -1,0 +1,97 @@
+"""adapter.fused_lora (finetune/train/fused_lora.py): the tiny model with peft's LoRA Linear and with the
+fused one gives the same outputs and gradients (with dropout too), falls back to peft's forward where it
+must, and saves an adapter plain peft loads."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from tests.helpers.paths import TINY_MODEL
+
+
+def _peft(fused: bool, *, dropout: float = 0.0, dora: bool = False):
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from finetune.train.fused_lora import FusedLoraLinear
+
+    base = AutoModelForCausalLM.from_pretrained(TINY_MODEL, dtype=torch.float32)
+    config = LoraConfig(
+        r=4, lora_alpha=8, lora_dropout=dropout, target_modules="all-linear", init_lora_weights=False, use_dora=dora
+    )
+    if fused:
+        config._register_custom_module({torch.nn.Linear: FusedLoraLinear})
+    torch.manual_seed(0)  # the same adapter initialisation for both
+    return get_peft_model(base, config)
+
+
+def _step(model, ids, *, seed: int = 1):
+    model.train()
+    model.zero_grad()
+    torch.manual_seed(seed)  # the same dropout masks for both
+    out = model(input_ids=ids, labels=ids)
+    out.loss.backward()
+    return out.logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("dropout", [0.0, 0.1])
+def test_fused_lora_gives_peft_outputs_and_gradients(dropout):
+    from finetune.train.fused_lora import FusedLoraLinear
+
+    ids = torch.randint(3, 60, (2, 12), generator=torch.Generator().manual_seed(0))
+    plain, fused = _peft(False, dropout=dropout), _peft(True, dropout=dropout)
+    layers = [m for m in fused.modules() if isinstance(m, FusedLoraLinear)]
+    assert len(layers) == 2 * 7  # every targeted projection of both decoder layers
+
+    def addmms(model) -> int:  # the fused path's GEMM with the add and scale in it
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            model(input_ids=ids)
+        return sum(e.count for e in prof.key_averages() if e.key == "aten::addmm")
+
+    assert addmms(fused) - addmms(plain) == len(layers)
+    logits, grads = _step(plain, ids)
+    f_logits, f_grads = _step(fused, ids)
+    torch.testing.assert_close(f_logits, logits, rtol=1e-5, atol=1e-5)
+    assert f_grads.keys() == grads.keys() and any("lora_B" in n for n in grads)
+    for name, grad in grads.items():
+        scale = float(grad.abs().max())
+        torch.testing.assert_close(f_grads[name], grad, rtol=1e-4, atol=1e-5 * scale, msg=name)
+
+
+def test_what_it_does_not_fuse_runs_peft_forward():
+    plain, fused = _peft(False, dora=True), _peft(True, dora=True)
+    ids = torch.randint(3, 60, (1, 8), generator=torch.Generator().manual_seed(1))
+    torch.testing.assert_close(_step(fused, ids)[0], _step(plain, ids)[0])  # DoRA: peft's variant path
+    with fused.disable_adapter(), plain.disable_adapter():  # the base model alone
+        torch.testing.assert_close(fused(input_ids=ids).logits, plain(input_ids=ids).logits)
+
+
+def test_the_saved_adapter_is_plain_peft(tmp_path):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    fused = _peft(True)
+    fused.save_pretrained(tmp_path)
+    saved = json.loads((tmp_path / "adapter_config.json").read_text())
+    assert not any("custom" in key for key in saved)
+    base = AutoModelForCausalLM.from_pretrained(TINY_MODEL, dtype=torch.float32)
+    loaded = PeftModel.from_pretrained(base, tmp_path)
+    ids = torch.randint(3, 60, (1, 8), generator=torch.Generator().manual_seed(2))
+    fused.eval()
+    torch.testing.assert_close(loaded(input_ids=ids).logits, fused(input_ids=ids).logits)
+
+
+@pytest.mark.parametrize(("adapter", "fused"), [("lora", True), ("lora", False), ("qlora", True)])
+def test_the_recipe_switch_registers_the_fused_layer_for_plain_lora_only(adapter, fused):
+    from finetune.recipe import load_recipe
+    from finetune.train.fused_lora import FusedLoraLinear
+    from finetune.train.model import lora_config
+    from tests.helpers.recipes import tiny_recipe
+
+    section = {"type": adapter, "fused_lora": fused} | ({"compute_dtype": "float32"} if adapter == "qlora" else {})
+    config = lora_config(load_recipe(tiny_recipe(adapter=section)))
+    registered = (config._custom_modules or {}).get(torch.nn.Linear)
+    assert (registered is FusedLoraLinear) is (fused and adapter == "lora")
