@@ -23,10 +23,6 @@ _LAUNCHER = os.getppid()
 
 from finetune.errors import EXIT_INTERRUPTED, EXIT_PREEMPTED  # noqa: E402
 
-# until run_rank installs the handlers that save a checkpoint (finetune.train.signals), a stop request
-# ends the rank with a record that nothing was trained (SIGINT: KeyboardInterrupt, handled below)
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGHUP)
-
 
 class StoppedBeforeTraining(BaseException):
     """A stop signal before training started (a BaseException, like KeyboardInterrupt, so no library's
@@ -79,11 +75,13 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     run_dir = Path(args.resolved).resolve().parent
-    from finetune.launch import die_with_parent
+    from finetune.launch import PREEMPT_SIGNALS, die_with_parent
 
     handle = _stop_before_training()
     try:
-        previous = {sig: signal.signal(sig, handle) for sig in STOP_SIGNALS}
+        # until run_rank installs the handlers that save a checkpoint (finetune.train.signals), a stop request
+        # ends the rank with a record that nothing was trained (SIGINT: KeyboardInterrupt, handled below)
+        previous = {sig: signal.signal(sig, handle) for sig in PREEMPT_SIGNALS}
         try:
             # SIGTERM as soon as the launcher dies, not only once training runs; a launcher that died
             # before this request counts as the same stop (the kernel would never send it)

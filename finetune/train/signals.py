@@ -25,12 +25,14 @@ from pathlib import Path
 
 from transformers import TrainerCallback
 
+from finetune import launch
 from finetune.errors import EXIT_INTERRUPTED, EXIT_PREEMPTED, FinetuneError
 from finetune.rundir import CHECKPOINTS
 from finetune.train.callbacks import reduce_flags
 
 log = logging.getLogger("finetune.train")
-PREEMPT_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGHUP, signal.SIGINT)
+# the launcher's preemption signals, and Ctrl-C, which also saves one checkpoint (then exits 130)
+PREEMPT_SIGNALS = (*launch.PREEMPT_SIGNALS, signal.SIGINT)
 
 
 class Preempted(FinetuneError):
@@ -55,9 +57,7 @@ class PreemptionCallback(TrainerCallback):
             signal.signal(sig, self._handle)
         self._streams = (sys.stdout, sys.stderr)
         sys.stdout, sys.stderr = (_survive_a_dead_reader(s, self._detach_from_a_dead_console) for s in self._streams)
-        from finetune.launch import die_with_parent
-
-        die_with_parent()  # the launcher (accelerate or torchrun's agent) was killed: save and stop
+        launch.die_with_parent()  # the launcher (accelerate or torchrun's agent) was killed: save and stop
 
     def _handle(self, signum, _frame):
         if signum == signal.SIGINT and self.received == signal.SIGINT:  # Ctrl-C twice: stop now
