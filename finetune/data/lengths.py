@@ -15,6 +15,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from finetune.recipe.schema import packs_examples
+
 SAMPLE = 1000  # records measured per run, evenly spread over the training data
 PLAN_READ_BYTES = 256 * 2**20  # `finetune plan` reads local data up to this size to measure it
 
@@ -55,12 +57,6 @@ def _texts(records: list[dict], render, special: dict[str, str]) -> list[str] | 
     return texts
 
 
-def _packs_examples(recipe) -> bool:
-    """Packed rows of SFT/pretrain examples, whose lengths the planner's attention time reads; DPO's
-    padding-free pairs are planned at data.max_length per sequence."""
-    return recipe.data.packing and recipe.method.type in ("sft", "pretrain")
-
-
 def measure_example_tokens(recipe, records: list[dict]) -> float | None:
     """The token-weighted mean length sum(l^2)/sum(l) of `records` (training records as finetune.data
     reads them, each cut at data.max_length), or None when it cannot be measured here."""
@@ -68,7 +64,7 @@ def measure_example_tokens(recipe, records: list[dict]) -> float | None:
     from finetune.prelaunch import chat_renderer, local_model_dir, template_text
 
     model_dir = local_model_dir(recipe)
-    if not _packs_examples(recipe) or not records or model_dir is None or not (model_dir / "tokenizer.json").is_file():
+    if not packs_examples(recipe) or not records or model_dir is None or not (model_dir / "tokenizer.json").is_file():
         return None
     try:
         from tokenizers import Tokenizer
@@ -105,7 +101,7 @@ def local_sample(recipe, *, max_bytes: int = PLAN_READ_BYTES) -> list[dict]:
     from finetune.errors import FinetuneError
     from finetune.recipe.load import recipe_dir
 
-    if not _packs_examples(recipe) or recipe.data.example_tokens is not None:
+    if not packs_examples(recipe) or recipe.data.example_tokens is not None:
         return []
     base, records, size = recipe_dir(recipe), [], 0
     for source in recipe.data.sources:

@@ -9,7 +9,7 @@ from typing import Any, get_args
 
 from finetune.peers import Conversion
 from finetune.recipe.aliases import checkpointing_setting, lookup
-from finetune.recipe.schema import METHOD_FORMATS, LoggingSection, TrainSection
+from finetune.recipe.schema import METHOD_FORMATS, PACKED_EXAMPLE_METHODS, LoggingSection, TrainSection
 
 # transformers / bitsandbytes optimizer names -> ours
 OPTIMIZERS = {
@@ -341,7 +341,7 @@ def _cadence(conv: Conversion, *, strategy: str, steps: str, per_epoch: str) -> 
 def drop_packing(conv: Conversion) -> None:
     """Packing examples together is SFT/pretrain; the peers accept the key for preference methods and use it
     loosely, so it is not read as finetune's padding-free DPO pairs (which a recipe asks for itself)."""
-    if conv.get("data.packing") and conv.get("method.type", "sft") not in ("sft", "pretrain"):
+    if conv.get("data.packing") and conv.get("method.type", "sft") not in PACKED_EXAMPLE_METHODS:
         del conv.recipe["data"]["packing"]
         key = next((k for k in ("sample_packing", "packing", "neat_packing") if conv.raw.get(k)), "packing")
         conv.drop(

@@ -31,7 +31,7 @@ from finetune.plan.workload import (
     varlen_fallback_layers,
 )
 from finetune.recipe.paths import anchored
-from finetune.recipe.schema import dpo_reference
+from finetune.recipe.schema import dpo_reference, packs_examples
 
 __all__ = [
     "plan",
@@ -215,7 +215,7 @@ def job_from_recipe(recipe, *, arch, preset) -> Job:
         optimizer=recipe.train.optimizer,
         seq_len=recipe.data.max_length,
         packed=recipe.data.packing,
-        example_tokens=recipe.data.example_tokens if recipe.data.packing and recipe.method.type != "dpo" else None,
+        example_tokens=recipe.data.example_tokens if packs_examples(recipe) else None,
         attention=attention,
         varlen_layers=served if fallback else 0,
         global_batch_size=recipe.train.global_batch_size,

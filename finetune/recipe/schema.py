@@ -29,6 +29,10 @@ METHOD_FORMATS: dict[str, tuple[str, ...]] = {
 }
 # methods that score against a reference model (the others need none)
 REFERENCE_METHODS = ("dpo", "kto")
+# data.packing: these methods pack examples into padding-free rows (whose lengths the planner reads); DPO runs
+# each micro-batch's pairs as one padding-free row, examples never sharing a sequence (train/dpo_pairs.py)
+PACKED_EXAMPLE_METHODS = ("sft", "pretrain")
+PADDING_FREE_METHODS = (*PACKED_EXAMPLE_METHODS, "dpo")
 # The canonical column names each format reads; `columns:` maps them to the file's names.
 FORMAT_COLUMNS: dict[str, tuple[str, ...]] = {
     "messages": ("messages",),
@@ -714,7 +718,7 @@ def recipe_conflicts(recipe: Recipe):
         yield "data.sources", (f"method {m.type} trains on format {', '.join(allowed)}, got {', '.join(bad)}; {fix}")
     if m.type == "reward" and d.task_eval is not None:
         yield "data.task_eval", "a reward model scores text and does not generate; remove data.task_eval"
-    if d.packing and m.type not in ("sft", "pretrain", "dpo"):
+    if d.packing and m.type not in PADDING_FREE_METHODS:
         yield "data.packing", f"packing is not supported for method {m.type}; set data.packing: false"
     if a.type == "qlora":
         if a.storage_dtype != recipe.model.dtype and _shards(recipe.distributed.strategy):
@@ -772,6 +776,12 @@ def recipe_conflicts(recipe: Recipe):
                 "none; use reference: copy or precompute, or adapter: lora"
             ),
         )
+
+
+def packs_examples(recipe: Recipe) -> bool:
+    """data.packing of SFT/pretrain examples into rows, whose examples' lengths the planner's attention time
+    reads (data.example_tokens); DPO's padding-free pairs are planned at data.max_length per sequence."""
+    return recipe.data.packing and recipe.method.type in PACKED_EXAMPLE_METHODS
 
 
 def dpo_reference(recipe: Recipe) -> str:
