@@ -27,6 +27,7 @@ from finetune import strategies
 from finetune.compile.spec import LaunchSpec
 from finetune.errors import EXIT_INTERRUPTED, EXIT_PREEMPTED, FinetuneError
 from finetune.plan.offload_time import split_cores
+from finetune.registry.detect import usable_cores
 from finetune.rundir import JOB_SBATCH, launch_log
 
 # SIGHUP (the terminal closed) is a preemption too: the ranks save and stop instead of being orphaned
@@ -143,7 +144,7 @@ def cpu_threads_per_process(procs: int) -> int:
     chosen = os.environ.get("OMP_NUM_THREADS", "")
     if chosen.isdigit() and int(chosen) > 0:
         return int(chosen)
-    return split_cores(os.cpu_count() or 1, procs)
+    return split_cores(usable_cores(), procs)
 
 
 def prctl_or_none():

@@ -133,8 +133,9 @@ class HardwarePreset(Strict):
     host_cpu_cores: int | None = Field(
         None,
         ge=1,
-        description="CPU cores per node (os.cpu_count() when detected): the offload tiers step the optimizer "
-        f"on the host with cores / ranks-per-node threads each; None: {CORES_PER_GPU_ASSUMED} per GPU assumed",
+        description="CPU cores per node (the cores this process may use, when detected): the offload tiers step "
+        "the optimizer on the host with cores / ranks-per-node threads each; "
+        f"None: {CORES_PER_GPU_ASSUMED} per GPU assumed",
     )
 
     @property

@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import os
-
 import pytest
 
 from finetune.compile.spec import LaunchSpec
 from finetune.launch import cpu_threads_per_process, host_threads, with_host_threads
 from finetune.plan.offload_time import host_threads_per_rank
 from finetune.registry import get_preset
+from finetune.registry.detect import usable_cores
 
 
 def test_cpu_ranks_take_the_callers_thread_count_or_split_the_cores(monkeypatch):
@@ -17,7 +16,7 @@ def test_cpu_ranks_take_the_callers_thread_count_or_split_the_cores(monkeypatch)
     assert cpu_threads_per_process(2) == 3
     for unset in ("", "0", "many"):
         monkeypatch.setenv("OMP_NUM_THREADS", unset)
-        assert cpu_threads_per_process(2) == max(1, (os.cpu_count() or 1) // 2)
+        assert cpu_threads_per_process(2) == max(1, usable_cores() // 2)
     monkeypatch.delenv("OMP_NUM_THREADS")
     assert cpu_threads_per_process(10_000) == 1
 
@@ -40,7 +39,7 @@ def _spec(strategy: str, *, device: str = "cuda", procs: int = 4) -> LaunchSpec:
 @pytest.mark.parametrize("strategy", ["zero3-offload", "zero3-optim-offload", "fsdp2-offload", "zero3-nvme"])
 def test_ranks_that_step_the_optimizer_on_the_host_get_the_cores_split_between_them(monkeypatch, strategy):
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
-    assert host_threads(_spec(strategy)) == max(1, (os.cpu_count() or 1) // 4)
+    assert host_threads(_spec(strategy)) == max(1, usable_cores() // 4)
     monkeypatch.setenv("OMP_NUM_THREADS", "5")
     assert host_threads(_spec(strategy)) == 5
 
