@@ -69,6 +69,25 @@ def test_jobs_share_the_gpus_wait_for_inputs_and_respect_the_budget(tmp_path):
     assert not used.exists()  # its last user ended: the scratch copy is gone
 
 
+def test_a_job_waiting_for_running_inputs_is_not_delayed_by_backfill(tmp_path):
+    """The 70B runs wait for the checkpoint being written on one GPU: a long job on the idle GPUs would hold
+    them past the write, a short one may use them."""
+    state = _queue(
+        tmp_path,
+        [
+            {"name": "write", "gpus": 1, "est_s": 3, "cmd": "sleep 3"},
+            {"name": "train", "gpus": 4, "est_s": 1, "after": ["write"], "cmd": "true"},
+            {"name": "long", "gpus": 1, "est_s": 6, "cmd": "true"},
+            {"name": "short", "gpus": 1, "est_s": 1, "cmd": "true"},
+        ],
+        budget=30,
+        gpus=4,
+    )
+    done = state["done"]
+    assert done["short"]["started_s"] < done["write"]["ended_s"]  # fits before the head's start
+    assert done["long"]["started_s"] >= done["train"]["started_s"]  # would have delayed it
+
+
 def test_an_exclusive_job_runs_alone(tmp_path):
     """Host-bound timings (the offload tiers) are measured with nothing else on the machine."""
     state = _queue(
