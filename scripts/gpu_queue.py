@@ -2,9 +2,10 @@
 
 A GPU machine is lent by the minute, and most calibration runs need one GPU of four: this packs them.
 Jobs start in list order (first come, first served) with backfilling: while the first waiting job
-cannot start (its GPUs are taken, or the jobs it waits for are still running), a later one may, if it fits in the free GPUs and its estimate says it ends before the
-waiting job's GPUs free up. A job can wait for others (`after`), and never starts if one of them failed;
-a job with `gpus: 0` runs on the CPU (e.g. a merge). Each job's output goes to LOGS/<name>.log and the
+cannot start (its GPUs are taken, or the jobs it waits for are still running), a later one may, if it
+fits in the free GPUs and its estimate says it ends before the waiting job can start. A job can wait
+for others (`after`), and never starts if one of them failed; a job with `gpus: 0` runs on the CPU
+(e.g. a merge). Each job's output goes to LOGS/<name>.log and the
 queue's state to STATE (rewritten at every change), so a poll can copy both away while the queue runs.
 No job starts whose estimate would take it past --budget seconds; the ones left unrun are listed in
 STATE.
@@ -156,7 +157,9 @@ def main() -> None:
                     if head_blocked_at is None and all(a in running or a in done for a in job.get("after", [])):
                         # the head waits for inputs already running: later jobs may only use the time
                         # until those end and its GPUs are free, or they would delay it
-                        inputs_end = [running[a]["started_s"] + running[a]["est_s"] for a in job["after"] if a in running]
+                        inputs_end = [
+                            running[a]["started_s"] + running[a]["est_s"] for a in job["after"] if a in running
+                        ]
                         head_blocked_at = max([head_start_time(job), *inputs_end])
                     continue
                 if running and (job.get("exclusive") or any(j.get("exclusive") for j in running.values())):

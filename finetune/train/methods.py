@@ -16,7 +16,7 @@ from __future__ import annotations
 import os
 
 from finetune.recipe.schema import Recipe
-from finetune.train.optim import with_optimizer
+from finetune.train.subclass import trainer_class
 from finetune.train.tokenize import dpo_features
 
 METHOD_NAMES = {"kto": "KTO", "orpo": "ORPO", "simpo": "SimPO", "reward": "reward modelling"}
@@ -130,19 +130,19 @@ def method_trainer(recipe: Recipe, *, args, model, tokenizer, data, callbacks: l
             from finetune.train.model import load_model
 
             ref_model = load_model(recipe)
-        return with_optimizer(KTOTrainer, recipe)(ref_model=ref_model, **kw)
+        return trainer_class(KTOTrainer, recipe)(ref_model=ref_model, **kw)
     if m == "reward":
         from trl import RewardTrainer
 
-        return with_optimizer(RewardTrainer, recipe)(**kw)
+        return trainer_class(RewardTrainer, recipe)(**kw)
     _quiet_experimental()
     if m == "orpo":
         from trl.experimental.orpo import ORPOTrainer
 
-        return with_optimizer(ORPOTrainer, recipe)(**kw)
+        return trainer_class(ORPOTrainer, recipe)(**kw)
     from trl.experimental.cpo import CPOTrainer
 
-    return with_optimizer(CPOTrainer, recipe)(**kw)
+    return trainer_class(CPOTrainer, recipe)(**kw)
 
 
 def is_method_here(recipe: Recipe) -> bool:

@@ -170,7 +170,7 @@ def build_trainer(recipe: Recipe, *, args, model, tokenizer, data, callbacks: li
     """The TRL trainer. `args` must be built before the model is loaded: under ZeRO-3 the
     TrainingArguments switch from_pretrained to partitioned (zero.Init) loading."""
     from finetune.train.model import lora_config
-    from finetune.train.optim import with_optimizer
+    from finetune.train.subclass import trainer_class
 
     peft_config = lora_config(recipe)
     from finetune.train.methods import is_method_here, method_trainer
@@ -180,7 +180,7 @@ def build_trainer(recipe: Recipe, *, args, model, tokenizer, data, callbacks: li
             recipe, args=args, model=model, tokenizer=tokenizer, data=data, callbacks=callbacks, peft_config=peft_config
         )
     if recipe.method.type in ("sft", "pretrain"):
-        sft = with_optimizer(sft_trainer_class(recipe), recipe)
+        sft = trainer_class(sft_trainer_class(recipe), recipe)
         return sft(
             model=model,
             args=args,
@@ -198,7 +198,7 @@ def build_trainer(recipe: Recipe, *, args, model, tokenizer, data, callbacks: li
 
         ref_model = load_model(recipe)  # a frozen, separate base copy
     # full + copy: DPOTrainer builds the frozen copy itself from the model's path
-    dpo = with_optimizer(PretokenizedDPOTrainer, recipe)
+    dpo = trainer_class(PretokenizedDPOTrainer, recipe)
     trainer = dpo(
         model=model,
         ref_model=ref_model,
