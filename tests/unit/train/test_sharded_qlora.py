@@ -1,0 +1,209 @@
+"""QLoRA under FSDP2 built straight into each rank's shard (finetune/train/sharded_qlora.py).
+
+Two real ranks on gloo (FSDP2's fully_shard on a CPU mesh, bitsandbytes quantizing on the CPU) load the
+shipped tiny Llama with the FSDP settings finetune compiles for a 2-GPU fsdp2 run (accelerate's own
+launcher turns that accelerate.yaml into the ranks' FSDP_* variables); the model the current path builds
+(from_pretrained with a BitsAndBytesConfig, then peft) is the reference. The GPU path itself (NCCL, CUDA
+bitsandbytes, the Trainer's accelerate FSDP2 preparation) is not run here.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from finetune.recipe.load import load_recipe
+from finetune.train import sharded_qlora
+from tests.helpers.paths import ROOT
+from tests.helpers.processes import env
+from tests.helpers.recipes import resolve_recipe, tiny_recipe
+
+slow = pytest.mark.slow
+QLORA = {
+    "model": {"dtype": "bfloat16"},
+    "adapter": {"type": "qlora", "r": 8, "alpha": 16},
+    "train": {"precision": "bf16", "lr": 1e-2},
+}
+
+
+def _gpu_recipe(tmp_path: Path, **sections) -> Path:
+    """The tiny QLoRA recipe compiled for two GPUs (planning needs no GPU); keyword sections merged over it."""
+    from finetune.recipe.load import deep_merge
+
+    recipe = tiny_recipe(**deep_merge(QLORA, {"hardware": "workstation-2x4090", **sections}))
+    return resolve_recipe(recipe, run_dir=tmp_path / "gpu")
+
+
+def test_applies_to_qlora_under_every_fsdp2_strategy_on_gpus(tmp_path):
+    fsdp2 = load_recipe(_gpu_recipe(tmp_path, distributed={"strategy": "fsdp2"}), allow_resolved=True)
+    assert sharded_qlora.applies(fsdp2) and sharded_qlora.unsupported(fsdp2) == ""
+    ddp = load_recipe(_gpu_recipe(tmp_path, distributed={"strategy": "ddp"}), allow_resolved=True)
+    assert not sharded_qlora.applies(ddp)
+    lora = load_recipe(
+        _gpu_recipe(tmp_path, adapter={"type": "lora"}, distributed={"strategy": "fsdp2"}), allow_resolved=True
+    )
+    assert not sharded_qlora.applies(lora)
+    cpu = load_recipe(resolve_recipe(tiny_recipe(**QLORA), run_dir=tmp_path / "cpu"), allow_resolved=True)
+    assert not sharded_qlora.applies(cpu)
+
+
+def test_what_needs_the_whole_base_is_named(tmp_path):
+    dora = load_recipe(
+        _gpu_recipe(tmp_path, adapter={"type": "qlora", "dora": True}, distributed={"strategy": "fsdp2"}),
+        allow_resolved=True,
+    )
+    assert "adapter.dora" in sharded_qlora.unsupported(dora)
+    saved = load_recipe(
+        _gpu_recipe(
+            tmp_path, adapter={"type": "qlora", "modules_to_save": ["lm_head"]}, distributed={"strategy": "fsdp2"}
+        ),
+        allow_resolved=True,
+    )
+    assert "adapter.modules_to_save" in sharded_qlora.unsupported(saved)
+
+
+def _fsdp_env(tmp_path: Path) -> dict:
+    """The FSDP_* / ACCELERATE_MIXED_PRECISION variables `accelerate launch` exports to the ranks of the
+    tiny QLoRA recipe compiled for two GPUs under fsdp2 (accelerate's launcher code, run on this machine)."""
+    from accelerate.commands.launch import _validate_launch_command, launch_command_parser
+    from accelerate.utils.launch import prepare_multi_gpu_env
+
+    gpu = _gpu_recipe(tmp_path, distributed={"strategy": "fsdp2"})
+    from finetune.compile.compiler import prepare_recipe
+
+    compiled = prepare_recipe(load_recipe(gpu, allow_resolved=True), run_dir=gpu.parent, hardware=None)
+    config = gpu.parent / "accelerate.yaml"
+    config.write_text(compiled.texts["accelerate.yaml"])
+    args = launch_command_parser().parse_args(["--config_file", str(config), "unused.py"])
+    args = _validate_launch_command(args)[0]
+    exported = prepare_multi_gpu_env(args)
+    return {k: v for k, v in exported.items() if k.startswith("FSDP_") or k == "ACCELERATE_MIXED_PRECISION"}
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory):
+    """Both ranks' records and tensors, and the CPU-resolved recipe they loaded."""
+    import torch
+
+    tmp = tmp_path_factory.mktemp("sharded-qlora")
+    resolved = resolve_recipe(tiny_recipe(**QLORA), run_dir=tmp / "run")
+    out = tmp / "out"
+    out.mkdir()
+    argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
+    argv += ["-m", "tests.helpers.sharded_qlora_rank", str(resolved), str(out)]
+    done = subprocess.run(
+        argv,
+        cwd=ROOT,
+        env={**env(tmp / "cache"), **_fsdp_env(tmp), "OMP_NUM_THREADS": "1"},
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
+    records = [json.loads((out / f"rank-{r}.json").read_text()) for r in range(2)]
+    tensors = [torch.load(out / f"rank-{r}.pt", weights_only=False) for r in range(2)]
+    return records, tensors, resolved
+
+
+@pytest.fixture(scope="module")
+def whole(two_ranks):
+    """The model as finetune loads it today (from_pretrained quantizes the whole model), peft's adapter on it."""
+    import torch
+    from peft import get_peft_model
+
+    from finetune.train.model import load_model, lora_config
+
+    recipe = load_recipe(two_ranks[2], allow_resolved=True)
+    model = get_peft_model(load_model(recipe), lora_config(recipe))
+    model.eval()
+    with torch.no_grad():
+        logits = model(input_ids=torch.arange(3, 3 + 2 * 12).reshape(2, 12)).logits
+    return model, logits
+
+
+@slow
+def test_each_rank_holds_half_the_4bit_weights(two_ranks, whole):
+    import bitsandbytes as bnb
+
+    records, _, _ = two_ranks
+    model, _ = whole
+    one_process = sum(
+        m.weight.numel() * m.weight.element_size() for m in model.modules() if isinstance(m, bnb.nn.Linear4bit)
+    )
+    for r in records:
+        print(f"rank {r['rank']}: 4-bit {r['four_bit_bytes']} of {one_process} bytes, all weights {r['local_bytes']}")
+        assert r["four_bit_bytes"] == pytest.approx(one_process / 2, rel=0.02)
+    assert sum(r["four_bit_bytes"] for r in records) == one_process
+    assert len(records[0]["quantized"]) == 14  # every Linear of the 2 decoder layers
+
+
+@slow
+def test_sharded_logits_equal_the_whole_model(two_ranks, whole):
+    import torch
+
+    _, tensors, _ = two_ranks
+    _, reference = whole
+    for t in tensors:
+        diff = (t["logits"].float() - reference.float()).abs().max().item()
+        print(f"max |logits - whole model's| = {diff}")
+        torch.testing.assert_close(t["logits"], reference, rtol=1e-2, atol=1e-2)
+
+
+@slow
+def test_each_rank_keeps_the_whole_weights_quant_state(two_ranks, whole):
+    import bitsandbytes as bnb
+    import torch
+
+    _, tensors, _ = two_ranks
+    model, _ = whole
+    expected = {
+        name.removeprefix("base_model.model.").removesuffix(".base_layer"): m.weight.quant_state
+        for name, m in model.named_modules()
+        if isinstance(m, bnb.nn.Linear4bit)
+    }
+    for t in tensors:
+        assert set(t["quant_states"]) == set(expected)
+        for name, qs in t["quant_states"].items():
+            assert qs["shape"] == tuple(expected[name].shape)
+            torch.testing.assert_close(qs["absmax"], expected[name].absmax, rtol=0, atol=0)
+            torch.testing.assert_close(qs["nested_absmax"], expected[name].state2.absmax, rtol=0, atol=0)
+
+
+@slow
+def test_loading_holds_one_tensor_at_a_time(two_ranks):
+    from safetensors import safe_open
+
+    records, _, resolved = two_ranks
+    recipe = load_recipe(resolved, allow_resolved=True)
+    _, index = sharded_qlora.checkpoint(recipe)
+    quantized = set(records[0]["quantized"])
+    largest = whole_model = 0
+    for key, file in index.items():
+        with safe_open(file, framework="pt") as f:
+            rows, *rest = f.get_slice(key).get_shape()
+        numel = rows * (rest[0] if rest else 1)
+        bf16 = 2 * numel
+        whole_model += bf16
+        # a 4-bit weight: the whole bf16 matrix and its packed quarter; anything else: this rank's rows
+        largest = max(largest, bf16 + bf16 // 4 if key in quantized else bf16 // 2)
+    for r in records:
+        print(f"rank {r['rank']}: at most {r['peak_transient_bytes']} bytes held at once, model {whole_model}")
+        # the tiny model's MLP matrix is an eighth of it; a 70B's is a 1/240th
+        assert r["peak_transient_bytes"] == largest < whole_model / 4
+        assert r["tensors"] == len(index)
+
+
+@slow
+def test_finetunes_trainer_keeps_the_adapter_and_the_loss_falls(two_ranks):
+    records, _, _ = two_ranks
+    for r in records:
+        print(f"rank {r['rank']}: losses {r['losses']}")
+        assert r["trainer_model_is_loaded_model"]
+        assert r["lora_layers_after"] == r["lora_layers_before"] == 14  # TRL added no second adapter
+        assert {(dtype, kind) for _, dtype, kind in r["trainable"]} == {("torch.bfloat16", "DTensor")}
+        assert r["losses"][-1] < r["losses"][0]
+    assert records[0]["losses"] == records[1]["losses"]  # one model: the same batch gives the same loss
