@@ -23,6 +23,7 @@ it trains the one it would have sharded itself.
 
 from __future__ import annotations
 
+import copy
 import logging
 from dataclasses import dataclass, field
 
@@ -156,8 +157,9 @@ def build_meta(recipe: Recipe, *, config, device):
 
     m = recipe.model
     dtype = _torch_dtype(m.dtype)
+    # get_hf_quantizer writes quantization_config into the config: a copy, as from_pretrained's
     hf_quantizer, config, _ = get_hf_quantizer(
-        config, quantization_config(recipe), {"": device}, weights_only=True, user_agent={}
+        copy.deepcopy(config), quantization_config(recipe), {"": device}, weights_only=True, user_agent={}
     )
     build = {"dtype": dtype, "attn_implementation": attn_implementation(m.attn_implementation)}
     build["trust_remote_code"] = m.trust_remote_code
@@ -194,6 +196,10 @@ def build_meta(recipe: Recipe, *, config, device):
     peft_config = lora_config(recipe)
     model = get_peft_model(model, peft_config)
     _init_adapter(model, seed=recipe.train.seed, init=peft_config.init_lora_weights)
+    filled = {id(getattr(module, attr)) for module, attr in targets.values()}
+    unknown = [n for n, p in model.named_parameters() if p.is_meta and id(p) not in filled]
+    if unknown:  # to_empty would leave them uninitialised
+        raise RuntimeError(f"sharded QLoRA: no source for the meta parameters {unknown[:3]}")
     return model, quantized, targets
 
 
@@ -204,27 +210,51 @@ def _init_adapter(model, *, seed: int, init) -> None:
     import torch
     from peft.tuners.lora import LoraLayer
 
+    def each(module, fn) -> None:
+        for name in module.adapter_layer_names:
+            holder = getattr(module, name)
+            if ADAPTER in holder:
+                fn(holder)
+
+    def empty(holder) -> None:  # lora_A/B are modules; an Embedding's lora_embedding_A/B are parameters
+        item = holder[ADAPTER]
+        if isinstance(item, torch.nn.Module):
+            item.to_empty(device="cpu")
+        else:
+            holder[ADAPTER] = torch.nn.Parameter(torch.empty_like(item, device="cpu"), item.requires_grad)
+
+    def bf16(holder) -> None:
+        item = holder[ADAPTER]
+        if isinstance(item, torch.nn.Module):
+            item.to(torch.bfloat16)
+        else:
+            holder[ADAPTER] = torch.nn.Parameter(item.detach().to(torch.bfloat16), item.requires_grad)
+
     torch.manual_seed(seed)
     for module in model.modules():
-        if not isinstance(module, LoraLayer):
-            continue
-        for name in module.adapter_layer_names:
-            holder = getattr(module, name)
-            if ADAPTER in holder:
-                holder[ADAPTER].to_empty(device="cpu")
-        module.reset_lora_parameters(ADAPTER, init)
-        for name in module.adapter_layer_names:
-            holder = getattr(module, name)
-            if ADAPTER in holder:
-                holder[ADAPTER].to(torch.bfloat16)
+        if isinstance(module, LoraLayer):
+            each(module, empty)
+            module.reset_lora_parameters(ADAPTER, init)
+            each(module, bf16)
+
+
+def trainer_plugin_args() -> dict:
+    """FullyShardedDataParallelPlugin arguments for the Trainer's Accelerator (TrainingArguments.fsdp_plugin_args;
+    everything not named here is read from the FSDP_* variables as before). The model arrives sharded and
+    checkpoint-wrapped: accelerate's prepare would look its decoder-layer class up by name to wrap it again,
+    and FSDP2 renamed that class (FSDPLlamaDecoderLayer), so there is nothing left for it to wrap."""
+    return {"fsdp_version": 2, "auto_wrap_policy": "NO_WRAP", "activation_checkpointing": False}
 
 
 def shard(model, *, plugin, mesh) -> None:
-    """fully_shard as accelerate's fsdp2_prepare_model (accelerate/utils/fsdp_utils.py) groups the model:
-    each module its wrap policy picks (the decoder layers), the input embedding alone when untied, the final
-    norm with the output embedding (and a tied input embedding) kept unsharded after forward, then the root."""
+    """Activation checkpointing and fully_shard as accelerate's Accelerator applies them for FSDP2
+    (accelerate/utils/fsdp_utils.py: fsdp2_apply_ac, then fsdp2_prepare_model's grouping): the modules its
+    wrap policy picks (the decoder layers) checkpoint-wrapped when the plugin says so and sharded, the input
+    embedding alone when untied, the final norm with the output embedding (and a tied input embedding) kept
+    unsharded after forward, then the root."""
     from accelerate.utils import get_module_children_bottom_up
     from accelerate.utils.fsdp_utils import _find_final_norm, fsdp2_prepare_auto_wrap_policy
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper, offload_wrapper
     from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
     kwargs = {
@@ -234,6 +264,13 @@ def shard(model, *, plugin, mesh) -> None:
         "mesh": mesh,
     }
     policy = fsdp2_prepare_auto_wrap_policy(plugin, model)
+    if policy is not None and plugin.activation_checkpointing:
+        for name, layer in get_module_children_bottom_up(model, return_fqns=True)[:-1]:
+            if policy(layer):
+                wrapped = checkpoint_wrapper(layer, preserve_rng_state=False)
+                if plugin.activation_checkpointing_offload:
+                    wrapped = offload_wrapper(wrapped)
+                model.set_submodule(name, wrapped)
     if policy is not None:
         for module in get_module_children_bottom_up(model)[:-1]:
             if policy(module) and not isinstance(module, FSDPModule):
@@ -264,19 +301,30 @@ def host_values(model) -> tuple[dict, dict]:
 
 
 def materialize(
-    model, *, index: dict[str, str], quantized: dict, targets: dict, host: tuple, device, report: LoadReport
+    model,
+    *,
+    index: dict[str, str],
+    quantized: dict,
+    targets: dict,
+    host: tuple,
+    device,
+    offload: bool,
+    report: LoadReport,
 ) -> None:
-    """Allocate this rank's shards on `device` and fill them: the adapter and buffers from their host values,
-    the base one tensor at a time from the checkpoint (see the module docstring)."""
+    """Allocate this rank's shards and fill them: the adapter and buffers from their host values, the base
+    one tensor at a time from the checkpoint (see the module docstring). Shards are allocated on `device`, or
+    in host RAM when FSDP offloads parameters (it pins them there), so the GPU never holds them all; buffers
+    and quantization run on `device`."""
     import torch
 
     keep, buffers = host
-    model.to_empty(device=device)
+    model.to_empty(device="cpu" if offload else device)
     with torch.no_grad():
         for name, value in keep.items():
             _copy_rows(model.get_parameter(name), value)
         for name, value in buffers.items():
-            model.get_buffer(name).copy_(value)
+            owner, _, attr = name.rpartition(".")
+            setattr(model.get_submodule(owner), attr, value.to(device))
         for key, (module, attr) in targets.items():
             _load(key, getattr(module, attr), index=index, spec=quantized.get(key), device=device, report=report)
     report.local_bytes = sum(_local(p).numel() * _local(p).element_size() for p in model.parameters())
@@ -375,10 +423,23 @@ def load_sharded(recipe: Recipe, *, config, index: dict, device, mesh=None, plug
     missing = [key for key in targets if key not in index]
     if missing:
         return None, f"the checkpoint lacks {len(missing)} of the model's tensors, e.g. {missing[0]}"
+    from torch.distributed.fsdp import CPUOffloadPolicy
+
+    plugin = plugin or shard_plugin(recipe)
     host = host_values(model)
-    shard(model, plugin=plugin or shard_plugin(recipe), mesh=mesh)
+    shard(model, plugin=plugin, mesh=mesh)
     report = LoadReport()
-    materialize(model, index=index, quantized=quantized, targets=targets, host=host, device=device, report=report)
+    offload = isinstance(plugin.cpu_offload, CPUOffloadPolicy)
+    materialize(
+        model,
+        index=index,
+        quantized=quantized,
+        targets=targets,
+        host=host,
+        device=device,
+        offload=offload,
+        report=report,
+    )
     if device.type == "cpu":
         from finetune.compat.bnb_cpu_packing import keep_trainable_layout
 
@@ -399,6 +460,7 @@ def load_for_training(recipe: Recipe, *, args):
     model, report = load_sharded(recipe, config=config, index=index, device=device, mesh=mesh)
     if model is None:
         return None, report
+    args.fsdp_plugin_args = trainer_plugin_args()
     if parallelism is not None:
         args.parallelism_config = parallelism
     gib = 2**30

@@ -41,6 +41,45 @@ def _quant_states(model) -> dict:
     return out
 
 
+def _loss_and_grads(model, batch) -> tuple[float, dict]:
+    loss = model(**batch).loss
+    loss.backward()
+    grads = {
+        n.replace("._checkpoint_wrapped_module", ""): p.grad.full_tensor()
+        for n, p in model.named_parameters()
+        if p.requires_grad
+    }
+    model.zero_grad()
+    return loss.item(), grads
+
+
+def _checkpointing_changes(plain, checkpointed, batch) -> dict:
+    """What activation checkpointing (applied by the loader before sharding, as accelerate does) changes in
+    the loss and the adapter gradients of one step: nothing, up to float rounding."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
+
+    plain_loss, plain_grads = _loss_and_grads(plain, batch)
+    loss, grads = _loss_and_grads(checkpointed, batch)
+    return {
+        "wrapped": sum(isinstance(m, CheckpointWrapper) for m in checkpointed.modules()),
+        "loss": abs(loss - plain_loss),
+        "grad": max((grads[n].float() - g.float()).abs().max().item() for n, g in plain_grads.items()),
+        "grad_scale": max(g.float().abs().max().item() for g in plain_grads.values()),
+    }
+
+
+def _accelerate_finds_layers(plugin_args: dict, model) -> str:
+    """What the Trainer's Accelerator does first with the model it prepares (set_auto_wrap_policy): "" or
+    the error it raises."""
+    from accelerate.utils import FullyShardedDataParallelPlugin
+
+    try:
+        FullyShardedDataParallelPlugin(**plugin_args).set_auto_wrap_policy(model)
+    except ValueError as exc:
+        return str(exc)
+    return ""
+
+
 def main() -> int:
     import torch
     from accelerate import PartialState
@@ -68,9 +107,20 @@ def main() -> int:
     tokenizer = load_tokenizer(recipe)
     data = prepare_data(recipe, tokenizer, state=state)
     args = training_args(recipe, run_dir=resolved.parent, has_eval=False)
+    args.fsdp_plugin_args = sharded_qlora.trainer_plugin_args()  # as load_for_training hands it over
     trainer = build_trainer(recipe, args=args, model=model, tokenizer=tokenizer, data=data, callbacks=[])
     batch = trainer.data_collator([trainer.train_dataset[i] for i in range(4)])
     batch = {k: v for k, v in batch.items() if k in ("input_ids", "attention_mask", "labels", "position_ids")}
+    batch["use_cache"] = False  # as TRL's compute_loss calls the model
+    trainer.model.train()
+    ac_plugin = sharded_qlora.shard_plugin(recipe)
+    ac_plugin.activation_checkpointing = True  # what FSDP_ACTIVATION_CHECKPOINTING=true gives
+    ac_model, _ = sharded_qlora.load_sharded(
+        recipe, config=config, index=index, device="cpu", mesh=mesh, plugin=ac_plugin
+    )
+    ac_model.train()
+    checkpointed = _checkpointing_changes(trainer.model, ac_model, batch)
+    del ac_model
     trainable = [p for p in trainer.model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trainable, lr=recipe.train.lr)
     trainer.model.train()
@@ -97,6 +147,11 @@ def main() -> int:
             (n, str(p.dtype), type(p).__name__) for n, p in trainer.model.named_parameters() if p.requires_grad
         ],
         "losses": losses,
+        "checkpointing_changes": checkpointed,
+        "accelerate_wrap_error_with_env_plugin": _accelerate_finds_layers({}, model),
+        "accelerate_wrap_error_with_trainer_plugin": _accelerate_finds_layers(
+            sharded_qlora.trainer_plugin_args(), model
+        ),
     }
     torch.save({"logits": logits, "quant_states": _quant_states(model)}, out / f"rank-{rank}.pt")
     (out / f"rank-{rank}.json").write_text(json.dumps(record))

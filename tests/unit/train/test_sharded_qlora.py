@@ -207,3 +207,27 @@ def test_finetunes_trainer_keeps_the_adapter_and_the_loss_falls(two_ranks):
         assert {(dtype, kind) for _, dtype, kind in r["trainable"]} == {("torch.bfloat16", "DTensor")}
         assert r["losses"][-1] < r["losses"][0]
     assert records[0]["losses"] == records[1]["losses"]  # one model: the same batch gives the same loss
+
+
+@slow
+def test_activation_checkpointing_applied_before_sharding_changes_nothing(two_ranks):
+    """FSDP's activation checkpointing (FSDP_ACTIVATION_CHECKPOINTING) is applied by the loader, before it
+    shards, as accelerate applies it: the same loss and adapter gradients as without it."""
+    records, _, _ = two_ranks
+    for r in records:
+        changes = r["checkpointing_changes"]
+        print(f"rank {r['rank']}: checkpointing {changes}")
+        assert changes["wrapped"] == 2
+        assert changes["loss"] <= 1e-6 and changes["grad"] <= 1e-3 * changes["grad_scale"]
+
+
+@slow
+def test_the_trainers_accelerator_has_nothing_left_to_wrap(two_ranks):
+    """accelerate's prepare looks the decoder-layer class up by name before it shards (and returns an FSDP2
+    model unchanged); FSDP2 renamed that class, so the plugin the Trainer gets names no class to wrap."""
+    records, _, _ = two_ranks
+    for r in records:
+        assert (
+            "Could not find the transformer layer class LlamaDecoderLayer" in r["accelerate_wrap_error_with_env_plugin"]
+        )
+        assert r["accelerate_wrap_error_with_trainer_plugin"] == ""
