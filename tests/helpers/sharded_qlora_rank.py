@@ -1,10 +1,12 @@
-"""One CPU rank of the sharded-QLoRA test: `torchrun ... -m tests.helpers.sharded_qlora_rank RESOLVED OUT`.
+"""One CPU rank of the sharded-QLoRA test: `torchrun ... -m tests.helpers.sharded_qlora_rank RESOLVED OUT [hybrid]`.
 
 It joins the gloo group as a finetune rank does (accelerate's PartialState), loads the QLoRA model with
 finetune.train.sharded_qlora on a CPU mesh (the FSDP plugin from the FSDP_* variables the test exported the
 way `accelerate launch` exports them), hands it to finetune's build_trainer, and writes OUT/rank-K.json
 (sizes, the trainer's view of the model, losses) and OUT/rank-K.pt (logits, quant states). accelerate runs
 FSDP only on accelerators, so the steps are taken by a plain loop over the trainer's own collated batch.
+With `hybrid`, RESOLVED is a recipe compiled for fsdp2-hybrid: the rank only loads, on the 2-D mesh that
+finetune.train.sharded_qlora.shard_mesh builds from the PARALLELISM_CONFIG_* variables, and records that.
 """
 
 from __future__ import annotations
@@ -80,10 +82,44 @@ def _accelerate_finds_layers(plugin_args: dict, model) -> str:
     return ""
 
 
+def hybrid(resolved: Path, out: Path) -> int:
+    import torch
+    from accelerate import PartialState
+    from transformers import TrainingArguments
+
+    from finetune.recipe.load import load_recipe
+    from finetune.train import sharded_qlora
+
+    state = PartialState(cpu=True)
+    recipe = load_recipe(resolved, allow_resolved=True)
+    args = TrainingArguments(output_dir=str(out / "args"), use_cpu=True, report_to=[])
+    model, report = sharded_qlora.load_for_training(recipe, args=args)
+    parallelism = args.parallelism_config  # what the Trainer's Accelerator will build its mesh from
+    weight = model.get_input_embeddings().weight  # before a forward leaves the root's group unsharded
+    mesh = weight.device_mesh
+    model.eval()
+    with torch.no_grad():
+        logits = model(input_ids=torch.arange(3, 3 + 2 * 12).reshape(2, 12)).logits
+    record = {
+        "rank": state.process_index,
+        "mesh": list(mesh.mesh_dim_names),
+        "mesh_shape": list(mesh.shape),
+        "placements": [str(p) for p in weight.placements],
+        "handed_over": [parallelism.dp_replicate_size, parallelism.dp_shard_size],
+        "same_mesh": parallelism.device_mesh[tuple(parallelism.fsdp_dim_names)].mesh.tolist() == mesh.mesh.tolist(),
+        "trainer_plugin": args.fsdp_plugin_args,
+        "four_bit_bytes": _four_bit_bytes(model),
+        "local_bytes": report.local_bytes,
+    }
+    torch.save({"logits": logits}, out / f"rank-{state.process_index}.pt")
+    (out / f"rank-{state.process_index}.json").write_text(json.dumps(record))
+    state.destroy_process_group()
+    return 0
+
+
 def main() -> int:
     import torch
     from accelerate import PartialState
-    from torch.distributed.device_mesh import init_device_mesh
 
     from finetune.recipe.load import load_recipe
     from finetune.train import sharded_qlora
@@ -95,9 +131,9 @@ def main() -> int:
     state = PartialState(cpu=True)
     rank = state.process_index
     recipe = load_recipe(resolved, allow_resolved=True)
-    mesh = init_device_mesh("cpu", (state.num_processes,))
-    config, index = sharded_qlora.checkpoint(recipe)
-    model, report = sharded_qlora.load_sharded(recipe, config=config, index=index, device="cpu", mesh=mesh)
+    # as finetune.train.run sets up a rank: the training arguments first, then the model
+    args = training_args(recipe, run_dir=resolved.parent, has_eval=False)
+    model, report = sharded_qlora.load_for_training(recipe, args=args)
     ids = torch.arange(3, 3 + 2 * 12).reshape(2, 12)
     model.eval()
     with torch.no_grad():
@@ -106,8 +142,6 @@ def main() -> int:
     lora_layers = sum(1 for n, _ in model.named_modules() if n.endswith("lora_A"))
     tokenizer = load_tokenizer(recipe)
     data = prepare_data(recipe, tokenizer, state=state)
-    args = training_args(recipe, run_dir=resolved.parent, has_eval=False)
-    args.fsdp_plugin_args = sharded_qlora.trainer_plugin_args()  # as load_for_training hands it over
     trainer = build_trainer(recipe, args=args, model=model, tokenizer=tokenizer, data=data, callbacks=[])
     batch = trainer.data_collator([trainer.train_dataset[i] for i in range(4)])
     batch = {k: v for k, v in batch.items() if k in ("input_ids", "attention_mask", "labels", "position_ids")}
@@ -115,9 +149,8 @@ def main() -> int:
     trainer.model.train()
     ac_plugin = sharded_qlora.shard_plugin(recipe)
     ac_plugin.activation_checkpointing = True  # what FSDP_ACTIVATION_CHECKPOINTING=true gives
-    ac_model, _ = sharded_qlora.load_sharded(
-        recipe, config=config, index=index, device="cpu", mesh=mesh, plugin=ac_plugin
-    )
+    config, index = sharded_qlora.checkpoint(recipe)
+    ac_model, _ = sharded_qlora.load_sharded(recipe, config=config, index=index, device="cpu", plugin=ac_plugin)
     ac_model.train()
     checkpointed = _checkpointing_changes(trainer.model, ac_model, batch)
     del ac_model
@@ -149,9 +182,7 @@ def main() -> int:
         "losses": losses,
         "checkpointing_changes": checkpointed,
         "accelerate_wrap_error_with_env_plugin": _accelerate_finds_layers({}, model),
-        "accelerate_wrap_error_with_trainer_plugin": _accelerate_finds_layers(
-            sharded_qlora.trainer_plugin_args(), model
-        ),
+        "accelerate_wrap_error_with_trainer_plugin": _accelerate_finds_layers(args.fsdp_plugin_args, model),
     }
     torch.save({"logits": logits, "quant_states": _quant_states(model)}, out / f"rank-{rank}.pt")
     (out / f"rank-{rank}.json").write_text(json.dumps(record))
@@ -160,4 +191,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(hybrid(Path(sys.argv[1]), Path(sys.argv[2])) if sys.argv[3:] == ["hybrid"] else main())

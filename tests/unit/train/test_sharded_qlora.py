@@ -17,10 +17,11 @@ from pathlib import Path
 import pytest
 
 from finetune.recipe.load import load_recipe
+from finetune.rundir import RESOLVED_RECIPE
 from finetune.train import sharded_qlora
 from tests.helpers.paths import ROOT
 from tests.helpers.processes import env
-from tests.helpers.recipes import resolve_recipe, tiny_recipe
+from tests.helpers.recipes import resolve_recipe, tiny_recipe, write_preset
 
 slow = pytest.mark.slow
 QLORA = {
@@ -66,58 +67,72 @@ def test_what_needs_the_whole_base_is_named(tmp_path):
     assert "adapter.modules_to_save" in sharded_qlora.unsupported(saved)
 
 
-def _fsdp_env(tmp_path: Path) -> dict:
-    """The FSDP_* / ACCELERATE_MIXED_PRECISION variables `accelerate launch` exports to the ranks of the
-    tiny QLoRA recipe compiled for two GPUs under fsdp2 (accelerate's launcher code, run on this machine)."""
+def _compiled(run_dir: Path, **sections) -> Path:
+    """The tiny QLoRA recipe compiled for GPUs by `finetune compile` (planning needs no GPU): RUN_DIR with its
+    recipe.resolved.yaml and accelerate.yaml."""
+    from finetune.compile.compiler import prepare_recipe
+    from finetune.recipe.load import deep_merge
+
+    recipe = tiny_recipe(**deep_merge(QLORA, {"logging": {"report_to": ["none"]}, **sections}))
+    compiled = prepare_recipe(load_recipe(recipe), run_dir=run_dir, hardware=None)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    for name in (RESOLVED_RECIPE, "accelerate.yaml"):
+        (run_dir / name).write_text(compiled.texts[name])
+    return run_dir
+
+
+def _launch_env(run_dir: Path, *launch_args: str) -> dict:
+    """The FSDP_* / PARALLELISM_CONFIG_* / ACCELERATE_MIXED_PRECISION variables `accelerate launch` exports to
+    the ranks of RUN_DIR's accelerate.yaml (accelerate's own launcher code, run on this machine)."""
     from accelerate.commands.launch import _validate_launch_command, launch_command_parser
     from accelerate.utils.launch import prepare_multi_gpu_env
 
-    gpu = _gpu_recipe(tmp_path, distributed={"strategy": "fsdp2"})
-    from finetune.compile.compiler import prepare_recipe
-
-    compiled = prepare_recipe(load_recipe(gpu, allow_resolved=True), run_dir=gpu.parent, hardware=None)
-    config = gpu.parent / "accelerate.yaml"
-    config.write_text(compiled.texts["accelerate.yaml"])
-    args = launch_command_parser().parse_args(["--config_file", str(config), "unused.py"])
-    args = _validate_launch_command(args)[0]
-    exported = prepare_multi_gpu_env(args)
-    return {k: v for k, v in exported.items() if k.startswith("FSDP_") or k == "ACCELERATE_MIXED_PRECISION"}
+    argv = ["--config_file", str(run_dir / "accelerate.yaml"), *launch_args, "unused.py"]
+    exported = prepare_multi_gpu_env(_validate_launch_command(launch_command_parser().parse_args(argv))[0])
+    keep = ("FSDP_", "PARALLELISM_CONFIG_", "ACCELERATE_USE_PARALLELISM_CONFIG", "ACCELERATE_MIXED_PRECISION")
+    return {k: v for k, v in exported.items() if k.startswith(keep)}
 
 
-@pytest.fixture(scope="module")
-def two_ranks(tmp_path_factory):
-    """Both ranks' records and tensors, and the CPU-resolved recipe they loaded."""
+def _ranks(tmp: Path, resolved: Path, launch_env: dict, *, n: int, mode: tuple[str, ...] = ()):
     import torch
 
-    tmp = tmp_path_factory.mktemp("sharded-qlora")
-    resolved = resolve_recipe(tiny_recipe(**QLORA), run_dir=tmp / "run")
-    out = tmp / "out"
+    out = tmp / f"out-{n}{''.join(mode)}"
     out.mkdir()
-    argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
-    argv += ["-m", "tests.helpers.sharded_qlora_rank", str(resolved), str(out)]
+    argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(n)]
+    argv += ["-m", "tests.helpers.sharded_qlora_rank", str(resolved), str(out), *mode]
     done = subprocess.run(
         argv,
         cwd=ROOT,
-        env={**env(tmp / "cache"), **_fsdp_env(tmp), "OMP_NUM_THREADS": "1"},
+        env={**env(tmp / "cache"), **launch_env, "OMP_NUM_THREADS": "1"},
         capture_output=True,
         text=True,
         timeout=240,
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
-    records = [json.loads((out / f"rank-{r}.json").read_text()) for r in range(2)]
-    tensors = [torch.load(out / f"rank-{r}.pt", weights_only=False) for r in range(2)]
-    return records, tensors, resolved
+    records = [json.loads((out / f"rank-{r}.json").read_text()) for r in range(n)]
+    return records, [torch.load(out / f"rank-{r}.pt", weights_only=False) for r in range(n)]
 
 
 @pytest.fixture(scope="module")
-def whole(two_ranks):
+def two_ranks(tmp_path_factory):
+    """Both ranks' records and tensors, and the CPU-resolved recipe they loaded; the FSDP settings are those
+    finetune compiles for the same recipe on two GPUs under fsdp2."""
+    tmp = tmp_path_factory.mktemp("sharded-qlora")
+    resolved = resolve_recipe(tiny_recipe(**QLORA), run_dir=tmp / "run")
+    gpu = _compiled(tmp / "gpu", hardware="workstation-2x4090", distributed={"strategy": "fsdp2"})
+    return (*_ranks(tmp, resolved, _launch_env(gpu), n=2), resolved)
+
+
+@pytest.fixture(scope="module")
+def whole(tmp_path_factory):
     """The model as finetune loads it today (from_pretrained quantizes the whole model), peft's adapter on it."""
     import torch
     from peft import get_peft_model
 
     from finetune.train.model import load_model, lora_config
 
-    recipe = load_recipe(two_ranks[2], allow_resolved=True)
+    resolved = resolve_recipe(tiny_recipe(**QLORA), run_dir=tmp_path_factory.mktemp("whole") / "run")
+    recipe = load_recipe(resolved, allow_resolved=True)
     model = get_peft_model(load_model(recipe), lora_config(recipe))
     model.eval()
     with torch.no_grad():
@@ -125,15 +140,18 @@ def whole(two_ranks):
     return model, logits
 
 
+def _four_bit_bytes(model) -> int:
+    import bitsandbytes as bnb
+
+    return sum(m.weight.numel() * m.weight.element_size() for m in model.modules() if isinstance(m, bnb.nn.Linear4bit))
+
+
 @slow
 def test_each_rank_holds_half_the_4bit_weights(two_ranks, whole):
-    import bitsandbytes as bnb
 
     records, _, _ = two_ranks
     model, _ = whole
-    one_process = sum(
-        m.weight.numel() * m.weight.element_size() for m in model.modules() if isinstance(m, bnb.nn.Linear4bit)
-    )
+    one_process = _four_bit_bytes(model)
     for r in records:
         print(f"rank {r['rank']}: 4-bit {r['four_bit_bytes']} of {one_process} bytes, all weights {r['local_bytes']}")
         assert r["four_bit_bytes"] == pytest.approx(one_process / 2, rel=0.02)
@@ -231,3 +249,26 @@ def test_the_trainers_accelerator_has_nothing_left_to_wrap(two_ranks):
             "Could not find the transformer layer class LlamaDecoderLayer" in r["accelerate_wrap_error_with_env_plugin"]
         )
         assert r["accelerate_wrap_error_with_trainer_plugin"] == ""
+
+
+@slow
+def test_hybrid_shard_shards_within_a_node_and_replicates_across(tmp_path, whole):
+    """fsdp2-hybrid on 2 "nodes" of 2: the 2-D (replicate, shard) mesh that accelerate's ParallelismConfig
+    builds from the compiled accelerate.yaml; each rank holds half the 4-bit weights, and every rank's model
+    is the whole model's."""
+    import torch
+
+    preset = write_preset(tmp_path / "two-nodes.yaml", like="workstation-2x4090", name="two-nodes-2x4090", nodes=2)
+    gpu = _compiled(tmp_path / "gpu", hardware=str(preset), distributed={"strategy": "fsdp2-hybrid"})
+    launch_env = _launch_env(gpu, "--machine_rank", "0", "--main_process_ip", "127.0.0.1")
+    records, tensors = _ranks(tmp_path, gpu / RESOLVED_RECIPE, launch_env, n=4, mode=("hybrid",))
+    model, reference = whole
+    one_process = _four_bit_bytes(model)
+    for r, t in zip(records, tensors, strict=True):
+        print(f"rank {r['rank']}: mesh {r['mesh']} {r['mesh_shape']} {r['placements']}, 4-bit {r['four_bit_bytes']}")
+        assert r["mesh"] == ["dp_replicate", "dp_shard_cp"] and r["mesh_shape"] == [2, 2]
+        assert r["placements"] == ["R", "S(0)"]  # replicated across nodes, dim 0 sharded within one
+        assert r["handed_over"] == [2, 2] and r["same_mesh"]  # the Trainer's Accelerator gets this mesh
+        assert r["four_bit_bytes"] == pytest.approx(one_process / 2, rel=0.02)
+        torch.testing.assert_close(t["logits"], reference, rtol=1e-2, atol=1e-2)
+    assert records[0]["four_bit_bytes"] + records[1]["four_bit_bytes"] == one_process  # one replica's shards
