@@ -171,6 +171,7 @@ def main() -> int:
         "local_bytes": report.local_bytes,
         "four_bit_bytes": _four_bit_bytes(model),
         "peak_transient_bytes": report.peak_transient_bytes,
+        "replicated_bytes": report.replicated_bytes,
         "tensors": report.tensors,
         "quantized": report.quantized,
         "trainer_model_is_loaded_model": trainer.model is model,

@@ -189,6 +189,8 @@ def test_each_rank_keeps_the_whole_weights_quant_state(two_ranks, whole):
             assert qs["shape"] == tuple(expected[name].shape)
             torch.testing.assert_close(qs["absmax"], expected[name].absmax, rtol=0, atol=0)
             torch.testing.assert_close(qs["nested_absmax"], expected[name].state2.absmax, rtol=0, atol=0)
+    whole_states = sum(t.numel() * t.element_size() for qs in expected.values() for t in (qs.absmax, qs.state2.absmax))
+    assert [r["replicated_bytes"] for r in two_ranks[0]] == [whole_states] * 2
 
 
 @slow
