@@ -91,6 +91,20 @@ class _Quantized:
     quant_type: str
     quant_storage: object
 
+    def param(self, data, **extra):
+        """bitsandbytes' Params4bit of `data` with these settings."""
+        from bitsandbytes.nn import Params4bit
+
+        return Params4bit(
+            data,
+            requires_grad=False,
+            blocksize=self.blocksize,
+            compress_statistics=self.compress_statistics,
+            quant_type=self.quant_type,
+            quant_storage=self.quant_storage,
+            **extra,
+        )
+
 
 def shard_plugin(recipe: Recipe):
     """accelerate's FSDP plugin as the Trainer's Accelerator builds it: from the FSDP_* variables that
@@ -145,7 +159,6 @@ def build_meta(recipe: Recipe, *, config, device):
     weights, then peft's adapter initialised on the host. Returns (peft model, {checkpoint key: _Quantized},
     {checkpoint key: (module, attribute)} of every base parameter, named before peft renames them)."""
     import torch
-    from bitsandbytes.nn import Params4bit
     from peft import get_peft_model
     from transformers import AutoModelForCausalLM
     from transformers.quantizers.auto import get_hf_quantizer
@@ -179,19 +192,9 @@ def build_meta(recipe: Recipe, *, config, device):
         packed, _ = torch.ops.bitsandbytes.quantize_4bit.default(
             torch.empty(w.shape, dtype=dtype, device="meta"), w.blocksize, w.quant_type, w.quant_storage
         )
-        quantized[f"{name}.weight"] = _Quantized(
-            module, dtype, w.blocksize, w.compress_statistics, w.quant_type, w.quant_storage
-        )
-        module.weight = Params4bit(
-            packed,
-            requires_grad=False,
-            blocksize=w.blocksize,
-            compress_statistics=w.compress_statistics,
-            quant_type=w.quant_type,
-            quant_storage=w.quant_storage,
-            module=module,
-            bnb_quantized=True,
-        )
+        spec = _Quantized(module, dtype, w.blocksize, w.compress_statistics, w.quant_type, w.quant_storage)
+        quantized[f"{name}.weight"] = spec
+        module.weight = spec.param(packed, module=module, bnb_quantized=True)
     model.hf_quantizer = hf_quantizer
     hf_quantizer.postprocess_model(model)  # config.quantization_config, is_loaded_in_4bit: what peft/TRL ask
     model.eval()  # as from_pretrained returns it
@@ -361,7 +364,6 @@ def _copy_rows(param, full) -> None:
 
 
 def _load(key: str, param, *, index, spec, device, report: LoadReport) -> None:
-    from bitsandbytes.nn import Params4bit
     from safetensors import safe_open
 
     local = _local(param)
@@ -375,14 +377,7 @@ def _load(key: str, param, *, index, spec, device, report: LoadReport) -> None:
             return
         full = f.get_tensor(key).to(device, spec.dtype)
     # bitsandbytes' Params4bit quantizes on `.to(device)` exactly as from_pretrained's Bnb4bitQuantize does
-    q = Params4bit(
-        full,
-        requires_grad=False,
-        blocksize=spec.blocksize,
-        compress_statistics=spec.compress_statistics,
-        quant_type=spec.quant_type,
-        quant_storage=spec.quant_storage,
-    ).to(device)
+    q = spec.param(full).to(device)
     held = full.numel() * full.element_size() + q.numel() * q.element_size()
     report.peak_transient_bytes = max(report.peak_transient_bytes, held)
     del full
