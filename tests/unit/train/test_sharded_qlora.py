@@ -52,6 +52,20 @@ def test_applies_to_qlora_under_every_fsdp2_strategy_on_gpus(tmp_path):
     assert not sharded_qlora.applies(cpu)
 
 
+@pytest.mark.parametrize(("strategy", "hardware"), [("fsdp2", "server-8xh100"), ("fsdp2-hybrid", "cluster-2x8xh100")])
+def test_the_shipped_70b_qlora_recipe_loads_sharded(strategy, hardware, tmp_path):
+    """recipes/llama70b-qlora.yaml as issue 19 runs it: nothing in it sends it back to the whole-model load."""
+    from finetune.compile.compiler import prepare_recipe
+
+    overrides = [f"distributed.strategy={strategy}", f"hardware={hardware}"]
+    compiled = prepare_recipe(
+        load_recipe(ROOT / "recipes" / "llama70b-qlora.yaml", overrides=overrides), run_dir=tmp_path, hardware=None
+    )
+    (tmp_path / RESOLVED_RECIPE).write_text(compiled.texts[RESOLVED_RECIPE])
+    recipe = load_recipe(tmp_path / RESOLVED_RECIPE, allow_resolved=True)
+    assert sharded_qlora.applies(recipe) and sharded_qlora.unsupported(recipe) == ""
+
+
 def test_what_needs_the_whole_base_is_named(tmp_path):
     dora = load_recipe(
         _gpu_recipe(tmp_path, adapter={"type": "qlora", "dora": True}, distributed={"strategy": "fsdp2"}),
