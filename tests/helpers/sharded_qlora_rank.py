@@ -82,6 +82,11 @@ def _accelerate_finds_layers(plugin_args: dict, model) -> str:
     return ""
 
 
+def _adapter(model) -> dict:
+    """The whole LoRA weights as the ranks hold them between them (a collective: every rank calls it)."""
+    return {n: p.full_tensor() for n, p in model.named_parameters() if p.requires_grad}
+
+
 def hybrid(resolved: Path, out: Path) -> int:
     import torch
     from accelerate import PartialState
@@ -97,6 +102,7 @@ def hybrid(resolved: Path, out: Path) -> int:
     parallelism = args.parallelism_config  # what the Trainer's Accelerator will build its mesh from
     weight = model.get_input_embeddings().weight  # before a forward leaves the root's group unsharded
     mesh = weight.device_mesh
+    adapter = _adapter(model)
     model.eval()
     with torch.no_grad():
         logits = model(input_ids=torch.arange(3, 3 + 2 * 12).reshape(2, 12)).logits
@@ -111,7 +117,7 @@ def hybrid(resolved: Path, out: Path) -> int:
         "four_bit_bytes": _four_bit_bytes(model),
         "local_bytes": report.local_bytes,
     }
-    torch.save({"logits": logits}, out / f"rank-{state.process_index}.pt")
+    torch.save({"logits": logits, "adapter": adapter}, out / f"rank-{state.process_index}.pt")
     (out / f"rank-{state.process_index}.json").write_text(json.dumps(record))
     state.destroy_process_group()
     return 0
@@ -134,6 +140,7 @@ def main() -> int:
     # as finetune.train.run sets up a rank: the training arguments first, then the model
     args = training_args(recipe, run_dir=resolved.parent, has_eval=False)
     model, report = sharded_qlora.load_for_training(recipe, args=args)
+    adapter = _adapter(model)
     ids = torch.arange(3, 3 + 2 * 12).reshape(2, 12)
     model.eval()
     with torch.no_grad():
@@ -185,7 +192,7 @@ def main() -> int:
         "accelerate_wrap_error_with_env_plugin": _accelerate_finds_layers({}, model),
         "accelerate_wrap_error_with_trainer_plugin": _accelerate_finds_layers(args.fsdp_plugin_args, model),
     }
-    torch.save({"logits": logits, "quant_states": _quant_states(model)}, out / f"rank-{rank}.pt")
+    torch.save({"logits": logits, "quant_states": _quant_states(model), "adapter": adapter}, out / f"rank-{rank}.pt")
     (out / f"rank-{rank}.json").write_text(json.dumps(record))
     state.destroy_process_group()
     return 0

@@ -208,6 +208,23 @@ def test_each_rank_keeps_the_whole_weights_quant_state(two_ranks, whole):
 
 
 @slow
+def test_the_adapter_is_peft_initialised_alike_on_every_rank(two_ranks):
+    """lora_A from peft's kaiming init, lora_B zero, seeded by train.seed: the whole tensors the ranks hold
+    between them are the same seen from either rank, and the same when loaded again."""
+    import torch
+
+    _, tensors, _ = two_ranks
+    adapter = tensors[0]["adapter"]
+    assert len(adapter) == 2 * 14
+    for name, value in adapter.items():
+        torch.testing.assert_close(value, tensors[1]["adapter"][name], rtol=0, atol=0)
+        if "lora_B" in name:
+            assert not value.any(), name
+        else:
+            assert value.float().std() > 0 and value.dtype == torch.bfloat16, name
+
+
+@slow
 def test_loading_holds_one_tensor_at_a_time(two_ranks):
     from safetensors import safe_open
 
@@ -268,7 +285,7 @@ def test_the_trainers_accelerator_has_nothing_left_to_wrap(two_ranks):
 
 
 @slow
-def test_hybrid_shard_shards_within_a_node_and_replicates_across(tmp_path, whole):
+def test_hybrid_shard_shards_within_a_node_and_replicates_across(tmp_path, whole, two_ranks):
     """fsdp2-hybrid on 2 "nodes" of 2: the 2-D (replicate, shard) mesh that accelerate's ParallelismConfig
     builds from the compiled accelerate.yaml; each rank holds half the 4-bit weights, and every rank's model
     is the whole model's."""
@@ -288,3 +305,8 @@ def test_hybrid_shard_shards_within_a_node_and_replicates_across(tmp_path, whole
         assert r["four_bit_bytes"] == pytest.approx(one_process / 2, rel=0.02)
         torch.testing.assert_close(t["logits"], reference, rtol=1e-2, atol=1e-2)
     assert records[0]["four_bit_bytes"] + records[1]["four_bit_bytes"] == one_process  # one replica's shards
+    two_rank_adapter = two_ranks[1][0]["adapter"]
+    for t in tensors:  # peft's initialisation, seeded by train.seed on whole tensors: the same on any mesh
+        assert t["adapter"].keys() == two_rank_adapter.keys()
+        for name, value in t["adapter"].items():
+            torch.testing.assert_close(value, two_rank_adapter[name], rtol=0, atol=0)
