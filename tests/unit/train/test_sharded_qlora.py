@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from finetune.recipe.load import load_recipe
-from finetune.rundir import RESOLVED_RECIPE
+from finetune.rundir import ACCELERATE_YAML, RESOLVED_RECIPE
 from finetune.train import sharded_qlora
 from tests.helpers.paths import ROOT
 from tests.helpers.processes import env
@@ -32,11 +32,8 @@ QLORA = {
 
 
 def _gpu_recipe(tmp_path: Path, **sections) -> Path:
-    """The tiny QLoRA recipe compiled for two GPUs (planning needs no GPU); keyword sections merged over it."""
-    from finetune.recipe.load import deep_merge
-
-    recipe = tiny_recipe(**deep_merge(QLORA, {"hardware": "workstation-2x4090", **sections}))
-    return resolve_recipe(recipe, run_dir=tmp_path / "gpu")
+    """The tiny QLoRA recipe resolved for two GPUs; keyword sections merged over it."""
+    return _compiled(tmp_path / "gpu", hardware="workstation-2x4090", **sections) / RESOLVED_RECIPE
 
 
 def test_applies_to_qlora_under_every_fsdp2_strategy_on_gpus(tmp_path):
@@ -90,7 +87,7 @@ def _compiled(run_dir: Path, **sections) -> Path:
     recipe = tiny_recipe(**deep_merge(QLORA, {"logging": {"report_to": ["none"]}, **sections}))
     compiled = prepare_recipe(load_recipe(recipe), run_dir=run_dir, hardware=None)
     run_dir.mkdir(parents=True, exist_ok=True)
-    for name in (RESOLVED_RECIPE, "accelerate.yaml"):
+    for name in (RESOLVED_RECIPE, ACCELERATE_YAML):
         (run_dir / name).write_text(compiled.texts[name])
     return run_dir
 
@@ -101,7 +98,7 @@ def _launch_env(run_dir: Path, *launch_args: str) -> dict:
     from accelerate.commands.launch import _validate_launch_command, launch_command_parser
     from accelerate.utils.launch import prepare_multi_gpu_env
 
-    argv = ["--config_file", str(run_dir / "accelerate.yaml"), *launch_args, "unused.py"]
+    argv = ["--config_file", str(run_dir / ACCELERATE_YAML), *launch_args, "unused.py"]
     exported = prepare_multi_gpu_env(_validate_launch_command(launch_command_parser().parse_args(argv))[0])
     keep = ("FSDP_", "PARALLELISM_CONFIG_", "ACCELERATE_USE_PARALLELISM_CONFIG", "ACCELERATE_MIXED_PRECISION")
     return {k: v for k, v in exported.items() if k.startswith(keep)}
