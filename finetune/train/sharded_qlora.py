@@ -71,7 +71,8 @@ def unsupported(recipe: Recipe) -> str:
 
 @dataclass
 class LoadReport:
-    """What one rank held: its shard bytes, and the most bytes it held at once for one source tensor."""
+    """What one rank held on its device: its shard bytes, the replicated quant states, and the most bytes it
+    held at once beyond them (one weight matrix being quantized)."""
 
     local_bytes: int = 0
     replicated_bytes: int = 0  # the quant states every rank keeps whole
@@ -368,11 +369,9 @@ def _load(key: str, param, *, index, spec, device, report: LoadReport) -> None:
 
     local = _local(param)
     with safe_open(index[key], framework="pt", device="cpu") as f:
-        if spec is None:  # kept in bf16: only this rank's rows are read
+        if spec is None:  # not quantized: only this rank's rows are read, and copied from host RAM into its shard
             start, n = _rows(param) if hasattr(param, "to_local") else (0, local.shape[0])
-            rows = f.get_slice(key)[start : start + n].to(device, local.dtype)
-            report.peak_transient_bytes = max(report.peak_transient_bytes, rows.numel() * rows.element_size())
-            local.copy_(rows)
+            local.copy_(f.get_slice(key)[start : start + n].to(local.dtype))
             report.tensors += 1
             return
         full = f.get_tensor(key).to(device, spec.dtype)

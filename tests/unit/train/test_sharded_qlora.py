@@ -236,8 +236,8 @@ def test_loading_holds_one_tensor_at_a_time(two_ranks):
         numel = rows * (rest[0] if rest else 1)
         bf16 = 2 * numel
         whole_model += bf16
-        # a 4-bit weight: the whole bf16 matrix and its packed quarter; anything else: this rank's rows
-        largest = max(largest, bf16 + bf16 // 4 if key in quantized else bf16 // 2)
+        if key in quantized:  # the whole bf16 matrix and its packed quarter; other tensors go from host RAM
+            largest = max(largest, bf16 + bf16 // 4)
     for r in records:
         print(f"rank {r['rank']}: at most {r['peak_transient_bytes']} bytes held at once, model {whole_model}")
         # the tiny model's MLP matrix is an eighth of it; a 70B's is a 1/240th
