@@ -70,10 +70,25 @@ def weights_on_gpu_bytes(model) -> int:
     return total
 
 
+def load_figures(model) -> dict:
+    """This rank's GPU memory right after the model is loaded, before the Trainer wraps it: the peak says
+    whether loading ever held the whole model (QLoRA under FSDP2 loads only the rank's shard), the weights
+    what the rank kept. Empty without CUDA."""
+    import torch
+
+    if not (torch.cuda.is_available() and torch.cuda.is_initialized()):
+        return {}
+    return {
+        "gpu_peak_after_load_gib": torch.cuda.max_memory_allocated() / GIB,
+        "weights_on_gpu_after_load_gib": weights_on_gpu_bytes(model) / GIB,
+    }
+
+
 class PeakMemoryCallback(TrainerCallback):
-    def __init__(self, run_dir: Path):
+    def __init__(self, run_dir: Path, *, at_load: dict | None = None):
         self.run_dir = Path(run_dir)
         self.dir = self.run_dir / rundir.MEMORY_DIR
+        self.at_load = dict(at_load or {})
         self.at_start: dict = {}
         self.ended = False  # an evaluation after training logs again; the file stays final
         self.pss_peak: float | None = None  # sampled after loading and at every logged step
@@ -114,7 +129,7 @@ class PeakMemoryCallback(TrainerCallback):
         rank = int(os.environ.get("RANK", "0"))
         self.dir.mkdir(parents=True, exist_ok=True)
         self._sample_pss()
-        figures = {"rank": rank, "step": step, "final": self.ended, **memory_figures(), **self.at_start}
+        figures = {"rank": rank, "step": step, "final": self.ended, **memory_figures(), **self.at_load, **self.at_start}
         if self.pss_peak is not None:
             figures["host_pss_sampled_peak_gib"] = self.pss_peak
         tmp = self.dir / f".rank-{rank}.json.tmp"  # never a half-written file, whenever we are killed

@@ -126,7 +126,7 @@ def method_trainer(recipe: Recipe, *, args, model, tokenizer, data, callbacks: l
         ref_model = None
         from finetune.recipe.schema import dpo_reference
 
-        if dpo_reference(recipe) == "copy" and peft_config is not None:
+        if dpo_reference(recipe) == "copy" and recipe.adapter.type != "full":
             from finetune.train.model import load_model
 
             ref_model = load_model(recipe)

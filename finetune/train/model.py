@@ -192,6 +192,29 @@ def load_model(recipe: Recipe):
     return model
 
 
+def load_training_model(recipe: Recipe, *, args):
+    """The model the trainer trains. QLoRA under FSDP2 on GPUs is built straight into each rank's shard, with
+    its adapter (finetune/train/sharded_qlora.py); what that path does not cover, and everything else,
+    loads whole on each rank (load_model), the adapter added by TRL."""
+    from finetune.train import sharded_qlora
+
+    if sharded_qlora.applies(recipe):
+        why = sharded_qlora.unsupported(recipe)
+        if not why:
+            model, why = sharded_qlora.load_for_training(recipe, args=args)
+            if model is not None:
+                return model
+        log.warning(f"QLoRA under FSDP2: every rank loads the whole 4-bit model, because {why}")
+    return load_model(recipe)
+
+
+def carries_adapter(model) -> bool:
+    """The model already has its LoRA adapter (sharded QLoRA): the trainer must not add another."""
+    from peft import PeftModel
+
+    return isinstance(model, PeftModel)
+
+
 def random_model(recipe: Recipe, auto, kwargs: dict):
     """model.init: random: the model built from its config.json with random weights seeded by train.seed.
 

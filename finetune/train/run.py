@@ -121,6 +121,7 @@ class _Session:
     resume_from: Path | None
     cases: list | None  # task-eval examples, or None
     fields: dict  # recipe and data fields a checkpoint and the finished run are checked against
+    at_load: dict = field(default_factory=dict)  # this rank's GPU memory right after loading, before wrapping
     summary: dict = field(default_factory=dict)
 
 
@@ -130,7 +131,8 @@ def _setup(recipe, *, state, run_dir: Path, resume: str) -> _Session:
     before training."""
     from finetune.trackers import apply_tracker_env, check_trackers
     from finetune.train import taskeval
-    from finetune.train.model import load_model, load_tokenizer
+    from finetune.train.memory_report import load_figures
+    from finetune.train.model import load_tokenizer, load_training_model
     from finetune.train.occupancy import check_device_free
     from finetune.train.preflight import prepare_data
     from finetune.train.trainers import training_args
@@ -159,7 +161,7 @@ def _setup(recipe, *, state, run_dir: Path, resume: str) -> _Session:
     args.eval_on_start = data.eval is not None and resume_from is None
     check_device_free(recipe)  # another process on this GPU would look like a planning error
     loading = time.perf_counter()
-    model = load_model(recipe)
+    model = load_training_model(recipe, args=args)
     load_s = time.perf_counter() - loading
     log.info(f"model loaded in {load_s:.0f} s")
     session = _Session(
@@ -173,6 +175,7 @@ def _setup(recipe, *, state, run_dir: Path, resume: str) -> _Session:
         resume_from=resume_from,
         cases=cases,
         fields=fields,
+        at_load=load_figures(model),
     )
     session.summary = {
         "run_dir": str(run_dir),
@@ -221,7 +224,7 @@ def _callbacks(session: _Session, *, preempt) -> list:
     callbacks = [
         MetricsCallback(run_dir, recipe=recipe),
         LibraryCardCallback(),
-        PeakMemoryCallback(run_dir),
+        PeakMemoryCallback(run_dir, at_load=session.at_load),
         ConsoleProgress(),
         NonFiniteCallback(policy=recipe.train.on_nonfinite, max_bad_steps=recipe.train.max_bad_steps),
         CommitCallback(run_dir, fields=session.fields, strategy=recipe.distributed.strategy, keep=recipe.output.keep),

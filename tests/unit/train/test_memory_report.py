@@ -24,3 +24,22 @@ def test_storage_reads_count_bytes_fetched_from_the_disk_not_from_the_page_cache
 def test_pss_is_read_in_gib():
     pss = host_pss_gib()
     assert pss is not None and 0 < pss < 1024
+
+
+def test_the_figures_taken_right_after_loading_reach_every_rank_file(tmp_path):
+    """run.py measures the GPU right after the model is loaded (load_figures; nothing without CUDA) and the
+    callback writes it beside the figures of training, at every rewrite."""
+    import json
+
+    from transformers import TrainerState, TrainingArguments
+
+    from finetune import rundir
+    from finetune.train.memory_report import PeakMemoryCallback, load_figures
+
+    assert load_figures(object()) == {}  # this machine has no CUDA: nothing measured, nothing invented
+    at_load = {"gpu_peak_after_load_gib": 2.5, "weights_on_gpu_after_load_gib": 2.25}
+    callback = PeakMemoryCallback(tmp_path, at_load=at_load)
+    args = TrainingArguments(output_dir=str(tmp_path / "out"), use_cpu=True, report_to=[])
+    callback.on_log(args, TrainerState(global_step=3), None)
+    written = json.loads((tmp_path / rundir.memory_file(0)).read_text())
+    assert {k: written[k] for k in at_load} == at_load and written["step"] == 3

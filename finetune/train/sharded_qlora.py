@@ -1,0 +1,471 @@
+"""QLoRA under FSDP2 loaded straight into each rank's shard: no rank ever holds the whole 4-bit model.
+
+`from_pretrained` with a BitsAndBytesConfig quantizes the whole model onto every rank's GPU (transformers
+does not load quantized models on the meta device on non-main ranks), and only then does accelerate shard
+it: 35 GB per GPU for a 70B before the first step. Here each rank instead
+
+1. builds the model on the meta device from its config, lets transformers' bitsandbytes quantizer swap
+   nn.Linear for bnb Linear4bit (`preprocess_model`), gives each 4-bit weight the packed shape bitsandbytes'
+   own fake kernel computes, and injects the LoRA adapter with peft (initialised by peft, seeded by
+   train.seed, identically on every rank);
+2. shards it with `fully_shard` exactly as accelerate's `fsdp2_prepare_model` would (its wrap policy, the
+   decoder layers, the embedding/tail groups, the root; the plugin's reshard, mixed-precision and offload
+   settings; the hybrid mesh from accelerate's ParallelismConfig);
+3. allocates only its shards (`to_empty`) and fills them one tensor at a time from the safetensors
+   shards: a 4-bit weight is read whole, quantized on the rank's device by bitsandbytes' Params4bit, and
+   only this rank's rows of the packed storage are kept; its quant_state (absmax, small) stays on the
+   Linear4bit module, where bitsandbytes recovers it after FSDP's all-gather
+   (`fix_4bit_weight_quant_state_from_module`). Other tensors are read as their rows only.
+
+accelerate's `fsdp2_prepare_model` returns an FSDPModule unchanged, so the Trainer trains this model as
+it trains the one it would have sharded itself; its FSDP plugin is only told that nothing is left to wrap
+(`trainer_plugin_args`). The quant states are replicated: with double quantization about 3% of the 4-bit
+bytes (the absmax of every 64 weights in 8 bits), as under the whole-model path.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+from dataclasses import dataclass, field
+
+from finetune import strategies
+from finetune.compile.accelerate import MIXED_PRECISION
+from finetune.recipe.schema import Recipe
+
+log = logging.getLogger("finetune.train")
+
+ADAPTER = "default"  # peft's adapter name, the one TRL trains
+
+
+def applies(recipe: Recipe) -> bool:
+    """QLoRA trained under an FSDP2 strategy on GPUs: the case whose loading this module replaces."""
+    r = recipe.resolved
+    return (
+        recipe.adapter.type == "qlora"
+        and r is not None
+        and r.device == "cuda"
+        and strategies.is_fsdp(recipe.distributed.strategy)
+    )
+
+
+def unsupported(recipe: Recipe) -> str:
+    """Why this recipe must load the whole model per rank instead ("" when it need not): what needs the
+    whole base at load time or tensors the checkpoint does not have."""
+    a, m = recipe.adapter, recipe.model
+    if m.init != "pretrained":
+        return "model.init: random builds its weights in from_config"
+    if recipe.method.type == "reward":
+        return "method reward adds a score head the checkpoint does not have"
+    if a.dora:
+        return "adapter.dora computes its magnitudes from the whole base weights"
+    if a.modules_to_save:
+        return "adapter.modules_to_save copies whole base modules"
+    if a.storage_dtype == "uint8":
+        return "adapter.storage_dtype uint8 cannot be sharded by FSDP2"
+    tk = recipe.tokenizer
+    if tk.added_tokens or tk.pad_token or tk.eos_token or tk.bos_token:
+        return "tokenizer overrides may resize the embeddings (finetune.train.model.fit_embeddings)"
+    return ""
+
+
+@dataclass
+class LoadReport:
+    """What one rank held on its device: its shard bytes, the replicated quant states, and the most bytes it
+    held at once beyond them (one weight matrix being quantized)."""
+
+    local_bytes: int = 0
+    replicated_bytes: int = 0  # the quant states every rank keeps whole
+    peak_transient_bytes: int = 0
+    tensors: int = 0
+    quantized: list[str] = field(default_factory=list)
+
+
+@dataclass
+class _Quantized:
+    """A Linear4bit module and how its weight is quantized (the settings bnb's Params4bit carries)."""
+
+    module: object
+    dtype: object  # the model dtype: from_pretrained casts a weight to it before quantizing
+    blocksize: int
+    compress_statistics: bool
+    quant_type: str
+    quant_storage: object
+
+    def param(self, data, **extra):
+        """bitsandbytes' Params4bit of `data` with these settings."""
+        from bitsandbytes.nn import Params4bit
+
+        return Params4bit(
+            data,
+            requires_grad=False,
+            blocksize=self.blocksize,
+            compress_statistics=self.compress_statistics,
+            quant_type=self.quant_type,
+            quant_storage=self.quant_storage,
+            **extra,
+        )
+
+
+def shard_plugin(recipe: Recipe):
+    """accelerate's FSDP plugin as the Trainer's Accelerator builds it: from the FSDP_* variables that
+    `accelerate launch` exported from accelerate.yaml, with the recipe's mixed precision."""
+    from accelerate.utils import FullyShardedDataParallelPlugin
+
+    plugin = FullyShardedDataParallelPlugin()
+    precision = MIXED_PRECISION[recipe.train.precision]
+    if precision != "no":
+        plugin.set_mixed_precision(precision)
+    return plugin
+
+
+def shard_mesh(recipe: Recipe, device_type: str):
+    """(FSDP mesh, ParallelismConfig): hybrid shard's 2-D (replicate, shard) mesh built by accelerate's
+    ParallelismConfig from the PARALLELISM_CONFIG_* variables, or (None, None): fully_shard's default mesh
+    over every rank, which is what accelerate passes without a parallelism config. The Trainer must be given
+    the same ParallelismConfig (TrainingArguments.parallelism_config) so its Accelerator reuses the mesh."""
+    if not strategies.is_hybrid(recipe.distributed.strategy):
+        return None, None
+    from accelerate import ParallelismConfig
+
+    pc = ParallelismConfig()
+    mesh = pc.get_device_mesh(device_type)
+    return mesh[tuple(pc.fsdp_dim_names)], pc
+
+
+def checkpoint_index(path: str, *, revision: str | None) -> dict[str, str]:
+    """{tensor name: safetensors file} of the base checkpoint (fetched as from_pretrained fetches it), or {}
+    when it has no safetensors weights."""
+    from safetensors import safe_open
+    from transformers.utils import SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME, cached_file
+    from transformers.utils.hub import get_checkpoint_shard_files
+
+    def find(name: str):
+        return cached_file(path, name, revision=revision, _raise_exceptions_for_missing_entries=False)
+
+    index = find(SAFE_WEIGHTS_INDEX_NAME)
+    if index is not None:
+        files, meta = get_checkpoint_shard_files(path, index, revision=revision)
+        by_name = {f.rsplit("/", 1)[-1]: f for f in files}
+        return {key: by_name[name] for key, name in meta["weight_map"].items()}
+    single = find(SAFE_WEIGHTS_NAME)
+    if single is None:
+        return {}
+    with safe_open(single, framework="pt") as f:
+        return dict.fromkeys(f.keys(), single)
+
+
+def build_meta(recipe: Recipe, *, config, device):
+    """The QLoRA model on the meta device (real buffers): transformers' bnb Linear4bit swap with packed 4-bit
+    weights, then peft's adapter initialised on the host. Returns (peft model, {checkpoint key: _Quantized},
+    {checkpoint key: (module, attribute)} of every base parameter, named before peft renames them)."""
+    import torch
+    from peft import get_peft_model
+    from transformers import AutoModelForCausalLM
+    from transformers.quantizers.auto import get_hf_quantizer
+
+    from finetune.train.model import (
+        _torch_dtype,
+        attn_implementation,
+        build_from_config,
+        lora_config,
+        quantization_config,
+    )
+
+    m = recipe.model
+    dtype = _torch_dtype(m.dtype)
+    # get_hf_quantizer writes quantization_config into the config: a copy, as from_pretrained's
+    hf_quantizer, config, _ = get_hf_quantizer(
+        copy.deepcopy(config), quantization_config(recipe), {"": device}, weights_only=True, user_agent={}
+    )
+    build = {"dtype": dtype, "attn_implementation": attn_implementation(m.attn_implementation)}
+    build["trust_remote_code"] = m.trust_remote_code
+    model = build_from_config(AutoModelForCausalLM, config, build, empty=True)
+    hf_quantizer.preprocess_model(model=model, dtype=dtype, device_map={"": device}, checkpoint_files=None)
+    quantized = {}
+    import bitsandbytes as bnb
+
+    for name, module in model.named_modules():
+        if not isinstance(module, bnb.nn.Linear4bit):
+            continue
+        w = module.weight
+        # bitsandbytes' fake (meta) kernel gives the packed storage's shape, the one FSDP shards
+        packed, _ = torch.ops.bitsandbytes.quantize_4bit.default(
+            torch.empty(w.shape, dtype=dtype, device="meta"), w.blocksize, w.quant_type, w.quant_storage
+        )
+        spec = _Quantized(module, dtype, w.blocksize, w.compress_statistics, w.quant_type, w.quant_storage)
+        quantized[f"{name}.weight"] = spec
+        module.weight = spec.param(packed, module=module, bnb_quantized=True)
+    model.hf_quantizer = hf_quantizer
+    hf_quantizer.postprocess_model(model)  # config.quantization_config, is_loaded_in_4bit: what peft/TRL ask
+    model.eval()  # as from_pretrained returns it
+    targets = _meta_targets(model)
+    peft_config = lora_config(recipe)
+    model = get_peft_model(model, peft_config)
+    _init_adapter(model, seed=recipe.train.seed, init=peft_config.init_lora_weights)
+    filled = {id(getattr(module, attr)) for module, attr in targets.values()}
+    unknown = [n for n, p in model.named_parameters() if p.is_meta and id(p) not in filled]
+    if unknown:  # to_empty would leave them uninitialised
+        raise RuntimeError(f"sharded QLoRA: no source for the meta parameters {unknown[:3]}")
+    return model, quantized, targets
+
+
+def _init_adapter(model, *, seed: int, init) -> None:
+    """peft's own LoRA initialisation on host tensors (peft left them on the meta device with the base).
+    TRL's trainers cast a quantized model's trainable weights to bf16 in place; on a sharded model that
+    cast would orphan FSDP's storage, so they are bf16 before sharding and TRL's cast is a no-op."""
+    import torch
+    from peft.tuners.lora import LoraLayer
+
+    def each(module, fn) -> None:
+        for name in module.adapter_layer_names:
+            holder = getattr(module, name)
+            if ADAPTER in holder:
+                fn(holder)
+
+    def empty(holder) -> None:  # lora_A/B are modules; an Embedding's lora_embedding_A/B are parameters
+        item = holder[ADAPTER]
+        if isinstance(item, torch.nn.Module):
+            item.to_empty(device="cpu")
+        else:
+            holder[ADAPTER] = torch.nn.Parameter(torch.empty_like(item, device="cpu"), item.requires_grad)
+
+    def bf16(holder) -> None:
+        item = holder[ADAPTER]
+        if isinstance(item, torch.nn.Module):
+            item.to(torch.bfloat16)
+        else:
+            holder[ADAPTER] = torch.nn.Parameter(item.detach().to(torch.bfloat16), item.requires_grad)
+
+    torch.manual_seed(seed)
+    for module in model.modules():
+        if isinstance(module, LoraLayer):
+            each(module, empty)
+            module.reset_lora_parameters(ADAPTER, init)
+            each(module, bf16)
+
+
+def trainer_plugin_args() -> dict:
+    """FullyShardedDataParallelPlugin arguments for the Trainer's Accelerator (TrainingArguments.fsdp_plugin_args;
+    everything not named here is read from the FSDP_* variables as before). The model arrives sharded and
+    checkpoint-wrapped: accelerate's prepare would look its decoder-layer class up by name to wrap it again,
+    and FSDP2 renamed that class (FSDPLlamaDecoderLayer), so there is nothing left for it to wrap."""
+    return {"fsdp_version": 2, "auto_wrap_policy": "NO_WRAP", "activation_checkpointing": False}
+
+
+def shard(model, *, plugin, mesh) -> None:
+    """Activation checkpointing and fully_shard as accelerate's Accelerator applies them for FSDP2
+    (accelerate/utils/fsdp_utils.py: fsdp2_apply_ac, then fsdp2_prepare_model's grouping): the modules its
+    wrap policy picks (the decoder layers) checkpoint-wrapped when the plugin says so and sharded, the input
+    embedding alone when untied, the final norm with the output embedding (and a tied input embedding) kept
+    unsharded after forward, then the root."""
+    from accelerate.utils import get_module_children_bottom_up
+    from accelerate.utils.fsdp_utils import _find_final_norm, fsdp2_prepare_auto_wrap_policy
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper, offload_wrapper
+    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+
+    kwargs = {
+        "reshard_after_forward": plugin.reshard_after_forward,
+        "offload_policy": plugin.cpu_offload,
+        "mp_policy": plugin.mixed_precision_policy or MixedPrecisionPolicy(),
+        "mesh": mesh,
+    }
+    policy = fsdp2_prepare_auto_wrap_policy(plugin, model)
+    if policy is not None and plugin.activation_checkpointing:
+        for name, layer in get_module_children_bottom_up(model, return_fqns=True)[:-1]:
+            if policy(layer):
+                wrapped = checkpoint_wrapper(layer, preserve_rng_state=False)
+                if plugin.activation_checkpointing_offload:
+                    wrapped = offload_wrapper(wrapped)
+                model.set_submodule(name, wrapped)
+    if policy is not None:
+        for module in get_module_children_bottom_up(model)[:-1]:
+            if policy(module) and not isinstance(module, FSDPModule):
+                fully_shard(module, **kwargs)
+    embed, head = model.get_input_embeddings(), model.get_output_embeddings()
+    tied = head is not None and embed.weight is head.weight
+    if not tied and not isinstance(embed, FSDPModule):
+        fully_shard(embed, **kwargs)
+    tail = [m for m in (_find_final_norm(model), *((embed,) if tied else ()), head) if m is not None]
+    tail = [m for m in tail if not isinstance(m, FSDPModule)]
+    if tail:
+        fully_shard(tail, **{**kwargs, "reshard_after_forward": False})
+    fully_shard(model, **{k: v for k, v in kwargs.items() if k != "reshard_after_forward"})
+
+
+def _rows(param) -> tuple[int, int]:
+    """(first row, rows) of this rank's dim-0 shard of a DTensor parameter, from DTensor's own chunk metadata
+    (FSDP2's torch.chunk split, uneven last shards and HSDP's replicate dimension included)."""
+    (chunk,) = param.__create_chunk_list__()
+    return int(chunk.offsets[0]), int(chunk.sizes[0])
+
+
+def host_values(model) -> tuple[dict, dict]:
+    """The unsharded values to_empty would discard: the adapter peft initialised, the buffers the config
+    built (RoPE frequencies). Taken before sharding, when they are still whole."""
+    params = {n: p.detach().clone() for n, p in model.named_parameters() if not p.is_meta}
+    return params, {n: b.detach().clone() for n, b in model.named_buffers()}
+
+
+def materialize(
+    model,
+    *,
+    index: dict[str, str],
+    quantized: dict,
+    targets: dict,
+    host: tuple,
+    device,
+    offload: bool,
+    report: LoadReport,
+) -> None:
+    """Allocate this rank's shards and fill them: the adapter and buffers from their host values, the base
+    one tensor at a time from the checkpoint (see the module docstring). Shards are allocated on `device`, or
+    in host RAM when FSDP offloads parameters (it pins them there), so the GPU never holds them all; buffers
+    and quantization run on `device`."""
+    import torch
+
+    keep, buffers = host
+    model.to_empty(device="cpu" if offload else device)
+    with torch.no_grad():
+        for name, value in keep.items():
+            _copy_rows(model.get_parameter(name), value)
+        for name, value in buffers.items():
+            owner, _, attr = name.rpartition(".")
+            setattr(model.get_submodule(owner), attr, value.to(device))
+        for key, (module, attr) in targets.items():
+            _load(key, getattr(module, attr), index=index, spec=quantized.get(key), device=device, report=report)
+    report.local_bytes = sum(_local(p).numel() * _local(p).element_size() for p in model.parameters())
+
+
+def _meta_targets(model) -> dict:
+    """{checkpoint key: (module, attribute)} of the base's meta parameters in module order (so the checkpoint
+    is read layer by layer); a tied parameter once, under its first name (the one checkpoints keep)."""
+    seen: set[int] = set()
+    targets = {}
+    for name, module in model.named_modules():
+        for attr, p in module.named_parameters(recurse=False):
+            if p.is_meta and id(p) not in seen:
+                seen.add(id(p))
+                targets[f"{name}.{attr}"] = (module, attr)
+    return targets
+
+
+def _local(param):
+    return param.to_local() if hasattr(param, "to_local") else param
+
+
+def _copy_rows(param, full) -> None:
+    local = _local(param)
+    if local.numel() == 0:
+        return
+    if hasattr(param, "to_local"):
+        start, n = _rows(param)
+        full = full[start : start + n]
+    local.copy_(full.to(local.device, local.dtype))
+
+
+def _load(key: str, param, *, index, spec, device, report: LoadReport) -> None:
+    from safetensors import safe_open
+
+    local = _local(param)
+    with safe_open(index[key], framework="pt", device="cpu") as f:
+        if spec is None:  # not quantized: only this rank's rows are read, and copied from host RAM into its shard
+            start, n = _rows(param) if hasattr(param, "to_local") else (0, local.shape[0])
+            local.copy_(f.get_slice(key)[start : start + n].to(local.dtype))
+            report.tensors += 1
+            return
+        full = f.get_tensor(key).to(device, spec.dtype)
+    # bitsandbytes' Params4bit quantizes on `.to(device)` exactly as from_pretrained's Bnb4bitQuantize does
+    q = spec.param(full).to(device)
+    held = full.numel() * full.element_size() + q.numel() * q.element_size()
+    report.peak_transient_bytes = max(report.peak_transient_bytes, held)
+    del full
+    qs = spec.module.quant_state = q.quant_state  # replicated: every rank quantized the same whole weight
+    for t in (qs.absmax, qs.state2.absmax if qs.state2 is not None else None):
+        report.replicated_bytes += 0 if t is None else t.numel() * t.element_size()
+    if local.numel():
+        start, n = _rows(param)
+        local.copy_(q.data[start : start + n])
+    report.tensors += 1
+    report.quantized.append(key)
+
+
+def checkpoint(recipe: Recipe):
+    """(config, {tensor name: file}) of the base, or (None, reason) when this path cannot read it: no
+    safetensors weights, or weights that are already quantized."""
+    from transformers import AutoConfig
+
+    from finetune.recipe.paths import model_path
+    from finetune.train.model import rope_scaled_config
+
+    m = recipe.model
+    path = model_path(recipe)
+    if m.rope_scaling:
+        config = rope_scaled_config(recipe)
+    else:
+        config = AutoConfig.from_pretrained(path, revision=m.revision, trust_remote_code=m.trust_remote_code)
+    if getattr(config, "quantization_config", None):
+        return None, "the checkpoint is already quantized"
+    index = checkpoint_index(path, revision=m.revision)
+    if not index:
+        return None, "the checkpoint has no safetensors weights"
+    return config, index
+
+
+def load_sharded(recipe: Recipe, *, config, index: dict, device, mesh=None, plugin=None):
+    """(sharded peft model, LoadReport), or (None, reason) when the checkpoint lacks tensors the model has;
+    nothing is allocated on the device before that is known."""
+    import torch
+
+    device = torch.device(device)
+    model, quantized, targets = build_meta(recipe, config=config, device=device)
+    missing = [key for key in targets if key not in index]
+    if missing:
+        return None, f"the checkpoint lacks {len(missing)} of the model's tensors, e.g. {missing[0]}"
+    from torch.distributed.fsdp import CPUOffloadPolicy
+
+    plugin = plugin or shard_plugin(recipe)
+    host = host_values(model)
+    shard(model, plugin=plugin, mesh=mesh)
+    report = LoadReport()
+    offload = isinstance(plugin.cpu_offload, CPUOffloadPolicy)
+    materialize(
+        model,
+        index=index,
+        quantized=quantized,
+        targets=targets,
+        host=host,
+        device=device,
+        offload=offload,
+        report=report,
+    )
+    if device.type == "cpu":
+        from finetune.compat.bnb_cpu_packing import keep_trainable_layout
+
+        keep_trainable_layout(model)
+    return model, report
+
+
+def load_for_training(recipe: Recipe, *, args):
+    """This rank's sharded QLoRA model for the Trainer, or (None, reason) to load it whole instead. Under
+    hybrid shard the Trainer is handed the ParallelismConfig whose mesh the model was sharded on."""
+    from accelerate import PartialState
+
+    config, index = checkpoint(recipe)
+    if config is None:
+        return None, index
+    device = PartialState().device
+    mesh, parallelism = shard_mesh(recipe, device.type)
+    model, report = load_sharded(recipe, config=config, index=index, device=device, mesh=mesh)
+    if model is None:
+        return None, report
+    args.fsdp_plugin_args = trainer_plugin_args()
+    if parallelism is not None:
+        args.parallelism_config = parallelism
+    gib = 2**30
+    log.info(
+        f"QLoRA sharded while loading: {report.local_bytes / gib:.2f} GiB of weight shards and "
+        f"{report.replicated_bytes / gib:.2f} GiB of quant states on this rank, at most "
+        f"{report.peak_transient_bytes / gib:.2f} GiB more held for one tensor at a time"
+    )
+    return model, report

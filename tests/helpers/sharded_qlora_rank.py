@@ -1,0 +1,202 @@
+"""One CPU rank of the sharded-QLoRA test: `torchrun ... -m tests.helpers.sharded_qlora_rank RESOLVED OUT [hybrid]`.
+
+It joins the gloo group as a finetune rank does (accelerate's PartialState), loads the QLoRA model with
+finetune.train.sharded_qlora on a CPU mesh (the FSDP plugin from the FSDP_* variables the test exported the
+way `accelerate launch` exports them), hands it to finetune's build_trainer, and writes OUT/rank-K.json
+(sizes, the trainer's view of the model, losses) and OUT/rank-K.pt (logits, quant states). accelerate runs
+FSDP only on accelerators, so the steps are taken by a plain loop over the trainer's own collated batch.
+With `hybrid`, RESOLVED is a recipe compiled for fsdp2-hybrid: the rank only loads, on the 2-D mesh that
+finetune.train.sharded_qlora.shard_mesh builds from the PARALLELISM_CONFIG_* variables, and records that.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+
+def _four_bit_bytes(model) -> int:
+    import bitsandbytes as bnb
+
+    total = 0
+    for module in model.modules():
+        if isinstance(module, bnb.nn.Linear4bit):
+            local = module.weight.to_local() if hasattr(module.weight, "to_local") else module.weight
+            total += local.numel() * local.element_size()
+    return total
+
+
+def _quant_states(model) -> dict:
+    import bitsandbytes as bnb
+
+    out = {}
+    for name, module in model.named_modules():
+        if isinstance(module, bnb.nn.Linear4bit):
+            qs = module.quant_state
+            out[name.removeprefix("base_model.model.").removesuffix(".base_layer")] = {
+                "absmax": qs.absmax,
+                "offset": qs.offset,
+                "nested_absmax": qs.state2.absmax if qs.state2 is not None else None,
+                "shape": tuple(qs.shape),
+            }
+    return out
+
+
+def _loss_and_grads(model, batch) -> tuple[float, dict]:
+    loss = model(**batch).loss
+    loss.backward()
+    grads = {
+        n.replace("._checkpoint_wrapped_module", ""): p.grad.full_tensor()
+        for n, p in model.named_parameters()
+        if p.requires_grad
+    }
+    model.zero_grad()
+    return loss.item(), grads
+
+
+def _checkpointing_changes(plain, checkpointed, batch) -> dict:
+    """What activation checkpointing (applied by the loader before sharding, as accelerate does) changes in
+    the loss and the adapter gradients of one step: nothing, up to float rounding."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
+
+    plain_loss, plain_grads = _loss_and_grads(plain, batch)
+    loss, grads = _loss_and_grads(checkpointed, batch)
+    return {
+        "wrapped": sum(isinstance(m, CheckpointWrapper) for m in checkpointed.modules()),
+        "loss": abs(loss - plain_loss),
+        "grad": max((grads[n].float() - g.float()).abs().max().item() for n, g in plain_grads.items()),
+        "grad_scale": max(g.float().abs().max().item() for g in plain_grads.values()),
+    }
+
+
+def _accelerate_finds_layers(plugin_args: dict, model) -> str:
+    """What the Trainer's Accelerator does first with the model it prepares (set_auto_wrap_policy): "" or
+    the error it raises."""
+    from accelerate.utils import FullyShardedDataParallelPlugin
+
+    try:
+        FullyShardedDataParallelPlugin(**plugin_args).set_auto_wrap_policy(model)
+    except ValueError as exc:
+        return str(exc)
+    return ""
+
+
+def _adapter(model) -> dict:
+    """The whole LoRA weights as the ranks hold them between them (a collective: every rank calls it)."""
+    return {n: p.full_tensor() for n, p in model.named_parameters() if p.requires_grad}
+
+
+def hybrid(resolved: Path, out: Path) -> int:
+    import torch
+    from accelerate import PartialState
+    from transformers import TrainingArguments
+
+    from finetune.recipe.load import load_recipe
+    from finetune.train import sharded_qlora
+
+    state = PartialState(cpu=True)
+    recipe = load_recipe(resolved, allow_resolved=True)
+    args = TrainingArguments(output_dir=str(out / "args"), use_cpu=True, report_to=[])
+    model, report = sharded_qlora.load_for_training(recipe, args=args)
+    parallelism = args.parallelism_config  # what the Trainer's Accelerator will build its mesh from
+    weight = model.get_input_embeddings().weight  # before a forward leaves the root's group unsharded
+    mesh = weight.device_mesh
+    adapter = _adapter(model)
+    model.eval()
+    with torch.no_grad():
+        logits = model(input_ids=torch.arange(3, 3 + 2 * 12).reshape(2, 12)).logits
+    record = {
+        "rank": state.process_index,
+        "mesh": list(mesh.mesh_dim_names),
+        "mesh_shape": list(mesh.shape),
+        "placements": [str(p) for p in weight.placements],
+        "handed_over": [parallelism.dp_replicate_size, parallelism.dp_shard_size],
+        "same_mesh": parallelism.device_mesh[tuple(parallelism.fsdp_dim_names)].mesh.tolist() == mesh.mesh.tolist(),
+        "trainer_plugin": args.fsdp_plugin_args,
+        "four_bit_bytes": _four_bit_bytes(model),
+        "local_bytes": report.local_bytes,
+    }
+    torch.save({"logits": logits, "adapter": adapter}, out / f"rank-{state.process_index}.pt")
+    (out / f"rank-{state.process_index}.json").write_text(json.dumps(record))
+    state.destroy_process_group()
+    return 0
+
+
+def main() -> int:
+    import torch
+    from accelerate import PartialState
+
+    from finetune.recipe.load import load_recipe
+    from finetune.train import sharded_qlora
+    from finetune.train.model import load_tokenizer
+    from finetune.train.preflight import prepare_data
+    from finetune.train.trainers import build_trainer, training_args
+
+    resolved, out = Path(sys.argv[1]), Path(sys.argv[2])
+    state = PartialState(cpu=True)
+    rank = state.process_index
+    recipe = load_recipe(resolved, allow_resolved=True)
+    # as finetune.train.run sets up a rank: the training arguments first, then the model
+    args = training_args(recipe, run_dir=resolved.parent, has_eval=False)
+    model, report = sharded_qlora.load_for_training(recipe, args=args)
+    adapter = _adapter(model)
+    ids = torch.arange(3, 3 + 2 * 12).reshape(2, 12)
+    model.eval()
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits
+
+    lora_layers = sum(1 for n, _ in model.named_modules() if n.endswith("lora_A"))
+    tokenizer = load_tokenizer(recipe)
+    data = prepare_data(recipe, tokenizer, state=state)
+    trainer = build_trainer(recipe, args=args, model=model, tokenizer=tokenizer, data=data, callbacks=[])
+    batch = trainer.data_collator([trainer.train_dataset[i] for i in range(4)])
+    batch = {k: v for k, v in batch.items() if k in ("input_ids", "attention_mask", "labels", "position_ids")}
+    batch["use_cache"] = False  # as TRL's compute_loss calls the model
+    trainer.model.train()
+    ac_plugin = sharded_qlora.shard_plugin(recipe)
+    ac_plugin.activation_checkpointing = True  # what FSDP_ACTIVATION_CHECKPOINTING=true gives
+    config, index = sharded_qlora.checkpoint(recipe)
+    ac_model, _ = sharded_qlora.load_sharded(recipe, config=config, index=index, device="cpu", plugin=ac_plugin)
+    ac_model.train()
+    checkpointed = _checkpointing_changes(trainer.model, ac_model, batch)
+    del ac_model
+    trainable = [p for p in trainer.model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(trainable, lr=recipe.train.lr)
+    trainer.model.train()
+    losses = []
+    for _ in range(4):
+        loss = trainer.model(**batch).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+
+    record = {
+        "rank": rank,
+        "world_size": state.num_processes,
+        "local_bytes": report.local_bytes,
+        "four_bit_bytes": _four_bit_bytes(model),
+        "peak_transient_bytes": report.peak_transient_bytes,
+        "replicated_bytes": report.replicated_bytes,
+        "tensors": report.tensors,
+        "quantized": report.quantized,
+        "trainer_model_is_loaded_model": trainer.model is model,
+        "lora_layers_before": lora_layers,
+        "lora_layers_after": sum(1 for n, _ in trainer.model.named_modules() if n.endswith("lora_A")),
+        "trainable": [
+            (n, str(p.dtype), type(p).__name__) for n, p in trainer.model.named_parameters() if p.requires_grad
+        ],
+        "losses": losses,
+        "checkpointing_changes": checkpointed,
+        "accelerate_wrap_error_with_env_plugin": _accelerate_finds_layers({}, model),
+        "accelerate_wrap_error_with_trainer_plugin": _accelerate_finds_layers(args.fsdp_plugin_args, model),
+    }
+    torch.save({"logits": logits, "quant_states": _quant_states(model), "adapter": adapter}, out / f"rank-{rank}.pt")
+    (out / f"rank-{rank}.json").write_text(json.dumps(record))
+    state.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(hybrid(Path(sys.argv[1]), Path(sys.argv[2])) if sys.argv[3:] == ["hybrid"] else main())

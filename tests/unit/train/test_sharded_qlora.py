@@ -1,0 +1,309 @@
+"""QLoRA under FSDP2 built straight into each rank's shard (finetune/train/sharded_qlora.py).
+
+Two real ranks on gloo (FSDP2's fully_shard on a CPU mesh, bitsandbytes quantizing on the CPU) load the
+shipped tiny Llama with the FSDP settings finetune compiles for a 2-GPU fsdp2 run (accelerate's own
+launcher turns that accelerate.yaml into the ranks' FSDP_* variables); the model the current path builds
+(from_pretrained with a BitsAndBytesConfig, then peft) is the reference. The GPU path itself (NCCL, CUDA
+bitsandbytes, the Trainer's accelerate FSDP2 preparation) is not run here.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from finetune.recipe.load import load_recipe
+from finetune.rundir import ACCELERATE_YAML, RESOLVED_RECIPE
+from finetune.train import sharded_qlora
+from tests.helpers.paths import ROOT
+from tests.helpers.processes import env
+from tests.helpers.recipes import resolve_recipe, tiny_recipe, write_preset
+
+slow = pytest.mark.slow
+QLORA = {
+    "model": {"dtype": "bfloat16"},
+    "adapter": {"type": "qlora", "r": 8, "alpha": 16},
+    "train": {"precision": "bf16", "lr": 1e-2},
+}
+
+
+def _gpu_recipe(tmp_path: Path, **sections) -> Path:
+    """The tiny QLoRA recipe resolved for two GPUs; keyword sections merged over it."""
+    return _compiled(tmp_path / "gpu", hardware="workstation-2x4090", **sections) / RESOLVED_RECIPE
+
+
+def test_applies_to_qlora_under_every_fsdp2_strategy_on_gpus(tmp_path):
+    fsdp2 = load_recipe(_gpu_recipe(tmp_path, distributed={"strategy": "fsdp2"}), allow_resolved=True)
+    assert sharded_qlora.applies(fsdp2) and sharded_qlora.unsupported(fsdp2) == ""
+    ddp = load_recipe(_gpu_recipe(tmp_path, distributed={"strategy": "ddp"}), allow_resolved=True)
+    assert not sharded_qlora.applies(ddp)
+    lora = load_recipe(
+        _gpu_recipe(tmp_path, adapter={"type": "lora"}, distributed={"strategy": "fsdp2"}), allow_resolved=True
+    )
+    assert not sharded_qlora.applies(lora)
+    cpu = load_recipe(resolve_recipe(tiny_recipe(**QLORA), run_dir=tmp_path / "cpu"), allow_resolved=True)
+    assert not sharded_qlora.applies(cpu)
+
+
+@pytest.mark.parametrize(("strategy", "hardware"), [("fsdp2", "server-8xh100"), ("fsdp2-hybrid", "cluster-2x8xh100")])
+def test_the_shipped_70b_qlora_recipe_loads_sharded(strategy, hardware, tmp_path):
+    """recipes/llama70b-qlora.yaml as issue 19 runs it: nothing in it sends it back to the whole-model load."""
+    from finetune.compile.compiler import prepare_recipe
+
+    overrides = [f"distributed.strategy={strategy}", f"hardware={hardware}"]
+    compiled = prepare_recipe(
+        load_recipe(ROOT / "recipes" / "llama70b-qlora.yaml", overrides=overrides), run_dir=tmp_path, hardware=None
+    )
+    (tmp_path / RESOLVED_RECIPE).write_text(compiled.texts[RESOLVED_RECIPE])
+    recipe = load_recipe(tmp_path / RESOLVED_RECIPE, allow_resolved=True)
+    assert sharded_qlora.applies(recipe) and sharded_qlora.unsupported(recipe) == ""
+
+
+def test_what_needs_the_whole_base_is_named(tmp_path):
+    dora = load_recipe(
+        _gpu_recipe(tmp_path, adapter={"type": "qlora", "dora": True}, distributed={"strategy": "fsdp2"}),
+        allow_resolved=True,
+    )
+    assert "adapter.dora" in sharded_qlora.unsupported(dora)
+    saved = load_recipe(
+        _gpu_recipe(
+            tmp_path, adapter={"type": "qlora", "modules_to_save": ["lm_head"]}, distributed={"strategy": "fsdp2"}
+        ),
+        allow_resolved=True,
+    )
+    assert "adapter.modules_to_save" in sharded_qlora.unsupported(saved)
+
+
+def _compiled(run_dir: Path, **sections) -> Path:
+    """The tiny QLoRA recipe compiled for GPUs by `finetune compile` (planning needs no GPU): RUN_DIR with its
+    recipe.resolved.yaml and accelerate.yaml."""
+    from finetune.compile.compiler import prepare_recipe
+    from finetune.recipe.load import deep_merge
+
+    recipe = tiny_recipe(**deep_merge(QLORA, {"logging": {"report_to": ["none"]}, **sections}))
+    compiled = prepare_recipe(load_recipe(recipe), run_dir=run_dir, hardware=None)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    for name in (RESOLVED_RECIPE, ACCELERATE_YAML):
+        (run_dir / name).write_text(compiled.texts[name])
+    return run_dir
+
+
+def _launch_env(run_dir: Path, *launch_args: str) -> dict:
+    """The FSDP_* / PARALLELISM_CONFIG_* / ACCELERATE_MIXED_PRECISION variables `accelerate launch` exports to
+    the ranks of RUN_DIR's accelerate.yaml (accelerate's own launcher code, run on this machine)."""
+    from accelerate.commands.launch import _validate_launch_command, launch_command_parser
+    from accelerate.utils.launch import prepare_multi_gpu_env
+
+    argv = ["--config_file", str(run_dir / ACCELERATE_YAML), *launch_args, "unused.py"]
+    exported = prepare_multi_gpu_env(_validate_launch_command(launch_command_parser().parse_args(argv))[0])
+    keep = ("FSDP_", "PARALLELISM_CONFIG_", "ACCELERATE_USE_PARALLELISM_CONFIG", "ACCELERATE_MIXED_PRECISION")
+    return {k: v for k, v in exported.items() if k.startswith(keep)}
+
+
+def _ranks(tmp: Path, resolved: Path, launch_env: dict, *, n: int, mode: tuple[str, ...] = ()):
+    import torch
+
+    out = tmp / f"out-{n}{''.join(mode)}"
+    out.mkdir()
+    argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(n)]
+    argv += ["-m", "tests.helpers.sharded_qlora_rank", str(resolved), str(out), *mode]
+    done = subprocess.run(
+        argv,
+        cwd=ROOT,
+        env={**env(tmp / "cache"), **launch_env, "OMP_NUM_THREADS": "1"},
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
+    records = [json.loads((out / f"rank-{r}.json").read_text()) for r in range(n)]
+    return records, [torch.load(out / f"rank-{r}.pt", weights_only=False) for r in range(n)]
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory):
+    """Both ranks' records and tensors, and the CPU-resolved recipe they loaded; the FSDP settings are those
+    finetune compiles for the same recipe on two GPUs under fsdp2."""
+    tmp = tmp_path_factory.mktemp("sharded-qlora")
+    resolved = resolve_recipe(tiny_recipe(**QLORA), run_dir=tmp / "run")
+    gpu = _compiled(tmp / "gpu", hardware="workstation-2x4090", distributed={"strategy": "fsdp2"})
+    return (*_ranks(tmp, resolved, _launch_env(gpu), n=2), resolved)
+
+
+@pytest.fixture(scope="module")
+def whole(tmp_path_factory):
+    """The model as finetune loads it today (from_pretrained quantizes the whole model), peft's adapter on it."""
+    import torch
+    from peft import get_peft_model
+
+    from finetune.train.model import load_model, lora_config
+
+    resolved = resolve_recipe(tiny_recipe(**QLORA), run_dir=tmp_path_factory.mktemp("whole") / "run")
+    recipe = load_recipe(resolved, allow_resolved=True)
+    model = get_peft_model(load_model(recipe), lora_config(recipe))
+    model.eval()
+    with torch.no_grad():
+        logits = model(input_ids=torch.arange(3, 3 + 2 * 12).reshape(2, 12)).logits
+    return model, logits
+
+
+def _four_bit_bytes(model) -> int:
+    import bitsandbytes as bnb
+
+    return sum(m.weight.numel() * m.weight.element_size() for m in model.modules() if isinstance(m, bnb.nn.Linear4bit))
+
+
+@slow
+def test_each_rank_holds_half_the_4bit_weights(two_ranks, whole):
+
+    records, _, _ = two_ranks
+    model, _ = whole
+    one_process = _four_bit_bytes(model)
+    for r in records:
+        print(f"rank {r['rank']}: 4-bit {r['four_bit_bytes']} of {one_process} bytes, all weights {r['local_bytes']}")
+        assert r["four_bit_bytes"] == pytest.approx(one_process / 2, rel=0.02)
+    assert sum(r["four_bit_bytes"] for r in records) == one_process
+    assert len(records[0]["quantized"]) == 14  # every Linear of the 2 decoder layers
+
+
+@slow
+def test_sharded_logits_equal_the_whole_model(two_ranks, whole):
+    import torch
+
+    _, tensors, _ = two_ranks
+    _, reference = whole
+    for t in tensors:
+        diff = (t["logits"].float() - reference.float()).abs().max().item()
+        print(f"max |logits - whole model's| = {diff}")
+        torch.testing.assert_close(t["logits"], reference, rtol=1e-2, atol=1e-2)
+
+
+@slow
+def test_each_rank_keeps_the_whole_weights_quant_state(two_ranks, whole):
+    import bitsandbytes as bnb
+    import torch
+
+    _, tensors, _ = two_ranks
+    model, _ = whole
+    expected = {
+        name.removeprefix("base_model.model.").removesuffix(".base_layer"): m.weight.quant_state
+        for name, m in model.named_modules()
+        if isinstance(m, bnb.nn.Linear4bit)
+    }
+    for t in tensors:
+        assert set(t["quant_states"]) == set(expected)
+        for name, qs in t["quant_states"].items():
+            assert qs["shape"] == tuple(expected[name].shape)
+            torch.testing.assert_close(qs["absmax"], expected[name].absmax, rtol=0, atol=0)
+            torch.testing.assert_close(qs["nested_absmax"], expected[name].state2.absmax, rtol=0, atol=0)
+    whole_states = sum(t.numel() * t.element_size() for qs in expected.values() for t in (qs.absmax, qs.state2.absmax))
+    assert [r["replicated_bytes"] for r in two_ranks[0]] == [whole_states] * 2
+
+
+@slow
+def test_the_adapter_is_peft_initialised_alike_on_every_rank(two_ranks):
+    """lora_A from peft's kaiming init, lora_B zero, seeded by train.seed: the whole tensors the ranks hold
+    between them are the same seen from either rank, and the same when loaded again."""
+    import torch
+
+    _, tensors, _ = two_ranks
+    adapter = tensors[0]["adapter"]
+    assert len(adapter) == 2 * 14
+    for name, value in adapter.items():
+        torch.testing.assert_close(value, tensors[1]["adapter"][name], rtol=0, atol=0)
+        if "lora_B" in name:
+            assert not value.any(), name
+        else:
+            assert value.float().std() > 0 and value.dtype == torch.bfloat16, name
+
+
+@slow
+def test_loading_holds_one_tensor_at_a_time(two_ranks):
+    from safetensors import safe_open
+
+    records, _, resolved = two_ranks
+    recipe = load_recipe(resolved, allow_resolved=True)
+    _, index = sharded_qlora.checkpoint(recipe)
+    quantized = set(records[0]["quantized"])
+    largest = whole_model = 0
+    for key, file in index.items():
+        with safe_open(file, framework="pt") as f:
+            rows, *rest = f.get_slice(key).get_shape()
+        numel = rows * (rest[0] if rest else 1)
+        bf16 = 2 * numel
+        whole_model += bf16
+        if key in quantized:  # the whole bf16 matrix and its packed quarter; other tensors go from host RAM
+            largest = max(largest, bf16 + bf16 // 4)
+    for r in records:
+        print(f"rank {r['rank']}: at most {r['peak_transient_bytes']} bytes held at once, model {whole_model}")
+        # the tiny model's MLP matrix is an eighth of it; a 70B's is a 1/240th
+        assert r["peak_transient_bytes"] == largest < whole_model / 4
+        assert r["tensors"] == len(index)
+
+
+@slow
+def test_finetunes_trainer_keeps_the_adapter_and_the_loss_falls(two_ranks):
+    records, _, _ = two_ranks
+    for r in records:
+        print(f"rank {r['rank']}: losses {r['losses']}")
+        assert r["trainer_model_is_loaded_model"]
+        assert r["lora_layers_after"] == r["lora_layers_before"] == 14  # TRL added no second adapter
+        assert {(dtype, kind) for _, dtype, kind in r["trainable"]} == {("torch.bfloat16", "DTensor")}
+        assert r["losses"][-1] < r["losses"][0]
+    assert records[0]["losses"] == records[1]["losses"]  # one model: the same batch gives the same loss
+
+
+@slow
+def test_activation_checkpointing_applied_before_sharding_changes_nothing(two_ranks):
+    """FSDP's activation checkpointing (FSDP_ACTIVATION_CHECKPOINTING) is applied by the loader, before it
+    shards, as accelerate applies it: the same loss and adapter gradients as without it."""
+    records, _, _ = two_ranks
+    for r in records:
+        changes = r["checkpointing_changes"]
+        print(f"rank {r['rank']}: checkpointing {changes}")
+        assert changes["wrapped"] == 2
+        assert changes["loss"] <= 1e-6 and changes["grad"] <= 1e-3 * changes["grad_scale"]
+
+
+@slow
+def test_the_trainers_accelerator_has_nothing_left_to_wrap(two_ranks):
+    """accelerate's prepare looks the decoder-layer class up by name before it shards (and returns an FSDP2
+    model unchanged); FSDP2 renamed that class, so the plugin the Trainer gets names no class to wrap."""
+    records, _, _ = two_ranks
+    for r in records:
+        assert (
+            "Could not find the transformer layer class LlamaDecoderLayer" in r["accelerate_wrap_error_with_env_plugin"]
+        )
+        assert r["accelerate_wrap_error_with_trainer_plugin"] == ""
+
+
+@slow
+def test_hybrid_shard_shards_within_a_node_and_replicates_across(tmp_path, whole, two_ranks):
+    """fsdp2-hybrid on 2 "nodes" of 2: the 2-D (replicate, shard) mesh that accelerate's ParallelismConfig
+    builds from the compiled accelerate.yaml; each rank holds half the 4-bit weights, and every rank's model
+    is the whole model's."""
+    import torch
+
+    preset = write_preset(tmp_path / "two-nodes.yaml", like="workstation-2x4090", name="two-nodes-2x4090", nodes=2)
+    gpu = _compiled(tmp_path / "gpu", hardware=str(preset), distributed={"strategy": "fsdp2-hybrid"})
+    launch_env = _launch_env(gpu, "--machine_rank", "0", "--main_process_ip", "127.0.0.1")
+    records, tensors = _ranks(tmp_path, gpu / RESOLVED_RECIPE, launch_env, n=4, mode=("hybrid",))
+    model, reference = whole
+    one_process = _four_bit_bytes(model)
+    for r, t in zip(records, tensors, strict=True):
+        print(f"rank {r['rank']}: mesh {r['mesh']} {r['mesh_shape']} {r['placements']}, 4-bit {r['four_bit_bytes']}")
+        assert r["mesh"] == ["dp_replicate", "dp_shard_cp"] and r["mesh_shape"] == [2, 2]
+        assert r["placements"] == ["R", "S(0)"]  # replicated across nodes, dim 0 sharded within one
+        assert r["handed_over"] == [2, 2] and r["same_mesh"]  # the Trainer's Accelerator gets this mesh
+        assert r["four_bit_bytes"] == pytest.approx(one_process / 2, rel=0.02)
+        torch.testing.assert_close(t["logits"], reference, rtol=1e-2, atol=1e-2)
+    assert records[0]["four_bit_bytes"] + records[1]["four_bit_bytes"] == one_process  # one replica's shards
+    two_rank_adapter = two_ranks[1][0]["adapter"]
+    for t in tensors:  # peft's initialisation, seeded by train.seed on whole tensors: the same on any mesh
+        assert t["adapter"].keys() == two_rank_adapter.keys()
+        for name, value in t["adapter"].items():
+            torch.testing.assert_close(value, two_rank_adapter[name], rtol=0, atol=0)
