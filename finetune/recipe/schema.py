@@ -350,6 +350,10 @@ class DataSection(Strict):
         return value
 
 
+# the dtype each train.precision computes in (fp32: no mixed precision, nothing is cast)
+PRECISION_DTYPE: dict[str, str | None] = {"bf16": "bfloat16", "fp16": "float16", "fp32": None}
+
+
 class TrainSection(Strict):
     epochs: float | None = Field(
         None, gt=0, le=1000, description="passes over the training data (default 1 when max_steps is unset)"
@@ -729,6 +733,18 @@ def recipe_conflicts(recipe: Recipe):
                     f"QLoRA with {recipe.distributed.strategy} needs the 4-bit weights stored in the "
                     f"model dtype ({recipe.model.dtype}) so they can be sharded; set "
                     f"adapter.storage_dtype: {recipe.model.dtype}"
+                ),
+            )
+        compute = PRECISION_DTYPE[t.precision]
+        sharded = _shards(recipe.distributed.strategy)
+        if sharded and compute and a.storage_dtype == recipe.model.dtype != compute:
+            yield (
+                "adapter.storage_dtype",
+                (
+                    f"QLoRA with {recipe.distributed.strategy} and train.precision {t.precision}: the sharded "
+                    f"strategies cast every parameter to {compute} for compute, the packed 4-bit weights stored "
+                    f"as {a.storage_dtype} too, which destroys them; set model.dtype and adapter.storage_dtype "
+                    f"to {compute} (or train.precision: fp32)"
                 ),
             )
         if t.precision == "fp32" and a.compute_dtype != "float32":

@@ -73,6 +73,15 @@ def test_wrong_literal_lists_choices():
             "adapter.storage_dtype",
             "storage_dtype: bfloat16",
         ),
+        (
+            {
+                "model": {"name": "meta-llama/Llama-3.1-8B", "dtype": "float32"},
+                "adapter": {"type": "qlora", "storage_dtype": "float32"},
+                "distributed": {"strategy": "fsdp2"},
+            },
+            "adapter.storage_dtype",
+            "adapter.storage_dtype to bfloat16",
+        ),
         ({"adapter": {"type": "full", "dora": True}}, "adapter.dora", "adapter.type: lora"),
         (
             {"method": "kto", "data": {"path": "p.jsonl", "format": "unpaired", "packing": True}},
