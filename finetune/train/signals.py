@@ -7,10 +7,11 @@ so they agree on the same step even when the signal reached them at different ti
 then saves (CommitCallback marks the checkpoint complete) and stops, and run_rank raises
 Preempted, which exits with EXIT_PREEMPTED (75) for the Slurm script to requeue.
 
-DataLoader workers ignore these signals (WorkersIgnorePreemption). torchrun's agent stops a rank by
-signalling its whole process group, the workers included, and Slurm signals every process of the job
-step: a worker that died of it would fail the rank's next batch before the step boundary, and no
-checkpoint would be saved. The workers end when their rank's iterator does, or when the rank dies.
+DataLoader workers are not stopped by these signals (WorkersLeavePreemptionToTheRank): torchrun's agent
+stops a rank by signalling its whole process group, so each worker leaves that group, and Slurm signals
+every process of the job step, so workers ignore SIGUSR1, SIGHUP and SIGINT. A worker killed by the
+signal would fail the rank's next batch before the step boundary, and no checkpoint would be saved.
+SIGTERM itself still ends a worker: multiprocessing stops workers with it when the rank exits.
 
 When the `finetune` process itself is killed (SIGKILL: no handler runs there), the kernel closes the
 pipe it read the ranks' output from at once, but the ranks learn of its death only later, through a
@@ -41,32 +42,39 @@ log = logging.getLogger("finetune.train")
 PREEMPT_SIGNALS = (*launch.PREEMPT_SIGNALS, signal.SIGINT)
 
 
-def _ignore_preemption(worker_init_fn, worker_id: int) -> None:
-    for sig in PREEMPT_SIGNALS:
+# what a DataLoader worker ignores: every preemption signal but SIGTERM, with which multiprocessing ends
+# its workers when the rank exits (a worker deaf to it would hang that exit)
+WORKER_IGNORED_SIGNALS = tuple(sig for sig in PREEMPT_SIGNALS if sig != signal.SIGTERM)
+
+
+def _leave_preemption_to_the_rank(worker_init_fn, worker_id: int) -> None:
+    os.setpgid(0, 0)  # out of the rank's process group, which torchrun's agent signals to stop the rank
+    for sig in WORKER_IGNORED_SIGNALS:  # Slurm signals every process of the job step
         signal.signal(sig, signal.SIG_IGN)
     if worker_init_fn is not None:
         worker_init_fn(worker_id)
 
 
-def workers_ignore_preemption(loader):
-    """`loader`, whose worker processes (if any) ignore the preemption signals. The DataLoader reads
-    worker_init_fn when it starts its workers (each epoch or evaluation), so setting it here is in time;
-    a partial of module-level functions stays picklable for a spawn or forkserver start. accelerate's
-    prepared loader reads through to the DataLoader it wraps (`base_dataloader`), which is the one set."""
+def workers_leave_preemption_to_the_rank(loader):
+    """`loader`, whose worker processes (if any) are not stopped by a preemption signal meant for their rank.
+    The DataLoader reads worker_init_fn when it starts its workers (each epoch or evaluation), so setting it
+    here is in time; a partial of module-level functions stays picklable for a spawn or forkserver start.
+    accelerate's prepared loader reads through to the DataLoader it wraps (`base_dataloader`), which is the
+    one set."""
     inner = getattr(loader, "base_dataloader", loader)
     if getattr(inner, "num_workers", 0):
-        inner.worker_init_fn = functools.partial(_ignore_preemption, inner.worker_init_fn)
+        inner.worker_init_fn = functools.partial(_leave_preemption_to_the_rank, inner.worker_init_fn)
     return loader
 
 
-class WorkersIgnorePreemption:
-    """Trainer mixin: the train and eval DataLoaders' workers ignore the preemption signals."""
+class WorkersLeavePreemptionToTheRank:
+    """Trainer mixin: the train and eval DataLoaders' workers are not stopped by the preemption signals."""
 
     def get_train_dataloader(self):
-        return workers_ignore_preemption(super().get_train_dataloader())  # type: ignore[misc]
+        return workers_leave_preemption_to_the_rank(super().get_train_dataloader())  # type: ignore[misc]
 
     def get_eval_dataloader(self, eval_dataset=None):
-        return workers_ignore_preemption(super().get_eval_dataloader(eval_dataset))  # type: ignore[misc]
+        return workers_leave_preemption_to_the_rank(super().get_eval_dataloader(eval_dataset))  # type: ignore[misc]
 
 
 class Preempted(FinetuneError):

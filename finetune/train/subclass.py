@@ -6,9 +6,9 @@ from __future__ import annotations
 
 from finetune.recipe.schema import Recipe
 from finetune.train.optim import with_optimizer
-from finetune.train.signals import WorkersIgnorePreemption
+from finetune.train.signals import WorkersLeavePreemptionToTheRank
 
 
 def trainer_class(cls: type, recipe: Recipe) -> type:
     cls = with_optimizer(cls, recipe)
-    return type(cls.__name__, (WorkersIgnorePreemption, cls), {})
+    return type(cls.__name__, (WorkersLeavePreemptionToTheRank, cls), {})
