@@ -13,6 +13,7 @@ fp32 moments (8); Adafactor fp32 row + column statistics per matrix (~0 bytes/pa
 - qlora: linear weights of the layers in NF4: 0.5 byte/param plus one absmax per 64-block (fp32:
   0.0625 byte/param; with double quantization an 8-bit absmax + an fp32 scale per 256 blocks:
   1/64 + 4/16384 = 0.0159 byte/param, i.e. ~0.127 bits); embeddings, lm_head and norms stay 16-bit.
+  The block statistics are not sharded: every rank holds all of them under FSDP2 and ZeRO-3 too.
 
 Activations per token per decoder layer (bytes, act = 2 for bf16), counted from the tensors a
 Llama-style block saves for backward (checked by listing saved tensors with
@@ -129,9 +130,19 @@ def weight_bytes(job: Job) -> float:
         return linear + (params.total - linear) * job.weight_bytes
     if job.adapter != "qlora":
         return params.total * job.weight_bytes
-    scale = NF4_DOUBLE_QUANT_SCALE_BYTES if job.double_quant else NF4_SCALE_BYTES
     linear = params.layers_linear
-    return linear * (NF4_BYTES + scale) + (params.total - linear) * job.weight_bytes
+    return linear * NF4_BYTES + replicated_weight_bytes(job) + (params.total - linear) * job.weight_bytes
+
+
+def replicated_weight_bytes(job: Job) -> float:
+    """Bytes of the base every rank keeps whole whatever the strategy: QLoRA's block statistics (absmax)
+    are held by the 4-bit modules (bitsandbytes' quant_state), not by the parameters that FSDP2 and ZeRO-3
+    shard or offload, so every rank has all of them (tests/unit/train/test_sharded_qlora.py
+    test_each_rank_keeps_the_whole_weights_quant_state)."""
+    if job.adapter != "qlora":
+        return 0.0
+    scale = NF4_DOUBLE_QUANT_SCALE_BYTES if job.double_quant else NF4_SCALE_BYTES
+    return count_params(job.arch).layers_linear * scale
 
 
 def unit_bytes(job: Job) -> tuple[float, float]:
@@ -389,7 +400,8 @@ def footprint(job: Job, *, strategy: str, micro_batch: int, checkpointing: bool 
     # offloaded optimizer: fp32 master, moments and the gradient partitions live (and step) on the CPU
     opt_on_gpu = 0.0 if tier.offload_optimizer else 1.0
     on_gpu = MemoryBreakdown(
-        weights=0.0 if tier.offload_params else states.weights / shard,
+        weights=replicated_weight_bytes(job)
+        + (0.0 if tier.offload_params else (states.weights - replicated_weight_bytes(job)) / shard),
         trainable=opt_on_gpu * states.trainable / states_shard,
         gradients=opt_on_gpu * states.gradients / states_shard + extra_grads,
         optimizer=opt_on_gpu * states.optimizer / states_shard,

@@ -83,3 +83,18 @@ def test_liger_rmsnorm_keeps_no_normalized_copy_for_the_weight_gradient():
     assert liger_full == liger_lora - 7 * 16 * 2
     # torch's RMSNorm keeps the normalized bf16 input of each norm's weight multiply: 2 norms x 2 B x h
     assert torch_full - (torch_lora - 7 * 16 * 2) == 2 * 2 * h
+
+
+def test_qlora_block_statistics_are_not_sharded():
+    """The 4-bit weights shard across the ranks; their absmax statistics (bitsandbytes' quant_state, on the
+    modules) do not: every rank holds all of them, under FSDP2 as on one GPU."""
+    from finetune.plan.memory import NF4_BYTES, NF4_DOUBLE_QUANT_SCALE_BYTES, weight_bytes
+
+    j = _job("llama-3.3-70b", adapter="qlora")
+    params = count_params(j.arch)
+    stats = params.layers_linear * NF4_DOUBLE_QUANT_SCALE_BYTES
+    sharded = weight_bytes(j) - stats
+    assert sharded == pytest.approx(params.layers_linear * NF4_BYTES + (params.total - params.layers_linear) * 2)
+    per_gpu = footprint(j, strategy="fsdp2", micro_batch=1, checkpointing=True).memory.weights
+    assert per_gpu == pytest.approx(sharded / 4 + stats)
+    assert stats / GIB == pytest.approx(1.0, abs=0.1)  # ~1 GiB for a 70B with double quantization
