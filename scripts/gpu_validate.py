@@ -312,7 +312,9 @@ def load_matrix(path: Path) -> dict[str, dict]:
 def collect(run_dir: Path) -> dict:
     plan = json.loads((run_dir / rundir.PLAN_JSON).read_text())
     summary = rundir.read_summary(run_dir)
-    ranks = [json.loads(p.read_text()) for p in sorted((run_dir / rundir.MEMORY_DIR).glob("rank-*.json"))]
+    # every node's ranks: run_two_nodes gives node K > 0 the run folder RUN_DIR-nodeK
+    nodes = [run_dir, *sorted(run_dir.parent.glob(f"{run_dir.name}-node*"))]
+    ranks = [json.loads(p.read_text()) for d in nodes for p in sorted((d / rundir.MEMORY_DIR).glob("rank-*.json"))]
     metrics = rundir.read_metrics(run_dir)
     losses = [m["loss"] for m in metrics if m.get("loss") is not None]
     reserved = max((r.get("gpu_max_reserved_gib", 0) for r in ranks), default=0)
@@ -352,7 +354,8 @@ def collect(run_dir: Path) -> dict:
         "measured_max_allocated_gib": max((r.get("gpu_max_allocated_gib", 0) for r in ranks), default=0),
         "measured_max_reserved_gib": reserved,
         "host_rss_peak_gib": max((r["host_rss_peak_gib"] for r in ranks), default=0),
-        # PSS sums to the node's real use (RSS counts shared pages once per rank); one node here
+        # PSS sums to the host's real use (RSS counts shared pages once per rank); one host here, even
+        # when its GPUs played two nodes
         "host_pss_node_gib": round(sum(r.get("host_pss_sampled_peak_gib", 0) for r in ranks), 2) or None,
         "prediction_over_measured": round(plan["per_gpu_memory_gib"] / reserved, 3) if reserved else None,
         "tokens_per_second": summary.get(rundir.SUMMARY_TOKENS_PER_S),
