@@ -399,9 +399,9 @@ def footprint(job: Job, *, strategy: str, micro_batch: int, checkpointing: bool 
     states_shard = state_shard_degree(job, strategy)
     # offloaded optimizer: fp32 master, moments and the gradient partitions live (and step) on the CPU
     opt_on_gpu = 0.0 if tier.offload_optimizer else 1.0
+    replicated = replicated_weight_bytes(job)  # every rank's whole copy, whatever is sharded or offloaded
     on_gpu = MemoryBreakdown(
-        weights=replicated_weight_bytes(job)
-        + (0.0 if tier.offload_params else (states.weights - replicated_weight_bytes(job)) / shard),
+        weights=replicated + (0.0 if tier.offload_params else (states.weights - replicated) / shard),
         trainable=opt_on_gpu * states.trainable / states_shard,
         gradients=opt_on_gpu * states.gradients / states_shard + extra_grads,
         optimizer=opt_on_gpu * states.optimizer / states_shard,

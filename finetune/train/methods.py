@@ -123,14 +123,9 @@ def method_trainer(recipe: Recipe, *, args, model, tokenizer, data, callbacks: l
     if m == "kto":
         from trl import KTOTrainer
 
-        ref_model = None
-        from finetune.recipe.schema import dpo_reference
+        from finetune.train.model import reference_copy
 
-        if dpo_reference(recipe) == "copy" and recipe.adapter.type != "full":
-            from finetune.train.model import load_model
-
-            ref_model = load_model(recipe)
-        return trainer_class(KTOTrainer, recipe)(ref_model=ref_model, **kw)
+        return trainer_class(KTOTrainer, recipe)(ref_model=reference_copy(recipe), **kw)
     if m == "reward":
         from trl import RewardTrainer
 

@@ -7,7 +7,7 @@ import logging
 from finetune.data.chat_template import read_chat_template
 from finetune.errors import RecipeError
 from finetune.recipe.paths import model_path
-from finetune.recipe.schema import Recipe
+from finetune.recipe.schema import Recipe, dpo_reference
 
 log = logging.getLogger("finetune.train")
 
@@ -116,6 +116,16 @@ def attn_implementation(chosen: str) -> str:
     return chosen
 
 
+def base_config(recipe: Recipe):
+    """The base model's config as training builds it: with model.rope_scaling merged when the recipe sets it."""
+    from transformers import AutoConfig
+
+    m = recipe.model
+    if m.rope_scaling:
+        return rope_scaled_config(recipe)
+    return AutoConfig.from_pretrained(model_path(recipe), revision=m.revision, trust_remote_code=m.trust_remote_code)
+
+
 def rope_scaled_config(recipe: Recipe):
     """The model's config with model.rope_scaling merged into its RoPE parameters (transformers 5 calls
     them rope_parameters; the base's rope_theta stays; the peers' `type` key is read as rope_type)."""
@@ -208,6 +218,15 @@ def load_training_model(recipe: Recipe, *, args):
     return load_model(recipe)
 
 
+def reference_copy(recipe: Recipe):
+    """The frozen reference model finetune loads itself for DPO/KTO with `reference: copy` on an adapter
+    recipe, or None: the implicit reference (the base with the adapter disabled) needs none, and for a
+    full fine-tune TRL builds the copy from the model's path."""
+    if dpo_reference(recipe) == "copy" and recipe.adapter.type != "full":
+        return load_model(recipe)
+    return None
+
+
 def carries_adapter(model) -> bool:
     """The model already has its LoRA adapter (sharded QLoRA): the trainer must not add another."""
     from peft import PeftModel
@@ -224,18 +243,19 @@ def random_model(recipe: Recipe, auto, kwargs: dict):
     deepspeed.zero.Init, each rank materialising its own partition."""
     import torch
     from accelerate import PartialState
-    from transformers import AutoConfig
     from transformers.integrations import is_fsdp_enabled
 
-    m = recipe.model
-    config = kwargs.get("config") or AutoConfig.from_pretrained(
-        model_path(recipe), revision=m.revision, trust_remote_code=m.trust_remote_code
-    )
+    config = kwargs.get("config") or base_config(recipe)
     if "num_labels" in kwargs:
         config.num_labels = kwargs["num_labels"]
-    build = {k: kwargs[k] for k in ("dtype", "attn_implementation", "trust_remote_code")}
+    build = from_config_kwargs(kwargs)
     torch.manual_seed(recipe.train.seed)
     return build_from_config(auto, config, build, empty=is_fsdp_enabled() and not PartialState().is_main_process)
+
+
+def from_config_kwargs(kwargs: dict) -> dict:
+    """Of model_kwargs' from_pretrained arguments, those that building from a config takes too."""
+    return {k: kwargs[k] for k in ("dtype", "attn_implementation", "trust_remote_code")}
 
 
 def build_from_config(auto, config, build: dict, *, empty: bool):

@@ -165,21 +165,19 @@ def build_meta(recipe: Recipe, *, config, device):
     from transformers.quantizers.auto import get_hf_quantizer
 
     from finetune.train.model import (
-        _torch_dtype,
-        attn_implementation,
         build_from_config,
+        from_config_kwargs,
         lora_config,
+        model_kwargs,
         quantization_config,
     )
 
-    m = recipe.model
-    dtype = _torch_dtype(m.dtype)
+    build = from_config_kwargs(model_kwargs(recipe))
+    dtype = build["dtype"]
     # get_hf_quantizer writes quantization_config into the config: a copy, as from_pretrained's
     hf_quantizer, config, _ = get_hf_quantizer(
         copy.deepcopy(config), quantization_config(recipe), {"": device}, weights_only=True, user_agent={}
     )
-    build = {"dtype": dtype, "attn_implementation": attn_implementation(m.attn_implementation)}
-    build["trust_remote_code"] = m.trust_remote_code
     model = build_from_config(AutoModelForCausalLM, config, build, empty=True)
     hf_quantizer.preprocess_model(model=model, dtype=dtype, device_map={"": device}, checkpoint_files=None)
     quantized = {}
@@ -393,17 +391,12 @@ def _load(key: str, param, *, index, spec, device, report: LoadReport) -> None:
 def checkpoint(recipe: Recipe):
     """(config, {tensor name: file}) of the base, or (None, reason) when this path cannot read it: no
     safetensors weights, or weights that are already quantized."""
-    from transformers import AutoConfig
-
     from finetune.recipe.paths import model_path
-    from finetune.train.model import rope_scaled_config
+    from finetune.train.model import base_config
 
     m = recipe.model
     path = model_path(recipe)
-    if m.rope_scaling:
-        config = rope_scaled_config(recipe)
-    else:
-        config = AutoConfig.from_pretrained(path, revision=m.revision, trust_remote_code=m.trust_remote_code)
+    config = base_config(recipe)
     if getattr(config, "quantization_config", None):
         return None, "the checkpoint is already quantized"
     index = checkpoint_index(path, revision=m.revision)

@@ -169,7 +169,7 @@ def training_args(recipe: Recipe, *, run_dir: Path, has_eval: bool):
 def build_trainer(recipe: Recipe, *, args, model, tokenizer, data, callbacks: list):
     """The TRL trainer. `args` must be built before the model is loaded: under ZeRO-3 the
     TrainingArguments switch from_pretrained to partitioned (zero.Init) loading."""
-    from finetune.train.model import carries_adapter, lora_config
+    from finetune.train.model import carries_adapter, lora_config, reference_copy
     from finetune.train.subclass import trainer_class
 
     peft_config = None if carries_adapter(model) else lora_config(recipe)
@@ -192,16 +192,10 @@ def build_trainer(recipe: Recipe, *, args, model, tokenizer, data, callbacks: li
         )
     from finetune.train.dpo import PretokenizedDPOTrainer
 
-    ref_model = None
-    if dpo_reference(recipe) == "copy" and recipe.adapter.type != "full":
-        from finetune.train.model import load_model
-
-        ref_model = load_model(recipe)  # a frozen, separate base copy
-    # full + copy: DPOTrainer builds the frozen copy itself from the model's path
     dpo = trainer_class(PretokenizedDPOTrainer, recipe)
     trainer = dpo(
         model=model,
-        ref_model=ref_model,
+        ref_model=reference_copy(recipe),
         args=args,
         train_dataset=data.train,
         eval_dataset=data.eval,
