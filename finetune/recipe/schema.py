@@ -726,7 +726,8 @@ def recipe_conflicts(recipe: Recipe):
     if d.packing and m.type not in PADDING_FREE_METHODS:
         yield "data.packing", f"packing is not supported for method {m.type}; set data.packing: false"
     if a.type == "qlora":
-        if a.storage_dtype != recipe.model.dtype and _shards(recipe.distributed.strategy):
+        sharded = _shards(recipe.distributed.strategy)
+        if a.storage_dtype != recipe.model.dtype and sharded:
             yield (
                 "adapter.storage_dtype",
                 (
@@ -736,7 +737,6 @@ def recipe_conflicts(recipe: Recipe):
                 ),
             )
         compute = PRECISION_DTYPE[t.precision]
-        sharded = _shards(recipe.distributed.strategy)
         if sharded and compute and a.storage_dtype == recipe.model.dtype != compute:
             yield (
                 "adapter.storage_dtype",
