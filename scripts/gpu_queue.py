@@ -4,7 +4,8 @@ A GPU machine is lent by the minute, and most calibration runs need one GPU of f
 Jobs start in list order (first come, first served) with backfilling: while the first waiting job
 cannot start (its GPUs are taken, or the jobs it waits for are still running), a later one may, if it
 fits in the free GPUs and its estimate says it ends before the waiting job can start. A job can wait
-for others (`after`), and never starts if one of them failed; a job with `gpus: 0` runs on the CPU
+for others (`after`), and never starts if one of them failed; a fallback (`instead_of: NAME`) waits for
+NAME and starts only if NAME failed (e.g. the same run the slower, proven way); a job with `gpus: 0` runs on the CPU
 (e.g. a merge). Each job's output goes to LOGS/<name>.log and the
 queue's state to STATE (rewritten at every change), so a poll can copy both away while the queue runs.
 No job starts whose estimate would take it past --budget seconds; the ones left unrun are listed in
@@ -12,8 +13,8 @@ STATE.
 
     python scripts/gpu_queue.py scripts/gpu_session.yaml --results /tmp/results --budget 1500
 
-The jobs file: `jobs:` a list of {name, gpus, cmd, est_s, after: [names], env: {..}, uses: [paths],
-exclusive: true|false}, and
+The jobs file: `jobs:` a list of {name, gpus, cmd, est_s, after: [names], instead_of: name, env: {..},
+uses: [paths], exclusive: true|false}, and
 `scratch:` a list of folders. `{results}` in cmd is replaced by the results folder. A path a job `uses`
 inside a scratch folder (e.g. a model written to /dev/shm) is deleted when the last job using it ends,
 so the RAM-backed disk holds only the models still needed. An `exclusive` job runs alone on the machine:
@@ -66,6 +67,7 @@ def main() -> None:
     running: dict[str, dict] = {}
     done: dict[str, dict] = {}
     failed_inputs: dict[str, str] = {}  # job -> the job it waited for, which failed: it never starts
+    not_needed: list[str] = []  # fallbacks whose job succeeded: never started
 
     def write_state() -> None:
         state = {
@@ -76,11 +78,15 @@ def main() -> None:
             "waiting": [j["name"] for j in waiting],
             "too_big": skipped,
             "input_failed": failed_inputs,
+            "not_needed": not_needed,
         }
         state_path.write_text(json.dumps(state, indent=1) + "\n")
 
+    def waits_for(job: dict) -> list[str]:
+        return [*job.get("after", []), *([job["instead_of"]] if "instead_of" in job else [])]
+
     def ready(job: dict) -> bool:
-        return all(a in done for a in job.get("after", []))
+        return all(a in done for a in waits_for(job))
 
     def start(job: dict) -> None:
         need = job.get("gpus", 1)
@@ -141,11 +147,14 @@ def main() -> None:
                 if bad:
                     failed_inputs[job["name"]] = bad[0]
                     waiting.remove(job)
+                elif job.get("instead_of") in done and done[job["instead_of"]]["exit_code"] == 0:
+                    not_needed.append(job["name"])  # what it stands in for succeeded
+                    waiting.remove(job)
             if time.time() - t0 > args.budget:
                 break  # no new job; the running ones finish
             pending = {j["name"] for j in waiting} | set(running) | set(done)
             if not running and not any(
-                time.time() - t0 + j["est_s"] <= args.budget and all(a in pending for a in j.get("after", []))
+                time.time() - t0 + j["est_s"] <= args.budget and all(a in pending for a in waits_for(j))
                 for j in waiting
             ):
                 break  # what still waits can never start within the budget
@@ -154,11 +163,11 @@ def main() -> None:
                 if time.time() - t0 + job["est_s"] > args.budget:
                     continue  # would not end within the budget
                 if not ready(job):
-                    if head_blocked_at is None and all(a in running or a in done for a in job.get("after", [])):
+                    if head_blocked_at is None and all(a in running or a in done for a in waits_for(job)):
                         # the head waits for inputs already running: later jobs may only use the time
                         # until those end and its GPUs are free, or they would delay it
                         inputs_end = [
-                            running[a]["started_s"] + running[a]["est_s"] for a in job["after"] if a in running
+                            running[a]["started_s"] + running[a]["est_s"] for a in waits_for(job) if a in running
                         ]
                         head_blocked_at = max([head_start_time(job), *inputs_end])
                     continue

@@ -40,6 +40,13 @@ ROOT = gv.ROOT
 SHIPPED: dict[str, tuple[str, str, int, dict]] = {
     "lora70b": ("recipes/llama70b-lora.yaml", "llama-3.3-70b", 4, {}),
     "lora70b-preempt": ("recipes/llama70b-lora.yaml", "llama-3.3-70b", 4, {}),
+    # the same with every rank loading through accelerate (rank 0 reads the model and sends it), not its shard
+    "lora70b-preempt-whole": (
+        "recipes/llama70b-lora.yaml",
+        "llama-3.3-70b",
+        4,
+        {"distributed": {"sharded_load": False}},
+    ),
     "qlora70b-1gpu": ("recipes/llama70b-qlora.yaml", "llama-3.3-70b", 1, {}),
     "qlora70b-fsdp2-2gpu": ("recipes/llama70b-qlora.yaml", "llama-3.3-70b", 2, {"distributed": {"strategy": "fsdp2"}}),
     "dpo70b": ("recipes/llama70b-dpo-lora.yaml", "llama-3.3-70b", 4, {}),
@@ -131,21 +138,36 @@ def row_for(name: str, run_dir: Path, *, code: int, started: float) -> dict:
 
 def preempt(name: str, args, results: list[dict]) -> dict:
     """SIGTERM to the launcher during step PREEMPT_AT_STEP (as a scheduler would), then rerun to the end;
-    the resumed losses are compared with the uninterrupted run's row (the name without -preempt)."""
+    the resumed losses are compared with the uninterrupted run's row (the name before -preempt). Each
+    launch's time to its first logged step is recorded (the resumed one pays the load again)."""
     gpus = list(range(SHIPPED[name][2]))
     proc, run_dir, started = start(name, gpus=gpus, args=args)
+    first_step_s = None
     while proc.poll() is None and max(gv_losses(run_dir), default=0) < PREEMPT_AT_STEP:
+        if first_step_s is None and gv_losses(run_dir):
+            first_step_s = round(time.time() - started, 1)
         time.sleep(2)
     proc.send_signal(signal.SIGTERM)
     first = proc.wait()
     saved = sorted(p.name for p in (run_dir / rundir.CHECKPOINTS).glob("checkpoint-*"))
     shutil.copy(run_dir / rundir.METRICS, run_dir.parent / "first-half-metrics.jsonl")
-    proc, _, _ = start(name, gpus=gpus, args=args, resume="auto")
+    logged = max(gv_losses(run_dir), default=0)
+    proc, _, resumed = start(name, gpus=gpus, args=args, resume="auto")
+    resumed_step_s = None
+    while proc.poll() is None:
+        if resumed_step_s is None and len(gv_losses(run_dir)) > logged:
+            resumed_step_s = round(time.time() - resumed, 1)
+        time.sleep(2)
     code = proc.wait()
     row = row_for(name, run_dir, code=code, started=started)
     row.pop("load_s", None)  # the memory files are the resumed launch's
-    row.update(preempt_exit_code=first, checkpoints_after_signal=saved)
-    uninterrupted = name.removesuffix("-preempt")
+    row.update(
+        preempt_exit_code=first,
+        checkpoints_after_signal=saved,
+        first_launch_to_first_step_s=first_step_s,
+        resumed_launch_to_first_step_s=resumed_step_s,
+    )
+    uninterrupted = name.split("-preempt")[0]
     reference = next((r for r in results if r["name"] == uninterrupted and r.get("loss_by_step")), None)
     if reference and row.get("loss_by_step"):
         ref = dict(map(tuple, reference["loss_by_step"]))
@@ -278,7 +300,7 @@ def main() -> None:
         return
     for group in args.groups:
         names = group.split("+")
-        if len(names) == 1 and names[0].endswith("-preempt"):
+        if len(names) == 1 and "-preempt" in names[0]:
             save(preempt(names[0], args, results + references))
             continue
         started, first_gpu = [], 0

@@ -137,7 +137,7 @@ def weight_bytes(job: Job) -> float:
 def replicated_weight_bytes(job: Job) -> float:
     """Bytes of the base every rank keeps whole whatever the strategy: QLoRA's block statistics (absmax)
     are held by the 4-bit modules (bitsandbytes' quant_state), not by the parameters that FSDP2 and ZeRO-3
-    shard or offload, so every rank has all of them (tests/unit/train/test_sharded_qlora.py
+    shard or offload, so every rank has all of them (tests/unit/train/test_sharded_load.py
     test_each_rank_keeps_the_whole_weights_quant_state)."""
     if job.adapter != "qlora":
         return 0.0

@@ -498,6 +498,12 @@ class DistributedSection(Strict):
         30, gt=0, le=24 * 60, description="collective-operation timeout: a rank waiting longer fails the run"
     )
     nvme_path: str | None = Field(None, description="ZeRO-Infinity swap dir; default: the preset's")
+    sharded_load: bool = Field(
+        True,
+        description="LoRA/QLoRA under FSDP2 on GPUs: each rank builds the model on the meta device and reads "
+        "only its own shards from the checkpoint (finetune/train/sharded_load.py); false: every rank loads "
+        "the whole model (QLoRA) or rank 0 loads it and sends each tensor to the others (LoRA), as accelerate does",
+    )
 
 
 class OutputSection(Strict):

@@ -203,18 +203,18 @@ def load_model(recipe: Recipe):
 
 
 def load_training_model(recipe: Recipe, *, args):
-    """The model the trainer trains. QLoRA under FSDP2 on GPUs is built straight into each rank's shard, with
-    its adapter (finetune/train/sharded_qlora.py); what that path does not cover, and everything else,
-    loads whole on each rank (load_model), the adapter added by TRL."""
-    from finetune.train import sharded_qlora
+    """The model the trainer trains. A LoRA or QLoRA adapter under FSDP2 on GPUs is built straight into each
+    rank's shard, with its adapter (finetune/train/sharded_load.py); what that path does not cover, and
+    everything else, loads whole (load_model), the adapter added by TRL."""
+    from finetune.train import sharded_load
 
-    if sharded_qlora.applies(recipe):
-        why = sharded_qlora.unsupported(recipe)
+    if sharded_load.applies(recipe):
+        why = sharded_load.unsupported(recipe)
         if not why:
-            model, why = sharded_qlora.load_for_training(recipe, args=args)
+            model, why = sharded_load.load_for_training(recipe, args=args)
             if model is not None:
                 return model
-        log.warning(f"QLoRA under FSDP2: every rank loads the whole 4-bit model, because {why}")
+        log.warning(f"{recipe.adapter.type} under FSDP2 loads the whole model, not each rank's shard, because {why}")
     return load_model(recipe)
 
 
@@ -228,7 +228,7 @@ def reference_copy(recipe: Recipe):
 
 
 def carries_adapter(model) -> bool:
-    """The model already has its LoRA adapter (sharded QLoRA): the trainer must not add another."""
+    """The model already has its LoRA adapter (finetune/train/sharded_load.py): the trainer must not add another."""
     from peft import PeftModel
 
     return isinstance(model, PeftModel)

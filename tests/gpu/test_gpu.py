@@ -84,7 +84,7 @@ def test_two_gpus(name, tmp_path):
 
 
 def test_two_gpus_qlora_loads_only_each_ranks_shard(tmp_path):
-    """QLoRA under FSDP2 (finetune/train/sharded_qlora.py): right after loading, before the Trainer wraps the
+    """QLoRA under FSDP2 (finetune/train/sharded_load.py): right after loading, before the Trainer wraps the
     model, each of 2 ranks holds half the weights the 1-GPU run holds, and its load peak stays far below the
     whole model (its shard, the quant states and one weight matrix at a time)."""
     if _gpus() < 2:

@@ -103,3 +103,21 @@ def test_an_exclusive_job_runs_alone(tmp_path):
     done, alone = state["done"], state["done"]["alone"]
     for other in ("before", "after"):  # "after" may backfill before it, never beside it
         assert done[other]["ended_s"] <= alone["started_s"] or done[other]["started_s"] >= alone["ended_s"]
+
+
+def test_a_fallback_runs_only_when_the_job_it_stands_in_for_failed(tmp_path):
+    state = _queue(
+        tmp_path,
+        [
+            {"name": "fast-way", "gpus": 2, "est_s": 2, "cmd": "sleep 1; exit 1"},
+            {"name": "proven-way", "gpus": 2, "est_s": 1, "instead_of": "fast-way", "cmd": "echo fallback"},
+            {"name": "works", "gpus": 1, "est_s": 1, "cmd": "echo ok"},
+            {"name": "unneeded", "gpus": 1, "est_s": 1, "instead_of": "works", "cmd": "echo never"},
+        ],
+        budget=30,
+        gpus=2,
+    )
+    done = state["done"]
+    assert done["fast-way"]["exit_code"] == 1
+    assert done["proven-way"]["exit_code"] == 0 and done["proven-way"]["started_s"] >= done["fast-way"]["ended_s"]
+    assert "unneeded" not in done and state["not_needed"] == ["unneeded"]

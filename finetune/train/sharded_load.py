@@ -1,21 +1,25 @@
-"""QLoRA under FSDP2 loaded straight into each rank's shard: no rank ever holds the whole 4-bit model.
+"""LoRA and QLoRA under FSDP2 loaded straight into each rank's shard: no rank ever holds the whole model.
 
-`from_pretrained` with a BitsAndBytesConfig quantizes the whole model onto every rank's GPU (transformers
-does not load quantized models on the meta device on non-main ranks), and only then does accelerate shard
-it: 35 GB per GPU for a 70B before the first step. Here each rank instead
+Without this, a 70B under FSDP2 reaches its first step the slow way. For QLoRA, `from_pretrained` with a
+BitsAndBytesConfig quantizes the whole model onto every rank's GPU (transformers does not load quantized
+models on the meta device on non-main ranks) before accelerate shards it: 35 GB per GPU while loading. For
+bf16 LoRA, accelerate's cpu_ram_efficient_loading has rank 0 read the whole model into host RAM and send
+every full tensor to the other ranks: about 340 s on 4 H100s for a 70B, paid again on every resume. Here
+each rank instead
 
-1. builds the model on the meta device from its config, lets transformers' bitsandbytes quantizer swap
-   nn.Linear for bnb Linear4bit (`preprocess_model`), gives each 4-bit weight the packed shape bitsandbytes'
-   own fake kernel computes, and injects the LoRA adapter with peft (initialised by peft, seeded by
-   train.seed, identically on every rank);
+1. builds the model on the meta device from its config (for QLoRA, transformers' bitsandbytes quantizer
+   swaps nn.Linear for bnb Linear4bit (`preprocess_model`) and each 4-bit weight gets the packed shape
+   bitsandbytes' own fake kernel computes) and injects the LoRA adapter with peft (initialised by peft,
+   seeded by train.seed, identically on every rank);
 2. shards it with `fully_shard` exactly as accelerate's `fsdp2_prepare_model` would (its wrap policy, the
    decoder layers, the embedding/tail groups, the root; the plugin's reshard, mixed-precision and offload
-   settings; the hybrid mesh from accelerate's ParallelismConfig);
+   settings; the hybrid mesh from accelerate's ParallelismConfig), its trainable weights in the dtype
+   accelerate would give them;
 3. allocates only its shards (`to_empty`) and fills them one tensor at a time from the safetensors
-   shards: a 4-bit weight is read whole, quantized on the rank's device by bitsandbytes' Params4bit, and
-   only this rank's rows of the packed storage are kept; its quant_state (absmax, small) stays on the
-   Linear4bit module, where bitsandbytes recovers it after FSDP's all-gather
-   (`fix_4bit_weight_quant_state_from_module`). Other tensors are read as their rows only.
+   shards, reading only its own rows. A 4-bit weight is the exception: it is read whole, quantized on the
+   rank's device by bitsandbytes' Params4bit, and only this rank's rows of the packed storage are kept;
+   its quant_state (absmax, small) stays on the Linear4bit module, where bitsandbytes recovers it after
+   FSDP's all-gather (`fix_4bit_weight_quant_state_from_module`).
 
 accelerate's `fsdp2_prepare_model` returns an FSDPModule unchanged, so the Trainer trains this model as
 it trains the one it would have sharded itself; its FSDP plugin is only told that nothing is left to wrap
@@ -39,10 +43,12 @@ ADAPTER = "default"  # peft's adapter name, the one TRL trains
 
 
 def applies(recipe: Recipe) -> bool:
-    """QLoRA trained under an FSDP2 strategy on GPUs: the case whose loading this module replaces."""
+    """A LoRA or QLoRA adapter trained under an FSDP2 strategy on GPUs with distributed.sharded_load on: the
+    case whose loading this module replaces."""
     r = recipe.resolved
     return (
-        recipe.adapter.type == "qlora"
+        recipe.adapter.type in ("lora", "qlora")
+        and recipe.distributed.sharded_load
         and r is not None
         and r.device == "cuda"
         and strategies.is_fsdp(recipe.distributed.strategy)
@@ -156,33 +162,54 @@ def checkpoint_index(path: str, *, revision: str | None) -> dict[str, str]:
 
 
 def build_meta(recipe: Recipe, *, config, device):
-    """The QLoRA model on the meta device (real buffers): transformers' bnb Linear4bit swap with packed 4-bit
-    weights, then peft's adapter initialised on the host. Returns (peft model, {checkpoint key: _Quantized},
-    {checkpoint key: (module, attribute)} of every base parameter, named before peft renames them)."""
-    import torch
+    """The adapter model on the meta device (real buffers): for QLoRA, transformers' bnb Linear4bit swap with
+    packed 4-bit weights; then peft's adapter initialised on the host. Returns (peft model,
+    {checkpoint key: _Quantized}, {checkpoint key: (module, attribute)} of every base parameter, named
+    before peft renames them)."""
     from peft import get_peft_model
     from transformers import AutoModelForCausalLM
-    from transformers.quantizers.auto import get_hf_quantizer
 
-    from finetune.train.model import (
-        build_from_config,
-        from_config_kwargs,
-        lora_config,
-        model_kwargs,
-        quantization_config,
-    )
+    from finetune.train.model import build_from_config, from_config_kwargs, lora_config, model_kwargs
 
     build = from_config_kwargs(model_kwargs(recipe))
-    dtype = build["dtype"]
-    # get_hf_quantizer writes quantization_config into the config: a copy, as from_pretrained's
-    hf_quantizer, config, _ = get_hf_quantizer(
+    four_bit = recipe.adapter.type == "qlora"
+    if four_bit:
+        config, quantizer = _quantizer(recipe, config, device)
+    model = build_from_config(AutoModelForCausalLM, config, build, empty=True)
+    quantized = _swap_in_4bit(model, quantizer, dtype=build["dtype"], device=device) if four_bit else {}
+    model.eval()  # as from_pretrained returns it
+    targets = _meta_targets(model)
+    peft_config = lora_config(recipe)
+    model = get_peft_model(model, peft_config)
+    _init_adapter(model, seed=recipe.train.seed, init=peft_config.init_lora_weights, bf16=four_bit)
+    filled = {id(getattr(module, attr)) for module, attr in targets.values()}
+    unknown = [n for n, p in model.named_parameters() if p.is_meta and id(p) not in filled]
+    if unknown:  # to_empty would leave them uninitialised
+        raise RuntimeError(f"sharded load: no source for the meta parameters {unknown[:3]}")
+    return model, quantized, targets
+
+
+def _quantizer(recipe: Recipe, config, device):
+    """(config, transformers' bitsandbytes quantizer) as from_pretrained sets them up for the recipe's
+    BitsAndBytesConfig; get_hf_quantizer writes quantization_config into the config, so into a copy."""
+    from transformers.quantizers.auto import get_hf_quantizer
+
+    from finetune.train.model import quantization_config
+
+    quantizer, config, _ = get_hf_quantizer(
         copy.deepcopy(config), quantization_config(recipe), {"": device}, weights_only=True, user_agent={}
     )
-    model = build_from_config(AutoModelForCausalLM, config, build, empty=True)
-    hf_quantizer.preprocess_model(model=model, dtype=dtype, device_map={"": device}, checkpoint_files=None)
-    quantized = {}
-    import bitsandbytes as bnb
+    return config, quantizer
 
+
+def _swap_in_4bit(model, quantizer, *, dtype, device) -> dict:
+    """nn.Linear swapped for bnb Linear4bit by the quantizer, each weight a meta Params4bit of the packed
+    shape FSDP will shard: {checkpoint key: _Quantized}."""
+    import bitsandbytes as bnb
+    import torch
+
+    quantizer.preprocess_model(model=model, dtype=dtype, device_map={"": device}, checkpoint_files=None)
+    quantized = {}
     for name, module in model.named_modules():
         if not isinstance(module, bnb.nn.Linear4bit):
             continue
@@ -194,24 +221,17 @@ def build_meta(recipe: Recipe, *, config, device):
         spec = _Quantized(module, dtype, w.blocksize, w.compress_statistics, w.quant_type, w.quant_storage)
         quantized[f"{name}.weight"] = spec
         module.weight = spec.param(packed, module=module, bnb_quantized=True)
-    model.hf_quantizer = hf_quantizer
-    hf_quantizer.postprocess_model(model)  # config.quantization_config, is_loaded_in_4bit: what peft/TRL ask
-    model.eval()  # as from_pretrained returns it
-    targets = _meta_targets(model)
-    peft_config = lora_config(recipe)
-    model = get_peft_model(model, peft_config)
-    _init_adapter(model, seed=recipe.train.seed, init=peft_config.init_lora_weights)
-    filled = {id(getattr(module, attr)) for module, attr in targets.values()}
-    unknown = [n for n, p in model.named_parameters() if p.is_meta and id(p) not in filled]
-    if unknown:  # to_empty would leave them uninitialised
-        raise RuntimeError(f"sharded QLoRA: no source for the meta parameters {unknown[:3]}")
-    return model, quantized, targets
+    model.hf_quantizer = quantizer
+    quantizer.postprocess_model(model)  # config.quantization_config, is_loaded_in_4bit: what peft/TRL ask
+    return quantized
 
 
-def _init_adapter(model, *, seed: int, init) -> None:
-    """peft's own LoRA initialisation on host tensors (peft left them on the meta device with the base).
-    TRL's trainers cast a quantized model's trainable weights to bf16 in place; on a sharded model that
-    cast would orphan FSDP's storage, so they are bf16 before sharding and TRL's cast is a no-op."""
+def _init_adapter(model, *, seed: int, init, bf16: bool) -> None:
+    """peft's own LoRA initialisation on host tensors (peft left them on the meta device with the base), in
+    the dtype peft gives them (float32 when the base is bf16, what accelerate's FSDP2 upcast would give).
+    With `bf16` (a 4-bit base): TRL's trainers cast a quantized model's trainable weights to bf16 in place;
+    on a sharded model that cast would orphan FSDP's storage, so they are bf16 before sharding and TRL's
+    cast is a no-op."""
     import torch
     from peft.tuners.lora import LoraLayer
 
@@ -228,7 +248,7 @@ def _init_adapter(model, *, seed: int, init) -> None:
         else:
             holder[ADAPTER] = torch.nn.Parameter(torch.empty_like(item, device="cpu"), item.requires_grad)
 
-    def bf16(holder) -> None:
+    def to_bf16(holder) -> None:
         item = holder[ADAPTER]
         if isinstance(item, torch.nn.Module):
             item.to(torch.bfloat16)
@@ -240,7 +260,8 @@ def _init_adapter(model, *, seed: int, init) -> None:
         if isinstance(module, LoraLayer):
             each(module, empty)
             module.reset_lora_parameters(ADAPTER, init)
-            each(module, bf16)
+            if bf16:
+                each(module, to_bf16)
 
 
 def trainer_plugin_args() -> dict:
@@ -440,7 +461,7 @@ def load_sharded(recipe: Recipe, *, config, index: dict, device, mesh=None, plug
 
 
 def load_for_training(recipe: Recipe, *, args):
-    """This rank's sharded QLoRA model for the Trainer, or (None, reason) to load it whole instead. Under
+    """This rank's sharded adapter model for the Trainer, or (None, reason) to load it whole instead. Under
     hybrid shard the Trainer is handed the ParallelismConfig whose mesh the model was sharded on."""
     from accelerate import PartialState
 
@@ -457,7 +478,7 @@ def load_for_training(recipe: Recipe, *, args):
         args.parallelism_config = parallelism
     gib = 2**30
     log.info(
-        f"QLoRA sharded while loading: {report.local_bytes / gib:.2f} GiB of weight shards and "
+        f"{recipe.adapter.type} model sharded while loading: {report.local_bytes / gib:.2f} GiB of weight shards and "
         f"{report.replicated_bytes / gib:.2f} GiB of quant states on this rank, at most "
         f"{report.peak_transient_bytes / gib:.2f} GiB more held for one tensor at a time"
     )

@@ -1,12 +1,12 @@
-"""One CPU rank of the sharded-QLoRA test: `torchrun ... -m tests.helpers.sharded_qlora_rank RESOLVED OUT [hybrid]`.
+"""One CPU rank of the sharded-load test: `torchrun ... -m tests.helpers.sharded_load_rank RESOLVED OUT [hybrid]`.
 
-It joins the gloo group as a finetune rank does (accelerate's PartialState), loads the QLoRA model with
-finetune.train.sharded_qlora on a CPU mesh (the FSDP plugin from the FSDP_* variables the test exported the
+It joins the gloo group as a finetune rank does (accelerate's PartialState), loads the LoRA or QLoRA model with
+finetune.train.sharded_load on a CPU mesh (the FSDP plugin from the FSDP_* variables the test exported the
 way `accelerate launch` exports them), hands it to finetune's build_trainer, and writes OUT/rank-K.json
 (sizes, the trainer's view of the model, losses) and OUT/rank-K.pt (logits, quant states). accelerate runs
 FSDP only on accelerators, so the steps are taken by a plain loop over the trainer's own collated batch.
 With `hybrid`, RESOLVED is a recipe compiled for fsdp2-hybrid: the rank only loads, on the 2-D mesh that
-finetune.train.sharded_qlora.shard_mesh builds from the PARALLELISM_CONFIG_* variables, and records that.
+finetune.train.sharded_load.shard_mesh builds from the PARALLELISM_CONFIG_* variables, and records that.
 """
 
 from __future__ import annotations
@@ -23,6 +23,16 @@ def _four_bit_bytes(model) -> int:
     for module in model.modules():
         if isinstance(module, bnb.nn.Linear4bit):
             local = module.weight.to_local() if hasattr(module.weight, "to_local") else module.weight
+            total += local.numel() * local.element_size()
+    return total
+
+
+def _frozen_bytes(model) -> int:
+    """This rank's bytes of the frozen base weights (its shards of them)."""
+    total = 0
+    for p in model.parameters():
+        if not p.requires_grad:
+            local = p.to_local() if hasattr(p, "to_local") else p
             total += local.numel() * local.element_size()
     return total
 
@@ -93,12 +103,12 @@ def hybrid(resolved: Path, out: Path) -> int:
     from transformers import TrainingArguments
 
     from finetune.recipe.load import load_recipe
-    from finetune.train import sharded_qlora
+    from finetune.train import sharded_load
 
     state = PartialState(cpu=True)
     recipe = load_recipe(resolved, allow_resolved=True)
     args = TrainingArguments(output_dir=str(out / "args"), use_cpu=True, report_to=[])
-    model, report = sharded_qlora.load_for_training(recipe, args=args)
+    model, report = sharded_load.load_for_training(recipe, args=args)
     parallelism = args.parallelism_config  # what the Trainer's Accelerator will build its mesh from
     weight = model.get_input_embeddings().weight  # before a forward leaves the root's group unsharded
     mesh = weight.device_mesh
@@ -128,7 +138,7 @@ def main() -> int:
     from accelerate import PartialState
 
     from finetune.recipe.load import load_recipe
-    from finetune.train import sharded_qlora
+    from finetune.train import sharded_load
     from finetune.train.model import load_tokenizer
     from finetune.train.preflight import prepare_data
     from finetune.train.trainers import build_trainer, training_args
@@ -139,7 +149,7 @@ def main() -> int:
     recipe = load_recipe(resolved, allow_resolved=True)
     # as finetune.train.run sets up a rank: the training arguments first, then the model
     args = training_args(recipe, run_dir=resolved.parent, has_eval=False)
-    model, report = sharded_qlora.load_for_training(recipe, args=args)
+    model, report = sharded_load.load_for_training(recipe, args=args)
     adapter = _adapter(model)
     ids = torch.arange(3, 3 + 2 * 12).reshape(2, 12)
     model.eval()
@@ -154,10 +164,10 @@ def main() -> int:
     batch = {k: v for k, v in batch.items() if k in ("input_ids", "attention_mask", "labels", "position_ids")}
     batch["use_cache"] = False  # as TRL's compute_loss calls the model
     trainer.model.train()
-    ac_plugin = sharded_qlora.shard_plugin(recipe)
+    ac_plugin = sharded_load.shard_plugin(recipe)
     ac_plugin.activation_checkpointing = True  # what FSDP_ACTIVATION_CHECKPOINTING=true gives
-    config, index = sharded_qlora.checkpoint(recipe)
-    ac_model, _ = sharded_qlora.load_sharded(recipe, config=config, index=index, device="cpu", plugin=ac_plugin)
+    config, index = sharded_load.checkpoint(recipe)
+    ac_model, _ = sharded_load.load_sharded(recipe, config=config, index=index, device="cpu", plugin=ac_plugin)
     ac_model.train()
     checkpointed = _checkpointing_changes(trainer.model, ac_model, batch)
     del ac_model
@@ -177,6 +187,7 @@ def main() -> int:
         "world_size": state.num_processes,
         "local_bytes": report.local_bytes,
         "four_bit_bytes": _four_bit_bytes(model),
+        "frozen_bytes": _frozen_bytes(model),
         "peak_transient_bytes": report.peak_transient_bytes,
         "replicated_bytes": report.replicated_bytes,
         "tensors": report.tensors,

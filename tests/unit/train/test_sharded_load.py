@@ -1,10 +1,10 @@
-"""QLoRA under FSDP2 built straight into each rank's shard (finetune/train/sharded_qlora.py).
+"""LoRA and QLoRA under FSDP2 built straight into each rank's shard (finetune/train/sharded_load.py).
 
 Two real ranks on gloo (FSDP2's fully_shard on a CPU mesh, bitsandbytes quantizing on the CPU) load the
 shipped tiny Llama with the FSDP settings finetune compiles for a 2-GPU fsdp2 run (accelerate's own
-launcher turns that accelerate.yaml into the ranks' FSDP_* variables); the model the current path builds
-(from_pretrained with a BitsAndBytesConfig, then peft) is the reference. The GPU path itself (NCCL, CUDA
-bitsandbytes, the Trainer's accelerate FSDP2 preparation) is not run here.
+launcher turns that accelerate.yaml into the ranks' FSDP_* variables); the model the whole-model path
+builds (from_pretrained, with a BitsAndBytesConfig for QLoRA, then peft) is the reference. The GPU path
+itself (NCCL, CUDA bitsandbytes, the Trainer's accelerate FSDP2 preparation) is not run here.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import pytest
 
 from finetune.recipe.load import load_recipe
 from finetune.rundir import ACCELERATE_YAML, RESOLVED_RECIPE
-from finetune.train import sharded_qlora
+from finetune.train import sharded_load
 from tests.helpers.paths import ROOT
 from tests.helpers.processes import env
 from tests.helpers.recipes import resolve_recipe, tiny_recipe, write_preset
@@ -29,6 +29,7 @@ QLORA = {
     "adapter": {"type": "qlora", "r": 8, "alpha": 16},
     "train": {"precision": "bf16", "lr": 1e-2},
 }
+LORA = {**QLORA, "adapter": {"type": "lora", "r": 8, "alpha": 16}}
 
 
 def _gpu_recipe(tmp_path: Path, **sections) -> Path:
@@ -36,31 +37,41 @@ def _gpu_recipe(tmp_path: Path, **sections) -> Path:
     return _compiled(tmp_path / "gpu", hardware="workstation-2x4090", **sections) / RESOLVED_RECIPE
 
 
-def test_applies_to_qlora_under_every_fsdp2_strategy_on_gpus(tmp_path):
-    fsdp2 = load_recipe(_gpu_recipe(tmp_path, distributed={"strategy": "fsdp2"}), allow_resolved=True)
-    assert sharded_qlora.applies(fsdp2) and sharded_qlora.unsupported(fsdp2) == ""
-    ddp = load_recipe(_gpu_recipe(tmp_path, distributed={"strategy": "ddp"}), allow_resolved=True)
-    assert not sharded_qlora.applies(ddp)
-    lora = load_recipe(
-        _gpu_recipe(tmp_path, adapter={"type": "lora"}, distributed={"strategy": "fsdp2"}), allow_resolved=True
-    )
-    assert not sharded_qlora.applies(lora)
+def test_applies_to_lora_and_qlora_under_every_fsdp2_strategy_on_gpus(tmp_path):
+    def gpu(**sections):
+        return load_recipe(_gpu_recipe(tmp_path, **sections), allow_resolved=True)
+
+    for adapter in ("qlora", "lora"):
+        fsdp2 = gpu(adapter={"type": adapter}, distributed={"strategy": "fsdp2"})
+        assert sharded_load.applies(fsdp2) and sharded_load.unsupported(fsdp2) == ""
+        off = gpu(adapter={"type": adapter}, distributed={"strategy": "fsdp2", "sharded_load": False})
+        assert not sharded_load.applies(off)
+    assert not sharded_load.applies(gpu(distributed={"strategy": "ddp"}))
+    assert not sharded_load.applies(gpu(adapter={"type": "full"}, distributed={"strategy": "fsdp2"}))
     cpu = load_recipe(resolve_recipe(tiny_recipe(**QLORA), run_dir=tmp_path / "cpu"), allow_resolved=True)
-    assert not sharded_qlora.applies(cpu)
+    assert not sharded_load.applies(cpu)
 
 
-@pytest.mark.parametrize(("strategy", "hardware"), [("fsdp2", "server-8xh100"), ("fsdp2-hybrid", "cluster-2x8xh100")])
-def test_the_shipped_70b_qlora_recipe_loads_sharded(strategy, hardware, tmp_path):
-    """recipes/llama70b-qlora.yaml as issue 19 runs it: nothing in it sends it back to the whole-model load."""
+@pytest.mark.parametrize(
+    ("shipped", "strategy", "hardware"),
+    [
+        ("llama70b-qlora.yaml", "fsdp2", "server-8xh100"),
+        ("llama70b-qlora.yaml", "fsdp2-hybrid", "cluster-2x8xh100"),
+        ("llama70b-lora.yaml", "fsdp2", "server-8xh100"),
+        ("llama70b-dpo-lora.yaml", "fsdp2", "server-8xh100"),
+    ],
+)
+def test_the_shipped_70b_recipes_load_sharded(shipped, strategy, hardware, tmp_path):
+    """The 70B recipes as issue 19 runs them: nothing in them sends them back to the whole-model load."""
     from finetune.compile.compiler import prepare_recipe
 
     overrides = [f"distributed.strategy={strategy}", f"hardware={hardware}"]
     compiled = prepare_recipe(
-        load_recipe(ROOT / "recipes" / "llama70b-qlora.yaml", overrides=overrides), run_dir=tmp_path, hardware=None
+        load_recipe(ROOT / "recipes" / shipped, overrides=overrides), run_dir=tmp_path, hardware=None
     )
     (tmp_path / RESOLVED_RECIPE).write_text(compiled.texts[RESOLVED_RECIPE])
     recipe = load_recipe(tmp_path / RESOLVED_RECIPE, allow_resolved=True)
-    assert sharded_qlora.applies(recipe) and sharded_qlora.unsupported(recipe) == ""
+    assert sharded_load.applies(recipe) and sharded_load.unsupported(recipe) == ""
 
 
 def test_what_needs_the_whole_base_is_named(tmp_path):
@@ -68,14 +79,14 @@ def test_what_needs_the_whole_base_is_named(tmp_path):
         _gpu_recipe(tmp_path, adapter={"type": "qlora", "dora": True}, distributed={"strategy": "fsdp2"}),
         allow_resolved=True,
     )
-    assert "adapter.dora" in sharded_qlora.unsupported(dora)
+    assert "adapter.dora" in sharded_load.unsupported(dora)
     saved = load_recipe(
         _gpu_recipe(
             tmp_path, adapter={"type": "qlora", "modules_to_save": ["lm_head"]}, distributed={"strategy": "fsdp2"}
         ),
         allow_resolved=True,
     )
-    assert "adapter.modules_to_save" in sharded_qlora.unsupported(saved)
+    assert "adapter.modules_to_save" in sharded_load.unsupported(saved)
 
 
 def _compiled(run_dir: Path, **sections) -> Path:
@@ -110,7 +121,7 @@ def _ranks(tmp: Path, resolved: Path, launch_env: dict, *, n: int, mode: tuple[s
     out = tmp / f"out-{n}{''.join(mode)}"
     out.mkdir()
     argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(n)]
-    argv += ["-m", "tests.helpers.sharded_qlora_rank", str(resolved), str(out), *mode]
+    argv += ["-m", "tests.helpers.sharded_load_rank", str(resolved), str(out), *mode]
     done = subprocess.run(
         argv,
         cwd=ROOT,
@@ -135,20 +146,41 @@ def two_ranks(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def whole(tmp_path_factory):
-    """The model as finetune loads it today (from_pretrained quantizes the whole model), peft's adapter on it."""
+def two_ranks_lora(tmp_path_factory):
+    """two_ranks for a bf16 LoRA recipe."""
+    tmp = tmp_path_factory.mktemp("sharded-lora")
+    resolved = resolve_recipe(tiny_recipe(**LORA), run_dir=tmp / "run")
+    gpu = _compiled(
+        tmp / "gpu", hardware="workstation-2x4090", adapter=LORA["adapter"], distributed={"strategy": "fsdp2"}
+    )
+    return (*_ranks(tmp, resolved, _launch_env(gpu), n=2), resolved)
+
+
+def _whole(tmp_path_factory, sections: dict):
+    """The model as the whole-model path loads it (from_pretrained, quantizing for QLoRA), peft's adapter on
+    it, and its logits."""
     import torch
     from peft import get_peft_model
 
     from finetune.train.model import load_model, lora_config
 
-    resolved = resolve_recipe(tiny_recipe(**QLORA), run_dir=tmp_path_factory.mktemp("whole") / "run")
+    resolved = resolve_recipe(tiny_recipe(**sections), run_dir=tmp_path_factory.mktemp("whole") / "run")
     recipe = load_recipe(resolved, allow_resolved=True)
     model = get_peft_model(load_model(recipe), lora_config(recipe))
     model.eval()
     with torch.no_grad():
         logits = model(input_ids=torch.arange(3, 3 + 2 * 12).reshape(2, 12)).logits
     return model, logits
+
+
+@pytest.fixture(scope="module")
+def whole(tmp_path_factory):
+    return _whole(tmp_path_factory, QLORA)
+
+
+@pytest.fixture(scope="module")
+def whole_lora(tmp_path_factory):
+    return _whole(tmp_path_factory, LORA)
 
 
 def _four_bit_bytes(model) -> int:
@@ -227,7 +259,7 @@ def test_loading_holds_one_tensor_at_a_time(two_ranks):
 
     records, _, resolved = two_ranks
     recipe = load_recipe(resolved, allow_resolved=True)
-    _, index = sharded_qlora.checkpoint(recipe)
+    _, index = sharded_load.checkpoint(recipe)
     quantized = set(records[0]["quantized"])
     largest = whole_model = 0
     for key, file in index.items():
@@ -307,3 +339,40 @@ def test_hybrid_shard_shards_within_a_node_and_replicates_across(tmp_path, whole
         assert t["adapter"].keys() == two_rank_adapter.keys()
         for name, value in t["adapter"].items():
             torch.testing.assert_close(value, two_rank_adapter[name], rtol=0, atol=0)
+
+
+@slow
+def test_lora_each_rank_reads_and_holds_half_the_bf16_base(two_ranks_lora, whole_lora):
+    """A bf16 LoRA base: each rank reads only its own rows of every tensor (nothing held beyond its shards)
+    and ends with half the base bytes."""
+    records, _, _ = two_ranks_lora
+    model, _ = whole_lora
+    base = sum(p.numel() * p.element_size() for p in model.parameters() if not p.requires_grad)
+    for r in records:
+        print(
+            f"rank {r['rank']}: base {r['frozen_bytes']} of {base} bytes, "
+            f"held beyond its shards {r['peak_transient_bytes']}"
+        )
+        assert r["frozen_bytes"] == pytest.approx(base / 2, rel=0.02)
+        assert r["peak_transient_bytes"] == 0 and r["quantized"] == [] and r["four_bit_bytes"] == 0
+    assert sum(r["frozen_bytes"] for r in records) == base
+
+
+@slow
+def test_lora_logits_equal_the_whole_model_and_the_loss_falls(two_ranks_lora, whole_lora):
+    """The same model as the whole-model path: its logits; the adapter in float32 (peft's upcast, the dtype
+    accelerate's FSDP2 preparation would give it) and trained by finetune's Trainer setup."""
+    import torch
+
+    records, tensors, _ = two_ranks_lora
+    _, reference = whole_lora
+    for t in tensors:
+        torch.testing.assert_close(t["logits"], reference, rtol=0, atol=0)
+    for r in records:
+        print(f"rank {r['rank']}: losses {r['losses']}")
+        assert r["trainer_model_is_loaded_model"] and r["lora_layers_after"] == r["lora_layers_before"] == 14
+        assert {(dtype, kind) for _, dtype, kind in r["trainable"]} == {("torch.float32", "DTensor")}
+        assert r["losses"][-1] < r["losses"][0]
+        changes = r["checkpointing_changes"]
+        assert changes["loss"] <= 1e-6 and changes["grad"] <= 1e-3 * changes["grad_scale"]
+    assert records[0]["losses"] == records[1]["losses"]
