@@ -50,6 +50,7 @@ SHIPPED: dict[str, tuple[str, str, int, dict]] = {
     "qlora70b-1gpu": ("recipes/llama70b-qlora.yaml", "llama-3.3-70b", 1, {}),
     "qlora70b-fsdp2-2gpu": ("recipes/llama70b-qlora.yaml", "llama-3.3-70b", 2, {"distributed": {"strategy": "fsdp2"}}),
     "dpo70b": ("recipes/llama70b-dpo-lora.yaml", "llama-3.3-70b", 4, {}),
+    "dpo70b-pairs": ("recipes/llama70b-dpo-lora.yaml", "llama-3.3-70b", 4, {"data": {"packing": True}}),
     "lora70b-hybrid-2x2": (
         "recipes/llama70b-lora.yaml",
         "llama-3.3-70b",

@@ -121,3 +121,25 @@ def test_a_fallback_runs_only_when_the_job_it_stands_in_for_failed(tmp_path):
     assert done["fast-way"]["exit_code"] == 1
     assert done["proven-way"]["exit_code"] == 0 and done["proven-way"]["started_s"] >= done["fast-way"]["ended_s"]
     assert "unneeded" not in done and state["not_needed"] == ["unneeded"]
+
+
+def test_the_next_sessions_jobs_name_runs_that_exist():
+    """scripts/gpu_session.yaml is run on a lent GPU machine, where a misspelt run costs device time."""
+    import re
+
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import gpu_shipped
+    import gpu_validate
+
+    spec = yaml.safe_load((ROOT / "scripts" / "gpu_session.yaml").read_text())
+    matrix = gpu_validate.load_matrix(ROOT / spec["matrix"])
+    names = {j.get("name") for j in spec["jobs"]}
+    for job in spec["jobs"]:
+        if "run" in job:
+            assert job["run"] in matrix, job
+            continue
+        for name in re.findall(r"gpu_shipped\.py ([\w+-]+)", job["cmd"]):
+            assert all(n in gpu_shipped.SHIPPED for n in name.split("+")), job
+        for name in re.findall(r"gpu_validate\.py ([\w-]+)", job["cmd"]):
+            assert name in matrix or name in gpu_validate.RUNS, job
+        assert set(job.get("after", [])) <= names and job.get("instead_of", job["name"]) in names, job
