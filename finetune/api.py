@@ -246,14 +246,20 @@ def _run_locked(
     )
     if not isinstance(code, int):  # multi-node without --node-rank: what to run on each node
         return RunResult(run_dir, 0, launched=False, instructions=str(code))
-    if code != 0:
+    # finished.json is set aside before the launch and written last by the run: a signal that came after
+    # it found a complete run (its outputs saved), which is reported as complete, not as preempted
+    signalled_after_finish = code in (EXIT_PREEMPTED, EXIT_INTERRUPTED) and bool(rundir.read_finished(run_dir))
+    if code != 0 and not signalled_after_finish:
         return _stopped(run_dir, code, before=before)
     if node_rank in (None, 0):
         shutil.rmtree(run_dir / rundir.PREVIOUS, ignore_errors=True)  # the new run replaced it
     summary = rundir.read_summary(run_dir)
     resolved = load_recipe(run_dir / rundir.RESOLVED_RECIPE, allow_resolved=True)
     pushed = None
-    if resolved.hub.repo and (node_rank in (None, 0)):
+    if signalled_after_finish:
+        later = f"\n  not pushed to {resolved.hub.repo}: `finetune push {run_dir}` does it" if resolved.hub.repo else ""
+        log.info(f"stopped by a signal after training finished: {run_dir} is complete{later}")
+    elif resolved.hub.repo and (node_rank in (None, 0)):
         from finetune.hub import push_from_recipe
 
         pushed = push_from_recipe(run_dir)

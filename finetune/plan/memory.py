@@ -468,16 +468,26 @@ def fsdp_accumulated_gradients(job: Job) -> float:
     return job.act_bytes * (layer * job.arch.num_layers + root)
 
 
+def largest_tensor_bytes(job: Job) -> float:
+    """The largest checkpoint tensor, in the model's dtype: the embedding or lm_head (vocab x hidden) or an
+    MLP projection (intermediate x hidden); the sharded load holds at most one at a time on the host."""
+    a = job.arch
+    return max(a.vocab_size, a.intermediate_size) * a.hidden_size * job.weight_bytes
+
+
 def _host_and_nvme(job: Job, *, strategy: str, states: StateBytes, layer: float) -> tuple[float, float]:
     p = job.preset
     procs = p.gpus_per_node
     base = (CPU_FIXED_BYTES * 4 if p.vendor == "cpu" else HOST_PER_PROCESS_BYTES) * procs
     # loading: DDP ranks each materialize the model on CPU before moving it; sharded strategies
-    # load once per node (cpu_ram_efficient_loading / zero.Init) and scatter
+    # load once per node (cpu_ram_efficient_loading / zero.Init) and scatter, except FSDP2 with the
+    # sharded load, where each rank holds one tensor of the checkpoint at a time
     model_bytes = count_params(job.arch).total * job.weight_bytes
     # (ZeRO-2 builds no partitioned model: every rank loads it like DDP)
     replicated_load = not info(strategy).shards_params and job.adapter != "qlora"
     loading = float(model_bytes * (procs if replicated_load else 1))
+    if job.sharded_load and info(strategy).backend == "fsdp":
+        loading = float(procs * largest_tensor_bytes(job))
     if p.vendor == "cpu":
         loading = 0.0  # the cpu preset's 'GPU memory' already is this RAM
     nodes = p.nodes

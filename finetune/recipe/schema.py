@@ -818,6 +818,34 @@ def dpo_reference(recipe: Recipe) -> str:
     return recipe.method.reference
 
 
+def wants_sharded_load(recipe: Recipe) -> bool:
+    """A LoRA/QLoRA recipe with distributed.sharded_load on: under FSDP2 each rank loads only its shards
+    (finetune/train/sharded_load.py) unless sharded_load_blocker names a reason. Full fine-tunes load the
+    accelerate way. The planner and the trainer both ask here."""
+    return recipe.distributed.sharded_load and recipe.adapter.type in ("lora", "qlora")
+
+
+def sharded_load_blocker(recipe: Recipe) -> str:
+    """Why a recipe that wants the sharded load must still load the whole model, or "" when it need not:
+    the settings that need the whole base at load time or tensors the checkpoint does not have (what only
+    the checkpoint can tell is found at load time)."""
+    a, m = recipe.adapter, recipe.model
+    if m.init != "pretrained":
+        return "model.init: random builds its weights in from_config"
+    if recipe.method.type == "reward":
+        return "method reward adds a score head the checkpoint does not have"
+    if a.dora:
+        return "adapter.dora computes its magnitudes from the whole base weights"
+    if a.modules_to_save:
+        return "adapter.modules_to_save copies whole base modules"
+    if a.type == "qlora" and a.storage_dtype == "uint8":
+        return "adapter.storage_dtype uint8 cannot be sharded by FSDP2"
+    tk = recipe.tokenizer
+    if tk.added_tokens or tk.pad_token or tk.eos_token or tk.bos_token:
+        return "tokenizer overrides may resize the embeddings (finetune.train.model.fit_embeddings)"
+    return ""
+
+
 def cadence_conflicts(recipe: Recipe):
     """Evaluation, checkpoint, warmup and schedule settings that exclude or need each other."""
     t, o, d = recipe.train, recipe.output, recipe.data

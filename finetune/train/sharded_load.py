@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 
 from finetune import strategies
 from finetune.compile.accelerate import MIXED_PRECISION
-from finetune.recipe.schema import Recipe
+from finetune.recipe.schema import Recipe, sharded_load_blocker, wants_sharded_load
 
 log = logging.getLogger("finetune.train")
 
@@ -43,12 +43,11 @@ ADAPTER = "default"  # peft's adapter name, the one TRL trains
 
 
 def applies(recipe: Recipe) -> bool:
-    """A LoRA or QLoRA adapter trained under an FSDP2 strategy on GPUs with distributed.sharded_load on: the
-    case whose loading this module replaces."""
+    """An adapter that wants the sharded load, trained under an FSDP2 strategy on GPUs: the case whose
+    loading this module replaces (unless `unsupported` names a reason)."""
     r = recipe.resolved
     return (
-        recipe.adapter.type in ("lora", "qlora")
-        and recipe.distributed.sharded_load
+        wants_sharded_load(recipe)
         and r is not None
         and r.device == "cuda"
         and strategies.is_fsdp(recipe.distributed.strategy)
@@ -56,23 +55,8 @@ def applies(recipe: Recipe) -> bool:
 
 
 def unsupported(recipe: Recipe) -> str:
-    """Why this recipe must load the whole model per rank instead ("" when it need not): what needs the
-    whole base at load time or tensors the checkpoint does not have."""
-    a, m = recipe.adapter, recipe.model
-    if m.init != "pretrained":
-        return "model.init: random builds its weights in from_config"
-    if recipe.method.type == "reward":
-        return "method reward adds a score head the checkpoint does not have"
-    if a.dora:
-        return "adapter.dora computes its magnitudes from the whole base weights"
-    if a.modules_to_save:
-        return "adapter.modules_to_save copies whole base modules"
-    if a.storage_dtype == "uint8":
-        return "adapter.storage_dtype uint8 cannot be sharded by FSDP2"
-    tk = recipe.tokenizer
-    if tk.added_tokens or tk.pad_token or tk.eos_token or tk.bos_token:
-        return "tokenizer overrides may resize the embeddings (finetune.train.model.fit_embeddings)"
-    return ""
+    """Why this recipe must load the whole model per rank instead ("" when it need not)."""
+    return sharded_load_blocker(recipe)
 
 
 @dataclass

@@ -261,3 +261,33 @@ def test_sigterm_before_training_claims_no_checkpoint(tmp_path):
         assert "a checkpoint was saved" not in out, out[-3000:]
         assert "before a new checkpoint was written" in out or "no training process was running" in out, out[-3000:]
     assert "Traceback" not in out, out[-4000:]
+
+
+def test_a_signal_after_training_finished_reports_the_run_complete(tmp_path, monkeypatch, caplog):
+    """The window a CPU run of the preemption script hit: SIGTERM arrived after the run wrote its model and
+    finished.json, the ranks exited 75 and the command said "preempted before a new checkpoint was written
+    ... it starts from step 0". The launch here really trains to the end; only the late signal's exit code
+    is given to finetune.api, which must report the run complete (exit 0) and a rerun find nothing to do."""
+    import logging
+
+    from finetune import api, launch
+    from finetune.errors import EXIT_PREEMPTED
+    from finetune.rundir import read_finished
+
+    real = launch.run_with_oom_retries
+
+    def signalled_after_the_end(*args, **kwargs):
+        code, spec = real(*args, **kwargs)
+        assert code == 0
+        return EXIT_PREEMPTED, spec
+
+    monkeypatch.setattr(launch, "run_with_oom_retries", signalled_after_the_end)
+    recipe = write_recipe(tmp_path / "recipe.yaml", hardware=str(cpu_preset(tmp_path / "cpu.yaml")))
+    run_dir = tmp_path / "run"
+    with caplog.at_level(logging.INFO, logger="finetune.api"):
+        result = api.run(recipe, output=run_dir)
+    assert result.exit_code == 0 and read_finished(run_dir)
+    assert "stopped by a signal after training finished" in caplog.text and "preempted" not in caplog.text
+    monkeypatch.setattr(launch, "run_with_oom_retries", real)
+    again = run(cli_argv(recipe, run_dir), cache=tmp_path / "cache")
+    assert again.returncode == 0 and "is complete" in again.stdout + again.stderr

@@ -105,6 +105,10 @@ NO_EFFECT = {
         "bounds, so the plan is eager's; the first steps' compilation (~90 s) is not in the step time"
     ),
     "distributed.timeout_minutes": "how long a collective may hang",
+    "distributed.sharded_load": (
+        "how the weights reach each rank's shards before the first step: the same shards, so the same step "
+        "memory and time; what it changes, the host RAM of loading, is planned (tests/unit/plan/test_host_ram.py)"
+    ),
     "output.dir": "where the run is written",
     "output.save_every": "checkpoints are written between steps",
     "output.saves_per_epoch": "checkpoints are written between steps",
