@@ -7,7 +7,7 @@ import logging
 from finetune.data.chat_template import read_chat_template
 from finetune.errors import RecipeError
 from finetune.recipe.paths import model_path
-from finetune.recipe.schema import Recipe, dpo_reference
+from finetune.recipe.schema import Recipe, dpo_reference, sharded_load_blocker
 
 log = logging.getLogger("finetune.train")
 
@@ -209,7 +209,7 @@ def load_training_model(recipe: Recipe, *, args):
     from finetune.train import sharded_load
 
     if sharded_load.applies(recipe):
-        why = sharded_load.unsupported(recipe)
+        why = sharded_load_blocker(recipe)
         if not why:
             model, why = sharded_load.load_for_training(recipe, args=args)
             if model is not None:

@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 
 from finetune import strategies
 from finetune.compile.accelerate import MIXED_PRECISION
-from finetune.recipe.schema import Recipe, sharded_load_blocker, wants_sharded_load
+from finetune.recipe.schema import Recipe, wants_sharded_load
 
 log = logging.getLogger("finetune.train")
 
@@ -44,7 +44,7 @@ ADAPTER = "default"  # peft's adapter name, the one TRL trains
 
 def applies(recipe: Recipe) -> bool:
     """An adapter that wants the sharded load, trained under an FSDP2 strategy on GPUs: the case whose
-    loading this module replaces (unless `unsupported` names a reason)."""
+    loading this module replaces (unless schema.sharded_load_blocker names a reason)."""
     r = recipe.resolved
     return (
         wants_sharded_load(recipe)
@@ -52,11 +52,6 @@ def applies(recipe: Recipe) -> bool:
         and r.device == "cuda"
         and strategies.is_fsdp(recipe.distributed.strategy)
     )
-
-
-def unsupported(recipe: Recipe) -> str:
-    """Why this recipe must load the whole model per rank instead ("" when it need not)."""
-    return sharded_load_blocker(recipe)
 
 
 @dataclass

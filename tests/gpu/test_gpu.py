@@ -83,16 +83,17 @@ def test_two_gpus(name, tmp_path):
     _check(_validate(name, tmp_path))
 
 
-def test_two_gpus_qlora_loads_only_each_ranks_shard(tmp_path):
-    """QLoRA under FSDP2 (finetune/train/sharded_load.py): right after loading, before the Trainer wraps the
-    model, each of 2 ranks holds half the weights the 1-GPU run holds, and its load peak stays far below the
-    whole model (its shard, the quant states and one weight matrix at a time)."""
+@pytest.mark.parametrize("adapter", ["qlora", "lora"])
+def test_two_gpus_load_only_each_ranks_shard(adapter, tmp_path):
+    """LoRA and QLoRA under FSDP2 (finetune/train/sharded_load.py): right after loading, before the Trainer
+    wraps the model, each of 2 ranks holds half the weights the 1-GPU run holds, and its load peak stays far
+    below the whole model (its shard, the quant states and one weight matrix at a time)."""
     if _gpus() < 2:
         pytest.skip("needs 2 CUDA GPUs")
     (tmp_path / "one").mkdir()
     (tmp_path / "two").mkdir()
-    whole = _validate("qlora8b", tmp_path / "one")["ranks"][0]["weights_on_gpu_after_load_gib"]
-    two = _validate("qlora8b-fsdp2", tmp_path / "two")
+    whole = _validate(f"{adapter}8b", tmp_path / "one")["ranks"][0]["weights_on_gpu_after_load_gib"]
+    two = _validate(f"{adapter}8b-fsdp2", tmp_path / "two")
     for rank in two["ranks"]:
         assert rank["weights_on_gpu_after_load_gib"] == pytest.approx(whole / 2, rel=0.05), (whole, rank)
         assert rank["gpu_peak_after_load_gib"] < 0.75 * whole, (whole, rank)

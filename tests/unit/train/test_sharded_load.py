@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from finetune.recipe.load import load_recipe
+from finetune.recipe.schema import sharded_load_blocker
 from finetune.rundir import ACCELERATE_YAML, RESOLVED_RECIPE
 from finetune.train import sharded_load
 from tests.helpers.paths import ROOT
@@ -43,7 +44,7 @@ def test_applies_to_lora_and_qlora_under_every_fsdp2_strategy_on_gpus(tmp_path):
 
     for adapter in ("qlora", "lora"):
         fsdp2 = gpu(adapter={"type": adapter}, distributed={"strategy": "fsdp2"})
-        assert sharded_load.applies(fsdp2) and sharded_load.unsupported(fsdp2) == ""
+        assert sharded_load.applies(fsdp2) and sharded_load_blocker(fsdp2) == ""
         off = gpu(adapter={"type": adapter}, distributed={"strategy": "fsdp2", "sharded_load": False})
         assert not sharded_load.applies(off)
     assert not sharded_load.applies(gpu(distributed={"strategy": "ddp"}))
@@ -71,7 +72,7 @@ def test_the_shipped_70b_recipes_load_sharded(shipped, strategy, hardware, tmp_p
     )
     (tmp_path / RESOLVED_RECIPE).write_text(compiled.texts[RESOLVED_RECIPE])
     recipe = load_recipe(tmp_path / RESOLVED_RECIPE, allow_resolved=True)
-    assert sharded_load.applies(recipe) and sharded_load.unsupported(recipe) == ""
+    assert sharded_load.applies(recipe) and sharded_load_blocker(recipe) == ""
 
 
 def test_what_needs_the_whole_base_is_named(tmp_path):
@@ -79,14 +80,14 @@ def test_what_needs_the_whole_base_is_named(tmp_path):
         _gpu_recipe(tmp_path, adapter={"type": "qlora", "dora": True}, distributed={"strategy": "fsdp2"}),
         allow_resolved=True,
     )
-    assert "adapter.dora" in sharded_load.unsupported(dora)
+    assert "adapter.dora" in sharded_load_blocker(dora)
     saved = load_recipe(
         _gpu_recipe(
             tmp_path, adapter={"type": "qlora", "modules_to_save": ["lm_head"]}, distributed={"strategy": "fsdp2"}
         ),
         allow_resolved=True,
     )
-    assert "adapter.modules_to_save" in sharded_load.unsupported(saved)
+    assert "adapter.modules_to_save" in sharded_load_blocker(saved)
 
 
 def _compiled(run_dir: Path, **sections) -> Path:
