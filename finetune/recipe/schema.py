@@ -12,7 +12,8 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
-from finetune.strategies import AUTO, StrategyName, shards_params
+from finetune.strategies import AUTO, StrategyName, is_fsdp, shards_params
+from finetune.strategies import NAMES as STRATEGY_NAMES
 
 Dtype = Literal["bfloat16", "float16", "float32"]
 DataFormat = Literal["messages", "alpaca", "sharegpt", "text", "prompt_completion", "preference", "unpaired"]
@@ -689,13 +690,22 @@ def _shards(strategy: str) -> bool:
 def _random_init_conflicts(recipe: Recipe):
     """model.init: random builds the weights, so nothing may need them loaded or worth keeping."""
     a = recipe.adapter
-    if a.type == "qlora" or a.load_in_8bit:
+    builds_4bit_shards = (
+        a.type == "qlora"
+        and recipe.distributed.strategy != AUTO
+        and is_fsdp(recipe.distributed.strategy)
+        and wants_sharded_load(recipe)
+        and not sharded_load_blocker(recipe)
+    )
+    if a.load_in_8bit or (a.type == "qlora" and not builds_4bit_shards):
         key = "adapter.type" if a.type == "qlora" else "adapter.load_in_8bit"
         yield (
             key,
             (
                 "model.init: random builds the weights in the model dtype, and bitsandbytes quantizes only while "
-                "loading a checkpoint; trial the shape with adapter.type: lora, or use model.init: pretrained"
+                "loading; QLoRA from random weights is built (and quantized) shard by shard under a pinned "
+                f"distributed.strategy ({', '.join(n for n in STRATEGY_NAMES if is_fsdp(n))}) on GPUs; otherwise "
+                "trial the shape with adapter.type: lora, or use model.init: pretrained"
             ),
         )
     if recipe.data.task_eval is not None:
@@ -829,9 +839,7 @@ def sharded_load_blocker(recipe: Recipe) -> str:
     """Why a recipe that wants the sharded load must still load the whole model, or "" when it need not:
     the settings that need the whole base at load time or tensors the checkpoint does not have (what only
     the checkpoint can tell is found at load time)."""
-    a, m = recipe.adapter, recipe.model
-    if m.init != "pretrained":
-        return "model.init: random builds its weights in from_config"
+    a = recipe.adapter
     if recipe.method.type == "reward":
         return "method reward adds a score head the checkpoint does not have"
     if a.dora:

@@ -19,7 +19,9 @@ each rank instead
    shards, reading only its own rows. A 4-bit weight is the exception: it is read whole, quantized on the
    rank's device by bitsandbytes' Params4bit, and only this rank's rows of the packed storage are kept;
    its quant_state (absmax, small) stays on the Linear4bit module, where bitsandbytes recovers it after
-   FSDP's all-gather (`fix_4bit_weight_quant_state_from_module`).
+   FSDP's all-gather (`fix_4bit_weight_quant_state_from_module`). With model.init: random no checkpoint is
+   read: each tensor is initialised whole by the model's own `_init_weights`, alike on every rank
+   (RandomSource), and then treated as a read one.
 
 accelerate's `fsdp2_prepare_model` returns an FSDPModule unchanged, so the Trainer trains this model as
 it trains the one it would have sharded itself; its FSDP plugin is only told that nothing is left to wrap
@@ -308,7 +310,7 @@ def host_values(model) -> tuple[dict, dict]:
 def materialize(
     model,
     *,
-    index: dict[str, str],
+    source,
     quantized: dict,
     targets: dict,
     host: tuple,
@@ -317,9 +319,9 @@ def materialize(
     report: LoadReport,
 ) -> None:
     """Allocate this rank's shards and fill them: the adapter and buffers from their host values, the base
-    one tensor at a time from the checkpoint (see the module docstring). Shards are allocated on `device`, or
-    in host RAM when FSDP offloads parameters (it pins them there), so the GPU never holds them all; buffers
-    and quantization run on `device`."""
+    one tensor at a time from `source` (the checkpoint, or random weights; see the module docstring). Shards
+    are allocated on `device`, or in host RAM when FSDP offloads parameters (it pins them there), so the
+    GPU never holds them all; buffers and quantization run on `device`."""
     import torch
 
     keep, buffers = host
@@ -331,7 +333,7 @@ def materialize(
             owner, _, attr = name.rpartition(".")
             setattr(model.get_submodule(owner), attr, value.to(device))
         for key, (module, attr) in targets.items():
-            _load(key, getattr(module, attr), index=index, spec=quantized.get(key), device=device, report=report)
+            _load(key, getattr(module, attr), source=source, spec=quantized.get(key), device=device, report=report)
     report.local_bytes = sum(_local(p).numel() * _local(p).element_size() for p in model.parameters())
 
 
@@ -362,17 +364,83 @@ def _copy_rows(param, full) -> None:
     local.copy_(full.to(local.device, local.dtype))
 
 
-def _load(key: str, param, *, index, spec, device, report: LoadReport) -> None:
-    from safetensors import safe_open
+class CheckpointSource:
+    """The base's tensors read from its safetensors files ({tensor name: file})."""
 
+    def __init__(self, index: dict[str, str]):
+        self.index = index
+
+    def missing(self, keys) -> list[str]:
+        return [key for key in keys if key not in self.index]
+
+    def rows(self, key: str, start: int, n: int, *, device):
+        """Rows start..start+n of the tensor, read without reading the rest (host RAM)."""
+        from safetensors import safe_open
+
+        with safe_open(self.index[key], framework="pt", device="cpu") as f:
+            return f.get_slice(key)[start : start + n]
+
+    def whole(self, key: str, *, device, dtype):
+        from safetensors import safe_open
+
+        with safe_open(self.index[key], framework="pt", device="cpu") as f:
+            return f.get_tensor(key).to(device, dtype)
+
+
+class RandomSource:
+    """model.init: random without a checkpoint: each tensor initialised whole on the rank's device by the
+    model's own `_init_weights` (transformers' per-module init: normal(0, initializer_range) for linear and
+    embedding weights, the architecture's value for its norms), seeded by train.seed and the tensor's
+    position, so every rank builds the same whole tensor and keeps its own rows. A 4-bit weight is
+    initialised as the plain Linear it replaces, then quantized as a loaded one would be."""
+
+    def __init__(self, base, templates: dict, seed: int):
+        self.base, self.templates, self.seed = base, templates, seed
+        self.order = {key: i for i, key in enumerate(templates)}
+
+    def missing(self, keys) -> list[str]:
+        return []
+
+    def whole(self, key: str, *, device, dtype):
+        import torch
+
+        template, attr = self.templates.pop(key)
+        module = template.to_empty(device=device)
+        with torch.no_grad():
+            for p in module.parameters(recurse=False):
+                p.zero_()  # what _init_weights leaves alone (a type it does not know) is zero, not garbage
+            torch.manual_seed(self.seed * 100_003 + self.order[key])
+            self.base._init_weights(module)
+        return getattr(module, attr).detach().to(dtype)
+
+    def rows(self, key: str, start: int, n: int, *, device):
+        return self.whole(key, device=device, dtype=None)[start : start + n]
+
+
+def random_templates(targets: dict, quantized: dict) -> dict:
+    """{key: (meta module, attribute)} to initialise each base tensor from, taken before peft and FSDP wrap
+    the owners: a copy of the owning module, or for a 4-bit weight the nn.Linear it stands for."""
+    import torch
+
+    out = {}
+    for key, (module, attr) in targets.items():
+        spec = quantized.get(key)
+        if spec is None:
+            out[key] = (copy.deepcopy(module), attr)
+        else:
+            shape = (module.in_features, module.out_features)
+            out[key] = (torch.nn.Linear(*shape, bias=False, device="meta", dtype=spec.dtype), "weight")
+    return out
+
+
+def _load(key: str, param, *, source, spec, device, report: LoadReport) -> None:
     local = _local(param)
-    with safe_open(index[key], framework="pt", device="cpu") as f:
-        if spec is None:  # not quantized: only this rank's rows are read, and copied from host RAM into its shard
-            start, n = _rows(param) if hasattr(param, "to_local") else (0, local.shape[0])
-            local.copy_(f.get_slice(key)[start : start + n].to(local.dtype))
-            report.tensors += 1
-            return
-        full = f.get_tensor(key).to(device, spec.dtype)
+    if spec is None:  # not quantized: only this rank's rows, copied into its shard
+        start, n = _rows(param) if hasattr(param, "to_local") else (0, local.shape[0])
+        local.copy_(source.rows(key, start, n, device=device).to(local.dtype))
+        report.tensors += 1
+        return
+    full = source.whole(key, device=device, dtype=spec.dtype)
     # bitsandbytes' Params4bit quantizes on `.to(device)` exactly as from_pretrained's Bnb4bitQuantize does
     q = spec.param(full).to(device)
     held = full.numel() * full.element_size() + q.numel() * q.element_size()
@@ -389,30 +457,36 @@ def _load(key: str, param, *, index, spec, device, report: LoadReport) -> None:
 
 
 def checkpoint(recipe: Recipe):
-    """(config, {tensor name: file}) of the base, or (None, reason) when this path cannot read it: no
-    safetensors weights, or weights that are already quantized."""
+    """(config, {tensor name: file}) of the base, (config, None) for model.init: random (no weights are
+    read), or (None, reason) when this path cannot read it: no safetensors weights, or weights that are
+    already quantized."""
     from finetune.recipe.paths import model_path
     from finetune.train.model import base_config
 
     m = recipe.model
-    path = model_path(recipe)
     config = base_config(recipe)
+    if m.init == "random":
+        return config, None
     if getattr(config, "quantization_config", None):
         return None, "the checkpoint is already quantized"
-    index = checkpoint_index(path, revision=m.revision)
+    index = checkpoint_index(model_path(recipe), revision=m.revision)
     if not index:
         return None, "the checkpoint has no safetensors weights"
     return config, index
 
 
-def load_sharded(recipe: Recipe, *, config, index: dict, device, mesh=None, plugin=None):
+def load_sharded(recipe: Recipe, *, config, index: dict | None, device, mesh=None, plugin=None):
     """(sharded peft model, LoadReport), or (None, reason) when the checkpoint lacks tensors the model has;
-    nothing is allocated on the device before that is known."""
+    nothing is allocated on the device before that is known. `index` None: random weights (RandomSource)."""
     import torch
 
     device = torch.device(device)
     model, quantized, targets = build_meta(recipe, config=config, device=device)
-    missing = [key for key in targets if key not in index]
+    if index is None:
+        source = RandomSource(model.get_base_model(), random_templates(targets, quantized), recipe.train.seed)
+    else:
+        source = CheckpointSource(index)
+    missing = source.missing(targets)
     if missing:
         return None, f"the checkpoint lacks {len(missing)} of the model's tensors, e.g. {missing[0]}"
     from torch.distributed.fsdp import CPUOffloadPolicy
@@ -424,7 +498,7 @@ def load_sharded(recipe: Recipe, *, config, index: dict, device, mesh=None, plug
     offload = isinstance(plugin.cpu_offload, CPUOffloadPolicy)
     materialize(
         model,
-        index=index,
+        source=source,
         quantized=quantized,
         targets=targets,
         host=host,
@@ -457,7 +531,8 @@ def load_for_training(recipe: Recipe, *, args):
         args.parallelism_config = parallelism
     gib = 2**30
     log.info(
-        f"{recipe.adapter.type} model sharded while loading: {report.local_bytes / gib:.2f} GiB of weight shards and "
+        f"{recipe.adapter.type} model sharded while {'building random weights' if index is None else 'loading'}: "
+        f"{report.local_bytes / gib:.2f} GiB of weight shards and "
         f"{report.replicated_bytes / gib:.2f} GiB of quant states on this rank, at most "
         f"{report.peak_transient_bytes / gib:.2f} GiB more held for one tensor at a time"
     )

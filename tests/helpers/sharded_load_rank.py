@@ -1,4 +1,4 @@
-"""One CPU rank of the sharded-load test: `torchrun ... -m tests.helpers.sharded_load_rank RESOLVED OUT [hybrid]`.
+"""One CPU rank of the sharded-load test: `torchrun ... -m tests.helpers.sharded_load_rank RESOLVED OUT [MODE]`.
 
 It joins the gloo group as a finetune rank does (accelerate's PartialState), loads the LoRA or QLoRA model with
 finetune.train.sharded_load on a CPU mesh (the FSDP plugin from the FSDP_* variables the test exported the
@@ -7,6 +7,7 @@ way `accelerate launch` exports them), hands it to finetune's build_trainer, and
 FSDP only on accelerators, so the steps are taken by a plain loop over the trainer's own collated batch.
 With `hybrid`, RESOLVED is a recipe compiled for fsdp2-hybrid: the rank only loads, on the 2-D mesh that
 finetune.train.sharded_load.shard_mesh builds from the PARALLELISM_CONFIG_* variables, and records that.
+With `random`, RESOLVED is a model.init: random recipe compiled for fsdp2 (`random_init`).
 """
 
 from __future__ import annotations
@@ -133,6 +134,50 @@ def hybrid(resolved: Path, out: Path) -> int:
     return 0
 
 
+def random_init(resolved: Path, out: Path) -> int:
+    """model.init: random through the sharded load (RESOLVED compiled for GPUs under fsdp2): only load,
+    record this rank's bytes and the whole tensors the ranks hold between them, then a few plain optimizer
+    steps on one fixed batch."""
+    import torch
+    from accelerate import PartialState
+    from transformers import TrainingArguments
+
+    from finetune.recipe.load import load_recipe
+    from finetune.train import sharded_load
+
+    state = PartialState(cpu=True)
+    recipe = load_recipe(resolved, allow_resolved=True)
+    args = TrainingArguments(output_dir=str(out / "args"), use_cpu=True, report_to=[])
+    model, report = sharded_load.load_for_training(recipe, args=args)
+    whole = {n: p.full_tensor() for n, p in model.named_parameters() if not p.requires_grad}  # a collective
+    ids = torch.arange(3, 3 + 2 * 12).reshape(2, 12)
+    model.eval()
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits
+    model.train()
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=recipe.train.lr)
+    losses = []
+    for _ in range(4):
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    record = {
+        "rank": state.process_index,
+        "four_bit_bytes": _four_bit_bytes(model),
+        "frozen_bytes": _frozen_bytes(model),
+        "tensors": report.tensors,
+        "quantized": report.quantized,
+        "initializer_range": model.config.initializer_range,
+        "losses": losses,
+    }
+    torch.save({"logits": logits, "whole": whole}, out / f"rank-{state.process_index}.pt")
+    (out / f"rank-{state.process_index}.json").write_text(json.dumps(record))
+    state.destroy_process_group()
+    return 0
+
+
 def main() -> int:
     import torch
     from accelerate import PartialState
@@ -210,4 +255,5 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(hybrid(Path(sys.argv[1]), Path(sys.argv[2])) if sys.argv[3:] == ["hybrid"] else main())
+    MODES = {"hybrid": hybrid, "random": random_init}
+    sys.exit(MODES[sys.argv[3]](Path(sys.argv[1]), Path(sys.argv[2])) if sys.argv[3:] else main())

@@ -184,6 +184,12 @@ def whole_lora(tmp_path_factory):
     return _whole(tmp_path_factory, LORA)
 
 
+def _bytes(tensor):
+    import torch
+
+    return tensor.contiguous().view(torch.uint8)
+
+
 def _four_bit_bytes(model) -> int:
     import bitsandbytes as bnb
 
@@ -377,3 +383,35 @@ def test_lora_logits_equal_the_whole_model_and_the_loss_falls(two_ranks_lora, wh
         changes = r["checkpointing_changes"]
         assert changes["loss"] <= 1e-6 and changes["grad"] <= 1e-3 * changes["grad_scale"]
     assert records[0]["losses"] == records[1]["losses"]
+
+
+@pytest.mark.parametrize("sections", [QLORA, LORA], ids=["qlora", "lora"])
+@slow
+def test_random_weights_are_built_shard_by_shard_alike_on_every_rank(sections, tmp_path, two_ranks, two_ranks_lora):
+    """model.init: random through the sharded load: no checkpoint is read; each tensor is initialised whole by
+    the model's own _init_weights, seeded alike on every rank (4-bit weights quantized as loaded ones are), so
+    the ranks hold one model between them, the same bytes per rank as a loaded one, and it trains."""
+    import torch
+
+    gpu = _compiled(
+        tmp_path / "gpu",
+        hardware="workstation-2x4090",
+        model={"dtype": "bfloat16", "init": "random"},
+        adapter=sections["adapter"],
+        distributed={"strategy": "fsdp2"},
+    )
+    records, tensors = _ranks(tmp_path, gpu / RESOLVED_RECIPE, _launch_env(gpu), n=2, mode=("random",))
+    loaded = (two_ranks if sections is QLORA else two_ranks_lora)[0]
+    for r, t in zip(records, tensors, strict=True):
+        print(f"rank {r['rank']}: losses {r['losses']}, 4-bit {r['four_bit_bytes']}, base {r['frozen_bytes']}")
+        assert r["losses"][-1] < r["losses"][0]
+        assert r["four_bit_bytes"] == loaded[r["rank"]]["four_bit_bytes"]
+        assert r["frozen_bytes"] == loaded[r["rank"]]["frozen_bytes"]
+        torch.testing.assert_close(t["logits"], tensors[0]["logits"], rtol=0, atol=0)
+        for name, value in t["whole"].items():  # bitwise: packed 4-bit storage read as bf16 holds NaN patterns
+            assert torch.equal(_bytes(value), _bytes(tensors[0]["whole"][name])), name
+    whole = tensors[0]["whole"]
+    (embed,) = [v for n, v in whole.items() if "embed_tokens" in n]
+    norms = [v for n, v in whole.items() if n.endswith("norm.weight")]
+    assert embed.float().std().item() == pytest.approx(records[0]["initializer_range"], rel=0.1)
+    assert norms and all(bool((v == 1).all()) for v in norms)  # Llama's RMSNorm init, from _init_weights
