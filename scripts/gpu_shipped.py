@@ -65,6 +65,14 @@ SHIPPED: dict[str, tuple[str, str, int, dict]] = {
         4,
         {"distributed": {"strategy": "fsdp2-hybrid"}},
     ),
+    # issue "70B for real", run 6: the 405B QLoRA recipe on 4 H200s, its weights built shard by shard from
+    # random values (model.init: random through finetune/train/sharded_load.py): no checkpoint is written
+    "qlora405b-random-4gpu": (
+        "recipes/llama405b-qlora.yaml",
+        "llama-3.1-405b",
+        4,
+        {"model": {"init": "random"}, "distributed": {"strategy": "fsdp2"}},
+    ),
     # a CPU smoke test of this script itself (and of its preemption sequence)
     "quickstart-cpu": ("recipes/quickstart.yaml", "tiny-llama", 1, {}),
     "quickstart-cpu-preempt": ("recipes/quickstart.yaml", "tiny-llama", 1, {}),
@@ -94,8 +102,8 @@ def shipped_recipe(name: str, *, model_dir: Path, data: Path, steps: int, batch:
 
 
 def start(name: str, *, gpus: list[int], args, resume: str = "never") -> tuple[subprocess.Popen, Path, float]:
-    path, arch, _, _ = SHIPPED[name]
-    model_dir = gv.ensure_model(arch)
+    path, arch, _, extra = SHIPPED[name]
+    model_dir = gv.ensure_model(arch, config_only=extra.get("model", {}).get("init") == "random")
     work = gv.WORK / name
     work.mkdir(parents=True, exist_ok=True)
     recipe = shipped_recipe(name, model_dir=model_dir, data=work / "data.jsonl", steps=args.steps, batch=args.batch)

@@ -282,22 +282,22 @@ def model_folder_name(arch: str) -> str:
     return Path(arch).name.removesuffix(".json")
 
 
-def ensure_model(arch: str) -> Path:
-    """The random-weight checkpoint of `arch` (a registry key or a config.json path), written on first use;
-    runs started side by side that need the same model wait for one writer (a lock file)."""
+def ensure_model(arch: str, *, config_only: bool = False) -> Path:
+    """The random-weight checkpoint of `arch` (a registry key or a config.json path), written on first use
+    (`config_only`: its config and tokenizer, for model.init: random runs); runs started side by side that
+    need the same model wait for one writer (a lock file)."""
     import fcntl
 
     if arch == "tiny-llama":
         return ROOT / "data" / "tiny-llama"
-    out = MODELS / model_folder_name(arch)
+    out = MODELS / (model_folder_name(arch) + ("-config" if config_only else ""))
     MODELS.mkdir(parents=True, exist_ok=True)
     with open(MODELS / f".{out.name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if not (out / "config.json").exists():
             source = str(ROOT / arch) if arch.endswith(".json") else arch
-            subprocess.run(
-                [sys.executable, str(ROOT / "scripts" / "make_random_model.py"), source, str(out)], check=True
-            )
+            argv = [sys.executable, str(ROOT / "scripts" / "make_random_model.py"), source, str(out)]
+            subprocess.run(argv + (["--config-only"] if config_only else []), check=True)
     return out
 
 

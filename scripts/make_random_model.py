@@ -11,6 +11,9 @@ transformers' `_init_weights` for Llama-family models: normal(0, initializer_ran
 embeddings, ones for norm weights, zeros for biases.
 
     python scripts/make_random_model.py llama-3.3-70b /tmp/models/llama-3.3-70b [--device cuda]
+
+With --config-only it writes the config and tokenizer and no weights: a directory for `model.init: random`
+runs, which build their weights themselves (a 405B's 810 GB checkpoint fits no lent machine's disk).
 """
 
 from __future__ import annotations
@@ -179,6 +182,7 @@ def main() -> None:
     parser.add_argument("out")
     parser.add_argument("--device", default=None, help="where weights are drawn (default: cuda if available)")
     parser.add_argument("--tokenizer", default=str(ROOT / "data" / "tiny-llama"))
+    parser.add_argument("--config-only", action="store_true", help="no weights (for model.init: random runs)")
     args = parser.parse_args()
 
     import torch
@@ -188,7 +192,7 @@ def main() -> None:
     from finetune.registry import get_model
 
     out = Path(args.out)
-    if (out / "config.json").exists() and any(out.glob("*.safetensors")):
+    if (out / "config.json").exists() and (args.config_only or any(out.glob("*.safetensors"))):
         print(f"{out}: already there")
         return
     out.mkdir(parents=True, exist_ok=True)
@@ -196,13 +200,17 @@ def main() -> None:
         config = AutoConfig.for_model(**json.loads(Path(args.arch).read_text()))
     else:
         config = AutoConfig.for_model(**hf_config(get_model(args.arch)))
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    start = time.perf_counter()
-    params, nbytes = write_random_checkpoint(config, out, device=device)
     for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja"):
         src = Path(args.tokenizer) / name
         if src.exists():
             shutil.copy(src, out / name)
+    if args.config_only:
+        config.save_pretrained(out)
+        print(f"{args.arch}: config and tokenizer written to {out} (no weights)")
+        return
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    start = time.perf_counter()
+    params, nbytes = write_random_checkpoint(config, out, device=device)
     seconds = time.perf_counter() - start
     print(
         f"{args.arch}: {params / 1e9:.2f}B parameters ({nbytes / 1e9:.1f} GB) written to {out} "
