@@ -501,9 +501,9 @@ class DistributedSection(Strict):
     nvme_path: str | None = Field(None, description="ZeRO-Infinity swap dir; default: the preset's")
     sharded_load: bool = Field(
         True,
-        description="LoRA/QLoRA under FSDP2 on GPUs: each rank builds the model on the meta device and reads "
-        "only its own shards from the checkpoint (finetune/train/sharded_load.py); false: every rank loads "
-        "the whole model (QLoRA) or rank 0 loads it and sends each tensor to the others (LoRA), as accelerate does",
+        description="under FSDP2 on GPUs: each rank builds the model on the meta device and reads only its own "
+        "shards from the checkpoint (finetune/train/sharded_load.py); false: every rank loads the whole model "
+        "(QLoRA) or rank 0 loads it and sends each tensor to the others, as accelerate does",
     )
 
 
@@ -829,10 +829,9 @@ def dpo_reference(recipe: Recipe) -> str:
 
 
 def wants_sharded_load(recipe: Recipe) -> bool:
-    """A LoRA/QLoRA recipe with distributed.sharded_load on: under FSDP2 each rank loads only its shards
-    (finetune/train/sharded_load.py) unless sharded_load_blocker names a reason. Full fine-tunes load the
-    accelerate way. The planner and the trainer both ask here."""
-    return recipe.distributed.sharded_load and recipe.adapter.type in ("lora", "qlora")
+    """distributed.sharded_load: under FSDP2 each rank loads only its shards (finetune/train/sharded_load.py)
+    unless sharded_load_blocker names a reason. The planner and the trainer both ask here."""
+    return recipe.distributed.sharded_load
 
 
 def sharded_load_blocker(recipe: Recipe) -> str:
@@ -842,6 +841,8 @@ def sharded_load_blocker(recipe: Recipe) -> str:
     a = recipe.adapter
     if recipe.method.type == "reward":
         return "method reward adds a score head the checkpoint does not have"
+    if a.type == "full" and dpo_reference(recipe) == "copy":
+        return f"method {recipe.method.type} copies the whole model as its reference (TRL's create_reference_model)"
     if a.dora:
         return "adapter.dora computes its magnitudes from the whole base weights"
     if a.modules_to_save:

@@ -45,7 +45,7 @@ ADAPTER = "default"  # peft's adapter name, the one TRL trains
 
 
 def applies(recipe: Recipe) -> bool:
-    """An adapter that wants the sharded load, trained under an FSDP2 strategy on GPUs: the case whose
+    """A recipe that wants the sharded load, trained under an FSDP2 strategy on GPUs: the case whose
     loading this module replaces (unless schema.sharded_load_blocker names a reason)."""
     r = recipe.resolved
     return (
@@ -143,10 +143,12 @@ def checkpoint_index(path: str, *, revision: str | None) -> dict[str, str]:
 
 
 def build_meta(recipe: Recipe, *, config, device):
-    """The adapter model on the meta device (real buffers): for QLoRA, transformers' bnb Linear4bit swap with
-    packed 4-bit weights; then peft's adapter initialised on the host. Returns (peft model,
-    {checkpoint key: _Quantized}, {checkpoint key: (module, attribute)} of every base parameter, named
-    before peft renames them)."""
+    """The model on the meta device (real buffers): for QLoRA, transformers' bnb Linear4bit swap with packed
+    4-bit weights; for an adapter, peft's adapter initialised on the host; for a full fine-tune, every
+    parameter trainable in the dtype accelerate would give it. Returns (model, {checkpoint key:
+    _Quantized}, {checkpoint key: (module, attribute)} of every base parameter, named before peft renames
+    them)."""
+    import torch
     from peft import get_peft_model
     from transformers import AutoModelForCausalLM
 
@@ -160,6 +162,12 @@ def build_meta(recipe: Recipe, *, config, device):
     quantized = _swap_in_4bit(model, quantizer, dtype=build["dtype"], device=device) if four_bit else {}
     model.eval()  # as from_pretrained returns it
     targets = _meta_targets(model)
+    if recipe.adapter.type == "full":
+        if MIXED_PRECISION[recipe.train.precision] != "no":
+            # accelerate's FSDP2 preparation upcasts trainable parameters to fp32 master weights (the
+            # mixed-precision policy casts them for compute); on the meta device this costs nothing
+            model.to(torch.float32)
+        return model, quantized, targets
     peft_config = lora_config(recipe)
     model = get_peft_model(model, peft_config)
     _init_adapter(model, seed=recipe.train.seed, init=peft_config.init_lora_weights, bf16=four_bit)
@@ -483,7 +491,8 @@ def load_sharded(recipe: Recipe, *, config, index: dict | None, device, mesh=Non
     device = torch.device(device)
     model, quantized, targets = build_meta(recipe, config=config, device=device)
     if index is None:
-        source = RandomSource(model.get_base_model(), random_templates(targets, quantized), recipe.train.seed)
+        base = model.get_base_model() if hasattr(model, "get_base_model") else model
+        source = RandomSource(base, random_templates(targets, quantized), recipe.train.seed)
     else:
         source = CheckpointSource(index)
     missing = source.missing(targets)
@@ -514,7 +523,7 @@ def load_sharded(recipe: Recipe, *, config, index: dict | None, device, mesh=Non
 
 
 def load_for_training(recipe: Recipe, *, args):
-    """This rank's sharded adapter model for the Trainer, or (None, reason) to load it whole instead. Under
+    """This rank's sharded model for the Trainer, or (None, reason) to load it whole instead. Under
     hybrid shard the Trainer is handed the ParallelismConfig whose mesh the model was sharded on."""
     from accelerate import PartialState
 

@@ -57,7 +57,11 @@ def test_a_recipe_the_sharded_load_cannot_serve_is_planned_loading_whole():
     dora = _recipe(adapter={"type": "lora", "dora": True})
     assert not job_from_recipe(dora, arch=ARCH, preset=PRESET).sharded_load
     assert job_from_recipe(_recipe(), arch=ARCH, preset=PRESET).sharded_load
-    assert not job_from_recipe(_recipe(adapter={"type": "full"}), arch=ARCH, preset=PRESET).sharded_load
+    assert job_from_recipe(_recipe(adapter={"type": "full"}), arch=ARCH, preset=PRESET).sharded_load
+    full_dpo = _recipe(
+        adapter={"type": "full"}, method={"type": "dpo"}, data={"format": "preference", "packing": False}
+    )
+    assert not job_from_recipe(full_dpo, arch=ARCH, preset=PRESET).sharded_load  # TRL copies it as the reference
 
 
 @pytest.mark.parametrize("name", ["lora70b-preempt", "qlora70b-fsdp2-2gpu"])

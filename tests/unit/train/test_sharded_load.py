@@ -31,6 +31,7 @@ QLORA = {
     "train": {"precision": "bf16", "lr": 1e-2},
 }
 LORA = {**QLORA, "adapter": {"type": "lora", "r": 8, "alpha": 16}}
+FULL = {**QLORA, "adapter": {"type": "full"}}
 
 
 def _gpu_recipe(tmp_path: Path, **sections) -> Path:
@@ -48,7 +49,8 @@ def test_applies_to_lora_and_qlora_under_every_fsdp2_strategy_on_gpus(tmp_path):
         off = gpu(adapter={"type": adapter}, distributed={"strategy": "fsdp2", "sharded_load": False})
         assert not sharded_load.applies(off)
     assert not sharded_load.applies(gpu(distributed={"strategy": "ddp"}))
-    assert not sharded_load.applies(gpu(adapter={"type": "full"}, distributed={"strategy": "fsdp2"}))
+    full = gpu(adapter={"type": "full"}, distributed={"strategy": "fsdp2"})
+    assert sharded_load.applies(full) and sharded_load_blocker(full) == ""
     cpu = load_recipe(resolve_recipe(tiny_recipe(**QLORA), run_dir=tmp_path / "cpu"), allow_resolved=True)
     assert not sharded_load.applies(cpu)
 
@@ -143,6 +145,17 @@ def two_ranks(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("sharded-qlora")
     resolved = resolve_recipe(tiny_recipe(**QLORA), run_dir=tmp / "run")
     gpu = _compiled(tmp / "gpu", hardware="workstation-2x4090", distributed={"strategy": "fsdp2"})
+    return (*_ranks(tmp, resolved, _launch_env(gpu), n=2), resolved)
+
+
+@pytest.fixture(scope="module")
+def two_ranks_full(tmp_path_factory):
+    """two_ranks for a full fine-tune (bf16 weights, bf16 mixed precision)."""
+    tmp = tmp_path_factory.mktemp("sharded-full")
+    resolved = resolve_recipe(tiny_recipe(**FULL), run_dir=tmp / "run")
+    gpu = _compiled(
+        tmp / "gpu", hardware="workstation-2x4090", adapter=FULL["adapter"], distributed={"strategy": "fsdp2"}
+    )
     return (*_ranks(tmp, resolved, _launch_env(gpu), n=2), resolved)
 
 
@@ -415,3 +428,27 @@ def test_random_weights_are_built_shard_by_shard_alike_on_every_rank(sections, t
     norms = [v for n, v in whole.items() if n.endswith("norm.weight")]
     assert embed.float().std().item() == pytest.approx(records[0]["initializer_range"], rel=0.1)
     assert norms and all(bool((v == 1).all()) for v in norms)  # Llama's RMSNorm init, from _init_weights
+
+
+@slow
+def test_a_full_fine_tune_loads_sharded_as_accelerate_would_shard_it(two_ranks_full, tmp_path_factory):
+    """A full fine-tune: every parameter trainable, as fp32 master weights (accelerate's FSDP2 upcast under
+    mixed precision), each rank holding half of them; the logits are the whole bf16 model's (FSDP casts
+    the weights, read from bf16, back to bf16 for compute) and the loss falls alike on both ranks."""
+    import torch
+
+    from finetune.train.model import load_model
+
+    records, tensors, _ = two_ranks_full
+    resolved = resolve_recipe(tiny_recipe(**FULL), run_dir=tmp_path_factory.mktemp("whole-full") / "run")
+    whole = load_model(load_recipe(resolved, allow_resolved=True)).eval()
+    with torch.no_grad():
+        reference = whole(input_ids=torch.arange(3, 3 + 2 * 12).reshape(2, 12)).logits
+    fp32_bytes = 4 * sum(p.numel() for p in whole.parameters())
+    for r, t in zip(records, tensors, strict=True):
+        print(f"rank {r['rank']}: {r['local_bytes']} of {fp32_bytes} fp32 bytes, losses {r['losses']}")
+        assert r["frozen_bytes"] == 0 and r["local_bytes"] == pytest.approx(fp32_bytes / 2, rel=0.02)
+        assert {(dtype, kind) for _, dtype, kind in r["trainable"]} == {("torch.float32", "DTensor")}
+        assert r["trainer_model_is_loaded_model"] and r["losses"][-1] < r["losses"][0]
+        torch.testing.assert_close(t["logits"], reference, rtol=0, atol=0)
+    assert records[0]["losses"] == records[1]["losses"]
