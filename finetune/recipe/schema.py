@@ -841,8 +841,12 @@ def sharded_load_blocker(recipe: Recipe) -> str:
     a = recipe.adapter
     if recipe.method.type == "reward":
         return "method reward adds a score head the checkpoint does not have"
-    if a.type == "full" and dpo_reference(recipe) == "copy":
-        return f"method {recipe.method.type} copies the whole model as its reference (TRL's create_reference_model)"
+    if recipe.method.type in REFERENCE_METHODS and (a.type == "full" or dpo_reference(recipe) != "copy"):
+        # only a reference finetune loads itself (an adapter's `reference: copy`) leaves the model alone
+        return (
+            f"method {recipe.method.type}'s trainer makes its reference from the model it is given (TRL copies "
+            "a given adapter, or the whole model), which it cannot do from a sharded one"
+        )
     if a.dora:
         return "adapter.dora computes its magnitudes from the whole base weights"
     if a.modules_to_save:

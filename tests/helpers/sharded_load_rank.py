@@ -7,7 +7,8 @@ way `accelerate launch` exports them), hands it to finetune's build_trainer, and
 FSDP only on accelerators, so the steps are taken by a plain loop over the trainer's own collated batch.
 With `hybrid`, RESOLVED is a recipe compiled for fsdp2-hybrid: the rank only loads, on the 2-D mesh that
 finetune.train.sharded_load.shard_mesh builds from the PARALLELISM_CONFIG_* variables, and records that.
-With `random`, RESOLVED is a model.init: random recipe compiled for fsdp2 (`random_init`).
+With `random`, RESOLVED is a model.init: random recipe compiled for fsdp2 (`random_init`); with `dpo`, a
+DPO LoRA recipe (`dpo`).
 """
 
 from __future__ import annotations
@@ -178,6 +179,50 @@ def random_init(resolved: Path, out: Path) -> int:
     return 0
 
 
+def dpo(resolved: Path, out: Path) -> int:
+    """A DPO recipe (RESOLVED on the CPU, FSDP settings from the environment): the sharded LoRA model handed
+    to finetune's build_trainer, whose DPO trainer scores the reference with the adapter disabled; a few
+    plain optimizer steps on one batch of its own collated pairs through the trainer's compute_loss."""
+    import torch
+    from accelerate import PartialState
+
+    from finetune.recipe.load import load_recipe
+    from finetune.train import sharded_load
+    from finetune.train.model import load_tokenizer
+    from finetune.train.preflight import prepare_data
+    from finetune.train.trainers import build_trainer, training_args
+
+    state = PartialState(cpu=True)
+    recipe = load_recipe(resolved, allow_resolved=True)
+    args = training_args(recipe, run_dir=resolved.parent, has_eval=False)
+    model, _ = sharded_load.load_for_training(recipe, args=args)
+    tokenizer = load_tokenizer(recipe)
+    data = prepare_data(recipe, tokenizer, state=state)
+    trainer = build_trainer(recipe, args=args, model=model, tokenizer=tokenizer, data=data, callbacks=[])
+    batch = trainer.data_collator([trainer.train_dataset[i] for i in range(2)])
+    trainer.model.train()
+    optimizer = torch.optim.AdamW([p for p in trainer.model.parameters() if p.requires_grad], lr=recipe.train.lr)
+    losses = []
+    for _ in range(4):
+        loss = trainer.compute_loss(trainer.model, batch)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    record = {
+        "rank": state.process_index,
+        "trainer": next(c.__name__ for c in type(trainer).__mro__ if c.__module__.startswith("trl.")),
+        "trainer_model_is_loaded_model": trainer.model is model,
+        "ref_model": None if trainer.ref_model is None else type(trainer.ref_model).__name__,
+        "lora_layers": sum(1 for n, _ in trainer.model.named_modules() if n.endswith("lora_A")),
+        "losses": losses,
+    }
+    (out / f"rank-{state.process_index}.json").write_text(json.dumps(record))
+    torch.save({}, out / f"rank-{state.process_index}.pt")
+    state.destroy_process_group()
+    return 0
+
+
 def main() -> int:
     import torch
     from accelerate import PartialState
@@ -255,5 +300,5 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    MODES = {"hybrid": hybrid, "random": random_init}
+    MODES = {"hybrid": hybrid, "random": random_init, "dpo": dpo}
     sys.exit(MODES[sys.argv[3]](Path(sys.argv[1]), Path(sys.argv[2])) if sys.argv[3:] else main())

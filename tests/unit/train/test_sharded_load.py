@@ -61,11 +61,11 @@ def test_applies_to_lora_and_qlora_under_every_fsdp2_strategy_on_gpus(tmp_path):
         ("llama70b-qlora.yaml", "fsdp2", "server-8xh100"),
         ("llama70b-qlora.yaml", "fsdp2-hybrid", "cluster-2x8xh100"),
         ("llama70b-lora.yaml", "fsdp2", "server-8xh100"),
-        ("llama70b-dpo-lora.yaml", "fsdp2", "server-8xh100"),
+        ("llama8b-full.yaml", "fsdp2", "server-8xh100"),
     ],
 )
-def test_the_shipped_70b_recipes_load_sharded(shipped, strategy, hardware, tmp_path):
-    """The 70B recipes as issue 19 runs them: nothing in them sends them back to the whole-model load."""
+def test_the_shipped_recipes_load_sharded(shipped, strategy, hardware, tmp_path):
+    """The shipped FSDP2 recipes: nothing in them sends them back to the whole-model load."""
     from finetune.compile.compiler import prepare_recipe
 
     overrides = [f"distributed.strategy={strategy}", f"hardware={hardware}"]
@@ -451,4 +451,41 @@ def test_a_full_fine_tune_loads_sharded_as_accelerate_would_shard_it(two_ranks_f
         assert {(dtype, kind) for _, dtype, kind in r["trainable"]} == {("torch.float32", "DTensor")}
         assert r["trainer_model_is_loaded_model"] and r["losses"][-1] < r["losses"][0]
         torch.testing.assert_close(t["logits"], reference, rtol=0, atol=0)
+    assert records[0]["losses"] == records[1]["losses"]
+
+
+@slow
+def test_dpo_loads_sharded_only_with_a_reference_finetune_loads_itself(tmp_path):
+    """The 70B DPO recipe's case. TRL's DPO trainer, handed a model that already carries its adapter and no
+    reference, adds a "ref" copy of the adapter (unsharded params on a sharded model: it fails); so DPO with
+    the implicit reference loads the whole model, and with `reference: copy` (finetune loads the reference
+    itself) the sharded adapter trains, its loss falling from ln 2 alike on both ranks."""
+    from tests.helpers.paths import SAMPLES
+
+    def recipe(reference: str) -> dict:
+        return {
+            **LORA,
+            "method": {"type": "dpo", "beta": 0.1, "reference": reference},
+            "data": {
+                "sources": [{"path": str(SAMPLES / "preference.jsonl"), "format": "preference", "max_samples": 16}],
+                "eval_sources": [],
+            },
+            "train": {"precision": "bf16", "lr": 5e-3},
+        }
+
+    def gpu(reference: str, name: str) -> Path:
+        sections = {k: recipe(reference)[k] for k in ("adapter", "method", "data")}
+        return _compiled(tmp_path / name, hardware="workstation-2x4090", distributed={"strategy": "fsdp2"}, **sections)
+
+    implicit = load_recipe(gpu("implicit", "implicit") / RESOLVED_RECIPE, allow_resolved=True)
+    assert "makes its reference from the model it is given" in sharded_load_blocker(implicit)
+    compiled = gpu("copy", "copy")
+    assert sharded_load_blocker(load_recipe(compiled / RESOLVED_RECIPE, allow_resolved=True)) == ""
+    resolved = resolve_recipe(tiny_recipe(**recipe("copy")), run_dir=tmp_path / "run")
+    records, _ = _ranks(tmp_path, resolved, _launch_env(compiled), n=2, mode=("dpo",))
+    for r in records:
+        print(f"rank {r['rank']}: {r['trainer']}, reference {r['ref_model']}, losses {r['losses']}")
+        assert r["trainer_model_is_loaded_model"] and r["ref_model"] and r["lora_layers"] == 14
+        # ln 2 up to bf16 rounding: the reference copy computes unsharded, the policy through FSDP2
+        assert r["losses"][0] == pytest.approx(0.6931, abs=0.01) and r["losses"][-1] < r["losses"][0]
     assert records[0]["losses"] == records[1]["losses"]
