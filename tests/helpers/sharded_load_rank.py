@@ -94,6 +94,21 @@ def _accelerate_finds_layers(plugin_args: dict, model) -> str:
     return ""
 
 
+def _steps(model, loss_fn, *, lr: float, n: int = 4) -> list[float]:
+    """n plain AdamW steps of `model`'s trainable parameters on the loss `loss_fn` computes: the losses."""
+    import torch
+
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr)
+    losses = []
+    for _ in range(n):
+        loss = loss_fn()
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
 def _adapter(model) -> dict:
     """The whole LoRA weights as the ranks hold them between them (a collective: every rank calls it)."""
     return {n: p.full_tensor() for n, p in model.named_parameters() if p.requires_grad}
@@ -156,14 +171,7 @@ def random_init(resolved: Path, out: Path) -> int:
     with torch.no_grad():
         logits = model(input_ids=ids).logits
     model.train()
-    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=recipe.train.lr)
-    losses = []
-    for _ in range(4):
-        loss = model(input_ids=ids, labels=ids).loss
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        losses.append(loss.item())
+    losses = _steps(model, lambda: model(input_ids=ids, labels=ids).loss, lr=recipe.train.lr)
     record = {
         "rank": state.process_index,
         "four_bit_bytes": _four_bit_bytes(model),
@@ -201,14 +209,7 @@ def dpo(resolved: Path, out: Path) -> int:
     trainer = build_trainer(recipe, args=args, model=model, tokenizer=tokenizer, data=data, callbacks=[])
     batch = trainer.data_collator([trainer.train_dataset[i] for i in range(2)])
     trainer.model.train()
-    optimizer = torch.optim.AdamW([p for p in trainer.model.parameters() if p.requires_grad], lr=recipe.train.lr)
-    losses = []
-    for _ in range(4):
-        loss = trainer.compute_loss(trainer.model, batch)
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        losses.append(loss.item())
+    losses = _steps(trainer.model, lambda: trainer.compute_loss(trainer.model, batch), lr=recipe.train.lr)
     record = {
         "rank": state.process_index,
         "trainer": next(c.__name__ for c in type(trainer).__mro__ if c.__module__.startswith("trl.")),
@@ -261,16 +262,8 @@ def main() -> int:
     ac_model.train()
     checkpointed = _checkpointing_changes(trainer.model, ac_model, batch)
     del ac_model
-    trainable = [p for p in trainer.model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(trainable, lr=recipe.train.lr)
     trainer.model.train()
-    losses = []
-    for _ in range(4):
-        loss = trainer.model(**batch).loss
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        losses.append(loss.item())
+    losses = _steps(trainer.model, lambda: trainer.model(**batch).loss, lr=recipe.train.lr)
 
     record = {
         "rank": rank,

@@ -138,36 +138,31 @@ def _ranks(tmp: Path, resolved: Path, launch_env: dict, *, n: int, mode: tuple[s
     return records, [torch.load(out / f"rank-{r}.pt", weights_only=False) for r in range(n)]
 
 
-@pytest.fixture(scope="module")
-def two_ranks(tmp_path_factory):
+def _two_ranks(tmp_path_factory, sections: dict, name: str):
     """Both ranks' records and tensors, and the CPU-resolved recipe they loaded; the FSDP settings are those
     finetune compiles for the same recipe on two GPUs under fsdp2."""
-    tmp = tmp_path_factory.mktemp("sharded-qlora")
-    resolved = resolve_recipe(tiny_recipe(**QLORA), run_dir=tmp / "run")
-    gpu = _compiled(tmp / "gpu", hardware="workstation-2x4090", distributed={"strategy": "fsdp2"})
+    tmp = tmp_path_factory.mktemp(name)
+    resolved = resolve_recipe(tiny_recipe(**sections), run_dir=tmp / "run")
+    gpu = _compiled(
+        tmp / "gpu", hardware="workstation-2x4090", adapter=sections["adapter"], distributed={"strategy": "fsdp2"}
+    )
     return (*_ranks(tmp, resolved, _launch_env(gpu), n=2), resolved)
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory):
+    return _two_ranks(tmp_path_factory, QLORA, "sharded-qlora")
 
 
 @pytest.fixture(scope="module")
 def two_ranks_full(tmp_path_factory):
-    """two_ranks for a full fine-tune (bf16 weights, bf16 mixed precision)."""
-    tmp = tmp_path_factory.mktemp("sharded-full")
-    resolved = resolve_recipe(tiny_recipe(**FULL), run_dir=tmp / "run")
-    gpu = _compiled(
-        tmp / "gpu", hardware="workstation-2x4090", adapter=FULL["adapter"], distributed={"strategy": "fsdp2"}
-    )
-    return (*_ranks(tmp, resolved, _launch_env(gpu), n=2), resolved)
+    """A full fine-tune (bf16 weights, bf16 mixed precision)."""
+    return _two_ranks(tmp_path_factory, FULL, "sharded-full")
 
 
 @pytest.fixture(scope="module")
 def two_ranks_lora(tmp_path_factory):
-    """two_ranks for a bf16 LoRA recipe."""
-    tmp = tmp_path_factory.mktemp("sharded-lora")
-    resolved = resolve_recipe(tiny_recipe(**LORA), run_dir=tmp / "run")
-    gpu = _compiled(
-        tmp / "gpu", hardware="workstation-2x4090", adapter=LORA["adapter"], distributed={"strategy": "fsdp2"}
-    )
-    return (*_ranks(tmp, resolved, _launch_env(gpu), n=2), resolved)
+    return _two_ranks(tmp_path_factory, LORA, "sharded-lora")
 
 
 def _whole(tmp_path_factory, sections: dict):
