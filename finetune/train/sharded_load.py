@@ -164,9 +164,10 @@ def build_meta(recipe: Recipe, *, config, device):
     targets = _meta_targets(model)
     if recipe.adapter.type == "full":
         if MIXED_PRECISION[recipe.train.precision] != "no":
-            # accelerate's FSDP2 preparation upcasts trainable parameters to fp32 master weights (the
-            # mixed-precision policy casts them for compute); on the meta device this costs nothing
-            model.to(torch.float32)
+            # accelerate's FSDP2 preparation upcasts trainable parameters (not buffers) to fp32 master
+            # weights (the mixed-precision policy casts them for compute); on the meta device it costs nothing
+            for p in model.parameters():
+                p.data = p.data.to(torch.float32)
         return model, quantized, targets
     peft_config = lora_config(recipe)
     model = get_peft_model(model, peft_config)
