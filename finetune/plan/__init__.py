@@ -31,7 +31,7 @@ from finetune.plan.workload import (
     varlen_fallback_layers,
 )
 from finetune.recipe.paths import anchored
-from finetune.recipe.schema import dpo_reference, packs_examples, sharded_load_blocker, wants_sharded_load
+from finetune.recipe.schema import dpo_reference, loads_sharded, packs_examples
 
 __all__ = [
     "plan",
@@ -224,7 +224,7 @@ def job_from_recipe(recipe, *, arch, preset) -> Job:
         checkpoint_layers=recipe.resolved.checkpoint_layers if recipe.resolved else None,
         strategy=recipe.distributed.strategy,
         nvme_path=recipe.distributed.nvme_path or preset.nvme_path,
-        sharded_load=wants_sharded_load(recipe) and not sharded_load_blocker(recipe),
+        sharded_load=loads_sharded(recipe),
     )
 
 

@@ -485,9 +485,10 @@ def _host_and_nvme(job: Job, *, strategy: str, states: StateBytes, layer: float)
     model_bytes = count_params(job.arch).total * job.weight_bytes
     # (ZeRO-2 builds no partitioned model: every rank loads it like DDP)
     replicated_load = not info(strategy).shards_params and job.adapter != "qlora"
-    loading = float(model_bytes * (procs if replicated_load else 1))
     if job.sharded_load and info(strategy).backend == "fsdp":
         loading = float(procs * largest_tensor_bytes(job))
+    else:
+        loading = float(model_bytes * (procs if replicated_load else 1))
     if p.vendor == "cpu":
         loading = 0.0  # the cpu preset's 'GPU memory' already is this RAM
     nodes = p.nodes

@@ -58,8 +58,8 @@ class Job:
     checkpoint_layers: int | None = None
     strategy: str = "auto"  # auto or a pinned concrete strategy
     nvme_path: str | None = None  # ZeRO-Infinity swap dir (recipe's, else the preset's)
-    # under FSDP2 each rank reads only its shards from the checkpoint (schema.wants_sharded_load and no
-    # sharded_load_blocker); otherwise FSDP loads the whole model once per node and scatters it
+    # under FSDP2 each rank reads only its shards from the checkpoint (schema.loads_sharded); otherwise
+    # FSDP loads the whole model once per node and scatters it
     sharded_load: bool = False
     # host threads of each rank for the offload tiers' CPU optimizer step; None: as finetune's launcher
     # gives them (finetune.plan.offload_time.host_threads_per_rank)

@@ -694,8 +694,7 @@ def _random_init_conflicts(recipe: Recipe):
         a.type == "qlora"
         and recipe.distributed.strategy != AUTO
         and is_fsdp(recipe.distributed.strategy)
-        and wants_sharded_load(recipe)
-        and not sharded_load_blocker(recipe)
+        and loads_sharded(recipe)
     )
     if a.load_in_8bit or (a.type == "qlora" and not builds_4bit_shards):
         key = "adapter.type" if a.type == "qlora" else "adapter.load_in_8bit"
@@ -828,12 +827,6 @@ def dpo_reference(recipe: Recipe) -> str:
     return recipe.method.reference
 
 
-def wants_sharded_load(recipe: Recipe) -> bool:
-    """distributed.sharded_load: under FSDP2 each rank loads only its shards (finetune/train/sharded_load.py)
-    unless sharded_load_blocker names a reason. The planner and the trainer both ask here."""
-    return recipe.distributed.sharded_load
-
-
 def sharded_load_blocker(recipe: Recipe) -> str:
     """Why a recipe that wants the sharded load must still load the whole model, or "" when it need not:
     the settings that need the whole base at load time or tensors the checkpoint does not have (what only
@@ -857,6 +850,12 @@ def sharded_load_blocker(recipe: Recipe) -> str:
     if tk.added_tokens or tk.pad_token or tk.eos_token or tk.bos_token:
         return "tokenizer overrides may resize the embeddings (finetune.train.model.fit_embeddings)"
     return ""
+
+
+def loads_sharded(recipe: Recipe) -> bool:
+    """Under FSDP2 each rank loads only its shards (finetune/train/sharded_load.py): distributed.sharded_load
+    is on and sharded_load_blocker names no reason. The planner and the recipe checks ask here."""
+    return recipe.distributed.sharded_load and not sharded_load_blocker(recipe)
 
 
 def cadence_conflicts(recipe: Recipe):

@@ -203,9 +203,9 @@ def load_model(recipe: Recipe):
 
 
 def load_training_model(recipe: Recipe, *, args):
-    """The model the trainer trains. A LoRA or QLoRA adapter under FSDP2 on GPUs is built straight into each
-    rank's shard, with its adapter (finetune/train/sharded_load.py); what that path does not cover, and
-    everything else, loads whole (load_model), the adapter added by TRL."""
+    """The model the trainer trains. Under FSDP2 on GPUs it is built straight into each rank's shard, with
+    its adapter if any (finetune/train/sharded_load.py); what that path does not cover, and everything
+    else, loads whole (load_model), an adapter added by TRL."""
     from finetune.train import sharded_load
 
     if sharded_load.applies(recipe):

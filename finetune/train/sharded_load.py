@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 
 from finetune import strategies
 from finetune.compile.accelerate import MIXED_PRECISION
-from finetune.recipe.schema import Recipe, wants_sharded_load
+from finetune.recipe.schema import Recipe
 
 log = logging.getLogger("finetune.train")
 
@@ -45,11 +45,11 @@ ADAPTER = "default"  # peft's adapter name, the one TRL trains
 
 
 def applies(recipe: Recipe) -> bool:
-    """A recipe that wants the sharded load, trained under an FSDP2 strategy on GPUs: the case whose
-    loading this module replaces (unless schema.sharded_load_blocker names a reason)."""
+    """distributed.sharded_load on, trained under an FSDP2 strategy on GPUs: the case whose loading this
+    module replaces (unless schema.sharded_load_blocker names a reason, which the caller warns of)."""
     r = recipe.resolved
     return (
-        wants_sharded_load(recipe)
+        recipe.distributed.sharded_load
         and r is not None
         and r.device == "cuda"
         and strategies.is_fsdp(recipe.distributed.strategy)
@@ -304,7 +304,10 @@ def shard(model, *, plugin, mesh) -> None:
 
 def _rows(param) -> tuple[int, int]:
     """(first row, rows) of this rank's dim-0 shard of a DTensor parameter, from DTensor's own chunk metadata
-    (FSDP2's torch.chunk split, uneven last shards and HSDP's replicate dimension included)."""
+    (FSDP2's torch.chunk split, uneven last shards and HSDP's replicate dimension included); all rows of a
+    plain tensor."""
+    if not hasattr(param, "to_local"):
+        return 0, param.shape[0]
     (chunk,) = param.__create_chunk_list__()
     return int(chunk.offsets[0]), int(chunk.sizes[0])
 
@@ -367,10 +370,8 @@ def _copy_rows(param, full) -> None:
     local = _local(param)
     if local.numel() == 0:
         return
-    if hasattr(param, "to_local"):
-        start, n = _rows(param)
-        full = full[start : start + n]
-    local.copy_(full.to(local.device, local.dtype))
+    start, n = _rows(param)
+    local.copy_(full[start : start + n].to(local.device, local.dtype))
 
 
 class CheckpointSource:
@@ -410,7 +411,8 @@ class RandomSource:
     def missing(self, keys) -> list[str]:
         return []
 
-    def whole(self, key: str, *, device, dtype):
+    def whole(self, key: str, *, device, dtype=None):
+        """The whole tensor, initialised on `device` (in `dtype`, or its template's)."""
         import torch
 
         template, attr = self.templates.pop(key)
@@ -420,10 +422,11 @@ class RandomSource:
                 p.zero_()  # what _init_weights leaves alone (a type it does not know) is zero, not garbage
             torch.manual_seed(self.seed * 100_003 + self.order[key])
             self.base._init_weights(module)
-        return getattr(module, attr).detach().to(dtype)
+        value = getattr(module, attr).detach()
+        return value if dtype is None else value.to(dtype)
 
     def rows(self, key: str, start: int, n: int, *, device):
-        return self.whole(key, device=device, dtype=None)[start : start + n]
+        return self.whole(key, device=device)[start : start + n]
 
 
 def random_templates(targets: dict, quantized: dict) -> dict:
@@ -445,7 +448,7 @@ def random_templates(targets: dict, quantized: dict) -> dict:
 def _load(key: str, param, *, source, spec, device, report: LoadReport) -> None:
     local = _local(param)
     if spec is None:  # not quantized: only this rank's rows, copied into its shard
-        start, n = _rows(param) if hasattr(param, "to_local") else (0, local.shape[0])
+        start, n = _rows(param)
         local.copy_(source.rows(key, start, n, device=device).to(local.dtype))
         report.tensors += 1
         return
