@@ -34,6 +34,7 @@ from finetune.rundir import JOB_SBATCH, launch_log
 FORWARDED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1, signal.SIGHUP)
 PREEMPT_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGHUP)
 OUTPUT_DRAIN_S = 10  # after the launcher exits, how long to keep copying the ranks' output
+WAIT_SLICE_S = 0.1  # how soon a signal received by another thread is forwarded
 GROUP_WAIT_S = 600  # after a signal, how long to wait for ranks still writing their checkpoint
 PR_SET_PDEATHSIG, PR_SET_CHILD_SUBREAPER = 1, 36
 
@@ -228,6 +229,18 @@ def _wait_group(pgid: int, timeout: float) -> None:
         time.sleep(0.1)
 
 
+def _wait(proc: subprocess.Popen) -> int:
+    """proc.wait() in slices. Python runs a signal's handler in the main thread, at its next bytecode; the
+    kernel may hand the signal to another thread (the output reader), and then a main thread blocked in
+    one long waitpid would forward a SIGTERM only after the launcher exited: the training it was meant
+    to stop would run to its end."""
+    while True:
+        try:
+            return proc.wait(timeout=WAIT_SLICE_S)
+        except subprocess.TimeoutExpired:
+            continue
+
+
 def _run(argv: list[str], *, env: dict[str, str], log_path: Path, stream: bool) -> int:
     received: list[int] = []
     prctl = prctl_or_none()
@@ -268,7 +281,7 @@ def _run(argv: list[str], *, env: dict[str, str], log_path: Path, stream: bool) 
         reader = threading.Thread(target=_copy_output, args=(proc.stdout, log, stream), daemon=True)
         reader.start()
         try:
-            rc = proc.wait()
+            rc = _wait(proc)
             if received and received.count(signal.SIGINT) < 2:
                 _wait_group(proc.pid, GROUP_WAIT_S)
         finally:

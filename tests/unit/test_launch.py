@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from finetune.compile.spec import LaunchSpec
@@ -66,3 +68,35 @@ def test_the_host_threads_reach_deepspeeds_ranks_too(monkeypatch, strategy):
     assert out[out.index("--num_cpu_threads_per_process") + 1] == "6" and env["OMP_NUM_THREADS"] == "6"
     assert out[out.index("--config_file") + 1] == "run/accelerate.yaml" and env["PATH"] == "/bin"
     assert with_host_threads(_spec("fsdp2"), argv, {"PATH": "/bin"}) == (argv, {"PATH": "/bin"})
+
+
+def test_a_signal_the_kernel_gives_another_thread_still_stops_the_launch_at_once(tmp_path):
+    """Python runs signal handlers in the main thread only; when the kernel delivers SIGTERM to another
+    thread of `finetune` (here: sent to one on purpose), the launch must still forward it to the ranks
+    then, not once the launcher has exited by itself."""
+    import signal
+    import sys
+    import threading
+    import time
+
+    from finetune.errors import EXIT_PREEMPTED
+    from finetune.launch import _run
+
+    idle = threading.Event()
+    bystander = threading.Thread(target=idle.wait, daemon=True)
+    bystander.start()
+    timer = threading.Timer(1.0, signal.pthread_kill, args=(bystander.ident, signal.SIGTERM))
+    timer.start()
+    started = time.monotonic()
+    try:
+        code = _run(
+            [sys.executable, "-c", "import time; time.sleep(60)"],
+            env=dict(os.environ),
+            log_path=tmp_path / "launch.log",
+            stream=False,
+        )
+    finally:
+        timer.cancel()
+        idle.set()
+    assert code == EXIT_PREEMPTED
+    assert time.monotonic() - started < 30, "the signal was forwarded only after the launcher exited by itself"
