@@ -105,6 +105,12 @@ STRATEGIES: tuple[StrategyInfo, ...] = (
 _BY_NAME = {s.name: s for s in STRATEGIES}
 
 AUTO = "auto"
+
+# DeepSpeed ZeRO-3's optimizer sub-groups (sub_group_size, elements per rank): the compiled config sets
+# them and the planner counts the host buffers DeepSpeed allocates per sub-group. NVMe offload swaps the
+# optimizer states one sub-group at a time, so it takes smaller ones (its pinned swap buffers scale with it).
+ZERO3_SUB_GROUP_ELEMENTS = 1_000_000_000
+ZERO3_NVME_SUB_GROUP_ELEMENTS = 100_000_000
 NAMES: tuple[str, ...] = tuple(_BY_NAME)  # every concrete strategy, in the planner's order
 # the recipe's distributed.strategy: auto (the planner chooses) or a concrete name. Spelled out for
 # type checkers; the check below keeps it equal to STRATEGIES.

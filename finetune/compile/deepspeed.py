@@ -65,7 +65,7 @@ def ds_config(recipe: Recipe, plan: Plan, *, arch: ModelArch, preset: HardwarePr
         "stage3_param_persistence_threshold": 10 * h,
         "stage3_max_live_parameters": 1_000_000_000,
         "stage3_max_reuse_distance": 1_000_000_000,
-        "sub_group_size": 1_000_000_000,
+        "sub_group_size": strategies.ZERO3_SUB_GROUP_ELEMENTS,
         # without it a LoRA adapter saved under ZeRO-3 is empty (TRL #4416)
         "stage3_gather_16bit_weights_on_model_save": True,
     }
@@ -95,7 +95,7 @@ def ds_config(recipe: Recipe, plan: Plan, *, arch: ModelArch, preset: HardwarePr
         }
         # optimizer states are swapped per sub-group; 1e8 keeps the pinned swap buffers at
         # ~1.6 GB per rank instead of ~16 GB with the 1e9 default (ZeRO-Infinity tutorial)
-        zero["sub_group_size"] = 100_000_000
+        zero["sub_group_size"] = strategies.ZERO3_NVME_SUB_GROUP_ELEMENTS
         # a parameter gathered from NVMe holds one of the `buffer_count` swap buffers until it is
         # released. From the second step on (once DeepSpeed has traced the module order) a reuse
         # distance of 1e9 elements keeps the last ~4 layers of an 8B model gathered across the

@@ -225,6 +225,7 @@ def job_from_recipe(recipe, *, arch, preset) -> Job:
         strategy=recipe.distributed.strategy,
         nvme_path=recipe.distributed.nvme_path or preset.nvme_path,
         sharded_load=loads_sharded(recipe),
+        load_copies=recipe.model.init == "random" or arch.checkpoint_dtype != recipe.model.dtype,
     )
 
 
@@ -353,6 +354,7 @@ def plan_job(job: Job) -> Plan:
         trainable_params=float(trainable_params(job)),
         memory=chosen.memory,
         host_ram_gib=chosen.host_ram_bytes / GIB,
+        host_ram_training_gib=chosen.host_ram_training_bytes / GIB,
         device="cpu" if p.vendor == "cpu" else "cuda",
     )
     plan.kernels = _kernels(job, chosen.strategy)

@@ -102,6 +102,7 @@ def evaluate(job: Job, *, strategy: str, micro_batch: int, checkpointing: bool |
         memory=fp.memory,
         fits=not reason,
         host_ram_bytes=fp.host_ram_bytes,
+        host_ram_training_bytes=fp.host_ram_training_bytes,
         nvme_bytes=fp.nvme_bytes,
         compute_time_s=t.compute_s,
         comm_time_s=t.intra_s + t.inter_s + t.offload_s,

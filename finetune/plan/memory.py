@@ -53,6 +53,7 @@ saved for backward (4) + bf16 logits gradient (2), ~1.5 MB per token for a 128k 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 
 from finetune import strategies
@@ -61,6 +62,7 @@ from finetune.plan.optimizer import optimizer_bytes, optimizer_step_transient_by
 from finetune.plan.types import GIB, MemoryBreakdown
 from finetune.plan.workload import (
     Job,
+    Tensors,
     accumulation_steps,
     adapter_tensors,
     attention_widths,
@@ -68,10 +70,12 @@ from finetune.plan.workload import (
     lora_params,
     model_tensors,
     module_shapes,
+    numel,
     saved_module_params,
     saved_module_tensors,
+    trained_tensor_sizes,
 )
-from finetune.strategies import info
+from finetune.strategies import ZERO3_SUB_GROUP_ELEMENTS, info
 
 CUDA_FIXED_BYTES = 1.5 * GIB  # CUDA context, cuBLAS/cuDNN workspaces, kernel images
 NCCL_BYTES = 0.5 * GIB  # communicator channel buffers, only when there are several ranks
@@ -366,8 +370,9 @@ def loss_head_bytes(job: Job, *, micro_batch: int) -> float:
 @dataclass(frozen=True)
 class Footprint:
     memory: MemoryBreakdown  # per GPU
-    host_ram_bytes: float  # per node
+    host_ram_bytes: float  # per node, at its peak: while the model loads or while it trains
     nvme_bytes: float  # per node
+    host_ram_training_bytes: float = 0.0  # per node, what stays resident while it trains
 
 
 def footprint(job: Job, *, strategy: str, micro_batch: int, checkpointing: bool | int) -> Footprint:
@@ -435,8 +440,8 @@ def footprint(job: Job, *, strategy: str, micro_batch: int, checkpointing: bool 
         comm_buffers=comm,
         overhead=fixed + FRAGMENTATION * subtotal,
     )
-    host, nvme = _host_and_nvme(job, strategy=strategy, states=states, layer=layer)
-    return Footprint(memory, host, nvme)
+    host = host_bytes(job, strategy=strategy, states=states, layer=layer)
+    return Footprint(memory, host.peak, host.nvme, host.training)
 
 
 def trained_unit_params(job: Job) -> tuple[float, float]:
@@ -470,44 +475,121 @@ def fsdp_accumulated_gradients(job: Job) -> float:
 
 def largest_tensor_bytes(job: Job) -> float:
     """The largest checkpoint tensor, in the model's dtype: the embedding or lm_head (vocab x hidden) or an
-    MLP projection (intermediate x hidden); the sharded load holds at most one at a time on the host."""
+    MLP projection (intermediate x hidden); a load that goes tensor by tensor holds one at a time."""
     a = job.arch
     return max(a.vocab_size, a.intermediate_size) * a.hidden_size * job.weight_bytes
 
 
-def _host_and_nvme(job: Job, *, strategy: str, states: StateBytes, layer: float) -> tuple[float, float]:
+def loading_host_bytes(job: Job, *, strategy: str) -> float:
+    """Host RAM (per node) that loading the weights takes beyond the processes themselves: only memory the
+    kernel cannot reclaim counts. transformers maps a safetensors checkpoint and, when it is stored in the
+    dtype the model loads in, hands out views of the mapped file: page cache, shared by every rank of the
+    node and dropped under pressure, so each process holds only the tensor it is moving or quantizing.
+    A checkpoint of another (or unknown) dtype, or weights built at random, are a real copy in every
+    process that materializes the model: each DDP/ZeRO-2 rank, or once per node for the sharded strategies
+    (cpu_ram_efficient_loading / zero.Init). FSDP2's sharded load and a 4-bit/8-bit load placed on the GPU
+    by device_map go tensor by tensor whatever the dtype."""
+    p = job.preset
+    if p.vendor == "cpu":
+        return 0.0  # the cpu preset's 'GPU memory' already is this RAM
+    procs = p.gpus_per_node
+    quantized_on_gpu = job.adapter == "qlora" or job.int8_base
+    if (job.sharded_load and info(strategy).backend == "fsdp") or quantized_on_gpu or not job.load_copies:
+        return float(procs * largest_tensor_bytes(job))
+    # (ZeRO-2 builds no partitioned model: every rank loads it like DDP)
+    replicated_load = not info(strategy).shards_params
+    return float(count_params(job.arch).total * job.weight_bytes * (procs if replicated_load else 1))
+
+
+def pinned_rounding_bytes(tensors: Tensors, *, shard: int, dtype_bytes: float) -> float:
+    """What torch's pinned-memory allocator (CachingHostAllocator) adds to one rank's shards of `tensors`:
+    it rounds every allocation up to a power of two, so a 50 MB shard takes 64 MiB. Shards split dim 0
+    over `shard` ranks, padded as FSDP2 pads; 1-D entries (the norms and biases) are too small to count."""
+    extra = 0.0
+    for count, shape in tensors:
+        if len(shape) < 2:
+            continue
+        size = math.ceil(-(-shape[0] // shard) * numel(shape[1:]) * dtype_bytes)
+        extra += count * (pinned_size(size) - size)
+    return extra
+
+
+def pinned_size(nbytes: int) -> int:
+    """Host bytes torch's CachingHostAllocator takes for a pinned allocation of `nbytes`: the next power of two."""
+    return 1 << (nbytes - 1).bit_length() if nbytes > 0 else 0
+
+
+def zero3_offload_pinned_bytes(job: Job, *, strategy: str) -> float:
+    """Per node: what ZeRO-3's CPU optimizer offload pins beyond the bytes of its states. Each rank keeps the
+    fp32 gradient partitions of all it trains in one flat pinned buffer (its bytes are counted with the
+    gradients; this adds the allocator's rounding), and DeepSpeed's optimizer setup pins one fp32 gradient
+    buffer per sub-group (ZERO3_SUB_GROUP_ELEMENTS, cut in parameter order) and then frees it into the
+    pinned allocator's cache, which keeps it for the rest of the run."""
+    world = state_shard_degree(job, strategy)
+    parts = [-(-n // world) for n in trained_tensor_sizes(job)]
+    groups, run = [], 0
+    for n in parts:
+        run += n
+        if run >= ZERO3_SUB_GROUP_ELEMENTS:
+            groups.append(run)
+            run = 0
+    groups += [run] if run else []
+    flat = 4 * sum(parts)
+    per_rank = pinned_size(flat) - flat + sum(pinned_size(4 * g) for g in groups)
+    return job.preset.gpus_per_node * per_rank
+
+
+def fsdp_offload_rounding_bytes(job: Job, *, strategy: str) -> float:
+    """Per node: FSDP2's CPU offload pins each rank's parameter shards and the gradient shards the
+    backward moves to the host (fp32 for what is trained, the model's dtype for a frozen 16-bit base);
+    the pinned allocator's rounding of each is host RAM beyond the states themselves."""
+    shard = shard_degree(job, strategy)
+    trained = model_tensors(job.arch) if job.adapter == "full" else adapter_tensors(job) + saved_module_tensors(job)
+    per_rank = 2 * pinned_rounding_bytes(trained, shard=shard, dtype_bytes=4)  # shards and their gradients
+    if job.adapter == "lora" and not job.int8_base:
+        per_rank += pinned_rounding_bytes(model_tensors(job.arch), shard=shard, dtype_bytes=job.weight_bytes)
+    return job.preset.gpus_per_node * per_rank
+
+
+@dataclass(frozen=True)
+class HostBytes:
+    peak: float  # per node: the processes and the larger of loading and training
+    training: float  # per node: the processes and what they keep on the host while training
+    nvme: float  # per node
+
+
+def host_bytes(job: Job, *, strategy: str, states: StateBytes, layer: float) -> HostBytes:
     p = job.preset
     procs = p.gpus_per_node
     base = (CPU_FIXED_BYTES * 4 if p.vendor == "cpu" else HOST_PER_PROCESS_BYTES) * procs
-    # loading: DDP ranks each materialize the model on CPU before moving it; sharded strategies
-    # load once per node (cpu_ram_efficient_loading / zero.Init) and scatter, except FSDP2 with the
-    # sharded load, where each rank holds one tensor of the checkpoint at a time
-    model_bytes = count_params(job.arch).total * job.weight_bytes
-    # (ZeRO-2 builds no partitioned model: every rank loads it like DDP)
-    replicated_load = not info(strategy).shards_params and job.adapter != "qlora"
-    if job.sharded_load and info(strategy).backend == "fsdp":
-        loading = float(procs * largest_tensor_bytes(job))
-    else:
-        loading = float(model_bytes * (procs if replicated_load else 1))
-    if p.vendor == "cpu":
-        loading = 0.0  # the cpu preset's 'GPU memory' already is this RAM
+    loading = loading_host_bytes(job, strategy=strategy)
     nodes = p.nodes
     tier = info(strategy)
     fp32_grads = states.trainable_params * 4  # the gradient partitions the CPU optimizer steps on
+    nvme = 0.0
     if tier.offload == "nvme":
         # params and optimizer states on NVMe; host keeps fp32 gradient partitions and swap buffers
         buffers = procs * (NVME_PARAM_BUFFERS * layer + 2 * GIB)  # + optimizer swap buffers
-        host = fp32_grads / nodes + buffers
+        training = fp32_grads / nodes + buffers
         nvme = (states.weights + states.trainable + states.optimizer) / nodes
-        return base + max(loading, host), nvme
-    if tier.offload_params:
+    elif tier.offload_params:
         # pinned params + fp32 master/moments + fp32 gradient partitions of this node's ranks; FSDP2
         # keeps only the fp32 (upcast) copy of trainable params, no 16-bit one beside it
         weights = states.weights
         if tier.backend == "fsdp" and job.adapter == "full" and states.trainable:
             weights = 0.0
-        offloaded = (weights + states.trainable + states.optimizer + fp32_grads) / nodes
-        return base + max(loading, offloaded), 0.0
-    if tier.offload_optimizer:  # ZeRO-3's params stay on the GPUs; master, moments and grads pinned here
-        return base + max(loading, (states.trainable + states.optimizer + fp32_grads) / nodes), 0.0
-    return base + loading, 0.0
+        training = (weights + states.trainable + states.optimizer + fp32_grads) / nodes
+        if tier.backend == "fsdp":
+            training += fsdp_offload_rounding_bytes(job, strategy=strategy)
+        else:  # ZeRO-3 offloads the optimizer with the parameters (their pinned buffers are not modelled)
+            training += zero3_offload_pinned_bytes(job, strategy=strategy)
+    elif tier.offload_optimizer:  # ZeRO-3's params stay on the GPUs; master, moments and grads pinned here
+        training = (states.trainable + states.optimizer + fp32_grads) / nodes
+        training += zero3_offload_pinned_bytes(job, strategy=strategy)
+    else:
+        training = 0.0
+    if not info(strategy).shards_params and job.adapter == "lora" and not job.int8_base:
+        # a 16-bit base loads on the host before the Trainer moves it: peft builds the fp32 adapter there
+        # too, and the C allocator keeps those pages after the move (measured: +2.8 GiB at r 256 on 8B)
+        training += procs * 4 * lora_params(job)
+    return HostBytes(peak=base + max(loading, training), training=base + training, nvme=nvme)

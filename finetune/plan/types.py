@@ -46,7 +46,8 @@ class Candidate:
     activation_checkpointing: bool
     memory: MemoryBreakdown
     fits: bool
-    host_ram_bytes: float = 0.0  # per node: offloaded states + loading
+    host_ram_bytes: float = 0.0  # per node, at its peak: the processes + the larger of loading and training
+    host_ram_training_bytes: float = 0.0  # per node: the processes + the states kept on the host
     nvme_bytes: float = 0.0  # per node
     compute_time_s: float = 0.0  # one optimizer step (all micro-batches)
     comm_time_s: float = 0.0  # exposed communication per optimizer step
@@ -70,6 +71,7 @@ class Candidate:
             "checkpoint_layers": self.checkpoint_layers,
             "memory_gib": self.memory.gib(),
             "host_ram_gib": round(self.host_ram_bytes / GIB, 2),
+            "host_ram_training_gib": round(self.host_ram_training_bytes / GIB, 2),
             "nvme_gib": round(self.nvme_bytes / GIB, 2),
             "step_time_s": round(self.step_time_s, 3),
             "compute_time_s": round(self.compute_time_s, 3),
@@ -108,7 +110,8 @@ class Plan:
     active_params: float = 0.0  # used by one token: MoE models leave out the experts it is not routed to
     trainable_params: float = 0.0
     memory: MemoryBreakdown | None = None
-    host_ram_gib: float = 0.0
+    host_ram_gib: float = 0.0  # per node, at its peak (while loading or while training)
+    host_ram_training_gib: float = 0.0  # per node, while training
     device: str = "cuda"  # "cpu" for the cpu preset
     # what to pass to registry.get_preset() to get this preset back: its name, "auto", or the
     # absolute path of a user's preset file (plan.hardware is the preset's own name)
@@ -133,6 +136,7 @@ class Plan:
             "per_gpu_memory_gib": round(self.per_gpu_memory_gib, 2),
             "memory_gib": self.memory.gib() if self.memory else None,
             "host_ram_gib": round(self.host_ram_gib, 2),
+            "host_ram_training_gib": round(self.host_ram_training_gib, 2),
             "micro_batch_size": self.micro_batch_size,
             "gradient_accumulation_steps": self.gradient_accumulation_steps,
             "activation_checkpointing": self.activation_checkpointing,

@@ -61,6 +61,10 @@ class Job:
     # under FSDP2 each rank reads only its shards from the checkpoint (schema.loads_sharded); otherwise
     # FSDP loads the whole model once per node and scatters it
     sharded_load: bool = False
+    # loading makes a real copy of the weights in host RAM (not views of the mapped checkpoint): the
+    # checkpoint is stored in another dtype than model.dtype, or in one not known, or the weights are
+    # built at random (finetune.plan.memory.loading_host_bytes)
+    load_copies: bool = True
     # host threads of each rank for the offload tiers' CPU optimizer step; None: as finetune's launcher
     # gives them (finetune.plan.offload_time.host_threads_per_rank)
     host_threads_per_rank: int | None = None
@@ -415,6 +419,32 @@ def model_tensors(arch: ModelArch) -> Tensors:
             out += [(count, (e, 2 * i, h)), (count, (e, h, i)), (count, (e, h))]
     matrices = sum(n * numel(shape) for n, shape in out)
     out.append((1, (max(0, count_params(arch).total - matrices),)))
+    return out
+
+
+def trained_tensor_sizes(job: Job) -> list[int]:
+    """Elements of each trained matrix in the order the model registers them (the embedding, each decoder
+    layer in turn, the LM head; an adapter's A and B per targeted module and layer): DeepSpeed cuts its
+    optimizer sub-groups in this order. Norms and biases (another parameter group) are left out."""
+    a, r = job.arch, job.lora_r
+    full = job.adapter == "full"
+    out: list[int] = [a.vocab_size * a.hidden_size] if full else []
+    if not full and "embed_tokens" in job.lora_targets:
+        out += [r * a.vocab_size, a.hidden_size * r]
+    for count, is_moe, shapes in layer_kinds(a):
+        layer: list[int] = []
+        for name, (fin, fout, copies) in shapes.items():
+            if full:
+                layer += [fin * fout] * copies
+            elif name in job.lora_targets:
+                layer += [r * fin, fout * r] * copies
+        if full and is_moe:
+            e, i, h = a.num_experts, expert_size(a), a.hidden_size
+            layer += [e * 2 * i * h, e * h * i, e * h]
+        out += layer * count
+    if full and not a.tied_embeddings:
+        out.append(a.vocab_size * a.hidden_size)
+    out += [numel(shape) for n, shape in saved_module_tensors(job) for _ in range(n)]
     return out
 
 

@@ -197,6 +197,7 @@ def arch_from_config(path: Path, *, key: str, hub_id: str | None = None) -> Mode
             fused_qkv=traits.fused_qkv,
             fused_gate_up=traits.fused_gate_up,
             max_position_embeddings=int(text.get("max_position_embeddings") or 8192),
+            checkpoint_dtype=stored_dtype(cfg, text),
             decoder_layer_class=traits.layer_class,
             lora_targets=targets,
             notes=f"derived from {path}",
@@ -213,6 +214,16 @@ def arch_from_config(path: Path, *, key: str, hub_id: str | None = None) -> Mode
             file=str(path),
             hint="set model.arch to the closest registry entry (finetune models)",
         ) from None
+
+
+def stored_dtype(cfg: dict, text: dict) -> str | None:
+    """The dtype config.json says the weights were saved in (transformers 5 writes `dtype`, earlier
+    versions `torch_dtype`), when it is one a model loads in; None otherwise (FP8 checkpoints, no key)."""
+    for d in (text, cfg):
+        value = d.get("dtype") or d.get("torch_dtype")
+        if value in ("bfloat16", "float16", "float32"):
+            return value
+    return None
 
 
 def moe_fields(text: dict, *, family: str, path: Path) -> dict:

@@ -31,6 +31,11 @@ class ModelArch(Strict):
     tied_embeddings: bool = False
     attention_bias: bool = False  # q/k/v biases (Qwen2): a few thousand params per layer
     max_position_embeddings: int = 8192
+    checkpoint_dtype: Literal["bfloat16", "float16", "float32"] | None = Field(
+        None,
+        description="dtype the published weights are stored in (config.json's dtype / torch_dtype); "
+        "None: not known, and the planner counts a converted copy of the weights while they load",
+    )
     num_experts: int = Field(1, ge=1, description="MoE experts per layer (1 = dense)")
     experts_per_token: int = Field(1, ge=1)
     # Mixture-of-experts detail (transformers' conventions: Mixtral, Qwen2/3-MoE, DeepSeek-V2/V3, GPT-OSS)

@@ -212,3 +212,25 @@ def memory_miss(row: dict, plan: Plan) -> str:
     """'' when the predicted peak is within the bound of the measured max reserved, else the figures."""
     ratio = plan.per_gpu_memory_gib / row["measured_max_reserved_gib"]
     return "" if MEMORY_LOW <= ratio <= MEMORY_HIGH else memory_figures(row, plan)
+
+
+# host RAM while training (the node's proportional set size sampled after loading and at logged steps)
+# against the plan's host_ram_training_gib: the same -5% / +15% bound, plus an allowance per process for
+# the planner's round HOST_PER_PROCESS_BYTES (3 GiB) against the 1.5-2.7 GiB a rank measured
+HOST_PROCESS_ALLOWANCE_GIB = 1.5
+
+
+def host_figures(row: dict, plan: Plan) -> str:
+    measured = row["host_pss_node_gib"]
+    return (
+        f"measured {measured:.2f} GiB of host RAM on the node while training, predicted "
+        f"{plan.host_ram_training_gib:.2f} (ratio {plan.host_ram_training_gib / measured:.3f})"
+    )
+
+
+def host_miss(row: dict, plan: Plan) -> str:
+    """'' when the planned host RAM while training is within the bound of the measured PSS, else the figures."""
+    measured, planned = row["host_pss_node_gib"], plan.host_ram_training_gib
+    allowance = HOST_PROCESS_ALLOWANCE_GIB * plan.gpus_per_node
+    ok = MEMORY_LOW * measured <= planned <= MEMORY_HIGH * measured + allowance
+    return "" if ok else host_figures(row, plan)

@@ -110,6 +110,28 @@ def test_derive_llama_config_defaults_kv_heads(tmp_path):
     assert arch.key == "my-llama" and arch.family == "llama"
     assert arch.num_kv_heads == 8  # no num_key_value_heads: multi-head attention
     assert arch.decoder_layer_class == "LlamaDecoderLayer" and not arch.tied_embeddings
+    assert arch.checkpoint_dtype is None  # config.json says nothing: the planner counts a converted copy
+
+
+@pytest.mark.parametrize(
+    ("keys", "stored"),
+    [
+        ({"torch_dtype": "bfloat16"}, "bfloat16"),  # transformers 4's key
+        ({"dtype": "float32"}, "float32"),  # transformers 5's
+        ({"torch_dtype": "float8_e4m3fn"}, None),  # an FP8 checkpoint: no model loads in it
+    ],
+)
+def test_derive_reads_the_dtype_the_weights_are_stored_in(tmp_path, keys, stored):
+    config = {
+        "model_type": "llama",
+        "hidden_size": 256,
+        "num_hidden_layers": 3,
+        "num_attention_heads": 8,
+        "intermediate_size": 688,
+        "vocab_size": 1000,
+    }
+    _write_config(tmp_path / "m", {**config, **keys})
+    assert resolve_model(ModelSection(name="m"), base_dir=tmp_path).checkpoint_dtype == stored
 
 
 def test_derive_qwen2_config(tmp_path):
