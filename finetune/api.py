@@ -214,11 +214,18 @@ def _run_locked(
     spec, fields = compiled.spec, _fields(compiled.resolved, data)
     done = _finished(target, resume, fields)
     if done is not None:
-        log.info(
-            f"{target} is complete: it finished at step {done.get('step')} with this recipe; nothing to "
-            f"do (to train again from scratch: --resume never)"
-        )
-        return RunResult(target, 0, rundir.read_summary(target), launched=False)
+        from finetune.hub import pending_push, push_from_recipe
+
+        pushed = None
+        if node_rank in (None, 0) and not dry_run and pending_push(target):
+            log.info(f"{target} is complete, but its push to {compiled.resolved.hub.repo} did not finish: pushing it")
+            pushed = push_from_recipe(target)
+        else:
+            log.info(
+                f"{target} is complete: it finished at step {done.get('step')} with this recipe; nothing to "
+                f"do (to train again from scratch: --resume never)"
+            )
+        return RunResult(target, 0, rundir.read_summary(target), launched=False, pushed=pushed)
     _check_resume(target, resume, resolved=compiled.resolved, world_size=spec.world_size, fields=fields)
     prelaunch.check_model_files(recipe)
     prelaunch.check_chat_template(recipe, data.first)
@@ -257,7 +264,9 @@ def _run_locked(
     resolved = load_recipe(run_dir / rundir.RESOLVED_RECIPE, allow_resolved=True)
     pushed = None
     if signalled_after_finish:
-        later = f"\n  not pushed to {resolved.hub.repo}: `finetune push {run_dir}` does it" if resolved.hub.repo else ""
+        later = (
+            f"\n  not pushed to {resolved.hub.repo}: run the same command again to push" if resolved.hub.repo else ""
+        )
         log.info(f"stopped by a signal after training finished: {run_dir} is complete{later}")
     elif resolved.hub.repo and (node_rank in (None, 0)):
         from finetune.hub import push_from_recipe
@@ -275,7 +284,7 @@ def set_aside_previous(run_dir: Path, *, resume: str) -> None:
     """Move what a new run will replace into RUN_DIR/previous-run/ (a rename: no space needed), so that
     nothing of a previous run is lost until the new one has finished; deleted after it succeeds."""
     prev = run_dir / rundir.PREVIOUS
-    names = [rundir.FINISHED]
+    names = [rundir.FINISHED, rundir.PUSHED]
     if resume == "never" or (resume == "auto" and _newest_checkpoint(run_dir) is None):
         names += [rundir.METRICS, rundir.SUMMARY, rundir.LOSS_PNG]
         root = run_dir / rundir.CHECKPOINTS

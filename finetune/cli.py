@@ -302,7 +302,7 @@ def _cmd_run(args):
     )
     if result.instructions is not None:
         print(result.instructions)
-    elif not result.launched:
+    elif args.dry_run:
         print(f"dry run: launch files are in {result.run_dir}; start with `bash {result.run_dir / rundir.LAUNCH_SH}`")
     if result.pushed:
         print(f"pushed to {result.pushed}")

@@ -426,6 +426,25 @@ def push_from_recipe(run_dir: str | Path, **kwargs) -> str | None:
     hub = load_recipe(run_dir / rundir.RESOLVED_RECIPE, allow_resolved=True).hub
     if not hub.repo:
         return None
-    return push(
-        run_dir, repo_id=hub.repo, merged=hub.push == "merged", private=hub.private, revision=hub.revision, **kwargs
+    merged = hub.push == "merged"
+    url = push(run_dir, repo_id=hub.repo, merged=merged, private=hub.private, revision=hub.revision, **kwargs)
+    # written last: a push stopped before it (a signal, a lost connection) is made again by a rerun
+    record = {"repo": hub.repo, "revision": hub.revision, "merged": merged, "url": url}
+    rundir.write_json_atomic(run_dir / rundir.PUSHED, record)
+    return url
+
+
+def pending_push(run_dir: str | Path) -> bool:
+    """The run's recipe names a Hub repo, and the push of its finished outputs there has not completed."""
+    from finetune.recipe import load_recipe
+
+    run_dir = Path(run_dir)
+    hub = load_recipe(run_dir / rundir.RESOLVED_RECIPE, allow_resolved=True).hub
+    if not hub.repo:
+        return False
+    done = rundir.read_pushed(run_dir)
+    return (done.get("repo"), done.get("revision"), done.get("merged")) != (
+        hub.repo,
+        hub.revision,
+        hub.push == "merged",
     )

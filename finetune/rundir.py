@@ -50,6 +50,7 @@ EVAL_DIR = "eval"  # `finetune eval`: eval/<label>.json, lm-eval's results per m
 MODEL_CARD = "README.md"  # written by libraries' save_pretrained; finetune keeps none in RUN_DIR
 OWNER = ".finetune-run.json"  # ownership marker: only directories carrying it are written into
 FINISHED = "finished.json"  # a finished run's step and recipe fields (rerun detection)
+PUSHED = "pushed.json"  # where the run's own push (its recipe's hub: section) went; a rerun pushes if absent
 PREVIOUS = "previous-run"  # a previous run's outputs, kept until the new run has replaced them
 RESCUE_ENV = "FINETUNE_RESCUE_DIR"  # where a final save goes when RUN_DIR's disk is full
 
@@ -136,6 +137,11 @@ def read_summary(run_dir: Path) -> dict:
 def read_finished(run_dir: Path) -> dict:
     """RUN_DIR/finished.json ({step, recipe_fields}), or {} when the run has not finished."""
     return _read_json(Path(run_dir) / FINISHED)
+
+
+def read_pushed(run_dir: Path) -> dict:
+    """RUN_DIR/pushed.json ({repo, revision, merged, url}), or {} when the run's push has not completed."""
+    return _read_json(Path(run_dir) / PUSHED)
 
 
 def read_rank_error(run_dir: Path) -> dict:

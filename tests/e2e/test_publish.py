@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -10,6 +11,7 @@ import sys
 import pytest
 import yaml
 
+from finetune import rundir
 from finetune.modelcard import parse_front_matter
 from tests.helpers.fakehub import FakeHub
 from tests.helpers.paths import ROOT
@@ -61,6 +63,24 @@ def test_run_pushes_then_merge_and_push_merged(tmp_path):
         card = parse_front_matter(files["README.md"].decode())
         assert card["library_name"] == "peft" and "sft" in card["tags"]
         assert hub.repos["acme/tiny-lora"].private is True
+
+        # the push is recorded; a rerun has nothing to do and pushes nothing
+        record = json.loads((run_dir / rundir.PUSHED).read_text())
+        assert record["repo"] == "acme/tiny-lora" and record["url"], record
+        head = hub.repos["acme/tiny-lora"].heads["main"]
+        again = _cli("run", str(path), "--output", str(run_dir), env=env, cwd=tmp_path)
+        assert again.returncode == 0 and "nothing to do" in again.stdout, again.stdout + again.stderr[-2000:]
+        assert "dry run" not in again.stdout and hub.repos["acme/tiny-lora"].heads["main"] == head
+        # a push stopped before it reached the Hub (a signal, a lost connection), so no record was
+        # written: the rerun trains nothing and pushes
+        (run_dir / rundir.PUSHED).unlink()
+        del hub.repos["acme/tiny-lora"]
+        trained = (run_dir / rundir.METRICS).read_bytes()
+        again = _cli("run", str(path), "--output", str(run_dir), env=env, cwd=tmp_path)
+        assert again.returncode == 0, again.stdout + again.stderr[-2000:]
+        assert "did not finish: pushing it" in again.stdout and "pushed to" in again.stdout, again.stdout
+        assert hub.files("acme/tiny-lora")["adapter_model.safetensors"] == files["adapter_model.safetensors"]
+        assert (run_dir / rundir.PUSHED).is_file() and (run_dir / rundir.METRICS).read_bytes() == trained
 
         from finetune.cli import main
 
