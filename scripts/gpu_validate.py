@@ -372,7 +372,26 @@ def collect(run_dir: Path) -> dict:
         "adapter_bytes": (run_dir / "adapter_model.safetensors").stat().st_size
         if (run_dir / "adapter_model.safetensors").exists()
         else None,
+        # a full fine-tune's saved model: its bytes and tensor dtypes (under FSDP2 the gathered state dict
+        # holds the fp32 parameters accelerate upcast; whether the files keep them is what this records)
+        **saved_model_figures(run_dir),
     }
+
+
+def saved_model_figures(run_dir: Path) -> dict:
+    """{'saved_model_bytes', 'saved_model_dtypes'} of RUN_DIR's model*.safetensors, {} for an adapter run."""
+    from safetensors import safe_open
+
+    files = sorted(run_dir.glob("model*.safetensors"))
+    if not files:
+        return {}
+    dtypes: dict[str, int] = {}
+    for path in files:
+        with safe_open(str(path), "pt") as f:
+            for key in f.keys():
+                dtype = str(f.get_slice(key).get_dtype())
+                dtypes[dtype] = dtypes.get(dtype, 0) + 1
+    return {"saved_model_bytes": sum(p.stat().st_size for p in files), "saved_model_dtypes": dtypes}
 
 
 def add_mfu(row: dict, *, run_dir: Path) -> None:
