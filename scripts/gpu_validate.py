@@ -354,6 +354,9 @@ def collect(run_dir: Path) -> dict:
         "measured_max_allocated_gib": max((r.get("gpu_max_allocated_gib", 0) for r in ranks), default=0),
         "measured_max_reserved_gib": reserved,
         "host_rss_peak_gib": max((r["host_rss_peak_gib"] for r in ranks), default=0),
+        # the same before the final save (gathering a sharded model for it may be the run's host peak)
+        "host_rss_peak_before_save_gib": max((r.get("host_rss_peak_before_save_gib", 0) for r in ranks), default=0)
+        or None,
         # PSS sums to the host's real use (RSS counts shared pages once per rank); one host here, even
         # when its GPUs played two nodes
         "host_pss_node_gib": round(sum(r.get("host_pss_sampled_peak_gib", 0) for r in ranks), 2) or None,

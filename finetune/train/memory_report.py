@@ -92,6 +92,7 @@ class PeakMemoryCallback(TrainerCallback):
         self.at_start: dict = {}
         self.ended = False  # an evaluation after training logs again; the file stays final
         self.pss_peak: float | None = None  # sampled after loading and at every logged step
+        self.at_end: dict = {}  # the host peak when training ended, before the final save
 
     def on_train_begin(self, args, state, control, model=None, **kwargs):
         # after loading and wrapping (FSDP2/ZeRO-3/device_map), before the first step: a model that
@@ -118,7 +119,15 @@ class PeakMemoryCallback(TrainerCallback):
 
     def on_train_end(self, args, state, control, **kwargs):
         self.ended = True
+        self.at_end = {"host_rss_peak_before_save_gib": memory_figures()["host_rss_peak_gib"]}
         self._write(state.global_step)
+
+    def after_final_save(self, step: int) -> None:
+        """Rewrite the file once more after the final model is saved: gathering a sharded model for the save
+        may be the rank's host RAM peak, which host_rss_peak_gib then includes (host_rss_peak_before_save_gib
+        is the peak without it)."""
+        self.at_end["saved_final"] = True
+        self._write(step)
 
     def _sample_pss(self) -> None:
         pss = host_pss_gib()
@@ -129,7 +138,15 @@ class PeakMemoryCallback(TrainerCallback):
         rank = int(os.environ.get("RANK", "0"))
         self.dir.mkdir(parents=True, exist_ok=True)
         self._sample_pss()
-        figures = {"rank": rank, "step": step, "final": self.ended, **memory_figures(), **self.at_load, **self.at_start}
+        figures = {
+            "rank": rank,
+            "step": step,
+            "final": self.ended,
+            **memory_figures(),
+            **self.at_load,
+            **self.at_start,
+            **self.at_end,
+        }
         if self.pss_peak is not None:
             figures["host_pss_sampled_peak_gib"] = self.pss_peak
         tmp = self.dir / f".rank-{rank}.json.tmp"  # never a half-written file, whenever we are killed

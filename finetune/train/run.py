@@ -296,6 +296,11 @@ def _finish(session: _Session, *, trainer, result) -> dict | None:
         trainer.accelerator.state.fsdp_plugin.set_state_dict_type("FULL_STATE_DICT")
     if not recipe.resolved.measure:  # `finetune plan --measure` keeps nothing
         save_final(trainer, session.tokenizer, recipe=recipe, run_dir=run_dir, state=state)
+        from finetune.train.memory_report import PeakMemoryCallback
+
+        for callback in trainer.callback_handler.callbacks:
+            if isinstance(callback, PeakMemoryCallback):
+                callback.after_final_save(trainer.state.global_step)
         if state.is_main_process:
             from finetune.modelcard import remove_library_card
 
