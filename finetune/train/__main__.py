@@ -39,6 +39,9 @@ def _stop_before_training():
             stopped.append(signal.Signals(signum).name)
             raise StoppedBeforeTraining(stopped[0])
 
+    # what the trainer's handlers read when they replace this one: a request whose exception was swallowed
+    # (raised inside a finalizer, which Python only reports) still stops the run (PreemptionCallback)
+    handle.stopped = stopped  # type: ignore[attr-defined]
     return handle
 
 

@@ -95,6 +95,12 @@ class PreemptionCallback(TrainerCallback):
         self.stopped_at: int | None = None
         # the handlers in place before ours (the interpreter's defaults, or a host program's own)
         self._previous = {sig: signal.getsignal(sig) for sig in PREEMPT_SIGNALS}
+        # a stop the rank's early handler (finetune.train.__main__) recorded but could not act on, because
+        # the exception it raised was swallowed: not lost, the run stops at its first step boundary
+        for handler in self._previous.values():
+            early = getattr(handler, "stopped", None)
+            if early:
+                self.received = signal.Signals[early[0]]
         for sig in PREEMPT_SIGNALS:
             signal.signal(sig, self._handle)
         self._streams = (sys.stdout, sys.stderr)

@@ -80,6 +80,36 @@ def test_preemption_callback_restores_the_handlers_it_replaced():
             signal.signal(sig, handler)
 
 
+def test_a_stop_whose_exception_was_swallowed_before_training_still_stops_the_run():
+    """The rank's first handler raises StoppedBeforeTraining; raised inside a finalizer (a __del__, a weakref
+    callback) Python only reports it. The trainer's handler, installed next, takes the request over."""
+    import gc
+
+    from finetune.train.__main__ import _stop_before_training
+    from finetune.train.signals import PREEMPT_SIGNALS, PreemptionCallback
+
+    handle = _stop_before_training()
+    before = {sig: signal.signal(sig, handle) for sig in PREEMPT_SIGNALS}
+
+    class Finalized:
+        def __del__(self):  # the signal's handler runs here: its exception goes nowhere
+            handle(signal.SIGTERM, None)
+
+    try:
+        fresh = PreemptionCallback()  # nothing requested yet
+        fresh.restore()
+        assert fresh.received is None
+        Finalized()
+        gc.collect()
+        assert handle.stopped == ["SIGTERM"]
+        callback = PreemptionCallback()
+        callback.restore()
+        assert callback.received == signal.SIGTERM and callback.signal_name == "SIGTERM"
+    finally:
+        for sig, handler in before.items():
+            signal.signal(sig, handler)
+
+
 # --- Ctrl-C, SIGHUP, a killed launcher (one process: the CLI, accelerate's launcher, one rank) ---
 
 
