@@ -426,12 +426,16 @@ def push_from_recipe(run_dir: str | Path, **kwargs) -> str | None:
     hub = load_recipe(run_dir / rundir.RESOLVED_RECIPE, allow_resolved=True).hub
     if not hub.repo:
         return None
-    merged = hub.push == "merged"
-    url = push(run_dir, repo_id=hub.repo, merged=merged, private=hub.private, revision=hub.revision, **kwargs)
+    target = _recipe_push(hub)
+    url = push(run_dir, repo_id=hub.repo, merged=target["merged"], private=hub.private, revision=hub.revision, **kwargs)
     # written last: a push stopped before it (a signal, a lost connection) is made again by a rerun
-    record = {"repo": hub.repo, "revision": hub.revision, "merged": merged, "url": url}
-    rundir.write_json_atomic(run_dir / rundir.PUSHED, record)
+    rundir.write_json_atomic(run_dir / rundir.PUSHED, {**target, "url": url})
     return url
+
+
+def _recipe_push(hub) -> dict:
+    """Where a recipe's `hub:` section pushes, as RUN_DIR/pushed.json records it."""
+    return {"repo": hub.repo, "revision": hub.revision, "merged": hub.push == "merged"}
 
 
 def pending_push(run_dir: str | Path) -> bool:
@@ -442,9 +446,5 @@ def pending_push(run_dir: str | Path) -> bool:
     hub = load_recipe(run_dir / rundir.RESOLVED_RECIPE, allow_resolved=True).hub
     if not hub.repo:
         return False
-    done = rundir.read_pushed(run_dir)
-    return (done.get("repo"), done.get("revision"), done.get("merged")) != (
-        hub.repo,
-        hub.revision,
-        hub.push == "merged",
-    )
+    target, done = _recipe_push(hub), rundir.read_pushed(run_dir)
+    return {key: done.get(key) for key in target} != target

@@ -493,8 +493,7 @@ def loading_host_bytes(job: Job, *, strategy: str) -> float:
     if p.vendor == "cpu":
         return 0.0  # the cpu preset's 'GPU memory' already is this RAM
     procs = p.gpus_per_node
-    quantized_on_gpu = job.adapter == "qlora" or job.int8_base
-    if (job.sharded_load and info(strategy).backend == "fsdp") or quantized_on_gpu or not job.load_copies:
+    if (job.sharded_load and info(strategy).backend == "fsdp") or job.quantized_base or not job.load_copies:
         return float(procs * largest_tensor_bytes(job))
     # (ZeRO-2 builds no partitioned model: every rank loads it like DDP)
     replicated_load = not info(strategy).shards_params
@@ -546,7 +545,7 @@ def fsdp_offload_rounding_bytes(job: Job, *, strategy: str) -> float:
     shard = shard_degree(job, strategy)
     trained = model_tensors(job.arch) if job.adapter == "full" else adapter_tensors(job) + saved_module_tensors(job)
     per_rank = 2 * pinned_rounding_bytes(trained, shard=shard, dtype_bytes=4)  # shards and their gradients
-    if job.adapter == "lora" and not job.int8_base:
+    if job.adapter == "lora" and not job.quantized_base:
         per_rank += pinned_rounding_bytes(model_tensors(job.arch), shard=shard, dtype_bytes=job.weight_bytes)
     return job.preset.gpus_per_node * per_rank
 
@@ -588,7 +587,7 @@ def host_bytes(job: Job, *, strategy: str, states: StateBytes, layer: float) -> 
         training += zero3_offload_pinned_bytes(job, strategy=strategy)
     else:
         training = 0.0
-    if not info(strategy).shards_params and job.adapter == "lora" and not job.int8_base:
+    if not info(strategy).shards_params and job.adapter == "lora" and not job.quantized_base:
         # a 16-bit base loads on the host before the Trainer moves it: peft builds the fp32 adapter there
         # too, and the C allocator keeps those pages after the move (measured: +2.8 GiB at r 256 on 8B)
         training += procs * 4 * lora_params(job)

@@ -70,6 +70,12 @@ class Job:
     host_threads_per_rank: int | None = None
 
     @property
+    def quantized_base(self) -> bool:
+        """bitsandbytes quantizes the base's linear weights (QLoRA's 4 bits, LoRA's load_in_8bit): from_pretrained
+        places them on the GPU tensor by tensor (device_map), and they are not 16-bit tensors."""
+        return self.adapter == "qlora" or self.int8_base
+
+    @property
     def sequences_per_sample(self) -> int:
         # pairs run chosen and rejected; KTO runs each completion and its mismatched KL completion
         return 2 if self.method in PAIRED_METHODS else 1
@@ -405,65 +411,76 @@ Tensors = list[tuple[int, tuple[int, ...]]]  # (how many, shape) of trained tens
 
 def model_tensors(arch: ModelArch) -> Tensors:
     """Every parameter tensor of the model by shape (a full fine-tune trains them all): embedding and
-    lm_head, each layer kind's linear weights (out x in), transformers 5's fused routed experts
-    (experts x 2*width x hidden gate_up, experts x hidden x width down) and router, then the norms and
-    biases as one vector (their exact split does not change any optimizer's state size materially)."""
+    lm_head, each layer kind's weights (`layer_weights`), then the norms and biases as one vector (their
+    exact split does not change any optimizer's state size materially)."""
     h = arch.hidden_size
     out: Tensors = [(1, (arch.vocab_size, h))]
     if not arch.tied_embeddings:
         out.append((1, (arch.vocab_size, h)))
     for count, is_moe, shapes in layer_kinds(arch):
-        out += [(count * copies, (fout, fin)) for fin, fout, copies in shapes.values()]
-        if is_moe:
-            e, i = arch.num_experts, expert_size(arch)
-            out += [(count, (e, 2 * i, h)), (count, (e, h, i)), (count, (e, h))]
+        out += [(count * n, shape) for n, shape in layer_weights(arch, shapes, is_moe=is_moe)]
     matrices = sum(n * numel(shape) for n, shape in out)
     out.append((1, (max(0, count_params(arch).total - matrices),)))
     return out
+
+
+def layer_weights(arch: ModelArch, shapes: dict[str, tuple[int, int, int]], *, is_moe: bool) -> Tensors:
+    """One decoder layer's weight matrices in the order the layer registers them: its linear weights
+    (out x in), then for an MoE layer transformers 5's fused routed experts (experts x 2*width x hidden
+    gate_up, experts x hidden x width down) and router."""
+    out: Tensors = [(copies, (fout, fin)) for fin, fout, copies in shapes.values()]
+    if is_moe:
+        e, i, h = arch.num_experts, expert_size(arch), arch.hidden_size
+        out += [(1, (e, 2 * i, h)), (1, (e, h, i)), (1, (e, h))]
+    return out
+
+
+def layer_lora(job: Job, shapes: dict[str, tuple[int, int, int]]) -> Tensors:
+    """One decoder layer's LoRA A (r x in) and B (out x r) of each targeted module, in the layer's order."""
+    r = job.lora_r
+    out: Tensors = []
+    for name, (fin, fout, copies) in shapes.items():
+        if name in job.lora_targets:
+            out += [(copies, (r, fin)), (copies, (fout, r))]
+    return out
+
+
+def embedding_lora(job: Job) -> Tensors:
+    """peft's embedding adapter (A r x vocab, B hidden x r) when embed_tokens is targeted."""
+    if "embed_tokens" not in job.lora_targets:
+        return []
+    return [(1, (job.lora_r, job.arch.vocab_size)), (1, (job.arch.hidden_size, job.lora_r))]
+
+
+def expanded(tensors: Tensors) -> list[int]:
+    """The elements of every tensor of `tensors`, one entry per tensor, in order."""
+    return [numel(shape) for n, shape in tensors for _ in range(n)]
 
 
 def trained_tensor_sizes(job: Job) -> list[int]:
     """Elements of each trained matrix in the order the model registers them (the embedding, each decoder
     layer in turn, the LM head; an adapter's A and B per targeted module and layer): DeepSpeed cuts its
     optimizer sub-groups in this order. Norms and biases (another parameter group) are left out."""
-    a, r = job.arch, job.lora_r
+    a = job.arch
     full = job.adapter == "full"
-    out: list[int] = [a.vocab_size * a.hidden_size] if full else []
-    if not full and "embed_tokens" in job.lora_targets:
-        out += [r * a.vocab_size, a.hidden_size * r]
+    out = [a.vocab_size * a.hidden_size] if full else expanded(embedding_lora(job))
     for count, is_moe, shapes in layer_kinds(a):
-        layer: list[int] = []
-        for name, (fin, fout, copies) in shapes.items():
-            if full:
-                layer += [fin * fout] * copies
-            elif name in job.lora_targets:
-                layer += [r * fin, fout * r] * copies
-        if full and is_moe:
-            e, i, h = a.num_experts, expert_size(a), a.hidden_size
-            layer += [e * 2 * i * h, e * h * i, e * h]
-        out += layer * count
+        layer = layer_weights(a, shapes, is_moe=is_moe) if full else layer_lora(job, shapes)
+        out += expanded(layer) * count
     if full and not a.tied_embeddings:
         out.append(a.vocab_size * a.hidden_size)
-    out += [numel(shape) for n, shape in saved_module_tensors(job) for _ in range(n)]
-    return out
+    return out + expanded(saved_module_tensors(job))
 
 
 def adapter_tensors(job: Job) -> Tensors:
     """LoRA's A (r x in) and B (out x r) per targeted module, DoRA's magnitude (out), and peft's
     embedding adapter (A r x vocab, B hidden x r): the tensors lora_param_count counts."""
-    r = job.lora_r
     out: Tensors = []
     for count, _, shapes in layer_kinds(job.arch):
-        for name in job.lora_targets:
-            if name not in shapes:
-                continue
-            fin, fout, copies = shapes[name]
-            out += [(count * copies, (r, fin)), (count * copies, (fout, r))]
-            if job.dora:
-                out.append((count * copies, (fout,)))
-    if "embed_tokens" in job.lora_targets:
-        out += [(1, (r, job.arch.vocab_size)), (1, (job.arch.hidden_size, r))]
-    return out
+        out += [(count * n, shape) for n, shape in layer_lora(job, shapes)]
+        if job.dora:
+            out += [(count * c, (fout,)) for name, (_, fout, c) in shapes.items() if name in job.lora_targets]
+    return out + embedding_lora(job)
 
 
 def saved_module_tensors(job: Job) -> Tensors:
