@@ -356,7 +356,7 @@ def measure(
     from finetune.data.lengths import with_example_tokens
     from finetune.launch import launch
     from finetune.measurement import RankPeak, read_measurement
-    from finetune.plan.choose import HEADROOM
+    from finetune.plan.choose import usable_fraction
     from finetune.recipe.load import dump_recipe, recipe_dir
     from finetune.registry import get_preset
     from finetune.rundir import RESOLVED_RECIPE, read_oom_records
@@ -394,7 +394,11 @@ def measure(
                 hint="fix the cause and measure again",
             )
         result = read_measurement(
-            run_dir, plan=the_plan, steps=steps, usable_gib=HEADROOM * device_gib, device_gib=device_gib
+            run_dir,
+            plan=the_plan,
+            steps=steps,
+            usable_gib=usable_fraction(the_plan) * device_gib,
+            device_gib=device_gib,
         )
         if oom:  # the ranks' peaks at the failure, where no logged step wrote memory/rank-K.json
             result.out_of_memory = "; ".join(r["message"] for r in oom)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from finetune import strategies
 from finetune.errors import RecipeError
-from finetune.plan.choose import CLEARLY_FASTER, HEADROOM, search, suggestions
+from finetune.plan.choose import CLEARLY_FASTER, HEADROOM, TIGHT_HEADROOM, search, suggestions, usable_fraction
 from finetune.plan.fallback import attention_fallback_warning
 from finetune.plan.memory import adapter_input_casts, zero_model_state_bytes
 from finetune.plan.render import render_plan_table
@@ -357,6 +357,7 @@ def plan_job(job: Job) -> Plan:
         host_ram_training_gib=chosen.host_ram_training_bytes / GIB,
         device="cpu" if p.vendor == "cpu" else "cuda",
     )
+    plan.tight = chosen.tight
     plan.kernels = _kernels(job, chosen.strategy)
     if chosen.fits:
         plan.why = _why(job, chosen, seqs, candidates)
@@ -396,7 +397,7 @@ def _kernels(job: Job, strategy: str) -> str:
 
 def _why(job: Job, chosen: Candidate, achieved: int, candidates: list[Candidate]) -> str:
     p = job.preset
-    limit = HEADROOM * p.gpu_memory_gib
+    limit = usable_fraction(chosen) * p.gpu_memory_gib
     if job.strategy != "auto":
         first = f"{chosen.strategy} is pinned by the recipe and fits"
     else:
@@ -428,6 +429,19 @@ def _why(job: Job, chosen: Candidate, achieved: int, candidates: list[Candidate]
     if strategies.offloads(chosen.strategy):
         first += f", {chosen.host_ram_bytes / GIB:.0f} GiB host RAM per node"
     first += ")."
+    if chosen.tight:
+        offloading = [c for c in candidates if c.fits and strategies.offloads(c.strategy)]
+        first += (
+            f" It fits only within {TIGHT_HEADROOM:.0%} of GPU memory, not the usual {HEADROOM:.0%}: "
+            "kept on the GPUs rather than offloaded"
+            + (
+                f" ({min(c.step_time_s for c in offloading):.2f} s/step at best)"
+                if offloading
+                else " (no offload tier fits either)"
+            )
+            + "; the planner's peaks have not been more than 4% under a measured one, and a rank that runs "
+            "out of memory re-plans and resumes."
+        )
     layers = job.arch.num_layers
     if not chosen.checkpoint_layers:
         ckpt = "without activation checkpointing"

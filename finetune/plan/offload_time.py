@@ -64,11 +64,13 @@ def host_optimizer_bytes_per_param(strategy: str) -> int:
     both moments and writes param and moments (28); with the parameters offloaded too, the updated fp32
     partition is copied into the 16-bit partition on the host (read 4 + write 2). (The gradient norm is
     taken on the GPU before the partitions go down.)
-    torch (FSDP2 CPUOffloadPolicy, the Trainer's adamw_torch_fused on CPU shards): clip_grad_norm_ reads
-    the gradients for the norm (4) and scales them in place (8), then fused AdamW (28)."""
+    torch (FSDP2 CPUOffloadPolicy, the Trainer's adamw_torch_fused on CPU shards): finetune's non-finite
+    check reads the gradients once (4; finetune.train.callbacks.all_finite, which sees no gradients under
+    DeepSpeed: it keeps them in its own partitions), clip_grad_norm_ reads them for the norm (4) and scales
+    them in place (8), then fused AdamW (28)."""
     if strategies.is_deepspeed(strategy):
         return 8 + 28 + (6 if strategies.info(strategy).offload_params else 0)
-    return 4 + 8 + 28
+    return 4 + 4 + 8 + 28
 
 
 def cpu_optimizer_seconds(job: Job, *, strategy: str) -> float:

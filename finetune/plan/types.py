@@ -56,6 +56,8 @@ class Candidate:
     reason: str = ""  # why it does not fit (empty when it fits)
     gradient_accumulation_steps: int = 1
     checkpoint_layers: int = 0  # decoder layers checkpointed (the first k); activation_checkpointing = k > 0
+    # fits only within choose.TIGHT_HEADROOM of GPU memory, not HEADROOM (chosen over offloading)
+    tight: bool = False
 
     @property
     def per_gpu_memory_gib(self) -> float:
@@ -79,6 +81,7 @@ class Candidate:
             "bottleneck": self.bottleneck,
             "reason": self.reason,
             "gradient_accumulation_steps": self.gradient_accumulation_steps,
+            "tight": self.tight,
         }
 
 
@@ -124,6 +127,8 @@ class Plan:
     substitutions: list[str] = field(default_factory=list)
     # what the user should know before launching (e.g. data.max_length past the model's own context)
     warnings: list[str] = field(default_factory=list)
+    # the chosen setting fits only within choose.TIGHT_HEADROOM of GPU memory (Candidate.tight)
+    tight: bool = False
 
     def to_json(self) -> dict:
         return {
@@ -133,6 +138,7 @@ class Plan:
             "method": self.method,
             "strategy": self.strategy,
             "fits": self.fits,
+            "tight": self.tight,
             "per_gpu_memory_gib": round(self.per_gpu_memory_gib, 2),
             "memory_gib": self.memory.gib() if self.memory else None,
             "host_ram_gib": round(self.host_ram_gib, 2),

@@ -233,6 +233,24 @@ class CommitCallback(TrainerCallback):
         barrier()
 
 
+def all_finite(tensors: list) -> bool:
+    """Whether every element of `tensors` is finite, with one sync per device for all of them.
+
+    A NaN or an infinity anywhere makes a tensor's sum non-finite, and a sum is one vectorized read;
+    `isfinite(g).all()` is several passes with temporaries, 20x slower on a CPU core: on offloaded (host)
+    gradients it took 6.3 s of a 9.6 s step (full 3B, FSDP2 CPU offload, H100 profile in
+    docs/results/profiles/full3b-fsdp2-offload-h100x2.txt). Only when a sum is not finite (a bad element,
+    or finite values whose sum overflows) are the elements themselves tested, so the answer is exact."""
+    import torch
+
+    by_device: dict = {}
+    for g in tensors:
+        by_device.setdefault(g.device, []).append(g.sum())
+    if all(bool(torch.isfinite(torch.stack(sums).float()).all()) for sums in by_device.values()):
+        return True
+    return all(bool(torch.isfinite(g).all()) for g in tensors)
+
+
 class NonFiniteCallback(TrainerCallback):
     """train.on_nonfinite for a non-finite loss or gradient on any rank.
 
@@ -255,7 +273,6 @@ class NonFiniteCallback(TrainerCallback):
         self._last_logged = state.global_step
 
     def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
-        import torch
 
         rank, world = rank_and_world()
         params = [p for p in model.parameters() if p.grad is not None] if model is not None else []
@@ -263,8 +280,7 @@ class NonFiniteCallback(TrainerCallback):
             p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad  # FSDP2: this rank's shard
             for p in params
         ]
-        # one device sync per step, not one per parameter
-        local = 0.0 if not grads or bool(torch.stack([torch.isfinite(g).all() for g in grads]).all()) else 1.0
+        local = 0.0 if all_finite(grads) else 1.0
         flags = [0.0] * world
         flags[rank] = local
         flags = reduce_flags(flags)

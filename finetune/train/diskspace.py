@@ -27,6 +27,7 @@ from finetune.errors import TrainingFailed
 from finetune.prelaunch import free_bytes, rescue_dir
 from finetune.prelaunch import output_bytes as planned_bytes
 from finetune.train.callbacks import reduce_flags
+from finetune.train.saved_dtype import final_save_dtype
 
 log = logging.getLogger("finetune.train")
 FINAL_STAGING = ".final-save"
@@ -86,8 +87,12 @@ class DiskSpaceCallback(TrainerCallback):
         return control
 
 
-def _save_into(trainer, tokenizer, target: Path, *, state) -> None:
-    trainer.save_model(str(target))  # every rank: FSDP/ZeRO-3 gather the weights collectively
+def _save_into(trainer, tokenizer, target: Path, *, state, dtype=None) -> None:
+    trainer.final_dtype = dtype  # a full fine-tune's weights in model.dtype, not FSDP's fp32 masters
+    try:
+        trainer.save_model(str(target))  # every rank: FSDP/ZeRO-3 gather the weights collectively
+    finally:
+        trainer.final_dtype = None
     if state.is_main_process:
         tokenizer.save_pretrained(target)
 
@@ -103,7 +108,7 @@ def save_final(trainer, tokenizer, *, recipe, run_dir: Path, state) -> None:
         shutil.rmtree(staging, ignore_errors=True)  # a save cut short by a kill
     state.wait_for_everyone()
     try:
-        _save_into(trainer, tokenizer, target, state=state)
+        _save_into(trainer, tokenizer, target, state=state, dtype=final_save_dtype(recipe))
     except OSError as exc:
         sharded = state.num_processes > 1 and strategies.info(recipe.distributed.strategy).backend != "ddp"
         if not is_disk_full(exc) or target != staging or sharded:
@@ -111,7 +116,7 @@ def save_final(trainer, tokenizer, *, recipe, run_dir: Path, state) -> None:
         shutil.rmtree(staging, ignore_errors=True)  # give the space back before trying elsewhere
         target = rescue_dir(run_dir)
         if state.is_main_process:  # DDP: the main process alone holds and writes the full weights
-            _save_into(trainer, tokenizer, target, state=state)
+            _save_into(trainer, tokenizer, target, state=state, dtype=final_save_dtype(recipe))
     state.wait_for_everyone()
     if target != staging:
         raise TrainingFailed(

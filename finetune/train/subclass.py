@@ -1,14 +1,16 @@
 """The trainer class a run uses: the TRL class of the recipe's method, subclassed (public extension
 points only) with what finetune adds to every method: DataLoader workers that leave preemption to the
-rank (finetune/train/signals.py), and LoRA+'s optimizer when the recipe asks for it (optim.py)."""
+rank (finetune/train/signals.py), a full fine-tune's final weights saved in model.dtype (saved_dtype.py),
+and LoRA+'s optimizer when the recipe asks for it (optim.py)."""
 
 from __future__ import annotations
 
 from finetune.recipe.schema import Recipe
 from finetune.train.optim import with_optimizer
+from finetune.train.saved_dtype import SavesFinalModelInItsDtype
 from finetune.train.signals import WorkersLeavePreemptionToTheRank
 
 
 def trainer_class(cls: type, recipe: Recipe) -> type:
     cls = with_optimizer(cls, recipe)
-    return type(cls.__name__, (WorkersLeavePreemptionToTheRank, cls), {})
+    return type(cls.__name__, (WorkersLeavePreemptionToTheRank, SavesFinalModelInItsDtype, cls), {})

@@ -118,6 +118,28 @@ SPEED_MISSES = {
         "launcher now sets the variable itself); it also shared the host with the 8B benchmark and a "
         "random-init build. The same run on an H100 host alone took 5.6 s a step (row 54), here 8.4 s"
     ),
+    "69-full14b-qwen2.5": (
+        "ZeRO-3 optimizer-only offload, full 14B on 4 H100s, alone on the host, 16 threads per rank: 9.8 s a step "
+        "against 5.4 planned. By row 71's profile, DeepSpeed's copy of each updated fp32 partition into the GPU's "
+        "16-bit partition is a cast on the host into a pageable temporary and a synchronous pageable copy up "
+        "(~7.5 GB/s where the model assumes the pinned 45), about 1.7 s a step at this partition size; the rest "
+        "is unprofiled"
+    ),
+    "70-llama3b-full-fsdp2-offload": (
+        "FSDP2 CPU offload, full 3B on 2 H100s, alone on the host, 32 threads per rank: 9.6 s a step. The "
+        "profile (docs/results/profiles/full3b-fsdp2-offload-h100x2.txt) puts 12.7 s of the two profiled steps' "
+        "22.7 s of host time in finetune's own non-finite check (isfinite().all() over the host gradients, "
+        "since replaced by one sum per tensor, 20x cheaper on a core: train/callbacks.py all_finite, not yet "
+        "re-measured on a GPU); torch's CPU fused AdamW and clip_grad_norm_ take most of the rest"
+    ),
+    "71-llama3b-full-zero3-optim-offload": (
+        "ZeRO-3 optimizer-only offload, full 3B on 2 H100s, alone on the host, 32 threads per rank: 2.73 s a step "
+        "against 1.32 planned. The profile (docs/results/profiles/full3b-zero3-optim-offload-h100x2.txt) shows "
+        "CPUAdam and the unscale at the modelled 0.56 s, and what the model lacks: DeepSpeed casts each updated "
+        "fp32 partition on the host (0.40 s) into a pageable temporary that goes up in a synchronous pageable "
+        "copy (0.43 s, ~7.5 GB/s; modelled at the pinned 45 GB/s, 0.07 s), plus ZeRO-3's per-parameter hooks "
+        "on the host thread"
+    ),
 }
 MEMORY_MISSES = {
     "50-dpo70b": (
@@ -138,6 +160,13 @@ HOST_MISSES = {
         "checkpoint from its mapped files, and PSS counts mapped file pages (page cache the kernel can drop) "
         "with anonymous memory alike; the row recorded no split, so the ~11 GiB beyond the model is not "
         "identified"
+    ),
+    "67-full3b-fsdp2-sharded-load": (
+        "full 3B under FSDP2 through the sharded load on 2 H100s: 13.0 GiB of PSS on the node against 6.0 "
+        "planned. PSS counts the pages of the mapped checkpoint the ranks read their rows from (6.0 GiB of bf16 "
+        "here, about the gap) alike with anonymous memory, while the planner leaves out page cache the kernel "
+        "can drop; the row recorded no split (the memory report samples PSS, not RssAnon), and a checkpoint "
+        "save (step 5) lies inside the sampled window"
     ),
 }
 

@@ -148,3 +148,22 @@ def test_stop_is_the_default_and_names_the_step(poisoned, tmp_path):
     assert info.value.exit_code == 4
     # nothing was saved after the bad step: the run stops before the save of that step
     assert not list((tmp_path / "run").glob("checkpoints/checkpoint-*"))
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_one_bad_element_anywhere_is_found(bad, dtype):
+    from finetune.train.callbacks import all_finite
+
+    grads = [torch.randn(1000, dtype=dtype), torch.randn(64, 64, dtype=dtype)]
+    assert all_finite(grads)
+    grads[1][17, 5] = bad
+    assert not all_finite(grads)
+
+
+def test_finite_values_whose_sum_overflows_are_finite():
+    from finetune.train.callbacks import all_finite
+
+    # the fast path's per-tensor sum overflows to inf; the elements are tested then, and all are finite
+    assert all_finite([torch.full((1000,), 3e38), torch.full((8,), 3e38, dtype=torch.bfloat16)])
+    assert all_finite([])
