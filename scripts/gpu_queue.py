@@ -200,7 +200,7 @@ def expand(job: dict, spec: dict, matrix: dict[str, dict]) -> dict:
     GPUs, with its model and work folders (under the jobs file's `env`) as the paths it uses."""
     if "run" not in job:
         return job
-    name, env = job["run"], spec.get("env", {})
+    name, env = job["run"], {**spec.get("env", {}), **job.get("env", {})}  # a job's own env overrides the file's
     entry = matrix[name]
     uses = [
         f"{env['FINETUNE_MODELS']}/{model_folder_name(entry['arch'])}",
@@ -214,7 +214,7 @@ def expand(job: dict, spec: dict, matrix: dict[str, dict]) -> dict:
         "env": env,
         "uses": uses,
         "cmd": (f"python3 scripts/gpu_validate.py {name} --matrix {spec['matrix']} --out {{results}}/rows/{name}.json"),
-        **{k: v for k, v in job.items() if k != "run"},
+        **{k: v for k, v in job.items() if k not in ("run", "env")},
     }
 
 

@@ -32,11 +32,13 @@ def _proc_field(path: str, key: str) -> int | None:
     return None
 
 
-def host_pss_gib() -> float | None:
+def host_pss_gib(field: str = "Pss:") -> float | None:
     """This process's proportional set size: pages shared with other ranks (the mmapped safetensors,
     the libraries) count once across the node when summed over ranks, unlike RSS, which counts them
-    in every rank. None where /proc/self/smaps_rollup does not exist."""
-    kib = _proc_field("/proc/self/smaps_rollup", "Pss:")
+    in every rank. `field="Pss_Anon:"`: its anonymous part alone, without mapped files' pages (page
+    cache the kernel can drop, which the planner does not count). None where /proc/self/smaps_rollup
+    (or the field, before Linux 5.7) does not exist."""
+    kib = _proc_field("/proc/self/smaps_rollup", field)
     return None if kib is None else kib * 1024 / GIB
 
 
@@ -92,6 +94,7 @@ class PeakMemoryCallback(TrainerCallback):
         self.at_start: dict = {}
         self.ended = False  # an evaluation after training logs again; the file stays final
         self.pss_peak: float | None = None  # sampled after loading and at every logged step
+        self.pss_anon_peak: float | None = None  # the same, anonymous pages only
         self.at_end: dict = {}  # the host peak when training ended, before the final save
 
     def on_train_begin(self, args, state, control, model=None, **kwargs):
@@ -130,9 +133,11 @@ class PeakMemoryCallback(TrainerCallback):
         self._write(step)
 
     def _sample_pss(self) -> None:
-        pss = host_pss_gib()
+        pss, anon = host_pss_gib(), host_pss_gib("Pss_Anon:")
         if pss is not None:
             self.pss_peak = max(pss, self.pss_peak or 0.0)
+        if anon is not None:
+            self.pss_anon_peak = max(anon, self.pss_anon_peak or 0.0)
 
     def _write(self, step: int) -> None:
         rank = int(os.environ.get("RANK", "0"))
@@ -149,6 +154,8 @@ class PeakMemoryCallback(TrainerCallback):
         }
         if self.pss_peak is not None:
             figures["host_pss_sampled_peak_gib"] = self.pss_peak
+        if self.pss_anon_peak is not None:
+            figures["host_pss_anon_sampled_peak_gib"] = self.pss_anon_peak
         tmp = self.dir / f".rank-{rank}.json.tmp"  # never a half-written file, whenever we are killed
         tmp.write_text(json.dumps(figures, indent=2) + "\n")
         tmp.replace(self.run_dir / rundir.memory_file(rank))

@@ -165,8 +165,8 @@ HOST_MISSES = {
         "full 3B under FSDP2 through the sharded load on 2 H100s: 13.0 GiB of PSS on the node against 6.0 "
         "planned. PSS counts the pages of the mapped checkpoint the ranks read their rows from (6.0 GiB of bf16 "
         "here, about the gap) alike with anonymous memory, while the planner leaves out page cache the kernel "
-        "can drop; the row recorded no split (the memory report samples PSS, not RssAnon), and a checkpoint "
-        "save (step 5) lies inside the sampled window"
+        "can drop; the row recorded no split (the memory report samples PSS's anonymous part only since), and "
+        "a checkpoint save (step 5) lies inside the sampled window"
     ),
 }
 

@@ -26,6 +26,21 @@ def test_pss_is_read_in_gib():
     assert pss is not None and 0 < pss < 1024
 
 
+@pytest.mark.skipif(host_pss_gib("Pss_Anon:") is None, reason="no Pss_Anon in smaps_rollup (Linux < 5.7)")
+def test_the_anonymous_part_of_pss_leaves_out_a_mapped_file_read_into_memory(tmp_path):
+    import mmap
+
+    path = tmp_path / "weights.bin"
+    path.write_bytes(os.urandom(64 << 20))
+    with path.open("rb") as fh, mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
+        before_pss, before_anon = host_pss_gib(), host_pss_gib("Pss_Anon:")
+        sum(mapped[i] for i in range(0, len(mapped), 4096))  # touch every page, as a safetensors read does
+        grown_pss = host_pss_gib() - before_pss
+        grown_anon = host_pss_gib("Pss_Anon:") - before_anon
+    assert grown_pss > 48 / 1024  # the 64 MiB of mapped pages count in PSS
+    assert grown_anon < 16 / 1024  # not in its anonymous part
+
+
 def test_the_figures_taken_right_after_loading_reach_every_rank_file(tmp_path):
     """run.py measures the GPU right after the model is loaded (load_figures; nothing without CUDA) and the
     callback writes it beside the figures of training, at every rewrite."""
