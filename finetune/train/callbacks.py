@@ -273,7 +273,6 @@ class NonFiniteCallback(TrainerCallback):
         self._last_logged = state.global_step
 
     def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
-
         rank, world = rank_and_world()
         params = [p for p in model.parameters() if p.grad is not None] if model is not None else []
         grads = [
