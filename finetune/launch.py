@@ -485,6 +485,13 @@ def _oom_failure(history: list[dict], decision, *, retries: int, multi_node: boo
 
 
 def _oom_hint(decision) -> str:
+    from finetune.plan.choose import HEADROOM
+
+    if decision.micro_batch is None and decision.other_strategy:
+        return (
+            f"set distributed.strategy: {decision.other_strategy} in the recipe (what the planner chooses "
+            f"within {HEADROOM:.0%} of GPU memory), or see `finetune plan` for other changes"
+        )
     if decision.micro_batch is None:
         return (
             "the model states alone leave no room for activations: `finetune plan` lists what fits "

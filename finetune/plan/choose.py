@@ -184,8 +184,9 @@ def best_for_strategy(job: Job, strategy: str, *, headroom: float = HEADROOM) ->
     return smallest
 
 
-def search(job: Job) -> tuple[Candidate, list[Candidate]]:
-    """(chosen, every candidate). The chosen one may not fit; then it is the best attempt."""
+def search(job: Job, *, tight: bool = True) -> tuple[Candidate, list[Candidate]]:
+    """(chosen, every candidate). The chosen one may not fit; then it is the best attempt. `tight=False`:
+    without the TIGHT_HEADROOM exception (what fits within HEADROOM only)."""
     names = applicable_strategies(job)
     if job.strategy != "auto" and job.strategy not in names:
         names.append(job.strategy)
@@ -201,11 +202,11 @@ def search(job: Job) -> tuple[Candidate, list[Candidate]]:
         chosen = simplest_near_fastest(fitting)
     else:
         chosen = min(pool, key=lambda c: c.memory.total)
-    if not (chosen.fits and offload_level(chosen.strategy) == 0):
-        tight = _tight_fit(job, pool, than=chosen if chosen.fits else None)
-        if tight is not None:
-            candidates = [tight.get(c.strategy, c) for c in candidates]
-            chosen = simplest_near_fastest(list(tight.values()))
+    if tight and not (chosen.fits and offload_level(chosen.strategy) == 0):
+        close = _tight_fit(job, pool, than=chosen if chosen.fits else None)
+        if close is not None:
+            candidates = [close.get(c.strategy, c) for c in candidates]
+            chosen = simplest_near_fastest(list(close.values()))
     return chosen, candidates
 
 

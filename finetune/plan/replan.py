@@ -21,10 +21,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from finetune.plan.choose import HEADROOM, batch_share, micro_batch_options
+from finetune.plan.choose import HEADROOM, batch_share, micro_batch_options, search
 from finetune.plan.memory import CUDA_FIXED_BYTES, FRAGMENTATION, NCCL_BYTES, footprint
 from finetune.plan.timing import step_time
-from finetune.plan.types import GIB
+from finetune.plan.types import GIB, Candidate
 from finetune.plan.workload import Job
 
 # device memory outside a rank's allocator beyond its own CUDA context and NCCL buffers (and a margin):
@@ -79,6 +79,9 @@ class Replan:
     predicted_bytes: float  # the chosen setting, scaled (or the smallest one when none fits)
     limit_bytes: float  # HEADROOM x the capacity the rank had
     text: str  # one sentence for the user
+    # when no setting of the strategy fits: the strategy the planner chooses within HEADROOM without tight fits
+    # (choose.TIGHT_HEADROOM), e.g. an offload tier after a tight ZeRO-3 plan ran out; None when there is none
+    other_strategy: str | None = None
 
 
 def activation_term(job: Job, *, strategy: str, micro_batch: int, checkpointing: bool) -> tuple[float, float]:
@@ -165,6 +168,7 @@ def replan(job: Job, *, strategy: str, evidence: list[OomEvidence], tried: tuple
     )
     if not fitting:
         smallest = min(options)[0] if options else other
+        instead = _other_strategy(job, strategy)
         return Replan(
             None,
             None,
@@ -174,7 +178,14 @@ def replan(job: Job, *, strategy: str, evidence: list[OomEvidence], tried: tuple
             limit,
             f"{evidence_text}; no other micro-batch or checkpointing setting of {strategy} is "
             f"expected to fit (the smallest needs {smallest / GIB:.2f} GiB of {limit / GIB:.2f} "
-            f"GiB usable)",
+            f"GiB usable)"
+            + (
+                f"; within {HEADROOM:.0%} of GPU memory the planner chooses {instead.strategy} "
+                f"({instead.per_gpu_memory_gib:.1f} GiB, {instead.step_time_s:.2f} s/step)"
+                if instead
+                else ""
+            ),
+            other_strategy=instead.strategy if instead else None,
         )
     predicted, _, mb, ckpt, accumulation = min(fitting, key=lambda o: (round(o[1], 6), -o[2], o[3]))
     return Replan(
@@ -187,3 +198,10 @@ def replan(job: Job, *, strategy: str, evidence: list[OomEvidence], tried: tuple
         f"{evidence_text}; expected to fit: {_describe(mb, ckpt, accumulation)} (same global "
         f"batch) at {predicted / GIB:.2f} GiB of {limit / GIB:.2f} GiB usable",
     )
+
+
+def _other_strategy(job: Job, failed: str) -> Candidate | None:
+    """The planner's choice for `job` with nothing pinned, within HEADROOM only (no tight fit), when it is
+    another strategy than the one that ran out of memory."""
+    chosen, _ = search(replace(job, strategy="auto", micro_batch=None, checkpointing="auto"), tight=False)
+    return chosen if chosen.fits and chosen.strategy != failed else None

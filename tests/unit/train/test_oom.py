@@ -260,3 +260,31 @@ def test_a_rank_out_of_memory_is_replanned_and_resumed_from_the_last_checkpoint(
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["steps"] == 4 and summary["resumed_from"].endswith("checkpoint-2")
     assert not read_oom_records(run_dir)  # the successful attempt left no record
+
+
+def test_a_tight_plan_that_ran_out_names_the_strategy_that_fits_within_the_usual_headroom():
+    # the 14B full fine-tune on 4 x 80 GB is planned as ZeRO-3 within 95% of GPU memory (a tight fit); if it
+    # still runs out with the states alone leaving no room, no micro-batch helps, and the answer names
+    # what the planner chooses within 90%: optimizer offload
+    from finetune.launch import _oom_hint
+    from finetune.plan.choose import search
+
+    recipe = load_recipe(
+        {
+            "model": {"name": "Qwen/Qwen2.5-14B", "arch": "qwen2.5-14b"},
+            "adapter": {"type": "full"},
+            "data": {"path": "x.jsonl", "max_length": 2048},
+            "train": {"global_batch_size": 16},
+            "hardware": "auto",
+        }
+    )
+    preset = synthesize_preset(parse_nvidia_smi("\n".join(["NVIDIA H100 80GB HBM3, 81559 MiB"] * 4)), ram_gib=1024)
+    job = job_from_recipe(recipe, arch=get_model("qwen2.5-14b"), preset=preset)
+    chosen, _ = search(job)
+    assert chosen.tight and chosen.strategy == "zero3"
+    # what the rank held before any activation: the states alone leave no room
+    ev = _evidence(micro_batch=chosen.micro_batch_size, checkpointing=True, baseline=76 * GIB)
+    out = replan(job, strategy="zero3", evidence=[ev])
+    assert out.micro_batch is None and out.other_strategy == "zero3-optim-offload"
+    assert "within 90% of GPU memory the planner chooses zero3-optim-offload" in out.text
+    assert "set distributed.strategy: zero3-optim-offload" in _oom_hint(out)
