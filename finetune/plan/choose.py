@@ -202,7 +202,8 @@ def search(job: Job, *, tight: bool = True) -> tuple[Candidate, list[Candidate]]
         chosen = simplest_near_fastest(fitting)
     else:
         chosen = min(pool, key=lambda c: c.memory.total)
-    if tight and not (chosen.fits and offload_level(chosen.strategy) == 0):
+    # GPUs only: on the cpu preset the "device" memory is the host's RAM, shared with everything else
+    if tight and job.preset.vendor != "cpu" and not (chosen.fits and offload_level(chosen.strategy) == 0):
         close = _tight_fit(job, pool, than=chosen if chosen.fits else None)
         if close is not None:
             candidates = [close.get(c.strategy, c) for c in candidates]

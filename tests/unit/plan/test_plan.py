@@ -515,3 +515,13 @@ def test_partial_offload_is_preferred_to_full_offload_when_it_fits(tmp_path):
     by_name = {c.strategy: c for c in p.candidates}
     assert not by_name["zero3"].fits and by_name["zero3-offload"].fits
     assert p.fits and not p.tight and p.strategy == "zero3-optim-offload", p.why
+
+
+def test_the_cpu_preset_gets_no_tight_fit(tmp_path):
+    # on the cpu preset the memory the planner holds a setting to is the host's RAM, shared with the rest of
+    # the machine: a setting over 90% of it is refused, not taken within 95%
+    r = shape_recipe("tiny-llama", "full", "cpu", seq=128, global_batch=4, model__arch="tiny-llama")
+    need = plan(r).per_gpu_memory_gib
+    path = write_preset(tmp_path / "cpu.yaml", like="cpu", name="small-cpu", gpu_memory_gib=need / 0.93)
+    p = plan(r, hardware=str(path))
+    assert not p.fits and not p.tight, p.why
