@@ -204,26 +204,23 @@ def search(job: Job, *, tight: bool = True) -> tuple[Candidate, list[Candidate]]
         chosen = min(pool, key=lambda c: c.memory.total)
     # GPUs only: on the cpu preset the "device" memory is the host's RAM, shared with everything else
     if tight and job.preset.vendor != "cpu" and not (chosen.fits and offload_level(chosen.strategy) == 0):
-        close = _tight_fit(job, pool, than=chosen if chosen.fits else None)
-        if close is not None:
+        close = _tight_fits(job, pool)
+        best = simplest_near_fastest(list(close.values())) if close else None
+        if best is not None and (not chosen.fits or best.step_time_s < chosen.step_time_s):
             candidates = [close.get(c.strategy, c) for c in candidates]
-            chosen = simplest_near_fastest(list(close.values()))
+            chosen = best
     return chosen, candidates
 
 
-def _tight_fit(job: Job, pool: list[Candidate], *, than: Candidate | None) -> dict[str, Candidate] | None:
-    """{strategy: its fastest setting within TIGHT_HEADROOM} of the strategies that keep every state on the
-    GPUs, when one fits there and is faster than `than` (the offloading choice; None: nothing fits); else None."""
+def _tight_fits(job: Job, pool: list[Candidate]) -> dict[str, Candidate]:
+    """{strategy: its fastest setting within TIGHT_HEADROOM} of the strategies of `pool` that keep every
+    state on the GPUs and fit there."""
     tight = {}
     for c in pool:
         if offload_level(c.strategy) == 0:
             best = best_for_strategy(job, c.strategy, headroom=TIGHT_HEADROOM)  # not applicable: fits=False
             if best.fits:
                 tight[c.strategy] = best
-    if not tight:
-        return None
-    if than is not None and simplest_near_fastest(list(tight.values())).step_time_s >= than.step_time_s:
-        return None
     return tight
 
 

@@ -104,11 +104,12 @@ def save_final(trainer, tokenizer, *, recipe, run_dir: Path, state) -> None:
     need = output_bytes(recipe, run_dir)[0] + SAVE_SLACK_BYTES
     short = reduce_flags([1.0 if free_bytes(run_dir) < need else 0.0])[0]
     target = rescue_dir(run_dir) if short else staging
+    dtype = final_save_dtype(recipe)  # a full fine-tune's weights in model.dtype (train/saved_dtype.py)
     if state.is_main_process:
         shutil.rmtree(staging, ignore_errors=True)  # a save cut short by a kill
     state.wait_for_everyone()
     try:
-        _save_into(trainer, tokenizer, target, state=state, dtype=final_save_dtype(recipe))
+        _save_into(trainer, tokenizer, target, state=state, dtype=dtype)
     except OSError as exc:
         sharded = state.num_processes > 1 and strategies.info(recipe.distributed.strategy).backend != "ddp"
         if not is_disk_full(exc) or target != staging or sharded:
@@ -116,7 +117,7 @@ def save_final(trainer, tokenizer, *, recipe, run_dir: Path, state) -> None:
         shutil.rmtree(staging, ignore_errors=True)  # give the space back before trying elsewhere
         target = rescue_dir(run_dir)
         if state.is_main_process:  # DDP: the main process alone holds and writes the full weights
-            _save_into(trainer, tokenizer, target, state=state, dtype=final_save_dtype(recipe))
+            _save_into(trainer, tokenizer, target, state=state, dtype=dtype)
     state.wait_for_everyone()
     if target != staging:
         raise TrainingFailed(

@@ -21,15 +21,23 @@ from finetune import rundir
 from finetune.plan.types import GIB
 
 
-def _proc_field(path: str, key: str) -> int | None:
-    """The first number after `key` in a /proc file of this process, or None where it cannot be read."""
+def _proc_fields(path: str, *keys: str) -> dict[str, int]:
+    """{key: the first number after it} of a /proc file of this process, one read for all `keys`; a key
+    that cannot be read is left out."""
+    out: dict[str, int] = {}
     try:
         for line in Path(path).read_text().splitlines():
-            if line.startswith(key):
-                return int(line.split()[1])
+            key = next((k for k in keys if line.startswith(k)), None)
+            if key is not None and key not in out:
+                out[key] = int(line.split()[1])
     except (OSError, ValueError, IndexError):
         pass
-    return None
+    return out
+
+
+def _proc_field(path: str, key: str) -> int | None:
+    """The first number after `key` in a /proc file of this process, or None where it cannot be read."""
+    return _proc_fields(path, key).get(key)
 
 
 def host_pss_gib(field: str = "Pss:") -> float | None:
@@ -38,8 +46,14 @@ def host_pss_gib(field: str = "Pss:") -> float | None:
     in every rank. `field="Pss_Anon:"`: its anonymous part alone, without mapped files' pages (page
     cache the kernel can drop, which the planner does not count). None where /proc/self/smaps_rollup
     (or the field, before Linux 5.7) does not exist."""
-    kib = _proc_field("/proc/self/smaps_rollup", field)
-    return None if kib is None else kib * 1024 / GIB
+    return host_pss_figures(field)[field]
+
+
+def host_pss_figures(*fields: str) -> dict[str, float | None]:
+    """{field: GiB or None} of /proc/self/smaps_rollup's `fields`, from one read of the file (the kernel
+    walks every mapping of the process for it)."""
+    kib = _proc_fields("/proc/self/smaps_rollup", *fields)
+    return {f: kib[f] * 1024 / GIB if f in kib else None for f in fields}
 
 
 def storage_read_gib() -> float | None:
@@ -133,7 +147,8 @@ class PeakMemoryCallback(TrainerCallback):
         self._write(step)
 
     def _sample_pss(self) -> None:
-        pss, anon = host_pss_gib(), host_pss_gib("Pss_Anon:")
+        figures = host_pss_figures("Pss:", "Pss_Anon:")
+        pss, anon = figures["Pss:"], figures["Pss_Anon:"]
         if pss is not None:
             self.pss_peak = max(pss, self.pss_peak or 0.0)
         if anon is not None:

@@ -12,7 +12,8 @@ from finetune.recipe.schema import Recipe, dpo_reference, sharded_load_blocker
 log = logging.getLogger("finetune.train")
 
 
-def _torch_dtype(name: str):
+def torch_dtype(name: str):
+    """The torch dtype a recipe's dtype name stands for."""
     import torch
 
     return {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32, "uint8": torch.uint8}[name]
@@ -91,8 +92,8 @@ def quantization_config(recipe: Recipe):
         load_in_4bit=True,
         bnb_4bit_quant_type=a.quant_type,
         bnb_4bit_use_double_quant=a.double_quant,
-        bnb_4bit_compute_dtype=_torch_dtype(a.compute_dtype),
-        bnb_4bit_quant_storage=_torch_dtype(a.storage_dtype),
+        bnb_4bit_compute_dtype=torch_dtype(a.compute_dtype),
+        bnb_4bit_quant_storage=torch_dtype(a.storage_dtype),
     )
 
 
@@ -146,7 +147,7 @@ def model_kwargs(recipe: Recipe) -> dict:
     """from_pretrained keyword arguments (also used to reload the base for the after-training eval)."""
     m = recipe.model
     kwargs = dict(
-        dtype=_torch_dtype(m.dtype),
+        dtype=torch_dtype(m.dtype),
         revision=m.revision,
         trust_remote_code=m.trust_remote_code,
         attn_implementation=attn_implementation(m.attn_implementation),

@@ -13,17 +13,17 @@ Modules the model keeps in fp32 on purpose (transformers' `_keep_in_fp32_modules
 
 from __future__ import annotations
 
-DTYPES = {"bfloat16", "float16"}
+from finetune.plan.workload import DTYPE_BYTES
 
 
 def final_save_dtype(recipe):
     """The torch dtype a full fine-tune's final weights are written in, None when nothing is cast (an
     adapter run: peft saves its fp32 adapter as it trained it; an fp32 model)."""
-    if recipe.adapter.type != "full" or recipe.model.dtype not in DTYPES:
+    if recipe.adapter.type != "full" or DTYPE_BYTES.get(recipe.model.dtype) != 2:
         return None
-    import torch
+    from finetune.train.model import torch_dtype
 
-    return getattr(torch, recipe.model.dtype)
+    return torch_dtype(recipe.model.dtype)
 
 
 def kept_in_fp32(model) -> tuple[str, ...]:
@@ -56,6 +56,6 @@ class SavesFinalModelInItsDtype:
 
     def _save(self, output_dir=None, state_dict=None):
         if self.final_dtype is not None and state_dict:
-            model = self.accelerator.unwrap_model(self.model) if hasattr(self, "accelerator") else self.model
+            model = self.accelerator.unwrap_model(self.model)
             state_dict = cast_state_dict(state_dict, self.final_dtype, keep=kept_in_fp32(model))
         return super()._save(output_dir, state_dict=state_dict)
