@@ -7,7 +7,9 @@ blocking `ds_tensor.to(device)` (16-bit) for the forward and again for the backw
 micro-batch; gradient partitions go down into a pinned buffer in the 16-bit accumulation dtype and
 come back to the GPU to be accumulated (micro-batch 1: down and up; each further one: up and down),
 then down once more as fp32 for the CPU optimizer at the boundary; with parameters on the GPUs
-(optimizer-only offload) the updated 16-bit partition comes back up once per step. All of it counts
+(optimizer-only offload) the updated fp32 partition is copied once per step into the GPU's 16-bit
+partition by one `copy_` across devices and dtypes, which torch runs as a cast on the host into a
+pageable temporary and a synchronous pageable copy up (`optimizer_writeback_seconds`). All of it counts
 as serial: the fetch blocks the host thread that launches the compute.
 FSDP2 with CPUOffloadPolicy (_fsdp_param.py, _fsdp_collectives.py): shards are copied up
 non-blocking in the dtype they are stored in (fp32 for trained parameters, which accelerate upcasts;
@@ -41,6 +43,10 @@ CPU_CORE_BANDWIDTH = 20e9
 # DDR5 server's STREAM figure (~400-500 GB/s), since Adam's mixed reads and writes of five fp32 streams
 # per parameter and NUMA-remote pages reach less (an assumption; no row measures many threads yet)
 NODE_HOST_BANDWIDTH = 200e9
+# A host-to-GPU copy from pageable (unpinned) memory: the driver stages it through its own pinned
+# buffer, at a fraction of the pinned rate. ~7.5 GB/s measured for ZeRO-3's 16-bit write-back on an
+# H100 host (docs/results/profiles/full3b-zero3-optim-offload-h100x2.txt); 5-10 GB/s is the usual range
+PAGEABLE_H2D_BANDWIDTH = 7.5e9
 
 
 def host_threads_per_rank(preset: HardwarePreset, strategy: str) -> int:
@@ -83,6 +89,22 @@ def cpu_optimizer_seconds(job: Job, *, strategy: str) -> float:
     return partition * host_optimizer_bytes_per_param(strategy) / bandwidth
 
 
+def optimizer_writeback_seconds(job: Job, *, strategy: str) -> float:
+    """Seconds per step that DeepSpeed's optimizer-only offload spends putting each rank's updated fp32
+    partition into its 16-bit partition on the GPU (stage3.py: `fp16_partitioned_groups_flat[i].data.copy_(
+    fp32_partitioned_groups_flat[i].data)`): torch casts on the host (read 4 + write 2 bytes a parameter,
+    measured at about one core's bandwidth: 0.40 s for 1.6e9 parameters with 32 threads a rank), then copies
+    the pageable temporary up. Zero for the other tiers: with the parameters offloaded too, the 16-bit copy
+    stays on the host (host_optimizer_bytes_per_param)."""
+    tier = strategies.info(strategy)
+    if not (strategies.is_deepspeed(strategy) and tier.offload_optimizer and not tier.offload_params):
+        return 0.0
+    partition = state_bytes(job, strategy).trainable_params / state_shard_degree(job, strategy)
+    return (
+        partition * (4 + job.weight_bytes) / CPU_CORE_BANDWIDTH + partition * job.weight_bytes / PAGEABLE_H2D_BANDWIDTH
+    )
+
+
 def offload_seconds(job: Job, *, strategy: str, grad_accum: int) -> tuple[float, float]:
     """(seconds that overlap the compute like a collective, seconds added after it) of one optimizer
     step's host traffic and host work, per rank (see the module docstring)."""
@@ -103,10 +125,8 @@ def offload_seconds(job: Job, *, strategy: str, grad_accum: int) -> tuple[float,
         pcie = grads * n / world
         if tier.offload_params:
             pcie += 2 * weight_bytes(job) / world * grad_accum
-        else:
-            pcie += job.weight_bytes * n / world
         serial = pcie / bw
-    serial += cpu_optimizer_seconds(job, strategy=strategy)
+    serial += cpu_optimizer_seconds(job, strategy=strategy) + optimizer_writeback_seconds(job, strategy=strategy)
     if tier.offload == "nvme":
         states = state_bytes(job, strategy)
         nvme_bw = (p.nvme_bandwidth_gbps or 1.0) * 1e9

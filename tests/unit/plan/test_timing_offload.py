@@ -11,8 +11,10 @@ from finetune.plan.memory import weight_bytes
 from finetune.plan.offload_time import (
     CPU_CORE_BANDWIDTH,
     NODE_HOST_BANDWIDTH,
+    PAGEABLE_H2D_BANDWIDTH,
     cpu_optimizer_seconds,
     host_optimizer_bytes_per_param,
+    optimizer_writeback_seconds,
 )
 from finetune.plan.offload_time import offload_seconds as _offload_time
 from finetune.plan.timing import step_time
@@ -42,14 +44,21 @@ def test_deepspeed_param_offload_fetches_twice_per_micro_batch_and_moves_gradien
         assert serial == pytest.approx((fetch + grads) / bw + n / world * 42 / CPU_CORE_BANDWIDTH)
 
 
-def test_optimizer_only_offload_sends_the_updated_partition_back_once_per_step():
+def test_optimizer_only_offload_casts_the_updated_partition_on_the_host_and_copies_it_up_pageable():
     job = _job("full")
     p, n = job.preset, count_params(job.arch).total
     _, serial = _offload_time(job, strategy="zero3-optim-offload", grad_accum=2)
-    pcie = ((2 * 2 + 2 * 2 + 4) + 2) * n / p.world_size
+    part = n / p.world_size
+    pcie = (2 * 2 + 2 * 2 + 4) * part  # the gradients' traffic, pinned
     # the 16-bit partition lives on the GPU: no host-side copy after the step (8 + 28 bytes)
-    cpu = n / p.world_size * 36 / CPU_CORE_BANDWIDTH
-    assert serial == pytest.approx(pcie / (p.host_to_device_bandwidth_gbps * 1e9) + cpu)
+    cpu = part * 36 / CPU_CORE_BANDWIDTH
+    # one copy_ across devices and dtypes: a cast on the host (read fp32, write bf16), a pageable copy up
+    writeback = part * (4 + 2) / CPU_CORE_BANDWIDTH + part * 2 / PAGEABLE_H2D_BANDWIDTH
+    assert optimizer_writeback_seconds(job, strategy="zero3-optim-offload") == pytest.approx(writeback)
+    assert serial == pytest.approx(pcie / (p.host_to_device_bandwidth_gbps * 1e9) + cpu + writeback)
+    # the other tiers write back elsewhere: on the host (parameters offloaded too) or not at all
+    for strategy in ("zero3-offload", "fsdp2-offload", "zero3"):
+        assert optimizer_writeback_seconds(job, strategy=strategy) == 0.0
 
 
 def test_fsdp2_offload_prefetches_its_shards_in_their_stored_dtype():
