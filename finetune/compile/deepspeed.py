@@ -115,7 +115,11 @@ def _common(recipe: Recipe, plan: Plan, zero: dict, *, nvme: bool = False) -> di
         "gradient_accumulation_steps": gas,
         "train_batch_size": mbs * gas * world,
         "gradient_clipping": float(t.max_grad_norm),
-        "bf16": {"enabled": t.precision == "bf16"},
+        # DeepSpeed skips a step whose gradient norm is not finite, before the optimizer sees it, and
+        # train.on_nonfinite counts those steps (NonFiniteCallback). fp32 and ZeRO-3 skip always; bf16
+        # under ZeRO-2 only with this on: off, one NaN step wrote NaN into every weight (deepspeed 0.19.8,
+        # tests/unit/train/test_nonfinite.py). On is 0.19's default, spelled out because we rely on it.
+        "bf16": {"enabled": t.precision == "bf16", "check_grad_overflow": True},
         "fp16": {
             "enabled": t.precision == "fp16",
             "loss_scale": 0,

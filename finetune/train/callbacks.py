@@ -251,16 +251,34 @@ def all_finite(tensors: list) -> bool:
     return all(bool(torch.isfinite(g).all()) for g in tensors)
 
 
+def is_deepspeed_optimizer(optimizer) -> bool:
+    """Whether the Trainer's optimizer is accelerate's wrapper of a DeepSpeed one. DeepSpeed's engine steps
+    inside accelerator.backward() (accelerate's DeepSpeedEngineWrapper), so by the Trainer's
+    on_pre_optimizer_step the step is taken or skipped already, and p.grad is None (DeepSpeed keeps the
+    gradients in its own partitions)."""
+    from accelerate.utils import DeepSpeedOptimizerWrapper
+
+    return isinstance(optimizer, DeepSpeedOptimizerWrapper)
+
+
 class NonFiniteCallback(TrainerCallback):
     """train.on_nonfinite for a non-finite loss or gradient on any rank.
 
-    Checked before every optimizer step: each rank looks at its own gradients and the ranks agree
-    through one all-reduce, so all of them skip or stop together (none is left in a collective).
-    A bad step never updates the weights: every gradient is dropped (set to None), and torch's
-    optimizers leave a parameter without a gradient untouched (no Adam moment decay, no weight decay).
-    `stop` then ends the run at the log of that step (naming step, rank and the logged loss);
-    `skip` goes on for up to train.max_bad_steps such steps and stops at the next one. The logged
-    loss is checked too, in case a non-finite loss left finite gradients.
+    Checked at every optimizer step, and every rank comes to the same answer, so all of them skip or stop
+    together (none is left in a collective). A bad step never updates the weights:
+    - DDP/FSDP2: each rank checks its own gradients before the step and the ranks agree through one
+      all-reduce; on a bad step every gradient is dropped (set to None), and torch's optimizers leave a
+      parameter without a gradient untouched (no Adam moment decay, no weight decay).
+    - DeepSpeed: the engine skipped the step itself (its gradient norm, reduced over all ranks, was not
+      finite; ds_config's bf16.check_grad_overflow), before this hook runs; the callback reads that from
+      accelerate's `step_was_skipped` and counts it.
+    - fp16: the loss scaler (torch's GradScaler, DeepSpeed's dynamic scaler) skips a step whose gradients
+      overflow and lowers the scale. That is routine, not a bad step: only a non-finite loss counts.
+    `stop` then ends the run at the log of that step (naming the step, the rank where known, and the logged
+    loss); `skip` goes on for up to train.max_bad_steps such steps and stops at the next. The logged loss
+    and grad norm are checked too, in case a bad value left finite gradients (the loss only until it was
+    first non-finite: the Trainer's logged loss stays NaN from then on, so under fp16 `skip` counts the
+    first bad step only, and the loss scaler goes on skipping later ones).
     """
 
     def __init__(self, *, policy: str, max_bad_steps: int):
@@ -268,12 +286,24 @@ class NonFiniteCallback(TrainerCallback):
         self.skipped: list[int] = []
         self.stopping: str | None = None
         self._last_logged = 0
+        self._loss_was_nonfinite = False
 
     def on_train_begin(self, args, state, control, **kwargs):
         self._last_logged = state.global_step
+        self._loss_was_nonfinite = False
 
-    def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
+    def on_pre_optimizer_step(self, args, state, control, model=None, optimizer=None, **kwargs):
+        if args.fp16:
+            return control  # the loss scaler skips overflowing steps; a non-finite loss is caught in on_log
         rank, world = rank_and_world()
+        step = state.global_step + 1
+        if is_deepspeed_optimizer(optimizer):
+            # DeepSpeed's overflow flag: the same on every rank, so no collective here
+            if optimizer.step_was_skipped:
+                return self._bad_step(
+                    control, step, f"step {step} (DeepSpeed's gradients, reduced over {world} rank(s))"
+                )
+            return control
         params = [p for p in model.parameters() if p.grad is not None] if model is not None else []
         grads = [
             p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad  # FSDP2: this rank's shard
@@ -285,12 +315,14 @@ class NonFiniteCallback(TrainerCallback):
         flags = reduce_flags(flags)
         if not any(flags):
             return control
-        step = state.global_step + 1
         ranks = ",".join(str(r) for r, f in enumerate(flags) if f)
         for p in params:
             p.grad = None  # the optimizer skips it: this step changes no weight
+        return self._bad_step(control, step, f"step {step} (rank {ranks} of {world})")
+
+    def _bad_step(self, control, step: int, where: str):
+        """Count a skipped step; past the policy's allowance, stop at this step's log."""
         self.bad += 1
-        where = f"step {step} (rank {ranks} of {world})"
         if self.policy == "skip" and self.bad <= self.max_bad_steps:
             self.skipped.append(step)
             log.warning(
@@ -309,13 +341,15 @@ class NonFiniteCallback(TrainerCallback):
             return
         window = (self._last_logged, state.global_step)
         self._last_logged = state.global_step
-        bad = {
-            k: logs[k]
-            for k in ("loss", "grad_norm")
-            if isinstance(logs.get(k), (int, float)) and not math.isfinite(logs[k])
-        }
+        # fp16: a non-finite grad norm is the loss scaler's skipped step (on_pre_optimizer_step)
+        keys = ("loss",) if args.fp16 else ("loss", "grad_norm")
+        bad = {k: logs[k] for k in keys if isinstance(logs.get(k), (int, float)) and not math.isfinite(logs[k])}
         if self.stopping is None:
-            if not bad or any(window[0] < s <= window[1] for s in self.skipped):
+            # once the Trainer's running loss sum has taken a NaN it keeps it (its reset is `tr_loss -= tr_loss`),
+            # so every later log's loss is NaN too and says nothing about later steps
+            fresh = {k: v for k, v in bad.items() if k != "loss" or not self._loss_was_nonfinite}
+            self._loss_was_nonfinite = self._loss_was_nonfinite or "loss" in bad
+            if not fresh or any(window[0] < s <= window[1] for s in self.skipped):
                 return  # finite, or the non-finite average includes a step that was already skipped
             self.bad += 1
             if self.policy == "skip" and self.bad <= self.max_bad_steps:

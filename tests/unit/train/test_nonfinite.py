@@ -1,19 +1,24 @@
 """NaN/Inf: a non-finite loss or gradient stops the run by default (step and rank named); with
 train.on_nonfinite: skip, up to train.max_bad_steps such steps are skipped without touching the
 weights, and the run stops at the next one. The NaN comes from real data: the tiny model's embedding
-row of one character is NaN, so exactly the batches holding that character go bad."""
+row of one character is NaN, so exactly the batches holding that character go bad. The same under
+DeepSpeed, where the engine skips the step itself and the callback counts it."""
 
 from __future__ import annotations
 
 import json
+import math
 import shutil
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 from transformers import TrainerCallback
 
 from finetune.errors import TrainingFailed
-from tests.helpers.paths import TINY_MODEL
+from tests.helpers.paths import ROOT, TINY_MODEL
 from tests.helpers.recipes import resolve_recipe, tiny_recipe
 
 pytestmark = pytest.mark.slow
@@ -121,6 +126,8 @@ def test_skip_leaves_weights_untouched_on_bad_steps_only(poisoned, tmp_path):
     assert trainer.state.global_step == 8
     skipped = set(nonfinite.skipped)
     assert skipped and len(skipped) < 8, skipped  # some batches hold BAD, some do not (seeded order)
+    # each bad step counted once: the logged loss stays NaN after the first (the Trainer's running sum)
+    assert nonfinite.bad == len(skipped), (nonfinite.bad, sorted(skipped))
     for step, changed in probe.changed.items():
         assert changed == (step not in skipped), (step, changed, sorted(skipped))
 
@@ -150,6 +157,146 @@ def test_stop_is_the_default_and_names_the_step(poisoned, tmp_path):
     assert not list((tmp_path / "run").glob("checkpoints/checkpoint-*"))
 
 
+# DeepSpeed runs here on its CPU accelerator (gloo), through the real ZeRO optimizers. `finetune run` starts a
+# DeepSpeed plan only where nvidia-smi lists a GPU, so the recipe is compiled for a one-GPU preset (the run's
+# own ds_config.json and accelerate.yaml) and the compiled `accelerate launch` command is run as the launcher
+# runs it.
+DEEPSPEED_PRESET = "workstation-1x4090"
+
+
+def _deepspeed(poisoned, run_dir: Path, *, strategy: str, module: str | None = None, extra=(), **train):
+    from finetune.compile.compiler import ENTRY_MODULE, prepare_recipe
+    from finetune.launch import executable_argv, launch_env
+    from finetune.recipe.load import load_recipe
+
+    raw = {**_recipe(*poisoned, **train), "distributed": {"strategy": strategy}, "logging": {"report_to": ["none"]}}
+    compiled = prepare_recipe(
+        load_recipe(raw), run_dir=run_dir, hardware=DEEPSPEED_PRESET, module=module or ENTRY_MODULE
+    )
+    spec = compiled.write()
+    done = subprocess.run(
+        executable_argv(spec.argv(extra_args=list(extra))),
+        env={**launch_env(spec), "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1"},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    return done, done.stdout[-4000:] + done.stderr[-4000:]
+
+
+def _deepspeed_rank(resolved: str, out: str) -> None:
+    """One rank of a DeepSpeed run started by the test below (`accelerate launch -m` this module): the
+    run's trainer with NonFiniteCallback and WeightProbe; what they saw goes to `out` as JSON."""
+    from accelerate import PartialState
+
+    from finetune.recipe.load import load_recipe
+    from finetune.train.callbacks import NonFiniteCallback
+    from finetune.train.model import load_tokenizer, load_training_model
+    from finetune.train.preflight import prepare_data
+    from finetune.train.trainers import build_trainer, training_args
+
+    recipe = load_recipe(resolved, allow_resolved=True)
+    state = PartialState()
+    tokenizer = load_tokenizer(recipe)
+    data = prepare_data(recipe, tokenizer, state=state)
+    args = training_args(recipe, run_dir=Path(resolved).parent, has_eval=False)
+    t = recipe.train
+    nonfinite, probe = NonFiniteCallback(policy=t.on_nonfinite, max_bad_steps=t.max_bad_steps), WeightProbe()
+    model = load_training_model(recipe, args=args)
+    trainer = build_trainer(
+        recipe, args=args, model=model, tokenizer=tokenizer, data=data, callbacks=[nonfinite, probe]
+    )
+    trainer.train()
+    if state.is_main_process:
+        seen = {
+            "steps": trainer.state.global_step,
+            "skipped": nonfinite.skipped,
+            "bad": nonfinite.bad,
+            "changed": probe.changed,
+            "deepspeed_skipped": trainer.model_wrapped.skipped_steps,  # the engine's own count
+        }
+        Path(out).write_text(json.dumps(seen))
+    state.destroy_process_group()
+
+
+def test_deepspeed_skips_bad_steps_itself_and_they_are_counted(poisoned, tmp_path):
+    """ZeRO-2: DeepSpeed steps inside accelerator.backward(), before the Trainer's pre-step hook, with the
+    gradients in its own partitions; it skips each NaN step (weights unchanged) and the callback counts
+    exactly those steps, while the others train."""
+    out = tmp_path / "seen.json"
+    done, log = _deepspeed(
+        poisoned,
+        tmp_path / "run",
+        strategy="zero2",
+        module=__name__,
+        extra=[str(out)],
+        on_nonfinite="skip",
+        max_bad_steps=8,
+    )
+    assert done.returncode == 0, log
+    seen = json.loads(out.read_text())
+    assert seen["steps"] == 8, seen
+    skipped = set(seen["skipped"])
+    assert skipped and len(skipped) < 8, seen  # some batches hold BAD, some do not (seeded order)
+    assert seen["deepspeed_skipped"] == seen["bad"] == len(skipped), seen
+    for step, changed in seen["changed"].items():
+        assert changed == (int(step) not in skipped), (step, changed, sorted(skipped))
+
+
+def test_deepspeed_stop_names_the_step(poisoned, tmp_path):
+    """ZeRO-3 through the real rank entry point: the default policy stops at the first bad step, naming it."""
+    from finetune.rundir import read_metrics, read_rank_error
+
+    run_dir = tmp_path / "run"
+    done, log = _deepspeed(poisoned, run_dir, strategy="zero3")
+    assert done.returncode != 0, log
+    error = read_rank_error(run_dir)
+    assert error.get("exit_code") == 4, log
+    text = error["message"]
+    rows = [r for r in read_metrics(run_dir) if "loss" in r]
+    bad = rows[-1]  # DeepSpeed reports a skipped step's gradient norm as inf
+    assert bad["grad_norm"] == math.inf and all(math.isfinite(r["grad_norm"]) for r in rows[:-1]), rows
+    assert f"at step {bad['step']} (DeepSpeed's gradients" in text, text
+    assert "1 bad step(s), policy train.on_nonfinite=stop" in text, text
+    assert not list(run_dir.glob("checkpoints/checkpoint-*"))
+
+
+def _bf16_engine_rank(resolved: str, out: str) -> None:
+    """DeepSpeed's engine on the run's compiled ds_config.json under bf16, which the Trainer runs on GPUs only
+    (DeepSpeed's CPU accelerator runs it): three steps, the second one on a NaN input."""
+    import deepspeed
+
+    config = json.loads((Path(resolved).parent / "ds_config.json").read_text())
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 1))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
+    changed, finite = {}, True
+    for step in (1, 2, 3):
+        before = [p.detach().clone() for p in engine.module.parameters()]
+        x = torch.randn(config["train_micro_batch_size_per_gpu"], 8, dtype=torch.bfloat16)
+        if step == 2:
+            x[0, 0] = float("nan")
+        engine.backward(engine(x).float().pow(2).mean())
+        engine.step()
+        after = [p.detach() for p in engine.module.parameters()]
+        changed[step] = any(not torch.equal(a, b) for a, b in zip(before, after))
+        finite = finite and all(bool(torch.isfinite(a).all()) for a in after)
+    Path(out).write_text(json.dumps({"changed": changed, "finite": finite, "skipped_steps": engine.skipped_steps}))
+
+
+def test_compiled_ds_config_makes_deepspeed_skip_a_bf16_nan_step(poisoned, tmp_path):
+    """bf16 under ZeRO-2 is the one case where DeepSpeed skips a non-finite step only when asked to
+    (bf16.check_grad_overflow): the compiled config asks, and the NaN step leaves every weight as it was."""
+    out = tmp_path / "seen.json"
+    done, log = _deepspeed(
+        poisoned, tmp_path / "run", strategy="zero2", module=__name__, extra=[str(out), "bf16-engine"], precision="bf16"
+    )
+    assert done.returncode == 0, log
+    seen = json.loads(out.read_text())
+    assert seen == {"changed": {"1": True, "2": False, "3": True}, "finite": True, "skipped_steps": 1}, seen
+
+
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_one_bad_element_anywhere_is_found(bad, dtype):
@@ -167,3 +314,8 @@ def test_finite_values_whose_sum_overflows_are_finite():
     # the fast path's per-tensor sum overflows to inf; the elements are tested then, and all are finite
     assert all_finite([torch.full((1000,), 3e38), torch.full((8,), 3e38, dtype=torch.bfloat16)])
     assert all_finite([])
+
+
+if __name__ == "__main__":  # a rank of the DeepSpeed tests: RESOLVED OUT [trainer | bf16-engine]
+    resolved, out, *mode = sys.argv[1:]
+    {"trainer": _deepspeed_rank, "bf16-engine": _bf16_engine_rank}[mode[0] if mode else "trainer"](resolved, out)
