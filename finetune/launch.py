@@ -372,12 +372,14 @@ def with_setting(recipe, **sections):
     return fresh
 
 
-def _setting(micro_batch: int, checkpointing: bool) -> str:
-    return f"micro-batch {micro_batch}, activation checkpointing {'on' if checkpointing else 'off'}"
+def _setting(micro_batch: int, checkpointing: bool, sync_each_batch: bool = False) -> str:
+    return f"micro-batch {micro_batch}, activation checkpointing {'on' if checkpointing else 'off'}" + (
+        ", sync_each_batch" if sync_each_batch else ""
+    )
 
 
 def replan_after_oom(
-    recipe, spec: LaunchSpec, *, hardware: str | None, records: list[dict], tried: tuple[tuple[int, bool], ...]
+    recipe, spec: LaunchSpec, *, hardware: str | None, records: list[dict], tried: tuple[tuple[int, bool, bool], ...]
 ):
     """The re-plan for a run whose ranks ran out of memory (finetune.plan.replan on the recipe's job)."""
     from finetune.plan import job_from_recipe
@@ -412,6 +414,7 @@ def run_with_oom_retries(
     runs out, naming every setting tried and what to set in the recipe."""
     from finetune.compile import compile_recipe
     from finetune.errors import TrainingFailed
+    from finetune.plan.replan import OomEvidence
     from finetune.rundir import OOM_RETRIES, clear_oom_records, read_oom_records
 
     run_dir = Path(spec.run_dir)
@@ -424,20 +427,26 @@ def run_with_oom_retries(
         records = read_oom_records(run_dir)
         if not isinstance(code, int) or code in (0, EXIT_PREEMPTED, EXIT_INTERRUPTED) or not records:
             return code, spec
-        tried = tuple((h["micro_batch_size"], h["activation_checkpointing"]) for h in history)
+        tried = tuple((h["micro_batch_size"], h["activation_checkpointing"], h["sync_each_batch"]) for h in history)
         decision = replan_after_oom(recipe, spec, hardware=hardware, records=records, tried=tried)
         failed = records[0]  # every rank ran the same setting
+        failed_sync = OomEvidence.from_record(failed).sync_each_batch
         history.append(
             {
                 "attempt": len(history) + 1,
                 "micro_batch_size": failed["micro_batch_size"],
                 "activation_checkpointing": failed["activation_checkpointing"],
+                "sync_each_batch": failed_sync,
                 "gradient_accumulation_steps": failed["gradient_accumulation_steps"],
                 "records": records,
                 "decision": decision.text,
                 "next": None
                 if decision.micro_batch is None
-                else {"micro_batch_size": decision.micro_batch, "activation_checkpointing": decision.checkpointing},
+                else {
+                    "micro_batch_size": decision.micro_batch,
+                    "activation_checkpointing": decision.checkpointing,
+                    "sync_each_batch": bool(decision.sync_each_batch),
+                },
             }
         )
         (run_dir / OOM_RETRIES).write_text(json.dumps(history, indent=2) + "\n")
@@ -451,16 +460,17 @@ def run_with_oom_retries(
         print(f"out of memory: {decision.text}", flush=True)
         print(
             f"out of memory: retry {len(history)} of {retries}: "
-            f"{_setting(decision.micro_batch, decision.checkpointing)} x accumulation "
-            f"{decision.gradient_accumulation_steps} (was "
-            f"{_setting(failed['micro_batch_size'], failed['activation_checkpointing'])} x accumulation "
+            f"{_setting(decision.micro_batch, decision.checkpointing, bool(decision.sync_each_batch))} x "
+            f"accumulation {decision.gradient_accumulation_steps} (was "
+            f"{_setting(failed['micro_batch_size'], failed['activation_checkpointing'], failed_sync)} x accumulation "
             f"{failed['gradient_accumulation_steps']}); resuming from the last complete checkpoint, if any",
             flush=True,
         )
         checkpointing = "on" if decision.checkpointing else "off"
         recipe = with_setting(
             recipe,
-            distributed={"strategy": spec.strategy},
+            # false where it is no setting (sync_options' None): a pinned true would contradict such a strategy
+            distributed={"strategy": spec.strategy, "sync_each_batch": bool(decision.sync_each_batch)},
             train={"micro_batch_size": decision.micro_batch, "activation_checkpointing": checkpointing},
         )
         spec = compile_recipe(recipe, run_dir=run_dir, hardware=hardware)
@@ -469,7 +479,7 @@ def run_with_oom_retries(
 
 def _oom_failure(history: list[dict], decision, *, retries: int, multi_node: bool) -> str:
     tried = "; ".join(
-        f"{h['attempt']}) {_setting(h['micro_batch_size'], h['activation_checkpointing'])} x "
+        f"{h['attempt']}) {_setting(h['micro_batch_size'], h['activation_checkpointing'], h['sync_each_batch'])} x "
         f"accumulation {h['gradient_accumulation_steps']}: rank(s) "
         f"{', '.join(str(r['rank']) for r in h['records'])} ran out at "
         f"{max(r['peak_bytes'] for r in h['records']) / 2**30:.2f} GiB"
@@ -499,9 +509,10 @@ def _oom_hint(decision) -> str:
             "data.max_length)"
         )
     return (
-        f"set train.micro_batch_size: {decision.micro_batch} and train.activation_checkpointing: "
-        f"{'on' if decision.checkpointing else 'off'} in the recipe (what the measured peaks point to), "
-        f"or raise train.oom_retries"
+        f"set train.micro_batch_size: {decision.micro_batch}"
+        + (", distributed.sync_each_batch: true" if decision.sync_each_batch else "")
+        + f" and train.activation_checkpointing: {'on' if decision.checkpointing else 'off'} in the recipe "
+        "(what the measured peaks point to), or raise train.oom_retries"
     )
 
 

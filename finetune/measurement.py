@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from finetune.plan.choose import HEADROOM
+from finetune.plan.render import sync_text
 from finetune.rundir import read_memory_files, read_metrics
 
 WARMUP_STEPS = 5  # scripts/gpu_validate.py's warm-up; a short measurement uses half its steps
@@ -120,7 +121,7 @@ def read_measurement(run_dir: Path, *, plan, steps: int, usable_gib: float, devi
             f"{plan.gradient_accumulation_steps} x {plan.world_size} "
             f"{'process' if cpu else 'GPU'}{'es' if cpu and plan.world_size > 1 else ''}"
             f"{'s' if not cpu and plan.world_size > 1 else ''}, activation checkpointing "
-            f"{'on' if plan.activation_checkpointing else 'off'}"
+            f"{'on' if plan.activation_checkpointing else 'off'}" + sync_text(plan)
         ),
         run_dir=str(run_dir),
     )

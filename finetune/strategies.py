@@ -176,3 +176,15 @@ def offloads_optimizer(name: str) -> bool:
 
 def offload_level(name: str) -> int:
     return info(name).offload_level
+
+
+def weighs_sync_each_batch(name: str) -> bool:
+    """Whether accelerate's sync_each_batch (distributed.sync_each_batch) is a setting of this tier. The
+    Trainer runs every micro-batch but a step's last under accelerate's no_sync, which for FSDP2 holds every
+    unit's unsharded gradients until that last one; syncing each batch reduce-scatters them every
+    micro-batch instead. DeepSpeed reduces every micro-batch whatever it is set to (the Trainer never enters
+    no_sync there), and DDP's buckets hold a gradient copy either way, so syncing would only add
+    all-reduces. fsdp2-offload stays on no_sync: its host traffic (plan/offload_time.py) is modelled with the
+    gradients coming down once per step."""
+    tier = info(name)
+    return tier.backend == "fsdp" and tier.offload == "none"

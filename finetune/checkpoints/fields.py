@@ -34,6 +34,9 @@ SAFE_KEYS = (
     "resolved.hardware",
     "train.activation_checkpointing",
     "resolved.activation_checkpointing_by",
+    # when FSDP2 reduces the accumulated gradients (every micro-batch or a step's last): the same sum, a
+    # memory/speed setting the planner and the out-of-memory re-plan may change like the two above
+    "distributed.sync_each_batch",
     # kernels that compute the same function (compile resolves them per machine: a resume on another
     # machine may get another attention kernel or no Liger)
     "model.attn_implementation",

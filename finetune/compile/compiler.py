@@ -15,6 +15,7 @@ from finetune.compile.multinode import render_launch_sh, render_sbatch
 from finetune.compile.resolve import resolve_recipe
 from finetune.compile.spec import DEFAULT_MAIN_PORT, LaunchSpec
 from finetune.errors import DoesNotFitError, RecipeError
+from finetune.plan.render import sync_text
 from finetune.plan.types import Plan
 from finetune.recipe.load import dump_recipe, recipe_dir, recipe_name
 from finetune.recipe.schema import Recipe
@@ -90,7 +91,9 @@ def _summary(recipe: Recipe, plan: Plan, preset: HardwarePreset, arch: ModelArch
         f"{preset.name} ({plan.device})",
         f"strategy {plan.strategy}, {plan.num_nodes} node(s) x {plan.gpus_per_node} = "
         f"{plan.world_size} process(es); micro-batch {plan.micro_batch_size} x accumulation "
-        f"{plan.gradient_accumulation_steps}; activation checkpointing {ckpt}",
+        f"{plan.gradient_accumulation_steps}; activation checkpointing {ckpt}"
+        # said only when it departs from the Trainer's default (no_sync)
+        + (sync_text(plan) if plan.sync_each_batch else ""),
         f"predicted peak {plan.per_gpu_memory_gib:.1f} GiB per {'GPU' if plan.device == 'cuda' else 'process'}",
     ]
     lines += [f"substituted: {s}" for s in plan.substitutions]

@@ -65,6 +65,8 @@ def resolve_recipe(recipe: Recipe, plan: Plan, *, run_dir: Path, arch: ModelArch
 
     dist = data["distributed"]
     dist["strategy"] = plan.strategy
+    # always a concrete true/false: a resolved recipe's auto means the Trainer's default (schema.sync_each_batch_pin)
+    dist["sync_each_batch"] = plan.sync_each_batch is True
     if strategies.info(plan.strategy).offload == "nvme":
         dist["nvme_path"] = nvme_path_for(recipe, preset)
 

@@ -7,11 +7,21 @@ job_from_recipe(recipe, *, arch, preset) -> Job  (the numbers the planner works 
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from finetune import strategies
 from finetune.errors import RecipeError
-from finetune.plan.choose import CLEARLY_FASTER, HEADROOM, TIGHT_HEADROOM, search, suggestions, usable_fraction
+from finetune.plan.choose import (
+    CLEARLY_FASTER,
+    HEADROOM,
+    TIGHT_HEADROOM,
+    best_for_strategy,
+    search,
+    suggestions,
+    usable_fraction,
+)
 from finetune.plan.fallback import attention_fallback_warning
-from finetune.plan.memory import adapter_input_casts, zero_model_state_bytes
+from finetune.plan.memory import adapter_input_casts, fsdp_accumulated_gradients, zero_model_state_bytes
 from finetune.plan.render import render_plan_table
 from finetune.plan.timing import (
     allgather_time_s,
@@ -31,7 +41,7 @@ from finetune.plan.workload import (
     varlen_fallback_layers,
 )
 from finetune.recipe.paths import anchored
-from finetune.recipe.schema import dpo_reference, loads_sharded, packs_examples
+from finetune.recipe.schema import dpo_reference, loads_sharded, packs_examples, sync_each_batch_pin
 
 __all__ = [
     "plan",
@@ -223,6 +233,7 @@ def job_from_recipe(recipe, *, arch, preset) -> Job:
         checkpointing=recipe.train.activation_checkpointing,
         checkpoint_layers=recipe.resolved.checkpoint_layers if recipe.resolved else None,
         strategy=recipe.distributed.strategy,
+        sync_each_batch=sync_each_batch_pin(recipe),
         nvme_path=recipe.distributed.nvme_path or preset.nvme_path,
         sharded_load=loads_sharded(recipe),
         load_copies=recipe.model.init == "random" or arch.checkpoint_dtype != recipe.model.dtype,
@@ -358,6 +369,7 @@ def plan_job(job: Job) -> Plan:
         device="cpu" if p.vendor == "cpu" else "cuda",
     )
     plan.tight = chosen.tight
+    plan.sync_each_batch = chosen.sync_each_batch
     plan.kernels = _kernels(job, chosen.strategy)
     if chosen.fits:
         plan.why = _why(job, chosen, seqs, candidates)
@@ -442,13 +454,7 @@ def _why(job: Job, chosen: Candidate, achieved: int, candidates: list[Candidate]
             + "; the planner's peaks have not been more than 4% under a measured one, and a rank that runs "
             "out of memory re-plans and resumes."
         )
-    layers = job.arch.num_layers
-    if not chosen.checkpoint_layers:
-        ckpt = "without activation checkpointing"
-    elif chosen.checkpoint_layers == layers:
-        ckpt = "with activation checkpointing"
-    else:
-        ckpt = f"with activation checkpointing on {chosen.checkpoint_layers} of {layers} layers"
+    ckpt = _checkpointing_words(chosen.checkpoint_layers, job.arch.num_layers)
     pinned = job.micro_batch is not None or job.checkpointing != "auto"
     second = (
         f" Micro-batch {chosen.micro_batch_size} {ckpt} "
@@ -458,4 +464,35 @@ def _why(job: Job, chosen: Candidate, achieved: int, candidates: list[Candidate]
     )
     if achieved != job.global_batch_size:
         second += f" (train.global_batch_size {job.global_batch_size} rounded to the nearest achievable)"
-    return first + second + "."
+    return first + second + "." + _sync_why(job, chosen)
+
+
+def _checkpointing_words(k: int, layers: int) -> str:
+    if not k:
+        return "without activation checkpointing"
+    if k == layers:
+        return "with activation checkpointing"
+    return f"with activation checkpointing on {k} of {layers} layers"
+
+
+def _sync_why(job: Job, chosen: Candidate) -> str:
+    """Why the gradients are reduce-scattered every micro-batch (accelerate's sync_each_batch), when they are."""
+    if not chosen.sync_each_batch:
+        return ""
+    if job.sync_each_batch is not None:
+        return " Gradients are reduce-scattered every micro-batch (distributed.sync_each_batch: true, as pinned)."
+    held = fsdp_accumulated_gradients(job) / GIB
+    # the same strategy and headroom under the Trainer's no_sync
+    default = best_for_strategy(replace(job, sync_each_batch=False), chosen.strategy, headroom=usable_fraction(chosen))
+    without = (
+        f"its fastest setting that fits, micro-batch {default.micro_batch_size} "
+        f"{_checkpointing_words(default.checkpoint_layers, job.arch.num_layers)}, takes "
+        f"{default.step_time_s:.2f} s/step"
+        if default.fits
+        else "nothing of it fits"
+    )
+    return (
+        f" Gradients are reduce-scattered every micro-batch (accelerate's sync_each_batch, "
+        f"{chosen.gradient_accumulation_steps} reduce-scatters per step instead of 1): the Trainer's no_sync would "
+        f"hold {held:.1f} GiB of unsharded gradients per GPU until a step's last micro-batch, and {without}."
+    )

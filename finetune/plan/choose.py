@@ -2,12 +2,16 @@
 
 Rule: per strategy, the fastest setting (lowest modelled step time) whose peak fits in HEADROOM of the
 GPU memory (and whose offloaded states fit in host RAM / NVMe); among equally fast settings the larger
-micro-batch and no checkpointing win. Across strategies, offload goes by levels first
-(strategies.StrategyInfo.offload_level): optimizer-only offload is considered only when nothing fits
-with every state on the GPUs, parameter offload only when optimizer-only offload does not fit either,
-NVMe last. Within the level, the earliest strategy in strategies.NAMES whose step is within
-CLEARLY_FASTER of the fastest wins (`simplest_near_fastest`). Recipe pins (strategy, micro-batch,
-checkpointing) restrict the search; a pinned strategy that does not fit yields fits=False with the reason.
+micro-batch, no checkpointing and the Trainer's no_sync win. A setting is a micro-batch, how many layers are
+checkpointed and, for the FSDP2 tiers with gradient accumulation, accelerate's sync_each_batch
+(`sync_options`): reduce-scattering every micro-batch frees the unsharded gradients no_sync keeps
+(memory.fsdp_accumulated_gradients) for one reduce-scatter per micro-batch instead of one per step.
+Across strategies, offload goes by levels first (strategies.StrategyInfo.offload_level): optimizer-only
+offload is considered only when nothing fits with every state on the GPUs, parameter offload only when
+optimizer-only offload does not fit either, NVMe last. Within the level, the earliest strategy in
+strategies.NAMES whose step is within CLEARLY_FASTER of the fastest wins (`simplest_near_fastest`). Recipe
+pins (strategy, micro-batch, checkpointing, sync_each_batch) restrict the search; a pinned strategy that
+does not fit yields fits=False with the reason.
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ from finetune.plan.memory import checkpointed_layers, footprint
 from finetune.plan.timing import step_time
 from finetune.plan.types import GIB, Candidate
 from finetune.plan.workload import Job, accumulation_steps, batch_share
-from finetune.strategies import info, offload_level
+from finetune.strategies import info, offload_level, weighs_sync_each_batch
 
 HEADROOM = 0.90  # plan to at most 90% of GPU memory / host RAM: spikes, other processes
 # When no setting keeps every state on the GPUs within HEADROOM, one that does within TIGHT_HEADROOM of GPU
@@ -79,21 +83,50 @@ def micro_batch_options(job: Job) -> list[int]:
     return [m for m in (2**k for k in range(0, 17)) if m <= share and share % m == 0]
 
 
+def sync_is_a_setting(job: Job, *, strategy: str, micro_batch: int) -> bool:
+    """Whether sync_each_batch changes anything: a tier where no_sync holds the gradients
+    (strategies.weighs_sync_each_batch), and accumulation (one micro-batch per step always syncs)."""
+    return accumulation_steps(job, micro_batch) > 1 and weighs_sync_each_batch(strategy)
+
+
+def sync_options(job: Job, *, strategy: str, micro_batch: int) -> tuple[bool | None, ...]:
+    """The sync_each_batch settings weighed for `strategy` at `micro_batch`: (None,) where it is no setting;
+    the recipe's pin; else no_sync first, so that on equal time the Trainer's default stays."""
+    if not sync_is_a_setting(job, strategy=strategy, micro_batch=micro_batch):
+        return (None,)
+    return (False, True) if job.sync_each_batch is None else (job.sync_each_batch,)
+
+
 def usable_fraction(choice) -> float:
     """The share of GPU memory a Candidate or Plan is held to: TIGHT_HEADROOM for a tight fit."""
     return TIGHT_HEADROOM if choice.tight else HEADROOM
 
 
 def evaluate(
-    job: Job, *, strategy: str, micro_batch: int, checkpointing: bool | int, headroom: float = HEADROOM
+    job: Job,
+    *,
+    strategy: str,
+    micro_batch: int,
+    checkpointing: bool | int,
+    headroom: float = HEADROOM,
+    sync_each_batch: bool | None = False,
 ) -> Candidate:
     """One setting; `checkpointing` is True (every layer), False, or how many layers (the first k);
-    `headroom` the share of GPU memory it may take."""
+    `headroom` the share of GPU memory it may take; `sync_each_batch` counts only where it is a setting
+    (`sync_options`)."""
     p = job.preset
     k = checkpointed_layers(job, checkpointing)
     grad_accum = accumulation_steps(job, micro_batch)
-    fp = footprint(job, strategy=strategy, micro_batch=micro_batch, checkpointing=k)
-    t = step_time(job, strategy=strategy, micro_batch=micro_batch, grad_accum=grad_accum, checkpointing=k)
+    sync = bool(sync_each_batch) if sync_is_a_setting(job, strategy=strategy, micro_batch=micro_batch) else None
+    fp = footprint(job, strategy=strategy, micro_batch=micro_batch, checkpointing=k, sync_each_batch=bool(sync))
+    t = step_time(
+        job,
+        strategy=strategy,
+        micro_batch=micro_batch,
+        grad_accum=grad_accum,
+        checkpointing=k,
+        sync_each_batch=bool(sync),
+    )
     reason = ""
     limit = headroom * p.gpu_memory_gib * GIB
     if fp.memory.total > limit:
@@ -126,28 +159,38 @@ def evaluate(
         reason=reason,
         gradient_accumulation_steps=grad_accum,
         tight=not reason and fp.memory.total > HEADROOM * p.gpu_memory_gib * GIB,
+        sync_each_batch=sync,
     )
 
 
-def _least_checkpointing(job: Job, *, strategy: str, micro_batch: int, headroom: float) -> list[Candidate]:
+def _least_checkpointing(
+    job: Job, *, strategy: str, micro_batch: int, headroom: float, sync_each_batch: bool | None
+) -> list[Candidate]:
     """No checkpointing if it fits, else the fewest checkpointed layers that fit: memory falls and time
     rises with every layer checkpointed, so the smallest fitting k is the fastest. k = L - 1 needs less
     memory than k = L (memory.activation_bytes), so all L are never the automatic choice (L > 1)."""
-    none = evaluate(job, strategy=strategy, micro_batch=micro_batch, checkpointing=0, headroom=headroom)
+
+    def at(k: int) -> Candidate:
+        return evaluate(
+            job,
+            strategy=strategy,
+            micro_batch=micro_batch,
+            checkpointing=k,
+            headroom=headroom,
+            sync_each_batch=sync_each_batch,
+        )
+
+    none = at(0)
     layers = job.arch.num_layers
     if none.fits or layers == 1:
-        return (
-            [none]
-            if none.fits
-            else [none, evaluate(job, strategy=strategy, micro_batch=micro_batch, checkpointing=1, headroom=headroom)]
-        )
-    most = evaluate(job, strategy=strategy, micro_batch=micro_batch, checkpointing=layers - 1, headroom=headroom)
+        return [none] if none.fits else [none, at(1)]
+    most = at(layers - 1)
     if not most.fits:
         return [none, most]
     low, high, best = 1, layers - 1, most  # fits at high; find the smallest k that fits
     while low < high:
         mid = (low + high) // 2
-        c = evaluate(job, strategy=strategy, micro_batch=micro_batch, checkpointing=mid, headroom=headroom)
+        c = at(mid)
         if c.fits:
             high, best = mid, c
         else:
@@ -167,17 +210,28 @@ def best_for_strategy(job: Job, strategy: str, *, headroom: float = HEADROOM) ->
     why_not = not_applicable(job, strategy)
     tried = []
     for m in micro_batch_options(job):
-        if job.checkpointing == "auto":
-            tried += _least_checkpointing(job, strategy=strategy, micro_batch=m, headroom=headroom)
-        else:
-            tried.append(
-                evaluate(
-                    job, strategy=strategy, micro_batch=m, checkpointing=pinned_checkpointing(job), headroom=headroom
+        for sync in sync_options(job, strategy=strategy, micro_batch=m):
+            if job.checkpointing == "auto":
+                tried += _least_checkpointing(
+                    job, strategy=strategy, micro_batch=m, headroom=headroom, sync_each_batch=sync
                 )
-            )
+            else:
+                tried.append(
+                    evaluate(
+                        job,
+                        strategy=strategy,
+                        micro_batch=m,
+                        checkpointing=pinned_checkpointing(job),
+                        headroom=headroom,
+                        sync_each_batch=sync,
+                    )
+                )
     fitting = [c for c in tried if c.fits]
     if fitting and not why_not:
-        return min(fitting, key=lambda c: (round(c.step_time_s, 6), -c.micro_batch_size, c.checkpoint_layers))
+        return min(
+            fitting,
+            key=lambda c: (round(c.step_time_s, 6), -c.micro_batch_size, c.checkpoint_layers, bool(c.sync_each_batch)),
+        )
     smallest = min(tried, key=lambda c: (c.memory.total, c.host_ram_bytes))
     if why_not:
         smallest.fits, smallest.reason = False, why_not
@@ -262,6 +316,8 @@ def suggestions(job: Job, candidates: list[Candidate]) -> list[str]:
         variants.append(("train.micro_batch_size: auto", replace(job, micro_batch=None)))
     if job.checkpointing == "off":
         variants.append(("train.activation_checkpointing: auto", replace(job, checkpointing="auto")))
+    if job.sync_each_batch is False:
+        variants.append(("distributed.sync_each_batch: auto", replace(job, sync_each_batch=None)))
     adapters = {"full": ["lora", "qlora"], "lora": ["qlora"]}.get(job.adapter, [])
     for adapter in adapters:
         strategy = job.strategy

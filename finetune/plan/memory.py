@@ -375,8 +375,12 @@ class Footprint:
     host_ram_training_bytes: float = 0.0  # per node, what stays resident while it trains
 
 
-def footprint(job: Job, *, strategy: str, micro_batch: int, checkpointing: bool | int) -> Footprint:
-    """Peak bytes per GPU (by part), host RAM per node and NVMe per node for one configuration."""
+def footprint(
+    job: Job, *, strategy: str, micro_batch: int, checkpointing: bool | int, sync_each_batch: bool = False
+) -> Footprint:
+    """Peak bytes per GPU (by part), host RAM per node and NVMe per node for one configuration;
+    `sync_each_batch`: FSDP2 reduce-scatters every micro-batch (accelerate's sync_each_batch) instead of
+    holding the unsharded gradients under the Trainer's no_sync."""
     p = job.preset
     states = state_bytes(job, strategy)
     shard = shard_degree(job, strategy)
@@ -395,7 +399,7 @@ def footprint(job: Job, *, strategy: str, micro_batch: int, checkpointing: bool 
         comm = 3 * job.arch.hidden_size**2 * 2 if p.world_size > 1 else 0.0
     elif tier.backend == "fsdp":
         comm = root + 2 * layer + fsdp_gradient_buffers(job, strategy=strategy)
-        if accumulation_steps(job, micro_batch) > 1:
+        if accumulation_steps(job, micro_batch) > 1 and not sync_each_batch:
             extra_grads = fsdp_accumulated_gradients(job)
     else:
         # root unit (embedding, lm_head) stays gathered for the whole step; current + prefetched
@@ -468,7 +472,9 @@ def fsdp_gradient_buffers(job: Job, *, strategy: str) -> float:
 def fsdp_accumulated_gradients(job: Job) -> float:
     """With gradient accumulation the Trainer runs every micro-batch but the last under accelerate's
     no_sync, which for FSDP2 is set_requires_gradient_sync(False): no reduce-scatter, and every unit's
-    unsharded 16-bit gradients (the reduce dtype) are kept on each GPU until the last micro-batch's."""
+    unsharded 16-bit gradients (the reduce dtype) are kept on each GPU until the last micro-batch's.
+    accelerate's sync_each_batch (distributed.sync_each_batch) reduce-scatters every micro-batch into the
+    sharded fp32 gradients instead: these bytes are what it frees."""
     layer, root = trained_unit_params(job)
     return job.act_bytes * (layer * job.arch.num_layers + root)
 

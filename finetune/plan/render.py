@@ -8,6 +8,7 @@ _COLUMNS = [  # header, width, value(candidate)
     ("strategy", 19, lambda c: c.strategy),
     ("mb", 3, lambda c: str(c.micro_batch_size)),
     ("ckpt", 5, None),  # checkpointed layers: off, k/L or all
+    ("sync", 4, lambda c: _sync(c.sync_each_batch)),
     ("weights", 7, lambda c: _g(c.memory.weights)),
     ("train", 6, lambda c: _g(c.memory.trainable)),
     ("grads", 6, lambda c: _g(c.memory.gradients)),
@@ -22,6 +23,21 @@ _COLUMNS = [  # header, width, value(candidate)
     ("step s", 8, lambda c: f"{c.step_time_s:.2f}"),
     ("bound by", 10, lambda c: c.bottleneck),
 ]
+
+
+def _sync(sync_each_batch: bool | None) -> str:
+    """When FSDP2 reduce-scatters the gradients: after each micro-batch (sync_each_batch), after a step's last
+    (the Trainer's no_sync), or - where that is no setting."""
+    return {True: "each", False: "last", None: "-"}[sync_each_batch]
+
+
+def sync_text(plan: Plan) -> str:
+    """The choice line's words for Plan.sync_each_batch ('' where it is no setting)."""
+    if plan.sync_each_batch is None:
+        return ""
+    if plan.sync_each_batch:
+        return ", gradients reduce-scattered every micro-batch (sync_each_batch)"
+    return ", gradients reduce-scattered on each step's last micro-batch (no_sync)"
 
 
 def _ckpt(k: int, layers: int) -> str:
@@ -57,7 +73,8 @@ def render_plan_table(plan: Plan) -> str:
         f"{_params(plan.trainable_params)} trainable), {plan.method} {plan.adapter}, seq {plan.seq_len}",
         f"hardware {plan.hardware}: {plan.num_nodes} node(s) x {plan.gpus_per_node} "
         f"{'process' if plan.device == 'cpu' else 'GPU'}(s)",
-        "memory per GPU in GiB (host RAM per node); step time per optimizer step",
+        "memory per GPU in GiB (host RAM per node); step time per optimizer step; sync: FSDP2 reduces the "
+        "gradients after each micro-batch or a step's last (-: no such setting)",
         "",
     ]
     header = "  ".join(h.rjust(w) if i else h.ljust(w) for i, (h, w, _) in enumerate(_COLUMNS))
@@ -74,7 +91,7 @@ def render_plan_table(plan: Plan) -> str:
         lines += [
             f"choice: {plan.strategy}, micro-batch {plan.micro_batch_size}, gradient accumulation "
             f"{plan.gradient_accumulation_steps}, activation checkpointing "
-            f"{checkpointing_text(plan)}, "
+            f"{checkpointing_text(plan)}{sync_text(plan)}, "
             f"{plan.per_gpu_memory_gib:.1f} GiB/GPU peak",
             f"estimate: {plan.step_time_s:.2f} s/step, {plan.tokens_per_second:,.0f} tokens/s, MFU {plan.mfu:.0%}",
             f"kernels: {plan.kernels}",

@@ -10,8 +10,9 @@ miss is attributed to the activation term, the least certain one: it is scaled b
 
 (the measured baseline keeps a miss in the fixed part, e.g. a CPU process's address space, from being
 blamed on the activations), and every setting Y of the same strategy and the same global batch (another
-micro-batch with more accumulation, activation checkpointing on) is predicted at other'(Y) + scale x
-act(Y), which reproduces the measured demand at X. The fastest Y
+micro-batch with more accumulation, activation checkpointing on, and for FSDP2 with accumulation
+reduce-scattering every micro-batch: choose.sync_options) is predicted at other'(Y) + scale x act(Y),
+which reproduces the measured demand at X. The fastest Y
 (the planner's step-time model) that fits in HEADROOM of the capacity and was not tried yet is chosen.
 When even other'(Y) alone does not fit, or the rank failed before its first step (loading the model), no
 micro-batch or checkpointing can help, and the answer says so.
@@ -21,7 +22,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from finetune.plan.choose import HEADROOM, batch_share, micro_batch_options, search
+from finetune.plan.choose import HEADROOM, batch_share, micro_batch_options, search, sync_options
 from finetune.plan.memory import CUDA_FIXED_BYTES, FRAGMENTATION, NCCL_BYTES, footprint
 from finetune.plan.timing import step_time
 from finetune.plan.types import GIB, Candidate
@@ -46,6 +47,9 @@ class OomEvidence:
     peak_kind: str = "max reserved"
     before_training: bool = False  # it failed loading or wrapping the model, before the first step
     other_bytes: float = 0.0  # device memory held outside the rank's allocator (other processes, its context)
+    # FSDP2 reduce-scattered every micro-batch (accelerate's sync_each_batch); records written before the key
+    # ran under the Trainer's default no_sync
+    sync_each_batch: bool = False
 
     @property
     def demand_bytes(self) -> float:
@@ -65,6 +69,7 @@ class OomEvidence:
             peak_kind=str(record.get("peak_kind", "max reserved")),
             before_training=bool(record.get("before_training", False)),
             other_bytes=float(record.get("other_bytes") or 0.0),
+            sync_each_batch=bool(record.get("sync_each_batch", False)),
         )
 
 
@@ -82,27 +87,36 @@ class Replan:
     # when no setting of the strategy fits: the strategy the planner chooses within HEADROOM without tight fits
     # (choose.TIGHT_HEADROOM), e.g. an offload tier after a tight ZeRO-3 plan ran out; None when there is none
     other_strategy: str | None = None
+    sync_each_batch: bool | None = None  # the setting's choose.sync_options value (None: no such setting)
 
 
-def activation_term(job: Job, *, strategy: str, micro_batch: int, checkpointing: bool) -> tuple[float, float]:
+def activation_term(
+    job: Job, *, strategy: str, micro_batch: int, checkpointing: bool, sync_each_batch: bool = False
+) -> tuple[float, float]:
     """(total, the part that scales with the micro-batch) of the planner's per-device peak, bytes."""
-    memory = footprint(job, strategy=strategy, micro_batch=micro_batch, checkpointing=checkpointing).memory
+    memory = footprint(
+        job, strategy=strategy, micro_batch=micro_batch, checkpointing=checkpointing, sync_each_batch=sync_each_batch
+    ).memory
     act = (memory.activations + memory.logits) * (1 + FRAGMENTATION)
     return memory.total, act
 
 
-def _describe(micro_batch: int, checkpointing: bool, accumulation: int) -> str:
+def _describe(micro_batch: int, checkpointing: bool, accumulation: int, sync_each_batch: bool = False) -> str:
     return (
         f"micro-batch {micro_batch} x accumulation {accumulation}, activation checkpointing "
         f"{'on' if checkpointing else 'off'}"
+        + (", gradients reduce-scattered every micro-batch (sync_each_batch)" if sync_each_batch else "")
     )
 
 
-def replan(job: Job, *, strategy: str, evidence: list[OomEvidence], tried: tuple[tuple[int, bool], ...] = ()) -> Replan:
+def replan(
+    job: Job, *, strategy: str, evidence: list[OomEvidence], tried: tuple[tuple[int, bool, bool], ...] = ()
+) -> Replan:
     """The fastest setting of `strategy` with the job's global batch that the evidence says fits.
 
     `evidence` holds the failed attempt's records (one per rank that ran out; the worst one counts),
-    `tried` the (micro-batch, checkpointing) settings already run, which are never proposed again.
+    `tried` the (micro-batch, checkpointing, sync_each_batch) settings already run, which are never
+    proposed again.
     """
     if not evidence:
         raise ValueError("replan needs at least one out-of-memory record")
@@ -136,28 +150,43 @@ def replan(job: Job, *, strategy: str, evidence: list[OomEvidence], tried: tuple
             f"changes that",
         )
     total, act = activation_term(
-        job, strategy=strategy, micro_batch=worst.micro_batch, checkpointing=worst.checkpointing
+        job,
+        strategy=strategy,
+        micro_batch=worst.micro_batch,
+        checkpointing=worst.checkpointing,
+        sync_each_batch=worst.sync_each_batch,
     )
     other = max(total - act, worst.baseline_bytes)
     scale = (worst.demand_bytes - other) / act if act > 0 else float("inf")
     limit = HEADROOM * worst.capacity_bytes
     share = batch_share(job)
-    done = set(tried) | {(worst.micro_batch, worst.checkpointing)}
+    done = set(tried) | {(worst.micro_batch, worst.checkpointing, worst.sync_each_batch)}
     ckpt_options = (True,) if worst.checkpointing else (False, True)
+    free = replace(job, micro_batch=None, sync_each_batch=None)  # re-planned like the micro-batch
     options = []
-    for mb in micro_batch_options(replace(job, micro_batch=None)):
+    for mb in micro_batch_options(free):
         for ckpt in ckpt_options:
-            if (mb, ckpt) in done:
-                continue
-            t_total, t_act = activation_term(job, strategy=strategy, micro_batch=mb, checkpointing=ckpt)
-            predicted = max(t_total - t_act, worst.baseline_bytes) + scale * t_act
-            accumulation = max(1, round(share / mb))
-            seconds = step_time(
-                job, strategy=strategy, micro_batch=mb, grad_accum=accumulation, checkpointing=ckpt
-            ).step_s
-            options.append((predicted, seconds, mb, ckpt, accumulation))
+            for sync in sync_options(free, strategy=strategy, micro_batch=mb):
+                if (mb, ckpt, bool(sync)) in done:
+                    continue
+                t_total, t_act = activation_term(
+                    job, strategy=strategy, micro_batch=mb, checkpointing=ckpt, sync_each_batch=bool(sync)
+                )
+                predicted = max(t_total - t_act, worst.baseline_bytes) + scale * t_act
+                accumulation = max(1, round(share / mb))
+                seconds = step_time(
+                    job,
+                    strategy=strategy,
+                    micro_batch=mb,
+                    grad_accum=accumulation,
+                    checkpointing=ckpt,
+                    sync_each_batch=bool(sync),
+                ).step_s
+                options.append((predicted, seconds, mb, ckpt, bool(sync), accumulation, sync))
     fitting = [o for o in options if o[0] <= limit]
-    failed = _describe(worst.micro_batch, worst.checkpointing, max(1, round(share / worst.micro_batch)))
+    failed = _describe(
+        worst.micro_batch, worst.checkpointing, max(1, round(share / worst.micro_batch)), worst.sync_each_batch
+    )
     evidence_text = (
         f"rank {worst.rank} ran out of memory at {failed}: it needed more than "
         f"{worst.demand_bytes / GIB:.2f} GiB ({worst.peak_kind} {worst.peak_bytes / GIB:.2f} GiB"
@@ -167,7 +196,7 @@ def replan(job: Job, *, strategy: str, evidence: list[OomEvidence], tried: tuple
         + f"), the plan said {total / GIB:.2f} GiB; activation estimate scaled x{scale:.2f}"
     )
     if not fitting:
-        smallest = min(options)[0] if options else other
+        smallest = min(o[0] for o in options) if options else other
         instead = _other_strategy(job, strategy)
         return Replan(
             None,
@@ -187,7 +216,8 @@ def replan(job: Job, *, strategy: str, evidence: list[OomEvidence], tried: tuple
             ),
             other_strategy=instead.strategy if instead else None,
         )
-    predicted, _, mb, ckpt, accumulation = min(fitting, key=lambda o: (round(o[1], 6), -o[2], o[3]))
+    # the fastest; on equal time the larger micro-batch, no checkpointing, the Trainer's no_sync
+    predicted, _, mb, ckpt, synced, accumulation, sync = min(fitting, key=lambda o: (round(o[1], 6), -o[2], o[3], o[4]))
     return Replan(
         mb,
         ckpt,
@@ -195,8 +225,9 @@ def replan(job: Job, *, strategy: str, evidence: list[OomEvidence], tried: tuple
         scale,
         predicted,
         limit,
-        f"{evidence_text}; expected to fit: {_describe(mb, ckpt, accumulation)} (same global "
+        f"{evidence_text}; expected to fit: {_describe(mb, ckpt, accumulation, synced)} (same global "
         f"batch) at {predicted / GIB:.2f} GiB of {limit / GIB:.2f} GiB usable",
+        sync_each_batch=sync,
     )
 
 

@@ -172,8 +172,17 @@ def _sharded_collectives(
     return intra, inter
 
 
-def step_time(job: Job, *, strategy: str, micro_batch: int, grad_accum: int, checkpointing: bool | int) -> StepTime:
-    """Seconds per optimizer step (grad_accum micro-batches on every rank)."""
+def step_time(
+    job: Job,
+    *,
+    strategy: str,
+    micro_batch: int,
+    grad_accum: int,
+    checkpointing: bool | int,
+    sync_each_batch: bool = False,
+) -> StepTime:
+    """Seconds per optimizer step (grad_accum micro-batches on every rank); `sync_each_batch`: FSDP2
+    reduce-scatters every micro-batch (accelerate's sync_each_batch) instead of once per step."""
     p = job.preset
     tokens = tokens_per_micro_batch(job, micro_batch) * grad_accum
     compute = (
@@ -226,9 +235,10 @@ def step_time(job: Job, *, strategy: str, micro_batch: int, grad_accum: int, che
     else:
         fsdp = tier.backend == "fsdp"
         # accelerate's FSDP2 reduces in the compute dtype and, under the Trainer's no_sync, only on the
-        # last micro-batch of a step; DeepSpeed reduce-scatters every micro-batch (counted in fp32)
+        # last micro-batch of a step (every micro-batch with sync_each_batch, overlapped with the backward
+        # like the others); DeepSpeed reduce-scatters every micro-batch (counted in fp32)
         reduce = states.trainable_params * (job.act_bytes if fsdp else 4)
-        reductions = 1 if fsdp else grad_accum
+        reductions = 1 if fsdp and not sync_each_batch else grad_accum
         g_intra, g_inter = _sharded_collectives(
             gather=weight_bytes(job),
             reduce=0.0,

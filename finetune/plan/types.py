@@ -58,6 +58,9 @@ class Candidate:
     checkpoint_layers: int = 0  # decoder layers checkpointed (the first k); activation_checkpointing = k > 0
     # fits only within choose.TIGHT_HEADROOM of GPU memory, not HEADROOM (chosen over offloading)
     tight: bool = False
+    # accelerate's sync_each_batch: FSDP2 reduces every micro-batch (True) or on a step's last only (False,
+    # the Trainer's no_sync); None where it is no setting (another tier, or no accumulation)
+    sync_each_batch: bool | None = None
 
     @property
     def per_gpu_memory_gib(self) -> float:
@@ -81,6 +84,7 @@ class Candidate:
             "bottleneck": self.bottleneck,
             "reason": self.reason,
             "gradient_accumulation_steps": self.gradient_accumulation_steps,
+            "sync_each_batch": self.sync_each_batch,
             "tight": self.tight,
         }
 
@@ -129,6 +133,7 @@ class Plan:
     warnings: list[str] = field(default_factory=list)
     # the chosen setting fits only within choose.TIGHT_HEADROOM of GPU memory (Candidate.tight)
     tight: bool = False
+    sync_each_batch: bool | None = None  # the chosen Candidate.sync_each_batch
 
     def to_json(self) -> dict:
         return {
@@ -145,6 +150,7 @@ class Plan:
             "host_ram_training_gib": round(self.host_ram_training_gib, 2),
             "micro_batch_size": self.micro_batch_size,
             "gradient_accumulation_steps": self.gradient_accumulation_steps,
+            "sync_each_batch": self.sync_each_batch,
             "activation_checkpointing": self.activation_checkpointing,
             "checkpoint_layers": self.checkpoint_layers,
             "num_layers": self.num_layers,

@@ -57,6 +57,9 @@ class Job:
     # records a partial choice (resolved.checkpoint_layers); None = every layer
     checkpoint_layers: int | None = None
     strategy: str = "auto"  # auto or a pinned concrete strategy
+    # distributed.sync_each_batch (schema.sync_each_batch_pin): reduce FSDP2's gradients every micro-batch
+    # (True) or on a step's last only (False, the Trainer's no_sync); None: searched
+    sync_each_batch: bool | None = None
     nvme_path: str | None = None  # ZeRO-Infinity swap dir (recipe's, else the preset's)
     # under FSDP2 each rank reads only its shards from the checkpoint (schema.loads_sharded); otherwise
     # FSDP loads the whole model once per node and scatters it

@@ -12,7 +12,7 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
-from finetune.strategies import AUTO, StrategyName, is_fsdp, shards_params
+from finetune.strategies import AUTO, StrategyName, is_fsdp, shards_params, weighs_sync_each_batch
 from finetune.strategies import NAMES as STRATEGY_NAMES
 
 Dtype = Literal["bfloat16", "float16", "float32"]
@@ -505,6 +505,18 @@ class DistributedSection(Strict):
         "shards from the checkpoint (finetune/train/sharded_load.py); false: every rank loads the whole model "
         "(QLoRA) or rank 0 loads it and sends each tensor to the others, as accelerate does",
     )
+    sync_each_batch: Literal["auto"] | bool = Field(
+        "auto",
+        description=(
+            "accelerate's sync_each_batch under gradient accumulation, for fsdp2 and fsdp2-hybrid: true "
+            "reduce-scatters the gradients after every micro-batch (one reduce-scatter per micro-batch, nothing "
+            "unsharded kept between them); false reduces once per optimizer step, the Trainer's default (its "
+            "no_sync keeps every layer's unsharded 16-bit gradients on each GPU until the step's last "
+            "micro-batch: ~16 GB for a full 8B); auto: the planner takes the faster setting that fits. The "
+            "other strategies have no such setting (DeepSpeed reduces every micro-batch anyway): true with one of "
+            "them pinned is refused"
+        ),
+    )
 
 
 class OutputSection(Strict):
@@ -800,6 +812,17 @@ def recipe_conflicts(recipe: Recipe):
         yield "train.max_bad_steps", "max_bad_steps needs train.on_nonfinite: skip"
     if d.eval_fraction and d.eval_sources:
         yield "data.eval_fraction", "set either data.eval_fraction or data.eval_sources, not both"
+    strategy = recipe.distributed.strategy
+    if recipe.distributed.sync_each_batch is True and strategy != AUTO and not weighs_sync_each_batch(strategy):
+        # refused rather than ignored: the pin would say something the run does not do
+        yield (
+            "distributed.sync_each_batch",
+            (
+                f"distributed.strategy {strategy} has no sync_each_batch setting (only "
+                f"{', '.join(n for n in STRATEGY_NAMES if weighs_sync_each_batch(n))} hold the gradients "
+                "until a step's last micro-batch); remove distributed.sync_each_batch or set it to auto"
+            ),
+        )
     if m.type in REFERENCE_METHODS and m.reference == "implicit" and a.type == "full":
         yield (
             "method.reference",
@@ -814,6 +837,17 @@ def packs_examples(recipe: Recipe) -> bool:
     """data.packing of SFT/pretrain examples into rows, whose examples' lengths the planner's attention time
     reads (data.example_tokens); DPO's padding-free pairs are planned at data.max_length per sequence."""
     return recipe.data.packing and recipe.method.type in PACKED_EXAMPLE_METHODS
+
+
+def sync_each_batch_pin(recipe: Recipe) -> bool | None:
+    """distributed.sync_each_batch as the planner and the Trainer take it: True/False, or None (auto) for
+    the planner to decide. compile writes the planner's true/false into every resolved recipe; one resolved
+    before the key existed carries auto, and ran under the Trainer's default no_sync, so auto in a resolved
+    recipe is False (its plan, e.g. a calibration row's, is rebuilt as it ran)."""
+    value = recipe.distributed.sync_each_batch
+    if isinstance(value, bool):
+        return value
+    return False if recipe.resolved is not None else None
 
 
 def dpo_reference(recipe: Recipe) -> str:

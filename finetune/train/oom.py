@@ -23,6 +23,7 @@ from pathlib import Path
 from transformers import TrainerCallback
 
 from finetune.errors import TrainingFailed
+from finetune.recipe.schema import sync_each_batch_pin
 from finetune.rundir import oom_record
 
 TEST_LIMIT_ENV = "FINETUNE_TEST_MEMORY_LIMIT_MIB"
@@ -137,6 +138,7 @@ def record(run_dir: Path, recipe, *, error: BaseException) -> OutOfMemory:
         "micro_batch_size": recipe.train.micro_batch_size,
         "gradient_accumulation_steps": recipe.resolved.gradient_accumulation_steps,
         "activation_checkpointing": recipe.train.activation_checkpointing == "on",
+        "sync_each_batch": sync_each_batch_pin(recipe) is True,
         "predicted_peak_gib": recipe.resolved.predicted_peak_gib,
         "requested_bytes": requested_bytes(message),
         "message": message,

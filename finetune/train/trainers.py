@@ -10,7 +10,7 @@ import logging
 from pathlib import Path
 
 from finetune.errors import RecipeError
-from finetune.recipe.schema import Recipe, dpo_reference
+from finetune.recipe.schema import Recipe, dpo_reference, sync_each_batch_pin
 from finetune.rundir import CHECKPOINTS
 from finetune.trackers import training_arguments
 
@@ -81,6 +81,9 @@ def common_args(recipe: Recipe, *, run_dir: Path, has_eval: bool) -> dict:
         include_num_input_tokens_seen="non_padding",
         save_total_limit=recipe.output.keep,
         ddp_timeout=int(recipe.distributed.timeout_minutes * 60),
+        # the planner's choice: the Trainer skips its no_sync while accumulating (FSDP2 reduce-scatters every
+        # micro-batch instead of holding unsharded gradients until the last); false is accelerate's default
+        accelerator_config={"gradient_accumulation_kwargs": {"sync_each_batch": sync_each_batch_pin(recipe) is True}},
         use_cpu=not cuda,
         dataloader_num_workers=2 if cuda else 0,
         dataloader_pin_memory=cuda,

@@ -3,7 +3,8 @@
 It joins the gloo group as a finetune rank does (accelerate's PartialState), loads the LoRA or QLoRA model with
 finetune.train.sharded_load on a CPU mesh (the FSDP plugin from the FSDP_* variables the test exported the
 way `accelerate launch` exports them), hands it to finetune's build_trainer, and writes OUT/rank-K.json
-(sizes, the trainer's view of the model, losses) and OUT/rank-K.pt (logits, quant states). accelerate runs
+(sizes, the trainer's view of the model, losses; for a full fine-tune, gradient accumulation reducing every
+micro-batch or the last only: `_accumulation`) and OUT/rank-K.pt (logits, quant states). accelerate runs
 FSDP only on accelerators, so the steps are taken by a plain loop over the trainer's own collated batch.
 With `hybrid`, RESOLVED is a recipe compiled for fsdp2-hybrid: the rank only loads, on the 2-D mesh that
 finetune.train.sharded_load.shard_mesh builds from the PARALLELISM_CONFIG_* variables, and records that.
@@ -107,6 +108,53 @@ def _steps(model, loss_fn, *, lr: float, n: int = 4) -> list[float]:
         optimizer.zero_grad()
         losses.append(loss.item())
     return losses
+
+
+def _accumulation(model, batch, *, lr: float, steps: int = 3) -> dict:
+    """A full fine-tune's gradient accumulation over two micro-batches (the batch's halves), as the Trainer runs
+    it under FSDP2: reducing after each (accelerate's sync_each_batch: the Trainer enters no no_sync) or after
+    the last only (accelerate's no_sync, which for FSDP2 is set_requires_gradient_sync(False) around the
+    others). The Trainer's own FSDP2 loop does not run here (accelerate takes FSDP only on accelerators), so
+    FSDP2's switch is set here as accelerate.no_sync sets it. Then `steps` steps reducing every micro-batch."""
+    import torch
+
+    halves = [
+        {k: v[part] if torch.is_tensor(v) else v for k, v in batch.items()} for part in (slice(0, 2), slice(2, 4))
+    ]
+    trained = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+
+    def accumulate(each: bool) -> tuple[list[float], int]:
+        losses, reduced_after_first = [], 0
+        for i, half in enumerate(halves):
+            model.set_requires_gradient_sync(each or i == len(halves) - 1)
+            loss = model(**half).loss / len(halves)
+            loss.backward()
+            losses.append(loss.item())
+            if i == 0:  # sharded fp32 gradients exist only where the micro-batch was reduce-scattered
+                reduced_after_first = sum(p.grad is not None for _, p in trained)
+        model.set_requires_gradient_sync(True)
+        return losses, reduced_after_first
+
+    _, each_reduced = accumulate(each=True)
+    each = {n: p.grad.full_tensor() for n, p in trained}
+    model.zero_grad()
+    _, last_reduced = accumulate(each=False)
+    diff = max((p.grad.full_tensor() - each[n]).abs().max().item() for n, p in trained)
+    model.zero_grad()
+    optimizer = torch.optim.AdamW([p for _, p in trained], lr=lr)
+    losses = []
+    for _ in range(steps):
+        micro, _ = accumulate(each=True)
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(sum(micro))
+    return {
+        "trained": len(trained),
+        "reduced_after_first": {"each": each_reduced, "last": last_reduced},
+        "grad_diff": diff,
+        "grad_scale": max(g.abs().max().item() for g in each.values()),
+        "losses": losses,
+    }
 
 
 def _adapter(model) -> dict:
@@ -264,6 +312,8 @@ def main() -> int:
     del ac_model
     trainer.model.train()
     losses = _steps(trainer.model, lambda: trainer.model(**batch).loss, lr=recipe.train.lr)
+    full = recipe.adapter.type == "full"
+    accumulation = _accumulation(trainer.model, batch, lr=recipe.train.lr) if full else None
 
     record = {
         "rank": rank,
@@ -282,6 +332,7 @@ def main() -> int:
             (n, str(p.dtype), type(p).__name__) for n, p in trainer.model.named_parameters() if p.requires_grad
         ],
         "losses": losses,
+        "accumulation": accumulation,
         "checkpointing_changes": checkpointed,
         "accelerate_wrap_error_with_env_plugin": _accelerate_finds_layers({}, model),
         "accelerate_wrap_error_with_trainer_plugin": _accelerate_finds_layers(args.fsdp_plugin_args, model),

@@ -563,3 +563,35 @@ def test_every_shipped_recipe_compiles_or_is_refused_on_every_preset(recipe_path
         assert Path(spec.files["launch.sh"]).is_file()
         assert (run_dir / "ds_config.json").exists() == is_deepspeed(spec.strategy)
     assert compiled, f"{recipe_path.name} fits none of the presets"
+
+
+@pytest.mark.parametrize(("sync", "expected"), [("auto", True), ("false", False)])
+def test_the_training_arguments_carry_the_plans_sync_each_batch(sync, expected, tmp_path):
+    """The planner's sync_each_batch (full 8B at 4096 tokens, global batch 16 on 4 x H100: FSDP2 reducing every
+    micro-batch; pinned false: no_sync) -> recipe.resolved.yaml -> the rank's TrainingArguments -> the Trainer's
+    Accelerator, whose gradient_state.plugin_kwargs the Trainer's accumulation loop reads to skip no_sync."""
+    from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
+
+    from finetune.rundir import RESOLVED_RECIPE
+    from finetune.train.trainers import common_args
+    from tests.helpers.calibration_rows import preset_for
+    from tests.helpers.paths import TINY_MODEL
+
+    preset = tmp_path / "4xh100.yaml"
+    preset.write_text(yaml.safe_dump(preset_for("NVIDIA H100 80GB HBM3", gpus_per_node=4).model_dump(mode="json")))
+    overrides = ["data.max_length=4096", "train.global_batch_size=16", f"distributed.sync_each_batch={sync}"]
+    run_dir = tmp_path / "run"
+    spec = compile_recipe(
+        ROOT / "recipes" / "llama8b-full.yaml", run_dir=run_dir, hardware=str(preset), overrides=overrides
+    )
+    assert ("gradients reduce-scattered every micro-batch (sync_each_batch)" in spec.summary) is expected
+    resolved = load_recipe(run_dir / RESOLVED_RECIPE, allow_resolved=True)
+    assert resolved.distributed.sync_each_batch is expected
+    assert resolved.resolved.gradient_accumulation_steps > 1
+    args = common_args(resolved, run_dir=run_dir, has_eval=False)
+    assert args["accelerator_config"] == {"gradient_accumulation_kwargs": {"sync_each_batch": expected}}
+    # the arguments as a GPU rank builds them, but for the device: this machine has no GPU (TrainingArguments
+    # refuses bf16 and a CUDA rank without one)
+    cpu = TrainingArguments(**{**args, "use_cpu": True, "bf16": False, "report_to": [], "dataloader_pin_memory": False})
+    trainer = Trainer(model=AutoModelForCausalLM.from_pretrained(TINY_MODEL), args=cpu)
+    assert trainer.accelerator.gradient_state.plugin_kwargs.get("sync_each_batch", False) is expected

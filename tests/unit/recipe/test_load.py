@@ -98,6 +98,17 @@ def test_wrong_literal_lists_choices():
             "method.reference",
             "reference: copy",
         ),
+        # a tier with no no_sync to skip: refused rather than silently ignored
+        (
+            {"distributed": {"strategy": "zero2", "sync_each_batch": True}},
+            "distributed.sync_each_batch",
+            "remove distributed.sync_each_batch or set it to auto",
+        ),
+        (
+            {"distributed": {"strategy": "fsdp2-offload", "sync_each_batch": True}},
+            "distributed.sync_each_batch",
+            "only fsdp2, fsdp2-hybrid",
+        ),
     ],
 )
 def test_conflicts_say_how_to_fix(update, key, fix):

@@ -89,7 +89,10 @@ def test_replan_never_proposes_a_setting_already_tried_and_turns_checkpointing_o
     assert (out.micro_batch, out.checkpointing) != (1, False)
     assert out.checkpointing  # micro-batch 1 is the smallest: only checkpointing is left
     again = replan(
-        job, strategy="ddp", evidence=[replace(ev, checkpointing=True)], tried=((1, False), (out.micro_batch, True))
+        job,
+        strategy="ddp",
+        evidence=[replace(ev, checkpointing=True)],
+        tried=((1, False, False), (out.micro_batch, True, False)),
     )
     assert again.micro_batch is None or (again.micro_batch, again.checkpointing) not in {(1, False), (1, True)}
 
@@ -138,6 +141,40 @@ def test_the_worst_rank_decides():
     mild = _evidence(micro_batch=4)
     bad = replace(_evidence(micro_batch=4, requested_gib=20), rank=3)
     assert replan(job, strategy="ddp", evidence=[mild, bad]).text.startswith("rank 3 ")
+
+
+def test_an_fsdp2_run_out_of_memory_under_no_sync_is_replanned_to_reduce_every_micro_batch():
+    """Full 8B at 4096 tokens, global batch 16 under FSDP2 on 4 x H100: the failed run held no_sync's
+    unsharded gradients (a record from before the key says nothing: the Trainer's default); the same
+    micro-batch and checkpointing reduce-scattering every micro-batch is the fastest setting expected to fit.
+    When that runs out too, it is not proposed again."""
+    from tests.helpers.calibration_rows import preset_for
+
+    recipe = load_recipe(
+        ROOT / "recipes" / "llama8b-full.yaml",
+        overrides=["data.max_length=4096", "train.global_batch_size=16", "distributed.strategy=fsdp2"],
+    )
+    job = job_from_recipe(
+        recipe, arch=get_model("llama-3.1-8b"), preset=preset_for("NVIDIA H100 80GB HBM3", gpus_per_node=4)
+    )
+    record = {"rank": 0, "micro_batch_size": 1, "activation_checkpointing": False}
+    record |= {"peak_bytes": 78.6 * GIB, "capacity_bytes": 79.1 * GIB, "requested_bytes": 1.0 * GIB}
+    ev = OomEvidence.from_record(record)
+    assert ev.sync_each_batch is False and OomEvidence.from_record(record | {"sync_each_batch": True}).sync_each_batch
+    out = replan(job, strategy="fsdp2", evidence=[ev])
+    assert (out.micro_batch, out.checkpointing, out.gradient_accumulation_steps, out.sync_each_batch) == (
+        1,
+        False,
+        4,
+        True,
+    )
+    # the failed setting is modelled as it ran (with the held gradients): the scaled model reproduces its demand
+    total, act = activation_term(job, strategy="fsdp2", micro_batch=1, checkpointing=False, sync_each_batch=False)
+    assert (total - act) + out.scale * act == pytest.approx(ev.demand_bytes)
+    assert "reduce-scattered every micro-batch (sync_each_batch)" in out.text
+    again = replan(job, strategy="fsdp2", evidence=[replace(ev, sync_each_batch=True)], tried=((1, False, False),))
+    assert again.micro_batch is not None
+    assert (again.micro_batch, again.checkpointing, again.sync_each_batch) not in {(1, False, True), (1, False, False)}
 
 
 @pytest.mark.slow
@@ -265,7 +302,8 @@ def test_a_rank_out_of_memory_is_replanned_and_resumed_from_the_last_checkpoint(
 def test_a_tight_plan_that_ran_out_names_the_strategy_that_fits_within_the_usual_headroom():
     # the 14B full fine-tune on 4 x 80 GB is planned as ZeRO-3 within 95% of GPU memory (a tight fit); if it
     # still runs out with the states alone leaving no room, no micro-batch helps, and the answer names
-    # what the planner chooses within 90%: optimizer offload
+    # what the planner chooses within 90%: optimizer offload. Under the Trainer's no_sync, as that run was
+    # planned (syncing each batch, FSDP2 fits tightly too: tests/unit/plan/test_plan.py)
     from finetune.launch import _oom_hint
     from finetune.plan.choose import search
 
@@ -275,6 +313,7 @@ def test_a_tight_plan_that_ran_out_names_the_strategy_that_fits_within_the_usual
             "adapter": {"type": "full"},
             "data": {"path": "x.jsonl", "max_length": 2048},
             "train": {"global_batch_size": 16},
+            "distributed": {"sync_each_batch": False},
             "hardware": "auto",
         }
     )

@@ -429,7 +429,8 @@ def test_random_weights_are_built_shard_by_shard_alike_on_every_rank(sections, t
 def test_a_full_fine_tune_loads_sharded_as_accelerate_would_shard_it(two_ranks_full, tmp_path_factory):
     """A full fine-tune: every parameter trainable, as fp32 master weights (accelerate's FSDP2 upcast under
     mixed precision), each rank holding half of them; the logits are the whole bf16 model's (FSDP casts
-    the weights, read from bf16, back to bf16 for compute) and the loss falls alike on both ranks."""
+    the weights, read from bf16, back to bf16 for compute) and the loss falls alike on both ranks, also
+    accumulating two micro-batches with a reduce-scatter after each (sync_each_batch)."""
     import torch
 
     from finetune.train.model import load_model
@@ -442,11 +443,21 @@ def test_a_full_fine_tune_loads_sharded_as_accelerate_would_shard_it(two_ranks_f
     fp32_bytes = 4 * sum(p.numel() for p in whole.parameters())
     for r, t in zip(records, tensors, strict=True):
         print(f"rank {r['rank']}: {r['local_bytes']} of {fp32_bytes} fp32 bytes, losses {r['losses']}")
+        print(f"rank {r['rank']} accumulating: {r['accumulation']}")
         assert r["frozen_bytes"] == 0 and r["local_bytes"] == pytest.approx(fp32_bytes / 2, rel=0.02)
         assert {(dtype, kind) for _, dtype, kind in r["trainable"]} == {("torch.float32", "DTensor")}
         assert r["trainer_model_is_loaded_model"] and r["losses"][-1] < r["losses"][0]
         torch.testing.assert_close(t["logits"], reference, rtol=0, atol=0)
+        # accumulating two micro-batches (distributed.sync_each_batch): reduce-scattering each leaves every
+        # parameter's sharded gradient after the first, no_sync none (FSDP2 holds them unsharded until the
+        # last: the planner's memory.fsdp_accumulated_gradients); both sum the same gradients, and training
+        # with a reduce-scatter per micro-batch lowers the loss
+        acc = r["accumulation"]
+        assert acc["reduced_after_first"] == {"each": acc["trained"], "last": 0} and acc["trained"] > 0
+        assert acc["grad_diff"] <= 1e-2 * acc["grad_scale"], acc
+        assert acc["losses"][-1] < acc["losses"][0], acc["losses"]
     assert records[0]["losses"] == records[1]["losses"]
+    assert records[0]["accumulation"]["losses"] == records[1]["accumulation"]["losses"]
 
 
 @slow
