@@ -120,10 +120,8 @@ SPEED_MISSES = {
     ),
     "69-full14b-qwen2.5": (
         "ZeRO-3 optimizer-only offload, full 14B on 4 H100s, alone on the host, 16 threads per rank: 9.8 s a step "
-        "against 5.4 planned. By row 71's profile, DeepSpeed's copy of each updated fp32 partition into the GPU's "
-        "16-bit partition is a cast on the host into a pageable temporary and a synchronous pageable copy up "
-        "(~7.5 GB/s where the model assumes the pinned 45), about 1.7 s a step at this partition size; the rest "
-        "is unprofiled"
+        "against 7.2 planned now that the model has row 71's host cast and pageable write-back of the updated "
+        "partitions (5.4 before); the rest is unprofiled"
     ),
     "70-llama3b-full-fsdp2-offload": (
         "FSDP2 CPU offload, full 3B on 2 H100s, alone on the host, 32 threads per rank: 9.6 s a step. The "
@@ -134,11 +132,39 @@ SPEED_MISSES = {
     ),
     "71-llama3b-full-zero3-optim-offload": (
         "ZeRO-3 optimizer-only offload, full 3B on 2 H100s, alone on the host, 32 threads per rank: 2.73 s a step "
-        "against 1.32 planned. The profile (docs/results/profiles/full3b-zero3-optim-offload-h100x2.txt) shows "
-        "CPUAdam and the unscale at the modelled 0.56 s, and what the model lacks: DeepSpeed casts each updated "
-        "fp32 partition on the host (0.40 s) into a pageable temporary that goes up in a synchronous pageable "
-        "copy (0.43 s, ~7.5 GB/s; modelled at the pinned 45 GB/s, 0.07 s), plus ZeRO-3's per-parameter hooks "
-        "on the host thread"
+        "against 1.32 planned before the write-back below was modelled (2.16 now). The profile "
+        "(docs/results/profiles/full3b-zero3-optim-offload-h100x2.txt) shows CPUAdam and the unscale at the modelled "
+        "0.56 s, DeepSpeed's cast of each updated fp32 partition on the host (0.40 s) into a pageable temporary that "
+        "goes up in a synchronous pageable copy (0.43 s, ~7.5 GB/s), both now in the model "
+        "(offload_time.optimizer_writeback_seconds); the rest is ZeRO-3's per-parameter hooks on the host thread, "
+        "unmodelled"
+    ),
+    "74-llama3b-full-fsdp2-offload": (
+        "FSDP2 CPU offload, full 3B on 2 H200s, alone on the host, 16 threads per rank, after the non-finite check "
+        "became one sum per gradient: 2.49 s a step (row 70's setting took 9.6 s; the check itself is now 0.13 s) "
+        "against 1.20 planned. The profile (docs/results/profiles/full3b-fsdp2-offload-h200x2.txt) puts 0.84 s a "
+        "step in clip_grad_norm_'s vector norm over the host gradient shards (about 7.6 GB/s, where the model "
+        "assumes the rank's threads stream at up to 100 GB/s) and 0.57 s in torch's fused CPU AdamW (at the "
+        "modelled rate)"
+    ),
+    "75-llama3b-full-zero3-optim-offload": (
+        "ZeRO-3 optimizer-only offload, full 3B on 2 H200s, alone on the host, 16 threads per rank: 3.46 s a step "
+        "against 2.16 planned (with the host cast and pageable write-back now modelled); the same run on an H100 "
+        "host took 2.73 s (row 71). By the profile (docs/results/profiles/full3b-zero3-optim-offload-h200x2.txt) "
+        "this host's copies (cudaMemcpyAsync 0.52 s, copy_ 0.41 s a step) and CPUAdam (0.46 s) are slower than "
+        "row 71's; the preset knows neither host's memory or PCIe rate"
+    ),
+    "79-full3b-fsdp2-sync-true": (
+        "FSDP2, full 3B on 2 H200s at micro-batch 1 x 2048 tokens, 4 accumulation steps: 1.13 s a step against "
+        "0.46 planned. The same model at micro-batch 4 without accumulation is predicted within 2% (row 72), and "
+        "8B at micro-batch 2 x 4096 with sync_each_batch ran faster than planned (docs/validation.md): FSDP2 has a "
+        "cost per micro-batch (~150-200 ms here, unprofiled) that the model lacks and that only shows when a "
+        "micro-batch's compute is this small (~60 ms)"
+    ),
+    "80-full3b-fsdp2-sync-false": (
+        "as row 79 under the Trainer's no_sync: 1.03 s a step against 0.46 planned; syncing every micro-batch "
+        "cost 0.10 s a step (three more reduce-scatters of 6.4 GB, ~35 ms each), the model's figure is 0.01 s "
+        "visible beyond the compute"
     ),
 }
 MEMORY_MISSES = {
@@ -163,11 +189,22 @@ HOST_MISSES = {
     ),
     "67-full3b-fsdp2-sharded-load": (
         "full 3B under FSDP2 through the sharded load on 2 H100s: 13.0 GiB of PSS on the node against 6.0 "
-        "planned. PSS counts the pages of the mapped checkpoint the ranks read their rows from (6.0 GiB of bf16 "
-        "here, about the gap) alike with anonymous memory, while the planner leaves out page cache the kernel "
-        "can drop; the row recorded no split (the memory report samples PSS's anonymous part only since), and "
-        "a checkpoint save (step 5) lies inside the sampled window"
+        "planned, with a checkpoint save (step 5) inside the sampled window. The row recorded no split of PSS; "
+        "the same run without the save (row 72) held 6.98 GiB, 6.37 of it anonymous, so the gap here is mostly "
+        "the save, not the mapped checkpoint's pages"
     ),
+    "72-full3b-fsdp2-sharded": (
+        "full 3B under FSDP2 through the sharded load on 2 H200s, no checkpoint save in the window: 6.98 GiB of "
+        "PSS on the node against 6.00 planned, 6.37 of it anonymous: row 67's gap was not the mapped checkpoint's "
+        "page cache (last session's reading, refuted); each FSDP2 full-fine-tune rank holds ~0.2-2 GiB of "
+        "anonymous host memory beyond the planned process baseline (rows 78-80 the same), not yet identified"
+    ),
+    "78-random-init-full3b-fsdp2": (
+        "as row 72, with model.init: random (rank 0 builds the model on the CPU and broadcasts it): 9.98 GiB of "
+        "PSS, 9.42 anonymous, against 6.00"
+    ),
+    "79-full3b-fsdp2-sync-true": "as row 72 at micro-batch 1 x 4: 8.57 GiB of PSS, 7.97 anonymous, against 6.00",
+    "80-full3b-fsdp2-sync-false": "as row 72 at micro-batch 1 x 4: 10.17 GiB of PSS, 9.61 anonymous, against 6.00",
 }
 
 
