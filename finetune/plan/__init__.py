@@ -16,12 +16,18 @@ from finetune.plan.choose import (
     HEADROOM,
     TIGHT_HEADROOM,
     best_for_strategy,
+    not_applicable,
     search,
     suggestions,
     usable_fraction,
 )
 from finetune.plan.fallback import attention_fallback_warning
-from finetune.plan.memory import adapter_input_casts, fsdp_accumulated_gradients, zero_model_state_bytes
+from finetune.plan.memory import (
+    adapter_input_casts,
+    fsdp_accumulated_gradients,
+    steps_16bit_weights,
+    zero_model_state_bytes,
+)
 from finetune.plan.render import render_plan_table
 from finetune.plan.timing import (
     allgather_time_s,
@@ -267,9 +273,32 @@ def plan_on(recipe, *, arch, preset, source: str) -> Plan:
     job = job_from_recipe(recipe, arch=arch, preset=preset)
     result = plan_job(job)
     result.substitutions = substitutions(recipe, result)
-    result.warnings = [w for w in (warning, attention_fallback_warning(job, result)) if w]
+    warnings = (
+        warning,
+        attention_fallback_warning(job, result),
+        master_weights_warning(job, result, dtype=recipe.model.dtype),
+    )
+    result.warnings = [w for w in warnings if w]
     result.hardware_source = source
     return result
+
+
+def master_weights_warning(job: Job, plan: Plan, *, dtype: str) -> str:
+    """'' unless the plan steps a full fine-tune's 16-bit weights without fp32 masters (memory.steps_16bit_weights):
+    DDP pinned on several GPUs, or the only on-GPU strategy of one GPU."""
+    if not plan.fits or not steps_16bit_weights(job, plan.strategy):
+        return ""
+    fix = (
+        "set distributed.strategy: zero2 (the parameters replicated as under ddp, with fp32 masters) or auto"
+        if job.preset.world_size > 1
+        else "set model.dtype: float32 (fp32 weights the optimizer steps, bf16 compute under autocast: 16 bytes "
+        "a parameter instead of 12) or distributed.strategy: zero2 (DeepSpeed keeps fp32 masters on one GPU too)"
+    )
+    return (
+        f"{plan.strategy} steps this full fine-tune's {dtype} weights without fp32 master copies: an AdamW update "
+        f"smaller than half a {dtype} step of its weight rounds away (at lr 1e-5 most of them), so the run learns "
+        f"far less per step than with masters; {fix}"
+    )
 
 
 def context_check(recipe, arch) -> str:
@@ -464,7 +493,15 @@ def _why(job: Job, chosen: Candidate, achieved: int, candidates: list[Candidate]
     )
     if achieved != job.global_batch_size:
         second += f" (train.global_batch_size {job.global_batch_size} rounded to the nearest achievable)"
-    return first + second + "." + _sync_why(job, chosen)
+    return first + second + "." + _sync_why(job, chosen) + _no_ddp_why(job)
+
+
+def _no_ddp_why(job: Job) -> str:
+    """Why ddp is not among the candidates of a 16-bit full fine-tune (choose.not_applicable)."""
+    if job.strategy != "auto" or not steps_16bit_weights(job, "ddp"):
+        return ""
+    reason = not_applicable(job, "ddp")
+    return f" ddp is not considered: it {reason}." if reason else ""
 
 
 def _checkpointing_words(k: int, layers: int) -> str:

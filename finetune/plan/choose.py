@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from finetune import strategies
-from finetune.plan.memory import checkpointed_layers, footprint
+from finetune.plan.memory import checkpointed_layers, footprint, steps_16bit_weights
 from finetune.plan.timing import step_time
 from finetune.plan.types import GIB, Candidate
 from finetune.plan.workload import Job, accumulation_steps, batch_share
@@ -54,6 +54,11 @@ def not_applicable(job: Job, strategy: str) -> str:
         return (
             "hybrid sharding shards within a node; with one GPU per node use ddp (replicate) "
             "or fsdp2 (shard across nodes)"
+        )
+    if tier.backend == "ddp" and p.world_size > 1 and job.strategy != strategy and steps_16bit_weights(job, strategy):
+        return (
+            "keeps no fp32 master weights: a 16-bit full fine-tune loses most AdamW updates to rounding; "
+            "zero2 replicates the parameters as ddp does and keeps fp32 masters"
         )
     splits = tier.shards_params or tier.zero_stage >= 2
     if splits and tier.offload_level == 0 and p.world_size < 2 and job.strategy != strategy:

@@ -178,6 +178,16 @@ def keeps_fp32_master(strategy: str | None) -> bool:
     return strategy is None or info(strategy).backend != "ddp"
 
 
+def steps_16bit_weights(job: Job, strategy: str) -> bool:
+    """A full fine-tune whose optimizer steps the 16-bit weights themselves (`keeps_fp32_master` is false:
+    DDP on a bf16/fp16 model). An AdamW update smaller than half a 16-bit step of its weight rounds away: at
+    lr 1e-5 one step changes ~16% of bf16 weights of std 0.02 (tests/unit/plan/test_master_weights.py), and
+    on GPUs full fine-tunes under DDP lost far less loss in 12 steps than the same runs under ZeRO-2/3 with
+    fp32 masters (docs/validation.md, fourth session). The planner does not choose DDP for such a run where
+    a strategy with masters applies, and warns where it runs anyway (`master_weights_warning`)."""
+    return job.adapter == "full" and job.weight_bytes < 4 and not keeps_fp32_master(strategy)
+
+
 def state_bytes(job: Job, strategy: str | None = None) -> StateBytes:
     """`strategy` None: the sharded strategies' accounting (fp32 masters), as the ZeRO paper counts."""
     master = keeps_fp32_master(strategy) and job.weight_bytes < 4
