@@ -292,7 +292,8 @@ def master_weights_warning(job: Job, plan: Plan, *, dtype: str) -> str:
         "set distributed.strategy: zero2 (the parameters replicated as under ddp, with fp32 masters) or auto"
         if job.preset.world_size > 1
         else "set model.dtype: float32 (fp32 weights the optimizer steps, bf16 compute under autocast: 16 bytes "
-        "a parameter instead of 12) or distributed.strategy: zero2 (DeepSpeed keeps fp32 masters on one GPU too)"
+        "a parameter and autocast's bf16 copies of the weights, instead of 12) or distributed.strategy: zero2 "
+        "(DeepSpeed keeps fp32 masters on one GPU too)"
     )
     return (
         f"{plan.strategy} steps this full fine-tune's {dtype} weights without fp32 master copies: an AdamW update "

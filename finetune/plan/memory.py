@@ -420,7 +420,9 @@ def footprint(
     opt_on_gpu = 0.0 if tier.offload_optimizer else 1.0
     replicated = replicated_weight_bytes(job)  # every rank's whole copy, whatever is sharded or offloaded
     on_gpu = MemoryBreakdown(
-        weights=replicated + (0.0 if tier.offload_params else (states.weights - replicated) / shard),
+        weights=replicated
+        + (0.0 if tier.offload_params else (states.weights - replicated) / shard)
+        + autocast_weight_copies(job, strategy=strategy, checkpointing=checkpointing),
         trainable=opt_on_gpu * states.trainable / states_shard,
         gradients=opt_on_gpu * states.gradients / states_shard + extra_grads,
         optimizer=opt_on_gpu * states.optimizer / states_shard,
@@ -464,6 +466,26 @@ def trained_unit_params(job: Job) -> tuple[float, float]:
     if job.adapter == "full":
         return params.layer, params.root
     return lora_params(job) / params.num_layers, saved_module_params(job)
+
+
+def autocast_weight_copies(job: Job, *, strategy: str, checkpointing: bool | int) -> float:
+    """Bytes of the 16-bit copies that bf16/fp16 autocast makes of an fp32 model's weights under DDP
+    (model.dtype float32, train.precision bf16/fp16): each matmul casts its weight, and autograd keeps the
+    copy for the backward (the input's gradient needs it), from the layer's forward to its backward. At the
+    backward's start every layer's copies are alive but a checkpointed layer's (recomputed then), and the
+    lm_head's. FSDP2 casts through its MixedPrecisionPolicy (the gathered copy is counted as comm), DeepSpeed
+    converts the model to 16 bits itself, and quantized bases dequantize per matmul (bitsandbytes)."""
+    if (
+        info(strategy).backend != "ddp"
+        or job.weight_bytes != 4
+        or job.act_bytes == 4
+        or job.adapter == "qlora"
+        or job.int8_base
+    ):
+        return 0.0
+    layers = job.arch.num_layers
+    kept = count_params(job.arch).layers_linear * (layers - checkpointed_layers(job, checkpointing)) / layers
+    return job.act_bytes * (kept + job.arch.vocab_size * job.arch.hidden_size)
 
 
 def fsdp_gradient_buffers(job: Job, *, strategy: str) -> float:

@@ -88,3 +88,33 @@ def test_one_gpu_keeps_ddp_and_names_both_ways_to_fp32_masters():
     assert p.fits and p.strategy == "ddp"
     (warning,) = [w for w in p.warnings if "master" in w]
     assert "model.dtype: float32" in warning and "distributed.strategy: zero2" in warning
+
+
+def test_fp32_weights_under_bf16_autocast_are_planned_with_autocast_s_weight_copies():
+    # the one-GPU way to masters: each matmul's bf16 copy of its fp32 weight is kept for the backward
+    from finetune.plan.memory import autocast_weight_copies
+    from finetune.plan.workload import count_params
+
+    arch = get_model("llama-3.2-1b")
+    one = preset_for(H200, gpus_per_node=1)
+    base = ["model.name=meta-llama/Llama-3.2-1B", "train.global_batch_size=16", "train.micro_batch_size=4"]
+    plans = {}
+    for dtype in ("bfloat16", "float32"):
+        recipe = load_recipe(ROOT / "recipes" / "llama8b-full.yaml", overrides=[*base, f"model.dtype={dtype}"])
+        plans[dtype] = (
+            plan_on(recipe, arch=arch, preset=one, source="auto"),
+            job_from_recipe(recipe, arch=arch, preset=one),
+        )
+    (bf16, _), (fp32, job) = plans["bfloat16"], plans["float32"]
+    n = count_params(arch)
+    copies = 2 * (n.layers_linear + arch.vocab_size * arch.hidden_size)  # no layer checkpointed at this setting
+    assert fp32.checkpoint_layers == 0
+    assert autocast_weight_copies(job, strategy="ddp", checkpointing=0) == copies
+    # the weights column: fp32 weights (4 bytes a parameter instead of 2) plus the copies
+    assert fp32.memory.weights - bf16.memory.weights == pytest.approx(2 * n.total + copies)
+    # checkpointing every layer but one leaves that layer's copies and the lm_head's
+    assert (
+        autocast_weight_copies(job, strategy="ddp", checkpointing=arch.num_layers)
+        == 2 * arch.vocab_size * arch.hidden_size
+    )
+    assert autocast_weight_copies(job, strategy="zero2", checkpointing=0) == 0.0
