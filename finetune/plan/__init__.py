@@ -25,6 +25,7 @@ from finetune.plan.fallback import attention_fallback_warning
 from finetune.plan.memory import (
     adapter_input_casts,
     fsdp_accumulated_gradients,
+    keeps_fp32_master,
     steps_16bit_weights,
     zero_model_state_bytes,
 )
@@ -43,6 +44,7 @@ from finetune.plan.workload import (
     count_params,
     lora_param_count,
     module_shapes,
+    saved_modules,
     trainable_params,
     varlen_fallback_layers,
 )
@@ -286,7 +288,18 @@ def plan_on(recipe, *, arch, preset, source: str) -> Plan:
 def master_weights_warning(job: Job, plan: Plan, *, dtype: str) -> str:
     """'' unless the plan steps a full fine-tune's 16-bit weights without fp32 masters (memory.steps_16bit_weights):
     DDP pinned on several GPUs, or the only on-GPU strategy of one GPU."""
-    if not plan.fits or not steps_16bit_weights(job, plan.strategy):
+    if not plan.fits:
+        return ""
+    saved = saved_modules(job)
+    if saved and not keeps_fp32_master(plan.strategy) and job.weight_bytes < 4:
+        modules = ", ".join(saved)
+        return (
+            f"{plan.strategy} steps the adapter.modules_to_save copies ({modules}) in {dtype} without fp32 master "
+            f"copies (peft copies them in the model's dtype; only the LoRA weights are fp32): an AdamW update "
+            f"smaller than half a {dtype} step of its weight rounds away; fsdp2, zero2 and zero3 keep fp32 masters "
+            "of them"
+        )
+    if not steps_16bit_weights(job, plan.strategy):
         return ""
     fix = (
         "set distributed.strategy: zero2 (the parameters replicated as under ddp, with fp32 masters) or auto"

@@ -486,9 +486,14 @@ def adapter_tensors(job: Job) -> Tensors:
     return out + embedding_lora(job)
 
 
+def saved_modules(job: Job) -> list[str]:
+    """adapter.modules_to_save that peft copies and trains whole: the vocab x hidden modules."""
+    return sorted(set(job.modules_to_save) & {"embed_tokens", "lm_head"})
+
+
 def saved_module_tensors(job: Job) -> Tensors:
     """adapter.modules_to_save: one vocab x hidden copy per named module."""
-    n = len(set(job.modules_to_save) & {"embed_tokens", "lm_head"})
+    n = len(saved_modules(job))
     return [(n, (job.arch.vocab_size, job.arch.hidden_size))] if n else []
 
 
@@ -502,7 +507,7 @@ def numel(shape: tuple[int, ...]) -> int:
 def saved_module_params(job: Job) -> int:
     """adapter.modules_to_save: peft trains a full copy of each named module (embed_tokens, lm_head)."""
     embed = job.arch.vocab_size * job.arch.hidden_size
-    return embed * len(set(job.modules_to_save) & {"embed_tokens", "lm_head"})
+    return embed * len(saved_modules(job))
 
 
 def trainable_params(job: Job) -> int:

@@ -118,3 +118,22 @@ def test_fp32_weights_under_bf16_autocast_are_planned_with_autocast_s_weight_cop
         == 2 * arch.vocab_size * arch.hidden_size
     )
     assert autocast_weight_copies(job, strategy="zero2", checkpointing=0) == 0.0
+
+
+def test_ddp_warns_that_it_trains_peft_s_modules_to_save_copies_in_bf16():
+    # peft copies modules_to_save in the model's dtype (only the LoRA weights are upcast to fp32)
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(ROOT / "data" / "tiny-llama", dtype=torch.bfloat16)
+    config = LoraConfig(r=4, target_modules="all-linear", modules_to_save=["lm_head"], task_type="CAUSAL_LM")
+    trained = {n: p.dtype for n, p in get_peft_model(model, config).named_parameters() if p.requires_grad}
+    assert {d for n, d in trained.items() if "modules_to_save" in n} == {torch.bfloat16}
+    assert {d for n, d in trained.items() if "lora_" in n} == {torch.float32}
+
+    lora = ["adapter.type=lora", "adapter.modules_to_save=[lm_head]"]
+    p, _ = _plan("distributed.strategy=ddp", *lora)
+    (warning,) = [w for w in p.warnings if "master" in w]
+    assert "modules_to_save copies (lm_head) in bfloat16" in warning
+    fsdp, _ = _plan("distributed.strategy=fsdp2", *lora)
+    assert fsdp.fits and not any("master" in w for w in fsdp.warnings)
