@@ -25,7 +25,7 @@ from finetune.plan.fallback import attention_fallback_warning
 from finetune.plan.memory import (
     adapter_input_casts,
     fsdp_accumulated_gradients,
-    keeps_fp32_master,
+    steps_16bit_params,
     steps_16bit_weights,
     zero_model_state_bytes,
 )
@@ -291,7 +291,7 @@ def master_weights_warning(job: Job, plan: Plan, *, dtype: str) -> str:
     if not plan.fits:
         return ""
     saved = saved_modules(job)
-    if saved and not keeps_fp32_master(plan.strategy) and job.weight_bytes < 4:
+    if saved and steps_16bit_params(job, plan.strategy):
         modules = ", ".join(saved)
         return (
             f"{plan.strategy} steps the adapter.modules_to_save copies ({modules}) in {dtype} without fp32 master "

@@ -185,7 +185,14 @@ def steps_16bit_weights(job: Job, strategy: str) -> bool:
     on GPUs full fine-tunes under DDP lost far less loss in 12 steps than the same runs under ZeRO-2/3 with
     fp32 masters (docs/validation.md, fourth session). The planner does not choose DDP for such a run where
     a strategy with masters applies, and warns where it runs anyway (`master_weights_warning`)."""
-    return job.adapter == "full" and job.weight_bytes < 4 and not keeps_fp32_master(strategy)
+    return job.adapter == "full" and steps_16bit_params(job, strategy)
+
+
+def steps_16bit_params(job: Job, strategy: str) -> bool:
+    """The optimizer steps the trained 16-bit parameters of a 16-bit model as they are (no fp32 master): a full
+    fine-tune's weights (`steps_16bit_weights`) or peft's modules_to_save copies, which peft makes in the
+    model's dtype while it upcasts the LoRA weights to fp32."""
+    return job.weight_bytes < 4 and not keeps_fp32_master(strategy)
 
 
 def state_bytes(job: Job, strategy: str | None = None) -> StateBytes:
@@ -475,13 +482,7 @@ def autocast_weight_copies(job: Job, *, strategy: str, checkpointing: bool | int
     backward's start every layer's copies are alive but a checkpointed layer's (recomputed then), and the
     lm_head's. FSDP2 casts through its MixedPrecisionPolicy (the gathered copy is counted as comm), DeepSpeed
     converts the model to 16 bits itself, and quantized bases dequantize per matmul (bitsandbytes)."""
-    if (
-        info(strategy).backend != "ddp"
-        or job.weight_bytes != 4
-        or job.act_bytes == 4
-        or job.adapter == "qlora"
-        or job.int8_base
-    ):
+    if info(strategy).backend != "ddp" or job.weight_bytes != 4 or job.act_bytes == 4 or job.quantized_base:
         return 0.0
     layers = job.arch.num_layers
     kept = count_params(job.arch).layers_linear * (layers - checkpointed_layers(job, checkpointing)) / layers

@@ -33,9 +33,14 @@ def _sync(sync_each_batch: bool | None) -> str:
 
 def sync_text(plan: Plan) -> str:
     """The choice line's words for Plan.sync_each_batch ('' where it is no setting)."""
-    if plan.sync_each_batch is None:
+    return sync_words(plan.sync_each_batch)
+
+
+def sync_words(sync_each_batch: bool | None) -> str:
+    """', gradients reduce-scattered ...' for a setting's sync_each_batch ('' where it is no setting)."""
+    if sync_each_batch is None:
         return ""
-    if plan.sync_each_batch:
+    if sync_each_batch:
         return ", gradients reduce-scattered every micro-batch (sync_each_batch)"
     return ", gradients reduce-scattered on each step's last micro-batch (no_sync)"
 

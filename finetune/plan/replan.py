@@ -22,11 +22,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from finetune.plan.choose import HEADROOM, batch_share, micro_batch_options, search, sync_options
+from finetune.plan.choose import HEADROOM, evaluate, micro_batch_options, search, sync_options
 from finetune.plan.memory import CUDA_FIXED_BYTES, FRAGMENTATION, NCCL_BYTES, footprint
-from finetune.plan.timing import step_time
-from finetune.plan.types import GIB, Candidate
-from finetune.plan.workload import Job
+from finetune.plan.render import sync_words
+from finetune.plan.types import GIB, Candidate, MemoryBreakdown
+from finetune.plan.workload import Job, accumulation_steps
 
 # device memory outside a rank's allocator beyond its own CUDA context and NCCL buffers (and a margin):
 # another process holds it, and no micro-batch or checkpointing setting of this run is the fix
@@ -97,15 +97,19 @@ def activation_term(
     memory = footprint(
         job, strategy=strategy, micro_batch=micro_batch, checkpointing=checkpointing, sync_each_batch=sync_each_batch
     ).memory
-    act = (memory.activations + memory.logits) * (1 + FRAGMENTATION)
-    return memory.total, act
+    return memory.total, _scaled_part(memory)
+
+
+def _scaled_part(memory: MemoryBreakdown) -> float:
+    """The part of a peak the re-plan scales by the evidence: activations and the loss head."""
+    return (memory.activations + memory.logits) * (1 + FRAGMENTATION)
 
 
 def _describe(micro_batch: int, checkpointing: bool, accumulation: int, sync_each_batch: bool = False) -> str:
     return (
         f"micro-batch {micro_batch} x accumulation {accumulation}, activation checkpointing "
         f"{'on' if checkpointing else 'off'}"
-        + (", gradients reduce-scattered every micro-batch (sync_each_batch)" if sync_each_batch else "")
+        + (sync_words(True) if sync_each_batch else "")  # the Trainer's default goes unsaid
     )
 
 
@@ -159,33 +163,24 @@ def replan(
     other = max(total - act, worst.baseline_bytes)
     scale = (worst.demand_bytes - other) / act if act > 0 else float("inf")
     limit = HEADROOM * worst.capacity_bytes
-    share = batch_share(job)
     done = set(tried) | {(worst.micro_batch, worst.checkpointing, worst.sync_each_batch)}
     ckpt_options = (True,) if worst.checkpointing else (False, True)
     free = replace(job, micro_batch=None, sync_each_batch=None)  # re-planned like the micro-batch
-    options = []
+    options = []  # (predicted bytes, the setting as the planner evaluates it)
     for mb in micro_batch_options(free):
         for ckpt in ckpt_options:
             for sync in sync_options(free, strategy=strategy, micro_batch=mb):
                 if (mb, ckpt, bool(sync)) in done:
                     continue
-                t_total, t_act = activation_term(
-                    job, strategy=strategy, micro_batch=mb, checkpointing=ckpt, sync_each_batch=bool(sync)
-                )
-                predicted = max(t_total - t_act, worst.baseline_bytes) + scale * t_act
-                accumulation = max(1, round(share / mb))
-                seconds = step_time(
-                    job,
-                    strategy=strategy,
-                    micro_batch=mb,
-                    grad_accum=accumulation,
-                    checkpointing=ckpt,
-                    sync_each_batch=bool(sync),
-                ).step_s
-                options.append((predicted, seconds, mb, ckpt, bool(sync), accumulation, sync))
+                c = evaluate(job, strategy=strategy, micro_batch=mb, checkpointing=ckpt, sync_each_batch=sync)
+                act = _scaled_part(c.memory)
+                options.append((max(c.memory.total - act, worst.baseline_bytes) + scale * act, c))
     fitting = [o for o in options if o[0] <= limit]
     failed = _describe(
-        worst.micro_batch, worst.checkpointing, max(1, round(share / worst.micro_batch)), worst.sync_each_batch
+        worst.micro_batch,
+        worst.checkpointing,
+        accumulation_steps(job, worst.micro_batch),
+        worst.sync_each_batch,
     )
     evidence_text = (
         f"rank {worst.rank} ran out of memory at {failed}: it needed more than "
@@ -217,17 +212,27 @@ def replan(
             other_strategy=instead.strategy if instead else None,
         )
     # the fastest; on equal time the larger micro-batch, no checkpointing, the Trainer's no_sync
-    predicted, _, mb, ckpt, synced, accumulation, sync = min(fitting, key=lambda o: (round(o[1], 6), -o[2], o[3], o[4]))
+    predicted, c = min(
+        fitting,
+        key=lambda o: (
+            round(o[1].step_time_s, 6),
+            -o[1].micro_batch_size,
+            o[1].activation_checkpointing,
+            bool(o[1].sync_each_batch),
+        ),
+    )
+    accumulation = c.gradient_accumulation_steps
+    setting = _describe(c.micro_batch_size, c.activation_checkpointing, accumulation, bool(c.sync_each_batch))
     return Replan(
-        mb,
-        ckpt,
+        c.micro_batch_size,
+        c.activation_checkpointing,
         accumulation,
         scale,
         predicted,
         limit,
-        f"{evidence_text}; expected to fit: {_describe(mb, ckpt, accumulation, synced)} (same global "
+        f"{evidence_text}; expected to fit: {setting} (same global "
         f"batch) at {predicted / GIB:.2f} GiB of {limit / GIB:.2f} GiB usable",
-        sync_each_batch=sync,
+        sync_each_batch=c.sync_each_batch,
     )
 
 
