@@ -287,7 +287,7 @@ def plan_on(recipe, *, arch, preset, source: str) -> Plan:
 
 def master_weights_warning(job: Job, plan: Plan, *, dtype: str) -> str:
     """'' unless the plan steps a full fine-tune's 16-bit weights without fp32 masters (memory.steps_16bit_weights):
-    DDP pinned on several GPUs, or the only on-GPU strategy of one GPU."""
+    DDP pinned (it is never chosen for such a run: choose.not_applicable)."""
     if not plan.fits:
         return ""
     saved = saved_modules(job)
