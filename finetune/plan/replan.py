@@ -167,7 +167,9 @@ def replan(
     ckpt_options = (True,) if worst.checkpointing else (False, True)
     free = replace(job, micro_batch=None, sync_each_batch=None)  # re-planned like the micro-batch
     options = []  # (predicted bytes, the setting as the planner evaluates it)
-    for mb in micro_batch_options(free):
+    # no larger micro-batch than the one that ran out: the activation scale was measured there, and a larger
+    # one (even with checkpointing) leans on the model beyond that evidence
+    for mb in (m for m in micro_batch_options(free) if m <= worst.micro_batch):
         for ckpt in ckpt_options:
             for sync in sync_options(free, strategy=strategy, micro_batch=mb):
                 if (mb, ckpt, bool(sync)) in done:

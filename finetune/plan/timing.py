@@ -22,6 +22,10 @@ Calibrated on the second-pass runs in tests/data/gpu_calibration.json (H200, tok
 start-up included): 8B LoRA 1 GPU 13.4k tokens/s (steady 13.7k), QLoRA 13.2k = 0.99 of LoRA's, 3B full
 FSDP2 on 2 GPUs 39.2k (steady 52.1k).
 
+The GPU's busy time is the longer of that compute and the host's time to launch its kernels
+(plan/host_time.py): eager PyTorch launches each kernel from the host, and a short micro-batch's GPU work
+waits for it.
+
 Collectives (ring algorithms; NCCL's bus-bandwidth convention): with `bus_bandwidth` the per-GPU
 figure nccl-tests reports, an all-reduce of S bytes over n ranks takes 2(n-1)/n * S / bus_bandwidth,
 an all-gather or reduce-scatter of S bytes (the full, gathered size) (n-1)/n * S / bus_bandwidth.
@@ -37,7 +41,14 @@ from finetune import strategies
 from finetune.plan.attention_time import mask_seconds
 from finetune.plan.dora_time import dora_seconds
 from finetune.plan.eager_time import eager_seconds
-from finetune.plan.memory import adapter_input_casts, state_bytes, tokens_per_micro_batch, weight_bytes
+from finetune.plan.host_time import host_seconds
+from finetune.plan.memory import (
+    adapter_input_casts,
+    checkpointed_layers,
+    state_bytes,
+    tokens_per_micro_batch,
+    weight_bytes,
+)
 from finetune.plan.moe_time import moe_seconds
 from finetune.plan.offload_time import offload_seconds
 from finetune.plan.workload import (
@@ -268,10 +279,16 @@ def step_time(
         # CPU optimizer step, NVMe swaps and DeepSpeed's blocking copies, not overlapped
         fetch, offload = offload_seconds(job, strategy=strategy, grad_accum=grad_accum)
     comm = intra + inter + fetch
-    overlapped = max(compute, comm) + OVERLAP_LEAK * min(compute, comm)
-    # on a CPU the host runs the Trainer's Python between the kernels too, not beside them
-    host = grad_accum * CPU_HOST_S_PER_MICRO_BATCH if p.vendor == "cpu" else 0.0
-    total = overlapped + offload + host
+    # on a GPU the host launches the kernels while queued ones run: the GPU waits when the host is slower
+    # (plan/host_time.py); on a CPU the host runs the Trainer's Python between the kernels, not beside them
+    if p.vendor == "cpu":
+        host, busy, serial = grad_accum * CPU_HOST_S_PER_MICRO_BATCH, compute, grad_accum * CPU_HOST_S_PER_MICRO_BATCH
+    else:
+        k = checkpointed_layers(job, checkpointing)
+        host = host_seconds(job, strategy=strategy, grad_accum=grad_accum, checkpointed_layers=k)
+        busy, serial = max(compute, host), 0.0
+    overlapped = max(busy, comm) + OVERLAP_LEAK * min(busy, comm)
+    total = overlapped + offload + serial
     offload += fetch
     parts = {"compute": compute, "intra-node": intra, "inter-node": inter, "offload": offload, "host": host}
     bottleneck = max(parts, key=lambda name: parts[name])

@@ -36,7 +36,9 @@ def test_the_order_not_the_list_position_decides():
     assert simplest_near_fastest(fitting).strategy == "fsdp2"
 
 
-def test_8b_full_on_8_h100s_keeps_fsdp2_over_a_2_percent_faster_zero2():
+def test_8b_full_on_8_h100s_chooses_fsdp2_where_zero2_is_not_clearly_faster():
+    # zero2 fits too; its host time (DeepSpeed's gradient hook per tensor and micro-batch, plan/host_time.py)
+    # keeps it from being clearly faster, so the simpler tier stays
     raw = {
         "model": {"name": "x", "arch": "llama-3.1-8b"},
         "adapter": "full",
@@ -46,10 +48,9 @@ def test_8b_full_on_8_h100s_keeps_fsdp2_over_a_2_percent_faster_zero2():
     }
     result = plan(load_recipe(raw))
     by_name = {c.strategy: c for c in result.candidates}
-    assert by_name["zero2"].fits and by_name["zero2"].step_time_s < by_name["fsdp2"].step_time_s
+    assert by_name["zero2"].fits
     assert by_name["fsdp2"].step_time_s < by_name["zero2"].step_time_s * (1 + CLEARLY_FASTER)
     assert result.strategy == "fsdp2"
-    assert "kept over zero2" in result.why and f"more than {CLEARLY_FASTER:.0%} faster" in result.why
 
 
 def test_offload_levels_come_before_the_margin():

@@ -7,6 +7,7 @@ import dataclasses
 
 import pytest
 
+from finetune.plan.host_time import host_seconds
 from finetune.plan.timing import CPU_HOST_S_PER_MICRO_BATCH, step_time
 from finetune.registry import get_preset
 from finetune.registry.detect import CPU_FLOPS_PER_CORE, on_cores, synthesize_preset, usable_cores
@@ -25,7 +26,7 @@ def test_the_cpu_preset_has_this_hosts_cores():
 
 
 @pytest.mark.parametrize("accumulation", [1, 4])
-def test_a_cpu_step_adds_the_host_work_per_micro_batch_and_a_gpu_step_does_not(accumulation):
+def test_a_cpu_step_adds_the_host_work_per_micro_batch_and_a_gpu_step_overlaps_it(accumulation):
     cpu = on_cores(get_preset("cpu"), 2)
     job = shape_job("llama-3.2-1b", "lora", cpu)
     timed = step_time(job, strategy="ddp", micro_batch=1, grad_accum=accumulation, checkpointing=False)
@@ -34,4 +35,11 @@ def test_a_cpu_step_adds_the_host_work_per_micro_batch_and_a_gpu_step_does_not(a
     gpu = shape_job("llama-3.2-1b", "lora", "server-8xh100")
     single = dataclasses.replace(gpu, preset=gpu.preset.model_copy(update={"gpus_per_node": 1}))
     on_gpu = step_time(single, strategy="ddp", micro_batch=1, grad_accum=accumulation, checkpointing=False)
-    assert on_gpu.step_s == pytest.approx(on_gpu.compute_s)
+    # on a GPU the host launches kernels while earlier ones run: the step is the longer of the two
+    # (plan/host_time.py), here the host's (a 1B model's micro-batch of one row is short GPU work)
+    host = host_seconds(single, strategy="ddp", grad_accum=accumulation, checkpointed_layers=0)
+    assert on_gpu.step_s == pytest.approx(max(on_gpu.compute_s, host))
+    assert host > on_gpu.compute_s and on_gpu.bottleneck == "host"
+    # a long micro-batch keeps the GPU busy longer than the host takes to launch it
+    long = step_time(single, strategy="ddp", micro_batch=32, grad_accum=accumulation, checkpointing=False)
+    assert long.step_s == pytest.approx(long.compute_s) and long.bottleneck == "compute"

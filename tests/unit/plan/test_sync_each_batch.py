@@ -43,13 +43,15 @@ def test_full_8b_on_4_h100_reduces_every_micro_batch_under_fsdp2():
     assert job.sync_each_batch is None  # auto: searched
     # FSDP2's fastest fitting setting either way: under no_sync the held gradients push it to micro-batch 4
     # (no accumulation, so nothing held) with 25 of 32 layers checkpointed; syncing each batch fits micro-batch
-    # 1 x 4 without checkpointing, 12% faster
+    # 1 x 4 without checkpointing, 7% faster though the host's launching bounds it (plan/host_time.py; planned
+    # here without Liger, which this machine lacks)
     held = best_for_strategy(replace(job, sync_each_batch=False), "fsdp2")
     synced = best_for_strategy(replace(job, sync_each_batch=True), "fsdp2")
     assert (held.micro_batch_size, held.gradient_accumulation_steps, held.checkpoint_layers) == (4, 1, 25)
     assert held.sync_each_batch is None and held.step_time_s == pytest.approx(2.318, abs=1e-3)
     assert (synced.micro_batch_size, synced.gradient_accumulation_steps, synced.checkpoint_layers) == (1, 4, 0)
-    assert synced.sync_each_batch is True and synced.step_time_s == pytest.approx(2.038, abs=1e-3)
+    assert synced.sync_each_batch is True and synced.step_time_s == pytest.approx(2.153, abs=1e-3)
+    assert synced.bottleneck == "host"
 
     # at one setting the two differ by exactly the held gradients (with their fragmentation share) in memory,
     # and by three more reduce-scatters of the 16-bit gradients in communication, hidden under the compute
@@ -65,7 +67,7 @@ def test_full_8b_on_4_h100_reduces_every_micro_batch_under_fsdp2():
     assert freed.comm_time_s - kept.comm_time_s == pytest.approx(3 * reduce_scatter)
     assert freed.step_time_s - kept.step_time_s == pytest.approx(OVERLAP_LEAK * 3 * reduce_scatter)
 
-    # the choice: fsdp2 syncing each batch (2.04 s/step), over zero2 (2.16), which no_sync left as the choice
+    # the choice: fsdp2 syncing each batch (2.15 s/step, bound by the host's launching), over zero3 (2.21)
     plan = _plan("llama8b-full.yaml")
     assert (plan.strategy, plan.sync_each_batch, plan.micro_batch_size, plan.checkpoint_layers) == (
         "fsdp2",
@@ -81,17 +83,19 @@ def test_full_8b_on_4_h100_reduces_every_micro_batch_under_fsdp2():
     fsdp2_row = next(line for line in table.splitlines() if line.startswith("fsdp2 "))
     assert " each " in fsdp2_row and "<- chosen" in fsdp2_row
     pinned_off = _plan("llama8b-full.yaml", "distributed.sync_each_batch=false")
-    assert pinned_off.strategy == "zero2" and pinned_off.step_time_s == pytest.approx(2.163, abs=1e-3)
+    # under no_sync fsdp2's best (2.32 s/step) is kept over zero3's 5% faster one: within CLEARLY_FASTER
+    assert pinned_off.strategy == "fsdp2" and pinned_off.step_time_s == pytest.approx(2.318, abs=1e-3)
+    assert "kept over zero3 (modelled 5% faster)" in pinned_off.why
 
 
 def test_lora_keeps_no_sync_its_gradients_are_small():
-    # LoRA r16 under FSDP2 on 4 x H100, micro-batch 1 x 4: syncing each batch would free 0.08 GiB and only cost
-    # time (three more reduce-scatters of the adapter's gradients)
+    # LoRA r16 under FSDP2 on 4 x H100, micro-batch 2 x 2: syncing each batch would free 0.08 GiB and only cost
+    # time (another reduce-scatter of the adapter's gradients)
     plan = _plan("llama8b-lora.yaml", "distributed.strategy=fsdp2")
-    assert (plan.micro_batch_size, plan.gradient_accumulation_steps, plan.sync_each_batch) == (1, 4, False)
+    assert (plan.micro_batch_size, plan.gradient_accumulation_steps, plan.sync_each_batch) == (2, 2, False)
     job = job_from_recipe(_recipe("llama8b-lora.yaml", "distributed.strategy=fsdp2"), arch=ARCH, preset=FOUR)
-    kept = evaluate(job, strategy="fsdp2", micro_batch=1, checkpointing=0, sync_each_batch=False)
-    freed = evaluate(job, strategy="fsdp2", micro_batch=1, checkpointing=0, sync_each_batch=True)
+    setting = dict(strategy="fsdp2", micro_batch=2, checkpointing=plan.checkpoint_layers)
+    kept, freed = (evaluate(job, **setting, sync_each_batch=s) for s in (False, True))
     assert kept.fits and freed.fits and freed.step_time_s > kept.step_time_s
     assert kept.memory.gradients - freed.memory.gradients == fsdp_accumulated_gradients(job) < 0.1 * GIB
     assert "no_sync" in render_plan_table(plan) and "sync_each_batch" not in plan.why

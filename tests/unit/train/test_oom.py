@@ -71,8 +71,11 @@ def test_replan_scales_the_activation_term_to_the_measured_peak():
     # the scaled model reproduces what the failed setting needed
     assert (total - act) + out.scale * act == pytest.approx(ev.demand_bytes)
     assert out.scale > 1
-    # same global batch: micro-batch x accumulation = 16 on one GPU; the prediction fits the card
-    assert out.micro_batch < 4 and out.micro_batch * out.gradient_accumulation_steps == 16
+    # same global batch: micro-batch x accumulation = 16 on one GPU; the prediction fits the card. A smaller
+    # micro-batch or checkpointing, never a larger micro-batch than the one that ran out (here the same one
+    # with checkpointing: at micro-batch 2 the host's launching, plan/host_time.py, makes it slower)
+    assert out.micro_batch <= 4 and (out.micro_batch < 4 or out.checkpointing)
+    assert out.micro_batch * out.gradient_accumulation_steps == 16
     assert out.predicted_bytes <= HEADROOM * ev.capacity_bytes == out.limit_bytes
     # it is the largest micro-batch without checkpointing that the scaled model lets fit
     bigger = 2 * out.micro_batch

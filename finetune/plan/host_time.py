@@ -1,0 +1,97 @@
+"""The host's time to launch a step on a GPU: a floor under the GPU's compute time.
+
+PyTorch runs eagerly: the host's Python (modules, autograd, peft, the Trainer and TRL's loss) launches
+every kernel of a micro-batch one after the other. When a micro-batch's GPU work is short (micro-batch 1,
+short rows, small models) the GPU waits for the host, and the step takes the host's time, whatever the
+FLOPs say. Measured (docs/validation.md, fifth session), with the profiler's kernel counts and the steady
+step time of runs whose GPU work was a third of their step or less:
+
+  full 3B (28 layers) under DDP, micro-batch 1 x 512:   ~2,150 kernels a micro-batch, 197 ms (H100 host)
+  LoRA r16 8B (32 layers, 7 modules), 1 x 512:         ~5,290 kernels a micro-batch, 395 ms (H100 host)
+
+which is 61 ms a micro-batch (collate, training_step, the loss's Python) plus 63 us a kernel. The same two
+figures predict the 2 x H200 host's micro-batch-1 runs of full 3B within 5% under DDP and FSDP2 (rows 79-82,
+whose FSDP2 kernels come from its own profile). These hosts (virtualized Xeons) are what the calibration
+knows; a faster host has a lower floor, so the figure is not a promise for every machine, and `finetune
+plan --measure` times the real one.
+
+Kernels a micro-batch, from the profiles (docs/results/profiles/):
+  a decoder layer, full fine-tune, Liger + varlen:   71   (full3b-ddp-mb1-h200x2: 2,087 a micro-batch)
+  each LoRA-targeted linear of a layer:             12.8  ((5,217 - 100) / 32 layers - 71, / 7 modules)
+  a layer without Liger (eager RMSNorm/RoPE/SwiGLU): +123 (lora8b-noliger-h200 against lora8b-finetune-h200)
+  FSDP2's per-layer all-gathers and copies:          +24  (full3b-fsdp2-offload: 2,758 a micro-batch)
+  outside the layers (embedding, final norm, loss):  100
+  a checkpointed layer re-runs its forward:          +1/3 of its kernels
+  a DPO/KTO reference forward (adapters off):        +1/3 of a full layer's per layer
+and per optimizer step, per trained tensor (clipping's norms, the non-finite check, the optimizer):
+  FSDP2 (DTensor shards): 4.7 (3,961 - 2,758 kernels over 255 tensors); DDP/DeepSpeed: 1.3 (LoRA 8B:
+  592 kernels over 448 tensors).
+DeepSpeed also runs a Python gradient hook per trained tensor on every micro-batch (ZeRO's bucketing of
+the gradient into its partition): 0.59 ms a tensor, from one row (full 3B under ZeRO-2 on one H100 at
+micro-batch 2 x 4: 352 ms a micro-batch against 192 ms of the kernel floor and 202 ms of GPU work); the
+ZeRO-2 rows with more GPU work a micro-batch (rows 53, 68, 85) hide it, as this floor says.
+Not counted (the floor stays a lower bound there): eager attention's extra ops, DoRA's weight norms,
+QLoRA's dequantization kernels, an MoE layer's routing, ZeRO-3's per-module parameter fetches.
+"""
+
+from __future__ import annotations
+
+from finetune import strategies
+from finetune.plan.optimizer import trained_tensors
+from finetune.plan.workload import Job, expanded, layer_kinds
+
+HOST_S_PER_MICRO_BATCH = 0.061
+HOST_S_PER_KERNEL = 63e-6
+KERNELS_PER_LAYER = 71.0
+KERNELS_PER_ADAPTED_LINEAR = 12.8
+KERNELS_WITHOUT_LIGER_PER_LAYER = 123.0
+KERNELS_FSDP_PER_LAYER = 24.0
+KERNELS_OUTSIDE_LAYERS = 100.0
+FORWARD_SHARE = 1 / 3  # of a layer's kernels: the forward (the backward launches about twice as many)
+KERNELS_PER_TRAINED_TENSOR_STEP = {"fsdp": 4.7, "other": 1.3}
+DEEPSPEED_HOOK_S_PER_TENSOR = 0.59e-3  # a micro-batch's gradient hook per trained tensor
+
+
+def trained_tensor_count(job: Job) -> int:
+    """Tensors the optimizer steps: a full fine-tune's every parameter (each layer's matrices and norms, the
+    embedding, the lm_head when untied, the final norm); an adapter's A and B (and DoRA's magnitudes)."""
+    if job.adapter != "full":
+        return len(expanded(trained_tensors(job)))
+    arch = job.arch
+    per_layer = sum(
+        count * (len(shapes) + arch.norms_per_layer + 2 * arch.qk_norm) for count, _, shapes in layer_kinds(arch)
+    )
+    return per_layer + 1 + (0 if arch.tied_embeddings else 1) + 1
+
+
+def kernels_per_micro_batch(job: Job, *, strategy: str, checkpointed_layers: int) -> float:
+    """Kernels the host launches for one micro-batch's forward and backward (see the module docstring)."""
+    arch = job.arch
+    layer = KERNELS_PER_LAYER + (0.0 if job.liger else KERNELS_WITHOUT_LIGER_PER_LAYER)
+    if job.adapter != "full":
+        targeted = sum(
+            count * sum(copies for name, (_, _, copies) in shapes.items() if name in job.lora_targets)
+            for count, _, shapes in layer_kinds(arch)
+        )
+        layer += KERNELS_PER_ADAPTED_LINEAR * targeted / arch.num_layers
+    if strategies.info(strategy).backend == "fsdp":
+        layer += KERNELS_FSDP_PER_LAYER
+    kernels = arch.num_layers * layer + checkpointed_layers * FORWARD_SHARE * layer
+    if job.reference in ("implicit", "copy"):  # dpo/kto: the reference model's forward
+        kernels += arch.num_layers * FORWARD_SHARE * KERNELS_PER_LAYER
+    return kernels + KERNELS_OUTSIDE_LAYERS
+
+
+def host_seconds(job: Job, *, strategy: str, grad_accum: int, checkpointed_layers: int) -> float:
+    """The host's time to launch one optimizer step (grad_accum micro-batches); 0 on the cpu preset, whose
+    host time the step-time model counts as the Trainer's own (timing.CPU_HOST_S_PER_MICRO_BATCH)."""
+    if job.preset.vendor == "cpu":
+        return 0.0
+    micro = HOST_S_PER_MICRO_BATCH + HOST_S_PER_KERNEL * kernels_per_micro_batch(
+        job, strategy=strategy, checkpointed_layers=checkpointed_layers
+    )
+    tier, tensors = strategies.info(strategy), trained_tensor_count(job)
+    if tier.backend == "deepspeed":
+        micro += DEEPSPEED_HOOK_S_PER_TENSOR * tensors
+    step = HOST_S_PER_KERNEL * KERNELS_PER_TRAINED_TENSOR_STEP["fsdp" if tier.backend == "fsdp" else "other"] * tensors
+    return grad_accum * micro + step
