@@ -22,6 +22,7 @@ from finetune.plan.choose import (
     usable_fraction,
 )
 from finetune.plan.fallback import attention_fallback_warning
+from finetune.plan.host_time import kernels_per_micro_batch
 from finetune.plan.memory import (
     adapter_input_casts,
     fsdp_accumulated_gradients,
@@ -507,7 +508,19 @@ def _why(job: Job, chosen: Candidate, achieved: int, candidates: list[Candidate]
     )
     if achieved != job.global_batch_size:
         second += f" (train.global_batch_size {job.global_batch_size} rounded to the nearest achievable)"
-    return first + second + "." + _sync_why(job, chosen) + _no_ddp_why(job)
+    return first + second + "." + _host_why(job, chosen) + _sync_why(job, chosen) + _no_ddp_why(job)
+
+
+def _host_why(job: Job, chosen: Candidate) -> str:
+    """What host-bound means on a GPU (plan/host_time.py); on the cpu preset the host is the Trainer's own work."""
+    if chosen.bottleneck != "host" or job.preset.vendor == "cpu":
+        return ""
+    kernels = kernels_per_micro_batch(job, strategy=chosen.strategy, checkpointed_layers=chosen.checkpoint_layers)
+    return (
+        f" The host launches this setting's kernels (about {kernels:,.0f} a micro-batch) more slowly than the GPU "
+        f"runs them, so the GPU waits ({chosen.compute_time_s:.2f} s/step of GPU work); a larger micro-batch, "
+        "where it fits, gives each launch more work."
+    )
 
 
 def _no_ddp_why(job: Job) -> str:

@@ -77,6 +77,7 @@ def test_full_8b_on_4_h100_reduces_every_micro_batch_under_fsdp2():
     )
     assert plan.step_time_s == pytest.approx(synced.step_time_s)
     assert plan.to_json()["sync_each_batch"] is True
+    assert "The host launches this setting's kernels (about 7,076 a micro-batch)" in plan.why
     assert "15.0 GiB of unsharded gradients" in plan.why and "takes 2.32 s/step" in plan.why
     table = render_plan_table(plan)
     assert "gradients reduce-scattered every micro-batch (sync_each_batch)" in table
