@@ -170,6 +170,17 @@ def offloads_params(name: str) -> bool:
     return info(name).offload_params
 
 
+# bitsandbytes' 4-bit weights (Params4bit, with their quantization state) are not moved to the host by
+# FSDP2's CPU offload or by ZeRO-3's parameter offload: the planner refuses those tiers for QLoRA, and
+# `finetune convert` maps a peer config's parameter offload under QLoRA to the tier without it
+QUANTIZED_OFFLOAD_REFUSAL = "bitsandbytes 4-bit weights cannot be offloaded to the CPU; use fsdp2 or zero3"
+
+
+def offloads_quantized_weights(name: str, *, adapter: str) -> bool:
+    """`name` would offload QLoRA's 4-bit weights to the host (not done: QUANTIZED_OFFLOAD_REFUSAL)."""
+    return info(name).offload_params and adapter == "qlora"
+
+
 def offloads_optimizer(name: str) -> bool:
     return info(name).offload_optimizer
 

@@ -41,6 +41,18 @@ def strategy_for(
 def _pin(conv: Conversion, key: str, value: Any, name: str | None, *, what: str) -> None:
     """Pin distributed.strategy to `name`, or say which tier is missing (not material: a strategy moves states
     between GPUs, host and disk; the planner says where an offloaded optimizer runs as CPU Adam)."""
+    if name is not None and strategies.offloads_quantized_weights(name, adapter=str(conv.get("adapter.type", ""))):
+        # a peer's FSDP1 or ZeRO-3 parameter offload of QLoRA's 4-bit weights: finetune's tiers keep them on the
+        # GPUs (sharded) and still offload the optimizer where the peer did and a tier does
+        tier = strategies.info(name)
+        kept = strategy_for(
+            backend=tier.backend, stage=tier.zero_stage, offload_optimizer=tier.offload_optimizer, hybrid=tier.hybrid
+        ) or strategy_for(backend=tier.backend, stage=tier.zero_stage, hybrid=tier.hybrid)
+        conv.notes.append(
+            f"{key}: parameter offload is not carried over under QLoRA ({strategies.QUANTIZED_OFFLOAD_REFUSAL}): "
+            f"{kept} instead of {name}"
+        )
+        name, what = kept, what.replace("with parameter offload", "without parameter offload")
     if name is None:
         conv.drop(
             key,

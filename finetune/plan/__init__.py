@@ -18,6 +18,7 @@ from finetune.plan.choose import (
     best_for_strategy,
     not_applicable,
     search,
+    simplest_near_fastest,
     suggestions,
     usable_fraction,
 )
@@ -280,10 +281,31 @@ def plan_on(recipe, *, arch, preset, source: str) -> Plan:
         warning,
         attention_fallback_warning(job, result),
         master_weights_warning(job, result, dtype=recipe.model.dtype),
+        pinned_strategy_warning(job, result),
     )
     result.warnings = [w for w in warnings if w]
     result.hardware_source = source
     return result
+
+
+def pinned_strategy_warning(job: Job, plan: Plan) -> str:
+    """'' unless distributed.strategy is pinned and another strategy fits the same setting and is modelled
+    clearly faster (choose.CLEARLY_FASTER; a converted peer config often pins an offload tier the GPUs do
+    not need). The planner's own preference among the others decides which one is named."""
+    if job.strategy == "auto" or not plan.fits:
+        return ""
+    others = [c for c in plan.candidates if c.fits and c.strategy != plan.strategy]
+    if not others:
+        return ""
+    best = simplest_near_fastest(others)
+    if plan.step_time_s <= best.step_time_s * (1 + CLEARLY_FASTER):
+        return ""
+    return (
+        f"distributed.strategy: {plan.strategy} is pinned, but {best.strategy} fits too "
+        f"({best.per_gpu_memory_gib:.1f} GiB per GPU) and is modelled {plan.step_time_s / best.step_time_s:.1f}x "
+        f"faster ({best.step_time_s:.2f} against {plan.step_time_s:.2f} s/step); set distributed.strategy: auto "
+        f"to let the planner choose, or {best.strategy}"
+    )
 
 
 def master_weights_warning(job: Job, plan: Plan, *, dtype: str) -> str:

@@ -74,8 +74,8 @@ def not_applicable(job: Job, strategy: str) -> str:
         return "sharding needs more than one GPU"
     if tier.offload == "nvme" and not job.nvme_path:
         return "the preset has no NVMe path; set distributed.nvme_path"
-    if tier.offload_params and job.adapter == "qlora":
-        return "bitsandbytes 4-bit weights cannot be offloaded to the CPU; use fsdp2 or zero3"
+    if strategies.offloads_quantized_weights(strategy, adapter=job.adapter):
+        return strategies.QUANTIZED_OFFLOAD_REFUSAL
     pinned = job.strategy == strategy  # a user's choice that works is planned, not second-guessed
     if tier.zero_stage == 2 and job.adapter != "full" and not pinned:
         return "ZeRO-2 splits gradients and optimizer states; an adapter's are small: use ddp"

@@ -51,7 +51,10 @@ def test_axolotl_qlora_sft(tmp_path):
         1,
     )
     assert r.train.global_batch_size == 8 and r.data.assistant_only_loss and r.data.chat_template == "llama3"
-    assert r.distributed.strategy == "zero3-offload"  # read from the DeepSpeed file it names
+    # read from the DeepSpeed file it names (ZeRO-3, parameters and optimizer offloaded): QLoRA's 4-bit weights
+    # stay on the GPUs, which the planner would refuse otherwise; the optimizer is still offloaded
+    assert r.distributed.strategy == "zero3-optim-offload"
+    assert "parameter offload is not carried over under QLoRA" in out.read_text()
     assert r.tokenizer.pad_token == "<|end_of_text|>"
     text = out.read_text()
     assert "# flash_attention: true   # ignored:" in text
@@ -164,3 +167,20 @@ def test_torch_compile_becomes_regional_compilation(tmp_path, source, value):
     conv = convert(config, source=source, method="sft" if source == "trl" else None)
     assert conv.recipe.get("train", {}).get("compile") == ("regions" if value else None)
     assert "torch_compile" not in {d.key for d in conv.dropped}
+
+
+def test_axolotl_fsdp_parameter_offload_under_qlora_keeps_the_4bit_weights_on_the_gpus(tmp_path):
+    # axolotl's 70B QLoRA example offloads FSDP1's parameters; finetune's fsdp2-offload cannot offload
+    # bitsandbytes' 4-bit weights (the planner refuses it), so the conversion pins fsdp2 and says why
+    from finetune import convert
+    from finetune.plan import plan
+
+    config = yaml.safe_load((CONFIGS / "axolotl-qlora-fsdp2.yaml").read_text())
+    config["fsdp_config"]["offload_params"] = True
+    source = tmp_path / "qlora-offload.yaml"
+    source.write_text(yaml.safe_dump(config))
+    conv = convert(source, source="axolotl")
+    assert conv.recipe["distributed"]["strategy"] == "fsdp2" and conv.error is None
+    assert any("fsdp2 instead of fsdp2-offload" in n for n in conv.notes)
+    recipe = load_recipe({**conv.recipe, "model": {"name": "meta-llama/Llama-3.1-70B", "arch": "llama-3.1-70b"}})
+    assert plan(recipe, hardware="server-8xh100").fits

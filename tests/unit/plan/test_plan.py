@@ -558,3 +558,37 @@ def test_the_cpu_preset_gets_no_tight_fit(tmp_path):
     path = write_preset(tmp_path / "cpu.yaml", like="cpu", name="small-cpu", gpu_memory_gib=need / 0.93)
     p = plan(r, hardware=str(path))
     assert not p.fits and not p.tight, p.why
+
+
+def test_a_pinned_strategy_that_is_clearly_slower_than_one_that_fits_is_named():
+    # what `finetune convert` makes of axolotl's FSDP example with fsdp_offload_params: fsdp2-offload pinned,
+    # where fsdp2 keeps everything on 8 x H100 at the same micro-batch and checkpointing
+    pinned = shape_recipe(
+        "llama-3.1-8b",
+        "full",
+        seq=4096,
+        global_batch=16,
+        model__arch="llama-3.1-8b",
+        distributed__strategy="fsdp2-offload",
+        train__micro_batch_size=2,
+        train__activation_checkpointing="on",
+    )
+    p = plan(pinned)
+    assert p.fits and p.strategy == "fsdp2-offload"
+    (warning,) = [w for w in p.warnings if "is pinned" in w]
+    faster = next(c for c in p.candidates if c.strategy == "fsdp2")
+    assert faster.fits and p.step_time_s > 2 * faster.step_time_s
+    assert "but fsdp2 fits too" in warning and "set distributed.strategy: auto" in warning
+    # pinned where it is the planner's own choice: nothing to say
+    chosen = plan(shape_recipe("llama-3.1-8b", "full", seq=4096, global_batch=16, model__arch="llama-3.1-8b"))
+    again = plan(
+        shape_recipe(
+            "llama-3.1-8b",
+            "full",
+            seq=4096,
+            global_batch=16,
+            model__arch="llama-3.1-8b",
+            distributed__strategy=chosen.strategy,
+        )
+    )
+    assert not any("is pinned" in w for w in again.warnings)
