@@ -147,6 +147,18 @@ def arch_from_config(path: Path, *, key: str, hub_id: str | None = None) -> Mode
             hint=f"set model.arch to the closest registry entry (finetune models), or open an issue to have "
             f"{family or 'it'} modelled; readable model_types: {', '.join(sorted(KNOWN_FAMILIES))}",
         )
+    quantized = prequantized_method(cfg, text)
+    if quantized:
+        raise RecipeError(
+            f"config.json says the weights are already quantized (quantization_config, quant_method "
+            f"{quantized!r}): the planner models 16/32-bit checkpoints, trained whole or with LoRA, and "
+            "bitsandbytes 4-bit quantization applied at load (adapter.type: qlora); training on a pre-quantized "
+            "checkpoint is not modelled",
+            file=str(path),
+            key="model.name",
+            hint="point model.name at the unquantized model the checkpoint was made from and set "
+            "adapter.type: qlora for 4-bit weights (or lora / full on the 16-bit ones)",
+        )
     reader, traits = family, FAMILIES[family]
     missing = [
         k
@@ -214,6 +226,17 @@ def arch_from_config(path: Path, *, key: str, hub_id: str | None = None) -> Mode
             file=str(path),
             hint="set model.arch to the closest registry entry (finetune models)",
         ) from None
+
+
+def prequantized_method(cfg: dict, text: dict) -> str:
+    """The quant_method of a checkpoint saved quantized (GPTQ, AWQ, FP8, bitsandbytes, compressed-tensors,
+    ...: config.json's quantization_config), '' for a plain 16/32-bit one."""
+    quant = cfg.get("quantization_config") or text.get("quantization_config")
+    if not isinstance(quant, dict) or not quant:
+        return ""
+    if quant.get("quant_method"):
+        return str(quant["quant_method"])
+    return "bitsandbytes" if quant.get("load_in_4bit") or quant.get("load_in_8bit") else "unknown"
 
 
 def stored_dtype(cfg: dict, text: dict) -> str | None:

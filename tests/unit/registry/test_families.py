@@ -99,3 +99,22 @@ def test_the_liger_model_types_are_the_ones_an_installed_liger_kernel_patches():
 
     for family in FAMILIES:
         assert (family in LIGER_MODEL_TYPES) == (family in MODEL_TYPE_TO_APPLY_LIGER_FN), family
+
+
+@pytest.mark.parametrize(
+    "quantization,method",
+    [
+        ({"quant_method": "gptq", "bits": 4, "group_size": 128}, "gptq"),
+        ({"quant_method": "awq", "bits": 4}, "awq"),
+        ({"quant_method": "fp8", "weight_block_size": [128, 128]}, "fp8"),
+        ({"load_in_4bit": True, "bnb_4bit_quant_type": "nf4"}, "bitsandbytes"),  # older bnb checkpoints
+    ],
+)
+def test_a_pre_quantized_checkpoint_is_refused_by_name_with_the_way_to_train_it(tmp_path, quantization, method):
+    # e.g. LLaMA-Factory's GPTQ/AWQ examples, unsloth's *-bnb-4bit uploads: weights and memory would be
+    # planned as 16-bit ones, and the run would fail (or quietly train something else) only after loading
+    with pytest.raises(RecipeError) as caught:
+        _read(tmp_path, dict(SHAPE, model_type="llama", quantization_config=quantization))
+    err = caught.value
+    assert f"quant_method {method!r}" in err.message and err.key == "model.name"
+    assert "unquantized model" in err.hint and "adapter.type: qlora" in err.hint
