@@ -282,6 +282,7 @@ def plan_on(recipe, *, arch, preset, source: str) -> Plan:
         attention_fallback_warning(job, result),
         master_weights_warning(job, result, dtype=recipe.model.dtype),
         pinned_strategy_warning(job, result),
+        pinned_setting_warning(job, result),
     )
     result.warnings = [w for w in warnings if w]
     result.hardware_source = source
@@ -305,6 +306,35 @@ def pinned_strategy_warning(job: Job, plan: Plan) -> str:
         f"({best.per_gpu_memory_gib:.1f} GiB per GPU) and is modelled {plan.step_time_s / best.step_time_s:.1f}x "
         f"faster ({best.step_time_s:.2f} against {plan.step_time_s:.2f} s/step); set distributed.strategy: auto "
         f"to let the planner choose, or {best.strategy}"
+    )
+
+
+def pinned_setting_warning(job: Job, plan: Plan) -> str:
+    """'' unless train.micro_batch_size or train.activation_checkpointing is pinned and the same strategy, free
+    to choose both, is modelled clearly faster (choose.CLEARLY_FASTER): converted peer configs pin them, often
+    at micro-batch 1 or 2 with checkpointing on, where the host's launching (plan/host_time.py) or the
+    recompute bounds the step."""
+    pins = [
+        k
+        for k, pinned in (
+            ("train.micro_batch_size", job.micro_batch is not None),
+            ("train.activation_checkpointing", job.checkpointing != "auto"),
+        )
+        if pinned
+    ]
+    if not pins or not plan.fits:
+        return ""
+    free = best_for_strategy(replace(job, micro_batch=None, checkpointing="auto"), plan.strategy)
+    if not free.fits or plan.step_time_s <= free.step_time_s * (1 + CLEARLY_FASTER):
+        return ""
+    layers = job.arch.num_layers
+    return (
+        f"{' and '.join(pins)} {'are' if len(pins) > 1 else 'is'} pinned: micro-batch {plan.micro_batch_size} "
+        f"{_checkpointing_words(plan.checkpoint_layers, layers)}; micro-batch {free.micro_batch_size} "
+        f"{_checkpointing_words(free.checkpoint_layers, layers)} fits too under {plan.strategy} "
+        f"({free.per_gpu_memory_gib:.1f} GiB per GPU, the same global batch) and is modelled "
+        f"{plan.step_time_s / free.step_time_s:.1f}x faster; remove the pin{'s' if len(pins) > 1 else ''} to let "
+        "the planner choose"
     )
 
 

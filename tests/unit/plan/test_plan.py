@@ -592,3 +592,26 @@ def test_a_pinned_strategy_that_is_clearly_slower_than_one_that_fits_is_named():
         )
     )
     assert not any("is pinned" in w for w in again.warnings)
+
+
+def test_pinned_micro_batch_and_checkpointing_that_are_clearly_slower_are_named():
+    # a converted axolotl config pins micro_batch_size and gradient_checkpointing: 8B LoRA at micro-batch 1 with
+    # every layer checkpointed on one H100-sized card, where the host's launching bounds micro-batch 1 and the
+    # recompute costs a third more work
+    pinned = shape_recipe(
+        "llama-3.1-8b",
+        "lora",
+        seq=2048,
+        global_batch=16,
+        model__arch="llama-3.1-8b",
+        train__micro_batch_size=1,
+        train__activation_checkpointing="on",
+    )
+    p = plan(pinned, hardware="server-8xh100")
+    assert p.fits and p.micro_batch_size == 1 and p.checkpoint_layers == p.num_layers
+    (warning,) = [w for w in p.warnings if "pinned:" in w]
+    assert warning.startswith("train.micro_batch_size and train.activation_checkpointing are pinned: micro-batch 1")
+    assert "remove the pins to let the planner choose" in warning
+    free = plan(shape_recipe("llama-3.1-8b", "lora", seq=2048, global_batch=16, model__arch="llama-3.1-8b"))
+    assert p.step_time_s > 1.1 * free.step_time_s and f"micro-batch {free.micro_batch_size} " in warning
+    assert not any("pinned:" in w for w in free.warnings)
