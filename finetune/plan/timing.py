@@ -282,7 +282,8 @@ def step_time(
     # on a GPU the host launches the kernels while queued ones run: the GPU waits when the host is slower
     # (plan/host_time.py); on a CPU the host runs the Trainer's Python between the kernels, not beside them
     if p.vendor == "cpu":
-        host, busy, serial = grad_accum * CPU_HOST_S_PER_MICRO_BATCH, compute, grad_accum * CPU_HOST_S_PER_MICRO_BATCH
+        host = grad_accum * CPU_HOST_S_PER_MICRO_BATCH
+        busy, serial = compute, host
     else:
         k = checkpointed_layers(job, checkpointing)
         host = host_seconds(job, strategy=strategy, grad_accum=grad_accum, checkpointed_layers=k)
