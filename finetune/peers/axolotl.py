@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from finetune.peers import Conversion
 from finetune.peers.common import (
+    LIGER_REASON,
     as_list,
     attention,
     batch_sizes,
@@ -48,11 +49,6 @@ IGNORED = {
         "dataloader_prefetch_factor",
         "gradient_checkpointing_kwargs",
         "plugins",
-        "liger_rope",
-        "liger_rms_norm",
-        "liger_glu_activation",
-        "liger_layer_norm",
-        "liger_fused_linear_cross_entropy",
         "special_tokens_pad_to_multiple_of",
         "eval_table_size",
         "eval_max_new_tokens",
@@ -81,6 +77,18 @@ IGNORED = {
     "loss_watchdog_patience": "no loss watchdog; a non-finite loss stops the run (train.on_nonfinite)",
     "num_labels": "a reward model (method: reward) has one score head; other heads are not offered",
 }
+IGNORED.update(
+    {
+        k: LIGER_REASON
+        for k in (
+            "liger_rope",
+            "liger_rms_norm",
+            "liger_glu_activation",
+            "liger_layer_norm",
+            "liger_fused_linear_cross_entropy",
+        )
+    }
+)
 # axolotl's attention switch -> model.attn_implementation (flash: finetune picks its flash kernel itself)
 ATTENTION = {"sdpa": "sdpa", "eager": "eager", "flex": "flex_attention", "flash": None, "xformers": None}
 _OPTION_FIX = {

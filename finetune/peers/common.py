@@ -59,6 +59,13 @@ DTYPES = {
 }
 
 
+# a peer's switch for Liger's kernels: finetune's train.liger (plan/__init__.py liger_enabled) decides it
+LIGER_REASON = (
+    "train.liger: auto uses Liger's RMSNorm/RoPE/SwiGLU kernels on NVIDIA GPUs when liger-kernel is installed "
+    "(train.liger: on requires them)"
+)
+
+
 def map_aliases(conv: Conversion, *, ignore: dict[str, str]) -> None:
     """Every key no peer handler took: ignored with a reason, renamed through the alias table, or dropped."""
     for key, value in conv.raw.items():

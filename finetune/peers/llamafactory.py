@@ -12,6 +12,7 @@ from typing import Any
 
 from finetune.peers import Conversion
 from finetune.peers.common import (
+    LIGER_REASON,
     as_list,
     batch_sizes,
     continue_adapter,
@@ -36,7 +37,6 @@ IGNORED = {
         "per_device_eval_batch_size",
         "dataloader_num_workers",
         "resume_from_checkpoint",
-        "enable_liger_kernel",
         "use_unsloth",
         "infer_backend",
         "tokenized_path",
@@ -58,6 +58,7 @@ IGNORED = {
 } | {
     "resize_vocab": "finetune grows the embeddings itself when tokenizer.added_tokens needs it",
 }
+IGNORED.update({k: LIGER_REASON for k in ("enable_liger_kernel",)})
 # optimizer families LLaMA-Factory switches on with use_X (their own keys come along: galore_rank, ...)
 OPTIMIZER_SWITCHES = ("use_galore", "use_badam", "use_apollo", "use_adam_mini", "use_muon")
 # LoRA initializations and variants finetune does not offer

@@ -7,6 +7,7 @@ from __future__ import annotations
 from finetune.peers import Conversion
 from finetune.peers.common import (
     DTYPES,
+    LIGER_REASON,
     as_list,
     attention,
     batch_sizes,
@@ -33,7 +34,6 @@ IGNORED = {
         "dataloader_num_workers",
         "ddp_timeout",
         "hub_strategy",
-        "use_liger_kernel",
         "gradient_checkpointing_kwargs",
         "remove_unused_columns",
         "preprocessing_num_workers",
@@ -49,6 +49,7 @@ IGNORED = {
     "max_prompt_length": "TRL 1.x has no prompt limit either; a pair longer than data.max_length is truncated whole",
     "dataset_test_split": "read only when eval_strategy is not 'no'",
 }
+IGNORED.update({k: LIGER_REASON for k in ("use_liger_kernel",)})
 DPO_KEYS = ("beta", "loss_type", "max_prompt_length", "precompute_ref_log_probs", "rpo_alpha")
 METHODS = ("sft", "dpo", "kto", "reward", "orpo", "cpo")
 # keys only one trainer's config has, in the order they are asked (beta alone means DPO)

@@ -184,3 +184,18 @@ def test_axolotl_fsdp_parameter_offload_under_qlora_keeps_the_4bit_weights_on_th
     assert any("fsdp2 instead of fsdp2-offload" in n for n in conv.notes)
     recipe = load_recipe({**conv.recipe, "model": {"name": "meta-llama/Llama-3.1-70B", "arch": "llama-3.1-70b"}})
     assert plan(recipe, hardware="server-8xh100").fits
+
+
+@pytest.mark.parametrize(
+    "name,source,key",
+    [
+        ("axolotl-fsdp1-full.yaml", "axolotl", "liger_rms_norm"),
+        ("llamafactory-full-extras.yaml", "llamafactory", "enable_liger_kernel"),
+    ],
+)
+def test_a_peer_s_liger_switch_is_answered_by_train_liger(name, source, key):
+    from finetune import convert
+    from finetune.peers.common import LIGER_REASON
+
+    conv = convert(CONFIGS / name, source=source)
+    assert [d.reason for d in conv.dropped if d.key == key] == [LIGER_REASON]
