@@ -16,6 +16,7 @@ from finetune.plan.choose import (
     HEADROOM,
     TIGHT_HEADROOM,
     best_for_strategy,
+    clearly_faster,
     not_applicable,
     search,
     simplest_near_fastest,
@@ -299,7 +300,7 @@ def pinned_strategy_warning(job: Job, plan: Plan) -> str:
     if not others:
         return ""
     best = simplest_near_fastest(others)
-    if plan.step_time_s <= best.step_time_s * (1 + CLEARLY_FASTER):
+    if not clearly_faster(best.step_time_s, plan.step_time_s):
         return ""
     return (
         f"distributed.strategy: {plan.strategy} is pinned, but {best.strategy} fits too "
@@ -325,7 +326,7 @@ def pinned_setting_warning(job: Job, plan: Plan) -> str:
     if not pins or not plan.fits:
         return ""
     free = best_for_strategy(replace(job, micro_batch=None, checkpointing="auto"), plan.strategy)
-    if not free.fits or plan.step_time_s <= free.step_time_s * (1 + CLEARLY_FASTER):
+    if not free.fits or not clearly_faster(free.step_time_s, plan.step_time_s):
         return ""
     layers = job.arch.num_layers
     return (

@@ -290,11 +290,17 @@ def _tight_fits(job: Job, pool: list[Candidate]) -> dict[str, Candidate]:
     return tight
 
 
+def clearly_faster(fast_s: float, slow_s: float) -> bool:
+    """A step of `fast_s` seconds beats one of `slow_s` by more than CLEARLY_FASTER: the step-time model's
+    spread, within which the simpler setting is kept."""
+    return slow_s > fast_s * (1 + CLEARLY_FASTER)
+
+
 def simplest_near_fastest(fitting: list[Candidate]) -> Candidate:
     """The earliest strategy (strategies.NAMES) whose step is within CLEARLY_FASTER of the fastest: a
     later tier wins only by being clearly faster than every earlier one that fits."""
     fastest = min(c.step_time_s for c in fitting)
-    near = [c for c in fitting if c.step_time_s <= fastest * (1 + CLEARLY_FASTER)]
+    near = [c for c in fitting if not clearly_faster(fastest, c.step_time_s)]
     return min(near, key=lambda c: (strategies.NAMES.index(c.strategy), c.step_time_s))
 
 

@@ -75,24 +75,26 @@ def kernels_per_micro_batch(job: Job, *, strategy: str, checkpointed_layers: int
             for count, _, shapes in layer_kinds(arch)
         )
         layer += KERNELS_PER_ADAPTED_LINEAR * targeted / arch.num_layers
-    if strategies.info(strategy).backend == "fsdp":
+    if strategies.is_fsdp(strategy):
         layer += KERNELS_FSDP_PER_LAYER
     kernels = arch.num_layers * layer + checkpointed_layers * FORWARD_SHARE * layer
-    if job.reference in ("implicit", "copy"):  # dpo/kto: the reference model's forward
+    if job.reference_forward:
         kernels += arch.num_layers * FORWARD_SHARE * KERNELS_PER_LAYER
     return kernels + KERNELS_OUTSIDE_LAYERS
 
 
 def host_seconds(job: Job, *, strategy: str, grad_accum: int, checkpointed_layers: int) -> float:
-    """The host's time to launch one optimizer step (grad_accum micro-batches); 0 on the cpu preset, whose
-    host time the step-time model counts as the Trainer's own (timing.CPU_HOST_S_PER_MICRO_BATCH)."""
-    if job.preset.vendor == "cpu":
-        return 0.0
+    """The host's time to launch one optimizer step (grad_accum micro-batches) on a GPU (on the cpu preset the
+    step-time model counts the host as the Trainer's own work, timing.CPU_HOST_S_PER_MICRO_BATCH)."""
     micro = HOST_S_PER_MICRO_BATCH + HOST_S_PER_KERNEL * kernels_per_micro_batch(
         job, strategy=strategy, checkpointed_layers=checkpointed_layers
     )
-    tier, tensors = strategies.info(strategy), trained_tensor_count(job)
-    if tier.backend == "deepspeed":
+    tensors = trained_tensor_count(job)
+    if strategies.is_deepspeed(strategy):
         micro += DEEPSPEED_HOOK_S_PER_TENSOR * tensors
-    step = HOST_S_PER_KERNEL * KERNELS_PER_TRAINED_TENSOR_STEP["fsdp" if tier.backend == "fsdp" else "other"] * tensors
+    step = (
+        HOST_S_PER_KERNEL
+        * KERNELS_PER_TRAINED_TENSOR_STEP["fsdp" if strategies.is_fsdp(strategy) else "other"]
+        * tensors
+    )
     return grad_accum * micro + step

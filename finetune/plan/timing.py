@@ -138,7 +138,7 @@ def flops_per_token(job: Job, *, checkpointing: bool | int, micro_batch: int | N
     if checkpointing:  # True (every layer) or the count of checkpointed layers
         share = 1.0 if checkpointing is True else min(1.0, checkpointing / arch.num_layers)
         flops += share * (2 * n + 4 * attn)
-    if job.reference in ("implicit", "copy"):  # dpo/kto: a reference forward
+    if job.reference_forward:
         flops += 2 * n + 4 * attn
     return flops
 

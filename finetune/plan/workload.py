@@ -79,6 +79,11 @@ class Job:
         return self.adapter == "qlora" or self.int8_base
 
     @property
+    def reference_forward(self) -> bool:
+        """dpo/kto run the reference model's forward in the step (its log-probs are not precomputed)."""
+        return self.reference in ("implicit", "copy")
+
+    @property
     def sequences_per_sample(self) -> int:
         # pairs run chosen and rejected; KTO runs each completion and its mismatched KL completion
         return 2 if self.method in PAIRED_METHODS else 1
