@@ -17,7 +17,8 @@ plan --measure` times the real one.
 
 Kernels a micro-batch, from the profiles (docs/results/profiles/):
   a decoder layer, full fine-tune, Liger + varlen:   71   (full3b-ddp-mb1-h200x2: 2,087 a micro-batch)
-  each LoRA-targeted linear of a layer:             12.8  ((5,217 - 100) / 32 layers - 71, / 7 modules)
+  each LoRA-targeted linear of a layer:             12.8  ((5,217 - 100) / 32 layers - 71, / 7 modules),
+                                                    2 fewer with adapter.fused_lora (plan/lora_time.py)
   a layer without Liger (eager RMSNorm/RoPE/SwiGLU): +123 (lora8b-noliger-h200 against lora8b-finetune-h200)
   FSDP2's per-layer all-gathers and copies:          +24  (full3b-fsdp2-offload: 2,758 a micro-batch)
   outside the layers (embedding, final norm, loss):  100
@@ -38,6 +39,7 @@ QLoRA's dequantization kernels, an MoE layer's routing, ZeRO-3's per-module para
 from __future__ import annotations
 
 from finetune import strategies
+from finetune.plan.lora_time import KERNELS_SAVED_PER_FUSED_LINEAR, fused_lora_runs
 from finetune.plan.optimizer import trained_tensors
 from finetune.plan.workload import Job, expanded, layer_kinds
 
@@ -74,7 +76,10 @@ def kernels_per_micro_batch(job: Job, *, strategy: str, checkpointed_layers: int
             count * sum(copies for name, (_, _, copies) in shapes.items() if name in job.lora_targets)
             for count, _, shapes in layer_kinds(arch)
         )
-        layer += KERNELS_PER_ADAPTED_LINEAR * targeted / arch.num_layers
+        per_linear = KERNELS_PER_ADAPTED_LINEAR
+        if fused_lora_runs(job, strategy):  # adapter.fused_lora: no scale or add kernels (plan/lora_time.py)
+            per_linear -= KERNELS_SAVED_PER_FUSED_LINEAR
+        layer += per_linear * targeted / arch.num_layers
     if strategies.is_fsdp(strategy):
         layer += KERNELS_FSDP_PER_LAYER
     kernels = arch.num_layers * layer + checkpointed_layers * FORWARD_SHARE * layer

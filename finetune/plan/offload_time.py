@@ -39,14 +39,22 @@ from finetune.registry.schema import HardwarePreset
 # servers: one thread cannot use the socket's memory channels, ~20 GB/s (single-thread STREAM-like
 # figures of Sapphire Rapids / Genoa are 15-25 GB/s)
 CPU_CORE_BANDWIDTH = 20e9
-# A node's host memory bandwidth that all its ranks' optimizer threads share: about half of a two-socket
-# DDR5 server's STREAM figure (~400-500 GB/s), since Adam's mixed reads and writes of five fp32 streams
-# per parameter and NUMA-remote pages reach less (an assumption; no row measures many threads yet)
-NODE_HOST_BANDWIDTH = 200e9
+# A node's host memory bandwidth that all its ranks' optimizer threads share. Measured per rank with two
+# ranks a node: ~80 GB/s on the 2 x H200 host (torch's fused AdamW and the gradient scale at 16 threads,
+# docs/results/profiles/full3b-fsdp2-offload-h200x2.txt), ~100 GB/s on the 2 x H100 host (CPUAdam and the
+# unscale at 32 threads, full3b-zero3-optim-offload-h100x2.txt): the slower host's 2 x 80. Adam's five fp32
+# streams per parameter and NUMA-remote pages reach well under a two-socket server's STREAM figure
+NODE_HOST_BANDWIDTH = 160e9
 # A host-to-GPU copy from pageable (unpinned) memory: the driver stages it through its own pinned
 # buffer, at a fraction of the pinned rate. ~7.5 GB/s measured for ZeRO-3's 16-bit write-back on an
 # H100 host (docs/results/profiles/full3b-zero3-optim-offload-h100x2.txt); 5-10 GB/s is the usual range
 PAGEABLE_H2D_BANDWIDTH = 7.5e9
+# torch's CPU vector norm (linalg.vector_norm, and _foreach_norm, which calls it per tensor on CPU) reduces on
+# one thread whatever OMP_NUM_THREADS says (the same rate on 1 and 2 threads, where a dot product doubles), so
+# clip_grad_norm_'s norm over host gradient shards runs at one core's reduction rate: 7.6 GB/s on the 2 x H200
+# host (0.84 s a step for 1.6e9 fp32 gradients, docs/results/profiles/full3b-fsdp2-offload-h200x2.txt),
+# ~10 GB/s on the 2 x H100 host beside other host work (full3b-fsdp2-offload-h100x2.txt)
+CPU_NORM_BANDWIDTH = 7.6e9
 
 
 def host_threads_per_rank(preset: HardwarePreset, strategy: str) -> int:
@@ -62,8 +70,9 @@ def split_cores(cores: int, ranks: int) -> int:
     return max(1, cores // max(1, ranks))
 
 
-def host_optimizer_bytes_per_param(strategy: str) -> int:
-    """Host memory bytes one optimizer step moves per trained parameter (fp32 everywhere on the host).
+def host_optimizer_bytes_per_param(strategy: str, *, clips: bool = True) -> int:
+    """Host memory bytes one optimizer step moves per trained parameter on the rank's threads (fp32
+    everywhere on the host).
 
     DeepSpeed ZeRO-3 with offload_optimizer (stage3.py `step`): `unscale_and_clip_grads` multiplies the
     fp32 gradient partition in place every step (read + write, 8); CPUAdam reads param, gradient and
@@ -72,21 +81,33 @@ def host_optimizer_bytes_per_param(strategy: str) -> int:
     taken on the GPU before the partitions go down.)
     torch (FSDP2 CPUOffloadPolicy, the Trainer's adamw_torch_fused on CPU shards): finetune's non-finite
     check reads the gradients once (4; finetune.train.callbacks.all_finite, which sees no gradients under
-    DeepSpeed: it keeps them in its own partitions), clip_grad_norm_ reads them for the norm (4) and scales
-    them in place (8), then fused AdamW (28)."""
+    DeepSpeed: it keeps them in its own partitions), clip_grad_norm_ (`clips`: train.max_grad_norm > 0)
+    scales them in place (8), then fused AdamW (28); clip_grad_norm_'s norm runs on one thread
+    (`host_norm_seconds`)."""
     if strategies.is_deepspeed(strategy):
         return 8 + 28 + (6 if strategies.info(strategy).offload_params else 0)
-    return 4 + 4 + 8 + 28
+    return 4 + (8 if clips else 0) + 28
+
+
+def host_norm_seconds(job: Job, *, strategy: str) -> float:
+    """Seconds per step of clip_grad_norm_'s norm over a rank's host gradient shards (torch tiers with the
+    optimizer on the host and clipping on): 4 bytes a parameter at one thread's rate (CPU_NORM_BANDWIDTH)."""
+    if strategies.is_deepspeed(strategy) or not job.clips_gradients:
+        return 0.0
+    partition = state_bytes(job, strategy).trainable_params / state_shard_degree(job, strategy)
+    return partition * 4 / CPU_NORM_BANDWIDTH
 
 
 def cpu_optimizer_seconds(job: Job, *, strategy: str) -> float:
     """Seconds of one optimizer step on the host: each rank steps the partition it owns (the trained
-    parameters over the state shard degree) at its threads' bandwidth, the ranks in parallel."""
+    parameters over the state shard degree) at its threads' bandwidth, the ranks in parallel, after the
+    gradient norm that torch takes on one thread."""
     n = state_bytes(job, strategy).trainable_params
     partition = n / state_shard_degree(job, strategy)
     threads = job.host_threads_per_rank or host_threads_per_rank(job.preset, strategy)
     bandwidth = min(threads * CPU_CORE_BANDWIDTH, NODE_HOST_BANDWIDTH / job.preset.gpus_per_node)
-    return partition * host_optimizer_bytes_per_param(strategy) / bandwidth
+    moved = partition * host_optimizer_bytes_per_param(strategy, clips=job.clips_gradients)
+    return moved / bandwidth + host_norm_seconds(job, strategy=strategy)
 
 
 def optimizer_writeback_seconds(job: Job, *, strategy: str) -> float:

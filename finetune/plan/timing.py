@@ -42,6 +42,7 @@ from finetune.plan.attention_time import mask_seconds
 from finetune.plan.dora_time import dora_seconds
 from finetune.plan.eager_time import eager_seconds
 from finetune.plan.host_time import host_seconds
+from finetune.plan.lora_time import fused_lora_saved_seconds
 from finetune.plan.memory import (
     adapter_input_casts,
     checkpointed_layers,
@@ -212,6 +213,10 @@ def step_time(
         efficiency=efficiency(job, micro_batch=micro_batch),
         half_tokens=MICRO_BATCH_HALF_TOKENS,
         repeat=1.0 + share,
+    )
+    # adapter.fused_lora: peft's scale-and-add passes, which the efficiency above includes, do not run
+    compute -= grad_accum * fused_lora_saved_seconds(
+        job, strategy=strategy, micro_batch=micro_batch, checkpointed_share=share
     )
     if job.dora:
         compute += grad_accum * dora_seconds(

@@ -34,6 +34,7 @@ class Job:
     weight_bytes: int = 2  # model.dtype
     act_bytes: int = 2  # 2 for bf16/fp16 training, 4 for fp32
     optimizer: str = "adamw"
+    clips_gradients: bool = True  # train.max_grad_norm > 0: the Trainer takes the gradients' norm every step
     seq_len: int = 2048
     packed: bool = False  # data.packing: padding-free rows of micro_batch x seq_len tokens
     # data.example_tokens: the packed examples' token-weighted mean length, sum(l^2)/sum(l) (`packed_length`);
@@ -49,6 +50,7 @@ class Job:
     fused_lm_head: bool = True
     # adapter.cast_adapter_inputs: peft's per-module fp32 cast of LoRA inputs (finetune skips it by default)
     cast_adapter_inputs: bool = False
+    fused_lora: bool = False  # adapter.fuses_lora: finetune's fused LoRA layer (plan/lora_time.py)
     liger: bool = False  # train.liger resolved: Liger RMSNorm/RoPE/SwiGLU kernels (keep fewer activations)
     global_batch_size: int = 16
     micro_batch: int | None = None  # pinned by the recipe, else searched

@@ -295,7 +295,7 @@ def lora_config(recipe: Recipe):
         # SEQ_CLS: peft also trains the new score head (modules_to_save)
         task_type="SEQ_CLS" if recipe.method.type == "reward" else "CAUSAL_LM",
     )
-    if a.fused_lora and a.type == "lora" and not a.load_in_8bit:  # plain Linear layers only (not bitsandbytes')
+    if a.fuses_lora:
         from torch import nn
 
         from finetune.train.fused_lora import FusedLoraLinear

@@ -72,6 +72,8 @@ def resolved_recipe(row: dict):
         family = row["model_config"].get("model_type")
     else:
         raise ValueError(f"row {row['name']!r} has `resolved` but neither `arch` nor `model_config`")
+    # compiled before adapter.fused_lora existed (it was off by default until every row below had run): peft's layer
+    raw["adapter"].setdefault("fused_lora", False)
     if raw["train"].get("liger") == "on" and family not in LIGER_MODEL_TYPES:
         # compiled before the planner knew which model types Liger patches: the run trained without it
         raw["train"]["liger"] = "off"
@@ -97,6 +99,7 @@ def legacy_recipe(row: dict):
             "alpha": 32,
             "dropout": row.get("lora_dropout", 0.0),
             "cast_adapter_inputs": row.get("cast_adapter_inputs", True),
+            "fused_lora": False,  # measured before finetune had its fused LoRA layer
         },
         # SFT packs padding-free; DPO pads chosen/rejected (pairs filling max_length)
         "data": {

@@ -96,10 +96,6 @@ NO_EFFECT = {
     "train.max_bad_steps": "a check of the loss already on the host",
     "train.oom_retries": "what happens after an out-of-memory failure",
     "train.deferred_metrics": "one device-to-host sync per micro-batch; unmodelled (a fraction of a percent)",
-    "adapter.fused_lora": (
-        "folds the adapter's scale and add into a GEMM: the same FLOPs and activations; its time saving is "
-        "not measured, so not modelled"
-    ),
     "train.compile": (
         "measured on 8B LoRA (H200): steady tokens/s 0.92x eager and max reserved 1.04x, inside the planner's "
         "bounds, so the plan is eager's; the first steps' compilation (~90 s) is not in the step time"

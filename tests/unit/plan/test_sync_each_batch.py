@@ -92,9 +92,10 @@ def test_full_8b_on_4_h100_reduces_every_micro_batch_under_fsdp2():
 def test_lora_keeps_no_sync_its_gradients_are_small():
     # LoRA r16 under FSDP2 on 4 x H100, micro-batch 2 x 2: syncing each batch would free 0.08 GiB and only cost
     # time (another reduce-scatter of the adapter's gradients)
-    plan = _plan("llama8b-lora.yaml", "distributed.strategy=fsdp2")
+    pins = ("distributed.strategy=fsdp2", "train.micro_batch_size=2")
+    plan = _plan("llama8b-lora.yaml", *pins)
     assert (plan.micro_batch_size, plan.gradient_accumulation_steps, plan.sync_each_batch) == (2, 2, False)
-    job = job_from_recipe(_recipe("llama8b-lora.yaml", "distributed.strategy=fsdp2"), arch=ARCH, preset=FOUR)
+    job = job_from_recipe(_recipe("llama8b-lora.yaml", *pins), arch=ARCH, preset=FOUR)
     setting = dict(strategy="fsdp2", micro_batch=2, checkpointing=plan.checkpoint_layers)
     kept, freed = (evaluate(job, **setting, sync_each_batch=s) for s in (False, True))
     assert kept.fits and freed.fits and freed.step_time_s > kept.step_time_s
@@ -114,8 +115,9 @@ def test_on_equal_time_the_trainers_no_sync_stays():
 
 
 def test_a_pin_is_planned_as_it_says():
-    synced = _plan("llama8b-lora.yaml", "distributed.strategy=fsdp2", "distributed.sync_each_batch=true")
-    held = _plan("llama8b-lora.yaml", "distributed.strategy=fsdp2")
+    pins = ("distributed.strategy=fsdp2", "train.micro_batch_size=2")  # 2 x 2: accumulation to sync or not
+    synced = _plan("llama8b-lora.yaml", *pins, "distributed.sync_each_batch=true")
+    held = _plan("llama8b-lora.yaml", *pins)
     assert synced.sync_each_batch is True and synced.step_time_s > held.step_time_s
     assert "distributed.sync_each_batch: true, as pinned" in synced.why
     full = _plan("llama8b-full.yaml", "distributed.strategy=fsdp2", "distributed.sync_each_batch=false")

@@ -11,9 +11,11 @@ from finetune.plan.host_time import host_seconds
 from finetune.plan.memory import weight_bytes
 from finetune.plan.offload_time import (
     CPU_CORE_BANDWIDTH,
+    CPU_NORM_BANDWIDTH,
     NODE_HOST_BANDWIDTH,
     PAGEABLE_H2D_BANDWIDTH,
     cpu_optimizer_seconds,
+    host_norm_seconds,
     host_optimizer_bytes_per_param,
     optimizer_writeback_seconds,
 )
@@ -81,9 +83,10 @@ def test_fsdp2_offload_prefetches_its_shards_in_their_stored_dtype():
 
 
 def test_host_optimizer_bytes_follow_what_each_library_does_per_step():
-    # torch: finetune's non-finite check reads the gradients (4), clip_grad_norm_ reads (4) and scales (8)
-    # them, fused AdamW 28
-    assert host_optimizer_bytes_per_param("fsdp2-offload") == 44
+    # torch: finetune's non-finite check reads the gradients (4), clip_grad_norm_ scales them (8), fused
+    # AdamW 28 on the rank's threads; without clipping no scale
+    assert host_optimizer_bytes_per_param("fsdp2-offload") == 40
+    assert host_optimizer_bytes_per_param("fsdp2-offload", clips=False) == 32
     # DeepSpeed: unscale_and_clip_grads (8), CPUAdam (28), + the 16-bit partition copy when params are on the host
     assert host_optimizer_bytes_per_param("zero3-offload") == 42
     assert host_optimizer_bytes_per_param("zero3-nvme") == 42
@@ -122,3 +125,32 @@ def test_fsdp2_offload_fetch_overlaps_the_compute():
     host = host_seconds(job, strategy="fsdp2-offload", grad_accum=2, checkpointed_layers=0)
     busy = max(t.compute_s, host)
     assert t.step_s == pytest.approx(max(busy, comm) + 0.1 * min(busy, comm) + serial)
+
+
+def test_torch_takes_the_host_gradient_norm_on_one_thread():
+    """clip_grad_norm_'s norm over FSDP2's host shards reads 4 bytes a parameter at one thread's rate,
+    whatever the rank's threads; DeepSpeed takes its norm on the GPU; no clipping, no norm."""
+    many = _job("full", threads=32)
+    part = count_params(many.arch).total / many.preset.world_size
+    norm = part * 4 / CPU_NORM_BANDWIDTH
+    assert host_norm_seconds(many, strategy="fsdp2-offload") == pytest.approx(norm)
+    assert host_norm_seconds(_job("full"), strategy="fsdp2-offload") == pytest.approx(norm)
+    bandwidth = min(32 * CPU_CORE_BANDWIDTH, NODE_HOST_BANDWIDTH / many.preset.gpus_per_node)
+    assert cpu_optimizer_seconds(many, strategy="fsdp2-offload") == pytest.approx(part * 40 / bandwidth + norm)
+    assert host_norm_seconds(many, strategy="zero3-offload") == 0.0
+    unclipped = replace(many, clips_gradients=False)
+    assert host_norm_seconds(unclipped, strategy="fsdp2-offload") == 0.0
+    assert cpu_optimizer_seconds(unclipped, strategy="fsdp2-offload") == pytest.approx(part * 32 / bandwidth)
+
+
+def test_max_grad_norm_zero_plans_no_clipping():
+    from finetune.plan import job_from_recipe, lookup
+    from finetune.recipe import load_recipe
+    from tests.helpers.recipes import tiny_recipe
+
+    def job(**train):
+        recipe = load_recipe(tiny_recipe(train=train))
+        arch, preset, _ = lookup(recipe, hardware=PRESET)
+        return job_from_recipe(recipe, arch=arch, preset=preset)
+
+    assert job().clips_gradients and not job(max_grad_norm=0.0).clips_gradients

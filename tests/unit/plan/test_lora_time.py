@@ -1,0 +1,70 @@
+"""adapter.fused_lora in the plan (plan/lora_time.py): the elementwise bytes peft's layer moves and the fused
+layer does not, hand-counted for Llama-3.1-8B, where the fused layer runs, and its kernels on the host."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from finetune.plan.bandwidth import memory_seconds
+from finetune.plan.host_time import KERNELS_PER_ADAPTED_LINEAR, kernels_per_micro_batch
+from finetune.plan.lora_time import KERNELS_SAVED_PER_FUSED_LINEAR, fused_lora_runs, fused_lora_saved_seconds
+from finetune.plan.timing import step_time
+from tests.helpers.recipes import shape_job
+
+# Llama-3.1-8B: hidden 4096, MLP 14336, 8 KV heads of 128; q, k, v, o, gate, up, down in 32 layers
+OUT = 32 * (4096 + 1024 + 1024 + 4096 + 14336 + 14336 + 4096)
+IN = 32 * (6 * 4096 + 14336)
+
+
+def _job(**kw):
+    return replace(shape_job("llama-3.1-8b", "lora", "server-8xh100"), **kw)
+
+
+def test_the_default_recipe_plans_the_fused_layer():
+    job = _job()
+    assert job.fused_lora and fused_lora_runs(job, "ddp")
+
+
+def test_saved_bytes_are_the_scale_and_add_passes_of_each_targeted_module():
+    job = _job(lora_dropout=0.0)
+    tokens = 4 * job.seq_len
+    a = 2  # bf16
+    # forward: peft's 6a (write, scale, add) against the in-place addmm's 2a per output feature; backward: the
+    # scale of the output gradient (2a) and the input gradient's write-and-add (4a) against addmm_'s 2a
+    per_token = 4 * a * OUT + 2 * a * OUT + 2 * a * IN
+    saved = fused_lora_saved_seconds(job, strategy="ddp", micro_batch=4, checkpointed_share=0.0)
+    assert saved == pytest.approx(memory_seconds(job.preset, tokens * per_token))
+    # checkpointing re-runs the forward of the checkpointed layers
+    half = fused_lora_saved_seconds(job, strategy="ddp", micro_batch=4, checkpointed_share=0.5)
+    assert half == pytest.approx(memory_seconds(job.preset, tokens * (per_token + 0.5 * 4 * a * OUT)))
+    # with dropout the adapter's input is another tensor: autograd adds its gradient, nothing saved there
+    dropped = fused_lora_saved_seconds(_job(lora_dropout=0.05), strategy="ddp", micro_batch=4, checkpointed_share=0.0)
+    assert dropped == pytest.approx(memory_seconds(job.preset, tokens * (6 * a * OUT)))
+
+
+@pytest.mark.parametrize(
+    ("kw", "strategy"),
+    [
+        ({"fused_lora": False}, "ddp"),  # adapter.fused_lora: false
+        ({}, "zero3"),  # ZeRO-3's partitions are gathered by each submodule's own forward: peft's path
+        ({"cast_adapter_inputs": True}, "ddp"),  # peft casts the input to the fp32 adapter: its path
+    ],
+)
+def test_where_peft_forward_runs_nothing_is_saved(kw, strategy):
+    job = _job(**kw)
+    assert not fused_lora_runs(job, strategy)
+    assert fused_lora_saved_seconds(job, strategy=strategy, micro_batch=4, checkpointed_share=0.0) == 0.0
+
+
+def test_the_step_is_shorter_by_the_saving_and_the_host_launches_fewer_kernels():
+    fused, plain = _job(), _job(fused_lora=False)
+    kw = {"strategy": "ddp", "micro_batch": 4, "grad_accum": 2, "checkpointing": False}
+    saved = fused_lora_saved_seconds(fused, strategy="ddp", micro_batch=4, checkpointed_share=0.0)
+    assert step_time(plain, **kw).compute_s - step_time(fused, **kw).compute_s == pytest.approx(2 * saved)
+    per_layer = 7 * KERNELS_SAVED_PER_FUSED_LINEAR
+    plain_k = kernels_per_micro_batch(plain, strategy="ddp", checkpointed_layers=0)
+    fused_k = kernels_per_micro_batch(fused, strategy="ddp", checkpointed_layers=0)
+    assert plain_k - fused_k == pytest.approx(32 * per_layer)
+    assert KERNELS_SAVED_PER_FUSED_LINEAR < KERNELS_PER_ADAPTED_LINEAR
