@@ -25,6 +25,7 @@ from finetune.plan.choose import (
 )
 from finetune.plan.fallback import attention_fallback_warning
 from finetune.plan.host_time import kernels_per_micro_batch
+from finetune.plan.lora_time import fused_lora_runs
 from finetune.plan.memory import (
     adapter_input_casts,
     fsdp_accumulated_gradients,
@@ -503,6 +504,10 @@ def _kernels(job: Job, strategy: str) -> str:
     parts = [attention, "Liger RMSNorm/RoPE/SwiGLU" if job.liger else "no Liger"]
     if adapter_input_casts(job, strategy):
         parts.append("peft's fp32 adapter-input casts")
+    if fused_lora_runs(job, strategy):
+        parts.append("fused LoRA layers (adapter.fused_lora)")
+    elif job.adapter == "lora" and not job.dora:
+        parts.append("peft's LoRA layers")
     return ", ".join(parts)
 
 

@@ -68,3 +68,16 @@ def test_the_step_is_shorter_by_the_saving_and_the_host_launches_fewer_kernels()
     fused_k = kernels_per_micro_batch(fused, strategy="ddp", checkpointed_layers=0)
     assert plain_k - fused_k == pytest.approx(32 * per_layer)
     assert KERNELS_SAVED_PER_FUSED_LINEAR < KERNELS_PER_ADAPTED_LINEAR
+
+
+def test_the_plan_says_which_lora_layer_runs():
+    from finetune.plan import plan
+    from finetune.recipe import load_recipe
+
+    raw = {"model": {"name": "x", "arch": "llama-3.1-8b"}, "data": {"path": "t.jsonl"}, "hardware": "server-8xh100"}
+    assert "fused LoRA layers (adapter.fused_lora)" in plan(load_recipe(raw)).kernels
+    raw["adapter"] = {"type": "lora", "fused_lora": False}
+    assert "peft's LoRA layers" in plan(load_recipe(raw)).kernels
+    raw["distributed"] = {"strategy": "zero3"}  # ZeRO-3 gathers each submodule in its own forward: peft's path
+    raw["adapter"] = {"type": "lora"}
+    assert "peft's LoRA layers" in plan(load_recipe(raw)).kernels
