@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from finetune.peers import Conversion
 from finetune.peers.common import (
+    FUSED_LORA_REASON,
     LIGER_REASON,
     as_list,
     attention,
@@ -88,6 +89,7 @@ IGNORED.update(
             "liger_fused_linear_cross_entropy",
         )
     }
+    | {k: FUSED_LORA_REASON for k in ("lora_mlp_kernel", "lora_qkv_kernel", "lora_o_kernel")}
 )
 # axolotl's attention switch -> model.attn_implementation (flash: finetune picks its flash kernel itself)
 ATTENTION = {"sdpa": "sdpa", "eager": "eager", "flex": "flex_attention", "flash": None, "xformers": None}

@@ -65,6 +65,13 @@ LIGER_REASON = (
     "(train.liger: on requires them)"
 )
 
+# a peer's fused-LoRA switch (axolotl's lora_*_kernel): finetune's adapter.fused_lora does it for every targeted
+# linear, on by default (finetune/train/fused_lora.py)
+FUSED_LORA_REASON = (
+    "adapter.fused_lora (on by default for LoRA) runs each targeted linear and its adapter as one autograd "
+    "function, the scale and adds inside the GEMMs"
+)
+
 
 def map_aliases(conv: Conversion, *, ignore: dict[str, str]) -> None:
     """Every key no peer handler took: ignored with a reason, renamed through the alias table, or dropped."""

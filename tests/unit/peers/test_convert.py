@@ -199,3 +199,21 @@ def test_a_peer_s_liger_switch_is_answered_by_train_liger(name, source, key):
 
     conv = convert(CONFIGS / name, source=source)
     assert [d.reason for d in conv.dropped if d.key == key] == [LIGER_REASON]
+
+
+def test_axolotl_s_lora_kernels_are_answered_by_the_fused_lora_layer(tmp_path):
+    import yaml
+
+    from finetune import convert
+    from finetune.peers.common import FUSED_LORA_REASON
+
+    config = yaml.safe_load((CONFIGS / "axolotl-fsdp1-full.yaml").read_text())
+    config.update(adapter="lora", lora_mlp_kernel=True, lora_qkv_kernel=True, lora_o_kernel=True)
+    source = tmp_path / "lora-kernels.yaml"
+    source.write_text(yaml.safe_dump(config))
+    conv = convert(source, source="axolotl")
+    kernels = {d.key: d for d in conv.dropped if d.key.startswith("lora_") and d.key.endswith("_kernel")}
+    assert set(kernels) == {"lora_mlp_kernel", "lora_qkv_kernel", "lora_o_kernel"}
+    assert all(d.reason == FUSED_LORA_REASON and not d.material for d in kernels.values())
+    assert conv.error is None and conv.recipe["adapter"]["type"] == "lora"
+    assert "fused_lora" not in conv.recipe["adapter"]  # the default runs the fused layer
