@@ -12,11 +12,13 @@ fused layer (finetune/train/fused_lora.py) moves:
             base's (2a): 2a per input feature, when the adapter reads the layer's input itself (no
             dropout; with dropout the adapter's input is another tensor and autograd adds the two).
 Those passes move bytes, not FLOPs: timed at the streaming bandwidth (plan/bandwidth.py). The GPU
-efficiency of plan/timing.py is calibrated on peft's layer, so the fused layer is planned as that time
-minus these seconds. Measured on 8B LoRA, one H100 (docs/benchmarks.md): +8.8% steady tokens/s
-(13,996 -> 15,225); this model plans +11.8% (13,143 -> 14,692). The fused layer also launches two kernels
-fewer per module and micro-batch (the scale and the add, forward and backward, against two in-place GEMMs:
-21,266 -> 19,486 kernel launches over 896 module passes in the same profiles).
+efficiency of plan/timing.py is calibrated on peft's layer, whose compute time C includes them; the fused
+layer is planned as C less their share of it, C x S / (C + S) for S seconds of passes (`fused_lora_share`):
+about S where the passes are a small part of the step (8B: S / C ~ 0.1), never all of C for a model so
+small that its passes would outweigh its FLOPs' time. Measured on 8B LoRA, one H100 (docs/benchmarks.md):
++8.8% steady tokens/s (13,996 -> 15,225); this model plans +10.5% (13,143 -> 14,529). The fused layer also
+launches two kernels fewer per module and micro-batch (the scale and the add, forward and backward, against
+two in-place GEMMs: 21,266 -> 19,486 kernel launches over 896 module passes in the same profiles).
 
 It runs where peft's own forward would not be taken instead: plain LoRA (adapter.fuses_lora), not under
 ZeRO-3 (its partitioned parameters are gathered only by each submodule's own forward) and not where peft
@@ -60,3 +62,9 @@ def fused_lora_saved_seconds(job: Job, *, strategy: str, micro_batch: int, check
     backward = 2 * a * out_features + (2 * a * in_features if job.lora_dropout == 0 else 0)
     tokens = tokens_per_micro_batch(job, micro_batch)
     return memory_seconds(job.preset, tokens * ((1.0 + checkpointed_share) * forward + backward))
+
+
+def fused_lora_share(compute: float, saved: float) -> float:
+    """Seconds the fused layer takes off a calibrated compute time that includes `saved` seconds of peft's
+    passes: their share of it, compute x saved / (compute + saved) (see the module docstring)."""
+    return compute * saved / (compute + saved) if saved > 0 else 0.0

@@ -42,7 +42,7 @@ from finetune.plan.attention_time import mask_seconds
 from finetune.plan.dora_time import dora_seconds
 from finetune.plan.eager_time import eager_seconds
 from finetune.plan.host_time import host_seconds
-from finetune.plan.lora_time import fused_lora_saved_seconds
+from finetune.plan.lora_time import fused_lora_saved_seconds, fused_lora_share
 from finetune.plan.memory import (
     adapter_input_casts,
     checkpointed_layers,
@@ -203,6 +203,12 @@ def step_time(
         / (p.peak_bf16_tflops * 1e12 * efficiency(job, micro_batch=micro_batch))
     )
     share = 1.0 if checkpointing is True else min(1.0, int(checkpointing) / job.arch.num_layers)
+    # adapter.fused_lora: peft's scale-and-add passes, which the FLOPs' calibrated time includes, do not run
+    compute -= fused_lora_share(
+        compute,
+        grad_accum
+        * fused_lora_saved_seconds(job, strategy=strategy, micro_batch=micro_batch, checkpointed_share=share),
+    )
     # memory-bound work the FLOPs do not show: attention mask biases (plan/attention_time.py), DoRA's
     # weight norms and elementwise passes (plan/dora_time.py)
     compute += grad_accum * mask_seconds(job, micro_batch=micro_batch, checkpointed_share=share)
@@ -213,10 +219,6 @@ def step_time(
         efficiency=efficiency(job, micro_batch=micro_batch),
         half_tokens=MICRO_BATCH_HALF_TOKENS,
         repeat=1.0 + share,
-    )
-    # adapter.fused_lora: peft's scale-and-add passes, which the efficiency above includes, do not run
-    compute -= grad_accum * fused_lora_saved_seconds(
-        job, strategy=strategy, micro_batch=micro_batch, checkpointed_share=share
     )
     if job.dora:
         compute += grad_accum * dora_seconds(
