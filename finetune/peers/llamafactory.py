@@ -58,7 +58,7 @@ IGNORED = {
 } | {
     "resize_vocab": "finetune grows the embeddings itself when tokenizer.added_tokens needs it",
 }
-IGNORED.update({k: LIGER_REASON for k in ("enable_liger_kernel",)})
+IGNORED["enable_liger_kernel"] = LIGER_REASON
 # optimizer families LLaMA-Factory switches on with use_X (their own keys come along: galore_rank, ...)
 OPTIMIZER_SWITCHES = ("use_galore", "use_badam", "use_apollo", "use_adam_mini", "use_muon")
 # LoRA initializations and variants finetune does not offer

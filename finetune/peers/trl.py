@@ -49,7 +49,7 @@ IGNORED = {
     "max_prompt_length": "TRL 1.x has no prompt limit either; a pair longer than data.max_length is truncated whole",
     "dataset_test_split": "read only when eval_strategy is not 'no'",
 }
-IGNORED.update({k: LIGER_REASON for k in ("use_liger_kernel",)})
+IGNORED["use_liger_kernel"] = LIGER_REASON
 DPO_KEYS = ("beta", "loss_type", "max_prompt_length", "precompute_ref_log_probs", "rpo_alpha")
 METHODS = ("sft", "dpo", "kto", "reward", "orpo", "cpo")
 # keys only one trainer's config has, in the order they are asked (beta alone means DPO)

@@ -28,7 +28,7 @@ input, which LoRA with casts pays as well.
 from __future__ import annotations
 
 from finetune.plan.bandwidth import memory_seconds
-from finetune.plan.workload import Job, layer_kinds
+from finetune.plan.workload import Job, targeted_linears
 
 
 def _weight_side_bytes(
@@ -73,24 +73,19 @@ def dora_seconds(job: Job, *, micro_batch: int, casts: bool, checkpointed_share:
     qlora = job.adapter == "qlora"
     weight_side = token_out = 0.0
     flops = 0.0
-    for count, _, shapes in layer_kinds(job.arch):
-        for name in job.lora_targets:
-            if name not in shapes:
-                continue
-            fin, fout, copies = shapes[name]
-            n = count * copies
-            weight_side += n * _weight_side_bytes(
-                fin=fin,
-                fout=fout,
-                r=job.lora_r,
-                adapter=adapter,
-                compute=a,
-                x=x,
-                weight=a if qlora else job.weight_bytes,
-                dequantize=(0.5 + 2) if qlora else 0.0,
-            )
-            flops += n * 2 * fin * job.lora_r * (fin + fout)
-            token_out += n * fout
+    for n, fin, fout in targeted_linears(job.arch, job.lora_targets):
+        weight_side += n * _weight_side_bytes(
+            fin=fin,
+            fout=fout,
+            r=job.lora_r,
+            adapter=adapter,
+            compute=a,
+            x=x,
+            weight=a if qlora else job.weight_bytes,
+            dequantize=(0.5 + 2) if qlora else 0.0,
+        )
+        flops += n * 2 * fin * job.lora_r * (fin + fout)
+        token_out += n * fout
     forward, backward = _token_side_bytes(promoted=promoted, compute=a)
     tokens = micro_batch * job.seq_len * job.sequences_per_sample
     repeat = 1.0 + checkpointed_share

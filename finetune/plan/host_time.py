@@ -41,7 +41,7 @@ from __future__ import annotations
 from finetune import strategies
 from finetune.plan.lora_time import KERNELS_SAVED_PER_FUSED_LINEAR, fused_lora_runs
 from finetune.plan.optimizer import trained_tensors
-from finetune.plan.workload import Job, expanded, layer_kinds
+from finetune.plan.workload import Job, expanded, layer_kinds, targeted_linears
 
 HOST_S_PER_MICRO_BATCH = 0.061
 HOST_S_PER_KERNEL = 63e-6
@@ -72,10 +72,7 @@ def kernels_per_micro_batch(job: Job, *, strategy: str, checkpointed_layers: int
     arch = job.arch
     layer = KERNELS_PER_LAYER + (0.0 if job.liger else KERNELS_WITHOUT_LIGER_PER_LAYER)
     if job.adapter != "full":
-        targeted = sum(
-            count * sum(copies for name, (_, _, copies) in shapes.items() if name in job.lora_targets)
-            for count, _, shapes in layer_kinds(arch)
-        )
+        targeted = sum(n for n, _, _ in targeted_linears(arch, job.lora_targets))
         per_linear = KERNELS_PER_ADAPTED_LINEAR
         if fused_lora_runs(job, strategy):  # adapter.fused_lora: no scale or add kernels (plan/lora_time.py)
             per_linear -= KERNELS_SAVED_PER_FUSED_LINEAR

@@ -30,7 +30,7 @@ from __future__ import annotations
 from finetune import strategies
 from finetune.plan.bandwidth import memory_seconds
 from finetune.plan.memory import adapter_input_casts, tokens_per_micro_batch
-from finetune.plan.workload import Job, layer_kinds
+from finetune.plan.workload import Job, targeted_linears
 
 KERNELS_SAVED_PER_FUSED_LINEAR = 2.0
 
@@ -50,13 +50,9 @@ def fused_lora_saved_seconds(job: Job, *, strategy: str, micro_batch: int, check
     not run); activation checkpointing repeats the forward's share."""
     if not fused_lora_runs(job, strategy):
         return 0.0
-    out_features = in_features = 0
-    for count, _, shapes in layer_kinds(job.arch):
-        for name in job.lora_targets:
-            if name in shapes:
-                fin, fout, copies = shapes[name]
-                out_features += count * copies * fout
-                in_features += count * copies * fin
+    linears = targeted_linears(job.arch, job.lora_targets)
+    out_features = sum(n * fout for n, _, fout in linears)
+    in_features = sum(n * fin for n, fin, _ in linears)
     a = job.act_bytes
     forward = 4 * a * out_features
     backward = 2 * a * out_features + (2 * a * in_features if job.lora_dropout == 0 else 0)

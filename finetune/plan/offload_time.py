@@ -89,21 +89,25 @@ def host_optimizer_bytes_per_param(strategy: str, *, clips: bool = True) -> int:
     return 4 + (8 if clips else 0) + 28
 
 
+def host_partition(job: Job, strategy: str) -> float:
+    """Trained parameters whose gradients and optimizer state one rank holds on the host: the trained
+    parameters over the state shard degree."""
+    return state_bytes(job, strategy).trainable_params / state_shard_degree(job, strategy)
+
+
 def host_norm_seconds(job: Job, *, strategy: str) -> float:
     """Seconds per step of clip_grad_norm_'s norm over a rank's host gradient shards (torch tiers with the
     optimizer on the host and clipping on): 4 bytes a parameter at one thread's rate (CPU_NORM_BANDWIDTH)."""
     if strategies.is_deepspeed(strategy) or not job.clips_gradients:
         return 0.0
-    partition = state_bytes(job, strategy).trainable_params / state_shard_degree(job, strategy)
-    return partition * 4 / CPU_NORM_BANDWIDTH
+    return host_partition(job, strategy) * 4 / CPU_NORM_BANDWIDTH
 
 
 def cpu_optimizer_seconds(job: Job, *, strategy: str) -> float:
     """Seconds of one optimizer step on the host: each rank steps the partition it owns (the trained
     parameters over the state shard degree) at its threads' bandwidth, the ranks in parallel, after the
     gradient norm that torch takes on one thread."""
-    n = state_bytes(job, strategy).trainable_params
-    partition = n / state_shard_degree(job, strategy)
+    partition = host_partition(job, strategy)
     threads = job.host_threads_per_rank or host_threads_per_rank(job.preset, strategy)
     bandwidth = min(threads * CPU_CORE_BANDWIDTH, NODE_HOST_BANDWIDTH / job.preset.gpus_per_node)
     moved = partition * host_optimizer_bytes_per_param(strategy, clips=job.clips_gradients)
@@ -120,7 +124,7 @@ def optimizer_writeback_seconds(job: Job, *, strategy: str) -> float:
     tier = strategies.info(strategy)
     if not (strategies.is_deepspeed(strategy) and tier.offload_optimizer and not tier.offload_params):
         return 0.0
-    partition = state_bytes(job, strategy).trainable_params / state_shard_degree(job, strategy)
+    partition = host_partition(job, strategy)
     return (
         partition * (4 + job.weight_bytes) / CPU_CORE_BANDWIDTH + partition * job.weight_bytes / PAGEABLE_H2D_BANDWIDTH
     )

@@ -136,9 +136,8 @@ def flops_per_token(job: Job, *, checkpointing: bool | int, micro_batch: int | N
         executed = width * executed_attention_positions(job, micro_batch=micro_batch)
         flops += 12 * (executed - attn)
         attn = executed
-    if checkpointing:  # True (every layer) or the count of checkpointed layers
-        share = 1.0 if checkpointing is True else min(1.0, checkpointing / arch.num_layers)
-        flops += share * (2 * n + 4 * attn)
+    # activation checkpointing (True: every layer, or the count of checkpointed layers) re-runs their forward
+    flops += checkpointed_layers(job, checkpointing) / arch.num_layers * (2 * n + 4 * attn)
     if job.reference_forward:
         flops += 2 * n + 4 * attn
     return flops
@@ -202,7 +201,8 @@ def step_time(
         * tokens
         / (p.peak_bf16_tflops * 1e12 * efficiency(job, micro_batch=micro_batch))
     )
-    share = 1.0 if checkpointing is True else min(1.0, int(checkpointing) / job.arch.num_layers)
+    checkpointed = checkpointed_layers(job, checkpointing)
+    share = checkpointed / job.arch.num_layers
     # adapter.fused_lora: peft's scale-and-add passes, which the FLOPs' calibrated time includes, do not run
     compute -= fused_lora_share(
         compute,
@@ -225,7 +225,6 @@ def step_time(
             job, micro_batch=micro_batch, casts=adapter_input_casts(job, strategy), checkpointed_share=share
         )
     if job.attention == "eager":  # passes over the materialized scores (plan/eager_time.py)
-        share = 1.0 if checkpointing is True else min(1.0, int(checkpointing) / job.arch.num_layers)
         compute += grad_accum * eager_seconds(job, micro_batch=micro_batch, checkpointed_share=share)
     states = state_bytes(job, strategy)
     grad_bytes = states.trainable_params * (4 if job.adapter != "full" else 2)
@@ -292,8 +291,7 @@ def step_time(
         host = grad_accum * CPU_HOST_S_PER_MICRO_BATCH
         busy, serial = compute, host
     else:
-        k = checkpointed_layers(job, checkpointing)
-        host = host_seconds(job, strategy=strategy, grad_accum=grad_accum, checkpointed_layers=k)
+        host = host_seconds(job, strategy=strategy, grad_accum=grad_accum, checkpointed_layers=checkpointed)
         busy, serial = max(compute, host), 0.0
     overlapped = max(busy, comm) + OVERLAP_LEAK * min(busy, comm)
     total = overlapped + offload + serial

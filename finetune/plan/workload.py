@@ -403,14 +403,19 @@ def lora_params(job: Job) -> int:
     return lora_param_count(job.arch, r=job.lora_r, targets=job.lora_targets, dora=job.dora)
 
 
+def targeted_linears(arch: ModelArch, targets: tuple[str, ...] | list[str]) -> list[tuple[int, int, int]]:
+    """(how many in the model, in_features, out_features) of each decoder linear kind that `targets` names
+    (a layer kind without the module, e.g. gate_proj in an MoE layer without a shared expert, adds none)."""
+    return [
+        (count * shapes[name][2], shapes[name][0], shapes[name][1])
+        for count, _, shapes in layer_kinds(arch)
+        for name in targets
+        if name in shapes
+    ]
+
+
 def lora_param_count(arch: ModelArch, *, r: int, targets: tuple[str, ...] | list[str], dora: bool) -> int:
-    total = 0
-    for count, _, shapes in layer_kinds(arch):
-        for name in targets:
-            if name not in shapes:
-                continue  # e.g. gate_proj in an MoE layer without a shared expert
-            fin, fout, copies = shapes[name]
-            total += count * copies * (r * (fin + fout) + (fout if dora else 0))
+    total = sum(n * (r * (fin + fout) + (fout if dora else 0)) for n, fin, fout in targeted_linears(arch, targets))
     if "embed_tokens" in targets:  # peft's Embedding adapter: A is r x vocab, B hidden x r
         total += r * (arch.vocab_size + arch.hidden_size)
     return total
