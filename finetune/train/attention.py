@@ -132,13 +132,37 @@ def varlen_attention_forward(
     cu_seq_lens, max_length = bounds
     # (1, h, t, d) -> (t, h, d): a view; the kernel needs only the last dimension contiguous
     q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))
+    cu = cu_seq_lens.to(device=q.device, dtype=torch.int32)
+    args = (cu, cu, max_length, max_length)
     gqa = {}
     if k.shape[1] != q.shape[1]:
         if has_gqa:
             gqa = {"enable_gqa": True}
-        else:
+        elif _KV_HEADS_TAKEN.get("native", True):
+            # torch without the enable_gqa switch: its flash kernel takes fewer key/value heads (flash-attn 2's
+            # GQA) unless the Python wrapper refuses them; repeating them costs two copies of a query-sized
+            # tensor per layer, their kept copies and a sum over the groups in the backward
+            try:
+                out = varlen_attn(q, k, v, *args, scale=scaling, **causal)
+                _KV_HEADS_TAKEN["native"] = True
+                return out.unsqueeze(0), None
+            except ValueError:  # the head-count check, raised before any kernel runs
+                _KV_HEADS_TAKEN["native"] = False
+        if not gqa:
             groups = q.shape[1] // k.shape[1]
             k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-    cu = cu_seq_lens.to(device=q.device, dtype=torch.int32)
-    out = varlen_attn(q, k, v, cu, cu, max_length, max_length, scale=scaling, **causal, **gqa)
+    out = varlen_attn(q, k, v, *args, scale=scaling, **causal, **gqa)
     return out.unsqueeze(0), None
+
+
+# whether this torch's varlen_attn (one without enable_gqa) took fewer key/value heads than query heads;
+# learned on the first such call of the process
+_KV_HEADS_TAKEN: dict[str, bool] = {}
+
+
+def native_gqa() -> bool | None:
+    """Grouped key/value heads go to the kernel as they are (True) or repeated (False); None: not yet known."""
+    kernel = _varlen()
+    if kernel is not None and kernel[2]:
+        return True
+    return _KV_HEADS_TAKEN.get("native")

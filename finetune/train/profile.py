@@ -4,11 +4,13 @@ Writes, per rank, RUN_DIR/profile/rank-K.trace.json.gz (open in https://ui.perfe
 rank-K.txt (the top operators by device time, then by CPU time) and rank-K.json: wall time of
 the profiled steps, the time kernels kept the GPU busy, and that busy time split by kind
 (matmul, attention, communication, elementwise/other). Busy time well under wall time means the
-GPU waits for the host (Python, kernel launches, synchronizations), not for its own work.
+GPU waits for the host (Python, kernel launches, synchronizations), not for its own work; the JSON's
+`idle` says where: the host operations that ran while no kernel did (`idle_gaps`).
 """
 
 from __future__ import annotations
 
+import bisect
 import json
 import re
 import time
@@ -70,6 +72,108 @@ def summarize(events, *, wall_s: float, steps: int) -> dict:
     }
 
 
+GPU_EVENT_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
+HOST_EVENT_CATEGORIES = ("cpu_op", "user_annotation", "python_function")
+
+
+def _merged(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    out: list[tuple[float, float]] = []
+    for start, end in sorted(intervals):
+        if out and start <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], end))
+        else:
+            out.append((start, end))
+    return out
+
+
+def _outermost(events: list[dict]) -> list[dict]:
+    """The events of one thread that no other event of that thread encloses."""
+    top: list[dict] = []
+    for e in sorted(events, key=lambda e: (e["ts"], -e["dur"])):
+        if not top or e["ts"] >= top[-1]["ts"] + top[-1]["dur"]:
+            top.append(e)
+    return top
+
+
+def idle_gaps(trace: dict, *, min_gap_us: float = 10.0, top: int = 12) -> dict:
+    """Where the GPU sat idle inside a Chrome trace of torch.profiler: the gaps between kernels (any
+    stream), and the host operations running during them, by name (each thread's outermost operator or
+    annotation, e.g. the optimizer step, a DataLoader fetch, `aten::item`), weighted by their overlap with
+    the gaps. Host time in no recorded operation is Python between operators."""
+    events = [e for e in trace.get("traceEvents", []) if e.get("ph") == "X" and "dur" in e]
+    gpu = _merged([(e["ts"], e["ts"] + e["dur"]) for e in events if e.get("cat") in GPU_EVENT_CATEGORIES])
+    if len(gpu) < 2:
+        return {"idle_s": 0.0, "gaps": 0, "host_ops_during_gaps_s": {}}
+    gaps = [(a[1], b[0]) for a, b in zip(gpu, gpu[1:]) if b[0] - a[1] >= min_gap_us]
+    idle = sum(end - start for start, end in gaps)
+    by_thread: dict[tuple, list[dict]] = {}
+    for e in events:
+        if e.get("cat") in HOST_EVENT_CATEGORIES and not str(e.get("name", "")).startswith("ProfilerStep"):
+            by_thread.setdefault((e.get("pid"), e.get("tid")), []).append(e)
+    overlap: dict[str, float] = {}
+    covered = [0.0] * len(gaps)
+    gap_ends = [g1 for _, g1 in gaps]
+    for thread_events in by_thread.values():
+        mine = [0.0] * len(gaps)  # this thread's operators do not overlap each other: their shares add
+        for e in _outermost(thread_events):
+            start, end = e["ts"], e["ts"] + e["dur"]
+            for i in range(bisect.bisect_right(gap_ends, start), len(gaps)):
+                g0, g1 = gaps[i]
+                if g0 >= end:
+                    break
+                shared = min(end, g1) - max(start, g0)
+                if shared > 0:
+                    overlap[e["name"]] = overlap.get(e["name"], 0.0) + shared
+                    mine[i] += shared
+        covered = [max(a, b) for a, b in zip(covered, mine)]
+    # no host operation recorded during that part of a gap: Python (the Trainer, callbacks, collation)
+    python = sum(max(0.0, (g1 - g0) - c) for (g0, g1), c in zip(gaps, covered))
+    named = sorted(overlap.items(), key=lambda kv: -kv[1])[:top]
+    largest = sorted(gaps, key=lambda g: g[0] - g[1])[:8]
+    return {
+        "idle_s": round(idle / 1e6, 4),
+        "gaps": len(gaps),
+        "largest_gaps_ms": [round((g1 - g0) / 1e3, 2) for g0, g1 in largest],
+        # what launched the kernel before and the kernel after each of the largest gaps
+        "largest_gaps": [_gap_context(events, by_thread, g0, g1) for g0, g1 in largest],
+        "host_ops_during_gaps_s": {name: round(us / 1e6, 6) for name, us in named},
+        "no_host_op_s": round(python / 1e6, 6),
+    }
+
+
+def _gap_context(events: list[dict], by_thread: dict[tuple, list[dict]], g0: float, g1: float) -> dict:
+    """The host operators that launched the GPU work ending at g0 and starting at g1 (CUPTI's correlation
+    ids link each kernel to its launch call; the launch's innermost enclosing operator names it)."""
+
+    def launcher(kernel: dict | None) -> str | None:
+        corr = (kernel or {}).get("args", {}).get("correlation")
+        launch = next(
+            (
+                e
+                for e in events
+                if e.get("cat") == "cuda_runtime" and e.get("args", {}).get("correlation") == corr and corr is not None
+            ),
+            None,
+        )
+        if launch is None:
+            return None
+        around = [
+            e
+            for e in by_thread.get((launch.get("pid"), launch.get("tid")), [])
+            if e["ts"] <= launch["ts"] <= e["ts"] + e["dur"]
+        ]
+        outer = max(around, key=lambda e: e["dur"], default=None)
+        inner = min(around, key=lambda e: e["dur"], default=None)
+        if inner is None:
+            return launch.get("name")
+        return inner["name"] if outer is inner else f"{outer['name']} > {inner['name']}"
+
+    gpu = [e for e in events if e.get("cat") in GPU_EVENT_CATEGORIES]
+    before = max((e for e in gpu if e["ts"] + e["dur"] <= g0), key=lambda e: e["ts"] + e["dur"], default=None)
+    after = min((e for e in gpu if e["ts"] >= g1), key=lambda e: e["ts"], default=None)
+    return {"ms": round((g1 - g0) / 1e3, 2), "after": launcher(before), "before": launcher(after)}
+
+
 class ProfilerCallback(TrainerCallback):
     """Profiles optimizer steps start..stop-1 (1-based, counted like the Trainer's global_step + 1)."""
 
@@ -121,8 +225,10 @@ class ProfilerCallback(TrainerCallback):
 
         self.out.mkdir(parents=True, exist_ok=True)
         stem = self.run_dir / rundir.profile_stem(self.rank)
-        prof.export_chrome_trace(str(stem) + ".trace.json")
-        _gzip(Path(str(stem) + ".trace.json"))
+        trace_path = Path(str(stem) + ".trace.json")
+        prof.export_chrome_trace(str(trace_path))
+        idle = idle_gaps(json.loads(trace_path.read_text())) if torch.cuda.is_available() else None
+        _gzip(trace_path)
         events = prof.key_averages()
         cuda = torch.cuda.is_available()
         tables = []
@@ -131,6 +237,8 @@ class ProfilerCallback(TrainerCallback):
         tables.append(events.table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=90))
         Path(str(stem) + ".txt").write_text("\n\n".join(tables) + "\n")
         summary = summarize(events, wall_s=wall, steps=steps) if cuda else {"steps": steps, "wall_s": round(wall, 4)}
+        if idle is not None:
+            summary["idle"] = idle
         Path(str(stem) + ".json").write_text(json.dumps(summary, indent=2) + "\n")
 
 

@@ -24,3 +24,6 @@ def test_varlen_matches_per_example_attention_forward_and_backward():
     ref_grads = torch.autograd.grad(ref.sum(), (q, k, v))
     for ours, theirs in zip(grads, ref_grads):
         torch.testing.assert_close(ours.float(), theirs.float(), atol=5e-2, rtol=5e-2)
+    # 8 query heads on 2 key/value heads: which path this torch took (printed for the session's record)
+    print(f"torch {torch.__version__}: grouped key/value heads native = {attention.native_gqa()}")
+    assert attention.native_gqa() is not None
