@@ -373,6 +373,8 @@ def collect(run_dir: Path) -> dict:
         "model_load_s": summary.get("model_load_s"),  # rank 0 from_pretrained; load_s adds launch and wrapping
         # the offload tiers' host optimizer threads (the planner's host_threads_per_rank)
         "host_threads_per_rank": ranks[0].get("host_threads") if ranks else None,
+        # how the varlen kernel got grouped key/value heads (the planner's Job.varlen_repeats_kv)
+        "kv_heads": ranks[0].get("kv_heads") if ranks else None,
         "checkpoints": sorted(p.name for p in (run_dir / rundir.CHECKPOINTS).glob("checkpoint-*")),
         "adapter_bytes": (run_dir / "adapter_model.safetensors").stat().st_size
         if (run_dir / "adapter_model.safetensors").exists()

@@ -154,8 +154,8 @@ def attention_implementation(recipe, preset, *, arch=None) -> str:
 
 
 def attention_kind(implementation: str, *, packed: bool, arch=None) -> str:
-    """The planner's attention memory model: flash (no mask, no repeated kv heads) | varlen (no mask;
-    kv heads repeated where torch's varlen kernel has no GQA, e.g. torch 2.11) | sdpa | eager.
+    """The planner's attention memory model: flash (no mask, no repeated kv heads) | varlen (no mask, kv
+    heads as they are: torch's varlen kernel takes grouped heads) | sdpa | eager.
     varlen falls back to sdpa on rows without example boundaries, and on packed rows of an `arch`
     whose sliding windows or logit soft-capping it does not run (`varlen_fallback_layers`): soft-capped
     layers go to the model's own eager attention (sdpa has no soft-capping), the others to sdpa."""

@@ -270,10 +270,13 @@ def activation_bytes_per_token_layer(job: Job, *, micro_batch: int = 1, casts: b
         qk = q + kv
         norms += (a * qk + 4 * (arch.num_attention_heads + arch.num_kv_heads)) if job.liger else 4 * qk
         norms += a * qk if full and not job.liger else 0
-    # key/value heads kept repeated to the query's count: eager and masked sdpa repeat them; varlen is planned
-    # as repeating too, the bound over torch releases (train/attention.py gives them to the kernel as they are
-    # where torch's varlen takes them, which keeps less)
-    repeated = job.attention in ("eager", "varlen") or masked_attention(job, micro_batch=micro_batch) is not None
+    # key/value heads kept repeated to the query's count: eager and masked sdpa repeat them, varlen does not
+    # (Job.varlen_repeats_kv: runs of the path that did)
+    repeated = (
+        job.attention == "eager"
+        or (job.attention == "varlen" and job.varlen_repeats_kv)
+        or masked_attention(job, micro_batch=micro_batch) is not None
+    )
     attention = a * (2 * q + (q if repeated else kv) + (q if repeated else v)) + 4 * arch.num_attention_heads
     mlp = mlp_bytes_per_token_layer(job)  # dense SwiGLU and routed experts (plan/moe_memory.py)
     lora = 0.0

@@ -42,6 +42,10 @@ class Job:
     example_tokens: float | None = None
     # flash (flash_attention_2/3, flex: no materialized mask) | varlen (finetune's, no mask) | sdpa | eager
     attention: str = "sdpa"
+    # varlen with grouped key/value heads repeated to the query's count before the kernel (two query-sized
+    # copies kept per layer). train/attention.py gives them to the kernel as they are wherever torch's varlen
+    # takes them (2.11 without a switch, 2.13 with enable_gqa): True only for runs of the repeating path
+    varlen_repeats_kv: bool = False
     # attention "sdpa" on packed rows because some layers fall back from finetune's varlen kernel
     # (`varlen_fallback_layers`): how many layers the varlen kernel still serves (Gemma-3's global ones)
     varlen_layers: int = 0

@@ -19,6 +19,7 @@ from transformers import TrainerCallback
 
 from finetune import rundir
 from finetune.plan.types import GIB
+from finetune.train import attention
 
 
 def _proc_fields(path: str, *keys: str) -> dict[str, int]:
@@ -72,6 +73,9 @@ def memory_figures() -> dict:
         out["gpu_max_allocated_gib"] = torch.cuda.max_memory_allocated() / GIB
         out["gpu_max_reserved_gib"] = torch.cuda.max_memory_reserved() / GIB
         out["gpu_name"] = torch.cuda.get_device_name()
+    native = attention.native_gqa()
+    if native is not None:  # how the varlen kernel got grouped key/value heads (the planner's Job.varlen_repeats_kv)
+        out["kv_heads"] = "native" if native else "repeated"
     return out
 
 

@@ -142,8 +142,15 @@ def predict(row: dict) -> Plan:
         arch = get_model(row["arch"])
     job = job_from_recipe(recipe, arch=arch, preset=preset)
     # the rank's host threads as launched; rows that do not say ran before finetune's launcher split the
-    # cores for the offload tiers, on accelerate's one thread per GPU rank
-    return plan_job(dataclasses.replace(job, host_threads_per_rank=row.get("host_threads_per_rank") or 1))
+    # cores for the offload tiers, on accelerate's one thread per GPU rank. kv_heads "repeated": the varlen
+    # kernel got grouped key/value heads repeated (every varlen row before row 95)
+    return plan_job(
+        dataclasses.replace(
+            job,
+            host_threads_per_rank=row.get("host_threads_per_rank") or 1,
+            varlen_repeats_kv=row.get("kv_heads") == "repeated",
+        )
+    )
 
 
 def run_pins(row: dict, *, num_layers: int) -> dict:
