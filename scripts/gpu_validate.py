@@ -265,7 +265,8 @@ def run_recipe(model_dir: Path, data: Path, override: dict, *, steps: int, seq: 
     """The recipe a named run trains: base_recipe with its settings over it (DPO on preference rows)."""
     recipe = merge(base_recipe(model_dir, data, steps=steps, seq=seq, batch=batch), override)
     if recipe["method"]["type"] == "dpo":
-        recipe["data"].update(format="preference", packing=False)
+        # padded pairs unless the run's settings ask for padding-free ones (data.packing: true)
+        recipe["data"].update(format="preference", packing=bool(override.get("data", {}).get("packing", False)))
     return recipe
 
 
