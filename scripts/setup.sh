@@ -14,8 +14,9 @@ export PIP_DISABLE_PIP_VERSION_CHECK=1
 python -c "import torch" 2>/dev/null \
   || pip install -q torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu \
   || pip install -q torch==2.13.0
-python -c "import finetune, trl, peft, bitsandbytes, hypothesis, xdist, ruff, mypy, lm_eval" 2>/dev/null \
+# (the import checks' output goes nowhere: bitsandbytes and DeepSpeed print start-up notices to stdout)
+python -c "import finetune, trl, peft, bitsandbytes, hypothesis, xdist, ruff, mypy, lm_eval" >/dev/null 2>&1 \
   || pip install -q -c scripts/constraints.txt -e ".[train,qlora,test]"
 # DeepSpeed ships as an sdist whose build imports torch: build it against the torch above.
-python -c "import deepspeed" 2>/dev/null \
+python -c "import deepspeed" >/dev/null 2>&1 \
   || DS_BUILD_OPS=0 pip install -q --no-build-isolation -c scripts/constraints.txt "deepspeed==0.19.8"

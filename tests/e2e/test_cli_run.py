@@ -60,6 +60,10 @@ def _run(case, tmp_path, trained_cli_run):
 def test_finetune_run_end_to_end(case, tmp_path, trained_cli_run):
     run_dir, out = _run(case, tmp_path, trained_cli_run)
     assert "=== finetune: done ===" in out and "Traceback" not in out
+    # no start-up notices of libraries about parts this CPU run does not use (finetune/train/notices.py):
+    # DeepSpeed's GPU-detection fallback, and bitsandbytes' CPU 4-bit kernel outside QLoRA
+    assert "Setting accelerator to CPU" not in out
+    assert case == "sft-qlora" or "gemm_4bit_forward" not in out
 
     for name in (
         "recipe.resolved.yaml",
