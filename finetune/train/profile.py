@@ -225,19 +225,19 @@ class ProfilerCallback(TrainerCallback):
 
         self.out.mkdir(parents=True, exist_ok=True)
         stem = self.run_dir / rundir.profile_stem(self.rank)
+        cuda = torch.cuda.is_available()
         trace_path = Path(str(stem) + ".trace.json")
         prof.export_chrome_trace(str(trace_path))
-        idle = idle_gaps(json.loads(trace_path.read_text())) if torch.cuda.is_available() else None
+        idle = idle_gaps(json.loads(trace_path.read_text())) if cuda else None
         _gzip(trace_path)
         events = prof.key_averages()
-        cuda = torch.cuda.is_available()
         tables = []
         if cuda:
             tables.append(events.table(sort_by="self_device_time_total", row_limit=40, max_name_column_width=90))
         tables.append(events.table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=90))
         Path(str(stem) + ".txt").write_text("\n\n".join(tables) + "\n")
         summary = summarize(events, wall_s=wall, steps=steps) if cuda else {"steps": steps, "wall_s": round(wall, 4)}
-        if idle is not None:
+        if cuda:
             summary["idle"] = idle
         Path(str(stem) + ".json").write_text(json.dumps(summary, indent=2) + "\n")
 
