@@ -160,9 +160,19 @@ def varlen_attention_forward(
 _KV_HEADS_TAKEN: dict[str, bool] = {}
 
 
+# how a run's memory report and its calibration row name the two paths (the planner's Job.varlen_repeats_kv)
+KV_HEADS_NATIVE, KV_HEADS_REPEATED = "native", "repeated"
+
+
 def native_gqa() -> bool | None:
     """Grouped key/value heads go to the kernel as they are (True) or repeated (False); None: not yet known."""
     kernel = _varlen()
     if kernel is not None and kernel[2]:
         return True
     return _KV_HEADS_TAKEN.get("native")
+
+
+def kv_heads() -> str | None:
+    """KV_HEADS_NATIVE or KV_HEADS_REPEATED for this process so far; None: not yet known."""
+    native = native_gqa()
+    return None if native is None else KV_HEADS_NATIVE if native else KV_HEADS_REPEATED

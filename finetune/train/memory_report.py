@@ -73,9 +73,9 @@ def memory_figures() -> dict:
         out["gpu_max_allocated_gib"] = torch.cuda.max_memory_allocated() / GIB
         out["gpu_max_reserved_gib"] = torch.cuda.max_memory_reserved() / GIB
         out["gpu_name"] = torch.cuda.get_device_name()
-    native = attention.native_gqa()
-    if native is not None:  # how the varlen kernel got grouped key/value heads (the planner's Job.varlen_repeats_kv)
-        out["kv_heads"] = "native" if native else "repeated"
+    kv_heads = attention.kv_heads()
+    if kv_heads is not None:  # how the varlen kernel got grouped key/value heads (the planner's Job.varlen_repeats_kv)
+        out["kv_heads"] = kv_heads
     return out
 
 

@@ -101,7 +101,8 @@ def idle_gaps(trace: dict, *, min_gap_us: float = 10.0, top: int = 12) -> dict:
     annotation, e.g. the optimizer step, a DataLoader fetch, `aten::item`), weighted by their overlap with
     the gaps. Host time in no recorded operation is Python between operators."""
     events = [e for e in trace.get("traceEvents", []) if e.get("ph") == "X" and "dur" in e]
-    gpu = _merged([(e["ts"], e["ts"] + e["dur"]) for e in events if e.get("cat") in GPU_EVENT_CATEGORIES])
+    kernels = [e for e in events if e.get("cat") in GPU_EVENT_CATEGORIES]
+    gpu = _merged([(e["ts"], e["ts"] + e["dur"]) for e in kernels])
     if len(gpu) < 2:
         return {"idle_s": 0.0, "gaps": 0, "host_ops_during_gaps_s": {}}
     gaps = [(a[1], b[0]) for a, b in zip(gpu, gpu[1:]) if b[0] - a[1] >= min_gap_us]
@@ -130,31 +131,29 @@ def idle_gaps(trace: dict, *, min_gap_us: float = 10.0, top: int = 12) -> dict:
     python = sum(max(0.0, (g1 - g0) - c) for (g0, g1), c in zip(gaps, covered))
     named = sorted(overlap.items(), key=lambda kv: -kv[1])[:top]
     largest = sorted(gaps, key=lambda g: g[0] - g[1])[:8]
+    # CUPTI's correlation id links each kernel to the runtime call that launched it
+    launches = {
+        e["args"]["correlation"]: e
+        for e in events
+        if e.get("cat") == "cuda_runtime" and e.get("args", {}).get("correlation") is not None
+    }
     return {
         "idle_s": round(idle / 1e6, 4),
         "gaps": len(gaps),
         "largest_gaps_ms": [round((g1 - g0) / 1e3, 2) for g0, g1 in largest],
         # what launched the kernel before and the kernel after each of the largest gaps
-        "largest_gaps": [_gap_context(events, by_thread, g0, g1) for g0, g1 in largest],
+        "largest_gaps": [_gap_context(kernels, launches, by_thread, g0, g1) for g0, g1 in largest],
         "host_ops_during_gaps_s": {name: round(us / 1e6, 6) for name, us in named},
         "no_host_op_s": round(python / 1e6, 6),
     }
 
 
-def _gap_context(events: list[dict], by_thread: dict[tuple, list[dict]], g0: float, g1: float) -> dict:
-    """The host operators that launched the GPU work ending at g0 and starting at g1 (CUPTI's correlation
-    ids link each kernel to its launch call; the launch's innermost enclosing operator names it)."""
+def _gap_context(kernels: list[dict], launches: dict, by_thread: dict[tuple, list[dict]], g0: float, g1: float) -> dict:
+    """The host operators that launched the GPU work ending at g0 and starting at g1 (the launch call's
+    innermost enclosing operator names it, with its outermost one)."""
 
     def launcher(kernel: dict | None) -> str | None:
-        corr = (kernel or {}).get("args", {}).get("correlation")
-        launch = next(
-            (
-                e
-                for e in events
-                if e.get("cat") == "cuda_runtime" and e.get("args", {}).get("correlation") == corr and corr is not None
-            ),
-            None,
-        )
+        launch = launches.get((kernel or {}).get("args", {}).get("correlation"))
         if launch is None:
             return None
         around = [
@@ -168,9 +167,8 @@ def _gap_context(events: list[dict], by_thread: dict[tuple, list[dict]], g0: flo
             return launch.get("name")
         return inner["name"] if outer is inner else f"{outer['name']} > {inner['name']}"
 
-    gpu = [e for e in events if e.get("cat") in GPU_EVENT_CATEGORIES]
-    before = max((e for e in gpu if e["ts"] + e["dur"] <= g0), key=lambda e: e["ts"] + e["dur"], default=None)
-    after = min((e for e in gpu if e["ts"] >= g1), key=lambda e: e["ts"], default=None)
+    before = max((e for e in kernels if e["ts"] + e["dur"] <= g0), key=lambda e: e["ts"] + e["dur"], default=None)
+    after = min((e for e in kernels if e["ts"] >= g1), key=lambda e: e["ts"], default=None)
     return {"ms": round((g1 - g0) / 1e3, 2), "after": launcher(before), "before": launcher(after)}
 
 

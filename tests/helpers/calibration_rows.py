@@ -28,6 +28,7 @@ from finetune.registry import get_model, resolve_model
 from finetune.registry.detect import parse_nvidia_smi, synthesize_preset
 from finetune.registry.families import LIGER_MODEL_TYPES
 from finetune.registry.schema import HardwarePreset
+from finetune.train.attention import KV_HEADS_REPEATED
 
 # `nvidia-smi --query-gpu=name,memory.total --format=csv,noheader` on the measured cards
 MEMORY_TOTAL = {"NVIDIA H100 80GB HBM3": "81559 MiB", "NVIDIA H200": "143771 MiB"}
@@ -148,7 +149,7 @@ def predict(row: dict) -> Plan:
         dataclasses.replace(
             job,
             host_threads_per_rank=row.get("host_threads_per_rank") or 1,
-            varlen_repeats_kv=row.get("kv_heads") == "repeated",
+            varlen_repeats_kv=row.get("kv_heads") == KV_HEADS_REPEATED,
         )
     )
 
