@@ -52,11 +52,11 @@ def _as_recipe(recipe, overrides: list[str] | None = None) -> Recipe:
 
 def make_plan(recipe, *, hardware: str | None = None, overrides: list[str] | None = None):
     """Return (recipe, plan). The plan says fits or not; it never raises for 'does not fit'."""
-    from finetune.data.lengths import local_sample, with_example_tokens
+    from finetune.data.lengths import local_sample, with_measured_lengths
     from finetune.plan import plan as plan_recipe
 
     recipe = _as_recipe(recipe, overrides)
-    recipe = with_example_tokens(recipe, local_sample(recipe))  # local data: the packed examples' lengths
+    recipe = with_measured_lengths(recipe, local_sample(recipe))  # local data: examples' or sequences' lengths
     return recipe, plan_recipe(recipe, hardware=hardware)
 
 
@@ -70,10 +70,10 @@ def compile(
 ):
     """Plan and write the run directory's launch files; DoesNotFitError (exit 3) when nothing fits."""
     from finetune.compile.compiler import default_run_dir, prepare_recipe
-    from finetune.data.lengths import local_sample, with_example_tokens
+    from finetune.data.lengths import local_sample, with_measured_lengths
 
     recipe = _as_recipe(recipe, overrides)
-    recipe = with_example_tokens(recipe, local_sample(recipe))  # as `finetune plan` and `run` plan it
+    recipe = with_measured_lengths(recipe, local_sample(recipe))  # as `finetune plan` and `run` plan it
     target = Path(output).resolve() if output else default_run_dir(recipe)
     return _write_guarded(prepare_recipe(recipe, run_dir=target, hardware=hardware), recipe)
 
@@ -202,14 +202,14 @@ def _run_locked(
 ) -> RunResult:
     from finetune import prelaunch
     from finetune.compile.compiler import prepare_recipe
-    from finetune.data.lengths import with_example_tokens
+    from finetune.data.lengths import with_measured_lengths
     from finetune.guard import claim
     from finetune.launch import run_with_oom_retries
 
     # trackers installed, Hub push allowed (on the node that pushes): before anything is loaded
     check_destinations(recipe, pushes=node_rank in (None, 0))
     data = check_data(recipe)  # paths and rows, before anything is written
-    recipe = with_example_tokens(recipe, data.sample)  # packed attention's cost: the examples' lengths
+    recipe = with_measured_lengths(recipe, data.sample)  # the examples' or sequences' lengths
     compiled = prepare_recipe(recipe, run_dir=target, hardware=hardware)
     spec, fields = compiled.spec, _fields(compiled.resolved, data)
     done = _finished(target, resume, fields)
@@ -353,7 +353,7 @@ def measure(
     import tempfile
 
     from finetune.compile.files import write_atomic
-    from finetune.data.lengths import with_example_tokens
+    from finetune.data.lengths import with_measured_lengths
     from finetune.launch import launch
     from finetune.measurement import RankPeak, read_measurement
     from finetune.plan.choose import usable_fraction
@@ -367,7 +367,7 @@ def measure(
             hint="measure 5 or more steps (the first ones warm up)",
         )
     recipe = _as_recipe(recipe, overrides)
-    recipe = with_example_tokens(recipe, check_data(recipe).sample)
+    recipe = with_measured_lengths(recipe, check_data(recipe).sample)
     run_dir = Path(keep).resolve() if keep else Path(tempfile.mkdtemp(prefix="finetune-measure-"))
     try:
         measuring = _measuring(recipe, steps=steps, run_dir=run_dir)

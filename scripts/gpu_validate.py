@@ -494,9 +494,10 @@ def main() -> None:
                 add_mfu(row, run_dir=run_dir)
             except Exception as exc:  # keep the other runs' results
                 row["collect_error"] = repr(exc)
-        table = run_dir / (rundir.profile_stem(0) + ".txt")
-        if table.is_file():  # logging.profile_steps: the operator table travels back beside the rows
-            shutil.copy(table, out.parent / f"profile-{name}-rank0.txt")
+        for suffix in (".txt", ".json"):  # logging.profile_steps: the operator table and the idle/busy summary
+            table = run_dir / (rundir.profile_stem(0) + suffix)
+            if table.is_file():
+                shutil.copy(table, out.parent / f"profile-{name}-rank0{suffix}")
         results.append(row)
         out.write_text(json.dumps(results, indent=2) + "\n")
         print(json.dumps({k: v for k, v in row.items() if k != "ranks"}), flush=True)

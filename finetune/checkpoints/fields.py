@@ -27,6 +27,7 @@ SAFE_KEYS = (
     "data.task_eval",
     "data.cache_dir",
     "data.example_tokens",  # measured for the planner's speed estimate; the training is the same
+    "data.sequence_tokens",  # measured for the planner's time and memory; the training is the same
     "data.allow_paths",
     "data.allow_outside",
     "hardware",

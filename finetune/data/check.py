@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from finetune.data.chat_template import read_chat_template
-from finetune.data.lengths import spread
+from finetune.data.lengths import LengthSample
 from finetune.data.sources import load_source, resolve_path
 from finetune.errors import DataError
 from finetune.recipe.load import recipe_dir
@@ -28,7 +28,7 @@ class DataCheck:
     eval: list[str | None] = field(default_factory=list)
     rows: int | None = None  # local training rows, None when a training source is on the Hub
     first: dict | None = None  # the first converted training record (for a chat-template render check)
-    sample: list[dict] = field(default_factory=list)  # local training records spread over the data (lengths)
+    sample: LengthSample = field(default_factory=LengthSample)  # local training records to measure (lengths)
 
 
 def check_data(recipe: Recipe) -> DataCheck:
@@ -55,7 +55,7 @@ def check_data(recipe: Recipe) -> DataCheck:
             getattr(out, split).append(loaded.fingerprint)
         if split == "train":
             out.first = out.first or (loaded.records[0] if loaded.records else None)
-            out.sample += spread(loaded.records)
+            out.sample.add(loaded.records)
             if out.rows is not None:
                 out.rows += len(loaded.records)
     template = d.chat_template

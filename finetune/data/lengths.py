@@ -1,23 +1,30 @@
-"""data.example_tokens measured before launch: how long the packed examples are, in the model's tokens.
+"""The data's lengths in the model's tokens, measured before launch for the planner.
 
-The planner's attention cost for packed rows depends on the examples' lengths, not the row's: a causal
-kernel that runs each packed example on its own computes l^2/2 scores for an example of l tokens
-(finetune.plan.workload.packed_length). Torch-free: the local training records (as finetune.data
-reads them), each rendered with the chat template the ranks will use (finetune.prelaunch.chat_renderer,
-as transformers renders it) and counted with the local model's tokenizer.json through the `tokenizers`
-library. An evenly spread sample of SAMPLE records is enough for the mean (a few %). None when
-the data or the tokenizer is not local, a record is neither a conversation nor text, or the recipe does
-not pack (then the planner keeps its assumption: examples as long as max_length).
+- data.example_tokens (SFT/pretrain with packing): the planner's attention cost for packed rows depends on
+  the examples' lengths, not the row's: a causal kernel that runs each packed example on its own computes
+  l^2/2 scores for an example of l tokens (finetune.plan.workload.packed_length).
+- data.sequence_tokens (DPO, ORPO, SimPO, KTO, reward: sequences not packed into rows): the mean sequence
+  (prompt + one completion) sets the step's work, the longest the peak memory of a micro-batch.
+
+Torch-free: the local training records (as finetune.data reads them), each rendered with the chat template
+the ranks will use (finetune.prelaunch.chat_renderer, as transformers renders it) and counted with the local
+model's tokenizer.json through the `tokenizers` library. An evenly spread sample of SAMPLE records is enough
+for a mean (a few %); a longest needs the data's tail, so the LONGEST records with the most characters are
+measured beside it. None when the data or the tokenizer is not local, a record has a layout this does not
+render, or the method neither packs nor pairs (then the planner keeps its assumption: max_length).
 """
 
 from __future__ import annotations
 
+import heapq
 import json
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from finetune.recipe.schema import packs_examples
 
 SAMPLE = 1000  # records measured per run, evenly spread over the training data
+LONGEST = 32  # records with the most characters, measured for the longest sequence
 PLAN_READ_BYTES = 256 * 2**20  # `finetune plan` reads local data up to this size to measure it
 
 
@@ -27,6 +34,43 @@ def spread(records: list[dict], n: int = SAMPLE) -> list[dict]:
         return list(records)
     step = len(records) / n
     return [records[int(i * step)] for i in range(n)]
+
+
+def longest_records(records: list[dict], n: int = LONGEST) -> list[dict]:
+    """The `n` records with the most characters: the longest in tokens is among them (a tokenizer's tokens
+    per character vary far less than the records' lengths)."""
+    return heapq.nlargest(n, records, key=_characters)
+
+
+def _characters(value) -> int:
+    if isinstance(value, str):
+        return len(value)
+    if isinstance(value, dict):
+        return sum(_characters(v) for v in value.values())
+    if isinstance(value, list):
+        return sum(_characters(v) for v in value)
+    return 0
+
+
+@dataclass
+class LengthSample:
+    """Training records to measure: spread evenly over the data (the means), and the longest (the peak)."""
+
+    spread: list[dict] = field(default_factory=list)
+    longest: list[dict] = field(default_factory=list)
+
+    def add(self, records: list[dict]) -> None:
+        """One source's records."""
+        self.spread += spread(records)
+        self.longest = longest_records(self.longest + longest_records(records))
+
+
+def measures_sequences(recipe) -> bool:
+    """The method trains sequences one by one (pairs, or KTO's completions), whose lengths the planner reads
+    (data.sequence_tokens); SFT/pretrain pack or pad to max_length."""
+    from finetune.plan.workload import PAIRED_METHODS
+
+    return recipe.method.type in PAIRED_METHODS
 
 
 def _special_tokens(model_dir: Path) -> dict[str, str]:
@@ -57,14 +101,31 @@ def _texts(records: list[dict], render, special: dict[str, str]) -> list[str] | 
     return texts
 
 
-def measure_example_tokens(recipe, records: list[dict]) -> float | None:
-    """The token-weighted mean length sum(l^2)/sum(l) of `records` (training records as finetune.data
-    reads them, each cut at data.max_length), or None when it cannot be measured here."""
-    from finetune.plan.workload import packed_length
+def _sequence_texts(records: list[dict], render, special: dict[str, str]) -> list[str] | None:
+    """Each record's trained sequences as text: prompt + chosen and prompt + rejected (preference), prompt +
+    completion (unpaired); conversations rendered whole, as the chat template renders prompt and answer."""
+    texts = []
+    for record in records:
+        prompt = record.get("prompt", "")
+        answers = [record[k] for k in ("chosen", "rejected", "completion") if k in record]
+        if not answers:
+            return None
+        for answer in answers:
+            if isinstance(prompt, str) and isinstance(answer, str):
+                texts.append(prompt + answer)
+            elif isinstance(prompt, list) and isinstance(answer, list) and render is not None:
+                texts.append(render(prompt + answer, add_generation_prompt=False, **special))
+            else:
+                return None
+    return texts
+
+
+def _token_lengths(recipe, records: list[dict], texts_of) -> list[int] | None:
+    """Tokens of each text `texts_of(records, render, special)` gives, with the local tokenizer.json."""
     from finetune.prelaunch import chat_renderer, local_model_dir, template_text
 
     model_dir = local_model_dir(recipe)
-    if not packs_examples(recipe) or not records or model_dir is None or not (model_dir / "tokenizer.json").is_file():
+    if not records or model_dir is None or not (model_dir / "tokenizer.json").is_file():
         return None
     try:
         from tokenizers import Tokenizer
@@ -72,47 +133,90 @@ def measure_example_tokens(recipe, records: list[dict]) -> float | None:
         return None
     template = template_text(recipe)
     try:
-        texts = _texts(spread(records), chat_renderer(template) if template else None, _special_tokens(model_dir))
+        texts = texts_of(records, chat_renderer(template) if template else None, _special_tokens(model_dir))
     except Exception:  # a template that fails on a row is check_chat_template's to report
         return None
     if not texts:
         return None
     tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
-    lengths = [len(e.ids) for e in tokenizer.encode_batch(texts, add_special_tokens=False)]
-    return packed_length(lengths, max_length=recipe.data.max_length)
+    return [len(e.ids) for e in tokenizer.encode_batch(texts, add_special_tokens=False)]
 
 
-def with_example_tokens(recipe, records: list[dict]):
-    """`recipe` with data.example_tokens measured from `records` where it is unset and measurable."""
-    if recipe.data.example_tokens is not None:
-        return recipe
-    measured = measure_example_tokens(recipe, records)
-    if measured is None:
-        return recipe
-    return recipe.model_copy(update={"data": recipe.data.model_copy(update={"example_tokens": round(measured, 1)})})
+def measure_sequence_tokens(recipe, sample: LengthSample) -> dict | None:
+    """{"mean", "longest", "std"} of the trained sequences, each cut at data.max_length (longer rows are
+    dropped or truncated before training): mean and standard deviation over the spread sample, the longest
+    over it and the longest records; None when it cannot be measured here."""
+    if not measures_sequences(recipe):
+        return None
+    cut = recipe.data.max_length
+    spread_lengths = _token_lengths(recipe, sample.spread, _sequence_texts)
+    if not spread_lengths:
+        return None
+    tail = _token_lengths(recipe, sample.longest, _sequence_texts) or []
+    lengths = [min(n, cut) for n in spread_lengths]
+    mean = sum(lengths) / len(lengths)
+    std = (sum((n - mean) ** 2 for n in lengths) / len(lengths)) ** 0.5
+    return {"mean": round(mean, 1), "longest": max(lengths + [min(n, cut) for n in tail]), "std": round(std, 1)}
 
 
-def local_sample(recipe, *, max_bytes: int = PLAN_READ_BYTES) -> list[dict]:
-    """Training records spread over the recipe's local data for `finetune plan` and `compile`, which
-    check no data: [] when a source is on the Hub, missing, unreadable, or the files are larger than
-    `max_bytes` together (planning stays fast; `finetune run` reads every row anyway and measures
-    there). With [] the plan keeps its assumption."""
+def measure_example_tokens(recipe, records: list[dict]) -> float | None:
+    """The token-weighted mean length sum(l^2)/sum(l) of `records` (training records as finetune.data
+    reads them, each cut at data.max_length), or None when it cannot be measured here."""
+    from finetune.plan.workload import packed_length
+
+    if not packs_examples(recipe):
+        return None
+    lengths = _token_lengths(recipe, records, _texts)
+    return packed_length(lengths, max_length=recipe.data.max_length) if lengths else None
+
+
+def needs_measuring(recipe) -> bool:
+    """The recipe plans from lengths it does not set: data.example_tokens (packing) or data.sequence_tokens."""
+    data = recipe.data
+    return (packs_examples(recipe) and data.example_tokens is None) or (
+        measures_sequences(recipe) and data.sequence_tokens is None
+    )
+
+
+def with_measured_lengths(recipe, sample: LengthSample):
+    """`recipe` with data.example_tokens (packing) and data.sequence_tokens (paired methods) measured from
+    `sample` where they are unset and measurable."""
+    from finetune.recipe.schema import SequenceTokens
+
+    data = recipe.data
+    update: dict[str, object] = {}
+    if data.example_tokens is None:
+        example = measure_example_tokens(recipe, sample.spread)
+        if example is not None:
+            update["example_tokens"] = round(example, 1)
+    if data.sequence_tokens is None:
+        sequences = measure_sequence_tokens(recipe, sample)
+        if sequences is not None:
+            update["sequence_tokens"] = SequenceTokens(**sequences)
+    return recipe.model_copy(update={"data": data.model_copy(update=update)}) if update else recipe
+
+
+def local_sample(recipe, *, max_bytes: int = PLAN_READ_BYTES) -> LengthSample:
+    """Training records of the recipe's local data for `finetune plan` and `compile`, which check no data:
+    empty when nothing needs measuring, a source is on the Hub, missing, unreadable, or the files are larger
+    than `max_bytes` together (planning stays fast; `finetune run` reads every row anyway and measures
+    there). Empty, the plan keeps its assumption."""
     from finetune.data.sources import load_source, resolve_path
     from finetune.errors import FinetuneError
     from finetune.recipe.load import recipe_dir
 
-    if not packs_examples(recipe) or recipe.data.example_tokens is not None:
-        return []
-    base, records, size = recipe_dir(recipe), [], 0
+    if not needs_measuring(recipe):
+        return LengthSample()
+    base, sample, size = recipe_dir(recipe), LengthSample(), 0
     for source in recipe.data.sources:
         try:
             path = resolve_path(source.path, base)
             if path is None or not path.is_file():
-                return []
+                return LengthSample()
             size += path.stat().st_size
             if size > max_bytes:
-                return []
-            records += spread(load_source(source, base_dir=base).records)
+                return LengthSample()
+            sample.add(load_source(source, base_dir=base).records)
         except (FinetuneError, OSError, ValueError):
-            return []
-    return records
+            return LengthSample()
+    return sample

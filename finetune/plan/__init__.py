@@ -44,9 +44,11 @@ from finetune.plan.timing import (
 from finetune.plan.types import GIB, Candidate, MemoryBreakdown, Plan
 from finetune.plan.workload import (
     DTYPE_BYTES,
+    PAIRED_METHODS,
     Job,
     count_params,
     lora_param_count,
+    mean_sequence_tokens,
     module_shapes,
     saved_modules,
     trainable_params,
@@ -216,6 +218,7 @@ def job_from_recipe(recipe, *, arch, preset) -> Job:
     attention = attention_kind(implementation, packed=recipe.data.packing, arch=arch)
     fallback = varlen_fallback_layers(arch)
     served = arch.num_layers - fallback if implementation == "varlen" and recipe.data.packing else 0
+    sequences = recipe.data.sequence_tokens if method in PAIRED_METHODS else None
     return Job(
         arch=arch,
         preset=preset,
@@ -240,6 +243,9 @@ def job_from_recipe(recipe, *, arch, preset) -> Job:
         seq_len=recipe.data.max_length,
         packed=recipe.data.packing,
         example_tokens=recipe.data.example_tokens if packs_examples(recipe) else None,
+        sequence_tokens=sequences.mean if sequences else None,
+        longest_sequence_tokens=sequences.longest if sequences else None,
+        sequence_tokens_std=sequences.std if sequences else 0.0,
         attention=attention,
         varlen_layers=served if fallback else 0,
         global_batch_size=recipe.train.global_batch_size,
@@ -427,7 +433,7 @@ def plan_job(job: Job) -> Plan:
     chosen, candidates = search(job)
     world = p.world_size
     seqs = chosen.micro_batch_size * chosen.gradient_accumulation_steps * world
-    tokens = seqs * job.seq_len * job.sequences_per_sample
+    tokens = seqs * mean_sequence_tokens(job) * job.sequences_per_sample  # real tokens, as a run counts them
     step = chosen.step_time_s
     rate = tokens / step if step > 0 else 0.0
     utilisation = mfu(
@@ -454,7 +460,7 @@ def plan_job(job: Job) -> Plan:
         gpus_per_node=p.gpus_per_node,
         seq_len=job.seq_len,
         global_batch_size=seqs,
-        tokens_per_step=tokens,
+        tokens_per_step=round(tokens),
         step_time_s=step,
         tokens_per_second=rate,
         mfu=utilisation,
@@ -501,6 +507,11 @@ def _kernels(job: Job, strategy: str) -> str:
         )
     if job.packed and job.example_tokens and job.attention in ("varlen", "flash"):
         attention += f" (examples of ~{job.example_tokens:,.0f} tokens, token-weighted: data.example_tokens)"
+    if job.sequence_tokens:
+        attention += (
+            f" (sequences of ~{job.sequence_tokens:,.0f} tokens, the longest {job.longest_sequence_tokens:,}: "
+            "data.sequence_tokens)"
+        )
     parts = [attention, "Liger RMSNorm/RoPE/SwiGLU" if job.liger else "no Liger"]
     if adapter_input_casts(job, strategy):
         parts.append("peft's fp32 adapter-input casts")

@@ -28,7 +28,7 @@ input, which LoRA with casts pays as well.
 from __future__ import annotations
 
 from finetune.plan.bandwidth import memory_seconds
-from finetune.plan.workload import Job, targeted_linears
+from finetune.plan.workload import Job, computed_tokens_per_micro_batch, targeted_linears
 
 
 def _weight_side_bytes(
@@ -87,7 +87,7 @@ def dora_seconds(job: Job, *, micro_batch: int, casts: bool, checkpointed_share:
         flops += n * 2 * fin * job.lora_r * (fin + fout)
         token_out += n * fout
     forward, backward = _token_side_bytes(promoted=promoted, compute=a)
-    tokens = micro_batch * job.seq_len * job.sequences_per_sample
+    tokens = computed_tokens_per_micro_batch(job, micro_batch)
     repeat = 1.0 + checkpointed_share
     moved = repeat * weight_side + tokens * token_out * (repeat * forward + backward)
     return memory_seconds(job.preset, moved) + repeat * flops / (job.preset.peak_bf16_tflops * 1e12)

@@ -22,8 +22,7 @@ repeat_kv's copies of keys and values.
 from __future__ import annotations
 
 from finetune.plan.bandwidth import memory_seconds
-from finetune.plan.memory import tokens_per_micro_batch
-from finetune.plan.workload import Job, executed_attention_positions
+from finetune.plan.workload import Job, computed_tokens_per_micro_batch, executed_attention_positions
 
 FP32 = 4
 
@@ -44,7 +43,7 @@ def eager_seconds(job: Job, *, micro_batch: int, checkpointed_share: float = 0.0
         return 0.0
     elements = (
         job.arch.num_attention_heads
-        * tokens_per_micro_batch(job, micro_batch)
+        * computed_tokens_per_micro_batch(job, micro_batch)
         * executed_attention_positions(job, micro_batch=micro_batch)
     )
     forward, backward = score_pass_bytes(job)

@@ -29,8 +29,8 @@ from __future__ import annotations
 
 from finetune import strategies
 from finetune.plan.bandwidth import memory_seconds
-from finetune.plan.memory import adapter_input_casts, tokens_per_micro_batch
-from finetune.plan.workload import Job, targeted_linears
+from finetune.plan.memory import adapter_input_casts
+from finetune.plan.workload import Job, computed_tokens_per_micro_batch, targeted_linears
 
 KERNELS_SAVED_PER_FUSED_LINEAR = 2.0
 
@@ -56,7 +56,7 @@ def fused_lora_saved_seconds(job: Job, *, strategy: str, micro_batch: int, check
     a = job.act_bytes
     forward = 4 * a * out_features
     backward = 2 * a * out_features + (2 * a * in_features if job.lora_dropout == 0 else 0)
-    tokens = tokens_per_micro_batch(job, micro_batch)
+    tokens = computed_tokens_per_micro_batch(job, micro_batch)
     return memory_seconds(job.preset, tokens * ((1.0 + checkpointed_share) * forward + backward))
 
 

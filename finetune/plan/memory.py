@@ -71,6 +71,8 @@ from finetune.plan.workload import (
     model_tensors,
     module_shapes,
     numel,
+    peak_sequence_tokens,
+    peak_tokens_per_micro_batch,
     saved_module_params,
     saved_module_tensors,
     trained_tensor_sizes,
@@ -244,11 +246,11 @@ def masked_attention(job: Job, *, micro_batch: int) -> tuple[int, int] | None:
     if job.attention in ("flash", "varlen"):
         return None
     if job.packed:  # padding-free: one flat row (DPO: both sequences of each pair), a block-diagonal mask
-        return 1, micro_batch * job.seq_len * job.sequences_per_sample
-    rows = micro_batch * job.sequences_per_sample
+        return 1, round(tokens_per_micro_batch(job, micro_batch))
+    rows, longest = micro_batch * job.sequences_per_sample, round(peak_sequence_tokens(job))
     if rows > 1:  # padded to the batch's longest (DPO: chosen and rejected are two rows)
-        return rows, job.seq_len
-    return (1, job.seq_len) if job.attention == "eager" else None  # sdpa: is_causal, no mask
+        return rows, longest
+    return (1, longest) if job.attention == "eager" else None  # sdpa: is_causal, no mask
 
 
 def activation_bytes_per_token_layer(job: Job, *, micro_batch: int = 1, casts: bool = False) -> float:
@@ -341,8 +343,9 @@ def attention_matrix_bytes(job: Job, *, micro_batch: int) -> float:
     return rows * length * length * per_element * share
 
 
-def tokens_per_micro_batch(job: Job, micro_batch: int) -> int:
-    return micro_batch * job.seq_len * job.sequences_per_sample
+def tokens_per_micro_batch(job: Job, micro_batch: int) -> float:
+    """Tokens a micro-batch holds at its peak (activations, logits): workload.peak_tokens_per_micro_batch."""
+    return peak_tokens_per_micro_batch(job, micro_batch)
 
 
 def checkpointed_layers(job: Job, checkpointing: bool | int) -> int:

@@ -42,7 +42,7 @@ uneven split changes the tile padding, not the work).
 from __future__ import annotations
 
 from finetune.plan.bandwidth import memory_seconds
-from finetune.plan.workload import Job, expert_size, moe_layer_count
+from finetune.plan.workload import Job, computed_tokens_per_micro_batch, expert_size, moe_layer_count
 
 GROUPED_HALF_ROWS = 900  # rows per group at which a grouped GEMM reaches half the dense efficiency (H100 figures)
 
@@ -50,7 +50,7 @@ GROUPED_HALF_ROWS = 900  # rows per group at which a grouped GEMM reaches half t
 def routed_rows(job: Job, *, micro_batch: int) -> float:
     """Average rows one expert's GEMM gets per micro-batch: T*k/E."""
     arch = job.arch
-    tokens = micro_batch * job.seq_len * job.sequences_per_sample
+    tokens = computed_tokens_per_micro_batch(job, micro_batch)
     return tokens * min(arch.experts_per_token, arch.num_experts) / arch.num_experts
 
 
@@ -58,7 +58,7 @@ def grouped_gemm_share(job: Job, *, micro_batch: int, half_tokens: float) -> flo
     """The routed experts' GEMM efficiency over the dense one the step time uses at this micro-batch
     (which scales by tokens/(tokens + half_tokens)): m/(m + GROUPED_HALF_ROWS) against that, at most 1."""
     m = routed_rows(job, micro_batch=micro_batch)
-    tokens = micro_batch * job.seq_len * job.sequences_per_sample
+    tokens = computed_tokens_per_micro_batch(job, micro_batch)
     return min(1.0, (m / (m + GROUPED_HALF_ROWS)) / (tokens / (tokens + half_tokens)))
 
 
@@ -111,7 +111,7 @@ def moe_seconds(job: Job, *, micro_batch: int, efficiency: float, half_tokens: f
     if not layers:
         return 0.0
     p = job.preset
-    tokens = micro_batch * job.seq_len * job.sequences_per_sample
+    tokens = computed_tokens_per_micro_batch(job, micro_batch)
     flops = routed_flops_per_token(job) * tokens
     if repeat > 1.0:  # the recomputed forward: 2 FLOPs per active expert parameter per token
         k = min(job.arch.experts_per_token, job.arch.num_experts)

@@ -47,7 +47,6 @@ from finetune.plan.memory import (
     adapter_input_casts,
     checkpointed_layers,
     state_bytes,
-    tokens_per_micro_batch,
     weight_bytes,
 )
 from finetune.plan.moe_time import moe_seconds
@@ -55,6 +54,7 @@ from finetune.plan.offload_time import offload_seconds
 from finetune.plan.workload import (
     Job,
     attended_positions,
+    computed_tokens_per_micro_batch,
     count_params,
     executed_attention_positions,
     head_dim,
@@ -152,7 +152,7 @@ def efficiency(job: Job, *, micro_batch: int) -> float:
     base = CPU_EFFICIENCY if job.preset.vendor == "cpu" else GPU_EFFICIENCY
     if job.adapter == "qlora":
         base *= QLORA_EFFICIENCY
-    tokens = tokens_per_micro_batch(job, micro_batch)
+    tokens = computed_tokens_per_micro_batch(job, micro_batch)
     return base * tokens / (tokens + MICRO_BATCH_HALF_TOKENS)
 
 
@@ -195,7 +195,7 @@ def step_time(
     """Seconds per optimizer step (grad_accum micro-batches on every rank); `sync_each_batch`: FSDP2
     reduce-scatters every micro-batch (accelerate's sync_each_batch) instead of once per step."""
     p = job.preset
-    tokens = tokens_per_micro_batch(job, micro_batch) * grad_accum
+    tokens = computed_tokens_per_micro_batch(job, micro_batch) * grad_accum
     compute = (
         flops_per_token(job, checkpointing=checkpointing, micro_batch=micro_batch)
         * tokens

@@ -13,6 +13,10 @@ from operator import attrgetter
 from finetune.registry.schema import HardwarePreset, ModelArch
 
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
+# a padding-free micro-batch's tokens at the peak the planner plans: its mean + this many standard deviations
+# (a Gaussian sum passes 5 sigma once in ~3.5 million micro-batches; the lengths' own tail is capped by the
+# longest)
+PEAK_SIGMAS = 5.0
 PAIRED_METHODS = ("dpo", "kto", "orpo", "simpo", "reward")
 ALL_LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -40,6 +44,11 @@ class Job:
     # data.example_tokens: the packed examples' token-weighted mean length, sum(l^2)/sum(l) (`packed_length`);
     # None: unknown, planned as examples as long as the row (long-context data, the slower case)
     example_tokens: float | None = None
+    # data.sequence_tokens (paired methods): the data's mean and longest sequence (prompt + one completion);
+    # None: unknown, planned as max_length
+    sequence_tokens: float | None = None
+    longest_sequence_tokens: int | None = None
+    sequence_tokens_std: float = 0.0
     # flash (flash_attention_2/3, flex: no materialized mask) | varlen (finetune's, no mask) | sdpa | eager
     attention: str = "sdpa"
     # varlen with grouped key/value heads repeated to the query's count before the kernel (two query-sized
@@ -136,6 +145,43 @@ class Params:
         """Parameters a token multiplies with (the FLOPs 'N'): layers (active experts) + lm_head."""
         head = self.lm_head or self.embed  # tied: the embedding matrix is the lm_head matmul
         return self.layers_active + head
+
+
+def peak_sequence_tokens(job: Job) -> float:
+    """Tokens of a sequence at a micro-batch's peak: max_length, or the data's longest (data.sequence_tokens):
+    TRL pads a micro-batch's sequences to its longest, and padding-free pairs hold at most that many each."""
+    return min(job.seq_len, job.longest_sequence_tokens or job.seq_len)
+
+
+def peak_tokens_per_micro_batch(job: Job, micro_batch: int) -> float:
+    """Tokens a micro-batch holds at its peak (activations, logits). Padded sequences are padded to the
+    micro-batch's longest: at most the data's longest (data.sequence_tokens), which one long sequence
+    brings into any micro-batch. Padding-free pairs hold their real tokens: a sum of n independent
+    lengths, which over a run stays below n x mean + PEAK_SIGMAS x std x sqrt(n), and never exceeds n x
+    longest. Unknown lengths: every sequence at max_length (packed SFT rows are full)."""
+    n = micro_batch * job.sequences_per_sample
+    longest = n * peak_sequence_tokens(job)
+    if not (job.packed and job.sequence_tokens):
+        return longest
+    return min(longest, n * mean_sequence_tokens(job) + PEAK_SIGMAS * job.sequence_tokens_std * n**0.5)
+
+
+def mean_sequence_tokens(job: Job) -> float:
+    """Real tokens of a trained sequence: the data's mean (data.sequence_tokens), else max_length (packed rows
+    are full; unknown lengths are planned as max_length)."""
+    return min(job.seq_len, job.sequence_tokens or job.seq_len)
+
+
+def computed_sequence_tokens(job: Job) -> float:
+    """Tokens a sequence costs the GPU: padding-free pairs (data.packing) compute their real tokens, padded
+    ones the micro-batch's longest (planned at the data's longest)."""
+    return mean_sequence_tokens(job) if job.packed else peak_sequence_tokens(job)
+
+
+def computed_tokens_per_micro_batch(job: Job, micro_batch: int) -> float:
+    """Tokens a micro-batch costs the GPU on average (the step's time; its peak memory holds
+    memory.tokens_per_micro_batch)."""
+    return micro_batch * computed_sequence_tokens(job) * job.sequences_per_sample
 
 
 def batch_share(job: Job) -> int:

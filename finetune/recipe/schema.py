@@ -292,6 +292,20 @@ class TaskEvalSection(DataSource):
     max_new_tokens: int = Field(32, ge=1, le=4096, description="generation length limit per example")
 
 
+class SequenceTokens(Strict):
+    """data.sequence_tokens: what the planner reads of unpacked sequences' lengths."""
+
+    mean: float = Field(gt=0, description="the sequences' mean length in tokens")
+    longest: int = Field(gt=0, description="the longest sequence in tokens")
+    std: float = Field(0.0, ge=0, description="the sequences' standard deviation in tokens")
+
+    @model_validator(mode="after")
+    def _mean_within_longest(self):
+        if self.mean > self.longest:
+            raise ValueError(f"mean {self.mean:g} is longer than longest {self.longest}: mean <= longest")
+        return self
+
+
 class DataSection(Strict):
     sources: list[DataSource] = Field(
         min_length=1, description="training data, one or more sources (`data: {path: ...}` is shorthand for one)"
@@ -342,6 +356,14 @@ class DataSection(Strict):
         "the attention cost the planner plans for packed rows; `finetune run` and `finetune plan` measure it "
         "from local data with the model's tokenizer.json (set it for Hub data; unset: examples as long as "
         "max_length)",
+    )
+
+    sequence_tokens: SequenceTokens | None = Field(
+        None,
+        description="DPO, ORPO, SimPO, KTO and reward models (sequences not packed into rows): the data's "
+        "sequences (prompt + one completion) in tokens, each cut at max_length: `mean` sets the planner's step "
+        "time, `longest` its peak memory; `finetune run` and `finetune plan` measure them from local data with "
+        "the model's tokenizer.json (set them for Hub data; unset: every sequence as long as max_length)",
     )
 
     @model_validator(mode="before")

@@ -6,7 +6,7 @@ entry. The plan is rebuilt from that recipe as it ran (every pin, the partial k-
 included) on the preset `--hardware auto` synthesizes for the row's card and GPU count; only what does
 not exist on this machine is replaced: the model path (by the registry key, or a folder holding the row's
 config.json) and nothing else. Rows measured before `finetune run` recorded data.example_tokens carry
-it as `example_tokens` (scripts/calibration_example_tokens.py rebuilt their data and measured it the
+it as `example_tokens` (scripts/calibration_lengths.py rebuilt their data and measured it the
 same way); it goes into the recipe's data section.
 
 Older rows carry a few fields instead of `resolved`; `legacy_recipe` rebuilds their recipe from those.
@@ -63,8 +63,9 @@ def _model_dir(row: dict) -> Path:
 def resolved_recipe(row: dict):
     """The run's resolved recipe with its model pointed at something that exists here."""
     raw = copy.deepcopy(row["resolved"])
-    if row.get("example_tokens") is not None:  # measured from the run's data afterwards (see the module docstring)
-        raw["data"].setdefault("example_tokens", row["example_tokens"])
+    for measured in ("example_tokens", "sequence_tokens"):  # measured from the run's data afterwards (docstring)
+        if row.get(measured) is not None:
+            raw["data"].setdefault(measured, row[measured])
     if row.get("arch"):
         raw["model"].update(name=row["arch"], arch=row["arch"])
         family = get_model(row["arch"]).family

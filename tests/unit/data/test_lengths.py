@@ -1,6 +1,7 @@
-"""data.example_tokens (finetune/data/lengths.py): measured before launch as the ranks will tokenize
-(the shipped tiny model's tokenizer and chat template, against transformers' own apply_chat_template),
-used by the planner's packed attention, and left alone where it cannot be measured."""
+"""data.example_tokens and data.sequence_tokens (finetune/data/lengths.py): measured before launch as the
+ranks will tokenize (the shipped tiny model's tokenizer and chat template, against transformers' own
+apply_chat_template), used by the planner (packed attention; DPO's step time and peak memory), and left
+alone where they cannot be measured."""
 
 from __future__ import annotations
 
@@ -8,7 +9,15 @@ import json
 
 import pytest
 
-from finetune.data.lengths import local_sample, measure_example_tokens, spread, with_example_tokens
+from finetune.data.lengths import (
+    LengthSample,
+    local_sample,
+    longest_records,
+    measure_example_tokens,
+    measure_sequence_tokens,
+    spread,
+    with_measured_lengths,
+)
 from finetune.data.sources import load_source
 from finetune.plan.workload import packed_length
 from finetune.recipe import load_recipe
@@ -56,15 +65,100 @@ def test_packed_length_by_hand():
 def test_recipe_gets_it_where_measurable_and_keeps_a_set_value(tmp_path):
     recipe = _recipe(tmp_path)
     sample = local_sample(recipe)
-    assert len(sample) == 40
-    measured = with_example_tokens(recipe, sample)
-    assert 0 < measured.data.example_tokens <= 64
-    assert with_example_tokens(_recipe(tmp_path, example_tokens=12.5), sample).data.example_tokens == 12.5
+    assert len(sample.spread) == 40
+    measured = with_measured_lengths(recipe, sample)
+    assert 0 < measured.data.example_tokens <= 64 and measured.data.sequence_tokens is None
+    assert with_measured_lengths(_recipe(tmp_path, example_tokens=12.5), sample).data.example_tokens == 12.5
     unpacked = _recipe(tmp_path, packing=False)
-    assert local_sample(unpacked) == [] and with_example_tokens(unpacked, sample).data.example_tokens is None
+    assert local_sample(unpacked).spread == []
+    assert with_measured_lengths(unpacked, sample).data.example_tokens is None
     hub = load_recipe(tiny_recipe(data={"sources": [{"path": "org/some-dataset"}], "packing": True}))
-    assert local_sample(hub) == []
+    assert local_sample(hub).spread == []
     assert spread(list(range(10)), 4) == [0, 2, 5, 7]
+
+
+def _pairs(tmp_path, n=60, long_every=0):
+    path = tmp_path / "pairs.jsonl"
+    with path.open("w") as f:
+        for i in range(n):
+            words = 2 + 5 * i % 17 + (60 if long_every and i % long_every == long_every - 1 else 0)
+            text = " ".join(["word"] * words)
+            row = {
+                "prompt": [{"role": "user", "content": text}],
+                "chosen": [{"role": "assistant", "content": text.upper()}],
+                "rejected": [{"role": "assistant", "content": "no"}],
+            }
+            f.write(json.dumps(row) + "\n")
+    return path
+
+
+def _dpo(tmp_path, *, long_every=0, **data):
+    source = {"path": str(_pairs(tmp_path, long_every=long_every)), "format": "preference"}
+    raw = tiny_recipe(method={"type": "dpo"}, data={"sources": [source], "max_length": 96, **data})
+    raw["data"]["eval_sources"] = []
+    return load_recipe(raw)
+
+
+def test_pairs_measured_as_transformers_renders_prompt_and_answer(tmp_path):
+    from transformers import AutoTokenizer
+
+    recipe = _dpo(tmp_path)
+    records = load_source(recipe.data.sources[0], base_dir=tmp_path).records
+    tokenizer = AutoTokenizer.from_pretrained(str(TINY_MODEL))
+    lengths = [
+        min(96, len(tokenizer.apply_chat_template(r["prompt"] + r[k], tokenize=True, return_dict=True)["input_ids"]))
+        for r in records
+        for k in ("chosen", "rejected")
+    ]
+    sample = LengthSample()
+    sample.add(records)
+    measured = measure_sequence_tokens(recipe, sample)
+    mean = sum(lengths) / len(lengths)
+    assert measured["mean"] == pytest.approx(mean, abs=0.1)
+    assert measured["longest"] == max(lengths)
+    assert measured["std"] == pytest.approx((sum((n - mean) ** 2 for n in lengths) / len(lengths)) ** 0.5, abs=0.1)
+    assert measure_sequence_tokens(_recipe(tmp_path), sample) is None  # SFT measures examples, not sequences
+
+
+def test_the_longest_is_found_outside_the_spread_sample(tmp_path):
+    # one record in 25 is far longer; a spread sample of 2 misses all of them, the longest records do not
+    recipe = _dpo(tmp_path, long_every=25)
+    records = load_source(recipe.data.sources[0], base_dir=tmp_path).records
+    sample = LengthSample(spread=spread(records, 2), longest=longest_records(records, 4))
+    assert not any(r in sample.spread for r in sample.longest[:2])
+    measured = measure_sequence_tokens(recipe, sample)
+    assert measured["longest"] == 96 > measured["mean"]  # cut at max_length, as training cuts them
+    assert with_measured_lengths(recipe, sample).data.sequence_tokens.longest == 96
+
+
+def test_dpo_plan_reads_the_measured_sequences(tmp_path):
+    from finetune.api import make_plan
+    from finetune.plan.memory import tokens_per_micro_batch
+    from finetune.plan.workload import PEAK_SIGMAS, computed_tokens_per_micro_batch
+
+    recipe, plan = make_plan(_dpo(tmp_path, packing=True), hardware="server-8xh100")
+    sequences = recipe.data.sequence_tokens
+    assert sequences is not None and sequences.mean < sequences.longest <= 96
+    # a run counts real tokens: the plan's tokens a step are the sequences' mean, not max_length
+    rows = plan.global_batch_size * 2
+    assert plan.tokens_per_step == round(rows * sequences.mean)
+    _, unknown = make_plan(
+        _dpo(tmp_path, packing=True, sequence_tokens={"mean": 96, "longest": 96}), hardware="server-8xh100"
+    )
+    assert unknown.tokens_per_step == rows * 96
+
+    from finetune.plan import job_from_recipe, lookup
+
+    arch, preset, _ = lookup(recipe, hardware="server-8xh100")
+    pairs = job_from_recipe(recipe, arch=arch, preset=preset)
+    n = 4 * 2
+    # padding-free pairs: real tokens for the time, a 5-sigma sum (at most n x longest) for the peak
+    assert computed_tokens_per_micro_batch(pairs, 4) == pytest.approx(n * sequences.mean)
+    bound = n * sequences.mean + PEAK_SIGMAS * sequences.std * n**0.5
+    assert tokens_per_micro_batch(pairs, 4) == pytest.approx(min(bound, n * sequences.longest))
+    # padded pairs: every sequence padded to the micro-batch's longest, the data's longest at worst
+    padded = job_from_recipe(_dpo(tmp_path, sequence_tokens=sequences.model_dump()), arch=arch, preset=preset)
+    assert computed_tokens_per_micro_batch(padded, 4) == tokens_per_micro_batch(padded, 4) == n * sequences.longest
 
 
 def test_plan_uses_the_measured_lengths(tmp_path):
@@ -83,5 +177,5 @@ def test_plan_uses_the_measured_lengths(tmp_path):
 
 def test_plan_reads_no_large_data(tmp_path):
     recipe = _recipe(tmp_path)
-    assert local_sample(recipe, max_bytes=100) == []
-    assert len(local_sample(recipe)) == 40
+    assert local_sample(recipe, max_bytes=100).spread == []
+    assert len(local_sample(recipe).spread) == 40

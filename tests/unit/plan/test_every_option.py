@@ -141,6 +141,7 @@ ALTERNATIVE_TEXT = {
     "model.arch": "qwen2.5-7b",
     "adapter.target_modules": ["q_proj", "v_proj"],
     "data.chat_template": "chatml",
+    "data.sequence_tokens": {"mean": 300.0, "longest": 900, "std": 100.0},
     # auto plans no_sync in full-fsdp2 (it fits and is faster), so only true moves the plan
     "distributed.sync_each_batch": True,
 }
