@@ -41,6 +41,7 @@ PAIR_SOURCES = {
     "validation-2026-11-27-h100x2-dpo-pairs.json",
     "validation-2026-11-27-h200x4-eighth.json",
     "validation-2026-11-27-h200x2-dpo-profiled.json",
+    "validation-2026-11-27-h200x2-dpo-deferred.json",
 }
 
 

@@ -500,10 +500,11 @@ class TrainSection(Strict):
     deferred_metrics: bool = Field(
         True,
         description=(
-            "SFT/pretrain: keep the per-micro-batch metrics (entropy, mean_token_accuracy, num_tokens) and the "
-            "tokens-seen count on the GPU and gather them once per logged step, instead of TRL's and the "
-            "Trainer's host syncs and gathers on every micro-batch; the logged figures and the loss are the "
-            "same. false: TRL's own compute_loss"
+            "SFT/pretrain and plain DPO (sigmoid loss): keep the per-micro-batch metrics (entropy, token "
+            "accuracy, num_tokens; DPO's rewards, margins, logits and log-probabilities) and SFT's tokens-seen "
+            "count on the GPU and gather them once per logged step, instead of TRL's and the Trainer's host "
+            "syncs and gathers on every micro-batch; the logged figures and the loss are the same. false: TRL's "
+            "own compute_loss"
         ),
     )
 

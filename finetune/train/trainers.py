@@ -193,9 +193,7 @@ def build_trainer(recipe: Recipe, *, args, model, tokenizer, data, callbacks: li
             peft_config=peft_config,
             callbacks=callbacks,
         )
-    from finetune.train.dpo import PretokenizedDPOTrainer
-
-    dpo = trainer_class(PretokenizedDPOTrainer, recipe)
+    dpo = trainer_class(dpo_trainer_class(recipe), recipe)
     trainer = dpo(
         model=model,
         ref_model=reference_copy(recipe),
@@ -215,6 +213,14 @@ def build_trainer(recipe: Recipe, *, args, model, tokenizer, data, callbacks: li
                 pairs.attach(module)
         logging.getLogger("finetune.train").info(PADDING_FREE_PAIRS_NOTE)
     return trainer
+
+
+def dpo_trainer_class(recipe: Recipe) -> type:
+    """train.deferred_metrics: finetune's DPOTrainer subclass that logs TRL's metrics without a host sync or a
+    gather per micro-batch (finetune/train/dpo.py), or the one that only takes tokenized data as it is."""
+    from finetune.train.dpo import DeferredMetricsDPOTrainer, PretokenizedDPOTrainer
+
+    return DeferredMetricsDPOTrainer if recipe.train.deferred_metrics else PretokenizedDPOTrainer
 
 
 def sft_trainer_class(recipe: Recipe) -> type:

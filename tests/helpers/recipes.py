@@ -58,6 +58,29 @@ def resolve_recipe(recipe: dict | str | Path, *, run_dir: Path, hardware: str | 
     return out
 
 
+def tiny_trainer(raw: dict, *, run_dir: Path, has_eval: bool, callbacks=()):
+    """(recipe, trainer): `raw` resolved into `run_dir` and built into the real trainer a rank builds, on the
+    CPU in this process (the data prepared as one process prepares it)."""
+    from accelerate import PartialState
+
+    from finetune.recipe.load import load_recipe
+    from finetune.train.model import load_model, load_tokenizer
+    from finetune.train.preflight import prepare_data
+    from finetune.train.trainers import build_trainer, training_args
+
+    recipe = load_recipe(resolve_recipe(raw, run_dir=run_dir), allow_resolved=True)
+    tokenizer = load_tokenizer(recipe)
+    trainer = build_trainer(
+        recipe,
+        args=training_args(recipe, run_dir=run_dir, has_eval=has_eval),
+        model=load_model(recipe),
+        tokenizer=tokenizer,
+        data=prepare_data(recipe, tokenizer, state=PartialState(cpu=True)),
+        callbacks=list(callbacks),
+    )
+    return recipe, trainer
+
+
 def write_recipe(path: Path, **sections) -> Path:
     """A recipe file for CLI runs: 32 examples, batch 8 -> 4 optimizer steps per epoch; LoRA on the tiny
     Llama; no eval. Keyword sections are merged one level deep."""

@@ -64,7 +64,10 @@ SPEED_MISSES = {
         "same layers, so each rank waits for the other. The host ran 1.67 s of operators (0.83 s a step against "
         "the 0.53 s host floor planned; row 99's SFT step: 0.38 s), aten::mm costing 118 us of host a call "
         "against 36 us in row 99; TRL's DPO loss gathers 14 metrics across the ranks and syncs 12 times a "
-        "micro-batch, which the planner does not model. Which of these makes the extra host time is not isolated"
+        "micro-batch, which the planner does not model. The same setting on another 2 x H200 machine two hours "
+        "later (rows 105-107) ran at 35,651-37,508 tokens/s, inside the bound (ratios 1.17-1.23), with 0.39 s idle "
+        "and 1.85 ms all-gathers in the same two profiled steps, and TRL's metric syncs made no difference there "
+        "(row 106 against 105): the two-rank, host-bound step varies by a third between hosts"
     ),
     "100-dpo3b-pairs-zero3": (
         "DPO pairs under ZeRO-3 on 2 H200s: 2.08 s a step against 0.66 planned. The profiled run of the same "
@@ -158,6 +161,9 @@ MEMORY_MISSES = {
         "100,000 random draws of this data is 14,937), so the planned peak is 1.18 of the measured"
     ),
     "101-dpo3b-pairs-fsdp2-profiled": "as row 96, on 2 H200s: the 5-sigma micro-batch against 12 steps' draws",
+    "105-dpo3b-pairs-fsdp2": "as row 96, on another 2 x H200 machine",
+    "106-dpo3b-pairs-fsdp2": "as row 96, on another 2 x H200 machine",
+    "107-dpo3b-pairs-fsdp2-profiled": "as row 96, on another 2 x H200 machine",
     "92-llama1b-full-s1024-mb2": (
         "row 89's setting on an H200: the same 25.4 GiB allocated and 29.0 reserved as on the H100, so the "
         "allocator's 3.6 GiB over the allocation is the run's, not the card's; ratio 0.949 again"

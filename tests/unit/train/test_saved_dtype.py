@@ -11,33 +11,14 @@ import json
 import pytest
 import torch
 
-from tests.helpers.recipes import resolve_recipe, tiny_recipe
+from tests.helpers.recipes import tiny_recipe, tiny_trainer
 
 pytestmark = pytest.mark.slow
 
 
 def _full_bf16_trainer(tmp_path):
-    from accelerate import PartialState
-
-    from finetune.recipe.load import load_recipe
-    from finetune.train.model import load_model, load_tokenizer
-    from finetune.train.preflight import prepare_data
-    from finetune.train.trainers import build_trainer, training_args
-
     raw = tiny_recipe(model={"dtype": "bfloat16"}, adapter={"type": "full"}, train={"precision": "bf16"})
-    run_dir = tmp_path / "run"
-    recipe = load_recipe(resolve_recipe(raw, run_dir=run_dir), allow_resolved=True)
-    tokenizer = load_tokenizer(recipe)
-    data = prepare_data(recipe, tokenizer, state=PartialState(cpu=True))
-    trainer = build_trainer(
-        recipe,
-        args=training_args(recipe, run_dir=run_dir, has_eval=False),
-        model=load_model(recipe),
-        tokenizer=tokenizer,
-        data=data,
-        callbacks=[],
-    )
-    return recipe, trainer
+    return tiny_trainer(raw, run_dir=tmp_path / "run", has_eval=False)
 
 
 def _saved(folder) -> dict[str, torch.Tensor]:

@@ -10,7 +10,7 @@ import contextlib
 import pytest
 import torch
 
-from tests.helpers.recipes import resolve_recipe, tiny_recipe
+from tests.helpers.recipes import tiny_recipe, tiny_trainer
 
 pytestmark = pytest.mark.slow
 METRICS = ("loss", "entropy", "mean_token_accuracy", "num_tokens")
@@ -20,13 +20,6 @@ SYNCS = ("item", "tolist", "__bool__", "__int__", "__float__", "__index__", "cpu
 
 
 def _trainer(tmp_path, *, deferred: bool, packing: bool, callbacks=(), pad_token: str | None = None):
-    from accelerate import PartialState
-
-    from finetune.recipe.load import load_recipe
-    from finetune.train.model import load_model, load_tokenizer
-    from finetune.train.preflight import prepare_data
-    from finetune.train.trainers import build_trainer, training_args
-
     raw = tiny_recipe(
         data={"packing": packing, "max_length": 48},
         tokenizer={"pad_token": pad_token} if pad_token else {},
@@ -40,18 +33,9 @@ def _trainer(tmp_path, *, deferred: bool, packing: bool, callbacks=(), pad_token
         },
     )
     run_dir = tmp_path / ("deferred" if deferred else "trl") / ("packed" if packing else "padded")
-    recipe = load_recipe(resolve_recipe(raw, run_dir=run_dir), allow_resolved=True)
+    recipe, trainer = tiny_trainer(raw, run_dir=run_dir, has_eval=True, callbacks=callbacks)
     assert recipe.resolved.gradient_accumulation_steps == 4
-    tokenizer = load_tokenizer(recipe)
-    data = prepare_data(recipe, tokenizer, state=PartialState(cpu=True))
-    return build_trainer(
-        recipe,
-        args=training_args(recipe, run_dir=run_dir, has_eval=True),
-        model=load_model(recipe),
-        tokenizer=tokenizer,
-        data=data,
-        callbacks=list(callbacks),
-    )
+    return trainer
 
 
 def _logged(trainer) -> list[dict]:

@@ -1,0 +1,107 @@
+"""train.deferred_metrics for DPO: finetune's DPOTrainer subclass (finetune/train/dpo.py) logs what TRL's
+DPOTrainer logs (the loss, rewards, margins, log-probabilities, logits, entropy, token accuracy, num_tokens, in
+training and evaluation) and trains the same weights, with gradient accumulation, padded and padding-free
+pairs; its compute_loss makes no host sync and no gather, where TRL's makes a dozen of each per micro-batch."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.helpers.paths import SAMPLES
+from tests.helpers.recipes import tiny_recipe, tiny_trainer
+from tests.unit.train.test_sft_metrics import _SyncSpy
+
+pytestmark = pytest.mark.slow
+METRICS = (
+    "loss",
+    "entropy",
+    "num_tokens",
+    "mean_token_accuracy",
+    "logits/chosen",
+    "logits/rejected",
+    "rewards/chosen",
+    "rewards/rejected",
+    "rewards/accuracies",
+    "rewards/margins",
+    "logps/chosen",
+    "logps/rejected",
+)
+
+
+def _trainer(tmp_path, *, deferred: bool, packing: bool, loss_type: str = "sigmoid"):
+    pairs = {"path": str(SAMPLES / "preference.jsonl"), "format": "preference"}
+    raw = tiny_recipe(
+        method={"type": "dpo", "loss_type": loss_type},
+        data={"sources": [pairs], "eval_sources": [dict(pairs, max_samples=8)], "packing": packing, "max_length": 48},
+        # 2 micro-batches per optimizer step, evaluated after step 2 and at the end
+        train={
+            "max_steps": 3,
+            "global_batch_size": 4,
+            "micro_batch_size": 2,
+            "deferred_metrics": deferred,
+            "eval_steps": 2,
+        },
+    )
+    run_dir = tmp_path / ("deferred" if deferred else "trl") / ("pairs" if packing else "padded")
+    recipe, trainer = tiny_trainer(raw, run_dir=run_dir, has_eval=True)
+    assert recipe.resolved.gradient_accumulation_steps == 2
+    return trainer
+
+
+def _logged(trainer) -> list[dict]:
+    keep = METRICS + tuple(f"eval_{m}" for m in METRICS)
+    return [{k: v for k, v in row.items() if k in keep} | {"step": row["step"]} for row in trainer.state.log_history]
+
+
+@pytest.mark.parametrize("packing", [False, True], ids=["padded", "padding-free"])
+def test_same_losses_metrics_and_weights_as_trl(tmp_path, packing):
+    from finetune.train.dpo import DeferredMetricsDPOTrainer
+
+    ours = _trainer(tmp_path, deferred=True, packing=packing)
+    theirs = _trainer(tmp_path, deferred=False, packing=packing)
+    assert isinstance(ours, DeferredMetricsDPOTrainer) and ours._takes_own_path(return_outputs=False)
+    assert not isinstance(theirs, DeferredMetricsDPOTrainer)
+    ours.train()
+    theirs.train()
+
+    mine, trl = _logged(ours), _logged(theirs)
+    assert [sorted(r) for r in mine] == [sorted(r) for r in trl]
+    assert sum("rewards/margins" in r for r in mine) == 3 and sum("eval_rewards/margins" in r for r in mine) == 2
+    for a, b in zip(mine, trl, strict=True):
+        # the loss is TRL's own operations on the same values; the metrics are summed in float64 on the device
+        # instead of TRL's per-micro-batch float32 means, so they agree to float32's precision
+        assert a.get("loss") == b.get("loss") and a.get("eval_loss") == b.get("eval_loss")
+        assert a.get("num_tokens") == b.get("num_tokens")
+        assert a == pytest.approx(b, rel=1e-5, abs=1e-6)
+    assert all(r["num_tokens"] > 0 for r in mine if "num_tokens" in r)
+    for (name, a), (_, b) in zip(ours.model.named_parameters(), theirs.model.named_parameters(), strict=True):
+        assert torch.equal(a, b), name
+    # the tokens seen (finetune's tokens/s), counted from the deferred sums without transformers' per-micro-batch
+    # gather: the same count as transformers' (the pad token is not the EOS token here)
+    assert ours.args.include_num_input_tokens_seen == "no"
+    assert ours.state.num_input_tokens_seen == theirs.state.num_input_tokens_seen > 0
+
+
+def test_compute_loss_makes_no_host_sync_or_gather(tmp_path, monkeypatch):
+    trainer = _trainer(tmp_path, deferred=True, packing=False)
+    spy = _SyncSpy(trainer, monkeypatch)
+    trainer.train()
+    assert spy.compute_loss_calls > 3 * 2 and spy.calls == {}, spy.calls
+    assert any("rewards/margins" in r for r in trainer.state.log_history)
+
+
+def test_the_spy_sees_trls_syncs(tmp_path, monkeypatch):
+    """The control: the same spy on TRL's DPOTrainer sees its per-micro-batch syncs and gathers."""
+    trainer = _trainer(tmp_path, deferred=False, packing=False)
+    spy = _SyncSpy(trainer, monkeypatch)
+    trainer.train()
+    calls = spy.compute_loss_calls
+    assert spy.calls.get("item", 0) >= 10 * calls and spy.calls.get("gather_for_metrics", 0) >= 8 * calls, spy.calls
+
+
+def test_other_losses_go_to_trl(tmp_path):
+    trainer = _trainer(tmp_path, deferred=True, packing=False, loss_type="ipo")
+    assert not trainer._takes_own_path(return_outputs=False)
+    trainer.train()
+    assert any("rewards/margins" in r for r in trainer.state.log_history)
