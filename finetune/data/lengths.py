@@ -66,11 +66,10 @@ class LengthSample:
 
 
 def measures_sequences(recipe) -> bool:
-    """The method trains sequences one by one (pairs, or KTO's completions), whose lengths the planner reads
-    (data.sequence_tokens); SFT/pretrain pack or pad to max_length."""
-    from finetune.plan.workload import PAIRED_METHODS
-
-    return recipe.method.type in PAIRED_METHODS
+    """The run trains its sequences one by one, padded to a micro-batch's longest or as padding-free pairs
+    (every method but SFT/pretrain with packing, whose rows are full): the planner reads their lengths
+    (data.sequence_tokens)."""
+    return not packs_examples(recipe)
 
 
 def _special_tokens(model_dir: Path) -> dict[str, str]:
@@ -103,13 +102,18 @@ def _texts(records: list[dict], render, special: dict[str, str]) -> list[str] | 
 
 def _sequence_texts(records: list[dict], render, special: dict[str, str]) -> list[str] | None:
     """Each record's trained sequences as text: prompt + chosen and prompt + rejected (preference), prompt +
-    completion (unpaired); conversations rendered whole, as the chat template renders prompt and answer."""
-    texts = []
+    completion (unpaired, or SFT's prompt/completion), an SFT conversation or text as `_texts` renders it;
+    conversations rendered whole, as the chat template renders prompt and answer."""
+    texts: list[str] = []
     for record in records:
         prompt = record.get("prompt", "")
         answers = [record[k] for k in ("chosen", "rejected", "completion") if k in record]
         if not answers:
-            return None
+            one = _texts([record], render, special)
+            if one is None:
+                return None
+            texts += one
+            continue
         for answer in answers:
             if isinstance(prompt, str) and isinstance(answer, str):
                 texts.append(prompt + answer)

@@ -44,7 +44,6 @@ from finetune.plan.timing import (
 from finetune.plan.types import GIB, Candidate, MemoryBreakdown, Plan
 from finetune.plan.workload import (
     DTYPE_BYTES,
-    PAIRED_METHODS,
     Job,
     count_params,
     lora_param_count,
@@ -218,7 +217,7 @@ def job_from_recipe(recipe, *, arch, preset) -> Job:
     attention = attention_kind(implementation, packed=recipe.data.packing, arch=arch)
     fallback = varlen_fallback_layers(arch)
     served = arch.num_layers - fallback if implementation == "varlen" and recipe.data.packing else 0
-    sequences = recipe.data.sequence_tokens if method in PAIRED_METHODS else None
+    sequences = recipe.data.sequence_tokens if not packs_examples(recipe) else None
     return Job(
         arch=arch,
         preset=preset,

@@ -360,10 +360,12 @@ class DataSection(Strict):
 
     sequence_tokens: SequenceTokens | None = Field(
         None,
-        description="DPO, ORPO, SimPO, KTO and reward models (sequences not packed into rows): the data's "
-        "sequences (prompt + one completion) in tokens, each cut at max_length: `mean` sets the planner's step "
-        "time, `longest` its peak memory; `finetune run` and `finetune plan` measure them from local data with "
-        "the model's tokenizer.json (set them for Hub data; unset: every sequence as long as max_length)",
+        description="sequences not packed into rows (DPO, ORPO, SimPO, KTO, reward models: prompt + one "
+        "completion; SFT/pretrain without packing: an example): their length in tokens, each cut at max_length. "
+        "`mean` gives the real tokens a run counts and padding-free pairs' work, `longest` the padded rows' "
+        "work and peak memory, `std` padding-free pairs' peak; `finetune run` and `finetune plan` measure them "
+        "from local data with the model's tokenizer.json (set them for Hub data; unset: every sequence as long "
+        "as max_length)",
     )
 
     @model_validator(mode="before")

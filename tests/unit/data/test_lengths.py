@@ -69,9 +69,13 @@ def test_recipe_gets_it_where_measurable_and_keeps_a_set_value(tmp_path):
     measured = with_measured_lengths(recipe, sample)
     assert 0 < measured.data.example_tokens <= 64 and measured.data.sequence_tokens is None
     assert with_measured_lengths(_recipe(tmp_path, example_tokens=12.5), sample).data.example_tokens == 12.5
+    # unpacked SFT rows are padded sequences: measured as such (data.sequence_tokens), not as packed examples
     unpacked = _recipe(tmp_path, packing=False)
-    assert local_sample(unpacked).spread == []
-    assert with_measured_lengths(unpacked, sample).data.example_tokens is None
+    assert len(local_sample(unpacked).spread) == 40
+    padded = with_measured_lengths(unpacked, sample)
+    assert padded.data.example_tokens is None
+    assert padded.data.sequence_tokens.longest == 64 and 0 < padded.data.sequence_tokens.mean < 64
+    assert measured.data.sequence_tokens is None  # packed rows are full
     hub = load_recipe(tiny_recipe(data={"sources": [{"path": "org/some-dataset"}], "packing": True}))
     assert local_sample(hub).spread == []
     assert spread(list(range(10)), 4) == [0, 2, 5, 7]
@@ -117,7 +121,7 @@ def test_pairs_measured_as_transformers_renders_prompt_and_answer(tmp_path):
     assert measured["mean"] == pytest.approx(mean, abs=0.1)
     assert measured["longest"] == max(lengths)
     assert measured["std"] == pytest.approx((sum((n - mean) ** 2 for n in lengths) / len(lengths)) ** 0.5, abs=0.1)
-    assert measure_sequence_tokens(_recipe(tmp_path), sample) is None  # SFT measures examples, not sequences
+    assert measure_sequence_tokens(_recipe(tmp_path), sample) is None  # packed SFT measures examples
 
 
 def test_the_longest_is_found_outside_the_spread_sample(tmp_path):
@@ -179,3 +183,28 @@ def test_plan_reads_no_large_data(tmp_path):
     recipe = _recipe(tmp_path)
     assert local_sample(recipe, max_bytes=100).spread == []
     assert len(local_sample(recipe).spread) == 40
+
+
+def test_unpacked_sft_plans_its_padded_rows_at_the_data_longest(tmp_path):
+    from finetune.api import make_plan
+    from finetune.plan import job_from_recipe, lookup
+    from finetune.plan.memory import tokens_per_micro_batch
+    from finetune.plan.workload import computed_tokens_per_micro_batch
+
+    short = _recipe(tmp_path, packing=False, max_length=256)
+    recipe, plan = make_plan(short, hardware="server-8xh100")
+    sequences = recipe.data.sequence_tokens
+    assert sequences.longest <= 128 < 256  # the examples are far shorter than max_length
+    assert plan.tokens_per_step == round(plan.global_batch_size * sequences.mean)  # the real tokens
+    arch, preset, _ = lookup(recipe, hardware="server-8xh100")
+    job = job_from_recipe(recipe, arch=arch, preset=preset)
+    # rows padded to a micro-batch's longest: planned at the data's longest, for the work and the peak
+    assert computed_tokens_per_micro_batch(job, 4) == tokens_per_micro_batch(job, 4) == 4 * sequences.longest
+    _, at_max_length = make_plan(
+        _recipe(tmp_path, packing=False, max_length=256, sequence_tokens={"mean": 256, "longest": 256}),
+        hardware="server-8xh100",
+    )
+    # the GPU's compute (the tiny model's step itself is the host's time to launch it)
+    chosen = next(c for c in plan.candidates if c.strategy == plan.strategy)
+    longer = next(c for c in at_max_length.candidates if c.strategy == at_max_length.strategy)
+    assert chosen.compute_time_s < longer.compute_time_s
