@@ -3,15 +3,16 @@
 - data.example_tokens (SFT/pretrain with packing): the planner's attention cost for packed rows depends on
   the examples' lengths, not the row's: a causal kernel that runs each packed example on its own computes
   l^2/2 scores for an example of l tokens (finetune.plan.workload.packed_length).
-- data.sequence_tokens (DPO, ORPO, SimPO, KTO, reward: sequences not packed into rows): the mean sequence
-  (prompt + one completion) sets the step's work, the longest the peak memory of a micro-batch.
+- data.sequence_tokens (every run that does not pack: DPO, ORPO, SimPO, KTO and reward models, whose sequences
+  are a prompt + one completion, and SFT/pretrain without packing, an example each): the real tokens a run
+  counts, padded rows' work and peak (the longest), padding-free pairs' work and peak (mean and spread).
 
 Torch-free: the local training records (as finetune.data reads them), each rendered with the chat template
 the ranks will use (finetune.prelaunch.chat_renderer, as transformers renders it) and counted with the local
 model's tokenizer.json through the `tokenizers` library. An evenly spread sample of SAMPLE records is enough
 for a mean (a few %); a longest needs the data's tail, so the LONGEST records with the most characters are
-measured beside it. None when the data or the tokenizer is not local, a record has a layout this does not
-render, or the method neither packs nor pairs (then the planner keeps its assumption: max_length).
+measured beside it. None when the data or the tokenizer is not local, or a record has a layout this does not
+render (then the planner keeps its assumption: max_length).
 """
 
 from __future__ import annotations
@@ -183,8 +184,8 @@ def needs_measuring(recipe) -> bool:
 
 
 def with_measured_lengths(recipe, sample: LengthSample):
-    """`recipe` with data.example_tokens (packing) and data.sequence_tokens (paired methods) measured from
-    `sample` where they are unset and measurable."""
+    """`recipe` with data.example_tokens (packed rows) or data.sequence_tokens (unpacked sequences) measured
+    from `sample` where it is unset and measurable."""
     from finetune.recipe.schema import SequenceTokens
 
     data = recipe.data

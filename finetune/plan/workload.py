@@ -44,8 +44,8 @@ class Job:
     # data.example_tokens: the packed examples' token-weighted mean length, sum(l^2)/sum(l) (`packed_length`);
     # None: unknown, planned as examples as long as the row (long-context data, the slower case)
     example_tokens: float | None = None
-    # data.sequence_tokens (paired methods): the data's mean and longest sequence (prompt + one completion);
-    # None: unknown, planned as max_length
+    # data.sequence_tokens (runs that do not pack): the data's mean, longest and standard deviation of a sequence
+    # (a pair's prompt + one completion, an unpacked example); None: unknown, planned as max_length
     sequence_tokens: float | None = None
     longest_sequence_tokens: int | None = None
     sequence_tokens_std: float = 0.0

@@ -29,10 +29,10 @@ METRICS = (
 )
 
 
-def _trainer(tmp_path, *, deferred: bool, packing: bool, loss_type: str = "sigmoid"):
+def _trainer(tmp_path, *, deferred: bool, packing: bool, loss_type: str = "sigmoid", reference: str = "auto"):
     pairs = {"path": str(SAMPLES / "preference.jsonl"), "format": "preference"}
     raw = tiny_recipe(
-        method={"type": "dpo", "loss_type": loss_type},
+        method={"type": "dpo", "loss_type": loss_type, "reference": reference},
         data={"sources": [pairs], "eval_sources": [dict(pairs, max_samples=8)], "packing": packing, "max_length": 48},
         # 2 micro-batches per optimizer step, evaluated after step 2 and at the end
         train={
@@ -43,7 +43,7 @@ def _trainer(tmp_path, *, deferred: bool, packing: bool, loss_type: str = "sigmo
             "eval_steps": 2,
         },
     )
-    run_dir = tmp_path / ("deferred" if deferred else "trl") / ("pairs" if packing else "padded")
+    run_dir = tmp_path / ("deferred" if deferred else "trl") / ("pairs" if packing else "padded") / reference
     recipe, trainer = tiny_trainer(raw, run_dir=run_dir, has_eval=True)
     assert recipe.resolved.gradient_accumulation_steps == 2
     return trainer
@@ -54,12 +54,16 @@ def _logged(trainer) -> list[dict]:
     return [{k: v for k, v in row.items() if k in keep} | {"step": row["step"]} for row in trainer.state.log_history]
 
 
-@pytest.mark.parametrize("packing", [False, True], ids=["padded", "padding-free"])
-def test_same_losses_metrics_and_weights_as_trl(tmp_path, packing):
+@pytest.mark.parametrize(
+    ("packing", "reference"),
+    [(False, "auto"), (True, "auto"), (False, "precompute")],
+    ids=["padded", "padding-free", "precomputed-reference"],
+)
+def test_same_losses_metrics_and_weights_as_trl(tmp_path, packing, reference):
     from finetune.train.dpo import DeferredMetricsDPOTrainer
 
-    ours = _trainer(tmp_path, deferred=True, packing=packing)
-    theirs = _trainer(tmp_path, deferred=False, packing=packing)
+    ours = _trainer(tmp_path, deferred=True, packing=packing, reference=reference)
+    theirs = _trainer(tmp_path, deferred=False, packing=packing, reference=reference)
     assert isinstance(ours, DeferredMetricsDPOTrainer) and ours._takes_own_path(return_outputs=False)
     assert not isinstance(theirs, DeferredMetricsDPOTrainer)
     ours.train()
