@@ -7,7 +7,7 @@ finetune/train/tokenize.py exactly as DPOTrainer's tokenize_fn does), so a cache
 
 `DeferredMetricsDPOTrainer` (train.deferred_metrics): TRL 1.16's `DPOTrainer._compute_loss` logs entropy, token
 counts, mean logits, token accuracy, rewards, reward accuracy and margins and log-probabilities on every
-micro-batch with 14 gathers across the ranks and 12 `.item()` calls, each a host sync (and on several GPUs a
+micro-batch with 15 gathers across the ranks and 13 `.item()` calls, each a host sync (and on several GPUs a
 collective every rank must reach). For plain DPO (the sigmoid loss on reverse KL, no length-desensitized
 log-probabilities, no WPO weighting, no MoE auxiliary loss) this subclass computes the loss with TRL's own
 operations and TRL's own reference pass (`compute_ref_log_probs`), so the loss and the gradients are TRL's; it

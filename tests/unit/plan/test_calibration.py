@@ -63,7 +63,7 @@ SPEED_MISSES = {
         "NCCL all-gathers alone: 204 gathers of 2.7 ms each where the SFT FSDP2 run (row 99) took 0.73 ms for the "
         "same layers, so each rank waits for the other. The host ran 1.67 s of operators (0.83 s a step against "
         "the 0.53 s host floor planned; row 99's SFT step: 0.38 s), aten::mm costing 118 us of host a call "
-        "against 36 us in row 99; TRL's DPO loss gathers 14 metrics across the ranks and syncs 12 times a "
+        "against 36 us in row 99; TRL's DPO loss gathers across the ranks 15 times and syncs 13 times a "
         "micro-batch, which the planner does not model. The same setting on another 2 x H200 machine two hours "
         "later (rows 105-107) ran at 35,651-37,508 tokens/s, inside the bound (ratios 1.17-1.23), with 0.39 s idle "
         "and 1.85 ms all-gathers in the same two profiled steps, and TRL's metric syncs made no difference there "
