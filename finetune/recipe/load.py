@@ -441,6 +441,19 @@ def load_recipe(
     return recipe
 
 
+def load_resolved_recipe(path: str | Path) -> Recipe:
+    """The resolved recipe a rank trains (RUN_DIR/recipe.resolved.yaml); RecipeError for one `finetune compile`
+    did not write."""
+    recipe = load_recipe(path, allow_resolved=True)
+    if recipe.resolved is None:
+        raise RecipeError(
+            "not a resolved recipe (it has no resolved: section)",
+            file=str(path),
+            hint="run it with `finetune run RECIPE`, which plans and compiles it first",
+        )
+    return recipe
+
+
 def recipe_dir(recipe: Recipe) -> Path:
     return Path(recipe._source_dir or ".").resolve()
 

@@ -67,15 +67,6 @@ def _report_early_stop(run_dir: Path, why: str) -> int:
     return EXIT_PREEMPTED
 
 
-def _quiet_unused_library_notices(resolved: str) -> None:
-    from finetune.recipe.load import load_recipe
-    from finetune.train.notices import quiet_unused_library_notices
-
-    recipe = load_recipe(resolved, allow_resolved=True)
-    if recipe.resolved is not None:  # run_rank says what is wrong with a recipe that is not resolved
-        quiet_unused_library_notices(device=recipe.resolved.device, adapter=recipe.adapter.type)
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m finetune.train", description=__doc__.splitlines()[0])
     parser.add_argument("resolved", help="RUN_DIR/recipe.resolved.yaml written by `finetune compile`/`run`")
@@ -99,10 +90,14 @@ def main(argv: list[str] | None = None) -> int:
             # before this request counts as the same stop (the kernel would never send it)
             if not die_with_parent(parent=_LAUNCHER):
                 handle(signal.SIGTERM, None)
-            _quiet_unused_library_notices(args.resolved)
-            from finetune.train.run import run_rank
+            from finetune.recipe.load import load_resolved_recipe
+            from finetune.train.notices import quiet_unused_library_notices
 
-            run_rank(args.resolved, resume=args.resume)
+            recipe = load_resolved_recipe(args.resolved)
+            quiet_unused_library_notices(device=recipe.resolved.device, adapter=recipe.adapter.type)
+            from finetune.train.run import run_rank  # imports the libraries
+
+            run_rank(args.resolved, resume=args.resume, recipe=recipe)
         except StoppedBeforeTraining as stop:
             return _report_early_stop(run_dir, str(stop))  # with the handler still in place
         finally:

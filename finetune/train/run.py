@@ -21,8 +21,8 @@ from finetune.checkpoints.fields import data_fields, recipe_fields
 from finetune.checkpoints.resume import check_resume, resolve_resume
 from finetune.checkpoints.retention import prepare_checkpoints
 from finetune.compile.files import write_atomic
-from finetune.errors import RecipeError
-from finetune.recipe.load import load_recipe
+from finetune.recipe.load import load_resolved_recipe
+from finetune.recipe.schema import Recipe
 from finetune.train.callbacks import CommitCallback, LibraryCardCallback, MetricsCallback, NonFiniteCallback
 from finetune.train.diskspace import DiskSpaceCallback, output_bytes, save_final
 
@@ -39,15 +39,11 @@ def _setup_logging(is_main: bool) -> None:
     datasets.disable_progress_bars()
 
 
-def run_rank(resolved_path: str | Path, *, resume: str = "auto") -> dict | None:
-    """Train one rank. Returns the summary on the main process (None elsewhere)."""
-    recipe = load_recipe(resolved_path, allow_resolved=True)
-    if recipe.resolved is None:
-        raise RecipeError(
-            "not a resolved recipe (it has no resolved: section)",
-            file=str(resolved_path),
-            hint="run it with `finetune run RECIPE`, which plans and compiles it first",
-        )
+def run_rank(resolved_path: str | Path, *, resume: str = "auto", recipe: Recipe | None = None) -> dict | None:
+    """Train one rank. Returns the summary on the main process (None elsewhere). `recipe`: the resolved recipe
+    already loaded from `resolved_path` (the rank's entrypoint loads it before the libraries)."""
+    if recipe is None:
+        recipe = load_resolved_recipe(resolved_path)
     run_dir = Path(recipe.output.dir or Path(resolved_path).parent).resolve()
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # forked dataloader workers otherwise warn
 

@@ -164,6 +164,18 @@ def test_entrypoint_bad_data_exits_2_naming_file_and_row(tmp_path):
     assert not (tmp_path / "run" / "checkpoints").exists()  # failed before any model or trainer
 
 
+def test_entrypoint_refuses_a_recipe_that_is_not_resolved(tmp_path):
+    import yaml
+
+    from finetune.train.__main__ import main
+
+    plain = tmp_path / "recipe.yaml"
+    plain.write_text(yaml.safe_dump(tiny_recipe()))
+    assert main([str(plain)]) == 2
+    with pytest.raises(Exception, match="not a resolved recipe"):
+        run_rank(plain, resume="never")
+
+
 def test_nonfinite_loss_stops_naming_step_and_rank(tmp_path):
     import torch
     from transformers import AutoModelForCausalLM
