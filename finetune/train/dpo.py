@@ -22,6 +22,8 @@ import torch
 import torch.nn.functional as F
 from trl import DPOTrainer
 
+from finetune.train.deferred import DeferredMetrics, follows_trl, fused_output_fields
+
 TOKENIZED = ("prompt_ids", "chosen_ids", "rejected_ids")
 # keys of TRL's DPO batch that are not model inputs
 NON_MODEL_KEYS = ("completion_mask", "ref_chosen_logps", "ref_rejected_logps")
@@ -81,27 +83,18 @@ class PretokenizedDPOTrainer(DPOTrainer):
         return super()._prepare_dataset(dataset, processing_class, args, dataset_name)
 
 
-class DeferredMetricsDPOTrainer(PretokenizedDPOTrainer):
+class DeferredMetricsDPOTrainer(DeferredMetrics, PretokenizedDPOTrainer):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         import trl
-        from trl.trainer.utils import FusedCausalLMOutput
 
-        from finetune.train.sft import follows
-
-        fields = getattr(FusedCausalLMOutput, "__dataclass_fields__", {})
+        fields = fused_output_fields()
         self._deferred = (
-            follows(trl.__version__, fields)
+            follows_trl(trl.__version__)
             and all(name in fields for name in FUSED_FIELDS)
             and all(hasattr(self, name) for name in TRAINER_STATE)
         )
-        self._pending: dict[str, list[torch.Tensor]] = {"train": [], "eval": []}
-        # transformers counts the tokens seen (finetune's tokens/s) with a gather and an .item() on every
-        # micro-batch; where every training micro-batch goes through this trainer's path, the count is taken
-        # from the same deferred sum (the attention mask's, TRL's num_tokens)
-        self._counts_input_tokens = self._takes_own_path(return_outputs=False)
-        if self._counts_input_tokens:
-            self.args.include_num_input_tokens_seen = "no"
+        self._start_deferring()  # the tokens seen: the attention mask's sum, TRL's num_tokens
 
     def _takes_own_path(self, return_outputs: bool) -> bool:
         return (
@@ -173,30 +166,18 @@ class DeferredMetricsDPOTrainer(PretokenizedDPOTrainer):
             mask.new_tensor(float(logps[0].numel())),
             tokens.double(),
         )
-        self._pending[mode].append(torch.stack(sums))
+        self._append_pending(mode, torch.stack(sums))
 
     def _flush(self, mode: str) -> None:
-        """Gather the pending sums once and append to TRL's `self._metrics` the per-micro-batch values its
-        `_compute_loss` would have appended. Every rank runs the same number of micro-batches."""
-        rows = self._pending[mode]
-        if not rows:
+        """Append to TRL's `self._metrics` the per-micro-batch values its `_compute_loss` would have appended."""
+        pending = self._take_pending(mode, len(SUMS))
+        if pending is None:
             return
-        self._pending[mode] = []
-        local = torch.stack(rows)
-        # sum over ranks; on one process the gathered tensor is `local` itself
-        total = self.accelerator.gather(local.view(1, -1)).view(-1, *local.shape).sum(dim=0).cpu()  # the one sync
         metrics = self._metrics[mode]
-        for row in total.tolist():
+        for row in self._sum_over_ranks(pending).tolist():
             sums = dict(zip(SUMS, row, strict=True))
-            if mode == "train":  # like TRL, the gathered count repeats each token once per tensor-parallel rank
-                trained = int(sums["input_tokens"]) // self._tp_size
-                self._total_train_tokens += trained
-                if self._counts_input_tokens:
-                    self.state.num_input_tokens_seen += trained
+            if mode == "train":
+                self._add_trained_tokens(sums["input_tokens"])
             metrics["num_tokens"] = [self._total_train_tokens]
             for key, (numerator, denominator) in RATIOS.items():
                 metrics[key].append(sums[numerator] / sums[denominator] if sums[denominator] > 0 else 0.0)
-
-    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
-        self._flush("train" if self.model.training else "eval")
-        super().log(logs, start_time)

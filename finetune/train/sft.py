@@ -22,13 +22,12 @@ from __future__ import annotations
 import torch
 from trl import SFTTrainer
 
+from finetune.train.deferred import DeferredMetrics, follows_trl, fused_output_fields
+
 # the per-token fields of TRL's FusedCausalLMOutput this trainer reads
 FUSED_FIELDS = ("log_probs", "label_mask", "entropy", "is_top1")
-# the compute_loss re-implemented below follows TRL 1.16's; TRL 2 may change it
-TRL_MIN, TRL_BEFORE = "1.16", "2"
-# past this many pending micro-batches the rows are stacked into one tensor, so a long logging interval
-# holds a few large allocations instead of one small one per micro-batch
-COMPACT_AT = 256
+# entropy sum, correct top-1, valid labels: one row per micro-batch
+SUMS_WIDTH = 3
 
 
 def deferred_metrics_supported() -> bool:
@@ -36,44 +35,33 @@ def deferred_metrics_supported() -> bool:
     log_probs, label_mask, entropy and is_top1."""
     import trl
 
-    try:
-        from trl.trainer.utils import FusedCausalLMOutput
-    except ImportError:
-        return False
-    return follows(trl.__version__, getattr(FusedCausalLMOutput, "__dataclass_fields__", {}))
+    return follows(trl.__version__, fused_output_fields())
 
 
 def follows(trl_version: str, output_fields) -> bool:
-    """TRL_MIN <= trl_version < TRL_BEFORE, and the fused head's output has every field of FUSED_FIELDS."""
-    from packaging.version import Version
-
-    in_range = Version(TRL_MIN) <= Version(trl_version) < Version(TRL_BEFORE)
-    return in_range and all(name in output_fields for name in FUSED_FIELDS)
+    """TRL_MIN <= trl_version < TRL_BEFORE (finetune/train/deferred.py), and the fused head's output has every
+    field of FUSED_FIELDS."""
+    return follows_trl(trl_version) and all(name in output_fields for name in FUSED_FIELDS)
 
 
 # what this trainer reads of SFTTrainer's own state (TRL 1.16)
 TRAINER_STATE = ("_metrics", "_total_train_tokens", "_tp_size", "aux_loss_enabled")
 
 
-class DeferredMetricsSFTTrainer(SFTTrainer):
+class DeferredMetricsSFTTrainer(DeferredMetrics, SFTTrainer):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self._deferred = deferred_metrics_supported() and all(hasattr(self, name) for name in TRAINER_STATE)
-        # per mode: [entropy sum, correct, valid] per micro-batch, float64 on the device (exact for fp32/bf16
-        # sums and integer counts below 2**53); the sums' own dtypes, to divide in them as TRL does
-        self._pending: dict[str, list[torch.Tensor]] = {"train": [], "eval": []}
+        # per micro-batch [entropy sum, correct, valid], float64 on the device (exact for fp32/bf16 sums and
+        # integer counts below 2**53); the sums' own dtypes, to divide in them as TRL does
         self._sum_dtypes: tuple[torch.dtype, torch.dtype, torch.dtype] | None = None
         # train tokens not yet added to TRL's self._total_train_tokens: a device sum (attention_mask) and a
-        # host count (padding-free rows, whose length is known on the host)
+        # host count (padding-free rows, whose length is known on the host). Counted for the tokens seen too,
+        # they keep a padding-free row's EOS tokens that transformers' non_padding rule (input_ids != pad)
+        # drops when the pad token is the EOS token
         self._pending_tokens: torch.Tensor | None = None
         self._pending_token_count = 0
-        # transformers counts the tokens seen (finetune's tokens/s) with a gather and an .item() on every
-        # micro-batch; where every training micro-batch goes through _record, the count is taken from the
-        # same deferred sum instead, and it counts a padding-free row's EOS tokens that transformers'
-        # non_padding rule (input_ids != pad) drops when the pad token is the EOS token
-        self._counts_input_tokens = self._takes_own_path(return_outputs=False)
-        if self._counts_input_tokens:
-            self.args.include_num_input_tokens_seen = "no"
+        self._start_deferring()
 
     def _takes_own_path(self, return_outputs: bool) -> bool:
         if not self._deferred or return_outputs:
@@ -108,10 +96,7 @@ class DeferredMetricsSFTTrainer(SFTTrainer):
         """The micro-batch's metric sums, left on the device (no sync, no collective)."""
         sums = (outputs.entropy.detach().sum(), outputs.is_top1.sum(), outputs.label_mask.sum())
         self._sum_dtypes = tuple(s.dtype for s in sums)
-        rows = self._pending[mode]
-        rows.append(torch.stack([s.double() for s in sums]))
-        if len(rows) >= COMPACT_AT:
-            self._pending[mode] = [torch.cat([r.view(-1, 3) for r in rows])]
+        self._append_pending(mode, torch.stack([s.double() for s in sums]))
         if mode != "train":
             return
         # what TRL counts: the attention mask, or the padding-free row's length
@@ -126,38 +111,28 @@ class DeferredMetricsSFTTrainer(SFTTrainer):
     def _flush(self, mode: str) -> None:
         """Gather the pending sums once and hand TRL's `log()` the per-micro-batch values its compute_loss
         would have appended. Every rank runs the same number of micro-batches, so every rank gathers here."""
-        rows = self._pending[mode]
         has_tokens = self._pending_tokens is not None or self._pending_token_count > 0
-        if not rows and not has_tokens:
+        if not self._pending[mode] and not has_tokens:
             return
-        device = rows[0].device if rows else self.args.device
+        pending = self._take_pending(mode, SUMS_WIDTH)
+        device = pending.device if pending is not None else self.args.device
         tokens = torch.tensor([float(self._pending_token_count)], dtype=torch.float64, device=device)
         if self._pending_tokens is not None:
             tokens = tokens + self._pending_tokens.to(device=device, dtype=torch.float64)
-        local = torch.cat([tokens] + [r.reshape(-1) for r in rows])
-        # sum over ranks; on one process the gathered tensor is `local` itself
-        total = self.accelerator.gather(local).view(-1, local.numel()).sum(dim=0).cpu()  # the one sync
-        self._pending[mode] = []
+        local = tokens if pending is None else torch.cat([tokens, pending.reshape(-1)])
+        total = self._sum_over_ranks(local)
         self._pending_tokens, self._pending_token_count = None, 0
 
-        # like TRL, the gathered token count repeats each token once per tensor-parallel rank
-        trained = int(total[0].item()) // self._tp_size
-        self._total_train_tokens += trained
-        if self._counts_input_tokens:
-            self.state.num_input_tokens_seen += trained
+        self._add_trained_tokens(total[0].item())
         metrics = self._metrics[mode]
-        if rows:
+        if pending is not None:
             entropy_dtype, correct_dtype, valid_dtype = self._sum_dtypes
-            per_batch = total[1:].view(-1, 3)
+            per_batch = total[1:].view(-1, SUMS_WIDTH)
             entropy = per_batch[:, 0].to(entropy_dtype)
             correct = per_batch[:, 1].to(correct_dtype)
             valid = per_batch[:, 2].to(valid_dtype)
             zero = torch.zeros((), dtype=torch.float32)
             metrics["entropy"].extend(torch.where(valid > 0, entropy / valid, zero).tolist())
             metrics["mean_token_accuracy"].extend(torch.where(valid > 0, correct / valid, zero).tolist())
-        if rows or "num_tokens" in metrics:
+        if pending is not None or "num_tokens" in metrics:
             metrics["num_tokens"] = [self._total_train_tokens]
-
-    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
-        self._flush("train" if self.model.training else "eval")  # the pending train tokens in either mode
-        super().log(logs, start_time)

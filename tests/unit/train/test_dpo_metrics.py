@@ -87,6 +87,20 @@ def test_same_losses_metrics_and_weights_as_trl(tmp_path, packing, reference):
     assert ours.state.num_input_tokens_seen == theirs.state.num_input_tokens_seen > 0
 
 
+def test_compacted_pending_rows_log_the_same(tmp_path, monkeypatch):
+    """A long logging interval stacks the pending rows into one tensor (finetune/train/deferred.py: COMPACT_AT);
+    what is logged is the same."""
+    import finetune.train.deferred as deferred
+
+    monkeypatch.setattr(deferred, "COMPACT_AT", 2)
+    ours = _trainer(tmp_path, deferred=True, packing=False)
+    theirs = _trainer(tmp_path, deferred=False, packing=False)
+    ours.train()
+    theirs.train()
+    for a, b in zip(_logged(ours), _logged(theirs), strict=True):
+        assert a == pytest.approx(b, rel=1e-5, abs=1e-6)
+
+
 def test_compute_loss_makes_no_host_sync_or_gather(tmp_path, monkeypatch):
     trainer = _trainer(tmp_path, deferred=True, packing=False)
     spy = _SyncSpy(trainer, monkeypatch)
