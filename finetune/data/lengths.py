@@ -125,26 +125,33 @@ def _sequence_texts(records: list[dict], render, special: dict[str, str]) -> lis
     return texts
 
 
-def _token_lengths(recipe, records: list[dict], texts_of) -> list[int] | None:
-    """Tokens of each text `texts_of(records, render, special)` gives, with the local tokenizer.json."""
+def _token_lengths(recipe, groups: list[list[dict]], texts_of) -> list[list[int] | None] | None:
+    """For each group of records, the tokens of each text `texts_of(records, render, special)` gives (None for a
+    group it cannot render), counted with the local tokenizer.json, loaded once; None without one."""
     from finetune.prelaunch import chat_renderer, local_model_dir, template_text
 
     model_dir = local_model_dir(recipe)
-    if not records or model_dir is None or not (model_dir / "tokenizer.json").is_file():
+    if model_dir is None or not (model_dir / "tokenizer.json").is_file():
         return None
     try:
         from tokenizers import Tokenizer
     except ImportError:
         return None
     template = template_text(recipe)
-    try:
-        texts = texts_of(records, chat_renderer(template) if template else None, _special_tokens(model_dir))
-    except Exception:  # a template that fails on a row is check_chat_template's to report
-        return None
-    if not texts:
-        return None
+    render, special = chat_renderer(template) if template else None, _special_tokens(model_dir)
+    rendered: list[list[str] | None] = []
+    for records in groups:
+        try:
+            texts = texts_of(records, render, special) if records else None
+        except Exception:  # a template that fails on a row is check_chat_template's to report
+            texts = None
+        rendered.append(texts or None)
+    flat = [text for texts in rendered if texts for text in texts]
+    if not flat:
+        return [None] * len(groups)
     tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
-    return [len(e.ids) for e in tokenizer.encode_batch(texts, add_special_tokens=False)]
+    counts = iter(len(e.ids) for e in tokenizer.encode_batch(flat, add_special_tokens=False))
+    return [[next(counts) for _ in texts] if texts else None for texts in rendered]
 
 
 def measure_sequence_tokens(recipe, sample: LengthSample) -> dict | None:
@@ -153,15 +160,15 @@ def measure_sequence_tokens(recipe, sample: LengthSample) -> dict | None:
     over it and the longest records; None when it cannot be measured here."""
     if not measures_sequences(recipe):
         return None
-    cut = recipe.data.max_length
-    spread_lengths = _token_lengths(recipe, sample.spread, _sequence_texts)
-    if not spread_lengths:
+    measured = _token_lengths(recipe, [sample.spread, sample.longest], _sequence_texts)
+    if measured is None or not measured[0]:
         return None
-    tail = _token_lengths(recipe, sample.longest, _sequence_texts) or []
-    lengths = [min(n, cut) for n in spread_lengths]
+    cut = recipe.data.max_length
+    lengths = [min(n, cut) for n in measured[0]]
+    tail = [min(n, cut) for n in measured[1] or []]
     mean = sum(lengths) / len(lengths)
     std = (sum((n - mean) ** 2 for n in lengths) / len(lengths)) ** 0.5
-    return {"mean": round(mean, 1), "longest": max(lengths + [min(n, cut) for n in tail]), "std": round(std, 1)}
+    return {"mean": round(mean, 1), "longest": max(lengths + tail), "std": round(std, 1)}
 
 
 def measure_example_tokens(recipe, records: list[dict]) -> float | None:
@@ -171,7 +178,8 @@ def measure_example_tokens(recipe, records: list[dict]) -> float | None:
 
     if not packs_examples(recipe):
         return None
-    lengths = _token_lengths(recipe, records, _texts)
+    measured = _token_lengths(recipe, [records], _texts)
+    lengths = measured[0] if measured else None
     return packed_length(lengths, max_length=recipe.data.max_length) if lengths else None
 
 

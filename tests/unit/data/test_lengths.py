@@ -25,16 +25,15 @@ from tests.helpers.paths import TINY_MODEL
 from tests.helpers.recipes import tiny_recipe
 
 
-def _data(tmp_path, n=40):
-    path = tmp_path / "train.jsonl"
-    with path.open("w") as f:
-        for i in range(n):
-            text = " ".join(["word"] * (1 + 7 * i % 23))
-            f.write(
-                json.dumps({"messages": [{"role": "user", "content": text}, {"role": "assistant", "content": "ok"}]})
-            )
-            f.write("\n")
+def _jsonl(path, rows):
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
     return path
+
+
+def _data(tmp_path, n=40):
+    texts = (" ".join(["word"] * (1 + 7 * i % 23)) for i in range(n))
+    rows = ({"messages": [{"role": "user", "content": t}, {"role": "assistant", "content": "ok"}]} for t in texts)
+    return _jsonl(tmp_path / "train.jsonl", rows)
 
 
 def _recipe(tmp_path, **data):
@@ -82,18 +81,17 @@ def test_recipe_gets_it_where_measurable_and_keeps_a_set_value(tmp_path):
 
 
 def _pairs(tmp_path, n=60, long_every=0):
-    path = tmp_path / "pairs.jsonl"
-    with path.open("w") as f:
-        for i in range(n):
-            words = 2 + 5 * i % 17 + (60 if long_every and i % long_every == long_every - 1 else 0)
-            text = " ".join(["word"] * words)
-            row = {
-                "prompt": [{"role": "user", "content": text}],
-                "chosen": [{"role": "assistant", "content": text.upper()}],
-                "rejected": [{"role": "assistant", "content": "no"}],
-            }
-            f.write(json.dumps(row) + "\n")
-    return path
+    words = (2 + 5 * i % 17 + (60 if long_every and i % long_every == long_every - 1 else 0) for i in range(n))
+    texts = (" ".join(["word"] * w) for w in words)
+    rows = (
+        {
+            "prompt": [{"role": "user", "content": t}],
+            "chosen": [{"role": "assistant", "content": t.upper()}],
+            "rejected": [{"role": "assistant", "content": "no"}],
+        }
+        for t in texts
+    )
+    return _jsonl(tmp_path / "pairs.jsonl", rows)
 
 
 def _dpo(tmp_path, *, long_every=0, **data):
