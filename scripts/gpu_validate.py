@@ -363,6 +363,8 @@ def collect(run_dir: Path) -> dict:
         "host_pss_node_gib": round(sum(r.get("host_pss_sampled_peak_gib", 0) for r in ranks), 2) or None,
         # its anonymous part: without the mapped checkpoint's page cache, which the planner leaves out
         "host_pss_anon_node_gib": round(sum(r.get("host_pss_anon_sampled_peak_gib", 0) for r in ranks), 2) or None,
+        # the same at the logged steps only (finetune/train/memory_report.py): loading's leftovers told apart
+        "host_pss_steps_node_gib": round(sum(r.get("host_pss_steps_peak_gib", 0) for r in ranks), 2) or None,
         "prediction_over_measured": round(plan["per_gpu_memory_gib"] / reserved, 3) if reserved else None,
         "tokens_per_second": summary.get(rundir.SUMMARY_TOKENS_PER_S),
         "steady_tokens_per_second": steady_tokens_per_second(metrics),

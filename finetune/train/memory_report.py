@@ -113,6 +113,10 @@ class PeakMemoryCallback(TrainerCallback):
         self.ended = False  # an evaluation after training logs again; the file stays final
         self.pss_peak: float | None = None  # sampled after loading and at every logged step
         self.pss_anon_peak: float | None = None  # the same, anonymous pages only
+        # the same two sampled at the logged steps only: what training holds, without what loading left behind
+        # until the first step (a rank that read the whole checkpoint)
+        self.pss_steps_peak: float | None = None
+        self.pss_anon_steps_peak: float | None = None
         self.at_end: dict = {}  # the host peak when training ended, before the final save
 
     def on_train_begin(self, args, state, control, model=None, **kwargs):
@@ -120,7 +124,7 @@ class PeakMemoryCallback(TrainerCallback):
         # loaded whole onto GPU 0 shows here as a load peak far above the rank's shard
         import torch
 
-        self._sample_pss()
+        self._sample_pss(at_step=False)
         # wall clock when training starts: a launcher that noted its own start gets the load time
         self.at_start = {
             "train_begin_unix": time.time(),
@@ -150,13 +154,17 @@ class PeakMemoryCallback(TrainerCallback):
         self.at_end["saved_final"] = True
         self._write(step)
 
-    def _sample_pss(self) -> None:
+    def _sample_pss(self, *, at_step: bool = True) -> None:
         figures = host_pss_figures("Pss:", "Pss_Anon:")
         pss, anon = figures["Pss:"], figures["Pss_Anon:"]
         if pss is not None:
             self.pss_peak = max(pss, self.pss_peak or 0.0)
+            if at_step:
+                self.pss_steps_peak = max(pss, self.pss_steps_peak or 0.0)
         if anon is not None:
             self.pss_anon_peak = max(anon, self.pss_anon_peak or 0.0)
+            if at_step:
+                self.pss_anon_steps_peak = max(anon, self.pss_anon_steps_peak or 0.0)
 
     def _write(self, step: int) -> None:
         rank = int(os.environ.get("RANK", "0"))
@@ -175,6 +183,10 @@ class PeakMemoryCallback(TrainerCallback):
             figures["host_pss_sampled_peak_gib"] = self.pss_peak
         if self.pss_anon_peak is not None:
             figures["host_pss_anon_sampled_peak_gib"] = self.pss_anon_peak
+        if self.pss_steps_peak is not None:
+            figures["host_pss_steps_peak_gib"] = self.pss_steps_peak
+        if self.pss_anon_steps_peak is not None:
+            figures["host_pss_anon_steps_peak_gib"] = self.pss_anon_steps_peak
         tmp = self.dir / f".rank-{rank}.json.tmp"  # never a half-written file, whenever we are killed
         tmp.write_text(json.dumps(figures, indent=2) + "\n")
         tmp.replace(self.run_dir / rundir.memory_file(rank))

@@ -44,6 +44,9 @@ def _check_outputs(run_dir: Path, summary: dict, *, adapter: bool) -> list[dict]
     peaks = json.loads((run_dir / "memory" / "rank-0.json").read_text())  # rewritten as training goes
     assert peaks["final"] and peaks["step"] == summary["steps"] and peaks["host_rss_peak_gib"] > 0.1
     assert 0.1 < peaks["host_pss_sampled_peak_gib"] <= peaks["host_rss_peak_gib"] + 0.01
+    # the logged steps' own peak, without the sample taken as training began
+    assert 0.1 < peaks["host_pss_steps_peak_gib"] <= peaks["host_pss_sampled_peak_gib"]
+    assert 0.0 < peaks["host_pss_anon_steps_peak_gib"] <= peaks["host_pss_anon_sampled_peak_gib"]
     # rewritten after the final save, whose host peak (a gathered sharded model) the figures then include
     assert peaks["saved_final"] and 0.1 < peaks["host_rss_peak_before_save_gib"] <= peaks["host_rss_peak_gib"]
     assert [p.name for p in (run_dir / "memory").iterdir()] == ["rank-0.json"]  # no temporary left
