@@ -111,6 +111,17 @@ AUTO = "auto"
 # optimizer states one sub-group at a time, so it takes smaller ones (its pinned swap buffers scale with it).
 ZERO3_SUB_GROUP_ELEMENTS = 1_000_000_000
 ZERO3_NVME_SUB_GROUP_ELEMENTS = 100_000_000
+# ZeRO-3 keeps a parameter of at most this many hidden sizes of elements whole on every rank (the compiled
+# stage3_param_persistence_threshold, transformers' "auto" value); larger ones are gathered by their module's
+# hooks at every use, which the planner's host time counts (plan/host_time.py)
+ZERO3_PERSISTENCE_HIDDEN_SIZES = 10
+
+
+def zero3_persistence_threshold(hidden_size: int) -> int:
+    """Elements at or below which ZeRO-3 does not partition a parameter."""
+    return ZERO3_PERSISTENCE_HIDDEN_SIZES * hidden_size
+
+
 NAMES: tuple[str, ...] = tuple(_BY_NAME)  # every concrete strategy, in the planner's order
 # the recipe's distributed.strategy: auto (the planner chooses) or a concrete name. Spelled out for
 # type checkers; the check below keeps it equal to STRATEGIES.

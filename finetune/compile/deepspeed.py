@@ -62,7 +62,7 @@ def ds_config(recipe: Recipe, plan: Plan, *, arch: ModelArch, preset: HardwarePr
         # the values transformers would put in place of "auto" for these three
         "reduce_bucket_size": h * h,
         "stage3_prefetch_bucket_size": int(0.9 * h * h),
-        "stage3_param_persistence_threshold": 10 * h,
+        "stage3_param_persistence_threshold": strategies.zero3_persistence_threshold(h),
         "stage3_max_live_parameters": 1_000_000_000,
         "stage3_max_reuse_distance": 1_000_000_000,
         "sub_group_size": strategies.ZERO3_SUB_GROUP_ELEMENTS,

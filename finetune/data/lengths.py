@@ -59,9 +59,11 @@ class LengthSample:
 
     spread: list[dict] = field(default_factory=list)
     longest: list[dict] = field(default_factory=list)
+    records: int = 0  # every record added, measured or not
 
     def add(self, records: list[dict]) -> None:
         """One source's records."""
+        self.records += len(records)
         self.spread += spread(records)
         self.longest = longest_records(self.longest + longest_records(records))
 
@@ -155,9 +157,9 @@ def _token_lengths(recipe, groups: list[list[dict]], texts_of) -> list[list[int]
 
 
 def measure_sequence_tokens(recipe, sample: LengthSample) -> dict | None:
-    """{"mean", "longest", "std"} of the trained sequences, each cut at data.max_length (longer rows are
+    """{"mean", "longest", "std", "count"} of the trained sequences, each cut at data.max_length (longer rows are
     dropped or truncated before training): mean and standard deviation over the spread sample, the longest
-    over it and the longest records; None when it cannot be measured here."""
+    over it and the longest records, the count over every record; None when it cannot be measured here."""
     if not measures_sequences(recipe):
         return None
     measured = _token_lengths(recipe, [sample.spread, sample.longest], _sequence_texts)
@@ -168,7 +170,12 @@ def measure_sequence_tokens(recipe, sample: LengthSample) -> dict | None:
     tail = [min(n, cut) for n in measured[1] or []]
     mean = sum(lengths) / len(lengths)
     std = (sum((n - mean) ** 2 for n in lengths) / len(lengths)) ** 0.5
-    return {"mean": round(mean, 1), "longest": max(lengths + tail), "std": round(std, 1)}
+    return {
+        "mean": round(mean, 1),
+        "longest": max(lengths + tail),
+        "std": round(std, 1),
+        "count": max(sample.records, len(sample.spread)),
+    }
 
 
 def measure_example_tokens(recipe, records: list[dict]) -> float | None:

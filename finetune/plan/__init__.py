@@ -24,7 +24,7 @@ from finetune.plan.choose import (
     usable_fraction,
 )
 from finetune.plan.fallback import attention_fallback_warning
-from finetune.plan.host_time import kernels_per_micro_batch
+from finetune.plan.host_time import kernels_per_micro_batch, zero3_module_uses
 from finetune.plan.lora_time import fused_lora_runs
 from finetune.plan.memory import (
     adapter_input_casts,
@@ -204,6 +204,18 @@ def liger_enabled(recipe, preset, *, arch) -> bool:
 FUSED_HEAD_METHODS = ("sft", "pretrain", "dpo", "reward")
 
 
+def run_sequences(recipe) -> int | None:
+    """Sequences the run trains over all ranks: train.max_steps x the global batch, else train.epochs (default 1)
+    x the data's measured count (data.sequence_tokens.count); None when neither is known."""
+    t = recipe.train
+    if t.max_steps:
+        return t.max_steps * t.global_batch_size
+    measured = recipe.data.sequence_tokens
+    if measured is None or not measured.count:
+        return None
+    return max(1, round((t.epochs or 1) * measured.count))
+
+
 def job_from_recipe(recipe, *, arch, preset) -> Job:
     """The recipe's workload as plain numbers (the planner's inner loop never touches pydantic)."""
     method = recipe.method.type
@@ -245,6 +257,7 @@ def job_from_recipe(recipe, *, arch, preset) -> Job:
         sequence_tokens=sequences.mean if sequences else None,
         longest_sequence_tokens=sequences.longest if sequences else None,
         sequence_tokens_std=sequences.std if sequences else 0.0,
+        run_sequences=run_sequences(recipe),
         attention=attention,
         varlen_layers=served if fallback else 0,
         global_batch_size=recipe.train.global_batch_size,
@@ -586,10 +599,14 @@ def _host_why(job: Job, chosen: Candidate) -> str:
     if chosen.bottleneck != "host" or job.preset.vendor == "cpu":
         return ""
     kernels = kernels_per_micro_batch(job, strategy=chosen.strategy, checkpointed_layers=chosen.checkpoint_layers)
+    hooks = ""
+    if strategies.zero_stage(chosen.strategy) == 3:
+        uses = zero3_module_uses(job, checkpointed_layers=chosen.checkpoint_layers)
+        hooks = f" (and runs ZeRO-3's hooks, which gather and release a module's parameters {uses:,} times)"
     return (
-        f" The host launches this setting's kernels (about {kernels:,.0f} a micro-batch) more slowly than the GPU "
-        f"runs them, so the GPU waits ({chosen.compute_time_s:.2f} s/step of GPU work); a larger micro-batch, "
-        "where it fits, gives each launch more work."
+        f" The host launches this setting's kernels (about {kernels:,.0f} a micro-batch){hooks} more slowly than "
+        f"the GPU runs them, so the GPU waits ({chosen.compute_time_s:.2f} s/step of GPU work); a larger "
+        "micro-batch, where it fits, gives each launch more work."
     )
 
 

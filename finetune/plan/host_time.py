@@ -32,8 +32,16 @@ the gradient into its partition): 0.59 ms a tensor, from one row (full 3B under 
 micro-batch 2 x 4: 352 ms a micro-batch against 192 ms of the kernel floor and 202 ms of GPU work); the
 ZeRO-2 rows with more GPU work a micro-batch (rows 53, 68, 85) hide it, as this floor says. Checked out of
 sample on full 1B (row 89: predicted 0.82 of the measured tokens/s; 0.32 ms a tensor there).
+ZeRO-3 gathers a module's partitioned parameters in a Python hook before each use and frees them after it (the
+forward, the backward, a checkpointed layer's recompute, the DPO/KTO reference forward): 1.2 ms of host a use
+of a module whose parameters are partitioned (larger than strategies.zero3_persistence_threshold), from row 100
+(DPO LoRA 3B under ZeRO-3 on 2 H200s: 1,264 such uses a micro-batch, 2.08 s a step against 0.66 s of the
+kernel floor; its profiled twin, row 102, shows the host inside DeepSpeed's module hooks while the GPU waits).
+Out of sample it moves row 22 (LoRA 8B, ZeRO-3 offload) from 1.86 to 0.80 of the measured speed, row 23 (full
+8B) from 1.20 to 1.15, rows 54 and 71 (full 3B, optimizer offload) from 1.25 and 1.18 to 1.14 and 0.99, and row
+108 (full 14B on 4 H100s, 43 of 48 layers checkpointed) from 2.30 to 1.47: what is left there is not identified.
 Not counted (the floor stays a lower bound there): eager attention's extra ops, DoRA's weight norms,
-QLoRA's dequantization kernels, an MoE layer's routing, ZeRO-3's per-module parameter fetches.
+QLoRA's dequantization kernels, an MoE layer's routing.
 """
 
 from __future__ import annotations
@@ -41,7 +49,7 @@ from __future__ import annotations
 from finetune import strategies
 from finetune.plan.lora_time import KERNELS_SAVED_PER_FUSED_LINEAR, fused_lora_runs
 from finetune.plan.optimizer import trained_tensors
-from finetune.plan.workload import Job, expanded, layer_kinds, targeted_linears
+from finetune.plan.workload import Job, expanded, layer_kinds, layer_lora, numel, targeted_linears
 
 HOST_S_PER_MICRO_BATCH = 0.061
 HOST_S_PER_KERNEL = 63e-6
@@ -53,6 +61,7 @@ KERNELS_OUTSIDE_LAYERS = 100.0
 FORWARD_SHARE = 1 / 3  # of a layer's kernels: the forward (the backward launches about twice as many)
 KERNELS_PER_TRAINED_TENSOR_STEP = {"fsdp": 4.7, "other": 1.3}
 DEEPSPEED_HOOK_S_PER_TENSOR = 0.59e-3  # a micro-batch's gradient hook per trained tensor
+ZERO3_HOOK_S_PER_MODULE_USE = 1.2e-3  # ZeRO-3's gather and release around one use of a partitioned module
 
 
 def trained_tensor_count(job: Job) -> int:
@@ -85,6 +94,29 @@ def kernels_per_micro_batch(job: Job, *, strategy: str, checkpointed_layers: int
     return kernels + KERNELS_OUTSIDE_LAYERS
 
 
+def zero3_module_uses(job: Job, *, checkpointed_layers: int) -> int:
+    """Uses of modules whose parameters ZeRO-3 partitions, in one micro-batch: each decoder linear (an MoE
+    layer's fused experts as one), a targeted linear's LoRA A and B where they are larger than the persistence
+    threshold, the embedding and the untied LM head; used in the forward and the backward, a checkpointed
+    layer's forward again, and the base's modules once more in a reference forward."""
+    arch = job.arch
+    threshold = strategies.zero3_persistence_threshold(arch.hidden_size)
+    base = adapter = recompute = 0
+    for count, is_moe, shapes in layer_kinds(arch):
+        linears = sum(copies for _, _, copies in shapes.values()) + (1 if is_moe else 0)
+        lora = 0
+        if job.adapter != "full":
+            lora = sum(copies for copies, shape in layer_lora(job, shapes) if numel(shape) > threshold)
+        base += count * linears
+        adapter += count * lora
+        recompute += round(checkpointed_layers * count / arch.num_layers) * (linears + lora)
+    outside = 1 + (0 if arch.tied_embeddings else 1)
+    uses = 2 * (base + adapter + outside) + recompute
+    if job.reference_forward:
+        uses += base + outside
+    return uses
+
+
 def host_seconds(job: Job, *, strategy: str, grad_accum: int, checkpointed_layers: int) -> float:
     """The host's time to launch one optimizer step (grad_accum micro-batches) on a GPU (on the cpu preset the
     step-time model counts the host as the Trainer's own work, timing.CPU_HOST_S_PER_MICRO_BATCH)."""
@@ -94,6 +126,8 @@ def host_seconds(job: Job, *, strategy: str, grad_accum: int, checkpointed_layer
     tensors = trained_tensor_count(job)
     if strategies.is_deepspeed(strategy):
         micro += DEEPSPEED_HOOK_S_PER_TENSOR * tensors
+    if strategies.zero_stage(strategy) == 3:
+        micro += ZERO3_HOOK_S_PER_MODULE_USE * zero3_module_uses(job, checkpointed_layers=checkpointed_layers)
     step = (
         HOST_S_PER_KERNEL
         * KERNELS_PER_TRAINED_TENSOR_STEP["fsdp" if strategies.is_fsdp(strategy) else "other"]

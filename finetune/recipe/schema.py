@@ -298,6 +298,12 @@ class SequenceTokens(Strict):
     mean: float = Field(gt=0, description="the sequences' mean length in tokens")
     longest: int = Field(gt=0, description="the longest sequence in tokens")
     std: float = Field(0.0, ge=0, description="the sequences' standard deviation in tokens")
+    count: int | None = Field(
+        None,
+        ge=1,
+        description="training sequences (records) measured: with train.epochs, how many micro-batches a run draws, "
+        "the largest of which padding-free pairs' peak is planned at (unset: a long run's)",
+    )
 
     @model_validator(mode="after")
     def _mean_within_longest(self):

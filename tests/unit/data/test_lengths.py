@@ -119,6 +119,7 @@ def test_pairs_measured_as_transformers_renders_prompt_and_answer(tmp_path):
     assert measured["mean"] == pytest.approx(mean, abs=0.1)
     assert measured["longest"] == max(lengths)
     assert measured["std"] == pytest.approx((sum((n - mean) ** 2 for n in lengths) / len(lengths)) ** 0.5, abs=0.1)
+    assert measured["count"] == len(records)  # the pairs a pass over the data trains
     assert measure_sequence_tokens(_recipe(tmp_path), sample) is None  # packed SFT measures examples
 
 
@@ -136,7 +137,7 @@ def test_the_longest_is_found_outside_the_spread_sample(tmp_path):
 def test_dpo_plan_reads_the_measured_sequences(tmp_path):
     from finetune.api import make_plan
     from finetune.plan.memory import tokens_per_micro_batch
-    from finetune.plan.workload import PEAK_SIGMAS, computed_tokens_per_micro_batch
+    from finetune.plan.workload import computed_tokens_per_micro_batch, peak_sigmas
 
     recipe, plan = make_plan(_dpo(tmp_path, packing=True), hardware="server-8xh100")
     sequences = recipe.data.sequence_tokens
@@ -154,9 +155,9 @@ def test_dpo_plan_reads_the_measured_sequences(tmp_path):
     arch, preset, _ = lookup(recipe, hardware="server-8xh100")
     pairs = job_from_recipe(recipe, arch=arch, preset=preset)
     n = 4 * 2
-    # padding-free pairs: real tokens for the time, a 5-sigma sum (at most n x longest) for the peak
+    # padding-free pairs: real tokens for the time, the run's largest micro-batch (at most n x longest) for the peak
     assert computed_tokens_per_micro_batch(pairs, 4) == pytest.approx(n * sequences.mean)
-    bound = n * sequences.mean + PEAK_SIGMAS * sequences.std * n**0.5
+    bound = n * sequences.mean + peak_sigmas(pairs, 4) * sequences.std * n**0.5
     assert tokens_per_micro_batch(pairs, 4) == pytest.approx(min(bound, n * sequences.longest))
     # padded pairs: every sequence padded to the micro-batch's longest, the data's longest at worst
     padded = job_from_recipe(_dpo(tmp_path, sequence_tokens=sequences.model_dump()), arch=arch, preset=preset)
@@ -206,3 +207,40 @@ def test_unpacked_sft_plans_its_padded_rows_at_the_data_longest(tmp_path):
     chosen = next(c for c in plan.candidates if c.strategy == plan.strategy)
     longer = next(c for c in at_max_length.candidates if c.strategy == at_max_length.strategy)
     assert chosen.compute_time_s < longer.compute_time_s
+
+
+def test_the_pairs_peak_is_the_largest_micro_batch_of_the_run(tmp_path):
+    """A run's peak is its largest padding-free micro-batch: the longer the run, the further above the mean it is
+    planned; an unknown length plans a long run's."""
+    from statistics import NormalDist
+
+    from finetune.plan import job_from_recipe, lookup, run_sequences
+    from finetune.plan.memory import tokens_per_micro_batch
+    from finetune.plan.workload import PEAK_EXCEEDED, PEAK_SIGMAS, peak_sigmas
+
+    measured = {"mean": 60.0, "longest": 96, "std": 10.0, "count": 1000}
+    recipe = _dpo(tmp_path, packing=True, sequence_tokens=measured)
+    arch, preset, _ = lookup(recipe, hardware="server-8xh100")
+
+    def variant(count=1000, **train):
+        sequences = recipe.data.sequence_tokens.model_copy(update={"count": count})
+        return recipe.model_copy(
+            update={
+                "train": recipe.train.model_copy(update=train),
+                "data": recipe.data.model_copy(update={"sequence_tokens": sequences}),
+            }
+        )
+
+    short_run = variant(max_steps=12, global_batch_size=8)
+    three_epochs = variant(max_steps=None, epochs=3)
+    unknown_length = variant(count=None, max_steps=None)
+    assert run_sequences(short_run) == 96 and run_sequences(three_epochs) == 3000
+    assert run_sequences(unknown_length) is None
+    short, long, unknown = (
+        job_from_recipe(r, arch=arch, preset=preset) for r in (short_run, three_epochs, unknown_length)
+    )
+    # 12 steps of 8 pairs at micro-batch 4: 24 micro-batches, each past the plan with 1/24 of PEAK_EXCEEDED
+    assert peak_sigmas(short, 4) == pytest.approx(NormalDist().inv_cdf(1 - PEAK_EXCEEDED / 24))
+    assert 3.3 < peak_sigmas(short, 4) < peak_sigmas(long, 4) < peak_sigmas(long, 1)
+    assert peak_sigmas(unknown, 4) == PEAK_SIGMAS
+    assert tokens_per_micro_batch(short, 4) < tokens_per_micro_batch(long, 4) <= 4 * 2 * 96

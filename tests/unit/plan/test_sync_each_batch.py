@@ -84,9 +84,10 @@ def test_full_8b_on_4_h100_reduces_every_micro_batch_under_fsdp2():
     fsdp2_row = next(line for line in table.splitlines() if line.startswith("fsdp2 "))
     assert " each " in fsdp2_row and "<- chosen" in fsdp2_row
     pinned_off = _plan("llama8b-full.yaml", "distributed.sync_each_batch=false")
-    # under no_sync fsdp2's best (2.32 s/step) is kept over zero3's 5% faster one: within CLEARLY_FASTER
+    # under no_sync fsdp2's best (2.32 s/step) is kept over zero3's 1% faster one (its module hooks on the host,
+    # plan/host_time.py): within CLEARLY_FASTER
     assert pinned_off.strategy == "fsdp2" and pinned_off.step_time_s == pytest.approx(2.318, abs=1e-3)
-    assert "kept over zero3 (modelled 5% faster)" in pinned_off.why
+    assert "kept over zero3 (modelled 1% faster)" in pinned_off.why
 
 
 def test_lora_keeps_no_sync_its_gradients_are_small():
