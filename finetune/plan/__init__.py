@@ -602,7 +602,7 @@ def _host_why(job: Job, chosen: Candidate) -> str:
     hooks = ""
     if strategies.zero_stage(chosen.strategy) == 3:
         uses = zero3_module_uses(job, checkpointed_layers=chosen.checkpoint_layers)
-        hooks = f" (and runs ZeRO-3's hooks, which gather and release a module's parameters {uses:,} times)"
+        hooks = f" and runs ZeRO-3's hooks ({uses:,} gathers and releases of a module's parameters)"
     return (
         f" The host launches this setting's kernels (about {kernels:,.0f} a micro-batch){hooks} more slowly than "
         f"the GPU runs them, so the GPU waits ({chosen.compute_time_s:.2f} s/step of GPU work); a larger "

@@ -40,3 +40,17 @@ def test_only_zero3_tiers_pay_the_hooks():
             zero2 + 2 * ZERO3_HOOK_S_PER_MODULE_USE * uses
         )
     assert host_seconds(job, strategy="fsdp2", grad_accum=2, checkpointed_layers=0) < zero2
+
+
+def test_a_host_bound_zero3_plan_says_what_its_host_does():
+    from finetune.plan import plan
+    from tests.helpers.recipes import shape_recipe
+
+    pinned = shape_recipe(
+        "llama-3.1-8b", "lora", "server-8xh100", model__arch="llama-3.1-8b", distributed__strategy="zero3"
+    )
+    p = plan(pinned, hardware="server-8xh100")
+    chosen = next(c for c in p.candidates if c.strategy == "zero3" and c.micro_batch_size == p.micro_batch_size)
+    assert chosen.bottleneck == "host" and chosen.step_time_s > chosen.compute_time_s
+    uses = zero3_module_uses(shape_job("llama-3.1-8b", "lora"), checkpointed_layers=p.checkpoint_layers)
+    assert f"runs ZeRO-3's hooks ({uses:,} gathers and releases of a module's parameters)" in p.why, p.why
