@@ -177,6 +177,11 @@ def zero_stage(name: str) -> int:
     return info(name).zero_stage
 
 
+def is_zero3(name: str) -> bool:
+    """DeepSpeed ZeRO-3 (any offload): parameters partitioned and gathered by module hooks at each use."""
+    return zero_stage(name) == 3
+
+
 def offloads_params(name: str) -> bool:
     return info(name).offload_params
 

@@ -33,7 +33,7 @@ def accelerate_config(
             "deepspeed_multinode_launcher": "standard",
             # ZeRO-3 builds the model already partitioned: a 70B model never materialises per rank
             # (ZeRO-2 keeps whole parameters on every rank; accelerate refuses the flag below stage 3)
-            "zero3_init_flag": strategies.zero_stage(strategy) == 3,
+            "zero3_init_flag": strategies.is_zero3(strategy),
         }
     elif strategies.is_fsdp(strategy):
         cfg["distributed_type"] = "FSDP"

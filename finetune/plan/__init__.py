@@ -600,7 +600,7 @@ def _host_why(job: Job, chosen: Candidate) -> str:
         return ""
     kernels = kernels_per_micro_batch(job, strategy=chosen.strategy, checkpointed_layers=chosen.checkpoint_layers)
     hooks = ""
-    if strategies.zero_stage(chosen.strategy) == 3:
+    if strategies.is_zero3(chosen.strategy):
         uses = zero3_module_uses(job, checkpointed_layers=chosen.checkpoint_layers)
         hooks = f" and runs ZeRO-3's hooks ({uses:,} gathers and releases of a module's parameters)"
     return (

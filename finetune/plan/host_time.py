@@ -126,7 +126,7 @@ def host_seconds(job: Job, *, strategy: str, grad_accum: int, checkpointed_layer
     tensors = trained_tensor_count(job)
     if strategies.is_deepspeed(strategy):
         micro += DEEPSPEED_HOOK_S_PER_TENSOR * tensors
-    if strategies.zero_stage(strategy) == 3:
+    if strategies.is_zero3(strategy):
         micro += ZERO3_HOOK_S_PER_MODULE_USE * zero3_module_uses(job, checkpointed_layers=checkpointed_layers)
     step = (
         HOST_S_PER_KERNEL

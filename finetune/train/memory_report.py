@@ -104,6 +104,13 @@ def load_figures(model) -> dict:
     }
 
 
+# smaps_rollup field -> the names of its peak over every sample and over the logged steps' samples
+_PSS_PEAKS = {
+    "Pss:": ("host_pss_sampled_peak_gib", "host_pss_steps_peak_gib"),
+    "Pss_Anon:": ("host_pss_anon_sampled_peak_gib", "host_pss_anon_steps_peak_gib"),
+}
+
+
 class PeakMemoryCallback(TrainerCallback):
     def __init__(self, run_dir: Path, *, at_load: dict | None = None):
         self.run_dir = Path(run_dir)
@@ -111,12 +118,10 @@ class PeakMemoryCallback(TrainerCallback):
         self.at_load = dict(at_load or {})
         self.at_start: dict = {}
         self.ended = False  # an evaluation after training logs again; the file stays final
-        self.pss_peak: float | None = None  # sampled after loading and at every logged step
-        self.pss_anon_peak: float | None = None  # the same, anonymous pages only
-        # the same two sampled at the logged steps only: what training holds, without what loading left behind
-        # until the first step (a rank that read the whole checkpoint)
-        self.pss_steps_peak: float | None = None
-        self.pss_anon_steps_peak: float | None = None
+        # the host PSS peaks written to the file, by name: sampled after loading and at every logged step, and at
+        # the logged steps only (what training holds, without what loading left behind until the first step);
+        # each whole and its anonymous part
+        self.host_peaks: dict[str, float] = {}
         self.at_end: dict = {}  # the host peak when training ended, before the final save
 
     def on_train_begin(self, args, state, control, model=None, **kwargs):
@@ -156,15 +161,12 @@ class PeakMemoryCallback(TrainerCallback):
 
     def _sample_pss(self, *, at_step: bool = True) -> None:
         figures = host_pss_figures("Pss:", "Pss_Anon:")
-        pss, anon = figures["Pss:"], figures["Pss_Anon:"]
-        if pss is not None:
-            self.pss_peak = max(pss, self.pss_peak or 0.0)
-            if at_step:
-                self.pss_steps_peak = max(pss, self.pss_steps_peak or 0.0)
-        if anon is not None:
-            self.pss_anon_peak = max(anon, self.pss_anon_peak or 0.0)
-            if at_step:
-                self.pss_anon_steps_peak = max(anon, self.pss_anon_steps_peak or 0.0)
+        for field, (sampled, steps) in _PSS_PEAKS.items():
+            value = figures[field]
+            if value is None:
+                continue
+            for name in (sampled, steps) if at_step else (sampled,):
+                self.host_peaks[name] = max(value, self.host_peaks.get(name, 0.0))
 
     def _write(self, step: int) -> None:
         rank = int(os.environ.get("RANK", "0"))
@@ -178,15 +180,8 @@ class PeakMemoryCallback(TrainerCallback):
             **self.at_load,
             **self.at_start,
             **self.at_end,
+            **self.host_peaks,
         }
-        if self.pss_peak is not None:
-            figures["host_pss_sampled_peak_gib"] = self.pss_peak
-        if self.pss_anon_peak is not None:
-            figures["host_pss_anon_sampled_peak_gib"] = self.pss_anon_peak
-        if self.pss_steps_peak is not None:
-            figures["host_pss_steps_peak_gib"] = self.pss_steps_peak
-        if self.pss_anon_steps_peak is not None:
-            figures["host_pss_anon_steps_peak_gib"] = self.pss_anon_steps_peak
         tmp = self.dir / f".rank-{rank}.json.tmp"  # never a half-written file, whenever we are killed
         tmp.write_text(json.dumps(figures, indent=2) + "\n")
         tmp.replace(self.run_dir / rundir.memory_file(rank))
