@@ -324,9 +324,11 @@ def _stopped(run_dir: Path, code: int, *, before: Path | None) -> RunResult:
 MEASURE_STEPS = 5
 
 
-def _measuring(recipe: Recipe, *, steps: int, run_dir: Path) -> Recipe:
+def _measuring(recipe: Recipe, *, steps: int, run_dir: Path, kept: bool) -> Recipe:
     """The recipe as `plan --measure` runs it: `steps` steps logged one by one, nothing evaluated,
-    saved, pushed or reported elsewhere, no out-of-memory retry (the planned setting is what is measured)."""
+    saved, pushed or reported elsewhere, no out-of-memory retry (the planned setting is what is measured).
+    The recipe's logging.profile_steps stay where the run dir is `kept` (--keep): the profile is the
+    only thing that would be left to read there."""
     from finetune.launch import with_setting
 
     return with_setting(
@@ -335,7 +337,7 @@ def _measuring(recipe: Recipe, *, steps: int, run_dir: Path) -> Recipe:
         data={"eval_sources": [], "eval_fraction": None, "task_eval": None},
         output={"dir": str(run_dir), "save_every": None},
         hub={"repo": None},
-        logging={"report_to": ["none"], "profile_steps": None},
+        logging={"report_to": ["none"], "profile_steps": recipe.logging.profile_steps if kept else None},
     )
 
 
@@ -370,7 +372,7 @@ def measure(
     recipe = with_measured_lengths(recipe, check_data(recipe).sample)
     run_dir = Path(keep).resolve() if keep else Path(tempfile.mkdtemp(prefix="finetune-measure-"))
     try:
-        measuring = _measuring(recipe, steps=steps, run_dir=run_dir)
+        measuring = _measuring(recipe, steps=steps, run_dir=run_dir, kept=bool(keep))
         spec = compile(measuring, hardware=hardware, output=run_dir)
         if spec.multi_node:
             raise FinetuneError(

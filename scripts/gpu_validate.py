@@ -461,17 +461,27 @@ def main() -> None:
         (work / "recipe.yaml").write_text(yaml.safe_dump(recipe, sort_keys=False))
         run_dir = work / "run"
         start, started_at = time.perf_counter(), time.time()
-        cmd = finetune_cmd(
-            "run",
-            str(work / "recipe.yaml"),
-            "--output",
-            str(run_dir),
-            "--resume",
-            "never",
-            *sum((["--set", s] for s in args.overrides), []),
-        )
+        overrides = sum((["--set", s] for s in args.overrides), [])
+        if entry.get("final_save", True):
+            cmd = finetune_cmd(
+                "run", str(work / "recipe.yaml"), "--output", str(run_dir), "--resume", "never", *overrides
+            )
+        else:  # the same launch and trainer without the final save (minutes for a full 14B's ~170 GB)
+            shutil.rmtree(run_dir, ignore_errors=True)
+            cmd = finetune_cmd(
+                "plan",
+                str(work / "recipe.yaml"),
+                "--hardware",
+                "auto",
+                "--measure",
+                "--steps",
+                str(steps),
+                "--keep",
+                str(run_dir),
+                *overrides,
+            )
         print(f"\n=== {name}: {' '.join(cmd)}", flush=True)
-        extra = sum((["--set", s] for s in args.overrides), [])
+        extra = overrides
         if name.endswith("-2x2"):  # a 4-GPU machine as two nodes of 2 GPUs
             code = run_two_nodes(work, run_dir, extra, gpus_per_node=2)
         elif name.endswith(("-2to1", "-1to2")):

@@ -90,3 +90,16 @@ def test_plan_measure_on_the_quickstart_recipe(tmp_path):
         device_gib=result["measured_peak_gib"],
     )
     assert not tight.fits and "DOES NOT FIT" in render_measurement(tight)
+
+
+def test_measuring_profiles_only_a_kept_run(tmp_path):
+    from finetune.api import _measuring
+    from finetune.launch import with_setting
+    from finetune.recipe.load import load_recipe
+
+    recipe = with_setting(load_recipe(QUICKSTART), logging={"profile_steps": (2, 3)})
+    kept = _measuring(recipe, steps=4, run_dir=tmp_path, kept=True)
+    assert kept.logging.profile_steps == (2, 3) and kept.train.max_steps == 4
+    assert kept.output.save_every is None and kept.hub.repo is None
+    # a temporary run dir is removed afterwards: a profile there would be work nobody reads
+    assert _measuring(recipe, steps=4, run_dir=tmp_path, kept=False).logging.profile_steps is None
