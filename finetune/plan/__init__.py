@@ -25,7 +25,7 @@ from finetune.plan.choose import (
 )
 from finetune.plan.fallback import attention_fallback_warning
 from finetune.plan.host_time import kernels_per_micro_batch, zero3_module_uses
-from finetune.plan.lora_time import fused_lora_runs
+from finetune.plan.lora_time import fused_lora_runs, shared_input_groups
 from finetune.plan.memory import (
     adapter_input_casts,
     fsdp_accumulated_gradients,
@@ -244,6 +244,7 @@ def job_from_recipe(recipe, *, arch, preset) -> Job:
         modules_to_save=tuple(recipe.adapter.modules_to_save or ()) if adapter != "full" else (),
         cast_adapter_inputs=recipe.adapter.cast_adapter_inputs,
         fused_lora=recipe.adapter.fuses_lora,
+        fused_lora_groups=recipe.adapter.groups_lora,
         liger=liger_enabled(recipe, preset, arch=arch),
         double_quant=recipe.adapter.double_quant,
         weight_bytes=DTYPE_BYTES[recipe.model.dtype],
@@ -528,7 +529,10 @@ def _kernels(job: Job, strategy: str) -> str:
     if adapter_input_casts(job, strategy):
         parts.append("peft's fp32 adapter-input casts")
     if fused_lora_runs(job, strategy):
-        parts.append("fused LoRA layers (adapter.fused_lora)")
+        grouped = (
+            " with the linears of one input as one (adapter.fused_lora_groups)" if shared_input_groups(job) else ""
+        )
+        parts.append(f"fused LoRA layers (adapter.fused_lora){grouped}")
     elif job.adapter == "lora" and not job.dora:
         parts.append("peft's LoRA layers")
     return ", ".join(parts)

@@ -18,7 +18,9 @@ plan --measure` times the real one.
 Kernels a micro-batch, from the profiles (docs/results/profiles/):
   a decoder layer, full fine-tune, Liger + varlen:   71   (full3b-ddp-mb1-h200x2: 2,087 a micro-batch)
   each LoRA-targeted linear of a layer:             12.8  ((5,217 - 100) / 32 layers - 71, / 7 modules),
-                                                    2 fewer with adapter.fused_lora (plan/lora_time.py)
+                                                    2 fewer with adapter.fused_lora (plan/lora_time.py),
+                                                    and 10 (q/k/v) and 4 (gate/up) a layer fewer with
+                                                    adapter.fused_lora_groups
   a layer without Liger (eager RMSNorm/RoPE/SwiGLU): +123 (lora8b-noliger-h200 against lora8b-finetune-h200)
   FSDP2's per-layer all-gathers and copies:          +24  (full3b-fsdp2-offload: 2,758 a micro-batch)
   outside the layers (embedding, final norm, loss):  100
@@ -47,7 +49,7 @@ QLoRA's dequantization kernels, an MoE layer's routing.
 from __future__ import annotations
 
 from finetune import strategies
-from finetune.plan.lora_time import KERNELS_SAVED_PER_FUSED_LINEAR, fused_lora_runs
+from finetune.plan.lora_time import KERNELS_SAVED_PER_FUSED_LINEAR, fused_lora_runs, grouped_kernels_saved
 from finetune.plan.optimizer import trained_tensors
 from finetune.plan.workload import Job, expanded, layer_kinds, layer_lora, numel, targeted_linears
 
@@ -85,7 +87,7 @@ def kernels_per_micro_batch(job: Job, *, strategy: str, checkpointed_layers: int
         per_linear = KERNELS_PER_ADAPTED_LINEAR
         if fused_lora_runs(job, strategy):  # adapter.fused_lora: no scale or add kernels (plan/lora_time.py)
             per_linear -= KERNELS_SAVED_PER_FUSED_LINEAR
-        layer += per_linear * targeted / arch.num_layers
+        layer += (per_linear * targeted - grouped_kernels_saved(job, strategy)) / arch.num_layers
     if strategies.is_fsdp(strategy):
         layer += KERNELS_FSDP_PER_LAYER
     kernels = arch.num_layers * layer + checkpointed_layers * FORWARD_SHARE * layer

@@ -71,6 +71,7 @@ class Job:
     # adapter.cast_adapter_inputs: peft's per-module fp32 cast of LoRA inputs (finetune skips it by default)
     cast_adapter_inputs: bool = False
     fused_lora: bool = False  # adapter.fuses_lora: finetune's fused LoRA layer (plan/lora_time.py)
+    fused_lora_groups: bool = False  # adapter.fused_lora_groups: shared-input linears as one (plan/lora_time.py)
     liger: bool = False  # train.liger resolved: Liger RMSNorm/RoPE/SwiGLU kernels (keep fewer activations)
     global_batch_size: int = 16
     micro_batch: int | None = None  # pinned by the recipe, else searched

@@ -203,6 +203,12 @@ class AdapterSection(Strict):
         "passes fewer per module and micro-batch; the same parameters, gradients and checkpoints as peft's. "
         "Measured +8.8% steady tokens/s on an 8B LoRA on one H100 (docs/benchmarks.md); false runs peft's layer",
     )
+    fused_lora_groups: bool = Field(
+        True,
+        description="with adapter.fused_lora: the targeted linears that read one input (q/k/v, gate/up) run as "
+        "one autograd function: one GEMM reads the input for all their adapters, and their input gradients "
+        "accumulate inside the GEMMs instead of being added in elementwise passes; false runs each alone",
+    )
     cast_adapter_inputs: bool = Field(
         False,
         description="peft's cast of each LoRA input to the adapter weights' fp32; under bf16/fp16 "
@@ -214,6 +220,11 @@ class AdapterSection(Strict):
     def fuses_lora(self) -> bool:
         """adapter.fused_lora where it applies: plain LoRA on a 16-bit base (peft's nn.Linear layers)."""
         return self.fused_lora and self.type == "lora" and not self.load_in_8bit and not self.dora
+
+    @property
+    def groups_lora(self) -> bool:
+        """adapter.fused_lora_groups where it applies: with the fused layer."""
+        return self.fuses_lora and self.fused_lora_groups
 
     @model_validator(mode="before")
     @classmethod

@@ -172,6 +172,15 @@ def training_args(recipe: Recipe, *, run_dir: Path, has_eval: bool):
 def build_trainer(recipe: Recipe, *, args, model, tokenizer, data, callbacks: list):
     """The TRL trainer. `args` must be built before the model is loaded: under ZeRO-3 the
     TrainingArguments switch from_pretrained to partitioned (zero.Init) loading."""
+    trainer = _trainer(recipe, args=args, model=model, tokenizer=tokenizer, data=data, callbacks=callbacks)
+    if recipe.adapter.groups_lora:  # the peft model exists now
+        from finetune.train.fused_lora import group_shared_inputs
+
+        group_shared_inputs(trainer.model)
+    return trainer
+
+
+def _trainer(recipe: Recipe, *, args, model, tokenizer, data, callbacks: list):
     from finetune.train.model import carries_adapter, lora_config, reference_copy
     from finetune.train.subclass import trainer_class
 

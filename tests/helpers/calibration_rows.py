@@ -76,6 +76,7 @@ def resolved_recipe(row: dict):
         raise ValueError(f"row {row['name']!r} has `resolved` but neither `arch` nor `model_config`")
     # compiled before adapter.fused_lora existed (it was off by default until every row below had run): peft's layer
     raw["adapter"].setdefault("fused_lora", False)
+    raw["adapter"].setdefault("fused_lora_groups", False)  # the same: every row before it ran each linear alone
     if raw["train"].get("liger") == "on" and family not in LIGER_MODEL_TYPES:
         # compiled before the planner knew which model types Liger patches: the run trained without it
         raw["train"]["liger"] = "off"

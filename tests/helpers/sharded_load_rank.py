@@ -307,6 +307,10 @@ def main() -> int:
     ac_plugin.activation_checkpointing = True  # what FSDP_ACTIVATION_CHECKPOINTING=true gives
     config, index = sharded_load.checkpoint(recipe)
     ac_model, _ = sharded_load.load_sharded(recipe, config=config, index=index, device="cpu", plugin=ac_plugin)
+    if recipe.adapter.groups_lora:  # as build_trainer groups the trainer's model: only checkpointing differs
+        from finetune.train.fused_lora import group_shared_inputs
+
+        group_shared_inputs(ac_model)
     ac_model.train()
     checkpointed = _checkpointing_changes(trainer.model, ac_model, batch)
     del ac_model

@@ -76,6 +76,10 @@ SPEED_MISSES = {
         "3.62 s a step in the steady window against the 2.55 s of the host floor with ZeRO-3's module hooks "
         "(row 100, unprofiled: 2.08): the profiler's own cost on the host is not planned"
     ),
+    "112-dpo3b-pairs-fsdp2-profiled": (
+        "row 101's setting on 2 of 4 H200s, beside row 113 on the other two: 31,871 tokens/s against 43,721 "
+        "planned, as rows 96 and 101 (the padded pairs beside it, row 113, ran inside the bound)"
+    ),
     "108-full14b-qwen2.5": (
         "the planner's ZeRO-3 choice for full 14B on 4 H100s (micro-batch 2 x 2, 43 of 48 layers checkpointed): "
         "5.37 s a step against 3.65 planned, 2.27 s of it GPU compute. ZeRO-3's module hooks (plan/host_time.py, "
@@ -176,9 +180,9 @@ HOST_MISSES = {
     "108-full14b-qwen2.5": (
         "full 14B under ZeRO-3 on 4 H100s: 35.4 GiB of PSS on the node against 12.0, of which rank 0 held 29.5 "
         "(29.3 anonymous) and ranks 1-3 1.9 each. Rank 0 alone reads the checkpoint under ZeRO-3 (transformers "
-        "loads the whole state dict on it); the PSS peak is sampled right after loading as well as at every "
-        "logged step, so whether rank 0 still held the 29.5 GB of weights while training is not told apart (a "
-        "2-rank CPU load of a 1 GB model through the same path freed it: rank 0 held 0.1 GiB more than rank 1)"
+        "loads the whole state dict on it), and this row's sample after loading caught it before it was freed: "
+        "the same model under ZeRO-3 on 4 H200s (rows 111 and 114) peaked at 29.0 GiB of RSS on rank 0 while "
+        "loading and held 9.1-9.4 GiB of PSS on the node at that sample and at every logged step"
     ),
     "109-full8b-llama-s4k": (
         "full 8B under FSDP2 on 4 H100s: 17.42 GiB of PSS on the node (5.8, 2.4, 4.5 and 4.7 a rank) against "
@@ -187,6 +191,10 @@ HOST_MISSES = {
     "97-full8b-llama-s4k": (
         "full 8B under FSDP2 on 4 H200s: 16.63 GiB of PSS on the node (4.2 a rank) against 12.0, as row 90"
     ),
+    "112-dpo3b-pairs-fsdp2-profiled": "DPO LoRA 3B under FSDP2 on 2 H200s: 6.41 GiB of PSS against 6.00, as row 94",
+    "115-lora3b-fsdp2-profiled": "LoRA 3B under FSDP2 on 2 H200s: 6.51 GiB of PSS against 6.00, as row 94",
+    "116-qwen3-14b-lora-fsdp2-s8k": "LoRA 14B under FSDP2 on 2 H200s: 6.46 GiB of PSS against 6.00, as row 94",
+    "113-dpo3b-fsdp2-profiled": "DPO LoRA 3B under FSDP2 on 2 H200s: 6.70 GiB of PSS against 6.00, as row 94",
     "99-lora3b-fsdp2-profiled": "LoRA 3B under FSDP2 on 2 H200s: 6.33 GiB of PSS against 6.00, as row 94",
     "101-dpo3b-pairs-fsdp2-profiled": "DPO LoRA 3B under FSDP2 on 2 H200s: 6.60 GiB of PSS against 6.00, as row 94",
     "102-dpo3b-pairs-zero3-profiled": "DPO LoRA 3B under ZeRO-3 on 2 H200s: 7.02 GiB of PSS against 6.00",

@@ -1,5 +1,6 @@
 """adapter.fused_lora in the plan (plan/lora_time.py): the elementwise bytes peft's layer moves and the fused
-layer does not, hand-counted for Llama-3.1-8B, where the fused layer runs, and its kernels on the host."""
+layer does not, and what grouping the linears of one input saves beyond it (adapter.fused_lora_groups),
+hand-counted for Llama-3.1-8B, where the fused layer runs, and its kernels on the host."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from finetune.plan.lora_time import (
     fused_lora_runs,
     fused_lora_saved_seconds,
     fused_lora_share,
+    shared_input_groups,
 )
 from finetune.plan.timing import efficiency, flops_per_token, step_time
 from tests.helpers.recipes import shape_job
@@ -35,7 +37,7 @@ def test_the_default_recipe_plans_the_fused_layer():
 
 
 def test_saved_bytes_are_the_scale_and_add_passes_of_each_targeted_module():
-    job = _job(lora_dropout=0.0)
+    job = _job(lora_dropout=0.0, fused_lora_groups=False)
     tokens = 4 * job.seq_len
     a = 2  # bf16
     # forward: peft's 6a (write, scale, add) against the in-place addmm's 2a per output feature; backward: the
@@ -49,6 +51,27 @@ def test_saved_bytes_are_the_scale_and_add_passes_of_each_targeted_module():
     # with dropout the adapter's input is another tensor: autograd adds its gradient, nothing saved there
     dropped = fused_lora_saved_seconds(_job(lora_dropout=0.05), strategy="ddp", micro_batch=4, checkpointed_share=0.0)
     assert dropped == pytest.approx(memory_seconds(job.preset, tokens * (6 * a * OUT)))
+
+
+def test_groups_save_the_further_members_reads_and_adds():
+    job = _job(lora_dropout=0.0)
+    assert job.fused_lora_groups  # on by default
+    assert shared_input_groups(job) == [(32, 4096, 3), (32, 4096, 2)]  # q/k/v and gate/up read the hidden state
+    tokens, a = 4 * job.seq_len, 2
+    # per further member: one read of the input in the forward; in the backward autograd's add (3a) against the
+    # GEMM's accumulating read (a), the adapter GEMM's read and write of the input gradient (2a), the read of
+    # the input for the A gradient (a)
+    further = 32 * 4096 * (2 + 1)
+    alone = 4 * a * OUT + 2 * a * OUT + 2 * a * IN
+    saved = fused_lora_saved_seconds(job, strategy="ddp", micro_batch=4, checkpointed_share=0.0)
+    assert saved == pytest.approx(memory_seconds(job.preset, tokens * (alone + 6 * a * further)))
+    ungrouped = _job(lora_dropout=0.0, fused_lora_groups=False)
+    kernels = {
+        g: kernels_per_micro_batch(j, strategy="ddp", checkpointed_layers=0) for g, j in ((1, job), (0, ungrouped))
+    }
+    assert kernels[0] - kernels[1] == pytest.approx(32 * (10 + 4))
+    # with dropout each adapter reads its own input: no group runs
+    assert shared_input_groups(_job(lora_dropout=0.05)) == []
 
 
 @pytest.mark.parametrize(
@@ -66,7 +89,7 @@ def test_where_peft_forward_runs_nothing_is_saved(kw, strategy):
 
 
 def test_the_step_is_shorter_by_the_saving_and_the_host_launches_fewer_kernels():
-    fused, plain = _job(), _job(fused_lora=False)
+    fused, plain = _job(fused_lora_groups=False), _job(fused_lora=False)
     kw = {"strategy": "ddp", "micro_batch": 4, "grad_accum": 2, "checkpointing": False}
     saved = 2 * fused_lora_saved_seconds(fused, strategy="ddp", micro_batch=4, checkpointed_share=0.0)
     # the FLOPs' calibrated time (peft's layer: its passes are inside it), then the passes' share of it:
@@ -92,7 +115,9 @@ def test_the_plan_says_which_lora_layer_runs():
     from finetune.recipe import load_recipe
 
     raw = {"model": {"name": "x", "arch": "llama-3.1-8b"}, "data": {"path": "t.jsonl"}, "hardware": "server-8xh100"}
-    assert "fused LoRA layers (adapter.fused_lora)" in plan(load_recipe(raw)).kernels
+    assert (
+        "fused LoRA layers (adapter.fused_lora) with the linears of one input as one" in plan(load_recipe(raw)).kernels
+    )
     raw["adapter"] = {"type": "lora", "fused_lora": False}
     assert "peft's LoRA layers" in plan(load_recipe(raw)).kernels
     raw["distributed"] = {"strategy": "zero3"}  # ZeRO-3 gathers each submodule in its own forward: peft's path
