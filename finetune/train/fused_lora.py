@@ -206,11 +206,13 @@ class SharedInputGroup:
         adapters = [m._plain_adapter(x, (), {}) for m in self.members]
         if any(a is None for a in adapters):
             return None
-        if not all(isinstance(m.lora_dropout[a], nn.Identity) for m, a in zip(self.members, adapters)):
-            return None  # dropout gives each adapter its own input
         bases = [m.base_layer for m in self.members]
-        if any(b.weight.requires_grad for b in bases):
-            return None  # the fused functions give the frozen base no gradient
+        dropout = not all(isinstance(m.lora_dropout[a], nn.Identity) for m, a in zip(self.members, adapters))
+        if dropout or any(b.weight.requires_grad for b in bases):
+            # dropout gives each adapter its own input; the fused functions give the frozen base no gradient.
+            # Neither changes during training: the group stays off, its members run alone.
+            self.enabled = False
+            return None
         device, dtype = x.device.type, _compute_dtype(x)
         lora_as = [m.lora_A[a].weight for m, a in zip(self.members, adapters)]
         lora_bs = [m.lora_B[a].weight.to(dtype) for m, a in zip(self.members, adapters)]

@@ -124,6 +124,7 @@ def test_groups_step_aside_for_dropout_and_disabled_adapters():
     ids = torch.randint(3, 60, (1, 8), generator=torch.Generator().manual_seed(1))
     grouped = _peft(True, dropout=0.1, groups=True)  # each adapter its own dropout mask: no group runs
     assert _calls(grouped, ids, ("_FusedLoraGroup",)) == {"_FusedLoraGroup": 0}
+    assert not grouped.base_model.model.model.layers[0].self_attn.q_proj._shared_input_group.enabled
     _assert_same(_step(grouped, ids)[1], _step(_peft(False, dropout=0.1), ids)[1])
     grouped, plain = _peft(True, groups=True), _peft(False)
     with grouped.disable_adapter(), plain.disable_adapter():  # a DPO reference pass: the base model alone
