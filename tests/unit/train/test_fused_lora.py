@@ -226,3 +226,18 @@ def test_the_recipe_switch_registers_the_fused_layer_for_plain_lora_only(adapter
     config = lora_config(load_recipe(tiny_recipe(adapter=section)))
     registered = (config._custom_modules or {}).get(torch.nn.Linear)
     assert (registered is FusedLoraLinear) is (fused and adapter == "lora")
+
+
+@pytest.mark.slow
+def test_grouped_linears_under_regional_compile():
+    """train.compile: regions compiles each decoder layer (accelerate's regional compilation): the group's
+    hand-over from q_proj to k_proj and v_proj is traced with it, and the results are peft's."""
+    ids = torch.randint(3, 60, (2, 12), generator=torch.Generator().manual_seed(0))
+    grouped = _peft(True, groups=True)
+    for layer in grouped.base_model.model.model.layers:
+        layer.compile()
+    logits, grads = _step(_peft(False), ids)
+    g_logits, g_grads = _step(grouped, ids)
+    torch.testing.assert_close(g_logits, logits, rtol=1e-5, atol=1e-5)
+    _assert_same(g_grads, grads)
+    assert grouped.base_model.model.model.layers[0].self_attn.q_proj._shared_input_group.enabled
