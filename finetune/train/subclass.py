@@ -1,11 +1,13 @@
 """The trainer class a run uses: the TRL class of the recipe's method, subclassed (public extension
 points only) with what finetune adds to every method: DataLoader workers that leave preemption to the
 rank (finetune/train/signals.py), a full fine-tune's final weights saved in model.dtype (saved_dtype.py),
-and LoRA+'s optimizer when the recipe asks for it (optim.py)."""
+an adapter's final save under FSDP2 gathering the trained parameters alone (adapter_save.py), and LoRA+'s
+optimizer when the recipe asks for it (optim.py)."""
 
 from __future__ import annotations
 
 from finetune.recipe.schema import Recipe
+from finetune.train.adapter_save import SavesTrainedParametersOnlyUnderFSDP, gathers_trained_only
 from finetune.train.optim import with_optimizer
 from finetune.train.saved_dtype import SavesFinalModelInItsDtype
 from finetune.train.signals import WorkersLeavePreemptionToTheRank
@@ -13,4 +15,5 @@ from finetune.train.signals import WorkersLeavePreemptionToTheRank
 
 def trainer_class(cls: type, recipe: Recipe) -> type:
     cls = with_optimizer(cls, recipe)
-    return type(cls.__name__, (WorkersLeavePreemptionToTheRank, SavesFinalModelInItsDtype, cls), {})
+    mixins = (WorkersLeavePreemptionToTheRank, SavesFinalModelInItsDtype, SavesTrainedParametersOnlyUnderFSDP)
+    return type(cls.__name__, (*mixins, cls), {"gathers_trained_only": gathers_trained_only(recipe)})

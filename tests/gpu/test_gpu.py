@@ -100,6 +100,17 @@ def test_two_gpus_load_only_each_ranks_shard(adapter, tmp_path):
     _check(two)
 
 
+def test_two_gpus_lora_final_save_gathers_the_adapter_alone(tmp_path):
+    """LoRA 8B under FSDP2: the final save gathers the trained parameters alone to rank 0
+    (finetune/train/adapter_save.py), so rank 0's host RSS does not grow by the 16 GB bf16 base the
+    Trainer's FULL_STATE_DICT gather would bring, and the adapter file is written."""
+    if _gpus() < 2:
+        pytest.skip("needs 2 CUDA GPUs")
+    row = _validate("lora8b-fsdp2", tmp_path)
+    _check(row)
+    assert row["host_rss_peak_gib"] < row["host_rss_peak_before_save_gib"] + 2.0, row
+
+
 @pytest.mark.parametrize("name", ["full3b-fsdp2", "lora8b-zero3"])
 def test_two_gpus_random_init(name, tmp_path):
     """model.init: random where the build is sharded: FSDP2 (the main process builds the weights, the

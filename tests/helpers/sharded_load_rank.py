@@ -83,6 +83,32 @@ def _checkpointing_changes(plain, checkpointed, batch) -> dict:
     }
 
 
+def _final_save(trainer, target: Path) -> dict:
+    """What finetune's final save of an adapter under FSDP2 runs on every rank once save_model finds FSDP's
+    FULL_STATE_DICT (finetune/train/adapter_save.py; the CPU Trainer here has no FSDP plugin, so its
+    save_model would not take that branch): what it gathered and wrote, and the trained parameters' full
+    values to compare the file with (rank 0's `trained.pt`)."""
+    import torch
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    from finetune.train.adapter_save import trained_state_dict
+
+    gathered = trained_state_dict(trainer.model)
+    dcp_keys = sorted(
+        get_model_state_dict(trainer.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    )
+    trained = {n: p.full_tensor() for n, p in trainer.model.named_parameters() if p.requires_grad}  # collective
+    trainer.save_trained_parameters(str(target))
+    if trainer.args.should_save:
+        torch.save(trained, target / "trained.pt")
+    return {
+        "gathers_trained_only": trainer.gathers_trained_only,
+        "gathered_keys": sorted(gathered),
+        "dcp_keys": dcp_keys,
+        "gathered_bytes": sum(t.numel() * t.element_size() for t in gathered.values()),
+    }
+
+
 def _accelerate_finds_layers(plugin_args: dict, model) -> str:
     """What the Trainer's Accelerator does first with the model it prepares (set_auto_wrap_policy): "" or
     the error it raises."""
@@ -317,6 +343,7 @@ def main() -> int:
     trainer.model.train()
     losses = _steps(trainer.model, lambda: trainer.model(**batch).loss, lr=recipe.train.lr)
     full = recipe.adapter.type == "full"
+    final_save = _final_save(trainer, out / "final") if not full else None
     accumulation = _accumulation(trainer.model, batch, lr=recipe.train.lr) if full else None
 
     record = {
@@ -338,6 +365,7 @@ def main() -> int:
         "losses": losses,
         "accumulation": accumulation,
         "checkpointing_changes": checkpointed,
+        "final_save": final_save,
         "accelerate_wrap_error_with_env_plugin": _accelerate_finds_layers({}, model),
         "accelerate_wrap_error_with_trainer_plugin": _accelerate_finds_layers(args.fsdp_plugin_args, model),
     }

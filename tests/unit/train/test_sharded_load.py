@@ -374,6 +374,33 @@ def test_lora_each_rank_reads_and_holds_half_the_bf16_base(two_ranks_lora, whole
 
 
 @slow
+def test_the_final_save_gathers_the_adapter_alone(two_ranks_lora):
+    """finetune's final save of a LoRA run under FSDP2 (finetune/train/adapter_save.py): rank 0 gathers the
+    trained parameters only, not the frozen base the Trainer's FULL_STATE_DICT save would gather, and the
+    adapter it writes holds their trained values."""
+    import torch
+    from safetensors.torch import load_file
+
+    records, _, run_yaml = two_ranks_lora
+    saves = {r["rank"]: r["final_save"] for r in records}
+    assert all(s["gathers_trained_only"] for s in saves.values())
+    assert saves[1]["gathered_keys"] == []  # the full tensors land on rank 0 alone
+    keys = saves[0]["gathered_keys"]
+    assert keys and all(".lora_A." in k or ".lora_B." in k for k in keys)  # not the LM head tied to the embedding
+    # the keys torch's distributed checkpoint gives the same parameters (what the Trainer's save gathered)
+    assert set(keys) < set(saves[0]["dcp_keys"])
+    assert len(keys) == 2 * 14  # A and B of the 7 projections in each of the 2 layers
+    final = run_yaml.parent.parent / "out-2" / "final"  # where the ranks wrote (_ranks)
+    saved = load_file(final / "adapter_model.safetensors")
+    trained = torch.load(final / "trained.pt")
+    assert saves[0]["gathered_bytes"] == sum(t.numel() * t.element_size() for t in trained.values())
+    # peft's file names drop the adapter's name ("default")
+    assert {k.replace(".default", "") for k in trained} == set(saved)
+    for name, value in trained.items():
+        torch.testing.assert_close(saved[name.replace(".default", "")], value, rtol=0, atol=0)
+
+
+@slow
 def test_lora_logits_equal_the_whole_model_and_the_loss_falls(two_ranks_lora, whole_lora):
     """The same model as the whole-model path: its logits; the adapter in float32 (peft's upcast, the dtype
     accelerate's FSDP2 preparation would give it) and trained by finetune's Trainer setup."""
