@@ -53,9 +53,14 @@ def trained_state_dict(model) -> dict:
     for name, param in model.named_parameters():
         if not param.requires_grad:
             continue
-        full = param.full_tensor() if hasattr(param, "full_tensor") else param.detach()  # an all-gather
+        value = param.detach()
+        if hasattr(value, "full_tensor"):  # a DTensor shard: all-gathered on the mesh's device
+            mesh_device = value.device_mesh.device_type
+            if value.device.type != mesh_device:  # FSDP2's CPU offload keeps the shard on the host
+                value = value.to(mesh_device)
+            value = value.full_tensor()
         if main:
-            out[state_dict_key(name)] = full.to("cpu", copy=True)
+            out[state_dict_key(name)] = value.to("cpu", copy=True)
     return out
 
 
