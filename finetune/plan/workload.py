@@ -11,6 +11,7 @@ from functools import lru_cache
 from operator import attrgetter
 from statistics import NormalDist
 
+from finetune.recipe.schema import EMBEDDING_MODULES
 from finetune.registry.schema import HardwarePreset, ModelArch
 
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
@@ -570,7 +571,7 @@ def adapter_tensors(job: Job) -> Tensors:
 
 def saved_modules(job: Job) -> list[str]:
     """adapter.modules_to_save that peft copies and trains whole: the vocab x hidden modules."""
-    return sorted(set(job.modules_to_save) & {"embed_tokens", "lm_head"})
+    return sorted(set(job.modules_to_save) & set(EMBEDDING_MODULES))
 
 
 def saved_module_tensors(job: Job) -> Tensors:

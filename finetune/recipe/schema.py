@@ -30,6 +30,8 @@ METHOD_FORMATS: dict[str, tuple[str, ...]] = {
 }
 # methods that score against a reference model (the others need none)
 REFERENCE_METHODS = ("dpo", "kto")
+# the vocab x hidden modules: what adapter.modules_to_save may name, what peft writes whole when the vocabulary grew
+EMBEDDING_MODULES = ("embed_tokens", "lm_head")
 # data.packing: these methods pack examples into padding-free rows (whose lengths the planner reads); DPO runs
 # each micro-batch's pairs as one padding-free row, examples never sharing a sequence (train/dpo_pairs.py)
 PACKED_EXAMPLE_METHODS = ("sft", "pretrain")
@@ -164,7 +166,7 @@ class AdapterSection(Strict):
     )
     dora: bool = Field(False, description="weight-decomposed LoRA (DoRA)")
     rslora: bool = Field(False, description="rank-stabilized LoRA: scale by alpha / sqrt(r)")
-    modules_to_save: list[Literal["embed_tokens", "lm_head"]] | None = Field(
+    modules_to_save: list[Literal[EMBEDDING_MODULES]] | None = Field(  # type: ignore[valid-type]
         None,
         description="modules trained in full beside the adapter and saved with it (peft's "
         "modules_to_save), e.g. [embed_tokens, lm_head] after adding tokens",

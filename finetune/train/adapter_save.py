@@ -13,9 +13,7 @@ gather.
 
 from __future__ import annotations
 
-from finetune.recipe.schema import Recipe
-
-EMBEDDING_MODULES = ("embed_tokens", "lm_head")
+from finetune.recipe.schema import EMBEDDING_MODULES, Recipe
 
 
 def gathers_trained_only(recipe: Recipe) -> bool:
@@ -23,10 +21,10 @@ def gathers_trained_only(recipe: Recipe) -> bool:
     a, tk = recipe.adapter, recipe.tokenizer
     if a.type == "full":
         return False
-    grows_vocabulary = bool(tk.added_tokens or tk.pad_token or tk.eos_token or tk.bos_token)
+    may_grow_vocabulary = bool(tk.added_tokens or tk.pad_token or tk.eos_token or tk.bos_token)
     targets = a.target_modules if isinstance(a.target_modules, (list, tuple)) else [a.target_modules or ""]
     targets_embeddings = any(name in str(t) for t in targets for name in EMBEDDING_MODULES)
-    return not grows_vocabulary and not targets_embeddings
+    return not may_grow_vocabulary and not targets_embeddings
 
 
 # what wrappers put into parameter names and state-dict keys leave out (torch's distributed checkpoint drops
