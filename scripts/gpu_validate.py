@@ -481,12 +481,11 @@ def main() -> None:
                 *overrides,
             )
         print(f"\n=== {name}: {' '.join(cmd)}", flush=True)
-        extra = overrides
         if name.endswith("-2x2"):  # a 4-GPU machine as two nodes of 2 GPUs
-            code = run_two_nodes(work, run_dir, extra, gpus_per_node=2)
+            code = run_two_nodes(work, run_dir, overrides, gpus_per_node=2)
         elif name.endswith(("-2to1", "-1to2")):
             first, then = (2, 1) if name.endswith("-2to1") else (1, 2)
-            code = run_portable(work, run_dir, extra, steps, first=first, then=then)
+            code = run_portable(work, run_dir, overrides, steps, first=first, then=then)
         else:
             code = run_until(cmd, args.run_timeout)
         row = {

@@ -646,6 +646,11 @@ class TokenizerSection(Strict):
         """An upper bound on the rows the vocabulary grows by (tokens already present add none)."""
         return len(set(self.added_tokens) | {t for t in (self.pad_token, self.eos_token, self.bos_token) if t})
 
+    @property
+    def may_resize_embeddings(self) -> bool:
+        """Whether these overrides may grow the embeddings (finetune.train.model.fit_embeddings)."""
+        return self.new_token_count > 0
+
 
 SLURM_TIME = r"^(\d+-)?\d+(:\d{2}){0,2}$"  # what sbatch --time accepts: MM, HH:MM:SS, D-HH[:MM[:SS]]
 
@@ -929,8 +934,7 @@ def sharded_load_blocker(recipe: Recipe) -> str:
         return "adapter.modules_to_save copies whole base modules"
     if a.type == "qlora" and a.storage_dtype == "uint8":
         return "adapter.storage_dtype uint8 cannot be sharded by FSDP2"
-    tk = recipe.tokenizer
-    if tk.added_tokens or tk.pad_token or tk.eos_token or tk.bos_token:
+    if recipe.tokenizer.may_resize_embeddings:
         return "tokenizer overrides may resize the embeddings (finetune.train.model.fit_embeddings)"
     return ""
 

@@ -18,13 +18,12 @@ from finetune.recipe.schema import EMBEDDING_MODULES, Recipe
 
 def gathers_trained_only(recipe: Recipe) -> bool:
     """Whether the final save under FSDP2 may gather the trained parameters alone (module docstring)."""
-    a, tk = recipe.adapter, recipe.tokenizer
-    if a.type == "full":
+    a = recipe.adapter
+    if a.type == "full" or recipe.tokenizer.may_resize_embeddings:
         return False
-    may_grow_vocabulary = bool(tk.added_tokens or tk.pad_token or tk.eos_token or tk.bos_token)
-    targets = a.target_modules if isinstance(a.target_modules, (list, tuple)) else [a.target_modules or ""]
-    targets_embeddings = any(name in str(t) for t in targets for name in EMBEDDING_MODULES)
-    return not may_grow_vocabulary and not targets_embeddings
+    # target_modules: a list of names or one regex; peft's own test is a substring match on either
+    targets = " ".join(a.target_modules) if isinstance(a.target_modules, (list, tuple)) else a.target_modules or ""
+    return not any(name in targets for name in EMBEDDING_MODULES)
 
 
 # what wrappers put into parameter names and state-dict keys leave out (torch's distributed checkpoint drops

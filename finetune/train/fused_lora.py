@@ -203,9 +203,12 @@ class SharedInputGroup:
         return outs[index].view(*x.shape[:-1], outs[index].shape[-1])
 
     def _compute(self, x: torch.Tensor) -> tuple | None:
-        adapters = [m._plain_adapter(x, (), {}) for m in self.members]
-        if any(a is None for a in adapters):
-            return None
+        adapters = []
+        for m in self.members:  # the first that is not plain ends it (a DPO reference pass: the first of all)
+            adapter = m._plain_adapter(x, (), {})
+            if adapter is None:
+                return None
+            adapters.append(adapter)
         bases = [m.base_layer for m in self.members]
         dropout = not all(isinstance(m.lora_dropout[a], nn.Identity) for m, a in zip(self.members, adapters))
         if dropout or any(b.weight.requires_grad for b in bases):

@@ -65,7 +65,7 @@ def fit_embeddings(recipe: Recipe, model) -> None:
     new rows start at the mean of the old ones (transformers' mean_resizing), and the model config
     learns the overridden special-token ids."""
     tk = recipe.tokenizer
-    if not (tk.added_tokens or tk.pad_token or tk.eos_token or tk.bos_token):
+    if not tk.may_resize_embeddings:
         return
     tokenizer = load_tokenizer(recipe)
     if len(tokenizer) > model.get_input_embeddings().weight.shape[0]:

@@ -80,20 +80,13 @@ def _assert_same(got: dict, want: dict, *, rtol: float = 1e-4):
 
 
 def _tiny_qwen2():
-    """A Qwen2 decoder (biases on q/k/v) of the tiny model's size, random weights."""
+    """A Qwen2 decoder (biases on q/k/v) of the tiny model's shape, random weights."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
+    from finetune.tiny import MODEL_SHAPE
+
     torch.manual_seed(5)
-    config = Qwen2Config(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-    )
-    return Qwen2ForCausalLM(config).float()
+    return Qwen2ForCausalLM(Qwen2Config(vocab_size=64, **MODEL_SHAPE)).float()
 
 
 @pytest.mark.parametrize("base", [None, _tiny_qwen2], ids=["llama", "qwen2-biases"])
