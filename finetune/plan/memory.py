@@ -77,13 +77,17 @@ from finetune.plan.workload import (
     saved_module_tensors,
     trained_tensor_sizes,
 )
-from finetune.strategies import ZERO3_SUB_GROUP_ELEMENTS, info
+from finetune.strategies import ZERO3_SUB_GROUP_ELEMENTS, info, is_fsdp
 
 CUDA_FIXED_BYTES = 1.5 * GIB  # CUDA context, cuBLAS/cuDNN workspaces, kernel images
 NCCL_BYTES = 0.5 * GIB  # communicator channel buffers, only when there are several ranks
 CPU_FIXED_BYTES = 0.5 * GIB  # the Python/torch process itself on the cpu preset
 FRAGMENTATION = 0.05  # caching-allocator fragmentation, as a share of everything else
 HOST_PER_PROCESS_BYTES = 3 * GIB  # python + torch + CUDA libraries per rank, host RAM
+# FSDP2's ranks keep more anonymous host memory than DDP's and DeepSpeed's (measured, each rank's share of the
+# node's PSS while training; the cause is not identified): 2.2-3.9 GiB an adapter rank, 3.5-5.1 a full-fine-tune rank
+HOST_PER_FSDP_ADAPTER_RANK_BYTES = 3.75 * GIB
+HOST_PER_FSDP_FULL_RANK_BYTES = 5 * GIB
 LOGITS_BYTES_PER_ELEMENT = 12
 FUSED_HEAD_TOKENS, FUSED_HEAD_VOCAB = 4096, 32768  # trl/kernels/chunked_logprob.py tile shape
 NF4_BYTES = 0.5
@@ -610,10 +614,19 @@ class HostBytes:
     nvme: float  # per node
 
 
+def host_process_bytes(job: Job, *, strategy: str) -> float:
+    """One rank's own host RAM: the interpreter, torch, the CUDA libraries and what its backend keeps."""
+    if job.preset.vendor == "cpu":
+        return CPU_FIXED_BYTES * 4
+    if is_fsdp(strategy):
+        return HOST_PER_FSDP_FULL_RANK_BYTES if job.adapter == "full" else HOST_PER_FSDP_ADAPTER_RANK_BYTES
+    return HOST_PER_PROCESS_BYTES
+
+
 def host_bytes(job: Job, *, strategy: str, states: StateBytes, layer: float) -> HostBytes:
     p = job.preset
     procs = p.gpus_per_node
-    base = (CPU_FIXED_BYTES * 4 if p.vendor == "cpu" else HOST_PER_PROCESS_BYTES) * procs
+    base = host_process_bytes(job, strategy=strategy) * procs
     loading = loading_host_bytes(job, strategy=strategy)
     nodes = p.nodes
     tier = info(strategy)

@@ -5,7 +5,8 @@ rank-K.txt (the top operators by device time, then by CPU time) and rank-K.json:
 the profiled steps, the time kernels kept the GPU busy, and that busy time split by kind
 (matmul, attention, communication, elementwise/other). Busy time well under wall time means the
 GPU waits for the host (Python, kernel launches, synchronizations), not for its own work; the JSON's
-`idle` says where: the host operations that ran while no kernel did (`idle_gaps`).
+`idle` says where: the host operations that ran while no kernel did (`idle_gaps`), and `syncs` where the
+host itself waited for the GPU (`SyncSites`: each synchronizing CUDA call, by its Python call site).
 """
 
 from __future__ import annotations
@@ -14,6 +15,9 @@ import bisect
 import json
 import re
 import time
+import traceback
+import warnings
+from collections import Counter
 from pathlib import Path
 
 from transformers import TrainerCallback
@@ -172,6 +176,65 @@ def _gap_context(kernels: list[dict], launches: dict, by_thread: dict[tuple, lis
     return {"ms": round((g1 - g0) / 1e3, 2), "after": launcher(before), "before": launcher(after)}
 
 
+class SyncSites:
+    """Counts the synchronizing CUDA calls (`.item()`, a blocking copy, `torch.cuda.synchronize`, a
+    boolean of a device tensor) by call site, through torch's sync debug mode: each one warns, and the
+    hook keeps the innermost frames of the Python stack that issued it. A sync drains the launch queue,
+    so the GPU idles while the host prepares what follows it; these are the first places to look."""
+
+    MESSAGE = "synchronizing CUDA operation"
+    FRAMES = 4  # innermost frames kept per site
+
+    def __init__(self) -> None:
+        self.counts: Counter[str] = Counter()
+        self._catch: warnings.catch_warnings | None = None
+
+    def start(self) -> None:
+        import torch
+
+        self._catch = warnings.catch_warnings()
+        self._catch.__enter__()  # restores the filters and showwarning at stop
+        warnings.filterwarnings("always", message=f".*{self.MESSAGE}.*")
+        shown = warnings.showwarning
+
+        def show(message, category, filename, lineno, file=None, line=None):
+            if self.MESSAGE in str(message):
+                self.record(traceback.extract_stack()[:-1])
+            else:
+                shown(message, category, filename, lineno, file, line)
+
+        warnings.showwarning = show
+        torch.cuda.set_sync_debug_mode("warn")
+
+    def stop(self) -> list[dict]:
+        import torch
+
+        torch.cuda.set_sync_debug_mode("default")
+        if self._catch is not None:
+            self._catch.__exit__(None, None, None)
+            self._catch = None
+        return self.table()
+
+    def record(self, stack: list[traceback.FrameSummary]) -> None:
+        frames = [f for f in stack if "/warnings.py" not in f.filename][-self.FRAMES :]
+        self.counts[" < ".join(_frame(f) for f in reversed(frames))] += 1
+
+    def table(self, top: int = 20) -> list[dict]:
+        return [{"calls": n, "site": site} for site, n in self.counts.most_common(top)]
+
+
+def _frame(f: traceback.FrameSummary) -> str:
+    """'package/module.py:LINE function', the path cut at site-packages or the repository."""
+    path = f.filename.replace("\\", "/")
+    for marker in ("/site-packages/", "/dist-packages/"):
+        if marker in path:
+            path = path.split(marker, 1)[1]
+            break
+    else:
+        path = "/".join(path.split("/")[-2:])
+    return f"{path}:{f.lineno} {f.name}"
+
+
 class ProfilerCallback(TrainerCallback):
     """Profiles optimizer steps start..stop-1 (1-based, counted like the Trainer's global_step + 1)."""
 
@@ -181,7 +244,8 @@ class ProfilerCallback(TrainerCallback):
         self.start, self.stop, self.rank = start, stop, rank
         self.prof = None
         self.began = 0.0
-        self.done = None  # (profiler, wall seconds, steps) once the window has closed
+        self.done = None  # (profiler, wall seconds, steps, sync sites) once the window has closed
+        self.syncs: SyncSites | None = None
 
     def on_step_begin(self, args, state, control, **kwargs):
         if self.prof is None and state.global_step + 1 == self.start:
@@ -194,6 +258,9 @@ class ProfilerCallback(TrainerCallback):
                 torch.cuda.synchronize()
             self.prof = profile(activities=activities, record_shapes=False, with_stack=False)
             self.prof.__enter__()
+            if torch.cuda.is_available():
+                self.syncs = SyncSites()
+                self.syncs.start()
             self.began = time.perf_counter()
 
     def on_step_end(self, args, state, control, **kwargs):
@@ -211,14 +278,16 @@ class ProfilerCallback(TrainerCallback):
     def _stop(self, *, steps: int) -> None:
         import torch
 
+        syncs = self.syncs.stop() if self.syncs is not None else None  # before the window's own sync
+        self.syncs = None
         if torch.cuda.is_available():
             torch.cuda.synchronize()
         wall = time.perf_counter() - self.began
         prof, self.prof = self.prof, None
         prof.__exit__(None, None, None)
-        self.done = (prof, wall, steps)
+        self.done = (prof, wall, steps, syncs)
 
-    def _write(self, prof, wall: float, steps: int) -> None:
+    def _write(self, prof, wall: float, steps: int, syncs: list[dict] | None) -> None:
         import torch
 
         self.out.mkdir(parents=True, exist_ok=True)
@@ -237,6 +306,7 @@ class ProfilerCallback(TrainerCallback):
         summary = summarize(events, wall_s=wall, steps=steps) if cuda else {"steps": steps, "wall_s": round(wall, 4)}
         if cuda:
             summary["idle"] = idle
+            summary["syncs"] = syncs
         Path(str(stem) + ".json").write_text(json.dumps(summary, indent=2) + "\n")
 
 

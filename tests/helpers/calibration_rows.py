@@ -229,7 +229,8 @@ def memory_miss(row: dict, plan: Plan) -> str:
 
 # host RAM while training (the node's proportional set size sampled after loading and at logged steps)
 # against the plan's host_ram_training_gib: the same -5% / +15% bound, plus an allowance per process for
-# the planner's round HOST_PER_PROCESS_BYTES (3 GiB) against the 1.5-2.7 GiB a rank measured
+# the planner's round per-rank baselines (plan/memory.py host_process_bytes: 3 GiB for DDP and DeepSpeed,
+# 3.75 and 5 for FSDP2's adapter and full ranks) against the spread a rank measured (1.5-2.7 GiB for DDP)
 HOST_PROCESS_ALLOWANCE_GIB = 1.5
 
 

@@ -184,34 +184,7 @@ HOST_MISSES = {
         "the same model under ZeRO-3 on 4 H200s (rows 111 and 114) peaked at 29.0 GiB of RSS on rank 0 while "
         "loading and held 9.1-9.4 GiB of PSS on the node at that sample and at every logged step"
     ),
-    "109-full8b-llama-s4k": (
-        "full 8B under FSDP2 on 4 H100s: 17.42 GiB of PSS on the node (5.8, 2.4, 4.5 and 4.7 a rank) against "
-        "12.0, FSDP2's ranks as rows 90 and 97"
-    ),
-    "97-full8b-llama-s4k": (
-        "full 8B under FSDP2 on 4 H200s: 16.63 GiB of PSS on the node (4.2 a rank) against 12.0, as row 90"
-    ),
-    "112-dpo3b-pairs-fsdp2-profiled": "DPO LoRA 3B under FSDP2 on 2 H200s: 6.41 GiB of PSS against 6.00, as row 94",
-    "115-lora3b-fsdp2-profiled": "LoRA 3B under FSDP2 on 2 H200s: 6.51 GiB of PSS against 6.00, as row 94",
-    "116-qwen3-14b-lora-fsdp2-s8k": "LoRA 14B under FSDP2 on 2 H200s: 6.46 GiB of PSS against 6.00, as row 94",
-    "113-dpo3b-fsdp2-profiled": "DPO LoRA 3B under FSDP2 on 2 H200s: 6.70 GiB of PSS against 6.00, as row 94",
-    "99-lora3b-fsdp2-profiled": "LoRA 3B under FSDP2 on 2 H200s: 6.33 GiB of PSS against 6.00, as row 94",
-    "101-dpo3b-pairs-fsdp2-profiled": "DPO LoRA 3B under FSDP2 on 2 H200s: 6.60 GiB of PSS against 6.00, as row 94",
     "102-dpo3b-pairs-zero3-profiled": "DPO LoRA 3B under ZeRO-3 on 2 H200s: 7.02 GiB of PSS against 6.00",
-    "103-dpo3b-fsdp2-profiled": "DPO LoRA 3B under FSDP2 on 2 H200s: 6.86 GiB of PSS against 6.00, as row 94",
-    "95-lora70b-h200": (
-        "LoRA 70B under FSDP2 on 4 H200s: 15.42 GiB of PSS on the node (3.9 a rank, 13.76 of it anonymous) against "
-        "12.0, FSDP2's ranks as rows 90 and 94"
-    ),
-    "94-lora3b-fsdp2-fused": "LoRA 3B under FSDP2 on 2 H200s: 6.55 GiB of PSS against 6.00, FSDP2's ranks as row 90",
-    "90-full8b-llama-s4k": (
-        "full 8B under FSDP2 on 4 H200s: 17.75 GiB of PSS on the node (4.4 a rank) against 12.0 planned, the "
-        "anonymous host memory of FSDP2's ranks as in rows 72 and 78-82"
-    ),
-    "82-full3b-fsdp2-mb1": (
-        "full 3B under FSDP2 on 2 H200s: 10.2 GiB of PSS (9.6 anonymous) against 6.0 planned, as rows 72 and 78-80: "
-        "FSDP2's ranks hold more anonymous host memory than the planned per-process baseline, cause not identified"
-    ),
     "86-full3b-ddp-s512-mb1": (
         "one process on the H100 machine of this session: 4.8 GiB of PSS, 4.4 of it anonymous, where the same "
         "software on the 2 x H200 machine's host held 1.3-1.8 GiB anonymous for one process (rows 83-85); the "
@@ -226,23 +199,11 @@ HOST_MISSES = {
         "identified"
     ),
     "67-full3b-fsdp2-sharded-load": (
-        "full 3B under FSDP2 through the sharded load on 2 H100s: 13.0 GiB of PSS on the node against 6.0 "
+        "full 3B under FSDP2 through the sharded load on 2 H100s: 13.0 GiB of PSS on the node against 10.0 "
         "planned, with a checkpoint save (step 5) inside the sampled window. The row recorded no split of PSS; "
         "the same run without the save (row 72) held 6.98 GiB, 6.37 of it anonymous, so the gap here is mostly "
         "the save, not the mapped checkpoint's pages"
     ),
-    "72-full3b-fsdp2-sharded": (
-        "full 3B under FSDP2 through the sharded load on 2 H200s, no checkpoint save in the window: 6.98 GiB of "
-        "PSS on the node against 6.00 planned, 6.37 of it anonymous: row 67's gap was not the mapped checkpoint's "
-        "page cache (last session's reading, refuted); each FSDP2 full-fine-tune rank holds ~0.2-2 GiB of "
-        "anonymous host memory beyond the planned process baseline (rows 78-80 the same), not yet identified"
-    ),
-    "78-random-init-full3b-fsdp2": (
-        "as row 72, with model.init: random (rank 0 builds the model on the CPU and broadcasts it): 9.98 GiB of "
-        "PSS, 9.42 anonymous, against 6.00"
-    ),
-    "79-full3b-fsdp2-sync-true": "as row 72 at micro-batch 1 x 4: 8.57 GiB of PSS, 7.97 anonymous, against 6.00",
-    "80-full3b-fsdp2-sync-false": "as row 72 at micro-batch 1 x 4: 10.17 GiB of PSS, 9.61 anonymous, against 6.00",
 }
 
 

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from finetune.train.profile import idle_gaps
+import traceback
+
+from finetune.train.profile import SyncSites, idle_gaps
 
 
 def _x(name, cat, ts, dur, tid=1):
@@ -36,3 +38,19 @@ def test_idle_gaps_name_the_host_work_between_kernels():
 
 def test_idle_gaps_of_a_trace_without_kernels():
     assert idle_gaps({"traceEvents": [_x("aten::mm", "cpu_op", 0, 10)]})["idle_s"] == 0.0
+
+
+def test_sync_sites_count_each_call_site_by_its_innermost_frames():
+    sites = SyncSites()
+    here = traceback.FrameSummary("/x/lib/python3.11/site-packages/transformers/masking_utils.py", 120, "sdpa_mask")
+    caller = traceback.FrameSummary("/repo/finetune/train/attention.py", 40, "forward")
+    noise = traceback.FrameSummary("/usr/lib/python3.11/warnings.py", 1, "warn")
+    for _ in range(3):
+        sites.record([caller, here, noise])
+    sites.record([here, caller])
+    table = sites.table()
+    assert table[0] == {
+        "calls": 3,
+        "site": "transformers/masking_utils.py:120 sdpa_mask < train/attention.py:40 forward",
+    }
+    assert table[1]["calls"] == 1 and table[1]["site"].startswith("train/attention.py:40 forward")
