@@ -174,16 +174,23 @@ class MetricsCallback(TrainerCallback):
             plot_loss(rundir.read_metrics(self.run_dir), self.png, **self.plot)
 
 
-def reduce_flags(flags: list[float]) -> list[float]:
+def reduce_flags(flags: list) -> list[float]:
     """Element-wise max over all ranks (the flags are the same on every rank afterwards); no-op
-    when there is one process. Every rank must call it at the same point, or the job hangs."""
+    when there is one process. Every rank must call it at the same point, or the job hangs.
+
+    A flag is a number or a 0-dim tensor (a device-side verdict such as `sums_not_finite`'s). The ranks'
+    flags meet in one device tensor filled in place (a number is a kernel argument, a tensor a device
+    copy), so the one host sync is reading the reduced flags back, not building them."""
     import torch
     import torch.distributed as dist
 
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return list(flags)
+        return [float(f) for f in flags]
     device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else "cpu"
-    tensor = torch.tensor(flags, dtype=torch.float32, device=device)
+    tensor = torch.zeros(len(flags), dtype=torch.float32, device=device)
+    for i, flag in enumerate(flags):
+        if isinstance(flag, torch.Tensor) or flag:
+            tensor[i] = flag
     dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
     return tensor.tolist()
 
@@ -233,20 +240,32 @@ class CommitCallback(TrainerCallback):
         barrier()
 
 
-def all_finite(tensors: list) -> bool:
-    """Whether every element of `tensors` is finite, with one sync per device for all of them.
+def sums_not_finite(tensors: list):
+    """1.0 where some tensor's sum is not finite, else 0.0: a 0-dim tensor on the first tensor's device,
+    computed without waiting for the GPU (0.0 as a number when there are no tensors).
 
     A NaN or an infinity anywhere makes a tensor's sum non-finite, and a sum is one vectorized read;
     `isfinite(g).all()` is several passes with temporaries, 20x slower on a CPU core: on offloaded (host)
     gradients it took 6.3 s of a 9.6 s step (full 3B, FSDP2 CPU offload, H100 profile in
-    docs/results/profiles/full3b-fsdp2-offload-h100x2.txt). Only when a sum is not finite (a bad element,
-    or finite values whose sum overflows) are the elements themselves tested, so the answer is exact."""
+    docs/results/profiles/full3b-fsdp2-offload-h100x2.txt). A sum of finite values can overflow too, so a
+    non-finite sum is only a suspicion: `all_finite` then tests the elements themselves."""
     import torch
 
     by_device: dict = {}
     for g in tensors:
         by_device.setdefault(g.device, []).append(g.sum())
-    if all(bool(torch.isfinite(torch.stack(sums).float()).all()) for sums in by_device.values()):
+    verdict = None
+    for sums in by_device.values():
+        bad = (~torch.isfinite(torch.stack(sums).float())).any().float()
+        verdict = bad if verdict is None else torch.maximum(verdict, bad.to(verdict.device))
+    return 0.0 if verdict is None else verdict
+
+
+def all_finite(tensors: list) -> bool:
+    """Whether every element of `tensors` is finite (one host sync when the sums are finite)."""
+    import torch
+
+    if not float(sums_not_finite(tensors)):
         return True
     return all(bool(torch.isfinite(g).all()) for g in tensors)
 
@@ -309,9 +328,16 @@ class NonFiniteCallback(TrainerCallback):
             p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad  # FSDP2: this rank's shard
             for p in params
         ]
-        local = 0.0 if all_finite(grads) else 1.0
+        # one host sync a step on every rank: the sums' verdicts meet on the device and are read back once;
+        # only where a sum was not finite do the ranks agree again on the elements themselves
+        flags: list = [0.0] * world
+        flags[rank] = sums_not_finite(grads)
+        flags = reduce_flags(flags)
+        if not any(flags):
+            return control
+        suspect = flags[rank]
         flags = [0.0] * world
-        flags[rank] = local
+        flags[rank] = 1.0 if suspect and not all_finite(grads) else 0.0
         flags = reduce_flags(flags)
         if not any(flags):
             return control

@@ -319,3 +319,53 @@ def test_finite_values_whose_sum_overflows_are_finite():
 if __name__ == "__main__":  # a rank of the DeepSpeed tests: RESOLVED OUT [trainer | bf16-engine]
     resolved, out, *mode = sys.argv[1:]
     {"trainer": _deepspeed_rank, "bf16-engine": _bf16_engine_rank}[mode[0] if mode else "trainer"](resolved, out)
+
+
+def _two_rank_verdict(rank: int, port: int, grads_by_rank: dict, out) -> None:
+    import torch.distributed as dist
+    from transformers import TrainerControl, TrainerState, TrainingArguments
+
+    from finetune.train.callbacks import NonFiniteCallback
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    try:
+        model = torch.nn.Linear(4, 4, bias=False)
+        model.weight.grad = grads_by_rank[rank].clone()
+        callback = NonFiniteCallback(policy="skip", max_bad_steps=5)
+        args = TrainingArguments(output_dir="unused", report_to=[], use_cpu=True)
+        callback.on_pre_optimizer_step(args, TrainerState(), TrainerControl(), model=model, optimizer=None)
+        out.put((rank, model.weight.grad is None, list(callback.skipped)))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize(
+    ("rank1_grad", "skipped"),
+    [
+        (torch.full((4, 4), float("nan")), True),  # one rank's NaN: both ranks drop the step
+        (torch.full((4, 4), 3e38), False),  # a sum that overflows on finite values: no rank drops it
+    ],
+    ids=["nan-on-rank-1", "overflowing-sum-on-rank-1"],
+)
+def test_two_ranks_agree_on_one_rank_s_bad_gradients(rank1_grad, skipped):
+    """DDP/FSDP2: each rank's verdict meets the other's in one all-reduce (the sums first, then, only where
+    a sum was not finite, the elements), and every rank skips or keeps the step alike."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    grads = {0: torch.ones(4, 4), 1: rank1_grad}
+    procs = [ctx.Process(target=_two_rank_verdict, args=(r, port, grads, out)) for r in (0, 1)]
+    for p in procs:
+        p.start()
+    results = sorted(out.get(timeout=120) for _ in procs)
+    for p in procs:
+        p.join(timeout=60)
+        assert p.exitcode == 0
+    assert [dropped for _, dropped, _ in results] == [skipped, skipped]
+    assert [steps for _, _, steps in results] == ([[1], [1]] if skipped else [[], []])
