@@ -13,12 +13,15 @@ Reported: tokens/s of real (non-pad) tokens and MFU: finetune's one FLOPs formul
 bf16 peak as `--hardware auto` plans with it, i.e. the quantity `finetune plan` predicts.
 
     python scripts/bench.py --arch llama-3.1-8b --out $OUT/bench.json
+
+The benchmark is one GPU: on a machine with several it runs every variant on the first visible one.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -227,7 +230,15 @@ def write_report(path: Path, rows: dict, meta: dict) -> None:
     path.write_text(json.dumps(report, indent=2) + "\n")
 
 
+def one_gpu() -> None:
+    """Every variant on the first visible GPU: `--hardware auto` would otherwise plan data parallelism over
+    all of them while TRL's single process uses one, and MFU is computed for one card."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    os.environ["CUDA_VISIBLE_DEVICES"] = visible.split(",")[0] if visible else "0"
+
+
 def main() -> None:
+    one_gpu()
     parser = argparse.ArgumentParser()
     parser.add_argument("--arch", default="llama-3.1-8b")
     parser.add_argument("--method", choices=["sft", "dpo"], default="sft")
