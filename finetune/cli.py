@@ -7,6 +7,7 @@ bad input, 3 when nothing fits); no traceback unless FINETUNE_DEBUG=1.
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import logging
 import os
@@ -15,7 +16,7 @@ import sys
 import threading
 import traceback
 
-from finetune.errors import EXIT_PREEMPTED, EXIT_USAGE, FinetuneError
+from finetune.errors import EXIT_PREEMPTED, EXIT_TRAINING_FAILED, EXIT_USAGE, FinetuneError
 
 
 class _Parser(argparse.ArgumentParser):
@@ -327,15 +328,20 @@ def _cmd_push(args):
 
 
 def _cmd_convert(args):
-    from finetune import convert
+    from pathlib import Path
 
+    from finetune import convert
+    from finetune.peers import writes_through
+
+    # the report beside a recipe written to a stream (-o /dev/stdout) goes to stderr, so the stream is the recipe
+    report = sys.stderr if writes_through(Path(args.output)) else sys.stdout
     conv = convert(args.config, source=args.source, output=args.output, method=args.method)
     material = conv.material
-    print(f"wrote {args.output} from the {args.source} config {args.config}")
+    print(f"wrote {args.output} from the {args.source} config {args.config}", file=report)
     for note in conv.notes:
-        print(f"  note: {note}")
+        print(f"  note: {note}", file=report)
     for d in conv.dropped:
-        print(f"  {'NOT MAPPED' if d.material else 'ignored'}: {d.key}: {d.reason}")
+        print(f"  {'NOT MAPPED' if d.material else 'ignored'}: {d.key}: {d.reason}", file=report)
     if conv.error:
         print(f"error: the written recipe does not validate:\n{conv.error}", file=sys.stderr)
     if material:
@@ -442,16 +448,31 @@ def _main(args) -> int:
     except BrokenPipeError:  # the reader went away (`finetune presets | head`): nothing more to say
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
-    except Exception as exc:  # an internal bug: say so, keep the traceback behind a switch
-        if os.environ.get("FINETUNE_DEBUG"):
-            traceback.print_exc()
-        else:
-            print(
-                f"internal error: {type(exc).__name__}: {exc}\n"
-                "  this is a bug in finetune; rerun with FINETUNE_DEBUG=1 for the traceback",
-                file=sys.stderr,
-            )
-        return 1
+    except OSError as exc:
+        if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
+            return _internal_error(exc)
+        print(
+            f"error: disk full: {exc.strerror} ({exc.filename or 'a file finetune was writing'})\n"
+            "  fix: free disk space there (or lower output.keep), then run the same command again: "
+            "a run resumes from its last complete checkpoint",
+            file=sys.stderr,
+        )
+        return EXIT_TRAINING_FAILED if args.command == "run" else 1
+    except Exception as exc:
+        return _internal_error(exc)
+
+
+def _internal_error(exc: Exception) -> int:
+    """An internal bug: say so, keep the traceback behind a switch."""
+    if os.environ.get("FINETUNE_DEBUG"):
+        traceback.print_exception(exc)
+    else:
+        print(
+            f"internal error: {type(exc).__name__}: {exc}\n"
+            "  this is a bug in finetune; rerun with FINETUNE_DEBUG=1 for the traceback",
+            file=sys.stderr,
+        )
+    return 1
 
 
 if __name__ == "__main__":

@@ -246,9 +246,12 @@ def _run(argv: list[str], *, env: dict[str, str], log_path: Path, stream: bool) 
     prctl = prctl_or_none()
     if prctl is not None:
         prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
-    with open(log_path, "ab") as log:
-        log.write(f"$ {' '.join(argv)}\n".encode())
-        log.flush()
+    # unbuffered: a write to a full disk fails at once and leaves nothing behind for close() to fail on
+    with open(log_path, "ab", buffering=0) as log:
+        try:
+            log.write(f"$ {' '.join(argv)}\n".encode())
+        except OSError:  # a full disk: _copy_output finds it too, and the console gets every line
+            pass
         proc = subprocess.Popen(
             argv,
             env=env,
@@ -352,7 +355,6 @@ def _copy_output(pipe, log, stream: bool) -> None:
             if logging:
                 try:
                     log.write(line)
-                    log.flush()
                 except OSError:  # a full disk: the console still gets every line
                     logging = False
             if stream:

@@ -165,8 +165,27 @@ def convert_file(
         method=method,
     )
     if out is not None:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = out.with_name(out.name + ".tmp")
-        tmp.write_text(render(conv), encoding="utf-8")
-        os.replace(tmp, out)  # never a half-written recipe
+        write_recipe_text(out, render(conv))
     return conv
+
+
+def writes_through(out: Path) -> bool:
+    """The output is a stream or a link (/dev/stdout, a pipe, a symlink): written through, never replaced."""
+    return out.is_symlink() or (out.exists() and not out.is_file() and not out.is_dir())
+
+
+def write_recipe_text(out: Path, text: str) -> None:
+    """A regular file is replaced whole (never half-written); a stream or a link is written through (an atomic
+    replace would swap /dev/stdout or the user's link for a file); a directory is refused."""
+    if out.is_dir():
+        raise FinetuneError(
+            "-o names a directory", file=str(out), hint=f"name the recipe file, e.g. {out / 'recipe.yaml'}"
+        )
+    if writes_through(out):
+        with out.open("w", encoding="utf-8") as fh:
+            fh.write(text)
+        return
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(out.name + ".tmp")
+    tmp.write_text(text, encoding="utf-8")
+    os.replace(tmp, out)

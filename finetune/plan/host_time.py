@@ -1,4 +1,6 @@
-"""The host's time to launch a step on a GPU: a floor under the GPU's compute time.
+"""The host's time to launch a step on a GPU, which the step time combines with the GPU's compute as a soft
+maximum (plan/timing.py, soft_max): the host's time where it is the larger by far, more than either where
+the two are close.
 
 PyTorch runs eagerly: the host's Python (modules, autograd, peft, the Trainer and TRL's loss) launches
 every kernel of a micro-batch one after the other. When a micro-batch's GPU work is short (micro-batch 1,

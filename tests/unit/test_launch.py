@@ -100,3 +100,20 @@ def test_a_signal_the_kernel_gives_another_thread_still_stops_the_launch_at_once
         idle.set()
     assert code == EXIT_PREEMPTED
     assert time.monotonic() - started < 30, "the signal was forwarded only after the launcher exited by itself"
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full (Linux) to stand for a full disk")
+def test_a_full_disk_under_the_launch_log_loses_no_line_and_no_exit_code(capfd):
+    """The launcher copies the ranks' output to RUN_DIR/logs and to the console. When the log's disk is full
+    (/dev/full fails every write with ENOSPC) the console still gets every line and the ranks' exit code comes
+    back: nothing is left buffered for the log's close to fail on (which ended a disk-full run as an
+    'internal error' instead of the rank's own message and code)."""
+    import sys
+    from pathlib import Path
+
+    from finetune.launch import _run
+
+    code = "import sys; print('x' * 100000); print('last line'); sys.exit(4)"
+    rc = _run([sys.executable, "-c", code], env=dict(os.environ), log_path=Path("/dev/full"), stream=True)
+    assert rc == 4
+    assert "last line" in capfd.readouterr().out

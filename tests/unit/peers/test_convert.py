@@ -217,3 +217,33 @@ def test_axolotl_s_lora_kernels_are_answered_by_the_fused_lora_layer(tmp_path):
     assert all(d.reason == FUSED_LORA_REASON and not d.material for d in kernels.values())
     assert conv.error is None and conv.recipe["adapter"]["type"] == "lora"
     assert "fused_lora" not in conv.recipe["adapter"]  # the default runs the fused layer
+
+
+def test_the_output_may_be_a_stream_never_a_directory_and_a_full_disk_is_said_so(tmp_path, capfd):
+    """`-o /dev/stdout` writes the recipe through the stream, the report to stderr (an atomic replace would
+    swap the device's link for a file); a directory is refused by name; a disk that fills under the write
+    is an error, not a traceback."""
+    import os
+    import subprocess
+    import sys
+
+    from tests.helpers.processes import env
+
+    config = str(CONFIGS / "axolotl-lora-chat.yaml")
+    argv = [sys.executable, "-m", "finetune.cli", "convert", config, "--from", "axolotl", "-o", "/dev/stdout"]
+    piped = subprocess.run(argv, capture_output=True, text=True, env=env(), timeout=120, check=False)
+    assert piped.returncode == 0, piped.stderr
+    assert yaml.safe_load(piped.stdout)["adapter"]["type"] == "lora"  # the stream holds the recipe alone
+    assert "wrote /dev/stdout" in piped.stderr
+    with (tmp_path / "redirected.yaml").open("w") as redirect:  # `> redirected.yaml`: /dev/stdout is that file
+        assert subprocess.run(argv, stdout=redirect, env=env(), timeout=120, check=False).returncode == 0
+    assert load_recipe(tmp_path / "redirected.yaml").adapter.type == "lora"
+    assert os.path.islink("/dev/stdout")
+    assert main(["convert", config, "--from", "axolotl", "-o", str(tmp_path)]) == 2
+    err = capfd.readouterr().err
+    assert "-o names a directory" in err and "fix:" in err
+    if os.path.exists("/dev/full"):  # every write fails with ENOSPC
+        assert main(["convert", config, "--from", "axolotl", "-o", "/dev/full"]) == 1
+        err = capfd.readouterr().err
+        assert "error: disk full" in err and "fix:" in err and "Traceback" not in err and "internal error" not in err
+        assert not os.path.isfile("/dev/full")
