@@ -22,9 +22,9 @@ Calibrated on the second-pass runs in tests/data/gpu_calibration.json (H200, tok
 start-up included): 8B LoRA 1 GPU 13.4k tokens/s (steady 13.7k), QLoRA 13.2k = 0.99 of LoRA's, 3B full
 FSDP2 on 2 GPUs 39.2k (steady 52.1k).
 
-The GPU's busy time is the longer of that compute and the host's time to launch its kernels
-(plan/host_time.py): eager PyTorch launches each kernel from the host, and a short micro-batch's GPU work
-waits for it.
+The GPU's busy time is the soft maximum of that compute and the host's time to launch its kernels
+(plan/host_time.py; `soft_max` below): eager PyTorch launches each kernel from the host, a short
+micro-batch's GPU work waits for it, and where the two take about as long each waits on the other in turn.
 
 Collectives (ring algorithms; NCCL's bus-bandwidth convention): with `bus_bandwidth` the per-GPU
 figure nccl-tests reports, an all-reduce of S bytes over n ranks takes 2(n-1)/n * S / bus_bandwidth,
