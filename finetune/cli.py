@@ -7,7 +7,6 @@ bad input, 3 when nothing fits); no traceback unless FINETUNE_DEBUG=1.
 from __future__ import annotations
 
 import argparse
-import errno
 import json
 import logging
 import os
@@ -16,7 +15,7 @@ import sys
 import threading
 import traceback
 
-from finetune.errors import EXIT_PREEMPTED, EXIT_TRAINING_FAILED, EXIT_USAGE, FinetuneError
+from finetune.errors import EXIT_PREEMPTED, EXIT_TRAINING_FAILED, EXIT_USAGE, FinetuneError, is_disk_full
 
 
 class _Parser(argparse.ArgumentParser):
@@ -449,7 +448,7 @@ def _main(args) -> int:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
     except OSError as exc:
-        if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
+        if not is_disk_full(exc):
             return _internal_error(exc)
         print(
             f"error: disk full: {exc.strerror} ({exc.filename or 'a file finetune was writing'})\n"

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import errno
+
 # Exit codes the CLI uses; documented in the README.
 EXIT_USAGE = 2  # bad recipe, bad data, bad arguments
 EXIT_DOES_NOT_FIT = 3  # the planner found no strategy that fits
@@ -54,3 +56,11 @@ class DoesNotFitError(FinetuneError):
 
 class TrainingFailed(FinetuneError):
     exit_code = EXIT_TRAINING_FAILED
+
+
+# the errnos of a write that found no room: the disk, the user's quota, the largest file the system allows
+DISK_FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+
+
+def is_disk_full(exc: BaseException) -> bool:
+    return isinstance(exc, OSError) and exc.errno in DISK_FULL

@@ -12,7 +12,6 @@ run with neither the old nor the new weights.
 
 from __future__ import annotations
 
-import errno
 import json
 import logging
 import os
@@ -23,7 +22,7 @@ from types import SimpleNamespace
 from transformers import TrainerCallback
 
 from finetune import rundir, strategies
-from finetune.errors import TrainingFailed
+from finetune.errors import TrainingFailed, is_disk_full
 from finetune.prelaunch import free_bytes, rescue_dir
 from finetune.prelaunch import output_bytes as planned_bytes
 from finetune.train.callbacks import reduce_flags
@@ -32,11 +31,6 @@ from finetune.train.saved_dtype import final_save_dtype
 log = logging.getLogger("finetune.train")
 FINAL_STAGING = ".final-save"
 SAVE_SLACK_BYTES = 4 * 1024 * 1024  # trainer_state.json, rng files, the marker, a metrics row
-DISK_FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
-
-
-def is_disk_full(exc: BaseException) -> bool:
-    return isinstance(exc, OSError) and exc.errno in DISK_FULL
 
 
 def output_bytes(recipe, run_dir: Path) -> tuple[int, int]:

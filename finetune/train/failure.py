@@ -10,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from finetune.checkpoints.resume import resume_advice
-from finetune.errors import DataError, FinetuneError, RecipeError, TrainingFailed
+from finetune.errors import DataError, FinetuneError, RecipeError, TrainingFailed, is_disk_full
 from finetune.prelaunch import free_bytes
 
 MAX_DETAIL = 400
@@ -24,7 +24,7 @@ def _detail(exc: BaseException) -> str:
 def as_finetune_error(exc: BaseException, *, run_dir: Path) -> FinetuneError:
     if isinstance(exc, FinetuneError):
         return exc
-    from finetune.train.diskspace import SAVE_SLACK_BYTES, is_disk_full
+    from finetune.train.diskspace import SAVE_SLACK_BYTES
 
     name, detail = type(exc).__name__, _detail(exc)
     if is_disk_full(exc):
