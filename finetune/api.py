@@ -327,8 +327,8 @@ MEASURE_STEPS = 5
 def _measuring(recipe: Recipe, *, steps: int, run_dir: Path, kept: bool) -> Recipe:
     """The recipe as `plan --measure` runs it: `steps` steps logged one by one, nothing evaluated,
     saved, pushed or reported elsewhere, no out-of-memory retry (the planned setting is what is measured).
-    The recipe's logging.profile_steps stay where the run dir is `kept` (--keep): the profile is the
-    only thing that would be left to read there."""
+    The recipe's logging.profile_steps and memory_profile_step stay where the run dir is `kept` (--keep): the
+    profiles are the only things that would be left to read there."""
     from finetune.launch import with_setting
 
     return with_setting(
@@ -337,7 +337,11 @@ def _measuring(recipe: Recipe, *, steps: int, run_dir: Path, kept: bool) -> Reci
         data={"eval_sources": [], "eval_fraction": None, "task_eval": None},
         output={"dir": str(run_dir), "save_every": None},
         hub={"repo": None},
-        logging={"report_to": ["none"], "profile_steps": recipe.logging.profile_steps if kept else None},
+        logging={
+            "report_to": ["none"],
+            "profile_steps": recipe.logging.profile_steps if kept else None,
+            "memory_profile_step": recipe.logging.memory_profile_step if kept else None,
+        },
     )
 
 

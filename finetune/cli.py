@@ -65,8 +65,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--keep",
         default=None,
         metavar="DIR",
-        help="with --measure: run in DIR and keep it, with the profile of the recipe's logging.profile_steps "
-        "(default: a temporary directory, removed)",
+        help="with --measure: run in DIR and keep it, with the profiles of the recipe's logging.profile_steps and "
+        "memory_profile_step (default: a temporary directory, removed)",
     )
 
     p = sub.add_parser("compile", help="write the launch files into a run directory")

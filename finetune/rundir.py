@@ -8,7 +8,7 @@ RUN_DIR/
   summary.json           the figures of a finished run
   loss.png               the loss curve
   memory/rank-K.json     each rank's peak memory, rewritten at every logged step
-  profile/               torch.profiler traces (logging.profile_steps)
+  profile/               torch.profiler traces (logging.profile_steps), memory peaks (memory_profile_step)
   tensorboard/, wandb/, mlruns/, trackio/   the trackers' own files (finetune/trackers.py)
   eval/                  `finetune eval`: lm-evaluation-harness results per model (base, trained)
   logs/                  launcher logs and the main rank's error (rank-error.json)
@@ -82,7 +82,8 @@ def memory_file(rank: int) -> str:
 
 
 def profile_stem(rank: int) -> str:
-    """profile/rank-K: the profiler writes .trace.json.gz, .txt (tables) and .json (summary) after it."""
+    """profile/rank-K: the profiler writes .trace.json.gz, .txt (tables) and .json (summary) after it,
+    logging.memory_profile_step .memory.json (the peak's breakdown) and .memory.pickle.gz (the snapshot)."""
     return f"{PROFILE_DIR}/rank-{rank}"
 
 

@@ -505,7 +505,9 @@ def main() -> None:
                 add_mfu(row, run_dir=run_dir)
             except Exception as exc:  # keep the other runs' results
                 row["collect_error"] = repr(exc)
-        for suffix in (".txt", ".json"):  # logging.profile_steps: the operator table and the idle/busy summary
+        # logging.profile_steps: the operator table and the idle/busy summary; memory_profile_step: the peak's
+        # breakdown and the allocator's snapshot
+        for suffix in (".txt", ".json", ".memory.json", ".memory.pickle.gz"):
             table = run_dir / (rundir.profile_stem(0) + suffix)
             if table.is_file():
                 shutil.copy(table, out.parent / f"profile-{name}-rank0{suffix}")

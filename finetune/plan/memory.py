@@ -67,6 +67,7 @@ from finetune.plan.workload import (
     adapter_tensors,
     attention_widths,
     count_params,
+    layer_kinds,
     lora_params,
     model_tensors,
     module_shapes,
@@ -77,6 +78,7 @@ from finetune.plan.workload import (
     saved_module_tensors,
     trained_tensor_sizes,
 )
+from finetune.registry.schema import ModelArch
 from finetune.strategies import ZERO3_SUB_GROUP_ELEMENTS, info, is_fsdp
 
 CUDA_FIXED_BYTES = 1.5 * GIB  # CUDA context, cuBLAS/cuDNN workspaces, kernel images
@@ -257,18 +259,27 @@ def masked_attention(job: Job, *, micro_batch: int) -> tuple[int, int] | None:
     return (1, longest) if job.attention == "eager" else None  # sdpa: is_causal, no mask
 
 
-def activation_bytes_per_token_layer(job: Job, *, micro_batch: int = 1, casts: bool = False) -> float:
+def activation_bytes_per_token_layer(
+    job: Job, *, micro_batch: int = 1, casts: bool = False, fp32_stream: bool = False
+) -> float:
+    """Bytes a decoder layer keeps for its backward per token. `fp32_stream`: an fp32 model under 16-bit
+    autocast (autocast_fp32_model), whose residual stream and norm outputs stay fp32."""
     a, arch = job.act_bytes, job.arch
     h, i = arch.hidden_size, arch.intermediate_size
     q, kv, v = attention_widths(arch)
     full = job.adapter == "full"
-    # Liger's RMSNorm keeps its bf16 input and an fp32 rstd per row instead of the fp32 upcast input
+    r = 4 if fp32_stream else a  # the residual stream's dtype: every norm's input
+    # Liger's RMSNorm keeps its input and an fp32 rstd per row instead of the fp32 upcast input
     # (LigerRMSNormFunction saves only X, W and rstd: its weight gradient needs no normalized copy either)
     # every norm keeps its input; the two pre-norms' outputs feed the linears/LoRA (Gemma-2/3's post-norms
-    # feed the residual add, which keeps nothing)
+    # feed the residual add, which keeps nothing). Under autocast those outputs are fp32 and not kept: each
+    # trained linear reading one keeps its own 16-bit cast of it instead (q, k, v, gate and up: five a Llama
+    # layer; a full 3B's memory profile, docs/validation.md twelfth session: 120,832 bytes a token-layer
+    # against 90,112 with bf16 weights)
+    outputs = a * sum(norm_output_readers(arch)) if fp32_stream and full else 2 * r * h
     n_norms = arch.norms_per_layer
     norms = (
-        n_norms * ((a * h + 4) if job.liger else 4 * h) + 2 * a * h + n_norms * (a * h if full and not job.liger else 0)
+        n_norms * ((r * h + 4) if job.liger else 4 * h) + outputs + n_norms * (r * h if full and not job.liger else 0)
     )
     if arch.qk_norm:
         # per-head norms on q and k before RoPE: their input kept like any RMSNorm's (RoPE multiplies the
@@ -307,6 +318,19 @@ def activation_bytes_per_token_layer(job: Job, *, micro_batch: int = 1, casts: b
         if job.dora:
             lora += dora_bytes_per_token_layer(job)
     return norms + attention + mlp + lora
+
+
+def norm_output_readers(arch: ModelArch) -> list[int]:
+    """In-widths of the linears of a dense layer that read a pre-norm's output (all but o_proj and down_proj)."""
+    h = arch.hidden_size
+    dense = layer_kinds(arch)[0][2]
+    return [fin * n for name, (fin, _, n) in dense.items() if name not in ("o_proj", "down_proj") and fin == h]
+
+
+def autocast_fp32_model(job: Job, *, strategy: str) -> bool:
+    """An fp32 model trained under bf16/fp16 autocast (model.dtype float32 with DDP): FSDP2 computes in the
+    MixedPrecisionPolicy's dtype, DeepSpeed converts the model to 16 bits, quantized bases dequantize."""
+    return info(strategy).backend == "ddp" and job.weight_bytes == 4 and job.act_bytes != 4 and not job.quantized_base
 
 
 def dora_bytes_per_token_layer(job: Job) -> float:
@@ -359,7 +383,9 @@ def checkpointed_layers(job: Job, checkpointing: bool | int) -> int:
     return max(0, min(int(checkpointing), job.arch.num_layers))
 
 
-def activation_bytes(job: Job, *, micro_batch: int, checkpointing: bool | int, casts: bool = False) -> float:
+def activation_bytes(
+    job: Job, *, micro_batch: int, checkpointing: bool | int, casts: bool = False, fp32_stream: bool = False
+) -> float:
     """Saved activations at the peak (the start of the backward pass).
 
     Checkpointing the first k of L layers (finetune/train/callbacks.py): those keep only their input
@@ -369,12 +395,13 @@ def activation_bytes(job: Job, *, micro_batch: int, checkpointing: bool | int, c
     one layer when k = L (which is why k = L - 1 needs less memory than k = L)."""
     tokens = tokens_per_micro_batch(job, micro_batch)
     per_layer = activation_bytes_per_token_layer(
-        job, micro_batch=micro_batch, casts=casts
+        job, micro_batch=micro_batch, casts=casts, fp32_stream=fp32_stream
     ) * tokens + attention_matrix_bytes(job, micro_batch=micro_batch)
     layers = job.arch.num_layers
     k = checkpointed_layers(job, checkpointing)
-    edges = 4 * job.act_bytes * job.arch.hidden_size * tokens  # embedding output + final norm
-    inputs = k * job.act_bytes * job.arch.hidden_size * tokens
+    stream = 4 if fp32_stream else job.act_bytes  # the residual stream: a checkpointed layer's kept input
+    edges = 4 * stream * job.arch.hidden_size * tokens  # embedding output + final norm
+    inputs = k * stream * job.arch.hidden_size * tokens
     recompute = per_layer if k == layers else 0.0
     return (layers - k) * per_layer + inputs + recompute + edges
 
@@ -419,7 +446,7 @@ def footprint(
     grad_dtype = 4 if job.adapter != "full" else max(job.weight_bytes, 4)  # reduce in fp32
     layer_grads = states.trainable_params / job.arch.num_layers * grad_dtype
     tier = info(strategy)
-    extra_grads = allocator_held = 0.0
+    extra_grads = second_partition = 0.0
     if tier.backend == "ddp":
         # DDP's gradient buckets hold a second copy of the gradients (no gradient_as_bucket_view)
         comm = states.gradients if p.world_size > 1 else 0.0
@@ -428,10 +455,10 @@ def footprint(
         # all-gather bucket, each reduce_bucket_size (h x h, compile/deepspeed.py) 16-bit elements
         comm = 3 * job.arch.hidden_size**2 * 2 if p.world_size > 1 else 0.0
         if accumulation_steps(job, micro_batch) > 1:
-            # with accumulation the caching allocator held about one 16-bit gradient partition more than was
-            # allocated at the peak (full 3B and 1B on one H100: 6.1 and 3.6 GiB reserved over allocated, the
-            # allocation itself as planned; without accumulation 2.0 GiB, row 85): counted, not explained
-            allocator_held = states.trainable_params * 2 / state_shard_degree(job, strategy)
+            # with accumulation the first micro-batch's reduced partition lives on DeepSpeed's reduction
+            # stream until the step, and each later micro-batch reduces into a new one beside it: two 16-bit
+            # partitions in that stream's own segment (full 1B on one H200, memory profile: 2 x 2.3 GiB)
+            second_partition = states.trainable_params * 2 / state_shard_degree(job, strategy)
     elif tier.backend == "fsdp":
         comm = root + 2 * layer + fsdp_gradient_buffers(job, strategy=strategy)
         if accumulation_steps(job, micro_batch) > 1 and not sync_each_batch:
@@ -453,7 +480,11 @@ def footprint(
         optimizer=opt_on_gpu * states.optimizer / states_shard,
     )
     acts = activation_bytes(
-        job, micro_batch=micro_batch, checkpointing=checkpointing, casts=adapter_input_casts(job, strategy)
+        job,
+        micro_batch=micro_batch,
+        checkpointing=checkpointing,
+        casts=adapter_input_casts(job, strategy),
+        fp32_stream=autocast_fp32_model(job, strategy=strategy),
     )
     logits = loss_head_bytes(job, micro_batch=micro_batch)
     fixed = CPU_FIXED_BYTES if cpu else CUDA_FIXED_BYTES + (NCCL_BYTES if p.world_size > 1 else 0)
@@ -469,7 +500,14 @@ def footprint(
         step = optimizer_step_transient_bytes(
             job, flat=deepspeed, shard=state_shard_degree(job, strategy) if deepspeed else shard
         )
-    fixed += max(0.0, step - acts - logits) + allocator_held
+        if deepspeed:
+            step += zero_gradient_cast_bytes(job, strategy=strategy)
+    if not gradients_held_through_forward(job, strategy=strategy, micro_batch=micro_batch):
+        # born in the backward as the activations are freed, gone before the next forward: they and the
+        # step's temporaries replace the activations, and only an excess adds
+        step += on_gpu.gradients
+        on_gpu = replace(on_gpu, gradients=0.0)
+    fixed += max(0.0, step - acts - logits) + second_partition
     subtotal = on_gpu.total + acts + logits + comm
     memory = MemoryBreakdown(
         weights=on_gpu.weights,
@@ -483,6 +521,27 @@ def footprint(
     )
     host = host_bytes(job, strategy=strategy, states=states, layer=layer)
     return Footprint(memory, host.peak, host.nvme, host.training)
+
+
+def zero_gradient_cast_bytes(job: Job, *, strategy: str) -> float:
+    """DeepSpeed's step flattens this rank's 16-bit gradient partition and casts the flat copy to fp32 for the
+    fp32 master weights (ZeRO-1/2: the whole partition at once, stage_1_and_2.step; ZeRO-3: one sub-group of
+    sub_group_size elements at a time): 2 + 4 bytes an element, after the backward has freed the activations.
+    Full 1B under ZeRO-2 on one H200 (memory profile): 2.3 + 4.6 GiB at the step, its peak."""
+    elements = state_bytes(job, strategy).trainable_params / state_shard_degree(job, strategy)
+    if info(strategy).zero_stage == 3:
+        elements = min(elements, ZERO3_SUB_GROUP_ELEMENTS)
+    return (2 + 4) * elements
+
+
+def gradients_held_through_forward(job: Job, *, strategy: str, micro_batch: int) -> bool:
+    """Whether a step's forward runs beside the gradients. The Trainer frees them after each optimizer step
+    (zero_grad sets them to None), so only these keep them: accumulation (the earlier micro-batches'),
+    DDP's buckets on several GPUs, DeepSpeed's and FSDP2's gradient partitions and reduce buffers. A single
+    process without accumulation allocates them in the backward while the activations are freed: its memory
+    profile (docs/validation.md, twelfth session) held the weights and optimizer states at the step's start
+    and no gradient at the peak."""
+    return info(strategy).backend != "ddp" or job.preset.world_size > 1 or accumulation_steps(job, micro_batch) > 1
 
 
 def trained_unit_params(job: Job) -> tuple[float, float]:
@@ -500,7 +559,7 @@ def autocast_weight_copies(job: Job, *, strategy: str, checkpointing: bool | int
     backward's start every layer's copies are alive but a checkpointed layer's (recomputed then), and the
     lm_head's. FSDP2 casts through its MixedPrecisionPolicy (the gathered copy is counted as comm), DeepSpeed
     converts the model to 16 bits itself, and quantized bases dequantize per matmul (bitsandbytes)."""
-    if info(strategy).backend != "ddp" or job.weight_bytes != 4 or job.act_bytes == 4 or job.quantized_base:
+    if not autocast_fp32_model(job, strategy=strategy):
         return 0.0
     layers = job.arch.num_layers
     kept = count_params(job.arch).layers_linear * (layers - checkpointed_layers(job, checkpointing)) / layers

@@ -614,6 +614,14 @@ class LoggingSection(Strict):
         description="[start, stop]: torch.profiler over optimizer steps start..stop-1, written to RUN_DIR/profile/",
     )
 
+    memory_profile_step: int | None = Field(
+        None,
+        ge=1,
+        description="optimizer step N: the CUDA allocator records that step, and each rank writes what held the "
+        "memory at its peak, by the code that allocated it, to RUN_DIR/profile/rank-K.memory.json (the step runs "
+        "slower; pick one after the first and outside profile_steps)",
+    )
+
     @field_validator("profile_steps")
     @classmethod
     def _window(cls, v):

@@ -28,39 +28,55 @@ class PaddingFreePairs:
     after the policy's has returned)."""
 
     layouts: list = field(default_factory=list)
+    _last: tuple | None = None  # (the mask, its layout): the reference's call reuses the policy's
 
     def attach(self, module) -> None:
         module.register_forward_pre_hook(self.before, with_kwargs=True)
         module.register_forward_hook(self.after, with_kwargs=True)
 
-    def before(self, module, args, kwargs):
+    def layout(self, mask) -> dict:
+        """Where each sequence's real tokens go in the flat row, worked out on the host from one copy of the
+        mask: indexing by a device mask (its output's size) would wait for the GPU at every step of it, seven
+        host syncs a call where this makes one a micro-batch. The index tensors go back without a wait."""
+        if self._last is not None and self._last[0] is mask:
+            return self._last[1]
         import torch
 
+        host = mask.to("cpu").bool()
+        lengths = host.sum(dim=1)
+        ends = torch.cumsum(lengths, dim=0)
+        starts = torch.repeat_interleave(ends - lengths, lengths)
+        layout = {
+            "index": host.reshape(-1).nonzero().squeeze(1),  # the real tokens, in the order boolean indexing takes
+            "positions": torch.arange(int(ends[-1])) - starts,
+            "last": ends - 1,  # each sequence's last token predicts nothing (the next one is another sequence's)
+            "cu": torch.cat([ends.new_zeros(1), ends]).to(torch.int32),
+        }
+        if mask.device.type == "cuda":
+            layout = {k: v.pin_memory().to(mask.device, non_blocking=True) for k, v in layout.items()}
+        layout["longest"] = int(lengths.max())
+        self._last = (mask, layout)
+        return layout
+
+    def before(self, module, args, kwargs):
         ids, mask = kwargs.get("input_ids"), kwargs.get("attention_mask")
         if args or not kwargs.get("fused_lm_head") or ids is None or mask is None or kwargs.get("labels") is None:
             self.layouts.append(None)
             return None
-        keep = mask.bool()
-        lengths = keep.sum(dim=1)
-        flat_labels = kwargs["labels"][keep]
-        shift = torch.roll(flat_labels, -1)
-        ends = torch.cumsum(lengths, dim=0)
-        shift[ends - 1] = -100  # a sequence's last token predicts nothing (the next one is another sequence's)
-        cu = torch.cat([ends.new_zeros(1), ends]).to(torch.int32)
-        longest = int(lengths.max())
-        starts = torch.repeat_interleave(ends - lengths, lengths)
-        positions = torch.arange(int(ends[-1]), device=ids.device) - starts
+        at = self.layout(mask)
+        shift = kwargs["labels"].reshape(-1).index_select(0, at["index"]).roll(-1)
+        shift.index_fill_(0, at["last"], -100)  # a scalar fill: `shift[last] = -100` copies -100 from the host
         packed = {k: v for k, v in kwargs.items() if k not in ("input_ids", "attention_mask", "labels")}
         packed.update(
-            input_ids=ids[keep][None],
-            position_ids=positions[None],
+            input_ids=ids.reshape(-1).index_select(0, at["index"])[None],
+            position_ids=at["positions"][None],
             shift_labels=shift[None],
-            cu_seq_lens_q=cu,
-            cu_seq_lens_k=cu,
-            max_length_q=longest,
-            max_length_k=longest,
+            cu_seq_lens_q=at["cu"],
+            cu_seq_lens_k=at["cu"],
+            max_length_q=at["longest"],
+            max_length_k=at["longest"],
         )
-        self.layouts.append(keep)
+        self.layouts.append(mask.bool())
         return args, packed
 
     def after(self, module, args, kwargs, output):

@@ -223,16 +223,18 @@ class SyncSites:
         return [{"calls": n, "site": site} for site, n in self.counts.most_common(top)]
 
 
-def _frame(f: traceback.FrameSummary) -> str:
-    """'package/module.py:LINE function', the path cut at site-packages or the repository."""
-    path = f.filename.replace("\\", "/")
+def package_path(path: str) -> str:
+    """A source file's path from its package on: cut at site-packages, else its last two parts."""
+    path = path.replace("\\", "/")
     for marker in ("/site-packages/", "/dist-packages/"):
         if marker in path:
-            path = path.split(marker, 1)[1]
-            break
-    else:
-        path = "/".join(path.split("/")[-2:])
-    return f"{path}:{f.lineno} {f.name}"
+            return path.split(marker, 1)[1]
+    return "/".join(path.split("/")[-2:])
+
+
+def _frame(f: traceback.FrameSummary) -> str:
+    """'package/module.py:LINE function'."""
+    return f"{package_path(f.filename)}:{f.lineno} {f.name}"
 
 
 class ProfilerCallback(TrainerCallback):

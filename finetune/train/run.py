@@ -241,6 +241,11 @@ def _callbacks(session: _Session, *, preempt) -> list:
 
         start, stop = recipe.logging.profile_steps
         callbacks.append(ProfilerCallback(run_dir, start=start, stop=stop, rank=session.state.process_index))
+    if recipe.logging.memory_profile_step:
+        from finetune.train.memory_history import MemoryHistoryCallback
+
+        step = recipe.logging.memory_profile_step
+        callbacks.append(MemoryHistoryCallback(run_dir, step=step, rank=session.state.process_index))
     return callbacks
 
 

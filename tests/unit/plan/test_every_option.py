@@ -121,6 +121,7 @@ NO_EFFECT = {
     "logging.loss_log_scale": "a plot",
     "logging.loss_smoothing": "a plot",
     "logging.profile_steps": "a profiler window of a few steps",
+    "logging.memory_profile_step": "one step of the allocator's history (slower; outside the timed window)",
     "slurm.partition": "where the job is queued",
     "slurm.account": "where the job is queued",
     "slurm.time": "the job's time limit",

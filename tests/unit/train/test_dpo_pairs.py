@@ -74,6 +74,10 @@ def test_padding_free_pairs_give_the_padded_log_probs_and_gradients():
         scale = float(grad.abs().max())  # fp32 summation order differs between the layouts
         torch.testing.assert_close(free_grads[name], grad, rtol=1e-4, atol=1e-5 * scale, msg=name)
     assert pairs.layouts == []  # nothing left over between calls
+    # the reference's call gets the same mask: its layout is the policy's, read from the host once
+    first = pairs.layout(batch["attention_mask"])
+    assert pairs.layout(batch["attention_mask"]) is first
+    assert pairs.layout(batch["attention_mask"].clone()) is not first
 
 
 @pytest.mark.parametrize("fused", [False])
