@@ -78,8 +78,10 @@ def render_plan_table(plan: Plan) -> str:
         f"{_params(plan.trainable_params)} trainable), {plan.method} {plan.adapter}, seq {plan.seq_len}",
         f"hardware {plan.hardware}: {plan.num_nodes} node(s) x {plan.gpus_per_node} "
         f"{'process' if plan.device == 'cpu' else 'GPU'}(s)",
-        "memory per GPU in GiB (host RAM per node); step time per optimizer step; sync: FSDP2 reduces the "
-        "gradients after each micro-batch or a step's last (-: no such setting)",
+        "memory per GPU in GiB (host RAM per node) at its peak; step time per optimizer step; sync: FSDP2 reduces "
+        "the gradients after each micro-batch or a step's last (-: no such setting); grads: those alive during "
+        "the forward (a single process without accumulation frees them first: their excess over the freed "
+        "activations is in ovhd)",
         "",
     ]
     header = "  ".join(h.rjust(w) if i else h.ljust(w) for i, (h, w, _) in enumerate(_COLUMNS))

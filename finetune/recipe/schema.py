@@ -790,6 +790,14 @@ def _random_init_conflicts(recipe: Recipe):
 def recipe_conflicts(recipe: Recipe):
     """Yield (key path, message with a fix) for settings that contradict each other."""
     t, a, m, d = recipe.train, recipe.adapter, recipe.method, recipe.data
+    window, memory_step = recipe.logging.profile_steps, recipe.logging.memory_profile_step
+    if window is not None and memory_step is not None and window[0] <= memory_step < window[1]:
+        yield (
+            "logging.memory_profile_step",
+            f"step {memory_step} is inside logging.profile_steps [{window[0]}, {window[1]}): recording the "
+            f"allocator's history slows that step, and the profile would time it; pick a step outside the "
+            f"window (e.g. memory_profile_step: {window[1]})",
+        )
     if t.epochs is not None and t.max_steps is not None:
         yield (
             "train.max_steps",

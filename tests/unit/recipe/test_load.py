@@ -69,6 +69,11 @@ def test_wrong_literal_lists_choices():
         ({"method": "dpo"}, "data.sources", "format: preference"),
         ({"train": {"epochs": 1, "max_steps": 10}}, "train.max_steps", "keep one"),
         (
+            {"logging": {"profile_steps": [3, 5], "memory_profile_step": 4}},
+            "logging.memory_profile_step",
+            "memory_profile_step: 5",
+        ),
+        (
             {"adapter": {"type": "qlora", "storage_dtype": "uint8"}, "distributed": {"strategy": "fsdp2"}},
             "adapter.storage_dtype",
             "storage_dtype: bfloat16",
