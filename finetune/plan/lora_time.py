@@ -47,7 +47,8 @@ from finetune.plan.workload import Job, computed_tokens_per_micro_batch, layer_k
 KERNELS_SAVED_PER_FUSED_LINEAR = 2.0
 
 # the sibling linears of a decoder layer that read one input, by the names transformers gives them (Llama, Qwen,
-# Mistral, Gemma: attention's q/k/v, the gated MLP's gate/up): adapter.fused_lora_groups runs each set as one
+# Mistral, Gemma: attention's q/k/v, the gated MLP's gate/up; the split ones of workload.NORM_OUTPUT_READERS):
+# adapter.fused_lora_groups runs each set as one
 SHARED_INPUT_NAMES = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 
 

@@ -61,6 +61,7 @@ from finetune.plan.moe_memory import mlp_bytes_per_token_layer
 from finetune.plan.optimizer import optimizer_bytes, optimizer_step_transient_bytes
 from finetune.plan.types import GIB, MemoryBreakdown
 from finetune.plan.workload import (
+    NORM_OUTPUT_READERS,
     Job,
     Tensors,
     accumulation_steps,
@@ -321,10 +322,8 @@ def activation_bytes_per_token_layer(
 
 
 def norm_output_readers(arch: ModelArch) -> list[int]:
-    """In-widths of the linears of a dense layer that read a pre-norm's output (all but o_proj and down_proj)."""
-    h = arch.hidden_size
-    dense = layer_kinds(arch)[0][2]
-    return [fin * n for name, (fin, _, n) in dense.items() if name not in ("o_proj", "down_proj") and fin == h]
+    """In-widths of the linears of a (first kind of) layer that read a pre-norm's output."""
+    return [fin * n for name, (fin, _, n) in layer_kinds(arch)[0][2].items() if name in NORM_OUTPUT_READERS]
 
 
 def autocast_fp32_model(job: Job, *, strategy: str) -> bool:

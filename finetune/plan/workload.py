@@ -24,6 +24,20 @@ PEAK_EXCEEDED = 0.01
 PEAK_SIGMAS = 5.0
 PAIRED_METHODS = ("dpo", "kto", "orpo", "simpo", "reward")
 ALL_LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# the linears of a layer whose input is a pre-norm's output, by the names layer_kinds gives them (q/k/v split or
+# fused, MLA's down-projections, gate/up split or fused); o_proj and down_proj read the attention's and the MLP's
+# own outputs
+NORM_OUTPUT_READERS = (
+    "q_proj",
+    "k_proj",
+    "v_proj",
+    "qkv_proj",
+    "q_a_proj",
+    "kv_a_proj_with_mqa",
+    "gate_proj",
+    "up_proj",
+    "gate_up_proj",
+)
 
 
 @dataclass(frozen=True)
