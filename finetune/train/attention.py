@@ -52,9 +52,67 @@ def register() -> str:
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
     AttentionInterface.register(NAME, varlen_attention_forward)
-    # the fallback path is sdpa, so it gets sdpa's masks
-    ALL_MASK_ATTENTION_FUNCTIONS.register(NAME, sdpa_mask)
+    ALL_MASK_ATTENTION_FUNCTIONS.register(NAME, functools.partial(varlen_mask, sdpa_mask))
     return NAME
+
+
+def kernel_takes_packed_row(*, device, dtype, config) -> bool:
+    """Whether the varlen kernel runs a packed row's full-attention layers on this device, for these inputs
+    and this model (soft-capped attention falls back to eager in every layer, see layer_falls_back)."""
+    import torch
+
+    return (
+        _varlen() is not None
+        and device is not None
+        and torch.device(device).type == "cuda"
+        and dtype in (torch.bfloat16, torch.float16)
+        and getattr(config, "attn_logit_softcapping", None) is None
+    )
+
+
+def varlen_mask(sdpa_mask, batch_size, q_length, kv_length, q_offset=0, kv_offset=0, attention_mask=None, **kwargs):
+    """The full-attention mask transformers builds for NAME. A packed training row (one row, no padding mask,
+    no cache) whose layers the kernel runs gets none: the kernel reads the examples' boundaries (cu_seq_lens),
+    and the (1, 1, T, T) block-diagonal boolean mask sdpa_mask would build from the position_ids is T^2 bytes a
+    forward that nothing reads (256 MiB at 16k tokens, 16 GiB at 128k), kept through the backward under
+    checkpointing. A layer that falls back to sdpa builds it from the same boundaries (varlen_attention_forward).
+    Everything else gets sdpa's mask: padded batches, caches, sliding windows (local_size), soft-capped models,
+    fp32 inputs, a CPU."""
+    packed_row = (
+        attention_mask is None
+        and batch_size == 1
+        and q_offset == 0
+        and kv_offset == 0
+        and q_length == kv_length
+        and kwargs.get("local_size") is None
+    )
+    if packed_row and kernel_takes_packed_row(
+        device=kwargs.get("device"), dtype=kwargs.get("dtype"), config=kwargs.get("config")
+    ):
+        return None
+    return sdpa_mask(
+        batch_size=batch_size,
+        q_length=q_length,
+        kv_length=kv_length,
+        q_offset=q_offset,
+        kv_offset=kv_offset,
+        attention_mask=attention_mask,
+        **kwargs,
+    )
+
+
+def block_mask(cu_seq_lens, length: int, *, causal: bool):
+    """(1, 1, length, length) boolean mask of a packed row: each token sees its own example's tokens (and, causal,
+    only those before it)."""
+    import torch
+
+    device = cu_seq_lens.device
+    sizes = cu_seq_lens.diff().to(torch.long)
+    example = torch.repeat_interleave(torch.arange(sizes.numel(), device=device), sizes, output_size=length)
+    mask = example[:, None] == example[None, :]
+    if causal:
+        mask &= torch.ones(length, length, dtype=torch.bool, device=device).tril()
+    return mask[None, None]
 
 
 def _packed_bounds(query, key, kwargs) -> tuple | None:
@@ -111,6 +169,7 @@ def varlen_attention_forward(
 
     kernel = _varlen()
     bounds = _packed_bounds(query, key, kwargs)
+    causal = bool(is_causal if is_causal is not None else module.is_causal)
     plain = (
         kernel is None
         or bounds is None
@@ -118,8 +177,11 @@ def varlen_attention_forward(
         or dropout
         or query.dtype not in (torch.bfloat16, torch.float16)
         or layer_falls_back(kwargs)
-        or not (is_causal if is_causal is not None else module.is_causal)
+        or not causal
     )
+    if plain and attention_mask is None and bounds is not None and query.shape[2] > 1:
+        # varlen_mask left the packed row without a mask for the kernel, and this layer needs one
+        attention_mask = block_mask(bounds[0].to(query.device), query.shape[2], causal=causal)
     if plain and kwargs.get("softcap") is not None:
         return _eager_with_softcap(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
@@ -128,7 +190,7 @@ def varlen_attention_forward(
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal, **kwargs
         )
-    varlen_attn, causal, has_gqa = kernel
+    varlen_attn, causal_kwargs, has_gqa = kernel
     cu_seq_lens, max_length = bounds
     # (1, h, t, d) -> (t, h, d): a view; the kernel needs only the last dimension contiguous
     q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))
@@ -143,7 +205,7 @@ def varlen_attention_forward(
             # GQA) unless the Python wrapper refuses them; repeating them costs two copies of a query-sized
             # tensor per layer, their kept copies and a sum over the groups in the backward
             try:
-                out = varlen_attn(q, k, v, *args, scale=scaling, **causal)
+                out = varlen_attn(q, k, v, *args, scale=scaling, **causal_kwargs)
                 _KV_HEADS_TAKEN["native"] = True
                 return out.unsqueeze(0), None
             except ValueError:  # the head-count check, raised before any kernel runs
@@ -151,7 +213,7 @@ def varlen_attention_forward(
         if not gqa:
             groups = q.shape[1] // k.shape[1]
             k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-    out = varlen_attn(q, k, v, *args, scale=scaling, **causal, **gqa)
+    out = varlen_attn(q, k, v, *args, scale=scaling, **causal_kwargs, **gqa)
     return out.unsqueeze(0), None
 
 

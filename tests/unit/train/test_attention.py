@@ -41,3 +41,46 @@ def test_registered_name_loads_a_model():
         ours = model(ids).logits
         model.set_attn_implementation("sdpa")
         assert torch.allclose(ours, model(ids).logits, atol=1e-5)
+
+
+def _mask(**overrides):
+    """What the registered mask function returns for one packed training row (CUDA, bf16), with overrides."""
+    from transformers import LlamaConfig
+    from transformers.masking_utils import sdpa_mask
+
+    args = dict(
+        batch_size=1, q_length=8, kv_length=8, device="cuda", dtype=torch.bfloat16, config=LlamaConfig()
+    )  # a device named, not used: the decision only reads it
+    args.update(overrides)
+    if args["device"] != "cuda":
+        return attention.varlen_mask(sdpa_mask, **args)
+    sentinel = object()
+    got = attention.varlen_mask(lambda **kw: sentinel, **args)
+    return "sdpa" if got is sentinel else got
+
+
+def test_a_packed_row_the_kernel_runs_gets_no_mask():
+    """transformers would build a (1, 1, T, T) block-diagonal mask from the position_ids for every forward:
+    T^2 bytes that the kernel never reads. Anything the kernel does not run keeps sdpa's mask."""
+    from transformers import Gemma2Config
+
+    assert _mask() is None
+    assert _mask(local_size=4) == "sdpa"  # a sliding window's mask: its layers fall back
+    assert _mask(batch_size=2, q_length=8) == "sdpa"  # padded rows
+    assert _mask(attention_mask=torch.ones(1, 8, dtype=torch.bool)) == "sdpa"
+    assert _mask(q_length=1, kv_offset=7) == "sdpa"  # a cache
+    assert _mask(dtype=torch.float32) == "sdpa"
+    assert _mask(config=Gemma2Config()) == "sdpa"  # soft-capped: every layer falls back
+    assert _mask(device="cpu", q_length=8) is None  # a CPU gets sdpa's (plain causal: no mask needed)
+
+
+def test_a_layer_that_falls_back_without_a_mask_builds_its_packed_row_mask():
+    """CPU is a fallback: given no mask and the row's boundaries, the layer masks each example to itself."""
+    from tests.helpers.attention import block_causal_reference
+
+    lengths = [3, 5, 2]
+    q, k, v, kwargs = packed(lengths)
+    ours, _ = attention.varlen_attention_forward(AttentionModule(), q, k, v, None, **kwargs)
+    torch.testing.assert_close(ours, block_causal_reference(q, k, v, lengths), rtol=1e-4, atol=1e-5)
+    mask = attention.block_mask(kwargs["cu_seq_lens_q"], 10, causal=False)[0, 0]
+    assert mask[0, 2] and not mask[2, 3] and mask[4, 7] and not mask[9, 0]
