@@ -70,35 +70,34 @@ def kernel_takes_packed_row(*, device, dtype, config) -> bool:
     )
 
 
-def varlen_mask(sdpa_mask, batch_size, q_length, kv_length, q_offset=0, kv_offset=0, attention_mask=None, **kwargs):
+def varlen_mask(sdpa_mask, *args, **kwargs):
     """The full-attention mask transformers builds for NAME. A packed training row (one row, no padding mask,
     no cache) whose layers the kernel runs gets none: the kernel reads the examples' boundaries (cu_seq_lens),
     and the (1, 1, T, T) block-diagonal boolean mask sdpa_mask would build from the position_ids is T^2 bytes a
     forward that nothing reads (256 MiB at 16k tokens, 16 GiB at 128k), kept through the backward under
     checkpointing. A layer that falls back to sdpa builds it from the same boundaries (varlen_attention_forward).
-    Everything else gets sdpa's mask: padded batches, caches, sliding windows (local_size), soft-capped models,
-    fp32 inputs, a CPU."""
-    packed_row = (
-        attention_mask is None
-        and batch_size == 1
-        and q_offset == 0
-        and kv_offset == 0
-        and q_length == kv_length
-        and kwargs.get("local_size") is None
-    )
-    if packed_row and kernel_takes_packed_row(
-        device=kwargs.get("device"), dtype=kwargs.get("dtype"), config=kwargs.get("config")
-    ):
-        return None
-    return sdpa_mask(
-        batch_size=batch_size,
-        q_length=q_length,
-        kv_length=kv_length,
-        q_offset=q_offset,
-        kv_offset=kv_offset,
-        attention_mask=attention_mask,
-        **kwargs,
-    )
+    Everything else gets sdpa's mask, with the arguments as transformers passed them (their names changed between
+    releases: q_length/q_offset, earlier cache_position): padded batches, caches, sliding windows, soft-capped
+    models, fp32 inputs, a CPU."""
+    if not args and _one_unpadded_row(kwargs):
+        position = kwargs.get("cache_position")
+        device = kwargs.get("device", getattr(position, "device", None))
+        if kernel_takes_packed_row(device=device, dtype=kwargs.get("dtype"), config=kwargs.get("config")):
+            return None
+    return sdpa_mask(*args, **kwargs)
+
+
+def _one_unpadded_row(kwargs: dict) -> bool:
+    """A mask request for one row without padding whose queries are all of its keys (training, not decoding)."""
+    if kwargs.get("attention_mask") is not None or kwargs.get("batch_size") != 1 or kwargs.get("kv_offset", 0) != 0:
+        return False
+    if any(kwargs.get(k) is not None for k in ("local_size", "sliding_window", "chunk_size")):
+        return False
+    kv = kwargs.get("kv_length")
+    if "q_length" in kwargs:
+        return kwargs["q_length"] == kv and kwargs.get("q_offset", 0) == 0
+    position = kwargs.get("cache_position")
+    return position is not None and position.numel() == kv
 
 
 def block_mask(cu_seq_lens, length: int, *, causal: bool):

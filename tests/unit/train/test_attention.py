@@ -44,19 +44,17 @@ def test_registered_name_loads_a_model():
 
 
 def _mask(**overrides):
-    """What the registered mask function returns for one packed training row (CUDA, bf16), with overrides."""
+    """What the registered mask function returns for one packed training row (CUDA, bf16), with overrides (None:
+    the argument left out); 'sdpa' where it hands the request to sdpa's mask function unchanged."""
     from transformers import LlamaConfig
-    from transformers.masking_utils import sdpa_mask
 
-    args = dict(
-        batch_size=1, q_length=8, kv_length=8, device="cuda", dtype=torch.bfloat16, config=LlamaConfig()
-    )  # a device named, not used: the decision only reads it
-    args.update(overrides)
-    if args["device"] != "cuda":
-        return attention.varlen_mask(sdpa_mask, **args)
-    sentinel = object()
-    got = attention.varlen_mask(lambda **kw: sentinel, **args)
-    return "sdpa" if got is sentinel else got
+    args = dict(batch_size=1, q_length=8, kv_length=8, device="cuda", dtype=torch.bfloat16, config=LlamaConfig())
+    args.update(overrides)  # the device is only named, never used: the decision reads it
+    args = {k: v for k, v in args.items() if v is not None}
+    seen = {}
+    got = attention.varlen_mask(lambda **kw: seen.update(kw) or "sdpa", **args)
+    assert got is None or seen == args  # passed through as transformers gave it
+    return got
 
 
 def test_a_packed_row_the_kernel_runs_gets_no_mask():
@@ -71,7 +69,12 @@ def test_a_packed_row_the_kernel_runs_gets_no_mask():
     assert _mask(q_length=1, kv_offset=7) == "sdpa"  # a cache
     assert _mask(dtype=torch.float32) == "sdpa"
     assert _mask(config=Gemma2Config()) == "sdpa"  # soft-capped: every layer falls back
-    assert _mask(device="cpu", q_length=8) is None  # a CPU gets sdpa's (plain causal: no mask needed)
+    assert _mask(device="cpu") == "sdpa"
+    # transformers releases that pass cache_position instead of q_length/q_offset (and no device: its tensor's)
+    position = torch.arange(8)
+    assert _mask(q_length=None, device=None, cache_position=position) == "sdpa"  # a CPU tensor
+    assert attention._one_unpadded_row({"batch_size": 1, "kv_length": 8, "cache_position": position})
+    assert not attention._one_unpadded_row({"batch_size": 1, "kv_length": 8, "cache_position": position[-1:]})
 
 
 def test_a_layer_that_falls_back_without_a_mask_builds_its_packed_row_mask():
