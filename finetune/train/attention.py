@@ -125,6 +125,28 @@ def _packed_bounds(query, key, kwargs) -> tuple | None:
     return cu_q, int(max_q)
 
 
+def _bounds_from_positions(position_ids, length: int) -> tuple | None:
+    """(cu_seq_lens, max_length) of a packed row from position_ids restarting at 0 at each example, or None when
+    they do not restart (one sequence). Reading them waits for the GPU, so a forward's layers (which all get the
+    same position_ids tensor) share one answer; only rows that came without cu_seq_lens ask."""
+    import torch
+
+    if position_ids is None or position_ids.shape[-1] != length:
+        return None
+    if _POSITIONS_SEEN and _POSITIONS_SEEN[0] is position_ids:
+        return _POSITIONS_SEEN[1]
+    starts = (position_ids.reshape(-1) == 0).nonzero().flatten()
+    bounds = None
+    if starts.numel() > 1:
+        cu = torch.cat([starts, starts.new_tensor([length])]).to(torch.int32)
+        bounds = (cu, int(cu.diff().max()))
+    _POSITIONS_SEEN[:] = [position_ids, bounds]
+    return bounds
+
+
+_POSITIONS_SEEN: list = []  # [the last position_ids tensor asked about, its bounds]
+
+
 def layer_falls_back(kwargs: dict) -> bool:
     """The layer asks for what the varlen kernel does not do: a sliding window or logit soft-capping.
     The planner's torch-free copy of this rule is finetune.plan.workload.varlen_fallback_layers (it
@@ -168,6 +190,9 @@ def varlen_attention_forward(
 
     kernel = _varlen()
     bounds = _packed_bounds(query, key, kwargs)
+    if bounds is None and attention_mask is None and query.shape[0] == 1 and query.shape[2] > 1:
+        # a packed row whose boundaries did not come along (varlen_mask gave it no mask): from its position_ids
+        bounds = _bounds_from_positions(kwargs.get("position_ids"), query.shape[2])
     causal = bool(is_causal if is_causal is not None else module.is_causal)
     plain = (
         kernel is None

@@ -87,3 +87,18 @@ def test_a_layer_that_falls_back_without_a_mask_builds_its_packed_row_mask():
     torch.testing.assert_close(ours, block_causal_reference(q, k, v, lengths), rtol=1e-4, atol=1e-5)
     mask = attention.block_mask(kwargs["cu_seq_lens_q"], 10, causal=False)[0, 0]
     assert mask[0, 2] and not mask[2, 3] and mask[4, 7] and not mask[9, 0]
+
+
+def test_a_packed_row_without_boundaries_is_kept_apart_by_its_position_ids():
+    """A packed row whose cu_seq_lens did not come along (no mask either): the position_ids' restarts bound it."""
+    from tests.helpers.attention import block_causal_reference
+
+    lengths = [4, 2, 5]
+    q, k, v, _ = packed(lengths)
+    positions = torch.cat([torch.arange(n) for n in lengths])[None]
+    ours, _ = attention.varlen_attention_forward(AttentionModule(), q, k, v, None, position_ids=positions)
+    torch.testing.assert_close(ours, block_causal_reference(q, k, v, lengths), rtol=1e-4, atol=1e-5)
+    assert attention._bounds_from_positions(torch.arange(11)[None], 11) is None  # one sequence: plain causal
+    # the layers of one forward share the answer for their (same) position_ids tensor
+    first = attention._bounds_from_positions(positions, 11)
+    assert attention._bounds_from_positions(positions, 11) is first and first[0].tolist() == [0, 4, 6, 11]
