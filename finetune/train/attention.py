@@ -52,66 +52,9 @@ def register() -> str:
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
     AttentionInterface.register(NAME, varlen_attention_forward)
-    ALL_MASK_ATTENTION_FUNCTIONS.register(NAME, functools.partial(varlen_mask, sdpa_mask))
+    # the fallback path is sdpa, so it gets sdpa's masks
+    ALL_MASK_ATTENTION_FUNCTIONS.register(NAME, sdpa_mask)
     return NAME
-
-
-def kernel_takes_packed_row(*, device, dtype, config) -> bool:
-    """Whether the varlen kernel runs a packed row's full-attention layers on this device, for these inputs
-    and this model (soft-capped attention falls back to eager in every layer, see layer_falls_back)."""
-    import torch
-
-    return (
-        _varlen() is not None
-        and device is not None
-        and torch.device(device).type == "cuda"
-        and dtype in (torch.bfloat16, torch.float16)
-        and getattr(config, "attn_logit_softcapping", None) is None
-    )
-
-
-def varlen_mask(sdpa_mask, *args, **kwargs):
-    """The full-attention mask transformers builds for NAME. A packed training row (one row, no padding mask,
-    no cache) whose layers the kernel runs gets none: the kernel reads the examples' boundaries (cu_seq_lens),
-    and the (1, 1, T, T) block-diagonal boolean mask sdpa_mask would build from the position_ids is T^2 bytes a
-    forward that nothing reads (256 MiB at 16k tokens, 16 GiB at 128k), kept through the backward under
-    checkpointing. A layer that falls back to sdpa builds it from the same boundaries (varlen_attention_forward).
-    Everything else gets sdpa's mask, with the arguments as transformers passed them (their names changed between
-    releases: q_length/q_offset, earlier cache_position): padded batches, caches, sliding windows, soft-capped
-    models, fp32 inputs, a CPU."""
-    if not args and _one_unpadded_row(kwargs):
-        position = kwargs.get("cache_position")
-        device = kwargs.get("device", getattr(position, "device", None))
-        if kernel_takes_packed_row(device=device, dtype=kwargs.get("dtype"), config=kwargs.get("config")):
-            return None
-    return sdpa_mask(*args, **kwargs)
-
-
-def _one_unpadded_row(kwargs: dict) -> bool:
-    """A mask request for one row without padding whose queries are all of its keys (training, not decoding)."""
-    if kwargs.get("attention_mask") is not None or kwargs.get("batch_size") != 1 or kwargs.get("kv_offset", 0) != 0:
-        return False
-    if any(kwargs.get(k) is not None for k in ("local_size", "sliding_window", "chunk_size")):
-        return False
-    kv = kwargs.get("kv_length")
-    if "q_length" in kwargs:
-        return kwargs["q_length"] == kv and kwargs.get("q_offset", 0) == 0
-    position = kwargs.get("cache_position")
-    return position is not None and position.numel() == kv
-
-
-def block_mask(cu_seq_lens, length: int, *, causal: bool):
-    """(1, 1, length, length) boolean mask of a packed row: each token sees its own example's tokens (and, causal,
-    only those before it)."""
-    import torch
-
-    device = cu_seq_lens.device
-    sizes = cu_seq_lens.diff().to(torch.long)
-    example = torch.repeat_interleave(torch.arange(sizes.numel(), device=device), sizes, output_size=length)
-    mask = example[:, None] == example[None, :]
-    if causal:
-        mask &= torch.ones(length, length, dtype=torch.bool, device=device).tril()
-    return mask[None, None]
 
 
 def _packed_bounds(query, key, kwargs) -> tuple | None:
@@ -123,28 +66,6 @@ def _packed_bounds(query, key, kwargs) -> tuple | None:
     if cu_k is not cu_q and (cu_k.shape != cu_q.shape or max_k != max_q):
         return None  # a cache or cross attention: not the training layout
     return cu_q, int(max_q)
-
-
-def _bounds_from_positions(position_ids, length: int) -> tuple | None:
-    """(cu_seq_lens, max_length) of a packed row from position_ids restarting at 0 at each example, or None when
-    they do not restart (one sequence). Reading them waits for the GPU, so a forward's layers (which all get the
-    same position_ids tensor) share one answer; only rows that came without cu_seq_lens ask."""
-    import torch
-
-    if position_ids is None or position_ids.shape[-1] != length:
-        return None
-    if _POSITIONS_SEEN and _POSITIONS_SEEN[0] is position_ids:
-        return _POSITIONS_SEEN[1]
-    starts = (position_ids.reshape(-1) == 0).nonzero().flatten()
-    bounds = None
-    if starts.numel() > 1:
-        cu = torch.cat([starts, starts.new_tensor([length])]).to(torch.int32)
-        bounds = (cu, int(cu.diff().max()))
-    _POSITIONS_SEEN[:] = [position_ids, bounds]
-    return bounds
-
-
-_POSITIONS_SEEN: list = []  # [the last position_ids tensor asked about, its bounds]
 
 
 def layer_falls_back(kwargs: dict) -> bool:
@@ -190,10 +111,6 @@ def varlen_attention_forward(
 
     kernel = _varlen()
     bounds = _packed_bounds(query, key, kwargs)
-    if bounds is None and attention_mask is None and query.shape[0] == 1 and query.shape[2] > 1:
-        # a packed row whose boundaries did not come along (varlen_mask gave it no mask): from its position_ids
-        bounds = _bounds_from_positions(kwargs.get("position_ids"), query.shape[2])
-    causal = bool(is_causal if is_causal is not None else module.is_causal)
     plain = (
         kernel is None
         or bounds is None
@@ -201,11 +118,8 @@ def varlen_attention_forward(
         or dropout
         or query.dtype not in (torch.bfloat16, torch.float16)
         or layer_falls_back(kwargs)
-        or not causal
+        or not (is_causal if is_causal is not None else module.is_causal)
     )
-    if plain and attention_mask is None and bounds is not None and query.shape[2] > 1:
-        # varlen_mask left the packed row without a mask for the kernel, and this layer needs one
-        attention_mask = block_mask(bounds[0].to(query.device), query.shape[2], causal=causal)
     if plain and kwargs.get("softcap") is not None:
         return _eager_with_softcap(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
@@ -214,7 +128,7 @@ def varlen_attention_forward(
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal, **kwargs
         )
-    varlen_attn, causal_kwargs, has_gqa = kernel
+    varlen_attn, causal, has_gqa = kernel
     cu_seq_lens, max_length = bounds
     # (1, h, t, d) -> (t, h, d): a view; the kernel needs only the last dimension contiguous
     q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))
@@ -229,7 +143,7 @@ def varlen_attention_forward(
             # GQA) unless the Python wrapper refuses them; repeating them costs two copies of a query-sized
             # tensor per layer, their kept copies and a sum over the groups in the backward
             try:
-                out = varlen_attn(q, k, v, *args, scale=scaling, **causal_kwargs)
+                out = varlen_attn(q, k, v, *args, scale=scaling, **causal)
                 _KV_HEADS_TAKEN["native"] = True
                 return out.unsqueeze(0), None
             except ValueError:  # the head-count check, raised before any kernel runs
@@ -237,7 +151,7 @@ def varlen_attention_forward(
         if not gqa:
             groups = q.shape[1] // k.shape[1]
             k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-    out = varlen_attn(q, k, v, *args, scale=scaling, **causal_kwargs, **gqa)
+    out = varlen_attn(q, k, v, *args, scale=scaling, **causal, **gqa)
     return out.unsqueeze(0), None
 
 
