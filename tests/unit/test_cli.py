@@ -1,4 +1,4 @@
-"""The CLI: exit codes, messages without tracebacks, a fast plan."""
+"""The CLI: exit codes, messages without tracebacks, a plan without heavy imports."""
 
 import json
 import re
@@ -19,22 +19,19 @@ def finetune(*args, cwd=ROOT):
     )
 
 
-def test_plan_is_fast():
-    # "well under a second" for a 405B plan, the imports included (tests/unit/test_import_boundaries.py
-    # checks that they are torch-free)
+def test_a_405b_plan_imports_nothing_heavy():
+    # what keeps `finetune plan` well under a second (scripts/bench_plan.py times it): no torch, transformers or
+    # CUDA import on its way, from the CLI's entry to the plan of the largest shipped recipe
     code = (
-        "import sys, time, json\n"
-        "t = time.perf_counter()\n"
+        "import sys, json\n"
         "from finetune.cli import main\n"
         "rc = main(['plan', 'recipes/llama405b-qlora.yaml', '--hardware', 'server-8xh100', '--json'])\n"
-        "elapsed = time.perf_counter() - t\n"
-        "print(json.dumps({'rc': rc, 'elapsed': elapsed}), file=sys.stderr)\n"
+        "print(json.dumps({'rc': rc}), file=sys.stderr)\n"
     )
     proc, heavy = heavy_imports(code)
     report = json.loads([line for line in proc.stderr.splitlines() if line.startswith("{")][-1])
     assert report["rc"] == 0, proc.stdout
     assert heavy == []
-    assert report["elapsed"] < 1.0, report
     plan = json.loads(proc.stdout)
     assert plan["fits"] is True
 
