@@ -21,6 +21,7 @@ from typing import Any
 
 import yaml
 
+from finetune.compile.files import write_atomic
 from finetune.errors import FinetuneError, RecipeError
 
 SOURCES = ("axolotl", "llamafactory", "trl")
@@ -185,7 +186,4 @@ def write_recipe_text(out: Path, text: str) -> None:
         with out.open("w", encoding="utf-8") as fh:
             fh.write(text)
         return
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(out.name + ".tmp")
-    tmp.write_text(text, encoding="utf-8")
-    os.replace(tmp, out)
+    write_atomic(out, text)

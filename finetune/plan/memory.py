@@ -500,7 +500,7 @@ def footprint(
             job, flat=deepspeed, shard=state_shard_degree(job, strategy) if deepspeed else shard
         )
         if deepspeed:
-            step += zero_gradient_cast_bytes(job, strategy=strategy)
+            step += zero_gradient_cast_bytes(job, strategy=strategy, trainable_params=states.trainable_params)
     if not gradients_held_through_forward(job, strategy=strategy, micro_batch=micro_batch):
         # born in the backward as the activations are freed, gone before the next forward: they and the
         # step's temporaries replace the activations, and only an excess adds
@@ -522,12 +522,12 @@ def footprint(
     return Footprint(memory, host.peak, host.nvme, host.training)
 
 
-def zero_gradient_cast_bytes(job: Job, *, strategy: str) -> float:
+def zero_gradient_cast_bytes(job: Job, *, strategy: str, trainable_params: float) -> float:
     """DeepSpeed's step flattens this rank's 16-bit gradient partition and casts the flat copy to fp32 for the
     fp32 master weights (ZeRO-1/2: the whole partition at once, stage_1_and_2.step; ZeRO-3: one sub-group of
     sub_group_size elements at a time): 2 + 4 bytes an element, after the backward has freed the activations.
     Full 1B under ZeRO-2 on one H200 (memory profile): 2.3 + 4.6 GiB at the step, its peak."""
-    elements = state_bytes(job, strategy).trainable_params / state_shard_degree(job, strategy)
+    elements = trainable_params / state_shard_degree(job, strategy)
     if info(strategy).zero_stage == 3:
         elements = min(elements, ZERO3_SUB_GROUP_ELEMENTS)
     return (2 + 4) * elements

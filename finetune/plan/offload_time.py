@@ -80,7 +80,7 @@ def host_optimizer_bytes_per_param(strategy: str, *, clips: bool = True) -> int:
     partition is copied into the 16-bit partition on the host (read 4 + write 2). (The gradient norm is
     taken on the GPU before the partitions go down.)
     torch (FSDP2 CPUOffloadPolicy, the Trainer's adamw_torch_fused on CPU shards): finetune's non-finite
-    check reads the gradients once (4; finetune.train.callbacks.all_finite, which sees no gradients under
+    check reads the gradients once (4; finetune.train.callbacks.sums_not_finite, which sees no gradients under
     DeepSpeed: it keeps them in its own partitions), clip_grad_norm_ (`clips`: train.max_grad_norm > 0)
     scales them in place (8), then fused AdamW (28); clip_grad_norm_'s norm runs on one thread
     (`host_norm_seconds`)."""

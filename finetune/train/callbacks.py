@@ -263,10 +263,13 @@ def sums_not_finite(tensors: list):
 
 def all_finite(tensors: list) -> bool:
     """Whether every element of `tensors` is finite (one host sync when the sums are finite)."""
+    return not float(sums_not_finite(tensors)) or elements_finite(tensors)
+
+
+def elements_finite(tensors: list) -> bool:
+    """Whether every element is finite, tested element by element: the exact answer where a sum was not."""
     import torch
 
-    if not float(sums_not_finite(tensors)):
-        return True
     return all(bool(torch.isfinite(g).all()) for g in tensors)
 
 
@@ -337,7 +340,7 @@ class NonFiniteCallback(TrainerCallback):
             return control
         suspect = flags[rank]
         flags = [0.0] * world
-        flags[rank] = 1.0 if suspect and not all_finite(grads) else 0.0
+        flags[rank] = 1.0 if suspect and not elements_finite(grads) else 0.0
         flags = reduce_flags(flags)
         if not any(flags):
             return control
