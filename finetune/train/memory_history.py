@@ -23,9 +23,9 @@ from pathlib import Path
 from transformers import TrainerCallback
 
 from finetune import rundir
+from finetune.plan.types import GIB
 from finetune.train.profile import package_path
 
-GIB = 1024**3
 MAX_ENTRIES = 400_000  # allocator events kept (a ring buffer); an 8B LoRA step makes ~30,000
 SITES = 25  # the largest allocation sites listed
 # modules that say where torch was called from, not why: the site is the innermost frame outside them
