@@ -351,6 +351,8 @@ def collect(run_dir: Path) -> dict:
         "seq_len": plan["seq_len"],
         "predicted_gib": plan["per_gpu_memory_gib"],
         "predicted_tokens_per_s": plan["tokens_per_second"],
+        # an NVMe plan: the swap disk's read bandwidth the plan measured (registry/disk.py) and used
+        "nvme_read_gbps": plan.get("nvme_read_gbps") or None,
         "ranks": ranks,
         "measured_max_allocated_gib": max((r.get("gpu_max_allocated_gib", 0) for r in ranks), default=0),
         "measured_max_reserved_gib": reserved,

@@ -95,6 +95,7 @@ def _summary(recipe: Recipe, plan: Plan, preset: HardwarePreset, arch: ModelArch
         # said only when it departs from the Trainer's default (no_sync)
         + (sync_text(plan) if plan.sync_each_batch else ""),
         f"predicted peak {plan.per_gpu_memory_gib:.1f} GiB per {'GPU' if plan.device == 'cuda' else 'process'}",
+        *([f"disk: {plan.disk}"] if plan.disk else []),  # an NVMe plan's step is the swap disk's
     ]
     lines += [f"substituted: {s}" for s in plan.substitutions]
     lines += [f"warning: {w}" for w in plan.warnings]

@@ -13,11 +13,11 @@ from __future__ import annotations
 
 from finetune import strategies
 from finetune.errors import RecipeError
+from finetune.plan.memory import NVME_OPTIMIZER_BUFFERS, NVME_PARAM_BUFFERS, nvme_param_buffer_elements
 from finetune.plan.types import Plan
 from finetune.recipe.schema import Recipe
+from finetune.registry.disk import AIO_SETTINGS
 from finetune.registry.schema import HardwarePreset, ModelArch
-
-MIB = 1 << 20
 
 
 def nvme_path_for(recipe: Recipe, preset: HardwarePreset) -> str:
@@ -75,22 +75,19 @@ def ds_config(recipe: Recipe, plan: Plan, *, arch: ModelArch, preset: HardwarePr
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
     elif tier.offload == "nvme":
         path = nvme_path_for(recipe, preset)
-        # the parameter swapper stages whole parameters: a buffer must hold the largest one
-        # (the embedding or LM head, vocab x hidden), else DeepSpeed refuses to start
-        largest = max(arch.vocab_size * h, arch.intermediate_size * h, 100_000_000)
         zero["offload_param"] = {
             "device": "nvme",
             "nvme_path": path,
             "pin_memory": True,
-            "buffer_count": 5,
-            "buffer_size": _round_up(largest, MIB),
+            "buffer_count": NVME_PARAM_BUFFERS,
+            "buffer_size": nvme_param_buffer_elements(arch),
             "max_in_cpu": 1_000_000_000,
         }
         zero["offload_optimizer"] = {
             "device": "nvme",
             "nvme_path": path,
             "pin_memory": True,
-            "buffer_count": 4,
+            "buffer_count": NVME_OPTIMIZER_BUFFERS,
             "fast_init": False,
         }
         # optimizer states are swapped per sub-group; 1e8 keeps the pinned swap buffers at
@@ -143,17 +140,6 @@ def _common(recipe: Recipe, plan: Plan, zero: dict, *, nvme: bool = False) -> di
             },
         }
     if nvme:
-        # libaio settings for the swap files (DeepSpeed's documented defaults, made explicit)
-        config["aio"] = {
-            "block_size": MIB,
-            "queue_depth": 8,
-            "intra_op_parallelism": 1,
-            "single_submit": False,
-            "overlap_events": True,
-            "use_gds": False,
-        }
+        # libaio settings for the swap files (registry/disk.py probes the disk the same way)
+        config["aio"] = {**AIO_SETTINGS, "use_gds": False}
     return config
-
-
-def _round_up(value: int, multiple: int) -> int:
-    return -(-value // multiple) * multiple

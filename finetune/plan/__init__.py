@@ -33,6 +33,7 @@ from finetune.plan.memory import (
     steps_16bit_weights,
     zero_model_state_bytes,
 )
+from finetune.plan.offload_time import nvme_read_gbps
 from finetune.plan.render import render_plan_table
 from finetune.plan.timing import (
     allgather_time_s,
@@ -55,6 +56,7 @@ from finetune.plan.workload import (
 )
 from finetune.recipe.paths import anchored
 from finetune.recipe.schema import dpo_reference, loads_sharded, packs_examples, sync_each_batch_pin
+from finetune.registry.disk import AIO_BLOCK_BYTES, RAM_FILESYSTEMS, filesystem_type, probe_readers, read_gbps
 
 __all__ = [
     "plan",
@@ -299,6 +301,12 @@ def plan_on(recipe, *, arch, preset, source: str) -> Plan:
     warning = context_check(recipe, arch)
     job = job_from_recipe(recipe, arch=arch, preset=preset)
     result = plan_job(job)
+    swap_warning = ""
+    if strategies.info(result.strategy).offload == "nvme":
+        job, disk, swap_warning = swap_disk(job, local=source == "auto")
+        if job.nvme_read_gbps:
+            result = plan_job(job)
+        result.disk = disk
     result.substitutions = substitutions(recipe, result)
     warnings = (
         warning,
@@ -306,10 +314,42 @@ def plan_on(recipe, *, arch, preset, source: str) -> Plan:
         master_weights_warning(job, result, dtype=recipe.model.dtype),
         pinned_strategy_warning(job, result),
         pinned_setting_warning(job, result),
+        swap_warning,
     )
     result.warnings = [w for w in warnings if w]
     result.hardware_source = source
     return result
+
+
+def swap_disk(job: Job, *, local: bool) -> tuple[Job, str, str]:
+    """For an NVMe plan: the job with its swap directory's read bandwidth, the plan's words for where that
+    figure came from, and a warning ('' if none). Planning for this machine (`--hardware auto`) measures it
+    (registry/disk.py: a second or two, only for a plan that swaps to disk); a named preset's figure describes
+    that preset's disk."""
+    path = job.nvme_path or "(none)"
+    if local and job.nvme_path:
+        measured = read_gbps(job.nvme_path)
+        if measured:
+            readers = probe_readers(job.nvme_path)
+            how = f"O_DIRECT, {readers} x {AIO_BLOCK_BYTES >> 20} MiB in flight, as DeepSpeed's async_io reads there"
+            warning, kind = "", filesystem_type(job.nvme_path)
+            if kind in RAM_FILESYSTEMS:
+                warning = (
+                    f"distributed.nvme_path: {path} is in RAM ({kind}), which DeepSpeed "
+                    f"reads on one thread ({measured:.1f} GB/s measured); zero3-offload keeps the same states in "
+                    "host RAM and copies them to the GPU without the swap files: set distributed.strategy: "
+                    "zero3-offload, or point nvme_path at a local NVMe disk"
+                )
+            return (
+                replace(job, nvme_read_gbps=measured),
+                f"swap {path} read at {measured:.2f} GB/s (measured: {how})",
+                warning,
+            )
+    if job.preset.nvme_bandwidth_gbps:
+        return job, f"swap {path} read at {job.preset.nvme_bandwidth_gbps:g} GB/s (preset {job.preset.name})", ""
+    why = "could not be measured there" if local else "the preset gives no figure"
+    fix = "set nvme_bandwidth_gbps in a preset file"
+    return job, f"swap {path} read at {nvme_read_gbps(job):g} GB/s assumed ({why}; {fix})", ""
 
 
 def pinned_strategy_warning(job: Job, plan: Plan) -> str:
@@ -490,6 +530,8 @@ def plan_job(job: Job) -> Plan:
     plan.tight = chosen.tight
     plan.sync_each_batch = chosen.sync_each_batch
     plan.kernels = _kernels(job, chosen.strategy)
+    if strategies.info(chosen.strategy).offload == "nvme":
+        plan.nvme_read_gbps = nvme_read_gbps(job)
     if chosen.fits:
         plan.why = _why(job, chosen, seqs, candidates)
     else:

@@ -68,6 +68,7 @@ from finetune.plan.workload import (
     adapter_tensors,
     attention_widths,
     count_params,
+    largest_parameter_elements,
     layer_kinds,
     lora_params,
     model_tensors,
@@ -96,7 +97,26 @@ FUSED_HEAD_TOKENS, FUSED_HEAD_VOCAB = 4096, 32768  # trl/kernels/chunked_logprob
 NF4_BYTES = 0.5
 NF4_SCALE_BYTES = 4 / 64  # one fp32 absmax per 64-element block
 NF4_DOUBLE_QUANT_SCALE_BYTES = 1 / 64 + 4 / (64 * 256)
-NVME_PARAM_BUFFERS = 5  # ZeRO-Infinity param swap buffers (buffer_count), each one largest unit
+# ZeRO-Infinity's pinned swap buffers (the compiled offload_param / offload_optimizer buffer_count): the
+# parameter swapper stages whole parameters, each buffer holding the largest one (nvme_param_buffer_elements);
+# the optimizer swapper's hold the largest sub-group of a rank's fp32 partition
+NVME_PARAM_BUFFERS = 5
+NVME_OPTIMIZER_BUFFERS = 4
+
+
+def nvme_param_buffer_elements(arch: ModelArch) -> int:
+    """Elements of one ZeRO-Infinity parameter swap buffer: the largest parameter tensor, at least DeepSpeed's
+    default 1e8, in whole MiB of elements. A smaller buffer makes DeepSpeed refuse to start."""
+    return -(-max(largest_parameter_elements(arch), 100_000_000) // 2**20) * 2**20
+
+
+def nvme_swap_buffer_bytes(job: Job, *, strategy: str, trainable_params: float) -> float:
+    """One rank's pinned ZeRO-Infinity swap buffers in host RAM: NVME_PARAM_BUFFERS of the largest parameter in
+    the model's dtype, NVME_OPTIMIZER_BUFFERS fp32 buffers of its largest optimizer sub-group."""
+    params = NVME_PARAM_BUFFERS * nvme_param_buffer_elements(job.arch) * job.weight_bytes
+    partition = trainable_params / state_shard_degree(job, strategy)
+    optimizer = NVME_OPTIMIZER_BUFFERS * 4 * min(partition, strategies.ZERO3_NVME_SUB_GROUP_ELEMENTS)
+    return params + optimizer
 
 
 def zero_model_state_bytes(params: float, *, stage: int, world: int, k: float = 12) -> float:
@@ -518,7 +538,7 @@ def footprint(
         comm_buffers=comm,
         overhead=fixed + FRAGMENTATION * subtotal,
     )
-    host = host_bytes(job, strategy=strategy, states=states, layer=layer)
+    host = host_bytes(job, strategy=strategy, states=states)
     return Footprint(memory, host.peak, host.nvme, host.training)
 
 
@@ -589,10 +609,9 @@ def fsdp_accumulated_gradients(job: Job) -> float:
 
 
 def largest_tensor_bytes(job: Job) -> float:
-    """The largest checkpoint tensor, in the model's dtype: the embedding or lm_head (vocab x hidden) or an
-    MLP projection (intermediate x hidden); a load that goes tensor by tensor holds one at a time."""
-    a = job.arch
-    return max(a.vocab_size, a.intermediate_size) * a.hidden_size * job.weight_bytes
+    """The largest parameter tensor in the model's dtype (workload.largest_parameter_elements); a load that goes
+    tensor by tensor holds one at a time."""
+    return largest_parameter_elements(job.arch) * job.weight_bytes
 
 
 def loading_host_bytes(job: Job, *, strategy: str) -> float:
@@ -681,7 +700,7 @@ def host_process_bytes(job: Job, *, strategy: str) -> float:
     return HOST_PER_PROCESS_BYTES
 
 
-def host_bytes(job: Job, *, strategy: str, states: StateBytes, layer: float) -> HostBytes:
+def host_bytes(job: Job, *, strategy: str, states: StateBytes) -> HostBytes:
     p = job.preset
     procs = p.gpus_per_node
     base = host_process_bytes(job, strategy=strategy) * procs
@@ -691,9 +710,9 @@ def host_bytes(job: Job, *, strategy: str, states: StateBytes, layer: float) -> 
     fp32_grads = states.trainable_params * 4  # the gradient partitions the CPU optimizer steps on
     nvme = 0.0
     if tier.offload == "nvme":
-        # params and optimizer states on NVMe; host keeps fp32 gradient partitions and swap buffers
-        buffers = procs * (NVME_PARAM_BUFFERS * layer + 2 * GIB)  # + optimizer swap buffers
-        training = fp32_grads / nodes + buffers
+        # params and optimizer states on NVMe; host keeps fp32 gradient partitions and the swap buffers
+        buffers = nvme_swap_buffer_bytes(job, strategy=strategy, trainable_params=states.trainable_params)
+        training = fp32_grads / nodes + procs * buffers
         nvme = (states.weights + states.trainable + states.optimizer) / nodes
     elif tier.offload_params:
         # pinned params + fp32 master/moments + fp32 gradient partitions of this node's ranks; FSDP2

@@ -57,6 +57,16 @@ PAGEABLE_H2D_BANDWIDTH = 7.5e9
 CPU_NORM_BANDWIDTH = 7.6e9
 
 
+# a swap disk neither measured (registry/disk.py) nor described by the preset: a SATA SSD's order, so that an
+# NVMe plan is never optimistic about a disk nobody looked at
+ASSUMED_NVME_GBPS = 1.0
+
+
+def nvme_read_gbps(job: Job) -> float:
+    """GB/s the planner reads the swap files at: measured on this machine, else the preset's, else assumed."""
+    return job.nvme_read_gbps or job.preset.nvme_bandwidth_gbps or ASSUMED_NVME_GBPS
+
+
 def host_threads_per_rank(preset: HardwarePreset, strategy: str) -> int:
     """Threads finetune's launcher gives each rank of `strategy` on a node of `preset`: the node's cores
     split between its ranks where the host steps the optimizer (offload tiers), else accelerate's one."""
@@ -154,7 +164,7 @@ def offload_seconds(job: Job, *, strategy: str, grad_accum: int) -> tuple[float,
     serial += cpu_optimizer_seconds(job, strategy=strategy) + optimizer_writeback_seconds(job, strategy=strategy)
     if tier.offload == "nvme":
         states = state_bytes(job, strategy)
-        nvme_bw = (p.nvme_bandwidth_gbps or 1.0) * 1e9
+        nvme_bw = nvme_read_gbps(job) * 1e9
         # params read per forward and backward; optimizer states (fp32 master + moments) read and written
         params = 2 * weight_bytes(job) / p.nodes * grad_accum
         optimizer = 2 * (states.trainable + states.optimizer) / p.nodes

@@ -134,6 +134,9 @@ class Plan:
     # the chosen setting fits only within choose.TIGHT_HEADROOM of GPU memory (Candidate.tight)
     tight: bool = False
     sync_each_batch: bool | None = None  # the chosen Candidate.sync_each_batch
+    # an NVMe plan: the swap directory's read bandwidth the step time used (GB/s) and where the figure came from
+    nvme_read_gbps: float = 0.0
+    disk: str = ""
 
     def to_json(self) -> dict:
         return {
@@ -169,6 +172,8 @@ class Plan:
             "trainable_params": self.trainable_params,
             "device": self.device,
             "kernels": self.kernels,
+            "nvme_read_gbps": round(self.nvme_read_gbps, 3),
+            "disk": self.disk,
             "substitutions": self.substitutions,
             "warnings": self.warnings,
             "candidates": [c.to_json() for c in self.candidates],

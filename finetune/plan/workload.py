@@ -99,6 +99,8 @@ class Job:
     # (True) or on a step's last only (False, the Trainer's no_sync); None: searched
     sync_each_batch: bool | None = None
     nvme_path: str | None = None  # ZeRO-Infinity swap dir (recipe's, else the preset's)
+    # read bandwidth of nvme_path measured on this machine (registry/disk.py), GB/s; None: the preset's figure
+    nvme_read_gbps: float | None = None
     # under FSDP2 each rank reads only its shards from the checkpoint (schema.loads_sharded); otherwise
     # FSDP loads the whole model once per node and scatters it
     sharded_load: bool = False
@@ -522,6 +524,12 @@ def model_tensors(arch: ModelArch) -> Tensors:
     matrices = sum(n * numel(shape) for n, shape in out)
     out.append((1, (max(0, count_params(arch).total - matrices),)))
     return out
+
+
+def largest_parameter_elements(arch: ModelArch) -> int:
+    """Elements of the model's largest parameter tensor: the embedding or LM head (vocab x hidden), an MLP
+    projection, or an MoE layer's fused routed experts (transformers 5 holds them as one tensor)."""
+    return max(numel(shape) for _, shape in model_tensors(arch)[:-1])  # the last entry: norms and biases
 
 
 def layer_weights(arch: ModelArch, shapes: dict[str, tuple[int, int, int]], *, is_moe: bool) -> Tensors:

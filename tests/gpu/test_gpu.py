@@ -12,10 +12,12 @@ import json
 import os
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
 
+from finetune import rundir
 from tests.helpers.paths import ROOT
 from tests.helpers.recipes import write_preset
 
@@ -278,3 +280,69 @@ def test_plan_measure_on_one_gpu(tmp_path):
     assert result["tokens_per_s"] > 0 and "predicted/measured" in proc.stdout
     assert not (keep / "checkpoints").exists() or not any((keep / "checkpoints").iterdir())
     assert not (keep / "adapter_model.safetensors").exists()
+
+
+# holds all but `free_gib` of the first visible GPU until killed (another job on the card)
+_HOLDER = """
+import sys, time, torch
+free, total = torch.cuda.mem_get_info(0)
+block = torch.empty(int(free - float(sys.argv[1]) * 2**30), dtype=torch.uint8, device="cuda")
+print("holding", round(block.numel() / 2**30, 1), "GiB", flush=True)
+time.sleep(3600)
+"""
+
+
+def _run_3b_while_held(recipe: Path, run_dir: Path, *, free_gib: float, release_when_waiting: bool) -> str:
+    """`finetune run` of `recipe` on the first visible GPU while another process holds all but `free_gib` of
+    it, until the run says it waits for the memory (release_when_waiting) or to its end; the run's output, its
+    exit code appended."""
+    first = os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0]
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": first}
+    holder = subprocess.Popen(
+        [sys.executable, "-c", _HOLDER, str(free_gib)], stdout=subprocess.PIPE, text=True, env=env
+    )
+    run = None
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().startswith("holding")
+        run = subprocess.Popen(
+            [sys.executable, "-m", "finetune.cli", "run", str(recipe), "--hardware", "auto", "--output", str(run_dir)],
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=env,
+        )
+        watchdog = threading.Timer(900, run.kill)
+        watchdog.start()
+        lines = []
+        assert run.stdout is not None
+        for line in run.stdout:
+            lines.append(line)
+            if release_when_waiting and "waiting up to" in line:
+                holder.kill()  # the other job ends while the rank waits
+        run.wait()
+        watchdog.cancel()
+    finally:
+        holder.kill()
+        if run is not None and run.poll() is None:
+            run.kill()
+    return "".join(lines) + f"\nexit code {run.returncode}"
+
+
+def test_a_gpu_held_by_another_process_is_waited_for_then_named(tmp_path):
+    """The rank looks at its GPU before loading (finetune/train/occupancy.py). Another process holds all but
+    8 GiB of the card: the run says it waits; the other process ends then, and the run starts and finishes.
+    Held for longer than the rank waits: the run fails naming the GPU and what others hold, without a traceback,
+    before anything is loaded."""
+    if _gpus() < 1:
+        pytest.skip("needs a CUDA GPU")
+    recipe = _lora3b_recipe(tmp_path, steps=3)
+    released = _run_3b_while_held(recipe, tmp_path / "released", free_gib=8, release_when_waiting=True)
+    assert released.endswith("exit code 0"), released[-6000:]
+    assert "waiting up to 60 s for it to be released" in released and "memory released" in released, released[-6000:]
+    assert json.loads((tmp_path / "released" / "summary.json").read_text())["steps"] == 3
+
+    held = _run_3b_while_held(recipe, tmp_path / "held", free_gib=8, release_when_waiting=False)
+    assert not held.endswith("exit code 0") and "Traceback" not in held, held[-6000:]
+    assert "other processes hold" in held and "CUDA_VISIBLE_DEVICES" in held, held[-6000:]
+    assert not (tmp_path / "held" / rundir.CHECKPOINTS).exists()

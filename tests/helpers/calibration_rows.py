@@ -151,6 +151,7 @@ def predict(row: dict) -> Plan:
         dataclasses.replace(
             job,
             host_threads_per_rank=row.get("host_threads_per_rank") or 1,
+            nvme_read_gbps=row.get("nvme_read_gbps"),  # the swap disk, where the run measured it
             varlen_repeats_kv=row.get("kv_heads") == KV_HEADS_REPEATED,
         )
     )

@@ -100,8 +100,15 @@ SPEED_MISSES = {
     ),
     "25-lora8b-zero3-nvme": (
         "ZeRO-Infinity NVMe offload: the frozen base is read from the swap directory for the forward and "
-        "again for the backward (32 GB a step here); the detected preset knows no disk bandwidth and the "
-        "planner assumes 1 GB/s, the run's /tmp disk gave ~1.6 GB/s"
+        "again for the backward (32 GB a step here). The run predates the swap-disk probe (registry/disk.py), so "
+        "the row carries no disk figure and the plan assumes 1 GB/s; at the 1.70-1.79 GB/s the probe measured "
+        "on the H200 machines' ext4 /tmp (rows 133 and 135, on the plan) it would be 0.90-0.98"
+    ),
+    "136-lora3b-zero3-nvme-shm": (
+        "the swap on tmpfs: DeepSpeed's async_io reads it on its one submitting thread at 3.6-3.9 GB/s "
+        "(scripts/disk_aio_check.py, the same kind of machine) where the probe's one O_DIRECT reader measured "
+        "5.1-5.6; the per-request cost of DeepSpeed's reader is not modelled (at its own rate the plan is "
+        "1.22-1.28). The plan warns that a swap in RAM belongs to zero3-offload"
     ),
     "43-qwen-moe-a2.7b-lora": (
         "MoE (60 experts, top-4): the small grouped expert GEMMs (~1,100 rows per expert) and the "

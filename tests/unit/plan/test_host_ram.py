@@ -160,3 +160,33 @@ def test_transformers_maps_a_checkpoint_in_the_load_dtype_and_copies_a_converted
         assert got["anon"] < 0.25 * got["size"]
     else:
         assert got["anon"] > 0.9 * got["size"]
+
+
+def test_zero_infinity_swap_buffers_hold_the_largest_parameter_even_an_moe_s_fused_experts(tmp_path):
+    """DeepSpeed stages whole parameters in `buffer_count` pinned buffers of the compiled `buffer_size` (a
+    smaller buffer and it refuses to start); Mixtral's fused experts (8 x 2 x 14336 x 4096) outweigh its
+    embedding 7x. The ds_config.json and the host plan use the same size."""
+    from finetune.compile.deepspeed import ds_config
+    from finetune.plan.memory import NVME_PARAM_BUFFERS, nvme_param_buffer_elements, nvme_swap_buffer_bytes
+    from finetune.plan.workload import expert_size
+    from finetune.registry import get_preset
+
+    mixtral = get_model("mixtral-8x7b")
+    experts = mixtral.num_experts * 2 * expert_size(mixtral) * mixtral.hidden_size
+    assert nvme_param_buffer_elements(mixtral) == experts > 7 * mixtral.vocab_size * mixtral.hidden_size
+    recipe = load_recipe(
+        {
+            "model": {"name": "mixtral-8x7b"},
+            "adapter": {"type": "lora"},
+            "data": {"path": "t.jsonl", "packing": True, "max_length": 2048},
+            "distributed": {"strategy": "zero3-nvme", "nvme_path": str(tmp_path)},
+            "hardware": "server-8xh100",
+        }
+    )
+    preset = get_preset("server-8xh100")
+    plan = plan_on(recipe, arch=mixtral, preset=preset, source="server-8xh100")
+    param = ds_config(recipe, plan, arch=mixtral, preset=preset)["zero_optimization"]["offload_param"]
+    assert (param["buffer_count"], param["buffer_size"]) == (NVME_PARAM_BUFFERS, experts)
+    job = job_from_recipe(recipe, arch=mixtral, preset=preset)
+    pinned = nvme_swap_buffer_bytes(job, strategy="zero3-nvme", trainable_params=plan.trainable_params)
+    assert pinned > NVME_PARAM_BUFFERS * experts * 2  # bf16 parameter buffers, plus the optimizer's
