@@ -1,7 +1,8 @@
 """Checks made in the `finetune` process before a run is launched, for problems that would otherwise
 surface as an error inside a rank after minutes of loading: damaged weight files, a model directory
 without tokenizer files, a chat template that raises, a model that needs remote code, a GPU preset on a
-machine without GPUs, and too little free disk for the outputs.
+machine without GPUs, too little free disk for the outputs, and a ZeRO-Infinity swap directory that cannot
+be written or has no room for the swapped states.
 
 Torch-free: files are read as bytes and JSON, the template with jinja2 (as transformers renders it).
 """
@@ -16,12 +17,12 @@ from pathlib import Path
 
 from finetune.data.chat_template import read_chat_template
 from finetune.errors import DataError, RecipeError
+from finetune.plan.workload import DTYPE_BYTES
 from finetune.recipe.paths import model_path
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "spiece.model", "vocab.txt")
 SAFETENSORS_MAX_HEADER = 100 * 1024 * 1024  # the safetensors format's own limit
 DISK_SLACK_BYTES = 16 * 1024 * 1024  # metrics, logs, tokenizer and config files next to the weights
-DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "uint8": 1}
 
 
 def local_model_dir(recipe) -> Path | None:
@@ -262,6 +263,35 @@ def check_disk(run_dir: Path, *, plan, recipe) -> None:
             f"{' and a checkpoint' if recipe.output.save_every else ''} plus logs)",
             key="output.dir",
             hint="free disk space there, or pass --output on a disk with room",
+        )
+
+
+def check_swap_disk(plan, recipe) -> None:
+    """ZeRO-Infinity writes the model's states to distributed.nvme_path while partitioning it, after the model
+    has loaded: refuse a launch whose swap directory cannot be made and written, or has less free disk than
+    the plan swaps there (exit 2, nothing written)."""
+    from finetune import strategies
+
+    if strategies.info(plan.strategy).offload != "nvme":
+        return
+    path = Path(recipe.distributed.nvme_path).expanduser().absolute()
+    parent = next(p for p in (path, *path.parents) if p.exists())  # DeepSpeed makes the rest
+    if not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):
+        why = "is a file" if not parent.is_dir() else "is not writable by this user"
+        raise RecipeError(
+            f"distributed.nvme_path: {path} cannot be made ({parent} {why}); ZeRO-Infinity would fail there "
+            "after loading the model",
+            key="distributed.nvme_path",
+            hint="point it at a writable directory on a local NVMe disk",
+        )
+    need = plan.chosen.nvme_bytes + DISK_SLACK_BYTES
+    free = free_bytes(parent)
+    if free < need:
+        raise RecipeError(
+            f"not enough free disk for ZeRO-Infinity's swap files in {path}: {free / 2**30:.1f} GiB free, "
+            f"{need / 2**30:.1f} GiB needed (the parameters and optimizer states this node swaps there)",
+            key="distributed.nvme_path",
+            hint="free disk space there, or point distributed.nvme_path at a disk with room",
         )
 
 

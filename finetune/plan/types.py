@@ -138,6 +138,11 @@ class Plan:
     nvme_read_gbps: float = 0.0
     disk: str = ""
 
+    @property
+    def chosen(self) -> Candidate:
+        """The candidate of the chosen strategy (its best setting: one candidate per strategy)."""
+        return next(c for c in self.candidates if c.strategy == self.strategy)
+
     def to_json(self) -> dict:
         return {
             "model": self.model,

@@ -173,8 +173,8 @@ def test_plan_uses_the_measured_lengths(tmp_path):
     _, long_examples = make_plan(_recipe(tmp_path, example_tokens=64), hardware="server-8xh100")
     assert "varlen" in plan.kernels and f"~{recipe.data.example_tokens:,.0f} tokens" in plan.kernels
     # the GPU's compute: the tiny model's step itself is the host's time to launch it (plan/host_time.py)
-    chosen = next(c for c in plan.candidates if c.strategy == plan.strategy)
-    longer = next(c for c in long_examples.candidates if c.strategy == long_examples.strategy)
+    chosen = plan.chosen
+    longer = long_examples.chosen
     assert chosen.compute_time_s < longer.compute_time_s
 
 
@@ -204,8 +204,8 @@ def test_unpacked_sft_plans_its_padded_rows_at_the_data_longest(tmp_path):
         hardware="server-8xh100",
     )
     # the GPU's compute (the tiny model's step itself is the host's time to launch it)
-    chosen = next(c for c in plan.candidates if c.strategy == plan.strategy)
-    longer = next(c for c in at_max_length.candidates if c.strategy == at_max_length.strategy)
+    chosen = plan.chosen
+    longer = at_max_length.chosen
     assert chosen.compute_time_s < longer.compute_time_s
 
 

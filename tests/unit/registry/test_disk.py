@@ -7,9 +7,11 @@ from dataclasses import replace
 import pytest
 
 from finetune.compile.deepspeed import _common
-from finetune.plan import plan_job, plan_on
+from finetune.errors import RecipeError
+from finetune.plan import plan, plan_job, plan_on
 from finetune.plan.memory import state_bytes, weight_bytes
 from finetune.plan.offload_time import ASSUMED_NVME_GBPS, nvme_read_gbps, offload_seconds
+from finetune.prelaunch import check_swap_disk
 from finetune.recipe import load_recipe
 from finetune.registry import get_preset, resolve_model
 from finetune.registry.disk import (
@@ -104,3 +106,27 @@ def test_a_swap_directory_in_ram_is_planned_with_a_warning_that_names_the_key_an
     assert "1 x 1 MiB in flight" in plan.disk
     (warning,) = [w for w in plan.warnings if "is in RAM" in w]
     assert "distributed.nvme_path: /dev/shm/finetune-test-swap" in warning and "zero3-offload" in warning
+
+
+def _swap_plan(recipe_file: str, swap, *, adapter: str | None = None):
+    overrides = ["distributed.strategy=zero3-nvme", f"distributed.nvme_path={swap}"]
+    recipe = load_recipe(recipe_file, overrides=overrides + ([f"adapter.type={adapter}"] if adapter else []))
+    return recipe, plan(recipe, hardware="server-8xh100")  # a named preset: no probe
+
+
+def test_a_swap_directory_without_room_or_that_cannot_be_made_is_refused_before_launch(tmp_path):
+    recipe, plan = _swap_plan("recipes/llama405b-lora.yaml", tmp_path / "swap", adapter="full")
+    assert plan.chosen.nvme_bytes > 2**40  # a 405B's weights, fp32 master and moments: terabytes a node
+    with pytest.raises(RecipeError) as info:
+        check_swap_disk(plan, recipe)
+    assert info.value.key == "distributed.nvme_path" and "not enough free disk" in str(info.value)
+
+    (tmp_path / "a-file").write_text("")
+    recipe, plan = _swap_plan("recipes/quickstart.yaml", tmp_path / "a-file" / "swap")
+    with pytest.raises(RecipeError) as info:
+        check_swap_disk(plan, recipe)
+    assert info.value.key == "distributed.nvme_path" and "is a file" in str(info.value)
+
+    recipe, plan = _swap_plan("recipes/quickstart.yaml", tmp_path / "swap" / "not-made-yet")
+    check_swap_disk(plan, recipe)  # a tiny model's states fit; DeepSpeed makes the folders
+    assert not (tmp_path / "swap").exists()
