@@ -16,7 +16,7 @@ from finetune.peers.common import (
     sniff_format,
     template,
 )
-from finetune.peers.distributed import deepspeed_file, fsdp_strategy
+from finetune.peers.distributed import deepspeed_file, fsdp_strategy, parallel_sizes
 
 # keys that change nothing finetune does (it chooses attention kernels, logging, caching itself)
 IGNORED = {
@@ -139,8 +139,9 @@ def _source(conv: Conversion, i: int, ds: dict, *, preference: bool) -> dict | N
     kind = str(ds.get("type") or ("chat_template.default" if preference else "alpaca"))
     if preference:
         src["format"] = "preference"
-        if conv.get("method.type") == "kto" and sniff_format(conv, str(ds["path"]), method="kto") == "unpaired":
-            src["format"] = "unpaired"  # prompt/completion/label rows
+        sniffed = sniff_format(conv, str(ds["path"]), method="kto") if conv.get("method.type") == "kto" else None
+        if conv.get("method.type") == "kto" and sniffed != "preference":
+            src["format"] = "unpaired"  # axolotl's KTO types all read prompt/completion/label rows
         columns = {c: ds[f"field_{c}"] for c in ("prompt", "chosen", "rejected") if ds.get(f"field_{c}")}
         if ds.get("field_messages") and "prompt" not in columns:
             columns["prompt"] = ds["field_messages"]
@@ -149,7 +150,9 @@ def _source(conv: Conversion, i: int, ds: dict, *, preference: bool) -> dict | N
             columns = {}
         if columns:
             src["columns"] = columns
-        if kind not in PREFERENCE_TYPES:
+        if src["format"] == "unpaired" and sniffed is None:
+            conv.notes.append(f"{key}: KTO type {kind!r} read as prompt/completion/label rows; check data.sources[{i}]")
+        elif kind not in PREFERENCE_TYPES:
             conv.notes.append(
                 f"{key}: preference type {kind!r} read as prompt/chosen/rejected (implicit prompts "
                 f"and message lists are recognized); check data.sources[{i}]"
@@ -340,6 +343,8 @@ def convert(conv: Conversion) -> None:
         conv.set("train.scheduler", "cosine_with_min_lr")
     batch_sizes(conv, micro_key="micro_batch_size", also="axolotl multiplies by the GPU count too; ")
     deepspeed_file(conv, "deepspeed")
+    parallel_sizes(conv, conv.raw)
+    _model_overrides(conv)
     flags, fsdp_config = as_list(conv.take("fsdp")), conv.take("fsdp_config")
     if flags or fsdp_config:
         fsdp_strategy(conv, "fsdp_config" if fsdp_config else "fsdp", fsdp_config or {}, flags=flags)
@@ -359,6 +364,31 @@ def convert(conv: Conversion) -> None:
     if conv.has("warmup_steps") and conv.has("warmup_ratio"):
         conv.drop("warmup_ratio", conv.take("warmup_ratio"), "warmup_steps is set too; finetune takes one")
     _trackers(conv)
+
+
+def _model_overrides(conv: Conversion) -> None:
+    """overrides_of_model_config (model_config before it): its rope_scaling is model.rope_scaling; any other
+    config.json override is reported."""
+    for key in ("overrides_of_model_config", "model_config"):
+        overrides = conv.take(key)
+        if not overrides:
+            continue
+        if not isinstance(overrides, dict):
+            conv.drop(key, overrides, "must be a mapping of model config.json keys")
+            continue
+        rest = dict(overrides)
+        rope = rest.pop("rope_scaling", None)
+        if isinstance(rope, dict):
+            conv.set("model.rope_scaling", rope)
+        elif rope is not None:
+            rest["rope_scaling"] = rope
+        if rest:
+            conv.drop(
+                key,
+                rest,
+                "only rope_scaling (model.rope_scaling) has a finetune setting; the model keeps its own values "
+                "for the rest (edit its config.json, or remove them)",
+            )
 
 
 def _trackers(conv: Conversion) -> None:

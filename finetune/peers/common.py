@@ -59,6 +59,16 @@ DTYPES = {
 }
 
 
+# our count/interval keys whose 0 the peers read as "none" (axolotl's evals_per_epoch: 0), and what that is here
+_NO_EVAL_CADENCE = "with no cadence set finetune evaluates only before and after training"
+_NO_SAVE_CADENCE = "with no cadence set finetune writes no checkpoint, only the final model"
+ZERO_MEANS_NONE = {
+    "train.evals_per_epoch": _NO_EVAL_CADENCE,
+    "train.eval_steps": _NO_EVAL_CADENCE,
+    "output.saves_per_epoch": _NO_SAVE_CADENCE,
+    "output.save_every": _NO_SAVE_CADENCE,
+}
+
 # a peer's switch for Liger's kernels: finetune's train.liger (plan/__init__.py liger_enabled) decides it
 LIGER_REASON = (
     "train.liger: auto uses Liger's RMSNorm/RoPE/SwiGLU kernels on NVIDIA GPUs when liger-kernel is installed "
@@ -98,6 +108,9 @@ def map_aliases(conv: Conversion, *, ignore: dict[str, str]) -> None:
         except (ValueError, TypeError) as exc:
             conv.drop(key, value, f"not a value finetune reads here ({exc})")
             continue
+        if ours == 0 and alias.key in ZERO_MEANS_NONE:
+            conv.drop(key, value, f"0 asks for none; {ZERO_MEANS_NONE[alias.key]}", material=False)
+            continue
         conv.used.add(key)
         if ours is not None:
             conv.set(alias.key, ours)
@@ -106,6 +119,23 @@ def map_aliases(conv: Conversion, *, ignore: dict[str, str]) -> None:
         conv.notes.append("train.max_steps kept and the epoch count removed: the peers stop at max_steps")
     if conv.get("data.eval_fraction") == 0:
         del conv.recipe["data"]["eval_fraction"]
+    _dtype_for_precision(conv)
+
+
+def _dtype_for_precision(conv: Conversion) -> None:
+    """float16 weights under bf16 autocast (the handbooks' QLoRA torch_dtype: float16 with bf16: true) are not
+    offered; the bf16 the config trains in decides, and the weights load in bfloat16."""
+    if conv.get("model.dtype") != "float16" or conv.get("train.precision", "bf16") != "bf16":
+        return
+    key = next((k for k in ("torch_dtype", "dtype") if conv.raw.get(k) is not None), "torch_dtype")
+    del conv.recipe["model"]["dtype"]
+    conv.drop(
+        key,
+        conv.raw.get(key, "float16"),
+        "float16 weights with bf16 training are not offered; they load in bfloat16 (set train.precision: fp16 "
+        "for float16 throughout)",
+        material=False,
+    )
 
 
 def _named(conv: Conversion, key: str, *, table: dict[str, str], ours: str, what: str, offered: str) -> None:
@@ -232,6 +262,11 @@ def shared_keys(conv: Conversion) -> None:
                 "torch_compile: true read as train.compile: regions (each decoder layer compiled, not the whole "
                 "model); docs/benchmarks.md has what it measured"
             )
+    warmup = conv.raw.get("warmup_steps")
+    if isinstance(warmup, float) and 0 < warmup < 1 and not conv.has("warmup_ratio"):
+        # transformers reads a warmup_steps below 1 as a share of the run (its warmup_ratio)
+        conv.set("train.warmup_ratio", conv.take("warmup_steps"))
+        conv.notes.append(f"warmup_steps {warmup} is a share of the run (below 1): read as train.warmup_ratio")
     steps = conv.raw.get("max_steps")
     if isinstance(steps, (int, float)) and steps <= 0:
         conv.used.add("max_steps")  # transformers' -1: no step limit, the epochs decide

@@ -169,6 +169,54 @@ def fsdp_strategy(conv: Conversion, key: str, config: dict, *, flags: list | Non
         conv.set("train.activation_checkpointing", "on")
 
 
+# model-parallel degrees the peers take (axolotl's top-level keys, accelerate's parallelism_config) -> what they
+# split; 1 asks for nothing. finetune has data parallelism only (every strategy shards over the data ranks).
+MODEL_PARALLEL = {
+    "tensor_parallel_size": "tensor",
+    "context_parallel_size": "context",
+    "sequence_parallel_degree": "sequence",
+    "expert_parallel_size": "expert",
+    "parallelism_config_tp_size": "tensor",
+    "parallelism_config_cp_size": "context",
+    "parallelism_config_sp_size": "sequence",
+}
+# data-parallel layouts: the planner picks them (fsdp2-hybrid replicates across nodes)
+DATA_PARALLEL = (
+    "dp_shard_size",
+    "dp_replicate_size",
+    "parallelism_config_dp_shard_size",
+    "parallelism_config_dp_replicate_size",
+)
+
+
+def parallel_sizes(conv: Conversion, sizes: dict[str, Any], *, where: str = "") -> None:
+    """Model-parallel degrees above 1 are reported (material: they change what fits and how long sequences
+    are split); data-parallel layouts are the planner's. `where` prefixes a nested key (accelerate files)."""
+    for name, value in sizes.items():
+        if name not in MODEL_PARALLEL and name not in DATA_PARALLEL:
+            continue
+        if not where:
+            conv.used.add(name)
+        if value in (None, 1, "1"):
+            continue
+        if name in DATA_PARALLEL:
+            conv.drop(
+                where + name,
+                value,
+                "the planner lays out the data-parallel ranks (distributed.strategy: auto; fsdp2-hybrid "
+                "replicates across nodes)",
+                material=False,
+            )
+        else:
+            conv.drop(
+                where + name,
+                value,
+                f"{MODEL_PARALLEL[name]} parallelism is not offered: finetune shards over data-parallel ranks "
+                "(distributed.strategy) and fits long sequences with activation checkpointing; remove it and "
+                "let `finetune plan` pick, or lower data.max_length",
+            )
+
+
 def accelerate_file(conv: Conversion, key: str) -> None:
     """An accelerate config file -> distributed.strategy (its DeepSpeed part through deepspeed_file)."""
     value = conv.take(key)
@@ -206,6 +254,8 @@ def accelerate_file(conv: Conversion, key: str) -> None:
         fsdp_strategy(conv, key, config.get("fsdp_config") or {})
     elif kind == "MULTI_GPU":
         conv.set("distributed.strategy", "ddp")
+    if isinstance(config.get("parallelism_config"), dict):
+        parallel_sizes(conv, config["parallelism_config"], where=f"{key}.parallelism_config.")
     if config.get("num_processes"):
         conv.notes.append(
             f"{key}: num_processes {config['num_processes']} is not carried over; pick the machine with "

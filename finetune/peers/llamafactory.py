@@ -115,6 +115,16 @@ def _source(conv: Conversion, name: str, info: dict | None, folder: Path | None,
         }
         if mapped:
             src["columns"] = mapped
+    elif columns.get("kto_tag") and sharegpt:
+        # LLaMA-Factory's kto_en_demo layout: one conversation whose last assistant turn is the completion
+        conv.drop(
+            key,
+            name,
+            "KTO rows as a sharegpt conversation plus a kto_tag are not read; finetune's KTO rows are "
+            "prompt/completion/label (data.format: unpaired): split each conversation before its last assistant "
+            "turn into prompt and completion, and add it to data.sources by path",
+        )
+        return None
     elif columns.get("kto_tag"):
         src["format"] = "unpaired"
         mapped = {"label": columns["kto_tag"], "prompt": columns.get("prompt"), "completion": columns.get("response")}

@@ -44,6 +44,7 @@ IGNORED = {
         "padding_free",
         "packing_strategy",
         "lora_task_type",
+        "use_flash_attention_2",  # ModelConfig's older switch, as axolotl's flash_attention: auto picks the kernel
     )
 } | {
     "max_prompt_length": "TRL 1.x has no prompt limit either; a pair longer than data.max_length is truncated whole",
@@ -121,6 +122,9 @@ def convert(conv: Conversion, *, method: str | None) -> None:
     if dtype is not None and DTYPES.get(str(dtype)):
         conv.set("model.dtype", DTYPES[str(dtype)])
     attention(conv, "attn_implementation")
+    for name in ("eos_token", "pad_token"):  # SFTConfig's token overrides
+        if conv.has(name):
+            conv.set(f"tokenizer.{name}", conv.take(name))
     field = conv.take("dataset_text_field")
     if field and field != "text":
         for src in conv.get("data.sources", []) + conv.get("data.eval_sources", []):
@@ -176,9 +180,18 @@ def _datasets(conv: Conversion, method: str) -> None:
         if not all(isinstance(w, (int, float)) and w > 0 for w in weights.values()):
             conv.drop("dataset_mixer", mixer, "must map dataset ids to positive weights")
             weights = {}
-        for path, weight in weights.items():
+        # the handbooks' dataset_configs: one config (our subset) per dataset_mixer entry, in its order
+        configs = [None if c in (None, "None") else str(c) for c in as_list(conv.take("dataset_configs"))]
+        if configs and len(configs) != len(weights):
+            conv.drop(
+                "dataset_configs",
+                configs,
+                f"needs one config per dataset_mixer entry ({len(weights)}); set data.sources[].subset by hand",
+            )
+            configs = []
+        for j, (path, weight) in enumerate(weights.items()):
             for split in splits:
-                src = _source(conv, str(path), method, split=split)
+                src = _source(conv, str(path), method, split=split, subset=configs[j] if configs else None)
                 if "test" in split:
                     if _evaluates(conv):
                         evals.append(src)

@@ -386,6 +386,65 @@ CASES = [
         [],
         ["dataset_test_split", "hub_model_id"],
     ),
+    (
+        "axolotl-kto-hub.yaml",
+        "axolotl",
+        None,
+        {"method.type": "kto", "data.sources[0].format": "unpaired"},  # axolotl's KTO types read unpaired rows
+        [],
+        [],
+    ),
+    (
+        "axolotl-dpo-parallel-dims.yaml",
+        "axolotl",
+        None,
+        {"method.type": "dpo", "train.evals_per_epoch": None, "distributed.strategy": "fsdp2"},
+        [],  # parallel sizes of 1 ask for nothing
+        ["evals_per_epoch"],  # 0: no evaluation
+    ),
+    (
+        "axolotl-yarn-overrides.yaml",
+        "axolotl",
+        None,
+        {
+            "model.rope_scaling": {"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 4096},
+            "data.sources[0].format": "text",
+            "data.max_length": 8192,
+        },
+        ["overrides_of_model_config", "sequence_parallel_degree"],
+        [],
+    ),
+    (
+        "llamafactory-galore-warmup.yaml",
+        "llamafactory",
+        None,
+        {"train.warmup_ratio": 0.1, "train.warmup_steps": None, "adapter.type": "full"},
+        ["use_galore"],
+        ["galore_rank", "galore_target"],
+    ),
+    (
+        "trl-dpo-qlora-fp16-dtype.yaml",
+        "trl",
+        "dpo",
+        {"adapter.type": "qlora", "model.dtype": "bfloat16", "train.precision": "bf16"},
+        [],
+        ["torch_dtype"],  # float16 weights under bf16 training are not offered
+    ),
+    (
+        "trl-cpt-dataset-configs.yaml",
+        "trl",
+        "sft",
+        {
+            "data.sources[0].subset": "tiny",
+            "data.sources[1].subset": "full",
+            "data.sources[1].weight": 0.5,
+            "tokenizer.eos_token": "<|end_of_text|>",
+            "model.attn_implementation": "auto",
+            "distributed.strategy": "fsdp2",
+        },
+        ["accelerate_config.parallelism_config.parallelism_config_cp_size"],
+        ["use_flash_attention_2"],
+    ),
 ]
 
 
@@ -473,3 +532,29 @@ def test_trl_method_is_guessed_from_keys_only_one_trainer_has(tmp_path, keys, me
     conv = convert_mapping(raw, source="trl", config_dir=tmp_path, out_dir=tmp_path)
     assert conv.recipe["method"]["type"] == method
     assert any("pass --method" in note for note in conv.notes)
+
+
+def test_llamafactory_sharegpt_kto_rows_are_reported_not_read_as_prompt_completion(tmp_path):
+    """LLaMA-Factory's kto_en_demo layout (a sharegpt conversation plus a kto_tag) has no prompt/completion
+    columns, so it is reported by its dataset key rather than written as unpaired rows that cannot be read."""
+    import json
+
+    from finetune.peers import convert_mapping
+
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "dataset_info.json").write_text(
+        json.dumps(
+            {
+                "kto_chat": {
+                    "file_name": "kto_chat.json",
+                    "formatting": "sharegpt",
+                    "columns": {"messages": "messages", "kto_tag": "label"},
+                    "tags": {"role_tag": "role", "content_tag": "content"},
+                }
+            }
+        )
+    )
+    raw = {"model_name_or_path": "Qwen/Qwen3-8B", "stage": "kto", "dataset": "kto_chat"}
+    conv = convert_mapping(raw, source="llamafactory", config_dir=tmp_path, out_dir=tmp_path)
+    assert "dataset[0]" in {d.key for d in conv.material}
+    assert not conv.get("data.sources")
