@@ -160,6 +160,7 @@ def arch_from_config(path: Path, *, key: str, hub_id: str | None = None) -> Mode
             "adapter.type: qlora for 4-bit weights (or lora / full on the 16-bit ones)",
         )
     reader, traits = family, FAMILIES[family]
+    text = {**traits.defaults, **text}  # what the config class fills in for the keys config.json leaves out
     missing = [
         k
         for k in ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size")

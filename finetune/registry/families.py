@@ -8,7 +8,7 @@ defaults a config.json written by save_pretrained leaves out, the norms a layer 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 
@@ -35,12 +35,33 @@ class Family:
     # other below max_window_layers, "nope" the NoPE layers (SmolLM3's no_rope_layers)
     slides: str = ""
     pattern: int = 6
+    # the class defaults of the shape keys (hidden_size, vocab_size, ...) a config.json may leave out:
+    # save_pretrained drops a multimodal wrapper's text_config keys that equal its text class's defaults
+    defaults: dict[str, int] = field(default_factory=dict)
 
 
 _FIXED: dict[str, Any] = dict(
     qkv_bias=False, o_bias=False
 )  # families whose attention has no biases whatever config.json says
 _LLAMA: dict[str, Any] = dict(mlp_bias="mlp_bias")  # Llama's attention_bias covers q/k/v and o; mlp_bias the MLP
+# Gemma3TextConfig's defaults: google/gemma-3-4b-it's text_config, for one, names neither its heads nor its vocab
+_GEMMA3: dict[str, Any] = dict(
+    qk_norm="head",
+    norms=4,
+    tied=True,
+    window=4096,
+    slides="pattern",
+    defaults=dict(
+        vocab_size=262208,
+        hidden_size=2304,
+        intermediate_size=9216,
+        num_hidden_layers=26,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        head_dim=256,
+        max_position_embeddings=131072,
+    ),
+)
 FAMILIES: dict[str, Family] = {
     "llama": Family("LlamaDecoderLayer", **_LLAMA),
     "mistral": Family("MistralDecoderLayer", **_FIXED, window=4096, slides="every"),
@@ -59,8 +80,8 @@ FAMILIES: dict[str, Family] = {
     "gemma": Family("GemmaDecoderLayer", tied=True),
     "vaultgemma": Family("VaultGemmaDecoderLayer", tied=True, window=4096, softcap=50.0, slides="odd"),
     "gemma2": Family("Gemma2DecoderLayer", norms=4, tied=True, window=4096, softcap=50.0, slides="odd"),
-    "gemma3": Family("Gemma3DecoderLayer", qk_norm="head", norms=4, tied=True, window=4096, slides="pattern"),
-    "gemma3_text": Family("Gemma3DecoderLayer", qk_norm="head", norms=4, tied=True, window=4096, slides="pattern"),
+    "gemma3": Family("Gemma3DecoderLayer", **_GEMMA3),
+    "gemma3_text": Family("Gemma3DecoderLayer", **_GEMMA3),
     # post-norms only (after attention and after the MLP), q/k norms over all heads
     "olmo2": Family("Olmo2DecoderLayer", qk_norm="all"),
     "olmo3": Family("Olmo3DecoderLayer", qk_norm="all", window=4096, slides="every4"),
