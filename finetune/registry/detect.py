@@ -105,6 +105,9 @@ _KNOWN = {
 
 
 UNKNOWN_GPU_PEAK_TFLOPS = 100.0  # a GPU we have no preset for: slow estimates, never optimistic
+# GPUs that NVLink does not join (an unknown card, or cards of different models): NCCL over PCIe through host
+# memory, the low end of what the PCIe presets measure (10-20 GB/s)
+PCIE_HOST_PATH_GBPS = 10
 
 
 def _normalize(name: str) -> str:
@@ -140,14 +143,25 @@ def synthesize_preset(
         cpu = on_cores(get_preset("cpu"), cpu_cores)
         usable = max(1.0, round(ram_gib * 0.8, 1))
         return cpu.model_copy(update={"name": "cpu", "gpu_memory_gib": usable, "host_ram_gib": round(ram_gib, 1)})
-    name, mem = gpus[0]
     count = len(gpus)
+    # every rank waits for the slowest GPU at each collective, and the plan must fit the smallest: a node of
+    # mixed cards is planned as `count` of its slowest card with the smallest card's memory
+    name = min((n for n, _ in gpus), key=peak_bf16_tflops)
+    mem = min(m for _, m in gpus)
+    kinds = sorted({n for n, _ in gpus})
+    mixed = len(kinds) > 1
     match = _borrowed_preset(name)
     # nvidia-smi's total includes a driver reserve we do not get to use
     usable = round(mem - 0.5, 1)
+    description = f"detected: {count} x {name}"
+    if mixed:
+        listed = ", ".join(f"{sum(n == kind for n, _ in gpus)} x {kind}" for kind in kinds)
+        description = (
+            f"detected: {listed}; planned as {count} x {name} with {usable:g} GiB each (the slowest, the smallest)"
+        )
     base = dict(
-        name=f"auto-{count}x{_normalize(name) or 'gpu'}",
-        description=f"detected: {count} x {name}",
+        name=f"auto-{count}x{_normalize(name) or 'gpu'}" + ("-mixed" if mixed else ""),
+        description=description,
         gpu_model=name,
         vendor="nvidia",
         gpu_memory_gib=usable,
@@ -163,8 +177,11 @@ def synthesize_preset(
     )
     if match is not None:
         base.update(
-            intra_node_link=match.intra_node_link if count > 1 else "none",
-            intra_node_bandwidth_gbps=match.intra_node_bandwidth_gbps,
+            # NVLink joins cards of one model only
+            intra_node_link=("pcie" if mixed else match.intra_node_link) if count > 1 else "none",
+            intra_node_bandwidth_gbps=PCIE_HOST_PATH_GBPS
+            if mixed and match.intra_node_link != "pcie"
+            else match.intra_node_bandwidth_gbps,
             peak_bf16_tflops=match.peak_bf16_tflops,
             gpu_memory_bandwidth_gbps=match.gpu_memory_bandwidth_gbps,
             host_to_device_bandwidth_gbps=match.host_to_device_bandwidth_gbps,
@@ -178,7 +195,7 @@ def synthesize_preset(
         # unknown GPU: assume PCIe without peer-to-peer and a modest peak (slow estimates, never optimistic)
         base.update(
             intra_node_link="pcie" if count > 1 else "none",
-            intra_node_bandwidth_gbps=10,
+            intra_node_bandwidth_gbps=PCIE_HOST_PATH_GBPS,
             peak_bf16_tflops=UNKNOWN_GPU_PEAK_TFLOPS,
             host_to_device_bandwidth_gbps=16,
         )

@@ -301,6 +301,22 @@ def test_auto_detection_maps_gpus_to_preset_numbers():
     assert cpu.name == "cpu" and cpu.vendor == "cpu" and cpu.gpu_memory_gib <= 32
 
 
+def test_a_node_of_mixed_gpus_is_planned_as_its_smallest_and_slowest_card():
+    """Every rank waits for the slowest GPU at each collective, and the plan must fit the smallest: a 4090 (24 GB)
+    with a 5090 (32 GB) is planned as two 4090s, over PCIe (NVLink does not join different models)."""
+    gpus = parse_nvidia_smi("NVIDIA GeForce RTX 5090, 32607 MiB\nNVIDIA GeForce RTX 4090, 24564 MiB\n")
+    preset = synthesize_preset(gpus, ram_gib=128)
+    rtx4090 = get_preset("workstation-1x4090")
+    assert preset.gpus_per_node == 2 and preset.gpu_memory_gib == pytest.approx(23.5, abs=0.1)
+    assert preset.peak_bf16_tflops == rtx4090.peak_bf16_tflops and preset.intra_node_link == "pcie"
+    assert preset.gpu_model == "NVIDIA GeForce RTX 4090" and preset.name.endswith("-mixed")
+    assert "1 x NVIDIA GeForce RTX 5090" in preset.description and "planned as 2 x" in preset.description
+    h100s = synthesize_preset(parse_nvidia_smi("NVIDIA H100 80GB HBM3, 81559 MiB\n" * 2), ram_gib=1000)
+    with_unknown = synthesize_preset([("NVIDIA H100 80GB HBM3", 79.6), ("Some Future GPU", 96.0)], ram_gib=1000)
+    assert h100s.intra_node_link == "nvlink" and not h100s.name.endswith("-mixed")
+    assert with_unknown.peak_bf16_tflops < h100s.peak_bf16_tflops and with_unknown.gpu_memory_gib < 79.6
+
+
 def test_auto_detection_honours_cuda_visible_devices():
     """nvidia-smi lists the whole host; a job pinned to some GPUs must plan and launch for those only."""
     rows = [(str(i), f"GPU-{i}aaa-uuid", "NVIDIA H100 80GB HBM3", 79.6) for i in range(4)]
