@@ -157,7 +157,7 @@ def arch_from_config(path: Path, *, key: str, hub_id: str | None = None) -> Mode
             file=str(path),
             key="model.name",
             hint="point model.name at the unquantized model the checkpoint was made from and set "
-            "adapter.type: qlora for 4-bit weights (or lora / full on the 16-bit ones)",
+            "adapter.type: qlora for 4-bit weights (or lora / full on the 16-bit ones)" + _dequantize_hint(quantized),
         )
     reader, traits = family, FAMILIES[family]
     text = {**traits.defaults, **text}  # what the config class fills in for the keys config.json leaves out
@@ -227,6 +227,22 @@ def arch_from_config(path: Path, *, key: str, hub_id: str | None = None) -> Mode
             file=str(path),
             hint="set model.arch to the closest registry entry (finetune models)",
         ) from None
+
+
+# checkpoints some models are published in only (gpt-oss: MXFP4, DeepSeek-V3: FP8) and the transformers config
+# whose dequantize=True loads them as 16-bit weights
+DEQUANTIZING_CONFIGS = {"mxfp4": "Mxfp4Config", "fp8": "FineGrainedFP8Config"}
+
+
+def _dequantize_hint(method: str) -> str:
+    config = DEQUANTIZING_CONFIGS.get(method)
+    if config is None:
+        return ""
+    return (
+        f"; a model published only in {method}: make a 16-bit copy once, with AutoModelForCausalLM.from_pretrained("
+        f"..., quantization_config={config}(dequantize=True), dtype='bfloat16') and save_pretrained, and point "
+        "model.name at it"
+    )
 
 
 def prequantized_method(cfg: dict, text: dict) -> str:

@@ -81,9 +81,10 @@ TEXT_OF_MULTIMODAL: dict[str, tuple[float, int, str]] = {
 }
 # model: words the refusal must contain
 REFUSED: dict[str, tuple[str, ...]] = {
-    "deepseek-v3": ("quantized", "fp8"),  # the Hub's checkpoint is FP8 (quantization_config)
-    "gpt-oss-20b": ("quantized", "mxfp4"),
-    "gpt-oss-120b": ("quantized", "mxfp4"),
+    # published only quantized: the fix says how to make the 16-bit copy the planner reads
+    "deepseek-v3": ("quantized", "fp8", "FineGrainedFP8Config(dequantize=True)"),
+    "gpt-oss-20b": ("quantized", "mxfp4", "Mxfp4Config(dequantize=True)"),
+    "gpt-oss-120b": ("quantized", "mxfp4", "Mxfp4Config(dequantize=True)"),
     "llama-4-scout": ("'llama4'", "mixture-of-experts"),
     "granite-3.1-3b-a800m": ("'granitemoe'", "mixture-of-experts"),
     "internlm2.5-7b": ("'internlm2'",),
