@@ -15,6 +15,7 @@ from finetune.peers.common import (
     LIGER_REASON,
     as_list,
     batch_sizes,
+    coerce_numbers,
     continue_adapter,
     optimizer,
     scheduler,
@@ -168,6 +169,11 @@ def _source(conv: Conversion, name: str, info: dict | None, folder: Path | None,
 
 
 def convert(conv: Conversion) -> None:
+    section = conv.raw.get("train")
+    if list(conv.raw) == ["train"] and isinstance(section, dict):
+        # one upstream example (examples/extras/dyn_rope) keeps every argument under a `train:` section
+        conv.raw = coerce_numbers(section)
+        conv.notes.append("train: its keys read as the config's own (the train command's arguments)")
     conv.set("model.name", conv.take("model_name_or_path", ""))
     stage = str(conv.take("stage", "sft"))
     if stage in STAGES:
@@ -278,7 +284,8 @@ def _method_extras(conv: Conversion) -> None:
             conv.take("pref_ftx"),
             "an added SFT loss in preference training is offered only as simpo's cpo_alpha (method: simpo)",
         )
-    if conv.has("flash_attn"):
-        attention = {"sdpa": "sdpa", "disabled": "eager", "eager": "eager"}.get(str(conv.take("flash_attn")))
-        if attention:
-            conv.set("model.attn_implementation", attention)
+    for key in ("flash_attn", "attn"):  # attn: the newer examples' name for it
+        if conv.has(key):
+            attention = {"sdpa": "sdpa", "disabled": "eager", "eager": "eager"}.get(str(conv.take(key)))
+            if attention:
+                conv.set("model.attn_implementation", attention)

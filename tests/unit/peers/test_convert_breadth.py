@@ -423,6 +423,21 @@ CASES = [
         ["galore_rank", "galore_target"],
     ),
     (
+        "llamafactory-nested-train.yaml",
+        "llamafactory",
+        None,
+        {
+            "model.name": "Qwen/Qwen2.5-7B",
+            "adapter.type": "full",
+            "model.rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768},
+            "model.attn_implementation": "auto",  # attn: fa2, as flash_attn: fa2
+            "data.max_length": 4096,
+            "train.lr": 1e-5,
+        },
+        [],
+        [],
+    ),
+    (
         "trl-dpo-qlora-fp16-dtype.yaml",
         "trl",
         "dpo",
