@@ -91,6 +91,24 @@ IGNORED.update(
     }
     | {k: FUSED_LORA_REASON for k in ("lora_mlp_kernel", "lora_qkv_kernel", "lora_o_kernel")}
 )
+IGNORED.update(
+    {
+        "use_kernels": "Hub kernels are not loaded; finetune's own (varlen attention, Liger, the fused LoRA layer) are "
+        "planned and switchable in the recipe",
+    }
+    | {
+        k: "the routed experts run transformers' grouped_mm, as the planner times them; other MoE kernels are "
+        "not loaded"
+        for k in ("use_scattermoe", "use_sonicmoe")
+    }
+)
+# memory savers finetune has no switch for: reported (material) when on, silent when off
+NOT_OFFERED_WHEN_ON = {
+    "activation_offloading": "activations offloaded to host RAM are not offered; the planner fits activations with "
+    "activation checkpointing on as many layers as needed (train.activation_checkpointing: auto)",
+    "tiled_mlp": "the MLP tiled along the sequence is not offered; the planner fits long sequences with activation "
+    "checkpointing, or lower data.max_length",
+}
 # axolotl's attention switch -> model.attn_implementation (flash: finetune picks its flash kernel itself)
 ATTENTION = {"sdpa": "sdpa", "eager": "eager", "flex": "flex_attention", "flash": None, "xformers": None}
 _OPTION_FIX = {
@@ -344,6 +362,10 @@ def convert(conv: Conversion) -> None:
     batch_sizes(conv, micro_key="micro_batch_size", also="axolotl multiplies by the GPU count too; ")
     deepspeed_file(conv, "deepspeed")
     parallel_sizes(conv, conv.raw)
+    for key, reason in NOT_OFFERED_WHEN_ON.items():
+        if conv.has(key) and conv.raw[key] not in (False, "false", 0):
+            conv.drop(key, conv.raw[key], reason)
+        conv.used.add(key)
     _model_overrides(conv)
     flags, fsdp_config = as_list(conv.take("fsdp")), conv.take("fsdp_config")
     if flags or fsdp_config:

@@ -122,6 +122,13 @@ def convert(conv: Conversion, *, method: str | None) -> None:
     if dtype is not None and DTYPES.get(str(dtype)):
         conv.set("model.dtype", DTYPES[str(dtype)])
     attention(conv, "attn_implementation")
+    if conv.take("average_tokens_across_devices") is False:
+        conv.drop(
+            "average_tokens_across_devices",
+            False,
+            "finetune averages the loss over the tokens of every rank (transformers' default); a per-rank mean "
+            "is not offered",
+        )
     for name in ("eos_token", "pad_token"):  # SFTConfig's token overrides
         if conv.has(name):
             conv.set(f"tokenizer.{name}", conv.take(name))

@@ -438,6 +438,14 @@ CASES = [
         [],
     ),
     (
+        "axolotl-long-context-savers.yaml",
+        "axolotl",
+        None,
+        {"data.max_length": 16384, "train.activation_checkpointing": "on", "train.optimizer": "adamw_torch_fused"},
+        ["activation_offloading", "tiled_mlp"],  # on: memory savers with no switch here
+        ["use_scattermoe"],  # speed only; a false switch and sequence_parallel_degree 1 ask for nothing
+    ),
+    (
         "trl-dpo-qlora-fp16-dtype.yaml",
         "trl",
         "dpo",
@@ -457,7 +465,7 @@ CASES = [
             "model.attn_implementation": "auto",
             "distributed.strategy": "fsdp2",
         },
-        ["accelerate_config.parallelism_config.parallelism_config_cp_size"],
+        ["accelerate_config.parallelism_config.parallelism_config_cp_size", "average_tokens_across_devices"],
         ["use_flash_attention_2"],
     ),
 ]
