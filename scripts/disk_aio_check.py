@@ -19,7 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from finetune.registry.disk import (  # noqa: E402
     AIO_SETTINGS,
     MIB,
-    existing_dir,
+    probe_dir,
     probe_file,
     read_gbps,
 )
@@ -50,7 +50,7 @@ def main() -> None:
     size = args.gib * 1024 * MIB
     rows = []
     for path in args.paths:
-        directory = existing_dir(path)
+        directory = probe_dir(path)
         assert directory is not None, path
         row = {
             "path": path,

@@ -4,8 +4,9 @@ ZeRO-3 with NVMe offload reads every parameter from the swap files for the forwa
 backward, so a step takes about weights x 2 / disk bandwidth, and the disk is the one figure of such a run
 that no GPU name tells. DeepSpeed's async_io reads with O_DIRECT (the page cache plays no part) in blocks of
 AIO_BLOCK_BYTES with AIO_QUEUE_DEPTH requests in flight from one submitting thread (the compiled
-ds_config.json's `aio`). The probe writes a file next to the swap directory, reads it back with O_DIRECT,
-one block in flight per reader thread, and removes it: about a second on a local NVMe.
+ds_config.json's `aio`). The probe writes a file in the swap directory (its parent before DeepSpeed makes it),
+reads it back with O_DIRECT, one block in flight per reader thread, and removes it: about a second on a local
+NVMe.
 
 Readers: AIO_QUEUE_DEPTH on a disk, where libaio keeps that many requests in flight. On a RAM filesystem
 (tmpfs) libaio has no asynchronous path: each request is copied inside the submitting call, so DeepSpeed reads
@@ -43,12 +44,16 @@ RAM_FILESYSTEMS = ("tmpfs", "ramfs")  # no asynchronous I/O: libaio copies each 
 
 
 def existing_dir(path: str | os.PathLike) -> Path | None:
-    """`path`, or its nearest existing ancestor (DeepSpeed creates the swap directory on first use)."""
+    """`path`, or its nearest existing ancestor: the filesystem it is (or will be) on."""
     p = Path(path).expanduser().absolute()
-    for candidate in (p, *p.parents):
-        if candidate.is_dir():
-            return candidate
-    return None
+    return next((c for c in (p, *p.parents) if c.is_dir()), None)
+
+
+def probe_dir(path: str | os.PathLike) -> Path | None:
+    """Where the probe may write its file: the swap directory, or its parent when DeepSpeed has yet to make it;
+    None further up (a plan does not write into / or /mnt for a swap path that names nothing there yet)."""
+    p = Path(path).expanduser().absolute()
+    return next((c for c in (p, p.parent) if c.is_dir()), None)
 
 
 def filesystem_type(path: str | os.PathLike) -> str | None:
@@ -77,10 +82,10 @@ def probe_readers(path: str | os.PathLike) -> int:
 @lru_cache(maxsize=8)
 def read_gbps(path: str, size: int = PROBE_BYTES, readers: int | None = None) -> float | None:
     """Sequential O_DIRECT read bandwidth (GB/s) of the filesystem holding `path` with `readers` blocks in
-    flight (default: as DeepSpeed reads there, probe_readers); None when it cannot be measured (no writable
-    directory, too little free space, or a filesystem without O_DIRECT, from which DeepSpeed's async_io cannot
-    read either). Measured once per path and process."""
-    directory = existing_dir(path)
+    flight (default: as DeepSpeed reads there, probe_readers); None when it cannot be measured (neither the
+    directory nor its parent exists and is writable, too little free space, or a filesystem without O_DIRECT,
+    from which DeepSpeed's async_io cannot read either). Measured once per path and process."""
+    directory = probe_dir(path)
     if directory is None or not os.access(directory, os.W_OK) or not hasattr(os, "O_DIRECT"):
         return None
     stats = os.statvfs(directory)

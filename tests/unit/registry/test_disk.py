@@ -21,6 +21,7 @@ from finetune.registry.disk import (
     RAM_FILESYSTEMS,
     existing_dir,
     filesystem_type,
+    probe_dir,
     probe_readers,
     read_gbps,
 )
@@ -30,12 +31,14 @@ MIB = 1 << 20
 
 
 def test_the_probe_reads_the_directory_s_filesystem_and_leaves_nothing_behind(tmp_path):
-    swap = tmp_path / "swap" / "not-made-yet"  # DeepSpeed makes the swap folder: its nearest parent is read
-    assert existing_dir(swap) == tmp_path
+    swap = tmp_path / "not-made-yet"  # DeepSpeed makes the swap folder: its parent is read
+    assert probe_dir(swap) == tmp_path and existing_dir(swap / "deeper") == tmp_path
     gbps = read_gbps(str(swap), 64 * MIB)
     assert gbps is not None and gbps > 0.01
     assert not list(tmp_path.glob(PROBE_PREFIX + "*")) and not swap.exists()
     assert read_gbps(str(swap), 64 * MIB) == gbps  # measured once per path and process
+    # a path naming nothing two levels up is not measured: the plan writes nowhere it was not pointed at
+    assert probe_dir(tmp_path / "a" / "b") is None and read_gbps(str(tmp_path / "a" / "b"), 64 * MIB) is None
 
 
 def test_a_path_with_no_room_for_the_probe_is_not_measured(tmp_path):
