@@ -168,9 +168,12 @@ def arch_from_config(path: Path, *, key: str, hub_id: str | None = None) -> Mode
     ]
     if missing:
         raise RecipeError(
-            f"config.json lacks {', '.join(missing)}; not a decoder-only LM the planner knows",
+            f"config.json (model_type {family!r}) lacks {', '.join(missing)}, which size the model; the planner "
+            "cannot guess them",
             file=str(path),
-            hint="set model.arch to the closest registry entry (finetune models)",
+            key="model.name",
+            hint="add them to config.json as the model's class fills them in, or set model.arch to the closest "
+            "registry entry (finetune models)",
         )
     heads = int(text["num_attention_heads"])
     tied = cfg.get("tie_word_embeddings", text.get("tie_word_embeddings", traits.tied))

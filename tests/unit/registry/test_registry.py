@@ -329,6 +329,17 @@ def test_auto_detection_honours_cuda_visible_devices():
     assert synthesize_preset(visible_gpus(rows, "2,3"), ram_gib=500).gpus_per_node == 2
 
 
+def test_a_config_without_the_keys_that_size_the_model_is_refused_naming_them(tmp_path):
+    import json
+
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", "hidden_size": 64}))
+    with pytest.raises(RecipeError) as err:
+        resolve_model(ModelSection(name=str(tmp_path)), base_dir=tmp_path)
+    assert err.value.key == "model.name" and err.value.file.endswith("config.json")
+    text = err.value.render()
+    assert "lacks num_hidden_layers, num_attention_heads, intermediate_size, vocab_size" in text and "fix:" in text
+
+
 def test_a_registry_key_as_model_name_says_which_hub_id_to_use(tmp_path):
     with pytest.raises(RecipeError) as err:
         resolve_model(ModelSection(name="llama-3.1-8b"), base_dir=tmp_path)
