@@ -19,6 +19,7 @@ from finetune.data.chat_template import read_chat_template
 from finetune.errors import DataError, RecipeError
 from finetune.plan.workload import DTYPE_BYTES
 from finetune.recipe.paths import model_path
+from finetune.registry.disk import nearest_existing
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "spiece.model", "vocab.txt")
 SAFETENSORS_MAX_HEADER = 100 * 1024 * 1024  # the safetensors format's own limit
@@ -245,10 +246,7 @@ def output_bytes(plan, recipe) -> tuple[int, int]:
 
 
 def free_bytes(path: Path) -> int:
-    path = Path(path)
-    while not path.exists():
-        path = path.parent
-    return shutil.disk_usage(path).free
+    return shutil.disk_usage(nearest_existing(path)).free
 
 
 def check_disk(run_dir: Path, *, plan, recipe) -> None:
@@ -275,7 +273,7 @@ def check_swap_disk(plan, recipe) -> None:
     if strategies.info(plan.strategy).offload != "nvme":
         return
     path = Path(recipe.distributed.nvme_path).expanduser().absolute()
-    parent = next(p for p in (path, *path.parents) if p.exists())  # DeepSpeed makes the rest
+    parent = nearest_existing(path)  # DeepSpeed makes the rest
     if not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):
         why = "is a file" if not parent.is_dir() else "is not writable by this user"
         raise RecipeError(

@@ -14,6 +14,7 @@ from finetune.peers.common import (
     optimizer,
     scheduler,
     sniff_format,
+    take_mapping,
     template,
 )
 from finetune.peers.distributed import deepspeed_file, fsdp_strategy, parallel_sizes
@@ -392,13 +393,9 @@ def _model_overrides(conv: Conversion) -> None:
     """overrides_of_model_config (model_config before it): its rope_scaling is model.rope_scaling; any other
     config.json override is reported."""
     for key in ("overrides_of_model_config", "model_config"):
-        overrides = conv.take(key)
-        if not overrides:
+        rest = take_mapping(conv, key, of="model config.json keys")
+        if rest is None:
             continue
-        if not isinstance(overrides, dict):
-            conv.drop(key, overrides, "must be a mapping of model config.json keys")
-            continue
-        rest = dict(overrides)
         rope = rest.pop("rope_scaling", None)
         if isinstance(rope, dict):
             conv.set("model.rope_scaling", rope)

@@ -119,10 +119,9 @@ def map_aliases(conv: Conversion, *, ignore: dict[str, str]) -> None:
         conv.notes.append("train.max_steps kept and the epoch count removed: the peers stop at max_steps")
     if conv.get("data.eval_fraction") == 0:
         del conv.recipe["data"]["eval_fraction"]
-    _dtype_for_precision(conv)
 
 
-def _dtype_for_precision(conv: Conversion) -> None:
+def dtype_for_precision(conv: Conversion) -> None:
     """float16 weights under bf16 autocast (the handbooks' QLoRA torch_dtype: float16 with bf16: true) are not
     offered; the bf16 the config trains in decides, and the weights load in bfloat16."""
     if conv.get("model.dtype") != "float16" or conv.get("train.precision", "bf16") != "bf16":
@@ -280,15 +279,23 @@ def shared_keys(conv: Conversion) -> None:
         conv.set("model.dtype", "float16")  # the peers load the weights in the fp16 they train in
 
 
+def take_mapping(conv: Conversion, key: str, *, of: str) -> dict | None:
+    """A peer's mapping-valued key as a copy its entries can be popped from as they are mapped; None when it is
+    unset or not a mapping (then reported)."""
+    value = conv.take(key)
+    if not value:
+        return None
+    if not isinstance(value, dict):
+        conv.drop(key, value, f"must be a mapping of {of}")
+        return None
+    return dict(value)
+
+
 def scheduler_kwargs(conv: Conversion, key: str) -> None:
     """transformers' lr_scheduler_kwargs: cosine_with_min_lr's min_lr / min_lr_rate."""
-    kwargs = conv.take(key)
-    if not kwargs:
+    rest = take_mapping(conv, key, of="scheduler arguments")
+    if rest is None:
         return
-    if not isinstance(kwargs, dict):
-        conv.drop(key, kwargs, "must be a mapping of scheduler arguments")
-        return
-    rest = dict(kwargs)
     if "min_lr_rate" in rest:
         conv.set("train.min_lr_ratio", rest.pop("min_lr_rate"))
     if "min_lr" in rest:

@@ -330,9 +330,12 @@ def swap_disk(job: Job, *, local: bool) -> tuple[Job, str, str]:
     if local and job.nvme_path:
         measured = read_gbps(job.nvme_path)
         if measured:
-            readers = probe_readers(job.nvme_path)
-            how = f"O_DIRECT, {readers} x {AIO_BLOCK_BYTES >> 20} MiB in flight, as DeepSpeed's async_io reads there"
-            warning, kind = "", filesystem_type(job.nvme_path)
+            kind = filesystem_type(job.nvme_path)
+            how = (
+                f"O_DIRECT, {probe_readers(kind)} x {AIO_BLOCK_BYTES >> 20} MiB in flight, as DeepSpeed's async_io "
+                "reads there"
+            )
+            warning = ""
             if kind in RAM_FILESYSTEMS:
                 warning = (
                     f"distributed.nvme_path: {path} is in RAM ({kind}), which DeepSpeed "

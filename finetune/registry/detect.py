@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+from collections import Counter
 from pathlib import Path
 
 from finetune.registry.schema import HardwarePreset
@@ -148,14 +149,14 @@ def synthesize_preset(
     # mixed cards is planned as `count` of its slowest card with the smallest card's memory
     name = min((n for n, _ in gpus), key=peak_bf16_tflops)
     mem = min(m for _, m in gpus)
-    kinds = sorted({n for n, _ in gpus})
-    mixed = len(kinds) > 1
+    counts = Counter(n for n, _ in gpus)
+    mixed = len(counts) > 1
     match = _borrowed_preset(name)
     # nvidia-smi's total includes a driver reserve we do not get to use
     usable = round(mem - 0.5, 1)
     description = f"detected: {count} x {name}"
     if mixed:
-        listed = ", ".join(f"{sum(n == kind for n, _ in gpus)} x {kind}" for kind in kinds)
+        listed = ", ".join(f"{counts[kind]} x {kind}" for kind in sorted(counts))
         description = (
             f"detected: {listed}; planned as {count} x {name} with {usable:g} GiB each (the slowest, the smallest)"
         )

@@ -43,10 +43,10 @@ PROBE_PREFIX = ".finetune-disk-probe-"
 RAM_FILESYSTEMS = ("tmpfs", "ramfs")  # no asynchronous I/O: libaio copies each request in the submitting call
 
 
-def existing_dir(path: str | os.PathLike) -> Path | None:
-    """`path`, or its nearest existing ancestor: the filesystem it is (or will be) on."""
+def nearest_existing(path: str | os.PathLike) -> Path:
+    """`path`, or its nearest ancestor that exists: what a run creates below it lands on that filesystem."""
     p = Path(path).expanduser().absolute()
-    return next((c for c in (p, *p.parents) if c.is_dir()), None)
+    return next(c for c in (p, *p.parents) if c.exists())
 
 
 def probe_dir(path: str | os.PathLike) -> Path | None:
@@ -58,7 +58,7 @@ def probe_dir(path: str | os.PathLike) -> Path | None:
 
 def filesystem_type(path: str | os.PathLike) -> str | None:
     """The type of the filesystem holding `path` (the longest mount point above it in /proc/self/mounts)."""
-    target = existing_dir(path)
+    target = nearest_existing(path)
     try:
         lines = Path("/proc/self/mounts").read_text().splitlines()
     except OSError:
@@ -66,7 +66,7 @@ def filesystem_type(path: str | os.PathLike) -> str | None:
     best, kind = -1, None
     for line in lines:
         fields = line.split()
-        if len(fields) < 3 or target is None:
+        if len(fields) < 3:
             continue
         mount = Path(fields[1].replace("\\040", " "))
         if (mount == target or mount in target.parents) and len(mount.parts) > best:
@@ -74,9 +74,10 @@ def filesystem_type(path: str | os.PathLike) -> str | None:
     return kind
 
 
-def probe_readers(path: str | os.PathLike) -> int:
-    """Blocks DeepSpeed keeps in flight on this filesystem: its queue depth, one on a RAM filesystem."""
-    return 1 if filesystem_type(path) in RAM_FILESYSTEMS else AIO_QUEUE_DEPTH
+def probe_readers(kind: str | None) -> int:
+    """Blocks DeepSpeed keeps in flight on a filesystem of this type (filesystem_type): its queue depth, one on a
+    RAM filesystem."""
+    return 1 if kind in RAM_FILESYSTEMS else AIO_QUEUE_DEPTH
 
 
 @lru_cache(maxsize=8)
@@ -94,7 +95,7 @@ def read_gbps(path: str, size: int = PROBE_BYTES, readers: int | None = None) ->
         return None
     try:
         with probe_file(directory, size) as name:
-            return _direct_read_gbps(name, size, readers or probe_readers(directory))
+            return _direct_read_gbps(name, size, readers or probe_readers(filesystem_type(directory)))
     except OSError:
         return None
 

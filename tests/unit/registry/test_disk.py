@@ -19,8 +19,8 @@ from finetune.registry.disk import (
     AIO_QUEUE_DEPTH,
     PROBE_PREFIX,
     RAM_FILESYSTEMS,
-    existing_dir,
     filesystem_type,
+    nearest_existing,
     probe_dir,
     probe_readers,
     read_gbps,
@@ -32,7 +32,7 @@ MIB = 1 << 20
 
 def test_the_probe_reads_the_directory_s_filesystem_and_leaves_nothing_behind(tmp_path):
     swap = tmp_path / "not-made-yet"  # DeepSpeed makes the swap folder: its parent is read
-    assert probe_dir(swap) == tmp_path and existing_dir(swap / "deeper") == tmp_path
+    assert probe_dir(swap) == tmp_path and nearest_existing(swap / "deeper") == tmp_path
     gbps = read_gbps(str(swap), 64 * MIB)
     assert gbps is not None and gbps > 0.01
     assert not list(tmp_path.glob(PROBE_PREFIX + "*")) and not swap.exists()
@@ -92,10 +92,10 @@ def test_the_compiled_aio_settings_are_the_probe_s(tmp_path):
 def test_a_disk_is_read_with_deepspeed_s_queue_depth_and_a_ram_filesystem_with_one_reader(tmp_path):
     assert filesystem_type("/proc/self") == "proc"  # the longest mount point above the path decides
     if filesystem_type(tmp_path) not in RAM_FILESYSTEMS:
-        assert probe_readers(tmp_path) == AIO_QUEUE_DEPTH
+        assert probe_readers(filesystem_type(tmp_path)) == AIO_QUEUE_DEPTH
     if filesystem_type("/dev/shm") != "tmpfs":
         pytest.skip("no tmpfs at /dev/shm here")
-    assert probe_readers("/dev/shm/swap/not-made-yet") == 1
+    assert probe_readers(filesystem_type("/dev/shm/swap/not-made-yet")) == 1
 
 
 def test_a_swap_directory_in_ram_is_planned_with_a_warning_that_names_the_key_and_the_tier():
