@@ -279,8 +279,9 @@ def merge(a: dict, b: dict) -> dict:
 
 def model_folder_name(arch: str) -> str:
     """The folder under FINETUNE_MODELS a random checkpoint of `arch` (a registry key or a config.json
-    path) is written to."""
-    return Path(arch).name.removesuffix(".json")
+    path: a file named config.json, e.g. tests/data/hub_configs/MODEL/config.json, by its folder) is written to."""
+    path = Path(arch)
+    return path.parent.name if path.name == "config.json" else path.name.removesuffix(".json")
 
 
 def ensure_model(arch: str, *, config_only: bool = False) -> Path:

@@ -50,6 +50,7 @@ from finetune.plan.workload import (
     lora_param_count,
     mean_sequence_tokens,
     module_shapes,
+    needs_model_eager,
     saved_modules,
     trainable_params,
     varlen_fallback_layers,
@@ -145,11 +146,19 @@ def recipe_flops_per_token(recipe, *, arch) -> float:
 def attention_implementation(recipe, preset, *, arch=None) -> str:
     """What train/model.py loads for model.attn_implementation. auto: PyTorch's varlen flash kernel for
     padding-free packed SFT rows and DPO pairs on NVIDIA GPUs (finetune/train/attention.py), sdpa otherwise; eager for
-    an `arch` with attention logit soft-capping (Gemma-2), which neither sdpa nor the varlen kernel
-    computes (transformers' own eager attention is its reference implementation)."""
+    an `arch` with attention logit soft-capping (Gemma-2) or attention sinks (GPT-OSS), which neither sdpa
+    nor the varlen kernel computes (transformers' own eager attention is their reference implementation)."""
     chosen = recipe.model.attn_implementation
+    eager_only = arch is not None and needs_model_eager(arch)
+    if chosen == "sdpa" and eager_only and arch.attention_sinks:
+        raise RecipeError(
+            f"{arch.key} has attention sinks (a learned logit per head in the softmax), which sdpa does not "
+            f"compute; transformers refuses sdpa for it",
+            key="model.attn_implementation",
+            hint="set model.attn_implementation: auto (its eager attention) or eager",
+        )
     if chosen == "auto":
-        if arch is not None and arch.attn_logit_softcap:
+        if eager_only:
             return "eager"
         packed = recipe.data.packing and recipe.method.type in ("sft", "dpo")
         chosen = "varlen" if packed and preset.vendor == "nvidia" else "sdpa"
@@ -160,12 +169,13 @@ def attention_kind(implementation: str, *, packed: bool, arch=None) -> str:
     """The planner's attention memory model: flash (no mask, no repeated kv heads) | varlen (no mask, kv
     heads as they are: torch's varlen kernel takes grouped heads) | sdpa | eager.
     varlen falls back to sdpa on rows without example boundaries, and on packed rows of an `arch`
-    whose sliding windows or logit soft-capping it does not run (`varlen_fallback_layers`): soft-capped
-    layers go to the model's own eager attention (sdpa has no soft-capping), the others to sdpa."""
+    whose sliding windows, logit soft-capping or attention sinks it does not run (`varlen_fallback_layers`):
+    soft-capped and sink layers go to the model's own eager attention (sdpa computes neither), the others
+    to sdpa."""
     if implementation in ("eager", "sdpa"):
         return implementation
     if implementation == "varlen":
-        if arch is not None and arch.attn_logit_softcap:
+        if arch is not None and needs_model_eager(arch):
             return "eager"
         if not packed or (arch is not None and varlen_fallback_layers(arch)):
             return "sdpa"

@@ -1,10 +1,10 @@
 """What finetune's varlen attention falling back to sdpa costs a plan, said as a warning.
 
-finetune/train/attention.py runs packed rows on torch's varlen flash kernel, except in layers with a
-sliding window or logit soft-capping (`workload.varlen_fallback_layers`): those go to transformers'
-sdpa (soft-capped ones to the model's eager attention, which also keeps the scores) with a block-diagonal
-mask over the whole packed row, which computes every block of the row's (micro_batch x seq)^2 square and
-keeps a float mask bias of that square per layer.
+finetune/train/attention.py runs packed rows on torch's varlen flash kernel, except in layers with a sliding
+window, logit soft-capping or attention sinks (`workload.varlen_fallback_layers`): those go to transformers'
+sdpa (soft-capped and sink ones to the model's eager attention, which also keeps the scores) with a
+block-diagonal mask over the whole packed row, which computes every block of the row's (micro_batch x seq)^2
+square and keeps a float mask bias of that square per layer.
 """
 
 from __future__ import annotations
@@ -25,6 +25,10 @@ def attention_fallback_warning(job: Job, plan: Plan) -> str:
         return ""
     arch, micro = job.arch, plan.micro_batch_size
     why = [f"attention logit soft-capping ({arch.attn_logit_softcap:g})"] if arch.attn_logit_softcap else []
+    if arch.attention_sinks:
+        why.append("attention sinks")
+    if arch.attention_dropout:
+        why.append(f"attention dropout ({arch.attention_dropout:g}, config.json attention_dropout)")
     if arch.sliding_window and arch.sliding_layers:
         why.append(f"a {arch.sliding_window}-token sliding window on {arch.sliding_layers} of {arch.num_layers} layers")
     ckpt = plan.checkpoint_layers or False

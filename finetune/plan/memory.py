@@ -378,13 +378,16 @@ def dora_transient_bytes(job: Job) -> float:
 
 
 def attention_matrix_bytes(job: Job, *, micro_batch: int) -> float:
-    """Per layer: sdpa's float mask bias (rows x len^2), or eager's saved scores (+ fp32 softmax)."""
+    """Per layer: sdpa's float mask bias (rows x len^2), or eager's saved scores: the fp32 softmax and its
+    cast back; GPT-OSS's eager attention with sinks keeps only its softmax, in the compute dtype (autograd's
+    saved tensors, 2.0 bytes per score element in bf16 on a CPU trace)."""
     masked = masked_attention(job, micro_batch=micro_batch)
     if masked is None:
         return 0.0
     rows, length = masked
     a = job.act_bytes
-    per_element = a + (job.arch.num_attention_heads * (4 + a) if job.attention == "eager" else 0)
+    scores = a if job.arch.attention_sinks else 4 + a
+    per_element = a + (job.arch.num_attention_heads * scores if job.attention == "eager" else 0)
     # layers the varlen kernel still serves (see workload.varlen_fallback_layers) get no mask
     share = 1 - min(job.varlen_layers, job.arch.num_layers) / job.arch.num_layers if job.packed else 1.0
     return rows * length * length * per_element * share

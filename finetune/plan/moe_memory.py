@@ -21,8 +21,8 @@ Per token: the top-k indices (8k), and the router's own tensors by convention: a
 by default), the fp32 top-k values and their sum (4k + 4); DeepSeek's sigmoid router keeps bf16 scores
 (2E), its selection mask (E) and gathered weights (2k + 10 bytes of group indices, n_group = 1; a few
 bytes more per group), and when trained the bf16 copy of its fp32-cast input (act*h); GPT-OSS's softmax
-over the top-k logits keeps act*k. Qwen2-MoE's sigmoid gate on the shared expert keeps the shared
-output and the gate (act*h + act).
+over the top-k logits keeps act*k; Granite's, over its fp32 top-k logits, 4k. Qwen2-MoE's sigmoid gate on
+the shared expert keeps the shared output and the gate (act*h + act).
 Checked by listing saved tensors with torch.autograd.graph.saved_tensors_hooks on one MoE block of
 each family (transformers 5.24, bf16, 1024 tokens, h 256, i 128, 8 experts, top-2; tests/unit/plan/test_moe_memory.py):
 with frozen experts Qwen2-MoE 5,478 B/token, Qwen3-MoE 2,672, Mixtral 2,676, DeepSeek-V3 ~3,450 (its
@@ -66,6 +66,8 @@ def routed_bytes(job: Job) -> float:
             router += a * h
     elif family == "gpt_oss":
         router += a * k
+    elif family in ("granitemoe", "granitemoeshared"):  # softmax over the fp32 top-k logits
+        router += 4 * k
     if arch.shared_expert_gate:
         router += a * h + a
     return k * copy + router

@@ -242,14 +242,23 @@ def attended_positions(arch: ModelArch, seq_len: int) -> int:
     return (arch.num_layers - sliding) * seq_len + sliding * window
 
 
+def needs_model_eager(arch: ModelArch) -> bool:
+    """Every layer's scores need what neither the varlen kernel nor sdpa computes, so each runs the model's
+    own eager attention: logit soft-capping (Gemma-2) or attention sinks (GPT-OSS). The runtime's copy of
+    this rule is finetune/train/attention.py's needs_model_eager (by the layer's call arguments)."""
+    return bool(arch.attn_logit_softcap) or arch.attention_sinks
+
+
 def varlen_fallback_layers(arch: ModelArch) -> int:
-    """Decoder layers of `arch` that finetune's varlen kernel does not serve: it has no sliding window
-    and no logit soft-capping, so finetune/train/attention.py's `varlen_attention_forward` hands a layer
-    that passes `sliding_window` to transformers' sdpa_attention_forward, and one that passes `softcap`
-    to the model's own eager attention, each with the block-diagonal mask over the whole packed row (keep
-    the two rules together). Soft-capping is set on
-    every layer (Gemma-2); sliding windows on `sliding_layers` of them. 0: the kernel serves them all."""
-    if arch.attn_logit_softcap:
+    """Decoder layers of `arch` that finetune's varlen kernel does not serve: it has no sliding window,
+    no logit soft-capping, no attention sinks and no attention dropout (a config's attention_dropout > 0,
+    every layer; train/attention.py's `plain`), so finetune/train/attention.py's
+    `varlen_attention_forward` hands a layer that passes `sliding_window` to transformers'
+    sdpa_attention_forward, and one that passes `softcap` or `s_aux` to the model's own eager attention
+    (`needs_model_eager`), each with the block-diagonal mask over the whole packed row (keep the two rules
+    together). Soft-capping and sinks are on every layer; sliding windows on `sliding_layers` of them.
+    0: the kernel serves them all."""
+    if needs_model_eager(arch) or arch.attention_dropout:  # the kernel has no dropout either
         return arch.num_layers
     return min(arch.sliding_layers, arch.num_layers) if arch.sliding_window else 0
 

@@ -1,10 +1,11 @@
 """Derive a ModelArch from a model's config.json with plain json (no transformers, no torch).
 
 Reads the families of finetune/registry/families.py: dense Llama-shaped decoders (llama, mistral, qwen2/3,
-gemma 1-3 with Gemma-3's multimodal `text_config` nesting, olmo2/3, cohere, phi3, ...) and mixture-of-
-experts in each convention transformers uses (mixtral; qwen2_moe / qwen3_moe; deepseek_v2 / deepseek_v3
-with multi-head latent attention; gpt_oss). A model_type outside these, or an MoE key the family's reader
-does not know, is refused by name: guessing such a model as dense has planned a 236B model as 18.7B."""
+gemma 1-3 with Gemma-3's multimodal `text_config` nesting, olmo2/3, cohere, phi3, ...) and mixture-of-experts
+in each convention transformers uses (mixtral; qwen2_moe / qwen3_moe; deepseek_v2 / deepseek_v3 with
+multi-head latent attention; gpt_oss; granitemoe / granitemoeshared). A model_type outside these, or an MoE
+key the family's reader does not know, is refused by name: guessing such a model as dense has planned a 236B
+model as 18.7B."""
 
 from __future__ import annotations
 
@@ -80,6 +81,9 @@ _MOE_KEYS = {
         "num_nextn_predict_layers",
     },
     "gpt_oss": {"num_local_experts", "experts_per_token"},
+    # num_experts: what finetune/compat/moe_expert_count.py adds to a trained model's saved config
+    "granitemoe": {"num_local_experts", "num_experts"},
+    "granitemoeshared": {"num_local_experts", "num_experts"},
 }
 _MOE_WORDS = ("expert", "moe", "dense_replace", "sparse_step", "mlp_only")
 MLA_LORA_TARGETS = ["q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"]
@@ -223,6 +227,7 @@ def arch_from_config(path: Path, *, key: str, hub_id: str | None = None) -> Mode
             **moe,
             **mla,
             **sliding_fields(text, family=traits),
+            attention_dropout=float(text.get("attention_dropout") or 0.0),
         )
     except (ValidationError, TypeError, ValueError) as exc:
         raise RecipeError(
@@ -289,7 +294,7 @@ def moe_fields(text: dict, *, family: str, path: Path) -> dict:
             hint="set model.arch to a registry entry with the same shape (finetune models)",
         )
     layers = int(text["num_hidden_layers"])
-    if family == "mixtral":
+    if family in ("mixtral", "granitemoe", "granitemoeshared"):  # every layer routed, experts as wide as the MLP
         experts, width = int(text.get("num_local_experts") or 8), None
     elif family in ("qwen2_moe", "qwen3_moe"):
         # the Hub's configs say num_experts; transformers 5 saves it as num_local_experts
@@ -328,6 +333,8 @@ def moe_fields(text: dict, *, family: str, path: Path) -> dict:
         out["shared_expert_intermediate_size"] = int(width or 0) * int(text.get("n_shared_experts") or 0)
     elif family == "gpt_oss":
         out.update(router_bias=True, expert_bias=True, attention_sinks=True)
+    elif family == "granitemoeshared":  # a dense MLP beside the experts, no gate on it
+        out["shared_expert_intermediate_size"] = int(text.get("shared_intermediate_size") or 0)
     return out
 
 

@@ -110,6 +110,9 @@ FAMILIES: dict[str, Family] = {
     "deepseek_v2": Family("DeepseekV2DecoderLayer", o_bias=False, mlp_bias="mlp_bias"),
     "deepseek_v3": Family("DeepseekV3DecoderLayer", o_bias=False),
     "gpt_oss": Family("GptOssDecoderLayer", bias_default=True, slides="odd"),
+    # Granite's multipliers (embedding, residual, attention, logits) scale activations, not shapes
+    "granitemoe": Family("GraniteMoeDecoderLayer"),
+    "granitemoeshared": Family("GraniteMoeSharedDecoderLayer"),
 }
 KNOWN_FAMILIES = frozenset(FAMILIES)
 

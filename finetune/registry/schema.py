@@ -55,6 +55,13 @@ class ModelArch(Strict):
     router_bias: bool = Field(False, description="GPT-OSS: the router has a bias per expert")
     expert_bias: bool = Field(False, description="GPT-OSS: each expert's gate_up/down projections have biases")
     attention_sinks: bool = Field(False, description="GPT-OSS: one learned sink logit per head")
+    attention_dropout: float = Field(
+        0.0,
+        ge=0,
+        lt=1,
+        description="dropout on the attention probabilities while training (config.json attention_dropout; "
+        "Granite-3 MoE: 0.1): the varlen kernel has none, so such a model's packed rows run sdpa",
+    )
     o_proj_bias: bool = Field(False, description="the attention output projection has a bias (GPT-OSS)")
     fused_qkv: bool = Field(False, description="q, k and v are one qkv_proj linear module (Phi-3)")
     fused_gate_up: bool = Field(False, description="gate and up are one gate_up_proj linear module (Phi-3, GLM)")

@@ -68,17 +68,25 @@ def _packed_bounds(query, key, kwargs) -> tuple | None:
     return cu_q, int(max_q)
 
 
+def needs_model_eager(kwargs: dict) -> bool:
+    """The layer's scores need what neither the varlen kernel nor sdpa computes: logit soft-capping
+    (Gemma-2's `softcap`) or attention sinks (GPT-OSS's `s_aux`, a learned logit per head in the softmax).
+    Dropping either would train a different model silently."""
+    return kwargs.get("softcap") is not None or kwargs.get("s_aux") is not None
+
+
 def layer_falls_back(kwargs: dict) -> bool:
-    """The layer asks for what the varlen kernel does not do: a sliding window or logit soft-capping.
-    The planner's torch-free copy of this rule is finetune.plan.workload.varlen_fallback_layers (it
-    plans those layers as sdpa over the masked packed row); change both together."""
-    return bool(kwargs.get("sliding_window")) or kwargs.get("softcap") is not None
+    """The layer asks for what the varlen kernel does not do: a sliding window, logit soft-capping or
+    attention sinks. The planner's torch-free copy of this rule is
+    finetune.plan.workload.varlen_fallback_layers (it plans those layers over the masked packed row);
+    change both together."""
+    return bool(kwargs.get("sliding_window")) or needs_model_eager(kwargs)
 
 
-def _eager_with_softcap(module, query, key, value, attention_mask, **kwargs):
-    """sdpa has no logit soft-capping (newer transformers refuse it, older ones dropped it silently): a
-    soft-capped layer (Gemma-2, when varlen was asked for explicitly) runs its model's own eager
-    attention, with the additive float mask eager expects in place of sdpa's boolean one (or of none,
+def _model_eager(module, query, key, value, attention_mask, **kwargs):
+    """A layer with soft-capping or sinks (`needs_model_eager`) runs its model's own eager attention (newer
+    transformers refuse sdpa for them, older ones dropped the soft-cap silently; when varlen was asked for
+    explicitly), with the additive float mask eager expects in place of sdpa's boolean one (or of none,
     which sdpa reads as plain causal)."""
     import torch
 
@@ -120,10 +128,8 @@ def varlen_attention_forward(
         or layer_falls_back(kwargs)
         or not (is_causal if is_causal is not None else module.is_causal)
     )
-    if plain and kwargs.get("softcap") is not None:
-        return _eager_with_softcap(
-            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
-        )
+    if plain and needs_model_eager(kwargs):
+        return _model_eager(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
     if plain:
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal, **kwargs

@@ -207,16 +207,22 @@ def load_training_model(recipe: Recipe, *, args):
     """The model the trainer trains. Under FSDP2 on GPUs it is built straight into each rank's shard, with
     its adapter if any (finetune/train/sharded_load.py); what that path does not cover, and everything
     else, loads whole (load_model), an adapter added by TRL."""
+    from finetune.compat.moe_expert_count import name_the_expert_count
     from finetune.train import sharded_load
 
+    model = None
     if sharded_load.applies(recipe):
         why = sharded_load_blocker(recipe)
         if not why:
             model, why = sharded_load.load_for_training(recipe, args=args)
-            if model is not None:
-                return model
-        log.warning(f"{recipe.adapter.type} under FSDP2 loads the whole model, not each rank's shard, because {why}")
-    return load_model(recipe)
+        if model is None:
+            log.warning(
+                f"{recipe.adapter.type} under FSDP2 loads the whole model, not each rank's shard, because {why}"
+            )
+    if model is None:
+        model = load_model(recipe)
+    name_the_expert_count(model)
+    return model
 
 
 def reference_copy(recipe: Recipe):

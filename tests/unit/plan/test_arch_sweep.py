@@ -88,6 +88,8 @@ PLANNED = {
     "glm4",
     "gpt_oss",
     "granite",
+    "granitemoe",
+    "granitemoeshared",
     "helium",
     "hunyuan_v1_dense",
     "internlm3",

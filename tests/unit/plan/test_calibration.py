@@ -9,8 +9,9 @@ compared. Memory: the prediction lies in [0.95, 1.15] x the measured max reserve
 in [0.75, 1.25] x the measured steady tokens/s; host RAM while training (rows that sampled the node's
 PSS): in [0.95, 1.15] x the measured, plus an allowance per process (calibration_rows.host_miss).
 Rows with an `excluded` key are superseded measurements;
-a row with `speed_excluded` measured something other than training in its steady window (its reason says
-what, and which row measured the same setting without it), so only its memory counts.
+a row with `speed_excluded` measured something other than training in its steady window, or lacks an input its
+step time turns on (its reason says what, and which row measured the same setting without the fault), so only
+its memory counts.
 """
 
 from __future__ import annotations
@@ -98,12 +99,16 @@ SPEED_MISSES = {
         "27,740-37,887 tokens/s in ten runs (rows 101, 105-107, 112, 121-124), 1.01-1.37 of the plan, most inside "
         "the bound: the two-rank, host-bound step varies by a third between runs and hosts"
     ),
-    "25-lora8b-zero3-nvme": (
-        "ZeRO-Infinity NVMe offload: the frozen base is read from the swap directory for the forward and "
-        "again for the backward (32 GB a step here). The run predates the swap-disk probe (registry/disk.py), so "
-        "the row carries no disk figure and the plan assumes 1 GB/s; at the 1.70-1.79 GB/s the probe measured "
-        "on the H200 machines' ext4 /tmp (rows 133 and 135, on the plan) it would be 0.90-0.98"
+    "139-granite-moe-3b-a800m-lora": (
+        "Granite-3.1-3B-A800M's shape, LoRA, 1 H200: its config's attention_dropout (0.1) sends every layer to sdpa "
+        "over the masked packed row of 8 x 2048 tokens (the plan of the run did not know; it now does, and memory "
+        "is inside the bound). The profile (row 140, "
+        "docs/results/profiles/granite-moe-3b-a800m-lora-h200-2026-11-28.txt) puts 2.24 s of 3.27 s of GPU "
+        "time in two steps in cuDNN's masked attention (head_dim 64, the whole 16,384-token square), which "
+        "the planner times at its attention rate for dense kernels; the host waited on a full command buffer "
+        "for 1.8 s"
     ),
+    "140-granite-moe-3b-a800m-lora-profiled": "row 139's setting, profiled: the same miss",
     "136-lora3b-zero3-nvme-shm": (
         "the swap on tmpfs: DeepSpeed's async_io reads it on its one submitting thread at 3.6-3.9 GB/s "
         "(scripts/disk_aio_check.py, the same kind of machine) where the probe's one O_DIRECT reader measured "

@@ -15,11 +15,12 @@ from tests.helpers.recipes import shape_job
 
 B, HEADS, KV_HEADS, S, D = 1, 4, 2, 32, 16
 VIEWS = {"aten.view.default", "aten._unsafe_view.default", "aten.detach.default", "aten.expand.default"}
-VIEWS |= {"aten.transpose.int"}
+VIEWS |= {"aten.transpose.int", "aten.slice.Tensor"}
 
 
-def _score_ops(run) -> list[str]:
-    """The non-view aten ops whose output is score-shaped (B x heads x S x S) while `run()` executes."""
+def _score_ops(run, sizes: tuple[int, ...] = ()) -> list[str]:
+    """The non-view aten ops whose output is score-shaped (B x heads x S x S, or one of `sizes` elements)
+    while `run()` executes."""
     import torch
     from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -31,7 +32,7 @@ def _score_ops(run) -> list[str]:
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             out = func(*args, **(kwargs or {}))
             for o in out if isinstance(out, (tuple, list)) else [out]:
-                if isinstance(o, torch.Tensor) and o.numel() == B * HEADS * S * S and str(func) not in VIEWS:
+                if isinstance(o, torch.Tensor) and o.numel() in (B * HEADS * S * S, *sizes) and str(func) not in VIEWS:
                     self.ops.append(str(func).removeprefix("aten.").split(".")[0])
             return out
 
@@ -67,6 +68,46 @@ def test_the_modelled_passes_are_the_ops_gemma2_eager_attention_runs():
     # (half_to_float), which is what eager_time counts
     assert forward == ["bmm", "mul", "div", "tanh", "mul", "add", "_to_copy", "_softmax", "_to_copy"]
     assert backward == ["bmm", "_to_copy", "_softmax_backward_data", "_to_copy", "mul", "tanh_backward", "div", "mul"]
+
+
+def test_the_modelled_passes_are_the_ops_gpt_oss_eager_attention_runs():
+    """The sinks' variant (score_pass_bytes: 14a forward, 19a backward): the sink logit joins the scores as one
+    more key, so the ops after the mask are (keys + 1) wide; softmax runs in the compute dtype."""
+    torch = pytest.importorskip("torch")
+    from transformers import GptOssConfig
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssAttention, eager_attention_forward
+
+    config = GptOssConfig(
+        hidden_size=HEADS * D, num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, head_dim=D, num_hidden_layers=1
+    )
+    module = GptOssAttention(config, 0).train().to(torch.bfloat16)
+    q = torch.randn(B, HEADS, S, D, dtype=torch.bfloat16, requires_grad=True)
+    k, v = (torch.randn(B, KV_HEADS, S, D, dtype=torch.bfloat16, requires_grad=True) for _ in range(2))
+    mask = torch.zeros(1, 1, S, S, dtype=torch.bfloat16)
+    wide = B * HEADS * S * (S + 1)
+    forward, (out, _) = _score_ops(
+        lambda: eager_attention_forward(module, q, k, v, mask, dropout=0.0, scaling=D**-0.5), sizes=(wide,)
+    )
+    backward, _ = _score_ops(lambda: out.float().sum().backward(), sizes=(wide,))
+    assert forward == ["bmm", "mul", "add", "cat", "sub", "_softmax"]  # + the max's read and the PV matmul's
+    assert backward == [
+        "bmm",
+        "slice_backward",
+        "_softmax_backward_data",
+        "neg",
+        "new_zeros",
+        "scatter",
+        "add",
+        "mul",
+    ]  # + QK^T's two reads
+    sinks = replace(_job("llama-3.1-8b"), arch=replace_arch("llama-3.1-8b", attention_sinks=True))
+    assert score_pass_bytes(sinks) == (14 * 2, 19 * 2)
+
+
+def replace_arch(key: str, **changes):
+    from finetune.registry import get_model
+
+    return get_model(key).model_copy(update=changes)
 
 
 def _job(arch: str):

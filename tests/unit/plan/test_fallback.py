@@ -144,6 +144,36 @@ def test_fallback_executes_the_whole_packed_square_and_keeps_its_mask():
     )
 
 
+def test_attention_sinks_take_eager_attention_and_refuse_sdpa():
+    """GPT-OSS's sinks (a learned logit per head in the softmax): auto and varlen plan the model's eager
+    attention on every layer; sdpa, which transformers refuses for it, is refused naming the key."""
+    from finetune.errors import RecipeError
+
+    arch = get_model("llama-3.1-8b").model_copy(update={"attention_sinks": True})
+    for attn in ("auto", "varlen"):
+        job = job_from_recipe(_recipe("llama-3.1-8b", attn=attn), arch=arch, preset=H100)
+        assert (job.attention, job.varlen_layers) == ("eager", 0), attn
+    assert varlen_fallback_layers(arch) == arch.num_layers
+    # their eager attention keeps its softmax in the compute dtype only (no fp32 copy): a + heads x a
+    job = job_from_recipe(_recipe("llama-3.1-8b"), arch=arch, preset=H100)
+    assert attention_matrix_bytes(job, micro_batch=4) == 8192**2 * 2 * (1 + arch.num_attention_heads)
+    with pytest.raises(RecipeError) as refused:
+        job_from_recipe(_recipe("llama-3.1-8b", attn="sdpa"), arch=arch, preset=H100)
+    assert refused.value.key == "model.attn_implementation" and "sinks" in str(refused.value)
+
+
+def test_attention_dropout_sends_every_layer_to_sdpa():
+    """The varlen kernel has no dropout (train/attention.py falls back for it): a config's attention_dropout
+    (Granite-3 MoE: 0.1) plans the masked packed row on every layer, and the warning says why."""
+    arch = get_model("llama-3.1-8b").model_copy(update={"attention_dropout": 0.1})
+    assert varlen_fallback_layers(arch) == arch.num_layers
+    job = job_from_recipe(_recipe("llama-3.1-8b"), arch=arch, preset=H100)
+    assert (job.attention, job.varlen_layers) == ("sdpa", 0)
+    result = plan_on(_recipe("llama-3.1-8b"), arch=arch, preset=H100, source="auto")
+    (warning,) = [w for w in result.warnings if "varlen" in w]
+    assert "attention dropout (0.1" in warning and "32 of 32 layers" in warning
+
+
 def test_plan_warns_what_the_fallback_costs():
     recipe = _recipe("gemma-2-9b", attn="varlen")
     result = plan_on(recipe, arch=get_model("gemma-2-9b"), preset=H100, source="auto")
@@ -162,6 +192,7 @@ def test_plan_warns_what_the_fallback_costs():
         dict(model_type="mistral", num_hidden_layers=3, sliding_window=64),
         dict(model_type="gemma3_text", num_hidden_layers=6, sliding_window=32),
         dict(model_type="llama", num_hidden_layers=3),
+        dict(model_type="gpt_oss", num_hidden_layers=2, num_local_experts=4, num_experts_per_tok=2),
     ],
 )
 def test_planner_rule_matches_the_runtime_rule_on_real_layers(tmp_path, cfg):

@@ -70,8 +70,9 @@ PLANNED: dict[str, tuple[float, float | None, str]] = {
 ACTIVE_WITHOUT_EMBEDDING: dict[str, tuple[float, str]] = {
     "deepseek-v2-lite": (2.4e9, "model card: 15.7B total, 2.4B activated"),
     "gpt-oss-20b-bf16": (3.61e9, "model card: 20.9B total, 3.6B active (3.61B, embeddings aside)"),
+    "granite-3.1-3b-a800m": (800e6, "Granite 3.0 report: 3.3B total, 800M active (its tied embedding aside)"),
 }
-PLANNED_TOTAL_ONLY = {"deepseek-v2-lite": 15.7e9, "gpt-oss-20b-bf16": 20.9e9}
+PLANNED_TOTAL_ONLY = {"deepseek-v2-lite": 15.7e9, "gpt-oss-20b-bf16": 20.9e9, "granite-3.1-3b-a800m": 3.3e9}
 # multimodal checkpoints planned as their text decoder (finetune/registry/families.py TEXT_OF_MULTIMODAL):
 # the published count includes the vision tower and projector, whose size transformers' meta-device
 # Gemma3ForConditionalGeneration gives exactly
@@ -86,7 +87,6 @@ REFUSED: dict[str, tuple[str, ...]] = {
     "gpt-oss-20b": ("quantized", "mxfp4", "Mxfp4Config(dequantize=True)"),
     "gpt-oss-120b": ("quantized", "mxfp4", "Mxfp4Config(dequantize=True)"),
     "llama-4-scout": ("'llama4'", "mixture-of-experts"),
-    "granite-3.1-3b-a800m": ("'granitemoe'", "mixture-of-experts"),
     "internlm2.5-7b": ("'internlm2'",),
 }
 

@@ -41,3 +41,26 @@ def test_registered_name_loads_a_model():
         ours = model(ids).logits
         model.set_attn_implementation("sdpa")
         assert torch.allclose(ours, model(ids).logits, atol=1e-5)
+
+
+def test_a_layer_with_attention_sinks_runs_its_models_eager_attention():
+    """GPT-OSS passes its sinks as `s_aux`: sdpa and the varlen kernel would drop them and train another
+    model silently, so such a layer takes the model's own eager attention (on CUDA too: layer_falls_back)."""
+    from transformers import GptOssConfig
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssAttention, eager_attention_forward
+
+    config = GptOssConfig(
+        hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_hidden_layers=1
+    )
+    module = GptOssAttention(config, 0)
+    torch.nn.init.normal_(module.sinks, std=2.0)
+    q, k, v = (torch.randn(1, heads, 6, 16) for heads in (4, 2, 2))
+    causal = torch.zeros(1, 1, 6, 6).masked_fill(torch.ones(6, 6, dtype=torch.bool).triu(1), float("-inf"))
+    kwargs = dict(scaling=0.25, s_aux=module.sinks)
+    assert attention.layer_falls_back(kwargs) and attention.needs_model_eager(kwargs)
+    ours, _ = attention.varlen_attention_forward(module, q, k, v, None, **kwargs)
+    theirs, _ = eager_attention_forward(module, q, k, v, causal, **kwargs)
+    torch.testing.assert_close(ours, theirs)
+    without_sinks, _ = sdpa_attention_forward(module, q, k, v, None, scaling=0.25, is_causal=True)
+    assert not torch.allclose(ours, without_sinks, atol=1e-3)  # the sinks change the output

@@ -1,0 +1,97 @@
+"""Mixture-of-experts conventions the planner reads train end to end with `finetune run` on CPU: tiny random
+models of each family's own transformers config class, the shipped tokenizer, a few optimizer steps.
+
+Each covers what only a real run shows: Granite's MoE config names its expert count in a way TRL's chunked
+LM head did not read (finetune/compat/moe_expert_count.py), and its trained config.json is read back by the
+planner; GPT-OSS's attention sinks need its eager attention (sdpa is refused by transformers, and the
+varlen kernel would drop them); DeepSeek-V3's latent attention and routed experts train with LoRA on
+their own projection names."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import yaml
+
+from finetune.plan.workload import count_params
+from finetune.recipe.schema import ModelSection
+from finetune.registry import resolve_model
+from finetune.rundir import RESOLVED_RECIPE, read_metrics
+from tests.helpers.paths import TINY_MODEL
+from tests.helpers.processes import cli_argv, run
+from tests.helpers.recipes import write_recipe
+
+pytestmark = pytest.mark.slow
+
+SMALL = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=256)
+FAMILIES = {
+    # granitemoe: the auxiliary router loss on (the class default), multipliers as the Hub's 3B-A800M has them
+    "granitemoe": dict(
+        num_key_value_heads=2,
+        intermediate_size=96,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        embedding_multiplier=12.0,
+        residual_multiplier=0.22,
+        attention_multiplier=0.015625,
+        logits_scaling=6.0,
+    ),
+    "gpt_oss": dict(
+        num_key_value_heads=2, head_dim=16, intermediate_size=96, num_local_experts=4, num_experts_per_tok=2
+    ),
+    "deepseek_v3": dict(
+        num_key_value_heads=4,
+        intermediate_size=96,
+        moe_intermediate_size=32,
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        n_group=1,
+        topk_group=1,
+        first_k_dense_replace=1,
+        q_lora_rank=48,
+        kv_lora_rank=32,
+        qk_rope_head_dim=8,
+        qk_nope_head_dim=16,
+        v_head_dim=16,
+        head_dim=8,
+    ),
+}
+
+
+def _model_dir(tmp_path, family: str):
+    """A config.json of `family` (written by its config class) beside the tiny model's tokenizer."""
+    from transformers import CONFIG_MAPPING
+
+    folder = tmp_path / family
+    shutil.copytree(TINY_MODEL, folder, ignore=shutil.ignore_patterns("*.safetensors", "config.json"))
+    tiny = json.loads((TINY_MODEL / "config.json").read_text())
+    ids = {k: tiny.get(k) for k in ("vocab_size", "pad_token_id", "bos_token_id", "eos_token_id")}
+    CONFIG_MAPPING[family](**SMALL, **FAMILIES[family], **ids).save_pretrained(folder)
+    return folder
+
+
+@pytest.mark.parametrize(("family", "adapter"), [("granitemoe", "full"), ("gpt_oss", "lora"), ("deepseek_v3", "lora")])
+def test_each_moe_convention_trains_end_to_end(tmp_path, family, adapter):
+    folder = _model_dir(tmp_path, family)
+    planned = count_params(resolve_model(ModelSection(name=str(folder)), base_dir=tmp_path))
+    assert planned.active < planned.total  # read as a mixture of experts, not guessed dense
+    recipe = write_recipe(
+        tmp_path / "recipe.yaml",
+        model={"name": str(folder), "dtype": "float32", "init": "random"},
+        adapter={"type": adapter} if adapter == "full" else {"type": "lora", "r": 8, "alpha": 16},
+        train={"epochs": None, "max_steps": 6, "logging_steps": 1},
+        output={"save_every": None},
+    )
+    done = run(cli_argv(recipe, tmp_path / "run"), cache=tmp_path / "cache")
+    out = done.stdout + done.stderr
+    assert done.returncode == 0 and "Traceback" not in out, out[-3000:]
+    losses = [r["loss"] for r in read_metrics(tmp_path / "run") if "loss" in r]
+    assert len(losses) == 6 and losses[-1] < losses[0], losses
+    if family == "gpt_oss":  # the ranks loaded the attention the plan chose for the sinks
+        resolved = yaml.safe_load((tmp_path / "run" / RESOLVED_RECIPE).read_text())
+        assert resolved["model"]["attn_implementation"] == "eager"
+    if adapter == "full":  # the trained model's config.json is read back as the same model
+        again = count_params(resolve_model(ModelSection(name=str(tmp_path / "run")), base_dir=tmp_path))
+        assert (again.total, again.active) == (planned.total, planned.active)
