@@ -56,7 +56,7 @@ from finetune.plan.workload import (
     varlen_fallback_layers,
 )
 from finetune.recipe.paths import anchored
-from finetune.recipe.schema import dpo_reference, loads_sharded, packs_examples, sync_each_batch_pin
+from finetune.recipe.schema import compute_dtype, dpo_reference, loads_sharded, packs_examples, sync_each_batch_pin
 from finetune.registry.disk import AIO_BLOCK_BYTES, RAM_FILESYSTEMS, filesystem_type, probe_readers, read_gbps
 
 __all__ = [
@@ -157,11 +157,20 @@ def attention_implementation(recipe, preset, *, arch=None) -> str:
             key="model.attn_implementation",
             hint="set model.attn_implementation: auto (its eager attention) or eager",
         )
+    half = DTYPE_BYTES[compute_dtype(recipe)] == 2  # the varlen kernel runs bf16/fp16 only
+    if chosen == "varlen" and not half and preset.vendor != "cpu":
+        raise RecipeError(
+            "model.attn_implementation: varlen runs 16-bit attention only; this run computes in float32 "
+            "(train.precision: fp32 with float32 weights), so its packed rows would fall back to sdpa with a "
+            "mask over each whole row",
+            key="model.attn_implementation",
+            hint="set train.precision: bf16 (or fp16), or model.attn_implementation: auto",
+        )
     if chosen == "auto":
         if eager_only:
             return "eager"
         packed = recipe.data.packing and recipe.method.type in ("sft", "dpo")
-        chosen = "varlen" if packed and preset.vendor == "nvidia" else "sdpa"
+        chosen = "varlen" if packed and preset.vendor == "nvidia" and half else "sdpa"
     return chosen
 
 
@@ -261,7 +270,7 @@ def job_from_recipe(recipe, *, arch, preset) -> Job:
         double_quant=recipe.adapter.double_quant,
         weight_bytes=DTYPE_BYTES[recipe.model.dtype],
         int8_base=recipe.adapter.type == "lora" and recipe.adapter.load_in_8bit,
-        act_bytes=4 if recipe.train.precision == "fp32" else 2,
+        act_bytes=DTYPE_BYTES[compute_dtype(recipe)],
         optimizer=recipe.train.optimizer,
         clips_gradients=recipe.train.max_grad_norm > 0,
         seq_len=recipe.data.max_length,

@@ -90,4 +90,4 @@ def dora_seconds(job: Job, *, micro_batch: int, casts: bool, checkpointed_share:
     tokens = computed_tokens_per_micro_batch(job, micro_batch)
     repeat = 1.0 + checkpointed_share
     moved = repeat * weight_side + tokens * token_out * (repeat * forward + backward)
-    return memory_seconds(job.preset, moved) + repeat * flops / (job.preset.peak_bf16_tflops * 1e12)
+    return memory_seconds(job.preset, moved) + repeat * flops / (job.peak_tflops * 1e12)

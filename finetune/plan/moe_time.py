@@ -117,6 +117,6 @@ def moe_seconds(job: Job, *, micro_batch: int, efficiency: float, half_tokens: f
         k = min(job.arch.experts_per_token, job.arch.num_experts)
         flops += (repeat - 1.0) * layers * k * 3 * job.arch.hidden_size * expert_size(job.arch) * 2 * tokens
     share = grouped_gemm_share(job, micro_batch=micro_batch, half_tokens=half_tokens)
-    gemm = flops / (p.peak_bf16_tflops * 1e12 * efficiency) * (1 / share - 1)
+    gemm = flops / (job.peak_tflops * 1e12 * efficiency) * (1 / share - 1)
     forward, backward = dispatch_bytes_per_token(job)
     return gemm + memory_seconds(p, layers * tokens * (repeat * forward + backward))

@@ -212,7 +212,7 @@ def step_time(
     compute = (
         flops_per_token(job, checkpointing=checkpointing, micro_batch=micro_batch)
         * tokens
-        / (p.peak_bf16_tflops * 1e12 * efficiency(job, micro_batch=micro_batch))
+        / (job.peak_tflops * 1e12 * efficiency(job, micro_batch=micro_batch))
     )
     checkpointed = checkpointed_layers(job, checkpointing)
     share = checkpointed / job.arch.num_layers

@@ -55,7 +55,7 @@ class Job:
     double_quant: bool = True
     int8_base: bool = False  # adapter.load_in_8bit: the base's linear weights in 1 byte (LLM.int8)
     weight_bytes: int = 2  # model.dtype
-    act_bytes: int = 2  # 2 for bf16/fp16 training, 4 for fp32
+    act_bytes: int = 2  # the compute dtype's (recipe.schema.compute_dtype): 2 for bf16/fp16, 4 for fp32
     optimizer: str = "adamw"
     clips_gradients: bool = True  # train.max_grad_norm > 0: the Trainer takes the gradients' norm every step
     seq_len: int = 2048
@@ -111,6 +111,11 @@ class Job:
     # host threads of each rank for the offload tiers' CPU optimizer step; None: as finetune's launcher
     # gives them (finetune.plan.offload_time.host_threads_per_rank)
     host_threads_per_rank: int | None = None
+
+    @property
+    def peak_tflops(self) -> float:
+        """The dense peak the step's matmuls run at (fp32 compute on a GPU: its FP32 rate, not bf16's)."""
+        return self.preset.compute_peak_tflops(fp32=self.act_bytes == 4)
 
     @property
     def quantized_base(self) -> bool:

@@ -403,6 +403,15 @@ class DataSection(Strict):
 PRECISION_DTYPE: dict[str, str | None] = {"bf16": "bfloat16", "fp16": "float16", "fp32": None}
 
 
+def compute_dtype(recipe) -> str:
+    """The dtype the step's matmuls and activations run in: the mixed-precision dtype under autocast, else
+    (train.precision: fp32) the weights' own, QLoRA's dequantized compute dtype for a QLoRA base."""
+    mixed = PRECISION_DTYPE[recipe.train.precision]
+    if mixed:
+        return mixed
+    return recipe.adapter.compute_dtype if recipe.adapter.type == "qlora" else recipe.model.dtype
+
+
 class TrainSection(Strict):
     epochs: float | None = Field(
         None, gt=0, le=1000, description="passes over the training data (default 1 when max_steps is unset)"

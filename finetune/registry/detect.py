@@ -184,6 +184,7 @@ def synthesize_preset(
             if mixed and match.intra_node_link != "pcie"
             else match.intra_node_bandwidth_gbps,
             peak_bf16_tflops=match.peak_bf16_tflops,
+            peak_fp32_tflops=match.peak_fp32_tflops,
             gpu_memory_bandwidth_gbps=match.gpu_memory_bandwidth_gbps,
             host_to_device_bandwidth_gbps=match.host_to_device_bandwidth_gbps,
             nccl_env={

@@ -13,6 +13,9 @@ from finetune.recipe.schema import Strict
 
 # cores per GPU assumed when a preset does not say how many CPU cores its node has
 CORES_PER_GPU_ASSUMED = 8
+# a GPU preset without peak_fp32_tflops: its bf16 tensor-core peak over this (A100 16, H100 14.8; B200 28 and
+# MI300X 8 either side; consumer cards ~2), so an fp32 plan on such a card is slow rather than optimistic
+FP32_SHARE_ASSUMED = 16
 
 
 class ModelArch(Strict):
@@ -126,6 +129,15 @@ class HardwarePreset(Strict):
     nvme_path: str | None = Field(None, description="local NVMe for ZeRO-Infinity offload")
     nvme_bandwidth_gbps: float = Field(0, ge=0)
     peak_bf16_tflops: float = Field(gt=0, description="dense, per GPU")
+    peak_fp32_tflops: float | None = Field(
+        None,
+        gt=0,
+        description="dense FP32 without tensor cores, per GPU: what PyTorch's float32 matmuls run at (TF32 is "
+        "off by default), so the step time of a run that computes in fp32 (train.precision: fp32 with float32 "
+        "weights). The presets' figures are the vendors' datasheets and whitepapers: H100/H200 SXM 67, HGX B200 "
+        "80, MI300X 163.4 (vector), RTX 4090 82.6, RTX 5090 104.8, RTX PRO 6000 Blackwell 125. None: "
+        "1/FP32_SHARE_ASSUMED of peak_bf16_tflops",
+    )
     gpu_memory_bandwidth_gbps: float | None = Field(
         None,
         gt=0,
@@ -153,6 +165,13 @@ class HardwarePreset(Strict):
     @property
     def world_size(self) -> int:
         return self.gpus_per_node * self.nodes
+
+    def compute_peak_tflops(self, *, fp32: bool) -> float:
+        """The dense peak a step's matmuls run at: bf16/fp16 tensor cores, or FP32 ones for a run that
+        computes in float32 on a GPU (a CPU preset's peak is already its fp32 vector rate)."""
+        if not fp32 or self.vendor == "cpu":
+            return self.peak_bf16_tflops
+        return self.peak_fp32_tflops or self.peak_bf16_tflops / FP32_SHARE_ASSUMED
 
     @property
     def node_cpu_cores(self) -> int:

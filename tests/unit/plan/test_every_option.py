@@ -39,6 +39,11 @@ SETTINGS = {
             "distributed": {"strategy": "fsdp2"},
         },
     ),
+    # float32 weights: train.precision decides whether the matmuls run on bf16 tensor cores or in fp32
+    "fp32-weights": (
+        1,
+        {"model": {"dtype": "float32"}, "adapter": {"type": "lora"}, "data": {"path": "t.jsonl", "packing": True}},
+    ),
 }
 
 # Keys that cost no memory and no step time, and why. Steady step time is what the planner predicts:
