@@ -17,8 +17,8 @@ grouped_mm_experts_forward). Each token is copied to its top-k experts; per rout
   gradients: act*(h + i). The frozen experts of a LoRA run keep neither (grouped_mm saves an operand
   only for the other's gradient).
 Per token: the top-k indices (8k), and the router's own tensors by convention: a softmax router
-(Mixtral, Qwen-MoE) keeps its fp32 probabilities (4E) and, normalizing the top-k (Mixtral, Qwen3-MoE
-by default), the fp32 top-k values and their sum (4k + 4); DeepSeek's sigmoid router keeps bf16 scores
+(Mixtral, Qwen-MoE, OLMoE) keeps its fp32 probabilities (4E) and, normalizing the top-k (Mixtral, Qwen3-MoE
+by default), the fp32 top-k values and their sum (4k + 4); DeepSeek's (and GLM-4.5's) sigmoid router keeps bf16 scores
 (2E), its selection mask (E) and gathered weights (2k + 10 bytes of group indices, n_group = 1; a few
 bytes more per group), and when trained the bf16 copy of its fp32-cast input (act*h); GPT-OSS's softmax
 over the top-k logits keeps act*k; Granite's, over its fp32 top-k logits, 4k. Qwen2-MoE's sigmoid gate on
@@ -35,7 +35,9 @@ from __future__ import annotations
 
 from finetune.plan.workload import Job, expert_size, moe_layer_count
 
-_SOFTMAX_ROUTERS = ("mixtral", "qwen2_moe", "qwen3_moe")
+_SOFTMAX_ROUTERS = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
+# DeepSeek's group-limited sigmoid router; GLM-4.5's is the same code (its fp32 cast undone by autocast)
+_SIGMOID_ROUTERS = ("deepseek_v2", "deepseek_v3", "glm4_moe")
 _NORMALIZED_TOPK = ("mixtral", "qwen3_moe")  # the family's default norm_topk_prob
 
 
@@ -60,7 +62,7 @@ def routed_bytes(job: Job) -> float:
     router = 8 * k
     if family in _SOFTMAX_ROUTERS:
         router += 4 * e + (4 * k + 4 if family in _NORMALIZED_TOPK else 0)
-    elif family in ("deepseek_v2", "deepseek_v3"):
+    elif family in _SIGMOID_ROUTERS:
         router += 3 * e + 2 * k + 10
         if job.adapter == "full":  # the router casts its input to fp32: autocast's bf16 copy of it is kept
             router += a * h

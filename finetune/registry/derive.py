@@ -2,10 +2,11 @@
 
 Reads the families of finetune/registry/families.py: dense Llama-shaped decoders (llama, mistral, qwen2/3,
 gemma 1-3 with Gemma-3's multimodal `text_config` nesting, olmo2/3, cohere, phi3, ...) and mixture-of-experts
-in each convention transformers uses (mixtral; qwen2_moe / qwen3_moe; deepseek_v2 / deepseek_v3 with
-multi-head latent attention; gpt_oss; granitemoe / granitemoeshared). A model_type outside these, or an MoE
-key the family's reader does not know, is refused by name: guessing such a model as dense has planned a 236B
-model as 18.7B."""
+in each convention transformers uses (mixtral; qwen2_moe / qwen3_moe; olmoe; deepseek_v2 / deepseek_v3 with
+multi-head latent attention; glm4_moe, DeepSeek's experts beside grouped-query attention; gpt_oss; granitemoe /
+granitemoeshared), a key config.json leaves out taking its config class's default (Family.defaults). A
+model_type outside these, or an MoE key the family's reader does not know, is refused by name: guessing such
+a model as dense has planned a 236B model as 18.7B."""
 
 from __future__ import annotations
 
@@ -82,6 +83,8 @@ _MOE_KEYS = {
     },
     "gpt_oss": {"num_local_experts", "experts_per_token"},
     # num_experts: what finetune/compat/moe_expert_count.py adds to a trained model's saved config
+    "olmoe": {"num_experts", "num_local_experts"},
+    "glm4_moe": {"n_routed_experts", "n_shared_experts", "moe_intermediate_size", "first_k_dense_replace"},
     "granitemoe": {"num_local_experts", "num_experts"},
     "granitemoeshared": {"num_local_experts", "num_experts"},
 }
@@ -181,8 +184,7 @@ def arch_from_config(path: Path, *, key: str, hub_id: str | None = None) -> Mode
         )
     heads = int(text["num_attention_heads"])
     tied = cfg.get("tie_word_embeddings", text.get("tie_word_embeddings", traits.tied))
-    # Cohere builds its optional q/k norms (use_qk_norm) over all heads; the other families' are fixed
-    qk_norm = traits.qk_norm or ("all" if reader == "cohere" and text.get("use_qk_norm") else "")
+    qk_norm = traits.qk_norm if not traits.qk_norm_switch or text.get(traits.qk_norm_switch) else ""
     try:
         moe = moe_fields(text, family=reader, path=path)
         mla = mla_fields(text) if reader in ("deepseek_v2", "deepseek_v3") else {}
@@ -295,13 +297,27 @@ def moe_fields(text: dict, *, family: str, path: Path) -> dict:
         )
     layers = int(text["num_hidden_layers"])
     if family in ("mixtral", "granitemoe", "granitemoeshared"):  # every layer routed, experts as wide as the MLP
-        experts, width = int(text.get("num_local_experts") or 8), None
+        experts, width = int(text.get("num_local_experts") or 0), None
     elif family in ("qwen2_moe", "qwen3_moe"):
-        # the Hub's configs say num_experts; transformers 5 saves it as num_local_experts
+        # the Hub's configs say num_experts; transformers 5 saves it as num_local_experts (the class default's name
+        # in Family.defaults, so a config that names neither gets the default)
         experts = int(text.get("num_experts") or text.get("num_local_experts") or 0)
         width = text.get("moe_intermediate_size")
-    elif family in ("deepseek_v2", "deepseek_v3"):
+    elif family == "olmoe":  # every layer routed, experts as wide as intermediate_size, no shared expert
+        experts, width = int(text.get("num_experts") or text.get("num_local_experts") or 0), None
+    elif family in ("deepseek_v2", "deepseek_v3", "glm4_moe"):
         experts, width = int(text.get("n_routed_experts") or 0), text.get("moe_intermediate_size")
+        groups = int(text.get("n_group") or 1)
+        if experts > 1 and (experts % groups or int(text.get("topk_group") or 1) > groups):
+            # the router views the experts as n_group equal groups and keeps topk_group of them
+            raise RecipeError(
+                f"config.json routes {experts} experts in n_group {groups} groups keeping topk_group "
+                f"{text.get('topk_group')}: the groups must divide the experts and number at least topk_group "
+                f"(transformers' router fails at the first step otherwise)",
+                file=str(path),
+                key="model.name",
+                hint="fix n_group / topk_group in config.json (n_group: 1 and topk_group: 1 route over all experts)",
+            )
         if int(text.get("moe_layer_freq") or 1) != 1:
             raise RecipeError(
                 "config.json sets moe_layer_freq != 1, which transformers' DeepSeek models do not implement",
@@ -328,7 +344,7 @@ def moe_fields(text: dict, *, family: str, path: Path) -> dict:
         if family == "qwen2_moe":  # transformers always builds the shared expert and its gate
             out["shared_expert_intermediate_size"] = int(text.get("shared_expert_intermediate_size") or 0)
             out["shared_expert_gate"] = True
-    elif family in ("deepseek_v2", "deepseek_v3"):
+    elif family in ("deepseek_v2", "deepseek_v3", "glm4_moe"):
         out["moe_layers"] = max(0, layers - int(text.get("first_k_dense_replace") or 0))
         out["shared_expert_intermediate_size"] = int(width or 0) * int(text.get("n_shared_experts") or 0)
     elif family == "gpt_oss":

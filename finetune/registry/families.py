@@ -21,6 +21,7 @@ class Family:
     mlp_bias: str | bool = False  # the same for gate/up/down
     bias_default: bool = False  # the class default of the qkv_bias key (a config.json may leave it out)
     qk_norm: str = ""  # "head": a norm one head wide on q and k (Qwen3); "all": over all heads (OLMo-2)
+    qk_norm_switch: str = ""  # the config key that builds those norms (use_qk_norm); "": always built
     norms: int = 2  # weighted norms per decoder layer
     tied: bool = False  # tie_word_embeddings' class default
     fused_qkv: bool = False  # q, k and v are one qkv_proj module
@@ -35,8 +36,8 @@ class Family:
     # other below max_window_layers, "nope" the NoPE layers (SmolLM3's no_rope_layers)
     slides: str = ""
     pattern: int = 6
-    # the class defaults of the shape keys (hidden_size, vocab_size, ...) a config.json may leave out:
-    # save_pretrained drops a multimodal wrapper's text_config keys that equal its text class's defaults
+    # the class defaults of the shape keys (hidden_size, vocab_size, the experts' count and width, ...) a
+    # config.json may leave out: save_pretrained writes only the values that differ from the class's defaults
     defaults: dict[str, int] = field(default_factory=dict)
 
 
@@ -87,7 +88,7 @@ FAMILIES: dict[str, Family] = {
     "olmo3": Family("Olmo3DecoderLayer", qk_norm="all", window=4096, slides="every4"),
     "exaone4": Family("Exaone4DecoderLayer", **_FIXED, qk_norm="head", window=4096, slides="pattern", pattern=4),
     # attention and MLP in parallel from one norm; Cohere's optional q/k norms (use_qk_norm) span all heads
-    "cohere": Family("CohereDecoderLayer", norms=1, tied=True),
+    "cohere": Family("CohereDecoderLayer", norms=1, tied=True, qk_norm="all", qk_norm_switch="use_qk_norm"),
     "cohere2": Family("Cohere2DecoderLayer", norms=1, tied=True, window=4096, slides="pattern", pattern=4),
     "ernie4_5": Family("Ernie4_5DecoderLayer", qkv_bias="use_bias", o_bias="use_bias", mlp_bias="use_bias", tied=True),
     "hunyuan_v1_dense": Family("HunYuanDenseV1DecoderLayer", qk_norm="head"),
@@ -95,7 +96,9 @@ FAMILIES: dict[str, Family] = {
     "glm": Family("GlmDecoderLayer", o_bias=False, bias_default=True, fused_gate_up=True),
     "glm4": Family("Glm4DecoderLayer", o_bias=False, bias_default=True, fused_gate_up=True, norms=4),
     "phi3": Family("Phi3DecoderLayer", **_FIXED, fused_qkv=True, fused_gate_up=True, slides="every"),
-    "mixtral": Family("MixtralDecoderLayer", **_FIXED, slides="every"),
+    "mixtral": Family(
+        "MixtralDecoderLayer", **_FIXED, slides="every", defaults=dict(num_local_experts=8, num_experts_per_tok=2)
+    ),
     "qwen2_moe": Family(
         "Qwen2MoeDecoderLayer",
         qkv_bias="qkv_bias",
@@ -104,15 +107,68 @@ FAMILIES: dict[str, Family] = {
         window=4096,
         window_switch=True,
         slides="qwen_moe",
+        defaults=dict(
+            num_local_experts=60,
+            moe_intermediate_size=1408,
+            shared_expert_intermediate_size=5632,
+            num_experts_per_tok=4,
+        ),
     ),
-    "qwen3_moe": Family("Qwen3MoeDecoderLayer", qk_norm="head", window=4096, window_switch=True, slides="every"),
+    "qwen3_moe": Family(
+        "Qwen3MoeDecoderLayer",
+        qk_norm="head",
+        window=4096,
+        window_switch=True,
+        slides="every",
+        defaults=dict(num_local_experts=128, moe_intermediate_size=768, num_experts_per_tok=8),
+    ),
     # DeepSeek's attention_bias covers q_a, kv_a and o (workload.count_params)
-    "deepseek_v2": Family("DeepseekV2DecoderLayer", o_bias=False, mlp_bias="mlp_bias"),
-    "deepseek_v3": Family("DeepseekV3DecoderLayer", o_bias=False),
-    "gpt_oss": Family("GptOssDecoderLayer", bias_default=True, slides="odd"),
+    "deepseek_v2": Family(
+        "DeepseekV2DecoderLayer",
+        o_bias=False,
+        mlp_bias="mlp_bias",
+        defaults=dict(n_routed_experts=64, n_shared_experts=2, moe_intermediate_size=1407, first_k_dense_replace=0),
+    ),
+    "deepseek_v3": Family(
+        "DeepseekV3DecoderLayer",
+        o_bias=False,
+        defaults=dict(
+            n_routed_experts=256,
+            n_shared_experts=1,
+            moe_intermediate_size=2048,
+            first_k_dense_replace=3,
+            num_experts_per_tok=8,
+            n_group=8,
+            topk_group=4,
+        ),
+    ),
+    "gpt_oss": Family(
+        "GptOssDecoderLayer",
+        bias_default=True,
+        slides="odd",
+        defaults=dict(num_local_experts=128, num_experts_per_tok=4),
+    ),
+    "olmoe": Family("OlmoeDecoderLayer", qk_norm="all", defaults=dict(num_local_experts=64, num_experts_per_tok=8)),
+    # GLM-4.5's routed experts follow DeepSeek-V3's (n_routed_experts, shared experts, first dense layers) beside
+    # grouped-query attention
+    "glm4_moe": Family(
+        "Glm4MoeDecoderLayer",
+        o_bias=False,
+        qk_norm="head",
+        qk_norm_switch="use_qk_norm",
+        defaults=dict(
+            n_routed_experts=128,
+            n_shared_experts=1,
+            moe_intermediate_size=1408,
+            first_k_dense_replace=1,
+            num_experts_per_tok=8,
+        ),
+    ),
     # Granite's multipliers (embedding, residual, attention, logits) scale activations, not shapes
-    "granitemoe": Family("GraniteMoeDecoderLayer"),
-    "granitemoeshared": Family("GraniteMoeSharedDecoderLayer"),
+    "granitemoe": Family("GraniteMoeDecoderLayer", defaults=dict(num_local_experts=8, num_experts_per_tok=2)),
+    "granitemoeshared": Family(
+        "GraniteMoeSharedDecoderLayer", defaults=dict(num_local_experts=8, num_experts_per_tok=2)
+    ),
 }
 KNOWN_FAMILIES = frozenset(FAMILIES)
 

@@ -5,7 +5,8 @@ Each covers what only a real run shows: Granite's MoE config names its expert co
 LM head did not read (finetune/compat/moe_expert_count.py), and its trained config.json is read back by the
 planner; GPT-OSS's attention sinks need its eager attention (sdpa is refused by transformers, and the
 varlen kernel would drop them); DeepSeek-V3's latent attention and routed experts train with LoRA on
-their own projection names."""
+their own projection names; OLMoE's and GLM-4.5's experts (the latter DeepSeek's, beside grouped-query
+attention with per-head q/k norms) train as the planner reads them."""
 
 from __future__ import annotations
 
@@ -41,6 +42,17 @@ FAMILIES = {
     "gpt_oss": dict(
         num_key_value_heads=2, head_dim=16, intermediate_size=96, num_local_experts=4, num_experts_per_tok=2
     ),
+    "olmoe": dict(num_key_value_heads=4, intermediate_size=96, num_experts=4, num_experts_per_tok=2),
+    "glm4_moe": dict(
+        num_key_value_heads=2,
+        head_dim=16,
+        intermediate_size=96,
+        moe_intermediate_size=32,
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        first_k_dense_replace=1,
+        use_qk_norm=True,
+    ),
     "deepseek_v3": dict(
         num_key_value_heads=4,
         intermediate_size=96,
@@ -72,7 +84,10 @@ def _model_dir(tmp_path, family: str):
     return folder
 
 
-@pytest.mark.parametrize(("family", "adapter"), [("granitemoe", "full"), ("gpt_oss", "lora"), ("deepseek_v3", "lora")])
+@pytest.mark.parametrize(
+    ("family", "adapter"),
+    [("granitemoe", "full"), ("gpt_oss", "lora"), ("deepseek_v3", "lora"), ("olmoe", "lora"), ("glm4_moe", "lora")],
+)
 def test_each_moe_convention_trains_end_to_end(tmp_path, family, adapter):
     folder = _model_dir(tmp_path, family)
     planned = count_params(resolve_model(ModelSection(name=str(folder)), base_dir=tmp_path))

@@ -167,10 +167,15 @@ def test_dpo_plan_reads_the_measured_sequences(tmp_path):
 def test_plan_uses_the_measured_lengths(tmp_path):
     from finetune.api import make_plan
 
-    # on NVIDIA GPUs packed rows run finetune's varlen kernel, one causal triangle per example
-    recipe, plan = make_plan(_recipe(tmp_path), hardware="server-8xh100")
+    # on NVIDIA GPUs packed rows run finetune's varlen kernel, one causal triangle per example (a 16-bit kernel:
+    # the tiny model's float32 weights train under bf16 autocast here, as a GPU recipe would)
+    def gpu_recipe(**data):
+        recipe = _recipe(tmp_path, **data)
+        return recipe.model_copy(update={"train": recipe.train.model_copy(update={"precision": "bf16"})})
+
+    recipe, plan = make_plan(gpu_recipe(), hardware="server-8xh100")
     assert recipe.data.example_tokens is not None
-    _, long_examples = make_plan(_recipe(tmp_path, example_tokens=64), hardware="server-8xh100")
+    _, long_examples = make_plan(gpu_recipe(example_tokens=64), hardware="server-8xh100")
     assert "varlen" in plan.kernels and f"~{recipe.data.example_tokens:,.0f} tokens" in plan.kernels
     # the GPU's compute: the tiny model's step itself is the host's time to launch it (plan/host_time.py)
     chosen = plan.chosen

@@ -49,7 +49,10 @@ TOKEN_IDS = ("pad_token_id", "bos_token_id", "eos_token_id", "decoder_start_toke
 
 # types whose config class needs more than SMALL to build at this size (each with the reason)
 OVERRIDES: dict[str, tuple[dict, str]] = {
-    "deepseek_v3": (dict(first_k_dense_replace=1), "the default 3 dense layers would leave 2 layers no experts"),
+    "deepseek_v3": (
+        dict(first_k_dense_replace=1, n_group=1, topk_group=1),
+        "the default 3 dense layers would leave 2 layers no experts, and the default 8 expert groups need 8 experts",
+    ),
     "dots3_note_text": (dict(num_key_value_heads=4), "its attention requires as many kv heads as query heads"),
     "mamba2": (dict(num_heads=8, head_dim=16), "hidden_size x expand must equal num_heads x head_dim"),
     "helium": (dict(head_dim=16), "its o_proj is hidden x hidden: the heads must span hidden_size exactly"),
@@ -86,6 +89,7 @@ PLANNED = {
     "gemma3_text",
     "glm",
     "glm4",
+    "glm4_moe",
     "gpt_oss",
     "granite",
     "granitemoe",
@@ -99,6 +103,7 @@ PLANNED = {
     "ministral3",
     "mistral",
     "mixtral",
+    "olmoe",
     "olmo2",
     "olmo3",
     "phi3",
@@ -290,3 +295,32 @@ def test_sliding_layers_follow_the_config_class_rule_when_layer_types_is_left_ou
     arch = resolve_model(ModelSection(name=str(tmp_path / "model")), base_dir=tmp_path)
     assert arch.sliding_layers == kinds.count("sliding_attention")
     assert arch.sliding_window == (32 if arch.sliding_layers else None)
+
+
+# what sizes a mixture of experts: save_pretrained leaves out each of these that equals its class's default
+EXPERT_KEYS = (
+    "num_local_experts",
+    "num_experts",
+    "n_routed_experts",
+    "n_shared_experts",
+    "moe_intermediate_size",
+    "shared_expert_intermediate_size",
+    "first_k_dense_replace",
+    "num_experts_per_tok",
+)
+MOE_TYPES = sorted(
+    {"mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v2", "deepseek_v3", "gpt_oss", "olmoe", "glm4_moe"}
+    | {"granitemoe", "granitemoeshared"}
+)
+
+
+@pytest.mark.parametrize("model_type", MOE_TYPES)
+def test_expert_sizes_a_config_leaves_to_its_class_are_the_class_defaults(tmp_path, model_type):
+    """A config.json that names no expert count (its class default, so save_pretrained leaves it out) is
+    planned with the class's experts, not as a dense model (Family.defaults)."""
+    cls = CONFIG_MAPPING[model_type]
+    kwargs = {k: v for k, v in _shrink(cls().to_dict()).items() if k not in EXPERT_KEYS}
+    config = cls(**kwargs)
+    arch = read(tmp_path, config)
+    assert arch.num_experts == (getattr(config, "num_local_experts", None) or config.num_experts) > 1
+    assert count_params(arch).total == real_count(meta_model(config))

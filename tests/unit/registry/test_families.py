@@ -31,7 +31,7 @@ def _read(tmp_path, config: dict):
         ),
         (dict(SHAPE, model_type="qwen3_next", layer_types=["linear_attention"] * 8), "(linear_attention)"),
         (dict(SHAPE, model_type="bert", type_vocab_size=2), "an encoder or encoder-decoder model"),
-        (dict(SHAPE, model_type="olmoe", num_experts=64), "mixture-of-experts layers (num_experts)"),
+        (dict(SHAPE, model_type="jetmoe", num_local_experts=8), "mixture-of-experts layers (num_local_experts)"),
         # Mistral-Small-3.1: a Mistral text decoder under a Pixtral vision tower that would go uncounted
         (
             dict(model_type="mistral3", text_config=dict(SHAPE, model_type="mistral"), vision_config={}),
@@ -70,6 +70,12 @@ def test_gemma3_multimodal_is_read_as_its_text_decoder(tmp_path):
         (dict(model_type="olmo2"), dict(qk_norm=True, qk_norm_per_head=False, norms_per_layer=2)),
         (dict(model_type="cohere", use_qk_norm=True), dict(qk_norm=True, qk_norm_per_head=False, norms_per_layer=1)),
         (dict(model_type="glm4"), dict(fused_gate_up=True, fused_qkv=False, norms_per_layer=4)),
+        # GLM-4.5's q/k norms are one head wide, built only with use_qk_norm; its experts are the class's when
+        # config.json names none (128 of width 1408, the first layer dense)
+        (dict(model_type="glm4_moe"), dict(qk_norm=False, num_experts=128, moe_intermediate_size=1408, moe_layers=7)),
+        (dict(model_type="glm4_moe", use_qk_norm=True), dict(qk_norm=True, qk_norm_per_head=True)),
+        # a config attention dropout: finetune's varlen kernel runs none, so the planner must know it
+        (dict(model_type="granitemoe", attention_dropout=0.1), dict(attention_dropout=0.1, num_experts=8)),
         # EXAONE-4's pattern in letters: three local layers, then a global one
         (
             dict(model_type="exaone4", sliding_window=64, sliding_window_pattern="LLLG"),
@@ -82,6 +88,16 @@ def test_gemma3_multimodal_is_read_as_its_text_decoder(tmp_path):
 def test_family_traits_and_class_defaults(tmp_path, config, expected):
     arch = _read(tmp_path, dict(SHAPE, **config))
     assert {k: getattr(arch, k) for k in expected} == expected
+
+
+def test_expert_groups_that_do_not_divide_the_experts_are_refused(tmp_path):
+    """DeepSeek-V3's router views the experts as n_group equal groups (class default 8, keeping 4): a config
+    with 4 experts and the default groups fails at transformers' first step, so it is refused before."""
+    mla = dict(q_lora_rank=48, kv_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16)
+    with pytest.raises(RecipeError) as caught:
+        _read(tmp_path, dict(SHAPE, model_type="deepseek_v3", n_routed_experts=4, **mla))
+    text = caught.value.render()
+    assert "n_group 8" in text and "4 experts" in text and caught.value.key == "model.name", text
 
 
 def test_phi3_lora_targets_are_its_fused_modules(tmp_path):
