@@ -23,6 +23,7 @@ from finetune.checkpoints.resume import (
 )
 from finetune.data.check import check_data
 from finetune.errors import EXIT_INTERRUPTED, EXIT_PREEMPTED, FinetuneError, RecipeError, TrainingFailed
+from finetune.plan.types import GIB
 from finetune.recipe import Recipe, load_recipe
 
 log = logging.getLogger("finetune.api")
@@ -411,7 +412,7 @@ def measure(
             result.out_of_memory = "; ".join(r["message"] for r in oom)
             logged = {r.rank for r in result.ranks}
             result.ranks += [
-                RankPeak(r["rank"], r["peak_bytes"] / 2**30, (r.get("peak_allocated_bytes") or 0) / 2**30 or None)
+                RankPeak(r["rank"], r["peak_bytes"] / GIB, (r.get("peak_allocated_bytes") or 0) / GIB or None)
                 for r in oom
                 if r["rank"] not in logged
             ]

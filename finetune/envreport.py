@@ -13,6 +13,8 @@ import platform
 import sys
 from importlib import metadata
 
+from finetune.plan.types import GIB
+
 STACK = (
     "finetune",
     "torch",
@@ -88,7 +90,7 @@ def torch_report() -> dict:
     info: dict = {"cuda_available": torch.cuda.is_available(), "torch_cuda": torch.version.cuda}
     if info["cuda_available"]:
         info["gpus"] = [
-            f"{torch.cuda.get_device_name(i)} ({torch.cuda.get_device_properties(i).total_memory / 1024**3:.1f} GiB)"
+            f"{torch.cuda.get_device_name(i)} ({torch.cuda.get_device_properties(i).total_memory / GIB:.1f} GiB)"
             for i in range(torch.cuda.device_count())
         ]
         info["bf16_supported"] = torch.cuda.is_bf16_supported()

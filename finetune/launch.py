@@ -27,6 +27,7 @@ from finetune import strategies
 from finetune.compile.spec import LaunchSpec
 from finetune.errors import EXIT_INTERRUPTED, EXIT_PREEMPTED, FinetuneError
 from finetune.plan.offload_time import split_cores
+from finetune.plan.types import GIB
 from finetune.registry.detect import usable_cores
 from finetune.rundir import JOB_SBATCH, launch_log
 
@@ -484,7 +485,7 @@ def _oom_failure(history: list[dict], decision, *, retries: int, multi_node: boo
         f"{h['attempt']}) {_setting(h['micro_batch_size'], h['activation_checkpointing'], h['sync_each_batch'])} x "
         f"accumulation {h['gradient_accumulation_steps']}: rank(s) "
         f"{', '.join(str(r['rank']) for r in h['records'])} ran out at "
-        f"{max(r['peak_bytes'] for r in h['records']) / 2**30:.2f} GiB"
+        f"{max(r['peak_bytes'] for r in h['records']) / GIB:.2f} GiB"
         for h in history
     )
     if multi_node:

@@ -17,6 +17,7 @@ from pathlib import Path
 
 from finetune.data.chat_template import read_chat_template
 from finetune.errors import DataError, RecipeError
+from finetune.plan.types import GIB
 from finetune.plan.workload import DTYPE_BYTES
 from finetune.recipe.paths import model_path
 from finetune.registry.disk import nearest_existing
@@ -286,8 +287,8 @@ def check_swap_disk(plan, recipe) -> None:
     free = free_bytes(parent)
     if free < need:
         raise RecipeError(
-            f"not enough free disk for ZeRO-Infinity's swap files in {path}: {free / 2**30:.1f} GiB free, "
-            f"{need / 2**30:.1f} GiB needed (the parameters and optimizer states this node swaps there)",
+            f"not enough free disk for ZeRO-Infinity's swap files in {path}: {free / GIB:.1f} GiB free, "
+            f"{need / GIB:.1f} GiB needed (the parameters and optimizer states this node swaps there)",
             key="distributed.nvme_path",
             hint="free disk space there, or point distributed.nvme_path at a disk with room",
         )

@@ -23,6 +23,7 @@ from pathlib import Path
 from transformers import TrainerCallback
 
 from finetune.errors import TrainingFailed
+from finetune.plan.types import GIB
 from finetune.recipe.schema import sync_each_batch_pin
 from finetune.rundir import oom_record
 
@@ -154,7 +155,7 @@ def record(run_dir: Path, recipe, *, error: BaseException) -> OutOfMemory:
     return OutOfMemory(
         f"rank {rank} ran out of memory at micro-batch {data['micro_batch_size']} with activation "
         f"checkpointing {'on' if data['activation_checkpointing'] else 'off'} ({figures['peak_kind']} peak "
-        f"{figures['peak_bytes'] / 2**30:.2f} GiB of {figures['capacity_bytes'] / 2**30:.2f} GiB; planned "
+        f"{figures['peak_bytes'] / GIB:.2f} GiB of {figures['capacity_bytes'] / GIB:.2f} GiB; planned "
         f"{recipe.resolved.predicted_peak_gib:.2f} GiB): {message}",
         file=str(path),
         hint="`finetune run` re-plans with this record and retries (train.oom_retries)",

@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 
 from finetune import strategies
 from finetune.compile.accelerate import MIXED_PRECISION
+from finetune.plan.types import GIB
 from finetune.recipe.schema import Recipe
 
 log = logging.getLogger("finetune.train")
@@ -542,11 +543,10 @@ def load_for_training(recipe: Recipe, *, args):
     args.fsdp_plugin_args = trainer_plugin_args()
     if parallelism is not None:
         args.parallelism_config = parallelism
-    gib = 2**30
     log.info(
         f"{recipe.adapter.type} model sharded while {'building random weights' if index is None else 'loading'}: "
-        f"{report.local_bytes / gib:.2f} GiB of weight shards and "
-        f"{report.replicated_bytes / gib:.2f} GiB of quant states on this rank, at most "
-        f"{report.peak_transient_bytes / gib:.2f} GiB more held for one tensor at a time"
+        f"{report.local_bytes / GIB:.2f} GiB of weight shards and "
+        f"{report.replicated_bytes / GIB:.2f} GiB of quant states on this rank, at most "
+        f"{report.peak_transient_bytes / GIB:.2f} GiB more held for one tensor at a time"
     )
     return model, report
