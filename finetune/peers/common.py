@@ -23,6 +23,16 @@ OPTIMIZERS = {
     "paged_adamw_32bit": "paged_adamw_32bit",
     "adafactor": "adafactor",
 }
+# transformers' names for the same update run by another implementation -> ours, and what the user should know
+OPTIMIZER_EQUIVALENTS = {
+    "adamw_torch_8bit": (
+        "adamw_8bit",
+        "torchao's 8-bit AdamW runs as bitsandbytes' 8-bit AdamW (the same 8-bit states)",
+    ),
+    "adamw_apex_fused": ("adamw", "apex's fused AdamW (transformers 4) runs as torch's fused AdamW (the same update)"),
+    "adamw_torch_xla": ("adamw", "the XLA AdamW runs as torch's fused AdamW on the GPUs (the same update)"),
+    "adamw_torch_npu_fused": ("adamw", "the NPU AdamW runs as torch's fused AdamW on the GPUs (the same update)"),
+}
 # the scheduler names are transformers' own (SchedulerType), so the schema's list is the table
 SCHEDULERS = {name: name for name in get_args(TrainSection.model_fields["scheduler"].annotation)}
 # the peers' template names -> our shipped templates (finetune/registry/templates)
@@ -151,6 +161,12 @@ def _named(conv: Conversion, key: str, *, table: dict[str, str], ours: str, what
 
 
 def optimizer(conv: Conversion, key: str) -> None:
+    name = conv.raw.get(key)
+    if isinstance(name, str) and name in OPTIMIZER_EQUIVALENTS:
+        ours, why = OPTIMIZER_EQUIVALENTS[conv.take(key)]
+        conv.set("train.optimizer", ours)
+        conv.notes.append(f"{key}: {name} -> train.optimizer {ours}: {why}")
+        return
     _named(
         conv,
         key,

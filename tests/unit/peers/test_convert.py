@@ -247,3 +247,23 @@ def test_the_output_may_be_a_stream_never_a_directory_and_a_full_disk_is_said_so
         err = capfd.readouterr().err
         assert "error: disk full" in err and "fix:" in err and "Traceback" not in err and "internal error" not in err
         assert not os.path.isfile("/dev/full")
+
+
+@pytest.mark.parametrize(
+    ("source", "key", "name", "ours"),
+    [
+        ("trl", "optim", "adamw_torch_8bit", "adamw_8bit"),
+        ("llamafactory", "optim", "adamw_torch_xla", "adamw"),
+        ("axolotl", "optimizer", "adamw_apex_fused", "adamw"),
+    ],
+)
+def test_an_optimizer_that_is_ours_under_another_implementation_is_mapped_with_a_note(
+    tmp_path, source, key, name, ours
+):
+    from finetune.peers import convert_mapping
+
+    raw = {"model_name_or_path": "m", "base_model": "m", key: name}
+    conv = convert_mapping(raw, source=source, config_dir=tmp_path, out_dir=tmp_path)
+    assert conv.get("train.optimizer") == ours
+    assert not [d for d in conv.dropped if d.key == key]
+    assert any(note.startswith(f"{key}: {name} -> train.optimizer {ours}") for note in conv.notes), conv.notes
