@@ -145,8 +145,10 @@ def convert(conv: Conversion, *, method: str | None) -> None:
     accelerate_file(conv, "accelerate_config")
 
 
-def _format(method: str) -> str:
-    return "messages" if method == "sft" else "unpaired" if method == "kto" else "preference"
+def _format(conv: Conversion, method: str) -> str:
+    if method == "sft":  # SFTConfig's dataset_text_field names a plain-text column; without it, conversations
+        return "text" if conv.raw.get("dataset_text_field") else "messages"
+    return "unpaired" if method == "kto" else "preference"
 
 
 def _evaluates(conv: Conversion) -> bool:
@@ -157,8 +159,9 @@ def _evaluates(conv: Conversion) -> bool:
 def _source(conv: Conversion, path: str, method: str, **extra) -> dict:
     fmt = sniff_format(conv, path, method=method)
     if fmt is None:
-        fmt = _format(method)
-        note = f"format {fmt} assumed for {path}; check data.sources[].format"
+        fmt = _format(conv, method)
+        why = " (dataset_text_field is set)" if fmt == "text" else ""
+        note = f"format {fmt} assumed for {path}{why}; check data.sources[].format"
         if note not in conv.notes:
             conv.notes.append(note)
     src = {"path": conv.local_path(path), "format": fmt}

@@ -267,3 +267,19 @@ def test_an_optimizer_that_is_ours_under_another_implementation_is_mapped_with_a
     assert conv.get("train.optimizer") == ours
     assert not [d for d in conv.dropped if d.key == key]
     assert any(note.startswith(f"{key}: {name} -> train.optimizer {ours}") for note in conv.notes), conv.notes
+
+
+def test_a_trl_hub_corpus_named_by_its_text_field_is_read_as_text(tmp_path):
+    """SFTConfig's dataset_text_field names a plain-text column: a Hub dataset that cannot be opened here is
+    assumed to be text then, not conversations, and the note says why."""
+    from finetune.peers import convert_mapping
+
+    raw = {"model_name_or_path": "m", "dataset_name": "org/corpus", "dataset_text_field": "content"}
+    conv = convert_mapping(raw, source="trl", config_dir=tmp_path, out_dir=tmp_path, method="sft")
+    (src,) = conv.get("data.sources")
+    assert (src["format"], src.get("columns")) == ("text", {"text": "content"})
+    assert any("(dataset_text_field is set)" in note for note in conv.notes), conv.notes
+    plain = convert_mapping(
+        {"model_name_or_path": "m", "dataset_name": "org/chats"}, source="trl", config_dir=tmp_path, out_dir=tmp_path
+    )
+    assert plain.get("data.sources")[0]["format"] == "messages"
