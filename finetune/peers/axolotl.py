@@ -10,6 +10,7 @@ from finetune.peers.common import (
     attention,
     batch_sizes,
     continue_adapter,
+    is_on,
     loss_type,
     optimizer,
     scheduler,
@@ -364,7 +365,7 @@ def convert(conv: Conversion) -> None:
     deepspeed_file(conv, "deepspeed")
     parallel_sizes(conv, conv.raw)
     for key, reason in NOT_OFFERED_WHEN_ON.items():
-        if conv.has(key) and conv.raw[key] not in (False, "false", 0):
+        if conv.has(key) and is_on(conv.raw[key]):
             conv.drop(key, conv.raw[key], reason)
         conv.used.add(key)
     _model_overrides(conv)

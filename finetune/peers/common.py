@@ -252,6 +252,15 @@ def loss_type(conv: Conversion, key: str) -> None:
 _EXPONENT = re.compile(r"^[+-]?(\d+\.?\d*|\.\d+)[eE][+-]?\d+$")
 
 
+def is_on(value: Any) -> bool:
+    """A peer's switch as its own parser reads it: YAML booleans, the strings and numbers that CLI-style
+    configs (LLaMA-Factory's, TRL's argparse) pass for them, and a named mode (axolotl's
+    `activation_offloading: legacy`), which is on."""
+    if isinstance(value, str):
+        return value.strip().lower() not in ("false", "no", "off", "0", "none", "")
+    return bool(value)
+
+
 def coerce_numbers(raw: dict) -> dict:
     return {k: float(v) if isinstance(v, str) and _EXPONENT.match(v) else v for k, v in raw.items()}
 
@@ -271,7 +280,7 @@ def shared_keys(conv: Conversion) -> None:
                 "checkpointed activations on the GPU (the planner counts them)"
             )
     if conv.has("torch_compile") and "torch_compile" not in conv.used:
-        if conv.take("torch_compile") is True:
+        if is_on(conv.take("torch_compile")):
             conv.set("train.compile", "regions")
             conv.notes.append(
                 "torch_compile: true read as train.compile: regions (each decoder layer compiled, not the whole "
@@ -291,7 +300,7 @@ def shared_keys(conv: Conversion) -> None:
     _cadence(conv, strategy="save_strategy", steps="save_steps", per_epoch="output.saves_per_epoch")
     _cadence(conv, strategy="eval_strategy", steps="eval_steps", per_epoch="train.evals_per_epoch")
     _cadence(conv, strategy="evaluation_strategy", steps="eval_steps", per_epoch="train.evals_per_epoch")
-    if conv.raw.get("fp16") in (True, "true") and not conv.get("model.dtype"):
+    if is_on(conv.raw.get("fp16")) and not conv.get("model.dtype"):
         conv.set("model.dtype", "float16")  # the peers load the weights in the fp16 they train in
 
 

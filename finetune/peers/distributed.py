@@ -9,7 +9,7 @@ from typing import Any
 
 from finetune import strategies
 from finetune.peers import Conversion, read_mapping
-from finetune.peers.common import find_file
+from finetune.peers.common import find_file, is_on
 
 
 def strategy_for(
@@ -159,13 +159,13 @@ def fsdp_strategy(conv: Conversion, key: str, config: dict, *, flags: list | Non
     words = {str(f).lower() for f in (flags or [])}
     sharding = str(get("sharding_strategy") or "").upper()
     hybrid = "HYBRID" in sharding or "hybrid_shard" in words
-    offload = get("offload_params") in (True, "true") or "offload" in words
+    offload = is_on(get("offload_params")) or "offload" in words
     if sharding in ("NO_SHARD", "SHARD_GRAD_OP") or words & {"shard_grad_op", "no_shard"}:
         conv.notes.append(f"{key}: FSDP {sharding or 'shard_grad_op'} is read as a full shard (fsdp2)")
     name = strategy_for(backend="fsdp", offload_params=offload, offload_optimizer=offload, hybrid=hybrid)
     what = "FSDP" + (" hybrid shard" if hybrid else "") + (" with parameter offload" if offload else "")
     _pin(conv, key, config or flags, name, what=what)
-    if get("activation_checkpointing") in (True, "true"):
+    if is_on(get("activation_checkpointing")):
         conv.set("train.activation_checkpointing", "on")
 
 

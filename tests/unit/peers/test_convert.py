@@ -283,3 +283,10 @@ def test_a_trl_hub_corpus_named_by_its_text_field_is_read_as_text(tmp_path):
         {"model_name_or_path": "m", "dataset_name": "org/chats"}, source="trl", config_dir=tmp_path, out_dir=tmp_path
     )
     assert plain.get("data.sources")[0]["format"] == "messages"
+
+
+def test_a_peers_switch_reads_as_its_own_parser_reads_it():
+    from finetune.peers.common import is_on
+
+    assert all(is_on(v) for v in (True, 1, "true", "True", "yes", "1", "legacy", "disk"))
+    assert not any(is_on(v) for v in (False, 0, None, "false", "False", "no", "off", "0", "none", ""))
