@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any, get_args
 
 from finetune.peers import Conversion
-from finetune.recipe.aliases import checkpointing_setting, lookup
+from finetune.recipe.aliases import checkpointing_setting, is_on, lookup
 from finetune.recipe.schema import METHOD_FORMATS, PACKED_EXAMPLE_METHODS, LoggingSection, TrainSection
 
 # transformers / bitsandbytes optimizer names -> ours
@@ -250,15 +250,6 @@ def loss_type(conv: Conversion, key: str) -> None:
 
 # YAML 1.1 (PyYAML) reads `2e-5` (no dot) as a string; the peers' loaders read it as a number
 _EXPONENT = re.compile(r"^[+-]?(\d+\.?\d*|\.\d+)[eE][+-]?\d+$")
-
-
-def is_on(value: Any) -> bool:
-    """A peer's switch as its own parser reads it: YAML booleans, the strings and numbers that CLI-style
-    configs (LLaMA-Factory's, TRL's argparse) pass for them, and a named mode (axolotl's
-    `activation_offloading: legacy`), which is on."""
-    if isinstance(value, str):
-        return value.strip().lower() not in ("false", "no", "off", "0", "none", "")
-    return bool(value)
 
 
 def coerce_numbers(raw: dict) -> dict:

@@ -22,6 +22,7 @@ from finetune.peers.common import (
     template,
 )
 from finetune.peers.distributed import deepspeed_file
+from finetune.recipe.aliases import is_on
 
 IGNORED = {
     k: "finetune decides this itself or has no such switch"
@@ -189,6 +190,11 @@ def convert(conv: Conversion) -> None:
                 conv.set("method.loss_type", loss_type)
         else:
             conv.drop("pref_loss", loss, "no such preference loss here")
+    if is_on(conv.take("pure_bf16")):
+        # bf16 weights and no fp32 copy of them: what finetune trains with bfloat16 weights under bf16
+        conv.set("model.dtype", "bfloat16")
+        conv.set("train.precision", "bf16")
+        conv.notes.append("pure_bf16: the weights load in bfloat16 and train in bf16 with no fp32 copy, as asked")
     kind = conv.take("finetuning_type", "lora")
     bits = conv.take("quantization_bit")
     quant = str(conv.take("quantization_method", "bnb") or "bnb").lower()

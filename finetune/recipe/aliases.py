@@ -12,12 +12,21 @@ from dataclasses import dataclass
 from typing import Any
 
 
+def is_on(value: Any) -> bool:
+    """A peer's switch as its own parser reads it: YAML booleans, the strings and numbers that CLI-style
+    configs (LLaMA-Factory's, TRL's argparse) pass for them, and a named mode (axolotl's
+    `activation_offloading: legacy`, transformers' `bf16: auto`), which is on."""
+    if isinstance(value, str):
+        return value.strip().lower() not in ("false", "no", "off", "0", "none", "")
+    return bool(value)
+
+
 def _precision(flag: Any) -> str | None:
-    return "bf16" if flag in (True, "true", "auto") else None  # false asks for nothing by itself
+    return "bf16" if is_on(flag) else None  # false asks for nothing by itself
 
 
 def _fp16(flag: Any) -> str | None:
-    return "fp16" if flag in (True, "true") else None
+    return "fp16" if is_on(flag) else None
 
 
 def _listify(value: Any) -> list:

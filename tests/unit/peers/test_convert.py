@@ -286,7 +286,16 @@ def test_a_trl_hub_corpus_named_by_its_text_field_is_read_as_text(tmp_path):
 
 
 def test_a_peers_switch_reads_as_its_own_parser_reads_it():
-    from finetune.peers.common import is_on
+    from finetune.recipe.aliases import is_on
 
     assert all(is_on(v) for v in (True, 1, "true", "True", "yes", "1", "legacy", "disk"))
     assert not any(is_on(v) for v in (False, 0, None, "false", "False", "no", "off", "0", "none", ""))
+
+
+def test_llamafactory_pure_bf16_trains_bfloat16_weights_without_an_fp32_copy(tmp_path):
+    from finetune.peers import convert_mapping
+
+    raw = {"model_name_or_path": "m", "finetuning_type": "full", "pure_bf16": True, "bf16": False}
+    conv = convert_mapping(raw, source="llamafactory", config_dir=tmp_path, out_dir=tmp_path)
+    assert (conv.get("model.dtype"), conv.get("train.precision")) == ("bfloat16", "bf16")
+    assert not [d for d in conv.dropped if d.key == "pure_bf16"] and any("pure_bf16" in n for n in conv.notes)
