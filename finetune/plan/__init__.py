@@ -331,6 +331,7 @@ def plan_on(recipe, *, arch, preset, source: str) -> Plan:
         warning,
         attention_fallback_warning(job, result),
         master_weights_warning(job, result, dtype=recipe.model.dtype),
+        fp32_compute_warning(job),
         pinned_strategy_warning(job, result),
         pinned_setting_warning(job, result),
         swap_warning,
@@ -338,6 +339,19 @@ def plan_on(recipe, *, arch, preset, source: str) -> Plan:
     result.warnings = [w for w in warnings if w]
     result.hardware_source = source
     return result
+
+
+def fp32_compute_warning(job: Job) -> str:
+    """'' unless the run computes in float32 on a GPU: its matmuls run at the card's FP32 rate (PyTorch leaves
+    TF32 off), which the plan times, and it is rarely what was meant."""
+    p = job.preset
+    if job.act_bytes != 4 or p.vendor == "cpu":
+        return ""
+    return (
+        f"this run computes in float32 (train.precision: fp32 with float32 weights): its matmuls run at "
+        f"{job.peak_tflops:.0f} TFLOP/s per GPU, not the {p.peak_bf16_tflops:.0f} of bf16, as planned; set "
+        f"train.precision: bf16 to keep float32 weights and compute in bf16"
+    )
 
 
 def swap_disk(job: Job, *, local: bool) -> tuple[Job, str, str]:

@@ -456,7 +456,11 @@ class TrainSection(Strict):
     seed: int = Field(
         42, ge=0, le=2**32 - 1, description="seed of the model initialization and dropout (0 .. 2**32-1, numpy's range)"
     )
-    precision: Literal["bf16", "fp16", "fp32"] = Field("bf16", description="mixed-precision mode")
+    precision: Literal["bf16", "fp16", "fp32"] = Field(
+        "bf16",
+        description="mixed-precision mode: bf16/fp16 autocast, or fp32 (none: the weights' dtype computes; "
+        "float32 weights then run their matmuls at the GPU's FP32 rate, which the plan times and warns of)",
+    )
     logging_steps: int = Field(1, ge=1, description="log metrics every this many steps")
     eval_steps: int | None = Field(
         None, ge=1, description="eval loss every this many steps (default: before and after training only)"

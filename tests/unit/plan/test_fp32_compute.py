@@ -71,3 +71,14 @@ def test_a_detected_card_borrows_its_presets_fp32_rate():
     assert detected.peak_fp32_tflops == H100.peak_fp32_tflops
     unknown = synthesize_preset(parse_nvidia_smi("Some Future GPU, 81559 MiB"), ram_gib=1024)
     assert unknown.peak_fp32_tflops is None  # the bf16 peak over FP32_SHARE_ASSUMED: slow, never optimistic
+
+
+def test_the_plan_warns_that_fp32_compute_runs_at_the_fp32_rate():
+    from finetune.plan import plan_on
+
+    arch = get_model("llama-3.1-8b")
+    fp32 = plan_on(_recipe(dtype="float32", precision="fp32"), arch=arch, preset=H100, source="test")
+    (warning,) = [w for w in fp32.warnings if "float32" in w]
+    assert "67 TFLOP/s" in warning and "train.precision: bf16" in warning
+    mixed = plan_on(_recipe(dtype="float32", precision="bf16"), arch=arch, preset=H100, source="test")
+    assert not [w for w in mixed.warnings if "computes in float32" in w]
