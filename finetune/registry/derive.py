@@ -82,9 +82,9 @@ _MOE_KEYS = {
         "num_nextn_predict_layers",
     },
     "gpt_oss": {"num_local_experts", "experts_per_token"},
-    # num_experts: what finetune/compat/moe_expert_count.py adds to a trained model's saved config
     "olmoe": {"num_experts", "num_local_experts"},
     "glm4_moe": {"n_routed_experts", "n_shared_experts", "moe_intermediate_size", "first_k_dense_replace"},
+    # num_experts: what finetune/compat/moe_expert_count.py adds to a trained model's saved config
     "granitemoe": {"num_local_experts", "num_experts"},
     "granitemoeshared": {"num_local_experts", "num_experts"},
 }
