@@ -58,6 +58,7 @@ PLANNED: dict[str, tuple[float, float | None, str]] = {
     "deepseek-v2.5": (236e9, 21e9, "model card: 236B total, 21B activated"),
     "deepseek-v3-bf16": (671e9, 37e9, "paper: 671B total, 37B activated (the Hub's 685B adds the MTP module)"),
     "olmo-2-7b": (7.30e9, None, "Hub safetensors metadata"),
+    "olmoe-1b-7b": (6.9e9, 1.3e9, "OLMoE paper: 6.9B total, 1.3B active"),
     "olmo-2-13b": (13.7e9, None, "Hub safetensors metadata"),
     "granite-3.1-8b": (8.17e9, None, "Hub safetensors metadata"),
     "falcon3-7b": (7.46e9, None, "Hub safetensors metadata (head_dim 256)"),
