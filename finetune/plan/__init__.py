@@ -56,7 +56,14 @@ from finetune.plan.workload import (
     varlen_fallback_layers,
 )
 from finetune.recipe.paths import anchored
-from finetune.recipe.schema import compute_dtype, dpo_reference, loads_sharded, packs_examples, sync_each_batch_pin
+from finetune.recipe.schema import (
+    PRECISION_DTYPE,
+    compute_dtype,
+    dpo_reference,
+    loads_sharded,
+    packs_examples,
+    sync_each_batch_pin,
+)
 from finetune.registry.disk import AIO_BLOCK_BYTES, RAM_FILESYSTEMS, filesystem_type, probe_readers, read_gbps
 
 __all__ = [
@@ -150,7 +157,7 @@ def attention_implementation(recipe, preset, *, arch=None) -> str:
     nor the varlen kernel computes (transformers' own eager attention is their reference implementation)."""
     chosen = recipe.model.attn_implementation
     eager_only = arch is not None and needs_model_eager(arch)
-    if chosen == "sdpa" and eager_only and arch.attention_sinks:
+    if chosen == "sdpa" and arch is not None and arch.attention_sinks:
         raise RecipeError(
             f"{arch.key} has attention sinks (a learned logit per head in the softmax), which sdpa does not "
             f"compute; transformers refuses sdpa for it",
@@ -271,6 +278,7 @@ def job_from_recipe(recipe, *, arch, preset) -> Job:
         weight_bytes=DTYPE_BYTES[recipe.model.dtype],
         int8_base=recipe.adapter.type == "lora" and recipe.adapter.load_in_8bit,
         act_bytes=DTYPE_BYTES[compute_dtype(recipe)],
+        autocast=PRECISION_DTYPE[recipe.train.precision] is not None,
         optimizer=recipe.train.optimizer,
         clips_gradients=recipe.train.max_grad_norm > 0,
         seq_len=recipe.data.max_length,

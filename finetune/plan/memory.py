@@ -254,17 +254,18 @@ def state_bytes(job: Job, strategy: str | None = None) -> StateBytes:
     return StateBytes(weights, trainable, grads, optimizer, n)
 
 
-def peft_casts_adapter_inputs(*, adapter: str, strategy: str, act_bytes: int) -> bool:
-    """Where peft by default runs fp32 adapters and casts each targeted module's input to fp32: LoRA
-    under DDP with 16-bit compute (see the module docstring). One rule for the planner and for
-    finetune/train/model.py, which turns the cast off there unless adapter.cast_adapter_inputs or DoRA."""
-    return adapter == "lora" and not strategies.shards_params(strategy) and act_bytes < 4
+def peft_casts_adapter_inputs(*, adapter: str, strategy: str, autocast: bool) -> bool:
+    """Where peft by default runs fp32 adapters and casts each targeted module's input to fp32, and autocast
+    would cast it straight back: LoRA under DDP with bf16/fp16 autocast (see the module docstring). One rule
+    for the planner and for finetune/train/model.py, which turns the cast off there unless
+    adapter.cast_adapter_inputs or DoRA (without autocast the cast is what makes the fp32 matmul run)."""
+    return adapter == "lora" and not strategies.shards_params(strategy) and autocast
 
 
 def adapter_input_casts(job: Job, strategy: str) -> bool:
     """Whether the casts run in this job (finetune keeps them only on request or for DoRA)."""
     return (job.cast_adapter_inputs or job.dora) and peft_casts_adapter_inputs(
-        adapter=job.adapter, strategy=strategy, act_bytes=job.act_bytes
+        adapter=job.adapter, strategy=strategy, autocast=job.autocast
     )
 
 

@@ -56,6 +56,7 @@ class Job:
     int8_base: bool = False  # adapter.load_in_8bit: the base's linear weights in 1 byte (LLM.int8)
     weight_bytes: int = 2  # model.dtype
     act_bytes: int = 2  # the compute dtype's (recipe.schema.compute_dtype): 2 for bf16/fp16, 4 for fp32
+    autocast: bool = True  # train.precision bf16/fp16: the step runs under torch autocast (fp32: it does not)
     optimizer: str = "adamw"
     clips_gradients: bool = True  # train.max_grad_norm > 0: the Trainer takes the gradients' norm every step
     seq_len: int = 2048

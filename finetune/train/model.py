@@ -7,7 +7,7 @@ import logging
 from finetune.data.chat_template import read_chat_template
 from finetune.errors import RecipeError
 from finetune.recipe.paths import model_path
-from finetune.recipe.schema import Recipe, dpo_reference, sharded_load_blocker
+from finetune.recipe.schema import PRECISION_DTYPE, Recipe, dpo_reference, sharded_load_blocker
 
 log = logging.getLogger("finetune.train")
 
@@ -322,7 +322,9 @@ def adapter_input_casting(recipe: Recipe, model):
 
     a = recipe.adapter
     casts = peft_casts_adapter_inputs(
-        adapter=a.type, strategy=recipe.distributed.strategy, act_bytes=4 if recipe.train.precision == "fp32" else 2
+        adapter=a.type,
+        strategy=recipe.distributed.strategy,
+        autocast=PRECISION_DTYPE[recipe.train.precision] is not None,
     )
     if not casts or a.cast_adapter_inputs or a.dora:
         return nullcontext()

@@ -82,3 +82,17 @@ def test_the_plan_warns_that_fp32_compute_runs_at_the_fp32_rate():
     assert "67 TFLOP/s" in warning and "train.precision: bf16" in warning
     mixed = plan_on(_recipe(dtype="float32", precision="bf16"), arch=arch, preset=H100, source="test")
     assert not [w for w in mixed.warnings if "computes in float32" in w]
+
+
+def test_peft_s_input_casts_follow_autocast_not_the_compute_width():
+    """fp32 precision with bfloat16 weights computes in 16 bits but runs no autocast: peft's cast of each input
+    to its fp32 adapters is then what makes the adapter's matmul run, so finetune keeps it (train/model.py asks
+    the same rule with the same input)."""
+    from finetune.plan.memory import peft_casts_adapter_inputs
+
+    arch = get_model("llama-3.1-8b")
+    plain = job_from_recipe(_recipe(dtype="bfloat16", precision="fp32"), arch=arch, preset=H100)
+    mixed = job_from_recipe(_recipe(dtype="bfloat16", precision="bf16"), arch=arch, preset=H100)
+    assert (plain.act_bytes, plain.autocast, mixed.autocast) == (2, False, True)
+    assert not peft_casts_adapter_inputs(adapter="lora", strategy="ddp", autocast=plain.autocast)
+    assert peft_casts_adapter_inputs(adapter="lora", strategy="ddp", autocast=mixed.autocast)
