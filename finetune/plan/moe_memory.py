@@ -34,10 +34,10 @@ MLPs only).
 from __future__ import annotations
 
 from finetune.plan.workload import Job, expert_size, moe_layer_count
+from finetune.registry.families import DEEPSEEK_ROUTED
 
 _SOFTMAX_ROUTERS = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
-# DeepSeek's group-limited sigmoid router; GLM-4.5's is the same code (its fp32 cast undone by autocast)
-_SIGMOID_ROUTERS = ("deepseek_v2", "deepseek_v3", "glm4_moe")
+
 _NORMALIZED_TOPK = ("mixtral", "qwen3_moe")  # the family's default norm_topk_prob
 
 
@@ -62,7 +62,7 @@ def routed_bytes(job: Job) -> float:
     router = 8 * k
     if family in _SOFTMAX_ROUTERS:
         router += 4 * e + (4 * k + 4 if family in _NORMALIZED_TOPK else 0)
-    elif family in _SIGMOID_ROUTERS:
+    elif family in DEEPSEEK_ROUTED:  # GLM-4.5's router is DeepSeek's code (its fp32 cast undone by autocast)
         router += 3 * e + 2 * k + 10
         if job.adapter == "full":  # the router casts its input to fp32: autocast's bf16 copy of it is kept
             router += a * h

@@ -19,6 +19,7 @@ from pydantic import ValidationError
 from finetune.errors import RecipeError
 from finetune.recipe.paths import anchored
 from finetune.registry.families import (
+    DEEPSEEK_ROUTED,
     FAMILIES,
     KNOWN_FAMILIES,
     TEXT_OF_MULTIMODAL,
@@ -296,16 +297,14 @@ def moe_fields(text: dict, *, family: str, path: Path) -> dict:
             hint="set model.arch to a registry entry with the same shape (finetune models)",
         )
     layers = int(text["num_hidden_layers"])
-    if family in ("mixtral", "granitemoe", "granitemoeshared"):  # every layer routed, experts as wide as the MLP
+    if family in ("mixtral", "granitemoe", "granitemoeshared", "gpt_oss"):  # experts as wide as the dense MLP
         experts, width = int(text.get("num_local_experts") or 0), None
-    elif family in ("qwen2_moe", "qwen3_moe"):
+    elif family in ("qwen2_moe", "qwen3_moe", "olmoe"):  # OLMoE's experts: intermediate_size wide (no moe key)
         # the Hub's configs say num_experts; transformers 5 saves it as num_local_experts (the class default's name
         # in Family.defaults, so a config that names neither gets the default)
         experts = int(text.get("num_experts") or text.get("num_local_experts") or 0)
         width = text.get("moe_intermediate_size")
-    elif family == "olmoe":  # every layer routed, experts as wide as intermediate_size, no shared expert
-        experts, width = int(text.get("num_experts") or text.get("num_local_experts") or 0), None
-    elif family in ("deepseek_v2", "deepseek_v3", "glm4_moe"):
+    elif family in DEEPSEEK_ROUTED:
         experts, width = int(text.get("n_routed_experts") or 0), text.get("moe_intermediate_size")
         groups = int(text.get("n_group") or 1)
         if experts > 1 and (experts % groups or int(text.get("topk_group") or 1) > groups):
@@ -325,8 +324,6 @@ def moe_fields(text: dict, *, family: str, path: Path) -> dict:
                 key="model.name",
                 hint="set model.arch to a registry entry with the same shape",
             )
-    elif family == "gpt_oss":
-        experts, width = int(text.get("num_local_experts") or 0), None
     else:
         return {}
     if experts <= 1:
@@ -344,7 +341,7 @@ def moe_fields(text: dict, *, family: str, path: Path) -> dict:
         if family == "qwen2_moe":  # transformers always builds the shared expert and its gate
             out["shared_expert_intermediate_size"] = int(text.get("shared_expert_intermediate_size") or 0)
             out["shared_expert_gate"] = True
-    elif family in ("deepseek_v2", "deepseek_v3", "glm4_moe"):
+    elif family in DEEPSEEK_ROUTED:
         out["moe_layers"] = max(0, layers - int(text.get("first_k_dense_replace") or 0))
         out["shared_expert_intermediate_size"] = int(width or 0) * int(text.get("n_shared_experts") or 0)
     elif family == "gpt_oss":

@@ -171,6 +171,9 @@ FAMILIES: dict[str, Family] = {
     ),
 }
 KNOWN_FAMILIES = frozenset(FAMILIES)
+# families whose routed experts follow DeepSeek's convention: n_routed_experts of moe_intermediate_size, shared
+# experts, the first layers dense, and a group-limited sigmoid router (GLM-4.5 runs the same code)
+DEEPSEEK_ROUTED = frozenset({"deepseek_v2", "deepseek_v3", "glm4_moe"})
 
 # the model types Liger patches (liger-kernel 0.8.5's MODEL_TYPE_TO_APPLY_LIGER_FN, for the families above);
 # for any other the Trainer's use_liger_kernel changes nothing, so the planner must not count Liger's
