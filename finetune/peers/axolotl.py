@@ -391,8 +391,8 @@ def convert(conv: Conversion) -> None:
 
 
 def _model_overrides(conv: Conversion) -> None:
-    """overrides_of_model_config (model_config before it): its rope_scaling is model.rope_scaling; any other
-    config.json override is reported."""
+    """overrides_of_model_config (model_config before it): its rope_scaling is model.rope_scaling, its
+    attention_dropout model.attention_dropout; any other config.json override is reported."""
     for key in ("overrides_of_model_config", "model_config"):
         rest = take_mapping(conv, key, of="model config.json keys")
         if rest is None:
@@ -402,12 +402,17 @@ def _model_overrides(conv: Conversion) -> None:
             conv.set("model.rope_scaling", rope)
         elif rope is not None:
             rest["rope_scaling"] = rope
+        dropout = rest.pop("attention_dropout", None)
+        if isinstance(dropout, (int, float)) and not isinstance(dropout, bool):
+            conv.set("model.attention_dropout", float(dropout))
+        elif dropout is not None:
+            rest["attention_dropout"] = dropout
         if rest:
             conv.drop(
                 key,
                 rest,
-                "only rope_scaling (model.rope_scaling) has a finetune setting; the model keeps its own values "
-                "for the rest (edit its config.json, or remove them)",
+                "only rope_scaling (model.rope_scaling) and attention_dropout (model.attention_dropout) have "
+                "finetune settings; the model keeps its own values for the rest (edit its config.json, or remove them)",
             )
 
 

@@ -28,7 +28,7 @@ def attention_fallback_warning(job: Job, plan: Plan) -> str:
     if arch.attention_sinks:
         why.append("attention sinks")
     if arch.attention_dropout:
-        why.append(f"attention dropout ({arch.attention_dropout:g}, config.json attention_dropout)")
+        why.append(f"attention dropout ({arch.attention_dropout:g}; model.attention_dropout: 0 turns it off)")
     if arch.sliding_window and arch.sliding_layers:
         why.append(f"a {arch.sliding_window}-token sliding window on {arch.sliding_layers} of {arch.num_layers} layers")
     ckpt = plan.checkpoint_layers or False

@@ -95,6 +95,16 @@ class ModelSection(Strict):
             "factor: 4.0, original_max_position_embeddings: 8192}; merged into the model's own RoPE parameters"
         ),
     )
+    attention_dropout: float | None = Field(
+        None,
+        ge=0.0,
+        lt=1.0,
+        description=(
+            "dropout on the attention probabilities while training, overriding config.json's attention_dropout "
+            "(e.g. 0 for a model whose config sets 0.1, such as Granite: finetune's varlen kernel has no dropout, so "
+            "with dropout every layer runs sdpa over the packed row's mask, slower and larger); default: the config's"
+        ),
+    )
     init: Literal["pretrained", "random"] = Field(
         "pretrained",
         description=(

@@ -106,13 +106,22 @@ def _by_hub_id(name: str) -> ModelArch | None:
 
 
 def resolve_model(model_section, *, base_dir: str | Path | None = None) -> ModelArch:
-    """The architecture a recipe's `model:` section names.
+    """The architecture a recipe's `model:` section names, with the section's config overrides applied
+    (`model.attention_dropout`: training runs the config with it, finetune.train.model.base_config).
 
     Order: `model.arch` (a registry key); `model.name` matched case-insensitively against the
     registry's Hub ids; a local directory (relative to base_dir) or a Hugging Face cache snapshot
     with config.json, from which the numbers are derived; for any other Hub id, its config.json from
     the Hub (only that file, cached; from the cache when offline). Otherwise a RecipeError with a hint.
     """
+    arch = _named_model(model_section, base_dir=base_dir)
+    dropout = getattr(model_section, "attention_dropout", None)
+    if dropout is not None:
+        arch = arch.model_copy(update={"attention_dropout": dropout})
+    return arch
+
+
+def _named_model(model_section, *, base_dir: str | Path | None) -> ModelArch:
     if getattr(model_section, "arch", None):
         return get_model(model_section.arch)
     name = model_section.name

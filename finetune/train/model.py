@@ -118,29 +118,29 @@ def attn_implementation(chosen: str) -> str:
 
 
 def base_config(recipe: Recipe):
-    """The base model's config as training builds it: with model.rope_scaling merged when the recipe sets it."""
-    from transformers import AutoConfig
-
-    m = recipe.model
-    if m.rope_scaling:
-        return rope_scaled_config(recipe)
-    return AutoConfig.from_pretrained(model_path(recipe), revision=m.revision, trust_remote_code=m.trust_remote_code)
-
-
-def rope_scaled_config(recipe: Recipe):
-    """The model's config with model.rope_scaling merged into its RoPE parameters (transformers 5 calls
-    them rope_parameters; the base's rope_theta stays; the peers' `type` key is read as rope_type)."""
+    """The base model's config as training builds it: model.rope_scaling merged into its RoPE parameters
+    (transformers 5 calls them rope_parameters; the base's rope_theta stays; the peers' `type` key is read as
+    rope_type) and model.attention_dropout set, where the recipe sets them. The planner reads the same
+    overrides (finetune.registry.resolve_model)."""
     from transformers import AutoConfig
 
     m = recipe.model
     config = AutoConfig.from_pretrained(model_path(recipe), revision=m.revision, trust_remote_code=m.trust_remote_code)
-    override = dict(m.rope_scaling)
-    if "type" in override:
-        override.setdefault("rope_type", override.pop("type"))
-    params = dict(getattr(config, "rope_parameters", None) or {})
-    params.update(override)
-    config.rope_parameters = params
+    if m.rope_scaling:
+        override = dict(m.rope_scaling)
+        if "type" in override:
+            override.setdefault("rope_type", override.pop("type"))
+        params = dict(getattr(config, "rope_parameters", None) or {})
+        params.update(override)
+        config.rope_parameters = params
+    if m.attention_dropout is not None:
+        config.attention_dropout = m.attention_dropout
     return config
+
+
+def overrides_config(recipe: Recipe) -> bool:
+    """Whether the recipe changes the model's config (base_config), so loading must pass that config."""
+    return bool(recipe.model.rope_scaling) or recipe.model.attention_dropout is not None
 
 
 def model_kwargs(recipe: Recipe) -> dict:
@@ -154,8 +154,8 @@ def model_kwargs(recipe: Recipe) -> dict:
     )
     if not m.allow_pickle:
         kwargs["use_safetensors"] = True
-    if m.rope_scaling:
-        kwargs["config"] = rope_scaled_config(recipe)
+    if overrides_config(recipe):
+        kwargs["config"] = base_config(recipe)
     quant = quantization_config(recipe)
     if quant is not None:
         kwargs["quantization_config"] = quant

@@ -408,6 +408,7 @@ CASES = [
         None,
         {
             "model.rope_scaling": {"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 4096},
+            "model.attention_dropout": 0.0,
             "data.sources[0].format": "text",
             "data.max_length": 8192,
         },

@@ -16,7 +16,7 @@ from finetune.errors import FinetuneError
 from finetune.plan import plan_on
 from finetune.recipe import load_recipe
 from finetune.recipe.schema import Recipe
-from finetune.registry import get_model
+from finetune.registry import resolve_model
 from tests.helpers.calibration_rows import preset_for
 
 PRESETS = {n: preset_for("NVIDIA H100 80GB HBM3", gpus_per_node=n) for n in (1, 4)}
@@ -195,7 +195,7 @@ def _get(raw: dict, key: str):
 
 def _costs(raw: dict, gpus: int):
     recipe = load_recipe(raw)
-    plan = plan_on(recipe, arch=get_model(recipe.model.arch), preset=PRESETS[gpus], source="test")
+    plan = plan_on(recipe, arch=resolve_model(recipe.model), preset=PRESETS[gpus], source="test")
     return plan.kernels, [
         (c.strategy, c.micro_batch_size, c.checkpoint_layers, round(c.memory.total), round(c.step_time_s, 6))
         for c in plan.candidates

@@ -15,7 +15,7 @@ from finetune.plan.memory import attention_matrix_bytes
 from finetune.plan.timing import flops_per_token, job_model_flops_per_token
 from finetune.plan.workload import executed_attention_positions
 from finetune.recipe import load_recipe
-from finetune.registry import get_model
+from finetune.registry import get_model, resolve_model
 from finetune.registry.derive import arch_from_config
 from tests.helpers.calibration_rows import preset_for
 from tests.helpers.paths import ROOT
@@ -172,6 +172,27 @@ def test_attention_dropout_sends_every_layer_to_sdpa():
     result = plan_on(_recipe("llama-3.1-8b"), arch=arch, preset=H100, source="auto")
     (warning,) = [w for w in result.warnings if "varlen" in w]
     assert "attention dropout (0.1" in warning and "32 of 32 layers" in warning
+    assert "model.attention_dropout: 0" in warning
+
+
+def test_recipe_attention_dropout_overrides_the_config_for_the_planner():
+    """model.attention_dropout replaces config.json's (training loads the config with it, train/model.py
+    base_config): Granite-3 MoE's 0.1 turned off plans every layer on the varlen kernel again."""
+    granite = ROOT / "tests" / "data" / "hub_configs" / "granite-3.1-3b-a800m"
+    raw = _recipe("llama-3.1-8b").model_dump(mode="json", exclude_unset=True)
+    results = {}
+    for dropout in (None, 0.0):
+        raw["model"] = {"name": str(granite)} | ({} if dropout is None else {"attention_dropout": dropout})
+        recipe = load_recipe(raw)
+        arch = resolve_model(recipe.model)
+        job = job_from_recipe(recipe, arch=arch, preset=H100)
+        results[dropout] = (arch, job, plan_on(recipe, arch=arch, preset=H100, source="auto"))
+    arch, job, as_shipped = results[None]
+    assert arch.attention_dropout == 0.1 and (job.attention, job.varlen_layers) == ("sdpa", 0)
+    arch, job, off = results[0.0]
+    assert arch.attention_dropout == 0.0 and job.attention == "varlen" and varlen_fallback_layers(arch) == 0
+    assert not [w for w in off.warnings if "varlen" in w]
+    assert off.tokens_per_second > as_shipped.tokens_per_second
 
 
 def test_plan_warns_what_the_fallback_costs():

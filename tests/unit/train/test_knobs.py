@@ -129,3 +129,15 @@ def test_8bit_lora_plus_with_neftune_rope_regex_and_mixed_sources(tmp_path):
     assert summary["steps"] == 6 and summary["final_train_loss"] < summary["first_train_loss"]
     config = json.loads((run_dir / "adapter_config.json").read_text())
     assert config["target_modules"] == r".*\.(q_proj|v_proj|down_proj)"
+
+
+def test_attention_dropout_override_reaches_the_loaded_model(tmp_path):
+    """model.attention_dropout replaces config.json's in the model training loads (its attention layers read
+    the config's value), and the planner plans the same value (tests/unit/plan/test_fallback.py)."""
+    from finetune.train.model import load_model
+
+    raw = tiny_recipe(model={"attention_dropout": 0.25})
+    recipe = load_recipe(resolve_recipe(raw, run_dir=tmp_path), allow_resolved=True)
+    model = load_model(recipe)
+    assert model.config.attention_dropout == 0.25
+    assert {layer.self_attn.attention_dropout for layer in model.model.layers} == {0.25}
