@@ -28,6 +28,7 @@ from finetune.plan.host_time import kernels_per_micro_batch, zero3_module_uses
 from finetune.plan.lora_time import fused_lora_runs, shared_input_groups
 from finetune.plan.memory import (
     adapter_input_casts,
+    checkpointed_layers,
     fsdp_accumulated_gradients,
     steps_16bit_params,
     steps_16bit_weights,
@@ -43,6 +44,7 @@ from finetune.plan.timing import (
     model_flops_per_token,
 )
 from finetune.plan.types import GIB, Candidate, MemoryBreakdown, Plan
+from finetune.plan.unfused_time import unfused_seconds
 from finetune.plan.workload import (
     DTYPE_BYTES,
     Job,
@@ -340,6 +342,7 @@ def plan_on(recipe, *, arch, preset, source: str) -> Plan:
         attention_fallback_warning(job, result),
         master_weights_warning(job, result, dtype=recipe.model.dtype),
         fp32_compute_warning(job),
+        liger_missing_warning(recipe, job, result),
         pinned_strategy_warning(job, result),
         pinned_setting_warning(job, result),
         swap_warning,
@@ -349,11 +352,32 @@ def plan_on(recipe, *, arch, preset, source: str) -> Plan:
     return result
 
 
+def liger_missing_warning(recipe, job: Job, plan: Plan) -> str:
+    """'' unless train.liger: auto planned an NVIDIA run of a model Liger patches without Liger because
+    liger-kernel is not installed where the plan was made (liger_enabled): the run on a machine that has it
+    is faster than this plan and keeps less memory."""
+    from finetune.registry.families import LIGER_MODEL_TYPES
+
+    if recipe.train.liger != "auto" or job.liger or job.preset.vendor != "nvidia":
+        return ""
+    if job.arch.family not in LIGER_MODEL_TYPES:
+        return ""
+    share = checkpointed_layers(job, plan.checkpoint_layers or False) / job.arch.num_layers
+    unfused = plan.gradient_accumulation_steps * unfused_seconds(
+        job, micro_batch=plan.micro_batch_size, checkpointed_share=share
+    )
+    return (
+        f"planned without Liger's kernels: liger-kernel is not installed here (pip install 'finetune[gpu]' where "
+        f"the run trains turns them on); that plan has {unfused:.2f} s of each {plan.step_time_s:.2f} s step in "
+        f"unfused norm, RoPE and SwiGLU passes, and more activation memory, than the run with them"
+    )
+
+
 def fp32_compute_warning(job: Job) -> str:
     """'' unless the run computes in float32 on a GPU: its matmuls run at the card's FP32 rate (PyTorch leaves
     TF32 off), which the plan times, and it is rarely what was meant."""
     p = job.preset
-    if job.act_bytes != 4 or p.vendor == "cpu":
+    if not job.computes_fp32 or p.vendor == "cpu":
         return ""
     return (
         f"this run computes in float32 (train.precision: fp32 with float32 weights): its matmuls run at "

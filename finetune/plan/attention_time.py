@@ -13,13 +13,26 @@ mask where finetune's varlen kernel falls back, or over padded rows) computes ev
     there the term is an upper bound).
 Timed at the bandwidth streaming kernels reach (plan/bandwidth.py); 0 where the preset has none. Eager
 attention reads its mask in its own passes over the scores (plan/eager_time.py), not here.
+
+The kernels themselves also run slower than the step's FLOPs rate in two cases (`kernel_extra_seconds`),
+measured by scripts/attention_rates.py (forward + backward of torch's sdpa, bf16, one packed row of 4,096 and
+16,384 tokens, head_dim 64 and 128; on an H200 with torch 2.11 and cuDNN 9.19 every case ran cuDNN's flash
+kernels; docs/results/attention-rates-2026-11-28-h200.json):
+  - a masked kernel (an explicit bias; cuDNN's masked path): beyond its whole-square FLOPs at the step's
+    efficiency and the bias traffic above it took 1.37-1.48x the FLOPs' time (MASKED_KERNEL_SLOWDOWN);
+  - attention dropout (a config's attention_dropout > 0, training): the kernel draws a random number per score
+    in the forward and again in the backward, 1.38-1.74x the same kernel's time without it, causal or masked
+    (DROPOUT_KERNEL_SLOWDOWN; flash_attention_2's dropout is assumed alike, not measured).
 """
 
 from __future__ import annotations
 
 from finetune.plan.bandwidth import memory_seconds
 from finetune.plan.memory import masked_attention
-from finetune.plan.workload import Job
+from finetune.plan.workload import Job, computed_tokens_per_micro_batch, executed_attention_positions, head_dim
+
+MASKED_KERNEL_SLOWDOWN = 1.4
+DROPOUT_KERNEL_SLOWDOWN = 1.6
 
 
 def mask_seconds(job: Job, *, micro_batch: int, checkpointed_share: float = 0.0) -> float:
@@ -38,3 +51,29 @@ def mask_seconds(job: Job, *, micro_batch: int, checkpointed_share: float = 0.0)
     forward = convert + read
     moved = layers * ((1.0 + checkpointed_share) * forward + read)
     return memory_seconds(job.preset, moved)
+
+
+def kernel_extra_seconds(job: Job, *, micro_batch: int, checkpointed_share: float, flop_seconds: float) -> float:
+    """Seconds one micro-batch's attention kernels take beyond their executed FLOPs at `flop_seconds` a FLOP
+    (the step's rate): a masked kernel's and attention dropout's slowdowns (see the module docstring). Eager
+    attention's passes are plan/eager_time.py's; the varlen kernel has neither a mask nor dropout."""
+    arch = job.arch
+    if job.attention not in ("sdpa", "flash"):
+        return 0.0
+    masked = job.attention == "sdpa" and masked_attention(job, micro_batch=micro_batch) is not None
+    dropout = DROPOUT_KERNEL_SLOWDOWN if arch.attention_dropout else 1.0
+    if not masked and dropout == 1.0:
+        return 0.0
+    executed = executed_attention_positions(job, micro_batch=micro_batch)
+    on_mask = 0.0
+    if masked:  # a packed row's layers the varlen kernel still serves run unmasked (workload.varlen_fallback_layers)
+        row = micro_batch * job.seq_len * job.sequences_per_sample
+        varlen = min(job.varlen_layers, arch.num_layers) if job.packed else 0
+        on_mask = min(executed, (arch.num_layers - varlen) * row) if job.packed else executed
+    # forward 4, backward 8 FLOPs a score position and width; a checkpointed layer's and the reference's forwards
+    passes = 12 + 4 * checkpointed_share + (4 if job.reference_forward else 0)
+    per_position = (
+        passes * arch.num_attention_heads * head_dim(arch) * computed_tokens_per_micro_batch(job, micro_batch)
+    )
+    slower = on_mask * (MASKED_KERNEL_SLOWDOWN * dropout - 1) + (executed - on_mask) * (dropout - 1)
+    return per_position * slower * flop_seconds

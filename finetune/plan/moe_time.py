@@ -28,8 +28,9 @@ Two things cost time that the dense model's FLOPs-at-efficiency does not show:
               into zeros (ah + 3ah/k).
    Checked against the aten ops of transformers' grouped_mm_experts_forward, forward and backward,
    listed with a dispatch mode (tests/unit/plan/test_moe_time.py). Of these, the gating's passes are
-   a dense SwiGLU MLP's too, inside the dense efficiency, except where Liger fuses the dense MLPs
-   (3ai forward, 5ai backward) and not the experts: then the difference counts (2ai, 8ai). GPT-OSS's
+   a dense SwiGLU MLP's too; the dense efficiency was measured with Liger's fused SwiGLU (3ai forward,
+   5ai backward), so the experts' eager gating counts beyond those (2ai, 8ai), with Liger or without
+   (a dense MLP's own eager passes without Liger: plan/unfused_time.py). GPT-OSS's
    clamped sigmoid gating has about three times SwiGLU's elementwise passes (16ai forward, 32ai
    backward), all beyond a SwiGLU MLP's. Per token the router: E logits in the compute dtype, fp32
    softmax, top-k, and their gradients ((a + 20) * E bytes). Timed at the bandwidth streaming
@@ -74,8 +75,8 @@ def routed_flops_per_token(job: Job) -> float:
     return layers * k * params * (6 if job.adapter == "full" else 4)
 
 
-_EAGER_SWIGLU = (5, 13)  # act(gate) * up, forward and backward, in units of a*i per routed copy
-_FUSED_SWIGLU = (3, 5)  # Liger's SwiGLU kernels
+EAGER_SWIGLU = (5, 13)  # act(gate) * up, forward and backward, in units of a*i per routed copy
+FUSED_SWIGLU = (3, 5)  # Liger's SwiGLU kernels
 _GPT_OSS_GATING = (16, 32)
 
 
@@ -85,7 +86,7 @@ def routed_pass_bytes(job: Job) -> tuple[float, float]:
     arch, a = job.arch, job.act_bytes
     h, i = arch.hidden_size, expert_size(arch)
     k = min(arch.experts_per_token, arch.num_experts)
-    gating = _GPT_OSS_GATING if arch.family == "gpt_oss" else _EAGER_SWIGLU
+    gating = _GPT_OSS_GATING if arch.family == "gpt_oss" else EAGER_SWIGLU
     forward = k * (6 * a * h + 2 * a * h / k + gating[0] * a * i)
     backward = k * (12 * a * h + 4 * a * h / k + gating[1] * a * i)
     return forward, backward
@@ -93,14 +94,14 @@ def routed_pass_bytes(job: Job) -> tuple[float, float]:
 
 def dispatch_bytes_per_token(job: Job) -> tuple[float, float]:
     """(forward, backward) bytes per token of one MoE layer beyond what a dense MLP of the same FLOPs
-    moves: the routed passes less the SwiGLU passes the dense efficiency already holds, plus the router."""
+    moves: the routed passes less the SwiGLU passes the dense efficiency already holds (Liger's: it was
+    measured with them; plan/unfused_time.py adds a dense MLP's eager ones), plus the router."""
     arch, a = job.arch, job.act_bytes
     i, e = expert_size(arch), arch.num_experts
     k = min(arch.experts_per_token, e)
-    dense = _FUSED_SWIGLU if job.liger else _EAGER_SWIGLU
     forward, backward = routed_pass_bytes(job)
     router = (a + 20) * e / 2
-    return forward - k * dense[0] * a * i + router, backward - k * dense[1] * a * i + router
+    return forward - k * FUSED_SWIGLU[0] * a * i + router, backward - k * FUSED_SWIGLU[1] * a * i + router
 
 
 def moe_seconds(job: Job, *, micro_batch: int, efficiency: float, half_tokens: float, repeat: float = 1.0) -> float:

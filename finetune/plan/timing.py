@@ -12,11 +12,13 @@ finetune's varlen kernel does not serve, or sdpa/eager chosen) the whole square 
 Compute time = FLOPs / (peak x efficiency). Efficiency is an HF-stack MFU: 0.45 on GPUs for a full
 fine-tune; LoRA/QLoRA with finetune's GPU defaults (varlen attention, Liger, no peft input casts) reach
 about the same (their extra elementwise adapter kernels are balanced by the frozen base's cheaper
-backward); QLoRA also dequantizes NF4 on every matmul; small micro-batches underuse the GPU. Memory-bound work the
-FLOPs do not show is timed at the bandwidth streaming kernels reach (plan/bandwidth.py): DoRA's weight
-norms and elementwise passes (plan/dora_time.py), a masked attention kernel's mask bias
-(plan/attention_time.py), and an MoE layer's dispatch, whose expert GEMMs also run at a lower
-efficiency for their few rows per expert (plan/moe_time.py). A packed row's varlen attention is the
+backward); QLoRA also dequantizes NF4 on every matmul; small micro-batches underuse the GPU; float32 compute
+runs at FP32_GPU_EFFICIENCY of the card's FP32 rate. Memory-bound work the FLOPs do not show is timed at the
+bandwidth streaming kernels reach (plan/bandwidth.py): DoRA's weight norms and elementwise passes
+(plan/dora_time.py), a masked attention kernel's mask bias (plan/attention_time.py, with the masked and dropout
+kernels' own slowdowns), the norms, RoPE and SwiGLU where Liger does not fuse them (plan/unfused_time.py), and an
+MoE layer's dispatch, whose expert GEMMs also run at a lower efficiency for their few rows per expert
+(plan/moe_time.py). A packed row's varlen attention is the
 triangle of its examples' token-weighted length where the data's lengths are known (data.example_tokens).
 Calibrated on the second-pass runs in tests/data/gpu_calibration.json (H200, tokens/s over 20-30 steps,
 start-up included): 8B LoRA 1 GPU 13.4k tokens/s (steady 13.7k), QLoRA 13.2k = 0.99 of LoRA's, 3B full
@@ -38,7 +40,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from finetune import strategies
-from finetune.plan.attention_time import mask_seconds
+from finetune.plan.attention_time import kernel_extra_seconds, mask_seconds
 from finetune.plan.dora_time import dora_seconds
 from finetune.plan.eager_time import eager_seconds
 from finetune.plan.host_time import host_seconds
@@ -51,6 +53,7 @@ from finetune.plan.memory import (
 )
 from finetune.plan.moe_time import moe_seconds
 from finetune.plan.offload_time import offload_seconds
+from finetune.plan.unfused_time import unfused_seconds
 from finetune.plan.workload import (
     Job,
     attended_positions,
@@ -63,6 +66,12 @@ from finetune.plan.workload import (
 from finetune.registry.schema import ModelArch
 
 GPU_EFFICIENCY = 0.45
+# A run computing in float32 (Job.computes_fp32: matmuls at the card's FP32 rate): its matmuls are so slow that
+# the memory-bound passes which keep bf16 steps at 0.45 hardly count. From the profile of full 1B in fp32 on an
+# H200 (docs/results/profiles/llama1b-full-fp32-compute-h200-2026-11-28.txt): the SGEMMs ran at 0.82 of the FP32
+# peak and elementwise kernels took 3% of the GPU time; the masked fp32 attention kernel (0.41 of the peak there)
+# is the attention FLOPs' time with plan/attention_time.py's masked-kernel terms. One model shape so far.
+FP32_GPU_EFFICIENCY = 0.80
 CPU_EFFICIENCY = 0.30
 QLORA_EFFICIENCY = 0.95  # dequantizing NF4 weights on every matmul: measured 0.99 of LoRA's tokens/s (H200)
 MICRO_BATCH_HALF_TOKENS = 512  # efficiency x tokens/(tokens + this): small micro-batches underuse the GPU
@@ -162,7 +171,10 @@ def mfu(*, tokens_per_second: float, flops_per_token: float, peak_tflops: float,
 
 
 def efficiency(job: Job, *, micro_batch: int) -> float:
-    base = CPU_EFFICIENCY if job.preset.vendor == "cpu" else GPU_EFFICIENCY
+    if job.preset.vendor == "cpu":
+        base = CPU_EFFICIENCY
+    else:
+        base = FP32_GPU_EFFICIENCY if job.computes_fp32 else GPU_EFFICIENCY
     if job.adapter == "qlora":
         base *= QLORA_EFFICIENCY
     tokens = computed_tokens_per_micro_batch(job, micro_batch)
@@ -225,6 +237,13 @@ def step_time(
     # memory-bound work the FLOPs do not show: attention mask biases (plan/attention_time.py), DoRA's
     # weight norms and elementwise passes (plan/dora_time.py)
     compute += grad_accum * mask_seconds(job, micro_batch=micro_batch, checkpointed_share=share)
+    # masked kernels and attention dropout run below the step's FLOPs rate (plan/attention_time.py)
+    compute += grad_accum * kernel_extra_seconds(
+        job,
+        micro_batch=micro_batch,
+        checkpointed_share=share,
+        flop_seconds=1 / (job.peak_tflops * 1e12 * efficiency(job, micro_batch=micro_batch)),
+    )
     # mixture of experts: small per-expert GEMMs and the dispatch traffic (plan/moe_time.py)
     compute += grad_accum * moe_seconds(
         job,
@@ -233,6 +252,8 @@ def step_time(
         half_tokens=MICRO_BATCH_HALF_TOKENS,
         repeat=1.0 + share,
     )
+    # norms, RoPE and SwiGLU as chains of elementwise kernels where Liger does not fuse them (plan/unfused_time.py)
+    compute += grad_accum * unfused_seconds(job, micro_batch=micro_batch, checkpointed_share=share)
     if job.dora:
         compute += grad_accum * dora_seconds(
             job, micro_batch=micro_batch, casts=adapter_input_casts(job, strategy), checkpointed_share=share

@@ -114,9 +114,14 @@ class Job:
     host_threads_per_rank: int | None = None
 
     @property
+    def computes_fp32(self) -> bool:
+        """The step's matmuls run in float32 (recipe.schema.compute_dtype decided the activation width)."""
+        return self.act_bytes == 4
+
+    @property
     def peak_tflops(self) -> float:
         """The dense peak the step's matmuls run at (fp32 compute on a GPU: its FP32 rate, not bf16's)."""
-        return self.preset.compute_peak_tflops(fp32=self.act_bytes == 4)
+        return self.preset.compute_peak_tflops(fp32=self.computes_fp32)
 
     @property
     def quantized_base(self) -> bool:

@@ -101,28 +101,27 @@ SPEED_MISSES = {
     ),
     "139-granite-moe-3b-a800m-lora": (
         "Granite-3.1-3B-A800M's shape, LoRA, 1 H200: its config's attention_dropout (0.1) sends every layer to sdpa "
-        "over the masked packed row of 8 x 2048 tokens (the plan of the run did not know; it now does, and memory "
-        "is inside the bound). The profile (row 140, "
-        "docs/results/profiles/granite-moe-3b-a800m-lora-h200-2026-11-28.txt) puts 2.24 s of 3.27 s of GPU "
-        "time in two steps in cuDNN's masked attention (head_dim 64, the whole 16,384-token square), which "
-        "the planner times at its attention rate for dense kernels; the host waited on a full command buffer "
-        "for 1.8 s"
+        "over the masked packed row of 8 x 2048 tokens. The profile (row 140, "
+        "docs/results/profiles/granite-moe-3b-a800m-lora-h200-2026-11-28.txt) puts 1.12 s a step in cuDNN's masked "
+        "attention with dropout, which the planner now times from scripts/attention_rates.py's kernels (1.02 s; "
+        "plan/attention_time.py), and 0.51 s in the rest of the GPU's work against about 0.25 planned: the MoE "
+        "layers' elementwise and copy passes, including transformers 5.17's three sentinel masked_fill passes a "
+        "layer and their backward (90 ms a step here), which 5.24, the version finetune pins, does not run (row "
+        "147 against 145). With the dropout off (row 141) the same model is host-bound and on its plan (1.02)"
     ),
     "140-granite-moe-3b-a800m-lora-profiled": "row 139's setting, profiled: the same miss",
+    "142-olmoe-1b-7b-lora": (
+        "OLMoE-1B-7B's shape on transformers 5.17 (the GPU machine's; finetune pins 5.24): its grouped_mm experts "
+        "run three masked_fill passes over the 131,072 routed copies a layer, and three more in the backward, "
+        "that 5.24 runs only under expert parallelism. The same setting on 5.24 in the same call (row 147) ran "
+        "1.21x faster and is on its plan (1.056), 0.74 s of GPU work in two profiled steps against 0.92"
+    ),
+    "145-olmoe-1b-7b-lora-profiled": "row 142's setting, profiled, on transformers 5.17: the same miss (147: 5.24)",
     "136-lora3b-zero3-nvme-shm": (
         "the swap on tmpfs: DeepSpeed's async_io reads it on its one submitting thread at 3.6-3.9 GB/s "
         "(scripts/disk_aio_check.py, the same kind of machine) where the probe's one O_DIRECT reader measured "
         "5.1-5.6; the per-request cost of DeepSpeed's reader is not modelled (at its own rate the plan is "
         "1.22-1.28). The plan warns that a swap in RAM belongs to zero3-offload"
-    ),
-    "43-qwen-moe-a2.7b-lora": (
-        "MoE (60 experts, top-4): the small grouped expert GEMMs (~1,100 rows per expert) and the "
-        "dispatch traffic (finetune/plan/moe_time.py) explain about half of the gap to the active "
-        "parameters' FLOPs at the dense rate; the rest is not identified without a profile. It trained "
-        "without Liger (liger-kernel does not patch qwen2_moe, though the run was compiled with it on), "
-        "as it is now planned. On an H200 (row 129, profiled) the same setting is inside the bound (1.206): 0.68 "
-        "of its 1.15 s of GPU work in two steps is elementwise (routing and dispatch), and transformers' "
-        "router auxiliary loss syncs the host 48 times a step"
     ),
     "70-llama3b-full-fsdp2-offload": (
         "FSDP2 CPU offload, full 3B on 2 H100s, alone on the host, 32 threads per rank: 9.6 s a step. The "

@@ -22,7 +22,8 @@ def _raw(max_length: int, **model) -> dict:
         "model": {"name": "Qwen/Qwen2.5-7B", "arch": "qwen2.5-7b", **model},
         "adapter": "qlora",
         "data": {"path": "t.jsonl", "max_length": max_length},
-        "train": {"global_batch_size": 8},
+        # liger pinned off: auto plans differ by whether liger-kernel is installed here (and warn when it is not)
+        "train": {"global_batch_size": 8, "liger": "off"},
         "hardware": "server-8xh100",
     }
 

@@ -7,10 +7,10 @@ from dataclasses import replace
 
 import pytest
 
-from finetune.plan.attention_time import mask_seconds
+from finetune.plan.attention_time import kernel_extra_seconds, mask_seconds
 from finetune.plan.bandwidth import ACHIEVED_BANDWIDTH
 from finetune.plan.eager_time import eager_seconds, score_pass_bytes
-from finetune.plan.timing import step_time
+from finetune.plan.timing import efficiency, step_time
 from tests.helpers.recipes import shape_job
 
 B, HEADS, KV_HEADS, S, D = 1, 4, 2, 32, 16
@@ -141,6 +141,11 @@ def test_step_time_charges_the_passes_to_eager_jobs_only():
     job = _job("gemma-2-9b")
     eager = step_time(job, strategy="ddp", micro_batch=1, grad_accum=4, checkpointing=False)
     sdpa = step_time(replace(job, attention="sdpa"), strategy="ddp", micro_batch=1, grad_accum=4, checkpointing=False)
-    # the same FLOPs (both compute the whole masked square); sdpa reads its mask bias instead
-    mask = mask_seconds(replace(job, attention="sdpa"), micro_batch=1)
-    assert eager.compute_s == pytest.approx(sdpa.compute_s - 4 * mask + 4 * eager_seconds(job, micro_batch=1))
+    # the same FLOPs (both compute the whole masked square); sdpa reads its mask bias instead, and its masked
+    # kernel runs below the FLOPs' rate (attention_time.kernel_extra_seconds)
+    masked = replace(job, attention="sdpa")
+    flop_seconds = 1 / (job.peak_tflops * 1e12 * efficiency(job, micro_batch=1))
+    sdpa_only = mask_seconds(masked, micro_batch=1) + kernel_extra_seconds(
+        masked, micro_batch=1, checkpointed_share=0.0, flop_seconds=flop_seconds
+    )
+    assert eager.compute_s == pytest.approx(sdpa.compute_s - 4 * sdpa_only + 4 * eager_seconds(job, micro_batch=1))

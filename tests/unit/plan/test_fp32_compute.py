@@ -47,7 +47,8 @@ def test_fp32_matmuls_run_at_the_cards_fp32_rate():
     same = replace(fp32, attention=mixed.attention, varlen_layers=mixed.varlen_layers)
     slow = step_time(same, strategy="ddp", micro_batch=2, grad_accum=4, checkpointing=False)
     fast = step_time(mixed, strategy="ddp", micro_batch=2, grad_accum=4, checkpointing=False)
-    assert slow.compute_s > 10 * fast.compute_s
+    # 989 x 0.45 against 67 x FP32_GPU_EFFICIENCY (0.80): 8.3x, a little less with fp32's larger passes' share
+    assert slow.compute_s > 7 * fast.compute_s
     # a preset that does not say: the bf16 peak over FP32_SHARE_ASSUMED, never the bf16 peak itself
     bare = H100.model_copy(update={"peak_fp32_tflops": None})
     assert bare.compute_peak_tflops(fp32=True) == pytest.approx(H100.peak_bf16_tflops / FP32_SHARE_ASSUMED)

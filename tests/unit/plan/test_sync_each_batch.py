@@ -43,17 +43,17 @@ def test_full_8b_on_4_h100_reduces_every_micro_batch_under_fsdp2():
     assert job.sync_each_batch is None  # auto: searched
     # FSDP2's fastest fitting setting either way: under no_sync the held gradients push it to micro-batch 4
     # (no accumulation, so nothing held) with 25 of 32 layers checkpointed; syncing each batch fits micro-batch
-    # 2 x 2 with 16 checkpointed, 1% faster (planned here without Liger, which this machine lacks: micro-batch
-    # 1 x 4 without checkpointing fits too, but its host launching balances its GPU time, timing.soft_max)
+    # 2 x 2 with 16 checkpointed, 3% faster (planned here without Liger, which this machine lacks, so with the
+    # unfused norms' passes, plan/unfused_time.py: micro-batch 1 x 4 without checkpointing fits too, but is slower)
     held = best_for_strategy(replace(job, sync_each_batch=False), "fsdp2")
     synced = best_for_strategy(replace(job, sync_each_batch=True), "fsdp2")
     assert (held.micro_batch_size, held.gradient_accumulation_steps, held.checkpoint_layers) == (4, 1, 25)
-    assert held.sync_each_batch is None and held.step_time_s == pytest.approx(2.328, abs=1e-3)
+    assert held.sync_each_batch is None and held.step_time_s == pytest.approx(2.666, abs=1e-3)
     assert (synced.micro_batch_size, synced.gradient_accumulation_steps, synced.checkpoint_layers) == (2, 2, 16)
-    assert synced.sync_each_batch is True and synced.step_time_s == pytest.approx(2.303, abs=1e-3)
+    assert synced.sync_each_batch is True and synced.step_time_s == pytest.approx(2.599, abs=1e-3)
     assert synced.bottleneck == "compute"
     unchecked = evaluate(job, strategy="fsdp2", micro_batch=1, checkpointing=0, sync_each_batch=True)
-    assert unchecked.fits and unchecked.bottleneck == "host" and unchecked.step_time_s > synced.step_time_s
+    assert unchecked.fits and unchecked.step_time_s > synced.step_time_s
 
     # at one setting the two differ by exactly the held gradients (with their fragmentation share) in memory,
     # and by three more reduce-scatters of the 16-bit gradients in communication, hidden under the compute
@@ -69,7 +69,7 @@ def test_full_8b_on_4_h100_reduces_every_micro_batch_under_fsdp2():
     assert freed.comm_time_s - kept.comm_time_s == pytest.approx(3 * reduce_scatter)
     assert freed.step_time_s - kept.step_time_s == pytest.approx(OVERLAP_LEAK * 3 * reduce_scatter)
 
-    # the choice: fsdp2 syncing each batch (2.30 s/step), over zero2 (2.37) and zero3 (2.44)
+    # the choice: fsdp2 syncing each batch (2.60 s/step), over zero2 and zero3
     plan = _plan("llama8b-full.yaml")
     assert (plan.strategy, plan.sync_each_batch, plan.micro_batch_size, plan.checkpoint_layers) == (
         "fsdp2",
@@ -79,14 +79,14 @@ def test_full_8b_on_4_h100_reduces_every_micro_batch_under_fsdp2():
     )
     assert plan.step_time_s == pytest.approx(synced.step_time_s)
     assert plan.to_json()["sync_each_batch"] is True
-    assert "15.0 GiB of unsharded gradients" in plan.why and "takes 2.33 s/step" in plan.why
+    assert "15.0 GiB of unsharded gradients" in plan.why and "takes 2.67 s/step" in plan.why
     table = render_plan_table(plan)
     assert "gradients reduce-scattered every micro-batch (sync_each_batch)" in table
     fsdp2_row = next(line for line in table.splitlines() if line.startswith("fsdp2 "))
     assert " each " in fsdp2_row and "<- chosen" in fsdp2_row
     pinned_off = _plan("llama8b-full.yaml", "distributed.sync_each_batch=false")
-    # under no_sync fsdp2's best (2.33 s/step) is the fastest strategy too
-    assert pinned_off.strategy == "fsdp2" and pinned_off.step_time_s == pytest.approx(2.328, abs=1e-3)
+    # under no_sync fsdp2's best (2.67 s/step) is the fastest strategy too
+    assert pinned_off.strategy == "fsdp2" and pinned_off.step_time_s == pytest.approx(2.666, abs=1e-3)
     assert (pinned_off.micro_batch_size, pinned_off.checkpoint_layers) == (4, 25)
 
 

@@ -1,0 +1,117 @@
+"""Measure torch's scaled_dot_product_attention forward + backward on this GPU, per kernel path.
+
+The planner times attention at the card's matmul rate (plan/timing.py) plus a masked kernel's mask traffic
+(plan/attention_time.py). This script measures what the kernels transformers' sdpa path reaches really run at,
+for the shapes where attention is a large share of a step: one packed row of T tokens (micro-batch x seq) with
+its block-diagonal mask, with and without attention dropout, at head_dim 64 and 128. Each case prints its
+seconds for one forward + backward, the FLOPs the kernel executes (the causal triangle for an unmasked causal
+kernel, the whole square for a masked one) and the TFLOP/s that makes, and the kernels the profiler saw.
+
+    python3 scripts/attention_rates.py --out rates.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+
+import torch
+import torch.nn.functional as F  # noqa: N812
+
+# (label, heads, kv_heads, head_dim): Granite-3.1-3B-A800M's attention and Llama-3.1-8B's
+SHAPES = [("granite-3b-a800m", 24, 8, 64), ("llama-3.1-8b", 32, 8, 128)]
+TOKENS = [4096, 16384]
+DOCUMENT_TOKENS = 2048  # the packed row's examples: block-diagonal mask of 2048-token causal blocks
+
+
+def block_causal_mask(tokens: int, device: torch.device) -> torch.Tensor:
+    """(1, 1, T, T) boolean: True where a query may attend (same example, not in the future)."""
+    doc = torch.arange(tokens, device=device) // DOCUMENT_TOKENS
+    pos = torch.arange(tokens, device=device)
+    allowed = (doc[:, None] == doc[None, :]) & (pos[:, None] >= pos[None, :])
+    return allowed[None, None]
+
+
+def measure(*, heads, kv_heads, head_dim, tokens, masked, dropout, iters, device) -> dict:
+    torch.manual_seed(0)
+    q = torch.randn(1, heads, tokens, head_dim, device=device, dtype=torch.bfloat16, requires_grad=True)
+    k = torch.randn(1, kv_heads, tokens, head_dim, device=device, dtype=torch.bfloat16, requires_grad=True)
+    v = torch.randn(1, kv_heads, tokens, head_dim, device=device, dtype=torch.bfloat16, requires_grad=True)
+    mask = block_causal_mask(tokens, device) if masked else None
+    grad = torch.randn(1, heads, tokens, head_dim, device=device, dtype=torch.bfloat16)
+
+    def step():
+        out = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, dropout_p=dropout, is_causal=not masked, enable_gqa=True
+        )
+        out.backward(grad)
+        q.grad = k.grad = v.grad = None
+
+    for _ in range(3):
+        step()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        step()
+    end.record()
+    torch.cuda.synchronize()
+    seconds = start.elapsed_time(end) / 1000 / iters
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        step()
+        torch.cuda.synchronize()
+    kernels = sorted(
+        ((e.key, e.device_time_total / 1e3) for e in prof.key_averages() if e.device_time_total > 0),
+        key=lambda kv: -kv[1],
+    )[:6]
+    # forward 4*T*T*H*D over the positions computed (QK^T and PV, 2 FLOPs a multiply-add), backward twice that
+    positions = tokens * tokens if masked else tokens * (tokens + 1) / 2
+    flops = 12 * heads * head_dim * positions
+    return {
+        "seconds": seconds,
+        "executed_tflop": flops / 1e12,
+        "tflops": flops / seconds / 1e12,
+        "kernels_ms": [[name[:120], round(ms, 3)] for name, ms in kernels],
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--iters", type=int, default=10)
+    args = parser.parse_args()
+    device = torch.device("cuda")
+    rows = []
+    for label, heads, kv_heads, head_dim in SHAPES:
+        for tokens in TOKENS:
+            for masked in (False, True):
+                for dropout in (0.0, 0.1):
+                    case = {
+                        "shape": label,
+                        "heads": heads,
+                        "kv_heads": kv_heads,
+                        "head_dim": head_dim,
+                        "tokens": tokens,
+                        "masked": masked,
+                        "dropout": dropout,
+                    }
+                    try:
+                        shape = {k: v for k, v in case.items() if k != "shape"}
+                        case |= measure(**shape, iters=args.iters, device=device)
+                    except RuntimeError as err:  # a path this torch build does not offer
+                        case["error"] = str(err)[:300]
+                    print(json.dumps({k: v for k, v in case.items() if k != "kernels_ms"}), flush=True)
+                    rows.append(case)
+    meta = {
+        "card": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "cudnn": torch.backends.cudnn.version(),
+        "host": platform.node(),
+    }
+    with open(args.out, "w") as f:
+        json.dump({"meta": meta, "cases": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

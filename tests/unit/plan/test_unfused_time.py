@@ -1,0 +1,144 @@
+"""The passes of unfused RMSNorm, RoPE and SwiGLU (finetune/plan/unfused_time.py): counted by hand, absent with
+Liger and on the cpu preset, and the planned cost of turning Liger off against the benchmark that measured it."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import json
+
+import pytest
+import torch
+from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from finetune.plan import plan, plan_on
+from finetune.plan.bandwidth import ACHIEVED_BANDWIDTH
+from finetune.plan.unfused_time import eager_norm_bytes, eager_rope_bytes, unfused_bytes_per_token, unfused_seconds
+from finetune.plan.workload import Job
+from finetune.recipe import load_recipe
+from finetune.registry import get_model, get_preset
+from tests.helpers.calibration_rows import preset_for
+from tests.helpers.paths import ROOT
+
+H200 = preset_for("NVIDIA H200", gpus_per_node=1)
+
+
+def _job(arch: str = "llama-3.1-8b", **changes) -> Job:
+    base = Job(arch=get_model(arch), preset=H200, seq_len=2048, packed=True, liger=False, global_batch_size=8)
+    return dataclasses.replace(base, **changes)
+
+
+def test_bytes_by_hand():
+    arch = get_model("llama-3.1-8b")  # 32 layers, h 4096, q 4096, k 1024, MLP 14336, bf16
+    forward, backward = unfused_bytes_per_token(_job())
+    # norms: (36 - 4) forward, (88 - 6) backward an element, 2 a layer over h; RoPE (20 - 4), (28 - 4) over
+    # q + k; SwiGLU (5 - 3) * 2 and (13 - 5) * 2 over the MLP's width
+    assert forward == pytest.approx(32 * (32 * 2 * 4096 + 16 * 5120 + 4 * 14336))
+    assert backward == pytest.approx(32 * (82 * 2 * 4096 + 24 * 5120 + 16 * 14336))
+    assert arch.num_layers == 32 and arch.intermediate_size == 14336
+    # QK norms (Qwen3) add their widths to the norms' elements
+    qwen = get_model("qwen3-8b")
+    assert qwen.qk_norm
+    plain = dataclasses.replace(_job("qwen3-8b"), arch=qwen.model_copy(update={"qk_norm": False}))
+    assert unfused_bytes_per_token(_job("qwen3-8b"))[0] > unfused_bytes_per_token(plain)[0]
+
+
+def test_none_with_liger_or_on_the_cpu_preset():
+    assert unfused_bytes_per_token(_job(liger=True)) == (0.0, 0.0)
+    assert unfused_seconds(_job(liger=True), micro_batch=8) == 0.0
+    assert unfused_seconds(_job(preset=get_preset("cpu")), micro_batch=8) == 0.0
+    tokens = 8 * 2048
+    forward, backward = unfused_bytes_per_token(_job())
+    seconds = tokens * (forward + backward) / (ACHIEVED_BANDWIDTH * H200.gpu_memory_bandwidth_gbps * 1e9)
+    assert unfused_seconds(_job(), micro_batch=8) == pytest.approx(seconds)
+    # a checkpointed layer's forward runs twice
+    again = unfused_seconds(_job(), micro_batch=8, checkpointed_share=1.0)
+    assert again == pytest.approx(
+        seconds + tokens * forward / (ACHIEVED_BANDWIDTH * H200.gpu_memory_bandwidth_gbps * 1e9)
+    )
+
+
+def test_liger_off_costs_what_the_benchmark_measured():
+    """docs/results/bench-2026-11-26-h200-lora8b.json: 8B LoRA r16 at micro-batch 8 x 2048 on one H200,
+    steady 13,703 tokens/s with Liger and 12,582 without (0.918). The plan of the same two settings."""
+    bench = json.loads((ROOT / "docs" / "results" / "bench-2026-11-26-h200-lora8b.json").read_text())["rows"]
+    measured = bench["noliger"]["steady_tokens_per_second"] / bench["finetune"]["steady_tokens_per_second"]
+    speeds = {}
+    for liger in ("on", "off"):
+        raw = {
+            "model": {"name": "llama-3.1-8b", "arch": "llama-3.1-8b"},
+            "adapter": {"type": "lora", "r": 16},
+            "data": {"path": "train.jsonl", "max_length": 2048, "packing": True},
+            "train": {"global_batch_size": 8, "micro_batch_size": 8, "activation_checkpointing": "off", "liger": liger},
+            "distributed": {"strategy": "ddp"},
+        }
+        recipe = load_recipe(raw)
+        speeds[liger] = plan_on(recipe, arch=get_model("llama-3.1-8b"), preset=H200, source="auto").tokens_per_second
+    planned = speeds["off"] / speeds["on"]
+    # planned 0.838 against the measured 0.918 (the module docstring says why this is left pessimistic)
+    assert planned < measured < 1.0
+    assert planned == pytest.approx(measured, abs=0.1), (planned, measured)
+
+
+class _Bytes(TorchDispatchMode):
+    """Sums the bytes every aten op reads and writes (tensor arguments and results; views move nothing)."""
+
+    VIEWS = {"view", "_unsafe_view", "expand", "slice", "t", "transpose", "unsqueeze", "squeeze", "as_strided"}
+
+    def __init__(self):
+        super().__init__()
+        self.total = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func.__name__.split(".")[0] not in self.VIEWS | {"detach", "alias", "permute", "select", "unbind"}:
+            for t in pytree.tree_leaves((args, kwargs or {}, out)):
+                if isinstance(t, torch.Tensor) and t.numel() > 1000:  # not the per-row statistics
+                    self.total += t.numel() * t.element_size()
+        return out
+
+
+def _traced(forward, inputs, grads) -> tuple[float, float]:
+    with _Bytes() as fwd:
+        outputs = forward()
+    seeds = grads(outputs)
+    with _Bytes() as bwd:
+        torch.autograd.backward(outputs, seeds)
+    elements = sum(t.numel() for t in inputs)
+    return fwd.total / elements, bwd.total / elements
+
+
+def test_eager_bytes_are_what_transformers_modules_move():
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm, apply_rotary_pos_emb
+
+    tokens, a = 64, 2
+    x = torch.randn(tokens, 4096, dtype=torch.bfloat16, requires_grad=True)
+    norm = LlamaRMSNorm(4096).to(torch.bfloat16).requires_grad_(False)  # LoRA: the norm's weight is frozen
+    traced = _traced(lambda: [norm(x)], [x], lambda outs: [torch.randn_like(o) for o in outs])
+    assert traced == pytest.approx(eager_norm_bytes(a), rel=0.02)
+    q = torch.randn(1, 32, tokens, 128, dtype=torch.bfloat16, requires_grad=True)
+    k = torch.randn(1, 8, tokens, 128, dtype=torch.bfloat16, requires_grad=True)
+    cos, sin = torch.randn(1, tokens, 128, dtype=torch.bfloat16), torch.randn(1, tokens, 128, dtype=torch.bfloat16)
+    traced = _traced(
+        lambda: list(apply_rotary_pos_emb(q, k, cos, sin)), [q, k], lambda outs: [torch.randn_like(o) for o in outs]
+    )
+    assert traced == pytest.approx(eager_rope_bytes(a), rel=0.02)
+
+
+@pytest.mark.skipif(
+    importlib.util.find_spec("liger_kernel") is not None, reason="liger-kernel is installed: auto plans with it"
+)
+def test_a_plan_without_liger_kernel_installed_says_what_it_costs():
+    raw = {
+        "model": {"name": "llama-3.1-8b", "arch": "llama-3.1-8b"},
+        "adapter": {"type": "lora", "r": 16},
+        "data": {"path": "train.jsonl", "max_length": 2048, "packing": True},
+        "train": {"global_batch_size": 8},
+        "hardware": "server-8xh100",
+    }
+    planned = plan(load_recipe(raw))
+    (warning,) = [w for w in planned.warnings if "Liger" in w]
+    assert "pip install 'finetune[gpu]'" in warning and f"of each {planned.step_time_s:.2f} s step" in warning
+    raw["train"]["liger"] = "off"  # asked for: nothing to warn about
+    assert not [w for w in plan(load_recipe(raw)).warnings if "Liger" in w]
