@@ -3,7 +3,7 @@
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1
 if [ ! -d /tmp/site/trl ]; then
-  whls=$(ls .whl/*.whl .whl-bnb/*.whl 2>/dev/null || true)
+  whls=$(ls .whl/*.whl .whl-bnb/*.whl .whl-tf/*.whl 2>/dev/null || true)  # .whl-tf: the pinned transformers
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site $whls
   if ls .whl/deepspeed-*.tar.gz >/dev/null 2>&1; then
     DS_BUILD_OPS=0 python3 -m pip install -q --no-index --no-deps --no-build-isolation --target /tmp/site \
