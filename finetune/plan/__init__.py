@@ -203,8 +203,8 @@ def attention_kind(implementation: str, *, packed: bool, arch=None) -> str:
 
 def liger_enabled(recipe, preset, *, arch) -> bool:
     """train.liger: auto = on for NVIDIA GPUs when liger-kernel is installed where the run is compiled
-    (the training machine for `finetune run`; a planning laptop without it plans without, which only
-    over-estimates memory) and patches `arch`'s model type. find_spec does not import it (planning
+    (the training machine for `finetune run`; a planning laptop without it plans without, which over-estimates
+    memory and step time, and says so: liger_missing_warning) and patches `arch`'s model type. find_spec does not import it (planning
     stays torch-free)."""
     import importlib.util
 
