@@ -204,8 +204,8 @@ def attention_kind(implementation: str, *, packed: bool, arch=None) -> str:
 def liger_enabled(recipe, preset, *, arch) -> bool:
     """train.liger: auto = on for NVIDIA GPUs when liger-kernel is installed where the run is compiled
     (the training machine for `finetune run`; a planning laptop without it plans without, which over-estimates
-    memory and step time, and says so: liger_missing_warning) and patches `arch`'s model type. find_spec does not import it (planning
-    stays torch-free)."""
+    memory and step time, and says so: liger_missing_warning) and patches `arch`'s model type. find_spec does
+    not import it (planning stays torch-free)."""
     import importlib.util
 
     from finetune.registry.families import LIGER_MODEL_TYPES
@@ -369,7 +369,8 @@ def liger_missing_warning(recipe, job: Job, plan: Plan) -> str:
     return (
         f"planned without Liger's kernels: liger-kernel is not installed here (pip install 'finetune[gpu]' where "
         f"the run trains turns them on); that plan has {unfused:.2f} s of each {plan.step_time_s:.2f} s step in "
-        f"unfused norm, RoPE and SwiGLU passes, and more activation memory, than the run with them"
+        f"unfused norm, RoPE and SwiGLU passes, and more activation memory, than the run with them (set "
+        f"train.liger: on to plan with them; the run then needs liger-kernel)"
     )
 
 

@@ -140,5 +140,10 @@ def test_a_plan_without_liger_kernel_installed_says_what_it_costs():
     planned = plan(load_recipe(raw))
     (warning,) = [w for w in planned.warnings if "Liger" in w]
     assert "pip install 'finetune[gpu]'" in warning and f"of each {planned.step_time_s:.2f} s step" in warning
+    assert "train.liger: on" in warning
     raw["train"]["liger"] = "off"  # asked for: nothing to warn about
     assert not [w for w in plan(load_recipe(raw)).warnings if "Liger" in w]
+    raw["train"]["liger"] = "on"  # planned with Liger whether or not it is installed here
+    with_liger = plan(load_recipe(raw))
+    assert not [w for w in with_liger.warnings if "Liger" in w]
+    assert with_liger.tokens_per_second > planned.tokens_per_second
