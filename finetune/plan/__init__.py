@@ -64,6 +64,7 @@ from finetune.recipe.schema import (
     dpo_reference,
     loads_sharded,
     packs_examples,
+    sharded_load_blocker,
     sync_each_batch_pin,
 )
 from finetune.registry.disk import AIO_BLOCK_BYTES, RAM_FILESYSTEMS, filesystem_type, probe_readers, read_gbps
@@ -343,6 +344,7 @@ def plan_on(recipe, *, arch, preset, source: str) -> Plan:
         master_weights_warning(job, result, dtype=recipe.model.dtype),
         fp32_compute_warning(job),
         liger_missing_warning(recipe, job, result),
+        random_build_warning(recipe, job, result),
         pinned_strategy_warning(job, result),
         pinned_setting_warning(job, result),
         swap_warning,
@@ -371,6 +373,26 @@ def liger_missing_warning(recipe, job: Job, plan: Plan) -> str:
         f"the run trains turns them on); that plan has {unfused:.2f} s of each {plan.step_time_s:.2f} s step in "
         f"unfused norm, RoPE and SwiGLU passes, and more activation memory, than the run with them (set "
         f"train.liger: on to plan with them; the run then needs liger-kernel)"
+    )
+
+
+# a model at least this large built at random on one host's CPU takes minutes (below: seconds to a minute or two)
+RANDOM_BUILD_WARN_PARAMS = 10e9
+
+
+def random_build_warning(recipe, job: Job, plan: Plan) -> str:
+    """'' unless model.init: random builds a large model whole on the main rank's CPU under FSDP2
+    (train/model.py: random_model) because the sharded load does not apply (schema.sharded_load_blocker)."""
+    if recipe.model.init != "random" or not strategies.is_fsdp(plan.strategy) or job.sharded_load:
+        return ""
+    total = count_params(job.arch).total
+    if total < RANDOM_BUILD_WARN_PARAMS:
+        return ""
+    why = sharded_load_blocker(recipe) or "distributed.sharded_load is off"
+    return (
+        f"model.init: random builds all {total / 1e9:.0f}B random weights on the main rank's CPU before FSDP2 "
+        f"shards them, because {why}: that takes many minutes before the first step (a 70B DPO run had not "
+        f"started training after 10 minutes on a 64-core host); the sharded load builds each rank's shard instead"
     )
 
 

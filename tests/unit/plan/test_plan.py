@@ -11,12 +11,14 @@ from finetune.plan import (
     allgather_time_s,
     allreduce_time_s,
     plan,
+    plan_on,
     render_plan_table,
     zero_model_state_bytes,
 )
 from finetune.plan.memory import NF4_DOUBLE_QUANT_SCALE_BYTES, logits_bytes, state_bytes, weight_bytes
 from finetune.plan.timing import flops_per_token
 from finetune.plan.workload import count_params
+from finetune.recipe import load_recipe
 from finetune.registry import get_model, get_preset
 from tests.helpers.paths import ROOT
 from tests.helpers.recipes import shape_job, shape_recipe, write_preset
@@ -618,3 +620,17 @@ def test_pinned_micro_batch_and_checkpointing_that_are_clearly_slower_are_named(
     free = plan(shape_recipe("llama-3.1-8b", "lora", seq=2048, global_batch=16, model__arch="llama-3.1-8b"))
     assert p.step_time_s > 1.1 * free.step_time_s and f"micro-batch {free.micro_batch_size} " in warning
     assert not any("pinned:" in w for w in free.warnings)
+
+
+def test_random_weights_built_whole_for_a_large_fsdp2_run_are_warned_of():
+    """model.init: random under FSDP2 where the sharded load does not apply (DPO on an adapter: TRL makes its
+    reference from the model) builds every weight on the main rank's CPU first: minutes for 70B."""
+    from tests.helpers.calibration_rows import preset_for
+
+    four = preset_for("NVIDIA H200", gpus_per_node=4)
+    dpo = load_recipe(ROOT / "recipes" / "llama70b-dpo-lora.yaml", overrides=["model.init=random"])
+    arch = get_model("llama-3.3-70b")
+    (warning,) = [w for w in plan_on(dpo, arch=arch, preset=four, source="test").warnings if "model.init" in w]
+    assert "71B random weights" in warning and "method dpo" in warning
+    sft = load_recipe(ROOT / "recipes" / "llama70b-lora.yaml", overrides=["model.init=random"])
+    assert not [w for w in plan_on(sft, arch=arch, preset=four, source="test").warnings if "model.init" in w]
