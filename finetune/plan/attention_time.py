@@ -29,7 +29,13 @@ from __future__ import annotations
 
 from finetune.plan.bandwidth import memory_seconds
 from finetune.plan.memory import masked_attention
-from finetune.plan.workload import Job, computed_tokens_per_micro_batch, executed_attention_positions, head_dim
+from finetune.plan.workload import (
+    Job,
+    computed_tokens_per_micro_batch,
+    executed_attention_positions,
+    head_dim,
+    masked_row_layers,
+)
 
 MASKED_KERNEL_SLOWDOWN = 1.4
 DROPOUT_KERNEL_SLOWDOWN = 1.6
@@ -45,7 +51,7 @@ def mask_seconds(job: Job, *, micro_batch: int, checkpointed_share: float = 0.0)
     rows, length = masked
     square = rows * length * length
     # layers finetune's varlen kernel still serves (workload.varlen_fallback_layers) get no mask
-    layers = arch.num_layers - (min(job.varlen_layers, arch.num_layers) if job.packed else 0)
+    layers = masked_row_layers(job)
     convert = square * (1 + a)
     read = arch.num_attention_heads * square * a
     forward = convert + read
@@ -66,10 +72,9 @@ def kernel_extra_seconds(job: Job, *, micro_batch: int, checkpointed_share: floa
         return 0.0
     executed = executed_attention_positions(job, micro_batch=micro_batch)
     on_mask = 0.0
-    if masked:  # a packed row's layers the varlen kernel still serves run unmasked (workload.varlen_fallback_layers)
+    if masked:  # a packed row's layers the varlen kernel still serves run unmasked (workload.masked_row_layers)
         row = micro_batch * job.seq_len * job.sequences_per_sample
-        varlen = min(job.varlen_layers, arch.num_layers) if job.packed else 0
-        on_mask = min(executed, (arch.num_layers - varlen) * row) if job.packed else executed
+        on_mask = masked_row_layers(job) * row if job.packed else executed
     # forward 4, backward 8 FLOPs a score position and width; a checkpointed layer's and the reference's forwards
     passes = 12 + 4 * checkpointed_share + (4 if job.reference_forward else 0)
     per_position = (

@@ -71,6 +71,7 @@ from finetune.plan.workload import (
     largest_parameter_elements,
     layer_kinds,
     lora_params,
+    masked_row_layers,
     model_tensors,
     module_shapes,
     numel,
@@ -390,7 +391,7 @@ def attention_matrix_bytes(job: Job, *, micro_batch: int) -> float:
     scores = a if job.arch.attention_sinks else 4 + a
     per_element = a + (job.arch.num_attention_heads * scores if job.attention == "eager" else 0)
     # layers the varlen kernel still serves (see workload.varlen_fallback_layers) get no mask
-    share = 1 - min(job.varlen_layers, job.arch.num_layers) / job.arch.num_layers if job.packed else 1.0
+    share = masked_row_layers(job) / job.arch.num_layers
     return rows * length * length * per_element * share
 
 

@@ -221,11 +221,9 @@ def step_time(
     reduce-scatters every micro-batch (accelerate's sync_each_batch) instead of once per step."""
     p = job.preset
     tokens = computed_tokens_per_micro_batch(job, micro_batch) * grad_accum
-    compute = (
-        flops_per_token(job, checkpointing=checkpointing, micro_batch=micro_batch)
-        * tokens
-        / (job.peak_tflops * 1e12 * efficiency(job, micro_batch=micro_batch))
-    )
+    rate = efficiency(job, micro_batch=micro_batch)
+    flop_seconds = 1 / (job.peak_tflops * 1e12 * rate)  # a FLOP's time at the step's rate
+    compute = flops_per_token(job, checkpointing=checkpointing, micro_batch=micro_batch) * tokens * flop_seconds
     checkpointed = checkpointed_layers(job, checkpointing)
     share = checkpointed / job.arch.num_layers
     # adapter.fused_lora: peft's scale-and-add passes, which the FLOPs' calibrated time includes, do not run
@@ -239,16 +237,13 @@ def step_time(
     compute += grad_accum * mask_seconds(job, micro_batch=micro_batch, checkpointed_share=share)
     # masked kernels and attention dropout run below the step's FLOPs rate (plan/attention_time.py)
     compute += grad_accum * kernel_extra_seconds(
-        job,
-        micro_batch=micro_batch,
-        checkpointed_share=share,
-        flop_seconds=1 / (job.peak_tflops * 1e12 * efficiency(job, micro_batch=micro_batch)),
+        job, micro_batch=micro_batch, checkpointed_share=share, flop_seconds=flop_seconds
     )
     # mixture of experts: small per-expert GEMMs and the dispatch traffic (plan/moe_time.py)
     compute += grad_accum * moe_seconds(
         job,
         micro_batch=micro_batch,
-        efficiency=efficiency(job, micro_batch=micro_batch),
+        efficiency=rate,
         half_tokens=MICRO_BATCH_HALF_TOKENS,
         repeat=1.0 + share,
     )

@@ -302,6 +302,12 @@ def packed_length(lengths, *, max_length: int) -> float | None:
     return sum(n * n for n in cut) / total if total else None
 
 
+def masked_row_layers(job: Job) -> int:
+    """Decoder layers whose attention gets the mask over the packed row: all but those finetune's varlen kernel
+    still serves (varlen_fallback_layers says which fall back); every layer of unpacked rows."""
+    return job.arch.num_layers - (min(job.varlen_layers, job.arch.num_layers) if job.packed else 0)
+
+
 def executed_attention_positions(job: Job, *, micro_batch: int) -> float:
     """L x key positions per query token that the attention kernels really compute (the step time's
     attention FLOPs; the MFU's stay `attended_positions`, the convention that counts the full s x s).
@@ -313,10 +319,10 @@ def executed_attention_positions(job: Job, *, micro_batch: int) -> float:
     as seq_len (long-context data, the slower assumption)."""
     arch = job.arch
     if job.packed and job.attention in ("sdpa", "eager"):
-        varlen = min(job.varlen_layers, arch.num_layers)
+        masked = masked_row_layers(job)
         served = min(job.seq_len, job.example_tokens or job.seq_len)
         row = micro_batch * job.seq_len * job.sequences_per_sample
-        return (arch.num_layers - varlen) * row + varlen * served / 2
+        return masked * row + (arch.num_layers - masked) * served / 2
     if skips_masked_blocks(job, micro_batch=micro_batch):
         if job.packed and job.example_tokens:
             return causal_positions(arch, min(job.seq_len, job.example_tokens))
