@@ -658,7 +658,14 @@ def _kernels(job: Job, strategy: str) -> str:
             f" (sequences of ~{job.sequence_tokens:,.0f} tokens, the longest {job.longest_sequence_tokens:,}: "
             "data.sequence_tokens)"
         )
-    parts = [attention, "Liger RMSNorm/RoPE/SwiGLU" if job.liger else "no Liger"]
+    liger = "no Liger"
+    if job.liger:
+        liger = (
+            "Liger RMSNorm/RoPE/SwiGLU"
+            if job.liger_swiglu
+            else "Liger RMSNorm/RoPE (transformers' SwiGLU and grouped_mm experts: Liger's would replace the experts)"
+        )
+    parts = [attention, liger]
     if adapter_input_casts(job, strategy):
         parts.append("peft's fp32 adapter-input casts")
     if fused_lora_runs(job, strategy):

@@ -26,9 +26,9 @@ the shared expert keeps the shared output and the gate (act*h + act).
 Checked by listing saved tensors with torch.autograd.graph.saved_tensors_hooks on one MoE block of
 each family (transformers 5.24, bf16, 1024 tokens, h 256, i 128, 8 experts, top-2; tests/unit/plan/test_moe_memory.py):
 with frozen experts Qwen2-MoE 5,478 B/token, Qwen3-MoE 2,672, Mixtral 2,676, DeepSeek-V3 ~3,450 (its
-group selection varies by a few bytes), GPT-OSS 4,168. Not covered: Liger's own expert kernels, where
-a Liger version patches a family's experts (the planner's `liger` flag changes the dense and shared
-MLPs only).
+group selection varies by a few bytes), GPT-OSS 4,168. Liger's own expert kernels never run: finetune
+asks Liger for no SwiGLU on the model types whose patch would swap the experts (registry.families.liger_swiglu),
+so a dense MLP or shared expert there keeps transformers' SwiGLU activations (Job.liger_swiglu).
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ def dense_mlp_bytes(job: Job, width: int) -> float:
     """A SwiGLU MLP of `width` (a dense layer's, or an MoE layer's shared expert)."""
     a = job.act_bytes
     product = job.adapter == "full" or "down_proj" in job.lora_targets
-    return a * width * ((2 if job.liger else 3) + (1 if product else 0))
+    return a * width * ((2 if job.liger_swiglu else 3) + (1 if product else 0))
 
 
 def routed_bytes(job: Job) -> float:

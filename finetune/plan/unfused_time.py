@@ -44,30 +44,33 @@ def _beyond_liger(eager: tuple[float, float], liger: tuple[float, float]) -> tup
 
 def unfused_bytes_per_token(job: Job) -> tuple[float, float]:
     """(forward, backward) bytes per token, over all decoder layers, of the unfused norms, RoPE and SwiGLU
-    beyond Liger's kernels (0 with Liger)."""
-    if job.liger:
-        return 0.0, 0.0
+    beyond Liger's kernels: the norms and RoPE without Liger, the SwiGLU wherever Liger's SwiGLU does not run
+    (Job.liger_swiglu: also on the model types whose Liger patch would swap the routed experts)."""
     arch, a = job.arch, job.act_bytes
-    q, k, _ = attention_widths(arch)
-    norm_f, norm_b = _beyond_liger(eager_norm_bytes(a), (2 * a, 3 * a))
-    rope_f, rope_b = _beyond_liger(eager_rope_bytes(a), (2 * a, 2 * a))
-    norm_elements = arch.norms_per_layer * arch.hidden_size + (q + k if arch.qk_norm else 0)
-    moe = moe_layer_count(arch)
-    mlp_width = (arch.num_layers - moe) * arch.intermediate_size + moe * arch.shared_expert_intermediate_size
-    swiglu_f = (EAGER_SWIGLU[0] - FUSED_SWIGLU[0]) * a * mlp_width
-    swiglu_b = (EAGER_SWIGLU[1] - FUSED_SWIGLU[1]) * a * mlp_width
-    layers = arch.num_layers
-    forward = layers * (norm_f * norm_elements + rope_f * (q + k)) + swiglu_f
-    backward = layers * (norm_b * norm_elements + rope_b * (q + k)) + swiglu_b
+    forward = backward = 0.0
+    if not job.liger:
+        q, k, _ = attention_widths(arch)
+        norm_f, norm_b = _beyond_liger(eager_norm_bytes(a), (2 * a, 3 * a))
+        rope_f, rope_b = _beyond_liger(eager_rope_bytes(a), (2 * a, 2 * a))
+        norm_elements = arch.norms_per_layer * arch.hidden_size + (q + k if arch.qk_norm else 0)
+        forward += arch.num_layers * (norm_f * norm_elements + rope_f * (q + k))
+        backward += arch.num_layers * (norm_b * norm_elements + rope_b * (q + k))
+    if not job.liger_swiglu:
+        moe = moe_layer_count(arch)
+        mlp_width = (arch.num_layers - moe) * arch.intermediate_size + moe * arch.shared_expert_intermediate_size
+        forward += (EAGER_SWIGLU[0] - FUSED_SWIGLU[0]) * a * mlp_width
+        backward += (EAGER_SWIGLU[1] - FUSED_SWIGLU[1]) * a * mlp_width
     return forward, backward
 
 
 def unfused_seconds(job: Job, *, micro_batch: int, checkpointed_share: float = 0.0) -> float:
     """Seconds one micro-batch spends in unfused norm, RoPE and SwiGLU passes beyond Liger's, per GPU
     (forwards again: `checkpointed_share` of the layers recomputed, and a DPO/KTO reference forward)."""
-    if job.liger or job.preset.vendor == "cpu":
+    if job.preset.vendor == "cpu":
         return 0.0
     forward, backward = unfused_bytes_per_token(job)
+    if not (forward or backward):
+        return 0.0
     tokens = computed_tokens_per_micro_batch(job, micro_batch)
     forwards = 1.0 + checkpointed_share + (1.0 if job.reference_forward else 0.0)
     return memory_seconds(job.preset, tokens * (forwards * forward + backward))

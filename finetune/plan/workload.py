@@ -12,6 +12,7 @@ from operator import attrgetter
 from statistics import NormalDist
 
 from finetune.recipe.schema import EMBEDDING_MODULES
+from finetune.registry.families import liger_swiglu
 from finetune.registry.schema import HardwarePreset, ModelArch
 
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
@@ -112,6 +113,12 @@ class Job:
     # host threads of each rank for the offload tiers' CPU optimizer step; None: as finetune's launcher
     # gives them (finetune.plan.offload_time.host_threads_per_rank)
     host_threads_per_rank: int | None = None
+
+    @property
+    def liger_swiglu(self) -> bool:
+        """Liger's SwiGLU kernel runs the dense MLPs and shared experts (registry.families.liger_swiglu: not on
+        the model types whose patch would also swap the routed experts); its norms and RoPE run wherever `liger`."""
+        return self.liger and liger_swiglu(self.arch.family)
 
     @property
     def computes_fp32(self) -> bool:

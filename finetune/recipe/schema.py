@@ -520,7 +520,8 @@ class TrainSection(Strict):
         "auto",
         description="Liger's Triton RMSNorm/RoPE/SwiGLU kernels; auto: on for "
         "supported models on NVIDIA GPUs when liger-kernel is "
-        "installed (the LM head is already fused by TRL)",
+        "installed (the LM head is already fused by TRL). Mixtral, Qwen3-MoE and DeepSeek get its norms and "
+        "RoPE only: its SwiGLU patch would swap their experts for a slower fused MoE",
     )
     compile: Literal["off", "regions"] = Field(
         "off",

@@ -205,6 +205,20 @@ LIGER_MODEL_TYPES = frozenset(
     }
 )
 
+# the model types whose Liger SwiGLU patch replaces the routed experts module itself with Liger's Triton fused MoE
+# (liger_kernel.transformers.swiglu.LigerExperts) instead of transformers' grouped_mm experts. On one Mixtral-8x7B
+# layer (16,384 tokens, one H200: scripts/moe_experts_rates.py, docs/results/moe-experts-rates-2026-11-28-h200.json)
+# it took 101 ms forward + backward with frozen experts (LoRA) and 98 ms with trained ones, against 42 and 61 ms for
+# grouped_mm, after 53 s of autotuning on its first call; a whole Mixtral LoRA run with it did not reach its first
+# step in 6 minutes. So finetune runs Liger's norms and RoPE on these and leaves the MLPs to transformers.
+LIGER_FUSED_EXPERTS = frozenset({"deepseek_v2", "deepseek_v3", "mixtral", "qwen3_moe"})
+
+
+def liger_swiglu(model_type: str) -> bool:
+    """Liger's SwiGLU kernel is asked for: everywhere Liger patches but where it would swap the routed experts
+    (LIGER_FUSED_EXPERTS). The run's Liger config (train/trainers.py) and the planner's Job read this."""
+    return model_type not in LIGER_FUSED_EXPERTS
+
 
 def biases(text: dict, family: Family) -> dict:
     """ModelArch's attention_bias, o_proj_bias and mlp_bias as the family's modules read config.json."""

@@ -15,11 +15,15 @@ from dataclasses import dataclass, field
 from finetune.data.sources import LoadedSource, load_source
 from finetune.errors import DataError
 from finetune.recipe.load import recipe_dir
-from finetune.recipe.schema import Recipe
+from finetune.recipe.schema import Recipe, packs_examples
 from finetune.train import cache
 from finetune.train.tokenize import dpo_features, features_length, has_loss_tokens, sft_features_batch
 
 log = logging.getLogger("finetune.train")
+
+# how far the lengths the run's tokenizer makes may stray from the ones the plan used before a run says so: the
+# planner's own count is a sample's (data/lengths.py: a mean within a few %)
+PLANNED_LENGTH_TOLERANCE = 0.10
 CHAT_FORMATS = ("messages", "alpaca", "sharegpt")
 
 
@@ -141,6 +145,11 @@ def _enforce_lengths(ds, *, recipe: Recipe, split: str, notes: list[str]):
         )
         log.warning(msg)
         notes.append(msg)
+    if split == "train":
+        kept = [n for i, n in enumerate(lengths) if i not in drop]
+        if note := planned_lengths_note(recipe, kept):
+            log.warning(note)
+            notes.append(note)
     if drop:
         ds = ds.select([i for i in range(total) if i not in drop])
     if len(ds) == 0:
@@ -231,6 +240,32 @@ def prepare_data(recipe: Recipe, tokenizer, *, state) -> PreparedData:
         cache_hit=hit,
         notes=notes,
         fingerprints={"train": [s.fingerprint for s in train_sources], "eval": [s.fingerprint for s in eval_sources]},
+    )
+
+
+def planned_lengths_note(recipe: Recipe, lengths: list[int]) -> str:
+    """What the plan assumed of the data's lengths against what the run's tokenizer made of every training row,
+    or "" when they agree within PLANNED_LENGTH_TOLERANCE: the token-weighted example length of packed rows
+    (data.example_tokens, the attention's cost) or the longest unpacked sequence (data.sequence_tokens, the
+    memory peak). The planner counts with the model's tokenizer.json (data/lengths.py); transformers'
+    AutoTokenizer can rebuild a tokenizer by its class and count otherwise."""
+    from finetune.plan.workload import packed_length
+
+    d = recipe.data
+    if packs_examples(recipe):
+        key, what, planned = "data.example_tokens", "token-weighted example length", d.example_tokens
+        real = packed_length(lengths, max_length=d.max_length) if planned else None
+    else:
+        key, what = "data.sequence_tokens.longest", "longest sequence"
+        planned = d.sequence_tokens.longest if d.sequence_tokens else None
+        real = max((min(n, d.max_length) for n in lengths), default=None) if planned else None
+    if not planned or not real or abs(real / planned - 1) <= PLANNED_LENGTH_TOLERANCE:
+        return ""
+    effect = "more memory and time than planned" if real > planned else "less memory and time than planned"
+    return (
+        f"the tokenizer this run trains with makes a {what} of {real:,.0f} tokens where the plan used "
+        f"{planned:,.0f} ({key}): {effect}. `finetune plan` counts with the model's tokenizer.json, which "
+        f"transformers can rebuild by its tokenizer class; set {key}: {real:.0f} to plan with this count"
     )
 
 

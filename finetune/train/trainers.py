@@ -123,7 +123,15 @@ def liger_args(recipe: Recipe) -> dict:
 
     # TRL 1.x marks use_liger_kernel deprecated in favour of Hub kernels, which need the Hub
     warnings.filterwarnings("ignore", message=".*use_liger_kernel=True. is deprecated", category=FutureWarning)
-    return {"use_liger_kernel": True, "liger_kernel_config": dict(LIGER_LAYERS)}
+    family = recipe.resolved.model_family if recipe.resolved else ""
+    return {"use_liger_kernel": True, "liger_kernel_config": liger_kernel_config(family)}
+
+
+def liger_kernel_config(model_type: str) -> dict:
+    """The kernels Liger applies to a model of `model_type`: LIGER_LAYERS, SwiGLU where registry.families says."""
+    from finetune.registry.families import liger_swiglu
+
+    return {**LIGER_LAYERS, "swiglu": liger_swiglu(model_type)}
 
 
 def sft_config(recipe: Recipe, *, run_dir: Path, has_eval: bool):

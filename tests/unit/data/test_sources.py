@@ -285,3 +285,25 @@ def test_quickstart_recipe_validates():
     recipe = load_recipe(ROOT / "recipes" / "quickstart.yaml")
     assert recipe.data.task_eval.n == 100
     assert (QUICKSTART_DATA / "eval.jsonl").exists()
+
+
+def test_the_run_says_when_its_tokenizer_counts_other_lengths_than_the_plan(tmp_path):
+    """The planner counts the data's lengths with the model's tokenizer.json; the run tokenizes every row with the
+    tokenizer transformers builds (which can be rebuilt by class: a qwen2-typed directory holding another
+    tokenizer.json trained 17% fewer tokens than planned on a GPU run). Preflight compares the two."""
+    from finetune.train.preflight import planned_lengths_note
+
+    packed = _prepare(tmp_path, data={"packing": True, "example_tokens": 10_000.0})
+    (note,) = [n for n in packed.notes if "example_tokens" in n]
+    assert "less memory and time than planned" in note and "set data.example_tokens:" in note, note
+    measured = float(note.split("set data.example_tokens: ")[1].split()[0])
+    agrees = _prepare(tmp_path / "again", data={"packing": True, "example_tokens": measured})
+    assert not [n for n in agrees.notes if "example_tokens" in n], agrees.notes
+
+    # unpacked sequences (DPO's, or SFT without packing): the longest sets the memory peak
+    padded = load_recipe(
+        tiny_recipe(data={"packing": False, "sequence_tokens": {"mean": 10, "longest": 20}, "max_length": 64})
+    )
+    assert "data.sequence_tokens.longest" in planned_lengths_note(padded, [12, 30, 18])
+    assert "more memory and time than planned" in planned_lengths_note(padded, [12, 30, 18])
+    assert planned_lengths_note(padded, [12, 21, 18]) == ""  # within 10%

@@ -147,3 +147,37 @@ def test_a_plan_without_liger_kernel_installed_says_what_it_costs():
     with_liger = plan(load_recipe(raw))
     assert not [w for w in with_liger.warnings if "Liger" in w]
     assert with_liger.tokens_per_second > planned.tokens_per_second
+
+
+def test_liger_norms_without_its_swiglu_where_its_patch_would_swap_the_experts():
+    """Mixtral, Qwen3-MoE and DeepSeek get Liger's norms and RoPE but transformers' SwiGLU and grouped_mm experts
+    (registry.families.liger_swiglu): a DeepSeek-V2-Lite plan with Liger counts its dense layer's and shared
+    experts' eager SwiGLU passes, and keeps their eager activations; Mixtral has no dense MLP to count."""
+    from finetune.plan.moe_memory import dense_mlp_bytes
+    from finetune.registry.derive import arch_from_config
+
+    deepseek = arch_from_config(ROOT / "tests/data/hub_configs/deepseek-v2-lite/config.json", key="deepseek-v2-lite")
+    with_liger = dataclasses.replace(_job(), arch=deepseek, liger=True)
+    without = dataclasses.replace(_job(), arch=deepseek)
+    assert with_liger.liger and not with_liger.liger_swiglu
+    forward, backward = unfused_bytes_per_token(with_liger)
+    norms_rope = unfused_bytes_per_token(without)[0] - forward
+    assert forward > 0 and backward > 0 and norms_rope > 0  # the SwiGLU's passes only, not the norms' or RoPE's
+    assert unfused_seconds(with_liger, micro_batch=8) > 0
+    assert dense_mlp_bytes(with_liger, 1024) == dense_mlp_bytes(without, 1024)
+    mixtral = _job("mixtral-8x7b", liger=True)
+    assert not mixtral.liger_swiglu and unfused_bytes_per_token(mixtral) == (0.0, 0.0)
+    llama = _job(liger=True)
+    assert llama.liger_swiglu and dense_mlp_bytes(llama, 1024) < dense_mlp_bytes(_job(), 1024)
+
+
+def test_the_plan_says_which_liger_kernels_run():
+    mixtral = load_recipe(
+        {
+            "model": {"name": "mistralai/Mixtral-8x7B-v0.1"},
+            "data": {"path": "data/sample.jsonl"},
+            "train": {"liger": "on"},
+        }
+    )
+    kernels = plan_on(mixtral, arch=get_model("mixtral-8x7b"), preset=H200, source="auto").kernels
+    assert "Liger RMSNorm/RoPE (transformers' SwiGLU and grouped_mm experts" in kernels, kernels

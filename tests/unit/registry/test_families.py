@@ -134,3 +134,27 @@ def test_a_pre_quantized_checkpoint_is_refused_by_name_with_the_way_to_train_it(
     err = caught.value
     assert f"quant_method {method!r}" in err.message and err.key == "model.name"
     assert "unquantized model" in err.hint and "adapter.type: qlora" in err.hint
+
+
+def test_the_fused_expert_model_types_are_those_whose_liger_swiglu_swaps_the_experts():
+    """LIGER_FUSED_EXPERTS (Liger's SwiGLU left off: registry.families.liger_swiglu) is every Liger-patched family
+    whose apply function swaps in LigerExperts (runs where liger-kernel is installed: scripts/gpu_env.sh)."""
+    pytest.importorskip("liger_kernel")
+    import inspect
+
+    from liger_kernel.transformers.monkey_patch import MODEL_TYPE_TO_APPLY_LIGER_FN
+
+    from finetune.registry.families import LIGER_FUSED_EXPERTS, LIGER_MODEL_TYPES
+
+    for family in LIGER_MODEL_TYPES:
+        swaps = "LigerExperts" in inspect.getsource(MODEL_TYPE_TO_APPLY_LIGER_FN[family])
+        assert swaps == (family in LIGER_FUSED_EXPERTS), family
+
+
+def test_liger_is_asked_for_its_swiglu_except_where_it_would_swap_the_experts():
+    from finetune.train.trainers import LIGER_LAYERS, liger_kernel_config
+
+    assert liger_kernel_config("llama") == LIGER_LAYERS
+    for family in ("mixtral", "qwen3_moe", "deepseek_v3"):
+        config = liger_kernel_config(family)
+        assert config["swiglu"] is False and config["rms_norm"] and config["rope"], family
