@@ -365,9 +365,14 @@ def liger_missing_warning(recipe, job: Job, plan: Plan) -> str:
     if job.arch.family not in LIGER_MODEL_TYPES:
         return ""
     share = checkpointed_layers(job, plan.checkpoint_layers or False) / job.arch.num_layers
-    unfused = plan.gradient_accumulation_steps * unfused_seconds(
-        job, micro_batch=plan.micro_batch_size, checkpointed_share=share
-    )
+
+    def step_unfused(j: Job) -> float:
+        return plan.gradient_accumulation_steps * unfused_seconds(
+            j, micro_batch=plan.micro_batch_size, checkpointed_share=share
+        )
+
+    # what Liger's kernels would save: not the SwiGLU's passes where finetune leaves them to transformers
+    unfused = step_unfused(job) - step_unfused(replace(job, liger=True))
     return (
         f"planned without Liger's kernels: liger-kernel is not installed here (pip install 'finetune[gpu]' where "
         f"the run trains turns them on); that plan has {unfused:.2f} s of each {plan.step_time_s:.2f} s step in "

@@ -181,3 +181,25 @@ def test_the_plan_says_which_liger_kernels_run():
     )
     kernels = plan_on(mixtral, arch=get_model("mixtral-8x7b"), preset=H200, source="auto").kernels
     assert "Liger RMSNorm/RoPE (transformers' SwiGLU and grouped_mm experts" in kernels, kernels
+
+
+def test_the_missing_liger_warning_counts_only_what_liger_would_fuse():
+    """Planned where liger-kernel is missing, DeepSeek's warning gives the norms' and RoPE's passes only: finetune
+    leaves its SwiGLU to transformers with Liger too (registry.families.liger_swiglu)."""
+    from finetune.plan import job_from_recipe, liger_missing_warning
+    from finetune.plan.memory import checkpointed_layers
+    from finetune.registry.derive import arch_from_config
+
+    deepseek = arch_from_config(ROOT / "tests/data/hub_configs/deepseek-v2-lite/config.json", key="deepseek-v2-lite")
+    recipe = load_recipe({"model": {"name": "deepseek-ai/DeepSeek-V2-Lite"}, "data": {"path": "data/sample.jsonl"}})
+    job = dataclasses.replace(job_from_recipe(recipe, arch=deepseek, preset=H200), liger=False)
+    planned = plan_on(recipe, arch=deepseek, preset=H200, source="auto")
+    share = checkpointed_layers(job, planned.checkpoint_layers or False) / deepseek.num_layers
+
+    def step(j):
+        seconds = unfused_seconds(j, micro_batch=planned.micro_batch_size, checkpointed_share=share)
+        return planned.gradient_accumulation_steps * seconds
+
+    saved = step(job) - step(dataclasses.replace(job, liger=True))
+    assert 0 < saved < step(job)  # Liger's norms and RoPE save time; the SwiGLU's passes stay
+    assert f"that plan has {saved:.2f} s of each" in liger_missing_warning(recipe, job, planned)
