@@ -24,6 +24,7 @@ log = logging.getLogger("finetune.train")
 # how far the lengths the run's tokenizer makes may stray from the ones the plan used before a run says so: the
 # planner's own count is a sample's (data/lengths.py: a mean within a few %)
 PLANNED_LENGTH_TOLERANCE = 0.10
+
 CHAT_FORMATS = ("messages", "alpaca", "sharegpt")
 
 
