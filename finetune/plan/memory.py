@@ -381,14 +381,15 @@ def dora_transient_bytes(job: Job) -> float:
 
 def attention_matrix_bytes(job: Job, *, micro_batch: int) -> float:
     """Per layer: sdpa's float mask bias (rows x len^2), or eager's saved scores: the fp32 softmax and its
-    cast back; GPT-OSS's eager attention with sinks keeps only its softmax, in the compute dtype (autograd's
-    saved tensors, 2.0 bytes per score element in bf16 on a CPU trace)."""
+    cast back, and with attention logit soft-capping (Gemma-2) the tanh's output as well (autograd's saved
+    tensors on a CPU trace of Gemma-2's eager attention in bf16: 8.0 bytes per score element with it, 6.0
+    without); GPT-OSS's eager attention with sinks keeps only its softmax, in the compute dtype (2.0 bytes)."""
     masked = masked_attention(job, micro_batch=micro_batch)
     if masked is None:
         return 0.0
     rows, length = masked
     a = job.act_bytes
-    scores = a if job.arch.attention_sinks else 4 + a
+    scores = a if job.arch.attention_sinks else 4 + a + (a if job.arch.attn_logit_softcap else 0)
     per_element = a + (job.arch.num_attention_heads * scores if job.attention == "eager" else 0)
     # layers the varlen kernel still serves (see workload.varlen_fallback_layers) get no mask
     share = masked_row_layers(job) / job.arch.num_layers

@@ -128,8 +128,9 @@ def test_fallback_executes_the_whole_packed_square_and_keeps_its_mask():
     assert extra == pytest.approx(12 * width * arch.num_layers * (4 * 2048 - 2048))
     # the MFU numerator is the useful figure, unchanged
     assert flops_per_token(gemma, checkpointing=False) == pytest.approx(job_model_flops_per_token(gemma))
-    heads = arch.num_attention_heads  # eager also keeps the scores: fp32 softmax and its bf16 copy
-    assert attention_matrix_bytes(gemma, micro_batch=4) == 8192**2 * (2 + heads * (4 + 2))
+    # eager also keeps the scores: the fp32 softmax, its bf16 copy and soft-capping's tanh output (the trace below)
+    heads = arch.num_attention_heads
+    assert attention_matrix_bytes(gemma, micro_batch=4) == 8192**2 * (2 + heads * (4 + 2 + 2))
     # Gemma-3: the 8 global layers stay on the varlen kernel (seq-based figure, no mask)
     g3 = job_from_recipe(_recipe("gemma-3-12b", micro=2), arch=get_model("gemma-3-12b"), preset=preset)
     assert (g3.attention, g3.varlen_layers) == ("sdpa", 8)
@@ -302,3 +303,38 @@ def test_a_soft_capped_layer_computes_what_transformers_eager_attention_does(tmp
             layer.self_attn.config._attn_implementation = model.config._attn_implementation
         got = model(input_ids=ids, **kwargs).logits
     assert torch.allclose(got, expected, atol=1e-5)
+
+
+@pytest.mark.parametrize("softcap,kept", [(50.0, 4 + 2 + 2), (None, 4 + 2)])
+def test_eager_attention_keeps_these_bytes_per_score(softcap, kept):
+    """What Gemma-2's eager attention (transformers' own) saves for its backward per score element in bf16, traced
+    with saved-tensor hooks on a CPU: the fp32 softmax and its bf16 cast, and the tanh output of soft-capping
+    (memory.attention_matrix_bytes)."""
+    import torch
+    from transformers import AutoModelForCausalLM, Gemma2Config
+
+    config = Gemma2Config(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        vocab_size=128,
+        attn_logit_softcapping=softcap,
+        final_logit_softcapping=None,
+        query_pre_attn_scalar=16,
+    )
+    config._attn_implementation = "eager"
+    model = AutoModelForCausalLM.from_config(config).to(torch.bfloat16)
+    tokens, heads = 128, config.num_attention_heads
+    scores: dict[int, int] = {}
+
+    def pack(t):
+        if t.numel() == heads * tokens * tokens:  # a score tensor of every head (the mask has one)
+            scores[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model(input_ids=torch.randint(0, 128, (1, tokens)))
+    assert sum(scores.values()) / (heads * tokens * tokens) == kept
