@@ -39,11 +39,14 @@ def experts_module(config_path: str, device):
     return config, found[0]
 
 
-def routing(config, tokens: int, device):
-    experts = next(
-        getattr(config, k) for k in ("num_local_experts", "num_experts", "n_routed_experts") if hasattr(config, k)
-    )
-    top_k = next(getattr(config, k) for k in ("num_experts_per_tok", "moe_topk") if hasattr(config, k))
+def routing(config_path: str, tokens: int, device):
+    """Random top-k routing of `tokens` over the experts, their count and k read as the planner reads them."""
+    from pathlib import Path
+
+    from finetune.registry.derive import arch_from_config
+
+    arch = arch_from_config(Path(config_path), key=Path(config_path).parent.name)
+    experts, top_k = arch.num_experts, arch.experts_per_token
     logits = torch.randn(tokens, experts, device=device)
     weights, index = torch.topk(logits.softmax(-1), top_k, dim=-1)
     return experts, top_k, index, (weights / weights.sum(-1, keepdim=True)).to(torch.bfloat16)
@@ -102,7 +105,7 @@ def main() -> None:
     cases = []
     for path in args.configs:
         config, module = experts_module(path, device)
-        experts, top_k, index, weights = routing(config, args.tokens, device)
+        experts, top_k, index, weights = routing(path, args.tokens, device)
         hidden = config.hidden_size
         inter = module.down_proj.shape[-1] if module.down_proj.shape[-2] == hidden else module.down_proj.shape[-2]
         routed = args.tokens * top_k

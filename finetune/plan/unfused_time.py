@@ -69,8 +69,6 @@ def unfused_seconds(job: Job, *, micro_batch: int, checkpointed_share: float = 0
     if job.preset.vendor == "cpu":
         return 0.0
     forward, backward = unfused_bytes_per_token(job)
-    if not (forward or backward):
-        return 0.0
     tokens = computed_tokens_per_micro_batch(job, micro_batch)
     forwards = 1.0 + checkpointed_share + (1.0 if job.reference_forward else 0.0)
     return memory_seconds(job.preset, tokens * (forwards * forward + backward))
