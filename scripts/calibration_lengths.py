@@ -5,8 +5,9 @@ A row of tests/data/gpu_calibration.json that came from scripts/gpu_validate.py'
 tokenized by the random models' tokenizer (data/tiny-llama's files, copied by make_random_model.py).
 This rebuilds that data and measures it exactly as `finetune run` now does (finetune.data.lengths): the
 packed examples' token-weighted length of an SFT row (`example_tokens`) and the sequences' mean and longest
-of a DPO row (`sequence_tokens`), written into the row as properties of the input data (no measured value
-changes). Rows whose resolved recipe already carries them, or that neither pack nor pair, are left alone.
+of a DPO row, or of a packed SFT row whose examples (`long_examples`) fill a row each (`sequence_tokens`),
+written into the row as properties of the input data (no measured value changes). Rows whose resolved recipe
+already carries them, or that neither pack nor pair, are left alone.
 
     python scripts/calibration_lengths.py [--check]
 """
@@ -67,8 +68,8 @@ def example_tokens(row: dict, entry: dict, work: Path) -> float | None:
     return measure_example_tokens(recipe, records)
 
 
-def sequence_tokens(row: dict, entry: dict, work: Path) -> dict | None:
-    recipe, records = _recipe_and_records(row, entry, work, preference=True)
+def sequence_tokens(row: dict, entry: dict, work: Path, *, preference: bool = True) -> dict | None:
+    recipe, records = _recipe_and_records(row, entry, work, preference=preference)
     sample = LengthSample()
     sample.add(records)
     return measure_sequence_tokens(recipe, sample)
@@ -93,6 +94,11 @@ def main() -> None:
                     print(f"{row['name']}: sequence_tokens {sequences} (max_length {resolved['data']['max_length']})")
                     row["sequence_tokens"] = sequences
                 continue
+            if entry.get("long_examples") and row.get("sequence_tokens") is None:
+                sequences = sequence_tokens(row, entry, Path(tmp), preference=False)
+                if sequences is not None:
+                    print(f"{row['name']}: sequence_tokens {sequences} (a packed row each)")
+                    row["sequence_tokens"] = sequences
             if row.get("source") not in QUEUE_SOURCES:
                 continue
             if not resolved["data"].get("packing") or resolved["data"].get("example_tokens") is not None:

@@ -6,6 +6,8 @@
 - data.sequence_tokens (every run that does not pack: DPO, ORPO, SimPO, KTO and reward models, whose sequences
   are a prompt + one completion, and SFT/pretrain without packing, an example each): the real tokens a run
   counts, padded rows' work and peak (the longest), padding-free pairs' work and peak (mean and spread).
+  Packed examples too when no two of them fit in one row (`rows_of_one`): best-fit packing then makes each
+  example a row of its own, as long as the example, not max_length.
 
 Torch-free: the local training records (as finetune.data reads them), each rendered with the chat template
 the ranks will use (finetune.prelaunch.chat_renderer, as transformers renders it) and counted with the local
@@ -26,6 +28,7 @@ from finetune.recipe.schema import packs_examples
 
 SAMPLE = 1000  # records measured per run, evenly spread over the training data
 LONGEST = 32  # records with the most characters, measured for the longest sequence
+SHORTEST = 32  # records with the fewest characters, measured for whether two examples fit in a packed row
 PLAN_READ_BYTES = 256 * 2**20  # `finetune plan` reads local data up to this size to measure it
 
 
@@ -43,6 +46,11 @@ def longest_records(records: list[dict], n: int = LONGEST) -> list[dict]:
     return heapq.nlargest(n, records, key=_characters)
 
 
+def shortest_records(records: list[dict], n: int = SHORTEST) -> list[dict]:
+    """The `n` records with the fewest characters: the shortest in tokens is among them."""
+    return heapq.nsmallest(n, records, key=_characters)
+
+
 def _characters(value) -> int:
     if isinstance(value, str):
         return len(value)
@@ -55,10 +63,12 @@ def _characters(value) -> int:
 
 @dataclass
 class LengthSample:
-    """Training records to measure: spread evenly over the data (the means), and the longest (the peak)."""
+    """Training records to measure: spread evenly over the data (the means), the longest (the peak) and the
+    shortest (whether packed examples share rows)."""
 
     spread: list[dict] = field(default_factory=list)
     longest: list[dict] = field(default_factory=list)
+    shortest: list[dict] = field(default_factory=list)
     records: int = 0  # every record added, measured or not
 
     def add(self, records: list[dict]) -> None:
@@ -66,13 +76,25 @@ class LengthSample:
         self.records += len(records)
         self.spread += spread(records)
         self.longest = longest_records(self.longest + longest_records(records))
+        self.shortest = shortest_records(self.shortest + shortest_records(records))
 
 
-def measures_sequences(recipe) -> bool:
-    """The run trains its sequences one by one, padded to a micro-batch's longest or as padding-free pairs
-    (every method but SFT/pretrain with packing, whose rows are full): the planner reads their lengths
-    (data.sequence_tokens)."""
-    return not packs_examples(recipe)
+def row_pieces(lengths: list[int], *, max_length: int, split: bool) -> list[int]:
+    """What packing places of examples of `lengths` tokens: each cut at max_length (SFT's truncation), or split
+    into rows of max_length and the rest (`split`: pretrain's bfd_split)."""
+    if not split:
+        return [min(n, max_length) for n in lengths if n > 0]
+    pieces = []
+    for n in lengths:
+        pieces += [max_length] * (n // max_length) + ([n % max_length] if n % max_length else [])
+    return pieces
+
+
+def rows_of_one(pieces: list[int], *, max_length: int) -> bool:
+    """No two of these examples fit in one packed row (the two shortest exceed max_length together): best-fit
+    packing gives each its own row, so a row holds one example's tokens, not max_length."""
+    two = heapq.nsmallest(2, pieces)
+    return len(two) < 2 or sum(two) > max_length
 
 
 def _special_tokens(model_dir: Path) -> dict[str, str]:
@@ -158,23 +180,25 @@ def _token_lengths(recipe, groups: list[list[dict]], texts_of) -> list[list[int]
 
 def measure_sequence_tokens(recipe, sample: LengthSample) -> dict | None:
     """{"mean", "longest", "std", "count"} of the trained sequences, each cut at data.max_length (longer rows are
-    dropped or truncated before training): mean and standard deviation over the spread sample, the longest
-    over it and the longest records, the count over every record; None when it cannot be measured here."""
-    if not measures_sequences(recipe):
-        return None
-    measured = _token_lengths(recipe, [sample.spread, sample.longest], _sequence_texts)
+    dropped or truncated before training; packed pretrain splits them): mean and standard deviation over the
+    spread sample, the longest over it and the longest records, the count over every record. None when it
+    cannot be measured here, or for packed examples that share rows (`rows_of_one`: those rows are full)."""
+    measured = _token_lengths(recipe, [sample.spread, sample.longest, sample.shortest], _sequence_texts)
     if measured is None or not measured[0]:
         return None
-    cut = recipe.data.max_length
-    lengths = [min(n, cut) for n in measured[0]]
-    tail = [min(n, cut) for n in measured[1] or []]
+    cut, packed = recipe.data.max_length, packs_examples(recipe)
+    split = packed and recipe.method.type == "pretrain"
+    lengths, tail, head = (row_pieces(m or [], max_length=cut, split=split) for m in measured)
+    if packed and not rows_of_one(lengths + tail + head, max_length=cut):
+        return None
     mean = sum(lengths) / len(lengths)
     std = (sum((n - mean) ** 2 for n in lengths) / len(lengths)) ** 0.5
     return {
         "mean": round(mean, 1),
         "longest": max(lengths + tail),
         "std": round(std, 1),
-        "count": max(sample.records, len(sample.spread)),
+        # sequences (rows) the records make: pretrain's split pieces are more
+        "count": round(max(sample.records, len(sample.spread)) * len(lengths) / len(measured[0])),
     }
 
 
@@ -193,9 +217,7 @@ def measure_example_tokens(recipe, records: list[dict]) -> float | None:
 def needs_measuring(recipe) -> bool:
     """The recipe plans from lengths it does not set: data.example_tokens (packing) or data.sequence_tokens."""
     data = recipe.data
-    return (packs_examples(recipe) and data.example_tokens is None) or (
-        measures_sequences(recipe) and data.sequence_tokens is None
-    )
+    return (packs_examples(recipe) and data.example_tokens is None) or data.sequence_tokens is None
 
 
 def with_measured_lengths(recipe, sample: LengthSample):

@@ -59,6 +59,7 @@ from finetune.plan.workload import (
 )
 from finetune.recipe.paths import anchored
 from finetune.recipe.schema import (
+    PACKED_EXAMPLE_METHODS,
     PRECISION_DTYPE,
     compute_dtype,
     dpo_reference,
@@ -260,7 +261,7 @@ def job_from_recipe(recipe, *, arch, preset) -> Job:
     attention = attention_kind(implementation, packed=recipe.data.packing, arch=arch)
     fallback = varlen_fallback_layers(arch)
     served = arch.num_layers - fallback if implementation == "varlen" and recipe.data.packing else 0
-    sequences = recipe.data.sequence_tokens if not packs_examples(recipe) else None
+    sequences = recipe.data.sequence_tokens  # packed examples: set only when each is a row of its own
     return Job(
         arch=arch,
         preset=preset,
@@ -659,8 +660,9 @@ def _kernels(job: Job, strategy: str) -> str:
     if job.packed and job.example_tokens and job.attention in ("varlen", "flash"):
         attention += f" (examples of ~{job.example_tokens:,.0f} tokens, token-weighted: data.example_tokens)"
     if job.sequence_tokens:
+        rows = ", a packed row each" if job.packed and job.method in PACKED_EXAMPLE_METHODS else ""
         attention += (
-            f" (sequences of ~{job.sequence_tokens:,.0f} tokens, the longest {job.longest_sequence_tokens:,}: "
+            f" (sequences of ~{job.sequence_tokens:,.0f} tokens{rows}, the longest {job.longest_sequence_tokens:,}: "
             "data.sequence_tokens)"
         )
     liger = "no Liger"

@@ -65,8 +65,9 @@ class Job:
     # data.example_tokens: the packed examples' token-weighted mean length, sum(l^2)/sum(l) (`packed_length`);
     # None: unknown, planned as examples as long as the row (long-context data, the slower case)
     example_tokens: float | None = None
-    # data.sequence_tokens (runs that do not pack): the data's mean, longest and standard deviation of a sequence
-    # (a pair's prompt + one completion, an unpacked example); None: unknown, planned as max_length
+    # data.sequence_tokens: the data's mean, longest and standard deviation of a sequence (a pair's prompt + one
+    # completion, an unpacked example, or a packed example that fills its row alone); None: unknown, planned as
+    # max_length (packed rows: full)
     sequence_tokens: float | None = None
     longest_sequence_tokens: int | None = None
     sequence_tokens_std: float = 0.0
@@ -201,7 +202,8 @@ def peak_tokens_per_micro_batch(job: Job, micro_batch: int) -> float:
     micro-batch's longest: at most the data's longest (data.sequence_tokens), which one long sequence
     brings into any micro-batch. Padding-free pairs hold their real tokens: a sum of n independent
     lengths, planned at n x mean + z x std x sqrt(n) (`peak_sigmas`: the largest of the run's micro-batches), and
-    never more than n x longest. Unknown lengths: every sequence at max_length (packed SFT rows are full)."""
+    never more than n x longest, and so do packed examples that fill a row each. Unknown lengths: every sequence
+    at max_length (packed SFT rows are full)."""
     n = micro_batch * job.sequences_per_sample
     longest = n * peak_sequence_tokens(job)
     if not (job.packed and job.sequence_tokens):

@@ -316,7 +316,7 @@ class TaskEvalSection(DataSource):
 
 
 class SequenceTokens(Strict):
-    """data.sequence_tokens: what the planner reads of unpacked sequences' lengths."""
+    """data.sequence_tokens: what the planner reads of the lengths of sequences trained one to a row."""
 
     mean: float = Field(gt=0, description="the sequences' mean length in tokens")
     longest: int = Field(gt=0, description="the longest sequence in tokens")
@@ -390,11 +390,12 @@ class DataSection(Strict):
     sequence_tokens: SequenceTokens | None = Field(
         None,
         description="sequences not packed into rows (DPO, ORPO, SimPO, KTO, reward models: prompt + one "
-        "completion; SFT/pretrain without packing: an example): their length in tokens, each cut at max_length. "
+        "completion; SFT/pretrain without packing: an example), or packed examples no two of which fit in one row "
+        "(each then fills a row alone): their length in tokens, each cut at max_length. "
         "`mean` gives the real tokens a run counts and padding-free pairs' work, `longest` the padded rows' "
-        "work and peak memory, `std` padding-free pairs' peak; `finetune run` and `finetune plan` measure them "
-        "from local data with the model's tokenizer.json (set them for Hub data; unset: every sequence as long "
-        "as max_length)",
+        "work and peak memory, `std` padding-free pairs' and packed rows' peak; `finetune run` and `finetune plan` "
+        "measure them from local data with the model's tokenizer.json (set them for Hub data; unset: every "
+        "sequence as long as max_length, every packed row full)",
     )
 
     @model_validator(mode="before")

@@ -253,21 +253,23 @@ def planned_lengths_note(recipe: Recipe, lengths: list[int]) -> str:
     from finetune.plan.workload import packed_length
 
     d = recipe.data
-    if packs_examples(recipe):
-        key, what, planned = "data.example_tokens", "token-weighted example length", d.example_tokens
-        real = packed_length(lengths, max_length=d.max_length) if planned else None
-    else:
-        key, what = "data.sequence_tokens.longest", "longest sequence"
-        planned = d.sequence_tokens.longest if d.sequence_tokens else None
-        real = max((min(n, d.max_length) for n in lengths), default=None) if planned else None
-    if not planned or not real or abs(real / planned - 1) <= PLANNED_LENGTH_TOLERANCE:
-        return ""
-    effect = "more memory and time than planned" if real > planned else "less memory and time than planned"
-    return (
-        f"the tokenizer this run trains with makes a {what} of {real:,.0f} tokens where the plan used "
-        f"{planned:,.0f} ({key}): {effect}. `finetune plan` counts with the model's tokenizer.json, which "
-        f"transformers can rebuild by its tokenizer class; set {key}: {real:.0f} to plan with this count"
-    )
+    checks = []  # (recipe key, what it is, planned, this run's)
+    if packs_examples(recipe) and d.example_tokens:
+        real = packed_length(lengths, max_length=d.max_length)
+        checks.append(("data.example_tokens", "token-weighted example length", d.example_tokens, real))
+    if d.sequence_tokens:  # unpacked sequences, or packed examples a row each
+        real = max((min(n, d.max_length) for n in lengths), default=None)
+        checks.append(("data.sequence_tokens.longest", "longest sequence", d.sequence_tokens.longest, real))
+    for key, what, planned, real in checks:
+        if not real or abs(real / planned - 1) <= PLANNED_LENGTH_TOLERANCE:
+            continue
+        effect = "more memory and time than planned" if real > planned else "less memory and time than planned"
+        return (
+            f"the tokenizer this run trains with makes a {what} of {real:,.0f} tokens where the plan used "
+            f"{planned:,.0f} ({key}): {effect}. `finetune plan` counts with the model's tokenizer.json, which "
+            f"transformers can rebuild by its tokenizer class; set {key}: {real:.0f} to plan with this count"
+        )
+    return ""
 
 
 def _build(recipe: Recipe, tokenizer, train_sources, eval_sources):

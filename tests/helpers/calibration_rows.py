@@ -64,8 +64,8 @@ def resolved_recipe(row: dict):
     """The run's resolved recipe with its model pointed at something that exists here."""
     raw = copy.deepcopy(row["resolved"])
     for measured in ("example_tokens", "sequence_tokens"):  # measured from the run's data afterwards (docstring)
-        if row.get(measured) is not None:
-            raw["data"].setdefault(measured, row[measured])
+        if row.get(measured) is not None and raw["data"].get(measured) is None:
+            raw["data"][measured] = row[measured]
     if row.get("arch"):
         raw["model"].update(name=row["arch"], arch=row["arch"])
         family = get_model(row["arch"]).family

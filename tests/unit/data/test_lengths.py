@@ -249,3 +249,51 @@ def test_the_pairs_peak_is_the_largest_micro_batch_of_the_run(tmp_path):
     assert 3.3 < peak_sigmas(short, 4) < peak_sigmas(long, 4) < peak_sigmas(long, 1)
     assert peak_sigmas(unknown, 4) == PEAK_SIGMAS
     assert tokens_per_micro_batch(short, 4) < tokens_per_micro_batch(long, 4) <= 4 * 2 * 96
+
+
+def _long_examples(tmp_path, words, name="long.jsonl"):
+    rows = (
+        {"messages": [{"role": "user", "content": "word " * w}, {"role": "assistant", "content": "ok"}]} for w in words
+    )
+    return _jsonl(tmp_path / name, rows)
+
+
+def test_packed_examples_no_two_of_which_fit_a_row_are_planned_a_row_each(tmp_path):
+    from finetune.api import make_plan
+    from finetune.plan import job_from_recipe, lookup
+    from finetune.plan.memory import tokens_per_micro_batch
+
+    def packed(words, name):
+        raw = tiny_recipe(data={"sources": [{"path": str(_long_examples(tmp_path, words, name))}], "packing": True})
+        raw["data"].update(eval_sources=[], max_length=256)
+        raw["train"].update(precision="bf16", micro_batch_size=2)
+        return load_recipe(raw)
+
+    # every example longer than half a row (the tiny tokenizer: a token a character; "word " is 5): best-fit
+    # packing gives each its own row, as long as the example
+    long = packed([30 + i % 12 for i in range(50)], "long.jsonl")
+    long = with_measured_lengths(long, local_sample(long))
+    sequences = long.data.sequence_tokens
+    assert sequences is not None and 150 < sequences.mean < sequences.longest < 256 and sequences.count == 50
+    # one short example among them fills the long ones' rows: rows are full, as planned without lengths
+    mixed = packed([30 + i % 12 for i in range(50)] + [2], "mixed.jsonl")
+    assert with_measured_lengths(mixed, local_sample(mixed)).data.sequence_tokens is None
+
+    arch, preset, _ = lookup(long, hardware="server-8xh100")
+    rows = job_from_recipe(long, arch=arch, preset=preset)
+    full = job_from_recipe(mixed, arch=arch, preset=preset)
+    assert tokens_per_micro_batch(rows, 2) <= 2 * sequences.longest < tokens_per_micro_batch(full, 2) == 2 * 256
+    _, plan = make_plan(long, hardware="server-8xh100")
+    assert "a packed row each" in plan.kernels and plan.tokens_per_step == round(
+        plan.global_batch_size * sequences.mean
+    )
+
+
+def test_row_pieces_and_rows_of_one():
+    from finetune.data.lengths import row_pieces, rows_of_one
+
+    assert row_pieces([300, 90, 0], max_length=100, split=False) == [100, 90]  # SFT truncates
+    assert row_pieces([250, 90], max_length=100, split=True) == [100, 100, 50, 90]  # pretrain splits (bfd_split)
+    assert rows_of_one([60, 70, 90], max_length=100)
+    assert not rows_of_one([60, 40, 90], max_length=100)  # 60 + 40 share a row
+    assert not rows_of_one([100, 100, 50, 30], max_length=100) and rows_of_one([80], max_length=100)

@@ -307,3 +307,16 @@ def test_the_run_says_when_its_tokenizer_counts_other_lengths_than_the_plan(tmp_
     assert "data.sequence_tokens.longest" in planned_lengths_note(padded, [12, 30, 18])
     assert "more memory and time than planned" in planned_lengths_note(padded, [12, 30, 18])
     assert planned_lengths_note(padded, [12, 21, 18]) == ""  # within 10%
+    # packed examples planned a row each (data.sequence_tokens on a packed recipe): their longest is checked too
+    rows = load_recipe(
+        tiny_recipe(
+            data={
+                "packing": True,
+                "example_tokens": 25.0,
+                "sequence_tokens": {"mean": 24, "longest": 26},
+                "max_length": 40,
+            }
+        )
+    )
+    assert planned_lengths_note(rows, [24, 25, 26]) == ""
+    assert "data.sequence_tokens.longest" in planned_lengths_note(rows, [25] * 20 + [29])  # examples agree

@@ -134,14 +134,13 @@ SPEED_MISSES = {
 }
 MEMORY_MISSES = {
     "154-qwen2.5-32b-lora-s16k": (
-        "Qwen2.5-32B LoRA at seq 16384 with examples of 0.78-0.94 of it (one example a packed row): the planner "
-        "plans a packed SFT row as full (16,384 tokens). The memory profile of the same setting (row 156) found "
-        "12,240 tokens in its profiled step, fewer even than the data's examples: the run's tokenizer is "
-        "transformers' Qwen2Tokenizer rebuilt from the fixture's tiny tokenizer.json (AutoTokenizer on a qwen2 "
-        "model directory), which makes 17% fewer tokens than the tokenizer.json the planner counts with "
-        "(data/lengths.py: 14,170 token-weighted, as a CPU run with the same files trains). At 12,240 tokens the "
-        "plan's per-token terms give 41.4 GiB (13 full layers, 51 checkpointed inputs, the embedding output and the "
-        "loss head) against the 41.1 the step allocated"
+        "Qwen2.5-32B LoRA at seq 16384 with examples of 0.78-0.94 of it: no two fit in one packed row, so the "
+        "planner plans a row each at the data's lengths (data.sequence_tokens: longest 15,352, mean 14,143, as "
+        "data/lengths.py counts with the model's tokenizer.json). The run's tokenizer counted 17% fewer: for a "
+        "qwen2 model type transformers' AutoTokenizer rebuilt the GPU fixture's tiny tokenizer.json as a "
+        "Qwen2Tokenizer, and the memory profile (row 156) found 12,240 tokens in its profiled step, where the "
+        "plan's per-token terms give 41.4 GiB against the 41.1 the step allocated. scripts/make_random_model.py "
+        "now saves the tokenizer as its class builds it, as a real checkpoint's is"
     ),
     "156-qwen2.5-32b-lora-s16k-memory": "row 154's setting with its memory profiled: the same miss",
     "50-dpo70b": (
