@@ -119,9 +119,9 @@ def main() -> None:
                 x = torch.randn(args.tokens, hidden, device=device, dtype=torch.bfloat16, requires_grad=True)
                 r = measure(mod, x, index, weights, trainable=trainable, iters=args.iters)
                 # 3 GEMMs of the SwiGLU expert (gate, up, down) per routed token: 2 FLOPs a multiply-add; the
-                # backward's input gradient doubles them, the weight gradients add as many again
+                # backward's input gradients as many again, the weight gradients (trained experts) as many more
                 forward = 2 * routed * 3 * hidden * inter
-                flops = forward * (4 if trainable else 3)
+                flops = forward * (3 if trainable else 2)
                 case = {
                     "config": path,
                     "impl": impl,

@@ -68,6 +68,7 @@ from finetune.plan.workload import (
     adapter_tensors,
     attention_widths,
     count_params,
+    is_mla,
     largest_parameter_elements,
     layer_kinds,
     lora_params,
@@ -317,6 +318,8 @@ def activation_bytes_per_token_layer(
         or (job.attention == "varlen" and job.varlen_repeats_kv)
         or masked_attention(job, micro_batch=micro_batch) is not None
     )
+    if job.attention in ("flash", "varlen") and is_mla(arch):
+        v = kv  # the flash kernels take one head size: MLA's values are padded to the keys' (train/attention.py)
     attention = a * (2 * q + (q if repeated else kv) + (q if repeated else v)) + 4 * arch.num_attention_heads
     mlp = mlp_bytes_per_token_layer(job)  # dense SwiGLU and routed experts (plan/moe_memory.py)
     lora = 0.0

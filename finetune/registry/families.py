@@ -210,7 +210,9 @@ LIGER_MODEL_TYPES = frozenset(
 # layer (16,384 tokens, one H200: scripts/moe_experts_rates.py, docs/results/moe-experts-rates-2026-11-28-h200.json)
 # it took 101 ms forward + backward with frozen experts (LoRA) and 98 ms with trained ones, against 42 and 61 ms for
 # grouped_mm, after 53 s of autotuning on its first call; a whole Mixtral LoRA run with it did not reach its first
-# step in 6 minutes. So finetune runs Liger's norms and RoPE on these and leaves the MLPs to transformers.
+# step in 6 minutes. On Qwen3-30B-A3B's and DeepSeek-V2-Lite's frozen experts it took 13.0 and 16.7 ms against 9.7 and
+# 10.4, after 212-219 s of autotuning (docs/results/moe-experts-rates-2026-11-28-h200-qwen3-deepseek.json). So
+# finetune runs Liger's norms and RoPE on these and leaves the MLPs to transformers.
 LIGER_FUSED_EXPERTS = frozenset({"deepseek_v2", "deepseek_v3", "mixtral", "qwen3_moe"})
 
 

@@ -138,6 +138,22 @@ def varlen_attention_forward(
     cu_seq_lens, max_length = bounds
     # (1, h, t, d) -> (t, h, d): a view; the kernel needs only the last dimension contiguous
     q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))
+    head_dim, value_dim = q.shape[-1], v.shape[-1]
+    if value_dim != head_dim:
+        # the flash kernel takes one head size for q, k and v: MLA's values (DeepSeek-V2/V3: 128 against the
+        # queries' 192) are padded with zeros to it and the output cropped back, as transformers' flash path does
+        out, _ = varlen_attention_forward(
+            module,
+            query,
+            key,
+            torch.nn.functional.pad(value, [0, head_dim - value_dim]),
+            attention_mask,
+            dropout=dropout,
+            scaling=scaling,
+            is_causal=is_causal,
+            **kwargs,
+        )
+        return out[..., :value_dim], None
     cu = cu_seq_lens.to(device=q.device, dtype=torch.int32)
     args = (cu, cu, max_length, max_length)
     gqa = {}

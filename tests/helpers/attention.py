@@ -10,12 +10,13 @@ class AttentionModule(torch.nn.Module):
     num_key_value_groups = 2
 
 
-def packed(lengths, *, heads=4, kv_heads=2, dim=16, device="cpu", dtype=torch.float32):
+def packed(lengths, *, heads=4, kv_heads=2, dim=16, value_dim=None, device="cpu", dtype=torch.float32):
+    """Packed q/k/v (value_dim: the values' head size where it differs from the queries', as MLA's)."""
     total = sum(lengths)
     g = torch.Generator().manual_seed(0)
     q = torch.randn(1, heads, total, dim, generator=g).to(device, dtype)
     k = torch.randn(1, kv_heads, total, dim, generator=g).to(device, dtype)
-    v = torch.randn(1, kv_heads, total, dim, generator=g).to(device, dtype)
+    v = torch.randn(1, kv_heads, total, value_dim or dim, generator=g).to(device, dtype)
     cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device=device)
     kwargs = {"cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": max(lengths), "max_length_k": max(lengths)}
     return q, k, v, kwargs
