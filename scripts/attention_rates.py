@@ -8,6 +8,12 @@ seconds for one forward + backward, the FLOPs the kernel executes (the causal tr
 kernel, the whole square for a masked one) and the TFLOP/s that makes, and the kernels the profiler saw.
 
     python3 scripts/attention_rates.py --out rates.json
+
+With --new-lengths N it times instead the first forward + backward of the masked kernel at N new row lengths
+(T, T - 8, T - 16, ...: a packed row's length changes with every micro-batch) and then the same lengths again,
+per call with the GPU synchronized: what a kernel pays once per new shape (e.g. cuDNN building an execution plan).
+
+    python3 scripts/attention_rates.py --new-lengths 6 --out new-lengths.json
 """
 
 from __future__ import annotations
@@ -15,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import time
 
 import torch
 import torch.nn.functional as F  # noqa: N812
@@ -76,14 +83,57 @@ def measure(*, heads, kv_heads, head_dim, tokens, masked, dropout, iters, device
     }
 
 
+def new_length_seconds(*, heads, kv_heads, head_dim, tokens, dropout, lengths, device) -> dict:
+    """Seconds of one synchronized forward + backward of the masked kernel at `lengths` new row lengths below
+    `tokens`, each timed on its first call and again on a second pass over the same lengths."""
+    sizes = [tokens - 8 * i for i in range(lengths)]
+    inputs = {}
+    for t in sizes:
+        q = torch.randn(1, heads, t, head_dim, device=device, dtype=torch.bfloat16, requires_grad=True)
+        k = torch.randn(1, kv_heads, t, head_dim, device=device, dtype=torch.bfloat16, requires_grad=True)
+        v = torch.randn(1, kv_heads, t, head_dim, device=device, dtype=torch.bfloat16, requires_grad=True)
+        inputs[t] = (q, k, v, block_causal_mask(t, device), torch.randn_like(q))
+
+    def timed(t: int) -> float:
+        q, k, v, mask, grad = inputs[t]
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout, enable_gqa=True)
+        out.backward(grad)
+        torch.cuda.synchronize()
+        q.grad = k.grad = v.grad = None
+        return time.perf_counter() - start
+
+    first = [timed(t) for t in sizes]
+    again = [timed(t) for t in sizes]
+    return {"lengths": sizes, "first_s": [round(x, 4) for x in first], "again_s": [round(x, 4) for x in again]}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True)
     parser.add_argument("--iters", type=int, default=10)
+    parser.add_argument("--new-lengths", type=int, default=0, help="time the masked kernel at this many new lengths")
     args = parser.parse_args()
     device = torch.device("cuda")
     rows = []
-    for label, heads, kv_heads, head_dim in SHAPES:
+    if args.new_lengths:
+        label, heads, kv_heads, head_dim = SHAPES[0]
+        for tokens in TOKENS:
+            for dropout in (0.0, 0.1):
+                case = {"shape": label, "tokens": tokens, "dropout": dropout}
+                case |= new_length_seconds(
+                    heads=heads,
+                    kv_heads=kv_heads,
+                    head_dim=head_dim,
+                    tokens=tokens,
+                    dropout=dropout,
+                    lengths=args.new_lengths,
+                    device=device,
+                )
+                print(json.dumps(case), flush=True)
+                rows.append(case)
+    for label, heads, kv_heads, head_dim in SHAPES if not args.new_lengths else []:
         for tokens in TOKENS:
             for masked in (False, True):
                 for dropout in (0.0, 0.1):

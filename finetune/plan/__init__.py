@@ -203,6 +203,21 @@ def attention_kind(implementation: str, *, packed: bool, arch=None) -> str:
     return "flash"
 
 
+# tokens: packed rows that reach sdpa's masked kernel are padded to a multiple of this (packed_row_multiple)
+MASKED_ROW_MULTIPLE = 512
+
+
+def packed_row_multiple(job: Job) -> int | None:
+    """Packed SFT/pretrain rows that some layers run through sdpa with the block-diagonal mask
+    (attention_kind "sdpa": attention dropout, sliding windows, or sdpa asked for) on an NVIDIA GPU are padded
+    to a multiple of MASKED_ROW_MULTIPLE tokens, else None. There sdpa runs cuDNN's attention, whose first call
+    at each new row length costs 0.13-0.15 s forward + backward on an H200 (scripts/attention_rates.py
+    --new-lengths; a repeat 2-38 ms), and a packed row's length changes with every micro-batch: padded, a run
+    meets a few lengths, each paid once. The padding (half a multiple a micro-batch on average) is planned."""
+    masked = job.packed and job.attention == "sdpa" and job.method in PACKED_EXAMPLE_METHODS
+    return MASKED_ROW_MULTIPLE if masked and job.preset.vendor == "nvidia" else None
+
+
 def liger_enabled(recipe, preset, *, arch) -> bool:
     """train.liger: auto = on for NVIDIA GPUs when liger-kernel is installed where the run is compiled
     (the training machine for `finetune run`; a planning laptop without it plans without, which over-estimates
@@ -262,7 +277,7 @@ def job_from_recipe(recipe, *, arch, preset) -> Job:
     fallback = varlen_fallback_layers(arch)
     served = arch.num_layers - fallback if implementation == "varlen" and recipe.data.packing else 0
     sequences = recipe.data.sequence_tokens  # packed examples: set only when each is a row of its own
-    return Job(
+    job = Job(
         arch=arch,
         preset=preset,
         adapter=adapter,
@@ -304,6 +319,9 @@ def job_from_recipe(recipe, *, arch, preset) -> Job:
         sharded_load=loads_sharded(recipe),
         load_copies=recipe.model.init == "random" or arch.checkpoint_dtype != recipe.model.dtype,
     )
+    # a resolved recipe trains as compiled (one resolved before the key existed did not pad)
+    multiple = recipe.resolved.packed_row_multiple if recipe.resolved else packed_row_multiple(job)
+    return replace(job, row_multiple=multiple)
 
 
 def lookup(recipe, *, hardware: str | None = None):
@@ -626,6 +644,7 @@ def plan_job(job: Job) -> Plan:
     )
     plan.tight = chosen.tight
     plan.sync_each_batch = chosen.sync_each_batch
+    plan.packed_row_multiple = job.row_multiple
     plan.kernels = _kernels(job, chosen.strategy)
     if strategies.info(chosen.strategy).offload == "nvme":
         plan.nvme_read_gbps = nvme_read_gbps(job)
@@ -659,6 +678,8 @@ def _kernels(job: Job, strategy: str) -> str:
         )
     if job.packed and job.example_tokens and job.attention in ("varlen", "flash"):
         attention += f" (examples of ~{job.example_tokens:,.0f} tokens, token-weighted: data.example_tokens)"
+    if job.row_multiple and job.packed:
+        attention += f" (packed rows padded to a multiple of {job.row_multiple} tokens: one cuDNN plan a length)"
     if job.sequence_tokens:
         rows = ", a packed row each" if job.packed and job.method in PACKED_EXAMPLE_METHODS else ""
         attention += (

@@ -80,6 +80,9 @@ class Job:
     # copies kept per layer). train/attention.py gives them to the kernel as they are wherever torch's varlen
     # takes them (2.11 without a switch, 2.13 with enable_gqa): True only for runs of the repeating path
     varlen_repeats_kv: bool = False
+    # packed rows padded to a multiple of this many tokens (resolved.packed_row_multiple: plan.packed_row_multiple
+    # says when); None: not padded
+    row_multiple: int | None = None
     # attention "sdpa" on packed rows because some layers fall back from finetune's varlen kernel
     # (`varlen_fallback_layers`): how many layers the varlen kernel still serves (Gemma-3's global ones)
     varlen_layers: int = 0
@@ -207,9 +210,15 @@ def peak_tokens_per_micro_batch(job: Job, micro_batch: int) -> float:
     n = micro_batch * job.sequences_per_sample
     longest = n * peak_sequence_tokens(job)
     if not (job.packed and job.sequence_tokens):
-        return longest
+        return padded_row(job, longest)
     z = peak_sigmas(job, micro_batch)
-    return min(longest, n * mean_sequence_tokens(job) + z * job.sequence_tokens_std * n**0.5)
+    return padded_row(job, min(longest, n * mean_sequence_tokens(job) + z * job.sequence_tokens_std * n**0.5))
+
+
+def padded_row(job: Job, tokens: float) -> float:
+    """A packed micro-batch's `tokens` as the collator pads them: up to a multiple of Job.row_multiple."""
+    m = job.row_multiple
+    return -(-tokens // m) * m if m and job.packed else tokens
 
 
 def peak_sigmas(job: Job, micro_batch: int) -> float:
@@ -237,8 +246,12 @@ def computed_sequence_tokens(job: Job) -> float:
 
 def computed_tokens_per_micro_batch(job: Job, micro_batch: int) -> float:
     """Tokens a micro-batch costs the GPU on average (the step's time; its peak memory holds
-    memory.tokens_per_micro_batch)."""
-    return micro_batch * computed_sequence_tokens(job) * job.sequences_per_sample
+    memory.tokens_per_micro_batch), padding included: half a Job.row_multiple where the rows' lengths vary
+    (measured), full rows rounded up."""
+    tokens = micro_batch * computed_sequence_tokens(job) * job.sequences_per_sample
+    if job.row_multiple and job.packed and job.sequence_tokens:
+        return tokens + job.row_multiple / 2
+    return padded_row(job, tokens)
 
 
 def batch_share(job: Job) -> int:

@@ -103,6 +103,12 @@ class DeferredMetricsSFTTrainer(DeferredMetrics, SFTTrainer):
         if "attention_mask" in inputs:
             mask_sum = inputs["attention_mask"].sum()
             self._pending_tokens = mask_sum if self._pending_tokens is None else self._pending_tokens + mask_sum
+        elif "position_ids" in inputs and self.args.pad_to_multiple_of:
+            # the collator's pads trail the row, each at position 0: count up to the last token at another position
+            # (on the device, no sync; a row ending in a one-token example counts one token short)
+            pos = inputs["position_ids"][0]
+            real = torch.where(pos != 0, torch.arange(pos.numel(), device=pos.device), -1).max() + 1
+            self._pending_tokens = real if self._pending_tokens is None else self._pending_tokens + real
         elif "position_ids" in inputs:
             self._pending_token_count += inputs["position_ids"].size(1)
         else:
