@@ -333,8 +333,9 @@ def masked_row_layers(job: Job) -> int:
 def executed_attention_positions(job: Job, *, micro_batch: int) -> float:
     """L x key positions per query token that the attention kernels really compute (the step time's
     attention FLOPs; the MFU's stay `attended_positions`, the convention that counts the full s x s).
-    sdpa or eager with a mask over a packed row of T = micro_batch x seq_len tokens compute every T x T
-    block (a masked kernel skips none, and a sliding window is only more mask); a causal kernel
+    sdpa or eager with a mask over a packed row of T tokens (computed_tokens_per_micro_batch: full rows, or
+    the measured lengths, padding included) compute every T x T block (a masked kernel skips none, and a
+    sliding window is only more mask); a causal kernel
     computes the triangle of each row (`causal_positions`). The varlen and flash kernels run each
     packed example as its own row: the triangle of the examples' token-weighted mean length
     (`Job.example_tokens`, `packed_length`) when the data's lengths are known, else of examples as long
@@ -343,7 +344,7 @@ def executed_attention_positions(job: Job, *, micro_batch: int) -> float:
     if job.packed and job.attention in ("sdpa", "eager"):
         masked = masked_row_layers(job)
         served = min(job.seq_len, job.example_tokens or job.seq_len)
-        row = micro_batch * job.seq_len * job.sequences_per_sample
+        row = computed_tokens_per_micro_batch(job, micro_batch)  # the real tokens, padding included
         return masked * row + (arch.num_layers - masked) * served / 2
     if skips_masked_blocks(job, micro_batch=micro_batch):
         if job.packed and job.example_tokens:

@@ -70,7 +70,11 @@ def test_packed_rows_are_padded_only_where_cudnns_masked_attention_meets_them():
     dropout, which the varlen kernel does not run) are padded to a multiple of MASKED_ROW_MULTIPLE tokens; the
     plan counts the padding in the step's tokens and its peak; varlen rows, unpacked rows and CPU runs are not."""
     from finetune.plan import MASKED_ROW_MULTIPLE, job_from_recipe, packed_row_multiple
-    from finetune.plan.workload import computed_tokens_per_micro_batch, peak_tokens_per_micro_batch
+    from finetune.plan.workload import (
+        computed_tokens_per_micro_batch,
+        executed_attention_positions,
+        peak_tokens_per_micro_batch,
+    )
 
     gpu, cpu = get_preset("server-8xh100"), get_preset("cpu")
     llama = get_model("llama-3.1-8b")
@@ -88,3 +92,6 @@ def test_packed_rows_are_padded_only_where_cudnns_masked_attention_meets_them():
     # the peak is rounded up to the multiple, the step's work adds half a multiple to rows of varying length
     assert peak_tokens_per_micro_batch(masked, 4) % MASKED_ROW_MULTIPLE == 0
     assert computed_tokens_per_micro_batch(masked, 4) == pytest.approx(4 * 1500 + MASKED_ROW_MULTIPLE / 2)
+    # every layer's masked kernel computes the whole padded row for each query
+    row = 4 * 1500 + MASKED_ROW_MULTIPLE / 2
+    assert executed_attention_positions(masked, micro_batch=4) == pytest.approx(dropout.num_layers * row)
