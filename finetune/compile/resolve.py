@@ -84,7 +84,7 @@ def resolve_recipe(recipe: Recipe, plan: Plan, *, run_dir: Path, arch: ModelArch
         model_family=arch.family,
         activation_checkpointing_by=checkpointing_owner(plan),
         checkpoint_layers=plan.checkpoint_layers if partial_checkpointing(plan) else None,
-        packed_row_multiple=plan.packed_row_multiple,
+        row_multiple=plan.row_multiple,
     ).model_dump(mode="python")
     resolved = Recipe.model_validate(data)
     resolved._source_dir = str(run_dir)

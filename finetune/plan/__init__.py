@@ -203,19 +203,32 @@ def attention_kind(implementation: str, *, packed: bool, arch=None) -> str:
     return "flash"
 
 
-# tokens: packed rows that reach sdpa's masked kernel are padded to a multiple of this (packed_row_multiple)
-MASKED_ROW_MULTIPLE = 512
+# tokens: rows that reach sdpa's masked (cuDNN) kernel are padded to a multiple of these (row_multiple)
+MASKED_ROW_MULTIPLE = 512  # packed rows: micro-batch x max_length long, nearly full
+PADDED_ROW_MULTIPLE = 64  # padded sequences: each as long as the micro-batch's longest example
+PADDED_ROW_METHODS = ("sft", "pretrain", "dpo")  # whose TRL config takes pad_to_multiple_of (train/trainers.py)
 
 
-def packed_row_multiple(job: Job) -> int | None:
-    """Packed SFT/pretrain rows that some layers run through sdpa with the block-diagonal mask
-    (attention_kind "sdpa": attention dropout, sliding windows, or sdpa asked for) on an NVIDIA GPU are padded
-    to a multiple of MASKED_ROW_MULTIPLE tokens, else None. There sdpa runs cuDNN's attention, whose first call
-    at each new row length costs 0.13-0.15 s forward + backward on an H200 (scripts/attention_rates.py
-    --new-lengths; a repeat 2-38 ms), and a packed row's length changes with every micro-batch: padded, a run
-    meets a few lengths, each paid once. The padding (half a multiple a micro-batch on average) is planned."""
-    masked = job.packed and job.attention == "sdpa" and job.method in PACKED_EXAMPLE_METHODS
-    return MASKED_ROW_MULTIPLE if masked and job.preset.vendor == "nvidia" else None
+def row_multiple(job: Job) -> int | None:
+    """The multiple of tokens the collator pads rows to where sdpa gets a mask over them on an NVIDIA GPU, else
+    None. There sdpa runs cuDNN's attention, whose first call at each new row length costs 0.13-0.18 s forward +
+    backward on an H200 (scripts/attention_rates.py --new-lengths; 2-38 ms at a length it has seen), and the
+    length changes with nearly every micro-batch: packed SFT/pretrain rows whose layers the varlen kernel does not
+    serve (attention dropout, sliding windows, or sdpa asked for; the block-diagonal mask) get
+    MASKED_ROW_MULTIPLE, sequences padded to a micro-batch's longest (the padding mask) PADDED_ROW_MULTIPLE.
+    Padded, a run meets a few lengths and pays for each once. The planner counts the padding at every
+    micro-batch; the run pads one-sequence micro-batches of unpadded rows not at all (`pads_rows`)."""
+    if job.attention != "sdpa" or job.preset.vendor != "nvidia":
+        return None
+    if job.packed:
+        return MASKED_ROW_MULTIPLE if job.method in PACKED_EXAMPLE_METHODS else None
+    return PADDED_ROW_MULTIPLE if job.method in PADDED_ROW_METHODS else None
+
+
+def pads_rows(job: Job, *, micro_batch: int) -> bool:
+    """The run pads its rows to Job.row_multiple at this micro-batch: packed rows always, padded sequences where a
+    micro-batch holds more than one (a single unpadded sequence gets no mask: sdpa's causal flash kernel)."""
+    return bool(job.row_multiple) and (job.packed or micro_batch * job.sequences_per_sample > 1)
 
 
 def liger_enabled(recipe, preset, *, arch) -> bool:
@@ -320,8 +333,7 @@ def job_from_recipe(recipe, *, arch, preset) -> Job:
         load_copies=recipe.model.init == "random" or arch.checkpoint_dtype != recipe.model.dtype,
     )
     # a resolved recipe trains as compiled (one resolved before the key existed did not pad)
-    multiple = recipe.resolved.packed_row_multiple if recipe.resolved else packed_row_multiple(job)
-    return replace(job, row_multiple=multiple)
+    return replace(job, row_multiple=recipe.resolved.row_multiple if recipe.resolved else row_multiple(job))
 
 
 def lookup(recipe, *, hardware: str | None = None):
@@ -644,7 +656,7 @@ def plan_job(job: Job) -> Plan:
     )
     plan.tight = chosen.tight
     plan.sync_each_batch = chosen.sync_each_batch
-    plan.packed_row_multiple = job.row_multiple
+    plan.row_multiple = job.row_multiple if pads_rows(job, micro_batch=chosen.micro_batch_size) else None
     plan.kernels = _kernels(job, chosen.strategy)
     if strategies.info(chosen.strategy).offload == "nvme":
         plan.nvme_read_gbps = nvme_read_gbps(job)
@@ -678,8 +690,9 @@ def _kernels(job: Job, strategy: str) -> str:
         )
     if job.packed and job.example_tokens and job.attention in ("varlen", "flash"):
         attention += f" (examples of ~{job.example_tokens:,.0f} tokens, token-weighted: data.example_tokens)"
-    if job.row_multiple and job.packed:
-        attention += f" (packed rows padded to a multiple of {job.row_multiple} tokens: one cuDNN plan a length)"
+    if job.row_multiple:
+        rows = "packed rows" if job.packed else "sequences"
+        attention += f" ({rows} padded to a multiple of {job.row_multiple} tokens: cuDNN plans each new length)"
     if job.sequence_tokens:
         rows = ", a packed row each" if job.packed and job.method in PACKED_EXAMPLE_METHODS else ""
         attention += (

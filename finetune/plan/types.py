@@ -134,8 +134,8 @@ class Plan:
     # the chosen setting fits only within choose.TIGHT_HEADROOM of GPU memory (Candidate.tight)
     tight: bool = False
     sync_each_batch: bool | None = None  # the chosen Candidate.sync_each_batch
-    # packed rows padded to a multiple of this many tokens (plan.packed_row_multiple says when); None: not padded
-    packed_row_multiple: int | None = None
+    # rows padded to a multiple of this many tokens (plan.row_multiple says when); None: not padded
+    row_multiple: int | None = None
     # an NVMe plan: the swap directory's read bandwidth the step time used (GB/s) and where the figure came from
     nvme_read_gbps: float = 0.0
     disk: str = ""
@@ -161,7 +161,7 @@ class Plan:
             "micro_batch_size": self.micro_batch_size,
             "gradient_accumulation_steps": self.gradient_accumulation_steps,
             "sync_each_batch": self.sync_each_batch,
-            "packed_row_multiple": self.packed_row_multiple,
+            "row_multiple": self.row_multiple,
             "activation_checkpointing": self.activation_checkpointing,
             "checkpoint_layers": self.checkpoint_layers,
             "num_layers": self.num_layers,

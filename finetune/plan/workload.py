@@ -80,8 +80,8 @@ class Job:
     # copies kept per layer). train/attention.py gives them to the kernel as they are wherever torch's varlen
     # takes them (2.11 without a switch, 2.13 with enable_gqa): True only for runs of the repeating path
     varlen_repeats_kv: bool = False
-    # packed rows padded to a multiple of this many tokens (resolved.packed_row_multiple: plan.packed_row_multiple
-    # says when); None: not padded
+    # rows padded to a multiple of this many tokens (resolved.row_multiple: plan.row_multiple says when); the
+    # planner counts it at every micro-batch (plan.pads_rows: the run skips one-sequence unpadded micro-batches)
     row_multiple: int | None = None
     # attention "sdpa" on packed rows because some layers fall back from finetune's varlen kernel
     # (`varlen_fallback_layers`): how many layers the varlen kernel still serves (Gemma-3's global ones)
@@ -196,8 +196,10 @@ class Params:
 
 def peak_sequence_tokens(job: Job) -> float:
     """Tokens of a sequence at a micro-batch's peak: max_length, or the data's longest (data.sequence_tokens):
-    TRL pads a micro-batch's sequences to its longest, and padding-free pairs hold at most that many each."""
-    return min(job.seq_len, job.longest_sequence_tokens or job.seq_len)
+    TRL pads a micro-batch's sequences to its longest (rounded up to Job.row_multiple), and padding-free pairs
+    hold at most that many each."""
+    longest = min(job.seq_len, job.longest_sequence_tokens or job.seq_len)
+    return longest if job.packed else padded_row(job, longest)
 
 
 def peak_tokens_per_micro_batch(job: Job, micro_batch: int) -> float:
@@ -216,9 +218,9 @@ def peak_tokens_per_micro_batch(job: Job, micro_batch: int) -> float:
 
 
 def padded_row(job: Job, tokens: float) -> float:
-    """A packed micro-batch's `tokens` as the collator pads them: up to a multiple of Job.row_multiple."""
+    """A row of `tokens` as the collator pads it: up to a multiple of Job.row_multiple."""
     m = job.row_multiple
-    return -(-tokens // m) * m if m and job.packed else tokens
+    return -(-tokens // m) * m if m else tokens
 
 
 def peak_sigmas(job: Job, micro_batch: int) -> float:
@@ -249,7 +251,9 @@ def computed_tokens_per_micro_batch(job: Job, micro_batch: int) -> float:
     memory.tokens_per_micro_batch), padding included: half a Job.row_multiple where the rows' lengths vary
     (measured), full rows rounded up."""
     tokens = micro_batch * computed_sequence_tokens(job) * job.sequences_per_sample
-    if job.row_multiple and job.packed and job.sequence_tokens:
+    if not job.packed:  # each sequence padded to the (rounded) longest: computed_sequence_tokens
+        return tokens
+    if job.row_multiple and job.sequence_tokens:
         return tokens + job.row_multiple / 2
     return padded_row(job, tokens)
 

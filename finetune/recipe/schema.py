@@ -727,12 +727,12 @@ class ResolvedSection(Strict):
         description="decoder layers checkpointed, the first k of the model's (None: all when "
         "train.activation_checkpointing is on); the planner's choice for a tight fit",
     )
-    packed_row_multiple: int | None = Field(
+    row_multiple: int | None = Field(
         None,
         ge=1,
-        description="packed rows are padded to a multiple of this many tokens (the planner's choice where sdpa "
-        "runs cuDNN's masked attention over them, which plans each new row length once: "
-        "finetune.plan.packed_row_multiple); None: not padded",
+        description="rows are padded to a multiple of this many tokens (the planner's choice where sdpa runs "
+        "cuDNN's masked attention over them, which plans each new row length once: finetune.plan.row_multiple); "
+        "None: not padded",
     )
     measure: bool = Field(
         False,

@@ -58,9 +58,10 @@ def resolve_recipe(recipe: dict | str | Path, *, run_dir: Path, hardware: str | 
     return out
 
 
-def tiny_trainer(raw: dict, *, run_dir: Path, has_eval: bool, callbacks=()):
+def tiny_trainer(raw: dict, *, run_dir: Path, has_eval: bool, callbacks=(), resolved: dict | None = None):
     """(recipe, trainer): `raw` resolved into `run_dir` and built into the real trainer a rank builds, on the
-    CPU in this process (the data prepared as one process prepares it)."""
+    CPU in this process (the data prepared as one process prepares it). `resolved`: planner decisions to pin
+    over compile's (e.g. a GPU's row_multiple)."""
     from accelerate import PartialState
 
     from finetune.recipe.load import load_recipe
@@ -69,6 +70,8 @@ def tiny_trainer(raw: dict, *, run_dir: Path, has_eval: bool, callbacks=()):
     from finetune.train.trainers import build_trainer, training_args
 
     recipe = load_recipe(resolve_recipe(raw, run_dir=run_dir), allow_resolved=True)
+    if resolved:
+        recipe = recipe.model_copy(update={"resolved": recipe.resolved.model_copy(update=resolved)})
     tokenizer = load_tokenizer(recipe)
     trainer = build_trainer(
         recipe,

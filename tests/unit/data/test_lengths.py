@@ -159,9 +159,11 @@ def test_dpo_plan_reads_the_measured_sequences(tmp_path):
     assert computed_tokens_per_micro_batch(pairs, 4) == pytest.approx(n * sequences.mean)
     bound = n * sequences.mean + peak_sigmas(pairs, 4) * sequences.std * n**0.5
     assert tokens_per_micro_batch(pairs, 4) == pytest.approx(min(bound, n * sequences.longest))
-    # padded pairs: every sequence padded to the micro-batch's longest, the data's longest at worst
+    # padded pairs: every sequence padded to the micro-batch's longest, the data's longest at worst, rounded up to
+    # the multiple sdpa's padding mask gets on an NVIDIA GPU (plan.row_multiple)
     padded = job_from_recipe(_dpo(tmp_path, sequence_tokens=sequences.model_dump()), arch=arch, preset=preset)
-    assert computed_tokens_per_micro_batch(padded, 4) == tokens_per_micro_batch(padded, 4) == n * sequences.longest
+    longest = -(-sequences.longest // padded.row_multiple) * padded.row_multiple
+    assert computed_tokens_per_micro_batch(padded, 4) == tokens_per_micro_batch(padded, 4) == n * longest
 
 
 def test_plan_uses_the_measured_lengths(tmp_path):
@@ -202,8 +204,10 @@ def test_unpacked_sft_plans_its_padded_rows_at_the_data_longest(tmp_path):
     assert plan.tokens_per_step == round(plan.global_batch_size * sequences.mean)  # the real tokens
     arch, preset, _ = lookup(recipe, hardware="server-8xh100")
     job = job_from_recipe(recipe, arch=arch, preset=preset)
-    # rows padded to a micro-batch's longest: planned at the data's longest, for the work and the peak
-    assert computed_tokens_per_micro_batch(job, 4) == tokens_per_micro_batch(job, 4) == 4 * sequences.longest
+    # rows padded to a micro-batch's longest: planned at the data's longest (rounded up to plan.row_multiple on
+    # an NVIDIA GPU), for the work and the peak
+    longest = -(-sequences.longest // job.row_multiple) * job.row_multiple
+    assert computed_tokens_per_micro_batch(job, 4) == tokens_per_micro_batch(job, 4) == 4 * longest
     _, at_max_length = make_plan(
         _recipe(tmp_path, packing=False, max_length=256, sequence_tokens={"mean": 256, "longest": 256}),
         hardware="server-8xh100",

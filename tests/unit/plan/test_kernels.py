@@ -65,14 +65,16 @@ def test_yaml_bare_on_off_mean_the_words(tmp_path):
     assert (recipe.train.activation_checkpointing, recipe.train.liger) == ("off", "on")
 
 
-def test_packed_rows_are_padded_only_where_cudnns_masked_attention_meets_them():
-    """plan.packed_row_multiple: packed SFT rows that reach sdpa's masked kernel on an NVIDIA GPU (here attention
-    dropout, which the varlen kernel does not run) are padded to a multiple of MASKED_ROW_MULTIPLE tokens; the
-    plan counts the padding in the step's tokens and its peak; varlen rows, unpacked rows and CPU runs are not."""
-    from finetune.plan import MASKED_ROW_MULTIPLE, job_from_recipe, packed_row_multiple
+def test_rows_are_padded_only_where_cudnns_masked_attention_meets_them():
+    """plan.row_multiple: packed SFT rows that reach sdpa's masked kernel on an NVIDIA GPU (here attention
+    dropout, which the varlen kernel does not run) are padded to a multiple of MASKED_ROW_MULTIPLE tokens, padded
+    sequences to PADDED_ROW_MULTIPLE; the plan counts the padding in the step's tokens and its peak; varlen rows
+    and CPU runs are not padded."""
+    from finetune.plan import MASKED_ROW_MULTIPLE, PADDED_ROW_MULTIPLE, job_from_recipe, pads_rows, row_multiple
     from finetune.plan.workload import (
         computed_tokens_per_micro_batch,
         executed_attention_positions,
+        peak_sequence_tokens,
         peak_tokens_per_micro_batch,
     )
 
@@ -85,10 +87,16 @@ def test_packed_rows_are_padded_only_where_cudnns_masked_attention_meets_them():
 
     sequences = {"mean": 1500.0, "longest": 2000, "std": 300.0}
     masked = job(_recipe(data={"max_length": 2000, "sequence_tokens": sequences}), dropout, gpu)
-    assert masked.attention == "sdpa" and masked.row_multiple == MASKED_ROW_MULTIPLE == packed_row_multiple(masked)
+    assert masked.attention == "sdpa" and masked.row_multiple == MASKED_ROW_MULTIPLE == row_multiple(masked)
     assert job(_recipe(), llama, gpu).row_multiple is None  # every layer on the varlen kernel
     assert job(_recipe(), dropout, cpu).row_multiple is None
-    assert job(_recipe(data={"packing": False}), dropout, gpu).row_multiple is None
+    # sequences padded to a micro-batch's longest get sdpa's padding mask where a micro-batch holds several: padded
+    # to PADDED_ROW_MULTIPLE, the data's longest rounded up in the plan; one sequence alone is not padded
+    padded = job(_recipe(data={"packing": False, "max_length": 2000, "sequence_tokens": sequences}), dropout, gpu)
+    assert padded.row_multiple == PADDED_ROW_MULTIPLE
+    assert peak_sequence_tokens(padded) == 2048 and pads_rows(padded, micro_batch=2)
+    assert not pads_rows(padded, micro_batch=1) and pads_rows(masked, micro_batch=1)
+    assert job(_recipe(data={"packing": False}), llama, cpu).row_multiple is None
     # the peak is rounded up to the multiple, the step's work adds half a multiple to rows of varying length
     assert peak_tokens_per_micro_batch(masked, 4) % MASKED_ROW_MULTIPLE == 0
     assert computed_tokens_per_micro_batch(masked, 4) == pytest.approx(4 * 1500 + MASKED_ROW_MULTIPLE / 2)

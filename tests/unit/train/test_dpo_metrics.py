@@ -123,3 +123,27 @@ def test_other_losses_go_to_trl(tmp_path):
     assert not trainer._takes_own_path(return_outputs=False)
     trainer.train()
     assert any("rewards/margins" in r for r in trainer.state.log_history)
+
+
+def test_pairs_padded_to_a_multiple_train_as_unpadded(tmp_path):
+    """resolved.row_multiple on padded DPO pairs (sdpa's padding mask, cuDNN on an NVIDIA GPU): TRL's collator pads
+    each micro-batch to a multiple; the pads are masked, so the losses are those of the unpadded pairs."""
+    pairs = {"path": str(SAMPLES / "preference.jsonl"), "format": "preference"}
+    trainers = []
+    for multiple in (None, 64):
+        raw = tiny_recipe(
+            method={"type": "dpo"},
+            data={"sources": [pairs], "eval_sources": [], "packing": False, "max_length": 48},
+            train={"max_steps": 2, "global_batch_size": 4, "micro_batch_size": 2},
+        )
+        _, trainer = tiny_trainer(
+            raw, run_dir=tmp_path / str(multiple), has_eval=False, resolved={"row_multiple": multiple}
+        )
+        trainers.append(trainer)
+    batch = next(iter(trainers[1].get_train_dataloader()))
+    ids = [k for k in batch if k.endswith("input_ids")]
+    assert ids and all(batch[k].shape[-1] % 64 == 0 for k in ids), {k: tuple(v.shape) for k, v in batch.items()}
+    for trainer in trainers:
+        trainer.train()
+    losses = [[r["loss"] for r in t.state.log_history if "loss" in r] for t in trainers]
+    assert len(losses[0]) == 2 and losses[0] == pytest.approx(losses[1], rel=1e-4)

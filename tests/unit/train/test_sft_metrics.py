@@ -215,45 +215,32 @@ def test_version_guard():
     assert not follows("1.16.0", [f for f in FUSED_FIELDS if f != "is_top1"])
 
 
-def test_padded_packed_rows_train_and_count_as_unpadded(tmp_path):
-    """resolved.packed_row_multiple (the planner's choice where cuDNN's masked attention meets packed rows): the
-    collator pads each padding-free row to a multiple, the pads are one-token examples without labels, so the
-    losses and the weights are those of the unpadded rows, and the tokens seen count the real tokens only."""
-    from accelerate import PartialState
-
-    from finetune.recipe.load import load_recipe
-    from finetune.train.model import load_model, load_tokenizer
-    from finetune.train.preflight import prepare_data
-    from finetune.train.trainers import build_trainer, training_args
-    from tests.helpers.recipes import resolve_recipe
-
+@pytest.mark.parametrize("packing", [True, False], ids=["packed", "padded"])
+def test_rows_padded_to_a_multiple_train_and_count_as_unpadded(tmp_path, packing):
+    """resolved.row_multiple (the planner's choice where cuDNN's masked attention meets the rows): the collator
+    pads each padding-free row, or each padded micro-batch, to a multiple; a packed row's pads are one-token
+    examples without labels and a padded batch's are masked, so the losses and the weights are those of the
+    unpadded rows, and the tokens seen count the real tokens only."""
     trainers = []
     for multiple in (None, 64):
-        run_dir = tmp_path / str(multiple)
-        raw = tiny_recipe(data={"packing": True, "max_length": 48}, train={"max_steps": 2, "global_batch_size": 4})
-        recipe = load_recipe(resolve_recipe(raw, run_dir=run_dir), allow_resolved=True)
-        recipe = recipe.model_copy(
-            update={"resolved": recipe.resolved.model_copy(update={"packed_row_multiple": multiple})}
-        )
-        tokenizer = load_tokenizer(recipe)
-        trainer = build_trainer(
-            recipe,
-            args=training_args(recipe, run_dir=run_dir, has_eval=False),
-            model=load_model(recipe),
-            tokenizer=tokenizer,
-            data=prepare_data(recipe, tokenizer, state=PartialState(cpu=True)),
-            callbacks=[],
+        raw = tiny_recipe(data={"packing": packing, "max_length": 48}, train={"max_steps": 2, "global_batch_size": 4})
+        _, trainer = tiny_trainer(
+            raw, run_dir=tmp_path / str(multiple), has_eval=False, resolved={"row_multiple": multiple}
         )
         trainers.append(trainer)
     plain, padded = trainers
     batch = next(iter(padded.get_train_dataloader()))
-    assert batch["input_ids"].shape[1] % 64 == 0 and batch["position_ids"][0, -1] == 0
+    assert batch["input_ids"].shape[1] % 64 == 0
+    if packing:
+        assert batch["position_ids"][0, -1] == 0
+    else:
+        assert batch["attention_mask"].shape[0] > 1 and not batch["attention_mask"][:, -1].any()
     plain.train()
     padded.train()
     losses = [[r["loss"] for r in t.state.log_history if "loss" in r] for t in trainers]
     assert losses[0] == pytest.approx(losses[1], rel=1e-4)
     seen = [t.state.num_input_tokens_seen for t in trainers]
     print("tokens seen, unpadded and padded:", seen)
-    # the real tokens only (a row ending in a one-token example would count one short)
+    # the real tokens only (a packed row ending in a one-token example would count one short)
     micro_batches = 2 * padded.args.gradient_accumulation_steps
     assert seen[0] > 0 and 0 <= seen[0] - seen[1] <= micro_batches
