@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import hashlib
 import json
+import os
 import tempfile
 from pathlib import Path
 
@@ -49,14 +51,18 @@ def preset_for(card: str, *, gpus_per_node: int, nodes: int = 1) -> HardwarePres
 
 def _model_dir(row: dict) -> Path:
     """A folder holding the row's config.json, named like the model folder on the GPU machine (the
-    planner's key for a local model is its folder name)."""
+    planner's key for a local model is its folder name), under a folder named by the config's digest: rows of
+    one model name whose configs differ (written by two transformers versions) never share a file."""
     name = Path(row["resolved"]["model"]["name"]).name or row["name"]
-    folder = MODEL_CONFIGS / name
-    folder.mkdir(parents=True, exist_ok=True)
     text = json.dumps(row["model_config"], indent=1, sort_keys=True)
+    folder = MODEL_CONFIGS / hashlib.sha256(text.encode()).hexdigest()[:16] / name
     config = folder / "config.json"
-    if not config.exists() or config.read_text() != text:
-        config.write_text(text)
+    if not config.exists():
+        # written whole under another name and renamed: the other test worker may be reading it
+        folder.mkdir(parents=True, exist_ok=True)
+        partial = folder / f".config.json.{os.getpid()}"
+        partial.write_text(text)
+        os.replace(partial, config)
     return folder
 
 
