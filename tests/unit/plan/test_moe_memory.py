@@ -178,3 +178,22 @@ def test_qlora_keeps_routed_experts_in_the_model_dtype_as_transformers_loads_the
     experts_bytes = 32 * 8 * 3 * 4096 * 14336 * 2  # Mixtral-8x7B's routed experts, bf16
     assert weight_bytes(mixtral) > experts_bytes
     assert params.layers_linear < params.layers - 32 * 8 * 3 * 4096 * 14336
+
+
+def test_mla_values_are_kept_padded_to_the_query_head_size_on_the_varlen_kernel():
+    """finetune's varlen kernel takes one head size: MLA's values (DeepSeek-V2-Lite: 128 against the queries' 192)
+    are padded to it (train/attention.py), and the kernel keeps the padded copy for its backward; sdpa takes them
+    as they are."""
+    from dataclasses import replace
+    from pathlib import Path
+
+    from finetune.plan.memory import activation_bytes_per_token_layer
+
+    config = Path(__file__).parents[2] / "data" / "hub_configs" / "deepseek-v2-lite" / "config.json"
+    arch = arch_from_config(config, key="deepseek-v2-lite")
+    job = Job(arch=arch, preset=get_preset("server-8xh100"), adapter="lora", packed=True, attention="varlen")
+    sdpa = replace(job, packed=False, attention="sdpa")  # one unpadded row: no mask, heads as they are
+    heads, qk = arch.num_attention_heads, arch.qk_nope_head_dim + arch.qk_rope_head_dim
+    assert qk > arch.v_head_dim
+    extra = activation_bytes_per_token_layer(job) - activation_bytes_per_token_layer(sdpa)
+    assert extra == pytest.approx(job.act_bytes * heads * (qk - arch.v_head_dim))
