@@ -206,23 +206,24 @@ def attention_kind(implementation: str, *, packed: bool, arch=None) -> str:
 # tokens: rows that reach sdpa's masked (cuDNN) kernel are padded to a multiple of these (row_multiple)
 MASKED_ROW_MULTIPLE = 512  # packed rows: micro-batch x max_length long, nearly full
 PADDED_ROW_MULTIPLE = 64  # padded sequences: each as long as the micro-batch's longest example
-PADDED_ROW_METHODS = ("sft", "pretrain", "dpo")  # whose TRL config takes pad_to_multiple_of (train/trainers.py)
+# whose rows finetune pads: TRL's collators (pad_to_multiple_of, train/trainers.py) and DPO's padding-free pairs row
+# (train/dpo_pairs.py)
+ROW_MULTIPLE_METHODS = ("sft", "pretrain", "dpo")
 
 
 def row_multiple(job: Job) -> int | None:
     """The multiple of tokens the collator pads rows to where sdpa gets a mask over them on an NVIDIA GPU, else
     None. There sdpa runs cuDNN's attention, whose first call at each new row length costs 0.13-0.18 s forward +
     backward on an H200 (scripts/attention_rates.py --new-lengths; 2-38 ms at a length it has seen), and the
-    length changes with nearly every micro-batch: packed SFT/pretrain rows whose layers the varlen kernel does not
-    serve (attention dropout, sliding windows, or sdpa asked for; the block-diagonal mask) get
-    MASKED_ROW_MULTIPLE, sequences padded to a micro-batch's longest (the padding mask) PADDED_ROW_MULTIPLE.
+    length changes with nearly every micro-batch: packed rows (SFT/pretrain examples, DPO's padding-free pairs)
+    whose layers the varlen kernel does not serve (attention dropout, sliding windows, or sdpa asked for; the
+    block-diagonal mask) get MASKED_ROW_MULTIPLE, sequences padded to a micro-batch's longest (the padding mask)
+    PADDED_ROW_MULTIPLE.
     Padded, a run meets a few lengths and pays for each once. The planner counts the padding at every
     micro-batch; the run pads one-sequence micro-batches of unpadded rows not at all (`pads_rows`)."""
-    if job.attention != "sdpa" or job.preset.vendor != "nvidia":
+    if job.attention != "sdpa" or job.preset.vendor != "nvidia" or job.method not in ROW_MULTIPLE_METHODS:
         return None
-    if job.packed:
-        return MASKED_ROW_MULTIPLE if job.method in PACKED_EXAMPLE_METHODS else None
-    return PADDED_ROW_MULTIPLE if job.method in PADDED_ROW_METHODS else None
+    return MASKED_ROW_MULTIPLE if job.packed else PADDED_ROW_MULTIPLE
 
 
 def pads_rows(job: Job, *, micro_batch: int) -> bool:

@@ -14,6 +14,10 @@ LM head (`fused_lm_head=True`: the policy's and the reference's log-probabilitie
   each sequence's last token, so no prediction crosses a boundary);
 - after it, the per-token log-probabilities go back to the (2B, T - 1) layout TRL's loss sums over.
 
+With `multiple` (resolved.row_multiple: where layers run sdpa's masked kernel over the row, whose cuDNN plans
+each new row length) the row is padded at its end to a multiple of that many tokens with one-token sequences
+(position 0, no label), which no real token attends to and the log-probabilities leave behind.
+
 The log-probabilities, the loss and the gradients are the padded run's (tests/unit/train/test_dpo_pairs.py).
 """
 
@@ -27,6 +31,7 @@ class PaddingFreePairs:
     """The two hooks and the layout of the call in flight (one at a time: the reference's forward runs
     after the policy's has returned)."""
 
+    multiple: int | None = None  # pad the row to a multiple of this many tokens (module docstring)
     layouts: list = field(default_factory=list)
     _last: tuple | None = None  # (the mask, its layout): the reference's call reuses the policy's
 
@@ -46,15 +51,18 @@ class PaddingFreePairs:
         lengths = host.sum(dim=1)
         ends = torch.cumsum(lengths, dim=0)
         starts = torch.repeat_interleave(ends - lengths, lengths)
+        real = int(ends[-1])
+        pads = -real % self.multiple if self.multiple else 0  # one-token sequences after the real ones
         layout = {
             "index": host.reshape(-1).nonzero().squeeze(1),  # the real tokens, in the order boolean indexing takes
-            "positions": torch.arange(int(ends[-1])) - starts,
+            "positions": torch.cat([torch.arange(real) - starts, torch.zeros(pads, dtype=torch.long)]),
             "last": ends - 1,  # each sequence's last token predicts nothing (the next one is another sequence's)
-            "cu": torch.cat([ends.new_zeros(1), ends]).to(torch.int32),
+            "cu": torch.cat([ends.new_zeros(1), ends, torch.arange(real + 1, real + pads + 1)]).to(torch.int32),
         }
         if mask.device.type == "cuda":
             layout = {k: v.pin_memory().to(mask.device, non_blocking=True) for k, v in layout.items()}
         layout["longest"] = int(lengths.max())
+        layout["pads"] = pads
         self._last = (mask, layout)
         return layout
 
@@ -66,9 +74,15 @@ class PaddingFreePairs:
         at = self.layout(mask)
         shift = kwargs["labels"].reshape(-1).index_select(0, at["index"]).roll(-1)
         shift.index_fill_(0, at["last"], -100)  # a scalar fill: `shift[last] = -100` copies -100 from the host
+        flat = ids.reshape(-1).index_select(0, at["index"])
+        if at["pads"]:  # any token id: each pad is its own sequence, without a label
+            import torch
+
+            flat = torch.cat([flat, flat.new_zeros(at["pads"])])
+            shift = torch.cat([shift, shift.new_full((at["pads"],), -100)])
         packed = {k: v for k, v in kwargs.items() if k not in ("input_ids", "attention_mask", "labels")}
         packed.update(
-            input_ids=ids.reshape(-1).index_select(0, at["index"])[None],
+            input_ids=flat[None],
             position_ids=at["positions"][None],
             shift_labels=shift[None],
             cu_seq_lens_q=at["cu"],
@@ -85,7 +99,7 @@ class PaddingFreePairs:
             return None
         for name in ("log_probs", "entropy", "log_sum_sq_probs", "mean_logits", "is_top1", "label_mask"):
             packed = getattr(output, name, None)
-            if packed is not None:
+            if packed is not None:  # the row's trailing pads are left out: masked_scatter takes what `keep` needs
                 padded = packed.new_zeros(keep.shape).masked_scatter(keep, packed[0])
                 setattr(output, name, padded[:, :-1])
         return output

@@ -168,7 +168,8 @@ def dpo_config(recipe: Recipe, *, run_dir: Path, has_eval: bool):
         beta=m.beta,
         loss_type=[m.loss_type],
         precompute_ref_log_probs=dpo_reference(recipe) == "precompute",
-        pad_to_multiple_of=recipe.resolved.row_multiple if recipe.resolved else None,  # plan.row_multiple
+        # plan.row_multiple: TRL's padded pairs, or the padding-free pairs' row (finetune/train/dpo_pairs.py)
+        pad_to_multiple_of=recipe.resolved.row_multiple if recipe.resolved and not recipe.data.packing else None,
     )
 
 
@@ -228,7 +229,7 @@ def _trainer(recipe: Recipe, *, args, model, tokenizer, data, callbacks: list):
     if recipe.data.packing:  # padding-free pairs (finetune/train/dpo_pairs.py)
         from finetune.train.dpo_pairs import PaddingFreePairs
 
-        pairs = PaddingFreePairs()
+        pairs = PaddingFreePairs(multiple=recipe.resolved.row_multiple if recipe.resolved else None)
         for module in (trainer.model, trainer.ref_model):
             if module is not None:
                 pairs.attach(module)

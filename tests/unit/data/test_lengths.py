@@ -98,6 +98,9 @@ def _dpo(tmp_path, *, long_every=0, **data):
     source = {"path": str(_pairs(tmp_path, long_every=long_every)), "format": "preference"}
     raw = tiny_recipe(method={"type": "dpo"}, data={"sources": [source], "max_length": 96, **data})
     raw["data"]["eval_sources"] = []
+    # 16-bit, as a GPU recipe would train: padding-free pairs then run the varlen kernel (the tiny model's fp32
+    # would send them to sdpa's masked kernel, whose rows the planner pads: plan.row_multiple)
+    raw["train"]["precision"] = "bf16"
     return load_recipe(raw)
 
 

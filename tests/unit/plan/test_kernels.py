@@ -97,6 +97,14 @@ def test_rows_are_padded_only_where_cudnns_masked_attention_meets_them():
     assert peak_sequence_tokens(padded) == 2048 and pads_rows(padded, micro_batch=2)
     assert not pads_rows(padded, micro_batch=1) and pads_rows(masked, micro_batch=1)
     assert job(_recipe(data={"packing": False}), llama, cpu).row_multiple is None
+    # DPO's padding-free pairs row (train/dpo_pairs.py) and its padded pairs, likewise; KTO's rows are TRL's own
+    dpo = {"method": {"type": "dpo"}, "data": {"format": "preference", "packing": True}}
+    assert job(_recipe(**dpo), dropout, gpu).row_multiple == MASKED_ROW_MULTIPLE
+    assert job(_recipe(**dpo), llama, gpu).row_multiple is None  # the pairs on the varlen kernel
+    dpo["data"]["packing"] = False
+    assert job(_recipe(**dpo), llama, gpu).row_multiple == PADDED_ROW_MULTIPLE
+    kto = {"method": {"type": "kto"}, "data": {"format": "unpaired", "packing": False}}
+    assert job(_recipe(**kto), llama, gpu).row_multiple is None
     # the peak is rounded up to the multiple, the step's work adds half a multiple to rows of varying length
     assert peak_tokens_per_micro_batch(masked, 4) % MASKED_ROW_MULTIPLE == 0
     assert computed_tokens_per_micro_batch(masked, 4) == pytest.approx(4 * 1500 + MASKED_ROW_MULTIPLE / 2)

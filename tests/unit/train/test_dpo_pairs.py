@@ -91,3 +91,29 @@ def test_other_calls_pass_through_unchanged(fused):
     PaddingFreePairs().attach(model)
     after = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
     torch.testing.assert_close(after, before)
+
+
+def test_pairs_row_padded_to_a_multiple_gives_the_same_log_probs_and_gradients():
+    """resolved.row_multiple on padding-free pairs (layers on sdpa's masked kernel): the row ends in one-token
+    sequences up to the multiple, which change no real token's log-probability or gradient."""
+    from finetune.train.dpo_pairs import PaddingFreePairs
+
+    model = _model()
+    batch, labels = _batch()
+    padded, padded_grads = _log_probs(model, batch, labels)
+    pairs = PaddingFreePairs(multiple=16)
+    pairs.attach(model)
+    seen = {}
+    model.register_forward_pre_hook(lambda m, a, k: seen.update(k), with_kwargs=True)
+    free, free_grads = _log_probs(model, batch, labels)
+    real = int(batch["attention_mask"].sum())
+    width = -(-real // 16) * 16
+    assert width > real and seen["input_ids"].shape == (1, width)
+    ends = batch["attention_mask"].sum(1).cumsum(0).tolist()
+    assert seen["cu_seq_lens_q"].tolist() == [0, *ends, *range(real + 1, width + 1)]
+    assert seen["position_ids"][0, real:].tolist() == [0] * (width - real)
+    assert (seen["shift_labels"][0, real - 1 :] == -100).all()
+    torch.testing.assert_close(free, padded, rtol=1e-5, atol=1e-5)
+    for name, grad in padded_grads.items():
+        scale = float(grad.abs().max())
+        torch.testing.assert_close(free_grads[name], grad, rtol=1e-4, atol=1e-5 * scale, msg=name)
