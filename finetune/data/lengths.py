@@ -149,9 +149,12 @@ def _sequence_texts(records: list[dict], render, special: dict[str, str]) -> lis
     return texts
 
 
-def _token_lengths(recipe, groups: list[list[dict]], texts_of) -> list[list[int] | None] | None:
+def _token_lengths(
+    recipe, groups: list[list[dict]], texts_of, counted: dict[str, int] | None = None
+) -> list[list[int] | None] | None:
     """For each group of records, the tokens of each text `texts_of(records, render, special)` gives (None for a
-    group it cannot render), counted with the local tokenizer.json, loaded once; None without one."""
+    group it cannot render), counted with the local tokenizer.json; None without one. `counted`: text -> tokens
+    already counted, added to here (a packed run's examples and sequences are mostly the same texts)."""
     from finetune.prelaunch import chat_renderer, local_model_dir, template_text
 
     model_dir = local_model_dir(recipe)
@@ -170,20 +173,20 @@ def _token_lengths(recipe, groups: list[list[dict]], texts_of) -> list[list[int]
         except Exception:  # a template that fails on a row is check_chat_template's to report
             texts = None
         rendered.append(texts or None)
-    flat = [text for texts in rendered if texts for text in texts]
-    if not flat:
-        return [None] * len(groups)
-    tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
-    counts = iter(len(e.ids) for e in tokenizer.encode_batch(flat, add_special_tokens=False))
-    return [[next(counts) for _ in texts] if texts else None for texts in rendered]
+    counted = {} if counted is None else counted
+    new = [text for text in dict.fromkeys(t for texts in rendered if texts for t in texts) if text not in counted]
+    if new:
+        tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+        counted.update(zip(new, (len(e.ids) for e in tokenizer.encode_batch(new, add_special_tokens=False))))
+    return [[counted[text] for text in texts] if texts else None for texts in rendered]
 
 
-def measure_sequence_tokens(recipe, sample: LengthSample) -> dict | None:
+def measure_sequence_tokens(recipe, sample: LengthSample, *, counted: dict[str, int] | None = None) -> dict | None:
     """{"mean", "longest", "std", "count"} of the trained sequences, each cut at data.max_length (longer rows are
     dropped or truncated before training; packed pretrain splits them): mean and standard deviation over the
     spread sample, the longest over it and the longest records, the count over every record. None when it
     cannot be measured here, or for packed examples that share rows (`rows_of_one`: those rows are full)."""
-    measured = _token_lengths(recipe, [sample.spread, sample.longest, sample.shortest], _sequence_texts)
+    measured = _token_lengths(recipe, [sample.spread, sample.longest, sample.shortest], _sequence_texts, counted)
     if measured is None or not measured[0]:
         return None
     cut, packed = recipe.data.max_length, packs_examples(recipe)
@@ -202,14 +205,14 @@ def measure_sequence_tokens(recipe, sample: LengthSample) -> dict | None:
     }
 
 
-def measure_example_tokens(recipe, records: list[dict]) -> float | None:
+def measure_example_tokens(recipe, records: list[dict], *, counted: dict[str, int] | None = None) -> float | None:
     """The token-weighted mean length sum(l^2)/sum(l) of `records` (training records as finetune.data
     reads them, each cut at data.max_length), or None when it cannot be measured here."""
     from finetune.plan.workload import packed_length
 
     if not packs_examples(recipe):
         return None
-    measured = _token_lengths(recipe, [records], _texts)
+    measured = _token_lengths(recipe, [records], _texts, counted)
     lengths = measured[0] if measured else None
     return packed_length(lengths, max_length=recipe.data.max_length) if lengths else None
 
@@ -227,12 +230,13 @@ def with_measured_lengths(recipe, sample: LengthSample):
 
     data = recipe.data
     update: dict[str, object] = {}
+    counted: dict[str, int] = {}  # each text tokenized once for both
     if data.example_tokens is None:
-        example = measure_example_tokens(recipe, sample.spread)
+        example = measure_example_tokens(recipe, sample.spread, counted=counted)
         if example is not None:
             update["example_tokens"] = round(example, 1)
     if data.sequence_tokens is None:
-        sequences = measure_sequence_tokens(recipe, sample)
+        sequences = measure_sequence_tokens(recipe, sample, counted=counted)
         if sequences is not None:
             update["sequence_tokens"] = SequenceTokens(**sequences)
     return recipe.model_copy(update={"data": data.model_copy(update=update)}) if update else recipe
