@@ -40,11 +40,17 @@ def block_causal_mask(tokens: int, device: torch.device) -> torch.Tensor:
     return allowed[None, None]
 
 
+def qkv(*, heads, kv_heads, head_dim, tokens, device) -> tuple:
+    """Random bf16 queries, keys and values of one row of `tokens`, (1, heads, tokens, head_dim), with gradients."""
+    return tuple(
+        torch.randn(1, n, tokens, head_dim, device=device, dtype=torch.bfloat16, requires_grad=True)
+        for n in (heads, kv_heads, kv_heads)
+    )
+
+
 def measure(*, heads, kv_heads, head_dim, tokens, masked, dropout, iters, device) -> dict:
     torch.manual_seed(0)
-    q = torch.randn(1, heads, tokens, head_dim, device=device, dtype=torch.bfloat16, requires_grad=True)
-    k = torch.randn(1, kv_heads, tokens, head_dim, device=device, dtype=torch.bfloat16, requires_grad=True)
-    v = torch.randn(1, kv_heads, tokens, head_dim, device=device, dtype=torch.bfloat16, requires_grad=True)
+    q, k, v = qkv(heads=heads, kv_heads=kv_heads, head_dim=head_dim, tokens=tokens, device=device)
     mask = block_causal_mask(tokens, device) if masked else None
     grad = torch.randn(1, heads, tokens, head_dim, device=device, dtype=torch.bfloat16)
 
@@ -89,9 +95,7 @@ def new_length_seconds(*, heads, kv_heads, head_dim, tokens, dropout, lengths, d
     sizes = [tokens - 8 * i for i in range(lengths)]
     inputs = {}
     for t in sizes:
-        q = torch.randn(1, heads, t, head_dim, device=device, dtype=torch.bfloat16, requires_grad=True)
-        k = torch.randn(1, kv_heads, t, head_dim, device=device, dtype=torch.bfloat16, requires_grad=True)
-        v = torch.randn(1, kv_heads, t, head_dim, device=device, dtype=torch.bfloat16, requires_grad=True)
+        q, k, v = qkv(heads=heads, kv_heads=kv_heads, head_dim=head_dim, tokens=t, device=device)
         inputs[t] = (q, k, v, block_causal_mask(t, device), torch.randn_like(q))
 
     def timed(t: int) -> float:

@@ -658,7 +658,7 @@ def plan_job(job: Job) -> Plan:
     plan.tight = chosen.tight
     plan.sync_each_batch = chosen.sync_each_batch
     plan.row_multiple = job.row_multiple if pads_rows(job, micro_batch=chosen.micro_batch_size) else None
-    plan.kernels = _kernels(job, chosen.strategy)
+    plan.kernels = _kernels(job, chosen.strategy, row_multiple=plan.row_multiple)
     if strategies.info(chosen.strategy).offload == "nvme":
         plan.nvme_read_gbps = nvme_read_gbps(job)
     if chosen.fits:
@@ -675,7 +675,8 @@ def plan_job(job: Job) -> Plan:
     return plan
 
 
-def _kernels(job: Job, strategy: str) -> str:
+def _kernels(job: Job, strategy: str, *, row_multiple: int | None) -> str:
+    """The kernels line; `row_multiple`: the plan's (what the run pads at the chosen micro-batch)."""
     attention = {
         "varlen": "varlen flash attention on packed rows",
         "flash": "flash attention",
@@ -691,9 +692,9 @@ def _kernels(job: Job, strategy: str) -> str:
         )
     if job.packed and job.example_tokens and job.attention in ("varlen", "flash"):
         attention += f" (examples of ~{job.example_tokens:,.0f} tokens, token-weighted: data.example_tokens)"
-    if job.row_multiple:
+    if row_multiple:
         rows = "packed rows" if job.packed else "sequences"
-        attention += f" ({rows} padded to a multiple of {job.row_multiple} tokens: cuDNN plans each new length)"
+        attention += f" ({rows} padded to a multiple of {row_multiple} tokens: cuDNN plans each new length)"
     if job.sequence_tokens:
         rows = ", a packed row each" if job.packed and job.method in PACKED_EXAMPLE_METHODS else ""
         attention += (

@@ -70,7 +70,16 @@ def test_rows_are_padded_only_where_cudnns_masked_attention_meets_them():
     dropout, which the varlen kernel does not run) are padded to a multiple of MASKED_ROW_MULTIPLE tokens, padded
     sequences to PADDED_ROW_MULTIPLE; the plan counts the padding in the step's tokens and its peak; varlen rows
     and CPU runs are not padded."""
-    from finetune.plan import MASKED_ROW_MULTIPLE, PADDED_ROW_MULTIPLE, job_from_recipe, pads_rows, row_multiple
+    from dataclasses import replace
+
+    from finetune.plan import (
+        MASKED_ROW_MULTIPLE,
+        PADDED_ROW_MULTIPLE,
+        job_from_recipe,
+        pads_rows,
+        plan_job,
+        row_multiple,
+    )
     from finetune.plan.workload import (
         computed_tokens_per_micro_batch,
         executed_attention_positions,
@@ -97,6 +106,10 @@ def test_rows_are_padded_only_where_cudnns_masked_attention_meets_them():
     assert peak_sequence_tokens(padded) == 2048 and pads_rows(padded, micro_batch=2)
     assert not pads_rows(padded, micro_batch=1) and pads_rows(masked, micro_batch=1)
     assert job(_recipe(data={"packing": False}), llama, cpu).row_multiple is None
+    # the plan (and its kernels line) says what the run pads at the chosen micro-batch
+    assert plan_job(masked).row_multiple == MASKED_ROW_MULTIPLE and "multiple of 512" in plan_job(masked).kernels
+    one = plan_job(replace(padded, micro_batch=1))
+    assert one.micro_batch_size == 1 and one.row_multiple is None and "padded to a multiple" not in one.kernels
     # DPO's padding-free pairs row (train/dpo_pairs.py) and its padded pairs, likewise; KTO's rows are TRL's own
     dpo = {"method": {"type": "dpo"}, "data": {"format": "preference", "packing": True}}
     assert job(_recipe(**dpo), dropout, gpu).row_multiple == MASKED_ROW_MULTIPLE
