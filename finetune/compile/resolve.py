@@ -17,6 +17,7 @@ from finetune.plan.types import Plan
 from finetune.recipe.load import recipe_dir
 from finetune.recipe.paths import anchored, is_inline_template
 from finetune.recipe.schema import Recipe, ResolvedSection
+from finetune.registry import list_models
 from finetune.registry.schema import HardwarePreset, ModelArch
 
 
@@ -33,7 +34,9 @@ def resolve_recipe(recipe: Recipe, plan: Plan, *, run_dir: Path, arch: ModelArch
     base = recipe_dir(recipe)
     data = recipe.model_dump(mode="python")
     data["model"]["name"] = _absolute_if_local(recipe.model.name, base, want_dir=True)
-    data["model"]["arch"] = recipe.model.arch or arch.key
+    # a registry key only: an architecture read from config.json is read again from it (its derived key names
+    # no registry entry, and a later re-plan -- after an OOM, by --measure, by a tool -- would not find it)
+    data["model"]["arch"] = recipe.model.arch or (arch.key if arch.key in {a.key for a in list_models()} else None)
     for group in ("sources", "eval_sources"):
         for src in data["data"][group]:
             src["path"] = _absolute_if_local(src["path"], base)

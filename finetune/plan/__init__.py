@@ -360,7 +360,11 @@ def plan(recipe, *, hardware: str | None = None) -> Plan:
 
 def plan_on(recipe, *, arch, preset, source: str) -> Plan:
     """Plan `recipe` on an architecture and preset already looked up (see `lookup`)."""
+    from finetune.recipe.load import recipe_dir
+    from finetune.registry import stand_in_warning
+
     warning = context_check(recipe, arch)
+    stand_in = stand_in_warning(recipe.model, arch, base_dir=recipe_dir(recipe))
     job = job_from_recipe(recipe, arch=arch, preset=preset)
     result = plan_job(job)
     swap_warning = ""
@@ -371,6 +375,7 @@ def plan_on(recipe, *, arch, preset, source: str) -> Plan:
         result.disk = disk
     result.substitutions = substitutions(recipe, result)
     warnings = (
+        stand_in,
         warning,
         attention_fallback_warning(job, result),
         master_weights_warning(job, result, dtype=recipe.model.dtype),
@@ -561,13 +566,29 @@ def master_weights_warning(job: Job, plan: Plan, *, dtype: str) -> str:
 
 def context_check(recipe, arch) -> str:
     """data.max_length against the positions the model was trained on (max_position_embeddings): beyond
-    them RoPE meets angles it never saw and the model degrades silently, so a recipe without
-    model.rope_scaling is refused. With rope_scaling the scaled reach (factor x the original context) is
-    the limit, and going past the model's own context is said as a warning (returned; '' when none)."""
+    them RoPE meets angles it never saw and the model degrades silently, so a length past what the model's
+    RoPE reaches is refused. The reach is factor x the original context of the RoPE scaling training runs:
+    config.json's own (arch.rope_scaling) with model.rope_scaling merged over it, as train/model.py merges
+    them. A length past max_position_embeddings that the scaling reaches is said as a warning (returned;
+    '' when none)."""
     length, native = recipe.data.max_length, arch.max_position_embeddings
     if length <= native:
         return ""
-    scaling = recipe.model.rope_scaling
+    own = dict(arch.rope_scaling or {})
+    override = dict(recipe.model.rope_scaling or {})
+    if "type" in override:
+        override.setdefault("rope_type", override.pop("type"))
+    scaling = {**own, **override}
+    # a config's factor without its original context is already in max_position_embeddings (Gemma-3's linear)
+    if not override and "original_max_position_embeddings" not in own:
+        scaling = {}
+    whose = (
+        "config.json's RoPE scaling with model.rope_scaling merged over it"
+        if own and override
+        else "model.rope_scaling"
+        if override
+        else "config.json's RoPE scaling"
+    )
     if not scaling:
         factor = -(-length // native)
         raise RecipeError(
@@ -584,15 +605,16 @@ def context_check(recipe, arch) -> str:
     reach = int(original * factor)
     if length > reach:
         raise RecipeError(
-            f"{length} tokens are beyond what model.rope_scaling reaches: factor {factor:g} x "
-            f"{original} positions = {reach}",
+            f"{length} tokens are beyond what {whose} reaches: {scaling.get('rope_type', 'rope scaling')} "
+            f"factor {factor:g} x {original} positions = {reach}",
             key="data.max_length",
-            hint=f"raise model.rope_scaling.factor to {length / original:g} or more, or lower data.max_length",
+            hint=f"raise model.rope_scaling.factor to {length / original:g} or more (the other RoPE keys stay "
+            f"as they are), or lower data.max_length to {max(reach, native)}",
         )
-    kind = scaling.get("rope_type", scaling.get("type", "rope scaling"))
+    kind = scaling.get("rope_type", "rope scaling")
     return (
         f"data.max_length {length} is beyond {arch.key}'s max_position_embeddings {native}; positions "
-        f"past {native} rely on model.rope_scaling ({kind}, factor {factor:g}, reach {reach}): check "
+        f"past {native} rely on {whose} ({kind}, factor {factor:g}, reach {reach}): check "
         f"the model on long inputs after training"
     )
 
@@ -649,6 +671,7 @@ def plan_job(job: Job) -> Plan:
         candidates=candidates,
         total_params=float(count_params(job.arch).total),
         active_params=float(count_params(job.arch).active),
+        frozen_tower_params=float(count_params(job.arch).towers),
         trainable_params=float(trainable_params(job)),
         memory=chosen.memory,
         host_ram_gib=chosen.host_ram_bytes / GIB,

@@ -236,7 +236,7 @@ def state_bytes(job: Job, strategy: str | None = None) -> StateBytes:
     if job.reference == "copy":  # dpo/kto: a frozen reference model
         weights += count_params(job.arch).total * job.weight_bytes  # frozen reference model
     # parameters trained in the model's dtype: a full fine-tune, peft's modules_to_save copies
-    n = count_params(job.arch).total if job.adapter == "full" else saved_module_params(job)
+    n = count_params(job.arch).text_model if job.adapter == "full" else saved_module_params(job)
     if job.adapter != "full":
         weights += job.weight_bytes * n  # the trainable copy beside the frozen original
     trainable, grads = (4 * n if master else 0.0), job.weight_bytes * n
@@ -576,7 +576,7 @@ def trained_unit_params(job: Job) -> tuple[float, float]:
     """(largest decoder layer, root unit) parameters that are trained: FSDP's units of gradient."""
     params = count_params(job.arch)
     if job.adapter == "full":
-        return params.layer, params.root
+        return params.layer, params.root - params.towers
     return lora_params(job) / params.num_layers, saved_module_params(job)
 
 

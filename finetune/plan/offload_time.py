@@ -150,7 +150,7 @@ def offload_seconds(job: Job, *, strategy: str, grad_accum: int) -> tuple[float,
     bw = p.host_to_device_bandwidth_gbps * 1e9
     overlapped = serial = 0.0
     if tier.backend == "fsdp":
-        trained16 = count_params(job.arch).total * job.weight_bytes if job.adapter == "full" else 0.0
+        trained16 = count_params(job.arch).text_model * job.weight_bytes if job.adapter == "full" else 0.0
         fetched = weight_bytes(job) - trained16 + 4 * (n if job.adapter == "full" else lora_params(job))
         # gradients: reduced once per step (the Trainer's no_sync holds them unsharded on the GPU until
         # the last micro-batch), then the fp32 shard goes down non-blocking

@@ -58,10 +58,14 @@ def _params(n: float) -> str:
 
 
 def _active(plan: Plan) -> str:
-    """Mixture-of-experts: the parameters one token uses, next to the total."""
+    """Mixture-of-experts: the parameters one token uses, next to the total; a multimodal checkpoint's
+    towers, which text never runs."""
     if not plan.active_params or plan.active_params >= plan.total_params:
         return ""
-    return f" total, {_params(plan.active_params)} active per token"
+    towers = (
+        f", {_params(plan.frozen_tower_params)} of them in frozen vision towers" if plan.frozen_tower_params else ""
+    )
+    return f" total{towers}, {_params(plan.active_params)} active per token"
 
 
 def checkpointing_text(plan: Plan) -> str:

@@ -115,6 +115,7 @@ class Plan:
     suggestions: list[str] = field(default_factory=list)  # when nothing fits
     total_params: float = 0.0
     active_params: float = 0.0  # used by one token: MoE models leave out the experts it is not routed to
+    frozen_tower_params: float = 0.0  # a multimodal checkpoint's vision tower and projector, loaded frozen
     trainable_params: float = 0.0
     memory: MemoryBreakdown | None = None
     host_ram_gib: float = 0.0  # per node, at its peak (while loading or while training)
@@ -177,6 +178,7 @@ class Plan:
             "why": self.why,
             "total_params": self.total_params,
             "active_params": self.active_params,
+            "frozen_tower_params": self.frozen_tower_params,
             "trainable_params": self.trainable_params,
             "device": self.device,
             "kernels": self.kernels,

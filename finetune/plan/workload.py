@@ -167,9 +167,16 @@ class Params:
     largest_layer: int  # the biggest decoder layer: what FSDP/ZeRO-3 gathers at once
     final_norm: int
     num_layers: int
+    towers: int = 0  # a multimodal checkpoint's vision tower and projector: weights only (ModelArch)
 
     @property
     def total(self) -> int:
+        """Every parameter the checkpoint loads."""
+        return self.text_model + self.towers
+
+    @property
+    def text_model(self) -> int:
+        """The text model's parameters: what a full fine-tune trains (the towers stay frozen)."""
         return self.embed + self.lm_head + self.layers + self.final_norm
 
     @property
@@ -184,8 +191,8 @@ class Params:
 
     @property
     def root(self) -> int:
-        """What FSDP's root unit holds (embedding, lm_head, final norm): all outside the layers."""
-        return self.embed + self.lm_head + self.final_norm
+        """What FSDP's root unit holds (embedding, lm_head, final norm, towers): all outside the layers."""
+        return self.embed + self.lm_head + self.final_norm + self.towers
 
     @property
     def matmul_active(self) -> int:
@@ -478,6 +485,7 @@ _COUNTED = (
     "qk_rope_head_dim",
     "qk_nope_head_dim",
     "v_head_dim",
+    "frozen_tower_params",
 )
 
 
@@ -535,6 +543,7 @@ def _count_params(values: tuple) -> Params:
         largest_layer=largest,
         final_norm=h,
         num_layers=arch.num_layers,
+        towers=arch.frozen_tower_params,
     )
 
 
@@ -565,7 +574,7 @@ Tensors = list[tuple[int, tuple[int, ...]]]  # (how many, shape) of trained tens
 
 
 def model_tensors(arch: ModelArch) -> Tensors:
-    """Every parameter tensor of the model by shape (a full fine-tune trains them all): embedding and
+    """Every parameter tensor of the text model by shape (a full fine-tune trains them all): embedding and
     lm_head, each layer kind's weights (`layer_weights`), then the norms and biases as one vector (their
     exact split does not change any optimizer's state size materially)."""
     h = arch.hidden_size
@@ -575,7 +584,7 @@ def model_tensors(arch: ModelArch) -> Tensors:
     for count, is_moe, shapes in layer_kinds(arch):
         out += [(count * n, shape) for n, shape in layer_weights(arch, shapes, is_moe=is_moe)]
     matrices = sum(n * numel(shape) for n, shape in out)
-    out.append((1, (max(0, count_params(arch).total - matrices),)))
+    out.append((1, (max(0, count_params(arch).text_model - matrices),)))
     return out
 
 
@@ -670,5 +679,5 @@ def saved_module_params(job: Job) -> int:
 
 def trainable_params(job: Job) -> int:
     if job.adapter == "full":
-        return count_params(job.arch).total
+        return count_params(job.arch).text_model
     return lora_params(job) + saved_module_params(job)

@@ -121,6 +121,35 @@ def resolve_model(model_section, *, base_dir: str | Path | None = None) -> Model
     return arch
 
 
+def stand_in_warning(model_section, arch: ModelArch, *, base_dir: str | Path | None = None) -> str:
+    """'' unless model.arch names a registry entry while the config.json model.name points at (a local
+    directory or the Hugging Face cache; nothing is fetched) is another architecture: the plan then
+    describes the stand-in, and training loads the real model."""
+    import json
+
+    if not getattr(model_section, "arch", None):
+        return ""
+    base = Path(base_dir) if base_dir is not None else Path.cwd()
+    path = find_config_json(model_section.name, base_dir=base, revision=getattr(model_section, "revision", None))
+    if path is None:
+        return ""
+    try:
+        cfg = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return ""
+    if not isinstance(cfg, dict):
+        return ""
+    text = cfg["text_config"] if isinstance(cfg.get("text_config"), dict) else cfg
+    types = {t for t in (cfg.get("model_type"), text.get("model_type")) if t}
+    if not types or arch.family in types:
+        return ""
+    return (
+        f"model.arch {arch.key} ({arch.family}) stands in for {model_section.name}, whose config.json says model_type "
+        f"{cfg.get('model_type') or text.get('model_type')}: this plan's memory and speed are {arch.key}'s, not the "
+        "model's that training loads; check them with `finetune plan --measure` before a long run"
+    )
+
+
 def _named_model(model_section, *, base_dir: str | Path | None) -> ModelArch:
     if getattr(model_section, "arch", None):
         return get_model(model_section.arch)

@@ -147,13 +147,20 @@ def arch_from_config(path: Path, *, key: str, hub_id: str | None = None) -> Mode
     # are left out knowingly (TEXT_OF_MULTIMODAL); another wrapper's towers would go uncounted
     wrapped = text is not cfg and family != inner and family not in TEXT_OF_MULTIMODAL
     if family not in KNOWN_FAMILIES or wrapped:
+        reason, stands_in = refusal_reason(cfg, text, model_type=family)
+        stand_in = (
+            "set model.arch to the closest registry entry (finetune models) to plan that entry as a stand-in "
+            "(the plan then describes it, not this model), or "
+            if stands_in
+            else "no registry entry stands in for such layers; "
+        )
         raise RecipeError(
             f"model_type {family or '(none)'!r} is not supported by the planner: "
-            f"{refusal_reason(cfg, text, model_type=family)}; it will not guess its parameters and memory",
+            f"{reason}; it will not guess its parameters and memory",
             file=str(path),
             key="model.name",
-            hint=f"set model.arch to the closest registry entry (finetune models), or open an issue to have "
-            f"{family or 'it'} modelled; readable model_types: {', '.join(sorted(KNOWN_FAMILIES))}",
+            hint=f"{stand_in}open an issue to have {family or 'it'} modelled; readable model_types: "
+            f"{', '.join(sorted(KNOWN_FAMILIES))}",
         )
     quantized = prequantized_method(cfg, text)
     if quantized:
@@ -167,6 +174,7 @@ def arch_from_config(path: Path, *, key: str, hub_id: str | None = None) -> Mode
             hint="point model.name at the unquantized model the checkpoint was made from and set "
             "adapter.type: qlora for 4-bit weights (or lora / full on the 16-bit ones)" + _dequantize_hint(quantized),
         )
+    nested = text is not cfg
     reader, traits = family, FAMILIES[family]
     text = {**traits.defaults, **text}  # what the config class fills in for the keys config.json leaves out
     missing = [
@@ -184,6 +192,7 @@ def arch_from_config(path: Path, *, key: str, hub_id: str | None = None) -> Mode
             "registry entry (finetune models)",
         )
     heads = int(text["num_attention_heads"])
+    towers = tower_params(cfg, text, family=family, path=path) if nested and family in TEXT_OF_MULTIMODAL else 0
     tied = cfg.get("tie_word_embeddings", text.get("tie_word_embeddings", traits.tied))
     qk_norm = traits.qk_norm if not traits.qk_norm_switch or text.get(traits.qk_norm_switch) else ""
     try:
@@ -220,6 +229,7 @@ def arch_from_config(path: Path, *, key: str, hub_id: str | None = None) -> Mode
             fused_qkv=traits.fused_qkv,
             fused_gate_up=traits.fused_gate_up,
             max_position_embeddings=int(text.get("max_position_embeddings") or 8192),
+            rope_scaling=configured_rope_scaling(text),
             checkpoint_dtype=stored_dtype(cfg, text),
             decoder_layer_class=traits.layer_class,
             lora_targets=targets,
@@ -231,6 +241,7 @@ def arch_from_config(path: Path, *, key: str, hub_id: str | None = None) -> Mode
             **mla,
             **sliding_fields(text, family=traits),
             attention_dropout=float(text.get("attention_dropout") or 0.0),
+            frozen_tower_params=towers,
         )
     except (ValidationError, TypeError, ValueError) as exc:
         raise RecipeError(
@@ -238,6 +249,59 @@ def arch_from_config(path: Path, *, key: str, hub_id: str | None = None) -> Mode
             file=str(path),
             hint="set model.arch to the closest registry entry (finetune models)",
         ) from None
+
+
+# SiglipVisionConfig's defaults, for the keys a saved vision_config leaves out
+SIGLIP_DEFAULTS = dict(
+    hidden_size=768, intermediate_size=3072, num_hidden_layers=12, num_channels=3, image_size=224, patch_size=16
+)
+
+
+def siglip_params(vision: dict) -> int:
+    """SigLIP's vision transformer as transformers builds it: patch and position embeddings, pre-norm encoder
+    layers (q/k/v/out projections and a two-layer MLP, with biases; two LayerNorms), a final LayerNorm and,
+    with vision_use_head, the attention-pooling head."""
+    v = {**SIGLIP_DEFAULTS, **{k: val for k, val in vision.items() if val is not None}}
+    h, i = int(v["hidden_size"]), int(v["intermediate_size"])
+    patch = int(v["patch_size"])
+    embeddings = int(v["num_channels"]) * patch * patch * h + h + (int(v["image_size"]) // patch) ** 2 * h
+    mlp = h * i + i + i * h + h
+    layer = 4 * (h * h + h) + mlp + 2 * 2 * h
+    head = (h + 3 * (h * h + h) + (h * h + h) + 2 * h + mlp) if v.get("vision_use_head", True) else 0
+    return embeddings + int(v["num_hidden_layers"]) * layer + 2 * h + head
+
+
+def tower_params(cfg: dict, text: dict, *, family: str, path: Path) -> int:
+    """Parameters a multimodal checkpoint in TEXT_OF_MULTIMODAL adds to its text decoder: the vision tower
+    and Gemma-3's projector (a vision-width x text-width matrix and an RMSNorm of vision width)."""
+    vision = cfg.get("vision_config") or {}
+    expected = TEXT_OF_MULTIMODAL[family]
+    kind = vision.get("model_type", expected)
+    if kind != expected:
+        raise RecipeError(
+            f"config.json's vision_config is a {kind!r} tower; the planner counts {family}'s {expected} tower only",
+            file=str(path),
+            key="model.name",
+            hint="point model.name at a text-only copy of the model, or open an issue to have this tower counted",
+        )
+    width = int(vision.get("hidden_size") or SIGLIP_DEFAULTS["hidden_size"])
+    return siglip_params(vision) + width * int(text["hidden_size"]) + width
+
+
+ROPE_SCALING_KEYS = ("rope_type", "factor", "original_max_position_embeddings")
+
+
+def configured_rope_scaling(text: dict) -> dict | None:
+    """The RoPE scaling config.json sets (transformers 4's rope_scaling, 5's rope_parameters; the older `type`
+    key read as rope_type), or None where it sets none (no factor, or rope_type default)."""
+    raw = text.get("rope_scaling") or text.get("rope_parameters")
+    if not isinstance(raw, dict) or raw.get("factor") is None:
+        return None
+    kind = raw.get("rope_type", raw.get("type"))
+    if kind in (None, "default"):
+        return None
+    out = {"rope_type": kind, **{k: raw[k] for k in ROPE_SCALING_KEYS[1:] if raw.get(k) is not None}}
+    return out
 
 
 # checkpoints some models are published in only (gpt-oss: MXFP4, DeepSeek-V3: FP8) and the transformers config

@@ -237,9 +237,10 @@ def biases(text: dict, family: Family) -> dict:
     )
 
 
-# the text decoders of multimodal checkpoints the planner reads as text models: their vision tower is
-# loaded but not counted (the registry's gemma-3 entries say so)
-TEXT_OF_MULTIMODAL = frozenset({"gemma3"})
+# the multimodal checkpoints the planner reads as their text decoder, by model_type, with the model_type of the
+# vision tower they add: loaded with the model, its weights (and the projector's) are counted as frozen
+# (finetune.registry.derive.tower_params); training freezes them and keeps adapters off them
+TEXT_OF_MULTIMODAL = {"gemma3": "siglip_vision_model"}
 
 # config.json keys and layer kinds of layers that are not attention: their state, memory and time
 # (recurrences, convolutions, linear attention) are nothing the planner models
@@ -247,8 +248,13 @@ _RECURRENT_WORDS = ("mamba", "ssm", "conv", "linear_attn", "linear_attention", "
 _ENCODER_KEYS = ("type_vocab_size", "encoder_layers", "encoder_layerdrop")
 
 
-def refusal_reason(cfg: dict, text: dict, *, model_type: str) -> str:
-    """Why `model_type` is not read, as specifically as its config.json shows."""
+# config.json keys of towers a multimodal checkpoint adds to its text decoder
+_TOWER_KEYS = ("vision_config", "audio_config", "speech_config", "vision_tower", "image_encoder")
+
+
+def refusal_reason(cfg: dict, text: dict, *, model_type: str) -> tuple[str, bool]:
+    """Why `model_type` is not read, as specifically as its config.json shows, and whether a registry entry
+    could stand in for it (model.arch) at all: nothing stands in for recurrent or linear-attention layers."""
     kinds = {str(k) for k in text.get("layer_types") or [] if isinstance(k, str)}
     odd = sorted(k for k in kinds if any(w in k for w in _RECURRENT_WORDS))
     keys = sorted(k for k in text if any(w in k.lower() for w in _RECURRENT_WORDS) and text[k] not in (None, [], {}))
@@ -256,19 +262,32 @@ def refusal_reason(cfg: dict, text: dict, *, model_type: str) -> str:
         what = ", ".join(odd) if odd else ", ".join(keys[:3])
         return (
             f"it has recurrent, state-space or linear-attention layers ({what}) whose memory and time "
-            f"the planner does not model"
+            f"the planner does not model",
+            False,
         )
-    experts = sorted(k for k in text if any(w in k for w in ("expert", "moe")) and text[k] not in (None, 0, [], False))
+    # expert keys at the top or one level down (DBRX keeps them in ffn_config)
+    nested = [(f"{k}.{n}", v) for k, d in text.items() if isinstance(d, dict) for n, v in d.items()]
+    experts = sorted(
+        k
+        for k, v in [*text.items(), *nested]
+        if any(w in k for w in ("expert", "moe")) and v not in (None, 0, [], False)
+    )
     if experts:
         return (
             f"its mixture-of-experts layers ({', '.join(experts[:3])}) follow a convention whose parameters "
-            f"and routed-expert memory the planner has not been checked against"
+            f"and routed-expert memory the planner has not been checked against",
+            True,
         )
     if cfg.get("is_encoder_decoder") or any(k in cfg for k in _ENCODER_KEYS):
-        return "it is an encoder or encoder-decoder model, not a decoder-only LM the planner models"
-    if cfg is not text and text.get("model_type") in KNOWN_FAMILIES:
+        return "it is an encoder or encoder-decoder model, not a decoder-only LM the planner models", False
+    towers = [k for k in _TOWER_KEYS if cfg.get(k)]
+    if towers or (cfg is not text and text.get("model_type") in KNOWN_FAMILIES):
+        decoder = text.get("model_type") if cfg is not text else None
+        cross = " and cross-attention layers" if text.get("cross_attention_layers") else ""
         return (
-            f"it wraps a {text['model_type']} text decoder with other towers (vision, audio) whose "
-            f"weights and activations the planner does not count"
+            f"it wraps {f'a {decoder} text decoder' if decoder else 'its text decoder'} with other towers "
+            f"({', '.join(towers) or 'vision, audio'}){cross} whose weights and activations the planner does not "
+            "count",
+            True,
         )
-    return "its decoder layers are not a shape the planner's memory and time model describes"
+    return "its decoder layers are not a shape the planner's memory and time model describes", True

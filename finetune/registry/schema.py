@@ -34,10 +34,22 @@ class ModelArch(Strict):
     tied_embeddings: bool = False
     attention_bias: bool = False  # q/k/v biases (Qwen2): a few thousand params per layer
     max_position_embeddings: int = 8192
+    rope_scaling: dict[str, str | float | int] | None = Field(
+        None,
+        description="the RoPE scaling config.json itself sets (rope_scaling / rope_parameters: rope_type, factor, "
+        "original_max_position_embeddings), which model.rope_scaling is merged over as training merges it",
+    )
     checkpoint_dtype: Literal["bfloat16", "float16", "float32"] | None = Field(
         None,
         description="dtype the published weights are stored in (config.json's dtype / torch_dtype); "
         "None: not known, and the planner counts a converted copy of the weights while they load",
+    )
+    frozen_tower_params: int = Field(
+        0,
+        ge=0,
+        description="parameters a multimodal checkpoint adds to its text decoder (vision tower, projector): "
+        "loaded with the model and held as weights, frozen and not run on text (finetune.train.model freezes "
+        "them and keeps adapters off them)",
     )
     num_experts: int = Field(1, ge=1, description="MoE experts per layer (1 = dense)")
     experts_per_token: int = Field(1, ge=1)

@@ -196,6 +196,7 @@ def load_model(recipe: Recipe):
         from finetune.compat.bnb_cpu_packing import keep_trainable_layout
 
         keep_trainable_layout(model)
+    freeze_towers(model)
     fit_embeddings(recipe, model)
     if recipe.method.type == "reward" and model.config.pad_token_id is None:
         # the score is read at each row's last non-pad token, which needs the pad id
@@ -281,9 +282,45 @@ def build_from_config(auto, config, build: dict, *, empty: bool):
     return model
 
 
-def lora_config(recipe: Recipe):
+def text_towers(model) -> dict:
+    """The modules a multimodal checkpoint holds beside its text decoder (Gemma-3: vision_tower and
+    multi_modal_projector), by name in `model`; {} for a text model. finetune trains text only: they load with
+    the model, frozen and without adapters (the planner counts them so: ModelArch.frozen_tower_params)."""
+    config = getattr(model, "config", None)
+    if config is None or not hasattr(config, "get_text_config") or config.get_text_config() is config:
+        return {}
+    decoder = model.get_decoder()
+    name = next((n for n, m in model.named_modules() if m is decoder), None)
+    if name is None:
+        return {}
+    parent_name = name.rpartition(".")[0]
+    parent = model.get_submodule(parent_name) if parent_name else model
+    prefix = f"{parent_name}." if parent_name else ""
+    return {
+        prefix + child_name: child
+        for child_name, child in parent.named_children()
+        if child is not decoder and next(child.parameters(), None) is not None
+    }
+
+
+def freeze_towers(model) -> None:
+    """requires_grad off on a multimodal checkpoint's towers (text_towers): a full fine-tune trains the text
+    model, and no optimizer state, fp32 master or gradient is kept for weights text never reaches."""
+    towers = text_towers(model)
+    for tower in towers.values():
+        tower.requires_grad_(False)
+    if towers:
+        count = sum(p.numel() for t in towers.values() for p in t.parameters())
+        log.info(f"text-only training: {', '.join(towers)} ({count / 1e6:,.0f}M parameters) frozen")
+
+
+def lora_config(recipe: Recipe, model=None):
+    """peft's LoraConfig for the recipe; given the model, its multimodal towers (text_towers) are excluded
+    from the targets, which match module names by suffix (a vision tower has q_proj/k_proj/v_proj too)."""
     if recipe.adapter.type == "full":
         return None
+    import re
+
     from peft import LoraConfig
 
     a = recipe.adapter
@@ -301,6 +338,9 @@ def lora_config(recipe: Recipe):
         # SEQ_CLS: peft also trains the new score head (modules_to_save)
         task_type="SEQ_CLS" if recipe.method.type == "reward" else "CAUSAL_LM",
     )
+    towers = text_towers(model) if model is not None else {}
+    if towers:  # peft matches a str by re.fullmatch against each module's full name
+        config.exclude_modules = rf"({'|'.join(re.escape(name) for name in towers)})(\..*)?"
     if a.fuses_lora:
         from torch import nn
 

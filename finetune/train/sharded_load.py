@@ -153,7 +153,7 @@ def build_meta(recipe: Recipe, *, config, device):
     from peft import get_peft_model
     from transformers import AutoModelForCausalLM
 
-    from finetune.train.model import build_from_config, from_config_kwargs, lora_config, model_kwargs
+    from finetune.train.model import build_from_config, freeze_towers, from_config_kwargs, lora_config, model_kwargs
 
     build = from_config_kwargs(model_kwargs(recipe))
     four_bit = recipe.adapter.type == "qlora"
@@ -164,13 +164,15 @@ def build_meta(recipe: Recipe, *, config, device):
     model.eval()  # as from_pretrained returns it
     targets = _meta_targets(model)
     if recipe.adapter.type == "full":
+        freeze_towers(model)
         if MIXED_PRECISION[recipe.train.precision] != "no":
             # accelerate's FSDP2 preparation upcasts trainable parameters (not buffers) to fp32 master
             # weights (the mixed-precision policy casts them for compute); on the meta device it costs nothing
             for p in model.parameters():
-                p.data = p.data.to(torch.float32)
+                if p.requires_grad:
+                    p.data = p.data.to(torch.float32)
         return model, quantized, targets
-    peft_config = lora_config(recipe)
+    peft_config = lora_config(recipe, model)
     model = get_peft_model(model, peft_config)
     _init_adapter(model, seed=recipe.train.seed, init=peft_config.init_lora_weights, bf16=four_bit)
     filled = {id(getattr(module, attr)) for module, attr in targets.values()}

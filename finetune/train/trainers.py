@@ -197,7 +197,7 @@ def _trainer(recipe: Recipe, *, args, model, tokenizer, data, callbacks: list):
     from finetune.train.model import carries_adapter, lora_config, reference_copy
     from finetune.train.subclass import trainer_class
 
-    peft_config = None if carries_adapter(model) else lora_config(recipe)
+    peft_config = None if carries_adapter(model) else lora_config(recipe, model)
     from finetune.train.methods import is_method_here, method_trainer
 
     if is_method_here(recipe):

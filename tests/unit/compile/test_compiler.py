@@ -597,3 +597,25 @@ def test_the_training_arguments_carry_the_plans_sync_each_batch(sync, expected, 
     cpu = TrainingArguments(**{**args, "use_cpu": True, "bf16": False, "report_to": [], "dataloader_pin_memory": False})
     trainer = Trainer(model=AutoModelForCausalLM.from_pretrained(TINY_MODEL), args=cpu)
     assert trainer.accelerator.gradient_state.plugin_kwargs.get("sync_each_batch", False) is expected
+
+
+def test_a_model_read_from_its_config_json_is_read_again_from_the_resolved_recipe(tmp_path):
+    """An architecture derived from config.json has a key no registry entry has; the resolved recipe leaves
+    model.arch unset for it, so what re-plans a run from that recipe (the OOM recovery, --measure) finds the
+    model again (it once wrote the derived key, and re-planning failed with 'unknown model architecture')."""
+    from finetune.registry import resolve_model
+    from finetune.rundir import RESOLVED_RECIPE
+
+    model_dir = tmp_path / "granite-like"
+    model_dir.mkdir()
+    shutil.copy(ROOT / "tests/data/hub_configs/granite-3.1-3b-a800m/config.json", model_dir / "config.json")
+    (tmp_path / "train.jsonl").write_text('{"text": "hi"}\n')
+    (tmp_path / "r.yaml").write_text(
+        yaml.safe_dump({"model": {"name": str(model_dir)}, "data": {"path": "train.jsonl", "format": "text"}})
+    )
+    run_dir = tmp_path / "run"
+    compile_recipe(tmp_path / "r.yaml", run_dir=run_dir, hardware="server-8xh100")
+    resolved = load_recipe(run_dir / RESOLVED_RECIPE, allow_resolved=True)
+    assert resolved.model.arch is None
+    assert resolve_model(resolved.model).family == "granitemoe"
+    real_plan(resolved.model_copy(update={"resolved": None}), hardware="server-8xh100")

@@ -70,8 +70,8 @@ UNBUILDABLE = {
     "gemma4_assistant": "Gemma4AssistantConfig() fails its own check (hidden_size_per_layer_input must be 0, "
     "its default is 256)",
 }
-# multimodal checkpoints planned as their text decoder: the towers they add are not counted (the registry's
-# gemma-3 entries say so), so the real model has exactly those modules more
+# multimodal checkpoints planned as their text decoder and frozen towers: the towers are counted in the total
+# (ModelArch.frozen_tower_params), and the text model (what trains, what a token runs) is the rest
 TEXT_ONLY = {"gemma3": ("model.vision_tower.", "model.multi_modal_projector.")}
 
 PLANNED = {
@@ -201,7 +201,7 @@ def test_planned_exactly_or_refused_by_name(tmp_path, model_type):
     assert model_type in PLANNED, f"{model_type} is planned: add it to PLANNED"
     p = count_params(arch)
     model, towers = meta_model(config), TEXT_ONLY.get(model_type, ())
-    assert p.total == real_count(model, leave_out=towers)
+    assert p.total == real_count(model) and p.text_model == real_count(model, leave_out=towers)
     # the LoRA targets the planner writes into the resolved recipe are the model's linear modules, and
     # the adapter it plans is the one peft builds on them
     lora = lora_param_count(arch, r=8, targets=arch.lora_targets, dora=False)
@@ -212,7 +212,7 @@ def test_planned_exactly_or_refused_by_name(tmp_path, model_type):
         unrouted = moe_layer_count(arch) * (arch.num_experts - arch.experts_per_token) * one
         assert p.total - p.active == unrouted > 0  # every MoE type here has MoE layers at this size
     else:
-        assert p.active == p.total
+        assert p.active == p.text_model
 
 
 # the config switches that add parameters in some families and not in others (each family's attention
@@ -229,7 +229,8 @@ def test_biases_qk_norms_and_tying_switched_on_are_counted(tmp_path, model_type)
     arch = read(tmp_path, config)
     assert arch.tied_embeddings is not tied
     model, towers = meta_model(config), TEXT_ONLY.get(model_type, ())
-    assert count_params(arch).total == real_count(model, leave_out=towers)
+    params = count_params(arch)
+    assert params.total == real_count(model) and params.text_model == real_count(model, leave_out=towers)
 
 
 @pytest.mark.parametrize("model_type", ["olmo2", "cohere2", "phi3", "qwen3_next"])
@@ -264,7 +265,7 @@ def test_finetune_plan_cli_plans_new_families_and_refuses_without_a_traceback(tm
     if model_type not in PLANNED:
         assert proc.returncode != 0, proc.stdout
         assert f"model_type {model_type!r} is not supported by the planner" in proc.stderr, proc.stderr
-        assert "linear-attention" in proc.stderr and "set model.arch" in proc.stderr, proc.stderr
+        assert "linear-attention" in proc.stderr and "no registry entry stands in" in proc.stderr, proc.stderr
         return
     assert proc.returncode == 0, proc.stderr
     plan = json.loads(proc.stdout)

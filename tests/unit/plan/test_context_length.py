@@ -68,3 +68,49 @@ def test_cli_plan_refuses_without_a_traceback(tmp_path):
     assert proc.returncode != 0
     assert "Traceback" not in proc.stderr
     assert "data.max_length" in proc.stderr + proc.stdout
+
+
+def _qwen3_dir(tmp_path: Path, rope_scaling: dict | None) -> Path:
+    """Qwen3-8B's config.json (max_position_embeddings 40960), with the YaRN block Qwen's card adds for long
+    inputs where given."""
+    import json
+
+    cfg = json.loads((ROOT / "tests/data/hub_configs/qwen3-8b/config.json").read_text())
+    if rope_scaling:
+        cfg["rope_scaling"] = rope_scaling
+    model = tmp_path / "qwen3-8b-long"
+    model.mkdir(parents=True)
+    (model / "config.json").write_text(json.dumps(cfg))
+    return model
+
+
+def _local(model: Path, max_length: int, **extra) -> dict:
+    raw = _raw(max_length, **extra)
+    raw["model"] = {"name": str(model), **extra}
+    return raw
+
+
+QWEN_YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}
+
+
+def test_config_json_rope_scaling_reaches_the_length_with_a_warning(tmp_path):
+    # config.json's own YaRN reaches 4 x 32768: 65536 tokens plan, past max_position_embeddings with a warning
+    result = plan(load_recipe(_local(_qwen3_dir(tmp_path, QWEN_YARN), 65536)))
+    assert len(result.warnings) == 1
+    assert "config.json's RoPE scaling" in result.warnings[0] and "reach 131072" in result.warnings[0]
+
+
+def test_config_json_rope_scaling_too_short_asks_for_a_factor_merged_over_it(tmp_path):
+    with pytest.raises(RecipeError) as err:
+        plan(load_recipe(_local(_qwen3_dir(tmp_path, QWEN_YARN), 262144)))
+    assert err.value.key == "data.max_length" and "131072" in str(err.value)
+    assert "factor to 8" in err.value.hint
+    # the recipe's factor alone, merged over config.json's yarn and its original context, reaches it
+    result = plan(load_recipe(_local(_qwen3_dir(tmp_path / "b", QWEN_YARN), 262144, rope_scaling={"factor": 8.0})))
+    assert "reach 262144" in result.warnings[0] and "merged over it" in result.warnings[0]
+
+
+def test_without_rope_scaling_in_config_json_the_length_is_refused(tmp_path):
+    with pytest.raises(RecipeError) as err:
+        plan(load_recipe(_local(_qwen3_dir(tmp_path, None), 65536)))
+    assert "max_position_embeddings 40960" in str(err.value)

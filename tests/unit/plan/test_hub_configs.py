@@ -74,9 +74,9 @@ ACTIVE_WITHOUT_EMBEDDING: dict[str, tuple[float, str]] = {
     "granite-3.1-3b-a800m": (800e6, "Granite 3.0 report: 3.3B total, 800M active (its tied embedding aside)"),
 }
 PLANNED_TOTAL_ONLY = {"deepseek-v2-lite": 15.7e9, "gpt-oss-20b-bf16": 20.9e9, "granite-3.1-3b-a800m": 3.3e9}
-# multimodal checkpoints planned as their text decoder (finetune/registry/families.py TEXT_OF_MULTIMODAL):
-# the published count includes the vision tower and projector, whose size transformers' meta-device
-# Gemma3ForConditionalGeneration gives exactly
+# multimodal checkpoints planned as their text decoder plus frozen towers (finetune/registry/families.py
+# TEXT_OF_MULTIMODAL): the published count includes the vision tower and projector, whose size transformers'
+# meta-device Gemma3ForConditionalGeneration gives exactly
 TEXT_OF_MULTIMODAL: dict[str, tuple[float, int, str]] = {
     "gemma-3-4b": (4.30e9, 419_816_304, "Hub safetensors metadata 4.3B, of which the SigLIP tower and projector"),
     "gemma-3-27b": (27.4e9, 423_060_336, "Hub safetensors metadata 27.4B, of which the SigLIP tower and projector"),
@@ -123,13 +123,16 @@ def test_active_counts_published_without_the_input_embedding(model):
 
 
 @pytest.mark.parametrize("model", sorted(TEXT_OF_MULTIMODAL))
-def test_multimodal_wrapper_is_planned_as_its_text_decoder(model):
+def test_multimodal_wrapper_is_planned_as_its_text_decoder_and_its_frozen_towers(model):
     # Gemma-3's nested text_config leaves out the keys equal to Gemma3TextConfig's defaults (the 4B's names
-    # neither its heads nor its vocab): the planner once refused both as "not a decoder-only LM"
+    # neither its heads nor its vocab): the planner once refused both as "not a decoder-only LM"; then it left
+    # the ~0.42B vision tower out of the weights it planned
     total, towers, source = TEXT_OF_MULTIMODAL[model]
     p = plan_counts(model)
-    assert close(p.total, total - towers), f"{model}: planned {p.total:,}, published {total:,.0f} ({source})"
-    assert p.active == p.total
+    assert p.towers == towers, f"{model}: towers {p.towers:,} against transformers' {towers:,}"
+    assert close(p.total, total), f"{model}: planned {p.total:,}, published {total:,.0f} ({source})"
+    # a token runs the text model only; a full fine-tune trains it only
+    assert p.active == p.text_model == p.total - towers
 
 
 @pytest.mark.parametrize("model", sorted(REFUSED))
@@ -178,4 +181,5 @@ def test_finetune_plan_cli_plans_gemma3_4b_from_its_hub_config(tmp_path):
     )
     assert run.returncode == 0, run.stdout + run.stderr
     assert "Traceback" not in run.stderr
-    assert json.loads(run.stdout)["total_params"] == 3_880_263_168
+    # the text decoder (3,880,263,168) and the SigLIP tower with its projector, as transformers builds them
+    assert json.loads(run.stdout)["total_params"] == 3_880_263_168 + TEXT_OF_MULTIMODAL["gemma-3-4b"][1]

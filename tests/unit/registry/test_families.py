@@ -37,6 +37,19 @@ def _read(tmp_path, config: dict):
             dict(model_type="mistral3", text_config=dict(SHAPE, model_type="mistral"), vision_config={}),
             "wraps a mistral text decoder with other towers",
         ),
+        # Qwen2.5-VL keeps its text keys at the top, beside its vision tower
+        (dict(SHAPE, model_type="qwen2_5_vl", vision_config={"depth": 32}), "with other towers (vision_config)"),
+        # Llama-3.2-Vision: cross-attention layers into a vision tower
+        (
+            dict(
+                model_type="mllama",
+                text_config=dict(SHAPE, model_type="mllama_text_model", cross_attention_layers=[3]),
+                vision_config={"hidden_size": 32},
+            ),
+            "(vision_config) and cross-attention layers",
+        ),
+        # DBRX keeps its experts one level down, in ffn_config
+        (dict(SHAPE, model_type="dbrx", ffn_config={"moe_num_experts": 16}), "(ffn_config.moe_num_experts)"),
         (dict(SHAPE, model_type="gpt2"), "not a shape the planner's memory and time model describes"),
     ],
 )
@@ -46,7 +59,32 @@ def test_refusals_name_the_type_say_why_and_what_to_do(tmp_path, config, words):
     err = caught.value
     assert f"model_type {config['model_type']!r} is not supported by the planner" in err.message
     assert words in err.message
-    assert err.key == "model.name" and "set model.arch" in err.hint and "open an issue" in err.hint
+    assert err.key == "model.name" and "open an issue" in err.hint
+    # a registry entry is offered as a stand-in, said to be one, except for layers nothing stands in for
+    if "recurrent" in words or "linear_attention" in words or "encoder" in words:
+        assert "set model.arch" not in err.hint and "no registry entry stands in" in err.hint
+    else:
+        assert "set model.arch" in err.hint and "stand-in" in err.hint
+
+
+def test_a_registry_entry_standing_in_for_another_architecture_is_said(tmp_path):
+    from finetune.plan import plan
+    from finetune.recipe import load_recipe
+
+    folder = tmp_path / "jamba"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(dict(SHAPE, model_type="jamba", mamba_d_conv=4)))
+    raw = {
+        "model": {"name": str(folder), "arch": "mixtral-8x7b"},
+        "data": {"path": "t.jsonl"},
+        "train": {"liger": "off"},
+        "hardware": "server-8xh100",
+    }
+    warnings = plan(load_recipe(raw)).warnings
+    assert any("model.arch mixtral-8x7b (mixtral) stands in for" in w and "model_type jamba" in w for w in warnings)
+    (folder / "config.json").write_text(json.dumps(dict(SHAPE, model_type="mixtral", num_local_experts=4)))
+    raw["model"]["arch"] = "mixtral-8x7b"
+    assert not any("stands in" in w for w in plan(load_recipe(raw)).warnings)
 
 
 def test_gemma3_multimodal_is_read_as_its_text_decoder(tmp_path):
