@@ -6,10 +6,12 @@ from finetune.peers import Conversion
 from finetune.peers.common import (
     FUSED_LORA_REASON,
     LIGER_REASON,
+    TEMPLATES,
     as_list,
     attention,
     batch_sizes,
     continue_adapter,
+    find_file,
     is_on,
     loss_type,
     optimizer,
@@ -79,6 +81,8 @@ IGNORED = {
     "loss_watchdog_threshold": "no loss watchdog; a non-finite loss stops the run (train.on_nonfinite)",
     "loss_watchdog_patience": "no loss watchdog; a non-finite loss stops the run (train.on_nonfinite)",
     "num_labels": "a reward model (method: reward) has one score head; other heads are not offered",
+    "eval_batch_size": "the eval micro-batch is finetune's own (evaluation only: the trained weights are the same)",
+    "save_only_model": "finetune's checkpoints always keep the optimizer state, so a run can resume from them",
 }
 IGNORED.update(
     {
@@ -113,6 +117,11 @@ NOT_OFFERED_WHEN_ON = {
 }
 # axolotl's attention switch -> model.attn_implementation (flash: finetune picks its flash kernel itself)
 ATTENTION = {"sdpa": "sdpa", "eager": "eager", "flex": "flex_attention", "flash": None, "xformers": None}
+# axolotl's older per-kernel switches -> model.attn_implementation (the others are in IGNORED: finetune picks)
+ATTENTION_SWITCHES = {"flex_attention": "flex_attention"}
+# axolotl's preference/KTO prompt strategies named TEMPLATE.kind render their rows with that template's markers
+# written in (prompt_strategies/dpo/llama3.py, chatml.py), whatever chat_template says
+STRATEGY_TEMPLATES = ("llama3", "chatml")
 _OPTION_FIX = {
     "data_files": "a file inside a Hub dataset is not selected here; download it and set path to the file",
 }
@@ -148,6 +157,11 @@ def _source(conv: Conversion, i: int, ds: dict, *, preference: bool) -> dict | N
     key = f"datasets[{i}]"
     if isinstance(ds, dict) and not ds.get("path") and len(as_list(ds.get("data_files"))) == 1:
         ds = {**ds, "path": as_list(ds["data_files"])[0], "data_files": None}  # axolotl reads the one file
+        if find_file(conv, str(ds["path"])) is None:
+            conv.notes.append(
+                f"{key}: data_files {ds['path']!r} without a path is not a file here; it is read as a Hub dataset id "
+                f"(axolotl would load it as a local {ds.get('ds_type') or 'json'} file): check data.sources[{i}].path"
+            )
     if not isinstance(ds, dict) or not ds.get("path"):
         conv.drop(key, ds, "a dataset entry needs a path (or one data_files entry)")
         return None
@@ -157,6 +171,8 @@ def _source(conv: Conversion, i: int, ds: dict, *, preference: bool) -> dict | N
             conv.drop(f"{key}.{option}", ds.pop(option), "must be a mapping")
     src: dict = {"path": conv.local_path(str(ds["path"]))}
     kind = str(ds.get("type") or ("chat_template.default" if preference else "alpaca"))
+    if preference and kind.split(".")[0] in STRATEGY_TEMPLATES:
+        _strategy_template(conv, f"{key}.type", kind)
     if preference:
         src["format"] = "preference"
         sniffed = sniff_format(conv, str(ds["path"]), method="kto") if conv.get("method.type") == "kto" else None
@@ -251,6 +267,24 @@ def _source(conv: Conversion, i: int, ds: dict, *, preference: bool) -> dict | N
     return src
 
 
+def _strategy_template(conv: Conversion, key: str, kind: str) -> None:
+    """A `llama3.*` / `chatml.*` preference type renders with that template: data.chat_template, unless the
+    config names another one (then the two disagree and it is reported)."""
+    wanted = TEMPLATES[kind.split(".")[0]]
+    if conv.get("data.chat_template") in (None, wanted):
+        if conv.get("data.chat_template") is None:
+            conv.notes.append(f"{key}: {kind} renders its rows as {wanted}: data.chat_template {wanted}")
+        conv.set("data.chat_template", wanted)
+    else:
+        conv.drop(
+            key,
+            kind,
+            f"renders its rows as {wanted} whatever chat_template says; finetune renders every row with "
+            f"data.chat_template ({conv.get('data.chat_template')}): set it to {wanted}, or use type "
+            "chat_template.default",
+        )
+
+
 def _pretraining(conv: Conversion, entries: list) -> list[dict]:
     """pretraining_dataset: a streamed text corpus (axolotl streams it and needs max_steps, as we do)."""
     sources = []
@@ -311,6 +345,11 @@ def convert(conv: Conversion) -> None:
     if conv.has("reward_model"):
         conv.take("reward_model")
         conv.set("method.type", "reward")
+    if conv.has("center_rewards_coefficient"):  # RewardConfig's, passed through by axolotl
+        conv.set("method.center_rewards_coefficient", conv.take("center_rewards_coefficient"))
+    for key in ("load_in_4bit", "load_in_8bit"):  # false asks for nothing, whatever the adapter
+        if conv.has(key) and not is_on(conv.raw[key]):
+            conv.used.add(key)
     adapter = conv.take("adapter")
     if adapter in ("lora", "qlora"):
         conv.set("adapter.type", "qlora" if adapter == "qlora" or conv.raw.get("load_in_4bit") else "lora")
@@ -321,7 +360,16 @@ def convert(conv: Conversion) -> None:
         conv.set("adapter.type", "full")
         conv.used.update({"load_in_8bit", "load_in_4bit"})
     else:
-        conv.drop("adapter", adapter, f"adapter {adapter!r} is not offered (full, lora, qlora)")
+        # written as it is, so the recipe fails validation on adapter.type rather than train LoRA in its place
+        conv.set("adapter.type", str(adapter))
+        conv.drop(
+            "adapter",
+            adapter,
+            f"adapter {adapter!r} is not offered: finetune trains every weight (adapter.type: full) or LoRA adapters "
+            f"(lora, qlora); the recipe keeps adapter.type {adapter!r} so it does not validate until you pick one",
+        )
+        for key in [k for k in conv.raw if k.startswith("peft_") and conv.raw[k] is not None]:
+            conv.drop(key, conv.take(key), f"belongs to adapter {adapter}", material=False)
     if conv.take("lora_target_linear"):
         conv.set("adapter.target_modules", "all-linear")
         conv.used.add("lora_target_modules")
@@ -348,8 +396,14 @@ def convert(conv: Conversion) -> None:
     for name in ("pad_token", "eos_token", "bos_token"):
         if tokens.get(name):
             conv.set(f"tokenizer.{name}", tokens[name])
-    if set(tokens) - {"pad_token", "eos_token", "bos_token"}:
-        conv.drop("special_tokens", tokens, "only pad/eos/bos overrides map (tokenizer.*)")
+    rest = {k: v for k, v in tokens.items() if k not in ("pad_token", "eos_token", "bos_token")}
+    if rest:
+        conv.drop(
+            "special_tokens",
+            rest,
+            "only pad/eos/bos have overrides here (tokenizer.*, mapped); the tokenizer keeps its own "
+            + ", ".join(rest),
+        )
     jinja = conv.take("chat_template_jinja")
     if jinja and conv.raw.get("chat_template") in (None, "jinja"):
         conv.take("chat_template")
@@ -359,8 +413,7 @@ def convert(conv: Conversion) -> None:
     continue_adapter(conv, "lora_model_dir")
     optimizer(conv, "optimizer")
     scheduler(conv, "lr_scheduler")
-    if conv.has("cosine_min_lr_ratio"):
-        conv.set("train.scheduler", "cosine_with_min_lr")
+    _cosine_floor(conv)
     batch_sizes(conv, micro_key="micro_batch_size", also="axolotl multiplies by the GPU count too; ")
     deepspeed_file(conv, "deepspeed")
     parallel_sizes(conv, conv.raw)
@@ -382,12 +435,74 @@ def convert(conv: Conversion) -> None:
                 "attention", kernel, "unknown kernel; finetune offers sdpa, eager, flex (model.attn_implementation)"
             )
     attention(conv, "attn_implementation")
+    for switch, kernel in ATTENTION_SWITCHES.items():
+        if is_on(conv.take(switch)) and conv.get("model.attn_implementation") is None:
+            conv.set("model.attn_implementation", kernel)
+    _weights_dtype(conv)
     for theirs, ours in (("wandb_entity", "logging.entity"), ("wandb_name", "logging.run_name")):
         if conv.has(theirs):
             conv.set(ours, conv.take(theirs))
     if conv.has("warmup_steps") and conv.has("warmup_ratio"):
         conv.drop("warmup_ratio", conv.take("warmup_ratio"), "warmup_steps is set too; finetune takes one")
     _trackers(conv)
+
+
+def _weights_dtype(conv: Conversion) -> None:
+    """axolotl's bfloat16 / float16 switches load the weights in that dtype (bf16 or bfloat16 first)."""
+    bf16 = is_on(conv.take("bfloat16"))
+    fp16 = is_on(conv.take("float16"))
+    if bf16:
+        conv.set("model.dtype", "bfloat16")
+    elif fp16 and not is_on(conv.raw.get("bf16")):
+        conv.set("model.dtype", "float16")
+
+
+def _cosine_floor(conv: Conversion) -> None:
+    """cosine_min_lr_ratio: axolotl's cosine decays to that share of the peak (lr_scheduler cosine only); 1.0 holds
+    the peak after warmup. cosine_constant_lr_ratio (with it): the floor is reached at that share of the steps and
+    held for the rest, which finetune's schedules do not do."""
+    ratio, constant = conv.take("cosine_min_lr_ratio"), conv.take("cosine_constant_lr_ratio")
+    if ratio is None:
+        if constant:
+            conv.drop(
+                "cosine_constant_lr_ratio", constant, "axolotl reads it only with cosine_min_lr_ratio", material=False
+            )
+        return
+    if conv.get("train.scheduler", "cosine") != "cosine":
+        for key, value in (("cosine_min_lr_ratio", ratio), ("cosine_constant_lr_ratio", constant)):
+            if value is not None:
+                conv.drop(
+                    key,
+                    value,
+                    f"axolotl reads it only with lr_scheduler cosine, not {conv.get('train.scheduler')}",
+                    material=False,
+                )
+        return
+    if not isinstance(ratio, (int, float)) or isinstance(ratio, bool) or not 0 <= ratio <= 1:
+        conv.drop(
+            "cosine_min_lr_ratio", ratio, "must be a share of the peak learning rate (0 to 1); set train.min_lr_ratio"
+        )
+        return
+    if ratio == 1:
+        conv.set("train.scheduler", "constant_with_warmup")
+        conv.notes.append(
+            "cosine_min_lr_ratio 1.0 holds the peak learning rate after warmup: train.scheduler constant_with_warmup"
+        )
+        if constant:
+            conv.drop("cosine_constant_lr_ratio", constant, "the learning rate is constant already", material=False)
+        return
+    conv.set("train.scheduler", "cosine_with_min_lr")
+    conv.set("train.min_lr_ratio", ratio)
+    if constant and constant < 1:
+        conv.drop(
+            "cosine_constant_lr_ratio",
+            constant,
+            f"axolotl's cosine reaches its floor ({ratio:g} of the peak) after {constant:g} of the steps and holds it "
+            "for the rest; finetune's cosine_with_min_lr reaches it at the last step: remove the key to decay over the "
+            "whole run, or shorten the run (train.max_steps) to the decay",
+        )
+    elif constant:
+        conv.drop("cosine_constant_lr_ratio", constant, "1 or more decays over the whole run, as here", material=False)
 
 
 def _model_overrides(conv: Conversion) -> None:

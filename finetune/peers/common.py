@@ -43,7 +43,7 @@ TEMPLATES = {
     "qwen2.5": "qwen2.5",
     "qwen2": "qwen2.5",
     "qwen3": "qwen3",
-    "qwen3_nothink": "qwen3",
+    "qwen3_nothink": "chatml",  # LLaMA-Factory's: plain ChatML, no think block and no default system prompt
     "mistral": "mistral",
     "gemma": "gemma",
     "gemma2": "gemma",
@@ -57,7 +57,8 @@ TEMPLATES = {
     "phi3": "phi-3",
     "phi-3": "phi-3",
 }
-TOKENIZER_DEFAULT = ("tokenizer_default", "default", "empty", "tokenizer_default_fallback_chatml")
+# axolotl's names for "the tokenizer's own template" (LLaMA-Factory's `default` and `empty` are templates of its own)
+TOKENIZER_DEFAULT = ("tokenizer_default", "tokenizer_default_fallback_chatml")
 DTYPES = {
     "bfloat16": "bfloat16",
     "bf16": "bfloat16",
@@ -395,7 +396,7 @@ def _cadence(conv: Conversion, *, strategy: str, steps: str, per_epoch: str) -> 
     """TrainingArguments' save/eval strategy and steps: 'epoch' is once per epoch, 'no' ignores the steps,
     and steps below 1 are a share of the whole run (which finetune does not take)."""
     mode = conv.take(strategy)
-    value = conv.raw.get(steps)
+    value = None if steps in conv.used else conv.raw.get(steps)  # eval_steps: read once, for either strategy key
     if str(mode) == "epoch":
         conv.set(per_epoch, 1)
         if value is not None:

@@ -96,7 +96,10 @@ def _deepspeed_strategy(stage: int, *, params: bool, optimizer: bool, nvme: bool
     if stage == 1 and not (params or optimizer):  # ZeRO-1 shards the optimizer; ZeRO-2 adds the gradients
         return "zero2", what
     if stage == 3 and params and not optimizer and not nvme:  # no params-only tier: the optimizer goes too
-        return "zero3-offload", what + " (read as parameters and optimizer offloaded)"
+        return "zero3-offload", what + (
+            " (read as parameters and optimizer offloaded: the optimizer step then runs on the host as DeepSpeed's "
+            "CPU AdamW, in place of the config's optimizer on the GPUs)"
+        )
     return strategy_for(
         backend="deepspeed", stage=stage, offload_params=params, offload_optimizer=optimizer, nvme=nvme
     ), what
@@ -140,9 +143,44 @@ def _deepspeed(conv: Conversion, key: str, value: Any, *, base: Path | None) -> 
         nvme=nvme,
     )
     _pin(conv, key, value, name, what=what)
+    _deepspeed_optimizer(conv, key, config)
     nvme_path = (zero.get("offload_param") or zero.get("offload_optimizer") or {}).get("nvme_path")
     if name and nvme and nvme_path:
         conv.set("distributed.nvme_path", nvme_path)
+
+
+# DeepSpeed's optimizer types that run AdamW (its Adam does unless adam_w_mode is false: engine.py)
+DEEPSPEED_ADAMW = ("adam", "adamw")
+
+
+def _deepspeed_optimizer(conv: Conversion, key: str, config: dict) -> None:
+    """A DeepSpeed file's optimizer / scheduler block: under the HF Trainer it replaces the config's optim /
+    lr_scheduler_type (its "auto" values are filled from the config). AdamW maps; anything else is reported."""
+    block = config.get("optimizer")
+    if isinstance(block, dict):
+        kind = str(block.get("type", ""))
+        params = block.get("params") or {}
+        if kind.lower() in DEEPSPEED_ADAMW and params.get("adam_w_mode", True) is not False:
+            before = conv.get("train.optimizer")
+            conv.set("train.optimizer", "adamw")
+            conv.notes.append(
+                f"{key}: its optimizer block ({kind}) replaces the config's optimizer under DeepSpeed: train.optimizer "
+                "adamw" + (f" instead of {before}" if before not in (None, "adamw") else "")
+            )
+        else:
+            conv.drop(
+                f"{key}.optimizer",
+                block,
+                f"DeepSpeed's {kind or 'untyped'} optimizer (it replaces the config's) is not offered; finetune runs "
+                "train.optimizer (adamw, adamw_8bit, adafactor, ...): pick the nearest, or remove the block",
+            )
+    if isinstance(config.get("scheduler"), dict):
+        conv.drop(
+            f"{key}.scheduler",
+            config["scheduler"],
+            "DeepSpeed's scheduler block replaces the config's lr_scheduler there; set train.scheduler (and warmup) "
+            "to the nearest schedule, or remove the block",
+        )
 
 
 def fsdp_strategy(conv: Conversion, key: str, config: dict, *, flags: list | None = None) -> None:

@@ -10,6 +10,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from finetune.errors import RecipeError
 from finetune.peers import Conversion
 from finetune.peers.common import (
     LIGER_REASON,
@@ -23,6 +24,7 @@ from finetune.peers.common import (
 )
 from finetune.peers.distributed import deepspeed_file
 from finetune.recipe.aliases import is_on
+from finetune.recipe.schema import AdapterSection
 
 IGNORED = {
     k: "finetune decides this itself or has no such switch"
@@ -66,6 +68,17 @@ OPTIMIZER_SWITCHES = ("use_galore", "use_badam", "use_apollo", "use_adam_mini", 
 # LoRA initializations and variants finetune does not offer
 LORA_EXTRAS = ("pissa_init", "pissa_convert", "use_llama_pro", "use_mca")
 STAGES = {"sft": "sft", "pt": "pretrain", "dpo": "dpo", "kto": "kto", "rm": "reward"}
+# LLaMA-Factory's LoraArguments defaults: lora_rank 8, lora_alpha unset = 2 x lora_rank, lora_target all
+LORA_RANK = 8
+LORA_ALPHA_PER_RANK = 2
+LORA_TARGET = "all"
+# LLaMA-Factory's own templates with no shipped equivalent here: what each renders (data/template.py)
+TEMPLATE_RENDERS = {
+    "default": "'Human: {user}<eos>\\nAssistant:' before each answer and '{answer}<eos>\\n' after it",
+    "empty": "the turns' text run together with no role markers and no end-of-sequence token",
+}
+# an export (merge) config's keys: `llamafactory-cli export` merges adapter_name_or_path into the base
+EXPORT_KEYS = ("export_dir", "export_size", "export_device", "export_legacy_format", "export_quantization_bit")
 PREF_LOSS = {
     "orpo": ("orpo", None),
     "simpo": ("simpo", None),
@@ -75,25 +88,38 @@ PREF_LOSS = {
 }
 
 
-def _dataset_info(conv: Conversion) -> tuple[dict, Path] | tuple[None, None]:
+def _dataset_info(conv: Conversion) -> tuple[dict | None, Path | None, str]:
+    """dataset_info.json under dataset_dir (the config's folder, then the current one): its entries, its folder,
+    and where it was looked for (said when a name is not found)."""
     folder = Path(str(conv.take("dataset_dir") or "data"))
+    looked = []
     for base in (conv.config_dir, Path.cwd()):
         path = (folder if folder.is_absolute() else base / folder) / "dataset_info.json"
         if path.is_file():
             try:
-                return json.loads(path.read_text(encoding="utf-8")), path.parent
-            except ValueError:
-                return None, None
-    return None, None
+                info = json.loads(path.read_text(encoding="utf-8"))
+            except ValueError as exc:
+                return None, None, f"{path} is not valid JSON ({exc})"
+            return (info, path.parent, str(path)) if isinstance(info, dict) else (None, None, f"{path} is no mapping")
+        looked.append(str(path.parent))
+        if folder.is_absolute():
+            break
+    return None, None, f"no dataset_info.json in {' or '.join(dict.fromkeys(looked))} (dataset_dir)"
 
 
-def _source(conv: Conversion, name: str, info: dict | None, folder: Path | None, key: str) -> dict | None:
+def _source(conv: Conversion, name: str, info: dict | None, folder: Path | None, key: str, where: str) -> dict | None:
     if not isinstance(name, str):
         conv.drop(key, name, "must be a dataset name from dataset_info.json (comma-separated for several)")
         return None
     entry = (info or {}).get(name)
     if not isinstance(entry, dict):
-        conv.drop(key, name, "not found in dataset_info.json (dataset_dir); add it to data.sources by path")
+        found = f"not an entry of {where}" if info is not None else where
+        conv.drop(
+            key,
+            name,
+            f"{found}; set dataset_dir to the folder with LLaMA-Factory's dataset_info.json, or add the data to "
+            "data.sources by path",
+        )
         return None
     if entry.get("file_name"):
         src: dict[str, Any] = {"path": conv.local_path(str(folder / entry["file_name"]))}
@@ -175,6 +201,7 @@ def convert(conv: Conversion) -> None:
         # one upstream example (examples/extras/dyn_rope) keeps every argument under a `train:` section
         conv.raw = coerce_numbers(section)
         conv.notes.append("train: its keys read as the config's own (the train command's arguments)")
+    _refuse_export(conv)
     conv.set("model.name", conv.take("model_name_or_path", ""))
     stage = str(conv.take("stage", "sft"))
     if stage in STAGES:
@@ -204,19 +231,28 @@ def convert(conv: Conversion) -> None:
         conv.drop("quantization_bit", bits, "only 4-bit (adapter: qlora) and 8-bit (load_in_8bit) are offered")
     if kind == "full":
         conv.set("adapter.type", "full")
+        _full_precision(conv)
     elif kind == "lora":
         conv.set("adapter.type", "qlora" if bits == 4 else "lora")
         if bits == 8:
             conv.set("adapter.load_in_8bit", True)
-        target = conv.take("lora_target")
-        if target is not None:
-            conv.set("adapter.target_modules", "all-linear" if target == "all" else as_list(target))
+        _lora_shape(conv)
     else:
-        conv.drop("finetuning_type", kind, f"finetuning_type {kind!r} is not offered (full, lora)")
-    info, folder = _dataset_info(conv)
+        # written as it is, so the recipe fails validation on adapter.type rather than train LoRA in its place
+        conv.set("adapter.type", str(kind))
+        conv.drop(
+            "finetuning_type",
+            kind,
+            f"finetuning_type {kind!r} is not offered: finetune trains every weight (adapter.type: full) or LoRA "
+            f"adapters (lora, qlora); the recipe keeps adapter.type {kind!r} so it does not validate until you pick "
+            "one",
+        )
+        for key in [k for k in conv.raw if k.startswith(f"{kind}_") or k == "module_dropout"]:
+            conv.drop(key, conv.take(key), f"belongs to finetuning_type {kind}", material=False)
+    info, folder, where = _dataset_info(conv)
     for ours, theirs in (("data.sources", "dataset"), ("data.eval_sources", "eval_dataset")):
         names = as_list(conv.take(theirs))
-        sources = [s for i, n in enumerate(names) if (s := _source(conv, n, info, folder, f"{theirs}[{i}]"))]
+        sources = [s for i, n in enumerate(names) if (s := _source(conv, n, info, folder, f"{theirs}[{i}]", where))]
         if sources:
             conv.set(ours, sources)
     max_samples = conv.take("max_samples")
@@ -225,13 +261,91 @@ def convert(conv: Conversion) -> None:
             src["max_samples"] = max_samples
     _method_extras(conv)
     continue_adapter(conv, "adapter_name_or_path")
-    template(conv, "template")
+    _template(conv)
     optimizer(conv, "optim")
     scheduler(conv, "lr_scheduler_type")
     batch_sizes(conv)  # transformers' TrainingArguments names, as both tools use them
     if conv.has("val_size"):
         conv.set("data.eval_fraction", conv.take("val_size"))
     deepspeed_file(conv, "deepspeed")
+
+
+def _refuse_export(conv: Conversion) -> None:
+    """An export config (`llamafactory-cli export`: merge an adapter into its base) trains nothing."""
+    if conv.has("dataset") or not any(conv.has(k) for k in EXPORT_KEYS):
+        return
+    adapter = conv.raw.get("adapter_name_or_path") or "ADAPTER_DIR"
+    out = conv.raw.get("export_dir") or "MERGED_DIR"
+    raise RecipeError(
+        "this is a LLaMA-Factory export (merge) config (export_dir, no dataset), not a training config; "
+        "there is nothing to train",
+        hint=f"merge the adapter with `finetune merge {adapter} -o {out}` (a directory with adapter_config.json), "
+        "or convert the training config that produced it",
+    )
+
+
+def _lora_shape(conv: Conversion) -> None:
+    """lora_rank / lora_alpha / lora_target with LLaMA-Factory's defaults written out where they differ from
+    ours (rank 8 and alpha 2 x rank there, 16 and 32 here; every linear layer there, the registry's here)."""
+    rank = conv.take("lora_rank", LORA_RANK)
+    if not isinstance(rank, int) or isinstance(rank, bool) or rank < 1:
+        conv.drop("lora_rank", rank, "must be a positive whole number; set adapter.r and adapter.alpha by hand")
+        conv.used.add("lora_alpha")
+        return
+    alpha = conv.take("lora_alpha") or rank * LORA_ALPHA_PER_RANK  # LLaMA-Factory: `lora_alpha or 2 x rank`
+    target = conv.take("lora_target", LORA_TARGET)
+    conv.set("adapter.r", rank)
+    conv.set("adapter.alpha", alpha)
+    conv.set("adapter.target_modules", "all-linear" if target == LORA_TARGET else as_list(target))
+    defaulted = [
+        f"{theirs} {value}"
+        for theirs, value in (
+            ("lora_rank", rank),
+            ("lora_alpha", f"{alpha} (2 x lora_rank)"),
+            ("lora_target", f"{LORA_TARGET} (all-linear)"),
+        )
+        if not conv.raw.get(theirs)
+    ]
+    if defaulted:
+        fields = AdapterSection.model_fields
+        conv.notes.append(
+            f"LLaMA-Factory's defaults written out: {', '.join(defaulted)} (finetune's own: adapter.r "
+            f"{fields['r'].default}, adapter.alpha {fields['alpha'].default:g}, the model registry's targets)"
+        )
+
+
+def _full_precision(conv: Conversion) -> None:
+    """A full fine-tune with neither bf16 nor fp16 (nor pure_bf16): LLaMA-Factory upcasts the trained weights to
+    float32 and the Trainer runs no autocast, so it trains in fp32. BAdam keeps half-precision weights there
+    (and is reported as not offered)."""
+    if any(is_on(conv.raw.get(k)) for k in ("bf16", "fp16", "pure_bf16", "use_badam")):
+        return
+    conv.set("model.dtype", "float32")
+    conv.set("train.precision", "fp32")
+    conv.notes.append(
+        "model.dtype float32, train.precision fp32: a LLaMA-Factory full fine-tune without bf16/fp16 upcasts "
+        "the weights to float32 and trains without mixed precision (set bf16: true there, or train.precision: bf16 "
+        "and model.dtype: bfloat16 here, for half the memory)"
+    )
+
+
+def _template(conv: Conversion) -> None:
+    """template: a shipped template of the same rendering, or reported (stage pt reads no template)."""
+    name = conv.raw.get("template")
+    if isinstance(name, str) and name in TEMPLATE_RENDERS:
+        pretrain = conv.get("method.type") == "pretrain"
+        conv.drop(
+            "template",
+            conv.take("template"),
+            "stage pt reads raw text; no template is applied"
+            if pretrain
+            else f"LLaMA-Factory's {name} template renders {TEMPLATE_RENDERS[name]}; no shipped template does, so "
+            "the tokenizer's own would be used: write that layout as a .jinja file (assistant turns inside "
+            "{% generation %}) and set data.chat_template to it, or pick a shipped one (chatml, llama3, ...)",
+            material=not pretrain,
+        )
+        return
+    template(conv, "template")
 
 
 def _method_extras(conv: Conversion) -> None:

@@ -4,6 +4,7 @@ names it, else DPO-only keys (beta, loss_type, max_prompt_length) mean dpo and t
 
 from __future__ import annotations
 
+from finetune.data.splits import has_slice
 from finetune.peers import Conversion
 from finetune.peers.common import (
     DTYPES,
@@ -18,6 +19,7 @@ from finetune.peers.common import (
     template,
 )
 from finetune.peers.distributed import accelerate_file
+from finetune.recipe.schema import FORMAT_COLUMNS
 
 IGNORED = {
     k: "finetune decides this itself or has no such switch"
@@ -60,6 +62,25 @@ GUESS = (
     ("reward", ("center_rewards_coefficient",)),
     ("dpo", DPO_KEYS),
 )
+
+
+# TRL 1.x's config defaults (SFTConfig, DPOConfig, KTOConfig, RewardConfig, trl.experimental's ORPOConfig and
+# CPOConfig, over transformers 5's TrainingArguments) that change training and differ from finetune's own; written
+# out when the config leaves the key out: (TRL's keys, our key, the value, per method or for every method)
+LEARNING_RATES = {"sft": 2e-5, "dpo": 1e-6, "kto": 1e-6, "orpo": 1e-6, "cpo": 1e-6, "reward": 1e-4}
+TRL_DEFAULTS: tuple[tuple[tuple[str, ...], str, object], ...] = (
+    (("num_train_epochs", "max_steps"), "train.epochs", 3.0),
+    (("max_length", "max_seq_length"), "data.max_length", 1024),
+    (("lr_scheduler_type",), "train.scheduler", "linear"),
+    (("warmup_steps", "warmup_ratio"), "train.warmup_ratio", 0.0),
+)
+PER_DEVICE_BATCH = 8  # TrainingArguments.per_device_train_batch_size
+CPO_ALPHA = 1.0  # CPOConfig.cpo_alpha (the NLL term on chosen); finetune's simpo has none by default
+# per-row columns TRL hands to the chat template (SFT/DPO rows): each row renders with its own arguments
+TEMPLATE_COLUMNS = {
+    "chat_template_kwargs": "each row's template arguments (e.g. enable_thinking)",
+    "tools": "each row's tool schemas",
+}
 
 
 def convert(conv: Conversion, *, method: str | None) -> None:
@@ -137,12 +158,45 @@ def convert(conv: Conversion, *, method: str | None) -> None:
         for src in conv.get("data.sources", []) + conv.get("data.eval_sources", []):
             if src["format"] == "text":
                 src["columns"] = {"text": field}
+    _trl_defaults(conv, method)
     optimizer(conv, "optim")
     scheduler(conv, "lr_scheduler_type")
     batch_sizes(conv)  # transformers' TrainingArguments names, as both tools use them
     if conv.has("max_seq_length"):
         conv.set("data.max_length", conv.take("max_seq_length"))
     accelerate_file(conv, "accelerate_config")
+
+
+def _trl_defaults(conv: Conversion, method: str) -> None:
+    """The TRL defaults the config relies on where finetune's differ (3 epochs, per-device batch 8, max_length
+    1024, a linear schedule without warmup, the trainer's own learning rate), written out with a note."""
+    written = []
+    if not conv.has("learning_rate"):
+        conv.set("train.lr", LEARNING_RATES[method])
+        written.append(f"learning_rate {LEARNING_RATES[method]:g}")
+    steps = conv.raw.get("max_steps")
+    for keys, ours, value in TRL_DEFAULTS:
+        if any(conv.has(k) and not (k == "max_steps" and isinstance(steps, (int, float)) and steps <= 0) for k in keys):
+            continue
+        conv.set(ours, value)
+        written.append(f"{keys[0]} {value:g}" if isinstance(value, float) else f"{keys[0]} {value}")
+    if not conv.has("per_device_train_batch_size"):
+        accumulation = conv.raw.get("gradient_accumulation_steps") or 1
+        if isinstance(accumulation, int) and not isinstance(accumulation, bool) and accumulation > 0:
+            conv.set("train.micro_batch_size", PER_DEVICE_BATCH)
+            conv.set("train.global_batch_size", PER_DEVICE_BATCH * accumulation)
+            written.append(f"per_device_train_batch_size {PER_DEVICE_BATCH}")
+            conv.notes.append(
+                "train.global_batch_size is per_device_train_batch_size x gradient_accumulation_steps of ONE GPU; "
+                "multiply it by your GPU count for the same effective batch"
+            )
+    if method == "cpo" and not conv.has("cpo_alpha"):
+        conv.set("method.cpo_alpha", CPO_ALPHA)
+        written.append(f"cpo_alpha {CPO_ALPHA:g}")
+    if written:
+        conv.notes.append(
+            f"TRL's defaults written out, as the config leaves them to trl {method}: {', '.join(written)}"
+        )
 
 
 def _format(conv: Conversion, method: str) -> str:
@@ -202,28 +256,34 @@ def _datasets(conv: Conversion, method: str) -> None:
         for j, (path, weight) in enumerate(weights.items()):
             for split in splits:
                 src = _source(conv, str(path), method, split=split, subset=configs[j] if configs else None)
-                if "test" in split:
+                if "test" in split:  # the older handbooks' mix_datasets: test splits are held out, never subsampled
                     if _evaluates(conv):
                         evals.append(src)
-                else:
-                    sources.append(src | ({"weight": weight} if weight != 1 else {}))
-        if weights and any(w < 1 for w in weights.values()):
-            conv.notes.append(
-                "dataset_mixer: a weight below 1 took that share of the rows; here a weight sets the sampling "
-                "proportion between sources (data.sources[].weight)"
-            )
+                else:  # and a train split keeps its first weight x rows
+                    _share(conv, f"dataset_mixer.{path}", src, weight, index=len(sources), shuffled=False)
+                    sources.append(src)
     mixture = conv.take("dataset_mixture")
-    entries = conv.take("datasets")
+    entries, prefix = conv.take("datasets"), "datasets"
+    holdout: tuple[str, object] | None = None
     if isinstance(mixture, dict):
-        entries = mixture.get("datasets") or entries
-        for key, ours in (("test_split_size", "data.eval_fraction"), ("seed", "data.seed")):
-            if mixture.get(key) is not None:
-                conv.set(ours, mixture[key])
+        if mixture.get("datasets"):
+            entries, prefix = mixture["datasets"], "dataset_mixture.datasets"
+        if mixture.get("seed") is not None:
+            conv.set("data.seed", mixture["seed"])
+        if mixture.get("test_split_size") is not None:
+            holdout = ("dataset_mixture.test_split_size", mixture["test_split_size"])
+        for key in sorted(set(mixture) - {"datasets", "seed", "test_split_size"}):
+            conv.drop(f"dataset_mixture.{key}", mixture[key], "dataset_mixture option without a finetune equivalent")
+    elif mixture is not None:
+        conv.drop("dataset_mixture", mixture, "must be a mapping with datasets (and seed, test_split_size)")
     if conv.has("test_split_size"):  # TRL's own DatasetMixtureConfig, at the top level
-        conv.set("data.eval_fraction", conv.take("test_split_size"))
+        holdout = ("test_split_size", conv.take("test_split_size"))
+    # the handbook's get_dataset (and TRL's) concatenates every listed split into the training rows, whatever the
+    # split is named, and then holds out test_split_size of them
     for i, entry in enumerate(as_list(entries)):
+        key = f"{prefix}[{i}]"
         if not isinstance(entry, dict) or not (entry.get("path") or entry.get("id")):
-            conv.drop(f"datasets[{i}]", entry, "a dataset entry needs a path (or id)")
+            conv.drop(key, entry, "a dataset entry needs a path (or id)")
             continue
         src = _source(
             conv,
@@ -232,18 +292,77 @@ def _datasets(conv: Conversion, method: str) -> None:
             subset=entry.get("config") or entry.get("name"),
             split=entry.get("split"),
         )
-        if entry.get("weight") not in (None, 1, 1.0):
-            src["weight"] = entry["weight"]
+        _share(conv, f"{key}.weight", src, entry.get("weight"), index=len(sources), shuffled=True)
+        _template_columns(conv, f"{key}.columns", entry.get("columns"), src["format"])
         rest = set(entry) - {"path", "id", "config", "name", "split", "weight", "columns"}
-        for key in sorted(rest):
-            conv.drop(f"datasets[{i}].{key}", entry[key], "dataset option without a finetune equivalent")
-        (evals if "test" in str(src.get("split", "")) and _evaluates(conv) else sources).append(src)
+        for option in sorted(rest):
+            conv.drop(f"{key}.{option}", entry[option], "dataset option without a finetune equivalent")
+        sources.append(src)
     if sources:
         conv.set("data.sources", sources)
     if evals:
         conv.set("data.eval_sources", evals)
-        if conv.get("data.eval_fraction"):
-            del conv.recipe["data"]["eval_fraction"]  # held-out splits are given; no second split
+    if holdout is not None:
+        _holdout(conv, *holdout, given=bool(evals))
+
+
+def _share(conv: Conversion, key: str, src: dict, weight: object, *, index: int, shuffled: bool) -> None:
+    """A handbook weight keeps that share of the split's rows (it does not set a sampling proportion): a
+    whole percentage becomes a slice of data.sources[].split; any other share is reported."""
+    if weight is None or weight == 1:
+        return
+    split = str(src.get("split") or "train")
+    ours = f"data.sources[{index}].split"
+    if not isinstance(weight, (int, float)) or isinstance(weight, bool) or not 0 < weight < 1:
+        conv.drop(key, weight, f"keeps that share of the split's rows (0 < weight <= 1); set {ours} to a slice")
+        return
+    percent = weight * 100
+    if has_slice(split) or abs(percent - round(percent)) > 1e-9:
+        conv.drop(
+            key,
+            weight,
+            f"keeps {weight:g} of the split's rows; finetune slices a split by whole percentages or row numbers: "
+            f"set {ours} to {split.split('[')[0]}[:N%] or [:ROWS]",
+        )
+        return
+    src["split"] = f"{split}[:{round(percent)}%]"
+    note = "weights below 1 keep that share of each split's rows (data.sources[].split slices): " + (
+        "the handbook draws them at random (its seed), here they are the split's first rows"
+        if shuffled
+        else "its first rows, as the handbook's dataset_mixer takes them"
+    )
+    if note not in conv.notes:
+        conv.notes.append(note)
+
+
+def _template_columns(conv: Conversion, key: str, columns: object, fmt: str) -> None:
+    """columns: the handbook keeps only these; the ones TRL passes to the chat template per row are reported."""
+    for column in as_list(columns):
+        if column in TEMPLATE_COLUMNS and column not in FORMAT_COLUMNS[fmt]:
+            conv.drop(
+                key,
+                column,
+                f"TRL renders {TEMPLATE_COLUMNS[column]} from the {column} column; finetune renders every row with "
+                "the same template arguments, so rows that set them differently train on other text: drop the "
+                "column to render every row alike, or render the rows to text yourself (format text)",
+            )
+
+
+def _holdout(conv: Conversion, key: str, size: object, *, given: bool) -> None:
+    """test_split_size: a share (float) or a row count (int) of the mixed training rows held out for eval."""
+    if given:
+        conv.drop(key, size, "held-out splits are given too (data.eval_sources); finetune takes one")
+    elif isinstance(size, float) and 0 < size < 1:
+        conv.set("data.eval_fraction", size)
+    elif isinstance(size, int) and not isinstance(size, bool) and size >= 1:
+        conv.drop(
+            key,
+            size,
+            f"holds out {size} rows of the mixed training data; finetune holds out a share: set data.eval_fraction "
+            f"to {size} / the mixture's row count",
+        )
+    else:
+        conv.drop(key, size, "must be a share (0 < x < 1) or a row count; set data.eval_fraction")
 
 
 def _loss_mask(conv: Conversion, method: str) -> None:

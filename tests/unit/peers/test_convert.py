@@ -10,6 +10,7 @@ import pytest
 import yaml
 
 from finetune.cli import main
+from finetune.errors import RecipeError
 from finetune.recipe.load import load_recipe
 from tests.helpers.paths import TEST_DATA
 
@@ -93,6 +94,248 @@ def test_llamafactory_unsupported_stage_is_material(tmp_path):
     assert rc == 2
     text = out.read_text()
     assert "# stage: ppo   # NOT MAPPED" in text and "# finetuning_type: freeze   # NOT MAPPED" in text
+
+
+def test_llamafactory_unsupported_adapter_type_does_not_validate_as_lora(tmp_path):
+    """finetuning_type oft (or freeze) has no finetune adapter: the recipe keeps adapter.type oft, so it fails
+    validation on that key instead of training LoRA in its place; its own oft_* keys are listed with it."""
+    rc, out = _convert(tmp_path, "llamafactory-oft.yaml", "llamafactory")
+    assert rc == 2
+    text = out.read_text()
+    assert "# finetuning_type: oft   # NOT MAPPED: finetuning_type 'oft' is not offered" in text
+    assert "# oft_target: all   # ignored: belongs to finetuning_type oft" in text
+    assert "this recipe does not validate yet:" in text and "adapter.type" in text
+    with pytest.raises(RecipeError, match="adapter.type"):
+        load_recipe(out)
+
+
+def test_llamafactory_export_config_is_refused_with_finetune_merge(tmp_path, capsys):
+    rc, out = _convert(tmp_path, "llamafactory-merge-export.yaml", "llamafactory")
+    assert rc == 2 and not out.exists()
+    err = capsys.readouterr().err
+    assert "export (merge) config" in err
+    assert "finetune merge saves/qwen3-4b/lora/sft -o saves/qwen3_sft_merged" in err
+
+
+def test_llamafactory_lora_defaults_are_written_with_a_note(tmp_path):
+    from finetune.peers import convert_mapping
+
+    raw = {"model_name_or_path": "Qwen/Qwen3-8B", "finetuning_type": "lora", "lora_rank": 4}
+    conv = convert_mapping(raw, source="llamafactory", config_dir=tmp_path, out_dir=tmp_path)
+    assert (conv.get("adapter.r"), conv.get("adapter.alpha"), conv.get("adapter.target_modules")) == (
+        4,
+        8,
+        "all-linear",
+    )
+    assert any("lora_alpha 8 (2 x lora_rank)" in n and "lora_target all" in n for n in conv.notes), conv.notes
+    raw |= {"lora_alpha": 64, "lora_target": "q_proj,v_proj"}
+    conv = convert_mapping(raw, source="llamafactory", config_dir=tmp_path, out_dir=tmp_path)
+    assert (conv.get("adapter.alpha"), conv.get("adapter.target_modules")) == (64, ["q_proj", "v_proj"])
+    assert not any("defaults written out" in n for n in conv.notes)
+
+
+@pytest.mark.parametrize(("stage", "material"), [("sft", True), ("pt", False)])
+def test_llamafactory_empty_template_is_reported_except_for_raw_text(tmp_path, stage, material):
+    from finetune.peers import convert_mapping
+
+    raw = {"model_name_or_path": "Qwen/Qwen3-8B", "stage": stage, "template": "empty"}
+    conv = convert_mapping(raw, source="llamafactory", config_dir=tmp_path, out_dir=tmp_path)
+    (dropped,) = [d for d in conv.dropped if d.key == "template"]
+    assert dropped.material is material and conv.get("data.chat_template") is None
+    assert ("no role markers" in dropped.reason) is material
+
+
+def test_llamafactory_dataset_not_found_names_the_folder(tmp_path):
+    from finetune.peers import convert_mapping
+
+    raw = {"model_name_or_path": "Qwen/Qwen3-8B", "dataset": "identity", "dataset_dir": "lf-data"}
+    conv = convert_mapping(raw, source="llamafactory", config_dir=tmp_path, out_dir=tmp_path)
+    (dropped,) = [d for d in conv.material if d.key == "dataset[0]"]
+    assert f"no dataset_info.json in {tmp_path / 'lf-data'}" in dropped.reason and "dataset_dir" in dropped.reason
+    (tmp_path / "lf-data").mkdir()
+    (tmp_path / "lf-data" / "dataset_info.json").write_text("{}")
+    conv = convert_mapping(raw, source="llamafactory", config_dir=tmp_path, out_dir=tmp_path)
+    (dropped,) = [d for d in conv.material if d.key == "dataset[0]"]
+    assert f"not an entry of {tmp_path / 'lf-data' / 'dataset_info.json'}" in dropped.reason
+
+
+def test_handbook_mixture_test_splits_train_and_a_share_is_held_out(tmp_path):
+    """The handbook's get_dataset concatenates every listed split (test_* too) into the training rows and then holds
+    out test_split_size of them: a share is data.eval_fraction, with the test split among the sources."""
+    from finetune.peers import convert_mapping
+
+    raw = {
+        "model_name_or_path": "Qwen/Qwen3-8B",
+        "eval_strategy": "steps",
+        "dataset_mixture": {
+            "datasets": [
+                {"id": "org/prefs", "split": "train_prefs", "columns": ["chosen", "rejected"]},
+                {"id": "org/prefs", "split": "test_prefs", "columns": ["chosen", "rejected"]},
+            ],
+            "test_split_size": 0.05,
+        },
+    }
+    conv = convert_mapping(raw, source="trl", method="dpo", config_dir=tmp_path, out_dir=tmp_path)
+    assert [s["split"] for s in conv.get("data.sources")] == ["train_prefs", "test_prefs"]
+    assert conv.get("data.eval_fraction") == 0.05 and conv.get("data.eval_sources") is None
+    assert not conv.dropped and conv.error is None
+
+
+def test_trl_top_level_datasets_all_train(tmp_path):
+    """TRL's own DatasetMixtureConfig (datasets + test_split_size at the top level) has no weights and trains on
+    every listed split."""
+    from finetune.peers import convert_mapping
+
+    raw = {
+        "model_name_or_path": "Qwen/Qwen3-8B",
+        "datasets": [{"path": "org/chat", "split": "train"}, {"path": "org/chat", "split": "test"}],
+        "test_split_size": 0.1,
+        "eval_strategy": "epoch",
+    }
+    conv = convert_mapping(raw, source="trl", method="sft", config_dir=tmp_path, out_dir=tmp_path)
+    assert [s["split"] for s in conv.get("data.sources")] == ["train", "test"]
+    assert conv.get("data.eval_fraction") == 0.1
+
+
+@pytest.mark.parametrize(
+    ("weight", "split", "reported"),
+    [(0.25, "train[:25%]", False), (0.025, "train", True), (1.5, "train", True), (1.0, "train", False)],
+)
+def test_handbook_mixture_weight_keeps_a_share_of_the_rows(tmp_path, weight, split, reported):
+    from finetune.peers import convert_mapping
+
+    raw = {
+        "model_name_or_path": "Qwen/Qwen3-8B",
+        "dataset_mixture": {"datasets": [{"id": "org/chat", "split": "train", "weight": weight}]},
+    }
+    conv = convert_mapping(raw, source="trl", method="sft", config_dir=tmp_path, out_dir=tmp_path)
+    (src,) = conv.get("data.sources")
+    assert src["split"] == split and "weight" not in src
+    assert ("dataset_mixture.datasets[0].weight" in {d.key for d in conv.material}) is reported
+
+
+@pytest.mark.parametrize(
+    ("method", "expected"),
+    [
+        ("sft", {"train.lr": 2e-5, "train.epochs": 3.0, "data.max_length": 1024}),
+        ("dpo", {"train.lr": 1e-6, "train.scheduler": "linear", "train.warmup_ratio": 0.0}),
+        ("reward", {"train.lr": 1e-4, "train.micro_batch_size": 8, "train.global_batch_size": 16}),
+        ("cpo", {"train.lr": 1e-6, "method.type": "simpo", "method.cpo_alpha": 1.0}),
+    ],
+)
+def test_trl_defaults_the_config_leaves_out_are_written(tmp_path, method, expected):
+    from finetune.peers import convert_mapping
+
+    raw = {"model_name_or_path": "Qwen/Qwen3-8B", "dataset_name": "org/data", "gradient_accumulation_steps": 2}
+    if method == "cpo":
+        raw["loss_type"] = "simpo"
+    conv = convert_mapping(raw, source="trl", method=method, config_dir=tmp_path, out_dir=tmp_path)
+    for key, want in expected.items():
+        assert conv.get(key) == want, key
+    assert any(n.startswith("TRL's defaults written out") for n in conv.notes)
+
+
+def test_trl_defaults_are_not_written_over_the_config(tmp_path):
+    from finetune.peers import convert_mapping
+
+    raw = {
+        "model_name_or_path": "Qwen/Qwen3-8B",
+        "dataset_name": "org/data",
+        "learning_rate": 3e-5,
+        "max_steps": 100,
+        "max_seq_length": 4096,
+        "per_device_train_batch_size": 2,
+        "warmup_steps": 10,
+        "lr_scheduler_type": "cosine",
+    }
+    conv = convert_mapping(raw, source="trl", method="sft", config_dir=tmp_path, out_dir=tmp_path)
+    assert (conv.get("train.lr"), conv.get("train.max_steps"), conv.get("train.epochs")) == (3e-5, 100, None)
+    assert (conv.get("data.max_length"), conv.get("train.micro_batch_size")) == (4096, 2)
+    assert (conv.get("train.warmup_steps"), conv.get("train.warmup_ratio")) == (10, None)
+    assert not any(n.startswith("TRL's defaults written out") for n in conv.notes)
+
+
+def test_axolotl_unsupported_adapter_is_kept_so_the_recipe_does_not_validate(tmp_path):
+    rc, out = _convert(tmp_path, "axolotl-ia3.yaml", "axolotl")
+    assert rc == 2
+    text = out.read_text()
+    assert "# adapter: ia3   # NOT MAPPED: adapter 'ia3' is not offered" in text
+    assert "# peft_target_modules: [k_proj, v_proj, down_proj]   # ignored: belongs to adapter ia3" in text
+    assert text.count("# eval_steps: 0.05") == 1  # read once, for eval_strategy and evaluation_strategy
+    assert "load_in_4bit" not in text  # false asks for nothing
+    # bos/eos are mapped; only the unk_token is reported
+    assert "# special_tokens: {unk_token: <unk>}   # NOT MAPPED" in text
+    assert "bos_token: <s>" in text and "eos_token: </s>" in text
+    with pytest.raises(RecipeError, match="adapter.type"):
+        load_recipe(out)
+
+
+def test_axolotl_data_files_without_a_path_is_noted_when_not_a_file(tmp_path):
+    rc, out = _convert(tmp_path, "axolotl-qlora-dpo-llama3.yaml", "axolotl")
+    assert rc == 0
+    text = out.read_text()
+    assert "data_files 'mlabonne/orpo-dpo-mix-40k' without a path is not a file here" in text
+    assert "llama3.argilla_chat renders its rows as llama3" in text
+
+
+@pytest.mark.parametrize(
+    ("config", "key", "want"),
+    [
+        ({"bfloat16": True}, "model.dtype", "bfloat16"),
+        ({"float16": True, "fp16": True}, "model.dtype", "float16"),
+        ({"flex_attention": True}, "model.attn_implementation", "flex_attention"),
+        ({"center_rewards_coefficient": 0.05, "reward_model": True}, "method.center_rewards_coefficient", 0.05),
+        ({"cosine_min_lr_ratio": 0.2}, "train.min_lr_ratio", 0.2),
+        ({"cosine_min_lr_ratio": 1.0}, "train.scheduler", "constant_with_warmup"),
+        ({"cosine_min_lr_ratio": 0.2, "lr_scheduler": "constant"}, "train.scheduler", "constant"),
+    ],
+)
+def test_axolotl_keys_map_and_are_not_reported(tmp_path, config, key, want):
+    from finetune.peers import convert_mapping
+
+    raw = {"base_model": "meta-llama/Llama-3.2-1B", "datasets": [{"path": "org/data", "type": "alpaca"}], **config}
+    conv = convert_mapping(raw, source="axolotl", config_dir=tmp_path, out_dir=tmp_path)
+    assert conv.get(key) == want
+    assert not conv.material and conv.error is None, (conv.material, conv.error)
+
+
+def test_axolotl_cosine_constant_lr_ratio_is_reported_with_its_meaning(tmp_path):
+    from finetune.peers import convert_mapping
+
+    raw = {"base_model": "meta-llama/Llama-3.2-1B", "cosine_min_lr_ratio": 0.1, "cosine_constant_lr_ratio": 0.8}
+    conv = convert_mapping(raw, source="axolotl", config_dir=tmp_path, out_dir=tmp_path)
+    (dropped,) = conv.material
+    assert dropped.key == "cosine_constant_lr_ratio" and "after 0.8 of the steps and holds it" in dropped.reason
+    assert (conv.get("train.scheduler"), conv.get("train.min_lr_ratio")) == ("cosine_with_min_lr", 0.1)
+
+
+def test_deepspeed_optimizer_block_other_than_adamw_is_reported(tmp_path):
+    import json
+
+    from finetune.peers import convert_mapping
+
+    (tmp_path / "ds.json").write_text(
+        json.dumps(
+            {
+                "zero_optimization": {"stage": 2},
+                "optimizer": {"type": "Lamb", "params": {"lr": "auto"}},
+                "scheduler": {"type": "WarmupDecayLR", "params": {"warmup_num_steps": "auto"}},
+            }
+        )
+    )
+    raw = {"base_model": "meta-llama/Llama-3.2-1B", "deepspeed": "ds.json", "optimizer": "adamw_torch"}
+    conv = convert_mapping(raw, source="axolotl", config_dir=tmp_path, out_dir=tmp_path)
+    assert {d.key for d in conv.material} == {"deepspeed.optimizer", "deepspeed.scheduler"}
+    assert conv.get("distributed.strategy") == "zero2"
+
+
+def test_deepspeed_params_only_offload_says_the_optimizer_changes(tmp_path):
+    from finetune.peers import convert_mapping
+
+    raw = {"base_model": "meta-llama/Llama-3.2-1B", "deepspeed": "deepspeed_configs/zero3_bf16_cpuoffload_params.json"}
+    conv = convert_mapping(raw, source="axolotl", config_dir=tmp_path, out_dir=tmp_path)
+    assert conv.get("distributed.strategy") == "zero3-offload"
+    assert any("DeepSpeed's CPU AdamW, in place of the config's optimizer" in n for n in conv.notes), conv.notes
 
 
 def test_trl_sft_with_an_accelerate_file(tmp_path):

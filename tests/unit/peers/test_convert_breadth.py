@@ -213,12 +213,13 @@ CASES = [
         {
             "model.trust_remote_code": True,
             "adapter.r": 8,
+            "adapter.alpha": 16,  # LLaMA-Factory's lora_alpha default: 2 x lora_rank
             "adapter.target_modules": "all-linear",
             "distributed.strategy": "zero3",  # from ds_z3_config.json's name; the file is LLaMA-Factory's
             "data.sources[0].format": "sharegpt",
             "data.sources[1].format": "alpaca",
             "data.sources[1].max_samples": 1000,
-            "data.chat_template": "qwen3",
+            "data.chat_template": "chatml",  # qwen3_nothink: ChatML without a think block
             "data.eval_fraction": 0.1,
             "train.eval_steps": 500,
             "train.global_batch_size": 2,
@@ -237,6 +238,7 @@ CASES = [
             "adapter.double_quant": False,
             "adapter.target_modules": ["q_proj", "v_proj"],
             "adapter.alpha": 16,
+            "adapter.r": 8,  # LLaMA-Factory's lora_rank default
             "data.sources[0].format": "messages",  # sharegpt formatting with role/content tags
             "data.assistant_only_loss": False,  # train_on_prompt: true
             "train.optimizer": "paged_adamw_8bit",
@@ -297,6 +299,43 @@ CASES = [
         ["resize_vocab"],
     ),
     (
+        "llamafactory-loraplus-defaults.yaml",
+        "llamafactory",
+        None,
+        {
+            # no lora_rank / lora_alpha: LLaMA-Factory's rank 8 and alpha 2 x rank, not finetune's 16 / 32
+            "adapter.r": 8,
+            "adapter.alpha": 16,
+            "adapter.target_modules": "all-linear",
+            "adapter.loraplus_lr_ratio": 16.0,
+            "data.chat_template": "llama3",
+        },
+        [],
+        [],
+    ),
+    (
+        "llamafactory-full-fp32.yaml",
+        "llamafactory",
+        None,
+        {
+            # neither bf16 nor fp16: LLaMA-Factory upcasts a full fine-tune's weights to float32, no autocast
+            "adapter.type": "full",
+            "model.dtype": "float32",
+            "train.precision": "fp32",
+            "data.chat_template": "chatml",
+        },
+        [],
+        [],
+    ),
+    (
+        "llamafactory-template-default.yaml",
+        "llamafactory",
+        None,
+        {"data.chat_template": None, "adapter.r": 8, "adapter.alpha": 16},
+        ["template"],  # LLaMA-Factory's own "Human: ... Assistant:" layout: no shipped template renders it
+        [],
+    ),
+    (
         "trl-dpo-handbook.yaml",
         "trl",
         "dpo",
@@ -350,7 +389,8 @@ CASES = [
             "model.attn_implementation": "sdpa",
             "data.sources[0].format": "messages",  # pairs and messages in one row: sft reads the messages
             "data.sources[1].format": "sharegpt",
-            "data.sources[1].weight": 0.5,
+            "data.sources[1].weight": None,  # the handbook's weight keeps that share of the rows
+            "data.sources[1].split": "train[:50%]",
             "data.eval_fraction": 0.05,
             "data.assistant_only_loss": True,
             "data.packing": True,
@@ -461,13 +501,114 @@ CASES = [
         {
             "data.sources[0].subset": "tiny",
             "data.sources[1].subset": "full",
-            "data.sources[1].weight": 0.5,
+            "data.sources[1].split": "train[:50%]",  # dataset_mixer: the split's first half of the rows
             "tokenizer.eos_token": "<|end_of_text|>",
             "model.attn_implementation": "auto",
             "distributed.strategy": "fsdp2",
         },
         ["accelerate_config.parallelism_config.parallelism_config_cp_size", "average_tokens_across_devices"],
         ["use_flash_attention_2"],
+    ),
+]
+
+
+CASES += [
+    (
+        "trl-handbook-test-splits.yaml",
+        "trl",
+        "sft",
+        {
+            # every split the mixture lists is training data there, test_sft too
+            "data.sources[0].split": "train_sft",
+            "data.sources[1].split": "test_sft",
+            "data.eval_sources": [],
+            "data.eval_fraction": None,
+            "adapter.type": "qlora",
+            "adapter.r": 16,
+            "train.evals_per_epoch": 1,
+        },
+        ["dataset_mixture.test_split_size"],  # 1000 rows: finetune holds out a share, not a count
+        ["do_eval"],
+    ),
+    (
+        "trl-handbook-smollm3-sft.yaml",
+        "trl",
+        "sft",
+        {
+            "data.sources[0].split": "smoltalk_smollm3_everyday_conversations_no_think",
+            "data.sources[1].split": "smoltalk_smollm3_smol_magpie_ultra_no_think[:50%]",  # weight 0.5
+            "data.sources[2].split": "OpenThoughts3_1.2M_think[:2%]",  # weight 0.02
+            "data.sources[1].weight": None,
+            "data.seed": 0,
+            "tokenizer.eos_token": "<|im_end|>",
+        },
+        [f"dataset_mixture.datasets[{i}].columns" for i in range(3)],  # each row's chat_template_kwargs
+        [],
+    ),
+    (
+        "trl-example-config.yaml",
+        "trl",
+        "sft",
+        {
+            # TRL's defaults the config relies on, written out
+            "train.epochs": 3.0,
+            "train.micro_batch_size": 8,
+            "train.global_batch_size": 8,
+            "data.max_length": 1024,
+            "train.warmup_ratio": 0.0,
+            # and what it sets
+            "train.lr": 1e-4,
+            "train.scheduler": "cosine",
+            "logging.report_to": ["none"],
+        },
+        [],
+        [],
+    ),
+]
+
+
+CASES += [
+    (
+        "axolotl-reward-center-zero1.yaml",
+        "axolotl",
+        None,
+        {
+            "method.type": "reward",
+            "method.center_rewards_coefficient": 0.01,
+            "train.optimizer": "adamw",  # the DeepSpeed file's AdamW block replaces adamw_bnb_8bit
+            "distributed.strategy": "zero2",  # ZeRO-1
+            "train.scheduler": "linear",
+        },
+        [],
+        ["eval_batch_size", "num_labels"],
+    ),
+    (
+        "axolotl-qat-constant-lr.yaml",
+        "axolotl",
+        None,
+        {
+            "train.scheduler": "constant_with_warmup",  # cosine_min_lr_ratio 1.0: the peak held after warmup
+            "train.min_lr_ratio": None,
+            "train.warmup_ratio": 0.1,
+            "adapter.type": "full",
+            "data.sources[0].split": "train[:95%]",
+        },
+        ["qat"],
+        ["save_only_model"],  # load_in_4bit: false and cosine_constant_lr_ratio: 0 ask for nothing
+    ),
+    (
+        "axolotl-qlora-dpo-llama3.yaml",
+        "axolotl",
+        None,
+        {
+            "method.type": "dpo",
+            "adapter.type": "qlora",
+            "data.chat_template": "llama3",  # llama3.argilla_chat renders with llama3's markers
+            "data.sources[0].path": "mlabonne/orpo-dpo-mix-40k",
+            "data.sources[0].format": "preference",
+        },
+        [],
+        ["flash_attention"],
     ),
 ]
 
@@ -513,7 +654,10 @@ def test_every_shipped_peer_config_is_exercised():
         "llamafactory-dpo.yaml",
         "llamafactory-ppo.yaml",
         "trl-sft.yaml",
-    }  # the last five: tests/unit/peers/test_convert.py
+        "llamafactory-oft.yaml",
+        "llamafactory-merge-export.yaml",
+        "axolotl-ia3.yaml",
+    }  # the rest: tests/unit/peers/test_convert.py
     assert configs <= covered, configs - covered
 
 
