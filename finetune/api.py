@@ -232,6 +232,7 @@ def _run_locked(
     prelaunch.check_chat_template(recipe, data.first)
     if not dry_run and not (spec.multi_node and node_rank is None):
         prelaunch.check_devices(spec)
+        prelaunch.check_attention_package(compiled.resolved)
         prelaunch.check_disk(target, plan=compiled.plan, recipe=recipe)
         prelaunch.check_swap_disk(compiled.plan, compiled.resolved)
     claim(target)

@@ -237,6 +237,27 @@ def check_devices(spec) -> None:
         )
 
 
+# the packages transformers' flash attention implementations load (it imports them only inside from_pretrained)
+ATTENTION_PACKAGES = {"flash_attention_2": "flash_attn", "flash_attention_3": "flash_attn_interface"}
+
+
+def check_attention_package(resolved) -> None:
+    """model.attn_implementation flash_attention_2/3 needs its package where the ranks run (checked only when this
+    machine launches them): without it from_pretrained fails in every rank after the data is tokenized."""
+    import importlib.util
+
+    implementation = resolved.model.attn_implementation
+    package = ATTENTION_PACKAGES.get(implementation)
+    if package is None or importlib.util.find_spec(package) is not None:
+        return
+    raise RecipeError(
+        f"{implementation} needs the {package} package, which is not installed here",
+        key="model.attn_implementation",
+        hint=f"install it (pip install {'flash-attn' if package == 'flash_attn' else 'flash-attn-3'}), or set "
+        "model.attn_implementation: auto (finetune's varlen flash kernel from torch, no extra package)",
+    )
+
+
 def output_bytes(plan, recipe) -> tuple[int, int]:
     """(final save, one checkpoint) in bytes, from the planner's parameter counts: the final model is
     the trained weights (the adapter, or the whole model); a checkpoint adds fp32 Adam moments."""

@@ -206,6 +206,12 @@ def attention_kind(implementation: str, *, packed: bool, arch=None) -> str:
 # tokens: rows that reach sdpa's masked (cuDNN) kernel are padded to a multiple of these (row_multiple)
 MASKED_ROW_MULTIPLE = 512  # packed rows: micro-batch x max_length long, nearly full
 PADDED_ROW_MULTIPLE = 64  # padded sequences: each as long as the micro-batch's longest example
+# packed rows on the varlen kernel where Liger's Triton kernels take the row's length as an argument (its RoPE's
+# seq_len, its RMSNorm backward's row count): Triton compiles a kernel again the first time such an integer is
+# divisible by 16 and once more when it is not, 0.5-0.6 s of host time in Liger's functions with the GPU idle
+# (Qwen3-30B-A3B's step 6 profiled alone, docs/validation.md eighteenth session); rows of a multiple of 16 keep
+# one specialization from the first step. A pad is at most 15 one-token examples a row.
+LIGER_ROW_MULTIPLE = 16
 # whose rows finetune pads: TRL's collators (pad_to_multiple_of, train/trainers.py) and DPO's padding-free pairs row
 # (train/dpo_pairs.py)
 ROW_MULTIPLE_METHODS = ("sft", "pretrain", "dpo")
@@ -220,10 +226,13 @@ def row_multiple(job: Job) -> int | None:
     block-diagonal mask) get MASKED_ROW_MULTIPLE, sequences padded to a micro-batch's longest (the padding mask)
     PADDED_ROW_MULTIPLE.
     Padded, a run meets a few lengths and pays for each once. The planner counts the padding at every
-    micro-batch; the run pads one-sequence micro-batches of unpadded rows not at all (`pads_rows`)."""
-    if job.attention != "sdpa" or job.preset.vendor != "nvidia" or job.method not in ROW_MULTIPLE_METHODS:
+    micro-batch; the run pads one-sequence micro-batches of unpadded rows not at all (`pads_rows`).
+    Packed rows that every layer runs on a kernel without a mask get LIGER_ROW_MULTIPLE where Liger's kernels run."""
+    if job.preset.vendor != "nvidia" or job.method not in ROW_MULTIPLE_METHODS:
         return None
-    return MASKED_ROW_MULTIPLE if job.packed else PADDED_ROW_MULTIPLE
+    if job.attention == "sdpa":
+        return MASKED_ROW_MULTIPLE if job.packed else PADDED_ROW_MULTIPLE
+    return LIGER_ROW_MULTIPLE if job.packed and job.liger else None
 
 
 def pads_rows(job: Job, *, micro_batch: int) -> bool:
@@ -374,6 +383,7 @@ def plan_on(recipe, *, arch, preset, source: str) -> Plan:
             result = plan_job(job)
         result.disk = disk
     result.substitutions = substitutions(recipe, result)
+    task_eval_check(recipe, job, result)
     warnings = (
         stand_in,
         warning,
@@ -384,6 +394,7 @@ def plan_on(recipe, *, arch, preset, source: str) -> Plan:
         random_build_warning(recipe, job, result),
         pinned_strategy_warning(job, result),
         pinned_setting_warning(job, result),
+        compile_warning(recipe),
         swap_warning,
     )
     result.warnings = [w for w in warnings if w]
@@ -619,6 +630,50 @@ def context_check(recipe, arch) -> str:
     )
 
 
+def compile_warning(recipe) -> str:
+    """'' unless the run compiles what the plan times as eager kernels: train.compile: regions (measured on 8B
+    LoRA, one H200: 0.92x eager's steady tokens/s and 1.04x its reserved memory, after ~90 s of compiling;
+    docs/benchmarks.md), or flex attention (compiled at its first call and again at new row lengths)."""
+    said = []
+    if recipe.train.compile == "regions":
+        said.append(
+            "train.compile: regions is planned as eager: on 8B LoRA (one H200) it ran at 0.92x eager's steady "
+            "tokens/s with 1.04x its reserved memory, after ~90 s of compiling in the first steps"
+        )
+    if recipe.model.attn_implementation == "flex_attention":
+        said.append(
+            "model.attn_implementation: flex_attention is planned as flash attention; torch compiles its kernel at "
+            "the first step and again at new row lengths, which the step time leaves out"
+        )
+    return "; ".join(said)
+
+
+def task_eval_check(recipe, job: Job, result: Plan) -> None:
+    """data.task_eval generates on rank 0's GPU with a whole second copy of the model (train/taskeval.py: the base
+    before training where the run has several processes, the trained model after it), while the trainer's
+    weights, trainable copies and optimizer state stay where they are: refused before anything loads where that
+    cannot fit the card (a 70B model's 131 GiB copy never fits an 80 GB one)."""
+    if recipe.data.task_eval is None or not result.fits or job.preset.vendor == "cpu" or result.memory is None:
+        return
+    from finetune.plan.memory import weight_bytes
+    from finetune.plan.workload import lora_params
+
+    m = result.memory
+    copy = weight_bytes(job) + (4.0 * lora_params(job) if job.adapter != "full" else 0.0)
+    held = m.weights + m.trainable + m.optimizer + m.overhead
+    card = job.preset.gpu_memory_gib * GIB
+    if held + copy <= card:
+        return
+    raise RecipeError(
+        f"the exact-match eval generates with a whole copy of the model on one GPU ({copy / GIB:.1f} GiB) next to "
+        f"the {held / GIB:.1f} GiB the trainer keeps there under {result.strategy}: {(held + copy) / GIB:.1f} GiB "
+        f"against the card's {job.preset.gpu_memory_gib:g} GiB",
+        key="data.task_eval",
+        hint="remove data.task_eval (the trained run can be scored afterwards on a GPU the model fits alone: "
+        "`finetune generate RUN_DIR --file PROMPTS`), or plan on GPUs with more memory",
+    )
+
+
 def substitutions(recipe, result: Plan) -> list[str]:
     """What the compiled run will use instead of what the recipe asked for (printed with the plan)."""
     out = []
@@ -717,7 +772,12 @@ def _kernels(job: Job, strategy: str, *, row_multiple: int | None) -> str:
         attention += f" (examples of ~{job.example_tokens:,.0f} tokens, token-weighted: data.example_tokens)"
     if row_multiple:
         rows = "packed rows" if job.packed else "sequences"
-        attention += f" ({rows} padded to a multiple of {row_multiple} tokens: cuDNN plans each new length)"
+        why = (
+            "Triton compiles Liger's kernels per length class"
+            if job.attention != "sdpa"
+            else "cuDNN plans each new length"
+        )
+        attention += f" ({rows} padded to a multiple of {row_multiple} tokens: {why})"
     if job.sequence_tokens:
         rows = ", a packed row each" if job.packed and job.method in PACKED_EXAMPLE_METHODS else ""
         attention += (

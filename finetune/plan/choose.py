@@ -76,6 +76,13 @@ def not_applicable(job: Job, strategy: str) -> str:
         return "the preset has no NVMe path; set distributed.nvme_path"
     if strategies.offloads_quantized_weights(strategy, adapter=job.adapter):
         return strategies.QUANTIZED_OFFLOAD_REFUSAL
+    if job.int8_base and tier.shards_params:
+        # from_pretrained quantizes the whole base onto each rank's GPU (device_map), and neither FSDP2 nor
+        # ZeRO-3 shards bitsandbytes' Int8Params; finetune's sharded load builds 4-bit weights only
+        return (
+            "adapter.load_in_8bit weights are not sharded (every rank would quantize the whole base onto its GPU): "
+            "use ddp, or adapter.type: qlora, whose 4-bit weights fsdp2 shards"
+        )
     pinned = job.strategy == strategy  # a user's choice that works is planned, not second-guessed
     if tier.zero_stage == 2 and job.adapter != "full" and not pinned:
         return "ZeRO-2 splits gradients and optimizer states; an adapter's are small: use ddp"

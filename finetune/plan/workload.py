@@ -247,18 +247,36 @@ def mean_sequence_tokens(job: Job) -> float:
     return min(job.seq_len, job.sequence_tokens or job.seq_len)
 
 
-def computed_sequence_tokens(job: Job) -> float:
-    """Tokens a sequence costs the GPU: padding-free pairs (data.packing) compute their real tokens, padded
-    ones the micro-batch's longest (planned at the data's longest)."""
-    return mean_sequence_tokens(job) if job.packed else peak_sequence_tokens(job)
+def expected_largest_of(n: int) -> float:
+    """The expected largest of n independent standard normal draws, by Blom's approximation
+    (inv_cdf((n - 0.375) / (n + 0.25))): 0 for one, 0.59 for two (exactly 0.56), 1.05 for four (1.03), 1.43 for
+    eight (1.42), 2.07 for thirty-two (2.04)."""
+    return NormalDist().inv_cdf((n - 0.375) / (n + 0.25)) if n > 1 else 0.0
+
+
+def computed_sequence_tokens(job: Job, micro_batch: int) -> float:
+    """Tokens a sequence costs the GPU on average: padding-free pairs (data.packing) compute their real tokens;
+    padded sequences their micro-batch's longest. With the data's lengths measured (data.sequence_tokens) that
+    is the expected largest of the micro-batch's n sequences, mean + std x expected_largest_of(n), at most the
+    data's longest, and half a Job.row_multiple more where the run pads the rows (`pads_rows`: n > 1); a
+    one-sequence micro-batch is not padded at all. Unknown lengths: max_length. (The peak memory plans the
+    micro-batch that meets the data's longest: peak_sequence_tokens.)"""
+    if job.packed:
+        return mean_sequence_tokens(job)
+    if not job.sequence_tokens:
+        return peak_sequence_tokens(job)
+    n = micro_batch * job.sequences_per_sample
+    longest = min(job.seq_len, job.longest_sequence_tokens or job.seq_len)
+    tokens = min(longest, mean_sequence_tokens(job) + job.sequence_tokens_std * expected_largest_of(n))
+    return tokens + (job.row_multiple / 2 if job.row_multiple and n > 1 else 0.0)
 
 
 def computed_tokens_per_micro_batch(job: Job, micro_batch: int) -> float:
     """Tokens a micro-batch costs the GPU on average (the step's time; its peak memory holds
     memory.tokens_per_micro_batch), padding included: half a Job.row_multiple where the rows' lengths vary
     (measured), full rows rounded up."""
-    tokens = micro_batch * computed_sequence_tokens(job) * job.sequences_per_sample
-    if not job.packed:  # each sequence padded to the (rounded) longest: computed_sequence_tokens
+    tokens = micro_batch * computed_sequence_tokens(job, micro_batch) * job.sequences_per_sample
+    if not job.packed:  # each sequence padded to its micro-batch's longest: computed_sequence_tokens
         return tokens
     if job.row_multiple and job.sequence_tokens:
         return tokens + job.row_multiple / 2
@@ -278,7 +296,7 @@ def head_dim(arch: ModelArch) -> int:
     return arch.head_dim or arch.hidden_size // arch.num_attention_heads
 
 
-def attended_positions(arch: ModelArch, seq_len: int) -> int:
+def attended_positions(arch: ModelArch, seq_len: float) -> float:
     """L x s of the attention FLOPs term, with sliding-window layers (GPT-OSS) attending to at most
     their window: (L - sliding) x s + sliding x min(s, window)."""
     sliding = min(arch.sliding_layers, arch.num_layers) if arch.sliding_window else 0
@@ -357,11 +375,13 @@ def executed_attention_positions(job: Job, *, micro_batch: int) -> float:
         served = min(job.seq_len, job.example_tokens or job.seq_len)
         row = computed_tokens_per_micro_batch(job, micro_batch)  # the real tokens, padding included
         return masked * row + (arch.num_layers - masked) * served / 2
+    # a padded sequence attends over its micro-batch's (padded) longest; a packed row's examples over seq_len
+    length = job.seq_len if job.packed else computed_sequence_tokens(job, micro_batch)
     if skips_masked_blocks(job, micro_batch=micro_batch):
         if job.packed and job.example_tokens:
             return causal_positions(arch, min(job.seq_len, job.example_tokens))
-        return causal_positions(arch, job.seq_len)
-    return attended_positions(arch, job.seq_len)
+        return causal_positions(arch, length)
+    return attended_positions(arch, length)
 
 
 def is_mla(arch: ModelArch) -> bool:

@@ -731,8 +731,8 @@ class ResolvedSection(Strict):
         None,
         ge=1,
         description="rows are padded to a multiple of this many tokens (the planner's choice where sdpa runs "
-        "cuDNN's masked attention over them, which plans each new row length once: finetune.plan.row_multiple); "
-        "None: not padded",
+        "cuDNN's masked attention over them, which plans each new row length once, or Liger's Triton kernels take "
+        "a packed row's length: finetune.plan.row_multiple); None: not padded",
     )
     measure: bool = Field(
         False,

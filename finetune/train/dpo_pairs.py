@@ -15,8 +15,9 @@ LM head (`fused_lm_head=True`: the policy's and the reference's log-probabilitie
 - after it, the per-token log-probabilities go back to the (2B, T - 1) layout TRL's loss sums over.
 
 With `multiple` (resolved.row_multiple: where layers run sdpa's masked kernel over the row, whose cuDNN plans
-each new row length) the row is padded at its end to a multiple of that many tokens with one-token sequences
-(position 0, no label), which no real token attends to and the log-probabilities leave behind.
+each new row length, or Liger's Triton kernels take its length) the row is padded at its end to a multiple of
+that many tokens with one-token sequences (position 0, no label), which no real token attends to and the
+log-probabilities leave behind.
 
 The log-probabilities, the loss and the gradients are the padded run's (tests/unit/train/test_dpo_pairs.py).
 """

@@ -149,8 +149,8 @@ def sft_config(recipe: Recipe, *, run_dir: Path, has_eval: bool):
         # continued pre-training splits long documents across packed rows instead of truncating them
         packing_strategy="bfd_split" if recipe.method.type == "pretrain" else "bfd",
         padding_free=d.packing,
-        # the planner's choice where cuDNN's masked attention meets the rows (plan.row_multiple); a packed row's
-        # pads are examples of one token each, position 0, label -100
+        # the planner's choice where cuDNN's masked attention or Liger's Triton kernels meet the rows
+        # (plan.row_multiple); a packed row's pads are examples of one token each, position 0, label -100
         pad_to_multiple_of=recipe.resolved.row_multiple if recipe.resolved else None,
         # the loss mask is already in our `labels` column (see finetune/train/tokenize.py)
         assistant_only_loss=False,

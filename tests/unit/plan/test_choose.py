@@ -86,3 +86,22 @@ def test_an_adapter_never_gets_zero2_or_optimizer_offload_unasked_but_a_pin_is_p
         assert auto.strategy != strategy and strategy not in {c.strategy for c in auto.candidates if c.fits}
         pinned = plan(load_recipe({**raw, "distributed": {"strategy": strategy}}))
         assert pinned.fits and pinned.strategy == strategy
+
+
+def test_8bit_weights_are_planned_unsharded_and_a_pinned_sharding_is_refused():
+    """adapter.load_in_8bit: from_pretrained quantizes the whole base onto each rank's GPU and neither FSDP2 nor
+    ZeRO-3 shards bitsandbytes' Int8Params, so the planner never shards them (it once planned 70B's int8 weights
+    split eight ways under fsdp2) and says why where the strategy is pinned."""
+    from finetune.strategies import info
+    from tests.helpers.paths import ROOT
+
+    raw = load_recipe(ROOT / "recipes" / "llama8b-lora.yaml").model_dump(mode="json")
+    raw["adapter"]["load_in_8bit"] = True
+    raw["train"]["liger"] = "off"
+    raw["hardware"] = "server-8xh100"
+    result = plan(load_recipe(raw))
+    assert result.fits and not info(result.strategy).shards_params
+    assert all(not info(c.strategy).shards_params for c in result.candidates)
+    raw["distributed"]["strategy"] = "fsdp2"
+    pinned = plan(load_recipe(raw))
+    assert not pinned.fits and "adapter.load_in_8bit weights are not sharded" in pinned.why

@@ -125,7 +125,10 @@ NO_EFFECT = {
     "logging.offline": "where metrics go",
     "logging.loss_log_scale": "a plot",
     "logging.loss_smoothing": "a plot",
-    "logging.profile_steps": "a profiler window of a few steps",
+    "logging.profile_steps": (
+        "a profiler window of a few steps (slower); its event buffers hold ~2 GiB more host RAM for an 8B LoRA "
+        "step of ~30,000 kernel launches (docs/validation.md row 176), which the plan does not count"
+    ),
     "logging.memory_profile_step": "one step of the allocator's history (slower; outside the timed window)",
     "slurm.partition": "where the job is queued",
     "slurm.account": "where the job is queued",
@@ -137,7 +140,8 @@ CHECKED_ELSEWHERE = {
     "data.sources": "the rows read (format, columns, split, weights...); their lengths reach the planner as "
     "data.example_tokens",
     "data.eval_sources": "held-out rows, evaluated between steps",
-    "data.task_eval": "generation between steps (a nested section)",
+    "data.task_eval": "generation before and after training with a whole copy of the model on one GPU: refused "
+    "where that copy cannot fit beside the trainer's state (tests/unit/plan/test_task_eval.py)",
 }
 ALTERNATIVE_TEXT = {
     "tokenizer.eos_token": "<|new_eos|>",

@@ -124,3 +124,61 @@ def test_rows_are_padded_only_where_cudnns_masked_attention_meets_them():
     # every layer's masked kernel computes the whole padded row for each query
     row = 4 * 1500 + MASKED_ROW_MULTIPLE / 2
     assert executed_attention_positions(masked, micro_batch=4) == pytest.approx(dropout.num_layers * row)
+
+
+def test_padded_sequences_cost_their_micro_batchs_longest_not_the_datas():
+    """Unpacked sequences are padded to their micro-batch's longest: with the data's lengths measured the step
+    plans the expected largest of the micro-batch's n sequences (mean + std x expected_largest_of(n), plus half a
+    row multiple where the rows are padded), one alone its mean; the peak memory still plans the data's longest."""
+    from finetune.plan import PADDED_ROW_MULTIPLE, job_from_recipe
+    from finetune.plan.workload import (
+        computed_tokens_per_micro_batch,
+        executed_attention_positions,
+        expected_largest_of,
+        peak_tokens_per_micro_batch,
+    )
+
+    llama = get_model("llama-3.1-8b")
+    sequences = {"mean": 400.0, "longest": 1500, "std": 100.0}
+    job = job_from_recipe(
+        _recipe(data={"packing": False, "sequence_tokens": sequences}), arch=llama, preset=get_preset("server-8xh100")
+    )
+    assert job.row_multiple == PADDED_ROW_MULTIPLE
+    assert computed_tokens_per_micro_batch(job, 1) == pytest.approx(400)  # no padding, no mask
+    eight = 400 + 100 * expected_largest_of(8) + PADDED_ROW_MULTIPLE / 2
+    assert computed_tokens_per_micro_batch(job, 8) == pytest.approx(8 * eight)
+    assert 570 < eight < 610  # 1.43 sigma: the largest of eight
+    # the masked kernel over a padded micro-batch computes its full square; one sequence runs causal
+    assert executed_attention_positions(job, micro_batch=8) == pytest.approx(llama.num_layers * eight)
+    assert executed_attention_positions(job, micro_batch=1) == pytest.approx(llama.num_layers * 400 / 2)
+    assert peak_tokens_per_micro_batch(job, 8) == 8 * 1536  # the longest, rounded up to the multiple
+
+
+def test_packed_rows_that_ligers_kernels_see_whole_are_padded_to_16():
+    """plan.row_multiple: on the varlen kernel (no mask, so no cuDNN plans) a packed row is still padded to
+    LIGER_ROW_MULTIPLE where Liger's Triton kernels run, whose RoPE takes the row's length as an integer argument
+    that Triton specializes on its divisibility by 16 (a second compile mid-run); not without Liger, not on CPU."""
+    from finetune.plan import LIGER_ROW_MULTIPLE, job_from_recipe, plan_job
+
+    llama = get_model("llama-3.1-8b")
+    gpu = get_preset("server-8xh100")
+    on = job_from_recipe(_recipe(train={"liger": "on"}), arch=llama, preset=gpu)
+    assert on.attention == "varlen" and on.row_multiple == LIGER_ROW_MULTIPLE == 16
+    assert "padded to a multiple of 16 tokens: Triton compiles Liger's kernels" in plan_job(on).kernels
+    assert job_from_recipe(_recipe(train={"liger": "off"}), arch=llama, preset=gpu).row_multiple is None
+    unpacked = _recipe(train={"liger": "on"}, data={"packing": False})
+    assert job_from_recipe(unpacked, arch=llama, preset=gpu).row_multiple == 64  # sdpa's padding mask's own
+
+
+def test_compiled_kernels_the_plan_times_as_eager_are_said():
+    from finetune.plan import plan
+
+    def warnings(**over):
+        raw = {"model": {"name": "llama-3.1-8b", "arch": "llama-3.1-8b"}, "data": {"path": "t.jsonl"}}
+        raw.update(hardware="server-8xh100", train={"liger": "off", **over.pop("train", {})}, **over)
+        return " ".join(plan(load_recipe(raw)).warnings)
+
+    assert "compil" not in warnings()
+    assert "train.compile: regions is planned as eager" in warnings(train={"compile": "regions"})
+    flex = warnings(model={"name": "llama-3.1-8b", "arch": "llama-3.1-8b", "attn_implementation": "flex_attention"})
+    assert "flex_attention is planned as flash attention" in flex
