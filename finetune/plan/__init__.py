@@ -307,6 +307,7 @@ def job_from_recipe(recipe, *, arch, preset) -> Job:
         method=method,
         reference=reference,
         fused_lm_head=method in FUSED_HEAD_METHODS,
+        nll_on_chosen=method == "orpo" or (method == "simpo" and bool(recipe.method.cpo_alpha)),
         lora_r=recipe.adapter.r,
         lora_targets=_targets(recipe, arch),
         lora_dropout=recipe.adapter.dropout,

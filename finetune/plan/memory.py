@@ -95,6 +95,10 @@ HOST_PER_PROCESS_BYTES = 3 * GIB  # python + torch + CUDA libraries per rank, ho
 HOST_PER_FSDP_ADAPTER_RANK_BYTES = 3.75 * GIB
 HOST_PER_FSDP_FULL_RANK_BYTES = 5 * GIB
 LOGITS_BYTES_PER_ELEMENT = 12
+# Job.nll_on_chosen: TRL's cross_entropy_loss slices the chosen half's logits shifted by one and makes them
+# contiguous (a 16-bit copy), and the loss keeps its 16-bit log-softmax for the backward; read from TRL's code
+# (trl/experimental/cpo, orpo), not measured on a GPU
+NLL_BYTES_PER_ELEMENT = 4
 FUSED_HEAD_TOKENS, FUSED_HEAD_VOCAB = 4096, 32768  # trl/kernels/chunked_logprob.py tile shape
 NF4_BYTES = 0.5
 NF4_SCALE_BYTES = 4 / 64  # one fp32 absmax per 64-element block
@@ -435,8 +439,10 @@ def activation_bytes(
 
 
 def logits_bytes(job: Job, *, micro_batch: int) -> float:
-    """Materialized logits and cross-entropy temporaries (a loss computed from full logits)."""
-    return tokens_per_micro_batch(job, micro_batch) * job.arch.vocab_size * LOGITS_BYTES_PER_ELEMENT
+    """Materialized logits and cross-entropy temporaries (a loss computed from full logits), and the chosen half's
+    copy where a cross-entropy over it joins the loss (Job.nll_on_chosen)."""
+    per_element = LOGITS_BYTES_PER_ELEMENT + (NLL_BYTES_PER_ELEMENT / 2 if job.nll_on_chosen else 0.0)
+    return tokens_per_micro_batch(job, micro_batch) * job.arch.vocab_size * per_element
 
 
 def loss_head_bytes(job: Job, *, micro_batch: int) -> float:

@@ -89,6 +89,9 @@ class Job:
     # TRL >= 1.x SFT/DPO score tokens through add_fused_lm_head (chunked, the (tokens, vocab) logits are
     # never materialized); False for a trainer that computes the loss from full logits
     fused_lm_head: bool = True
+    # a cross-entropy over the chosen sequences' full logits beside the preference loss: ORPO's SFT term, SimPO/CPO
+    # with method.cpo_alpha > 0 (TRL's CPO and ORPO trainers: a shifted copy of those logits, then the loss)
+    nll_on_chosen: bool = False
     # adapter.cast_adapter_inputs: peft's per-module fp32 cast of LoRA inputs (finetune skips it by default)
     cast_adapter_inputs: bool = False
     fused_lora: bool = False  # adapter.fuses_lora: finetune's fused LoRA layer (plan/lora_time.py)

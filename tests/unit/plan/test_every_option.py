@@ -58,7 +58,10 @@ NO_EFFECT = {
     "method.beta": "a coefficient of the preference loss",
     "method.loss_type": "DPO's loss variants are elementwise on the same per-sequence log-probabilities",
     "method.simpo_gamma": "a coefficient of the loss",
-    "method.cpo_alpha": "a coefficient of the loss",
+    "method.cpo_alpha": (
+        "a coefficient of the loss in these settings; under method simpo a non-zero one adds a cross-entropy over "
+        "the chosen logits, which is planned (Job.nll_on_chosen, tests/unit/plan/test_memory.py)"
+    ),
     "method.desirable_weight": "a coefficient of the loss",
     "method.undesirable_weight": "a coefficient of the loss",
     "method.center_rewards_coefficient": "a coefficient of the reward loss",

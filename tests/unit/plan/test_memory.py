@@ -68,3 +68,23 @@ def test_dora_keeps_two_compute_dtype_outputs_per_targeted_module():
     planned = dora_bytes_per_token_layer(Job(arch=arch, preset=preset, dora=True))
     assert planned == 2 * 2 * 2304 == 9216
     assert measured == pytest.approx(planned, rel=0.02)
+
+
+def test_a_cross_entropy_over_the_chosen_logits_is_planned():
+    """ORPO's SFT term and SimPO's cpo_alpha > 0: TRL copies the chosen half's logits (shifted, contiguous) and
+    keeps the loss's log-softmax, on top of the full logits every non-fused preference trainer holds."""
+    from finetune.plan import job_from_recipe
+    from finetune.plan.memory import LOGITS_BYTES_PER_ELEMENT, NLL_BYTES_PER_ELEMENT, logits_bytes
+    from finetune.recipe import load_recipe
+    from finetune.registry import get_model, get_preset
+
+    def job(method: dict):
+        raw = {"model": {"name": "llama-3.1-8b", "arch": "llama-3.1-8b"}, "method": method}
+        raw["data"] = {"path": "t.jsonl", "format": "preference"}
+        recipe = load_recipe(raw)
+        return job_from_recipe(recipe, arch=get_model("llama-3.1-8b"), preset=get_preset("server-8xh100"))
+
+    plain = logits_bytes(job({"type": "simpo", "cpo_alpha": 0.0}), micro_batch=2)
+    for method in ({"type": "simpo", "cpo_alpha": 1.0}, {"type": "orpo"}):
+        with_nll = logits_bytes(job(method), micro_batch=2)
+        assert with_nll / plain == pytest.approx(1 + NLL_BYTES_PER_ELEMENT / 2 / LOGITS_BYTES_PER_ELEMENT)
