@@ -171,7 +171,7 @@ def attention_implementation(recipe, preset, *, arch=None) -> str:
     half = DTYPE_BYTES[compute_dtype(recipe)] == 2  # the varlen kernel runs bf16/fp16 only
     if chosen == "varlen" and not half and preset.vendor != "cpu":
         raise RecipeError(
-            "model.attn_implementation: varlen runs 16-bit attention only; this run computes in float32 "
+            "varlen runs 16-bit attention only; this run computes in float32 "
             "(train.precision: fp32 with float32 weights), so its packed rows would fall back to sdpa with a "
             "mask over each whole row",
             key="model.attn_implementation",
