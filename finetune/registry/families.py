@@ -267,10 +267,10 @@ def refusal_reason(cfg: dict, text: dict, *, model_type: str) -> tuple[str, bool
         )
     # expert keys at the top or one level down (DBRX keeps them in ffn_config)
     nested = [(f"{k}.{n}", v) for k, d in text.items() if isinstance(d, dict) for n, v in d.items()]
-    experts = sorted(
+    experts = sorted(  # counts and switches, not coefficients (DBRX's moe_loss_weight)
         k
         for k, v in [*text.items(), *nested]
-        if any(w in k for w in ("expert", "moe")) and v not in (None, 0, [], False)
+        if any(w in k for w in ("expert", "moe")) and v not in (None, 0, [], False) and not isinstance(v, float)
     )
     if experts:
         return (
