@@ -337,7 +337,7 @@ def _measuring(recipe: Recipe, *, steps: int, run_dir: Path, kept: bool) -> Reci
     return with_setting(
         recipe,
         train={"max_steps": steps, "epochs": None, "logging_steps": 1, "eval_steps": None, "oom_retries": 0},
-        data={"eval_sources": [], "eval_fraction": None, "task_eval": None},
+        data={"eval_sources": [], "eval_fraction": None, "eval_rows": None, "task_eval": None},
         output={"dir": str(run_dir), "save_every": None},
         hub={"repo": None},
         logging={

@@ -128,8 +128,25 @@ def map_aliases(conv: Conversion, *, ignore: dict[str, str]) -> None:
     if conv.get("train.epochs") is not None and conv.get("train.max_steps") is not None:
         del conv.recipe["train"]["epochs"]  # the peers stop at max_steps; here the two exclude each other
         conv.notes.append("train.max_steps kept and the epoch count removed: the peers stop at max_steps")
-    if conv.get("data.eval_fraction") == 0:
-        del conv.recipe["data"]["eval_fraction"]
+    if conv.get("data.eval_fraction") is not None:
+        key = next((k for k in sorted(conv.used) if (a := lookup("", k)) and a.key == "data.eval_fraction"), "")
+        held_out(conv, key or "data.eval_fraction", conv.recipe["data"].pop("eval_fraction"))
+
+
+def held_out(conv: Conversion, key: str, size: object) -> None:
+    """A peer's held-out eval size, as datasets' train_test_split reads it (TRL's test_split_size, LLaMA-Factory's
+    val_size, axolotl's val_set_size): a share below 1 (data.eval_fraction), a whole number of rows from 1
+    (data.eval_rows); 0 holds out nothing."""
+    if size is None or size == 0 or isinstance(size, bool):
+        return
+    if isinstance(size, (int, float)) and 0 < size < 1:
+        conv.set("data.eval_fraction", float(size))
+    elif isinstance(size, (int, float)) and size >= 1 and float(size).is_integer():
+        conv.set("data.eval_rows", int(size))
+    else:
+        conv.drop(
+            key, size, "must be a share (0 < x < 1) or a whole number of rows; set data.eval_fraction or data.eval_rows"
+        )
 
 
 def dtype_for_precision(conv: Conversion) -> None:

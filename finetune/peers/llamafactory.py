@@ -18,6 +18,7 @@ from finetune.peers.common import (
     batch_sizes,
     coerce_numbers,
     continue_adapter,
+    held_out,
     optimizer,
     scheduler,
     template,
@@ -266,7 +267,7 @@ def convert(conv: Conversion) -> None:
     scheduler(conv, "lr_scheduler_type")
     batch_sizes(conv)  # transformers' TrainingArguments names, as both tools use them
     if conv.has("val_size"):
-        conv.set("data.eval_fraction", conv.take("val_size"))
+        held_out(conv, "val_size", conv.take("val_size"))
     deepspeed_file(conv, "deepspeed")
 
 

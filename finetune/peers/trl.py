@@ -12,6 +12,7 @@ from finetune.peers.common import (
     as_list,
     attention,
     batch_sizes,
+    held_out,
     loss_type,
     optimizer,
     scheduler,
@@ -352,17 +353,8 @@ def _holdout(conv: Conversion, key: str, size: object, *, given: bool) -> None:
     """test_split_size: a share (float) or a row count (int) of the mixed training rows held out for eval."""
     if given:
         conv.drop(key, size, "held-out splits are given too (data.eval_sources); finetune takes one")
-    elif isinstance(size, float) and 0 < size < 1:
-        conv.set("data.eval_fraction", size)
-    elif isinstance(size, int) and not isinstance(size, bool) and size >= 1:
-        conv.drop(
-            key,
-            size,
-            f"holds out {size} rows of the mixed training data; finetune holds out a share: set data.eval_fraction "
-            f"to {size} / the mixture's row count",
-        )
     else:
-        conv.drop(key, size, "must be a share (0 < x < 1) or a row count; set data.eval_fraction")
+        held_out(conv, key, size)
 
 
 def _loss_mask(conv: Conversion, method: str) -> None:

@@ -343,6 +343,13 @@ class DataSection(Strict):
     eval_fraction: float | None = Field(
         None, gt=0, lt=1, description="hold out this share of the training rows for the eval loss instead"
     )
+    eval_rows: int | None = Field(
+        None,
+        ge=1,
+        description="hold out this many of the training rows for the eval loss instead (a count where "
+        "eval_fraction is a share, as TRL's test_split_size, LLaMA-Factory's val_size and axolotl's val_set_size "
+        "take either)",
+    )
     max_length: int = Field(2048, ge=8, le=1_048_576, description="tokens per sequence (per packed row when packing)")
     packing: bool = Field(
         False,
@@ -912,8 +919,10 @@ def recipe_conflicts(recipe: Recipe):
         )
     if t.on_nonfinite == "stop" and t.max_bad_steps:
         yield "train.max_bad_steps", "max_bad_steps needs train.on_nonfinite: skip"
-    if d.eval_fraction and d.eval_sources:
-        yield "data.eval_fraction", "set either data.eval_fraction or data.eval_sources, not both"
+    held_out = [k for k, v in (("eval_fraction", d.eval_fraction), ("eval_rows", d.eval_rows)) if v]
+    if len(held_out) == 2 or (held_out and d.eval_sources):
+        key = held_out[-1] if len(held_out) == 2 else held_out[0]
+        yield f"data.{key}", "set one of data.eval_sources, data.eval_fraction and data.eval_rows"
     strategy = recipe.distributed.strategy
     if recipe.distributed.sync_each_batch is True and strategy != AUTO and not weighs_sync_each_batch(strategy):
         # refused rather than ignored: the pin would say something the run does not do
@@ -1010,7 +1019,7 @@ def cadence_conflicts(recipe: Recipe):
     if t.early_stopping_patience or t.load_best_model_at_end:
         what = "train.early_stopping_patience" if t.early_stopping_patience else "train.load_best_model_at_end"
         cadence = t.eval_steps or t.evals_per_epoch
-        if not (d.eval_sources or d.eval_fraction):
+        if not (d.eval_sources or d.eval_fraction or d.eval_rows):
             also = "" if cadence else " and train.evals_per_epoch: 1"
             yield (
                 what,
@@ -1045,5 +1054,6 @@ def streaming_conflicts(recipe: Recipe):
                 "instead of the per-epoch cadence"
             ),
         )
-    elif d.eval_fraction:
-        yield "data.eval_fraction", "a streamed corpus cannot be split; use data.eval_sources instead"
+    elif d.eval_fraction or d.eval_rows:
+        key = "data.eval_fraction" if d.eval_fraction else "data.eval_rows"
+        yield key, "a streamed corpus cannot be split; use data.eval_sources instead"

@@ -188,6 +188,7 @@ def prepare_data(recipe: Recipe, tokenizer, *, state) -> PreparedData:
         "train": describe(train_sources, d.sources),
         "eval": describe(eval_sources, d.eval_sources),
         "eval_fraction": d.eval_fraction,
+        **({"eval_rows": d.eval_rows} if d.eval_rows else {}),  # only where set: earlier cache keys stay valid
         "seed": d.seed,
         "max_length": d.max_length,
         "method": recipe.method.type,
@@ -297,14 +298,21 @@ def _build(recipe: Recipe, tokenizer, train_sources, eval_sources):
     out = {"train": train}
     if eval_sources:
         out["eval"] = _tokenize([r for s in eval_sources for r in s.records], **kw)
-    elif recipe.data.eval_fraction:
-        if len(train) < 2:
+    elif recipe.data.eval_fraction or recipe.data.eval_rows:
+        # datasets' train_test_split takes a share (float) or a count of rows (int)
+        key, size = (
+            ("data.eval_fraction", recipe.data.eval_fraction)
+            if recipe.data.eval_fraction
+            else ("data.eval_rows", recipe.data.eval_rows)
+        )
+        if len(train) < 2 or (isinstance(size, int) and size >= len(train)):
             raise DataError(
-                "too few examples to split off an eval set",
+                f"too few examples to split off an eval set: {len(train)} training rows"
+                + (f", {size} asked for the eval set" if isinstance(size, int) else ""),
                 file=train_sources[0].name,
-                key="data.eval_fraction",
-                hint="add examples or remove data.eval_fraction",
+                key=key,
+                hint=f"add examples or lower (or remove) {key}",
             )
-        split = train.train_test_split(test_size=recipe.data.eval_fraction, seed=recipe.data.seed)
+        split = train.train_test_split(test_size=size, seed=recipe.data.seed)
         out = {"train": split["train"], "eval": split["test"]}
     return datasets.DatasetDict(out)

@@ -320,3 +320,23 @@ def test_the_run_says_when_its_tokenizer_counts_other_lengths_than_the_plan(tmp_
     )
     assert planned_lengths_note(rows, [24, 25, 26]) == ""
     assert "data.sequence_tokens.longest" in planned_lengths_note(rows, [25] * 20 + [29])  # examples agree
+
+
+def test_eval_rows_holds_out_that_many_rows(tmp_path):
+    data = _prepare(tmp_path, data={"eval_sources": [], "eval_rows": 12})
+    assert len(data.train) == 52 and len(data.eval) == 12
+    with pytest.raises(DataError) as caught:
+        _prepare(tmp_path / "all", data={"eval_sources": [], "eval_rows": 64})
+    assert caught.value.key == "data.eval_rows" and "64 asked for the eval set" in caught.value.message
+
+
+def test_one_way_of_holding_out_eval_rows_at_a_time():
+    from finetune.errors import RecipeError
+
+    base = {"model": {"name": "m", "arch": "llama-3.1-8b"}}
+    for data in (
+        {"path": "t.jsonl", "eval_fraction": 0.1, "eval_rows": 10},
+        {"path": "t.jsonl", "eval_rows": 10, "eval_sources": [{"path": "e.jsonl"}]},
+    ):
+        with pytest.raises(RecipeError, match="set one of data.eval_sources, data.eval_fraction and data.eval_rows"):
+            load_recipe(base | {"data": data})

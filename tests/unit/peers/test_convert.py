@@ -542,3 +542,24 @@ def test_llamafactory_pure_bf16_trains_bfloat16_weights_without_an_fp32_copy(tmp
     conv = convert_mapping(raw, source="llamafactory", config_dir=tmp_path, out_dir=tmp_path)
     assert (conv.get("model.dtype"), conv.get("train.precision")) == ("bfloat16", "bf16")
     assert not [d for d in conv.dropped if d.key == "pure_bf16"] and any("pure_bf16" in n for n in conv.notes)
+
+
+@pytest.mark.parametrize(
+    ("source", "raw", "key"),
+    [
+        ("axolotl", {"base_model": "Qwen/Qwen3-8B"}, "val_set_size"),
+        ("llamafactory", {"model_name_or_path": "Qwen/Qwen3-8B", "finetuning_type": "lora"}, "val_size"),
+    ],
+)
+def test_a_held_out_size_is_a_share_below_one_and_a_row_count_from_one(tmp_path, source, raw, key):
+    """datasets' train_test_split, which the peers hand their size to, reads a float below 1 as a share and a
+    whole number as rows: data.eval_fraction and data.eval_rows."""
+    from finetune.peers import convert_mapping
+
+    def held(size):
+        conv = convert_mapping(raw | {key: size}, source=source, config_dir=tmp_path, out_dir=tmp_path)
+        return conv.get("data.eval_fraction"), conv.get("data.eval_rows")
+
+    assert held(0.05) == (0.05, None)
+    assert held(500) == (None, 500)
+    assert held(0) == (None, None)

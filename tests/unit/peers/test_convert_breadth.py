@@ -523,11 +523,12 @@ CASES += [
             "data.sources[1].split": "test_sft",
             "data.eval_sources": [],
             "data.eval_fraction": None,
+            "data.eval_rows": 1000,  # test_split_size 1000: a count of rows, as datasets' train_test_split reads it
             "adapter.type": "qlora",
             "adapter.r": 16,
             "train.evals_per_epoch": 1,
         },
-        ["dataset_mixture.test_split_size"],  # 1000 rows: finetune holds out a share, not a count
+        [],
         ["do_eval"],
     ),
     (

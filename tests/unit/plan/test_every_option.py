@@ -72,6 +72,7 @@ NO_EFFECT = {
     "adapter.storage_dtype": "the container of the packed 4-bit data: the same bytes",
     "adapter.compute_dtype": "under bf16/fp16 autocast the dequantized matmuls run in the autocast dtype",
     "data.eval_fraction": "held-out rows for the eval loss, between steps",
+    "data.eval_rows": "held-out rows for the eval loss, between steps",
     "data.chat_template": "how text becomes tokens; the row length is data.max_length",
     "data.assistant_only_loss": "which tokens count in the loss, not how many are computed",
     "data.max_too_long_fraction": "a data check before training",
