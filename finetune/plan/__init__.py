@@ -32,6 +32,7 @@ from finetune.plan.memory import (
     fsdp_accumulated_gradients,
     steps_16bit_params,
     steps_16bit_weights,
+    weight_bytes,
     zero_model_state_bytes,
 )
 from finetune.plan.offload_time import nvme_read_gbps
@@ -50,9 +51,11 @@ from finetune.plan.workload import (
     Job,
     count_params,
     lora_param_count,
+    lora_params,
     mean_sequence_tokens,
     module_shapes,
     needs_model_eager,
+    pads_rows,
     saved_modules,
     trainable_params,
     varlen_fallback_layers,
@@ -233,12 +236,6 @@ def row_multiple(job: Job) -> int | None:
     if job.attention == "sdpa":
         return MASKED_ROW_MULTIPLE if job.packed else PADDED_ROW_MULTIPLE
     return LIGER_ROW_MULTIPLE if job.packed and job.liger else None
-
-
-def pads_rows(job: Job, *, micro_batch: int) -> bool:
-    """The run pads its rows to Job.row_multiple at this micro-batch: packed rows always, padded sequences where a
-    micro-batch holds more than one (a single unpadded sequence gets no mask: sdpa's causal flash kernel)."""
-    return bool(job.row_multiple) and (job.packed or micro_batch * job.sequences_per_sample > 1)
 
 
 def liger_enabled(recipe, preset, *, arch) -> bool:
@@ -656,9 +653,6 @@ def task_eval_check(recipe, job: Job, result: Plan) -> None:
     cannot fit the card (a 70B model's 131 GiB copy never fits an 80 GB one)."""
     if recipe.data.task_eval is None or not result.fits or job.preset.vendor == "cpu" or result.memory is None:
         return
-    from finetune.plan.memory import weight_bytes
-    from finetune.plan.workload import lora_params
-
     m = result.memory
     copy = weight_bytes(job) + (4.0 * lora_params(job) if job.adapter != "full" else 0.0)
     held = m.weights + m.trainable + m.optimizer + m.overhead

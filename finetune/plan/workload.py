@@ -81,7 +81,7 @@ class Job:
     # takes them (2.11 without a switch, 2.13 with enable_gqa): True only for runs of the repeating path
     varlen_repeats_kv: bool = False
     # rows padded to a multiple of this many tokens (resolved.row_multiple: plan.row_multiple says when); the
-    # planner counts it at every micro-batch (plan.pads_rows: the run skips one-sequence unpadded micro-batches)
+    # planner counts it at every micro-batch (pads_rows: the run skips one-sequence unpadded micro-batches)
     row_multiple: int | None = None
     # attention "sdpa" on packed rows because some layers fall back from finetune's varlen kernel
     # (`varlen_fallback_layers`): how many layers the varlen kernel still serves (Gemma-3's global ones)
@@ -204,11 +204,16 @@ class Params:
         return self.layers_active + head
 
 
+def longest_sequence(job: Job) -> int:
+    """The longest sequence: the data's (data.sequence_tokens), else max_length."""
+    return min(job.seq_len, job.longest_sequence_tokens or job.seq_len)
+
+
 def peak_sequence_tokens(job: Job) -> float:
     """Tokens of a sequence at a micro-batch's peak: max_length, or the data's longest (data.sequence_tokens):
     TRL pads a micro-batch's sequences to its longest (rounded up to Job.row_multiple), and padding-free pairs
     hold at most that many each."""
-    longest = min(job.seq_len, job.longest_sequence_tokens or job.seq_len)
+    longest = longest_sequence(job)
     return longest if job.packed else padded_row(job, longest)
 
 
@@ -225,6 +230,12 @@ def peak_tokens_per_micro_batch(job: Job, micro_batch: int) -> float:
         return padded_row(job, longest)
     z = peak_sigmas(job, micro_batch)
     return padded_row(job, min(longest, n * mean_sequence_tokens(job) + z * job.sequence_tokens_std * n**0.5))
+
+
+def pads_rows(job: Job, *, micro_batch: int) -> bool:
+    """The run pads its rows to Job.row_multiple at this micro-batch: packed rows always, padded sequences where a
+    micro-batch holds more than one (a single unpadded sequence gets no mask: sdpa's causal flash kernel)."""
+    return bool(job.row_multiple) and (job.packed or micro_batch * job.sequences_per_sample > 1)
 
 
 def padded_row(job: Job, tokens: float) -> float:
@@ -261,7 +272,7 @@ def computed_sequence_tokens(job: Job, micro_batch: int) -> float:
     """Tokens a sequence costs the GPU on average: padding-free pairs (data.packing) compute their real tokens;
     padded sequences their micro-batch's longest. With the data's lengths measured (data.sequence_tokens) that
     is the expected largest of the micro-batch's n sequences, mean + std x expected_largest_of(n), at most the
-    data's longest, and half a Job.row_multiple more where the run pads the rows (`pads_rows`: n > 1); a
+    data's longest, and half a Job.row_multiple more where the run pads the rows (`pads_rows`); a
     one-sequence micro-batch is not padded at all. Unknown lengths: max_length. (The peak memory plans the
     micro-batch that meets the data's longest: peak_sequence_tokens.)"""
     if job.packed:
@@ -269,9 +280,8 @@ def computed_sequence_tokens(job: Job, micro_batch: int) -> float:
     if not job.sequence_tokens:
         return peak_sequence_tokens(job)
     n = micro_batch * job.sequences_per_sample
-    longest = min(job.seq_len, job.longest_sequence_tokens or job.seq_len)
-    tokens = min(longest, mean_sequence_tokens(job) + job.sequence_tokens_std * expected_largest_of(n))
-    return tokens + (job.row_multiple / 2 if job.row_multiple and n > 1 else 0.0)
+    tokens = min(longest_sequence(job), mean_sequence_tokens(job) + job.sequence_tokens_std * expected_largest_of(n))
+    return tokens + ((job.row_multiple or 0) / 2 if pads_rows(job, micro_batch=micro_batch) else 0.0)
 
 
 def computed_tokens_per_micro_batch(job: Job, micro_batch: int) -> float:

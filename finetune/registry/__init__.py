@@ -16,7 +16,7 @@ from pydantic import BaseModel, ValidationError
 
 from finetune.errors import RecipeError
 from finetune.recipe.paths import anchored
-from finetune.registry.derive import arch_from_config, find_config_json
+from finetune.registry.derive import arch_from_config, find_config_json, text_config
 from finetune.registry.schema import HardwarePreset, ModelArch
 
 REGISTRY_DIR = Path(__file__).resolve().parent
@@ -139,7 +139,7 @@ def stand_in_warning(model_section, arch: ModelArch, *, base_dir: str | Path | N
         return ""
     if not isinstance(cfg, dict):
         return ""
-    text = cfg["text_config"] if isinstance(cfg.get("text_config"), dict) else cfg
+    text = text_config(cfg)
     types = {t for t in (cfg.get("model_type"), text.get("model_type")) if t}
     if not types or arch.family in types:
         return ""

@@ -93,6 +93,11 @@ _MOE_WORDS = ("expert", "moe", "dense_replace", "sparse_step", "mlp_only")
 MLA_LORA_TARGETS = ["q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"]
 
 
+def text_config(cfg: dict) -> dict:
+    """The text decoder's part of config.json: a multimodal wrapper's text_config, else the whole file."""
+    return cfg["text_config"] if isinstance(cfg.get("text_config"), dict) else cfg
+
+
 def find_config_json(name: str, *, base_dir: Path, revision: str | None = None) -> Path | None:
     """A local directory (relative to base_dir) or a Hugging Face cache snapshot holding config.json."""
     candidate = anchored(name, base_dir)
@@ -140,7 +145,7 @@ def arch_from_config(path: Path, *, key: str, hub_id: str | None = None) -> Mode
         ) from None
     if not isinstance(cfg, dict):
         raise RecipeError("config.json is not a JSON object", file=str(path))
-    text: dict = cfg["text_config"] if isinstance(cfg.get("text_config"), dict) else cfg
+    text = text_config(cfg)
     inner = text.get("model_type", "")
     family = cfg.get("model_type") or inner
     # a multimodal wrapper is read as its text decoder only where the registry says the towers it adds
@@ -300,8 +305,7 @@ def configured_rope_scaling(text: dict) -> dict | None:
     kind = raw.get("rope_type", raw.get("type"))
     if kind in (None, "default"):
         return None
-    out = {"rope_type": kind, **{k: raw[k] for k in ROPE_SCALING_KEYS[1:] if raw.get(k) is not None}}
-    return out
+    return {"rope_type": kind, **{k: raw[k] for k in ROPE_SCALING_KEYS[1:] if raw.get(k) is not None}}
 
 
 # checkpoints some models are published in only (gpt-oss: MXFP4, DeepSeek-V3: FP8) and the transformers config
