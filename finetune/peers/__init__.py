@@ -109,7 +109,14 @@ def convert_mapping(
     raw: dict, *, source: str, config_dir: Path, out_dir: Path, method: str | None = None
 ) -> Conversion:
     from finetune.peers import axolotl, llamafactory, trl
-    from finetune.peers.common import coerce_numbers, drop_packing, dtype_for_precision, map_aliases, shared_keys
+    from finetune.peers.common import (
+        coerce_numbers,
+        drop_packing,
+        dtype_for_precision,
+        map_aliases,
+        micro_batch_minimum,
+        shared_keys,
+    )
 
     if source not in SOURCES:
         raise RecipeError(f"unknown source {source!r}", hint=f"use --from {' | '.join(SOURCES)}")
@@ -123,6 +130,7 @@ def convert_mapping(
     map_aliases(conv, ignore=module.IGNORED)
     dtype_for_precision(conv)  # after every peer's dtype and precision keys are mapped
     drop_packing(conv)
+    micro_batch_minimum(conv)
     _validate(conv)
     return conv
 

@@ -8,8 +8,14 @@ from pathlib import Path
 from typing import Any, get_args
 
 from finetune.peers import Conversion
-from finetune.recipe.aliases import checkpointing_setting, is_on, lookup
-from finetune.recipe.schema import METHOD_FORMATS, PACKED_EXAMPLE_METHODS, LoggingSection, TrainSection
+from finetune.recipe.aliases import checkpointing_setting, held_out_key, is_on, lookup
+from finetune.recipe.schema import (
+    METHOD_FORMATS,
+    MIN_MICRO_BATCH,
+    PACKED_EXAMPLE_METHODS,
+    LoggingSection,
+    TrainSection,
+)
 
 # transformers / bitsandbytes optimizer names -> ours
 OPTIMIZERS = {
@@ -139,10 +145,11 @@ def held_out(conv: Conversion, key: str, size: object) -> None:
     (data.eval_rows); 0 holds out nothing."""
     if size is None or size == 0 or isinstance(size, bool):
         return
-    if isinstance(size, (int, float)) and 0 < size < 1:
-        conv.set("data.eval_fraction", float(size))
-    elif isinstance(size, (int, float)) and size >= 1 and float(size).is_integer():
-        conv.set("data.eval_rows", int(size))
+    ours = held_out_key(size)
+    if ours == "data.eval_fraction" and isinstance(size, (int, float)) and 0 < size < 1:
+        conv.set(ours, float(size))
+    elif ours == "data.eval_rows" and float(size).is_integer():
+        conv.set(ours, int(size))
     else:
         conv.drop(
             key, size, "must be a share (0 < x < 1) or a whole number of rows; set data.eval_fraction or data.eval_rows"
@@ -252,6 +259,19 @@ def batch_sizes(conv: Conversion, *, micro_key: str = "per_device_train_batch_si
         conv.notes.append(
             f"train.global_batch_size is {micro_key} x gradient_accumulation_steps of ONE GPU; {also}"
             "multiply it by your GPU count for the same effective batch"
+        )
+
+
+def micro_batch_minimum(conv: Conversion) -> None:
+    """A micro-batch below the method's least (recipe.schema.MIN_MICRO_BATCH: KTO's 2) fails in the peer as well,
+    whose KTO is TRL's KTOTrainer: the pin goes, and the planner picks a micro-batch of at least that."""
+    method, micro = conv.get("method.type", "sft"), conv.get("train.micro_batch_size")
+    least, why = MIN_MICRO_BATCH.get(method, (1, ""))
+    if isinstance(micro, int) and micro < least:
+        del conv.recipe["train"]["micro_batch_size"]
+        conv.notes.append(
+            f"train.micro_batch_size {micro} removed: {method} trains micro-batches of at least {least} ({why}; "
+            "the config fails as written, TRL's trainer refusing it there too); the planner picks the micro-batch"
         )
 
 

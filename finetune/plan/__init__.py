@@ -49,6 +49,7 @@ from finetune.plan.unfused_time import unfused_seconds
 from finetune.plan.workload import (
     DTYPE_BYTES,
     Job,
+    batch_share,
     count_params,
     lora_param_count,
     lora_params,
@@ -266,9 +267,9 @@ def liger_enabled(recipe, preset, *, arch) -> bool:
     return supported and preset.vendor == "nvidia" and importlib.util.find_spec("liger_kernel") is not None
 
 
-# trainers that score tokens through TRL's chunked LM head; ORPO/CPO/KTO compute full logits (reward
-# models have no vocabulary head, so the flag is moot for them)
-FUSED_HEAD_METHODS = ("sft", "pretrain", "dpo", "reward")
+# trainers that score tokens through TRL's chunked LM head (TRL 1.16's fused_lm_head); ORPO/CPO compute full
+# logits (reward models have no vocabulary head, so the flag is moot for them)
+FUSED_HEAD_METHODS = ("sft", "pretrain", "dpo", "kto", "reward")
 
 
 def run_sequences(recipe) -> int | None:
@@ -280,7 +281,9 @@ def run_sequences(recipe) -> int | None:
     measured = recipe.data.sequence_tokens
     if measured is None or not measured.count:
         return None
-    return max(1, round((t.epochs or 1) * measured.count))
+    # KTO trains each preference pair as two rows, the desirable and the undesirable (data.preference.unpair)
+    unpaired = recipe.method.type == "kto" and all(s.format == "preference" for s in recipe.data.sources)
+    return max(1, round((t.epochs or 1) * measured.count * (2 if unpaired else 1)))
 
 
 def job_from_recipe(recipe, *, arch, preset) -> Job:
@@ -681,7 +684,23 @@ def substitutions(recipe, result: Plan) -> list[str]:
     return out
 
 
+def micro_batch_check(job: Job) -> None:
+    """A method that trains micro-batches of at least 2 (recipe.schema.MIN_MICRO_BATCH) needs that many sequences
+    per GPU a step: refused here, before a model loads, where TRL's trainer would refuse after."""
+    least = job.min_micro_batch
+    if batch_share(job) >= least:
+        return
+    world = job.preset.world_size
+    raise RecipeError(
+        f"method {job.method} trains micro-batches of at least {least}: train.global_batch_size "
+        f"{job.global_batch_size} over {world} GPUs gives each {batch_share(job)} sequence(s) a step",
+        key="train.global_batch_size",
+        hint=f"set train.global_batch_size: {least * world} or more (a multiple of {world})",
+    )
+
+
 def plan_job(job: Job) -> Plan:
+    micro_batch_check(job)
     p = job.preset
     chosen, candidates = search(job)
     world = p.world_size

@@ -75,8 +75,9 @@ def kernel_extra_seconds(job: Job, *, micro_batch: int, checkpointed_share: floa
     if masked:  # a packed row's layers the varlen kernel still serves run unmasked (workload.masked_row_layers)
         row = micro_batch * job.seq_len * job.sequences_per_sample
         on_mask = masked_row_layers(job) * row if job.packed else executed
-    # forward 4, backward 8 FLOPs a score position and width; a checkpointed layer's and the reference's forwards
-    passes = 12 + 4 * checkpointed_share + (4 if job.reference_forward else 0)
+    # forward 4, backward 8 FLOPs a score position and width; a checkpointed layer's forward and the forwards
+    # without gradients (the reference's, KTO's KL completion) again
+    passes = 12 + 4 * checkpointed_share + 4 * job.forward_only_passes
     per_position = (
         passes * arch.num_attention_heads * head_dim(arch) * computed_tokens_per_micro_batch(job, micro_batch)
     )

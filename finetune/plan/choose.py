@@ -99,7 +99,7 @@ def micro_batch_options(job: Job) -> list[int]:
     if job.micro_batch:
         return [job.micro_batch]
     share = batch_share(job)
-    return [m for m in (2**k for k in range(0, 17)) if m <= share and share % m == 0]
+    return [m for m in (2**k for k in range(0, 17)) if job.min_micro_batch <= m <= share and share % m == 0]
 
 
 def sync_is_a_setting(job: Job, *, strategy: str, micro_batch: int) -> bool:

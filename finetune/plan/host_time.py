@@ -27,7 +27,9 @@ Kernels a micro-batch, from the profiles (docs/results/profiles/):
   FSDP2's per-layer all-gathers and copies:          +24  (full3b-fsdp2-offload: 2,758 a micro-batch)
   outside the layers (embedding, final norm, loss):  100
   a checkpointed layer re-runs its forward:          +1/3 of its kernels
-  a DPO/KTO reference forward (adapters off):        +1/3 of a full layer's per layer
+  a DPO/KTO reference forward (adapters off):        +1/3 of a full layer's per layer (KTO: two, the
+                                                    completion's and its KL completion's)
+  KTO's forward of the KL completion (adapters on):  +1/3 of the layer's
 and per optimizer step, per trained tensor (clipping's norms, the non-finite check, the optimizer):
   FSDP2 (DTensor shards): 4.7 (3,961 - 2,758 kernels over 255 tensors); DDP/DeepSpeed: 1.3 (LoRA 8B:
   592 kernels over 448 tensors).
@@ -37,8 +39,8 @@ micro-batch 2 x 4: 352 ms a micro-batch against 192 ms of the kernel floor and 2
 ZeRO-2 rows with more GPU work a micro-batch (rows 53, 68, 85) hide it, as this floor says. Checked out of
 sample on full 1B (row 89: predicted 0.82 of the measured tokens/s; 0.32 ms a tensor there).
 ZeRO-3 gathers a module's partitioned parameters in a Python hook before each use and frees them after it (the
-forward, the backward, a checkpointed layer's recompute, the DPO/KTO reference forward): 1.2 ms of host a use
-of a module whose parameters are partitioned (larger than strategies.zero3_persistence_threshold), from row 100
+forward, the backward, a checkpointed layer's recompute, the reference's forwards, KTO's KL forward): 1.2 ms of host
+a use of a module whose parameters are partitioned (larger than strategies.zero3_persistence_threshold), from row 100
 (DPO LoRA 3B under ZeRO-3 on 2 H200s: 1,264 such uses a micro-batch, 2.08 s a step against 0.66 s of the
 kernel floor; its profiled twin, row 102, shows the host inside DeepSpeed's module hooks while the GPU waits).
 Out of sample it moves row 22 (LoRA 8B, ZeRO-3 offload) from 1.86 to 0.80 of the measured speed, row 23 (full
@@ -93,8 +95,12 @@ def kernels_per_micro_batch(job: Job, *, strategy: str, checkpointed_layers: int
     if strategies.is_fsdp(strategy):
         layer += KERNELS_FSDP_PER_LAYER
     kernels = arch.num_layers * layer + checkpointed_layers * FORWARD_SHARE * layer
-    if job.reference_forward:
-        kernels += arch.num_layers * FORWARD_SHARE * KERNELS_PER_LAYER
+    # the reference's forwards run with the adapters off; KTO's policy forward of the KL completion with them
+    kernels += (
+        arch.num_layers
+        * FORWARD_SHARE
+        * (job.reference_passes * KERNELS_PER_LAYER + job.policy_forward_only_passes * layer)
+    )
     return kernels + KERNELS_OUTSIDE_LAYERS
 
 
@@ -102,7 +108,8 @@ def zero3_module_uses(job: Job, *, checkpointed_layers: int) -> int:
     """Uses of modules whose parameters ZeRO-3 partitions, in one micro-batch: each decoder linear (an MoE
     layer's fused experts as one), a targeted linear's LoRA A and B where they are larger than the persistence
     threshold, the embedding and the untied LM head; used in the forward and the backward, a checkpointed
-    layer's forward again, and the base's modules once more in a reference forward."""
+    layer's forward again, the base's modules once more in each reference forward, and every module in KTO's
+    forward of the KL completion."""
     arch = job.arch
     threshold = strategies.zero3_persistence_threshold(arch.hidden_size)
     base = adapter = recompute = 0
@@ -116,8 +123,7 @@ def zero3_module_uses(job: Job, *, checkpointed_layers: int) -> int:
         recompute += round(checkpointed_layers * count / arch.num_layers) * (linears + lora)
     outside = 1 + (0 if arch.tied_embeddings else 1)
     uses = 2 * (base + adapter + outside) + recompute
-    if job.reference_forward:
-        uses += base + outside
+    uses += job.reference_passes * (base + outside) + job.policy_forward_only_passes * (base + adapter + outside)
     return uses
 
 

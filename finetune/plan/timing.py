@@ -5,6 +5,8 @@ scripts/bench.py and scripts/gpu_validate.py all use it), plus work that is not 
   checkpointing: + 2N + 4*L*a*s   (one extra forward per layer; x k/L when k of L layers are)
   dpo:         the policy on chosen + rejected (2 sequences per sample) plus a reference forward
                (2N + 4*L*a*s per token) unless the reference log-probs are precomputed.
+  kto:         the policy on each completion (1 sequence per sample), a forward without gradients on its
+               mismatched KL completion, and the reference's forwards on both (Job.forward_only_passes).
 The step time counts the attention FLOPs the kernels execute (`executed_attention_positions`): a causal
 kernel (flash, varlen, sdpa on one unpadded row) computes the triangle, about half the s x s the MFU
 counts; a masked kernel every block, and on a packed row of micro_batch x seq tokens (a model
@@ -145,10 +147,10 @@ def job_model_flops_per_token(job: Job) -> float:
 
 
 def flops_per_token(job: Job, *, checkpointing: bool | int, micro_batch: int | None = None) -> float:
-    """Training FLOPs per token of one sequence: the useful FLOPs plus recomputation and the DPO
-    reference forward (see the module docstring). With `micro_batch`, the attention FLOPs the kernels
-    execute (`executed_attention_positions`: a masked packed row computes all of its T x T blocks)
-    replace the useful ones."""
+    """Training FLOPs per token of one sequence: the useful FLOPs plus recomputation and the forwards without
+    gradients (DPO's and KTO's reference, KTO's KL completion: see the module docstring). With `micro_batch`,
+    the attention FLOPs the kernels execute (`executed_attention_positions`: a masked packed row computes all of
+    its T x T blocks) replace the useful ones."""
     arch = job.arch
     n = count_params(arch).matmul_active
     width = arch.num_attention_heads * head_dim(arch)
@@ -160,8 +162,7 @@ def flops_per_token(job: Job, *, checkpointing: bool | int, micro_batch: int | N
         attn = executed
     # activation checkpointing (True: every layer, or the count of checkpointed layers) re-runs their forward
     flops += checkpointed_layers(job, checkpointing) / arch.num_layers * (2 * n + 4 * attn)
-    if job.reference_forward:
-        flops += 2 * n + 4 * attn
+    flops += job.forward_only_passes * (2 * n + 4 * attn)
     return flops
 
 

@@ -65,10 +65,11 @@ def unfused_bytes_per_token(job: Job) -> tuple[float, float]:
 
 def unfused_seconds(job: Job, *, micro_batch: int, checkpointed_share: float = 0.0) -> float:
     """Seconds one micro-batch spends in unfused norm, RoPE and SwiGLU passes beyond Liger's, per GPU
-    (forwards again: `checkpointed_share` of the layers recomputed, and a DPO/KTO reference forward)."""
+    (forwards again: `checkpointed_share` of the layers recomputed, and the forwards without gradients:
+    Job.forward_only_passes)."""
     if job.preset.vendor == "cpu":
         return 0.0
     forward, backward = unfused_bytes_per_token(job)
     tokens = computed_tokens_per_micro_batch(job, micro_batch)
-    forwards = 1.0 + checkpointed_share + (1.0 if job.reference_forward else 0.0)
+    forwards = 1.0 + checkpointed_share + job.forward_only_passes
     return memory_seconds(job.preset, tokens * (forwards * forward + backward))

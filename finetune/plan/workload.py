@@ -11,7 +11,7 @@ from functools import lru_cache
 from operator import attrgetter
 from statistics import NormalDist
 
-from finetune.recipe.schema import EMBEDDING_MODULES
+from finetune.recipe.schema import EMBEDDING_MODULES, MIN_MICRO_BATCH
 from finetune.registry.families import liger_swiglu
 from finetune.registry.schema import HardwarePreset, ModelArch
 
@@ -23,7 +23,8 @@ PEAK_EXCEEDED = 0.01
 # ... and, where the run's length is not known, this many standard deviations: the 1-in-100 largest of ~35,000
 # micro-batches, a long run's
 PEAK_SIGMAS = 5.0
-PAIRED_METHODS = ("dpo", "kto", "orpo", "simpo", "reward")
+# methods whose sample is a pair: chosen and rejected are both trained (KTO's sample is one completion)
+PAIRED_METHODS = ("dpo", "orpo", "simpo", "reward")
 ALL_LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 # the linears of a layer whose input is a pre-norm's output, by the names layer_kinds gives them (q/k/v split or
 # fused, MLA's down-projections, gate/up split or fused); o_proj and down_proj read the attention's and the MLP's
@@ -149,9 +150,33 @@ class Job:
         return self.reference in ("implicit", "copy")
 
     @property
+    def min_micro_batch(self) -> int:
+        """The smallest micro-batch the method trains (recipe.schema.MIN_MICRO_BATCH)."""
+        return MIN_MICRO_BATCH.get(self.method, (1, ""))[0]
+
+    @property
     def sequences_per_sample(self) -> int:
-        # pairs run chosen and rejected; KTO runs each completion and its mismatched KL completion
+        """Sequences trained (forward and backward) per sample: a pair's chosen and rejected; one otherwise."""
         return 2 if self.method in PAIRED_METHODS else 1
+
+    @property
+    def reference_passes(self) -> int:
+        """The reference model's forwards per trained sequence in the step: DPO's; KTO's on the completion and on
+        its mismatched KL completion (TRL's KTOTrainer estimates the KL term from a second, shifted batch)."""
+        if not self.reference_forward:
+            return 0
+        return 2 if self.method == "kto" else 1
+
+    @property
+    def policy_forward_only_passes(self) -> int:
+        """The trained model's forwards without gradients per trained sequence: KTO's KL completion (under
+        torch.no_grad in TRL 1.16: no activations kept, no backward)."""
+        return 1 if self.method == "kto" else 0
+
+    @property
+    def forward_only_passes(self) -> int:
+        """Forwards without a backward per trained sequence, the reference's and the policy's."""
+        return self.reference_passes + self.policy_forward_only_passes
 
 
 @dataclass(frozen=True)

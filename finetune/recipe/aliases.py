@@ -58,12 +58,25 @@ def _qlora(flag: Any) -> str:
     return "qlora"
 
 
+def held_out_key(size: Any) -> str:
+    """Our key for a peer's held-out eval size, as datasets' train_test_split reads it (TRL's test_split_size,
+    LLaMA-Factory's val_size, axolotl's val_set_size): a share below 1, a whole number of rows from 1."""
+    rows = isinstance(size, (int, float)) and not isinstance(size, bool) and size >= 1
+    return "data.eval_rows" if rows else "data.eval_fraction"
+
+
 @dataclass(frozen=True)
 class Alias:
     key: str  # our dotted key path
     # the peer's value -> ours (None: the same value); returning None means "nothing to set"
     value: Callable[[Any], Any] | None = None
     note: str = ""  # said with the suggestion when the meaning shifts
+    # where the value decides which of our keys it is (None: always `key`)
+    key_for: Callable[[Any], str] | None = None
+
+    def target(self, value: Any) -> str:
+        """Our key for the peer's `value`."""
+        return self.key_for(value) if self.key_for else self.key
 
 
 # peer name (bare, or SECTION.name when it only means this inside one of our sections) -> ours
@@ -141,7 +154,7 @@ ALIASES: dict[str, Alias] = {
     "packing": Alias("data.packing"),
     "chat_template": Alias("data.chat_template"),
     "train_on_inputs": Alias("data.assistant_only_loss", _inverse, "its meaning is inverted"),
-    "val_set_size": Alias("data.eval_fraction"),
+    "val_set_size": Alias("data.eval_fraction", key_for=held_out_key),
     "tokens": Alias("tokenizer.added_tokens"),
     "add_tokens": Alias("tokenizer.added_tokens"),
     "new_special_tokens": Alias("tokenizer.added_tokens"),

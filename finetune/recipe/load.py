@@ -349,15 +349,15 @@ def validation_error_to_recipe_error(
         prefix = _key_path(loc[:-1])
         alias = _alias_for(schema, loc)
         if alias is not None:
+            ours = alias.target(err.get("input"))
             renamed = RecipeError(
-                f"unknown key; {key} is a peer's name for {alias.key} here"
-                + (f" ({alias.note})" if alias.note else ""),
+                f"unknown key; {key} is a peer's name for {ours} here" + (f" ({alias.note})" if alias.note else ""),
                 key=key,
                 file=file,
-                hint=f"{'rename' if alias.key.rsplit('.', 1)[0] == prefix else 'move'} it to "
-                f"{alias.key}" + (" and convert its value" if alias.value else ""),
+                hint=f"{'rename' if ours.rsplit('.', 1)[0] == prefix else 'move'} it to "
+                f"{ours}" + (" and convert its value" if alias.value else ""),
             )
-            renamed.rename = (key, alias.key, alias.value)  # machine-applicable (finetune convert, tests)
+            renamed.rename = (key, ours, alias.value)  # machine-applicable (finetune convert, tests)
             return renamed
         # a typo of a key in this section; a close spelling of another key (warmup_steps -> warmup_ratio)
         # is not proposed, since that key means something else

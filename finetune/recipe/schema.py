@@ -30,6 +30,11 @@ METHOD_FORMATS: dict[str, tuple[str, ...]] = {
 }
 # methods that score against a reference model (the others need none)
 REFERENCE_METHODS = ("dpo", "kto")
+# the smallest micro-batch a method trains, and why: TRL's KTOTrainer refuses a micro-batch of 1 (after the model
+# has loaded)
+MIN_MICRO_BATCH: dict[str, tuple[int, str]] = {
+    "kto": (2, "TRL's KTO estimates its KL term from each row's prompt with another row's completion")
+}
 # the vocab x hidden modules: what adapter.modules_to_save may name, what peft writes whole when the vocabulary grew
 EMBEDDING_MODULES = ("embed_tokens", "lm_head")
 # data.packing: these methods pack examples into padding-free rows (whose lengths the planner reads); DPO runs
@@ -844,6 +849,19 @@ def recipe_conflicts(recipe: Recipe):
                 "train.epochs and train.max_steps are both set; "
                 "keep one of them (max_steps wins in most tools, here it is an error)"
             ),
+        )
+    least, why = MIN_MICRO_BATCH.get(m.type, (1, ""))
+    if isinstance(t.micro_batch_size, int) and t.micro_batch_size < least:
+        yield (
+            "train.micro_batch_size",
+            f"method {m.type} trains micro-batches of at least {least} ({why}); set train.micro_batch_size: "
+            f"{least} or auto",
+        )
+    if t.global_batch_size < least:
+        yield (
+            "train.global_batch_size",
+            f"method {m.type} trains micro-batches of at least {least} ({why}); set train.global_batch_size: "
+            f"{least} or more",
         )
     formats = {s.format for s in d.sources + d.eval_sources}
     allowed = METHOD_FORMATS[m.type]

@@ -88,6 +88,8 @@ def method_config(recipe: Recipe, common: dict):
 
         return RewardConfig(**common, max_length=max_length, center_rewards_coefficient=m.center_rewards_coefficient)
     _quiet_experimental()
+    # their batches hold chosen_/rejected_ ids where transformers' count looks for input_ids: CountsPairTokens
+    common = {**common, "include_num_input_tokens_seen": "no"}
     if m.type == "orpo":
         from trl.experimental.orpo import ORPOConfig
 
@@ -107,6 +109,29 @@ def method_config(recipe: Recipe, common: dict):
 def _quiet_experimental() -> None:
     # ORPO and CPO live in trl.experimental, which warns on import; the choice is the recipe's, not an accident
     os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
+
+
+class CountsPairTokens:
+    """Mixed into ORPO's and CPO's trainers: their batches hold `chosen_*`/`rejected_*` tensors, so transformers'
+    count of the tokens seen (finetune's tokens/s) finds no `input_ids` and stays 0. This counts both sequences'
+    real tokens (prompt and answer, as DPO's trainer and the planner count a pair) on the device each
+    micro-batch, and adds them over the ranks when the Trainer logs: one gather a log, no sync a micro-batch."""
+
+    PAIR_MASKS = ("chosen_attention_mask", "rejected_attention_mask")
+    _pair_tokens = None
+
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        tokens = sum(inputs[k].sum() for k in self.PAIR_MASKS if k in inputs)
+        if not isinstance(tokens, int):  # a device tensor: the batch had the masks
+            self._pair_tokens = tokens if self._pair_tokens is None else self._pair_tokens + tokens
+        return super().training_step(model, inputs, num_items_in_batch)
+
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        if self._pair_tokens is not None:  # every rank logs, so every rank joins the gather
+            seen = self.accelerator.gather(self._pair_tokens.reshape(1)).sum()
+            self.state.num_input_tokens_seen += int(seen)
+            self._pair_tokens = None
+        super().log(logs, start_time)
 
 
 def method_trainer(recipe: Recipe, *, args, model, tokenizer, data, callbacks: list, peft_config):
@@ -134,10 +159,10 @@ def method_trainer(recipe: Recipe, *, args, model, tokenizer, data, callbacks: l
     if m == "orpo":
         from trl.experimental.orpo import ORPOTrainer
 
-        return trainer_class(ORPOTrainer, recipe)(**kw)
+        return trainer_class(ORPOTrainer, recipe, CountsPairTokens)(**kw)
     from trl.experimental.cpo import CPOTrainer
 
-    return trainer_class(CPOTrainer, recipe)(**kw)
+    return trainer_class(CPOTrainer, recipe, CountsPairTokens)(**kw)
 
 
 def is_method_here(recipe: Recipe) -> bool:

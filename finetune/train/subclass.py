@@ -13,7 +13,8 @@ from finetune.train.saved_dtype import SavesFinalModelInItsDtype
 from finetune.train.signals import WorkersLeavePreemptionToTheRank
 
 
-def trainer_class(cls: type, recipe: Recipe) -> type:
+def trainer_class(cls: type, recipe: Recipe, *own: type) -> type:
+    """`cls` subclassed with finetune's mixins, and `own`: a method's own (first in the MRO)."""
     cls = with_optimizer(cls, recipe)
-    mixins = (WorkersLeavePreemptionToTheRank, SavesFinalModelInItsDtype, SavesTrainedParametersOnlyUnderFSDP)
+    mixins = (*own, WorkersLeavePreemptionToTheRank, SavesFinalModelInItsDtype, SavesTrainedParametersOnlyUnderFSDP)
     return type(cls.__name__, (*mixins, cls), {"gathers_trained_only": gathers_trained_only(recipe)})

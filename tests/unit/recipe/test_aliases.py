@@ -185,3 +185,16 @@ def test_every_axolotl_checkpointing_value_keeps_its_meaning(value, ours):
         load_recipe(raw)
     _, new, convert = info.value.rename
     assert new == "train.activation_checkpointing" and convert(value) == ours
+
+
+@pytest.mark.parametrize("size, ours", [(0.05, "data.eval_fraction"), (100, "data.eval_rows")])
+def test_a_held_out_size_is_pointed_at_the_key_its_value_means(size, ours):
+    """axolotl's val_set_size as datasets' train_test_split reads it: a share below 1, whole rows from 1."""
+    raw = tiny_recipe()
+    raw["data"]["eval_sources"] = []
+    raw["val_set_size"] = size
+    with pytest.raises(RecipeError) as info:
+        load_recipe(raw)
+    assert info.value.rename[1] == ours and ours in info.value.render(), info.value.render()
+    _put(raw, ours, _pop(raw, "val_set_size"))
+    assert load_recipe(raw).data.eval_rows == (size if ours == "data.eval_rows" else None)

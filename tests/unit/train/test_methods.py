@@ -8,6 +8,7 @@ import math
 
 import pytest
 
+from finetune import rundir
 from finetune.errors import RecipeError
 from finetune.recipe.load import deep_merge, load_recipe
 from tests.helpers.paths import ROOT, SAMPLES
@@ -56,7 +57,7 @@ def test_pretrain_packs_text_by_default_and_refuses_chat():
         ("sft", 1, "none"),
         ("pretrain", 1, "none"),
         ("dpo", 2, "implicit"),
-        ("kto", 2, "implicit"),
+        ("kto", 1, "implicit"),
         ("orpo", 2, "none"),
         ("simpo", 2, "none"),
         ("reward", 2, "none"),
@@ -75,6 +76,55 @@ def test_planner_sequences_and_reference(method, seqs, reference):
     assert job.reference == ("copy" if reference != "none" else "none")
 
 
+@pytest.mark.parametrize(
+    "reference,reference_passes,forward_only", [("implicit", 2, 3), ("copy", 2, 3), ("precompute", 0, 1)]
+)
+def test_kto_trains_one_sequence_and_runs_three_forwards_without_gradients(reference, reference_passes, forward_only):
+    """TRL 1.16's KTOTrainer: the policy forward and backward on the completion, a no-grad policy forward on the
+    mismatched KL completion, and the reference on both (precomputed: neither); its LM head is the fused one."""
+    from finetune.plan import job_from_recipe
+    from finetune.registry import get_model, get_preset
+
+    recipe = _recipe({"type": "kto", "reference": reference}, PREF)
+    job = job_from_recipe(recipe, arch=get_model("llama-3.1-8b"), preset=get_preset("server-8xh100"))
+    assert (job.sequences_per_sample, job.reference_passes, job.forward_only_passes) == (
+        1,
+        reference_passes,
+        forward_only,
+    )
+    assert job.fused_lm_head and job.min_micro_batch == 2
+    dpo = job_from_recipe(_recipe("dpo", PREF), arch=get_model("llama-3.1-8b"), preset=get_preset("server-8xh100"))
+    assert (dpo.sequences_per_sample, dpo.forward_only_passes, dpo.min_micro_batch) == (2, 1, 1)
+
+
+def test_kto_micro_batches_of_one_are_refused_before_anything_loads():
+    from finetune.plan import plan
+
+    with pytest.raises(RecipeError, match="at least 2") as err:
+        _recipe("kto", PREF, train={"micro_batch_size": 1})
+    assert err.value.key == "train.micro_batch_size"
+    # the recipe cannot know the GPU count: the planner refuses a global batch that leaves a GPU one row a step
+    recipe = _recipe(
+        "kto",
+        PREF,
+        train={"global_batch_size": 8, "micro_batch_size": "auto"},
+        model={"name": "x", "arch": "llama-3.1-8b"},
+    )
+    with pytest.raises(RecipeError, match="8 over 8 GPUs gives each 1") as err:
+        plan(recipe, hardware="server-8xh100")
+    assert err.value.key == "train.global_batch_size" and "16" in err.value.hint
+    chosen = plan(
+        _recipe(
+            "kto",
+            PREF,
+            train={"global_batch_size": 16, "micro_batch_size": "auto"},
+            model={"name": "x", "arch": "llama-3.1-8b"},
+        ),
+        hardware="server-8xh100",
+    )
+    assert chosen.micro_batch_size == 2 and all(c.micro_batch_size >= 2 for c in chosen.candidates)
+
+
 def test_a_reference_copy_costs_memory_for_kto_as_for_dpo():
     from finetune.plan import plan
 
@@ -84,7 +134,7 @@ def test_a_reference_copy_costs_memory_for_kto_as_for_dpo():
             {"type": method},
             PREF,
             adapter={"type": "full"},
-            train={"micro_batch_size": 1},
+            train={"micro_batch_size": 2, "global_batch_size": 16},
             distributed={"strategy": "zero3"},
             model={"name": "x", "arch": "llama-3.1-8b"},
         )
@@ -128,6 +178,8 @@ def test_method_trains_end_to_end(case, tmp_path):
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary == json.loads(json.dumps(returned))
     assert summary["method"] == case and summary["steps"] == 8
+    # every method counts the tokens it trained (ORPO's and CPO's batches have no input_ids: CountsPairTokens)
+    assert summary[rundir.SUMMARY_TOKENS] > 0 and summary[rundir.SUMMARY_TOKENS_PER_S] > 0, summary
     losses = [
         json.loads(line)["loss"]
         for line in (run_dir / "metrics.jsonl").read_text().splitlines()
