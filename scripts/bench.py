@@ -31,7 +31,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
 
-from gpu_validate import WORK, base_recipe, ensure_model, finetune_cmd, run_recipe, write_data  # noqa: E402
+from gpu_validate import WORK, base_recipe, data_format, ensure_model, finetune_cmd, run_recipe, write_data  # noqa: E402
 
 from finetune import rundir  # noqa: E402
 from finetune.measurement import WARMUP_STEPS, steady_rate, steady_tokens_per_second  # noqa: E402
@@ -261,7 +261,7 @@ def main() -> None:
     model_dir = ensure_model(args.arch)
     WORK.mkdir(parents=True, exist_ok=True)
     data = WORK / f"bench-data-{args.method}.jsonl"
-    write_data(data, preference=args.method == "dpo", seq=args.seq)
+    write_data(data, fmt=data_format(args.method), seq=args.seq)
     if args.baseline_only:  # run in a child so each variant gets a fresh CUDA context
         res = baseline(
             str(model_dir),

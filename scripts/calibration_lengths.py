@@ -52,7 +52,7 @@ def _recipe_and_records(row: dict, entry: dict, work: Path, *, preference: bool)
     data = work / f"{row['name']}.jsonl"
     write_data(
         data,
-        preference=preference,
+        fmt="preference" if preference else "messages",
         seq=raw["data"]["max_length"],
         n=entry.get("examples", 4000),
         long_examples=entry.get("long_examples", False),

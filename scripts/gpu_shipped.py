@@ -108,9 +108,9 @@ def start(name: str, *, gpus: list[int], args, resume: str = "never") -> tuple[s
     work.mkdir(parents=True, exist_ok=True)
     recipe = shipped_recipe(name, model_dir=model_dir, data=work / "data.jsonl", steps=args.steps, batch=args.batch)
     method = recipe.get("method", "sft")
-    preference = (method if isinstance(method, str) else method.get("type")) == "dpo"
+    fmt = gv.data_format(method if isinstance(method, str) else method.get("type", "sft"))
     if not (work / "data.jsonl").exists():
-        gv.write_data(work / "data.jsonl", preference=preference, seq=recipe["data"].get("max_length", 2048))
+        gv.write_data(work / "data.jsonl", fmt=fmt, seq=recipe["data"].get("max_length", 2048))
     (work / "recipe.yaml").write_text(yaml.safe_dump(recipe, sort_keys=False))
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": ",".join(map(str, gpus))}
     run_dir = work / "run"

@@ -31,6 +31,7 @@ from finetune import rundir  # noqa: E402
 from finetune.measurement import steady_tokens_per_second  # noqa: E402
 from finetune.plan import mfu, recipe_flops_per_token  # noqa: E402
 from finetune.recipe import load_recipe  # noqa: E402
+from finetune.recipe.schema import METHOD_FORMATS  # noqa: E402
 from finetune.registry import resolve_model  # noqa: E402
 from finetune.registry.detect import host_ram_gib, peak_bf16_tflops, query_gpus  # noqa: E402
 
@@ -213,9 +214,7 @@ def words(rng: random.Random, n: int) -> str:
     return " ".join("".join(rng.choice(string.ascii_lowercase) for _ in range(rng.randint(2, 8))) for _ in range(n))
 
 
-def write_data(
-    path: Path, *, preference: bool, seq: int, n: int = 4000, seed: int = 0, long_examples: bool = False
-) -> None:
+def write_data(path: Path, *, fmt: str, seq: int, n: int = 4000, seed: int = 0, long_examples: bool = False) -> None:
     """Examples of up to about a third of `seq` tokens (character-level tokenizer: ~6 per word x 2), or,
     with `long_examples`, examples that fill most of `seq` (long-context data: each packed row is about
     one example, the attention cost the planner assumes)."""
@@ -224,6 +223,7 @@ def write_data(
     # worst case is what a calibration point must measure; SFT rows are packed to max_length anyway.
     # The rejected answer is shorter than the chosen one, as in real pairs, so each pair is padded and
     # the attention gets the mask the planner plans for (equal lengths would let sdpa drop it)
+    preference = fmt == "preference"
     fill = preference or long_examples
     most, least = (seq // 13, seq // 15) if fill else (max(4, seq // 40), max(1, seq // 120))
     with path.open("w") as f:
@@ -237,6 +237,8 @@ def write_data(
                         {"role": "assistant", "content": text[::-1][: rng.randint(len(text) // 2, len(text))]}
                     ],
                 }
+            elif fmt == "text":
+                row = {"text": f"{text} {text.upper()}"}
             else:
                 row = {"messages": [{"role": "user", "content": text}, {"role": "assistant", "content": text.upper()}]}
             f.write(json.dumps(row) + "\n")
@@ -261,12 +263,20 @@ def base_recipe(model_dir: Path, data: Path, *, steps: int, seq: int, batch: int
     }
 
 
+def data_format(method: str) -> str:
+    """The synthetic data's format for `method`: the first it trains on (messages for SFT, preference pairs for
+    DPO, KTO, ORPO, SimPO and reward models, raw text for pretraining)."""
+    return METHOD_FORMATS[method][0]
+
+
 def run_recipe(model_dir: Path, data: Path, override: dict, *, steps: int, seq: int, batch: int) -> dict:
-    """The recipe a named run trains: base_recipe with its settings over it (DPO on preference rows)."""
+    """The recipe a named run trains: base_recipe with its settings over it, on its method's data format."""
     recipe = merge(base_recipe(model_dir, data, steps=steps, seq=seq, batch=batch), override)
-    if recipe["method"]["type"] == "dpo":
+    fmt = data_format(recipe["method"]["type"])
+    recipe["data"]["format"] = fmt
+    if fmt == "preference":
         # padded pairs unless the run's settings ask for padding-free ones (data.packing: true)
-        recipe["data"].update(format="preference", packing=bool(override.get("data", {}).get("packing", False)))
+        recipe["data"]["packing"] = bool(override.get("data", {}).get("packing", False))
     return recipe
 
 
@@ -451,11 +461,10 @@ def main() -> None:
         model_dir = ensure_model(arch)
         work = WORK / name
         work.mkdir(parents=True, exist_ok=True)
-        preference = override.get("method", {}).get("type") == "dpo"
         data = work / "data.jsonl"
         write_data(
             data,
-            preference=preference,
+            fmt=data_format(override.get("method", {}).get("type", "sft")),
             seq=seq,
             n=entry.get("examples", 4000),
             long_examples=entry.get("long_examples", False),
