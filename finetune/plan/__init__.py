@@ -7,6 +7,7 @@ job_from_recipe(recipe, *, arch, preset) -> Job  (the numbers the planner works 
 
 from __future__ import annotations
 
+import re
 from dataclasses import replace
 
 from finetune import strategies
@@ -47,6 +48,7 @@ from finetune.plan.timing import (
 from finetune.plan.types import GIB, Candidate, MemoryBreakdown, Plan
 from finetune.plan.unfused_time import unfused_seconds
 from finetune.plan.workload import (
+    ATTENTION_LINEARS,
     DTYPE_BYTES,
     Job,
     batch_share,
@@ -107,17 +109,20 @@ def _targets(recipe, arch) -> tuple[str, ...]:
     if chosen == "all-linear":
         return tuple(module_shapes(arch))  # peft's all-linear: every nn.Linear of the layers
     if isinstance(chosen, str):  # a regex over full module names (peft's rule): try each at its usual paths
-        import re
+
+        def blocks(name: str) -> tuple[str, ...]:
+            # an MoE layer's dense linears are its shared experts'
+            return (
+                ("self_attn", "cross_attn")
+                if name in ATTENTION_LINEARS
+                else ("mlp", "mlp.shared_expert", "mlp.shared_experts")
+            )
 
         pattern = re.compile(chosen)
         matched = tuple(
             n
             for n in module_shapes(arch)
-            if any(
-                pattern.fullmatch(f"{layers}.0.{part}.{n}")
-                for layers in DECODER_LAYER_PATHS
-                for part in ("self_attn", "mlp", "cross_attn")
-            )
+            if any(pattern.fullmatch(f"{layers}.0.{part}.{n}") for layers in DECODER_LAYER_PATHS for part in blocks(n))
         )
         if not matched:  # peft would refuse it only after loading the model
             raise RecipeError(
@@ -158,6 +163,15 @@ def recipe_flops_per_token(recipe, *, arch) -> float:
     return model_flops_per_token(arch, seq_len=recipe.data.max_length, adapter=adapter, trainable_params=trainable)
 
 
+# model.attn_implementation values that run only on a GPU
+CUDA_ATTENTION = ("varlen", "flash_attention_2", "flash_attention_3")
+
+
+def runs_flash_attention_3(preset) -> bool:
+    """FlashAttention-3's kernels are written for Hopper (sm90): the H100/H200 family, told by the card's name."""
+    return preset.vendor == "nvidia" and re.search(r"\b(GH200|H100|H200|H800|H20)\b", preset.gpu_model) is not None
+
+
 def attention_implementation(recipe, preset, *, arch=None) -> str:
     """What train/model.py loads for model.attn_implementation. auto: PyTorch's varlen flash kernel for
     padding-free packed SFT rows and DPO pairs on NVIDIA GPUs (finetune/train/attention.py), sdpa otherwise; eager for
@@ -171,6 +185,20 @@ def attention_implementation(recipe, preset, *, arch=None) -> str:
             f"compute; transformers refuses sdpa for it",
             key="model.attn_implementation",
             hint="set model.attn_implementation: auto (its eager attention) or eager",
+        )
+    if preset.vendor == "cpu" and chosen in CUDA_ATTENTION:
+        raise RecipeError(
+            f"{chosen} is a CUDA kernel; this run is on CPU, where "
+            + ("finetune's varlen falls back to sdpa" if chosen == "varlen" else "it cannot run"),
+            key="model.attn_implementation",
+            hint="set model.attn_implementation: auto (sdpa on CPU)",
+        )
+    if chosen == "flash_attention_3" and not runs_flash_attention_3(preset):
+        raise RecipeError(
+            f"FlashAttention-3 runs on NVIDIA Hopper GPUs (H100, H200, H800, H20) only, not on {preset.gpu_model}",
+            key="model.attn_implementation",
+            hint="set model.attn_implementation: auto (PyTorch's varlen flash kernel for packed rows) or "
+            "flash_attention_2",
         )
     half = DTYPE_BYTES[compute_dtype(recipe)] == 2  # the varlen kernel runs bf16/fp16 only
     if chosen == "varlen" and not half and preset.vendor != "cpu":

@@ -96,10 +96,12 @@ def applicable_strategies(job: Job) -> list[str]:
 
 
 def micro_batch_options(job: Job) -> list[int]:
+    """The micro-batches weighed: every divisor of the GPU's share of the global batch (so an accumulation of whole
+    micro-batches makes it exactly: 5 x 3 for a share of 15, not only 1 x 15), from the method's least."""
     if job.micro_batch:
         return [job.micro_batch]
     share = batch_share(job)
-    return [m for m in (2**k for k in range(0, 17)) if job.min_micro_batch <= m <= share and share % m == 0]
+    return [m for m in range(job.min_micro_batch, share + 1) if share % m == 0]
 
 
 def sync_is_a_setting(job: Job, *, strategy: str, micro_batch: int) -> bool:
@@ -316,6 +318,8 @@ def fmt_bytes(n: float) -> str:
 
 
 def _fits_text(job: Job) -> tuple[bool, str]:
+    if batch_share(job) < job.min_micro_batch:  # e.g. KTO's global batch spread over more GPUs than it has rows
+        return False, ""
     chosen, _ = search(job)
     if not chosen.fits:
         return False, ""
@@ -344,13 +348,15 @@ def suggestions(job: Job, candidates: list[Candidate]) -> list[str]:
     if job.sync_each_batch is False:
         variants.append(("distributed.sync_each_batch: auto", replace(job, sync_each_batch=None)))
     adapters = {"full": ["lora", "qlora"], "lora": ["qlora"]}.get(job.adapter, [])
+    if job.int8_base or not job.autocast:  # QLoRA would conflict: adapter.load_in_8bit, or its 16-bit compute dtype
+        adapters = [a for a in adapters if a != "qlora"]
     for adapter in adapters:
         strategy = job.strategy
         if adapter == "qlora" and strategy != "auto" and strategies.offloads(strategy):
-            strategy = "auto"
+            strategy = "auto"  # bitsandbytes' 4-bit weights are not offloaded
         variants.append(
             (
-                f"adapter.type: {adapter}",
+                f"adapter.type: {adapter}" + (" with distributed.strategy: auto" if strategy != job.strategy else ""),
                 replace(
                     job,
                     adapter=adapter,

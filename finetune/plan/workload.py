@@ -26,6 +26,19 @@ PEAK_SIGMAS = 5.0
 # methods whose sample is a pair: chosen and rejected are both trained (KTO's sample is one completion)
 PAIRED_METHODS = ("dpo", "orpo", "simpo", "reward")
 ALL_LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# the linears a decoder layer's attention block (self_attn) holds, by the names layer_kinds gives them (split or
+# fused q/k/v, MLA's down- and up-projections); the others live in its MLP block
+ATTENTION_LINEARS = (
+    "q_proj",
+    "k_proj",
+    "v_proj",
+    "o_proj",
+    "qkv_proj",
+    "q_a_proj",
+    "q_b_proj",
+    "kv_a_proj_with_mqa",
+    "kv_b_proj",
+)
 # the linears of a layer whose input is a pre-norm's output, by the names layer_kinds gives them (q/k/v split or
 # fused, MLA's down-projections, gate/up split or fused); o_proj and down_proj read the attention's and the MLP's
 # own outputs

@@ -200,6 +200,14 @@ def _step(node: Any, part: str | int, *, text: str, path: list, at: int, create:
     return nxt
 
 
+def _has_type_shorthand(section: str) -> bool:
+    """Whether a bare string stands for the recipe section `{type: value}` (method, adapter: their models'
+    `_shorthand` validators)."""
+    field = Recipe.model_fields.get(section)
+    model = _model_in(field.annotation) if field else None
+    return model is not None and "type" in model.model_fields and hasattr(model, "_shorthand")
+
+
 def apply_overrides(raw: dict, overrides: list[str]) -> dict:
     for text in overrides:
         path, value = parse_override(text)
@@ -218,6 +226,8 @@ def apply_overrides(raw: dict, overrides: list[str]) -> dict:
                     ),
                 )
             nxt = _step(node, part, text=text, path=path, at=i, create=True)
+            if i == 0 and isinstance(nxt, str) and _has_type_shorthand(str(part)):
+                nxt = node[part] = {"type": nxt}  # `adapter: lora` is `adapter: {type: lora}`
             if not isinstance(nxt, (dict, list)):
                 raise RecipeError(
                     f"--set {text}: {_shown(path[: i + 1])} is not a section",

@@ -7,6 +7,7 @@ need the whole recipe live in `Recipe._check_conflicts`; each says how to fix it
 
 from __future__ import annotations
 
+import math
 from typing import Annotated, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, PrivateAttr, field_validator, model_validator
@@ -119,6 +120,16 @@ class ModelSection(Strict):
             "a usable model"
         ),
     )
+
+    @field_validator("rope_scaling")
+    @classmethod
+    def _rope_numbers(cls, v):
+        # the planner reads the context's reach from these two (plan.context_check); transformers reads the rest
+        for key, least in (("factor", 1.0), ("original_max_position_embeddings", 1)):
+            value = (v or {}).get(key)
+            if value is not None and (isinstance(value, (str, bool)) or not math.isfinite(value) or value < least):
+                raise ValueError(f"{key} must be a finite number of at least {least}, got {value!r}")
+        return v
 
 
 class MethodSection(Strict):
@@ -251,6 +262,8 @@ class AdapterSection(Strict):
     @field_validator("target_modules")
     @classmethod
     def _regex_compiles(cls, v):
+        if isinstance(v, list) and not v:  # peft refuses an adapter on no module, after the model has loaded
+            raise ValueError("an empty list targets no module; name modules, or leave it out for the model's own")
         if isinstance(v, str) and v != "all-linear":
             import re
 
@@ -323,9 +336,9 @@ class TaskEvalSection(DataSource):
 class SequenceTokens(Strict):
     """data.sequence_tokens: what the planner reads of the lengths of sequences trained one to a row."""
 
-    mean: float = Field(gt=0, description="the sequences' mean length in tokens")
+    mean: float = Field(ge=1, allow_inf_nan=False, description="the sequences' mean length in tokens")
     longest: int = Field(gt=0, description="the longest sequence in tokens")
-    std: float = Field(0.0, ge=0, description="the sequences' standard deviation in tokens")
+    std: float = Field(0.0, ge=0, allow_inf_nan=False, description="the sequences' standard deviation in tokens")
     count: int | None = Field(
         None,
         ge=1,
@@ -863,18 +876,23 @@ def recipe_conflicts(recipe: Recipe):
             f"method {m.type} trains micro-batches of at least {least} ({why}); set train.global_batch_size: "
             f"{least} or more",
         )
-    formats = {s.format for s in d.sources + d.eval_sources}
     allowed = METHOD_FORMATS[m.type]
-    bad = sorted(formats - set(allowed))
-    if bad:
-        fix = (
-            "set method: dpo (or kto/orpo/simpo/reward)"
-            if set(bad) <= {"preference", "unpaired"}
-            else f"set data.format: {allowed[0]}"
-            + (f" (or {', '.join(allowed[1:])})" if len(allowed) > 1 else "")
-            + ", or pick another method.type"
+    listed = [("data.sources", i, s) for i, s in enumerate(d.sources)]
+    listed += [("data.eval_sources", i, s) for i, s in enumerate(d.eval_sources)]
+    wrong = [(section, i, s.format) for section, i, s in listed if s.format not in allowed]
+    if wrong:
+        section, i, got = wrong[0]
+        trained = {s.format for s in d.sources}
+        others = f" (or {', '.join(allowed[1:])})" if len(allowed) > 1 else ""
+        if section == "data.sources" and trained <= {"preference", "unpaired"}:
+            fix = "set method: dpo (or kto/orpo/simpo/reward)"
+        else:  # the one-source shorthand `data: {path, format}` is data.sources[0]
+            fix = f"set {section}[{i}].format: {allowed[0]}{others} with data in that format"
+            fix += ", or pick another method.type" if section == "data.sources" else ""
+        yield (
+            f"{section}[{i}].format",
+            f"method {m.type} trains on format {', '.join(allowed)}, got {got}; {fix}",
         )
-        yield "data.sources", (f"method {m.type} trains on format {', '.join(allowed)}, got {', '.join(bad)}; {fix}")
     if m.type == "reward" and d.task_eval is not None:
         yield "data.task_eval", "a reward model scores text and does not generate; remove data.task_eval"
     if d.packing and m.type not in PADDING_FREE_METHODS:

@@ -185,7 +185,7 @@ def arch_from_config(path: Path, *, key: str, hub_id: str | None = None) -> Mode
     missing = [
         k
         for k in ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size")
-        if k not in text
+        if text.get(k) is None
     ]
     if missing:
         raise RecipeError(
@@ -196,11 +196,11 @@ def arch_from_config(path: Path, *, key: str, hub_id: str | None = None) -> Mode
             hint="add them to config.json as the model's class fills them in, or set model.arch to the closest "
             "registry entry (finetune models)",
         )
-    heads = int(text["num_attention_heads"])
-    towers = tower_params(cfg, text, family=family, path=path) if nested and family in TEXT_OF_MULTIMODAL else 0
     tied = cfg.get("tie_word_embeddings", text.get("tie_word_embeddings", traits.tied))
     qk_norm = traits.qk_norm if not traits.qk_norm_switch or text.get(traits.qk_norm_switch) else ""
     try:
+        heads = int(text["num_attention_heads"])
+        towers = tower_params(cfg, text, family=family, path=path) if nested and family in TEXT_OF_MULTIMODAL else 0
         moe = moe_fields(text, family=reader, path=path)
         mla = mla_fields(text) if reader in ("deepseek_v2", "deepseek_v3") else {}
         experts = moe.get("num_experts", 1)
@@ -248,11 +248,14 @@ def arch_from_config(path: Path, *, key: str, hub_id: str | None = None) -> Mode
             attention_dropout=float(text.get("attention_dropout") or 0.0),
             frozen_tower_params=towers,
         )
-    except (ValidationError, TypeError, ValueError) as exc:
+    except (ValidationError, TypeError, ValueError, KeyError) as exc:
+        what = f"lacks {exc}" if isinstance(exc, KeyError) else f"has values the planner cannot use: {exc}"
         raise RecipeError(
-            f"config.json has values the planner cannot use: {exc}",
+            f"config.json (model_type {family!r}) {what}",
             file=str(path),
-            hint="set model.arch to the closest registry entry (finetune models)",
+            key="model.name",
+            hint="fix config.json as the model's class writes it, or set model.arch to the closest registry entry "
+            "(finetune models)",
         ) from None
 
 

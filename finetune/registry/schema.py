@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from finetune.recipe.schema import Strict
 
@@ -173,6 +173,16 @@ class HardwarePreset(Strict):
         "the optimizer on the host with cores / ranks-per-node threads each; "
         f"None: {CORES_PER_GPU_ASSUMED} per GPU assumed",
     )
+
+    @model_validator(mode="after")
+    def _nodes_are_linked(self):
+        # the sharded and data-parallel strategies' collectives cross it every step: the plan times them on it
+        if self.nodes > 1 and (self.inter_node_fabric == "none" or not self.inter_node_bandwidth_gbps):
+            raise ValueError(
+                f"{self.nodes} nodes need the fabric between them: set inter_node_fabric (infiniband, roce or "
+                "ethernet) and inter_node_bandwidth_gbps (per node, GB/s)"
+            )
+        return self
 
     @property
     def world_size(self) -> int:

@@ -55,6 +55,16 @@ def test_rope_scaling_too_small_for_the_length_is_refused():
     assert "factor to 2" in err.value.hint
 
 
+@pytest.mark.parametrize(
+    "scaling", [{"factor": "4x"}, {"factor": 0}, {"factor": 4, "original_max_position_embeddings": "8k"}]
+)
+def test_rope_scaling_that_is_not_a_number_is_a_recipe_error(scaling):
+    """The planner computes the reach from these two; a typo is the recipe's error, before any plan."""
+    with pytest.raises(RecipeError) as err:
+        load_recipe(_raw(65536, rope_scaling={"rope_type": "yarn", **scaling}))
+    assert err.value.key == "model.rope_scaling" and "must be a finite number" in str(err.value)
+
+
 def test_cli_plan_refuses_without_a_traceback(tmp_path):
     recipe = tmp_path / "long.yaml"
     recipe.write_text(yaml.safe_dump(_raw(65536)))

@@ -414,6 +414,12 @@ def test_lora_on_lm_head_and_unknown_targets_are_refused():
         "q_proj",
         "v_proj",
     )
+    # a regex that selects a block takes that block's linears only, as peft matches the real module names
+    attention = shape_job("llama-3.1-8b", "lora", adapter__target_modules=r".*\.self_attn\..*").lora_targets
+    mlp = shape_job("llama-3.1-8b", "lora", adapter__target_modules=r".*\.mlp\..*").lora_targets
+    assert attention == ("q_proj", "k_proj", "v_proj", "o_proj") and mlp == ("gate_proj", "up_proj", "down_proj")
+    with pytest.raises(RecipeError, match="matches no linear module"):
+        shape_job("llama-3.1-8b", "lora", adapter__target_modules=r".*\.mlp\.q_proj")
     # LoRA on the embedding: A is r x vocab, B is hidden x r: 16 x (128256 + 4096) more params
     a = shape_job("llama-3.1-8b", "lora", adapter__target_modules=["q_proj"])
     b = shape_job("llama-3.1-8b", "lora", adapter__target_modules=["q_proj", "embed_tokens"])
@@ -634,3 +640,30 @@ def test_random_weights_built_whole_for_a_large_fsdp2_run_are_warned_of():
     assert "71B random weights" in warning and "method dpo" in warning
     sft = load_recipe(ROOT / "recipes" / "llama70b-lora.yaml", overrides=["model.init=random"])
     assert not [w for w in plan_on(sft, arch=arch, preset=four, source="test").warnings if "model.init" in w]
+
+
+@pytest.mark.parametrize(
+    "implementation,hardware,refused",
+    [
+        ("flash_attention_3", "workstation-1x4090", "Hopper"),
+        ("flash_attention_3", "server-8xmi300x", "Hopper"),
+        ("flash_attention_3", "cpu", "CUDA kernel"),
+        ("flash_attention_2", "cpu", "CUDA kernel"),
+        ("varlen", "cpu", "falls back to sdpa"),
+        ("flash_attention_3", "server-8xh200", None),
+    ],
+)
+def test_an_attention_kernel_the_hardware_cannot_run_is_refused(implementation, hardware, refused):
+    """Not planned as a kernel the run would not use (or could not start)."""
+    from finetune.errors import RecipeError
+    from finetune.plan import plan
+    from tests.helpers.recipes import shape_recipe
+
+    recipe = shape_recipe("meta-llama/Llama-3.2-1B", "lora", hardware, model__attn_implementation=implementation)
+    if refused is None:
+        assert "flash attention" in plan(recipe).kernels
+        return
+    with pytest.raises(RecipeError) as err:
+        plan(recipe)
+    assert err.value.key == "model.attn_implementation" and refused in str(err.value)
+    assert "model.attn_implementation: auto" in err.value.hint

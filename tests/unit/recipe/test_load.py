@@ -66,7 +66,7 @@ def test_wrong_literal_lists_choices():
 @pytest.mark.parametrize(
     "update,key,fix",
     [
-        ({"method": "dpo"}, "data.sources", "format: preference"),
+        ({"method": "dpo"}, "data.sources[0].format", "format: preference"),
         ({"train": {"epochs": 1, "max_steps": 10}}, "train.max_steps", "keep one"),
         (
             {"logging": {"profile_steps": [3, 5], "memory_profile_step": 4}},
@@ -93,7 +93,7 @@ def test_wrong_literal_lists_choices():
             "data.packing",
             "packing: false",
         ),
-        ({"data": {"path": "p.jsonl", "format": "preference"}}, "data.sources", "method: dpo"),
+        ({"data": {"path": "p.jsonl", "format": "preference"}}, "data.sources[0].format", "method: dpo"),
         (
             {
                 "method": {"type": "dpo", "reference": "implicit"},

@@ -43,3 +43,15 @@ def test_shorthand_source_points_at_the_plain_key():
         load_recipe(raw, overrides=["data.sources[0].format=text"])
     assert "address data.format instead" in info.value.render()
     assert load_recipe(raw, overrides=["data.format=text"]).data.sources[0].format == "text"
+
+
+def test_set_reaches_into_a_section_written_as_its_type():
+    """`adapter: lora` and `method: dpo` are shorthands for `{type: ...}`; --set adapter.r=64 works on them."""
+    raw = tiny_recipe()
+    raw["adapter"], raw["method"] = "lora", "sft"
+    recipe = load_recipe(raw, overrides=["adapter.r=64", "method.beta=0.2", "adapter.dropout=0.1"])
+    assert (recipe.adapter.type, recipe.adapter.r, recipe.adapter.dropout) == ("lora", 64, 0.1)
+    assert (recipe.method.type, recipe.method.beta) == ("sft", 0.2)
+    raw["train"] = {**raw["train"], "lr": 1e-4}
+    with pytest.raises(RecipeError, match="train.lr is not a section"):
+        load_recipe(raw, overrides=["train.lr.x=1"])

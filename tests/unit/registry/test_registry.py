@@ -340,9 +340,48 @@ def test_a_config_without_the_keys_that_size_the_model_is_refused_naming_them(tm
     assert "lacks num_hidden_layers, num_attention_heads, intermediate_size, vocab_size" in text and "fix:" in text
 
 
+@pytest.mark.parametrize(
+    "config,said",
+    [
+        (("qwen2.5-7b", {"num_attention_heads": None}), "lacks num_attention_heads"),
+        (("deepseek-v2-lite", {"kv_lora_rank": "drop"}), "lacks 'kv_lora_rank'"),
+        (("gemma-3-27b", {"text_config.hidden_size": None}), "lacks hidden_size"),
+        (("qwen2.5-7b", {"num_attention_heads": "many"}), "cannot use"),
+    ],
+    ids=["null-heads", "mla-without-kv-rank", "gemma3-null-hidden", "string-heads"],
+)
+def test_a_broken_hub_config_is_a_recipe_error_naming_model_name(tmp_path, config, said):
+    raw = json.loads((ROOT / "tests" / "data" / "hub_configs" / config[0] / "config.json").read_text())
+    for path, value in config[1].items():
+        *parents, last = path.split(".")
+        node = raw
+        for part in parents:
+            node = node[part]
+        if value == "drop":
+            del node[last]
+        else:
+            node[last] = value
+    _write_config(tmp_path / "broken", raw)
+    with pytest.raises(RecipeError) as err:
+        resolve_model(ModelSection(name=str(tmp_path / "broken")), base_dir=tmp_path)
+    assert err.value.key == "model.name" and said in err.value.render(), err.value.render()
+
+
 def test_a_registry_key_as_model_name_says_which_hub_id_to_use(tmp_path):
     with pytest.raises(RecipeError) as err:
         resolve_model(ModelSection(name="llama-3.1-8b"), base_dir=tmp_path)
     text = err.value.render()
     assert "model registry" in text and "model.name: meta-llama/Llama-3.1-8B" in text
     assert "model.arch: llama-3.1-8b" in text and "did you mean" not in text
+
+
+def test_a_preset_of_several_nodes_names_the_fabric_between_them():
+    """Without it the collectives across nodes cannot be timed (the planner once assumed 1 GB/s silently)."""
+    from pydantic import ValidationError
+
+    fields = get_preset("server-8xh100").model_dump() | {"nodes": 2, "inter_node_fabric": "none"}
+    with pytest.raises(ValidationError, match="inter_node_fabric"):
+        HardwarePreset.model_validate(fields | {"inter_node_bandwidth_gbps": 50})
+    with pytest.raises(ValidationError, match="inter_node_bandwidth_gbps"):
+        HardwarePreset.model_validate(fields | {"inter_node_fabric": "infiniband", "inter_node_bandwidth_gbps": 0})
+    assert HardwarePreset.model_validate(fields | {"inter_node_fabric": "infiniband", "inter_node_bandwidth_gbps": 50})

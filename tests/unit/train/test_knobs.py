@@ -48,6 +48,8 @@ def test_bad_knob_combinations_name_the_key():
         load_recipe(tiny_recipe(adapter={"type": "full", "loraplus_lr_ratio": 16}))
     with pytest.raises(RecipeError, match="not a valid regular expression"):
         load_recipe(tiny_recipe(adapter={"target_modules": "(q_proj"}))
+    with pytest.raises(RecipeError, match="adapter.target_modules: an empty list targets no module"):
+        load_recipe(tiny_recipe(adapter={"target_modules": []}))
 
 
 def _job(**sections):

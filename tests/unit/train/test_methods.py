@@ -32,6 +32,17 @@ def test_preference_methods_accept_pairs_and_refuse_chat(method):
         _recipe({"type": method}, {"eval_sources": []})
 
 
+def test_a_format_the_method_does_not_train_names_the_source_that_has_it():
+    """The training data is fine here; the held-out file is pairs: that source is the one to change."""
+    pairs = {"path": str(SAMPLES / "preference.jsonl"), "format": "preference"}
+    with pytest.raises(RecipeError) as err:
+        _recipe("sft", {**TEXT, "eval_sources": [pairs]})
+    assert err.value.key == "data.eval_sources[0].format" and "set method" not in str(err.value)
+    with pytest.raises(RecipeError) as err:
+        _recipe("dpo", TEXT)
+    assert err.value.key == "data.sources[0].format" and "data.sources[0].format: preference" in str(err.value)
+
+
 def test_kto_takes_unpaired_rows_and_others_do_not(tmp_path):
     path = tmp_path / "kto.jsonl"
     path.write_text(json.dumps({"prompt": "a", "completion": "A", "label": True}) + "\n")
@@ -123,6 +134,16 @@ def test_kto_micro_batches_of_one_are_refused_before_anything_loads():
         hardware="server-8xh100",
     )
     assert chosen.micro_batch_size == 2 and all(c.micro_batch_size >= 2 for c in chosen.candidates)
+    # a plan that does not fit weighs larger machines, over whose GPUs the same global batch would leave one row
+    tight = _recipe(
+        "kto",
+        PREF,
+        train={"global_batch_size": 2, "micro_batch_size": "auto"},
+        model={"name": "x", "arch": "llama-3.1-70b"},
+        distributed={"strategy": "ddp"},
+    )
+    refused = plan(tight, hardware="workstation-1x4090")
+    assert not refused.fits  # and no crash while weighing the 8-GPU presets
 
 
 def test_a_reference_copy_costs_memory_for_kto_as_for_dpo():

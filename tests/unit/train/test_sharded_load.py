@@ -335,7 +335,14 @@ def test_hybrid_shard_shards_within_a_node_and_replicates_across(tmp_path, whole
     is the whole model's."""
     import torch
 
-    preset = write_preset(tmp_path / "two-nodes.yaml", like="workstation-2x4090", name="two-nodes-2x4090", nodes=2)
+    preset = write_preset(
+        tmp_path / "two-nodes.yaml",
+        like="workstation-2x4090",
+        name="two-nodes-2x4090",
+        nodes=2,
+        inter_node_fabric="ethernet",
+        inter_node_bandwidth_gbps=25,
+    )
     gpu = _compiled(tmp_path / "gpu", hardware=str(preset), distributed={"strategy": "fsdp2-hybrid"})
     launch_env = _launch_env(gpu, "--machine_rank", "0", "--main_process_ip", "127.0.0.1")
     records, tensors = _ranks(tmp_path, gpu / RESOLVED_RECIPE, launch_env, n=4, mode=("hybrid",))
