@@ -249,6 +249,11 @@ def arch_from_config(path: Path, *, key: str, hub_id: str | None = None) -> Mode
             frozen_tower_params=towers,
         )
     except (ValidationError, TypeError, ValueError, KeyError) as exc:
+        if isinstance(exc, ValidationError):  # its first complaint, as the field's or the shape check's words
+            first = exc.errors()[0]
+            field = ".".join(str(p) for p in first["loc"])
+            said = str(first["msg"]).removeprefix("Value error, ")
+            exc = ValueError(f"{field}: {said}" if field else said)
         what = f"lacks {exc}" if isinstance(exc, KeyError) else f"has values the planner cannot use: {exc}"
         raise RecipeError(
             f"config.json (model_type {family!r}) {what}",

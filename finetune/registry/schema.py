@@ -122,6 +122,23 @@ class ModelArch(Strict):
         "with Gemma-2/3's post-attention and post-MLP norms, 1 where attention and MLP run in parallel (Cohere)",
     )
 
+    @model_validator(mode="after")
+    def _shapes_fit_together(self):
+        # shapes transformers could not build either (it fails on them only when it loads the model)
+        if self.num_attention_heads % self.num_kv_heads:
+            raise ValueError(
+                f"{self.num_attention_heads} attention heads cannot share {self.num_kv_heads} key/value heads "
+                "(grouped-query attention needs a whole number of query heads per key/value head)"
+            )
+        if self.head_dim is None and self.kv_lora_rank is None and self.hidden_size % self.num_attention_heads:
+            raise ValueError(
+                f"hidden_size {self.hidden_size} is not a whole number of heads of {self.num_attention_heads} "
+                "(set head_dim where the model's heads are not hidden_size / heads wide)"
+            )
+        if self.moe_layers is not None and self.moe_layers > self.num_layers:
+            raise ValueError(f"{self.moe_layers} MoE layers of {self.num_layers} layers")
+        return self
+
 
 class HardwarePreset(Strict):
     """One machine (or cluster) as the planner sees it. Bandwidths in GB/s (10^9 bytes)."""

@@ -385,3 +385,18 @@ def test_a_preset_of_several_nodes_names_the_fabric_between_them():
     with pytest.raises(ValidationError, match="inter_node_bandwidth_gbps"):
         HardwarePreset.model_validate(fields | {"inter_node_fabric": "infiniband", "inter_node_bandwidth_gbps": 0})
     assert HardwarePreset.model_validate(fields | {"inter_node_fabric": "infiniband", "inter_node_bandwidth_gbps": 50})
+
+
+@pytest.mark.parametrize(
+    "change,said",
+    [
+        ({"num_key_value_heads": 3}, "cannot share 3 key/value heads"),
+        ({"hidden_size": 4100}, "not a whole number of heads"),
+    ],
+)
+def test_a_config_whose_shapes_transformers_could_not_build_is_refused(tmp_path, change, said):
+    raw = json.loads((ROOT / "tests" / "data" / "hub_configs" / "llama-3.1-8b" / "config.json").read_text())
+    _write_config(tmp_path / "odd", raw | change)
+    with pytest.raises(RecipeError) as err:
+        resolve_model(ModelSection(name=str(tmp_path / "odd")), base_dir=tmp_path)
+    assert err.value.key == "model.name" and said in err.value.render(), err.value.render()
