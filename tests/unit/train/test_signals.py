@@ -39,7 +39,12 @@ def test_workers_leave_the_signal_to_their_rank(how, sig):
 
 
 def test_without_it_a_signalled_worker_fails_the_rank():
-    """The failure the mixin prevents (what the 70B preemption run printed)."""
-    proc = _rank("plain", "group", "SIGTERM")
+    """The failure the mixin prevents (what the 70B preemption run printed). Without the mixin the rank can also
+    hang rather than exit (seen once, on a loaded machine: no exit within the 120 s; the cause inside torch's
+    DataLoader was not traced); a rank that never reaches its step boundary is the same failure."""
+    try:
+        proc = _rank("plain", "group", "SIGTERM")
+    except subprocess.TimeoutExpired:
+        return
     assert proc.returncode != 0
     assert "killed by signal" in proc.stderr or "exited unexpectedly" in proc.stderr, proc.stderr[-2000:]
