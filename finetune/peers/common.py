@@ -11,10 +11,10 @@ from finetune.peers import Conversion
 from finetune.recipe.aliases import checkpointing_setting, held_out_key, is_on, lookup
 from finetune.recipe.schema import (
     METHOD_FORMATS,
-    MIN_MICRO_BATCH,
     PACKED_EXAMPLE_METHODS,
     LoggingSection,
     TrainSection,
+    least_micro_batch,
 )
 
 # transformers / bitsandbytes optimizer names -> ours
@@ -266,7 +266,7 @@ def micro_batch_minimum(conv: Conversion) -> None:
     """A micro-batch below the method's least (recipe.schema.MIN_MICRO_BATCH: KTO's 2) fails in the peer as well,
     whose KTO is TRL's KTOTrainer: the pin goes, and the planner picks a micro-batch of at least that."""
     method, micro = conv.get("method.type", "sft"), conv.get("train.micro_batch_size")
-    least, why = MIN_MICRO_BATCH.get(method, (1, ""))
+    least, why = least_micro_batch(method)
     if isinstance(micro, int) and micro < least:
         del conv.recipe["train"]["micro_batch_size"]
         conv.notes.append(

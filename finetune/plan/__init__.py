@@ -53,6 +53,7 @@ from finetune.plan.workload import (
     Job,
     batch_share,
     count_params,
+    holds_a_micro_batch,
     lora_param_count,
     lora_params,
     mean_sequence_tokens,
@@ -715,10 +716,9 @@ def substitutions(recipe, result: Plan) -> list[str]:
 def micro_batch_check(job: Job) -> None:
     """A method that trains micro-batches of at least 2 (recipe.schema.MIN_MICRO_BATCH) needs that many sequences
     per GPU a step: refused here, before a model loads, where TRL's trainer would refuse after."""
-    least = job.min_micro_batch
-    if batch_share(job) >= least:
+    if holds_a_micro_batch(job):
         return
-    world = job.preset.world_size
+    least, world = job.min_micro_batch, job.preset.world_size
     raise RecipeError(
         f"method {job.method} trains micro-batches of at least {least}: train.global_batch_size "
         f"{job.global_batch_size} over {world} GPUs gives each {batch_share(job)} sequence(s) a step",

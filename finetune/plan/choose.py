@@ -22,7 +22,7 @@ from finetune import strategies
 from finetune.plan.memory import checkpointed_layers, footprint, steps_16bit_weights
 from finetune.plan.timing import step_time
 from finetune.plan.types import GIB, Candidate
-from finetune.plan.workload import Job, accumulation_steps, batch_share
+from finetune.plan.workload import Job, accumulation_steps, batch_share, holds_a_micro_batch
 from finetune.strategies import info, offload_level, weighs_sync_each_batch
 
 HEADROOM = 0.90  # plan to at most 90% of GPU memory / host RAM: spikes, other processes
@@ -318,7 +318,7 @@ def fmt_bytes(n: float) -> str:
 
 
 def _fits_text(job: Job) -> tuple[bool, str]:
-    if batch_share(job) < job.min_micro_batch:  # e.g. KTO's global batch spread over more GPUs than it has rows
+    if not holds_a_micro_batch(job):  # e.g. KTO's global batch spread over more GPUs than it has rows
         return False, ""
     chosen, _ = search(job)
     if not chosen.fits:

@@ -11,7 +11,7 @@ from functools import lru_cache
 from operator import attrgetter
 from statistics import NormalDist
 
-from finetune.recipe.schema import EMBEDDING_MODULES, MIN_MICRO_BATCH
+from finetune.recipe.schema import EMBEDDING_MODULES, least_micro_batch
 from finetune.registry.families import liger_swiglu
 from finetune.registry.schema import HardwarePreset, ModelArch
 
@@ -165,7 +165,7 @@ class Job:
     @property
     def min_micro_batch(self) -> int:
         """The smallest micro-batch the method trains (recipe.schema.MIN_MICRO_BATCH)."""
-        return MIN_MICRO_BATCH.get(self.method, (1, ""))[0]
+        return least_micro_batch(self.method)[0]
 
     @property
     def sequences_per_sample(self) -> int:
@@ -337,6 +337,11 @@ def computed_tokens_per_micro_batch(job: Job, micro_batch: int) -> float:
 def batch_share(job: Job) -> int:
     """Sequences per rank per optimizer step (the global batch over the world, at least 1)."""
     return max(1, round(job.global_batch_size / job.preset.world_size))
+
+
+def holds_a_micro_batch(job: Job) -> bool:
+    """A GPU's share of the global batch reaches the method's smallest micro-batch (KTO's 2)."""
+    return batch_share(job) >= job.min_micro_batch
 
 
 def accumulation_steps(job: Job, micro_batch: int) -> int:

@@ -36,6 +36,13 @@ REFERENCE_METHODS = ("dpo", "kto")
 MIN_MICRO_BATCH: dict[str, tuple[int, str]] = {
     "kto": (2, "TRL's KTO estimates its KL term from each row's prompt with another row's completion")
 }
+
+
+def least_micro_batch(method: str) -> tuple[int, str]:
+    """The smallest micro-batch `method` trains, and why (1 and no reason for most)."""
+    return MIN_MICRO_BATCH.get(method, (1, ""))
+
+
 # the vocab x hidden modules: what adapter.modules_to_save may name, what peft writes whole when the vocabulary grew
 EMBEDDING_MODULES = ("embed_tokens", "lm_head")
 # data.packing: these methods pack examples into padding-free rows (whose lengths the planner reads); DPO runs
@@ -863,7 +870,7 @@ def recipe_conflicts(recipe: Recipe):
                 "keep one of them (max_steps wins in most tools, here it is an error)"
             ),
         )
-    least, why = MIN_MICRO_BATCH.get(m.type, (1, ""))
+    least, why = least_micro_batch(m.type)
     if isinstance(t.micro_batch_size, int) and t.micro_batch_size < least:
         yield (
             "train.micro_batch_size",
