@@ -8,6 +8,7 @@ job_from_recipe(recipe, *, arch, preset) -> Job  (the numbers the planner works 
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import replace
 
 from finetune import strategies
@@ -405,12 +406,20 @@ def plan_on(recipe, *, arch, preset, source: str) -> Plan:
     warning = context_check(recipe, arch)
     stand_in = stand_in_warning(recipe.model, arch, base_dir=recipe_dir(recipe))
     job = job_from_recipe(recipe, arch=arch, preset=preset)
-    result = plan_job(job)
+
+    def on_preset(other):
+        """The recipe's job on another preset, for the hardware suggestions: its kernels are chosen there."""
+        try:
+            return job_from_recipe(recipe, arch=arch, preset=other)
+        except RecipeError:  # the recipe pins what that hardware cannot run (FlashAttention-3 off Hopper, ...)
+            return None
+
+    result = plan_job(job, on_preset=on_preset)
     swap_warning = ""
     if strategies.info(result.strategy).offload == "nvme":
         job, disk, swap_warning = swap_disk(job, local=source == "auto")
         if job.nvme_read_gbps:
-            result = plan_job(job)
+            result = plan_job(job, on_preset=on_preset)
         result.disk = disk
     result.substitutions = substitutions(recipe, result)
     task_eval_check(recipe, job, result)
@@ -727,7 +736,8 @@ def micro_batch_check(job: Job) -> None:
     )
 
 
-def plan_job(job: Job) -> Plan:
+def plan_job(job: Job, *, on_preset: Callable | None = None) -> Plan:
+    """The plan of `job`; `on_preset` (see choose.suggestions) lets a job that does not fit suggest hardware."""
     micro_batch_check(job)
     p = job.preset
     chosen, candidates = search(job)
@@ -791,7 +801,7 @@ def plan_job(job: Job) -> Plan:
                 f"no strategy fits; the closest, {chosen.strategy} at micro-batch "
                 f"{chosen.micro_batch_size}, {chosen.reason}."
             )
-        plan.suggestions = suggestions(job, candidates)
+        plan.suggestions = suggestions(job, candidates, on_preset=on_preset)
     return plan
 
 

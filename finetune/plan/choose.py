@@ -16,6 +16,7 @@ does not fit yields fits=False with the reason.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import replace
 
 from finetune import strategies
@@ -329,8 +330,10 @@ def _fits_text(job: Job) -> tuple[bool, str]:
     return True, f"fits at {chosen.per_gpu_memory_gib:.1f} GiB/GPU with {chosen.strategy}{extra}"
 
 
-def suggestions(job: Job, candidates: list[Candidate]) -> list[str]:
-    """Concrete changes that make the recipe fit, each verified by re-planning the variant."""
+def suggestions(job: Job, candidates: list[Candidate], *, on_preset: Callable | None = None) -> list[str]:
+    """Concrete changes that make the recipe fit, each verified by re-planning the variant. `on_preset(preset)`
+    is the recipe's job on another hardware preset (None where the recipe cannot run there); without it no
+    hardware is suggested."""
     out: list[str] = []
     if job.strategy != "auto":
         for c in sorted((c for c in candidates if c.fits and c.strategy != job.strategy), key=lambda c: c.step_time_s)[
@@ -380,11 +383,14 @@ def suggestions(job: Job, candidates: list[Candidate]) -> list[str]:
             out.append(f"data.max_length: {seq} {text}")
             break
         seq //= 2
-    out.extend(_hardware_suggestions(job))
+    if on_preset is not None:
+        out.extend(_hardware_suggestions(job, on_preset))
     return out
 
 
-def _hardware_suggestions(job: Job, limit: int = 2) -> list[str]:
+def _hardware_suggestions(job: Job, on_preset: Callable, limit: int = 2) -> list[str]:
+    """Larger presets the recipe fits on, each planned as the run there would be: its kernels (attention, Liger,
+    the rows' padding) and swap path are that preset's choice, not this one's (`on_preset`)."""
     from finetune.registry import list_presets
 
     current = job.preset
@@ -398,7 +404,10 @@ def _hardware_suggestions(job: Job, limit: int = 2) -> list[str]:
     bigger.sort(key=lambda p: (p.world_size * p.gpu_memory_gib, p.world_size))
     out = []
     for preset in bigger:
-        ok, text = _fits_text(replace(job, preset=preset, nvme_path=preset.nvme_path))
+        there = on_preset(preset)
+        if there is None:
+            continue
+        ok, text = _fits_text(there)
         if ok:
             out.append(f"hardware: {preset.name} (--hardware {preset.name}) {text}")
             if len(out) >= limit:

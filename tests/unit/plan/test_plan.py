@@ -667,3 +667,14 @@ def test_an_attention_kernel_the_hardware_cannot_run_is_refused(implementation, 
         plan(recipe)
     assert err.value.key == "model.attn_implementation" and refused in str(err.value)
     assert "model.attn_implementation: auto" in err.value.hint
+
+
+def test_a_hardware_suggestion_is_planned_with_that_hardwares_kernels():
+    """405B full on packed rows does not fit on two 8 x H100 nodes; eight MI300X fit it, planned there with sdpa
+    over the packed rows (the NVIDIA plan's varlen kernel is not theirs): the suggestion's figure is that plan's."""
+    recipe = shape_recipe("meta-llama/Llama-3.1-405B", "full", "cluster-2x8xh100", seq=8192, data__packing=True)
+    p = plan(recipe)
+    offered = [s for s in p.suggestions if s.startswith("hardware: server-8xmi300x ")]
+    assert not p.fits and offered, p.suggestions
+    there = plan(recipe, hardware="server-8xmi300x")
+    assert there.fits and f"fits at {there.per_gpu_memory_gib:.1f} GiB/GPU" in offered[0]
