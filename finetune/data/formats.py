@@ -33,6 +33,12 @@ SHAREGPT_ROLES = {
 }
 
 
+def columns_hint(canonical: str) -> str:
+    """How to point a format's column at the file's own name for it, for any source: the shorthand's data.columns,
+    a listed source's data.sources[i].columns, data.eval_sources[i].columns or data.task_eval.columns."""
+    return f"map it with that source's columns: {{{canonical}: <your column>}}"
+
+
 def row_error(message: str, *, file: str, row: int, hint: str | None = None) -> DataError:
     """The error for one row (numbered from 1) of `file`, with a fix."""
     return DataError(f"row {row}: {message}", file=file, hint=hint or "fix or delete that row")
@@ -53,7 +59,7 @@ def check_columns(present: list[str], *, fmt: str, columns: dict[str, str], file
                 f"column {actual!r} (needed by format {fmt!r}) is missing; the row has: {shown}",
                 file=file,
                 row=row,
-                hint=f"map it with data.columns: {{{canonical}: <your column>}} or pick the right data.format",
+                hint=f"{columns_hint(canonical)}, or pick that source's format",
             )
 
 

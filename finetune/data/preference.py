@@ -23,7 +23,7 @@ from __future__ import annotations
 from typing import Any
 
 from finetune.data.formats import SHAREGPT_ROLES as SPEAKERS
-from finetune.data.formats import row_error
+from finetune.data.formats import columns_hint, row_error
 
 HH_TURN = "\n\nAssistant:"
 # where a prompt sits when the file has no `prompt` column (LLaMA-Factory, chat-style files)
@@ -94,7 +94,7 @@ def convert_preference(raw: dict, col: dict[str, str], *, file: str, row: int) -
             raise row_error(
                 f"column {col[key]!r} (needed by format 'preference') is missing or null; the row has: "
                 f"{', '.join(raw) or 'none'}",
-                hint=f"map it with data.columns: {{{key}: <your column>}}",
+                hint=columns_hint(key),
                 **kw,
             )
     chosen = _as_messages(raw[col["chosen"]], what=col["chosen"], **kw)
@@ -126,7 +126,7 @@ def convert_preference(raw: dict, col: dict[str, str], *, file: str, row: int) -
     if not prompt:
         raise row_error(
             "no prompt: chosen and rejected share no beginning and there is no prompt column",
-            hint="add a prompt column, or map it with data.columns: {prompt: <your column>}",
+            hint=f"add a prompt column, or {columns_hint('prompt')}",
             **kw,
         )
     for key, value in (("chosen", chosen), ("rejected", rejected)):

@@ -28,6 +28,7 @@ def attention_fallback_warning(job: Job, plan: Plan) -> str:
     if arch.attention_sinks:
         why.append("attention sinks")
     if arch.attention_dropout:
+        # config.json's or the recipe's model.attention_dropout (registry.resolve_model applies the recipe's)
         why.append(f"attention dropout ({arch.attention_dropout:g}; model.attention_dropout: 0 turns it off)")
     if arch.sliding_window and arch.sliding_layers:
         why.append(f"a {arch.sliding_window}-token sliding window on {arch.sliding_layers} of {arch.num_layers} layers")
@@ -40,7 +41,7 @@ def attention_fallback_warning(job: Job, plan: Plan) -> str:
     mask = attention_matrix_bytes(job, micro_batch=micro) * kept / GIB
     row = micro * job.seq_len
     return (
-        f"{arch.key} has {' and '.join(why)}, which finetune's varlen flash kernel does not run: "
+        f"{arch.key} trains here with {' and '.join(why)}, which finetune's varlen flash kernel does not run: "
         f"{fallback} of {arch.num_layers} layers use {job.attention} with a block-diagonal mask over each packed "
         f"row of {micro} x {job.seq_len} = {row} tokens, computing all {row} x {row} blocks "
         f"(modelled {extra:.0%} of the step's FLOPs) and keeping {mask:.1f} GiB of mask bias per GPU; "

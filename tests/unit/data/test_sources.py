@@ -340,3 +340,12 @@ def test_one_way_of_holding_out_eval_rows_at_a_time():
     ):
         with pytest.raises(RecipeError, match="set one of data.eval_sources, data.eval_fraction and data.eval_rows"):
             load_recipe(base | {"data": data})
+
+
+def test_a_missing_column_is_mapped_with_that_sources_columns(tmp_path):
+    """The fix names the source's own `columns:` (data.columns, data.sources[i].columns, data.task_eval.columns),
+    not the shorthand's data.columns, which a recipe listing sources does not have."""
+    path = _write(tmp_path, [json.dumps({"instruction": "x"})])
+    with pytest.raises(DataError) as info:
+        load_source(DataSource(path=str(path), format="alpaca"), base_dir=tmp_path)
+    assert "map it with that source's columns: {output: <your column>}" in info.value.render()
