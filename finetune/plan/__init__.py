@@ -34,7 +34,8 @@ from finetune.plan.memory import (
     fsdp_accumulated_gradients,
     steps_16bit_params,
     steps_16bit_weights,
-    weight_bytes,
+    task_eval_fits,
+    task_eval_peak,
     zero_model_state_bytes,
 )
 from finetune.plan.offload_time import nvme_read_gbps
@@ -56,7 +57,6 @@ from finetune.plan.workload import (
     count_params,
     holds_a_micro_batch,
     lora_param_count,
-    lora_params,
     mean_sequence_tokens,
     module_shapes,
     needs_model_eager,
@@ -336,6 +336,7 @@ def job_from_recipe(recipe, *, arch, preset) -> Job:
         adapter=adapter,
         method=method,
         reference=reference,
+        task_eval=recipe.data.task_eval is not None,
         fused_lm_head=method in FUSED_HEAD_METHODS,
         nll_on_chosen=method == "orpo" or (method == "simpo" and bool(recipe.method.cpo_alpha)),
         lora_r=recipe.adapter.r,
@@ -422,7 +423,7 @@ def plan_on(recipe, *, arch, preset, source: str) -> Plan:
             result = plan_job(job, on_preset=on_preset)
         result.disk = disk
     result.substitutions = substitutions(recipe, result)
-    task_eval_check(recipe, job, result)
+    task_eval_check(job, result)
     warnings = (
         stand_in,
         warning,
@@ -687,19 +688,12 @@ def compile_warning(recipe) -> str:
     return "; ".join(said)
 
 
-def task_eval_check(recipe, job: Job, result: Plan) -> None:
-    """data.task_eval generates on rank 0's GPU with a whole second copy of the model (train/taskeval.py: the base
-    before training where the run has several processes, the trained model after it), while the trainer's
-    weights, trainable copies and optimizer state stay where they are: refused before anything loads where that
-    cannot fit the card (a 70B model's 131 GiB copy never fits an 80 GB one)."""
-    if recipe.data.task_eval is None or not result.fits or job.preset.vendor == "cpu" or result.memory is None:
+def task_eval_check(job: Job, result: Plan) -> None:
+    """data.task_eval's second copy of the model on rank 0's GPU (memory.task_eval_peak), refused before anything
+    loads where it cannot fit the card beside the trainer (a 70B model's 131 GiB copy never fits an 80 GB one)."""
+    if not result.fits or result.memory is None or task_eval_fits(job, result.memory):
         return
-    m = result.memory
-    copy = weight_bytes(job) + (4.0 * lora_params(job) if job.adapter != "full" else 0.0)
-    held = m.weights + m.trainable + m.optimizer + m.overhead
-    card = job.preset.gpu_memory_gib * GIB
-    if held + copy <= card:
-        return
+    held, copy = task_eval_peak(job, result.memory)
     raise RecipeError(
         f"the exact-match eval generates with a whole copy of the model on one GPU ({copy / GIB:.1f} GiB) next to "
         f"the {held / GIB:.1f} GiB the trainer keeps there under {result.strategy}: {(held + copy) / GIB:.1f} GiB "

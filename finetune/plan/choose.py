@@ -20,7 +20,7 @@ from collections.abc import Callable
 from dataclasses import replace
 
 from finetune import strategies
-from finetune.plan.memory import checkpointed_layers, footprint, steps_16bit_weights
+from finetune.plan.memory import checkpointed_layers, footprint, steps_16bit_weights, task_eval_fits
 from finetune.plan.timing import step_time
 from finetune.plan.types import GIB, Candidate
 from finetune.plan.workload import Job, accumulation_steps, batch_share, holds_a_micro_batch
@@ -322,7 +322,7 @@ def _fits_text(job: Job) -> tuple[bool, str]:
     if not holds_a_micro_batch(job):  # e.g. KTO's global batch spread over more GPUs than it has rows
         return False, ""
     chosen, _ = search(job)
-    if not chosen.fits:
+    if not chosen.fits or not task_eval_fits(job, chosen.memory):  # the plan would refuse its data.task_eval
         return False, ""
     extra = ""
     if strategies.offloads(chosen.strategy):

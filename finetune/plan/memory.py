@@ -161,6 +161,21 @@ def state_shard_degree(job: Job, strategy: str) -> int:
     return shard_degree(job, strategy)
 
 
+def task_eval_peak(job: Job, memory: MemoryBreakdown) -> tuple[float, float]:
+    """(bytes the trainer keeps on rank 0's GPU, bytes of the whole model copy) while data.task_eval generates
+    (train/taskeval.py: the base before training where the run has several processes, the trained model after it):
+    the weights, trainable copies, optimizer state and overhead stay; activations are gone."""
+    copy = weight_bytes(job) + (4.0 * lora_params(job) if job.adapter != "full" else 0.0)
+    return memory.weights + memory.trainable + memory.optimizer + memory.overhead, copy
+
+
+def task_eval_fits(job: Job, memory: MemoryBreakdown) -> bool:
+    """The task eval's copy fits beside what the trainer keeps (always, for a job without one, or on CPU)."""
+    if not job.task_eval or job.preset.vendor == "cpu":
+        return True
+    return sum(task_eval_peak(job, memory)) <= job.preset.gpu_memory_gib * GIB
+
+
 def weight_bytes(job: Job) -> float:
     """Bytes of the (base) model weights as stored for training."""
     params = count_params(job.arch)

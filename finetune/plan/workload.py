@@ -62,6 +62,7 @@ class Job:
     adapter: str = "lora"  # full | lora | qlora
     method: str = "sft"  # sft | pretrain | dpo | kto | orpo | simpo | reward
     reference: str = "none"  # dpo/kto reference: none | implicit | copy | precompute
+    task_eval: bool = False  # data.task_eval: rank 0 generates with a second copy of the model (memory.task_eval_peak)
     lora_r: int = 16
     lora_targets: tuple[str, ...] = ALL_LINEAR
     lora_dropout: float = 0.0

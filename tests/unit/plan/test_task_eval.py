@@ -32,3 +32,24 @@ def test_a_70b_copy_for_the_task_eval_is_refused_on_80gb_cards():
 
 def test_an_8b_copy_for_the_task_eval_fits_beside_the_trainer():
     assert plan(load_recipe(_recipe("llama8b-lora.yaml", task_eval=TASK_EVAL))).fits
+
+
+def test_what_would_fit_leaves_out_what_the_task_eval_would_not_fit():
+    """70B LoRA pinned to ddp on two 24 GB cards fits nowhere it could be suggested but eight 178-192 GB cards; with
+    a task eval those are not suggested either (its 131 GiB copy beside the replicated trainer does not fit them),
+    so every suggestion, applied, plans without the task eval's refusal."""
+    from tests.helpers.recipes import shape_recipe
+
+    def suggested(**kw) -> list[str]:
+        recipe = shape_recipe(
+            "meta-llama/Llama-3.1-70B", "lora", "workstation-2x4090", global_batch=8, train__liger="off", **kw
+        )
+        p = plan(recipe)
+        assert not p.fits
+        hardware = [s.split()[1] for s in p.suggestions if s.startswith("hardware: ")]
+        for name in hardware:
+            assert plan(recipe, hardware=name).fits
+        return hardware
+
+    assert suggested(distributed__strategy="ddp") == ["server-8xb200", "server-8xmi300x"]
+    assert suggested(distributed__strategy="ddp", data__task_eval=TASK_EVAL) == []
