@@ -182,3 +182,6 @@ def test_compiled_kernels_the_plan_times_as_eager_are_said():
     assert "train.compile: regions is planned as eager" in warnings(train={"compile": "regions"})
     flex = warnings(model={"name": "llama-3.1-8b", "arch": "llama-3.1-8b", "attn_implementation": "flex_attention"})
     assert "flex_attention is planned as flash attention" in flex
+    assert "profile" not in warnings()
+    profiled = warnings(logging={"profile_steps": [3, 5]})
+    assert "logging.profile_steps [3, 5): the profiler's event buffers held 0.3-3 GiB more host RAM" in profiled
