@@ -170,12 +170,6 @@ HOST_MISSES = {
         "buffers, which the planner does not count, are not proportional to the kernels the window launched: ~2.7 GiB "
         "here for ~33,000 kernels, ~1.9 GiB in row 176 for ~60,000"
     ),
-    "184-pretrain3b-full": (
-        "full 3B under ZeRO-2 on one H200, raw text packed: 3.58 GiB of PSS (3.09 anonymous) against 3.00 planned, "
-        "where row 85 (the same model and strategy on SFT rows, another H200 machine) held 2.12 (1.71); the 1.4 GiB "
-        "between them is not identified (DeepSpeed compiled its fused Adam on this fresh machine during the run; "
-        "no profile)"
-    ),
     "58-full14b-qwen2.5": (
         "full 14B under FSDP2 on 4 H200s, measured before the sharded load: rank 0 loaded the whole "
         "checkpoint from its mapped files, and PSS counts mapped file pages (page cache the kernel can drop) "

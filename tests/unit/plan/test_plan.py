@@ -466,13 +466,14 @@ def test_optimizer_only_offload_keeps_sharded_params_on_gpu_and_states_in_host_r
     assert opt.memory.trainable == opt.memory.gradients == opt.memory.optimizer == 0
     assert full.memory.weights == 0
     # host: fp32 master 4 + moments 8 + fp32 grads 4 = 16 bytes/param for the node, no bf16 params;
-    # plus 3 GiB per rank for the processes and DeepSpeed's pinned gradient buffers beyond those bytes
+    # plus each full-fine-tune rank's process baseline and DeepSpeed's pinned gradient buffers beyond those bytes
+    from finetune.plan.memory import HOST_PER_DEEPSPEED_FULL_RANK_BYTES as rank
     from finetune.plan.memory import zero3_offload_pinned_bytes
 
     pinned = zero3_offload_pinned_bytes(j, strategy="zero3-offload")
     assert pinned == zero3_offload_pinned_bytes(j, strategy="zero3-optim-offload") > 0
-    assert opt.host_ram_bytes == pytest.approx(16 * n + 8 * 3 * GIB + pinned)
-    assert full.host_ram_bytes == pytest.approx(18 * n + 8 * 3 * GIB + pinned)  # + the pinned bf16 params
+    assert opt.host_ram_bytes == pytest.approx(16 * n + 8 * rank + pinned)
+    assert full.host_ram_bytes == pytest.approx(18 * n + 8 * rank + pinned)  # + the pinned bf16 params
 
 
 def _four_80gb(tmp_path):
