@@ -429,6 +429,7 @@ def plan_on(recipe, *, arch, preset, source: str) -> Plan:
         warning,
         attention_fallback_warning(job, result),
         master_weights_warning(job, result, dtype=recipe.model.dtype),
+        routed_experts_warning(job, dtype=recipe.model.dtype),
         fp32_compute_warning(job),
         liger_missing_warning(recipe, job, result),
         random_build_warning(recipe, job, result),
@@ -584,6 +585,30 @@ def pinned_setting_warning(job: Job, plan: Plan) -> str:
         f"{plan.step_time_s / free.step_time_s:.1f}x faster; remove the pin{'s' if len(pins) > 1 else ''} to let "
         "the planner choose"
     )
+
+
+def routed_experts_warning(job: Job, *, dtype: str) -> str:
+    """'' unless an adapter trains an MoE model: its routed experts get no LoRA (and under QLoRA stay 16-bit), which
+    a recipe written for transformers 4 (where `all-linear` reached every expert's linears) would not expect."""
+    if job.arch.num_experts <= 1 or job.adapter == "full":
+        return ""
+    params = count_params(job.arch)
+    routed = params.layers - params.layers_linear  # the fused experts (with the layers' norms: a rounding error)
+    arch = job.arch
+    reached = ["the attention"]
+    if arch.shared_expert_intermediate_size:
+        reached.append("the shared experts")
+    if arch.moe_layers is not None and arch.moe_layers < arch.num_layers:
+        reached.append("the dense layers' MLPs")
+    said = (
+        f"{arch.key}'s routed experts ({routed / 1e9:.1f}B of its {params.total / 1e9:.1f}B parameters) train no "
+        f"LoRA: transformers 5 holds them as fused 3D parameters, not nn.Linear modules, so adapter.target_modules "
+        f"can reach {', '.join(reached[:-1]) + ' and ' + reached[-1] if len(reached) > 1 else reached[0]} only "
+        f"(this recipe: {trainable_params(job) / 1e6:.1f}M trainable)"
+    )
+    if job.adapter == "qlora":
+        said += f"; bitsandbytes quantizes nn.Linear weights only, so the experts load in {dtype} (planned so)"
+    return said
 
 
 def master_weights_warning(job: Job, plan: Plan, *, dtype: str) -> str:

@@ -183,3 +183,28 @@ def test_finetune_plan_cli_plans_gemma3_4b_from_its_hub_config(tmp_path):
     assert "Traceback" not in run.stderr
     # the text decoder (3,880,263,168) and the SigLIP tower with its projector, as transformers builds them
     assert json.loads(run.stdout)["total_params"] == 3_880_263_168 + TEXT_OF_MULTIMODAL["gemma-3-4b"][1]
+
+
+def test_an_adapter_on_an_moe_model_says_its_routed_experts_train_no_lora():
+    """transformers 5 fuses the routed experts into 3D parameters: LoRA reaches the attention and the shared experts
+    only, and QLoRA leaves the experts in the model's dtype; a recipe written for transformers 4's per-expert
+    linears is told so by the plan (the planned trainable count and weights already follow it)."""
+    from finetune.plan import plan
+    from finetune.recipe import load_recipe
+
+    def warnings(model: str, adapter: str) -> str:
+        raw = {
+            "model": {"name": str(CONFIGS / model)},
+            "adapter": {"type": adapter, "target_modules": "all-linear"},
+            "data": {"path": "t.jsonl"},
+            "train": {"liger": "off"},
+            "hardware": "server-8xh100",
+        }
+        return " ".join(plan(load_recipe(raw)).warnings)
+
+    qlora = warnings("qwen1.5-moe-a2.7b", "qlora")
+    assert "routed experts (12.5B of its 14.3B parameters) train no LoRA" in qlora
+    assert "can reach the attention and the shared experts only" in qlora
+    assert "the experts load in bfloat16" in qlora
+    assert "the dense layers' MLPs" in warnings("deepseek-v2-lite", "lora")
+    assert "routed experts" not in warnings("llama-3.1-8b", "lora")
