@@ -435,6 +435,7 @@ def plan_on(recipe, *, arch, preset, source: str) -> Plan:
         random_build_warning(recipe, job, result),
         pinned_strategy_warning(job, result),
         pinned_setting_warning(job, result),
+        batch_change_warning(job, result),
         compile_warning(recipe),
         profiler_warning(recipe),
         swap_warning,
@@ -555,6 +556,32 @@ def pinned_strategy_warning(job: Job, plan: Plan) -> str:
         f"({best.per_gpu_memory_gib:.1f} GiB per GPU) and is modelled {plan.step_time_s / best.step_time_s:.1f}x "
         f"faster ({best.step_time_s:.2f} against {plan.step_time_s:.2f} s/step); set distributed.strategy: auto "
         f"to let the planner choose, or {best.strategy}"
+    )
+
+
+# a global batch the plan changes by this factor or more (either way) is said as a warning, not only in the "why":
+# the recipe's learning rate and step count were chosen for the batch it asked for
+BATCH_CHANGE_WARNED = 1.25
+
+
+def batch_change_warning(job: Job, plan: Plan) -> str:
+    """'' unless the achievable global batch (micro-batch x accumulation x ranks) is far from train.global_batch_size:
+    a pinned micro-batch times the GPUs exceeds it, or it leaves GPUs a fraction of a sequence (a converted peer
+    config's batch is one GPU's: peers multiply by the GPU count)."""
+    asked, got, world = job.global_batch_size, plan.global_batch_size, job.preset.world_size
+    if not plan.fits or not asked or 1 / BATCH_CHANGE_WARNED < got / asked < BATCH_CHANGE_WARNED:
+        return ""
+    pinned = bool(job.micro_batch and job.micro_batch * world > asked)
+    why = (
+        f"the pinned train.micro_batch_size {job.micro_batch} x {world} ranks is the smallest batch it can be"
+        if pinned
+        else f"{asked} sequences do not spread evenly over {world} ranks"
+    )
+    keep = "unpin train.micro_batch_size (auto) to keep it, or " if pinned else ""
+    return (
+        f"train.global_batch_size {asked} becomes {got} on {world} GPU{'s' if world > 1 else ''} "
+        f"({got / asked:.2g}x): {why}, and the recipe's learning rate and steps were chosen for {asked}; "
+        f"{keep}set train.global_batch_size: {got} to accept it"
     )
 
 

@@ -257,6 +257,17 @@ def test_global_batch_rounding_is_explained():
     p = plan(shape_recipe("meta-llama/Llama-3.2-1B", "lora", global_batch=100))
     # 100 sequences over 8 GPUs: 12.5 per GPU -> 12 -> global batch 96
     assert p.global_batch_size == 96 and "rounded" in p.why
+    assert not any("train.global_batch_size 100 becomes" in w for w in p.warnings)  # 4%: said in the why only
+
+
+def test_a_global_batch_the_plan_multiplies_is_a_warning():
+    """A converted peer config's batch is one GPU's (micro-batch 2 x 4 accumulation), its micro-batch pinned: on 8
+    GPUs the smallest batch is 2 x 8 = 16, twice what the learning rate was chosen for."""
+    p = plan(shape_recipe("meta-llama/Llama-3.2-1B", "lora", global_batch=8, train__micro_batch_size=2))
+    assert p.global_batch_size == 16
+    said = [w for w in p.warnings if w.startswith("train.global_batch_size 8 becomes 16 on 8 GPUs (2x)")]
+    assert said and "unpin train.micro_batch_size (auto) to keep it" in said[0]
+    assert plan(shape_recipe("meta-llama/Llama-3.2-1B", "lora", global_batch=8)).global_batch_size == 8
 
 
 def test_cpu_preset_plans_one_ddp_process_on_cpu():
