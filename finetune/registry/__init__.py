@@ -9,6 +9,7 @@ Public API (pure Python, no torch):
 from __future__ import annotations
 
 import difflib
+import re
 from functools import cache
 from pathlib import Path
 
@@ -75,7 +76,30 @@ def list_presets() -> list[HardwarePreset]:
     return list(_presets().values())
 
 
-def _did_you_mean(word: str, choices: list[str]) -> str:
+# a model name's size ("8b", "1.1b", "270m", "8x7b", "a2.7b") and its family words ("gemma", "llama"), without
+# the words every family shares
+_SIZE = re.compile(r"(?<![a-z0-9.])(?:\d+x)?[a]?\d+(?:\.\d+)?[bm](?![a-z0-9])")
+_GENERIC = {"instruct", "chat", "base", "hf", "it", "pt", "bf16", "fp8", "preview", "model", "models"}
+
+
+def _model_words(name: str) -> tuple[set[str], set[str]]:
+    repo = name.lower().rsplit("/", 1)[-1]
+    sizes = set(_SIZE.findall(repo))
+    words = {w for w in re.findall(r"[a-z]{3,}", repo) if w not in _GENERIC}
+    return sizes, words
+
+
+def _same_model(name: str, candidate: str) -> bool:
+    """A suggestion for a model must be the same family, and the same size where the name gives one: gemma-3-270m
+    is not gemma-3-27b, and following a hint that plans another size plans the wrong model."""
+    sizes, words = _model_words(name)
+    their_sizes, their_words = _model_words(candidate)
+    return (not sizes or sizes == their_sizes) and bool(words & their_words)
+
+
+def _did_you_mean(word: str, choices: list[str], *, models: bool = False) -> str:
+    if models:  # only the same family and size (a registry key or a Hub id of one)
+        choices = [c for c in choices if _same_model(word, c)]
     close = difflib.get_close_matches(word.lower(), [c.lower() for c in choices], n=1, cutoff=0.5)
     if not close:
         return ""
@@ -93,7 +117,7 @@ def get_model(key: str) -> ModelArch:
     raise RecipeError(
         f"unknown model architecture {key!r}",
         key="model.arch",
-        hint=f"{_did_you_mean(key, list(models))}known: {', '.join(models)}",
+        hint=f"{_did_you_mean(key, list(models), models=True)}known: {', '.join(models)}",
     )
 
 
@@ -179,7 +203,7 @@ def _named_model(model_section, *, base_dir: str | Path | None) -> ModelArch:
         try:
             path = fetch_config(name, revision=getattr(model_section, "revision", None))
         except RecipeError as err:
-            err.hint = f"{_did_you_mean(name, choices)}{err.hint or ''}"
+            err.hint = f"{_did_you_mean(name, choices, models=True)}{err.hint or ''}"
             raise
         return arch_from_config(path, key=name.split("/")[-1].lower(), hub_id=name)
     raise RecipeError(
@@ -187,7 +211,7 @@ def _named_model(model_section, *, base_dir: str | Path | None) -> ModelArch:
         f"at {base / name} or in the Hugging Face cache",
         key="model.name",
         hint=(
-            f"{_did_you_mean(name, choices)}set model.arch to one of: {', '.join(_models())}; "
+            f"{_did_you_mean(name, choices, models=True)}set model.arch to one of: {', '.join(_models())}; "
             f"or point model.name at a directory with config.json"
         ),
     )

@@ -400,3 +400,13 @@ def test_a_config_whose_shapes_transformers_could_not_build_is_refused(tmp_path,
     with pytest.raises(RecipeError) as err:
         resolve_model(ModelSection(name=str(tmp_path / "odd")), base_dir=tmp_path)
     assert err.value.key == "model.name" and said in err.value.render(), err.value.render()
+
+
+@pytest.mark.parametrize(
+    "name", ["google/gemma-3-270m-it", "TinyLlama/TinyLlama-1.1B-Chat-v1.0", "mistralai/Mixtral-8x22B-v0.1"]
+)
+def test_no_model_of_another_size_or_family_is_suggested(tmp_path, name):
+    """difflib alone offered gemma-3-27b for gemma-3-270m and Llama-3.1-70B for TinyLlama-1.1B."""
+    with pytest.raises(RecipeError) as err:
+        resolve_model(ModelSection(name=name), base_dir=tmp_path)
+    assert "did you mean" not in err.value.render()
