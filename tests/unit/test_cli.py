@@ -137,3 +137,16 @@ def test_api_run_returns_results_and_logs_progress_without_printing(tmp_path, ca
     # once the command is over, the API prints nothing again (main() may run inside a user's process)
     run(ROOT / "recipes" / "quickstart.yaml", output=tmp_path / "after", dry_run=True)
     assert capsys.readouterr().out == ""
+
+
+def test_plan_says_when_it_planned_without_the_recipes_data(tmp_path):
+    """`finetune plan` answers "will it fit" before the data exists, and says that run and validate will refuse it."""
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(
+        "model: {name: meta-llama/Llama-3.1-8B}\nadapter: lora\ndata: {sources: [{path: data/train.jsonl}]}\n"
+    )
+    proc = finetune("plan", str(recipe), "--hardware", "server-8xh100")
+    assert proc.returncode == 0, proc.stderr
+    assert f"warning: planned without reading data.sources[0] ({tmp_path}/data/train.jsonl): file not found" in (
+        proc.stdout + proc.stderr
+    )
