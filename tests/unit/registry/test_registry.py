@@ -78,7 +78,10 @@ def test_published_model_numbers():
     assert get_model("gemma-2-9b").head_dim == 256 and get_model("gemma-3-27b").vocab_size == 262208
     assert get_model("mixtral-8x7b").num_experts == 8
     assert get_model("llama-3.1-405b").num_layers == 126
-    assert len(list_models()) == 21
+    # Llama 3 is 3.1's shape with an 8k context; Mistral v0.1 slides a 4k window over every layer (v0.3 does not)
+    assert get_model("llama-3-8b").max_position_embeddings == 8192 == get_model("llama-3-70b").max_position_embeddings
+    assert (get_model("mistral-7b-v0.1").vocab_size, get_model("mistral-7b-v0.1").sliding_window) == (32000, 4096)
+    assert len(list_models()) == 24
 
 
 def test_hub_id_matching_is_case_insensitive(tmp_path):
