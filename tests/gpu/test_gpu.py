@@ -157,16 +157,17 @@ def test_hybrid_shard_two_nodes_of_two(tmp_path):
     _check(_validate("lora3b-hybrid-2x2", tmp_path))
 
 
-def _lora3b_recipe(tmp_path: Path, *, steps: int) -> Path:
-    """A 3B LoRA recipe (random weights, the learnable capitals task) as scripts/gpu_validate.py writes it."""
+def lora_recipe(tmp_path: Path, *, steps: int, arch: str = "llama-3.2-3b") -> Path:
+    """A LoRA recipe (random weights, the learnable capitals task) as scripts/gpu_validate.py writes it; a CPU test
+    (tests/unit/scripts/test_gpu_test_recipes.py) builds it with tiny-llama, so that it follows gpu_validate."""
     import yaml
 
     sys.path.insert(0, str(ROOT / "scripts"))
-    from gpu_validate import base_recipe, ensure_model, write_data
+    from gpu_validate import base_recipe, data_format, ensure_model, write_data
 
     data = tmp_path / "data.jsonl"
-    write_data(data, preference=False, seq=2048)
-    recipe = base_recipe(ensure_model("llama-3.2-3b"), data, steps=steps, seq=2048, batch=32)
+    write_data(data, fmt=data_format("sft"), seq=2048)
+    recipe = base_recipe(ensure_model(arch), data, steps=steps, seq=2048, batch=32)
     path = tmp_path / "recipe.yaml"
     path.write_text(yaml.safe_dump(recipe, sort_keys=False))
     return path
@@ -200,7 +201,7 @@ def test_cuda_out_of_memory_is_replanned_and_the_run_finishes(tmp_path):
     and the launcher re-plans (same global batch 32) from that evidence and finishes the run."""
     if _gpus() < 1:
         pytest.skip("needs a CUDA GPU")
-    recipe = _lora3b_recipe(tmp_path, steps=6)
+    recipe = lora_recipe(tmp_path, steps=6)
     preset = _overstated_preset(tmp_path / "preset.yaml", 4.0)
     run_dir = tmp_path / "run"
     proc = subprocess.run(
@@ -246,7 +247,7 @@ def test_plan_measure_on_one_gpu(tmp_path):
     the calibration bounds) and steady tokens/s vs the prediction, printed with their ratios."""
     if _gpus() < 1:
         pytest.skip("needs a CUDA GPU")
-    recipe = _lora3b_recipe(tmp_path, steps=30)
+    recipe = lora_recipe(tmp_path, steps=30)
     keep = tmp_path / "measured"
     first = os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0]  # one GPU of those this test was given
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": first}
@@ -336,7 +337,7 @@ def test_a_gpu_held_by_another_process_is_waited_for_then_named(tmp_path):
     before anything is loaded."""
     if _gpus() < 1:
         pytest.skip("needs a CUDA GPU")
-    recipe = _lora3b_recipe(tmp_path, steps=3)
+    recipe = lora_recipe(tmp_path, steps=3)
     released = _run_3b_while_held(recipe, tmp_path / "released", free_gib=8, release_when_waiting=True)
     assert released.endswith("exit code 0"), released[-6000:]
     assert "waiting up to 60 s for it to be released" in released and "memory released" in released, released[-6000:]
