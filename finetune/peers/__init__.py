@@ -115,11 +115,14 @@ def convert_mapping(
         dtype_for_precision,
         map_aliases,
         micro_batch_minimum,
+        owner_less_hub_ids,
+        qlora_dtypes,
         shared_keys,
     )
 
     if source not in SOURCES:
         raise RecipeError(f"unknown source {source!r}", hint=f"use --from {' | '.join(SOURCES)}")
+    _refuse_launch_file(raw, source=source)
     conv = Conversion(source=source, raw=coerce_numbers(raw), config_dir=config_dir, out_dir=out_dir)
     module = {"axolotl": axolotl, "llamafactory": llamafactory, "trl": trl}[source]
     if source == "trl":
@@ -129,10 +132,38 @@ def convert_mapping(
     shared_keys(conv)
     map_aliases(conv, ignore=module.IGNORED)
     dtype_for_precision(conv)  # after every peer's dtype and precision keys are mapped
+    qlora_dtypes(conv)  # after dtype_for_precision has settled model.dtype
+    owner_less_hub_ids(conv)
     drop_packing(conv)
     micro_batch_minimum(conv)
     _validate(conv)
     return conv
+
+
+# top-level keys only a launch file has: DeepSpeed's JSON and accelerate's YAML (no peer's training config has them)
+DEEPSPEED_KEYS = ("zero_optimization", "train_micro_batch_size_per_gpu", "train_batch_size")
+ACCELERATE_KEYS = ("distributed_type", "compute_environment")
+
+
+def _refuse_launch_file(raw: dict, *, source: str) -> None:
+    """A DeepSpeed or accelerate file passed in place of the training config that names it."""
+    if any(k in raw for k in DEEPSPEED_KEYS):
+        raise RecipeError(
+            "this is a DeepSpeed config (zero_optimization, ...), not a training config",
+            hint=f"convert the {source} training config and reference this file from it (deepspeed: FILE); its "
+            "strategy is read from there",
+        )
+    if any(k in raw for k in ACCELERATE_KEYS):
+        where = (
+            "reference this file from it (accelerate_config: FILE); its strategy is read from there"
+            if source == "trl"
+            else f"{source} takes this file on `accelerate launch --config_file`, which finetune replaces: set "
+            "distributed.strategy in the recipe, or leave it auto for the planner"
+        )
+        raise RecipeError(
+            "this is an accelerate config (distributed_type, ...), not a training config",
+            hint=f"convert the {source} training config instead and {where}",
+        )
 
 
 def _validate(conv: Conversion) -> None:

@@ -6,14 +6,17 @@ from finetune.peers import Conversion
 from finetune.peers.common import (
     FUSED_LORA_REASON,
     LIGER_REASON,
+    NO_TRAINING_EFFECT,
     TEMPLATES,
     as_list,
     attention,
     batch_sizes,
     continue_adapter,
     find_file,
+    flash_attention,
     is_on,
     loss_type,
+    no_mixed_precision,
     optimizer,
     scheduler,
     sniff_format,
@@ -22,68 +25,47 @@ from finetune.peers.common import (
 )
 from finetune.peers.distributed import deepspeed_file, fsdp_strategy, parallel_sizes
 
-# keys that change nothing finetune does (it chooses attention kernels, logging, caching itself)
-IGNORED = {
-    k: "finetune decides this itself or has no such switch"
-    for k in (
-        "strict",
-        "model_type",
-        "tokenizer_type",
-        "is_llama_derived_model",
-        "flash_attention",
-        "sdp_attention",
-        "xformers_attention",
-        "flash_attn_cross_entropy",
-        "flash_attn_rms_norm",
-        "tf32",
-        "dataset_prepared_path",
-        "wandb_watch",
-        "wandb_log_model",
-        "wandb_run_id",
-        "resume_from_checkpoint",
-        "auto_resume_from_checkpoints",
-        "local_rank",
-        "debug",
-        "pad_to_sequence_len",
-        "eval_sample_packing",
-        "group_by_length",
-        "save_safetensors",
-        "ddp_timeout",
-        "dataloader_num_workers",
-        "dataloader_pin_memory",
-        "dataloader_prefetch_factor",
-        "gradient_checkpointing_kwargs",
-        "plugins",
-        "special_tokens_pad_to_multiple_of",
-        "eval_table_size",
-        "eval_max_new_tokens",
-        "save_first_step",
-        "bf16_full_eval",
-        "hub_strategy",
-        "eval_causal_lm_metrics",
-        "lora_fan_in_fan_out",
-        "tokenizer_use_fast",
-        "tokenizer_legacy",
-        "unsloth_cross_entropy_loss",
-        "experimental_skip_move_to_device",
-        "skip_prepare_dataset",
-        "remove_unused_columns",
-        "shuffle_merged_datasets",
-        "sample_packing_eff_est",
-        "total_num_tokens",
-        "include_tokens_per_second",
-        "gc_steps",
-        "ddp_find_unused_parameters",
-        "eager_attention",
-    )
-} | {
-    "fsdp_version": "finetune always uses FSDP2 when it picks FSDP",
-    "loss_watchdog_threshold": "no loss watchdog; a non-finite loss stops the run (train.on_nonfinite)",
-    "loss_watchdog_patience": "no loss watchdog; a non-finite loss stops the run (train.on_nonfinite)",
-    "num_labels": "a reward model (method: reward) has one score head; other heads are not offered",
-    "eval_batch_size": "the eval micro-batch is finetune's own (evaluation only: the trained weights are the same)",
-    "save_only_model": "finetune's checkpoints always keep the optimizer state, so a run can resume from them",
-}
+# keys that change nothing finetune does (axolotl's own; the peers' shared ones are NO_TRAINING_EFFECT)
+IGNORED = (
+    NO_TRAINING_EFFECT
+    | {
+        k: "finetune decides this itself or has no such switch"
+        for k in (
+            "strict",
+            "model_type",
+            "tokenizer_type",
+            "sdp_attention",
+            "xformers_attention",
+            "dataset_prepared_path",
+            "wandb_watch",
+            "wandb_log_model",
+            "wandb_run_id",
+            "auto_resume_from_checkpoints",
+            "local_rank",
+            "pad_to_sequence_len",
+            "plugins",
+            "special_tokens_pad_to_multiple_of",
+            "save_first_step",
+            "lora_fan_in_fan_out",
+            "tokenizer_use_fast",
+            "tokenizer_legacy",
+            "unsloth_cross_entropy_loss",
+            "experimental_skip_move_to_device",
+            "skip_prepare_dataset",
+            "shuffle_merged_datasets",
+            "sample_packing_eff_est",
+            "total_num_tokens",
+            "gc_steps",
+            "eager_attention",
+        )
+    }
+    | {
+        "fsdp_version": "finetune always uses FSDP2 when it picks FSDP",
+        "loss_watchdog_threshold": "no loss watchdog; a non-finite loss stops the run (train.on_nonfinite)",
+        "loss_watchdog_patience": "no loss watchdog; a non-finite loss stops the run (train.on_nonfinite)",
+        "num_labels": "a reward model (method: reward) has one score head; other heads are not offered",
+    }
+)
 IGNORED.update(
     {
         k: LIGER_REASON
@@ -115,7 +97,7 @@ NOT_OFFERED_WHEN_ON = {
     "tiled_mlp": "the MLP tiled along the sequence is not offered; the planner fits long sequences with activation "
     "checkpointing, or lower data.max_length",
 }
-# axolotl's attention switch -> model.attn_implementation (flash: finetune picks its flash kernel itself)
+# axolotl's attention switch -> model.attn_implementation (flash: FLASH_REASON, finetune's default runs flash)
 ATTENTION = {"sdpa": "sdpa", "eager": "eager", "flex": "flex_attention", "flash": None, "xformers": None}
 # axolotl's older per-kernel switches -> model.attn_implementation (the others are in IGNORED: finetune picks)
 ATTENTION_SWITCHES = {"flex_attention": "flex_attention"}
@@ -427,7 +409,9 @@ def convert(conv: Conversion) -> None:
         fsdp_strategy(conv, "fsdp_config" if fsdp_config else "fsdp", fsdp_config or {}, flags=flags)
     kernel = conv.take("attention")
     if kernel is not None:
-        if str(kernel) in ATTENTION:
+        if str(kernel) == "flash":
+            flash_attention(conv, "attention", kernel)
+        elif str(kernel) in ATTENTION:
             if ATTENTION[str(kernel)]:
                 conv.set("model.attn_implementation", ATTENTION[str(kernel)])
         else:
@@ -448,13 +432,18 @@ def convert(conv: Conversion) -> None:
 
 
 def _weights_dtype(conv: Conversion) -> None:
-    """axolotl's bfloat16 / float16 switches load the weights in that dtype (bf16 or bfloat16 first)."""
+    """axolotl's bfloat16 / float16 switches load the weights in that dtype (bf16 or bfloat16 first). With bf16
+    off (not its default `auto`) and fp16 off, axolotl's resolve_dtype turns no autocast on and loads the weights
+    in float32 (float16 with float16 or load_in_8bit, bfloat16 with bfloat16): no mixed precision."""
     bf16 = is_on(conv.take("bfloat16"))
     fp16 = is_on(conv.take("float16"))
     if bf16:
         conv.set("model.dtype", "bfloat16")
     elif fp16 and not is_on(conv.raw.get("bf16")):
         conv.set("model.dtype", "float16")
+    if conv.has("bf16") and not is_on(conv.raw["bf16"]) and not is_on(conv.raw.get("fp16")):
+        dtype = "bfloat16" if bf16 else "float16" if fp16 or is_on(conv.raw.get("load_in_8bit")) else "float32"
+        no_mixed_precision(conv, dtype=dtype, why=f"axolotl with bf16 and fp16 off loads the weights in {dtype}")
 
 
 def _cosine_floor(conv: Conversion) -> None:

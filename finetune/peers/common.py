@@ -7,6 +7,7 @@ import re
 from pathlib import Path
 from typing import Any, get_args
 
+from finetune.data.sources import LOCAL_SUFFIXES
 from finetune.peers import Conversion
 from finetune.recipe.aliases import checkpointing_setting, held_out_key, is_on, lookup
 from finetune.recipe.schema import (
@@ -48,6 +49,7 @@ TEMPLATES = {
     "qwen": "qwen2.5",
     "qwen2.5": "qwen2.5",
     "qwen2": "qwen2.5",
+    "qwen_25": "qwen2.5",  # axolotl's name for it
     "qwen3": "qwen3",
     "qwen3_nothink": "chatml",  # LLaMA-Factory's: plain ChatML, no think block and no default system prompt
     "mistral": "mistral",
@@ -98,6 +100,98 @@ FUSED_LORA_REASON = (
     "adapter.fused_lora (on by default for LoRA) runs each targeted linear and its adapter as one autograd "
     "function, the scale and adds inside the GEMMs"
 )
+
+
+# a peer's request for flash attention (transformers' flash_attention_2/3, axolotl's flash_attention: true and
+# attention: flash, LLaMA-Factory's fa2/fa3, TRL's use_flash_attention_2): finetune's default runs PyTorch's own
+# flash kernels, so no flash-attn package is needed (model.attn_implementation's auto, plan/__init__.py)
+FLASH_KERNELS = ("flash_attention_2", "flash_attention_3")
+FLASH_REASON = (
+    "model.attn_implementation: auto (the default) runs PyTorch's flash varlen kernel on packed rows on NVIDIA "
+    "GPUs and sdpa's flash backend otherwise, with no flash-attn package; to pin the flash-attn kernel set "
+    "model.attn_implementation: flash_attention_2 (pip install flash-attn)"
+)
+
+# keys that do not change what is trained (logging, Hub upload cadence, data-loading workers, evaluation-only
+# settings, axolotl's derived model-family flags, fused kernels of the same math): one verdict for every peer,
+# merged into each converter's IGNORED. A key that changes the batches or the numbers trained on (group_by_length,
+# dataloader_drop_last, torch_compile_backend, which turns compilation on in transformers) does not belong here.
+_LOGGING_ONLY = "logging only; finetune logs every train.logging_steps steps to logging.report_to"
+_LOADING_ONLY = "data-loading speed only (the same rows, in the same order); finetune picks its workers"
+_EVAL_ONLY = "evaluation only (the trained weights are the same); finetune evaluates on its own settings"
+_DERIVED = "axolotl derives it from the model's config.json to pick its patches; finetune reads the architecture itself"
+_FUSED = "a fused kernel of the same math; finetune picks its kernels (train.liger, model.attn_implementation)"
+_RUN = "finetune decides this itself or has no such switch"
+NO_TRAINING_EFFECT: dict[str, str] = {
+    **dict.fromkeys(
+        (
+            "logging_strategy",
+            "logging_first_step",
+            "log_level",
+            "logging_dir",
+            "include_tokens_per_second",
+            "include_num_input_tokens_seen",
+            "include_mfu",
+            "plot_loss",
+            "print_param_status",
+        ),
+        _LOGGING_ONLY,
+    ),
+    **dict.fromkeys(
+        (
+            "dataloader_num_workers",
+            "dataloader_pin_memory",
+            "dataloader_prefetch_factor",
+            "dataloader_persistent_workers",
+            "preprocessing_num_workers",
+            "dataset_num_proc",
+            "dataset_processes",
+            "overwrite_cache",
+        ),
+        _LOADING_ONLY,
+    ),
+    **dict.fromkeys(
+        (
+            "per_device_eval_batch_size",
+            "eval_batch_size",
+            "eval_sample_packing",
+            "eval_table_size",
+            "eval_max_new_tokens",
+            "eval_table_max_new_tokens",
+            "eval_causal_lm_metrics",
+            "bf16_full_eval",
+            "predict_with_generate",
+        ),
+        _EVAL_ONLY,
+    ),
+    **dict.fromkeys(
+        ("is_llama_derived_model", "is_mistral_derived_model", "is_falcon_derived_model", "is_qwen_derived_model"),
+        _DERIVED,
+    ),
+    **dict.fromkeys(
+        ("flash_attn_cross_entropy", "flash_attn_rms_norm", "flash_attn_fuse_qkv", "flash_attn_fuse_mlp"), _FUSED
+    ),
+    **dict.fromkeys(("flash_attention", "use_flash_attention_2"), FLASH_REASON),
+    **dict.fromkeys(
+        (
+            "do_train",
+            "do_eval",
+            "ddp_timeout",
+            "ddp_find_unused_parameters",
+            "save_safetensors",
+            "overwrite_output_dir",
+            "resume_from_checkpoint",
+            "gradient_checkpointing_kwargs",
+            "remove_unused_columns",
+            "tf32",
+            "debug",
+        ),
+        _RUN,
+    ),
+    "hub_strategy": "finetune pushes once, after the run (hub.repo)",
+    "hf_use_auth_token": "the Hub token comes from the environment (HF_TOKEN) or `hf auth login`",
+    "save_only_model": "finetune's checkpoints always keep the optimizer state, so a run can resume from them",
+}
 
 
 def map_aliases(conv: Conversion, *, ignore: dict[str, str]) -> None:
@@ -161,7 +255,8 @@ def dtype_for_precision(conv: Conversion) -> None:
     offered; the bf16 the config trains in decides, and the weights load in bfloat16."""
     if conv.get("model.dtype") != "float16" or conv.get("train.precision", "bf16") != "bf16":
         return
-    key = next((k for k in ("torch_dtype", "dtype") if conv.raw.get(k) is not None), "torch_dtype")
+    # the key that asked for float16 weights: TRL's torch_dtype / dtype, axolotl's float16 switch
+    key = next((k for k in ("torch_dtype", "dtype", "float16") if conv.raw.get(k) is not None), "torch_dtype")
     del conv.recipe["model"]["dtype"]
     conv.drop(
         key,
@@ -170,6 +265,83 @@ def dtype_for_precision(conv: Conversion) -> None:
         "for float16 throughout)",
         material=False,
     )
+
+
+def no_mixed_precision(conv: Conversion, *, dtype: str, why: str) -> None:
+    """The peer trains with neither bf16 nor fp16 autocast: train.precision fp32 and the weights in the dtype the
+    peer loads them in (float32 unless it was told a 16-bit one, which then computes without autocast). The one
+    place the converters write a run without mixed precision (LLaMA-Factory's full fine-tune without bf16/fp16,
+    axolotl's bf16 and fp16 off, an accelerate file's mixed_precision: no)."""
+    conv.set("model.dtype", dtype)
+    conv.set("train.precision", "fp32")
+    conv.notes.append(
+        f"model.dtype {dtype}, train.precision fp32: {why}, so it trains without mixed precision"
+        + (
+            " (set bf16: true there, or train.precision: bf16 and model.dtype: bfloat16 here, for half the memory)"
+            if dtype == "float32"
+            else ""
+        )
+    )
+
+
+# peers whose QLoRA stores the packed 4-bit weights in its compute dtype: LLaMA-Factory (bnb_4bit_quant_storage =
+# compute_dtype, model_utils/quantization.py). axolotl stores them in bfloat16 whatever it computes in, and TRL in
+# its own bnb_4bit_quant_storage (uint8 by default), so their adapter.storage_dtype stays as it is
+STORAGE_FOLLOWS_COMPUTE = ("llamafactory",)
+
+
+def qlora_dtypes(conv: Conversion) -> None:
+    """Every peer dequantizes QLoRA's 4-bit weights to the dtype it loads the model in (bnb_4bit_compute_dtype:
+    axolotl's torch_dtype, LLaMA-Factory's compute_dtype, TRL's dtype): a float16 (fp16 training, GPUs without
+    bf16) or float32 model.dtype is adapter.compute_dtype too, not finetune's bfloat16 default. Run after the
+    precision and dtype keys are mapped."""
+    dtype = conv.get("model.dtype")
+    if conv.get("adapter.type") != "qlora" or dtype not in ("float16", "float32"):
+        return
+    conv.set("adapter.compute_dtype", dtype)
+    stored = conv.source in STORAGE_FOLLOWS_COMPUTE
+    if stored:
+        conv.set("adapter.storage_dtype", dtype)
+    conv.notes.append(
+        f"adapter.compute_dtype {dtype}"
+        + (f", adapter.storage_dtype {dtype}" if stored else "")
+        + f": the {conv.source} config dequantizes QLoRA's 4-bit weights to the dtype it loads the model in"
+        + (" and stores them in it" if stored else "")
+    )
+
+
+# a Hub repo name without its owner (the characters the Hub allows in one)
+_REPO_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+
+
+def _owner_less(conv: Conversion, value: object) -> bool:
+    """`value` names no file or folder near the config or the recipe and reads as a Hub id without its owner."""
+    if not isinstance(value, str) or not _REPO_NAME.match(value) or Path(value).suffix in LOCAL_SUFFIXES:
+        return False
+    return not any((folder / value).exists() for folder in (conv.out_dir, conv.config_dir, Path.cwd()))
+
+
+def owner_less_hub_ids(conv: Conversion) -> None:
+    """A model or dataset named without its owner (`gpt2`, `c4`: legacy Hub ids the Hub now keeps under an owner,
+    openai-community/gpt2, allenai/c4). A model name loads as a Hub id all the same (a note); a data path without
+    exactly one '/' is read as a local file here (finetune.data.sources.resolve_path), so it is reported."""
+    name = conv.get("model.name")
+    if _owner_less(conv, name):
+        conv.notes.append(
+            f"model.name {name}: no such folder next to the config, so it is read as a Hub id without its owner "
+            "(a legacy id the Hub redirects, e.g. gpt2 -> openai-community/gpt2); write it as owner/name so "
+            "`finetune plan` finds its config.json"
+        )
+    for section in ("data.sources", "data.eval_sources"):
+        for i, src in enumerate(conv.get(section) or []):
+            if isinstance(src, dict) and _owner_less(conv, src.get("path")):
+                conv.drop(
+                    f"{section}[{i}].path",
+                    src["path"],
+                    "no such file next to the config, and finetune reads a data path without exactly one '/' as a "
+                    "local file: if it is a Hub dataset, write its owner/name id (legacy ids moved under an owner, "
+                    "e.g. c4 -> allenai/c4); if it is a local file, give its path with its extension",
+                )
 
 
 def _named(conv: Conversion, key: str, *, table: dict[str, str], ours: str, what: str, offered: str) -> None:
@@ -315,6 +487,8 @@ def shared_keys(conv: Conversion) -> None:
                 "torch_compile: true read as train.compile: regions (each decoder layer compiled, not the whole "
                 "model); docs/benchmarks.md has what it measured"
             )
+    _warmup_both(conv)
+    _length_grouping(conv)
     warmup = conv.raw.get("warmup_steps")
     if isinstance(warmup, float) and 0 < warmup < 1 and not conv.has("warmup_ratio"):
         # transformers reads a warmup_steps below 1 as a share of the run (its warmup_ratio)
@@ -331,6 +505,46 @@ def shared_keys(conv: Conversion) -> None:
     _cadence(conv, strategy="evaluation_strategy", steps="eval_steps", per_epoch="train.evals_per_epoch")
     if is_on(conv.raw.get("fp16")) and not conv.get("model.dtype"):
         conv.set("model.dtype", "float16")  # the peers load the weights in the fp16 they train in
+
+
+def _warmup_both(conv: Conversion) -> None:
+    """warmup_steps and warmup_ratio both set (TRL, LLaMA-Factory; axolotl refuses the pair and its converter
+    reports it): transformers 4's get_warmup_steps, which these configs were written for, uses warmup_steps when
+    it is above 0 and the ratio only otherwise."""
+    steps, ratio = conv.raw.get("warmup_steps"), conv.raw.get("warmup_ratio")
+    if steps is None or ratio is None or "warmup_ratio" in conv.used or isinstance(steps, bool):
+        return
+    if isinstance(steps, int) and steps > 0:
+        conv.used.add("warmup_ratio")
+        conv.notes.append(
+            f"train.warmup_steps {steps}: warmup_ratio {ratio} is overridden, as transformers uses warmup_steps "
+            "when it is above 0"
+        )
+    elif steps == 0:
+        conv.used.add("warmup_steps")  # 0: the ratio decides
+
+
+def _length_grouping(conv: Conversion) -> None:
+    """group_by_length (transformers' LengthGroupedSampler) puts rows of similar length into one batch, which
+    changes what each step trains on; finetune shuffles. Under packing it does nothing (axolotl's multipack
+    sampler skips it; packed rows all have about data.max_length tokens)."""
+    if not conv.has("group_by_length") or "group_by_length" in conv.used:
+        return
+    value = conv.take("group_by_length")
+    if not is_on(value):
+        return
+    packed = any(is_on(conv.raw.get(k)) for k in ("sample_packing", "packing", "neat_packing"))
+    if packed and conv.get("method.type", "sft") in PACKED_EXAMPLE_METHODS:
+        conv.drop(
+            "group_by_length", value, "packing builds the batches, so rows are not grouped by length", material=False
+        )
+    else:
+        conv.drop(
+            "group_by_length",
+            value,
+            "batches of rows of similar length are not offered: finetune draws shuffled batches (data.packing: true "
+            "saves the padding instead); remove it to train on shuffled batches",
+        )
 
 
 def take_mapping(conv: Conversion, key: str, *, of: str) -> dict | None:
@@ -474,7 +688,8 @@ def continue_adapter(conv: Conversion, key: str) -> None:
         )
 
 
-ATTENTION_KERNELS = ("sdpa", "eager", "flash_attention_2", "flash_attention_3", "flex_attention")
+# transformers' attn_implementation values pinned as asked (the flash ones are FLASH_KERNELS: auto runs flash)
+ATTENTION_KERNELS = ("sdpa", "eager", "flex_attention")
 
 
 def attention(conv: Conversion, key: str) -> None:
@@ -482,10 +697,18 @@ def attention(conv: Conversion, key: str) -> None:
     value = conv.take(key)
     if value in ATTENTION_KERNELS:
         conv.set("model.attn_implementation", value)
+    elif value in FLASH_KERNELS:
+        flash_attention(conv, key, value)
     elif value is not None:
         conv.drop(
             key,
             value,
-            f"finetune offers {', '.join(ATTENTION_KERNELS)} (Hub kernels are not loaded); auto picks one",
+            f"finetune offers {', '.join(ATTENTION_KERNELS + FLASH_KERNELS)} (Hub kernels are not loaded); auto "
+            "picks one",
             material=False,
         )
+
+
+def flash_attention(conv: Conversion, key: str, value: object) -> None:
+    """A peer's "use flash attention": finetune's default does, with PyTorch's kernels (FLASH_REASON)."""
+    conv.drop(key, value, FLASH_REASON, material=False)

@@ -9,7 +9,7 @@ from typing import Any
 
 from finetune import strategies
 from finetune.peers import Conversion, read_mapping
-from finetune.peers.common import find_file, is_on
+from finetune.peers.common import find_file, is_on, no_mixed_precision
 
 
 def strategy_for(
@@ -255,8 +255,61 @@ def parallel_sizes(conv: Conversion, sizes: dict[str, Any], *, where: str = "") 
             )
 
 
-def accelerate_file(conv: Conversion, key: str) -> None:
-    """An accelerate config file -> distributed.strategy (its DeepSpeed part through deepspeed_file)."""
+# accelerate's mixed_precision -> train.precision (fp8 has none: reported)
+ACCELERATE_PRECISION = {"no": "fp32", "bf16": "bf16", "fp16": "fp16"}
+
+
+def _mixed_precision(conv: Conversion, key: str, config: dict, *, precision: str | None) -> None:
+    """An accelerate file's mixed_precision (with fp8_config and downcast_bf16). transformers' TrainingArguments
+    hands the Accelerator the training config's own bf16/fp16 when either is on (`precision`), over the file's
+    value; only when both are off (`precision` None) does the file decide."""
+    mode = str(config.get("mixed_precision") or "no").lower()
+    if config.get("downcast_bf16") not in (None, False, "no", "false"):
+        conv.drop(
+            f"{key}.downcast_bf16",
+            config["downcast_bf16"],
+            "a TPU setting (XLA_DOWNCAST_BF16); on GPUs it does nothing",
+            material=False,
+        )
+    if config.get("fp8_config"):
+        conv.drop(f"{key}.fp8_config", config["fp8_config"], "fp8 settings (see mixed_precision)", material=False)
+    if precision is not None:
+        if mode not in ("no", precision):
+            conv.drop(
+                f"{key}.mixed_precision",
+                mode,
+                f"the training config's {precision} (TRL's bf16 is on unless fp16 is) sets the Accelerator's mixed "
+                f"precision over the file's (transformers' TrainingArguments), so the peer trains in {precision}, "
+                "as the recipe does",
+                material=False,
+            )
+        return
+    if mode == "no":
+        no_mixed_precision(
+            conv,
+            dtype=conv.get("model.dtype") or "float32",
+            why=f"{key}'s mixed_precision is no and the config's bf16 and fp16 are off",
+        )
+    elif mode in ACCELERATE_PRECISION:
+        conv.set("train.precision", ACCELERATE_PRECISION[mode])
+        if mode == "fp16" and not conv.get("model.dtype"):
+            conv.set("model.dtype", "float16")  # as for a config's own fp16 (shared_keys)
+        conv.notes.append(
+            f"{key}: mixed_precision {mode} -> train.precision {mode} (the config's bf16 and fp16 are off, so the "
+            "accelerate file decides)"
+        )
+    else:
+        conv.drop(
+            f"{key}.mixed_precision",
+            mode,
+            f"{mode} training (accelerate's Transformer Engine, MS-AMP or torchao for fp8) is not offered: finetune "
+            "trains in bf16, fp16 or fp32 (train.precision); set train.precision: bf16 for the nearest",
+        )
+
+
+def accelerate_file(conv: Conversion, key: str, *, precision: str | None = "bf16") -> None:
+    """An accelerate config file -> distributed.strategy (its DeepSpeed part through deepspeed_file), and its
+    mixed precision where the training config leaves that to it (`precision` None; else the config's own)."""
     value = conv.take(key)
     if value is None:
         return
@@ -277,6 +330,7 @@ def accelerate_file(conv: Conversion, key: str) -> None:
         conv.drop(key, value, "accelerate file not found; the planner picks the strategy", material=False)
         return
     config = read_mapping(path, what="accelerate config")
+    _mixed_precision(conv, key, config, precision=precision)
     kind = str(config.get("distributed_type", "")).upper()
     if kind == "DEEPSPEED":
         ds = config.get("deepspeed_config") or {}

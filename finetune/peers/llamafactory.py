@@ -13,12 +13,16 @@ from typing import Any
 from finetune.errors import RecipeError
 from finetune.peers import Conversion
 from finetune.peers.common import (
+    FLASH_KERNELS,
     LIGER_REASON,
+    NO_TRAINING_EFFECT,
     as_list,
     batch_sizes,
     coerce_numbers,
     continue_adapter,
+    flash_attention,
     held_out,
+    no_mixed_precision,
     optimizer,
     scheduler,
     template,
@@ -27,42 +31,33 @@ from finetune.peers.distributed import deepspeed_file
 from finetune.recipe.aliases import is_on
 from finetune.recipe.schema import AdapterSection
 
-IGNORED = {
-    k: "finetune decides this itself or has no such switch"
-    for k in (
-        "do_train",
-        "do_eval",
-        "do_predict",
-        "overwrite_cache",
-        "preprocessing_num_workers",
-        "plot_loss",
-        "overwrite_output_dir",
-        "save_only_model",
-        "ddp_timeout",
-        "per_device_eval_batch_size",
-        "dataloader_num_workers",
-        "resume_from_checkpoint",
-        "use_unsloth",
-        "infer_backend",
-        "tokenized_path",
-        "streaming",
-        "buffer_size",
-        "mix_strategy",
-        "trust_remote_code_hf",
-        "logging_dir",
-        "upcast_layernorm",
-        "upcast_lmhead_output",
-        "print_param_status",
-        "include_num_input_tokens_seen",
-        "create_new_adapter",
-        "packing_strategy",
-        "quantization_device_map",
-        "report_to_swanlab",
-        "export_dir",
-    )
-} | {
-    "resize_vocab": "finetune grows the embeddings itself when tokenizer.added_tokens needs it",
-}
+# LLaMA-Factory's own keys that change nothing finetune does (the peers' shared ones are NO_TRAINING_EFFECT)
+IGNORED = (
+    NO_TRAINING_EFFECT
+    | {
+        k: "finetune decides this itself or has no such switch"
+        for k in (
+            "do_predict",
+            "use_unsloth",
+            "infer_backend",
+            "tokenized_path",
+            "streaming",
+            "buffer_size",
+            "mix_strategy",
+            "trust_remote_code_hf",
+            "upcast_layernorm",
+            "upcast_lmhead_output",
+            "create_new_adapter",
+            "packing_strategy",
+            "quantization_device_map",
+            "report_to_swanlab",
+            "export_dir",
+        )
+    }
+    | {
+        "resize_vocab": "finetune grows the embeddings itself when tokenizer.added_tokens needs it",
+    }
+)
 IGNORED["enable_liger_kernel"] = LIGER_REASON
 # optimizer families LLaMA-Factory switches on with use_X (their own keys come along: galore_rank, ...)
 OPTIMIZER_SWITCHES = ("use_galore", "use_badam", "use_apollo", "use_adam_mini", "use_muon")
@@ -80,6 +75,10 @@ TEMPLATE_RENDERS = {
 }
 # an export (merge) config's keys: `llamafactory-cli export` merges adapter_name_or_path into the base
 EXPORT_KEYS = ("export_dir", "export_size", "export_device", "export_legacy_format", "export_quantization_bit")
+# LLaMA-Factory's flash_attn / attn -> model.attn_implementation; fa2/fa3 (and transformers' names) ask for flash
+# attention, which finetune's default runs (FLASH_REASON)
+ATTENTION = {"sdpa": "sdpa", "disabled": "eager", "eager": "eager"}
+FLASH_ATTENTION = ("fa2", "fa3", *FLASH_KERNELS)
 PREF_LOSS = {
     "orpo": ("orpo", None),
     "simpo": ("simpo", None),
@@ -203,6 +202,7 @@ def convert(conv: Conversion) -> None:
         conv.raw = coerce_numbers(section)
         conv.notes.append("train: its keys read as the config's own (the train command's arguments)")
     _refuse_export(conv)
+    _refuse_evaluation(conv)
     conv.set("model.name", conv.take("model_name_or_path", ""))
     stage = str(conv.take("stage", "sft"))
     if stage in STAGES:
@@ -285,6 +285,44 @@ def _refuse_export(conv: Conversion) -> None:
     )
 
 
+# `llamafactory-cli eval` benchmarks (task: NAME_SPLIT) -> lm-eval's task names (finetune eval --tasks)
+EVAL_TASKS = {"mmlu": "mmlu", "cmmlu": "cmmlu", "ceval": "ceval-valid"}
+
+
+def _refuse_evaluation(conv: Conversion) -> None:
+    """A config that trains nothing: `llamafactory-cli eval` (task: mmlu_test, ...) or `llamafactory-cli train`
+    with do_predict / do_eval and no do_train (the Trainer trains only with do_train). Refused with the finetune
+    command that does its job, as the export config is."""
+    weights = conv.raw.get("adapter_name_or_path") or conv.raw.get("model_name_or_path") or "RUN_DIR"
+    if conv.has("task") and not conv.has("dataset"):
+        task = str(conv.raw["task"])
+        name = EVAL_TASKS.get(task.split("_")[0], "TASKS")
+        shots = f" --num-fewshot {conv.raw['n_shot']}" if conv.has("n_shot") else ""
+        batch = f" --batch-size {conv.raw['batch_size']}" if conv.has("batch_size") else ""
+        raise RecipeError(
+            f"this is a LLaMA-Factory eval config (task: {task}, `llamafactory-cli eval`), not a training config; "
+            "there is nothing to train",
+            hint=f"run the benchmark with `finetune eval {weights} --tasks {name}{shots}{batch} --no-base` "
+            "(lm-eval's task names; a directory with adapter_config.json or a model), or convert the training "
+            "config that produced the model",
+        )
+    trains = is_on(conv.raw.get("do_train"))
+    asked = [k for k in ("do_predict", "do_eval", "predict_with_generate") if is_on(conv.raw.get(k))]
+    if trains or not (asked or conv.has("do_train")):
+        return
+    names = ",".join(str(n) for n in as_list(conv.raw.get("eval_dataset") or conv.raw.get("dataset"))) or "?"
+    out = conv.raw.get("output_dir") or "OUT_DIR"
+    raise RecipeError(
+        f"this is a LLaMA-Factory {'predict' if asked else 'non-training'} config "
+        f"({', '.join(asked) or 'do_train: false'}), not a training config; there is nothing to train",
+        hint=f"generate with `finetune generate {weights} --file PROMPTS.jsonl -o "
+        f"{out}/generated_predictions.jsonl` (PROMPTS.jsonl: the prompts of dataset {names} as "
+        + '{"prompt"} or {"messages"} rows), score a benchmark with '
+        + f"`finetune eval {weights} --tasks TASKS`, or convert the training config that produced "
+        "the model",
+    )
+
+
 def _lora_shape(conv: Conversion) -> None:
     """lora_rank / lora_alpha / lora_target with LLaMA-Factory's defaults written out where they differ from
     ours (rank 8 and alpha 2 x rank there, 16 and 32 here; every linear layer there, the registry's here)."""
@@ -321,12 +359,8 @@ def _full_precision(conv: Conversion) -> None:
     (and is reported as not offered)."""
     if any(is_on(conv.raw.get(k)) for k in ("bf16", "fp16", "pure_bf16", "use_badam")):
         return
-    conv.set("model.dtype", "float32")
-    conv.set("train.precision", "fp32")
-    conv.notes.append(
-        "model.dtype float32, train.precision fp32: a LLaMA-Factory full fine-tune without bf16/fp16 upcasts "
-        "the weights to float32 and trains without mixed precision (set bf16: true there, or train.precision: bf16 "
-        "and model.dtype: bfloat16 here, for half the memory)"
+    no_mixed_precision(
+        conv, dtype="float32", why="a LLaMA-Factory full fine-tune without bf16/fp16 upcasts the weights to float32"
     )
 
 
@@ -406,7 +440,15 @@ def _method_extras(conv: Conversion) -> None:
             "an added SFT loss in preference training is offered only as simpo's cpo_alpha (method: simpo)",
         )
     for key in ("flash_attn", "attn"):  # attn: the newer examples' name for it
-        if conv.has(key):
-            attention = {"sdpa": "sdpa", "disabled": "eager", "eager": "eager"}.get(str(conv.take(key)))
-            if attention:
-                conv.set("model.attn_implementation", attention)
+        value = str(conv.take(key))
+        if value in ATTENTION:
+            conv.set("model.attn_implementation", ATTENTION[value])
+        elif value in FLASH_ATTENTION:
+            flash_attention(conv, key, value)
+        elif conv.has(key) and value != "auto":  # auto: LLaMA-Factory picks the kernel, as finetune's auto does
+            conv.drop(
+                key,
+                value,
+                "not a LLaMA-Factory attention setting (auto, sdpa, eager, disabled, fa2, fa3); auto picks one",
+                material=False,
+            )

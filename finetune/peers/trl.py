@@ -1,6 +1,7 @@
 """A TRL CLI config (`trl sft|dpo|kto|reward --config FILE`: SFTConfig/DPOConfig keys, ModelConfig,
 ScriptArguments) -> a recipe. The method is the subcommand, which the file does not say: --method
-names it, else DPO-only keys (beta, loss_type, max_prompt_length) mean dpo and the rest sft."""
+names it, else a key only one trainer's config has; a guess from keys several trainers share (beta: DPO,
+ORPO, CPO, KTO) is reported, so the command exits non-zero until --method confirms it."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from finetune.peers import Conversion
 from finetune.peers.common import (
     DTYPES,
     LIGER_REASON,
+    NO_TRAINING_EFFECT,
     as_list,
     attention,
     batch_sizes,
@@ -20,49 +22,44 @@ from finetune.peers.common import (
     template,
 )
 from finetune.peers.distributed import accelerate_file
+from finetune.recipe.aliases import is_on
 from finetune.recipe.schema import FORMAT_COLUMNS
 
-IGNORED = {
-    k: "finetune decides this itself or has no such switch"
-    for k in (
-        "dataset_num_proc",
-        "logging_strategy",
-        "per_device_eval_batch_size",
-        "run_name",
-        "log_level",
-        "logging_first_step",
-        "overwrite_output_dir",
-        "do_train",
-        "do_eval",
-        "dataloader_num_workers",
-        "ddp_timeout",
-        "hub_strategy",
-        "gradient_checkpointing_kwargs",
-        "remove_unused_columns",
-        "preprocessing_num_workers",
-        "bnb_4bit_quant_storage",
-        "ignore_bias_buffers",
-        "tf32",
-        "save_safetensors",
-        "padding_free",
-        "packing_strategy",
-        "lora_task_type",
-        "use_flash_attention_2",  # ModelConfig's older switch, as axolotl's flash_attention: auto picks the kernel
-    )
-} | {
-    "max_prompt_length": "TRL 1.x has no prompt limit either; a pair longer than data.max_length is truncated whole",
-    "dataset_test_split": "read only when eval_strategy is not 'no'",
-}
+# TRL's own keys that change nothing finetune does (the peers' shared ones are NO_TRAINING_EFFECT)
+IGNORED = (
+    NO_TRAINING_EFFECT
+    | {
+        k: "finetune decides this itself or has no such switch"
+        for k in (
+            "run_name",
+            "bnb_4bit_quant_storage",
+            "ignore_bias_buffers",
+            "padding_free",
+            "packing_strategy",
+            "lora_task_type",
+        )
+    }
+    | {
+        "max_prompt_length": "TRL 1.x has no prompt limit either; a pair longer than data.max_length is truncated "
+        "whole",
+        "dataset_test_split": "read only when eval_strategy is not 'no'",
+    }
+)
 IGNORED["use_liger_kernel"] = LIGER_REASON
-DPO_KEYS = ("beta", "loss_type", "max_prompt_length", "precompute_ref_log_probs", "rpo_alpha")
 METHODS = ("sft", "dpo", "kto", "reward", "orpo", "cpo")
-# keys only one trainer's config has, in the order they are asked (beta alone means DPO)
-GUESS = (
+# keys only one trainer's config has (TRL 1.x's KTOConfig, CPOConfig, RewardConfig, DPOConfig, SFTConfig): the
+# method they name when --method is not given
+ONLY_IN = (
     ("kto", ("desirable_weight", "undesirable_weight")),
     ("cpo", ("simpo_gamma", "cpo_alpha")),
     ("reward", ("center_rewards_coefficient",)),
-    ("dpo", DPO_KEYS),
+    ("dpo", ("rpo_alpha",)),
+    ("sft", ("dataset_text_field", "packing", "completion_only_loss", "assistant_only_loss")),
 )
+# keys several preference trainers share (DPO, ORPO, CPO and KTO all have beta): dpo is only a guess from them
+PREFERENCE_KEYS = ("beta", "loss_type", "max_prompt_length", "precompute_ref_log_probs")
+# ScriptArguments.dataset_test_split's default: what `trl sft|dpo|...` evaluates on when eval_strategy is not "no"
+TEST_SPLIT = "test"
 
 
 # TRL 1.x's config defaults (SFTConfig, DPOConfig, KTOConfig, RewardConfig, trl.experimental's ORPOConfig and
@@ -87,8 +84,7 @@ TEMPLATE_COLUMNS = {
 def convert(conv: Conversion, *, method: str | None) -> None:
     conv.set("model.name", conv.take("model_name_or_path", ""))
     if method is None:
-        method = next((m for m, keys in GUESS if any(conv.has(k) for k in keys)), "sft")
-        conv.notes.append(f"method {method}: the trl subcommand is not in the file; pass --method to say it")
+        method = _method_from_keys(conv)
     if method not in METHODS:
         conv.drop("method", method, f"trl {method} has no finetune method")
         method = "sft"
@@ -165,7 +161,35 @@ def convert(conv: Conversion, *, method: str | None) -> None:
     batch_sizes(conv)  # transformers' TrainingArguments names, as both tools use them
     if conv.has("max_seq_length"):
         conv.set("data.max_length", conv.take("max_seq_length"))
-    accelerate_file(conv, "accelerate_config")
+    # the config's own mixed precision (TRL's bf16 is on unless fp16 is); with both off the accelerate file decides
+    bf16 = not conv.has("bf16") or is_on(conv.raw["bf16"])
+    precision = "fp16" if is_on(conv.raw.get("fp16")) else "bf16" if bf16 else None
+    accelerate_file(conv, "accelerate_config", precision=precision)
+
+
+def _method_from_keys(conv: Conversion) -> str:
+    """The trainer a config without --method is for: named by keys only its config has, else guessed (dpo from
+    the shared preference keys) and reported, since ORPO, CPO and KTO configs look like DPO ones."""
+    preference = [k for k in PREFERENCE_KEYS if conv.has(k)]
+    named = {m: [k for k in keys if conv.has(k)] for m, keys in ONLY_IN if any(conv.has(k) for k in keys)}
+    if len(named) == 1 and not (preference and "sft" in named):
+        ((method, keys),) = named.items()
+        conv.notes.append(
+            f"method {method}: the trl subcommand is not in the file; {', '.join(keys)} only trl {method}'s config "
+            "has (pass --method to say otherwise)"
+        )
+        return method
+    method = "dpo" if preference else next(iter(named), "sft")
+    why = [f"{', '.join(preference)} fit dpo, orpo, cpo and kto alike"] if preference else []
+    why += [f"{', '.join(keys)} point at {m}" for m, keys in named.items()]
+    conv.drop(
+        "method",
+        method,
+        f"the trl subcommand is not in the file ({'; '.join(why) or 'no key names a trainer'}): {method} is a guess; "
+        f"pass --method with the subcommand the config is for ({' | '.join(METHODS)}, e.g. --method orpo for an "
+        "ORPOTrainer config)",
+    )
+    return method
 
 
 def _trl_defaults(conv: Conversion, method: str) -> None:
@@ -206,9 +230,12 @@ def _format(conv: Conversion, method: str) -> str:
     return "unpaired" if method == "kto" else "preference"
 
 
+def _eval_strategy(conv: Conversion) -> str:
+    return str(conv.raw.get("eval_strategy", conv.raw.get("evaluation_strategy", "no")))
+
+
 def _evaluates(conv: Conversion) -> bool:
-    strategy = conv.raw.get("eval_strategy", conv.raw.get("evaluation_strategy", "no"))
-    return str(strategy) != "no" or bool(conv.raw.get("do_eval"))
+    return _eval_strategy(conv) != "no" or bool(conv.raw.get("do_eval"))
 
 
 def _source(conv: Conversion, path: str, method: str, **extra) -> dict:
@@ -234,8 +261,14 @@ def _datasets(conv: Conversion, method: str) -> None:
         src = _source(conv, str(name), method, subset=conv.take("dataset_config"))
         src["split"] = conv.take("dataset_train_split", "train")
         sources.append(src)
-        if test_split and _evaluates(conv):
-            evals.append({**src, "split": test_split})
+        # trl's scripts evaluate on dataset[dataset_test_split] whenever eval_strategy is not "no"
+        if (_evaluates(conv) and test_split) or (not test_split and _eval_strategy(conv) != "no"):
+            evals.append({**src, "split": test_split or TEST_SPLIT})
+            if not test_split:
+                conv.notes.append(
+                    f"data.eval_sources: {name} split {TEST_SPLIT}, TRL's dataset_test_split default, which trl "
+                    "evaluates on when eval_strategy is not 'no'; check that the dataset has that split"
+                )
         elif test_split:
             conv.drop("dataset_test_split", test_split, "eval_strategy is 'no', so it is not read", material=False)
     mixer = conv.take("dataset_mixer")

@@ -111,11 +111,12 @@ CASES = [
             "data.sources[0].columns": {},
             "data.sources[1].format": "preference",  # ds_type json + one data_files entry
             "data.packing": False,
-            "model.attn_implementation": "flash_attention_2",
+            # attn_implementation: flash_attention_2 asks for flash attention, which auto runs (no flash-attn)
+            "model.attn_implementation": "auto",
             "tokenizer.pad_token": "<|finetune_right_pad_id|>",
         },
         ["dataset_exact_deduplication"],
-        ["tokenizer_type", "ddp_find_unused_parameters"],
+        ["tokenizer_type", "ddp_find_unused_parameters", "attn_implementation"],
     ),
     (
         "axolotl-kto.yaml",
@@ -663,6 +664,20 @@ def test_every_shipped_peer_config_is_exercised():
         "llamafactory-merge-export.yaml",
         "axolotl-ia3.yaml",
     }  # the rest: tests/unit/peers/test_convert.py
+    covered |= {
+        "trl-eval-default-test-split.yaml",
+        "axolotl-fp32-gptq-lora.yaml",
+        "llamafactory-qlora-fp16.yaml",
+        "trl-orpo-handbook.yaml",
+        "trl-orpo-warmup-steps-and-ratio.yaml",
+        "axolotl-pretrain-c4.yaml",
+        "trl-gpt2-cpt.yaml",
+        "axolotl-mistral-qlora-harmless.yaml",
+        "llamafactory-harmless-keys.yaml",
+        "trl-with-accelerate-fp8.yaml",
+        "llamafactory-lora-predict.yaml",
+        "llamafactory-lora-eval.yaml",
+    }  # tests/unit/peers/test_convert_sweep.py
     assert configs <= covered, configs - covered
 
 
@@ -689,22 +704,31 @@ def test_odd_value_shapes_are_reported_by_key_not_raised(tmp_path, source, confi
 
 
 @pytest.mark.parametrize(
-    ("keys", "method"),
+    ("keys", "method", "guessed"),
     [
-        ({"desirable_weight": 1.0, "beta": 0.1}, "kto"),
-        ({"simpo_gamma": 0.5, "loss_type": "simpo"}, "simpo"),
-        ({"center_rewards_coefficient": 0.01}, "reward"),
-        ({"beta": 0.1}, "dpo"),
-        ({"packing": True}, "sft"),
+        ({"desirable_weight": 1.0, "beta": 0.1}, "kto", False),
+        ({"simpo_gamma": 0.5, "loss_type": "simpo"}, "simpo", False),
+        ({"center_rewards_coefficient": 0.01}, "reward", False),
+        ({"rpo_alpha": 1.0, "beta": 0.1}, "dpo", False),
+        ({"packing": True}, "sft", False),
+        # keys DPO, ORPO, CPO and KTO configs share, or none: a guess, which --method must confirm (exit 2)
+        ({"beta": 0.1}, "dpo", True),
+        ({"beta": 0.1, "packing": True}, "dpo", True),
+        ({}, "sft", True),
     ],
 )
-def test_trl_method_is_guessed_from_keys_only_one_trainer_has(tmp_path, keys, method):
+def test_trl_method_is_read_from_keys_only_one_trainer_has(tmp_path, keys, method, guessed):
     from finetune.peers import convert_mapping
 
     raw = {"model_name_or_path": "meta-llama/Llama-3.2-1B", **keys}
     conv = convert_mapping(raw, source="trl", config_dir=tmp_path, out_dir=tmp_path)
     assert conv.recipe["method"]["type"] == method
-    assert any("pass --method" in note for note in conv.notes)
+    if guessed:
+        (dropped,) = [d for d in conv.material if d.key == "method"]
+        assert "is a guess; pass --method" in dropped.reason
+    else:
+        assert any("pass --method to say otherwise" in note for note in conv.notes)
+        assert "method" not in {d.key for d in conv.dropped}
 
 
 def test_llamafactory_sharegpt_kto_rows_are_reported_not_read_as_prompt_completion(tmp_path):
