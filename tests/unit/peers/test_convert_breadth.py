@@ -14,9 +14,8 @@ from finetune.cli import main
 from finetune.data.check import check_data
 from finetune.recipe.load import load_recipe
 from finetune.registry import get_preset
-from tests.helpers.paths import TEST_DATA
+from tests.helpers.convert import CONFIGS
 
-CONFIGS = TEST_DATA / "convert"
 HARDWARE = "server-8xh100"
 
 # (config, --from, --method, {recipe key: value}, material keys reported, ignored keys reported)

@@ -10,18 +10,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from finetune.cli import main
 from finetune.recipe.load import load_recipe
-from tests.helpers.paths import TEST_DATA
-
-CONFIGS = TEST_DATA / "convert"
-
-
-def _convert(tmp_path: Path, name: str, source: str, *extra: str) -> tuple[int, Path]:
-    out = tmp_path / "recipes" / "converted.yaml"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    rc = main(["convert", str(CONFIGS / name), "--from", source, "-o", str(out), *extra])
-    return rc, out
+from tests.helpers.convert import convert_config as _convert
 
 
 def _mapping(tmp_path: Path, source: str, raw: dict, method: str | None = None):
