@@ -30,11 +30,12 @@ def merge(run_dir, output_dir, **kwargs):
     return _merge(run_dir, output_dir, **kwargs)
 
 
-def convert(config, *, source: str, output=None, method: str | None = None):
-    """A peer's config (axolotl, llamafactory, trl) as a recipe (see finetune.peers.convert_file)."""
+def convert(config, *, source: str, output=None, method: str | None = None, gpus: int | None = None):
+    """A peer's config (axolotl, llamafactory, trl) as a recipe (see finetune.peers.convert_file); `gpus`: the GPU
+    count it ran on, for the global batch its per-GPU batch sizes make."""
     from finetune.peers import convert_file
 
-    return convert_file(config, source=source, output=output, method=method)
+    return convert_file(config, source=source, output=output, method=method, gpus=gpus)
 
 
 def push(run_dir, **kwargs):

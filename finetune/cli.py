@@ -108,6 +108,13 @@ def build_parser() -> argparse.ArgumentParser:
         choices=["sft", "dpo", "kto", "reward", "orpo", "cpo"],
         help="trl only: the trl subcommand the config was written for",
     )
+    p.add_argument(
+        "--gpus",
+        type=int,
+        default=None,
+        help="the GPU count the config ran on: its per-GPU micro-batch x accumulation x this is the recipe's "
+        "train.global_batch_size (without it, one GPU's, said in a note)",
+    )
     _add_after_training_commands(sub)
 
     p = sub.add_parser("presets", help="list hardware presets")
@@ -334,7 +341,7 @@ def _cmd_convert(args):
 
     # the report beside a recipe written to a stream (-o /dev/stdout) goes to stderr, so the stream is the recipe
     report = sys.stderr if writes_through(Path(args.output)) else sys.stdout
-    conv = convert(args.config, source=args.source, output=args.output, method=args.method)
+    conv = convert(args.config, source=args.source, output=args.output, method=args.method, gpus=args.gpus)
     material = conv.material
     print(f"wrote {args.output} from the {args.source} config {args.config}", file=report)
     for note in conv.notes:

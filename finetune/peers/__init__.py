@@ -41,6 +41,7 @@ class Conversion:
     raw: dict
     config_dir: Path
     out_dir: Path
+    gpus: int | None = None  # the GPU count the peer config ran on (convert --gpus): None when not said
     recipe: dict = field(default_factory=dict)
     used: set[str] = field(default_factory=set)
     dropped: list[Dropped] = field(default_factory=list)
@@ -106,7 +107,7 @@ def read_mapping(path: Path, *, what: str) -> dict:
 
 
 def convert_mapping(
-    raw: dict, *, source: str, config_dir: Path, out_dir: Path, method: str | None = None
+    raw: dict, *, source: str, config_dir: Path, out_dir: Path, method: str | None = None, gpus: int | None = None
 ) -> Conversion:
     from finetune.peers import axolotl, llamafactory, trl
     from finetune.peers.common import (
@@ -123,7 +124,9 @@ def convert_mapping(
     if source not in SOURCES:
         raise RecipeError(f"unknown source {source!r}", hint=f"use --from {' | '.join(SOURCES)}")
     _refuse_launch_file(raw, source=source)
-    conv = Conversion(source=source, raw=coerce_numbers(raw), config_dir=config_dir, out_dir=out_dir)
+    if gpus is not None and gpus < 1:
+        raise RecipeError(f"--gpus {gpus}: the GPU count must be 1 or more", hint="pass the GPUs the config ran on")
+    conv = Conversion(source=source, raw=coerce_numbers(raw), config_dir=config_dir, out_dir=out_dir, gpus=gpus)
     module = {"axolotl": axolotl, "llamafactory": llamafactory, "trl": trl}[source]
     if source == "trl":
         module.convert(conv, method=method)
@@ -192,9 +195,15 @@ def render(conv: Conversion) -> str:
 
 
 def convert_file(
-    path: str | Path, *, source: str, output: str | Path | None = None, method: str | None = None
+    path: str | Path,
+    *,
+    source: str,
+    output: str | Path | None = None,
+    method: str | None = None,
+    gpus: int | None = None,
 ) -> Conversion:
-    """Convert the peer config at `path`; write the recipe to `output` (when given)."""
+    """Convert the peer config at `path`; write the recipe to `output` (when given). `gpus`: the GPU count it ran
+    on, which its per-GPU batch sizes multiply into the recipe's global batch."""
     path = Path(path)
     out = Path(output) if output else None
     raw = read_mapping(path, what=f"{source} config")
@@ -204,6 +213,7 @@ def convert_file(
         config_dir=path.resolve().parent,
         out_dir=(out.resolve().parent if out else Path.cwd()),
         method=method,
+        gpus=gpus,
     )
     if out is not None:
         write_recipe_text(out, render(conv))

@@ -417,8 +417,8 @@ def as_list(value: Any) -> list:
 
 def batch_sizes(conv: Conversion, *, micro_key: str = "per_device_train_batch_size", also: str = "") -> None:
     """micro-batch x gradient_accumulation_steps (transformers' TrainingArguments names; axolotl's
-    micro_batch_size): our micro-batch, and a global batch for ONE GPU (said in the notes, since ours spans
-    every GPU)."""
+    micro_batch_size): our micro-batch, and the global batch over the GPUs the config ran on (convert --gpus; one
+    GPU's when not given, said in the notes, since ours spans every GPU)."""
     micro, accumulation = conv.raw.get(micro_key), conv.raw.get("gradient_accumulation_steps")
     for key, value in ((micro_key, micro), ("gradient_accumulation_steps", accumulation)):
         if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
@@ -427,11 +427,16 @@ def batch_sizes(conv: Conversion, *, micro_key: str = "per_device_train_batch_si
     conv.used.update({micro_key, "gradient_accumulation_steps"})
     if micro:
         conv.set("train.micro_batch_size", micro)
-        conv.set("train.global_batch_size", micro * (accumulation or 1))
-        conv.notes.append(
-            f"train.global_batch_size is {micro_key} x gradient_accumulation_steps of ONE GPU; {also}"
-            "multiply it by your GPU count for the same effective batch"
-        )
+        conv.set("train.global_batch_size", micro * (accumulation or 1) * (conv.gpus or 1))
+        if conv.gpus:
+            conv.notes.append(
+                f"train.global_batch_size is {micro_key} x gradient_accumulation_steps x {conv.gpus} GPUs (--gpus)"
+            )
+        else:
+            conv.notes.append(
+                f"train.global_batch_size is {micro_key} x gradient_accumulation_steps of ONE GPU; {also}"
+                "multiply it by your GPU count for the same effective batch (convert --gpus N does)"
+            )
 
 
 def micro_batch_minimum(conv: Conversion) -> None:

@@ -364,3 +364,18 @@ def test_a_flash_attention_request_keeps_the_default_with_how_to_pin_it(tmp_path
     (dropped,) = [d for d in conv.dropped if d.key == key]
     assert dropped.reason == FLASH_REASON and not dropped.material
     assert "flash_attention_2" in FLASH_REASON and "flash-attn" in FLASH_REASON
+
+
+# -- the batch: peers count it per GPU ---------------------------------------------------------------------------
+
+
+def test_gpus_makes_the_global_batch_the_peers_over_that_many_gpus(tmp_path):
+    """axolotl's micro_batch_size 2 x gradient_accumulation_steps 4 on 8 GPUs is a batch of 64 sequences a step."""
+    rc, out = _convert(tmp_path, "axolotl-lora-chat.yaml", "axolotl", "--gpus", "8")
+    assert rc == 0
+    r = load_recipe(out)
+    assert (r.train.micro_batch_size, r.train.global_batch_size) == (2, 64)
+    assert "x 8 GPUs (--gpus)" in out.read_text()
+    rc, out = _convert(tmp_path, "axolotl-lora-chat.yaml", "axolotl")
+    assert load_recipe(out).train.global_batch_size == 8 and "convert --gpus N does" in out.read_text()
+    assert _convert(tmp_path, "axolotl-lora-chat.yaml", "axolotl", "--gpus", "0")[0] == 2
