@@ -88,10 +88,25 @@ PREF_LOSS = {
 }
 
 
+# LLaMA-Factory's dataset_dir naming a Hub dataset repo that holds its dataset_info.json
+REMOTE_PREFIX = "REMOTE:"
+
+
 def _dataset_info(conv: Conversion) -> tuple[dict | None, Path | None, str]:
     """dataset_info.json under dataset_dir (the config's folder, then the current one): its entries, its folder,
     and where it was looked for (said when a name is not found)."""
-    folder = Path(str(conv.take("dataset_dir") or "data"))
+    named = str(conv.take("dataset_dir") or "data")
+    if named.startswith(REMOTE_PREFIX):  # LLaMA-Factory reads dataset_info.json from a Hub dataset repo
+        repo = named[len(REMOTE_PREFIX) :]
+        return (
+            None,
+            None,
+            (
+                f"dataset_dir {named}: a dataset_info.json in the Hub dataset {repo} is not read (finetune reads local "
+                f"files and Hub datasets by id): download it (hf download {repo} --repo-type dataset --local-dir DIR)"
+            ),
+        )
+    folder = Path(named)
     looked = []
     for base in (conv.config_dir, Path.cwd()):
         path = (folder if folder.is_absolute() else base / folder) / "dataset_info.json"

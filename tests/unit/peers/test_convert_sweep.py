@@ -379,3 +379,20 @@ def test_gpus_makes_the_global_batch_the_peers_over_that_many_gpus(tmp_path):
     rc, out = _convert(tmp_path, "axolotl-lora-chat.yaml", "axolotl")
     assert load_recipe(out).train.global_batch_size == 8 and "convert --gpus N does" in out.read_text()
     assert _convert(tmp_path, "axolotl-lora-chat.yaml", "axolotl", "--gpus", "0")[0] == 2
+
+
+def test_llamafactory_remote_dataset_dir_says_how_to_fetch_it(tmp_path):
+    """LLaMA-Factory's `dataset_dir: REMOTE:owner/repo` reads dataset_info.json from a Hub dataset: reported with the
+    download, not searched for as a local folder named REMOTE:..."""
+    raw = {
+        "model_name_or_path": "meta-llama/Meta-Llama-3-8B-Instruct",
+        "stage": "sft",
+        "finetuning_type": "lora",
+        "dataset": "identity",
+        "dataset_dir": "REMOTE:llamafactory/demo_data",
+        "template": "llama3",
+    }
+    conv = _mapping(tmp_path, "llamafactory", raw)
+    reasons = [d.reason for d in conv.dropped if d.key.startswith("dataset")]
+    assert reasons and "hf download llamafactory/demo_data --repo-type dataset" in reasons[0]
+    assert "no dataset_info.json in" not in reasons[0]
