@@ -43,7 +43,6 @@ IGNORED = (
             "tokenized_path",
             "streaming",
             "buffer_size",
-            "mix_strategy",
             "trust_remote_code_hf",
             "upcast_layernorm",
             "upcast_lmhead_output",
@@ -271,6 +270,7 @@ def convert(conv: Conversion) -> None:
         sources = [s for i, n in enumerate(names) if (s := _source(conv, n, info, folder, f"{theirs}[{i}]", where))]
         if sources:
             conv.set(ours, sources)
+    _mix_strategy(conv)
     max_samples = conv.take("max_samples")
     if max_samples:
         for src in conv.get("data.sources", []):
@@ -284,6 +284,26 @@ def convert(conv: Conversion) -> None:
     if conv.has("val_size"):
         held_out(conv, "val_size", conv.take("val_size"))
     deepspeed_file(conv, "deepspeed")
+
+
+def _mix_strategy(conv: Conversion) -> None:
+    """LLaMA-Factory's mix_strategy: concat (its default) joins the datasets, as finetune's data.sources do;
+    interleave_under / interleave_over alternate them, stopping at the shortest or repeating the shorter ones
+    until the longest is used up (datasets' interleave_datasets), which changes what is trained on."""
+    strategy = str(conv.take("mix_strategy", "concat"))
+    probs = conv.take("interleave_probs")
+    if strategy == "concat":
+        if probs is not None:
+            conv.drop("interleave_probs", probs, "read only by an interleave mix_strategy", material=False)
+        return
+    conv.drop(
+        "mix_strategy",
+        strategy,
+        "interleaving the datasets (stopping at the shortest, or repeating the shorter ones) is not offered: "
+        "finetune joins data.sources and shuffles them; to weigh a source, repeat it or slice its split",
+    )
+    if probs is not None:
+        conv.drop("interleave_probs", probs, "belongs to the interleave mix_strategy", material=False)
 
 
 def _refuse_export(conv: Conversion) -> None:

@@ -396,3 +396,13 @@ def test_llamafactory_remote_dataset_dir_says_how_to_fetch_it(tmp_path):
     reasons = [d.reason for d in conv.dropped if d.key.startswith("dataset")]
     assert reasons and "hf download llamafactory/demo_data --repo-type dataset" in reasons[0]
     assert "no dataset_info.json in" not in reasons[0]
+
+
+def test_llamafactory_interleaved_datasets_are_reported(tmp_path):
+    """mix_strategy interleave_over repeats the shorter datasets until the longest is used up: not what finetune's
+    joined sources train on, so it is reported; concat, LLaMA-Factory's default, is what they do."""
+    raw = {"model_name_or_path": "meta-llama/Llama-3.1-8B", "stage": "sft", "finetuning_type": "lora"}
+    over = _mapping(tmp_path, "llamafactory", {**raw, "mix_strategy": "interleave_over", "interleave_probs": "0.5,0.5"})
+    assert [d.key for d in over.dropped if d.material] == ["mix_strategy"]
+    concat = _mapping(tmp_path, "llamafactory", {**raw, "mix_strategy": "concat"})
+    assert not [d for d in concat.dropped if d.key == "mix_strategy"]
