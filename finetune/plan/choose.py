@@ -22,7 +22,7 @@ from dataclasses import replace
 from finetune import strategies
 from finetune.plan.memory import checkpointed_layers, footprint, steps_16bit_weights, task_eval_fits
 from finetune.plan.timing import step_time
-from finetune.plan.types import GIB, Candidate
+from finetune.plan.types import GIB, Candidate, memory_unit
 from finetune.plan.workload import Job, accumulation_steps, batch_share, holds_a_micro_batch
 from finetune.strategies import info, offload_level, weighs_sync_each_batch
 
@@ -327,7 +327,8 @@ def _fits_text(job: Job) -> tuple[bool, str]:
     extra = ""
     if strategies.offloads(chosen.strategy):
         extra = f", needs {fmt_bytes(chosen.host_ram_bytes)} host RAM per node"
-    return True, f"fits at {chosen.per_gpu_memory_gib:.1f} GiB/GPU with {chosen.strategy}{extra}"
+    unit = memory_unit(job.preset.vendor)
+    return True, f"fits at {chosen.per_gpu_memory_gib:.1f} {unit} with {chosen.strategy}{extra}"
 
 
 def suggestions(job: Job, candidates: list[Candidate], *, on_preset: Callable | None = None) -> list[str]:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from finetune.plan.types import GIB, Plan
+from finetune.plan.types import GIB, Plan, memory_unit
 
 _COLUMNS = [  # header, width, value(candidate)
     ("strategy", 19, lambda c: c.strategy),
@@ -103,7 +103,7 @@ def render_plan_table(plan: Plan) -> str:
             f"choice: {plan.strategy}, micro-batch {plan.micro_batch_size}, gradient accumulation "
             f"{plan.gradient_accumulation_steps}, activation checkpointing "
             f"{checkpointing_text(plan)}{sync_text(plan)}, "
-            f"{plan.per_gpu_memory_gib:.1f} GiB/GPU peak",
+            f"{plan.per_gpu_memory_gib:.1f} {memory_unit(plan.device)} peak",
             f"estimate: {plan.step_time_s:.2f} s/step, {plan.tokens_per_second:,.0f} tokens/s, MFU {plan.mfu:.0%}",
             f"kernels: {plan.kernels}",
             *([f"disk: {plan.disk}"] if plan.disk else []),

@@ -7,6 +7,12 @@ from dataclasses import asdict, dataclass, field
 GIB = 1024**3
 
 
+def memory_unit(device: str) -> str:
+    """How a plan's per-device memory reads: per GPU, or the host's RAM for the cpu preset's one process (`device`:
+    a plan's device or a preset's vendor, "cpu" for both)."""
+    return "GiB" if device == "cpu" else "GiB/GPU"
+
+
 @dataclass(frozen=True)
 class MemoryBreakdown:
     """Bytes per GPU (peak during a training step)."""

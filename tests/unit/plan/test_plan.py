@@ -690,3 +690,11 @@ def test_a_hardware_suggestion_is_planned_with_that_hardwares_kernels():
     assert not p.fits and offered, p.suggestions
     there = plan(recipe, hardware="server-8xmi300x")
     assert there.fits and f"fits at {there.per_gpu_memory_gib:.1f} GiB/GPU" in offered[0]
+
+
+def test_a_cpu_plan_reads_its_memory_as_the_hosts():
+    from finetune.plan.render import render_plan_table
+
+    p = plan(shape_recipe("tiny-llama", "lora", "cpu", seq=128, global_batch=4, model__arch="tiny-llama"))
+    text = render_plan_table(p)
+    assert " GiB peak" in text and "GiB/GPU" not in text.split("choice:")[1].splitlines()[0]
