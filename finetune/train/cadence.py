@@ -35,10 +35,11 @@ def cadence_args(recipe: Recipe, *, has_eval: bool) -> dict:
         "warmup_steps": t.warmup_steps if t.warmup_steps is not None else t.warmup_ratio,
     }
     if t.scheduler == "cosine_with_min_lr":
+        # transformers' get_cosine_with_min_lr_schedule_with_warmup takes min_lr or min_lr_rate (a share of the peak)
         args["lr_scheduler_kwargs"] = (
             {"min_lr": t.min_lr}
             if t.min_lr is not None
-            else {"min_lr_ratio": t.min_lr_ratio if t.min_lr_ratio is not None else DEFAULT_MIN_LR_RATIO}
+            else {"min_lr_rate": t.min_lr_ratio if t.min_lr_ratio is not None else DEFAULT_MIN_LR_RATIO}
         )
     if best and evaluates:
         args.update(

@@ -22,7 +22,7 @@ def _args(**sections):
 def test_warmup_steps_and_min_lr_schedule_reach_the_trainer():
     args = _args(train={"warmup_steps": 7, "scheduler": "cosine_with_min_lr", "min_lr": 1e-5})
     assert args["warmup_steps"] == 7 and args["lr_scheduler_kwargs"] == {"min_lr": 1e-5}
-    assert _args(train={"scheduler": "cosine_with_min_lr"})["lr_scheduler_kwargs"] == {"min_lr_ratio": 0.1}
+    assert _args(train={"scheduler": "cosine_with_min_lr"})["lr_scheduler_kwargs"] == {"min_lr_rate": 0.1}
     assert _args(train={"warmup_ratio": 0.1})["warmup_steps"] == 0.1
 
 
@@ -78,3 +78,26 @@ def test_evals_per_epoch_early_stopping_and_best_checkpoint(tmp_path):
     assert state["best_model_checkpoint"] and state["best_metric"] == min(
         r["eval_loss"] for r in rows if r.get("eval_loss") is not None and r["step"] > 0
     )
+
+
+@pytest.mark.parametrize("train", [{"min_lr_ratio": 0.2}, {"min_lr": 1e-5}, {}])
+def test_cosine_with_min_lr_builds_transformers_scheduler_and_ends_at_its_floor(train):
+    """The kwargs go to transformers' own get_scheduler as the Trainer passes them (lr_scheduler_kwargs): a name it
+    does not take (min_lr_ratio for its min_lr_rate) had failed every cosine_with_min_lr run at its first step."""
+    import torch
+    from transformers import get_scheduler
+
+    args = _args(train={"scheduler": "cosine_with_min_lr", "lr": 1e-4, **train})
+    optimizer = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], lr=1e-4)
+    schedule = get_scheduler(
+        "cosine_with_min_lr",
+        optimizer,
+        num_warmup_steps=0,
+        num_training_steps=10,
+        scheduler_specific_kwargs=args["lr_scheduler_kwargs"],
+    )
+    for _ in range(10):
+        optimizer.step()
+        schedule.step()
+    floor = train.get("min_lr", 1e-4 * train.get("min_lr_ratio", 0.1))
+    assert schedule.get_last_lr()[0] == pytest.approx(floor)
