@@ -2,7 +2,8 @@
 
 Each source becomes a datasets.IterableDataset (a local file through the json/parquet/csv builders,
 or a Hub dataset) whose rows are tokenized as they are read, exactly as the in-memory path tokenizes
-`text` rows (finetune/train/tokenize.py); weighted sources are interleaved. Preflight has already
+`text` rows (finetune/train/tokenize.py); weighted sources are interleaved, and the whole repeats until
+train.max_steps. Preflight has already
 checked the first rows of each source (finetune/data/sources.py, PREVIEW_ROWS); rows later in the file
 that fail are reported by the trainer's reader, not here.
 """
@@ -26,7 +27,14 @@ def _open(source, base):
 
 
 def streaming_train(recipe: Recipe, tokenizer):
-    """The train IterableDataset of input_ids/labels."""
+    """The train IterableDataset of input_ids/labels, read again from its start each time it runs out: a streamed
+    run is train.max_steps long, and transformers' Trainer, given an iterable that ends before an optimizer step's
+    micro-batches are drawn, starts a new epoch without stepping, forever (a stream shorter than one step, packed,
+    spun at full CPU without a step)."""
+    return _sources(recipe, tokenizer).repeat(None)
+
+
+def _sources(recipe: Recipe, tokenizer):
     import datasets
 
     parts = []

@@ -242,3 +242,33 @@ def test_pretrain_streams_a_corpus_and_splits_long_documents(tmp_path):
     summary = run_rank(resolve_recipe(raw, run_dir=tmp_path / "run"), resume="never")
     assert summary["steps"] == 6 and summary["final_train_loss"] < summary["first_train_loss"]
     assert summary["tokenized_cache"]["key"] == "streaming"
+
+
+@pytest.mark.slow
+def test_a_stream_shorter_than_one_step_is_read_again_until_max_steps(tmp_path):
+    """Three short documents pack into one row, and a step takes 2 x 4 micro-batches: the Trainer, given an iterable
+    that ends before a step's micro-batches are drawn, began epoch after epoch without stepping, at full CPU, never
+    ending. The stream now repeats; the rank runs in a subprocess so that a hang fails the test instead of the suite."""
+    import subprocess
+    import sys
+
+    from tests.helpers.processes import env
+    from tests.helpers.recipes import resolve_recipe
+
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_text("".join(json.dumps({"text": f"doc {i} -> DOC {i}"}) + "\n" for i in range(3)))
+    raw = tiny_recipe(
+        method="pretrain",
+        adapter={"type": "full"},
+        data={"sources": [{"path": str(corpus), "format": "text", "streaming": True}], "eval_sources": []},
+        train={"max_steps": 2, "global_batch_size": 8, "micro_batch_size": 2},
+    )
+    resolved = resolve_recipe(raw, run_dir=tmp_path / "run")
+    rank = (
+        "import sys; from finetune.train.run import run_rank; "
+        "print('steps', run_rank(sys.argv[1], resume='never')['steps'])"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", rank, str(resolved)], capture_output=True, text=True, env=env(), timeout=240
+    )
+    assert proc.returncode == 0 and "steps 2" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-3000:]
