@@ -63,7 +63,27 @@ def check_data(recipe: Recipe) -> DataCheck:
         check_data_path(anchored(template, base), key="data.chat_template", **guard)
     read_chat_template(recipe)  # jinja text, a file or a shipped template's name; RecipeError otherwise
     _check_batch(recipe, out.rows)
+    if out.rows is not None and not any(s.streaming for s in d.sources):  # a stream's rows are a preview
+        check_eval_split(recipe, out.rows, file=d.sources[0].path)
     return out
+
+
+def check_eval_split(recipe: Recipe, rows: int, *, file: str | None) -> None:
+    """data.eval_fraction / data.eval_rows split off the training rows (datasets' train_test_split: a share, or a
+    count): refused where `rows` cannot give one eval row and keep one to train on. Checked before launch on the
+    local rows read, and by the rank on the rows tokenized (long ones dropped)."""
+    d = recipe.data
+    if not (d.eval_fraction or d.eval_rows) or d.eval_sources:
+        return
+    key, size = ("data.eval_fraction", d.eval_fraction) if d.eval_fraction else ("data.eval_rows", d.eval_rows)
+    if rows < 2 or (isinstance(size, int) and size >= rows):
+        raise DataError(
+            f"too few examples to split off an eval set: {rows} training rows"
+            + (f", {size} asked for the eval set" if isinstance(size, int) else ""),
+            file=file,
+            key=key,
+            hint=f"add examples or lower (or remove) {key}",
+        )
 
 
 def _check_batch(recipe: Recipe, rows: int | None) -> None:

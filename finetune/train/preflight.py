@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 
+from finetune.data.check import check_eval_split
 from finetune.data.sources import LoadedSource, load_source
 from finetune.errors import DataError
 from finetune.recipe.load import recipe_dir
@@ -299,20 +300,9 @@ def _build(recipe: Recipe, tokenizer, train_sources, eval_sources):
     if eval_sources:
         out["eval"] = _tokenize([r for s in eval_sources for r in s.records], **kw)
     elif recipe.data.eval_fraction or recipe.data.eval_rows:
+        check_eval_split(recipe, len(train), file=train_sources[0].name)
         # datasets' train_test_split takes a share (float) or a count of rows (int)
-        key, size = (
-            ("data.eval_fraction", recipe.data.eval_fraction)
-            if recipe.data.eval_fraction
-            else ("data.eval_rows", recipe.data.eval_rows)
-        )
-        if len(train) < 2 or (isinstance(size, int) and size >= len(train)):
-            raise DataError(
-                f"too few examples to split off an eval set: {len(train)} training rows"
-                + (f", {size} asked for the eval set" if isinstance(size, int) else ""),
-                file=train_sources[0].name,
-                key=key,
-                hint=f"add examples or lower (or remove) {key}",
-            )
+        size = recipe.data.eval_fraction or recipe.data.eval_rows
         split = train.train_test_split(test_size=size, seed=recipe.data.seed)
         out = {"train": split["train"], "eval": split["test"]}
     return datasets.DatasetDict(out)

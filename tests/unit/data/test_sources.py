@@ -349,3 +349,18 @@ def test_a_missing_column_is_mapped_with_that_sources_columns(tmp_path):
     with pytest.raises(DataError) as info:
         load_source(DataSource(path=str(path), format="alpaca"), base_dir=tmp_path)
     assert "map it with that source's columns: {output: <your column>}" in info.value.render()
+
+
+def test_an_eval_split_the_local_rows_cannot_give_is_refused_before_launch(tmp_path):
+    """The handbooks' test_split_size: 1000 converts to data.eval_rows: 1000; on 64 local rows the pre-launch data
+    check refuses it (it had been the rank, after the launch and the model load)."""
+    from finetune.data.check import check_data
+    from tests.helpers.recipes import tiny_recipe
+
+    raw = tiny_recipe(data={"eval_sources": [], "eval_rows": 1000})
+    with pytest.raises(DataError) as caught:
+        check_data(load_recipe(raw))
+    assert (
+        caught.value.key == "data.eval_rows" and "64 training rows, 1000 asked for the eval set" in caught.value.message
+    )
+    assert check_data(load_recipe(tiny_recipe(data={"eval_sources": [], "eval_rows": 12}))).rows == 64
