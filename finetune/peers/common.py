@@ -613,6 +613,7 @@ def _hub(conv: Conversion) -> None:
     """hub_model_id (+ push_to_hub, hub_private_repo) -> hub.repo; a set hub.repo pushes after the run."""
     repo = conv.take("hub_model_id")
     push = conv.take("push_to_hub")
+    revision = _hub_revision(conv)
     if conv.has("hub_private_repo"):
         conv.set("hub.private", bool(conv.take("hub_private_repo")))
     if not repo:
@@ -625,6 +626,18 @@ def _hub(conv: Conversion) -> None:
         conv.drop("hub_model_id", repo, f"the Hub repo needs its owner; set hub.repo: YOUR-NAME/{repo}", material=False)
     else:
         conv.set("hub.repo", str(repo))
+        if revision:
+            conv.set("hub.revision", revision)
+
+
+def _hub_revision(conv: Conversion) -> str | None:
+    """The branch a config pushes to (read whether or not it pushes): transformers' hub_revision, or the alignment
+    handbook's hub_model_revision with its push_to_hub_revision switch."""
+    revision = conv.take("hub_revision")
+    handbook = conv.take("hub_model_revision")
+    if is_on(conv.take("push_to_hub_revision")) and handbook:
+        revision = revision or handbook
+    return str(revision) if revision else None
 
 
 TRACKERS = get_args(get_args(LoggingSection.model_fields["report_to"].annotation)[0])

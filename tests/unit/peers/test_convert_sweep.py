@@ -406,3 +406,19 @@ def test_llamafactory_interleaved_datasets_are_reported(tmp_path):
     assert [d.key for d in over.dropped if d.material] == ["mix_strategy"]
     concat = _mapping(tmp_path, "llamafactory", {**raw, "mix_strategy": "concat"})
     assert not [d for d in concat.dropped if d.key == "mix_strategy"]
+
+
+def test_the_branch_a_handbook_config_pushes_to_is_hub_revision(tmp_path):
+    raw = {
+        "model_name_or_path": "meta-llama/Llama-3.1-8B",
+        "dataset_name": "trl-lib/Capybara",
+        "hub_model_id": "me/llama-sft",
+        "push_to_hub": True,
+        "hub_model_revision": "v1.0",
+        "push_to_hub_revision": True,
+    }
+    conv = _mapping(tmp_path, "trl", raw, method="sft")
+    assert conv.recipe["hub"] == {"repo": "me/llama-sft", "revision": "v1.0"}
+    quiet = _mapping(tmp_path, "trl", {**raw, "push_to_hub": False}, method="sft")
+    assert "revision" not in quiet.recipe.get("hub", {})
+    assert not [d for d in quiet.dropped if "revision" in d.key]  # read, and moot without a push
