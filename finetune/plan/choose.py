@@ -337,9 +337,8 @@ def suggestions(job: Job, candidates: list[Candidate], *, on_preset: Callable | 
     hardware is suggested."""
     out: list[str] = []
     if job.strategy != "auto":
-        for c in sorted((c for c in candidates if c.fits and c.strategy != job.strategy), key=lambda c: c.step_time_s)[
-            :2
-        ]:
+        others = [c for c in candidates if c.fits and c.strategy != job.strategy and task_eval_fits(job, c.memory)]
+        for c in sorted(others, key=lambda c: c.step_time_s)[:2]:
             extra = (
                 f", needs {fmt_bytes(c.host_ram_bytes)} host RAM per node" if strategies.offloads(c.strategy) else ""
             )

@@ -53,3 +53,20 @@ def test_what_would_fit_leaves_out_what_the_task_eval_would_not_fit():
 
     assert suggested(distributed__strategy="ddp") == ["server-8xb200", "server-8xmi300x"]
     assert suggested(distributed__strategy="ddp", data__task_eval=TASK_EVAL) == []
+
+
+def test_a_pinned_strategys_alternatives_leave_out_what_the_task_eval_would_not_fit():
+    """Qwen3-32B LoRA pinned to fsdp2 does not fit one 32 GB card; the offload tiers would hold the training, but
+    not the task eval's 61 GiB copy of the model beside it, so with a task eval none is offered."""
+    from tests.helpers.recipes import shape_recipe
+
+    def offered(**kw) -> list[str]:
+        recipe = shape_recipe(
+            "Qwen/Qwen3-32B", "lora", "workstation-1x5090", seq=512, global_batch=8, train__liger="off", **kw
+        )
+        p = plan(recipe, hardware=None)
+        assert not p.fits
+        return [s.split()[1] for s in p.suggestions if s.startswith("distributed.strategy: ")]
+
+    assert offered(distributed__strategy="fsdp2") == ["fsdp2-offload", "zero3-offload"]
+    assert offered(distributed__strategy="fsdp2", data__task_eval=TASK_EVAL) == []
