@@ -53,15 +53,14 @@ def _as_recipe(recipe, overrides: list[str] | None = None) -> Recipe:
 
 def make_plan(recipe, *, hardware: str | None = None, overrides: list[str] | None = None):
     """Return (recipe, plan). The plan says fits or not; it never raises for 'does not fit'."""
+    from finetune.data.check import unreadable_sources
     from finetune.data.lengths import local_sample, with_measured_lengths
-    from finetune.data.sources import unreadable_sources
     from finetune.plan import plan as plan_recipe
-    from finetune.recipe.load import recipe_dir
 
     recipe = _as_recipe(recipe, overrides)
     recipe = with_measured_lengths(recipe, local_sample(recipe))  # local data: examples' or sequences' lengths
     result = plan_recipe(recipe, hardware=hardware)
-    missing = unreadable_sources(recipe, base_dir=recipe_dir(recipe))
+    missing = unreadable_sources(recipe)
     if missing:
         result.warnings.append(
             f"planned without reading {'; '.join(missing)}: `finetune validate` and `finetune run` refuse the recipe "

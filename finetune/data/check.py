@@ -31,18 +31,34 @@ class DataCheck:
     sample: LengthSample = field(default_factory=LengthSample)  # local training records to measure (lengths)
 
 
+def named_sources(recipe: Recipe) -> list[tuple[str, Any, str | None]]:
+    """(recipe key, source, "train" / "eval" / None for the task eval) for every data source of the recipe."""
+    d = recipe.data
+    named: list[tuple[str, Any, str | None]] = [(f"data.sources[{i}]", s, "train") for i, s in enumerate(d.sources)]
+    named += [(f"data.eval_sources[{i}]", s, "eval") for i, s in enumerate(d.eval_sources)]
+    if d.task_eval is not None:
+        named.append(("data.task_eval", d.task_eval, None))
+    return named
+
+
+def unreadable_sources(recipe: Recipe) -> list[str]:
+    """'KEY (PATH): why' for each local data file of the recipe that `finetune run` would refuse to read (missing, a
+    directory...): `finetune plan` plans without reading data, and says so."""
+    out, base = [], recipe_dir(recipe)
+    for key, source, _ in named_sources(recipe):
+        try:
+            resolve_path(source.path, base)
+        except DataError as err:
+            out.append(f"{key} ({err.file}): {err.message}")
+    return out
+
+
 def check_data(recipe: Recipe) -> DataCheck:
     d, base = recipe.data, recipe_dir(recipe)
     guard: dict[str, Any] = dict(base_dir=base, allow_paths=d.allow_paths, allow_outside=d.allow_outside)
-    # (recipe key, source, "train" / "eval" / None for the task eval)
-    named: list[tuple[str, Any, str | None]] = [
-        (f"data.sources[{i}].path", s, "train") for i, s in enumerate(d.sources)
-    ]
-    named += [(f"data.eval_sources[{i}].path", s, "eval") for i, s in enumerate(d.eval_sources)]
-    if d.task_eval is not None:
-        named.append(("data.task_eval.path", d.task_eval, None))
     out = DataCheck(rows=0)
-    for key, source, split in named:
+    for section, source, split in named_sources(recipe):
+        key = f"{section}.path"
         if resolve_path(source.path, base) is None:  # a Hub dataset id (a missing local file raises)
             if split == "train":
                 out.rows = None

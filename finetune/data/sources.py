@@ -56,22 +56,6 @@ def resolve_path(path: str, base_dir: Path) -> Path | None:
     return None
 
 
-def unreadable_sources(recipe, *, base_dir: Path) -> list[str]:
-    """'KEY (PATH): why' for each local data file of the recipe (sources, eval sources, task eval) that `finetune
-    run` would refuse to read (missing, a directory...): `finetune plan` plans without reading data, and says so."""
-    sections = [(f"data.sources[{i}]", s) for i, s in enumerate(recipe.data.sources)]
-    sections += [(f"data.eval_sources[{i}]", s) for i, s in enumerate(recipe.data.eval_sources)]
-    if recipe.data.task_eval is not None:
-        sections.append(("data.task_eval", recipe.data.task_eval))
-    out = []
-    for key, source in sections:
-        try:
-            resolve_path(source.path, base_dir)
-        except DataError as err:
-            out.append(f"{key} ({err.file}): {err.message}")
-    return out
-
-
 def file_sha256(path: Path) -> str:
     digest = hashlib.sha256()
     with path.open("rb") as fh:
