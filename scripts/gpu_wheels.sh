@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # Download into .whl/ (git-ignored) the Python packages the GPU machine lacks, for its Python 3.12.
 # That machine has torch, transformers, accelerate and peft but no network; the device tool carries
-# .whl/ along (64 MiB limit: bitsandbytes alone is ~43 MB, so it is fetched into .whl-bnb/ separately, and
-# transformers, ~12 MB, into .whl-tf/: the machine's own transformers is 5.17, older than the 5.24 finetune
-# pins, and its MoE experts run passes 5.24 does not (docs/validation.md, fifteenth session). A call can carry
-# .whl-tf or .whl-bnb, not both: QLoRA rows run on the machine's transformers.)
+# .whl/ along (64 MiB limit). bitsandbytes goes into .whl-bnb/ with only its CUDA 13 and CPU libraries (the
+# machine's torch is built for CUDA 13.0; the wheel's other CUDA and ROCm builds are 35 of its 41 MB:
+# scripts/slim_wheel.py), and transformers into .whl-tf/: the machine's own transformers is 5.17, older than the
+# 5.24 finetune pins, and its MoE experts run passes 5.24 does not (docs/validation.md, fifteenth session).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 plat=(--platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_24_x86_64
@@ -16,6 +16,7 @@ get .whl pydantic==2.14.4 pydantic-core==2.50.5 annotated-types==0.8.0 typing-in
 # DeepSpeed is an sdist; it installs offline with --no-build-isolation against the machine's torch.
 python3 -m pip download -q --no-deps --no-binary=:all: -d .whl deepspeed==0.19.8
 get .whl-bnb bitsandbytes==0.50.2
+python3 scripts/slim_wheel.py .whl-bnb/bitsandbytes-0.50.2-*.whl 'cuda13[0-9]|cpu'
 get .whl-tf transformers==5.24.0
 # libaio (headers + library) for DeepSpeed's async_io op, which ZeRO-Infinity's NVMe offload compiles on
 # first use; the GPU machine has neither. Debian packages, unpacked into .whl/aio (gpu_env.sh points gcc
