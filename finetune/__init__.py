@@ -30,12 +30,21 @@ def merge(run_dir, output_dir, **kwargs):
     return _merge(run_dir, output_dir, **kwargs)
 
 
-def convert(config, *, source: str, output=None, method: str | None = None, gpus: int | None = None):
+def convert(
+    config,
+    *,
+    source: str,
+    output=None,
+    method: str | None = None,
+    gpus: int | None = None,
+    hardware: str | None = None,
+):
     """A peer's config (axolotl, llamafactory, trl) as a recipe (see finetune.peers.convert_file); `gpus`: the GPU
-    count it ran on, for the global batch its per-GPU batch sizes make."""
+    count it ran on, for the global batch its per-GPU batch sizes make; `hardware`: the preset it ran on (its GPU
+    count, and the recipe's hardware)."""
     from finetune.peers import convert_file
 
-    return convert_file(config, source=source, output=output, method=method, gpus=gpus)
+    return convert_file(config, source=source, output=output, method=method, gpus=gpus, hardware=hardware)
 
 
 def push(run_dir, **kwargs):

@@ -115,6 +115,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="the GPU count the config ran on: its per-GPU micro-batch x accumulation x this is the recipe's "
         "train.global_batch_size (without it, one GPU's, said in a note)",
     )
+    p.add_argument(
+        "--hardware",
+        default=None,
+        help="the hardware preset (or preset file) the config ran on: its GPU count is --gpus, and the recipe "
+        "names it as its hardware",
+    )
     _add_after_training_commands(sub)
 
     p = sub.add_parser("presets", help="list hardware presets")
@@ -341,7 +347,14 @@ def _cmd_convert(args):
 
     # the report beside a recipe written to a stream (-o /dev/stdout) goes to stderr, so the stream is the recipe
     report = sys.stderr if writes_through(Path(args.output)) else sys.stdout
-    conv = convert(args.config, source=args.source, output=args.output, method=args.method, gpus=args.gpus)
+    conv = convert(
+        args.config,
+        source=args.source,
+        output=args.output,
+        method=args.method,
+        gpus=args.gpus,
+        hardware=args.hardware,
+    )
     material = conv.material
     print(f"wrote {args.output} from the {args.source} config {args.config}", file=report)
     for note in conv.notes:

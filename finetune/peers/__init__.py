@@ -42,6 +42,7 @@ class Conversion:
     config_dir: Path
     out_dir: Path
     gpus: int | None = None  # the GPU count the peer config ran on (convert --gpus): None when not said
+    gpus_from: str = "--gpus"  # where that count was said: --gpus, or the --hardware preset's
     recipe: dict = field(default_factory=dict)
     used: set[str] = field(default_factory=set)
     dropped: list[Dropped] = field(default_factory=list)
@@ -107,7 +108,14 @@ def read_mapping(path: Path, *, what: str) -> dict:
 
 
 def convert_mapping(
-    raw: dict, *, source: str, config_dir: Path, out_dir: Path, method: str | None = None, gpus: int | None = None
+    raw: dict,
+    *,
+    source: str,
+    config_dir: Path,
+    out_dir: Path,
+    method: str | None = None,
+    gpus: int | None = None,
+    hardware: str | None = None,
 ) -> Conversion:
     from finetune.peers import axolotl, llamafactory, trl
     from finetune.peers.common import (
@@ -126,12 +134,23 @@ def convert_mapping(
     _refuse_launch_file(raw, source=source)
     if gpus is not None and gpus < 1:
         raise RecipeError(f"--gpus {gpus}: the GPU count must be 1 or more", hint="pass the GPUs the config ran on")
-    conv = Conversion(source=source, raw=coerce_numbers(raw), config_dir=config_dir, out_dir=out_dir, gpus=gpus)
+    if hardware is not None:
+        gpus = _hardware_gpus(hardware, gpus=gpus)
+    conv = Conversion(
+        source=source,
+        raw=coerce_numbers(raw),
+        config_dir=config_dir,
+        out_dir=out_dir,
+        gpus=gpus,
+        gpus_from=f"--hardware {hardware}" if hardware is not None else "--gpus",
+    )
     module = {"axolotl": axolotl, "llamafactory": llamafactory, "trl": trl}[source]
     if source == "trl":
         module.convert(conv, method=method)
     else:
         module.convert(conv)
+    if hardware is not None:
+        conv.set("hardware", _recipe_hardware(hardware, out_dir=out_dir))
     shared_keys(conv)
     map_aliases(conv, ignore=module.IGNORED)
     dtype_for_precision(conv)  # after every peer's dtype and precision keys are mapped
@@ -141,6 +160,29 @@ def convert_mapping(
     micro_batch_minimum(conv)
     _validate(conv)
     return conv
+
+
+def _hardware_gpus(hardware: str, *, gpus: int | None) -> int:
+    """The GPU count of `hardware` (convert --hardware: a preset name, a preset file or auto), which --gpus, when
+    given too, must agree with."""
+    from finetune.registry import get_preset
+
+    count = get_preset(hardware).world_size
+    if gpus is not None and gpus != count:
+        raise RecipeError(
+            f"--gpus {gpus} and --hardware {hardware} ({count} GPUs) disagree",
+            hint="pass one of them: --hardware sets the GPU count the config's per-GPU batch multiplies",
+        )
+    return count
+
+
+def _recipe_hardware(hardware: str, *, out_dir: Path) -> str:
+    """`hardware` as the written recipe reads it: a preset name as it is, a preset file relative to the recipe."""
+    from finetune.registry import list_presets
+
+    if hardware in ("auto", "cpu") or hardware in {p.name for p in list_presets()}:
+        return hardware
+    return os.path.relpath(Path(hardware).resolve(), out_dir.resolve())
 
 
 # top-level keys only a launch file has: DeepSpeed's JSON and accelerate's YAML (no peer's training config has them)
@@ -201,9 +243,11 @@ def convert_file(
     output: str | Path | None = None,
     method: str | None = None,
     gpus: int | None = None,
+    hardware: str | None = None,
 ) -> Conversion:
     """Convert the peer config at `path`; write the recipe to `output` (when given). `gpus`: the GPU count it ran
-    on, which its per-GPU batch sizes multiply into the recipe's global batch."""
+    on, which its per-GPU batch sizes multiply into the recipe's global batch; `hardware`: the preset it ran on,
+    whose GPU count that is and which the recipe names."""
     path = Path(path)
     out = Path(output) if output else None
     raw = read_mapping(path, what=f"{source} config")
@@ -214,6 +258,7 @@ def convert_file(
         out_dir=(out.resolve().parent if out else Path.cwd()),
         method=method,
         gpus=gpus,
+        hardware=hardware,
     )
     if out is not None:
         write_recipe_text(out, render(conv))

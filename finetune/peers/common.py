@@ -430,12 +430,13 @@ def batch_sizes(conv: Conversion, *, micro_key: str = "per_device_train_batch_si
         conv.set("train.global_batch_size", micro * (accumulation or 1) * (conv.gpus or 1))
         if conv.gpus:
             conv.notes.append(
-                f"train.global_batch_size is {micro_key} x gradient_accumulation_steps x {conv.gpus} GPUs (--gpus)"
+                f"train.global_batch_size is {micro_key} x gradient_accumulation_steps x {conv.gpus} GPUs "
+                f"({conv.gpus_from})"
             )
         else:
             conv.notes.append(
-                f"train.global_batch_size is {micro_key} x gradient_accumulation_steps of ONE GPU; {also}"
-                "multiply it by your GPU count for the same effective batch (convert --gpus N does)"
+                f"train.global_batch_size is {micro_key} x gradient_accumulation_steps of ONE GPU; {also}multiply it "
+                "by your GPU count for the same effective batch (convert --gpus N or --hardware PRESET does)"
             )
 
 

@@ -377,8 +377,31 @@ def test_gpus_makes_the_global_batch_the_peers_over_that_many_gpus(tmp_path):
     assert (r.train.micro_batch_size, r.train.global_batch_size) == (2, 64)
     assert "x 8 GPUs (--gpus)" in out.read_text()
     rc, out = _convert(tmp_path, "axolotl-lora-chat.yaml", "axolotl")
-    assert load_recipe(out).train.global_batch_size == 8 and "convert --gpus N does" in out.read_text()
+    assert load_recipe(out).train.global_batch_size == 8 and "convert --gpus N or --hardware PRESET does" in (
+        out.read_text()
+    )
     assert _convert(tmp_path, "axolotl-lora-chat.yaml", "axolotl", "--gpus", "0")[0] == 2
+
+
+def test_hardware_gives_the_gpu_count_and_the_recipes_hardware(tmp_path):
+    """--hardware PRESET: the preset's GPU count multiplies the per-GPU batch, the recipe plans on that preset, and a
+    --gpus that says otherwise is refused; a preset file is written relative to the recipe."""
+    rc, out = _convert(tmp_path, "axolotl-lora-chat.yaml", "axolotl", "--hardware", "workstation-4x4090")
+    assert rc == 0
+    r = load_recipe(out)
+    assert (r.train.global_batch_size, r.hardware) == (32, "workstation-4x4090")
+    assert "x 4 GPUs (--hardware workstation-4x4090)" in out.read_text()
+    assert (
+        _convert(tmp_path, "axolotl-lora-chat.yaml", "axolotl", "--hardware", "workstation-4x4090", "--gpus", "2")[0]
+        == 2
+    )
+    preset = tmp_path / "mine.yaml"
+    from finetune.registry import get_preset
+
+    preset.write_text(yaml.safe_dump(get_preset("workstation-2x4090").model_dump(mode="json")))
+    rc, out = _convert(tmp_path, "axolotl-lora-chat.yaml", "axolotl", "--hardware", str(preset))
+    assert rc == 0 and load_recipe(out).hardware == "../mine.yaml"
+    assert load_recipe(out).train.global_batch_size == 16
 
 
 def test_llamafactory_remote_dataset_dir_says_how_to_fetch_it(tmp_path):
