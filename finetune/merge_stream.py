@@ -7,7 +7,7 @@ which peft itself injects the adapter (`inject_adapter_in_model`: its target mat
 patterns, rsLoRA scaling, DoRA), loads the adapter's tensors for that module
 (`set_peft_model_state_dict`) and merges (`merge(safe_merge=True)`), so the arithmetic is peft's, not a
 copy of it. Adapters this path does not cover (modules_to_save, trainable tokens, LoRA biases, non-
-Linear/Embedding targets) go through peft's whole-model merge instead (`streamable` says why).
+Linear/Embedding targets, target_parameters) go through peft's whole-model merge instead (`streamable` says why).
 """
 
 from __future__ import annotations
@@ -42,6 +42,8 @@ def streamable(adapter_config: dict) -> str:
             return key
     if adapter_config.get("lora_bias"):
         return "lora_bias"
+    if adapter_config.get("target_parameters"):  # adapter.target_experts: parameters, not modules, are adapted
+        return "target_parameters"
     return ""
 
 

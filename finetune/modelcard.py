@@ -19,6 +19,7 @@ from typing import Literal
 import yaml
 
 from finetune import rundir
+from finetune.plan.workload import FUSED_EXPERT_WEIGHTS
 from finetune.recipe.schema import Recipe
 
 Kind = Literal["adapter", "merged", "full"]
@@ -160,6 +161,8 @@ def _adapter_line(recipe: Recipe, kind: Kind) -> str:
     if targets is None and recipe.resolved is not None:
         targets = recipe.resolved.lora_targets
     shown = targets if isinstance(targets, str) else ", ".join(targets or []) or "registry default"
+    if a.target_experts:
+        shown += " and every routed expert's fused weights (" + ", ".join(FUSED_EXPERT_WEIGHTS) + ")"
     extras = [x for x, on in (("DoRA", a.dora), ("rsLoRA", a.rslora)) if on]
     line = f"{'QLoRA' if a.type == 'qlora' else 'LoRA'} r={a.r}, alpha={a.alpha:g}, dropout={a.dropout:g}"
     line += f", targets: {shown}" + (f" ({', '.join(extras)})" if extras else "")

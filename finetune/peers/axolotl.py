@@ -21,6 +21,7 @@ from finetune.peers.common import (
     scheduler,
     sniff_format,
     take_mapping,
+    target_parameters,
     template,
 )
 from finetune.peers.distributed import deepspeed_file, fsdp_strategy, parallel_sizes
@@ -352,6 +353,7 @@ def convert(conv: Conversion) -> None:
         )
         for key in [k for k in conv.raw if k.startswith("peft_") and conv.raw[k] is not None]:
             conv.drop(key, conv.take(key), f"belongs to adapter {adapter}", material=False)
+    target_parameters(conv, "lora_target_parameters")
     if conv.take("lora_target_linear"):
         conv.set("adapter.target_modules", "all-linear")
         conv.used.add("lora_target_modules")

@@ -9,6 +9,7 @@ from typing import Any, get_args
 
 from finetune.data.sources import LOCAL_SUFFIXES
 from finetune.peers import Conversion
+from finetune.plan.workload import FUSED_EXPERT_WEIGHTS
 from finetune.recipe.aliases import checkpointing_setting, held_out_key, is_on, lookup
 from finetune.recipe.schema import (
     METHOD_FORMATS,
@@ -694,6 +695,27 @@ def drop_packing(conv: Conversion) -> None:
             + (" (data.packing: true runs DPO pairs padding-free)" if conv.get("method.type") == "dpo" else ""),
             material=False,
         )
+
+
+def target_parameters(conv: Conversion, key: str) -> None:
+    """peft's target_parameters (axolotl's and TRL's lora_target_parameters): LoRA on the routed experts' fused
+    weights is adapter.target_experts, which adapts both of them (FUSED_EXPERT_WEIGHTS) in every MoE layer; a list
+    naming only one, some layers, or other parameters has no recipe equivalent."""
+    names = [str(n) for n in as_list(conv.take(key))]
+    if not names:
+        return
+    kinds = {n for n in FUSED_EXPERT_WEIGHTS for name in names if name == n or name.endswith("." + n)}
+    per_layer = [n for n in names if any(part.isdigit() for part in n.split("."))]
+    if kinds == set(FUSED_EXPERT_WEIGHTS) and len(kinds) == len(names) and not per_layer:
+        conv.set("adapter.target_experts", True)
+        return
+    conv.drop(
+        key,
+        names,
+        "adapter.target_experts adapts both fused expert weights (" + ", ".join(FUSED_EXPERT_WEIGHTS) + ") of every "
+        "MoE layer; a subset, single layers or other parameters are not offered (set adapter.target_experts: true "
+        "for all of them)",
+    )
 
 
 def continue_adapter(conv: Conversion, key: str) -> None:

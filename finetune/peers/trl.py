@@ -19,6 +19,7 @@ from finetune.peers.common import (
     optimizer,
     scheduler,
     sniff_format,
+    target_parameters,
     template,
 )
 from finetune.peers.distributed import accelerate_file
@@ -114,6 +115,7 @@ def convert(conv: Conversion, *, method: str | None) -> None:
         targets = conv.take("lora_target_modules")
         if targets is not None:
             conv.set("adapter.target_modules", targets if targets == "all-linear" else as_list(targets))
+        target_parameters(conv, "lora_target_parameters")
     else:
         conv.set("adapter.type", "full")
         for key in (
@@ -121,6 +123,7 @@ def convert(conv: Conversion, *, method: str | None) -> None:
             "lora_alpha",
             "lora_dropout",
             "lora_target_modules",
+            "lora_target_parameters",
             "lora_modules_to_save",
             "load_in_4bit",
             "load_in_8bit",

@@ -18,6 +18,7 @@ from finetune.plan.choose import (
     HEADROOM,
     TIGHT_HEADROOM,
     best_for_strategy,
+    bnb_tensor_too_large,
     clearly_faster,
     not_applicable,
     search,
@@ -53,12 +54,13 @@ from finetune.plan.workload import (
     ATTENTION_LINEARS,
     DTYPE_BYTES,
     Job,
+    adapter_params,
     batch_share,
     count_params,
     holds_a_micro_batch,
-    lora_param_count,
     mean_sequence_tokens,
     module_shapes,
+    moe_layer_count,
     needs_model_eager,
     pads_rows,
     saved_modules,
@@ -156,13 +158,21 @@ def _targets(recipe, arch) -> tuple[str, ...]:
 def recipe_flops_per_token(recipe, *, arch) -> float:
     """model_flops_per_token of `recipe` (its adapter, LoRA shape and data.max_length) on `arch`: what
     the planner's MFU and the benchmarks' measured MFU divide by."""
-    adapter = recipe.adapter.type
+    a = recipe.adapter
     trainable = (
         0
-        if adapter == "full"
-        else lora_param_count(arch, r=recipe.adapter.r, targets=_targets(recipe, arch), dora=recipe.adapter.dora)
+        if a.type == "full"
+        else adapter_params(
+            arch,
+            r=a.r,
+            targets=_targets(recipe, arch),
+            dora=a.dora,
+            experts=a.target_experts,
+            modules_to_save=a.modules_to_save or (),
+            active=True,
+        )
     )
-    return model_flops_per_token(arch, seq_len=recipe.data.max_length, adapter=adapter, trainable_params=trainable)
+    return model_flops_per_token(arch, seq_len=recipe.data.max_length, adapter=a.type, trainable_params=trainable)
 
 
 # model.attn_implementation values that run only on a GPU
@@ -320,6 +330,13 @@ def job_from_recipe(recipe, *, arch, preset) -> Job:
     """The recipe's workload as plain numbers (the planner's inner loop never touches pydantic)."""
     method = recipe.method.type
     adapter = recipe.adapter.type
+    if recipe.adapter.target_experts and not moe_layer_count(arch):
+        raise RecipeError(
+            f"{arch.key} has no routed experts for adapter.target_experts to adapt (it is not a mixture-of-experts "
+            "model)",
+            key="adapter.target_experts",
+            hint="remove adapter.target_experts; adapter.target_modules reaches the dense MLP's linears",
+        )
     reference = dpo_reference(recipe)
     added = recipe.tokenizer.new_token_count
     if added:  # tokenizer.added_tokens / special-token overrides grow the embeddings and the LM head
@@ -343,6 +360,7 @@ def job_from_recipe(recipe, *, arch, preset) -> Job:
         lora_targets=_targets(recipe, arch),
         lora_dropout=recipe.adapter.dropout,
         dora=recipe.adapter.dora,
+        lora_experts=recipe.adapter.target_experts and adapter != "full",
         modules_to_save=tuple(recipe.adapter.modules_to_save or ()) if adapter != "full" else (),
         cast_adapter_inputs=recipe.adapter.cast_adapter_inputs,
         fused_lora=recipe.adapter.fuses_lora,
@@ -617,7 +635,7 @@ def pinned_setting_warning(job: Job, plan: Plan) -> str:
 def routed_experts_warning(job: Job, *, dtype: str) -> str:
     """'' unless an adapter trains an MoE model: its routed experts get no LoRA (and under QLoRA stay 16-bit), which
     a recipe written for transformers 4 (where `all-linear` reached every expert's linears) would not expect."""
-    if job.arch.num_experts <= 1 or job.adapter == "full":
+    if job.arch.num_experts <= 1 or job.adapter == "full" or job.lora_experts:
         return ""
     params = count_params(job.arch)
     routed = params.layers - params.layers_linear  # the fused experts (with the layers' norms: a rounding error)
@@ -631,7 +649,8 @@ def routed_experts_warning(job: Job, *, dtype: str) -> str:
         f"{arch.key}'s routed experts ({routed / 1e9:.1f}B of its {params.total / 1e9:.1f}B parameters) train no "
         f"LoRA: transformers 5 holds them as fused 3D parameters, not nn.Linear modules, so adapter.target_modules "
         f"can reach {', '.join(reached[:-1]) + ' and ' + reached[-1] if len(reached) > 1 else reached[0]} only "
-        f"(this recipe: {trainable_params(job) / 1e6:.1f}M trainable)"
+        f"(this recipe: {trainable_params(job) / 1e6:.1f}M trainable); adapter.target_experts: true adds an "
+        "adapter per expert (planned: more memory and time)"
     )
     if job.adapter == "qlora":
         said += f"; bitsandbytes quantizes nn.Linear weights only, so the experts load in {dtype} (planned so)"
@@ -980,7 +999,7 @@ def _why(job: Job, chosen: Candidate, achieved: int, candidates: list[Candidate]
     )
     if achieved != job.global_batch_size:
         second += f" (train.global_batch_size {job.global_batch_size} rounded to the nearest achievable)"
-    return first + second + "." + _host_why(job, chosen) + _sync_why(job, chosen) + _no_ddp_why(job)
+    return first + second + "." + _host_why(job, chosen) + _sync_why(job, chosen) + _no_ddp_why(job) + _bnb_why(job)
 
 
 def _host_why(job: Job, chosen: Candidate) -> str:
@@ -1005,6 +1024,17 @@ def _no_ddp_why(job: Job) -> str:
         return ""
     reason = not_applicable(job, "ddp")
     return f" ddp is not considered: it {reason}." if reason else ""
+
+
+def _bnb_why(job: Job) -> str:
+    """Which strategies bitsandbytes' optimizer rules out here (choose.bnb_tensor_too_large), and why."""
+    if job.strategy != "auto":
+        return ""
+    excluded = {s: why for s in strategies.NAMES if (why := bnb_tensor_too_large(job, s))}
+    if not excluded:
+        return ""
+    first = next(iter(excluded))
+    return f" {', '.join(excluded)} {'is' if len(excluded) == 1 else 'are'} not considered: {excluded[first]}."
 
 
 def _checkpointing_words(k: int, layers: int) -> str:

@@ -20,11 +20,19 @@ from collections.abc import Callable
 from dataclasses import replace
 
 from finetune import strategies
-from finetune.plan.memory import checkpointed_layers, footprint, steps_16bit_weights, task_eval_fits
+from finetune.plan.memory import (
+    checkpointed_layers,
+    footprint,
+    shard_degree,
+    state_shard_degree,
+    steps_16bit_weights,
+    task_eval_fits,
+)
+from finetune.plan.optimizer import BNB_MAX_ELEMENTS, BNB_OPTIMIZERS, largest_stepped_elements
 from finetune.plan.timing import step_time
 from finetune.plan.types import GIB, Candidate, memory_unit
 from finetune.plan.workload import Job, accumulation_steps, batch_share, holds_a_micro_batch
-from finetune.strategies import info, offload_level, weighs_sync_each_batch
+from finetune.strategies import ZERO3_SUB_GROUP_ELEMENTS, info, offload_level, weighs_sync_each_batch
 
 HEADROOM = 0.90  # plan to at most 90% of GPU memory / host RAM: spikes, other processes
 # When no setting keeps every state on the GPUs within HEADROOM, one that does within TIGHT_HEADROOM of GPU
@@ -84,12 +92,39 @@ def not_applicable(job: Job, strategy: str) -> str:
             "adapter.load_in_8bit weights are not sharded (every rank would quantize the whole base onto its GPU): "
             "use ddp, or adapter.type: qlora, whose 4-bit weights fsdp2 shards"
         )
+    if job.lora_experts and tier.shards_params:
+        # peft's target_parameters folds each adapter into the whole expert tensor (a parametrization), which these
+        # tiers hold in shards; recipe.schema refuses such a pin
+        return "adapter.target_experts folds its adapters into whole expert tensors, which this tier shards"
+    too_large = bnb_tensor_too_large(job, strategy)
+    if too_large:
+        return too_large
     pinned = job.strategy == strategy  # a user's choice that works is planned, not second-guessed
     if tier.zero_stage == 2 and job.adapter != "full" and not pinned:
         return "ZeRO-2 splits gradients and optimizer states; an adapter's are small: use ddp"
     if tier.offload_optimizer and not tier.offload_params and job.adapter != "full" and not pinned:
         return "an adapter's optimizer states are small: offloading them frees little; use zero3"
     return ""
+
+
+def bnb_tensor_too_large(job: Job, strategy: str) -> str:
+    """Why bitsandbytes' optimizer cannot step what `strategy` hands it ("" when it can): a tensor of more than
+    BNB_MAX_ELEMENTS elements (DeepSpeed's flat partition, or one large parameter). DeepSpeed's offload tiers step
+    with their own CPU Adam instead (compile/deepspeed.py)."""
+    tier = info(strategy)
+    if job.optimizer not in BNB_OPTIMIZERS or (tier.backend == "deepspeed" and tier.offload_optimizer):
+        return ""
+    deepspeed = tier.backend == "deepspeed"
+    shard = state_shard_degree(job, strategy) if deepspeed else shard_degree(job, strategy)
+    sub_group = ZERO3_SUB_GROUP_ELEMENTS if tier.zero_stage == 3 else None
+    elements = largest_stepped_elements(job, flat=deepspeed, shard=shard, sub_group=sub_group)
+    if elements <= BNB_MAX_ELEMENTS:
+        return ""
+    what = "its flat partition of the trained parameters" if deepspeed else "its largest trained tensor"
+    return (
+        f"bitsandbytes' {job.optimizer} counts a tensor's elements in a 32-bit int, and {strategy} hands it "
+        f"{what} as one tensor of {elements / 1e9:.1f}B elements (at most {BNB_MAX_ELEMENTS / 1e9:.2f}B)"
+    )
 
 
 def applicable_strategies(job: Job) -> list[str]:

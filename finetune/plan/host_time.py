@@ -25,6 +25,10 @@ Kernels a micro-batch, from the profiles (docs/results/profiles/):
                                                     adapter.fused_lora_groups
   a layer without Liger (eager RMSNorm/RoPE/SwiGLU): +123 (lora8b-noliger-h200 against lora8b-finetune-h200)
   FSDP2's per-layer all-gathers and copies:          +24  (full3b-fsdp2-offload: 2,758 a micro-batch)
+  an MoE layer's fold of adapter.target_experts:     +15  (peft's parametrization registered and removed around
+                                                    each forward, the factors' casts, baddbmm and its backward:
+                                                    0.96 ms a layer's forward and backward on this project's
+                                                    2-core CI host, tiny Qwen3-MoE, over 63 us a kernel)
   outside the layers (embedding, final norm, loss):  100
   a checkpointed layer re-runs its forward:          +1/3 of its kernels
   a DPO/KTO reference forward (adapters off):        +1/3 of a full layer's per layer (KTO: two, the
@@ -55,7 +59,7 @@ from __future__ import annotations
 from finetune import strategies
 from finetune.plan.lora_time import KERNELS_SAVED_PER_FUSED_LINEAR, fused_lora_runs, grouped_kernels_saved
 from finetune.plan.optimizer import trained_tensors
-from finetune.plan.workload import Job, expanded, layer_kinds, layer_lora, numel, targeted_linears
+from finetune.plan.workload import Job, expanded, layer_kinds, layer_lora, moe_layer_count, numel, targeted_linears
 
 HOST_S_PER_MICRO_BATCH = 0.061
 HOST_S_PER_KERNEL = 63e-6
@@ -63,6 +67,7 @@ KERNELS_PER_LAYER = 71.0
 KERNELS_PER_ADAPTED_LINEAR = 12.8
 KERNELS_WITHOUT_LIGER_PER_LAYER = 123.0
 KERNELS_FSDP_PER_LAYER = 24.0
+KERNELS_PER_EXPERT_FOLD = 15.0
 KERNELS_OUTSIDE_LAYERS = 100.0
 FORWARD_SHARE = 1 / 3  # of a layer's kernels: the forward (the backward launches about twice as many)
 KERNELS_PER_TRAINED_TENSOR_STEP = {"fsdp": 4.7, "other": 1.3}
@@ -94,6 +99,8 @@ def kernels_per_micro_batch(job: Job, *, strategy: str, checkpointed_layers: int
         layer += (per_linear * targeted - grouped_kernels_saved(job, strategy)) / arch.num_layers
     if strategies.is_fsdp(strategy):
         layer += KERNELS_FSDP_PER_LAYER
+    if job.lora_experts:
+        layer += KERNELS_PER_EXPERT_FOLD * moe_layer_count(arch) / arch.num_layers
     kernels = arch.num_layers * layer + checkpointed_layers * FORWARD_SHARE * layer
     # the reference's forwards run with the adapters off; KTO's policy forward of the KL completion with them
     kernels += (
@@ -117,7 +124,7 @@ def zero3_module_uses(job: Job, *, checkpointed_layers: int) -> int:
         linears = sum(copies for _, _, copies in shapes.values()) + (1 if is_moe else 0)
         lora = 0
         if job.adapter != "full":
-            lora = sum(copies for copies, shape in layer_lora(job, shapes) if numel(shape) > threshold)
+            lora = sum(copies for copies, shape in layer_lora(job, shapes, is_moe=is_moe) if numel(shape) > threshold)
         base += count * linears
         adapter += count * lora
         recompute += round(checkpointed_layers * count / arch.num_layers) * (linears + lora)

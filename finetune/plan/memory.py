@@ -68,6 +68,7 @@ from finetune.plan.workload import (
     adapter_tensors,
     attention_widths,
     count_params,
+    expert_lora_param_count,
     is_mla,
     largest_parameter_elements,
     layer_kinds,
@@ -75,9 +76,11 @@ from finetune.plan.workload import (
     masked_row_layers,
     model_tensors,
     module_shapes,
+    moe_layer_count,
     numel,
     peak_sequence_tokens,
     peak_tokens_per_micro_batch,
+    routed_expert_params,
     saved_module_params,
     saved_module_tensors,
     trained_tensor_sizes,
@@ -524,10 +527,12 @@ def footprint(
     # offloaded optimizer: fp32 master, moments and the gradient partitions live (and step) on the CPU
     opt_on_gpu = 0.0 if tier.offload_optimizer else 1.0
     replicated = replicated_weight_bytes(job)  # every rank's whole copy, whatever is sharded or offloaded
+    folded, fold_transient = expert_fold_copies(job, checkpointing=checkpointing)
     on_gpu = MemoryBreakdown(
         weights=replicated
         + (0.0 if tier.offload_params else (states.weights - replicated) / shard)
-        + autocast_weight_copies(job, strategy=strategy, checkpointing=checkpointing),
+        + autocast_weight_copies(job, strategy=strategy, checkpointing=checkpointing)
+        + folded,
         trainable=opt_on_gpu * states.trainable / states_shard,
         gradients=opt_on_gpu * states.gradients / states_shard + extra_grads,
         optimizer=opt_on_gpu * states.optimizer / states_shard,
@@ -546,6 +551,7 @@ def footprint(
         fixed += 2 * max(fin * fout for fin, fout, _ in module_shapes(job.arch).values())
     if job.dora and job.adapter != "full":
         fixed += dora_transient_bytes(job)
+    fixed += fold_transient
     # the optimizer step's temporaries replace the activations it runs after: only an excess adds
     step = 0.0
     if not tier.offload_optimizer:
@@ -603,6 +609,26 @@ def trained_unit_params(job: Job) -> tuple[float, float]:
     if job.adapter == "full":
         return params.layer, params.root - params.towers
     return lora_params(job) / params.num_layers, saved_module_params(job)
+
+
+def expert_fold_copies(job: Job, *, checkpointing: bool | int) -> tuple[float, float]:
+    """(kept, transient) bytes of the routed experts' folded copies under adapter.target_experts. peft folds each
+    MoE layer's adapters into a new tensor the size of its fused experts (torch.baddbmm(W, B, A) in the weights'
+    dtype, ParamWrapper's parametrization), and the experts' GEMMs keep it for their input gradient from the
+    layer's forward to its backward, with the adapter factors' casts to that dtype that baddbmm keeps: one copy of
+    every layer's experts at the backward's start, but a checkpointed layer's (recomputed then). The backward of one
+    layer adds its copy's gradient, as large (transient; with every layer checkpointed, its recomputed copy too).
+    Checked with saved_tensors_hooks on one MoE block of each family (tests/unit/plan/test_expert_lora.py)."""
+    if not job.lora_experts:
+        return 0.0, 0.0
+    layers = moe_layer_count(job.arch)
+    if not layers:
+        return 0.0, 0.0
+    folded = routed_expert_params(job.arch) + expert_lora_param_count(job.arch, r=job.lora_r)
+    per_layer = folded / layers * job.weight_bytes
+    checkpointed = checkpointed_layers(job, checkpointing)
+    kept = per_layer * layers * (job.arch.num_layers - checkpointed) / job.arch.num_layers
+    return kept, per_layer * (2 if checkpointed == job.arch.num_layers else 1)
 
 
 def autocast_weight_copies(job: Job, *, strategy: str, checkpointing: bool | int) -> float:

@@ -13,9 +13,9 @@ grouped_mm_experts_forward). Each token is copied to its top-k experts; per rout
   routing weight, which requires a gradient through the router), the routing weight itself (act; fp32
   in Mixtral, whose router keeps its top-k weights in fp32), and three int64 index vectors (the
   gather of the hidden states, the routing-weight gather, the inverse permutation): 24 bytes.
-  Trained experts (full fine-tune) also keep the gathered input and the product for their weight
-  gradients: act*(h + i). The frozen experts of a LoRA run keep neither (grouped_mm saves an operand
-  only for the other's gradient).
+  Trained experts (full fine-tune, or LoRA on the experts' folded copy: adapter.target_experts) also keep the
+  gathered input and the product for their weight gradients: act*(h + i). The frozen experts of a LoRA run keep
+  neither (grouped_mm saves an operand only for the other's gradient).
 Per token: the top-k indices (8k), and the router's own tensors by convention: a softmax router
 (Mixtral, Qwen-MoE, OLMoE) keeps its fp32 probabilities (4E) and, normalizing the top-k (Mixtral, Qwen3-MoE
 by default), the fp32 top-k values and their sum (4k + 4); DeepSeek's (and GLM-4.5's) sigmoid router keeps bf16 scores
@@ -57,8 +57,8 @@ def routed_bytes(job: Job) -> float:
     activation = 4 * i if family == "gpt_oss" else i
     weight = 4 if family == "mixtral" else a
     copy = a * (2 * i + activation + h) + weight + 24
-    if job.adapter == "full":
-        copy += a * (h + i) + (8 if arch.expert_bias else 0)
+    if job.trains_experts:  # the weight gradients' operands (adapter.target_experts: of the folded copy)
+        copy += a * (h + i) + (8 if arch.expert_bias and job.adapter == "full" else 0)
     router = 8 * k
     if family in _SOFTMAX_ROUTERS:
         router += 4 * e + (4 * k + 4 if family in _NORMALIZED_TOPK else 0)

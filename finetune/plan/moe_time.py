@@ -35,6 +35,11 @@ Two things cost time that the dense model's FLOPs-at-efficiency does not show:
    backward), all beyond a SwiGLU MLP's. Per token the router: E logits in the compute dtype, fp32
    softmax, top-k, and their gradients ((a + 20) * E bytes). Timed at the bandwidth streaming
    kernels reach (plan/bandwidth.py).
+3. adapter.target_experts (peft's target_parameters on the fused experts): every forward folds the adapters into a
+   copy of each layer's experts, and the backward computes that copy's whole weight gradient in the grouped GEMMs
+   (2 FLOPs per active expert parameter per token, as a full fine-tune's; plan/timing.py counts them with the
+   step's FLOPs) before two rank-r products reduce it to the adapters' gradients. The fold's products stream the
+   experts' bytes (`expert_fold_seconds`).
 Not counted: kernel launch latency (a few dozen kernels per MoE layer, hidden behind GEMMs of thousands
 of rows) and routing imbalance (the grouped kernel schedules all experts' tiles together, so an
 uneven split changes the tile padding, not the work).
@@ -43,7 +48,14 @@ uneven split changes the tile padding, not the work).
 from __future__ import annotations
 
 from finetune.plan.bandwidth import memory_seconds
-from finetune.plan.workload import Job, computed_tokens_per_micro_batch, expert_size, moe_layer_count
+from finetune.plan.workload import (
+    Job,
+    computed_tokens_per_micro_batch,
+    expert_size,
+    moe_layer_count,
+    routed_expert_params,
+)
+from finetune.registry.schema import ModelArch
 
 GROUPED_HALF_ROWS = 900  # rows per group at which a grouped GEMM reaches half the dense efficiency (H100 figures)
 
@@ -63,16 +75,32 @@ def grouped_gemm_share(job: Job, *, micro_batch: int, half_tokens: float) -> flo
     return min(1.0, (m / (m + GROUPED_HALF_ROWS)) / (tokens / (tokens + half_tokens)))
 
 
+def routed_active_params(arch: ModelArch) -> float:
+    """Routed expert parameters one token multiplies with over all MoE layers (its top-k experts')."""
+    k = min(arch.experts_per_token, arch.num_experts)
+    return moe_layer_count(arch) * k * 3 * arch.hidden_size * expert_size(arch)
+
+
 def routed_flops_per_token(job: Job) -> float:
     """FLOPs per token in the routed experts' GEMMs: 2 per active expert parameter forward, 2 for the
-    input gradient, 2 more for the weight gradient when they are trained (full fine-tune)."""
-    arch = job.arch
-    layers = moe_layer_count(arch)
-    if not layers:
+    input gradient, 2 more for the weight gradient when they are trained (Job.trains_experts)."""
+    return routed_active_params(job.arch) * (6 if job.trains_experts else 4)
+
+
+# peft's fold of adapter.target_experts per MoE layer and micro-batch, in passes over the fused experts' bytes:
+# forward, torch.baddbmm reads W and writes the copy (2; again in a checkpointed layer's recompute); backward, the
+# copy's gradient is written by the grouped GEMMs and read by the two rank-r products that give A's and B's (3)
+FOLD_FORWARD_PASSES = 2
+FOLD_BACKWARD_PASSES = 3
+
+
+def expert_fold_seconds(job: Job, *, repeat: float = 1.0) -> float:
+    """adapter.target_experts: the memory-bound passes of peft's fold of the adapters into each layer's experts
+    (rank-r products over a tensor the size of the experts: streaming, not FLOPs-bound) for one micro-batch."""
+    if not job.lora_experts or not moe_layer_count(job.arch):
         return 0.0
-    k = min(arch.experts_per_token, arch.num_experts)
-    params = 3 * arch.hidden_size * expert_size(arch)
-    return layers * k * params * (6 if job.adapter == "full" else 4)
+    passes = repeat * FOLD_FORWARD_PASSES + FOLD_BACKWARD_PASSES
+    return memory_seconds(job.preset, passes * routed_expert_params(job.arch) * job.weight_bytes)
 
 
 EAGER_SWIGLU = (5, 13)  # act(gate) * up, forward and backward, in units of a*i per routed copy
@@ -115,9 +143,12 @@ def moe_seconds(job: Job, *, micro_batch: int, efficiency: float, half_tokens: f
     tokens = computed_tokens_per_micro_batch(job, micro_batch)
     flops = routed_flops_per_token(job) * tokens
     if repeat > 1.0:  # the recomputed forward: 2 FLOPs per active expert parameter per token
-        k = min(job.arch.experts_per_token, job.arch.num_experts)
-        flops += (repeat - 1.0) * layers * k * 3 * job.arch.hidden_size * expert_size(job.arch) * 2 * tokens
+        flops += (repeat - 1.0) * routed_active_params(job.arch) * 2 * tokens
     share = grouped_gemm_share(job, micro_batch=micro_batch, half_tokens=half_tokens)
     gemm = flops / (job.peak_tflops * 1e12 * efficiency) * (1 / share - 1)
     forward, backward = dispatch_bytes_per_token(job)
-    return gemm + memory_seconds(p, layers * tokens * (repeat * forward + backward))
+    return (
+        gemm
+        + memory_seconds(p, layers * tokens * (repeat * forward + backward))
+        + expert_fold_seconds(job, repeat=repeat)
+    )

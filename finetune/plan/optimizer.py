@@ -10,6 +10,11 @@ from __future__ import annotations
 from finetune.plan.workload import Job, Tensors, adapter_tensors, model_tensors, numel, saved_module_tensors
 
 BNB_BLOCK, BNB_MIN_8BIT_SIZE = 256, 4096  # bitsandbytes' 8-bit state block and smallest 8-bit tensor
+BNB_OPTIMIZERS = ("adamw_8bit", "paged_adamw_8bit", "paged_adamw_32bit")
+# bitsandbytes' optimizer kernels take a tensor's element count as a C int (csrc/ops.cu: `int n`): a larger
+# tensor fails at the first step with CUDA's "invalid argument" (DeepSpeed ZeRO-2 hands the optimizer one flat
+# tensor of a rank's whole partition: a full 7B on one H200 did, docs/validation.md)
+BNB_MAX_ELEMENTS = 2**31 - 1
 
 
 def optimizer_bytes(optimizer: str, tensors: Tensors, *, param_bytes: float, flat: bool) -> float:
@@ -52,12 +57,18 @@ def optimizer_step_transient_bytes(job: Job, *, flat: bool, shard: int) -> float
     rank's flat partition)."""
     if job.optimizer != "adafactor":
         return 0.0
+    return 3 * 4 * largest_stepped_elements(job, flat=flat, shard=shard)
+
+
+def largest_stepped_elements(job: Job, *, flat: bool, shard: int, sub_group: float | None = None) -> float:
+    """Elements of the largest tensor the optimizer steps on one rank: DeepSpeed's flat partition of the trained
+    parameters (`flat`; ZeRO-3 cuts it into sub-groups of at most `sub_group` elements), else the largest trained
+    tensor, split `shard` ways (FSDP2 shards each tensor)."""
     tensors = trained_tensors(job)
     if flat:
         largest = sum(n * numel(shape) for n, shape in tensors) / shard
-    else:
-        largest = max((numel(shape) for _, shape in tensors), default=0) / shard
-    return 3 * 4 * largest
+        return min(largest, sub_group) if sub_group else largest
+    return max((numel(shape) for _, shape in tensors), default=0) / shard
 
 
 def trained_tensors(job: Job) -> Tensors:

@@ -3,6 +3,7 @@
 FLOPs per trained token: `model_flops_per_token` (the one formula; the MFU of `finetune plan`,
 scripts/bench.py and scripts/gpu_validate.py all use it), plus work that is not useful model FLOPs:
   checkpointing: + 2N + 4*L*a*s   (one extra forward per layer; x k/L when k of L layers are)
+  target_experts: + 2 per active routed expert parameter (the folded experts' weight gradient: plan/moe_time.py)
   dpo:         the policy on chosen + rejected (2 sequences per sample) plus a reference forward
                (2N + 4*L*a*s per token) unless the reference log-probs are precomputed.
   kto:         the policy on each completion (1 sequence per sample), a forward without gradients on its
@@ -53,7 +54,7 @@ from finetune.plan.memory import (
     state_bytes,
     weight_bytes,
 )
-from finetune.plan.moe_time import moe_seconds
+from finetune.plan.moe_time import moe_seconds, routed_active_params
 from finetune.plan.offload_time import offload_seconds
 from finetune.plan.unfused_time import unfused_seconds
 from finetune.plan.workload import (
@@ -142,7 +143,7 @@ def job_model_flops_per_token(job: Job) -> float:
         job.arch,
         seq_len=job.seq_len,
         adapter=job.adapter,
-        trainable_params=trainable_params(job) if job.adapter != "full" else 0,
+        trainable_params=trainable_params(job, active=True) if job.adapter != "full" else 0,
     )
 
 
@@ -163,6 +164,8 @@ def flops_per_token(job: Job, *, checkpointing: bool | int, micro_batch: int | N
     # activation checkpointing (True: every layer, or the count of checkpointed layers) re-runs their forward
     flops += checkpointed_layers(job, checkpointing) / arch.num_layers * (2 * n + 4 * attn)
     flops += job.forward_only_passes * (2 * n + 4 * attn)
+    if job.adapter != "full" and job.trains_experts:  # adapter.target_experts: the folded copy's weight gradient
+        flops += 2 * routed_active_params(job.arch)
     return flops
 
 

@@ -68,6 +68,9 @@ class Job:
     lora_dropout: float = 0.0
     modules_to_save: tuple[str, ...] = ()  # adapter.modules_to_save: fully trained copies (embed_tokens, lm_head)
     dora: bool = False
+    # adapter.target_experts: a rank-r adapter per routed expert on the fused expert weights (peft's
+    # target_parameters), folded into a copy of each MoE layer's experts every forward
+    lora_experts: bool = False
     double_quant: bool = True
     int8_base: bool = False  # adapter.load_in_8bit: the base's linear weights in 1 byte (LLM.int8)
     weight_bytes: int = 2  # model.dtype
@@ -141,6 +144,12 @@ class Job:
         """Liger's SwiGLU kernel runs the dense MLPs and shared experts (registry.families.liger_swiglu: not on
         the model types whose patch would also swap the routed experts); its norms and RoPE run wherever `liger`."""
         return self.liger and liger_swiglu(self.arch.family)
+
+    @property
+    def trains_experts(self) -> bool:
+        """The routed experts' weight gradients are computed: a full fine-tune's, or the folded copy's under
+        adapter.target_experts (peft's LoRA reaches its factors through the gradient of the whole copy)."""
+        return self.adapter == "full" or (self.lora_experts and moe_layer_count(self.arch) > 0)
 
     @property
     def computes_fp32(self) -> bool:
@@ -624,9 +633,40 @@ def _count_params(values: tuple) -> Params:
     )
 
 
-def lora_params(job: Job) -> int:
-    """r x (in + out) per targeted module per layer (plus DoRA's magnitude vector, one per output)."""
-    return lora_param_count(job.arch, r=job.lora_r, targets=job.lora_targets, dora=job.dora)
+def lora_params(job: Job, *, active: bool = False) -> int:
+    """r x (in + out) per targeted module per layer (plus DoRA's magnitude vector, one per output), and the routed
+    experts' adapters under adapter.target_experts (`active`: only the share a token's top-k experts use)."""
+    return lora_param_count(
+        job.arch, r=job.lora_r, targets=job.lora_targets, dora=job.dora, experts=job.lora_experts, active=active
+    )
+
+
+# the fused routed-expert weights of an MoE layer as transformers 5 names them in every MoE family it has (Mixtral,
+# Qwen2/3-MoE, OLMoE, Granite-MoE, DeepSeek-V2/V3, GPT-OSS, Llama-4): peft's target_parameters under
+# adapter.target_experts, in the order of fused_expert_shapes
+FUSED_EXPERT_WEIGHTS = ("experts.gate_up_proj", "experts.down_proj")
+
+
+def fused_expert_shapes(arch: ModelArch) -> tuple[tuple[int, int], ...]:
+    """(in_features, out_features) of one expert in each fused routed-expert weight of an MoE layer, as peft's
+    target_parameters adapts them: gate_up_proj (hidden -> 2 x width) and down_proj (width -> hidden)."""
+    h, i = arch.hidden_size, expert_size(arch)
+    return ((h, 2 * i), (i, h))
+
+
+def routed_expert_params(arch: ModelArch) -> int:
+    """Parameters of the routed experts' fused weights over all MoE layers (biases left out)."""
+    per_expert = sum(fin * fout for fin, fout in fused_expert_shapes(arch))
+    return moe_layer_count(arch) * arch.num_experts * per_expert
+
+
+def expert_lora_param_count(arch: ModelArch, *, r: int, active: bool = False) -> float:
+    """peft's adapters on the fused experts (adapter.target_experts): per MoE layer and fused weight, A of
+    (r x experts) x in and B of out x (r x experts), r x (in + out) per expert. `active`: a token's share, its
+    top-k experts' adapters (the useful FLOPs of `timing.model_flops_per_token`)."""
+    experts = arch.num_experts
+    total = moe_layer_count(arch) * experts * r * sum(fin + fout for fin, fout in fused_expert_shapes(arch))
+    return total * min(arch.experts_per_token, experts) / experts if active else total
 
 
 def targeted_linears(arch: ModelArch, targets: tuple[str, ...] | list[str]) -> list[tuple[int, int, int]]:
@@ -640,10 +680,22 @@ def targeted_linears(arch: ModelArch, targets: tuple[str, ...] | list[str]) -> l
     ]
 
 
-def lora_param_count(arch: ModelArch, *, r: int, targets: tuple[str, ...] | list[str], dora: bool) -> int:
+def lora_param_count(
+    arch: ModelArch,
+    *,
+    r: int,
+    targets: tuple[str, ...] | list[str],
+    dora: bool,
+    experts: bool = False,
+    active: bool = False,
+) -> int:
+    """The adapter's parameters: `targets`' linears, the embedding's, and with `experts` the routed experts'
+    (adapter.target_experts; `active`: a token's share of those, expert_lora_param_count)."""
     total = sum(n * (r * (fin + fout) + (fout if dora else 0)) for n, fin, fout in targeted_linears(arch, targets))
     if "embed_tokens" in targets:  # peft's Embedding adapter: A is r x vocab, B hidden x r
         total += r * (arch.vocab_size + arch.hidden_size)
+    if experts:
+        total += round(expert_lora_param_count(arch, r=r, active=active))
     return total
 
 
@@ -682,13 +734,18 @@ def layer_weights(arch: ModelArch, shapes: dict[str, tuple[int, int, int]], *, i
     return out
 
 
-def layer_lora(job: Job, shapes: dict[str, tuple[int, int, int]]) -> Tensors:
-    """One decoder layer's LoRA A (r x in) and B (out x r) of each targeted module, in the layer's order."""
+def layer_lora(job: Job, shapes: dict[str, tuple[int, int, int]], *, is_moe: bool) -> Tensors:
+    """One decoder layer's LoRA A (r x in) and B (out x r) of each targeted module, in the layer's order, then an
+    MoE layer's adapters on its fused experts (adapter.target_experts: A (r x experts) x in, B out x (r x experts))."""
     r = job.lora_r
     out: Tensors = []
     for name, (fin, fout, copies) in shapes.items():
         if name in job.lora_targets:
             out += [(copies, (r, fin)), (copies, (fout, r))]
+    if is_moe and job.lora_experts:
+        wide = r * job.arch.num_experts
+        for fin, fout in fused_expert_shapes(job.arch):
+            out += [(1, (wide, fin)), (1, (fout, wide))]
     return out
 
 
@@ -712,7 +769,7 @@ def trained_tensor_sizes(job: Job) -> list[int]:
     full = job.adapter == "full"
     out = [a.vocab_size * a.hidden_size] if full else expanded(embedding_lora(job))
     for count, is_moe, shapes in layer_kinds(a):
-        layer = layer_weights(a, shapes, is_moe=is_moe) if full else layer_lora(job, shapes)
+        layer = layer_weights(a, shapes, is_moe=is_moe) if full else layer_lora(job, shapes, is_moe=is_moe)
         out += expanded(layer) * count
     if full and not a.tied_embeddings:
         out.append(a.vocab_size * a.hidden_size)
@@ -723,8 +780,8 @@ def adapter_tensors(job: Job) -> Tensors:
     """LoRA's A (r x in) and B (out x r) per targeted module, DoRA's magnitude (out), and peft's
     embedding adapter (A r x vocab, B hidden x r): the tensors lora_param_count counts."""
     out: Tensors = []
-    for count, _, shapes in layer_kinds(job.arch):
-        out += [(count * n, shape) for n, shape in layer_lora(job, shapes)]
+    for count, is_moe, shapes in layer_kinds(job.arch):
+        out += [(count * n, shape) for n, shape in layer_lora(job, shapes, is_moe=is_moe)]
         if job.dora:
             out += [(count * c, (fout,)) for name, (_, fout, c) in shapes.items() if name in job.lora_targets]
     return out + embedding_lora(job)
@@ -750,11 +807,40 @@ def numel(shape: tuple[int, ...]) -> int:
 
 def saved_module_params(job: Job) -> int:
     """adapter.modules_to_save: peft trains a full copy of each named module (embed_tokens, lm_head)."""
-    embed = job.arch.vocab_size * job.arch.hidden_size
-    return embed * len(saved_modules(job))
+    return copied_module_params(job.arch, job.modules_to_save)
 
 
-def trainable_params(job: Job) -> int:
+def adapter_params(
+    arch: ModelArch,
+    *,
+    r: int,
+    targets: tuple[str, ...] | list[str],
+    dora: bool,
+    experts: bool,
+    modules_to_save: tuple[str, ...] | list[str],
+    active: bool = False,
+) -> int:
+    """An adapter's trained parameters: its LoRA (lora_param_count) and the whole copies of modules_to_save."""
+    copies = copied_module_params(arch, modules_to_save)
+    return lora_param_count(arch, r=r, targets=targets, dora=dora, experts=experts, active=active) + copies
+
+
+def copied_module_params(arch: ModelArch, modules_to_save: tuple[str, ...] | list[str]) -> int:
+    """adapter.modules_to_save: peft trains a full copy of each named vocab x hidden module (embed_tokens, lm_head)."""
+    return len(set(modules_to_save) & set(EMBEDDING_MODULES)) * arch.vocab_size * arch.hidden_size
+
+
+def trainable_params(job: Job, *, active: bool = False) -> int:
+    """Parameters the run trains; `active`: those one token's FLOPs reach (a token's top-k experts' adapters of
+    adapter.target_experts, not every expert's: the 6T of timing.model_flops_per_token)."""
     if job.adapter == "full":
         return count_params(job.arch).text_model
-    return lora_params(job) + saved_module_params(job)
+    return adapter_params(
+        job.arch,
+        r=job.lora_r,
+        targets=job.lora_targets,
+        dora=job.dora,
+        experts=job.lora_experts,
+        modules_to_save=job.modules_to_save,
+        active=active,
+    )

@@ -197,6 +197,15 @@ class AdapterSection(Strict):
         "a regular expression matched against each module's full name (peft's rule), e.g. "
         "'.*\\.(q_proj|v_proj)'",
     )
+    target_experts: bool = Field(
+        False,
+        description="LoRA/QLoRA on a mixture-of-experts model: also train a rank-r adapter per routed expert on "
+        "each MoE layer's fused expert weights (experts.gate_up_proj and experts.down_proj, which transformers 5 "
+        "holds as 3D parameters that adapter.target_modules cannot reach; peft's target_parameters). peft folds "
+        "the adapters into a copy of each layer's expert weights every forward, so the run keeps that copy and "
+        "computes the experts' weight gradients as a full fine-tune would (both planned); ddp and zero2 only, "
+        "no dropout or DoRA",
+    )
     dora: bool = Field(False, description="weight-decomposed LoRA (DoRA)")
     rslora: bool = Field(False, description="rank-stabilized LoRA: scale by alpha / sqrt(r)")
     modules_to_save: list[Literal[EMBEDDING_MODULES]] | None = Field(  # type: ignore[valid-type]
@@ -942,6 +951,7 @@ def recipe_conflicts(recipe: Recipe):
         yield "adapter.loraplus_lr_ratio", "LoRA+ needs a LoRA adapter; set adapter.type: lora or remove it"
     if a.type == "full" and (a.dora or a.rslora):
         yield "adapter.dora", "dora/rslora are LoRA options; set adapter.type: lora or remove them"
+    yield from expert_adapter_conflicts(recipe)
     if a.type == "full" and a.modules_to_save:
         yield (
             "adapter.modules_to_save",
@@ -984,6 +994,33 @@ def recipe_conflicts(recipe: Recipe):
                 "an implicit reference needs an adapter to disable; full fine-tuning has "
                 "none; use reference: copy or precompute, or adapter: lora"
             ),
+        )
+
+
+def expert_adapter_conflicts(recipe: Recipe):
+    """adapter.target_experts against what peft's target_parameters (its ParamWrapper) refuses or finetune has not
+    run: dropout (no input to drop out of a folded weight), DoRA, and strategies that shard the parameters (the fold
+    is a parametrization of the whole expert tensor)."""
+    a = recipe.adapter
+    if not a.target_experts:
+        return
+    if a.type == "full":
+        yield "adapter.target_experts", "a full fine-tune trains the experts already; remove adapter.target_experts"
+        return
+    if a.dropout:
+        yield (
+            "adapter.dropout",
+            "peft cannot apply dropout to LoRA on the experts' fused weights (adapter.target_experts); set "
+            "adapter.dropout: 0 or remove adapter.target_experts",
+        )
+    if a.dora:
+        yield "adapter.dora", "peft has no DoRA for the experts' fused weights; remove adapter.dora or target_experts"
+    strategy = recipe.distributed.strategy
+    if _shards(strategy):
+        yield (
+            "distributed.strategy",
+            f"adapter.target_experts folds each adapter into its whole expert tensor, which {strategy} holds in "
+            "shards; use ddp or zero2 (or auto), or remove adapter.target_experts",
         )
 
 

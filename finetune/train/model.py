@@ -323,6 +323,8 @@ def lora_config(recipe: Recipe, model=None):
 
     from peft import LoraConfig
 
+    from finetune.plan.workload import FUSED_EXPERT_WEIGHTS
+
     a = recipe.adapter
     targets = a.target_modules
     if targets is None:
@@ -335,6 +337,8 @@ def lora_config(recipe: Recipe, model=None):
         use_dora=a.dora,
         use_rslora=a.rslora,
         modules_to_save=list(a.modules_to_save or []) or None,
+        # adapter.target_experts: the MoE layers' fused expert weights, which are parameters, not modules
+        target_parameters=list(FUSED_EXPERT_WEIGHTS) if a.target_experts else None,
         # SEQ_CLS: peft also trains the new score head (modules_to_save)
         task_type="SEQ_CLS" if recipe.method.type == "reward" else "CAUSAL_LM",
     )

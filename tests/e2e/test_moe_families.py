@@ -86,7 +86,14 @@ def _model_dir(tmp_path, family: str):
 
 @pytest.mark.parametrize(
     ("family", "adapter"),
-    [("granitemoe", "full"), ("gpt_oss", "lora"), ("deepseek_v3", "lora"), ("olmoe", "lora"), ("glm4_moe", "lora")],
+    [
+        ("granitemoe", "full"),
+        ("gpt_oss", "lora"),
+        ("gpt_oss", "experts"),  # its experts stored transposed (in x out): peft's is_transposed path
+        ("deepseek_v3", "lora"),
+        ("olmoe", "lora"),
+        ("glm4_moe", "lora"),
+    ],
 )
 def test_each_moe_convention_trains_end_to_end(tmp_path, family, adapter):
     folder = _model_dir(tmp_path, family)
@@ -95,7 +102,9 @@ def test_each_moe_convention_trains_end_to_end(tmp_path, family, adapter):
     recipe = write_recipe(
         tmp_path / "recipe.yaml",
         model={"name": str(folder), "dtype": "float32", "init": "random"},
-        adapter={"type": adapter} if adapter == "full" else {"type": "lora", "r": 8, "alpha": 16},
+        adapter={"type": adapter}
+        if adapter == "full"
+        else {"type": "lora", "r": 8, "alpha": 16, "target_experts": adapter == "experts"},
         train={"epochs": None, "max_steps": 6, "logging_steps": 1},
         output={"save_every": None},
     )
@@ -110,3 +119,46 @@ def test_each_moe_convention_trains_end_to_end(tmp_path, family, adapter):
     if adapter == "full":  # the trained model's config.json is read back as the same model
         again = count_params(resolve_model(ModelSection(name=str(tmp_path / "run")), base_dir=tmp_path))
         assert (again.total, again.active) == (planned.total, planned.active)
+
+
+def test_lora_on_the_routed_experts_trains_saves_and_merges(tmp_path):
+    """adapter.target_experts on OLMoE: the run trains an adapter per expert (as many parameters as the plan says),
+    saves them with peft's target_parameters, and `finetune merge` (peft's whole-model merge: the streaming one
+    covers modules only) writes a model whose logits are the adapted model's."""
+    import torch
+    from peft import PeftModel
+    from safetensors.torch import load_file
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from finetune.api import plan
+    from finetune.cli import main
+    from finetune.recipe import load_recipe
+
+    folder = _model_dir(tmp_path, "olmoe")
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(folder)).save_pretrained(folder)
+    recipe = write_recipe(
+        tmp_path / "recipe.yaml",
+        model={"name": str(folder), "dtype": "float32"},
+        adapter={"type": "lora", "r": 8, "alpha": 16, "target_experts": True},
+        train={"epochs": None, "max_steps": 4, "logging_steps": 1},
+        output={"save_every": None},
+    )
+    done = run(cli_argv(recipe, tmp_path / "run"), cache=tmp_path / "cache")
+    assert done.returncode == 0 and "Traceback" not in done.stdout + done.stderr, (done.stdout + done.stderr)[-3000:]
+    saved = load_file(tmp_path / "run" / "adapter_model.safetensors")
+    assert any(".experts." in k for k in saved)
+    assert sum(t.numel() for t in saved.values()) == plan(load_recipe(recipe), hardware="cpu").trainable_params
+    assert json.loads((tmp_path / "run" / "adapter_config.json").read_text())["target_parameters"]
+
+    assert main(["merge", str(tmp_path / "run"), "-o", str(tmp_path / "merged")]) == 0
+    ids = torch.tensor([[1, 5, 9, 13, 17, 21]])
+    base = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    adapted = PeftModel.from_pretrained(base, tmp_path / "run").eval()
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged", dtype=torch.float32).eval()
+    with torch.no_grad():
+        want, got = adapted(input_ids=ids).logits, merged(input_ids=ids).logits
+    with torch.no_grad():
+        plain = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)(input_ids=ids).logits
+    assert not torch.allclose(want, plain, atol=1e-5)  # the adapter changed the experts
+    assert torch.allclose(want, got, atol=1e-4), (want - got).abs().max()

@@ -347,3 +347,31 @@ def test_a_gpu_held_by_another_process_is_waited_for_then_named(tmp_path):
     assert not held.endswith("exit code 0") and "Traceback" not in held, held[-6000:]
     assert "other processes hold" in held and "CUDA_VISIBLE_DEVICES" in held, held[-6000:]
     assert not (tmp_path / "held" / rundir.CHECKPOINTS).exists()
+
+
+_BNB_STEP = """
+import sys, torch, bitsandbytes as bnb
+p = torch.nn.Parameter(torch.zeros(int(sys.argv[1]), device="cuda"))
+p.grad = torch.ones_like(p)
+bnb.optim.AdamW8bit([p], lr=1e-3).step()
+torch.cuda.synchronize()
+print("stepped", float(p[-1]))
+"""
+
+
+@pytest.mark.skipif(_gpus() < 1, reason="needs a CUDA GPU")
+def test_bitsandbytes_steps_no_tensor_past_its_32_bit_element_count(tmp_path):
+    """The limit the planner keeps DeepSpeed ZeRO-2's flat partition under (plan/optimizer.BNB_MAX_ELEMENTS): one
+    tensor of 2^31 - 2^20 elements steps, one of 2^31 + 2^20 fails in bitsandbytes' kernel launch."""
+    pytest.importorskip("bitsandbytes")
+    from finetune.plan.optimizer import BNB_MAX_ELEMENTS
+
+    if _gpu_memory_gib() < 40:
+        pytest.skip("needs ~22 GiB free for a 2.1B-element fp32 parameter, its gradient and 8-bit states")
+    results = {}
+    for n in (BNB_MAX_ELEMENTS + 1 - 2**20, BNB_MAX_ELEMENTS + 1 + 2**20):
+        proc = subprocess.run([sys.executable, "-c", _BNB_STEP, str(n)], capture_output=True, text=True, timeout=600)
+        results[n] = (proc.returncode, (proc.stdout + proc.stderr)[-2000:])
+    below, above = results.values()
+    assert below[0] == 0 and "stepped" in below[1], below
+    assert above[0] != 0 and "stepped" not in above[1], above

@@ -37,3 +37,22 @@ def per_token_bytes(make_model, *, tokens: tuple[int, int] = (256, 512)) -> floa
     """Retained bytes per token: the difference between two token counts (fixed costs cancel)."""
     small, large = tokens
     return (retained_bytes(make_model(), tokens=large) - retained_bytes(make_model(), tokens=small)) / (large - small)
+
+
+def block_kept_bytes(model, block, x) -> int:
+    """Bytes autograd saves during `block(x)` under bf16 autocast, leaving out `model`'s parameters and `x`
+    itself (what the planner counts elsewhere): the block's own activations for its backward."""
+    import torch
+
+    skip = {p.untyped_storage().data_ptr() for p in model.parameters()} | {x.untyped_storage().data_ptr()}
+    kept: dict[int, int] = {}
+
+    def pack(t):
+        ptr = t.untyped_storage().data_ptr()
+        if ptr not in skip:
+            kept[ptr] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), torch.autocast("cpu", dtype=torch.bfloat16):
+        block(x)
+    return sum(kept.values())

@@ -754,3 +754,31 @@ def test_llamafactory_sharegpt_kto_rows_are_reported_not_read_as_prompt_completi
     conv = convert_mapping(raw, source="llamafactory", config_dir=tmp_path, out_dir=tmp_path)
     assert "dataset[0]" in {d.key for d in conv.material}
     assert not conv.get("data.sources")
+
+
+@pytest.mark.parametrize(
+    ("source", "extra"),
+    [
+        ("axolotl", {"adapter": "lora", "lora_target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"]}),
+        ("trl", {"use_peft": True, "lora_target_modules": ["q_proj", "v_proj"]}),
+    ],
+)
+def test_lora_on_the_routed_experts_is_target_experts_and_a_part_of_them_is_reported(tmp_path, source, extra):
+    """peft's target_parameters (axolotl's and TRL's lora_target_parameters) on both fused expert weights of every
+    MoE layer, as the peers' MoE examples write it, is adapter.target_experts; one weight or one layer is not."""
+    from finetune.peers import convert_mapping
+
+    model = {"base_model" if source == "axolotl" else "model_name_or_path": "mistralai/Mixtral-8x7B-v0.1"}
+    every = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+    conv = convert_mapping(
+        {**model, **extra, "lora_target_parameters": every}, source=source, config_dir=tmp_path, out_dir=tmp_path
+    )
+    assert conv.get("adapter.target_experts") is True
+    assert "lora_target_parameters" not in {d.key for d in conv.dropped}
+    for part in (["mlp.experts.down_proj"], ["7.mlp.experts.gate_up_proj", "7.mlp.experts.down_proj"]):
+        conv = convert_mapping(
+            {**model, **extra, "lora_target_parameters": part}, source=source, config_dir=tmp_path, out_dir=tmp_path
+        )
+        assert conv.get("adapter.target_experts") is None
+        (dropped,) = [d for d in conv.material if d.key == "lora_target_parameters"]
+        assert "adapter.target_experts" in dropped.reason

@@ -144,6 +144,8 @@ CHECKED_ELSEWHERE = {
     "data.sources": "the rows read (format, columns, split, weights...); their lengths reach the planner as "
     "data.example_tokens",
     "data.eval_sources": "held-out rows, evaluated between steps",
+    "adapter.target_experts": "LoRA on an MoE model's routed experts (refused on the dense model of the settings "
+    "here): its parameters, folded expert copies and FLOPs move the plan in tests/unit/plan/test_expert_lora.py",
     "data.task_eval": "generation before and after training with a whole copy of the model on one GPU: refused "
     "where that copy cannot fit beside the trainer's state (tests/unit/plan/test_task_eval.py)",
 }

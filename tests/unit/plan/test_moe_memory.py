@@ -12,6 +12,7 @@ from finetune.plan.workload import Job, count_params
 from finetune.registry import get_model, get_preset
 from finetune.registry.derive import arch_from_config
 from tests.helpers.calibration_rows import preset_for
+from tests.helpers.saved_tensors import block_kept_bytes
 
 H, WIDTH, E, K, SHARED, TOKENS = 256, 128, 8, 2, 384, 1024
 ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
@@ -87,19 +88,9 @@ def _saved_bytes_per_token(config, *, train_experts: bool) -> float:
     for p in model.parameters():
         p.requires_grad_(train_experts)
     x = torch.randn(1, TOKENS, H, dtype=torch.bfloat16, requires_grad=True)
-    skip = {p.untyped_storage().data_ptr() for p in model.parameters()} | {x.untyped_storage().data_ptr()}
-    kept: dict[int, int] = {}
-
-    def pack(t):
-        ptr = t.untyped_storage().data_ptr()
-        if ptr not in skip:
-            kept[ptr] = t.untyped_storage().nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), torch.autocast("cpu", dtype=torch.bfloat16):
-        layer = model.model.layers[0]
-        (layer.mlp if hasattr(layer, "mlp") else layer.block_sparse_moe)(x)  # Granite names its block so
-    return sum(kept.values()) / TOKENS
+    layer = model.model.layers[0]
+    block = layer.mlp if hasattr(layer, "mlp") else layer.block_sparse_moe  # Granite names its block so
+    return block_kept_bytes(model, block, x) / TOKENS
 
 
 @pytest.mark.parametrize(

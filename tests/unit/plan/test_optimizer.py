@@ -129,3 +129,21 @@ def test_a_real_adafactor_keeps_what_the_planner_counts():
     )
     # the planner lumps the norms into one vector: the same bytes (both unfactored, fp32)
     assert kept == optimizer_bytes("adafactor", model_tensors(arch), param_bytes=2, flat=False)
+
+
+def test_bitsandbytes_is_never_handed_a_tensor_past_its_32_bit_element_count():
+    """bitsandbytes' kernels count elements in a C int (plan/optimizer.BNB_MAX_ELEMENTS; the GPU test shows the
+    failure): ZeRO-2's flat partition of a full 7B on one GPU is 7.6B elements, so the planner leaves zero2 out
+    there and refuses it pinned; over four GPUs each partition is 1.9B and it stays; ZeRO-3's sub-groups, DDP's
+    per-parameter tensors and DeepSpeed's own CPU Adam under offload never reach the limit; torch's AdamW has none."""
+    from finetune.plan.choose import bnb_tensor_too_large
+    from tests.helpers.calibration_rows import preset_for
+
+    one, four = (preset_for("NVIDIA H200", gpus_per_node=n) for n in (1, 4))
+    job = _job("qwen2.5-7b", "full", one, optimizer="adamw_8bit")
+    assert "7.6B elements" in bnb_tensor_too_large(job, "zero2")
+    for fine in ("ddp", "zero3", "zero3-optim-offload", "zero3-offload"):
+        assert not bnb_tensor_too_large(job, fine), fine
+    assert not bnb_tensor_too_large(_job("qwen2.5-7b", "full", four, optimizer="adamw_8bit"), "zero2")
+    assert not bnb_tensor_too_large(_job("qwen2.5-7b", "full", one, optimizer="adamw"), "zero2")
+    assert bnb_tensor_too_large(_job("qwen2.5-7b", "full", one, optimizer="paged_adamw_32bit"), "zero2")
