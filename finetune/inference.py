@@ -120,8 +120,11 @@ def load(
             raise GenerateError(
                 "cannot tell the base model of a full fine-tune without recipe.resolved.yaml", file=str(run_dir)
             )
+    from finetune.train.model import dequantizing_kwargs
+
     source = base if base is not None else str(weights)
     try:
+        kwargs.update(dequantizing_kwargs(source, **{k: v for k, v in kwargs.items() if k != "dtype"}))
         model = AutoModelForCausalLM.from_pretrained(source, **kwargs)
     except OSError as exc:
         raise GenerateError(

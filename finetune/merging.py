@@ -210,6 +210,9 @@ def _merge_into(run_dir: Path, out: Path, *, base: str, recipe, dtype: str, max_
     adapter_config = json.loads((run_dir / "adapter_config.json").read_text())
     why_not = merge_stream.streamable(adapter_config)
     base_dir = _local_base(base, recipe)
+    if not why_not and _published_quantized(base_dir):
+        # its shards hold packed blocks and scales, not the 16-bit weights the streaming merge adds deltas to
+        why_not = "the base checkpoint is published quantized; it loads dequantized"
     if why_not or not merge_stream.base_shards(base_dir):
         logger.info("merging in memory (%s)", why_not or "the base has no safetensors shards")
         _merge_in_memory(run_dir, out, base=base, recipe=recipe, dtype=dtype, max_shard_size=max_shard_size)
@@ -234,6 +237,12 @@ def _merge_into(run_dir: Path, out: Path, *, base: str, recipe, dtype: str, max_
         ) from None
     _write_model_files(base_dir, out, dtype=dtype)
     _copy_tokenizer(run_dir, out, base=base, recipe=recipe)
+
+
+def _published_quantized(base_dir: Path) -> bool:
+    """The base's config.json names a quantization (a checkpoint published quantized, e.g. gpt-oss's MXFP4)."""
+    config = base_dir / "config.json"
+    return config.is_file() and bool(json.loads(config.read_text()).get("quantization_config"))
 
 
 def _local_base(base: str, recipe) -> Path:
@@ -303,7 +312,10 @@ def _merge_in_memory(run_dir: Path, out: Path, *, base: str, recipe, dtype: str,
     load_kwargs = {}
     if recipe is not None:
         load_kwargs = {"revision": recipe.model.revision, "trust_remote_code": recipe.model.trust_remote_code}
+    from finetune.train.model import dequantizing_kwargs
+
     try:
+        load_kwargs.update(dequantizing_kwargs(base, **load_kwargs))  # a base published quantized (gpt-oss's MXFP4)
         model = AutoModelForCausalLM.from_pretrained(base, dtype=getattr(torch, dtype), device_map="cpu", **load_kwargs)
     except OSError as exc:
         raise MergeError(

@@ -354,6 +354,7 @@ def convert(conv: Conversion) -> None:
         for key in [k for k in conv.raw if k.startswith("peft_") and conv.raw[k] is not None]:
             conv.drop(key, conv.take(key), f"belongs to adapter {adapter}", material=False)
     target_parameters(conv, "lora_target_parameters")
+    _model_quantization(conv)
     if conv.take("lora_target_linear"):
         conv.set("adapter.target_modules", "all-linear")
         conv.used.add("lora_target_modules")
@@ -431,6 +432,30 @@ def convert(conv: Conversion) -> None:
     if conv.has("warmup_steps") and conv.has("warmup_ratio"):
         conv.drop("warmup_ratio", conv.take("warmup_ratio"), "warmup_steps is set too; finetune takes one")
     _trackers(conv)
+
+
+def _model_quantization(conv: Conversion) -> None:
+    """axolotl's model_quantization_config (a transformers quantization config class by name, with its kwargs): the
+    one its gpt-oss examples use, Mxfp4Config with dequantize, is what finetune does for an MXFP4 checkpoint by
+    itself (registry.derive.LOADS_DEQUANTIZED); training weights kept quantized by such a config is not offered."""
+    name = conv.take("model_quantization_config")
+    kwargs = conv.take("model_quantization_config_kwargs")
+    if name is None:
+        return
+    if str(name) == "Mxfp4Config" and isinstance(kwargs, dict) and is_on(kwargs.get("dequantize")):
+        conv.drop(
+            "model_quantization_config",
+            name,
+            "finetune loads an MXFP4 checkpoint (gpt-oss) dequantized to 16 bits itself (Mxfp4Config(dequantize=True))",
+            material=False,
+        )
+        return
+    conv.drop(
+        "model_quantization_config",
+        {"config": name, "kwargs": kwargs} if kwargs else name,
+        "training on weights kept quantized by a transformers quantization config is not offered: finetune loads "
+        "an MXFP4 checkpoint dequantized, and quantizes the base with bitsandbytes for adapter.type: qlora",
+    )
 
 
 def _weights_dtype(conv: Conversion) -> None:

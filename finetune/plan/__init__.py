@@ -78,7 +78,9 @@ from finetune.recipe.schema import (
     sharded_load_blocker,
     sync_each_batch_pin,
 )
+from finetune.registry.derive import DEQUANTIZING_CONFIGS
 from finetune.registry.disk import AIO_BLOCK_BYTES, RAM_FILESYSTEMS, filesystem_type, probe_readers, read_gbps
+from finetune.registry.schema import ModelArch
 
 __all__ = [
     "plan",
@@ -330,6 +332,14 @@ def job_from_recipe(recipe, *, arch, preset) -> Job:
     """The recipe's workload as plain numbers (the planner's inner loop never touches pydantic)."""
     method = recipe.method.type
     adapter = recipe.adapter.type
+    if arch.dequantized_from and (adapter == "qlora" or recipe.adapter.load_in_8bit):
+        raise RecipeError(
+            f"{arch.key}'s checkpoint is published in {arch.dequantized_from}, which finetune loads dequantized to "
+            f"16 bits; bitsandbytes cannot quantize it again in the same load",
+            key="adapter.type" if adapter == "qlora" else "adapter.load_in_8bit",
+            hint="train LoRA on the dequantized weights (adapter.type: lora), or save a 16-bit copy once and point "
+            "model.name at it for QLoRA",
+        )
     if recipe.adapter.target_experts and not moe_layer_count(arch):
         raise RecipeError(
             f"{arch.key} has no routed experts for adapter.target_experts to adapt (it is not a mixture-of-experts "
@@ -389,7 +399,8 @@ def job_from_recipe(recipe, *, arch, preset) -> Job:
         strategy=recipe.distributed.strategy,
         sync_each_batch=sync_each_batch_pin(recipe),
         nvme_path=recipe.distributed.nvme_path or preset.nvme_path,
-        sharded_load=loads_sharded(recipe),
+        # finetune's sharded load reads 16-bit tensors; a checkpoint loaded dequantized loads whole (sharded_load)
+        sharded_load=loads_sharded(recipe) and not arch.dequantized_from,
         load_copies=recipe.model.init == "random" or arch.checkpoint_dtype != recipe.model.dtype,
     )
     # a resolved recipe trains as compiled (one resolved before the key existed did not pad)
@@ -440,7 +451,7 @@ def plan_on(recipe, *, arch, preset, source: str) -> Plan:
         if job.nvme_read_gbps:
             result = plan_job(job, on_preset=on_preset)
         result.disk = disk
-    result.substitutions = substitutions(recipe, result)
+    result.substitutions = substitutions(recipe, result, arch=arch)
     task_eval_check(job, result)
     warnings = (
         stand_in,
@@ -796,9 +807,15 @@ def task_eval_check(job: Job, result: Plan) -> None:
     )
 
 
-def substitutions(recipe, result: Plan) -> list[str]:
+def substitutions(recipe, result: Plan, *, arch: ModelArch) -> list[str]:
     """What the compiled run will use instead of what the recipe asked for (printed with the plan)."""
     out = []
+    if arch.dequantized_from:
+        loader = DEQUANTIZING_CONFIGS[arch.dequantized_from]
+        out.append(
+            f"model weights: the published {arch.dequantized_from} checkpoint -> {recipe.model.dtype}, dequantized "
+            f"while loading (transformers' {loader}(dequantize=True)); trained, planned and saved as the 16-bit model"
+        )
     if result.fits and strategies.offloads_optimizer(result.strategy) and recipe.train.optimizer != "adamw":
         stepper = "DeepSpeed's CPU AdamW" if strategies.is_deepspeed(result.strategy) else "torch's AdamW on the CPU"
         out.append(

@@ -168,7 +168,7 @@ def arch_from_config(path: Path, *, key: str, hub_id: str | None = None) -> Mode
             f"{', '.join(sorted(KNOWN_FAMILIES))}",
         )
     quantized = prequantized_method(cfg, text)
-    if quantized:
+    if quantized and quantized not in LOADS_DEQUANTIZED:
         raise RecipeError(
             f"config.json says the weights are already quantized (quantization_config, quant_method "
             f"{quantized!r}): the planner models 16/32-bit checkpoints, trained whole or with LoRA, and "
@@ -235,7 +235,9 @@ def arch_from_config(path: Path, *, key: str, hub_id: str | None = None) -> Mode
             fused_gate_up=traits.fused_gate_up,
             max_position_embeddings=int(text.get("max_position_embeddings") or 8192),
             rope_scaling=configured_rope_scaling(text),
-            checkpoint_dtype=stored_dtype(cfg, text),
+            # a checkpoint loaded dequantized is converted while it loads: a copy, not mapped file pages
+            checkpoint_dtype=None if quantized else stored_dtype(cfg, text),
+            dequantized_from=quantized or None,
             decoder_layer_class=traits.layer_class,
             lora_targets=targets,
             notes=f"derived from {path}",
@@ -319,6 +321,10 @@ def configured_rope_scaling(text: dict) -> dict | None:
 # checkpoints some models are published in only (gpt-oss: MXFP4, DeepSeek-V3: FP8) and the transformers config
 # whose dequantize=True loads them as 16-bit weights
 DEQUANTIZING_CONFIGS = {"mxfp4": "Mxfp4Config", "fp8": "FineGrainedFP8Config"}
+# those finetune loads dequantized itself, planned and trained as the 16-bit model (train/model.py:
+# dequantizing_config); the others are refused with the one-off conversion as the fix. MXFP4 (gpt-oss): transformers
+# dequantizes its expert blocks and scales in plain torch, on any device
+LOADS_DEQUANTIZED = ("mxfp4",)
 
 
 def _dequantize_hint(method: str) -> str:

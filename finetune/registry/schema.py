@@ -39,6 +39,11 @@ class ModelArch(Strict):
         description="the RoPE scaling config.json itself sets (rope_scaling / rope_parameters: rope_type, factor, "
         "original_max_position_embeddings), which model.rope_scaling is merged over as training merges it",
     )
+    dequantized_from: str | None = Field(
+        None,
+        description="the quant_method of a checkpoint published quantized that finetune loads dequantized "
+        "(registry.derive.LOADS_DEQUANTIZED, e.g. gpt-oss's mxfp4): planned and trained as the 16-bit model",
+    )
     checkpoint_dtype: Literal["bfloat16", "float16", "float32"] | None = Field(
         None,
         description="dtype the published weights are stored in (config.json's dtype / torch_dtype); "

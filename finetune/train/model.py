@@ -97,6 +97,32 @@ def quantization_config(recipe: Recipe):
     )
 
 
+def dequantizing_config(config):
+    """transformers' config that loads a checkpoint published quantized as 16-bit weights (its quant_method in
+    registry.derive.LOADS_DEQUANTIZED: gpt-oss's MXFP4 through Mxfp4Config(dequantize=True)), or None for a
+    16/32-bit checkpoint. `config`: the checkpoint's, as AutoConfig reads it."""
+    from finetune.registry.derive import DEQUANTIZING_CONFIGS, LOADS_DEQUANTIZED
+
+    quant = getattr(config, "quantization_config", None)
+    method = quant.get("quant_method") if isinstance(quant, dict) else getattr(quant, "quant_method", None)
+    method = str(getattr(method, "value", method))  # transformers' QuantizationMethod is a str enum
+    if method not in LOADS_DEQUANTIZED:
+        return None
+    import transformers
+
+    return getattr(transformers, DEQUANTIZING_CONFIGS[method])(dequantize=True)
+
+
+def dequantizing_kwargs(source, **config_kwargs) -> dict:
+    """from_pretrained's quantization_config for a checkpoint published quantized that loads dequantized
+    (`dequantizing_config`), {} for any other: for the loads outside training (merge, generate) that have a model
+    path, not a recipe. `config_kwargs`: AutoConfig's (revision, trust_remote_code)."""
+    from transformers import AutoConfig
+
+    dequantized = dequantizing_config(AutoConfig.from_pretrained(source, **config_kwargs))
+    return {"quantization_config": dequantized} if dequantized is not None else {}
+
+
 def attn_implementation(chosen: str) -> str:
     """The name transformers loads. compile resolves auto (finetune.plan.attention_implementation);
     an unresolved recipe (merge, eval of a bare recipe) gets sdpa."""
@@ -157,6 +183,11 @@ def model_kwargs(recipe: Recipe) -> dict:
     if overrides_config(recipe):
         kwargs["config"] = base_config(recipe)
     quant = quantization_config(recipe)
+    if quant is None and recipe.model.init != "random":
+        # a checkpoint published quantized loads as 16-bit weights, placed as a plain checkpoint's are
+        dequantized = dequantizing_config(base_config(recipe))
+        if dequantized is not None:
+            kwargs["quantization_config"] = dequantized
     if quant is not None:
         kwargs["quantization_config"] = quant
         resolved = recipe.resolved
@@ -254,6 +285,9 @@ def random_model(recipe: Recipe, auto, kwargs: dict):
     from transformers.integrations import is_fsdp_enabled
 
     config = kwargs.get("config") or base_config(recipe)
+    if dequantizing_config(config) is not None:
+        # built in 16 bits from the config; a saved model must not claim the published checkpoint's quantization
+        config.quantization_config = None
     if "num_labels" in kwargs:
         config.num_labels = kwargs["num_labels"]
     build = from_config_kwargs(kwargs)

@@ -162,3 +162,71 @@ def test_lora_on_the_routed_experts_trains_saves_and_merges(tmp_path):
         plain = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)(input_ids=ids).logits
     assert not torch.allclose(want, plain, atol=1e-5)  # the adapter changed the experts
     assert torch.allclose(want, got, atol=1e-4), (want - got).abs().max()
+
+
+def _mxfp4_checkpoint(folder):
+    """A tiny GPT-OSS checkpoint as openai/gpt-oss-* publish theirs: the routed experts as MXFP4 blocks and scales
+    (uint8, 32 weights a block), everything else bf16, config.json naming quant_method mxfp4."""
+    import torch
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(folder)).to(torch.bfloat16).save_pretrained(folder)
+    tensors, packed = load_file(folder / "model.safetensors"), {}
+    generator = torch.Generator().manual_seed(0)
+    for name, value in tensors.items():
+        if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            experts, fan_in, fan_out = value.shape  # GPT-OSS stores its experts in x out
+            blocks = (experts, fan_out, fan_in // 32, 16)
+            packed[f"{name}_blocks"] = torch.randint(0, 256, blocks, dtype=torch.uint8, generator=generator)
+            packed[f"{name}_scales"] = torch.full(blocks[:3], 124, dtype=torch.uint8)  # 2^-3 a block
+        else:
+            packed[name] = value.contiguous()
+    save_file(packed, folder / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((folder / "config.json").read_text())
+    config["quantization_config"] = {
+        "quant_method": "mxfp4",
+        "modules_to_not_convert": [
+            "model.layers.*.self_attn",
+            "model.layers.*.mlp.router",
+            "model.embed_tokens",
+            "lm_head",
+        ],
+    }
+    (folder / "config.json").write_text(json.dumps(config))
+
+
+def test_a_model_published_in_mxfp4_trains_dequantized_and_merges_to_16_bits(tmp_path):
+    """GPT-OSS as OpenAI publishes it (MXFP4 experts): planned as the 16-bit model, loaded through transformers'
+    Mxfp4Config(dequantize=True), trained with LoRA on its experts too, and merged (in memory: the base's shards hold
+    packed blocks) into a 16-bit model without the quantization in its config."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from finetune.api import plan
+    from finetune.cli import main
+    from finetune.recipe import load_recipe
+
+    folder = _model_dir(tmp_path, "gpt_oss")
+    _mxfp4_checkpoint(folder)
+    recipe = write_recipe(
+        tmp_path / "recipe.yaml",
+        model={"name": str(folder), "dtype": "bfloat16"},
+        adapter={"type": "lora", "r": 8, "alpha": 16, "target_experts": True},
+        train={"epochs": None, "max_steps": 4, "logging_steps": 1, "precision": "bf16"},
+        output={"save_every": None},
+    )
+    planned = plan(load_recipe(recipe), hardware="cpu")
+    assert any("mxfp4 checkpoint -> bfloat16" in s for s in planned.substitutions), planned.substitutions
+    done = run(cli_argv(recipe, tmp_path / "run"), cache=tmp_path / "cache")
+    out = done.stdout + done.stderr
+    assert done.returncode == 0 and "Traceback" not in out, out[-3000:]
+    losses = [r["loss"] for r in read_metrics(tmp_path / "run") if "loss" in r]
+    assert len(losses) == 4 and all(loss == loss for loss in losses), losses  # trained, finite
+
+    assert main(["merge", str(tmp_path / "run"), "-o", str(tmp_path / "merged")]) == 0
+    merged_config = json.loads((tmp_path / "merged" / "config.json").read_text())
+    assert not merged_config.get("quantization_config")
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged", dtype=torch.bfloat16)
+    assert merged.model.layers[0].mlp.experts.gate_up_proj.dtype == torch.bfloat16

@@ -782,3 +782,20 @@ def test_lora_on_the_routed_experts_is_target_experts_and_a_part_of_them_is_repo
         assert conv.get("adapter.target_experts") is None
         (dropped,) = [d for d in conv.material if d.key == "lora_target_parameters"]
         assert "adapter.target_experts" in dropped.reason
+
+
+def test_axolotl_gpt_oss_dequantize_config_is_what_finetune_does_and_kept_quantized_weights_are_reported(tmp_path):
+    """axolotl's gpt-oss examples load the MXFP4 checkpoint with model_quantization_config: Mxfp4Config and
+    {dequantize: true}, which finetune does for such a checkpoint by itself; any other quantization config would
+    train on quantized weights, which is not offered."""
+    from finetune.peers import convert_mapping
+
+    base = {"base_model": "openai/gpt-oss-20b", "adapter": "lora"}
+    dequantized = {"model_quantization_config": "Mxfp4Config", "model_quantization_config_kwargs": {"dequantize": True}}
+    conv = convert_mapping({**base, **dequantized}, source="axolotl", config_dir=tmp_path, out_dir=tmp_path)
+    (dropped,) = [d for d in conv.dropped if d.key == "model_quantization_config"]
+    assert not dropped.material and "dequantized" in dropped.reason
+    assert "model_quantization_config_kwargs" not in {d.key for d in conv.dropped}
+    kept = {"model_quantization_config": "Mxfp4Config"}
+    conv = convert_mapping({**base, **kept}, source="axolotl", config_dir=tmp_path, out_dir=tmp_path)
+    assert "model_quantization_config" in {d.key for d in conv.material}

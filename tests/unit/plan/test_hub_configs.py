@@ -71,9 +71,18 @@ PLANNED: dict[str, tuple[float, float | None, str]] = {
 ACTIVE_WITHOUT_EMBEDDING: dict[str, tuple[float, str]] = {
     "deepseek-v2-lite": (2.4e9, "model card: 15.7B total, 2.4B activated"),
     "gpt-oss-20b-bf16": (3.61e9, "model card: 20.9B total, 3.6B active (3.61B, embeddings aside)"),
+    # published in MXFP4 only: loaded dequantized, planned as the 16-bit model (test_mxfp4_is_planned_dequantized)
+    "gpt-oss-20b": (3.61e9, "model card: 20.9B total, 3.6B active (3.61B, embeddings aside)"),
+    "gpt-oss-120b": (5.13e9, "model card: 117B total, 5.1B active (5.13B, embeddings aside)"),
     "granite-3.1-3b-a800m": (800e6, "Granite 3.0 report: 3.3B total, 800M active (its tied embedding aside)"),
 }
-PLANNED_TOTAL_ONLY = {"deepseek-v2-lite": 15.7e9, "gpt-oss-20b-bf16": 20.9e9, "granite-3.1-3b-a800m": 3.3e9}
+PLANNED_TOTAL_ONLY = {
+    "deepseek-v2-lite": 15.7e9,
+    "gpt-oss-20b-bf16": 20.9e9,
+    "gpt-oss-20b": 20.9e9,
+    "gpt-oss-120b": 117e9,
+    "granite-3.1-3b-a800m": 3.3e9,
+}
 # multimodal checkpoints planned as their text decoder plus frozen towers (finetune/registry/families.py
 # TEXT_OF_MULTIMODAL): the published count includes the vision tower and projector, whose size transformers'
 # meta-device Gemma3ForConditionalGeneration gives exactly
@@ -83,10 +92,9 @@ TEXT_OF_MULTIMODAL: dict[str, tuple[float, int, str]] = {
 }
 # model: words the refusal must contain
 REFUSED: dict[str, tuple[str, ...]] = {
-    # published only quantized: the fix says how to make the 16-bit copy the planner reads
+    # published only quantized in a format finetune does not load dequantized itself: the fix says how to make the
+    # 16-bit copy the planner reads
     "deepseek-v3": ("quantized", "fp8", "FineGrainedFP8Config(dequantize=True)"),
-    "gpt-oss-20b": ("quantized", "mxfp4", "Mxfp4Config(dequantize=True)"),
-    "gpt-oss-120b": ("quantized", "mxfp4", "Mxfp4Config(dequantize=True)"),
     "llama-4-scout": ("'llama4'", "mixture-of-experts"),
     "internlm2.5-7b": ("'internlm2'",),
 }
@@ -208,3 +216,30 @@ def test_an_adapter_on_an_moe_model_says_its_routed_experts_train_no_lora():
     assert "the experts load in bfloat16" in qlora
     assert "the dense layers' MLPs" in warnings("deepseek-v2-lite", "lora")
     assert "routed experts" not in warnings("llama-3.1-8b", "lora")
+
+
+def test_mxfp4_is_planned_dequantized_and_qlora_on_it_is_refused():
+    """gpt-oss's MXFP4 checkpoint loads through transformers' Mxfp4Config(dequantize=True): the plan is the 16-bit
+    model's, says so, counts the load as a converted copy (not mapped file pages) and a whole-model load under FSDP2
+    (finetune's sharded load reads 16-bit tensors); bitsandbytes cannot quantize it again in that load."""
+    from finetune.plan import job_from_recipe, plan
+    from finetune.recipe import load_recipe
+    from finetune.registry import get_preset
+
+    raw = {
+        "model": {"name": str(CONFIGS / "gpt-oss-20b")},
+        "adapter": {"type": "lora"},
+        "data": {"path": "t.jsonl"},
+        "train": {"liger": "off"},
+        "distributed": {"strategy": "fsdp2"},
+    }
+    arch = resolve_model(ModelSection(name=str(CONFIGS / "gpt-oss-20b")), base_dir=ROOT)
+    assert arch.dequantized_from == "mxfp4" and arch.checkpoint_dtype is None
+    recipe = load_recipe(raw)
+    job = job_from_recipe(recipe, arch=arch, preset=get_preset("server-8xh100"))
+    assert job.load_copies and not job.sharded_load
+    planned = plan(recipe, hardware="server-8xh100")
+    assert any("published mxfp4 checkpoint -> bfloat16" in s for s in planned.substitutions)
+    with pytest.raises(RecipeError) as refused:
+        plan(load_recipe({**raw, "adapter": {"type": "qlora"}}), hardware="server-8xh100")
+    assert refused.value.key == "adapter.type" and "lora" in refused.value.hint

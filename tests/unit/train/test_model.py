@@ -82,3 +82,24 @@ def test_empty_random_build_has_the_main_ranks_parameters(tied):
     assert [n for n, _ in empty.named_parameters()] == [n for n, _ in real.named_parameters()]
     assert all(p.is_meta for p in empty.parameters())
     assert (empty.lm_head.weight is empty.model.embed_tokens.weight) is tied
+
+
+def test_a_checkpoint_published_in_mxfp4_loads_through_transformers_dequantizing_config(tmp_path):
+    """transformers keeps MXFP4 experts packed on a GPU unless told to dequantize (only a CPU load dequantizes by
+    itself), and its packed experts do not train: finetune always passes Mxfp4Config(dequantize=True) for such a
+    checkpoint, and a random build from its config drops the quantization the saved model would otherwise claim."""
+    import json
+
+    from finetune.train.model import base_config, dequantizing_config, model_kwargs
+
+    folder = tmp_path / "model"
+    shutil.copytree(TINY_MODEL, folder)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "quantization_config": {"quant_method": "mxfp4"}}))
+    recipe = load_recipe(tiny_recipe(model={"name": str(folder), "dtype": "bfloat16"}))
+    quant = model_kwargs(recipe)["quantization_config"]
+    assert type(quant).__name__ == "Mxfp4Config" and quant.dequantize
+    plain = load_recipe(tiny_recipe())
+    assert "quantization_config" not in model_kwargs(plain) and dequantizing_config(base_config(plain)) is None
+    random = load_recipe(tiny_recipe(model={"name": str(folder), "dtype": "bfloat16", "init": "random"}))
+    assert "quantization_config" not in model_kwargs(random)
