@@ -807,6 +807,10 @@ def task_eval_check(job: Job, result: Plan) -> None:
     )
 
 
+# what bitsandbytes steps on the CPU for a paged optimizer (bitsandbytes/optim/optimizer.py falls back with a warning)
+UNPAGED = {"paged_adamw_8bit": "adamw_8bit", "paged_adamw_32bit": "bitsandbytes' unpaged 32-bit AdamW"}
+
+
 def substitutions(recipe, result: Plan, *, arch: ModelArch) -> list[str]:
     """What the compiled run will use instead of what the recipe asked for (printed with the plan)."""
     out = []
@@ -815,6 +819,13 @@ def substitutions(recipe, result: Plan, *, arch: ModelArch) -> list[str]:
         out.append(
             f"model weights: the published {arch.dequantized_from} checkpoint -> {recipe.model.dtype}, dequantized "
             f"while loading (transformers' {loader}(dequantize=True)); trained, planned and saved as the 16-bit model"
+        )
+    optimizer = recipe.train.optimizer
+    if result.device == "cpu" and optimizer in UNPAGED:
+        out.append(
+            f"train.optimizer {optimizer} -> {UNPAGED[optimizer]}: bitsandbytes pages optimizer states "
+            "between GPU memory and host RAM, and on the CPU it steps them unpaged (its states live in host RAM "
+            "already)"
         )
     if result.fits and strategies.offloads_optimizer(result.strategy) and recipe.train.optimizer != "adamw":
         stepper = "DeepSpeed's CPU AdamW" if strategies.is_deepspeed(result.strategy) else "torch's AdamW on the CPU"

@@ -197,6 +197,20 @@ def _mxfp4_checkpoint(folder):
     (folder / "config.json").write_text(json.dumps(config))
 
 
+def mxfp4_gpt_oss_recipe(tmp_path, *, hardware: str = "cpu"):
+    """A recipe training LoRA, its experts' included, on a tiny GPT-OSS published in MXFP4 (`_mxfp4_checkpoint`)."""
+    folder = _model_dir(tmp_path, "gpt_oss")
+    _mxfp4_checkpoint(folder)
+    return write_recipe(
+        tmp_path / "recipe.yaml",
+        model={"name": str(folder), "dtype": "bfloat16"},
+        adapter={"type": "lora", "r": 8, "alpha": 16, "target_experts": True},
+        train={"epochs": None, "max_steps": 4, "logging_steps": 1, "precision": "bf16", "liger": "off"},
+        output={"save_every": None},
+        hardware=hardware,
+    )
+
+
 def test_a_model_published_in_mxfp4_trains_dequantized_and_merges_to_16_bits(tmp_path):
     """GPT-OSS as OpenAI publishes it (MXFP4 experts): planned as the 16-bit model, loaded through transformers'
     Mxfp4Config(dequantize=True), trained with LoRA on its experts too, and merged (in memory: the base's shards hold
@@ -208,15 +222,7 @@ def test_a_model_published_in_mxfp4_trains_dequantized_and_merges_to_16_bits(tmp
     from finetune.cli import main
     from finetune.recipe import load_recipe
 
-    folder = _model_dir(tmp_path, "gpt_oss")
-    _mxfp4_checkpoint(folder)
-    recipe = write_recipe(
-        tmp_path / "recipe.yaml",
-        model={"name": str(folder), "dtype": "bfloat16"},
-        adapter={"type": "lora", "r": 8, "alpha": 16, "target_experts": True},
-        train={"epochs": None, "max_steps": 4, "logging_steps": 1, "precision": "bf16"},
-        output={"save_every": None},
-    )
+    recipe = mxfp4_gpt_oss_recipe(tmp_path)
     planned = plan(load_recipe(recipe), hardware="cpu")
     assert any("mxfp4 checkpoint -> bfloat16" in s for s in planned.substitutions), planned.substitutions
     done = run(cli_argv(recipe, tmp_path / "run"), cache=tmp_path / "cache")

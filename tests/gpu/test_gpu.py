@@ -375,3 +375,21 @@ def test_bitsandbytes_steps_no_tensor_past_its_32_bit_element_count(tmp_path):
     below, above = results.values()
     assert below[0] == 0 and "stepped" in below[1], below
     assert above[0] != 0 and "stepped" not in above[1], above
+
+
+@pytest.mark.skipif(_gpus() < 1, reason="needs a CUDA GPU")
+def test_a_published_mxfp4_checkpoint_trains_dequantized_on_a_gpu(tmp_path):
+    """On a GPU transformers keeps an MXFP4 checkpoint's experts packed unless told to dequantize (on a CPU it
+    dequantizes by itself): `finetune run` on the GPU trains the tiny GPT-OSS written in OpenAI's layout, LoRA on its
+    experts included, through Mxfp4Config(dequantize=True)."""
+    from finetune.rundir import read_metrics
+    from tests.e2e.test_moe_families import mxfp4_gpt_oss_recipe
+    from tests.helpers.processes import cli_argv, run
+
+    recipe = mxfp4_gpt_oss_recipe(tmp_path, hardware="auto")
+    done = run(cli_argv(recipe, tmp_path / "run"), cache=tmp_path / "cache", timeout=600)
+    out = done.stdout + done.stderr
+    assert done.returncode == 0 and "Traceback" not in out, out[-4000:]
+    assert "dequantized while loading" in out  # the plan said how it loads
+    losses = [r["loss"] for r in read_metrics(tmp_path / "run") if "loss" in r]
+    assert len(losses) == 4 and all(loss == loss for loss in losses), losses

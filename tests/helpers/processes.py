@@ -24,7 +24,10 @@ def cli_argv(recipe: Path, run_dir: Path, *extra: str) -> list[str]:
 
 def env(cache: Path | None = None) -> dict:
     out = dict(os.environ)
-    out.update(HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TOKENIZERS_PARALLELISM="false", PYTHONPATH=str(ROOT))
+    # the repository first, then what the caller's Python already reads (the GPU machine's carried wheels live on
+    # PYTHONPATH: replacing it hid them from the child)
+    path = os.pathsep.join([str(ROOT), *([os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else [])])
+    out.update(HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TOKENIZERS_PARALLELISM="false", PYTHONPATH=path)
     if cache is not None:
         out["FINETUNE_CACHE_DIR"] = str(cache)
     return out

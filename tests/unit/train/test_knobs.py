@@ -90,6 +90,17 @@ def test_plan_prints_the_optimizer_substitution_under_offload():
     assert result.to_json()["substitutions"]
 
 
+def test_plan_says_a_paged_optimizer_steps_unpaged_on_the_cpu():
+    """bitsandbytes pages optimizer states between GPU memory and host RAM; on the CPU it falls back to its unpaged
+    optimizer with a library warning only, which the plan says first."""
+    from finetune.plan import plan
+
+    for optimizer, said in (("paged_adamw_8bit", "adamw_8bit"), ("paged_adamw_32bit", "bitsandbytes' unpaged")):
+        result = plan(load_recipe(tiny_recipe(train={"optimizer": optimizer})), hardware="cpu")
+        assert any(s.startswith(f"train.optimizer {optimizer} -> {said}") for s in result.substitutions)
+    assert not plan(load_recipe(tiny_recipe(train={"optimizer": "adamw_8bit"})), hardware="cpu").substitutions
+
+
 @pytest.mark.parametrize(
     "optimizer,optim",
     [
