@@ -162,7 +162,8 @@ def _adapter_line(recipe: Recipe, kind: Kind) -> str:
         targets = recipe.resolved.lora_targets
     shown = targets if isinstance(targets, str) else ", ".join(targets or []) or "registry default"
     if a.target_experts:
-        shown += " and every routed expert's fused weights (" + ", ".join(FUSED_EXPERT_WEIGHTS) + ")"
+        layers = "every MoE layer" if a.target_experts is True else "layers " + ", ".join(map(str, a.target_experts))
+        shown += f" and the routed experts' fused weights ({', '.join(FUSED_EXPERT_WEIGHTS)}) of {layers}"
     extras = [x for x, on in (("DoRA", a.dora), ("rsLoRA", a.rslora)) if on]
     line = f"{'QLoRA' if a.type == 'qlora' else 'LoRA'} r={a.r}, alpha={a.alpha:g}, dropout={a.dropout:g}"
     line += f", targets: {shown}" + (f" ({', '.join(extras)})" if extras else "")

@@ -699,22 +699,30 @@ def drop_packing(conv: Conversion) -> None:
 
 def target_parameters(conv: Conversion, key: str) -> None:
     """peft's target_parameters (axolotl's and TRL's lora_target_parameters): LoRA on the routed experts' fused
-    weights is adapter.target_experts, which adapts both of them (FUSED_EXPERT_WEIGHTS) in every MoE layer; a list
-    naming only one, some layers, or other parameters has no recipe equivalent."""
+    weights is adapter.target_experts, which adapts both of them (FUSED_EXPERT_WEIGHTS) in every MoE layer (true)
+    or in the layers it lists; names with a layer index (OpenAI's gpt-oss recipe: 7.mlp.experts.gate_up_proj) give
+    the list. One weight without the other, or other parameters, have no recipe equivalent."""
     names = [str(n) for n in as_list(conv.take(key))]
     if not names:
         return
-    kinds = {n for n in FUSED_EXPERT_WEIGHTS for name in names if name == n or name.endswith("." + n)}
-    per_layer = [n for n in names if any(part.isdigit() for part in n.split("."))]
-    if kinds == set(FUSED_EXPERT_WEIGHTS) and len(kinds) == len(names) and not per_layer:
-        conv.set("adapter.target_experts", True)
+    layers: dict[int | None, set[str]] = {}
+    for name in names:
+        weight = next((w for w in FUSED_EXPERT_WEIGHTS if name == w or name.endswith("." + w)), None)
+        index = next((int(part) for part in name.split(".") if part.isdigit()), None)
+        if weight is None:
+            layers = {}
+            break
+        layers.setdefault(index, set()).add(weight)
+    whole = all(kinds == set(FUSED_EXPERT_WEIGHTS) for kinds in layers.values())
+    if layers and whole and (None not in layers or len(layers) == 1):
+        conv.set("adapter.target_experts", True if None in layers else sorted(i for i in layers if i is not None))
         return
     conv.drop(
         key,
         names,
         "adapter.target_experts adapts both fused expert weights (" + ", ".join(FUSED_EXPERT_WEIGHTS) + ") of every "
-        "MoE layer; a subset, single layers or other parameters are not offered (set adapter.target_experts: true "
-        "for all of them)",
+        "MoE layer (true) or of listed layers ([7, 15, 23]); one of the two weights, or other parameters, are not "
+        "offered",
     )
 
 

@@ -57,6 +57,7 @@ from finetune.plan.workload import (
     adapter_params,
     batch_share,
     count_params,
+    expert_adapter_layers,
     holds_a_micro_batch,
     mean_sequence_tokens,
     module_shapes,
@@ -157,6 +158,27 @@ def _targets(recipe, arch) -> tuple[str, ...]:
     return names
 
 
+def expert_layers(recipe, arch) -> int:
+    """How many MoE layers adapter.target_experts adapts on `arch` (workload.expert_adapter_layers); a dense model or
+    a listed layer without routed experts is refused by the key."""
+    chosen = recipe.adapter.target_experts
+    if recipe.adapter.type == "full" or chosen is False:
+        return 0
+    if not moe_layer_count(arch):
+        raise RecipeError(
+            f"{arch.key} has no routed experts for adapter.target_experts to adapt (it is not a mixture-of-experts "
+            "model)",
+            key="adapter.target_experts",
+            hint="remove adapter.target_experts; adapter.target_modules reaches the dense MLP's linears",
+        )
+    try:
+        return expert_adapter_layers(arch, chosen)
+    except ValueError as exc:
+        raise RecipeError(
+            str(exc), key="adapter.target_experts", hint="list MoE layers only, or true for all"
+        ) from None
+
+
 def recipe_flops_per_token(recipe, *, arch) -> float:
     """model_flops_per_token of `recipe` (its adapter, LoRA shape and data.max_length) on `arch`: what
     the planner's MFU and the benchmarks' measured MFU divide by."""
@@ -169,7 +191,7 @@ def recipe_flops_per_token(recipe, *, arch) -> float:
             r=a.r,
             targets=_targets(recipe, arch),
             dora=a.dora,
-            experts=a.target_experts,
+            experts=expert_layers(recipe, arch),
             modules_to_save=a.modules_to_save or (),
             active=True,
         )
@@ -340,13 +362,7 @@ def job_from_recipe(recipe, *, arch, preset) -> Job:
             hint="train LoRA on the dequantized weights (adapter.type: lora), or save a 16-bit copy once and point "
             "model.name at it for QLoRA",
         )
-    if recipe.adapter.target_experts and not moe_layer_count(arch):
-        raise RecipeError(
-            f"{arch.key} has no routed experts for adapter.target_experts to adapt (it is not a mixture-of-experts "
-            "model)",
-            key="adapter.target_experts",
-            hint="remove adapter.target_experts; adapter.target_modules reaches the dense MLP's linears",
-        )
+    lora_expert_layers = expert_layers(recipe, arch)
     reference = dpo_reference(recipe)
     added = recipe.tokenizer.new_token_count
     if added:  # tokenizer.added_tokens / special-token overrides grow the embeddings and the LM head
@@ -370,7 +386,7 @@ def job_from_recipe(recipe, *, arch, preset) -> Job:
         lora_targets=_targets(recipe, arch),
         lora_dropout=recipe.adapter.dropout,
         dora=recipe.adapter.dora,
-        lora_experts=recipe.adapter.target_experts and adapter != "full",
+        lora_expert_layers=lora_expert_layers,
         modules_to_save=tuple(recipe.adapter.modules_to_save or ()) if adapter != "full" else (),
         cast_adapter_inputs=recipe.adapter.cast_adapter_inputs,
         fused_lora=recipe.adapter.fuses_lora,

@@ -59,7 +59,7 @@ from __future__ import annotations
 from finetune import strategies
 from finetune.plan.lora_time import KERNELS_SAVED_PER_FUSED_LINEAR, fused_lora_runs, grouped_kernels_saved
 from finetune.plan.optimizer import trained_tensors
-from finetune.plan.workload import Job, expanded, layer_kinds, layer_lora, moe_layer_count, numel, targeted_linears
+from finetune.plan.workload import Job, expanded, layer_kinds, layer_lora, numel, targeted_linears
 
 HOST_S_PER_MICRO_BATCH = 0.061
 HOST_S_PER_KERNEL = 63e-6
@@ -99,8 +99,7 @@ def kernels_per_micro_batch(job: Job, *, strategy: str, checkpointed_layers: int
         layer += (per_linear * targeted - grouped_kernels_saved(job, strategy)) / arch.num_layers
     if strategies.is_fsdp(strategy):
         layer += KERNELS_FSDP_PER_LAYER
-    if job.lora_experts:
-        layer += KERNELS_PER_EXPERT_FOLD * moe_layer_count(arch) / arch.num_layers
+    layer += KERNELS_PER_EXPERT_FOLD * job.lora_expert_layers / arch.num_layers
     kernels = arch.num_layers * layer + checkpointed_layers * FORWARD_SHARE * layer
     # the reference's forwards run with the adapters off; KTO's policy forward of the KL completion with them
     kernels += (
@@ -124,7 +123,7 @@ def zero3_module_uses(job: Job, *, checkpointed_layers: int) -> int:
         linears = sum(copies for _, _, copies in shapes.values()) + (1 if is_moe else 0)
         lora = 0
         if job.adapter != "full":
-            lora = sum(copies for copies, shape in layer_lora(job, shapes, is_moe=is_moe) if numel(shape) > threshold)
+            lora = sum(copies for copies, shape in layer_lora(job, shapes) if numel(shape) > threshold)
         base += count * linears
         adapter += count * lora
         recompute += round(checkpointed_layers * count / arch.num_layers) * (linears + lora)

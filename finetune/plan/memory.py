@@ -76,7 +76,6 @@ from finetune.plan.workload import (
     masked_row_layers,
     model_tensors,
     module_shapes,
-    moe_layer_count,
     numel,
     peak_sequence_tokens,
     peak_tokens_per_micro_batch,
@@ -619,13 +618,14 @@ def expert_fold_copies(job: Job, *, checkpointing: bool | int) -> tuple[float, f
     every layer's experts at the backward's start, but a checkpointed layer's (recomputed then). The backward of one
     layer adds its copy's gradient, as large (transient; with every layer checkpointed, its recomputed copy too).
     Checked with saved_tensors_hooks on one MoE block of each family (tests/unit/plan/test_expert_lora.py)."""
-    if not job.lora_experts:
-        return 0.0, 0.0
-    layers = moe_layer_count(job.arch)
+    layers = job.lora_expert_layers
     if not layers:
         return 0.0, 0.0
-    folded = routed_expert_params(job.arch) + expert_lora_param_count(job.arch, r=job.lora_r)
+    folded = routed_expert_params(job.arch, layers=layers) + expert_lora_param_count(
+        job.arch, r=job.lora_r, layers=layers
+    )
     per_layer = folded / layers * job.weight_bytes
+    # the first k layers are checkpointed: the adapted ones among them are taken as spread like the rest
     checkpointed = checkpointed_layers(job, checkpointing)
     kept = per_layer * layers * (job.arch.num_layers - checkpointed) / job.arch.num_layers
     return kept, per_layer * (2 if checkpointed == job.arch.num_layers else 1)

@@ -48,8 +48,12 @@ def dense_mlp_bytes(job: Job, width: int) -> float:
     return a * width * ((2 if job.liger_swiglu else 3) + (1 if product else 0))
 
 
-def routed_bytes(job: Job) -> float:
-    """One MoE layer's routed experts and router, per token (see the module docstring)."""
+def routed_bytes(job: Job, *, trained: bool | None = None) -> float:
+    """One MoE layer's routed experts and router, per token (see the module docstring). `trained`: whether this
+    layer's experts get weight gradients (default: a full fine-tune's, or every MoE layer adapted by
+    adapter.target_experts)."""
+    if trained is None:
+        trained = job.trained_expert_layers == moe_layer_count(job.arch) > 0
     arch, a = job.arch, job.act_bytes
     h, i, e = arch.hidden_size, expert_size(arch), arch.num_experts
     k = min(arch.experts_per_token, e)
@@ -57,7 +61,7 @@ def routed_bytes(job: Job) -> float:
     activation = 4 * i if family == "gpt_oss" else i
     weight = 4 if family == "mixtral" else a
     copy = a * (2 * i + activation + h) + weight + 24
-    if job.trains_experts:  # the weight gradients' operands (adapter.target_experts: of the folded copy)
+    if trained:  # the weight gradients' operands (adapter.target_experts: of the folded copy)
         copy += a * (h + i) + (8 if arch.expert_bias and job.adapter == "full" else 0)
     router = 8 * k
     if family in _SOFTMAX_ROUTERS:
@@ -83,5 +87,7 @@ def mlp_bytes_per_token_layer(job: Job) -> float:
     sparse = 0.0
     if moe:
         shared = arch.shared_expert_intermediate_size
-        sparse = moe * (routed_bytes(job) + (dense_mlp_bytes(job, shared) if shared else 0.0))
+        trained = job.trained_expert_layers  # of which the experts keep their weight gradients' operands
+        sparse = trained * routed_bytes(job, trained=True) + (moe - trained) * routed_bytes(job, trained=False)
+        sparse += moe * (dense_mlp_bytes(job, shared) if shared else 0.0)
     return (dense + sparse) / arch.num_layers

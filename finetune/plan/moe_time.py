@@ -75,16 +75,17 @@ def grouped_gemm_share(job: Job, *, micro_batch: int, half_tokens: float) -> flo
     return min(1.0, (m / (m + GROUPED_HALF_ROWS)) / (tokens / (tokens + half_tokens)))
 
 
-def routed_active_params(arch: ModelArch) -> float:
-    """Routed expert parameters one token multiplies with over all MoE layers (its top-k experts')."""
+def routed_active_params(arch: ModelArch, *, layers: int | None = None) -> float:
+    """Routed expert parameters one token multiplies with (its top-k experts') over `layers` MoE layers (default:
+    all)."""
     k = min(arch.experts_per_token, arch.num_experts)
-    return moe_layer_count(arch) * k * 3 * arch.hidden_size * expert_size(arch)
+    return (moe_layer_count(arch) if layers is None else layers) * k * 3 * arch.hidden_size * expert_size(arch)
 
 
 def routed_flops_per_token(job: Job) -> float:
-    """FLOPs per token in the routed experts' GEMMs: 2 per active expert parameter forward, 2 for the
-    input gradient, 2 more for the weight gradient when they are trained (Job.trains_experts)."""
-    return routed_active_params(job.arch) * (6 if job.trains_experts else 4)
+    """FLOPs per token in the routed experts' GEMMs: 2 per active expert parameter forward, 2 for the input
+    gradient, 2 more for the weight gradient in the layers whose experts are trained (Job.trained_expert_layers)."""
+    return 4 * routed_active_params(job.arch) + 2 * routed_active_params(job.arch, layers=job.trained_expert_layers)
 
 
 # peft's fold of adapter.target_experts per MoE layer and micro-batch, in passes over the fused experts' bytes:
@@ -97,10 +98,11 @@ FOLD_BACKWARD_PASSES = 3
 def expert_fold_seconds(job: Job, *, repeat: float = 1.0) -> float:
     """adapter.target_experts: the memory-bound passes of peft's fold of the adapters into each layer's experts
     (rank-r products over a tensor the size of the experts: streaming, not FLOPs-bound) for one micro-batch."""
-    if not job.lora_experts or not moe_layer_count(job.arch):
+    if not job.lora_experts:
         return 0.0
     passes = repeat * FOLD_FORWARD_PASSES + FOLD_BACKWARD_PASSES
-    return memory_seconds(job.preset, passes * routed_expert_params(job.arch) * job.weight_bytes)
+    folded = routed_expert_params(job.arch, layers=job.lora_expert_layers)
+    return memory_seconds(job.preset, passes * folded * job.weight_bytes)
 
 
 EAGER_SWIGLU = (5, 13)  # act(gate) * up, forward and backward, in units of a*i per routed copy

@@ -164,8 +164,8 @@ def flops_per_token(job: Job, *, checkpointing: bool | int, micro_batch: int | N
     # activation checkpointing (True: every layer, or the count of checkpointed layers) re-runs their forward
     flops += checkpointed_layers(job, checkpointing) / arch.num_layers * (2 * n + 4 * attn)
     flops += job.forward_only_passes * (2 * n + 4 * attn)
-    if job.adapter != "full" and job.trains_experts:  # adapter.target_experts: the folded copy's weight gradient
-        flops += 2 * routed_active_params(job.arch)
+    if job.adapter != "full":  # adapter.target_experts: the folded copies' weight gradients
+        flops += 2 * routed_active_params(job.arch, layers=job.lora_expert_layers)
     return flops
 
 

@@ -68,9 +68,9 @@ class Job:
     lora_dropout: float = 0.0
     modules_to_save: tuple[str, ...] = ()  # adapter.modules_to_save: fully trained copies (embed_tokens, lm_head)
     dora: bool = False
-    # adapter.target_experts: a rank-r adapter per routed expert on the fused expert weights (peft's
-    # target_parameters), folded into a copy of each MoE layer's experts every forward
-    lora_experts: bool = False
+    # adapter.target_experts: how many MoE layers get a rank-r adapter per routed expert on their fused expert
+    # weights (peft's target_parameters), folded into a copy of each such layer's experts every forward
+    lora_expert_layers: int = 0
     double_quant: bool = True
     int8_base: bool = False  # adapter.load_in_8bit: the base's linear weights in 1 byte (LLM.int8)
     weight_bytes: int = 2  # model.dtype
@@ -146,10 +146,16 @@ class Job:
         return self.liger and liger_swiglu(self.arch.family)
 
     @property
-    def trains_experts(self) -> bool:
-        """The routed experts' weight gradients are computed: a full fine-tune's, or the folded copy's under
-        adapter.target_experts (peft's LoRA reaches its factors through the gradient of the whole copy)."""
-        return self.adapter == "full" or (self.lora_experts and moe_layer_count(self.arch) > 0)
+    def lora_experts(self) -> bool:
+        """adapter.target_experts adapts some MoE layer's routed experts."""
+        return self.lora_expert_layers > 0
+
+    @property
+    def trained_expert_layers(self) -> int:
+        """MoE layers whose routed experts' weight gradients are computed: a full fine-tune's every one, or the
+        folded copies' under adapter.target_experts (peft's LoRA reaches its factors through the gradient of the
+        whole copy)."""
+        return moe_layer_count(self.arch) if self.adapter == "full" else self.lora_expert_layers
 
     @property
     def computes_fp32(self) -> bool:
@@ -637,7 +643,7 @@ def lora_params(job: Job, *, active: bool = False) -> int:
     """r x (in + out) per targeted module per layer (plus DoRA's magnitude vector, one per output), and the routed
     experts' adapters under adapter.target_experts (`active`: only the share a token's top-k experts use)."""
     return lora_param_count(
-        job.arch, r=job.lora_r, targets=job.lora_targets, dora=job.dora, experts=job.lora_experts, active=active
+        job.arch, r=job.lora_r, targets=job.lora_targets, dora=job.dora, experts=job.lora_expert_layers, active=active
     )
 
 
@@ -654,19 +660,34 @@ def fused_expert_shapes(arch: ModelArch) -> tuple[tuple[int, int], ...]:
     return ((h, 2 * i), (i, h))
 
 
-def routed_expert_params(arch: ModelArch) -> int:
-    """Parameters of the routed experts' fused weights over all MoE layers (biases left out)."""
+def routed_expert_params(arch: ModelArch, *, layers: int | None = None) -> int:
+    """Parameters of the routed experts' fused weights (biases left out) over `layers` MoE layers (default: all)."""
     per_expert = sum(fin * fout for fin, fout in fused_expert_shapes(arch))
-    return moe_layer_count(arch) * arch.num_experts * per_expert
+    return (moe_layer_count(arch) if layers is None else layers) * arch.num_experts * per_expert
 
 
-def expert_lora_param_count(arch: ModelArch, *, r: int, active: bool = False) -> float:
-    """peft's adapters on the fused experts (adapter.target_experts): per MoE layer and fused weight, A of
-    (r x experts) x in and B of out x (r x experts), r x (in + out) per expert. `active`: a token's share, its
-    top-k experts' adapters (the useful FLOPs of `timing.model_flops_per_token`)."""
+def expert_lora_param_count(arch: ModelArch, *, r: int, layers: int, active: bool = False) -> float:
+    """peft's adapters on the fused experts of `layers` MoE layers (adapter.target_experts): per layer and fused
+    weight, A of (r x experts) x in and B of out x (r x experts), r x (in + out) per expert. `active`: a token's
+    share, its top-k experts' adapters (the useful FLOPs of `timing.model_flops_per_token`)."""
     experts = arch.num_experts
-    total = moe_layer_count(arch) * experts * r * sum(fin + fout for fin, fout in fused_expert_shapes(arch))
+    total = layers * experts * r * sum(fin + fout for fin, fout in fused_expert_shapes(arch))
     return total * min(arch.experts_per_token, experts) / experts if active else total
+
+
+def expert_adapter_layers(arch: ModelArch, target_experts: bool | list[int]) -> int:
+    """How many MoE layers adapter.target_experts adapts: every one (true), none (false), or those listed, each of
+    which must be an MoE layer (the last moe_layer_count of the decoder: DeepSeek's and GLM's first layers are
+    dense); ValueError names the ones that are not."""
+    moe = moe_layer_count(arch)
+    if isinstance(target_experts, bool):
+        return moe if target_experts else 0
+    first = arch.num_layers - moe
+    wrong = [i for i in target_experts if not first <= i < arch.num_layers]
+    if wrong:
+        where = f"its MoE layers are {first}-{arch.num_layers - 1}" if moe else "it has no MoE layer"
+        raise ValueError(f"layer(s) {', '.join(map(str, wrong))} of {arch.key} have no routed experts ({where})")
+    return len(target_experts)
 
 
 def targeted_linears(arch: ModelArch, targets: tuple[str, ...] | list[str]) -> list[tuple[int, int, int]]:
@@ -686,16 +707,16 @@ def lora_param_count(
     r: int,
     targets: tuple[str, ...] | list[str],
     dora: bool,
-    experts: bool = False,
+    experts: int = 0,
     active: bool = False,
 ) -> int:
-    """The adapter's parameters: `targets`' linears, the embedding's, and with `experts` the routed experts'
-    (adapter.target_experts; `active`: a token's share of those, expert_lora_param_count)."""
+    """The adapter's parameters: `targets`' linears, the embedding's, and the routed experts' of `experts` MoE
+    layers (adapter.target_experts; `active`: a token's share of those, expert_lora_param_count)."""
     total = sum(n * (r * (fin + fout) + (fout if dora else 0)) for n, fin, fout in targeted_linears(arch, targets))
     if "embed_tokens" in targets:  # peft's Embedding adapter: A is r x vocab, B hidden x r
         total += r * (arch.vocab_size + arch.hidden_size)
     if experts:
-        total += round(expert_lora_param_count(arch, r=r, active=active))
+        total += round(expert_lora_param_count(arch, r=r, layers=experts, active=active))
     return total
 
 
@@ -734,19 +755,23 @@ def layer_weights(arch: ModelArch, shapes: dict[str, tuple[int, int, int]], *, i
     return out
 
 
-def layer_lora(job: Job, shapes: dict[str, tuple[int, int, int]], *, is_moe: bool) -> Tensors:
-    """One decoder layer's LoRA A (r x in) and B (out x r) of each targeted module, in the layer's order, then an
-    MoE layer's adapters on its fused experts (adapter.target_experts: A (r x experts) x in, B out x (r x experts))."""
+def layer_lora(job: Job, shapes: dict[str, tuple[int, int, int]]) -> Tensors:
+    """One decoder layer's LoRA A (r x in) and B (out x r) of each targeted module, in the layer's order."""
     r = job.lora_r
     out: Tensors = []
     for name, (fin, fout, copies) in shapes.items():
         if name in job.lora_targets:
             out += [(copies, (r, fin)), (copies, (fout, r))]
-    if is_moe and job.lora_experts:
-        wide = r * job.arch.num_experts
-        for fin, fout in fused_expert_shapes(job.arch):
-            out += [(1, (wide, fin)), (1, (fout, wide))]
     return out
+
+
+def expert_lora(job: Job) -> Tensors:
+    """adapter.target_experts' adapters over the adapted MoE layers: per layer and fused expert weight, A of
+    (r x experts) x in and B of out x (r x experts)."""
+    if not job.lora_experts:
+        return []
+    wide, layers = job.lora_r * job.arch.num_experts, job.lora_expert_layers
+    return [t for fin, fout in fused_expert_shapes(job.arch) for t in ((layers, (wide, fin)), (layers, (fout, wide)))]
 
 
 def embedding_lora(job: Job) -> Tensors:
@@ -769,8 +794,10 @@ def trained_tensor_sizes(job: Job) -> list[int]:
     full = job.adapter == "full"
     out = [a.vocab_size * a.hidden_size] if full else expanded(embedding_lora(job))
     for count, is_moe, shapes in layer_kinds(a):
-        layer = layer_weights(a, shapes, is_moe=is_moe) if full else layer_lora(job, shapes, is_moe=is_moe)
+        layer = layer_weights(a, shapes, is_moe=is_moe) if full else layer_lora(job, shapes)
         out += expanded(layer) * count
+    if not full:
+        out += expanded(expert_lora(job))
     if full and not a.tied_embeddings:
         out.append(a.vocab_size * a.hidden_size)
     return out + expanded(saved_module_tensors(job))
@@ -780,11 +807,11 @@ def adapter_tensors(job: Job) -> Tensors:
     """LoRA's A (r x in) and B (out x r) per targeted module, DoRA's magnitude (out), and peft's
     embedding adapter (A r x vocab, B hidden x r): the tensors lora_param_count counts."""
     out: Tensors = []
-    for count, is_moe, shapes in layer_kinds(job.arch):
-        out += [(count * n, shape) for n, shape in layer_lora(job, shapes, is_moe=is_moe)]
+    for count, _, shapes in layer_kinds(job.arch):
+        out += [(count * n, shape) for n, shape in layer_lora(job, shapes)]
         if job.dora:
             out += [(count * c, (fout,)) for name, (_, fout, c) in shapes.items() if name in job.lora_targets]
-    return out + embedding_lora(job)
+    return out + expert_lora(job) + embedding_lora(job)
 
 
 def saved_modules(job: Job) -> list[str]:
@@ -816,7 +843,7 @@ def adapter_params(
     r: int,
     targets: tuple[str, ...] | list[str],
     dora: bool,
-    experts: bool,
+    experts: int,
     modules_to_save: tuple[str, ...] | list[str],
     active: bool = False,
 ) -> int:
@@ -840,7 +867,7 @@ def trainable_params(job: Job, *, active: bool = False) -> int:
         r=job.lora_r,
         targets=job.lora_targets,
         dora=job.dora,
-        experts=job.lora_experts,
+        experts=job.lora_expert_layers,
         modules_to_save=job.modules_to_save,
         active=active,
     )

@@ -197,14 +197,14 @@ class AdapterSection(Strict):
         "a regular expression matched against each module's full name (peft's rule), e.g. "
         "'.*\\.(q_proj|v_proj)'",
     )
-    target_experts: bool = Field(
+    target_experts: bool | list[Annotated[int, Field(ge=0)]] = Field(
         False,
         description="LoRA/QLoRA on a mixture-of-experts model: also train a rank-r adapter per routed expert on "
         "each MoE layer's fused expert weights (experts.gate_up_proj and experts.down_proj, which transformers 5 "
-        "holds as 3D parameters that adapter.target_modules cannot reach; peft's target_parameters). peft folds "
-        "the adapters into a copy of each layer's expert weights every forward, so the run keeps that copy and "
-        "computes the experts' weight gradients as a full fine-tune would (both planned); ddp and zero2 only, "
-        "no dropout or DoRA",
+        "holds as 3D parameters that adapter.target_modules cannot reach; peft's target_parameters); true: every "
+        "MoE layer, or a list of decoder layer indices, e.g. [7, 15, 23]. peft folds the adapters into a copy of "
+        "each such layer's expert weights every forward, so the run keeps that copy and computes the experts' "
+        "weight gradients as a full fine-tune would (both planned); ddp and zero2 only, no dropout or DoRA",
     )
     dora: bool = Field(False, description="weight-decomposed LoRA (DoRA)")
     rslora: bool = Field(False, description="rank-stabilized LoRA: scale by alpha / sqrt(r)")
@@ -274,6 +274,16 @@ class AdapterSection(Strict):
     @classmethod
     def _shorthand(cls, value):
         return {"type": value} if isinstance(value, str) else value
+
+    @field_validator("target_experts")
+    @classmethod
+    def _expert_layers(cls, v):
+        if isinstance(v, list):
+            if not v:
+                raise ValueError("an empty list adapts no layer's experts; list layer indices, or use true or false")
+            if len(set(v)) != len(v):
+                raise ValueError(f"layer indices repeat in {v}; list each layer once")
+        return v
 
     @field_validator("target_modules")
     @classmethod

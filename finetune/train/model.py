@@ -357,8 +357,6 @@ def lora_config(recipe: Recipe, model=None):
 
     from peft import LoraConfig
 
-    from finetune.plan.workload import FUSED_EXPERT_WEIGHTS
-
     a = recipe.adapter
     targets = a.target_modules
     if targets is None:
@@ -372,7 +370,7 @@ def lora_config(recipe: Recipe, model=None):
         use_rslora=a.rslora,
         modules_to_save=list(a.modules_to_save or []) or None,
         # adapter.target_experts: the MoE layers' fused expert weights, which are parameters, not modules
-        target_parameters=list(FUSED_EXPERT_WEIGHTS) if a.target_experts else None,
+        target_parameters=expert_targets(a.target_experts, model),
         # SEQ_CLS: peft also trains the new score head (modules_to_save)
         task_type="SEQ_CLS" if recipe.method.type == "reward" else "CAUSAL_LM",
     )
@@ -386,6 +384,26 @@ def lora_config(recipe: Recipe, model=None):
 
         config._register_custom_module({nn.Linear: FusedLoraLinear})
     return config
+
+
+def expert_targets(target_experts: bool | list[int], model) -> list[str] | None:
+    """peft's target_parameters for adapter.target_experts: the fused expert weights of every MoE layer (true; peft
+    matches a name's suffix), or those of the listed decoder layers, named `layers.N.<block>.experts.<weight>` as
+    the model names them (the block is mlp, block_sparse_moe or feed_forward by family)."""
+    import re
+
+    from finetune.plan.workload import FUSED_EXPERT_WEIGHTS
+
+    if target_experts is False:
+        return None
+    if target_experts is True:
+        return list(FUSED_EXPERT_WEIGHTS)
+    wanted, names = set(target_experts), set()
+    for name, _ in model.named_parameters():
+        found = re.search(r"(?:^|\.)(layers\.(\d+)\..+)$", name)
+        if found and int(found.group(2)) in wanted and name.endswith(tuple("." + w for w in FUSED_EXPERT_WEIGHTS)):
+            names.add(found.group(1))
+    return sorted(names)
 
 
 def adapter_input_casting(recipe: Recipe, model):

@@ -198,13 +198,14 @@ def _mxfp4_checkpoint(folder):
 
 
 def mxfp4_gpt_oss_recipe(tmp_path, *, hardware: str = "cpu"):
-    """A recipe training LoRA, its experts' included, on a tiny GPT-OSS published in MXFP4 (`_mxfp4_checkpoint`)."""
+    """A recipe training LoRA on a tiny GPT-OSS published in MXFP4 (`_mxfp4_checkpoint`), on its attention and, as
+    OpenAI's gpt-oss recipe picks layers, on the experts of its second layer."""
     folder = _model_dir(tmp_path, "gpt_oss")
     _mxfp4_checkpoint(folder)
     return write_recipe(
         tmp_path / "recipe.yaml",
         model={"name": str(folder), "dtype": "bfloat16"},
-        adapter={"type": "lora", "r": 8, "alpha": 16, "target_experts": True},
+        adapter={"type": "lora", "r": 8, "alpha": 16, "target_experts": [1]},
         train={"epochs": None, "max_steps": 4, "logging_steps": 1, "precision": "bf16", "liger": "off"},
         output={"save_every": None},
         hardware=hardware,
@@ -230,6 +231,8 @@ def test_a_model_published_in_mxfp4_trains_dequantized_and_merges_to_16_bits(tmp
     assert done.returncode == 0 and "Traceback" not in out, out[-3000:]
     losses = [r["loss"] for r in read_metrics(tmp_path / "run") if "loss" in r]
     assert len(losses) == 4 and all(loss == loss for loss in losses), losses  # trained, finite
+    saved = json.loads((tmp_path / "run" / "adapter_config.json").read_text())["target_parameters"]
+    assert sorted(saved) == ["layers.1.mlp.experts.down_proj", "layers.1.mlp.experts.gate_up_proj"]
 
     assert main(["merge", str(tmp_path / "run"), "-o", str(tmp_path / "merged")]) == 0
     merged_config = json.loads((tmp_path / "merged" / "config.json").read_text())

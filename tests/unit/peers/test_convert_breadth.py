@@ -765,7 +765,8 @@ def test_llamafactory_sharegpt_kto_rows_are_reported_not_read_as_prompt_completi
 )
 def test_lora_on_the_routed_experts_is_target_experts_and_a_part_of_them_is_reported(tmp_path, source, extra):
     """peft's target_parameters (axolotl's and TRL's lora_target_parameters) on both fused expert weights of every
-    MoE layer, as the peers' MoE examples write it, is adapter.target_experts; one weight or one layer is not."""
+    MoE layer, as the peers' MoE examples write it, is adapter.target_experts: true; by layer, as OpenAI's gpt-oss
+    recipe writes it, the list of those layers; one of the two weights, or another parameter, is not offered."""
     from finetune.peers import convert_mapping
 
     model = {"base_model" if source == "axolotl" else "model_name_or_path": "mistralai/Mixtral-8x7B-v0.1"}
@@ -775,7 +776,12 @@ def test_lora_on_the_routed_experts_is_target_experts_and_a_part_of_them_is_repo
     )
     assert conv.get("adapter.target_experts") is True
     assert "lora_target_parameters" not in {d.key for d in conv.dropped}
-    for part in (["mlp.experts.down_proj"], ["7.mlp.experts.gate_up_proj", "7.mlp.experts.down_proj"]):
+    layered = [f"{i}.mlp.experts.{w}" for i in (7, 15, 23) for w in ("gate_up_proj", "down_proj")]
+    conv = convert_mapping(
+        {**model, **extra, "lora_target_parameters": layered}, source=source, config_dir=tmp_path, out_dir=tmp_path
+    )
+    assert conv.get("adapter.target_experts") == [7, 15, 23]
+    for part in (["mlp.experts.down_proj"], ["7.mlp.experts.gate_up_proj"], [*every, "mlp.router.weight"]):
         conv = convert_mapping(
             {**model, **extra, "lora_target_parameters": part}, source=source, config_dir=tmp_path, out_dir=tmp_path
         )

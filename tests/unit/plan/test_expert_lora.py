@@ -5,6 +5,7 @@ around it."""
 from __future__ import annotations
 
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 
@@ -27,6 +28,7 @@ from tests.helpers.calibration_rows import preset_for
 from tests.helpers.saved_tensors import block_kept_bytes
 from tests.unit.plan.test_moe_memory import ATTENTION, TOKENS, H, _config
 
+HUB_CONFIGS = Path(__file__).parents[2] / "data" / "hub_configs"
 FAMILIES = ["qwen2_moe", "qwen3_moe", "mixtral", "deepseek_v3", "gpt_oss", "granitemoe", "olmoe", "glm4_moe"]
 R = 4
 
@@ -82,7 +84,7 @@ def test_the_folded_copy_and_the_experts_weight_gradient_operands_are_what_autog
         adapter="lora",
         lora_r=R,
         lora_targets=ATTENTION,
-        lora_experts=True,
+        lora_expert_layers=moe_layer_count(arch),
         act_bytes=2,
         liger=False,
     )
@@ -100,7 +102,7 @@ def test_planned_cost_of_the_expert_adapters():
     adapters only, and the optimizer holds every expert's."""
     arch = get_model("mixtral-8x7b")
     plain = Job(arch=arch, preset=get_preset("server-8xh200"), adapter="lora", global_batch_size=8)
-    experts = replace(plain, lora_experts=True)
+    experts = replace(plain, lora_expert_layers=32)
     assert expert_fold_copies(plain, checkpointing=False) == (0.0, 0.0)
     kept, transient = expert_fold_copies(experts, checkpointing=False)
     assert kept == pytest.approx(2 * routed_expert_params(arch), rel=0.01)  # bf16 copies of every expert
@@ -109,6 +111,11 @@ def test_planned_cost_of_the_expert_adapters():
     useful_added = 6 * (trainable_params(experts, active=True) - trainable_params(plain))
     assert flops_per_token(experts, checkpointing=False) - flops_per_token(plain, checkpointing=False) == (
         pytest.approx(2 * routed_active_params(arch) + useful_added)
+    )
+    some = replace(plain, lora_expert_layers=8)  # adapter.target_experts naming 8 of the 32 layers
+    assert expert_fold_copies(some, checkpointing=False)[0] == pytest.approx(kept / 4)
+    assert trainable_params(some) - trainable_params(plain) == pytest.approx(
+        (trainable_params(experts) - trainable_params(plain)) / 4
     )
     k, e = arch.experts_per_token, arch.num_experts
     added = trainable_params(experts) - trainable_params(plain)
@@ -161,3 +168,41 @@ def test_the_planner_never_shards_what_peft_folds_whole(tmp_path):
         roomy.per_gpu_memory_gib
         > plan(load_recipe({**recipe, "adapter": {"type": "lora"}}), hardware="server-8xb200").per_gpu_memory_gib
     )
+
+
+def test_listed_layers_are_counted_as_peft_adapts_them_and_dense_ones_are_refused(tmp_path):
+    """adapter.target_experts: [i, ...] adapts those decoder layers' experts (OpenAI's gpt-oss recipe names three);
+    a listed layer without routed experts (DeepSeek-V2-Lite's first layer is dense) is refused by the key."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from finetune.plan import expert_layers
+    from finetune.recipe import load_recipe
+    from finetune.recipe.schema import ModelSection
+    from finetune.registry import resolve_model
+    from finetune.train.model import expert_targets
+
+    config = _config("qwen3_moe")
+    config.num_hidden_layers = 3
+    config.to_json_file(tmp_path / "config.json")
+    arch = arch_from_config(tmp_path / "config.json", key="qwen3_moe")
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config)
+    names = expert_targets([0, 2], model)
+    assert names == sorted(f"layers.{i}.mlp.{w}" for i in (0, 2) for w in FUSED_EXPERT_WEIGHTS)
+    built = get_peft_model(model, LoraConfig(r=R, target_modules=[], target_parameters=names))
+    trained = sum(p.numel() for p in built.parameters() if p.requires_grad)
+    assert trained == lora_param_count(arch, r=R, targets=(), dora=False, experts=2)
+
+    lite = ModelSection(name=str(HUB_CONFIGS / "deepseek-v2-lite"))
+    deepseek = resolve_model(lite)
+
+    def recipe(layers):
+        return load_recipe({"model": lite.model_dump(), "adapter": {"target_experts": layers}, "data": {"path": "t"}})
+
+    with pytest.raises(RecipeError) as refused:
+        expert_layers(recipe([0, 1]), deepseek)
+    assert refused.value.key == "adapter.target_experts" and "layer(s) 0 " in str(refused.value)
+    assert expert_layers(recipe([1, 2]), deepseek) == 2
+    assert expert_layers(recipe(True), deepseek) == deepseek.num_layers - 1
