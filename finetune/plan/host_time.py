@@ -27,8 +27,8 @@ Kernels a micro-batch, from the profiles (docs/results/profiles/):
   FSDP2's per-layer all-gathers and copies:          +24  (full3b-fsdp2-offload: 2,758 a micro-batch)
   an MoE layer's fold of adapter.target_experts:     +15  (peft's parametrization registered and removed around
                                                     each forward, the factors' casts, baddbmm and its backward:
-                                                    0.96 ms a layer's forward and backward on this project's
-                                                    2-core CI host, tiny Qwen3-MoE, over 63 us a kernel)
+                                                    0.96 ms a layer's forward and backward measured on a
+                                                    2-core CPU host, tiny Qwen3-MoE, over 63 us a kernel)
   outside the layers (embedding, final norm, loss):  100
   a checkpointed layer re-runs its forward:          +1/3 of its kernels
   a DPO/KTO reference forward (adapters off):        +1/3 of a full layer's per layer (KTO: two, the
