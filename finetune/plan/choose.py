@@ -69,10 +69,15 @@ def not_applicable(job: Job, strategy: str) -> str:
         # measured on GPUs (docs/validation.md): 12 steps of a full 3B fine-tune on one H200 took the loss to
         # 9.5 under ddp on bf16 weights, to 6.2 under zero2 (fp32 masters, 0.87x the tokens/s) and to 6.1 with
         # fp32 weights under autocast (0.81x, more memory): zero2 is the cheaper way to masters
+        instead = (
+            "zero2 replicates the parameters as ddp does and keeps fp32 masters"
+            if not bnb_tensor_too_large(job, "zero2")
+            else f"zero2, which keeps fp32 masters, cannot step {job.optimizer} here (bitsandbytes' element limit): "
+            "model.dtype float32 keeps them under ddp"
+        )
         return (
-            "keeps no fp32 master weights: a 16-bit full fine-tune loses most AdamW updates to rounding; "
-            "zero2 replicates the parameters as ddp does and keeps fp32 masters (pin distributed.strategy: ddp "
-            "to train without them)"
+            f"keeps no fp32 master weights: a 16-bit full fine-tune loses most AdamW updates to rounding; {instead} "
+            "(pin distributed.strategy: ddp to train without them)"
         )
     splits = tier.shards_params or tier.zero_stage >= 2
     # on one GPU ZeRO-2 shards nothing but is the way to fp32 masters of a 16-bit full fine-tune

@@ -136,12 +136,13 @@ def test_bitsandbytes_is_never_handed_a_tensor_past_its_32_bit_element_count():
     failure): ZeRO-2's flat partition of a full 7B on one GPU is 7.6B elements, so the planner leaves zero2 out
     there and refuses it pinned; over four GPUs each partition is 1.9B and it stays; ZeRO-3's sub-groups, DDP's
     per-parameter tensors and DeepSpeed's own CPU Adam under offload never reach the limit; torch's AdamW has none."""
-    from finetune.plan.choose import bnb_tensor_too_large
+    from finetune.plan.choose import bnb_tensor_too_large, not_applicable
     from tests.helpers.calibration_rows import preset_for
 
     one, four = (preset_for("NVIDIA H200", gpus_per_node=n) for n in (1, 4))
     job = _job("qwen2.5-7b", "full", one, optimizer="adamw_8bit")
     assert "7.6B elements" in bnb_tensor_too_large(job, "zero2")
+    assert "model.dtype float32 keeps them under ddp" in not_applicable(job, "ddp")  # not zero2, ruled out here
     for fine in ("ddp", "zero3", "zero3-optim-offload", "zero3-offload"):
         assert not bnb_tensor_too_large(job, fine), fine
     assert not bnb_tensor_too_large(_job("qwen2.5-7b", "full", four, optimizer="adamw_8bit"), "zero2")
