@@ -241,8 +241,13 @@ def _merge_into(run_dir: Path, out: Path, *, base: str, recipe, dtype: str, max_
 
 def _published_quantized(base_dir: Path) -> bool:
     """The base's config.json names a quantization (a checkpoint published quantized, e.g. gpt-oss's MXFP4)."""
+    from finetune.registry.derive import prequantized_method
+
     config = base_dir / "config.json"
-    return config.is_file() and bool(json.loads(config.read_text()).get("quantization_config"))
+    if not config.is_file():
+        return False
+    settings = json.loads(config.read_text())
+    return bool(prequantized_method(settings, settings.get("text_config") or {}))
 
 
 def _local_base(base: str, recipe) -> Path:

@@ -84,14 +84,25 @@ def check_data(recipe: Recipe) -> DataCheck:
     return out
 
 
+def eval_split(recipe: Recipe) -> tuple[str, float | int] | None:
+    """(recipe key, datasets' train_test_split test_size: a share or a count of rows) of the eval set split off the
+    training rows, or None when the recipe splits none (no data.eval_fraction / eval_rows, or data.eval_sources)."""
+    d = recipe.data
+    if d.eval_sources:
+        return None
+    if d.eval_fraction:
+        return "data.eval_fraction", d.eval_fraction
+    return ("data.eval_rows", d.eval_rows) if d.eval_rows else None
+
+
 def check_eval_split(recipe: Recipe, rows: int, *, file: str | None) -> None:
     """data.eval_fraction / data.eval_rows split off the training rows (datasets' train_test_split: a share, or a
     count): refused where `rows` cannot give one eval row and keep one to train on. Checked before launch on the
     local rows read, and by the rank on the rows tokenized (long ones dropped)."""
-    d = recipe.data
-    if not (d.eval_fraction or d.eval_rows) or d.eval_sources:
+    split = eval_split(recipe)
+    if split is None:
         return
-    key, size = ("data.eval_fraction", d.eval_fraction) if d.eval_fraction else ("data.eval_rows", d.eval_rows)
+    key, size = split
     if rows < 2 or (isinstance(size, int) and size >= rows):
         raise DataError(
             f"too few examples to split off an eval set: {rows} training rows"

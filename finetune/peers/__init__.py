@@ -180,7 +180,7 @@ def _recipe_hardware(hardware: str, *, out_dir: Path) -> str:
     """`hardware` as the written recipe reads it: a preset name as it is, a preset file relative to the recipe."""
     from finetune.registry import list_presets
 
-    if hardware in ("auto", "cpu") or hardware in {p.name for p in list_presets()}:
+    if hardware == "auto" or hardware in {p.name for p in list_presets()}:
         return hardware
     return os.path.relpath(Path(hardware).resolve(), out_dir.resolve())
 

@@ -843,10 +843,10 @@ def substitutions(recipe, result: Plan, *, arch: ModelArch) -> list[str]:
             "between GPU memory and host RAM, and on the CPU it steps them unpaged (its states live in host RAM "
             "already)"
         )
-    if result.fits and strategies.offloads_optimizer(result.strategy) and recipe.train.optimizer != "adamw":
+    if result.fits and strategies.offloads_optimizer(result.strategy) and optimizer != "adamw":
         stepper = "DeepSpeed's CPU AdamW" if strategies.is_deepspeed(result.strategy) else "torch's AdamW on the CPU"
         out.append(
-            f"train.optimizer {recipe.train.optimizer} -> {stepper}: under {result.strategy} the "
+            f"train.optimizer {optimizer} -> {stepper}: under {result.strategy} the "
             f"optimizer states live in host RAM and are stepped there"
         )
     return out

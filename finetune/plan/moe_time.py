@@ -79,7 +79,7 @@ def routed_active_params(arch: ModelArch, *, layers: int | None = None) -> float
     """Routed expert parameters one token multiplies with (its top-k experts') over `layers` MoE layers (default:
     all)."""
     k = min(arch.experts_per_token, arch.num_experts)
-    return (moe_layer_count(arch) if layers is None else layers) * k * 3 * arch.hidden_size * expert_size(arch)
+    return routed_expert_params(arch, layers=layers) * k / arch.num_experts
 
 
 def routed_flops_per_token(job: Job) -> float:

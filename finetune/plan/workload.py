@@ -750,8 +750,8 @@ def layer_weights(arch: ModelArch, shapes: dict[str, tuple[int, int, int]], *, i
     gate_up, experts x hidden x width down) and router."""
     out: Tensors = [(copies, (fout, fin)) for fin, fout, copies in shapes.values()]
     if is_moe:
-        e, i, h = arch.num_experts, expert_size(arch), arch.hidden_size
-        out += [(1, (e, 2 * i, h)), (1, (e, h, i)), (1, (e, h))]
+        e = arch.num_experts
+        out += [(1, (e, fout, fin)) for fin, fout in fused_expert_shapes(arch)] + [(1, (e, arch.hidden_size))]
     return out
 
 
@@ -816,7 +816,12 @@ def adapter_tensors(job: Job) -> Tensors:
 
 def saved_modules(job: Job) -> list[str]:
     """adapter.modules_to_save that peft copies and trains whole: the vocab x hidden modules."""
-    return sorted(set(job.modules_to_save) & set(EMBEDDING_MODULES))
+    return copied_modules(job.modules_to_save)
+
+
+def copied_modules(modules_to_save: tuple[str, ...] | list[str]) -> list[str]:
+    """Of adapter.modules_to_save, the vocab x hidden modules peft copies and trains whole."""
+    return sorted(set(modules_to_save) & set(EMBEDDING_MODULES))
 
 
 def saved_module_tensors(job: Job) -> Tensors:
@@ -854,7 +859,7 @@ def adapter_params(
 
 def copied_module_params(arch: ModelArch, modules_to_save: tuple[str, ...] | list[str]) -> int:
     """adapter.modules_to_save: peft trains a full copy of each named vocab x hidden module (embed_tokens, lm_head)."""
-    return len(set(modules_to_save) & set(EMBEDDING_MODULES)) * arch.vocab_size * arch.hidden_size
+    return len(copied_modules(modules_to_save)) * arch.vocab_size * arch.hidden_size
 
 
 def trainable_params(job: Job, *, active: bool = False) -> int:
@@ -862,12 +867,4 @@ def trainable_params(job: Job, *, active: bool = False) -> int:
     adapter.target_experts, not every expert's: the 6T of timing.model_flops_per_token)."""
     if job.adapter == "full":
         return count_params(job.arch).text_model
-    return adapter_params(
-        job.arch,
-        r=job.lora_r,
-        targets=job.lora_targets,
-        dora=job.dora,
-        experts=job.lora_expert_layers,
-        modules_to_save=job.modules_to_save,
-        active=active,
-    )
+    return lora_params(job, active=active) + saved_module_params(job)

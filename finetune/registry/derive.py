@@ -345,7 +345,8 @@ def prequantized_method(cfg: dict, text: dict) -> str:
     if not isinstance(quant, dict) or not quant:
         return ""
     if quant.get("quant_method"):
-        return str(quant["quant_method"])
+        method = quant["quant_method"]
+        return str(getattr(method, "value", method))  # transformers' QuantizationMethod (a str enum) or its value
     return "bitsandbytes" if quant.get("load_in_4bit") or quant.get("load_in_8bit") else "unknown"
 
 

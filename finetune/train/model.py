@@ -101,11 +101,10 @@ def dequantizing_config(config):
     """transformers' config that loads a checkpoint published quantized as 16-bit weights (its quant_method in
     registry.derive.LOADS_DEQUANTIZED: gpt-oss's MXFP4 through Mxfp4Config(dequantize=True)), or None for a
     16/32-bit checkpoint. `config`: the checkpoint's, as AutoConfig reads it."""
-    from finetune.registry.derive import DEQUANTIZING_CONFIGS, LOADS_DEQUANTIZED
+    from finetune.registry.derive import DEQUANTIZING_CONFIGS, LOADS_DEQUANTIZED, prequantized_method
 
-    quant = getattr(config, "quantization_config", None)
-    method = quant.get("quant_method") if isinstance(quant, dict) else getattr(quant, "quant_method", None)
-    method = str(getattr(method, "value", method))  # transformers' QuantizationMethod is a str enum
+    settings = config.to_dict()
+    method = prequantized_method(settings, settings.get("text_config") or {})
     if method not in LOADS_DEQUANTIZED:
         return None
     import transformers
@@ -180,14 +179,15 @@ def model_kwargs(recipe: Recipe) -> dict:
     )
     if not m.allow_pickle:
         kwargs["use_safetensors"] = True
-    if overrides_config(recipe):
-        kwargs["config"] = base_config(recipe)
     quant = quantization_config(recipe)
-    if quant is None and recipe.model.init != "random":
-        # a checkpoint published quantized loads as 16-bit weights, placed as a plain checkpoint's are
-        dequantized = dequantizing_config(base_config(recipe))
-        if dequantized is not None:
-            kwargs["quantization_config"] = dequantized
+    # whether a checkpoint is published quantized (it then loads as 16-bit weights, placed as a plain one's are)
+    asks_dequantized = quant is None and recipe.model.init != "random"
+    config = base_config(recipe) if overrides_config(recipe) or asks_dequantized else None  # read once
+    if overrides_config(recipe):
+        kwargs["config"] = config
+    dequantized = dequantizing_config(config) if asks_dequantized else None
+    if dequantized is not None:
+        kwargs["quantization_config"] = dequantized
     if quant is not None:
         kwargs["quantization_config"] = quant
         resolved = recipe.resolved

@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 
-from finetune.data.check import check_eval_split
+from finetune.data.check import check_eval_split, eval_split
 from finetune.data.sources import LoadedSource, load_source
 from finetune.errors import DataError
 from finetune.recipe.load import recipe_dir
@@ -299,10 +299,8 @@ def _build(recipe: Recipe, tokenizer, train_sources, eval_sources):
     out = {"train": train}
     if eval_sources:
         out["eval"] = _tokenize([r for s in eval_sources for r in s.records], **kw)
-    elif recipe.data.eval_fraction or recipe.data.eval_rows:
+    elif (held_out := eval_split(recipe)) is not None:
         check_eval_split(recipe, len(train), file=train_sources[0].name)
-        # datasets' train_test_split takes a share (float) or a count of rows (int)
-        size = recipe.data.eval_fraction or recipe.data.eval_rows
-        split = train.train_test_split(test_size=size, seed=recipe.data.seed)
+        split = train.train_test_split(test_size=held_out[1], seed=recipe.data.seed)
         out = {"train": split["train"], "eval": split["test"]}
     return datasets.DatasetDict(out)
