@@ -72,7 +72,7 @@ FAMILIES = {
 }
 
 
-def _model_dir(tmp_path, family: str):
+def moe_model_dir(tmp_path, family: str):
     """A config.json of `family` (written by its config class) beside the tiny model's tokenizer."""
     from transformers import CONFIG_MAPPING
 
@@ -96,7 +96,7 @@ def _model_dir(tmp_path, family: str):
     ],
 )
 def test_each_moe_convention_trains_end_to_end(tmp_path, family, adapter):
-    folder = _model_dir(tmp_path, family)
+    folder = moe_model_dir(tmp_path, family)
     planned = count_params(resolve_model(ModelSection(name=str(folder)), base_dir=tmp_path))
     assert planned.active < planned.total  # read as a mixture of experts, not guessed dense
     recipe = write_recipe(
@@ -134,7 +134,7 @@ def test_lora_on_the_routed_experts_trains_saves_and_merges(tmp_path):
     from finetune.cli import main
     from finetune.recipe import load_recipe
 
-    folder = _model_dir(tmp_path, "olmoe")
+    folder = moe_model_dir(tmp_path, "olmoe")
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(folder)).save_pretrained(folder)
     recipe = write_recipe(
@@ -200,7 +200,7 @@ def _mxfp4_checkpoint(folder):
 def mxfp4_gpt_oss_recipe(tmp_path, *, hardware: str = "cpu"):
     """A recipe training LoRA on a tiny GPT-OSS published in MXFP4 (`_mxfp4_checkpoint`), on its attention and, as
     OpenAI's gpt-oss recipe picks layers, on the experts of its second layer."""
-    folder = _model_dir(tmp_path, "gpt_oss")
+    folder = moe_model_dir(tmp_path, "gpt_oss")
     _mxfp4_checkpoint(folder)
     return write_recipe(
         tmp_path / "recipe.yaml",

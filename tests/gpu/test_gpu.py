@@ -393,3 +393,41 @@ def test_a_published_mxfp4_checkpoint_trains_dequantized_on_a_gpu(tmp_path):
     assert "dequantized while loading" in out  # the plan said how it loads
     losses = [r["loss"] for r in read_metrics(tmp_path / "run") if "loss" in r]
     assert len(losses) == 4 and all(loss == loss for loss in losses), losses
+
+
+@pytest.mark.skipif(_gpus() < 1, reason="needs a CUDA GPU")
+def test_qlora_with_adapters_on_listed_expert_layers_trains_on_a_gpu(tmp_path):
+    """QLoRA on a tiny OLMoE with adapter.target_experts naming one layer: bitsandbytes quantizes the linears on the
+    GPU, peft's target_parameters adapts that layer's fused experts (which stay 16-bit), and the saved adapter holds
+    what the plan counted, on that layer's experts only."""
+    import torch
+    from safetensors.torch import load_file
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from finetune.api import plan
+    from finetune.recipe import load_recipe
+    from finetune.rundir import read_metrics
+    from tests.e2e.test_moe_families import moe_model_dir
+    from tests.helpers.processes import cli_argv, run
+    from tests.helpers.recipes import write_recipe
+
+    folder = moe_model_dir(tmp_path, "olmoe")
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(folder)).to(torch.bfloat16).save_pretrained(folder)
+    recipe = write_recipe(
+        tmp_path / "recipe.yaml",
+        model={"name": str(folder), "dtype": "bfloat16"},
+        adapter={"type": "qlora", "r": 8, "alpha": 16, "target_experts": [1]},
+        train={"epochs": None, "max_steps": 4, "logging_steps": 1, "precision": "bf16"},
+        output={"save_every": None},
+        hardware="auto",
+    )
+    done = run(cli_argv(recipe, tmp_path / "run"), cache=tmp_path / "cache", timeout=600)
+    out = done.stdout + done.stderr
+    assert done.returncode == 0 and "Traceback" not in out, out[-4000:]
+    losses = [r["loss"] for r in read_metrics(tmp_path / "run") if "loss" in r]
+    assert len(losses) == 4 and all(loss == loss for loss in losses), losses
+    saved = load_file(tmp_path / "run" / "adapter_model.safetensors")
+    experts = {k for k in saved if ".experts." in k}
+    assert experts and all(".layers.1." in k for k in experts), sorted(experts)
+    assert sum(t.numel() for t in saved.values()) == plan(load_recipe(recipe), hardware="cpu").trainable_params
