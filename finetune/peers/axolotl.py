@@ -25,6 +25,7 @@ from finetune.peers.common import (
     template,
 )
 from finetune.peers.distributed import deepspeed_file, fsdp_strategy, parallel_sizes
+from finetune.registry.derive import DEQUANTIZING_CONFIGS
 
 # keys that change nothing finetune does (axolotl's own; the peers' shared ones are NO_TRAINING_EFFECT)
 IGNORED = (
@@ -437,16 +438,19 @@ def convert(conv: Conversion) -> None:
 def _model_quantization(conv: Conversion) -> None:
     """axolotl's model_quantization_config (a transformers quantization config class by name, with its kwargs): the
     one its gpt-oss examples use, Mxfp4Config with dequantize, is what finetune does for an MXFP4 checkpoint by
-    itself (registry.derive.LOADS_DEQUANTIZED); training weights kept quantized by such a config is not offered."""
+    itself, and so is FineGrainedFP8Config with dequantize for an FP8 one (registry.derive.DEQUANTIZING_CONFIGS);
+    training weights kept quantized by such a config is not offered."""
     name = conv.take("model_quantization_config")
     kwargs = conv.take("model_quantization_config_kwargs")
     if name is None:
         return
-    if str(name) == "Mxfp4Config" and isinstance(kwargs, dict) and is_on(kwargs.get("dequantize")):
+    method = {config: method for method, config in DEQUANTIZING_CONFIGS.items()}.get(str(name))
+    if method and isinstance(kwargs, dict) and is_on(kwargs.get("dequantize")):
         conv.drop(
             "model_quantization_config",
             name,
-            "finetune loads an MXFP4 checkpoint (gpt-oss) dequantized to 16 bits itself (Mxfp4Config(dequantize=True))",
+            f"finetune loads a checkpoint published in {method} dequantized to 16 bits itself "
+            f"({name}(dequantize=True))",
             material=False,
         )
         return
@@ -454,7 +458,7 @@ def _model_quantization(conv: Conversion) -> None:
         "model_quantization_config",
         {"config": name, "kwargs": kwargs} if kwargs else name,
         "training on weights kept quantized by a transformers quantization config is not offered: finetune loads "
-        "an MXFP4 checkpoint dequantized, and quantizes the base with bitsandbytes for adapter.type: qlora",
+        "an MXFP4 or FP8 checkpoint dequantized, and quantizes the base with bitsandbytes for adapter.type: qlora",
     )
 
 

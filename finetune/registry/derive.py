@@ -168,7 +168,7 @@ def arch_from_config(path: Path, *, key: str, hub_id: str | None = None) -> Mode
             f"{', '.join(sorted(KNOWN_FAMILIES))}",
         )
     quantized = prequantized_method(cfg, text)
-    if quantized and quantized not in LOADS_DEQUANTIZED:
+    if quantized and quantized not in DEQUANTIZING_CONFIGS:
         raise RecipeError(
             f"config.json says the weights are already quantized (quantization_config, quant_method "
             f"{quantized!r}): the planner models 16/32-bit checkpoints, trained whole or with LoRA, and "
@@ -177,7 +177,7 @@ def arch_from_config(path: Path, *, key: str, hub_id: str | None = None) -> Mode
             file=str(path),
             key="model.name",
             hint="point model.name at the unquantized model the checkpoint was made from and set "
-            "adapter.type: qlora for 4-bit weights (or lora / full on the 16-bit ones)" + _dequantize_hint(quantized),
+            "adapter.type: qlora for 4-bit weights (or lora / full on the 16-bit ones)",
         )
     nested = text is not cfg
     reader, traits = family, FAMILIES[family]
@@ -318,24 +318,12 @@ def configured_rope_scaling(text: dict) -> dict | None:
     return {"rope_type": kind, **{k: raw[k] for k in ROPE_SCALING_KEYS[1:] if raw.get(k) is not None}}
 
 
-# checkpoints some models are published in only (gpt-oss: MXFP4, DeepSeek-V3: FP8) and the transformers config
-# whose dequantize=True loads them as 16-bit weights
+# the quant_methods of checkpoints some models are published in only, which finetune loads dequantized itself through
+# the transformers config named here with dequantize=True (train/model.py: dequantizing_config): planned, trained and
+# saved as the 16-bit model. Both dequantize in plain torch on any device: MXFP4 (gpt-oss) its expert blocks and
+# scales, FP8 (DeepSeek-V3/R1, Qwen3's -FP8 releases) each block-scaled e4m3 weight by its weight_scale_inv, before
+# transformers fuses the routed experts. Any other quantized checkpoint is refused (load_arch)
 DEQUANTIZING_CONFIGS = {"mxfp4": "Mxfp4Config", "fp8": "FineGrainedFP8Config"}
-# those finetune loads dequantized itself, planned and trained as the 16-bit model (train/model.py:
-# dequantizing_config); the others are refused with the one-off conversion as the fix. MXFP4 (gpt-oss): transformers
-# dequantizes its expert blocks and scales in plain torch, on any device
-LOADS_DEQUANTIZED = ("mxfp4",)
-
-
-def _dequantize_hint(method: str) -> str:
-    config = DEQUANTIZING_CONFIGS.get(method)
-    if config is None:
-        return ""
-    return (
-        f"; a model published only in {method}: make a 16-bit copy once, with AutoModelForCausalLM.from_pretrained("
-        f"..., quantization_config={config}(dequantize=True), dtype='bfloat16') and save_pretrained, and point "
-        "model.name at it"
-    )
 
 
 def prequantized_method(cfg: dict, text: dict) -> str:

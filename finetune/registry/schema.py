@@ -42,7 +42,8 @@ class ModelArch(Strict):
     dequantized_from: str | None = Field(
         None,
         description="the quant_method of a checkpoint published quantized that finetune loads dequantized "
-        "(registry.derive.LOADS_DEQUANTIZED, e.g. gpt-oss's mxfp4): planned and trained as the 16-bit model",
+        "(registry.derive.DEQUANTIZING_CONFIGS: gpt-oss's mxfp4, DeepSeek's fp8): planned and trained as the "
+        "16-bit model",
     )
     checkpoint_dtype: Literal["bfloat16", "float16", "float32"] | None = Field(
         None,

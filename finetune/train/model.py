@@ -99,13 +99,14 @@ def quantization_config(recipe: Recipe):
 
 def dequantizing_config(config):
     """transformers' config that loads a checkpoint published quantized as 16-bit weights (its quant_method in
-    registry.derive.LOADS_DEQUANTIZED: gpt-oss's MXFP4 through Mxfp4Config(dequantize=True)), or None for a
+    registry.derive.DEQUANTIZING_CONFIGS: gpt-oss's MXFP4 through Mxfp4Config(dequantize=True), DeepSeek's FP8
+    through FineGrainedFP8Config(dequantize=True)), or None for a
     16/32-bit checkpoint. `config`: the checkpoint's, as AutoConfig reads it."""
-    from finetune.registry.derive import DEQUANTIZING_CONFIGS, LOADS_DEQUANTIZED, prequantized_method
+    from finetune.registry.derive import DEQUANTIZING_CONFIGS, prequantized_method
 
     settings = config.to_dict()
     method = prequantized_method(settings, settings.get("text_config") or {})
-    if method not in LOADS_DEQUANTIZED:
+    if method not in DEQUANTIZING_CONFIGS:
         return None
     import transformers
 

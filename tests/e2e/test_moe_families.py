@@ -197,11 +197,51 @@ def _mxfp4_checkpoint(folder):
     (folder / "config.json").write_text(json.dumps(config))
 
 
-def mxfp4_gpt_oss_recipe(tmp_path, *, hardware: str = "cpu"):
-    """A recipe training LoRA on a tiny GPT-OSS published in MXFP4 (`_mxfp4_checkpoint`), on its attention and, as
-    OpenAI's gpt-oss recipe picks layers, on the experts of its second layer."""
-    folder = moe_model_dir(tmp_path, "gpt_oss")
-    _mxfp4_checkpoint(folder)
+FP8_BLOCK = 8  # the tiny shapes' widths are multiples of 8 (DeepSeek publishes 128 x 128 blocks)
+
+
+def _fp8_checkpoint(folder):
+    """A tiny DeepSeek-V3 checkpoint as DeepSeek publishes V3 and R1 (and Qwen its -FP8 releases): each decoder
+    layer's projection, routed experts one by one included, an e4m3 weight with a float32 weight_scale_inv per
+    FP8_BLOCK x FP8_BLOCK block; norms, the router, the embedding and lm_head bf16; config.json naming quant_method
+    fp8."""
+    import torch
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(folder)).to(torch.bfloat16).save_pretrained(folder)
+    tensors, packed, b = load_file(folder / "model.safetensors"), {}, FP8_BLOCK
+    for name, value in tensors.items():
+        if ".layers." in name and name.endswith("proj.weight"):  # saved per expert: transformers fuses on load
+            rows, cols = value.shape
+            blocks = value.float().reshape(rows // b, b, cols // b, b)
+            scale = blocks.abs().amax(dim=(1, 3)).clamp(min=1e-12) / torch.finfo(torch.float8_e4m3fn).max
+            packed[name] = (blocks / scale[:, None, :, None]).reshape(rows, cols).to(torch.float8_e4m3fn)
+            packed[name.removesuffix("weight") + "weight_scale_inv"] = scale
+        else:
+            packed[name] = value.contiguous()
+    save_file(packed, folder / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((folder / "config.json").read_text())
+    config["quantization_config"] = {
+        "quant_method": "fp8",
+        "activation_scheme": "dynamic",
+        "fmt": "e4m3",
+        "weight_block_size": [b, b],
+    }
+    (folder / "config.json").write_text(json.dumps(config))
+
+
+# the published quant_method: the family it is published for and the tiny checkpoint writer
+PUBLISHED_QUANTIZED = {"mxfp4": ("gpt_oss", _mxfp4_checkpoint), "fp8": ("deepseek_v3", _fp8_checkpoint)}
+
+
+def published_quantized_recipe(tmp_path, method: str, *, hardware: str = "cpu"):
+    """A recipe training LoRA on a tiny model published in `method` (PUBLISHED_QUANTIZED), on its attention and, as
+    OpenAI's gpt-oss recipe picks layers, on the routed experts of its second layer."""
+    family, write = PUBLISHED_QUANTIZED[method]
+    folder = moe_model_dir(tmp_path, family)
+    write(folder)
     return write_recipe(
         tmp_path / "recipe.yaml",
         model={"name": str(folder), "dtype": "bfloat16"},
@@ -212,10 +252,12 @@ def mxfp4_gpt_oss_recipe(tmp_path, *, hardware: str = "cpu"):
     )
 
 
-def test_a_model_published_in_mxfp4_trains_dequantized_and_merges_to_16_bits(tmp_path):
-    """GPT-OSS as OpenAI publishes it (MXFP4 experts): planned as the 16-bit model, loaded through transformers'
-    Mxfp4Config(dequantize=True), trained with LoRA on its experts too, and merged (in memory: the base's shards hold
-    packed blocks) into a 16-bit model without the quantization in its config."""
+@pytest.mark.parametrize("method", sorted(PUBLISHED_QUANTIZED))
+def test_a_model_published_quantized_trains_dequantized_and_merges_to_16_bits(tmp_path, method):
+    """GPT-OSS as OpenAI publishes it (MXFP4 experts), DeepSeek-V3 as DeepSeek does (block-scaled FP8): planned as the
+    16-bit model, loaded through transformers' dequantizing config, trained with LoRA on its experts too, and merged
+    (in memory: the base's shards hold quantized tensors) into a 16-bit model without the quantization in its
+    config."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -223,9 +265,9 @@ def test_a_model_published_in_mxfp4_trains_dequantized_and_merges_to_16_bits(tmp
     from finetune.cli import main
     from finetune.recipe import load_recipe
 
-    recipe = mxfp4_gpt_oss_recipe(tmp_path)
+    recipe = published_quantized_recipe(tmp_path, method)
     planned = plan(load_recipe(recipe), hardware="cpu")
-    assert any("mxfp4 checkpoint -> bfloat16" in s for s in planned.substitutions), planned.substitutions
+    assert any(f"{method} checkpoint -> bfloat16" in s for s in planned.substitutions), planned.substitutions
     done = run(cli_argv(recipe, tmp_path / "run"), cache=tmp_path / "cache")
     out = done.stdout + done.stderr
     assert done.returncode == 0 and "Traceback" not in out, out[-3000:]
@@ -238,4 +280,5 @@ def test_a_model_published_in_mxfp4_trains_dequantized_and_merges_to_16_bits(tmp
     merged_config = json.loads((tmp_path / "merged" / "config.json").read_text())
     assert not merged_config.get("quantization_config")
     merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged", dtype=torch.bfloat16)
-    assert merged.model.layers[0].mlp.experts.gate_up_proj.dtype == torch.bfloat16
+    assert {p.dtype for p in merged.parameters()} <= {torch.bfloat16, torch.float32}
+    assert merged.model.layers[1].mlp.experts.gate_up_proj.dtype == torch.bfloat16

@@ -378,15 +378,17 @@ def test_bitsandbytes_steps_no_tensor_past_its_32_bit_element_count(tmp_path):
 
 
 @pytest.mark.skipif(_gpus() < 1, reason="needs a CUDA GPU")
-def test_a_published_mxfp4_checkpoint_trains_dequantized_on_a_gpu(tmp_path):
-    """On a GPU transformers keeps an MXFP4 checkpoint's experts packed unless told to dequantize (on a CPU it
-    dequantizes by itself): `finetune run` on the GPU trains the tiny GPT-OSS written in OpenAI's layout, LoRA on its
-    experts included, through Mxfp4Config(dequantize=True)."""
+@pytest.mark.parametrize("method", ["mxfp4", "fp8"])
+def test_a_published_quantized_checkpoint_trains_dequantized_on_a_gpu(tmp_path, method):
+    """On a GPU transformers keeps an MXFP4 checkpoint's experts packed (on a CPU it dequantizes by itself) and an FP8
+    one's linears in FP8 unless told to dequantize: `finetune run` on the GPU trains the tiny GPT-OSS written in
+    OpenAI's layout and the tiny DeepSeek-V3 in DeepSeek's, LoRA on their experts included, through the dequantizing
+    config (registry.derive.DEQUANTIZING_CONFIGS)."""
     from finetune.rundir import read_metrics
-    from tests.e2e.test_moe_families import mxfp4_gpt_oss_recipe
+    from tests.e2e.test_moe_families import published_quantized_recipe
     from tests.helpers.processes import cli_argv, run
 
-    recipe = mxfp4_gpt_oss_recipe(tmp_path, hardware="auto")
+    recipe = published_quantized_recipe(tmp_path, method, hardware="auto")
     done = run(cli_argv(recipe, tmp_path / "run"), cache=tmp_path / "cache", timeout=600)
     out = done.stdout + done.stderr
     assert done.returncode == 0 and "Traceback" not in out, out[-4000:]

@@ -790,18 +790,24 @@ def test_lora_on_the_routed_experts_is_target_experts_and_a_part_of_them_is_repo
         assert "adapter.target_experts" in dropped.reason
 
 
-def test_axolotl_gpt_oss_dequantize_config_is_what_finetune_does_and_kept_quantized_weights_are_reported(tmp_path):
+@pytest.mark.parametrize(
+    ("model", "config", "method"),
+    [("openai/gpt-oss-20b", "Mxfp4Config", "mxfp4"), ("deepseek-ai/DeepSeek-R1", "FineGrainedFP8Config", "fp8")],
+)
+def test_axolotl_dequantize_config_is_what_finetune_does_and_kept_quantized_weights_are_reported(
+    tmp_path, model, config, method
+):
     """axolotl's gpt-oss examples load the MXFP4 checkpoint with model_quantization_config: Mxfp4Config and
-    {dequantize: true}, which finetune does for such a checkpoint by itself; any other quantization config would
-    train on quantized weights, which is not offered."""
+    {dequantize: true} (and FineGrainedFP8Config does the same for an FP8 one), which finetune does for such a
+    checkpoint by itself; any other quantization config would train on quantized weights, which is not offered."""
     from finetune.peers import convert_mapping
 
-    base = {"base_model": "openai/gpt-oss-20b", "adapter": "lora"}
-    dequantized = {"model_quantization_config": "Mxfp4Config", "model_quantization_config_kwargs": {"dequantize": True}}
+    base = {"base_model": model, "adapter": "lora"}
+    dequantized = {"model_quantization_config": config, "model_quantization_config_kwargs": {"dequantize": True}}
     conv = convert_mapping({**base, **dequantized}, source="axolotl", config_dir=tmp_path, out_dir=tmp_path)
     (dropped,) = [d for d in conv.dropped if d.key == "model_quantization_config"]
-    assert not dropped.material and "dequantized" in dropped.reason
+    assert not dropped.material and f"published in {method} dequantized" in dropped.reason
     assert "model_quantization_config_kwargs" not in {d.key for d in conv.dropped}
-    kept = {"model_quantization_config": "Mxfp4Config"}
+    kept = {"model_quantization_config": config}
     conv = convert_mapping({**base, **kept}, source="axolotl", config_dir=tmp_path, out_dir=tmp_path)
     assert "model_quantization_config" in {d.key for d in conv.material}

@@ -57,6 +57,8 @@ PLANNED: dict[str, tuple[float, float | None, str]] = {
     "phi-4-mini": (3.84e9, None, "model card: 3.8B (tied embeddings)"),
     "deepseek-v2.5": (236e9, 21e9, "model card: 236B total, 21B activated"),
     "deepseek-v3-bf16": (671e9, 37e9, "paper: 671B total, 37B activated (the Hub's 685B adds the MTP module)"),
+    # published in FP8 only: loaded dequantized, planned as the 16-bit model (test_published_quantized_is_planned_...)
+    "deepseek-v3": (671e9, 37e9, "paper: 671B total, 37B activated (the Hub's 685B adds the MTP module)"),
     "olmo-2-7b": (7.30e9, None, "Hub safetensors metadata"),
     "olmoe-1b-7b": (6.9e9, 1.3e9, "OLMoE paper: 6.9B total, 1.3B active"),
     "olmo-2-13b": (13.7e9, None, "Hub safetensors metadata"),
@@ -92,9 +94,8 @@ TEXT_OF_MULTIMODAL: dict[str, tuple[float, int, str]] = {
 }
 # model: words the refusal must contain
 REFUSED: dict[str, tuple[str, ...]] = {
-    # published only quantized in a format finetune does not load dequantized itself: the fix says how to make the
-    # 16-bit copy the planner reads
-    "deepseek-v3": ("quantized", "fp8", "FineGrainedFP8Config(dequantize=True)"),
+    # published quantized in a format finetune does not load dequantized itself: the fix names the 16-bit model
+    "qwen2.5-7b-awq": ("quantized", "'awq'", "unquantized model"),
     "llama-4-scout": ("'llama4'", "mixture-of-experts"),
     "internlm2.5-7b": ("'internlm2'",),
 }
@@ -218,28 +219,37 @@ def test_an_adapter_on_an_moe_model_says_its_routed_experts_train_no_lora():
     assert "routed experts" not in warnings("llama-3.1-8b", "lora")
 
 
-def test_mxfp4_is_planned_dequantized_and_qlora_on_it_is_refused():
-    """gpt-oss's MXFP4 checkpoint loads through transformers' Mxfp4Config(dequantize=True): the plan is the 16-bit
-    model's, says so, counts the load as a converted copy (not mapped file pages) and a whole-model load under FSDP2
-    (finetune's sharded load reads 16-bit tensors); bitsandbytes cannot quantize it again in that load."""
+@pytest.mark.parametrize(
+    ("model", "method", "loader", "hardware"),
+    [
+        ("gpt-oss-20b", "mxfp4", "Mxfp4Config", "server-8xh100"),  # gpt-oss as OpenAI publishes it
+        ("deepseek-v3", "fp8", "FineGrainedFP8Config", "cluster-4x8xh100"),  # DeepSeek-V3/R1 as published
+    ],
+)
+def test_published_quantized_is_planned_dequantized_and_qlora_on_it_is_refused(model, method, loader, hardware):
+    """A checkpoint published in MXFP4 (gpt-oss) or block-scaled FP8 (DeepSeek-V3/R1) loads through transformers'
+    dequantizing config: the plan is the 16-bit model's, says so, counts the load as a converted copy (not mapped file
+    pages) and a whole-model load under FSDP2 (finetune's sharded load reads 16-bit tensors); bitsandbytes cannot
+    quantize it again in that load."""
     from finetune.plan import job_from_recipe, plan
     from finetune.recipe import load_recipe
     from finetune.registry import get_preset
 
     raw = {
-        "model": {"name": str(CONFIGS / "gpt-oss-20b")},
+        "model": {"name": str(CONFIGS / model)},
         "adapter": {"type": "lora"},
         "data": {"path": "t.jsonl"},
         "train": {"liger": "off"},
         "distributed": {"strategy": "fsdp2"},
     }
-    arch = resolve_model(ModelSection(name=str(CONFIGS / "gpt-oss-20b")), base_dir=ROOT)
-    assert arch.dequantized_from == "mxfp4" and arch.checkpoint_dtype is None
+    arch = resolve_model(ModelSection(name=str(CONFIGS / model)), base_dir=ROOT)
+    assert arch.dequantized_from == method and arch.checkpoint_dtype is None
     recipe = load_recipe(raw)
-    job = job_from_recipe(recipe, arch=arch, preset=get_preset("server-8xh100"))
+    job = job_from_recipe(recipe, arch=arch, preset=get_preset(hardware))
     assert job.load_copies and not job.sharded_load
-    planned = plan(recipe, hardware="server-8xh100")
-    assert any("published mxfp4 checkpoint -> bfloat16" in s for s in planned.substitutions)
+    planned = plan(recipe, hardware=hardware)
+    said = f"published {method} checkpoint -> bfloat16, dequantized while loading (transformers' {loader}("
+    assert any(said in s for s in planned.substitutions), planned.substitutions
     with pytest.raises(RecipeError) as refused:
-        plan(load_recipe({**raw, "adapter": {"type": "qlora"}}), hardware="server-8xh100")
+        plan(load_recipe({**raw, "adapter": {"type": "qlora"}}), hardware=hardware)
     assert refused.value.key == "adapter.type" and "lora" in refused.value.hint

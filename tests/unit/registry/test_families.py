@@ -160,7 +160,8 @@ def test_the_liger_model_types_are_the_ones_an_installed_liger_kernel_patches():
     [
         ({"quant_method": "gptq", "bits": 4, "group_size": 128}, "gptq"),
         ({"quant_method": "awq", "bits": 4}, "awq"),
-        ({"quant_method": "fp8", "weight_block_size": [128, 128]}, "fp8"),
+        # FP8 as llm-compressor writes it (RedHatAI's -FP8-dynamic uploads); DeepSeek's own FP8 loads dequantized
+        ({"quant_method": "compressed-tensors", "format": "float-quantized"}, "compressed-tensors"),
         ({"load_in_4bit": True, "bnb_4bit_quant_type": "nf4"}, "bitsandbytes"),  # older bnb checkpoints
     ],
 )

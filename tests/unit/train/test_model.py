@@ -84,9 +84,18 @@ def test_empty_random_build_has_the_main_ranks_parameters(tied):
     assert (empty.lm_head.weight is empty.model.embed_tokens.weight) is tied
 
 
-def test_a_checkpoint_published_in_mxfp4_loads_through_transformers_dequantizing_config(tmp_path):
+@pytest.mark.parametrize(
+    ("quantization", "loader"),
+    [
+        ({"quant_method": "mxfp4"}, "Mxfp4Config"),
+        ({"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128]}, "FineGrainedFP8Config"),
+    ],
+)
+def test_a_checkpoint_published_quantized_loads_through_transformers_dequantizing_config(
+    tmp_path, quantization, loader
+):
     """transformers keeps MXFP4 experts packed on a GPU unless told to dequantize (only a CPU load dequantizes by
-    itself), and its packed experts do not train: finetune always passes Mxfp4Config(dequantize=True) for such a
+    itself), and FP8 linears in FP8; neither trains: finetune always passes the dequantizing config for such a
     checkpoint, and a random build from its config drops the quantization the saved model would otherwise claim."""
     import json
 
@@ -95,10 +104,10 @@ def test_a_checkpoint_published_in_mxfp4_loads_through_transformers_dequantizing
     folder = tmp_path / "model"
     shutil.copytree(TINY_MODEL, folder)
     config = json.loads((folder / "config.json").read_text())
-    (folder / "config.json").write_text(json.dumps({**config, "quantization_config": {"quant_method": "mxfp4"}}))
+    (folder / "config.json").write_text(json.dumps({**config, "quantization_config": quantization}))
     recipe = load_recipe(tiny_recipe(model={"name": str(folder), "dtype": "bfloat16"}))
     quant = model_kwargs(recipe)["quantization_config"]
-    assert type(quant).__name__ == "Mxfp4Config" and quant.dequantize
+    assert type(quant).__name__ == loader and quant.dequantize
     plain = load_recipe(tiny_recipe())
     assert "quantization_config" not in model_kwargs(plain) and dequantizing_config(base_config(plain)) is None
     random = load_recipe(tiny_recipe(model={"name": str(folder), "dtype": "bfloat16", "init": "random"}))
