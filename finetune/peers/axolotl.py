@@ -109,8 +109,23 @@ STRATEGY_TEMPLATES = ("llama3", "chatml")
 _OPTION_FIX = {
     "data_files": "a file inside a Hub dataset is not selected here; download it and set path to the file",
 }
-# dataset options that keep finetune's defaults (anything else is reported)
-_SAME = {"train_on_eos": ("turn",), "roles_to_train": (["assistant"], ["gpt"], ["assistant", "gpt"])}
+# dataset options that keep finetune's defaults (anything else is reported): axolotl's train_on_eot defaults to
+# train_on_eos, "turn"
+_SAME = {
+    "train_on_eos": ("turn",),
+    "train_on_eot": ("turn",),
+    "roles_to_train": (["assistant"], ["gpt"], ["assistant", "gpt"]),
+}
+# what finetune's assistant-only loss covers, for the options above that ask otherwise
+_TURN_LOSS = (
+    "finetune's loss covers each assistant turn through its end-of-turn token (roles_to_train [assistant], "
+    "train_on_eos and train_on_eot turn); set data.assistant_only_loss: false to train on every token"
+)
+# axolotl's eot_tokens (default: the EOS token) tells it which tokens end a turn, to find each turn's terminator
+_EOT_TOKENS = (
+    "finetune reads where an assistant turn ends from the chat template's own rendering (the tokens that close the "
+    "turn are trained), so no end-of-turn token list is needed"
+)
 # axolotl dataset types -> our formats (instruction prompt styles all read alpaca-like columns)
 FORMATS = {
     "alpaca": "alpaca",
@@ -209,9 +224,10 @@ def _source(conv: Conversion, i: int, ds: dict, *, preference: bool) -> dict | N
             conv.drop(
                 f"{key}.{option}",
                 ds[option],
-                "finetune's loss covers each assistant turn through its end-of-turn token (roles_to_train "
-                "[assistant], train_on_eos turn); set data.assistant_only_loss: false to train on every token",
+                _TURN_LOSS,
             )
+    if ds.get("eot_tokens"):
+        conv.drop(f"{key}.eot_tokens", ds["eot_tokens"], _EOT_TOKENS, material=False)
     roles = ds.get("roles") or {}
     if any(str(r) not in {str(v) for v in as_list(vs)} for r, vs in roles.items()):
         conv.drop(
@@ -238,6 +254,7 @@ def _source(conv: Conversion, i: int, ds: dict, *, preference: bool) -> dict | N
             "message_field_role",
             "message_field_content",
             "roles_to_train",
+            "eot_tokens",
             "ds_type",
         }
     )
@@ -396,6 +413,7 @@ def convert(conv: Conversion) -> None:
         conv.set("data.chat_template", jinja)
     else:
         template(conv, "chat_template")
+    _turn_ends(conv)
     continue_adapter(conv, "lora_model_dir")
     optimizer(conv, "optimizer")
     scheduler(conv, "lr_scheduler")
@@ -433,6 +451,18 @@ def convert(conv: Conversion) -> None:
     if conv.has("warmup_steps") and conv.has("warmup_ratio"):
         conv.drop("warmup_ratio", conv.take("warmup_ratio"), "warmup_steps is set too; finetune takes one")
     _trackers(conv)
+
+
+def _turn_ends(conv: Conversion) -> None:
+    """axolotl's top-level train_on_eot / train_on_eos and eot_tokens (the datasets' defaults): the turn-end loss
+    finetune has (`_SAME`) passes silently, any other is reported; the token list is not needed (`_EOT_TOKENS`)."""
+    for option in ("train_on_eos", "train_on_eot"):
+        value = conv.take(option)
+        if value is not None and str(value) not in _SAME[option]:
+            conv.drop(option, value, _TURN_LOSS)
+    tokens = conv.take("eot_tokens")
+    if tokens:
+        conv.drop("eot_tokens", tokens, _EOT_TOKENS, material=False)
 
 
 def _model_quantization(conv: Conversion) -> None:

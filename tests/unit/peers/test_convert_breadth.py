@@ -811,3 +811,37 @@ def test_axolotl_dequantize_config_is_what_finetune_does_and_kept_quantized_weig
     kept = {"model_quantization_config": config}
     conv = convert_mapping({**base, **kept}, source="axolotl", config_dir=tmp_path, out_dir=tmp_path)
     assert "model_quantization_config" in {d.key for d in conv.material}
+
+
+def test_axolotl_end_of_turn_options_pass_when_they_ask_for_what_finetune_trains(tmp_path):
+    """axolotl's eot_tokens name the tokens that end a turn, and train_on_eot (default: train_on_eos, "turn") whether
+    the loss covers them; finetune trains each assistant turn through the tokens its chat template closes it with.
+    So eot_tokens are ignored with that reason, train_on_eot/train_on_eos "turn" pass silently (top level and per
+    dataset), and any other choice is reported as changing training."""
+    from finetune.peers import convert_mapping
+
+    base = {
+        "base_model": "Qwen/Qwen2.5-7B-Instruct",
+        "adapter": "lora",
+        "chat_template": "qwen_25",
+        "datasets": [
+            {"path": "org/chat", "type": "chat_template", "eot_tokens": ["<|im_end|>"], "train_on_eot": "turn"}
+        ],
+    }
+    conv = convert_mapping(
+        {**base, "eot_tokens": ["<|im_end|>"], "train_on_eot": "turn", "train_on_eos": "turn"},
+        source="axolotl",
+        config_dir=tmp_path,
+        out_dir=tmp_path,
+    )
+    assert not conv.material, conv.material
+    ignored = {d.key: d.reason for d in conv.dropped}
+    assert set(ignored) == {"eot_tokens", "datasets[0].eot_tokens"}
+    assert all("chat template's own rendering" in r for r in ignored.values())
+    for option in ("train_on_eot", "train_on_eos"):
+        conv = convert_mapping({**base, option: "all"}, source="axolotl", config_dir=tmp_path, out_dir=tmp_path)
+        (reported,) = conv.material
+        assert reported.key == option and "data.assistant_only_loss: false" in reported.reason
+    per_dataset = {**base, "datasets": [{**base["datasets"][0], "train_on_eot": "last"}]}
+    conv = convert_mapping(per_dataset, source="axolotl", config_dir=tmp_path, out_dir=tmp_path)
+    assert [d.key for d in conv.material] == ["datasets[0].train_on_eot"]
