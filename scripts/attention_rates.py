@@ -14,6 +14,13 @@ With --new-lengths N it times instead the first forward + backward of the masked
 per call with the GPU synchronized: what a kernel pays once per new shape (e.g. cuDNN building an execution plan).
 
     python3 scripts/attention_rates.py --new-lengths 6 --out new-lengths.json
+
+With --varlen it times instead finetune's own varlen path (finetune/train/attention.py, the kernel packed SFT rows
+run on NVIDIA GPUs) on one row of VARLEN_ROW_TOKENS tokens holding causal examples of one length each, from
+2,048 tokens to the whole row: how the kernel's rate changes with the examples' length, which the planner's one
+step efficiency does not see where long examples make attention most of a step.
+
+    python3 scripts/attention_rates.py --varlen --out varlen.json
 """
 
 from __future__ import annotations
@@ -30,6 +37,8 @@ import torch.nn.functional as F  # noqa: N812
 SHAPES = [("granite-3b-a800m", 24, 8, 64), ("llama-3.1-8b", 32, 8, 128)]
 TOKENS = [4096, 16384]
 DOCUMENT_TOKENS = 2048  # the packed row's examples: block-diagonal mask of 2048-token causal blocks
+VARLEN_ROW_TOKENS = 65536
+VARLEN_EXAMPLE_TOKENS = [2048, 8192, 16384, 32768, 65536]
 
 
 def block_causal_mask(tokens: int, device: torch.device) -> torch.Tensor:
@@ -89,6 +98,40 @@ def measure(*, heads, kv_heads, head_dim, tokens, masked, dropout, iters, device
     }
 
 
+def measure_varlen(*, heads, kv_heads, head_dim, example_tokens, iters, device) -> dict:
+    """Forward + backward of finetune's varlen attention over one packed row of VARLEN_ROW_TOKENS tokens made of
+    causal examples of `example_tokens` each, with the kernel's executed FLOPs (each example's triangle)."""
+    from finetune.train.attention import varlen_attention_forward
+
+    class Layer:  # what the attention function reads of the calling module
+        is_causal = True
+
+    torch.manual_seed(0)
+    q, k, v = qkv(heads=heads, kv_heads=kv_heads, head_dim=head_dim, tokens=VARLEN_ROW_TOKENS, device=device)
+    grad = torch.randn(1, VARLEN_ROW_TOKENS, heads, head_dim, device=device, dtype=torch.bfloat16)
+    examples = VARLEN_ROW_TOKENS // example_tokens
+    cu = torch.arange(examples + 1, device=device, dtype=torch.int32) * example_tokens
+    bounds = dict(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=example_tokens, max_length_k=example_tokens)
+
+    def step():
+        out, _ = varlen_attention_forward(Layer(), q, k, v, None, is_causal=True, **bounds)
+        out.backward(grad)
+        q.grad = k.grad = v.grad = None
+
+    for _ in range(3):
+        step()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        step()
+    end.record()
+    torch.cuda.synchronize()
+    seconds = start.elapsed_time(end) / 1000 / iters
+    flops = 12 * heads * head_dim * examples * example_tokens * (example_tokens + 1) / 2
+    return {"seconds": seconds, "executed_tflop": flops / 1e12, "tflops": flops / seconds / 1e12}
+
+
 def new_length_seconds(*, heads, kv_heads, head_dim, tokens, dropout, lengths, device) -> dict:
     """Seconds of one synchronized forward + backward of the masked kernel at `lengths` new row lengths below
     `tokens`, each timed on its first call and again on a second pass over the same lengths."""
@@ -118,9 +161,19 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     parser.add_argument("--iters", type=int, default=10)
     parser.add_argument("--new-lengths", type=int, default=0, help="time the masked kernel at this many new lengths")
+    parser.add_argument("--varlen", action="store_true", help="time finetune's varlen path by example length")
     args = parser.parse_args()
     device = torch.device("cuda")
     rows = []
+    if args.varlen:
+        for label, heads, kv_heads, head_dim in SHAPES:
+            for example_tokens in VARLEN_EXAMPLE_TOKENS:
+                case = {"shape": label, "heads": heads, "kv_heads": kv_heads, "head_dim": head_dim}
+                case |= {"row_tokens": VARLEN_ROW_TOKENS, "example_tokens": example_tokens}
+                shape = {k: case[k] for k in ("heads", "kv_heads", "head_dim", "example_tokens")}
+                case |= measure_varlen(**shape, iters=args.iters, device=device)
+                print(json.dumps(case), flush=True)
+                rows.append(case)
     if args.new_lengths:
         label, heads, kv_heads, head_dim = SHAPES[0]
         for tokens in TOKENS:
@@ -137,7 +190,7 @@ def main() -> None:
                 )
                 print(json.dumps(case), flush=True)
                 rows.append(case)
-    for label, heads, kv_heads, head_dim in SHAPES if not args.new_lengths else []:
+    for label, heads, kv_heads, head_dim in SHAPES if not (args.new_lengths or args.varlen) else []:
         for tokens in TOKENS:
             for masked in (False, True):
                 for dropout in (0.0, 0.1):
