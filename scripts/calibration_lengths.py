@@ -34,6 +34,9 @@ ROWS = ROOT / "tests" / "data" / "gpu_calibration.json"
 MATRIX = ROOT / "scripts" / "calibration_matrix.yaml"
 # the matrix runs' raw files
 QUEUE_SOURCES = {"validation-2026-11-26-h100x4-queue.json", "validation-2026-11-26-h100x4-queue2.json"}
+# scripts/gpu_shipped.py's runs of the shipped recipes: write_data's SFT rows at the recipe's max_length (4,000 of
+# them, the generator of today since 2026-11-26 01:51), packed; rows kept before `resolved` existed
+SHIPPED_SOURCES = {"validation-2026-11-26-h100x4-70b.json"}
 # matrix runs that trained on write_data's preference pairs as it writes them now (the rejected answer shorter
 # than the chosen one; earlier pairs were of equal length)
 PAIR_SOURCES = {
@@ -48,7 +51,7 @@ PAIR_SOURCES = {
 
 def _recipe_and_records(row: dict, entry: dict, work: Path, *, preference: bool):
     """The row's resolved recipe on the rebuilt data and the local tokenizer, and the data's records."""
-    raw = copy.deepcopy(row["resolved"])
+    raw = copy.deepcopy(row.get("resolved") or _legacy_data_recipe(row))
     data = work / f"{row['name']}.jsonl"
     write_data(
         data,
@@ -61,6 +64,14 @@ def _recipe_and_records(row: dict, entry: dict, work: Path, *, preference: bool)
     raw["data"]["sources"][0]["path"] = str(data)
     recipe = load_recipe(raw, allow_resolved=True)
     return recipe, load_source(recipe.data.sources[0], base_dir=work).records
+
+
+def _legacy_data_recipe(row: dict) -> dict:
+    """The data section a row without `resolved` trained with (packed SFT rows at its seq_len), in a recipe."""
+    return {
+        "model": {"name": "tiny-llama"},
+        "data": {"sources": [{"path": "train.jsonl"}], "max_length": row["seq_len"], "packing": True},
+    }
 
 
 def example_tokens(row: dict, entry: dict, work: Path) -> float | None:
@@ -82,6 +93,12 @@ def main() -> None:
     rows, matrix = json.loads(ROWS.read_text()), load_matrix(MATRIX)
     with tempfile.TemporaryDirectory() as tmp:
         for row in rows:
+            if row.get("source") in SHIPPED_SOURCES and row["method"] == "sft" and row.get("example_tokens") is None:
+                measured = example_tokens(row, {}, Path(tmp))
+                if measured is not None:
+                    print(f"{row['name']}: example_tokens {round(measured, 1)} (max_length {row['seq_len']}, shipped)")
+                    row["example_tokens"] = round(measured, 1)
+                continue
             entry = matrix.get(row["name"])
             resolved = row.get("resolved")
             if entry is None or not resolved or "excluded" in row:

@@ -23,14 +23,21 @@ kernels; docs/results/attention-rates-2026-11-28-h200.json):
   - attention dropout (a config's attention_dropout > 0, training): the kernel draws a random number per score
     in the forward and again in the backward, 1.38-1.74x the same kernel's time without it, causal or masked
     (DROPOUT_KERNEL_SLOWDOWN; flash_attention_2's dropout is assumed alike, not measured).
+The varlen kernel that runs packed rows (finetune/train/attention.py: torch's flash-attention-2 varlen kernel; the
+flash_attention_2 package runs the same algorithm) is slower per FLOP than the step: 0.17-0.28 of the card's peak
+where the step reaches 0.45 (`VARLEN_RATES`), the slower the shorter the examples. The causal cuDNN kernel sdpa
+runs on one unpadded row reached 0.40-0.47 in the same measurement, about the step's rate, so it keeps it.
 """
 
 from __future__ import annotations
+
+import math
 
 from finetune.plan.bandwidth import memory_seconds
 from finetune.plan.memory import masked_attention
 from finetune.plan.workload import (
     Job,
+    computed_sequence_tokens,
     computed_tokens_per_micro_batch,
     executed_attention_positions,
     head_dim,
@@ -39,6 +46,36 @@ from finetune.plan.workload import (
 
 MASKED_KERNEL_SLOWDOWN = 1.4
 DROPOUT_KERNEL_SLOWDOWN = 1.6
+# finetune's varlen path, forward + backward, as a fraction of the card's dense bf16 peak, by head_dim and the
+# examples' length: one 65,536-token row of causal examples of that length, grouped key/value heads (24/8 at 64,
+# 32/8 at 128), on an H200 with torch 2.11 (scripts/attention_rates.py --varlen,
+# docs/results/attention-varlen-rates-2026-11-29-h200.json). Where long examples make attention most of a step
+# (57k-token examples: 56% of an 8B LoRA step's FLOPs), the step's rate planned long-context runs 1.15-1.33x too
+# fast (docs/validation.md, twenty-second session). Other cards are assumed to reach the same fraction of their peak.
+VARLEN_RATES: dict[int, tuple[tuple[int, float], ...]] = {
+    64: ((2048, 0.171), (8192, 0.232), (16384, 0.247), (32768, 0.251), (65536, 0.255)),
+    128: ((2048, 0.207), (8192, 0.259), (16384, 0.272), (32768, 0.280), (65536, 0.283)),
+}
+
+
+def _by_length(points: tuple[tuple[int, float], ...], length: float) -> float:
+    """The rate at `length` tokens, linear in log2(length) between the measured points, held at the end ones (the
+    measurement spans 2,048 to 65,536 tokens: shorter examples are planned at the 2,048 figure)."""
+    if length <= points[0][0]:
+        return points[0][1]
+    for (lo, low), (hi, high) in zip(points, points[1:]):
+        if length <= hi:
+            return low + (high - low) * math.log2(length / lo) / math.log2(hi / lo)
+    return points[-1][1]
+
+
+def varlen_rate(head_dim: int, example_tokens: float) -> float:
+    """The varlen kernel's forward + backward rate as a fraction of peak (`VARLEN_RATES`): linear in head_dim
+    between the measured 64 and 128, held at those outside them (MLA's 192 and Gemma's 256 were not measured)."""
+    small, large = sorted(VARLEN_RATES)
+    at_small, at_large = (_by_length(VARLEN_RATES[d], example_tokens) for d in (small, large))
+    share = min(max((head_dim - small) / (large - small), 0.0), 1.0)
+    return at_small + share * (at_large - at_small)
 
 
 def mask_seconds(job: Job, *, micro_batch: int, checkpointed_share: float = 0.0) -> float:
@@ -61,20 +98,21 @@ def mask_seconds(job: Job, *, micro_batch: int, checkpointed_share: float = 0.0)
 
 def kernel_extra_seconds(job: Job, *, micro_batch: int, checkpointed_share: float, flop_seconds: float) -> float:
     """Seconds one micro-batch's attention kernels take beyond their executed FLOPs at `flop_seconds` a FLOP
-    (the step's rate): a masked kernel's and attention dropout's slowdowns (see the module docstring). Eager
-    attention's passes are plan/eager_time.py's; the varlen kernel has neither a mask nor dropout."""
+    (the step's rate): a masked kernel's and attention dropout's slowdowns, and the varlen kernel's own rate (see
+    the module docstring). Eager attention's passes are plan/eager_time.py's; the varlen kernel has neither a
+    mask nor dropout."""
     arch = job.arch
-    if job.attention not in ("sdpa", "flash"):
+    if job.attention not in ("sdpa", "flash", "varlen"):
         return 0.0
     masked = job.attention == "sdpa" and masked_attention(job, micro_batch=micro_batch) is not None
     dropout = DROPOUT_KERNEL_SLOWDOWN if arch.attention_dropout else 1.0
-    if not masked and dropout == 1.0:
-        return 0.0
     executed = executed_attention_positions(job, micro_batch=micro_batch)
     on_mask = 0.0
     if masked:  # a packed row's layers the varlen kernel still serves run unmasked (workload.masked_row_layers)
         row = micro_batch * job.seq_len * job.sequences_per_sample
         on_mask = masked_row_layers(job) * row if job.packed else executed
+    # the positions the varlen (or flash) kernel computes: every layer of theirs, a packed row's served layers
+    varlen = executed if job.attention in ("flash", "varlen") else (executed - on_mask if job.packed else 0.0)
     # forward 4, backward 8 FLOPs a score position and width; a checkpointed layer's forward and the forwards
     # without gradients (the reference's, KTO's KL completion) again
     passes = 12 + 4 * checkpointed_share + 4 * job.forward_only_passes
@@ -82,4 +120,13 @@ def kernel_extra_seconds(job: Job, *, micro_batch: int, checkpointed_share: floa
         passes * arch.num_attention_heads * head_dim(arch) * computed_tokens_per_micro_batch(job, micro_batch)
     )
     slower = on_mask * (MASKED_KERNEL_SLOWDOWN * dropout - 1) + (executed - on_mask) * (dropout - 1)
-    return per_position * slower * flop_seconds
+    extra = per_position * slower * flop_seconds
+    if varlen:
+        # a packed row's examples (their token-weighted length where the data's are known), else the sequences
+        if job.packed:
+            length = min(job.seq_len, job.example_tokens or job.seq_len)
+        else:
+            length = computed_sequence_tokens(job, micro_batch)
+        own = 1 / (job.peak_tflops * 1e12 * varlen_rate(head_dim(arch), length))
+        extra += per_position * varlen * (own - flop_seconds)
+    return extra

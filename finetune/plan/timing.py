@@ -19,10 +19,10 @@ backward); QLoRA also dequantizes NF4 on every matmul; small micro-batches under
 runs at FP32_GPU_EFFICIENCY of the card's FP32 rate. Memory-bound work the FLOPs do not show is timed at the
 bandwidth streaming kernels reach (plan/bandwidth.py): DoRA's weight norms and elementwise passes
 (plan/dora_time.py), a masked attention kernel's mask bias (plan/attention_time.py, with the masked and dropout
-kernels' own slowdowns), the norms, RoPE and SwiGLU where Liger does not fuse them (plan/unfused_time.py), and an
-MoE layer's dispatch, whose expert GEMMs also run at a lower efficiency for their few rows per expert
-(plan/moe_time.py). A packed row's varlen attention is the
-triangle of its examples' token-weighted length where the data's lengths are known (data.example_tokens).
+kernels' own slowdowns and the varlen kernel's own rate), the norms, RoPE and SwiGLU where Liger does not fuse
+them (plan/unfused_time.py), and an MoE layer's dispatch, whose expert GEMMs also run at a lower efficiency for
+their few rows per expert (plan/moe_time.py). A packed row's varlen attention is the triangle of its examples'
+token-weighted length where the data's lengths are known (data.example_tokens).
 Calibrated on the second-pass runs in tests/data/gpu_calibration.json (H200, tokens/s over 20-30 steps,
 start-up included): 8B LoRA 1 GPU 13.4k tokens/s (steady 13.7k), QLoRA 13.2k = 0.99 of LoRA's, 3B full
 FSDP2 on 2 GPUs 39.2k (steady 52.1k).
@@ -239,7 +239,7 @@ def step_time(
     # memory-bound work the FLOPs do not show: attention mask biases (plan/attention_time.py), DoRA's
     # weight norms and elementwise passes (plan/dora_time.py)
     compute += grad_accum * mask_seconds(job, micro_batch=micro_batch, checkpointed_share=share)
-    # masked kernels and attention dropout run below the step's FLOPs rate (plan/attention_time.py)
+    # masked kernels, attention dropout and the varlen kernel run below the step's FLOPs rate (plan/attention_time.py)
     compute += grad_accum * kernel_extra_seconds(
         job, micro_batch=micro_batch, checkpointed_share=share, flop_seconds=flop_seconds
     )

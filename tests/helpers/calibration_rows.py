@@ -66,12 +66,17 @@ def _model_dir(row: dict) -> Path:
     return folder
 
 
+def _measured_lengths(row: dict, data: dict) -> None:
+    """The data lengths measured from the run's data afterwards (module docstring) into its recipe's data section."""
+    for measured in ("example_tokens", "sequence_tokens"):
+        if row.get(measured) is not None and data.get(measured) is None:
+            data[measured] = row[measured]
+
+
 def resolved_recipe(row: dict):
     """The run's resolved recipe with its model pointed at something that exists here."""
     raw = copy.deepcopy(row["resolved"])
-    for measured in ("example_tokens", "sequence_tokens"):  # measured from the run's data afterwards (docstring)
-        if row.get(measured) is not None and raw["data"].get(measured) is None:
-            raw["data"][measured] = row[measured]
+    _measured_lengths(row, raw["data"])
     if row.get("arch"):
         raw["model"].update(name=row["arch"], arch=row["arch"])
         family = get_model(row["arch"]).family
@@ -129,6 +134,7 @@ def legacy_recipe(row: dict):
         },
         "hardware": "auto",
     }
+    _measured_lengths(row, raw["data"])
     return load_recipe(raw)
 
 

@@ -83,3 +83,53 @@ def test_dropout_and_mask_slow_the_planned_kernel_as_measured():
         plain, dropped = by[(hd, tokens, masked, 0.0)], by[(hd, tokens, masked, 0.1)]
         assert dropped["seconds"] > 1.3 * plain["seconds"]
         assert _layer_seconds(dropped) > 1.3 * _layer_seconds(plain)
+
+
+VARLEN = json.loads((ROOT / "docs" / "results" / "attention-varlen-rates-2026-11-29-h200.json").read_text())
+
+
+@pytest.mark.parametrize("case", VARLEN["cases"], ids=lambda c: f"hd{c['head_dim']}-examples{c['example_tokens']}")
+def test_planned_varlen_kernel_time_is_the_measured(case):
+    """finetune's varlen path on one 65,536-token row of causal examples of one length (scripts/attention_rates.py
+    --varlen): the plan's time for that layer's kernel, its executed FLOPs at the step's rate plus the varlen
+    kernel's own (attention_time.VARLEN_RATES, these measurements), is the measured time. At the step's rate alone
+    it would be 0.38-0.63 of it: the kernel reaches 0.17-0.28 of the peak where the step reaches 0.45."""
+    preset = preset_for(VARLEN["meta"]["card"], gpus_per_node=1)
+    arch = get_model("llama-3.1-8b").model_copy(
+        update={
+            "num_layers": 1,
+            "num_attention_heads": case["heads"],
+            "num_key_value_heads": case["kv_heads"],
+            "head_dim": case["head_dim"],
+        }
+    )
+    job = Job(
+        arch=arch,
+        preset=preset,
+        seq_len=case["row_tokens"],
+        packed=True,
+        attention="varlen",
+        example_tokens=case["example_tokens"],
+        liger=True,
+        global_batch_size=1,
+    )
+    flop_seconds = 1 / (job.peak_tflops * 1e12 * GPU_EFFICIENCY)
+    flops = (
+        12 * case["heads"] * case["head_dim"] * executed_attention_positions(job, micro_batch=1) * case["row_tokens"]
+    )
+    at_step_rate = flops * flop_seconds
+    planned = at_step_rate + kernel_extra_seconds(job, micro_batch=1, checkpointed_share=0.0, flop_seconds=flop_seconds)
+    assert planned / case["seconds"] == pytest.approx(1.0, abs=0.02)
+    assert 0.35 < at_step_rate / case["seconds"] < 0.65
+
+
+def test_varlen_rate_between_and_beyond_the_measured_points():
+    """Between measured lengths the rate is linear in log2(length) and between head sizes linear in head_dim;
+    outside the measured span (2,048-65,536 tokens, head_dim 64-128) it is held at the nearest point."""
+    from finetune.plan.attention_time import VARLEN_RATES, varlen_rate
+
+    (short, at_short), (long, at_long) = VARLEN_RATES[128][0], VARLEN_RATES[128][1]
+    assert varlen_rate(128, (short * long) ** 0.5) == pytest.approx((at_short + at_long) / 2)
+    assert varlen_rate(128, 300) == varlen_rate(128, short) and varlen_rate(128, 10**6) == VARLEN_RATES[128][-1][1]
+    assert varlen_rate(96, 4096) == pytest.approx((varlen_rate(64, 4096) + varlen_rate(128, 4096)) / 2)
+    assert varlen_rate(256, 4096) == varlen_rate(128, 4096) and varlen_rate(32, 4096) == varlen_rate(64, 4096)
