@@ -18,7 +18,8 @@ per call with the GPU synchronized: what a kernel pays once per new shape (e.g. 
 With --varlen it times instead finetune's own varlen path (finetune/train/attention.py, the kernel packed SFT rows
 run on NVIDIA GPUs) on one row of VARLEN_ROW_TOKENS tokens holding causal examples of one length each, from
 2,048 tokens to the whole row: how the kernel's rate changes with the examples' length, which the planner's one
-step efficiency does not see where long examples make attention most of a step.
+step efficiency does not see where long examples make attention most of a step; and the same path with its long
+examples on cuDNN's causal kernel (model.cudnn_long_examples), case by case.
 
     python3 scripts/attention_rates.py --varlen --out varlen.json
 """
@@ -38,7 +39,7 @@ SHAPES = [("granite-3b-a800m", 24, 8, 64), ("llama-3.1-8b", 32, 8, 128)]
 TOKENS = [4096, 16384]
 DOCUMENT_TOKENS = 2048  # the packed row's examples: block-diagonal mask of 2048-token causal blocks
 VARLEN_ROW_TOKENS = 65536
-VARLEN_EXAMPLE_TOKENS = [2048, 8192, 16384, 32768, 65536]
+VARLEN_EXAMPLE_TOKENS = [2048, 4096, 8192, 16384, 32768, 65536]
 
 
 def block_causal_mask(tokens: int, device: torch.device) -> torch.Tensor:
@@ -98,10 +99,13 @@ def measure(*, heads, kv_heads, head_dim, tokens, masked, dropout, iters, device
     }
 
 
-def measure_varlen(*, heads, kv_heads, head_dim, example_tokens, iters, device) -> dict:
+def measure_varlen(*, heads, kv_heads, head_dim, example_tokens, on_cudnn, iters, device) -> dict:
     """Forward + backward of finetune's varlen attention over one packed row of VARLEN_ROW_TOKENS tokens made of
-    causal examples of `example_tokens` each, with the kernel's executed FLOPs (each example's triangle)."""
-    from finetune.train.attention import varlen_attention_forward
+    causal examples of `example_tokens` each (`on_cudnn`: those long enough on cuDNN's kernel), with the kernel's
+    executed FLOPs (each example's triangle, without cuDNN's padding)."""
+    from finetune.train.attention import register, varlen_attention_forward
+
+    register(long_examples_on_cudnn=on_cudnn)
 
     class Layer:  # what the attention function reads of the calling module
         is_causal = True
@@ -168,12 +172,13 @@ def main() -> None:
     if args.varlen:
         for label, heads, kv_heads, head_dim in SHAPES:
             for example_tokens in VARLEN_EXAMPLE_TOKENS:
-                case = {"shape": label, "heads": heads, "kv_heads": kv_heads, "head_dim": head_dim}
-                case |= {"row_tokens": VARLEN_ROW_TOKENS, "example_tokens": example_tokens}
-                shape = {k: case[k] for k in ("heads", "kv_heads", "head_dim", "example_tokens")}
-                case |= measure_varlen(**shape, iters=args.iters, device=device)
-                print(json.dumps(case), flush=True)
-                rows.append(case)
+                for on_cudnn in (False, True):
+                    case = {"shape": label, "heads": heads, "kv_heads": kv_heads, "head_dim": head_dim}
+                    case |= {"row_tokens": VARLEN_ROW_TOKENS, "example_tokens": example_tokens, "on_cudnn": on_cudnn}
+                    shape = {k: case[k] for k in ("heads", "kv_heads", "head_dim", "example_tokens", "on_cudnn")}
+                    case |= measure_varlen(**shape, iters=args.iters, device=device)
+                    print(json.dumps(case), flush=True)
+                    rows.append(case)
     if args.new_lengths:
         label, heads, kv_heads, head_dim = SHAPES[0]
         for tokens in TOKENS:

@@ -13,6 +13,7 @@ from dataclasses import replace
 
 from finetune import strategies
 from finetune.errors import RecipeError
+from finetune.kernels import CUDNN_MIN_EXAMPLE_TOKENS, card_runs_cudnn_long_examples
 from finetune.plan.choose import (
     CLEARLY_FASTER,
     HEADROOM,
@@ -408,6 +409,9 @@ def job_from_recipe(recipe, *, arch, preset) -> Job:
         run_sequences=run_sequences(recipe),
         attention=attention,
         varlen_layers=served if fallback else 0,
+        cudnn_long_examples=implementation == "varlen"
+        and recipe.model.cudnn_long_examples
+        and card_runs_cudnn_long_examples(preset.gpu_model, preset.vendor),
         global_batch_size=recipe.train.global_batch_size,
         micro_batch=micro if isinstance(micro, int) else None,
         checkpointing=recipe.train.activation_checkpointing,
@@ -952,6 +956,15 @@ def _kernels(job: Job, strategy: str, *, row_multiple: int | None) -> str:
         )
     if job.packed and job.example_tokens and job.attention in ("varlen", "flash"):
         attention += f" (examples of ~{job.example_tokens:,.0f} tokens, token-weighted: data.example_tokens)"
+    if (
+        job.cudnn_long_examples
+        and job.packed
+        and min(job.seq_len, job.example_tokens or job.seq_len) >= (CUDNN_MIN_EXAMPLE_TOKENS)
+    ):
+        attention += (
+            f" (examples of {CUDNN_MIN_EXAMPLE_TOKENS:,} tokens or more on cuDNN's causal attention: "
+            "model.cudnn_long_examples)"
+        )
     if row_multiple:
         rows = "packed rows" if job.packed else "sequences"
         why = (

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import math
 
+from finetune.kernels import CUDNN_MIN_EXAMPLE_TOKENS, cudnn_padded_length
 from finetune.plan.bandwidth import memory_seconds
 from finetune.plan.memory import masked_attention
 from finetune.plan.workload import (
@@ -58,6 +59,15 @@ VARLEN_RATES: dict[int, tuple[tuple[int, float], ...]] = {
 }
 
 
+# finetune's path with its long examples on cuDNN (64k-token rows of examples of one length, each a power of two, so
+# unpadded), forward + backward, as a fraction of the peak, by head_dim and example length (scripts/attention_rates.py
+# --varlen on an H200, torch 2.11, cuDNN 9.19: docs/results/attention-varlen-cudnn-rates-2026-11-29-h200.json)
+CUDNN_RATES: dict[int, tuple[tuple[int, float], ...]] = {
+    64: ((8192, 0.265), (16384, 0.339), (32768, 0.357), (65536, 0.371)),
+    128: ((8192, 0.332), (16384, 0.418), (32768, 0.447), (65536, 0.470)),
+}
+
+
 def _by_length(points: tuple[tuple[int, float], ...], length: float) -> float:
     """The rate at `length` tokens, linear in log2(length) between the measured points, held at the end ones (the
     measurement spans 2,048 to 65,536 tokens: shorter examples are planned at the 2,048 figure)."""
@@ -69,13 +79,27 @@ def _by_length(points: tuple[tuple[int, float], ...], length: float) -> float:
     return points[-1][1]
 
 
-def varlen_rate(head_dim: int, example_tokens: float) -> float:
-    """The varlen kernel's forward + backward rate as a fraction of peak (`VARLEN_RATES`): linear in head_dim
-    between the measured 64 and 128, held at those outside them (MLA's 192 and Gemma's 256 were not measured)."""
-    small, large = sorted(VARLEN_RATES)
-    at_small, at_large = (_by_length(VARLEN_RATES[d], example_tokens) for d in (small, large))
+def _by_head_dim(rates: dict[int, tuple[tuple[int, float], ...]], head_dim: int, tokens: float) -> float:
+    """A rate table's figure: linear in head_dim between the measured 64 and 128, held at those outside them (MLA's
+    192 and Gemma's 256 were not measured)."""
+    small, large = sorted(rates)
+    at_small, at_large = (_by_length(rates[d], tokens) for d in (small, large))
     share = min(max((head_dim - small) / (large - small), 0.0), 1.0)
     return at_small + share * (at_large - at_small)
+
+
+def varlen_rate(head_dim: int, example_tokens: float) -> float:
+    """The varlen kernel's forward + backward rate as a fraction of peak (`VARLEN_RATES`)."""
+    return _by_head_dim(VARLEN_RATES, head_dim, example_tokens)
+
+
+def packed_attention_rate(job: Job, example_tokens: float) -> float:
+    """The rate of the kernel a packed row's examples of `example_tokens` run on, per FLOP of their own triangles:
+    the varlen kernel's, or cuDNN's (`Job.cudnn_long_examples`) over its padded length's triangle."""
+    if job.cudnn_long_examples and example_tokens >= CUDNN_MIN_EXAMPLE_TOKENS:
+        padded = cudnn_padded_length(round(example_tokens))
+        return _by_head_dim(CUDNN_RATES, head_dim(job.arch), example_tokens) * (example_tokens / padded) ** 2
+    return varlen_rate(head_dim(job.arch), example_tokens)
 
 
 def mask_seconds(job: Job, *, micro_batch: int, checkpointed_share: float = 0.0) -> float:
@@ -127,6 +151,6 @@ def kernel_extra_seconds(job: Job, *, micro_batch: int, checkpointed_share: floa
             length = min(job.seq_len, job.example_tokens or job.seq_len)
         else:
             length = computed_sequence_tokens(job, micro_batch)
-        own = 1 / (job.peak_tflops * 1e12 * varlen_rate(head_dim(arch), length))
+        own = 1 / (job.peak_tflops * 1e12 * packed_attention_rate(job, length))
         extra += per_position * varlen * (own - flop_seconds)
     return extra

@@ -57,6 +57,7 @@ import math
 from dataclasses import dataclass, replace
 
 from finetune import strategies
+from finetune.kernels import CUDNN_MIN_EXAMPLE_TOKENS, cudnn_padded_length
 from finetune.plan.moe_memory import mlp_bytes_per_token_layer
 from finetune.plan.optimizer import optimizer_bytes, optimizer_step_transient_bytes
 from finetune.plan.types import GIB, MemoryBreakdown
@@ -308,6 +309,27 @@ def masked_attention(job: Job, *, micro_batch: int) -> tuple[int, int] | None:
     return (1, longest) if job.attention == "eager" else None  # sdpa: is_causal, no mask
 
 
+# what a layer keeps with its long examples on cuDNN (Job.cudnn_long_examples, finetune/kernels.py) beyond the varlen
+# kernel's q, k, v and output, in query-sized tensors a token of the padded example: sdpa repeats the grouped key/value
+# heads for cuDNN and keeps them, and the output is kept again by the output projection (the 3B run of
+# docs/validation.md's twenty-second session: +13.1 GiB over its varlen run at ~28k-token examples, 28 layers,
+# against 14.3 from this; key/value heads ungrouped keep less, counted the same)
+CUDNN_KEPT_QUERY_COPIES = 3
+
+
+def cudnn_kept_bytes_per_token_layer(job: Job) -> float:
+    """A layer's bytes a token beyond the varlen kernel's where the packed row's examples run on cuDNN: the
+    CUDNN_KEPT_QUERY_COPIES query-sized tensors over the example's padded length."""
+    length = min(job.seq_len, job.example_tokens or job.seq_len)
+    if not (
+        job.cudnn_long_examples and job.packed and job.attention == "varlen" and length >= CUDNN_MIN_EXAMPLE_TOKENS
+    ):
+        return 0.0
+    padded = cudnn_padded_length(round(length))
+    query_width = attention_widths(job.arch)[0]
+    return job.act_bytes * CUDNN_KEPT_QUERY_COPIES * query_width * padded / length
+
+
 def activation_bytes_per_token_layer(
     job: Job, *, micro_batch: int = 1, casts: bool = False, fp32_stream: bool = False
 ) -> float:
@@ -345,7 +367,11 @@ def activation_bytes_per_token_layer(
     )
     if job.attention in ("flash", "varlen") and is_mla(arch):
         v = kv  # the flash kernels take one head size: MLA's values are padded to the keys' (train/attention.py)
-    attention = a * (2 * q + (q if repeated else kv) + (q if repeated else v)) + 4 * arch.num_attention_heads
+    attention = (
+        a * (2 * q + (q if repeated else kv) + (q if repeated else v))
+        + 4 * arch.num_attention_heads
+        + cudnn_kept_bytes_per_token_layer(job)
+    )
     mlp = mlp_bytes_per_token_layer(job)  # dense SwiGLU and routed experts (plan/moe_memory.py)
     lora = 0.0
     if not full:

@@ -98,6 +98,9 @@ class Job:
     # copies kept per layer). train/attention.py gives them to the kernel as they are wherever torch's varlen
     # takes them (2.11 without a switch, 2.13 with enable_gqa): True only for runs of the repeating path
     varlen_repeats_kv: bool = False
+    # model.cudnn_long_examples on a card that runs it (attention_time.card_runs_cudnn_long_examples): the varlen
+    # kernel's examples of CUDNN_MIN_EXAMPLE_TOKENS or more run on cuDNN's causal attention
+    cudnn_long_examples: bool = False
     # rows padded to a multiple of this many tokens (resolved.row_multiple: plan.row_multiple says when); the
     # planner counts it at every micro-batch (pads_rows: the run skips one-sequence unpadded micro-batches)
     row_multiple: int | None = None

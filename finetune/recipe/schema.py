@@ -13,6 +13,7 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
+from finetune.kernels import CUDNN_MIN_EXAMPLE_TOKENS
 from finetune.strategies import AUTO, StrategyName, is_fsdp, shards_params, weighs_sync_each_batch
 from finetune.strategies import NAMES as STRATEGY_NAMES
 
@@ -95,6 +96,12 @@ class ModelSection(Strict):
         "auto",
         description="attention kernel; auto: varlen (PyTorch's flash varlen kernel) for packed SFT "
         "on NVIDIA GPUs, else sdpa",
+    )
+    cudnn_long_examples: bool = Field(
+        True,
+        description="with the varlen kernel on H100/H200-class GPUs, run each packed example of at least "
+        f"{CUDNN_MIN_EXAMPLE_TOKENS:,} tokens on cuDNN's causal attention instead (measured 1.3-1.6x the varlen "
+        "kernel's rate there, the longer the faster); false: every example on the varlen kernel",
     )
     trust_remote_code: bool = Field(
         False, description="allow the model repo's own Python code (transformers' trust_remote_code)"

@@ -10,6 +10,10 @@ and runs the same varlen flash kernel, so finetune registers it with transformer
 under the name below. Batches without example boundaries (unpacked, padded rows, DPO, generation
 with a KV cache) go to transformers' own sdpa path unchanged, so the name is safe to select for
 any model that supports sdpa.
+
+Long examples run on cuDNN's causal kernel instead where it is faster (`long_examples_on_cudnn`,
+plan/attention_time.py's CUDNN_MIN_EXAMPLE_TOKENS): each through sdpa over its own rows, zero-padded at its end
+to one of a few lengths (`cudnn_padded_length`), which causal attention keeps every real token from seeing.
 """
 
 from __future__ import annotations
@@ -17,6 +21,8 @@ from __future__ import annotations
 import functools
 import importlib
 import inspect
+
+from finetune.kernels import CUDNN_COMPUTE_MAJOR, CUDNN_MIN_EXAMPLE_TOKENS, cudnn_padded_length
 
 NAME = "finetune_varlen"
 
@@ -46,11 +52,30 @@ def available() -> bool:
     return _varlen() is not None and torch.cuda.is_available()
 
 
-def register() -> str:
-    """Make NAME a valid `attn_implementation` (idempotent). Returns NAME."""
+# where examples of at least CUDNN_MIN_EXAMPLE_TOKENS go to cuDNN (register's switch; off until a run asks)
+_LONG_ON_CUDNN: dict[str, bool] = {"on": False}
+
+
+def cudnn_runs_long_examples() -> bool:
+    """This process's GPU runs sdpa's cuDNN attention and is one it was measured faster on (compute capability 9:
+    H100/H200, plan/attention_time.py)."""
+    import torch
+
+    return (
+        torch.cuda.is_available()
+        and torch.backends.cuda.cudnn_sdp_enabled()
+        and torch.cuda.get_device_capability()[0] == CUDNN_COMPUTE_MAJOR
+    )
+
+
+def register(*, long_examples_on_cudnn: bool = False) -> str:
+    """Make NAME a valid `attn_implementation` (idempotent). Returns NAME. `long_examples_on_cudnn`: packed
+    examples of at least CUDNN_MIN_EXAMPLE_TOKENS run on cuDNN's causal kernel (the recipe's
+    model.long_example_attention, resolved by the plan)."""
     from transformers import AttentionInterface
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
+    _LONG_ON_CUDNN["on"] = long_examples_on_cudnn
     AttentionInterface.register(NAME, varlen_attention_forward)
     # the fallback path is sdpa, so it gets sdpa's masks
     ALL_MASK_ATTENTION_FUNCTIONS.register(NAME, sdpa_mask)
@@ -134,7 +159,6 @@ def varlen_attention_forward(
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal, **kwargs
         )
-    varlen_attn, causal, has_gqa = kernel
     cu_seq_lens, max_length = bounds
     # (1, h, t, d) -> (t, h, d): a view; the kernel needs only the last dimension contiguous
     q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))
@@ -155,6 +179,14 @@ def varlen_attention_forward(
         )
         return out[..., :value_dim], None
     cu = cu_seq_lens.to(device=q.device, dtype=torch.int32)
+    if _LONG_ON_CUDNN["on"] and max_length >= CUDNN_MIN_EXAMPLE_TOKENS:
+        return _with_long_examples_on_cudnn(query, key, value, cu, _example_bounds(cu_seq_lens), scaling), None
+    return _varlen_call(q, k, v, cu, max_length, scaling).unsqueeze(0), None
+
+
+def _varlen_call(q, k, v, cu, max_length: int, scaling):
+    """The varlen kernel on (t, h, d) queries, keys and values of examples bounded by `cu`: (t, h, d)."""
+    varlen_attn, causal, has_gqa = _varlen()
     args = (cu, cu, max_length, max_length)
     gqa = {}
     if k.shape[1] != q.shape[1]:
@@ -167,14 +199,63 @@ def varlen_attention_forward(
             try:
                 out = varlen_attn(q, k, v, *args, scale=scaling, **causal)
                 _KV_HEADS_TAKEN["native"] = True
-                return out.unsqueeze(0), None
+                return out
             except ValueError:  # the head-count check, raised before any kernel runs
                 _KV_HEADS_TAKEN["native"] = False
         if not gqa:
             groups = q.shape[1] // k.shape[1]
             k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-    out = varlen_attn(q, k, v, *args, scale=scaling, **causal, **gqa)
-    return out.unsqueeze(0), None
+    return varlen_attn(q, k, v, *args, scale=scaling, **causal, **gqa)
+
+
+# the example bounds of the micro-batch being run: cu_seq_lens is one device tensor that every layer (and a
+# checkpointed layer's recompute) gets, so its bounds are read to the host once a micro-batch, not once a layer
+_BOUNDS: dict[str, object] = {}
+
+
+def _example_bounds(cu_seq_lens) -> list[int]:
+    if _BOUNDS.get("tensor") is not cu_seq_lens:
+        _BOUNDS.update(tensor=cu_seq_lens, bounds=[int(b) for b in cu_seq_lens.tolist()])
+    return _BOUNDS["bounds"]  # type: ignore[return-value]
+
+
+def _with_long_examples_on_cudnn(query, key, value, cu, bounds: list[int], scaling):
+    """A packed row's attention with each example of at least CUDNN_MIN_EXAMPLE_TOKENS on cuDNN's causal kernel and
+    each run of shorter ones on the varlen kernel, in row order: (1, t, h, d). query/key/value: (1, h, t, d)."""
+    import torch
+    import torch.nn.functional as F  # noqa: N812
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    parts, start = [], 0  # `start`: the first example of the run of short ones not yet computed
+    edges = list(zip(bounds, bounds[1:]))
+
+    def short_run(upto: int) -> None:
+        if upto > start:
+            lo, hi = edges[start][0], edges[upto - 1][1]
+            q, k, v = (x[0, :, lo:hi].transpose(0, 1) for x in (query, key, value))
+            longest = max(b - a for a, b in edges[start:upto])
+            parts.append(_varlen_call(q, k, v, cu[start : upto + 1] - lo, longest, scaling))
+
+    for i, (lo, hi) in enumerate(edges):
+        tokens = hi - lo
+        if tokens < CUDNN_MIN_EXAMPLE_TOKENS:
+            continue
+        short_run(i)
+        start = i + 1
+        pad = cudnn_padded_length(tokens) - tokens
+        # the example's rows token-major (1, t, h, d), zero-padded at the end, seen as (1, h, t, d): cuDNN writes its
+        # output in its query's layout, so the output projection reads it without another copy
+        q, k, v = (
+            F.pad(x.transpose(1, 2)[:, lo:hi], (0, 0, 0, 0, 0, pad)).transpose(1, 2) for x in (query, key, value)
+        )
+        # cuDNN first; flash-attention 2 (the varlen kernel's algorithm) where cuDNN does not take the shape
+        with sdpa_kernel([SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION], set_priority=True):
+            out = F.scaled_dot_product_attention(
+                q, k, v, is_causal=True, scale=scaling, enable_gqa=k.shape[1] != q.shape[1]
+            )
+        parts.append(out.transpose(1, 2)[0, :tokens])
+    short_run(len(edges))
+    return (parts[0] if len(parts) == 1 else torch.cat(parts)).unsqueeze(0)
 
 
 # whether this torch's varlen_attn (one without enable_gqa) took fewer key/value heads than query heads;

@@ -123,16 +123,18 @@ def dequantizing_kwargs(source, **config_kwargs) -> dict:
     return {"quantization_config": dequantized} if dequantized is not None else {}
 
 
-def attn_implementation(chosen: str) -> str:
+def attn_implementation(chosen: str, *, cudnn_long_examples: bool = False) -> str:
     """The name transformers loads. compile resolves auto (finetune.plan.attention_implementation);
-    an unresolved recipe (merge, eval of a bare recipe) gets sdpa."""
+    an unresolved recipe (merge, eval of a bare recipe) gets sdpa. `cudnn_long_examples`: model.cudnn_long_examples,
+    taken where this GPU runs cuDNN's attention faster (train/attention.py)."""
     if chosen == "auto":
         return "sdpa"
     if chosen == "varlen":
         from finetune.train import attention
 
         if attention.available():
-            return attention.register()
+            on_cudnn = cudnn_long_examples and attention.cudnn_runs_long_examples()
+            return attention.register(long_examples_on_cudnn=on_cudnn)
         import warnings
 
         warnings.warn(
@@ -176,7 +178,7 @@ def model_kwargs(recipe: Recipe) -> dict:
         dtype=torch_dtype(m.dtype),
         revision=m.revision,
         trust_remote_code=m.trust_remote_code,
-        attn_implementation=attn_implementation(m.attn_implementation),
+        attn_implementation=attn_implementation(m.attn_implementation, cudnn_long_examples=m.cudnn_long_examples),
     )
     if not m.allow_pickle:
         kwargs["use_safetensors"] = True

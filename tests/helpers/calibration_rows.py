@@ -88,6 +88,8 @@ def resolved_recipe(row: dict):
     # compiled before adapter.fused_lora existed (it was off by default until every row below had run): peft's layer
     raw["adapter"].setdefault("fused_lora", False)
     raw["adapter"].setdefault("fused_lora_groups", False)  # the same: every row before it ran each linear alone
+    # the same: every row before model.cudnn_long_examples ran its long examples on the varlen kernel
+    raw["model"].setdefault("cudnn_long_examples", False)
     if raw["train"].get("liger") == "on" and family not in LIGER_MODEL_TYPES:
         # compiled before the planner knew which model types Liger patches: the run trained without it
         raw["train"]["liger"] = "off"
@@ -105,6 +107,7 @@ def legacy_recipe(row: dict):
             "arch": row["arch"],
             "dtype": "bfloat16",
             "attn_implementation": row.get("attn_implementation", "sdpa"),
+            "cudnn_long_examples": False,  # measured before it existed
         },
         "method": {"type": row["method"]},
         "adapter": {

@@ -1,0 +1,33 @@
+"""Which attention kernel a packed example runs on: the rule the run (finetune/train/attention.py), the planner
+(finetune/plan/attention_time.py) and the recipe's documentation share. Pure: no torch.
+
+Packed examples of at least CUDNN_MIN_EXAMPLE_TOKENS run on sdpa's cuDNN causal kernel (model.cudnn_long_examples)
+on GPUs of compute capability CUDNN_COMPUTE_MAJOR, the rest on torch's varlen kernel. Through finetune's attention
+path on an H200 (plan/attention_time.py: CUDNN_RATES) cuDNN ran 1.27x the varlen kernel's rate on 8k-token examples
+and 1.53-1.65x on 16k-64k, but 0.83x on 4k ones (a call, a padded copy and a gather per example), hence the 8,192.
+cuDNN builds an execution plan for each new length (0.13-0.18 s forward + backward), so each such example is
+zero-padded at its end to one of CUDNN_LENGTHS_PER_OCTAVE lengths per power of two (`cudnn_padded_length`): a run
+meets a few dozen lengths, and an example computes at most 2/16 more than its own triangle.
+"""
+
+from __future__ import annotations
+
+CUDNN_MIN_EXAMPLE_TOKENS = 8192
+CUDNN_LENGTHS_PER_OCTAVE = 16
+CUDNN_COMPUTE_MAJOR = 9
+# the cards of compute capability CUDNN_COMPUTE_MAJOR among the presets' and nvidia-smi's names (Hopper), where it
+# was measured
+CUDNN_CARDS = ("h100", "h200", "h800", "gh200")
+
+
+def cudnn_padded_length(tokens: int) -> int:
+    """The length an example of `tokens` runs at on cuDNN: rounded up to a multiple of 1/CUDNN_LENGTHS_PER_OCTAVE of
+    the power of two at or below it."""
+    step = max(1, (1 << (int(tokens).bit_length() - 1)) // CUDNN_LENGTHS_PER_OCTAVE)
+    return -(-int(tokens) // step) * step
+
+
+def card_runs_cudnn_long_examples(gpu_model: str, vendor: str) -> bool:
+    """A run's long examples go to cuDNN on this card (the run checks its device's compute capability itself)."""
+    name = gpu_model.lower()
+    return vendor == "nvidia" and any(card in name for card in CUDNN_CARDS)
