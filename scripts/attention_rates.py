@@ -58,6 +58,20 @@ def qkv(*, heads, kv_heads, head_dim, tokens, device) -> tuple:
     )
 
 
+def seconds_per_step(step, iters: int) -> float:
+    """CUDA-event seconds of one `step()` over `iters` calls, after three warm-up calls."""
+    for _ in range(3):
+        step()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        step()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / 1000 / iters
+
+
 def measure(*, heads, kv_heads, head_dim, tokens, masked, dropout, iters, device) -> dict:
     torch.manual_seed(0)
     q, k, v = qkv(heads=heads, kv_heads=kv_heads, head_dim=head_dim, tokens=tokens, device=device)
@@ -71,16 +85,7 @@ def measure(*, heads, kv_heads, head_dim, tokens, masked, dropout, iters, device
         out.backward(grad)
         q.grad = k.grad = v.grad = None
 
-    for _ in range(3):
-        step()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        step()
-    end.record()
-    torch.cuda.synchronize()
-    seconds = start.elapsed_time(end) / 1000 / iters
+    seconds = seconds_per_step(step, iters)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         step()
         torch.cuda.synchronize()
@@ -122,16 +127,7 @@ def measure_varlen(*, heads, kv_heads, head_dim, example_tokens, on_cudnn, iters
         out.backward(grad)
         q.grad = k.grad = v.grad = None
 
-    for _ in range(3):
-        step()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        step()
-    end.record()
-    torch.cuda.synchronize()
-    seconds = start.elapsed_time(end) / 1000 / iters
+    seconds = seconds_per_step(step, iters)
     flops = 12 * heads * head_dim * examples * example_tokens * (example_tokens + 1) / 2
     return {"seconds": seconds, "executed_tflop": flops / 1e12, "tflops": flops / seconds / 1e12}
 

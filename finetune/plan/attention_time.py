@@ -50,12 +50,14 @@ DROPOUT_KERNEL_SLOWDOWN = 1.6
 # finetune's varlen path, forward + backward, as a fraction of the card's dense bf16 peak, by head_dim and the
 # examples' length: one 65,536-token row of causal examples of that length, grouped key/value heads (24/8 at 64,
 # 32/8 at 128), on an H200 with torch 2.11 (scripts/attention_rates.py --varlen,
-# docs/results/attention-varlen-rates-2026-11-29-h200.json). Where long examples make attention most of a step
-# (57k-token examples: 56% of an 8B LoRA step's FLOPs), the step's rate planned long-context runs 1.15-1.33x too
-# fast (docs/validation.md, twenty-second session). Other cards are assumed to reach the same fraction of their peak.
+# docs/results/attention-varlen-rates-2026-11-29-h200.json; the 4,096 points from the later call of
+# attention-varlen-cudnn-rates-2026-11-29-h200.json, whose other points agree within 1%). Where long examples make
+# attention most of a step (57k-token examples: 56% of an 8B LoRA step's FLOPs), the step's rate planned
+# long-context runs 1.15-1.33x too fast (docs/validation.md, twenty-second session). Other cards are assumed to
+# reach the same fraction of their peak.
 VARLEN_RATES: dict[int, tuple[tuple[int, float], ...]] = {
-    64: ((2048, 0.171), (8192, 0.232), (16384, 0.247), (32768, 0.251), (65536, 0.255)),
-    128: ((2048, 0.207), (8192, 0.259), (16384, 0.272), (32768, 0.280), (65536, 0.283)),
+    64: ((2048, 0.171), (4096, 0.211), (8192, 0.232), (16384, 0.247), (32768, 0.251), (65536, 0.255)),
+    128: ((2048, 0.207), (4096, 0.236), (8192, 0.259), (16384, 0.272), (32768, 0.280), (65536, 0.283)),
 }
 
 

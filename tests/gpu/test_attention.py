@@ -10,6 +10,17 @@ from finetune.train import attention
 from tests.helpers.attention import AttentionModule, block_causal_reference, packed
 
 
+def _assert_per_example_attention(out, q, k, v, lengths) -> None:
+    """`out` (and its gradients for q, k, v) is each example's own causal attention (bf16 tolerances)."""
+    ref = block_causal_reference(q, k, v, lengths)
+    assert out.shape == ref.shape
+    torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=2e-2)
+    grads = torch.autograd.grad(out.float().sum(), (q, k, v))
+    ref_grads = torch.autograd.grad(ref.sum(), (q, k, v))
+    for ours, theirs in zip(grads, ref_grads):
+        torch.testing.assert_close(ours.float(), theirs.float(), atol=5e-2, rtol=5e-2)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not attention.available(), reason="needs CUDA and torch.nn.attention.varlen")
 @pytest.mark.parametrize("value_dim", [None, 48], ids=["same-head-size", "mla-smaller-values"])
@@ -22,13 +33,7 @@ def test_varlen_matches_per_example_attention_forward_and_backward(value_dim):
     for t in (q, k, v):
         t.requires_grad_(True)
     out, _ = attention.varlen_attention_forward(AttentionModule(), q, k, v, None, scaling=64**-0.5, **kwargs)
-    ref = block_causal_reference(q, k, v, lengths)
-    assert out.shape == ref.shape
-    torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=2e-2)
-    grads = torch.autograd.grad(out.float().sum(), (q, k, v))
-    ref_grads = torch.autograd.grad(ref.sum(), (q, k, v))
-    for ours, theirs in zip(grads, ref_grads):
-        torch.testing.assert_close(ours.float(), theirs.float(), atol=5e-2, rtol=5e-2)
+    _assert_per_example_attention(out, q, k, v, lengths)
     # 8 query heads on 2 key/value heads: which path this torch took (printed for the session's record)
     print(f"torch {torch.__version__}: grouped key/value heads native = {attention.native_gqa()}")
     assert attention.native_gqa() is not None
@@ -56,11 +61,5 @@ def test_long_examples_on_cudnn_match_per_example_attention_forward_and_backward
         out, _ = attention.varlen_attention_forward(AttentionModule(), q, k, v, None, scaling=64**-0.5, **kwargs)
     finally:
         attention.register(long_examples_on_cudnn=False)
-    ref = block_causal_reference(q, k, v, lengths)
-    assert out.shape == ref.shape
-    torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=2e-2)
-    grads = torch.autograd.grad(out.float().sum(), (q, k, v))
-    ref_grads = torch.autograd.grad(ref.sum(), (q, k, v))
-    for ours, theirs in zip(grads, ref_grads):
-        torch.testing.assert_close(ours.float(), theirs.float(), atol=5e-2, rtol=5e-2)
+    _assert_per_example_attention(out, q, k, v, lengths)
     print(f"cuDNN runs long examples on this GPU: {attention.cudnn_runs_long_examples()}")

@@ -148,6 +148,8 @@ CHECKED_ELSEWHERE = {
     "here): its parameters, folded expert copies and FLOPs move the plan in tests/unit/plan/test_expert_lora.py",
     "data.task_eval": "generation before and after training with a whole copy of the model on one GPU: refused "
     "where that copy cannot fit beside the trainer's state (tests/unit/plan/test_task_eval.py)",
+    "model.cudnn_long_examples": "examples of 8,192 tokens or more on cuDNN (the settings here train 2,048-token "
+    "rows): its time and kept tensors move the plan in tests/unit/plan/test_packed_attention.py",
 }
 ALTERNATIVE_TEXT = {
     "tokenizer.eos_token": "<|new_eos|>",
