@@ -310,10 +310,10 @@ def masked_attention(job: Job, *, micro_batch: int) -> tuple[int, int] | None:
 
 
 # what a layer keeps with its long examples on cuDNN (Job.cudnn_long_examples, finetune/kernels.py) beyond the varlen
-# kernel's q, k, v and output, in query-sized tensors a token of the padded example: sdpa repeats the grouped key/value
-# heads for cuDNN and keeps them, and the output is kept again by the output projection (the 3B run of
-# docs/validation.md's twenty-second session: +13.1 GiB over its varlen run at ~28k-token examples, 28 layers,
-# against 14.3 from this; key/value heads ungrouped keep less, counted the same)
+# kernel's q, k, v and output, in query-sized tensors a token of the padded example. Measured, not itemized: the 3B
+# run of docs/validation.md's twenty-second session kept 13.1 GiB more than its varlen run at ~28k-token examples (28
+# layers; 14.3 from this), about three query-sized tensors (sdpa's key/value heads repeated to the queries' count for
+# cuDNN are two of them); key/value heads ungrouped are counted the same
 CUDNN_KEPT_QUERY_COPIES = 3
 
 

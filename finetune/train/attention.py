@@ -11,8 +11,8 @@ under the name below. Batches without example boundaries (unpacked, padded rows,
 with a KV cache) go to transformers' own sdpa path unchanged, so the name is safe to select for
 any model that supports sdpa.
 
-Long examples run on cuDNN's causal kernel instead where it is faster (`long_examples_on_cudnn`,
-plan/attention_time.py's CUDNN_MIN_EXAMPLE_TOKENS): each through sdpa over its own rows, zero-padded at its end
+Long examples run on cuDNN's causal kernel instead where it is faster (`register`'s long_examples_on_cudnn,
+finetune/kernels.py's CUDNN_MIN_EXAMPLE_TOKENS): each through sdpa over its own rows, zero-padded at its end
 to one of a few lengths (`cudnn_padded_length`), which causal attention keeps every real token from seeing.
 """
 
@@ -58,7 +58,7 @@ _LONG_ON_CUDNN: dict[str, bool] = {"on": False}
 
 def cudnn_runs_long_examples() -> bool:
     """This process's GPU runs sdpa's cuDNN attention and is one it was measured faster on (compute capability 9:
-    H100/H200, plan/attention_time.py)."""
+    H100/H200, finetune/kernels.py)."""
     import torch
 
     return (
@@ -71,7 +71,7 @@ def cudnn_runs_long_examples() -> bool:
 def register(*, long_examples_on_cudnn: bool = False) -> str:
     """Make NAME a valid `attn_implementation` (idempotent). Returns NAME. `long_examples_on_cudnn`: packed
     examples of at least CUDNN_MIN_EXAMPLE_TOKENS run on cuDNN's causal kernel (the recipe's
-    model.long_example_attention, resolved by the plan)."""
+    model.cudnn_long_examples, where `cudnn_runs_long_examples`)."""
     from transformers import AttentionInterface
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
@@ -243,8 +243,8 @@ def _with_long_examples_on_cudnn(query, key, value, cu, bounds: list[int], scali
         short_run(i)
         start = i + 1
         pad = cudnn_padded_length(tokens) - tokens
-        # the example's rows token-major (1, t, h, d), zero-padded at the end, seen as (1, h, t, d): cuDNN writes its
-        # output in its query's layout, so the output projection reads it without another copy
+        # the example's rows token-major (1, t, h, d), zero-padded at the end, seen as (1, h, t, d): the layout the
+        # output projection reads, where cuDNN writes its output in its query's
         q, k, v = (
             F.pad(x.transpose(1, 2)[:, lo:hi], (0, 0, 0, 0, 0, pad)).transpose(1, 2) for x in (query, key, value)
         )
