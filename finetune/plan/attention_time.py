@@ -25,8 +25,9 @@ kernels; docs/results/attention-rates-2026-11-28-h200.json):
     (DROPOUT_KERNEL_SLOWDOWN; flash_attention_2's dropout is assumed alike, not measured).
 The varlen kernel that runs packed rows (finetune/train/attention.py: torch's flash-attention-2 varlen kernel; the
 flash_attention_2 package runs the same algorithm) is slower per FLOP than the step: 0.17-0.28 of the card's peak
-where the step reaches 0.45 (`VARLEN_RATES`), the slower the shorter the examples. The causal cuDNN kernel sdpa
-runs on one unpadded row reached 0.40-0.47 in the same measurement, about the step's rate, so it keeps it.
+where the step reaches 0.45 (`VARLEN_RATES`), the slower the shorter the examples; packed examples long enough to
+run on cuDNN's causal kernel instead (finetune/kernels.py) have its own rates (`CUDNN_RATES`). sdpa's cuDNN kernel on
+one unpadded row reached 0.40-0.47 at 4k and 16k tokens (the sdpa cases above), about the step's rate, so it keeps it.
 """
 
 from __future__ import annotations
