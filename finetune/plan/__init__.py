@@ -60,6 +60,7 @@ from finetune.plan.workload import (
     count_params,
     expert_adapter_layers,
     holds_a_micro_batch,
+    long_examples_on_cudnn,
     mean_sequence_tokens,
     module_shapes,
     moe_layer_count,
@@ -956,11 +957,7 @@ def _kernels(job: Job, strategy: str, *, row_multiple: int | None) -> str:
         )
     if job.packed and job.example_tokens and job.attention in ("varlen", "flash"):
         attention += f" (examples of ~{job.example_tokens:,.0f} tokens, token-weighted: data.example_tokens)"
-    if (
-        job.cudnn_long_examples
-        and job.packed
-        and min(job.seq_len, job.example_tokens or job.seq_len) >= (CUDNN_MIN_EXAMPLE_TOKENS)
-    ):
+    if long_examples_on_cudnn(job):
         attention += (
             f" (examples of {CUDNN_MIN_EXAMPLE_TOKENS:,} tokens or more on cuDNN's causal attention: "
             "model.cudnn_long_examples)"

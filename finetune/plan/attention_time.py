@@ -44,6 +44,7 @@ from finetune.plan.workload import (
     executed_attention_positions,
     head_dim,
     masked_row_layers,
+    packed_example_tokens,
 )
 
 MASKED_KERNEL_SLOWDOWN = 1.4
@@ -97,8 +98,8 @@ def varlen_rate(head_dim: int, example_tokens: float) -> float:
 
 
 def packed_attention_rate(job: Job, example_tokens: float) -> float:
-    """The rate of the kernel a packed row's examples of `example_tokens` run on, per FLOP of their own triangles:
-    the varlen kernel's, or cuDNN's (`Job.cudnn_long_examples`) over its padded length's triangle."""
+    """The rate of the kernel examples of `example_tokens` run on, per FLOP of their own triangles: the varlen
+    kernel's, or cuDNN's (`Job.cudnn_long_examples`, finetune/kernels.py) over its padded length's triangle."""
     if job.cudnn_long_examples and example_tokens >= CUDNN_MIN_EXAMPLE_TOKENS:
         padded = cudnn_padded_length(round(example_tokens))
         return _by_head_dim(CUDNN_RATES, head_dim(job.arch), example_tokens) * (example_tokens / padded) ** 2
@@ -149,11 +150,7 @@ def kernel_extra_seconds(job: Job, *, micro_batch: int, checkpointed_share: floa
     slower = on_mask * (MASKED_KERNEL_SLOWDOWN * dropout - 1) + (executed - on_mask) * (dropout - 1)
     extra = per_position * slower * flop_seconds
     if varlen:
-        # a packed row's examples (their token-weighted length where the data's are known), else the sequences
-        if job.packed:
-            length = min(job.seq_len, job.example_tokens or job.seq_len)
-        else:
-            length = computed_sequence_tokens(job, micro_batch)
+        length = packed_example_tokens(job) if job.packed else computed_sequence_tokens(job, micro_batch)
         own = 1 / (job.peak_tflops * 1e12 * packed_attention_rate(job, length))
         extra += per_position * varlen * (own - flop_seconds)
     return extra

@@ -57,7 +57,7 @@ import math
 from dataclasses import dataclass, replace
 
 from finetune import strategies
-from finetune.kernels import CUDNN_MIN_EXAMPLE_TOKENS, cudnn_padded_length
+from finetune.kernels import cudnn_padded_length
 from finetune.plan.moe_memory import mlp_bytes_per_token_layer
 from finetune.plan.optimizer import optimizer_bytes, optimizer_step_transient_bytes
 from finetune.plan.types import GIB, MemoryBreakdown
@@ -73,11 +73,13 @@ from finetune.plan.workload import (
     is_mla,
     largest_parameter_elements,
     layer_kinds,
+    long_examples_on_cudnn,
     lora_params,
     masked_row_layers,
     model_tensors,
     module_shapes,
     numel,
+    packed_example_tokens,
     peak_sequence_tokens,
     peak_tokens_per_micro_batch,
     routed_expert_params,
@@ -320,11 +322,10 @@ CUDNN_KEPT_QUERY_COPIES = 3
 def cudnn_kept_bytes_per_token_layer(job: Job) -> float:
     """A layer's bytes a token beyond the varlen kernel's where the packed row's examples run on cuDNN: the
     CUDNN_KEPT_QUERY_COPIES query-sized tensors over the example's padded length."""
-    length = min(job.seq_len, job.example_tokens or job.seq_len)
-    if not (
-        job.cudnn_long_examples and job.packed and job.attention == "varlen" and length >= CUDNN_MIN_EXAMPLE_TOKENS
-    ):
+    # a packed row's served layers under sdpa are counted with repeated key/value heads already (the `repeated` term)
+    if not (long_examples_on_cudnn(job) and job.attention == "varlen"):
         return 0.0
+    length = packed_example_tokens(job)
     padded = cudnn_padded_length(round(length))
     query_width = attention_widths(job.arch)[0]
     return job.act_bytes * CUDNN_KEPT_QUERY_COPIES * query_width * padded / length

@@ -11,6 +11,7 @@ from functools import lru_cache
 from operator import attrgetter
 from statistics import NormalDist
 
+from finetune.kernels import CUDNN_MIN_EXAMPLE_TOKENS
 from finetune.recipe.schema import EMBEDDING_MODULES, least_micro_batch
 from finetune.registry.families import liger_swiglu
 from finetune.registry.schema import HardwarePreset, ModelArch
@@ -434,6 +435,18 @@ def masked_row_layers(job: Job) -> int:
     return job.arch.num_layers - (min(job.varlen_layers, job.arch.num_layers) if job.packed else 0)
 
 
+def packed_example_tokens(job: Job) -> float:
+    """The length a packed row's examples run at: their token-weighted length where the data's are known
+    (Job.example_tokens, `packed_length`), else the row's (long-context data, the slower assumption), at most the
+    row's."""
+    return min(job.seq_len, job.example_tokens or job.seq_len)
+
+
+def long_examples_on_cudnn(job: Job) -> bool:
+    """A packed row's examples run on cuDNN's causal attention (Job.cudnn_long_examples, finetune/kernels.py)."""
+    return job.cudnn_long_examples and job.packed and packed_example_tokens(job) >= CUDNN_MIN_EXAMPLE_TOKENS
+
+
 def executed_attention_positions(job: Job, *, micro_batch: int) -> float:
     """L x key positions per query token that the attention kernels really compute (the step time's
     attention FLOPs; the MFU's stay `attended_positions`, the convention that counts the full s x s).
@@ -447,16 +460,14 @@ def executed_attention_positions(job: Job, *, micro_batch: int) -> float:
     arch = job.arch
     if job.packed and job.attention in ("sdpa", "eager"):
         masked = masked_row_layers(job)
-        served = min(job.seq_len, job.example_tokens or job.seq_len)
         row = computed_tokens_per_micro_batch(job, micro_batch)  # the real tokens, padding included
-        return masked * row + (arch.num_layers - masked) * served / 2
-    # a padded sequence attends over its micro-batch's (padded) longest; a packed row's examples over seq_len
-    length = job.seq_len if job.packed else computed_sequence_tokens(job, micro_batch)
+        return masked * row + (arch.num_layers - masked) * packed_example_tokens(job) / 2
     if skips_masked_blocks(job, micro_batch=micro_batch):
-        if job.packed and job.example_tokens:
-            return causal_positions(arch, min(job.seq_len, job.example_tokens))
-        return causal_positions(arch, length)
-    return attended_positions(arch, length)
+        # a padded sequence over its micro-batch's (padded) longest; a packed row's examples on their own
+        return causal_positions(
+            arch, packed_example_tokens(job) if job.packed else computed_sequence_tokens(job, micro_batch)
+        )
+    return attended_positions(arch, job.seq_len if job.packed else computed_sequence_tokens(job, micro_batch))
 
 
 def is_mla(arch: ModelArch) -> bool:

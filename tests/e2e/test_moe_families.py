@@ -164,37 +164,42 @@ def test_lora_on_the_routed_experts_trains_saves_and_merges(tmp_path):
     assert torch.allclose(want, got, atol=1e-4), (want - got).abs().max()
 
 
-def _mxfp4_checkpoint(folder):
-    """A tiny GPT-OSS checkpoint as openai/gpt-oss-* publish theirs: the routed experts as MXFP4 blocks and scales
-    (uint8, 32 weights a block), everything else bf16, config.json naming quant_method mxfp4."""
+def _publish_quantized(folder, quantize, quantization_config: dict) -> None:
+    """The folder's config as a seeded random bf16 checkpoint, each tensor replaced by what `quantize(name, value)`
+    returns in its place (None: kept), and config.json naming `quantization_config`."""
     import torch
     from safetensors.torch import load_file, save_file
     from transformers import AutoConfig, AutoModelForCausalLM
 
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(folder)).to(torch.bfloat16).save_pretrained(folder)
-    tensors, packed = load_file(folder / "model.safetensors"), {}
-    generator = torch.Generator().manual_seed(0)
-    for name, value in tensors.items():
-        if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
-            experts, fan_in, fan_out = value.shape  # GPT-OSS stores its experts in x out
-            blocks = (experts, fan_out, fan_in // 32, 16)
-            packed[f"{name}_blocks"] = torch.randint(0, 256, blocks, dtype=torch.uint8, generator=generator)
-            packed[f"{name}_scales"] = torch.full(blocks[:3], 124, dtype=torch.uint8)  # 2^-3 a block
-        else:
-            packed[name] = value.contiguous()
+    packed = {}
+    for name, value in load_file(folder / "model.safetensors").items():
+        packed.update(quantize(name, value) or {name: value.contiguous()})
     save_file(packed, folder / "model.safetensors", metadata={"format": "pt"})
     config = json.loads((folder / "config.json").read_text())
-    config["quantization_config"] = {
-        "quant_method": "mxfp4",
-        "modules_to_not_convert": [
-            "model.layers.*.self_attn",
-            "model.layers.*.mlp.router",
-            "model.embed_tokens",
-            "lm_head",
-        ],
-    }
-    (folder / "config.json").write_text(json.dumps(config))
+    (folder / "config.json").write_text(json.dumps({**config, "quantization_config": quantization_config}))
+
+
+def _mxfp4_checkpoint(folder):
+    """A tiny GPT-OSS checkpoint as openai/gpt-oss-* publish theirs: the routed experts as MXFP4 blocks and scales
+    (uint8, 32 weights a block), everything else bf16, config.json naming quant_method mxfp4."""
+    import torch
+
+    generator = torch.Generator().manual_seed(0)
+
+    def quantize(name, value):
+        if not name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            return None
+        experts, fan_in, fan_out = value.shape  # GPT-OSS stores its experts in x out
+        blocks = (experts, fan_out, fan_in // 32, 16)
+        return {
+            f"{name}_blocks": torch.randint(0, 256, blocks, dtype=torch.uint8, generator=generator),
+            f"{name}_scales": torch.full(blocks[:3], 124, dtype=torch.uint8),  # 2^-3 a block
+        }
+
+    modules_to_not_convert = ["model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]
+    _publish_quantized(folder, quantize, {"quant_method": "mxfp4", "modules_to_not_convert": modules_to_not_convert})
 
 
 FP8_BLOCK = 8  # the tiny shapes' widths are multiples of 8 (DeepSeek publishes 128 x 128 blocks)
@@ -206,30 +211,22 @@ def _fp8_checkpoint(folder):
     FP8_BLOCK x FP8_BLOCK block; norms, the router, the embedding and lm_head bf16; config.json naming quant_method
     fp8."""
     import torch
-    from safetensors.torch import load_file, save_file
-    from transformers import AutoConfig, AutoModelForCausalLM
 
-    torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(folder)).to(torch.bfloat16).save_pretrained(folder)
-    tensors, packed, b = load_file(folder / "model.safetensors"), {}, FP8_BLOCK
-    for name, value in tensors.items():
-        if ".layers." in name and name.endswith("proj.weight"):  # saved per expert: transformers fuses on load
-            rows, cols = value.shape
-            blocks = value.float().reshape(rows // b, b, cols // b, b)
-            scale = blocks.abs().amax(dim=(1, 3)).clamp(min=1e-12) / torch.finfo(torch.float8_e4m3fn).max
-            packed[name] = (blocks / scale[:, None, :, None]).reshape(rows, cols).to(torch.float8_e4m3fn)
-            packed[name.removesuffix("weight") + "weight_scale_inv"] = scale
-        else:
-            packed[name] = value.contiguous()
-    save_file(packed, folder / "model.safetensors", metadata={"format": "pt"})
-    config = json.loads((folder / "config.json").read_text())
-    config["quantization_config"] = {
-        "quant_method": "fp8",
-        "activation_scheme": "dynamic",
-        "fmt": "e4m3",
-        "weight_block_size": [b, b],
-    }
-    (folder / "config.json").write_text(json.dumps(config))
+    b = FP8_BLOCK
+
+    def quantize(name, value):
+        if not (".layers." in name and name.endswith("proj.weight")):  # saved per expert: transformers fuses on load
+            return None
+        rows, cols = value.shape
+        blocks = value.float().reshape(rows // b, b, cols // b, b)
+        scale = blocks.abs().amax(dim=(1, 3)).clamp(min=1e-12) / torch.finfo(torch.float8_e4m3fn).max
+        return {
+            name: (blocks / scale[:, None, :, None]).reshape(rows, cols).to(torch.float8_e4m3fn),
+            name.removesuffix("weight") + "weight_scale_inv": scale,
+        }
+
+    quantization = {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3", "weight_block_size": [b, b]}
+    _publish_quantized(folder, quantize, quantization)
 
 
 # the published quant_method: the family it is published for and the tiny checkpoint writer
