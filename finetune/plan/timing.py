@@ -12,20 +12,21 @@ The step time counts the attention FLOPs the kernels execute (`executed_attentio
 kernel (flash, varlen, sdpa on one unpadded row) computes the triangle, about half the s x s the MFU
 counts; a masked kernel every block, and on a packed row of micro_batch x seq tokens (a model
 finetune's varlen kernel does not serve, or sdpa/eager chosen) the whole square of the row.
-Compute time = FLOPs / (peak x efficiency). Efficiency is an HF-stack MFU: 0.45 on GPUs for a full
-fine-tune; LoRA/QLoRA with finetune's GPU defaults (varlen attention, Liger, no peft input casts) reach
-about the same (their extra elementwise adapter kernels are balanced by the frozen base's cheaper
-backward); QLoRA also dequantizes NF4 on every matmul; small micro-batches underuse the GPU; float32 compute
-runs at FP32_GPU_EFFICIENCY of the card's FP32 rate. Memory-bound work the FLOPs do not show is timed at the
-bandwidth streaming kernels reach (plan/bandwidth.py): DoRA's weight norms and elementwise passes
+Compute time = FLOPs / (peak x efficiency). Efficiency is an HF-stack MFU: 0.45 on GPUs for the forward and input-
+gradient FLOPs with their norms, adds and activations, as LoRA/QLoRA steps with finetune's GPU defaults (varlen
+attention, Liger, no peft input casts) run them; a full fine-tune's weight gradients are bare GEMMs, timed at
+WEIGHT_GRADIENT_GEMM_EFFICIENCY; QLoRA also dequantizes NF4 on every matmul; small micro-batches underuse the GPU;
+float32 compute runs at FP32_GPU_EFFICIENCY of the card's FP32 rate. Memory-bound work the FLOPs do not show is
+timed at the bandwidth streaming kernels reach (plan/bandwidth.py): DoRA's weight norms and elementwise passes
 (plan/dora_time.py), a masked attention kernel's mask bias (plan/attention_time.py, with the masked and dropout
-kernels' own slowdowns and the varlen kernel's own rate), the norms, RoPE and SwiGLU where Liger does not fuse
-them (plan/unfused_time.py), and an MoE layer's dispatch, whose expert GEMMs also run at a lower efficiency for
-their few rows per expert (plan/moe_time.py). A packed row's varlen attention is the triangle of its examples'
-token-weighted length where the data's lengths are known (data.example_tokens).
-Calibrated on the second-pass runs in tests/data/gpu_calibration.json (H200, tokens/s over 20-30 steps,
-start-up included): 8B LoRA 1 GPU 13.4k tokens/s (steady 13.7k), QLoRA 13.2k = 0.99 of LoRA's, 3B full
-FSDP2 on 2 GPUs 39.2k (steady 52.1k).
+kernels' own slowdowns and the varlen kernel's own rate), the norms, RoPE and SwiGLU where Liger does not fuse them
+(plan/unfused_time.py), and an MoE layer's dispatch, whose expert GEMMs also run at a lower efficiency for their few
+rows per expert (plan/moe_time.py). A packed row's varlen attention is the triangle of its examples' token-weighted
+length where the data's lengths are known (data.example_tokens). Calibrated on the second-pass runs in
+tests/data/gpu_calibration.json (H200, tokens/s over 20-30 steps, start-up included): 8B LoRA 1 GPU 13.4k tokens/s
+(steady 13.7k), QLoRA 13.2k = 0.99 of LoRA's. With the weight gradients at the GEMM rate the 50 full fine-tune rows
+went from 0.94 of their measured speed on average (mean |log ratio| 0.111) to 1.01 (0.084); H200 8B rows from
+0.74-0.80 to 0.85-0.92 (H100's 0.97-0.99 to 1.08-1.09: the two cards' full 8B steps still differ by a fifth).
 
 The GPU's busy time is the soft maximum of that compute and the host's time to launch its kernels
 (plan/host_time.py; `soft_max` below): eager PyTorch launches each kernel from the host, a short
@@ -78,6 +79,13 @@ FP32_GPU_EFFICIENCY = 0.80
 CPU_EFFICIENCY = 0.30
 QLORA_EFFICIENCY = 0.95  # dequantizing NF4 weights on every matmul: measured 0.99 of LoRA's tokens/s (H200)
 MICRO_BATCH_HALF_TOKENS = 512  # efficiency x tokens/(tokens + this): small micro-batches underuse the GPU
+# A full fine-tune's weight gradients (2 FLOPs per trained dense parameter and token) are GEMMs and nothing else:
+# no norm, residual add or activation pass comes with them, so they run at the rate GEMMs reach rather than at the
+# step's blended GPU_EFFICIENCY, which was measured on LoRA steps where the base has none. The profiles' GEMM
+# kernels ran at 0.72 of the bf16 peak (8B LoRA, H200: docs/results/profiles/lora8b-finetune-h200.txt, 712
+# TFLOP/s) and 0.78 (3B full FSDP2 on 2 H200s: full3b-fsdp2-h200x2.txt, aten::mm's 392 ms for 2 x 8,192 tokens of
+# 6N FLOPs each)
+WEIGHT_GRADIENT_GEMM_EFFICIENCY = 0.75
 ZERO3_COMM_FACTOR = 1.2  # DeepSpeed's parameter fetching overlaps less than FSDP2's prefetch
 OVERLAP_LEAK = 0.1  # share of the smaller of compute/communication that is not hidden
 # The host launches kernels while the GPU runs queued ones: two stages of a pipeline whose queue every
@@ -174,6 +182,26 @@ def mfu(*, tokens_per_second: float, flops_per_token: float, peak_tflops: float,
     return tokens_per_second * flops_per_token / (peak_tflops * 1e12 * max(gpus, 1))
 
 
+def weight_gradient_flops_per_token(job: Job) -> float:
+    """FLOPs per token of a full fine-tune's dense weight gradients, which `weight_gradient_seconds_saved` times at
+    the GEMM rate (the routed experts' stay with plan/moe_time.py's grouped-GEMM rate; LoRA's frozen base has
+    none, its adapters' are a few MFLOPs)."""
+    if job.adapter != "full":
+        return 0.0
+    return 2 * (count_params(job.arch).matmul_active - routed_active_params(job.arch))
+
+
+def weight_gradient_seconds_saved(job: Job, *, micro_batch: int, flop_seconds: float) -> float:
+    """Seconds one micro-batch's dense weight gradients take less at WEIGHT_GRADIENT_GEMM_EFFICIENCY than at
+    the step's rate (`flop_seconds` a FLOP); 0 on CPUs and for float32 compute, whose rates are GEMM rates."""
+    if job.preset.vendor == "cpu" or job.computes_fp32:
+        return 0.0
+    tokens = computed_tokens_per_micro_batch(job, micro_batch)
+    gemm_rate = WEIGHT_GRADIENT_GEMM_EFFICIENCY * tokens / (tokens + MICRO_BATCH_HALF_TOKENS)
+    gemm_seconds = 1 / (job.peak_tflops * 1e12 * gemm_rate)
+    return max(0.0, weight_gradient_flops_per_token(job) * tokens * (flop_seconds - gemm_seconds))
+
+
 def efficiency(job: Job, *, micro_batch: int) -> float:
     if job.preset.vendor == "cpu":
         base = CPU_EFFICIENCY
@@ -230,6 +258,7 @@ def step_time(
     compute = flops_per_token(job, checkpointing=checkpointing, micro_batch=micro_batch) * tokens * flop_seconds
     checkpointed = checkpointed_layers(job, checkpointing)
     share = checkpointed / job.arch.num_layers
+    compute -= grad_accum * weight_gradient_seconds_saved(job, micro_batch=micro_batch, flop_seconds=flop_seconds)
     # adapter.fused_lora: peft's scale-and-add passes, which the FLOPs' calibrated time includes, do not run
     compute -= fused_lora_share(
         compute,

@@ -92,15 +92,6 @@ SPEED_MISSES = {
         "planned; the same two-rank coupling as row 101 (its profiled steps 3-4 ran at 3.1 s a step, cuDNN's "
         "first calls at new shapes, so they do not describe the steady window)"
     ),
-    "73-full8b-llama-s4k": (
-        "full 8B at seq 4096 under DDP on 2 H200s: 24,175 tokens/s against 17,979 planned (0.744; 0.756 before the "
-        "varlen kernel's own rate, plan/attention_time.py VARLEN_RATES, which times its ~900-token examples' "
-        "attention at 0.21 of the peak). Every full-8B row on H200s runs faster than planned (rows 59, 90, 97: "
-        "0.80 of the measured tokens/s), the H100 rows on their plan (68, 109: 0.97-0.99): the planner's one step "
-        "efficiency for both cards (the same 989 TFLOP/s peak) does not see the H200's faster memory, whose share "
-        "of a full fine-tune's step (elementwise passes, the optimizer's pass over 8B parameters) is larger than "
-        "LoRA's"
-    ),
     "170-lora8b-unpacked": (
         "unpacked LoRA 8B at micro-batch 4 x 2 on 1 H200, sequences of 407 tokens on average (the longest 682) "
         "padded to a multiple of 64: 0.50 s a step measured against 0.49 s of GPU compute planned, so the GPU "
