@@ -311,24 +311,22 @@ def masked_attention(job: Job, *, micro_batch: int) -> tuple[int, int] | None:
     return (1, longest) if job.attention == "eager" else None  # sdpa: is_causal, no mask
 
 
-# what a layer keeps with its long examples on cuDNN (Job.cudnn_long_examples, finetune/kernels.py) beyond the varlen
-# kernel's q, k, v and output, in query-sized tensors a token of the padded example. Measured, not itemized: the 3B
-# run of docs/validation.md's twenty-second session kept 13.1 GiB more than its varlen run at ~28k-token examples (28
-# layers; 14.3 from this), about three query-sized tensors (sdpa's key/value heads repeated to the queries' count for
-# cuDNN are two of them); key/value heads ungrouped are counted the same
-CUDNN_KEPT_QUERY_COPIES = 3
-
-
 def cudnn_kept_bytes_per_token_layer(job: Job) -> float:
-    """A layer's bytes a token beyond the varlen kernel's where the packed row's examples run on cuDNN: the
-    CUDNN_KEPT_QUERY_COPIES query-sized tensors over the example's padded length."""
+    """A layer's bytes a token beyond the varlen kernel's where the packed row's long examples run on cuDNN
+    (Job.cudnn_long_examples, finetune/kernels.py). Itemized by the memory profile of docs/validation.md's
+    twenty-third session: cuDNN keeps its own output, of which the row's output (the output projection's input,
+    the examples' outputs concatenated) is a second copy where the varlen kernel's output is both; and it keeps its
+    zero-padded copies of the example's queries, keys and values, which stand in for the varlen kernel's kept
+    inputs but for their padding (the short examples' inputs are copied too, so no view keeps the whole row's)."""
     # a packed row's served layers under sdpa are counted with repeated key/value heads already (the `repeated` term)
     if not (long_examples_on_cudnn(job) and job.attention == "varlen"):
         return 0.0
     length = packed_example_tokens(job)
     padded = cudnn_padded_length(round(length))
-    query_width = attention_widths(job.arch)[0]
-    return job.act_bytes * CUDNN_KEPT_QUERY_COPIES * query_width * padded / length
+    q, k, v = attention_widths(job.arch)
+    if is_mla(job.arch):  # the values reach the kernel zero-padded to the queries' head size, and so does its output
+        v = q
+    return job.act_bytes * (q * padded + (q + k + v) * (padded - length)) / length
 
 
 def activation_bytes_per_token_layer(

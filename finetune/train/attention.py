@@ -232,7 +232,9 @@ def _with_long_examples_on_cudnn(query, key, value, cu, bounds: list[int], scali
     def short_run(upto: int) -> None:
         if upto > start:
             lo, hi = edges[start][0], edges[upto - 1][1]
-            q, k, v = (x[0, :, lo:hi].transpose(0, 1) for x in (query, key, value))
+            # copies, not views: the varlen kernel keeps its inputs for the backward, and a view would keep the
+            # whole row's queries, keys and values alive beside the long examples' padded copies
+            q, k, v = (x[0, :, lo:hi].transpose(0, 1).clone() for x in (query, key, value))
             longest = max(b - a for a, b in edges[start:upto])
             parts.append(_varlen_call(q, k, v, cu[start : upto + 1] - lo, longest, scaling))
 

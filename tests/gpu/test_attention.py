@@ -63,3 +63,46 @@ def test_long_examples_on_cudnn_match_per_example_attention_forward_and_backward
         attention.register(long_examples_on_cudnn=False)
     _assert_per_example_attention(out, q, k, v, lengths)
     print(f"cuDNN runs long examples on this GPU: {attention.cudnn_runs_long_examples()}")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not attention.available(), reason="needs CUDA and torch.nn.attention.varlen")
+def test_long_examples_on_cudnn_keep_one_output_copy_more_than_the_varlen_kernel():
+    """What the cuDNN path keeps for the backward beyond the varlen kernel (plan/memory.py
+    cudnn_kept_bytes_per_token_layer): cuDNN's own output, of which the row's concatenated output is a second copy,
+    and the zero padding of its copies of q, k and v; not the row's q, k and v themselves, which the short examples'
+    copies leave free."""
+    from finetune.kernels import CUDNN_MIN_EXAMPLE_TOKENS, cudnn_padded_length
+
+    long = 2 * CUDNN_MIN_EXAMPLE_TOKENS + 100
+    lengths = [long, 700, 300]
+    heads, kv_heads, dim, total = 16, 4, 128, sum(lengths)
+    kwargs = packed(lengths, device="cuda")[3]
+    g = torch.Generator(device="cuda").manual_seed(0)
+    leaves = [
+        torch.randn(1, total, n, dim, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_(True)
+        for n in (heads, kv_heads, kv_heads)
+    ]
+
+    def kept(on_cudnn: bool) -> int:
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()
+        # the model's layout, (1, t, h, d) projections seen as (1, h, t, d); `* 1.0` keeps nothing for its backward
+        q, k, v = ((x * 1.0).transpose(1, 2) for x in leaves)
+        attention.register(long_examples_on_cudnn=on_cudnn)
+        try:
+            out, _ = attention.varlen_attention_forward(AttentionModule(), q, k, v, None, scaling=dim**-0.5, **kwargs)
+        finally:
+            attention.register(long_examples_on_cudnn=False)
+        del q, k, v
+        torch.cuda.synchronize()
+        held = torch.cuda.memory_allocated() - before
+        del out
+        return held
+
+    varlen, cudnn = kept(False), kept(True)
+    out_bytes = 2 * total * heads * dim
+    padding = 2 * (cudnn_padded_length(long) - long) * (2 * heads + 2 * kv_heads) * dim
+    extra = cudnn - varlen
+    print(f"kept: varlen {varlen / 2**20:.1f} MiB, cuDNN {cudnn / 2**20:.1f} MiB, output {out_bytes / 2**20:.1f} MiB")
+    assert 0.9 * out_bytes <= extra <= 1.05 * (out_bytes + padding) + 2**20
