@@ -326,7 +326,8 @@ def cudnn_kept_bytes_per_token_layer(job: Job) -> float:
     q, k, v = attention_widths(job.arch)
     if is_mla(job.arch):  # the values reach the kernel zero-padded to the queries' head size, and so does its output
         v = q
-    return job.act_bytes * (q * padded + (q + k + v) * (padded - length)) / length
+    inputs = padded if job.cudnn_keeps_row_inputs else padded - length
+    return job.act_bytes * (q * padded + (q + k + v) * inputs) / length
 
 
 def activation_bytes_per_token_layer(

@@ -102,6 +102,9 @@ class Job:
     # model.cudnn_long_examples on a card that runs it (attention_time.card_runs_cudnn_long_examples): the varlen
     # kernel's examples of CUDNN_MIN_EXAMPLE_TOKENS or more run on cuDNN's causal attention
     cudnn_long_examples: bool = False
+    # runs of the cuDNN path before the short examples' q, k, v were copied: views of them kept the whole row's q, k
+    # and v beside cuDNN's padded copies (plan/memory.py cudnn_kept_bytes_per_token_layer)
+    cudnn_keeps_row_inputs: bool = False
     # rows padded to a multiple of this many tokens (resolved.row_multiple: plan.row_multiple says when); the
     # planner counts it at every micro-batch (pads_rows: the run skips one-sequence unpadded micro-batches)
     row_multiple: int | None = None

@@ -149,6 +149,10 @@ def row_preset(row: dict) -> HardwarePreset:
     return preset_for(row["card"], gpus_per_node=row["world_size"] // nodes, nodes=nodes)
 
 
+# rows of the cuDNN path (model.cudnn_long_examples) that ran before its short examples' q, k, v were copies
+CUDNN_SHORT_VIEWS = "views"
+
+
 def predict(row: dict) -> Plan:
     """The planner's plan for the row's run, on the preset `--hardware auto` made for it."""
     preset = row_preset(row)
@@ -161,13 +165,15 @@ def predict(row: dict) -> Plan:
     job = job_from_recipe(recipe, arch=arch, preset=preset)
     # the rank's host threads as launched; rows that do not say ran before finetune's launcher split the
     # cores for the offload tiers, on accelerate's one thread per GPU rank. kv_heads "repeated": the varlen
-    # kernel got grouped key/value heads repeated (every varlen row before row 95)
+    # kernel got grouped key/value heads repeated (every varlen row before row 95); cudnn_short_inputs "views": the
+    # cuDNN path kept the row's q, k, v beside its padded copies (rows 213-220)
     return plan_job(
         dataclasses.replace(
             job,
             host_threads_per_rank=row.get("host_threads_per_rank") or 1,
             nvme_read_gbps=row.get("nvme_read_gbps"),  # the swap disk, where the run measured it
             varlen_repeats_kv=row.get("kv_heads") == KV_HEADS_REPEATED,
+            cudnn_keeps_row_inputs=row.get("cudnn_short_inputs") == CUDNN_SHORT_VIEWS,
         )
     )
 
