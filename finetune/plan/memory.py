@@ -29,7 +29,9 @@ the other one needs a gradient, so a frozen base saves less than a full fine-tun
   mask into a float bias of rows x len^2 x act in every layer, kept by the memory-efficient kernel
   (measured: 1-GPU LoRA 8B with one packed 8192-token row allocates ~2 GiB more than twice the
   4096-token row, 32 x (8192^2 - 2 x 4096^2) x 2 B = 2.0 GiB); eager (not measured) keeps the
-  scores instead: rows x heads x len^2 x (act + fp32 softmax 4);
+  scores instead: rows x heads x len^2 x (act + fp32 softmax 4); and the one 4-D mask transformers builds a
+  forward for a packed row or padded rows, held through the layers, even where the varlen kernel never reads it
+  (shared_mask_bytes: len^2 booleans, 4 GiB at a 64k row);
   SwiGLU MLP: gate, up, silu(gate), product = 4*act*i (the product only where down_proj needs it);
   mixture-of-experts layers as transformers' grouped_mm experts keep them: finetune/plan/moe_memory.py.
   LoRA: the r-wide intermediate per targeted module (+ a dropout copy of its input when dropout > 0).
@@ -450,6 +452,23 @@ def attention_matrix_bytes(job: Job, *, micro_batch: int) -> float:
     return rows * length * length * per_element * share
 
 
+def shared_mask_bytes(job: Job, *, micro_batch: int) -> float:
+    """The one 4-D mask transformers builds a forward (masking_utils: sdpa_mask's boolean, eager_mask's additive float)
+    and the model holds through its layers (a checkpointed layer's recompute takes it as an input): a packed row's
+    block-diagonal mask even where every layer runs the varlen kernel, which reads the example bounds instead (the
+    memory profile of docs/validation.md's row 220: 0.84 GiB at a 30.6k-token row, 4 GiB at 64k); a padded
+    batch's rows. flash_attention_2/3 get none."""
+    if job.attention == "flash":
+        return 0.0
+    built = masked_attention(
+        replace(job, attention="sdpa") if job.attention == "varlen" else job, micro_batch=micro_batch
+    )
+    if built is None:
+        return 0.0
+    rows, length = built
+    return rows * length * length * (job.act_bytes if job.attention == "eager" else 1)
+
+
 def tokens_per_micro_batch(job: Job, micro_batch: int) -> float:
     """Tokens a micro-batch holds at its peak (activations, logits): workload.peak_tokens_per_micro_batch."""
     return peak_tokens_per_micro_batch(job, micro_batch)
@@ -482,7 +501,7 @@ def activation_bytes(
     edges = 4 * stream * job.arch.hidden_size * tokens  # embedding output + final norm
     inputs = k * stream * job.arch.hidden_size * tokens
     recompute = per_layer if k == layers else 0.0
-    return (layers - k) * per_layer + inputs + recompute + edges
+    return (layers - k) * per_layer + inputs + recompute + edges + shared_mask_bytes(job, micro_batch=micro_batch)
 
 
 def logits_bytes(job: Job, *, micro_batch: int) -> float:

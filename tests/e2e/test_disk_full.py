@@ -81,8 +81,10 @@ def test_a_disk_filling_mid_run_stops_before_the_next_checkpoint_and_keeps_the_l
 
 
 def test_a_final_save_that_does_not_fit_goes_to_the_rescue_directory(disk, tmp_path):
+    # steps enough (~2 s on 2 cores) that the disk is full before the final save even when this process waits
+    # for a core while the run trains (12 steps took 0.6 s and once finished before the filler ran)
     recipe = write_recipe(
-        tmp_path / "recipe.yaml", train={"epochs": None, "max_steps": 12}, output={"save_every": None}
+        tmp_path / "recipe.yaml", train={"epochs": None, "max_steps": 48}, output={"save_every": None}
     )
     run_dir, rescue = disk / "run", tmp_path / "rescue"
     proc = subprocess.Popen(
