@@ -11,11 +11,10 @@ import torch
 import transformers
 from transformers.masking_utils import create_causal_mask
 
-from finetune.plan import job_from_recipe
 from finetune.plan.memory import activation_bytes, shared_mask_bytes
-from finetune.recipe import load_recipe
-from finetune.registry import get_model, get_preset
+from finetune.registry import get_preset
 from finetune.train import attention
+from tests.helpers.recipes import shape_job
 
 H100 = get_preset("server-8xh100").model_copy(update={"gpus_per_node": 1})
 
@@ -39,17 +38,17 @@ def test_transformers_builds_a_packed_rows_boolean_mask_for_the_varlen_attention
     assert not mask[0, 0, 5, 4]  # the second example does not see the first
 
 
-def _job(attn: str, *, packing: bool = True):
-    recipe = load_recipe(
-        {
-            "model": {"name": "m", "arch": "llama-3.1-8b", "attn_implementation": attn},
-            "adapter": {"type": "lora"},
-            "data": {"path": "t.jsonl", "packing": packing, "max_length": 4096},
-            "train": {"global_batch_size": 8, "micro_batch_size": 2, "max_steps": 10},
-            "hardware": "auto",
-        }
+def _job(attn: str):
+    return shape_job(
+        "llama-3.1-8b",
+        "lora",
+        H100,
+        seq=4096,
+        global_batch=8,
+        model__attn_implementation=attn,
+        data__packing=True,
+        train__micro_batch_size=2,
     )
-    return job_from_recipe(recipe, arch=get_model("llama-3.1-8b"), preset=H100)
 
 
 @pytest.mark.parametrize(("attn", "per_element"), [("varlen", 1), ("sdpa", 1), ("eager", 2), ("flash_attention_2", 0)])

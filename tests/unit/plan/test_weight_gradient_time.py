@@ -6,10 +6,10 @@ and a mixture of experts' routed weight gradients stay with the grouped-GEMM rat
 from __future__ import annotations
 
 import sys
+from dataclasses import replace
 
 import pytest
 
-from finetune.plan import job_from_recipe
 from finetune.plan.moe_time import routed_active_params
 from finetune.plan.timing import (
     GPU_EFFICIENCY,
@@ -20,26 +20,16 @@ from finetune.plan.timing import (
     weight_gradient_seconds_saved,
 )
 from finetune.plan.workload import computed_tokens_per_micro_batch, count_params
-from finetune.recipe import load_recipe
-from finetune.registry import get_model, get_preset
+from finetune.registry import get_preset
 from finetune.registry.derive import arch_from_config
 from tests.helpers.paths import ROOT
+from tests.helpers.recipes import shape_job
 
 H100 = get_preset("server-8xh100").model_copy(update={"gpus_per_node": 1})
 
 
-def _job(adapter: str, *, arch="llama-3.1-8b", preset=H100, dtype="bfloat16", precision="bf16"):
-    model = get_model(arch) if isinstance(arch, str) else arch
-    recipe = load_recipe(
-        {
-            "model": {"name": "m", "arch": arch if isinstance(arch, str) else "llama-3.1-8b", "dtype": dtype},
-            "adapter": {"type": adapter},
-            "data": {"path": "t.jsonl", "packing": True},
-            "train": {"precision": precision, "global_batch_size": 8, "micro_batch_size": 2, "max_steps": 10},
-            "hardware": "auto",
-        }
-    )
-    return job_from_recipe(recipe, arch=model, preset=preset)
+def _job(adapter: str, *, preset=H100, **sections):
+    return shape_job("llama-3.1-8b", adapter, preset, global_batch=8, train__micro_batch_size=2, **sections)
 
 
 def test_only_a_full_fine_tune_has_weight_gradients_at_the_gemm_rate():
@@ -49,7 +39,7 @@ def test_only_a_full_fine_tune_has_weight_gradients_at_the_gemm_rate():
     assert weight_gradient_seconds_saved(lora, micro_batch=2, flop_seconds=1e-15) == 0.0
     cpu = _job("full", preset=get_preset("cpu"))
     assert weight_gradient_seconds_saved(cpu, micro_batch=2, flop_seconds=1e-12) == 0.0
-    fp32 = _job("full", dtype="float32", precision="fp32")
+    fp32 = _job("full", model__dtype="float32", train__precision="fp32")
     assert fp32.computes_fp32 and weight_gradient_seconds_saved(fp32, micro_batch=2, flop_seconds=1e-12) == 0.0
 
 
@@ -75,7 +65,7 @@ def test_the_saving_is_the_weight_gradients_time_at_the_two_rates(monkeypatch):
 
 def test_routed_experts_keep_the_grouped_gemm_rate():
     arch = arch_from_config(ROOT / "tests/data/hub_configs/olmoe-1b-7b/config.json", key="olmoe")
-    job = _job("full", arch=arch)
+    job = replace(_job("full"), arch=arch)
     dense = count_params(arch).matmul_active - routed_active_params(arch)
     assert routed_active_params(arch) > 0
     assert weight_gradient_flops_per_token(job) == 2 * dense
