@@ -39,12 +39,11 @@ from finetune.plan.bandwidth import memory_seconds
 from finetune.plan.memory import masked_attention
 from finetune.plan.workload import (
     Job,
-    computed_sequence_tokens,
     computed_tokens_per_micro_batch,
     executed_attention_positions,
     head_dim,
+    kernel_example_tokens,
     masked_row_layers,
-    packed_example_tokens,
 )
 
 MASKED_KERNEL_SLOWDOWN = 1.4
@@ -150,7 +149,6 @@ def kernel_extra_seconds(job: Job, *, micro_batch: int, checkpointed_share: floa
     slower = on_mask * (MASKED_KERNEL_SLOWDOWN * dropout - 1) + (executed - on_mask) * (dropout - 1)
     extra = per_position * slower * flop_seconds
     if varlen:
-        length = packed_example_tokens(job) if job.packed else computed_sequence_tokens(job, micro_batch)
-        own = 1 / (job.peak_tflops * 1e12 * packed_attention_rate(job, length))
+        own = 1 / (job.peak_tflops * 1e12 * packed_attention_rate(job, kernel_example_tokens(job, micro_batch)))
         extra += per_position * varlen * (own - flop_seconds)
     return extra

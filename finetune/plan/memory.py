@@ -69,10 +69,9 @@ from finetune.plan.workload import (
     Tensors,
     accumulation_steps,
     adapter_tensors,
-    attention_widths,
     count_params,
     expert_lora_param_count,
-    is_mla,
+    kernel_attention_widths,
     largest_parameter_elements,
     layer_kinds,
     long_examples_on_cudnn,
@@ -325,9 +324,7 @@ def cudnn_kept_bytes_per_token_layer(job: Job) -> float:
         return 0.0
     length = packed_example_tokens(job)
     padded = cudnn_padded_length(round(length))
-    q, k, v = attention_widths(job.arch)
-    if is_mla(job.arch):  # the values reach the kernel zero-padded to the queries' head size, and so does its output
-        v = q
+    q, k, v = kernel_attention_widths(job)  # MLA's values padded to the keys' head size, and so is the output
     inputs = padded if job.cudnn_keeps_row_inputs else padded - length
     return job.act_bytes * (q * padded + (q + k + v) * inputs) / length
 
@@ -339,7 +336,7 @@ def activation_bytes_per_token_layer(
     autocast (autocast_fp32_model), whose residual stream and norm outputs stay fp32."""
     a, arch = job.act_bytes, job.arch
     h, i = arch.hidden_size, arch.intermediate_size
-    q, kv, v = attention_widths(arch)
+    q, kv, v = kernel_attention_widths(job)
     full = job.adapter == "full"
     r = 4 if fp32_stream else a  # the residual stream's dtype: every norm's input
     # Liger's RMSNorm keeps its input and an fp32 rstd per row instead of the fp32 upcast input
@@ -367,8 +364,6 @@ def activation_bytes_per_token_layer(
         or (job.attention == "varlen" and job.varlen_repeats_kv)
         or masked_attention(job, micro_batch=micro_batch) is not None
     )
-    if job.attention in ("flash", "varlen") and is_mla(arch):
-        v = kv  # the flash kernels take one head size: MLA's values are padded to the keys' (train/attention.py)
     attention = (
         a * (2 * q + (q if repeated else kv) + (q if repeated else v))
         + 4 * arch.num_attention_heads

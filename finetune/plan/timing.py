@@ -182,6 +182,12 @@ def mfu(*, tokens_per_second: float, flops_per_token: float, peak_tflops: float,
     return tokens_per_second * flops_per_token / (peak_tflops * 1e12 * max(gpus, 1))
 
 
+def micro_batch_fill(job: Job, micro_batch: int) -> float:
+    """tokens / (tokens + MICRO_BATCH_HALF_TOKENS): the share of a rate a micro-batch of that many tokens reaches."""
+    tokens = computed_tokens_per_micro_batch(job, micro_batch)
+    return tokens / (tokens + MICRO_BATCH_HALF_TOKENS)
+
+
 def weight_gradient_flops_per_token(job: Job) -> float:
     """FLOPs per token of a full fine-tune's dense weight gradients, which `weight_gradient_seconds_saved` times at
     the GEMM rate (the routed experts' stay with plan/moe_time.py's grouped-GEMM rate; LoRA's frozen base has
@@ -196,9 +202,8 @@ def weight_gradient_seconds_saved(job: Job, *, micro_batch: int, flop_seconds: f
     the step's rate (`flop_seconds` a FLOP); 0 on CPUs and for float32 compute, whose rates are GEMM rates."""
     if job.preset.vendor == "cpu" or job.computes_fp32:
         return 0.0
+    gemm_seconds = 1 / (job.peak_tflops * 1e12 * WEIGHT_GRADIENT_GEMM_EFFICIENCY * micro_batch_fill(job, micro_batch))
     tokens = computed_tokens_per_micro_batch(job, micro_batch)
-    gemm_rate = WEIGHT_GRADIENT_GEMM_EFFICIENCY * tokens / (tokens + MICRO_BATCH_HALF_TOKENS)
-    gemm_seconds = 1 / (job.peak_tflops * 1e12 * gemm_rate)
     return max(0.0, weight_gradient_flops_per_token(job) * tokens * (flop_seconds - gemm_seconds))
 
 
@@ -209,8 +214,7 @@ def efficiency(job: Job, *, micro_batch: int) -> float:
         base = FP32_GPU_EFFICIENCY if job.computes_fp32 else GPU_EFFICIENCY
     if job.adapter == "qlora":
         base *= QLORA_EFFICIENCY
-    tokens = computed_tokens_per_micro_batch(job, micro_batch)
-    return base * tokens / (tokens + MICRO_BATCH_HALF_TOKENS)
+    return base * micro_batch_fill(job, micro_batch)
 
 
 @dataclass(frozen=True)

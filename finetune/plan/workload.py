@@ -450,6 +450,12 @@ def long_examples_on_cudnn(job: Job) -> bool:
     return job.cudnn_long_examples and job.packed and packed_example_tokens(job) >= CUDNN_MIN_EXAMPLE_TOKENS
 
 
+def kernel_example_tokens(job: Job, micro_batch: int) -> float:
+    """The length a causal kernel's examples run at: a packed row's examples (`packed_example_tokens`), else a
+    sequence padded to its micro-batch's longest (`computed_sequence_tokens`)."""
+    return packed_example_tokens(job) if job.packed else computed_sequence_tokens(job, micro_batch)
+
+
 def executed_attention_positions(job: Job, *, micro_batch: int) -> float:
     """L x key positions per query token that the attention kernels really compute (the step time's
     attention FLOPs; the MFU's stay `attended_positions`, the convention that counts the full s x s).
@@ -467,9 +473,7 @@ def executed_attention_positions(job: Job, *, micro_batch: int) -> float:
         return masked * row + (arch.num_layers - masked) * packed_example_tokens(job) / 2
     if skips_masked_blocks(job, micro_batch=micro_batch):
         # a padded sequence over its micro-batch's (padded) longest; a packed row's examples on their own
-        return causal_positions(
-            arch, packed_example_tokens(job) if job.packed else computed_sequence_tokens(job, micro_batch)
-        )
+        return causal_positions(arch, kernel_example_tokens(job, micro_batch))
     return attended_positions(arch, job.seq_len if job.packed else computed_sequence_tokens(job, micro_batch))
 
 
@@ -492,6 +496,15 @@ def attention_widths(arch: ModelArch) -> tuple[int, int, int]:
         return qk, qk, arch.num_attention_heads * v
     q, kv = arch.num_attention_heads * head_dim(arch), arch.num_kv_heads * head_dim(arch)
     return q, kv, kv
+
+
+def kernel_attention_widths(job: Job) -> tuple[int, int, int]:
+    """(q, k, v) widths as the job's attention kernel takes them: the flash kernels (flash, varlen) take one head
+    size, so MLA's values reach them zero-padded to the keys' (train/attention.py)."""
+    q, k, v = attention_widths(job.arch)
+    if job.attention in ("flash", "varlen") and is_mla(job.arch):
+        v = k
+    return q, k, v
 
 
 def moe_layer_count(arch: ModelArch) -> int:
