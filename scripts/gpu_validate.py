@@ -391,6 +391,8 @@ def collect(run_dir: Path) -> dict:
         "host_threads_per_rank": ranks[0].get("host_threads") if ranks else None,
         # how the varlen kernel got grouped key/value heads (the planner's Job.varlen_repeats_kv)
         "kv_heads": ranks[0].get("kv_heads") if ranks else None,
+        # "skipped": transformers built no packed-row mask (the planner's Job.builds_packed_row_mask)
+        "packed_row_masks": ranks[0].get("packed_row_masks") if ranks else None,
         "checkpoints": sorted(p.name for p in (run_dir / rundir.CHECKPOINTS).glob("checkpoint-*")),
         "adapter_bytes": (run_dir / "adapter_model.safetensors").stat().st_size
         if (run_dir / "adapter_model.safetensors").exists()

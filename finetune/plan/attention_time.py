@@ -44,6 +44,7 @@ from finetune.plan.workload import (
     head_dim,
     kernel_example_tokens,
     masked_row_layers,
+    sliding_causal_positions,
 )
 
 MASKED_KERNEL_SLOWDOWN = 1.4
@@ -105,6 +106,13 @@ def packed_attention_rate(job: Job, example_tokens: float) -> float:
     return varlen_rate(head_dim(job.arch), example_tokens)
 
 
+def windowed_rate(job: Job, example_tokens: float) -> float:
+    """The varlen kernel's rate on a sliding layer's band: its queries see at most the window's keys, as many as a
+    causal example of twice the window averages, so it runs at that length's rate (not measured on its own)."""
+    window = job.arch.sliding_window or example_tokens
+    return varlen_rate(head_dim(job.arch), min(example_tokens, 2 * window))
+
+
 def mask_seconds(job: Job, *, micro_batch: int, checkpointed_share: float = 0.0) -> float:
     """Seconds one micro-batch's forward and backward spend converting and reading attention mask
     biases, per GPU (0 for unmasked kernels, eager attention, or a preset without memory bandwidth)."""
@@ -149,6 +157,9 @@ def kernel_extra_seconds(job: Job, *, micro_batch: int, checkpointed_share: floa
     slower = on_mask * (MASKED_KERNEL_SLOWDOWN * dropout - 1) + (executed - on_mask) * (dropout - 1)
     extra = per_position * slower * flop_seconds
     if varlen:
-        own = 1 / (job.peak_tflops * 1e12 * packed_attention_rate(job, kernel_example_tokens(job, micro_batch)))
-        extra += per_position * varlen * (own - flop_seconds)
+        tokens = kernel_example_tokens(job, micro_batch)
+        # the sliding layers' bands (the kernel's window; never cuDNN's, which has none) at their own rate
+        windowed = sliding_causal_positions(arch, tokens) if job.attention in ("flash", "varlen") else 0.0
+        rates = ((varlen - windowed, packed_attention_rate(job, tokens)), (windowed, windowed_rate(job, tokens)))
+        extra += per_position * sum(n * (1 / (job.peak_tflops * 1e12 * rate) - flop_seconds) for n, rate in rates)
     return extra

@@ -1,10 +1,10 @@
 """What finetune's varlen attention falling back to sdpa costs a plan, said as a warning.
 
-finetune/train/attention.py runs packed rows on torch's varlen flash kernel, except in layers with a sliding
-window, logit soft-capping or attention sinks (`workload.varlen_fallback_layers`): those go to transformers'
-sdpa (soft-capped and sink ones to the model's eager attention, which also keeps the scores) with a
-block-diagonal mask over the whole packed row, which computes every block of the row's (micro_batch x seq)^2
-square and keeps a float mask bias of that square per layer.
+finetune/train/attention.py runs packed rows on torch's varlen flash kernel (sliding windows included), except in
+models with logit soft-capping, attention sinks or attention dropout (`workload.varlen_fallback_layers`): their
+layers go to transformers' sdpa (soft-capped and sink ones to the model's eager attention, which also keeps the
+scores) with a block-diagonal mask over the whole packed row, which computes every block of the row's
+(micro_batch x seq)^2 square and keeps a float mask bias of that square per layer.
 """
 
 from __future__ import annotations
@@ -30,8 +30,6 @@ def attention_fallback_warning(job: Job, plan: Plan) -> str:
     if arch.attention_dropout:
         # config.json's or the recipe's model.attention_dropout (registry.resolve_model applies the recipe's)
         why.append(f"attention dropout ({arch.attention_dropout:g}; model.attention_dropout: 0 turns it off)")
-    if arch.sliding_window and arch.sliding_layers:
-        why.append(f"a {arch.sliding_window}-token sliding window on {arch.sliding_layers} of {arch.num_layers} layers")
     ckpt = plan.checkpoint_layers or False
     executed = flops_per_token(job, checkpointing=ckpt, micro_batch=micro)
     useful = flops_per_token(job, checkpointing=ckpt)

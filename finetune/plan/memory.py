@@ -86,6 +86,7 @@ from finetune.plan.workload import (
     routed_expert_params,
     saved_module_params,
     saved_module_tensors,
+    sliding_layer_count,
     trained_tensor_sizes,
 )
 from finetune.registry.schema import ModelArch
@@ -326,7 +327,8 @@ def cudnn_kept_bytes_per_token_layer(job: Job) -> float:
     padded = cudnn_padded_length(round(length))
     q, k, v = kernel_attention_widths(job)  # MLA's values padded to the keys' head size, and so is the output
     inputs = padded if job.cudnn_keeps_row_inputs else padded - length
-    return job.act_bytes * (q * padded + (q + k + v) * inputs) / length
+    full_layers = 1 - sliding_layer_count(job.arch) / job.arch.num_layers  # sliding layers stay on the varlen kernel
+    return full_layers * job.act_bytes * (q * padded + (q + k + v) * inputs) / length
 
 
 def activation_bytes_per_token_layer(
@@ -448,12 +450,16 @@ def attention_matrix_bytes(job: Job, *, micro_batch: int) -> float:
 
 
 def shared_mask_bytes(job: Job, *, micro_batch: int) -> float:
-    """The one 4-D mask transformers builds a forward (masking_utils: sdpa_mask's boolean, eager_mask's additive float)
-    and the model holds through its layers (a checkpointed layer's recompute takes it as an input): a packed row's
-    block-diagonal mask even where every layer runs the varlen kernel, which reads the example bounds instead (the
-    memory profile of docs/validation.md's row 220: 0.84 GiB at a 30.6k-token row, 4 GiB at 64k); a padded
-    batch's rows. flash_attention_2/3 get none."""
+    """The 4-D masks a forward builds (masking_utils: sdpa_mask's boolean, eager_mask's additive float) and the model
+    holds through its layers (a checkpointed layer's recompute takes them as inputs): one per kind of layer, so two
+    where full and sliding-window layers mix (Gemma-3: create_causal_mask and create_sliding_window_causal_mask).
+    A padded batch's rows; a packed row's block-diagonal masks where its layers fall back from the varlen kernel
+    (train/attention.py builds them from the example bounds). None for a packed row on the varlen kernel
+    (train/attention.py's packed_row_mask), whose runs before it held them (Job.builds_packed_row_mask: the memory
+    profile of docs/validation.md's row 220, 0.84 GiB at a 30.6k-token row). flash_attention_2/3 get none."""
     if job.attention == "flash":
+        return 0.0
+    if job.attention == "varlen" and job.packed and not job.builds_packed_row_mask:
         return 0.0
     built = masked_attention(
         replace(job, attention="sdpa") if job.attention == "varlen" else job, micro_batch=micro_batch
@@ -461,7 +467,8 @@ def shared_mask_bytes(job: Job, *, micro_batch: int) -> float:
     if built is None:
         return 0.0
     rows, length = built
-    return rows * length * length * (job.act_bytes if job.attention == "eager" else 1)
+    kinds = 2 if 0 < sliding_layer_count(job.arch) < job.arch.num_layers else 1
+    return kinds * rows * length * length * (job.act_bytes if job.attention == "eager" else 1)
 
 
 def tokens_per_micro_batch(job: Job, micro_batch: int) -> float:

@@ -105,6 +105,9 @@ class Job:
     # runs of the cuDNN path before the short examples' q, k, v were copied: views of them kept the whole row's q, k
     # and v beside cuDNN's padded copies (plan/memory.py cudnn_kept_bytes_per_token_layer)
     cudnn_keeps_row_inputs: bool = False
+    # a packed row on the varlen kernel still gets transformers' block-diagonal masks (runs before
+    # train/attention.py's packed_row_mask skipped them; plan/memory.py shared_mask_bytes)
+    builds_packed_row_mask: bool = False
     # rows padded to a multiple of this many tokens (resolved.row_multiple: plan.row_multiple says when); the
     # planner counts it at every micro-batch (pads_rows: the run skips one-sequence unpadded micro-batches)
     row_multiple: int | None = None
@@ -378,7 +381,7 @@ def head_dim(arch: ModelArch) -> int:
 def attended_positions(arch: ModelArch, seq_len: float) -> float:
     """L x s of the attention FLOPs term, with sliding-window layers (GPT-OSS) attending to at most
     their window: (L - sliding) x s + sliding x min(s, window)."""
-    sliding = min(arch.sliding_layers, arch.num_layers) if arch.sliding_window else 0
+    sliding = sliding_layer_count(arch)
     window = min(seq_len, arch.sliding_window or seq_len)
     return (arch.num_layers - sliding) * seq_len + sliding * window
 
@@ -391,26 +394,38 @@ def needs_model_eager(arch: ModelArch) -> bool:
 
 
 def varlen_fallback_layers(arch: ModelArch) -> int:
-    """Decoder layers of `arch` that finetune's varlen kernel does not serve: it has no sliding window,
-    no logit soft-capping, no attention sinks and no attention dropout (a config's attention_dropout > 0,
-    every layer; train/attention.py's `plain`), so finetune/train/attention.py's
-    `varlen_attention_forward` hands a layer that passes `sliding_window` to transformers'
-    sdpa_attention_forward, and one that passes `softcap` or `s_aux` to the model's own eager attention
-    (`needs_model_eager`), each with the block-diagonal mask over the whole packed row (keep the two rules
-    together). Soft-capping and sinks are on every layer; sliding windows on `sliding_layers` of them.
-    0: the kernel serves them all."""
-    if needs_model_eager(arch) or arch.attention_dropout:  # the kernel has no dropout either
+    """Decoder layers of `arch` that finetune's varlen kernel does not serve: it has no logit soft-capping, no
+    attention sinks and no attention dropout (a config's attention_dropout > 0, every layer; train/attention.py's
+    `plain`), so finetune/train/attention.py's `varlen_attention_forward` hands a layer that passes `softcap` or
+    `s_aux` to the model's own eager attention (`needs_model_eager`), and one with dropout to transformers'
+    sdpa_attention_forward, each with the block-diagonal mask over the whole packed row (keep the two rules
+    together). Each of those is on every layer, so this is all layers or none. Sliding windows the kernel runs
+    (`window_size`, torch 2.11 and later: train/attention.py's window_arguments). 0: the kernel serves them all."""
+    if needs_model_eager(arch) or arch.attention_dropout:
         return arch.num_layers
+    return 0
+
+
+def sliding_layer_count(arch: ModelArch) -> int:
+    """Decoder layers that attend within a sliding window (0 where the config has no window)."""
     return min(arch.sliding_layers, arch.num_layers) if arch.sliding_window else 0
+
+
+def band_positions(window: float, seq_len: float) -> float:
+    """The keys a query attends to on average in a causal row of `seq_len` tokens under a window of `window`: s/2
+    (query i sees i+1 keys) where the window spans the row, else the band's w - w^2/(2s)."""
+    return seq_len / 2 if window >= seq_len else window - window * window / (2 * seq_len)
+
+
+def sliding_causal_positions(arch: ModelArch, seq_len: float) -> float:
+    """The sliding-window layers' share of `causal_positions`."""
+    return sliding_layer_count(arch) * band_positions(arch.sliding_window or seq_len, seq_len)
 
 
 def causal_positions(arch: ModelArch, seq_len: float) -> float:
     """L x the keys a query attends to on average in a causal row of `seq_len` tokens: s/2 for a full
-    layer (query i sees i+1 keys), w - w^2/(2s) for a sliding layer of window w < s (a band)."""
-    sliding = min(arch.sliding_layers, arch.num_layers) if arch.sliding_window else 0
-    window = arch.sliding_window or seq_len
-    band = seq_len / 2 if window >= seq_len else window - window * window / (2 * seq_len)
-    return (arch.num_layers - sliding) * seq_len / 2 + sliding * band
+    layer, the band (`band_positions`) for a sliding layer."""
+    return (arch.num_layers - sliding_layer_count(arch)) * seq_len / 2 + sliding_causal_positions(arch, seq_len)
 
 
 def skips_masked_blocks(job: Job, *, micro_batch: int) -> bool:

@@ -145,6 +145,7 @@ FAMILIES: dict[str, Family] = {
     "gpt_oss": Family(
         "GptOssDecoderLayer",
         bias_default=True,
+        window=128,
         slides="odd",
         defaults=dict(num_local_experts=128, num_experts_per_tok=4),
     ),

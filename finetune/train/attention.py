@@ -14,6 +14,10 @@ any model that supports sdpa.
 Long examples run on cuDNN's causal kernel instead where it is faster (`register`'s long_examples_on_cudnn,
 finetune/kernels.py's CUDNN_MIN_EXAMPLE_TOKENS): each through sdpa over its own rows, zero-padded at its end
 to one of a few lengths (`cudnn_padded_length`), which causal attention keeps every real token from seeing.
+
+Sliding-window layers (Gemma-3's local layers, Mistral-7B-v0.1, Phi-3) run on the same kernel with its window
+(`window_size`), so they too skip the packed row's mask; soft-capped and sink layers run their model's eager
+attention (`needs_model_eager`), which neither kernel computes.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from __future__ import annotations
 import functools
 import importlib
 import inspect
+import warnings
 
 from finetune.kernels import CUDNN_COMPUTE_MAJOR, CUDNN_MIN_EXAMPLE_TOKENS, cudnn_padded_length
 
@@ -43,6 +48,23 @@ def _varlen():
     else:
         return None
     return varlen_attn, causal, "enable_gqa" in params
+
+
+def takes_windows() -> bool:
+    """This torch's varlen kernel runs sliding windows (`window_size`: torch 2.11 and later)."""
+    kernel = _varlen()
+    return kernel is not None and "window_size" in kernel[1]
+
+
+def window_arguments(sliding_window: int | None, max_length: int) -> dict:
+    """The varlen kernel's causal keyword arguments for a layer of `sliding_window` (None: a full layer) over examples
+    of at most `max_length` tokens. transformers' window of w lets a query see itself and the w - 1 keys before it
+    (masking_utils.sliding_window_overlay); flash-attention's (left, right) sees left keys before and right after, so
+    the window is (w - 1, 0). A window no example outgrows is plain causal attention, the kernel's causal path."""
+    causal = _varlen()[1]
+    if sliding_window is None or sliding_window >= max_length:
+        return causal
+    return {"window_size": (sliding_window - 1, 0)}
 
 
 def available() -> bool:
@@ -73,13 +95,91 @@ def register(*, long_examples_on_cudnn: bool = False) -> str:
     examples of at least CUDNN_MIN_EXAMPLE_TOKENS run on cuDNN's causal kernel (the recipe's
     model.cudnn_long_examples, where `cudnn_runs_long_examples`)."""
     from transformers import AttentionInterface
-    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 
     _LONG_ON_CUDNN["on"] = long_examples_on_cudnn
     AttentionInterface.register(NAME, varlen_attention_forward)
-    # the fallback path is sdpa, so it gets sdpa's masks
-    ALL_MASK_ATTENTION_FUNCTIONS.register(NAME, sdpa_mask)
+    # the fallback path is sdpa, so it gets sdpa's masks, but for a packed row's (`packed_row_mask`)
+    ALL_MASK_ATTENTION_FUNCTIONS.register(NAME, packed_row_mask)
     return NAME
+
+
+# whether the forward running now is of one packed row whose example bounds (cu_seq_lens_q) the layers get: set by
+# the hooks `skip_packed_row_masks` puts on the model, read by `packed_row_mask`
+_PACKED_FORWARD: dict[str, bool] = {"on": False}
+# how many packed-row masks transformers did not build (the run's memory report says whether any)
+_SKIPPED = {"masks": 0}
+
+
+def packed_row_mask(*args, **kwargs):
+    """NAME's mask function (masking_utils' mask interface, called once a forward for each kind of layer): nothing
+    for a packed row whose bounds every layer gets, else sdpa's mask. transformers would build the row's
+    block-diagonal boolean mask (row x row bytes: 4 GiB at a 64k-token row, one per kind of layer) and hold it
+    through the layers, though the varlen kernel reads the bounds instead; a layer that falls back builds the same
+    mask from the bounds when it runs (`_bounds_mask`). Only the plain causal packed row qualifies: no padding mask,
+    no cache, and no mask overlay of the model's own (transformers builds those with vmap: Gemma-3's bidirectional
+    image tokens)."""
+    from transformers.masking_utils import sdpa_mask
+
+    if (
+        _PACKED_FORWARD["on"]
+        and not args
+        and kwargs.get("attention_mask") is None
+        and kwargs.get("batch_size") == 1
+        and kwargs.get("q_length") == kwargs.get("kv_length")
+        and not kwargs.get("q_offset")
+        and not kwargs.get("kv_offset")
+        and not kwargs.get("use_vmap")
+    ):
+        _SKIPPED["masks"] += 1
+        return None
+    return sdpa_mask(*args, **kwargs)
+
+
+def skip_packed_row_masks(model) -> None:
+    """Hooks on the model (public nn.Module hooks) that tell `packed_row_mask` when a forward is given a packed row's
+    example bounds (TRL's padding-free collator, finetune's DPO pairs), so transformers builds no mask for it."""
+
+    def before(module, args, kwargs):
+        _PACKED_FORWARD["on"] = kwargs.get("cu_seq_lens_q") is not None
+
+    def after(module, args, kwargs, output):
+        _PACKED_FORWARD["on"] = False
+        _BOUNDS_MASK.clear()  # autograd keeps what the backward needs; a recompute builds it again
+
+    model.register_forward_pre_hook(before, with_kwargs=True)
+    model.register_forward_hook(after, with_kwargs=True, always_call=True)
+
+
+def skipped_packed_row_masks() -> bool:
+    """This process ran forwards without transformers' packed-row masks (`packed_row_mask`)."""
+    return _SKIPPED["masks"] > 0
+
+
+# the masks falling-back layers build from the bounds, kept for the forward's other such layers: for one bounds
+# tensor, by row length and window (Gemma-2 alternates a window and none)
+_BOUNDS_MASK: dict[object, object] = {}
+
+
+def _bounds_mask(cu_seq_lens, total: int, window: int | None, device):
+    """(1, 1, total, total) booleans: each query sees the keys of its own example at or before it (and within
+    `window` of it): the mask transformers builds for a packed row (masking_utils' packed sequence and sliding window
+    functions), built from the example bounds."""
+    import torch
+
+    if _BOUNDS_MASK.get("bounds") is not cu_seq_lens:
+        _BOUNDS_MASK.clear()
+        _BOUNDS_MASK["bounds"] = cu_seq_lens
+    key = (total, window)
+    if key not in _BOUNDS_MASK:
+        cu = cu_seq_lens.to(device=device, dtype=torch.long)
+        example = torch.repeat_interleave(torch.arange(cu.numel() - 1, device=device), cu.diff(), output_size=total)
+        pos = torch.arange(total, device=device)
+        mask = (example[:, None] == example[None, :]) & (pos[None, :] <= pos[:, None])
+        if window:
+            mask &= pos[None, :] > pos[:, None] - window
+        _BOUNDS_MASK[key] = mask[None, None]
+    return _BOUNDS_MASK[key]
 
 
 def _packed_bounds(query, key, kwargs) -> tuple | None:
@@ -100,12 +200,18 @@ def needs_model_eager(kwargs: dict) -> bool:
     return kwargs.get("softcap") is not None or kwargs.get("s_aux") is not None
 
 
+def layer_window(kwargs: dict) -> int | None:
+    """The layer's sliding window (transformers passes `sliding_window` to the attention function of the layers that
+    have one), None for a full layer. The planner's count of such layers is ModelArch.sliding_layers."""
+    return kwargs.get("sliding_window") or None
+
+
 def layer_falls_back(kwargs: dict) -> bool:
-    """The layer asks for what the varlen kernel does not do: a sliding window, logit soft-capping or
-    attention sinks. The planner's torch-free copy of this rule is
-    finetune.plan.workload.varlen_fallback_layers (it plans those layers over the masked packed row);
-    change both together."""
-    return bool(kwargs.get("sliding_window")) or needs_model_eager(kwargs)
+    """The layer asks for what the varlen kernel does not do: logit soft-capping or attention sinks, or a sliding window
+    where this torch's kernel has none (`takes_windows`). The planner's torch-free copy of this rule is
+    finetune.plan.workload.varlen_fallback_layers (it plans those layers over the masked packed row, and assumes a
+    torch whose kernel takes windows); change both together."""
+    return needs_model_eager(kwargs) or (layer_window(kwargs) is not None and not takes_windows())
 
 
 def _model_eager(module, query, key, value, attention_mask, **kwargs):
@@ -153,6 +259,14 @@ def varlen_attention_forward(
         or layer_falls_back(kwargs)
         or not (is_causal if is_causal is not None else module.is_causal)
     )
+    if layer_window(kwargs) is not None and bounds is not None and not takes_windows():
+        warnings.warn(  # shown once: the same call site every layer
+            "this torch's varlen kernel has no sliding window (torch 2.11 and later have one): the sliding-window "
+            "layers run sdpa over the masked packed row, slower and larger than `finetune plan` assumed",
+            stacklevel=2,
+        )
+    if plain and attention_mask is None and bounds is not None:  # the mask `packed_row_mask` did not build
+        attention_mask = _bounds_mask(bounds[0], query.shape[2], layer_window(kwargs), query.device)
     if plain and needs_model_eager(kwargs):
         return _model_eager(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
     if plain:
@@ -179,14 +293,18 @@ def varlen_attention_forward(
         )
         return out[..., :value_dim], None
     cu = cu_seq_lens.to(device=q.device, dtype=torch.int32)
-    if _LONG_ON_CUDNN["on"] and max_length >= CUDNN_MIN_EXAMPLE_TOKENS:
+    window = window_arguments(layer_window(kwargs), max_length)
+    # cuDNN's causal kernel has no window: a sliding layer's long examples stay on the varlen kernel
+    if _LONG_ON_CUDNN["on"] and max_length >= CUDNN_MIN_EXAMPLE_TOKENS and layer_window(kwargs) is None:
         return _with_long_examples_on_cudnn(query, key, value, cu, _example_bounds(cu_seq_lens), scaling), None
-    return _varlen_call(q, k, v, cu, max_length, scaling).unsqueeze(0), None
+    return _varlen_call(q, k, v, cu, max_length, scaling, causal=window).unsqueeze(0), None
 
 
-def _varlen_call(q, k, v, cu, max_length: int, scaling):
-    """The varlen kernel on (t, h, d) queries, keys and values of examples bounded by `cu`: (t, h, d)."""
-    varlen_attn, causal, has_gqa = _varlen()
+def _varlen_call(q, k, v, cu, max_length: int, scaling, *, causal: dict | None = None):
+    """The varlen kernel on (t, h, d) queries, keys and values of examples bounded by `cu`: (t, h, d). `causal`: the
+    kernel's causal (or sliding-window) arguments, `window_arguments`; plain causal by default."""
+    varlen_attn, plain_causal, has_gqa = _varlen()
+    causal = causal or plain_causal
     args = (cu, cu, max_length, max_length)
     gqa = {}
     if k.shape[1] != q.shape[1]:
@@ -267,6 +385,8 @@ _KV_HEADS_TAKEN: dict[str, bool] = {}
 
 # how a run's memory report and its calibration row name the two paths (the planner's Job.varlen_repeats_kv)
 KV_HEADS_NATIVE, KV_HEADS_REPEATED = "native", "repeated"
+# how they say transformers built no packed-row mask (`packed_row_mask`; the planner's Job.builds_packed_row_mask)
+PACKED_ROW_MASKS_SKIPPED = "skipped"
 
 
 def native_gqa() -> bool | None:

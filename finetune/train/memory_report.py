@@ -76,6 +76,8 @@ def memory_figures() -> dict:
     kv_heads = attention.kv_heads()
     if kv_heads is not None:  # how the varlen kernel got grouped key/value heads (the planner's Job.varlen_repeats_kv)
         out["kv_heads"] = kv_heads
+    if attention.skipped_packed_row_masks():  # transformers built no packed-row mask (the planner's shared_mask_bytes)
+        out["packed_row_masks"] = attention.PACKED_ROW_MASKS_SKIPPED
     return out
 
 

@@ -243,7 +243,7 @@ def load_training_model(recipe: Recipe, *, args):
     its adapter if any (finetune/train/sharded_load.py); what that path does not cover, and everything
     else, loads whole (load_model), an adapter added by TRL."""
     from finetune.compat.moe_expert_count import name_the_expert_count
-    from finetune.train import sharded_load
+    from finetune.train import attention, sharded_load
 
     model = None
     if sharded_load.applies(recipe):
@@ -257,6 +257,8 @@ def load_training_model(recipe: Recipe, *, args):
     if model is None:
         model = load_model(recipe)
     name_the_expert_count(model)
+    if model.config._attn_implementation == attention.NAME:
+        attention.skip_packed_row_masks(model)
     return model
 
 

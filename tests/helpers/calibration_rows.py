@@ -25,6 +25,7 @@ from pathlib import Path
 from finetune import strategies
 from finetune.plan import job_from_recipe, plan_job
 from finetune.plan.types import Plan
+from finetune.plan.workload import sliding_layer_count
 from finetune.recipe import load_recipe
 from finetune.registry import get_model, resolve_model
 from finetune.registry.detect import parse_nvidia_smi, synthesize_preset
@@ -151,6 +152,25 @@ def row_preset(row: dict) -> HardwarePreset:
 
 # rows of the cuDNN path (model.cudnn_long_examples) that ran before its short examples' q, k, v were copies
 CUDNN_SHORT_VIEWS = "views"
+# rows of packed sliding-window models whose sliding layers ran sdpa over the masked row, before the varlen kernel
+# took their window (the full layers ran the varlen kernel)
+SLIDING_ON_SDPA = "sdpa"
+# rows of packed varlen runs whose model held transformers' packed-row masks (before train/attention.py skipped them)
+PACKED_ROW_MASKS_BUILT = "built"
+
+
+def _as_ran(job, row: dict):
+    """The job as the row's run executed it, where that differs from what today's code runs for its recipe."""
+    if row.get("sliding_attention") == SLIDING_ON_SDPA and job.packed and job.attention == "varlen":
+        job = dataclasses.replace(
+            job, attention="sdpa", varlen_layers=job.arch.num_layers - sliding_layer_count(job.arch)
+        )
+    return dataclasses.replace(
+        job,
+        varlen_repeats_kv=row.get("kv_heads") == KV_HEADS_REPEATED,
+        cudnn_keeps_row_inputs=row.get("cudnn_short_inputs") == CUDNN_SHORT_VIEWS,
+        builds_packed_row_mask=row.get("packed_row_masks") == PACKED_ROW_MASKS_BUILT,
+    )
 
 
 def predict(row: dict) -> Plan:
@@ -166,14 +186,14 @@ def predict(row: dict) -> Plan:
     # the rank's host threads as launched; rows that do not say ran before finetune's launcher split the
     # cores for the offload tiers, on accelerate's one thread per GPU rank. kv_heads "repeated": the varlen
     # kernel got grouped key/value heads repeated (every varlen row before row 95); cudnn_short_inputs "views": the
-    # cuDNN path kept the row's q, k, v beside its padded copies (rows 213-220)
+    # cuDNN path kept the row's q, k, v beside its padded copies (rows 213-220); sliding_attention "sdpa": the sliding
+    # layers ran masked sdpa (rows of sliding-window models before row 224); packed_row_masks "built": transformers
+    # built the packed row's masks, which the varlen path skips since (train/attention.py packed_row_mask)
     return plan_job(
         dataclasses.replace(
-            job,
+            _as_ran(job, row),
             host_threads_per_rank=row.get("host_threads_per_rank") or 1,
             nvme_read_gbps=row.get("nvme_read_gbps"),  # the swap disk, where the run measured it
-            varlen_repeats_kv=row.get("kv_heads") == KV_HEADS_REPEATED,
-            cudnn_keeps_row_inputs=row.get("cudnn_short_inputs") == CUDNN_SHORT_VIEWS,
         )
     )
 

@@ -67,3 +67,39 @@ def test_memory_seconds_runs_below_the_datasheet():
     assert memory_seconds(H100, 3350e9) == pytest.approx(1 / ACHIEVED_BANDWIDTH)
     assert 0.7 <= ACHIEVED_BANDWIDTH < 1.0
     assert memory_seconds(H100.model_copy(update={"gpu_memory_bandwidth_gbps": None}), 1e9) == 0.0
+
+
+def test_sliding_layers_stay_on_the_varlen_kernel_where_long_examples_run_on_cudnn():
+    """cuDNN's causal kernel has no window (train/attention.py keeps a sliding layer's long examples on the varlen
+    kernel), so model.cudnn_long_examples speeds up only a Gemma-3's full layers; the sliding layers' bands run at
+    the varlen rate of a causal example twice the window long (attention_time.windowed_rate)."""
+    from finetune.plan.attention_time import kernel_extra_seconds, varlen_rate, windowed_rate
+    from tests.helpers.recipes import shape_job
+
+    preset = preset_for("NVIDIA H200", gpus_per_node=1)
+
+    def extra(model: str, on_cudnn: bool) -> float:
+        job = shape_job(
+            model,
+            "lora",
+            preset,
+            seq=16384,
+            global_batch=4,
+            data__packing=True,
+            train__micro_batch_size=1,
+            model__cudnn_long_examples=on_cudnn,
+        )
+        assert job.attention == "varlen" and job.cudnn_long_examples == on_cudnn
+        return kernel_extra_seconds(job, micro_batch=1, checkpointed_share=0.0, flop_seconds=1e-15)
+
+    gemma = shape_job("gemma-3-12b", "lora", preset, seq=16384, global_batch=4, data__packing=True)
+    assert windowed_rate(gemma, 16384) == varlen_rate(256, 2048)  # a 1,024-token window
+    assert windowed_rate(gemma, 1500) == varlen_rate(256, 1500)  # examples shorter than twice the window
+    llama_gain = extra("llama-3.1-8b", False) - extra("llama-3.1-8b", True)
+    gemma_gain = extra("gemma-3-12b", False) - extra("gemma-3-12b", True)
+    assert llama_gain > 0 and gemma_gain > 0
+    # Gemma-3-12B: 8 of 48 layers full; Llama-3.1-8B: every layer. Per full layer and attention width the gains match
+    g, ll = get_model("gemma-3-12b"), get_model("llama-3.1-8b")
+    per_g = gemma_gain / (8 * g.num_attention_heads * g.head_dim)
+    per_l = llama_gain / (32 * ll.num_attention_heads * (ll.hidden_size // ll.num_attention_heads))
+    assert per_g < per_l  # head_dim 256 runs cuDNN nearer its varlen rate than 128 does: the same order, not more

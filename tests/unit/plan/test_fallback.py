@@ -1,8 +1,8 @@
-"""Models whose layers finetune's varlen kernel does not run (sliding windows, logit soft-capping):
-the config reader sees them, the planner plans those layers over the masked packed row (sdpa; eager for
-soft-capping, which sdpa does not compute) for memory and executed attention FLOPs, says so, its rule
-matches the runtime's on real transformers layers, and a soft-capped layer computes what transformers'
-own eager attention computes."""
+"""Models whose layers finetune's varlen kernel does not run (logit soft-capping, sinks, attention dropout) and those
+it runs with a window (sliding-window layers): the config reader sees both, the planner plans the first over the
+masked packed row (sdpa; eager for soft-capping, which sdpa does not compute) for memory and executed attention
+FLOPs, says so, and plans the second as the kernel's bands; its rules match the runtime's on real transformers
+layers, and a soft-capped layer computes what transformers' own eager attention computes."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import pytest
 from finetune.plan import attention_kind, job_from_recipe, plan_job, plan_on, varlen_fallback_layers
 from finetune.plan.memory import attention_matrix_bytes
 from finetune.plan.timing import flops_per_token, job_model_flops_per_token
-from finetune.plan.workload import executed_attention_positions
+from finetune.plan.workload import executed_attention_positions, sliding_layer_count
 from finetune.recipe import load_recipe
 from finetune.registry import get_model, resolve_model
 from finetune.registry.derive import arch_from_config
@@ -82,14 +82,14 @@ def test_registry_gemma_and_mistral_entries_match_their_published_configs():
         arch = get_model(key)
         assert (arch.sliding_window, arch.sliding_layers, arch.attn_logit_softcap) == want, key
     assert varlen_fallback_layers(get_model("gemma-2-9b")) == 42  # soft-capping is on every layer
-    assert varlen_fallback_layers(get_model("gemma-3-12b")) == 40
+    assert varlen_fallback_layers(get_model("gemma-3-12b")) == 0  # its windows run on the kernel
     assert varlen_fallback_layers(get_model("mistral-7b-v0.3")) == 0
     assert varlen_fallback_layers(get_model("llama-3.1-8b")) == 0
 
 
 def test_attention_kind_falls_back_for_such_models():
     assert attention_kind("varlen", packed=True, arch=get_model("gemma-2-9b")) == "eager"  # soft-capping
-    assert attention_kind("varlen", packed=True, arch=get_model("gemma-3-12b")) == "sdpa"  # sliding window
+    assert attention_kind("varlen", packed=True, arch=get_model("gemma-3-12b")) == "varlen"  # windows included
     assert attention_kind("varlen", packed=True, arch=get_model("llama-3.1-8b")) == "varlen"
     assert attention_kind("flash_attention_2", packed=True, arch=get_model("gemma-2-9b")) == "flash"
 
@@ -131,11 +131,15 @@ def test_fallback_executes_the_whole_packed_square_and_keeps_its_mask():
     # eager also keeps the scores: the fp32 softmax, its bf16 copy and soft-capping's tanh output (the trace below)
     heads = arch.num_attention_heads
     assert attention_matrix_bytes(gemma, micro_batch=4) == 8192**2 * (2 + heads * (4 + 2 + 2))
-    # Gemma-3: the 8 global layers stay on the varlen kernel (seq-based figure, no mask)
+    # Gemma-3: every layer on the varlen kernel, no mask; the 8 global layers compute their examples' triangles, the
+    # 40 local ones the band of their 1,024-token window (examples as long as the row: 1024 - 1024^2 / (2 x 2048))
     g3 = job_from_recipe(_recipe("gemma-3-12b", micro=2), arch=get_model("gemma-3-12b"), preset=preset)
-    assert (g3.attention, g3.varlen_layers) == ("sdpa", 8)
-    assert executed_attention_positions(g3, micro_batch=2) == 40 * 4096 + 8 * 2048 / 2  # causal triangle
-    assert attention_matrix_bytes(g3, micro_batch=2) == pytest.approx(4096**2 * 2 * 40 / 48)
+    assert g3.attention == "varlen"
+    assert executed_attention_positions(g3, micro_batch=2) == 8 * 2048 / 2 + 40 * (1024 - 1024**2 / 4096)
+    assert attention_matrix_bytes(g3, micro_batch=2) == 0
+    # the band is cheaper than the masked square the sliding layers ran before (the legacy rows' job)
+    legacy = g3.__class__(**{**g3.__dict__, "attention": "sdpa", "varlen_layers": 8})
+    assert plan_job(g3).tokens_per_second > plan_job(legacy).tokens_per_second
     # a model the kernel serves keeps the per-sequence figure
     llama = job_from_recipe(_recipe("llama-3.1-8b"), arch=get_model("llama-3.1-8b"), preset=preset)
     assert executed_attention_positions(llama, micro_batch=4) == 32 * 2048 / 2  # the causal triangle
@@ -223,12 +227,14 @@ def test_planner_rule_matches_the_runtime_rule_on_real_layers(tmp_path, cfg):
     torch = pytest.importorskip("torch")
     from transformers import AttentionInterface, AutoConfig, AutoModelForCausalLM
 
-    from finetune.train.attention import layer_falls_back
+    from finetune.train.attention import layer_falls_back, layer_window
 
     seen: list[bool] = []
+    windowed: list[bool] = []
 
     def probe(module, query, key, value, attention_mask, **kwargs):
         seen.append(layer_falls_back(kwargs))
+        windowed.append(layer_window(kwargs) is not None)
         return query.transpose(1, 2).contiguous(), None
 
     AttentionInterface.register("finetune_probe", probe)
@@ -241,6 +247,7 @@ def test_planner_rule_matches_the_runtime_rule_on_real_layers(tmp_path, cfg):
         model(input_ids=torch.zeros(1, 8, dtype=torch.long))
     assert len(seen) == full["num_hidden_layers"]
     assert sum(seen) == varlen_fallback_layers(_derive(tmp_path, full))
+    assert sum(windowed) == sliding_layer_count(_derive(tmp_path, full))
 
 
 @pytest.mark.parametrize(
@@ -277,7 +284,7 @@ def test_a_soft_capped_layer_computes_what_transformers_eager_attention_does(tmp
     torch = pytest.importorskip("torch")
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from finetune.train.attention import register
+    from finetune.train.attention import register, skip_packed_row_masks, skipped_packed_row_masks
 
     (tmp_path / "config.json").write_text(
         json.dumps(
@@ -297,12 +304,22 @@ def test_a_soft_capped_layer_computes_what_transformers_eager_attention_does(tmp
     ids = torch.randint(0, 256, (1, 12))
     kwargs = {"position_ids": torch.tensor([[0, 1, 2, 3, 4, 0, 1, 2, 3, 4, 5, 6]])} if packed else {}
     with torch.no_grad():
-        expected = model(input_ids=ids, **kwargs).logits
+        expected = model(input_ids=ids, use_cache=False, **kwargs).logits
         model.config._attn_implementation = register()
         for layer in model.model.layers:
             layer.self_attn.config._attn_implementation = model.config._attn_implementation
-        got = model(input_ids=ids, **kwargs).logits
-    assert torch.allclose(got, expected, atol=1e-5)
+        got = model(input_ids=ids, use_cache=False, **kwargs).logits
+        assert torch.allclose(got, expected, atol=1e-5)
+        if packed:  # with the example bounds, transformers builds no mask: each layer builds its own from them
+            skip_packed_row_masks(model)
+            masks: list = []
+            for layer in model.model.layers:
+                layer.register_forward_pre_hook(lambda m, a, kw: masks.append(kw["attention_mask"]), with_kwargs=True)
+            cu = torch.tensor([0, 5, 12], dtype=torch.int32)
+            bounds = dict(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=7, max_length_k=7)
+            got = model(input_ids=ids, use_cache=False, **kwargs, **bounds).logits
+            assert masks == [None, None] and skipped_packed_row_masks()
+            assert torch.allclose(got, expected, atol=1e-5)
 
 
 @pytest.mark.parametrize("softcap,kept", [(50.0, 4 + 2 + 2), (None, 4 + 2)])

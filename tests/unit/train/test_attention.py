@@ -64,3 +64,24 @@ def test_a_layer_with_attention_sinks_runs_its_models_eager_attention():
     torch.testing.assert_close(ours, theirs)
     without_sinks, _ = sdpa_attention_forward(module, q, k, v, None, scaling=0.25, is_causal=True)
     assert not torch.allclose(ours, without_sinks, atol=1e-3)  # the sinks change the output
+
+
+def test_a_sliding_window_reaches_the_kernel_as_flash_attentions_left_window():
+    """transformers' window w lets a query see itself and w - 1 keys before it (masking_utils'
+    sliding_window_overlay: kv > q - w); flash-attention's (left, right) window sees `left` keys before, so w - 1.
+    A window no example of the row outgrows is the kernel's plain causal path."""
+    from transformers.masking_utils import sliding_window_overlay
+
+    if not attention.takes_windows():
+        import pytest
+
+        pytest.skip(f"torch {torch.__version__}'s varlen_attn has no window_size")
+    assert attention.window_arguments(1024, 4096) == {"window_size": (1023, 0)}
+    assert attention.window_arguments(4096, 4096) == attention.window_arguments(None, 4096) == {"window_size": (-1, 0)}
+    seen = [k for k in range(10) if sliding_window_overlay(4)(0, 0, 9, k)]
+    left = attention.window_arguments(4, 10)["window_size"][0]
+    assert seen == list(range(9 - left, 10))  # the same keys: the query's own and `left` before it
+    # a sliding layer takes the kernel; a soft-capped or sink layer does not
+    assert attention.layer_window({"sliding_window": 1024}) == 1024 and attention.layer_window({}) is None
+    assert not attention.layer_falls_back({"sliding_window": 1024})
+    assert attention.layer_falls_back({"softcap": 50.0})
