@@ -259,9 +259,9 @@ def attention_kind(implementation: str, *, packed: bool, arch=None) -> str:
     """The planner's attention memory model: flash (no mask, no repeated kv heads) | varlen (no mask, kv
     heads as they are: torch's varlen kernel takes grouped heads) | sdpa | eager.
     varlen falls back to sdpa on rows without example boundaries, and on packed rows of an `arch`
-    whose sliding windows, logit soft-capping or attention sinks it does not run (`varlen_fallback_layers`):
+    whose logit soft-capping, attention sinks or attention dropout it does not run (`varlen_fallback_layers`):
     soft-capped and sink layers go to the model's own eager attention (sdpa computes neither), the others
-    to sdpa."""
+    to sdpa. Sliding windows it runs."""
     if implementation in ("eager", "sdpa"):
         return implementation
     if implementation == "varlen":
