@@ -67,6 +67,7 @@ from finetune.plan.workload import (
     needs_model_eager,
     pads_rows,
     saved_modules,
+    sliding_layer_count,
     trainable_params,
     varlen_fallback_layers,
 )
@@ -957,9 +958,14 @@ def _kernels(job: Job, strategy: str, *, row_multiple: int | None) -> str:
         )
     if job.packed and job.example_tokens and job.attention in ("varlen", "flash"):
         attention += f" (examples of ~{job.example_tokens:,.0f} tokens, token-weighted: data.example_tokens)"
+    sliding = sliding_layer_count(job.arch) if job.attention in ("varlen", "flash") else 0
+    if sliding:
+        window = job.arch.sliding_window or 0
+        attention += f", {sliding} of {job.arch.num_layers} layers within their {window:,}-token window"
     if long_examples_on_cudnn(job):
+        full = " in the full layers" if sliding else ""
         attention += (
-            f" (examples of {CUDNN_MIN_EXAMPLE_TOKENS:,} tokens or more on cuDNN's causal attention: "
+            f" (examples of {CUDNN_MIN_EXAMPLE_TOKENS:,} tokens or more{full} on cuDNN's causal attention: "
             "model.cudnn_long_examples)"
         )
     if row_multiple:

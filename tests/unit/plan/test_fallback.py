@@ -209,6 +209,10 @@ def test_plan_warns_what_the_fallback_costs():
     assert "masked packed row on 42 of 42 layers" in result.kernels
     llama = plan_on(_recipe("llama-3.1-8b"), arch=get_model("llama-3.1-8b"), preset=H100, source="auto")
     assert not [w for w in llama.warnings if "varlen" in w]
+    # Gemma-3's windows run on the kernel: no fallback warning, the kernels line says so
+    gemma3 = plan_on(_recipe("gemma-3-12b"), arch=get_model("gemma-3-12b"), preset=H100, source="auto")
+    assert not [w for w in gemma3.warnings if "varlen" in w]
+    assert "varlen flash attention on packed rows, 40 of 48 layers within their 1,024-token window" in gemma3.kernels
 
 
 @pytest.mark.parametrize(
