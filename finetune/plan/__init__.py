@@ -239,6 +239,14 @@ def attention_implementation(recipe, preset, *, arch=None) -> str:
             hint="set model.attn_implementation: auto (PyTorch's varlen flash kernel for packed rows) or "
             "flash_attention_2",
         )
+    mask_only_window = arch is not None and arch.window_in_mask_only and sliding_layer_count(arch) > 0
+    if chosen in CUDA_ATTENTION and mask_only_window:  # the flash kernels read no mask
+        raise RecipeError(
+            f"{arch.key} applies its {arch.sliding_window}-token sliding window on {arch.sliding_layers} layers only "
+            f"through transformers' attention mask, which {chosen} does not read: it would train without the window",
+            key="model.attn_implementation",
+            hint="set model.attn_implementation: auto (sdpa for this model) or sdpa",
+        )
     half = DTYPE_BYTES[compute_dtype(recipe)] == 2  # the varlen kernel runs bf16/fp16 only
     if chosen == "varlen" and not half and preset.vendor != "cpu":
         raise RecipeError(
@@ -252,7 +260,7 @@ def attention_implementation(recipe, preset, *, arch=None) -> str:
         if eager_only:
             return "eager"
         packed = recipe.data.packing and recipe.method.type in ("sft", "dpo")
-        chosen = "varlen" if packed and preset.vendor == "nvidia" and half else "sdpa"
+        chosen = "varlen" if packed and preset.vendor == "nvidia" and half and not mask_only_window else "sdpa"
     return chosen
 
 

@@ -454,6 +454,8 @@ def sliding_fields(text: dict, *, family: Family) -> dict:
     sliding = sum(1 for t in kinds if t == "sliding_attention")
     if sliding:
         out.update(sliding_window=int(window), sliding_layers=sliding)
+        if family.window_in_mask_only:
+            out["window_in_mask_only"] = True
     return out
 
 

@@ -36,6 +36,9 @@ class Family:
     # other below max_window_layers, "nope" the NoPE layers (SmolLM3's no_rope_layers)
     slides: str = ""
     pattern: int = 6
+    # the attention module applies its window only through the mask transformers builds, passing no sliding_window to
+    # the attention function (Qwen2-MoE): ModelArch.window_in_mask_only
+    window_in_mask_only: bool = False
     # the class defaults of the shape keys (hidden_size, vocab_size, the experts' count and width, ...) a
     # config.json may leave out: save_pretrained writes only the values that differ from the class's defaults
     defaults: dict[str, int] = field(default_factory=dict)
@@ -107,6 +110,7 @@ FAMILIES: dict[str, Family] = {
         window=4096,
         window_switch=True,
         slides="qwen_moe",
+        window_in_mask_only=True,
         defaults=dict(
             num_local_experts=60,
             moe_intermediate_size=1408,

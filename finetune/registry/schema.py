@@ -97,6 +97,11 @@ class ModelArch(Strict):
     v_head_dim: int | None = Field(None, ge=1, description="MLA: value head width")
     sliding_window: int | None = Field(None, ge=1, description="window of the sliding-attention layers")
     sliding_layers: int = Field(0, ge=0, description="how many layers attend within sliding_window only")
+    window_in_mask_only: bool = Field(
+        False,
+        description="the sliding layers apply their window only through transformers' mask, not as the attention "
+        "function's sliding_window argument (Qwen2-MoE): flash kernels, which read no mask, would drop it",
+    )
     attn_logit_softcap: float | None = Field(
         None,
         gt=0,

@@ -223,7 +223,41 @@ def test_plan_warns_what_the_fallback_costs():
         dict(model_type="gemma3_text", num_hidden_layers=6, sliding_window=32),
         dict(model_type="llama", num_hidden_layers=3),
         dict(model_type="gpt_oss", num_hidden_layers=2, num_local_experts=4, num_experts_per_tok=2),
+        # every other family whose config can slide (registry/families.py: Family.slides)
+        dict(model_type="ministral", num_hidden_layers=3, sliding_window=64),
+        dict(model_type="cwm", num_hidden_layers=4, sliding_window=64),
+        dict(model_type="smollm3", num_hidden_layers=4, use_sliding_window=True, sliding_window=64, pad_token_id=0),
+        dict(model_type="qwen2", num_hidden_layers=4, use_sliding_window=True, sliding_window=64, max_window_layers=2),
+        dict(model_type="qwen3", num_hidden_layers=4, use_sliding_window=True, sliding_window=64, max_window_layers=2),
+        dict(model_type="vaultgemma", num_hidden_layers=4, sliding_window=64),
+        dict(model_type="olmo3", num_hidden_layers=4, sliding_window=64),
+        dict(model_type="exaone4", num_hidden_layers=4, sliding_window=64, sliding_window_pattern=4),
+        dict(model_type="cohere2", num_hidden_layers=4, sliding_window=64),
+        dict(model_type="phi3", num_hidden_layers=3, sliding_window=64, pad_token_id=0),
+        dict(model_type="mixtral", num_hidden_layers=3, sliding_window=64, num_local_experts=4, num_experts_per_tok=2),
+        dict(
+            model_type="qwen3_moe",
+            num_hidden_layers=4,
+            use_sliding_window=True,
+            sliding_window=64,
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+        ),
+        # the window only in the mask: the attention function never sees it (ModelArch.window_in_mask_only)
+        dict(
+            model_type="qwen2_moe",
+            num_hidden_layers=4,
+            use_sliding_window=True,
+            sliding_window=64,
+            max_window_layers=4,
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            shared_expert_intermediate_size=32,
+        ),
     ],
+    ids=lambda cfg: cfg["model_type"],
 )
 def test_planner_rule_matches_the_runtime_rule_on_real_layers(tmp_path, cfg):
     """Count the layers whose attention call the runtime (train/attention.py's layer_falls_back) sends
@@ -250,8 +284,38 @@ def test_planner_rule_matches_the_runtime_rule_on_real_layers(tmp_path, cfg):
     with torch.no_grad():
         model(input_ids=torch.zeros(1, 8, dtype=torch.long))
     assert len(seen) == full["num_hidden_layers"]
-    assert sum(seen) == varlen_fallback_layers(_derive(tmp_path, full))
-    assert sum(windowed) == sliding_layer_count(_derive(tmp_path, full))
+    arch = _derive(tmp_path, full)
+    assert sum(seen) == varlen_fallback_layers(arch)
+    if arch.window_in_mask_only:  # the planner keeps such a model off the flash kernels (the test below)
+        assert sum(windowed) == 0 and sliding_layer_count(arch) > 0
+    else:
+        assert sum(windowed) == sliding_layer_count(arch)
+
+
+def test_a_window_only_in_the_mask_keeps_the_model_off_the_flash_kernels(tmp_path):
+    """Qwen2-MoE with use_sliding_window applies its window through transformers' mask alone, which the varlen and
+    flash kernels do not read: auto plans sdpa, and asking for a flash kernel is refused by name."""
+    from finetune.errors import RecipeError
+    from finetune.plan import attention_implementation
+
+    full = {
+        **SMALL,
+        "model_type": "qwen2_moe",
+        "num_hidden_layers": 4,
+        "use_sliding_window": True,
+        "sliding_window": 64,
+        "max_window_layers": 4,
+    }
+    arch = _derive(tmp_path, full)
+    assert arch.window_in_mask_only and arch.sliding_layers == 2
+    assert attention_implementation(_recipe("llama-3.1-8b"), H100, arch=arch) == "sdpa"
+    for kernel in ("varlen", "flash_attention_2"):
+        with pytest.raises(RecipeError) as err:
+            attention_implementation(_recipe("llama-3.1-8b", attn=kernel), H100, arch=arch)
+        assert err.value.key == "model.attn_implementation" and "would train without the window" in str(err.value)
+    # without the switch its layers do not slide, and auto keeps the varlen kernel
+    plain = _derive(tmp_path, {**full, "use_sliding_window": False})
+    assert attention_implementation(_recipe("llama-3.1-8b"), H100, arch=plain) == "varlen"
 
 
 @pytest.mark.parametrize(
