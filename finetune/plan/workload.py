@@ -461,8 +461,14 @@ def packed_example_tokens(job: Job) -> float:
 
 
 def long_examples_on_cudnn(job: Job) -> bool:
-    """A packed row's examples run on cuDNN's causal attention (Job.cudnn_long_examples, finetune/kernels.py)."""
-    return job.cudnn_long_examples and job.packed and packed_example_tokens(job) >= CUDNN_MIN_EXAMPLE_TOKENS
+    """A packed row's examples run on cuDNN's causal attention (Job.cudnn_long_examples, finetune/kernels.py): in its
+    full layers, cuDNN having no window (a model whose every layer slides, Mistral-7B-v0.1, has none there)."""
+    return (
+        job.cudnn_long_examples
+        and job.packed
+        and packed_example_tokens(job) >= CUDNN_MIN_EXAMPLE_TOKENS
+        and sliding_layer_count(job.arch) < job.arch.num_layers
+    )
 
 
 def kernel_example_tokens(job: Job, micro_batch: int) -> float:

@@ -103,3 +103,30 @@ def test_sliding_layers_stay_on_the_varlen_kernel_where_long_examples_run_on_cud
     per_g = gemma_gain / (8 * g.num_attention_heads * g.head_dim)
     per_l = llama_gain / (32 * ll.num_attention_heads * (ll.hidden_size // ll.num_attention_heads))
     assert per_g < per_l  # head_dim 256 runs cuDNN nearer its varlen rate than 128 does: the same order, not more
+
+
+def test_a_model_whose_every_layer_slides_runs_no_example_on_cudnn():
+    """Mistral-7B-v0.1's 4,096-token window is on every layer, so none of its long examples reach cuDNN (which has no
+    window): model.cudnn_long_examples changes neither its time nor its memory, and the kernels line says none do."""
+    from finetune.plan import plan_job
+    from finetune.plan.workload import long_examples_on_cudnn
+    from tests.helpers.recipes import shape_job
+
+    preset = preset_for("NVIDIA H200", gpus_per_node=1)
+    on, off = (
+        shape_job(
+            "mistral-7b-v0.1",
+            "lora",
+            preset,
+            seq=32768,
+            global_batch=4,
+            data__packing=True,
+            model__cudnn_long_examples=cudnn,
+        )
+        for cudnn in (True, False)
+    )
+    assert not long_examples_on_cudnn(on)
+    planned_on, planned_off = plan_job(on), plan_job(off)
+    assert planned_on.tokens_per_second == planned_off.tokens_per_second
+    assert planned_on.per_gpu_memory_gib == planned_off.per_gpu_memory_gib
+    assert "cuDNN" not in planned_on.kernels and "32 of 32 layers within their 4,096-token window" in planned_on.kernels
