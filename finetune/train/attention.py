@@ -138,7 +138,11 @@ def packed_row_mask(*args, **kwargs):
 
 def skip_packed_row_masks(model) -> None:
     """Hooks on the model (public nn.Module hooks) that tell `packed_row_mask` when a forward is given a packed row's
-    example bounds (TRL's padding-free collator, finetune's DPO pairs), so transformers builds no mask for it."""
+    example bounds (TRL's padding-free collator, finetune's DPO pairs), so transformers builds no mask for it. Once a
+    model: a second call adds nothing."""
+    if getattr(model, "_finetune_skips_row_masks", False):
+        return
+    model._finetune_skips_row_masks = True
 
     def before(module, args, kwargs):
         _PACKED_FORWARD["on"] = kwargs.get("cu_seq_lens_q") is not None

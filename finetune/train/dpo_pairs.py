@@ -37,7 +37,9 @@ class PaddingFreePairs:
     _last: tuple | None = None  # (the mask, its layout): the reference's call reuses the policy's
 
     def attach(self, module) -> None:
-        module.register_forward_pre_hook(self.before, with_kwargs=True)
+        # first among the module's pre-hooks: those registered at load read the bounds this one adds
+        # (train/attention.py skip_packed_row_masks)
+        module.register_forward_pre_hook(self.before, with_kwargs=True, prepend=True)
         module.register_forward_hook(self.after, with_kwargs=True)
 
     def layout(self, mask) -> dict:

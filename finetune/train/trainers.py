@@ -227,12 +227,16 @@ def _trainer(recipe: Recipe, *, args, model, tokenizer, data, callbacks: list):
         callbacks=callbacks,
     )
     if recipe.data.packing:  # padding-free pairs (finetune/train/dpo_pairs.py)
+        from finetune.train import attention
         from finetune.train.dpo_pairs import PaddingFreePairs
 
         pairs = PaddingFreePairs(multiple=recipe.resolved.row_multiple if recipe.resolved else None)
         for module in (trainer.model, trainer.ref_model):
             if module is not None:
                 pairs.attach(module)
+        reference = trainer.ref_model  # a copy loaded apart from the policy (train/model.py load_training_model)
+        if reference is not None and reference.config._attn_implementation == attention.NAME:
+            attention.skip_packed_row_masks(reference)
         logging.getLogger("finetune.train").info(PADDING_FREE_PAIRS_NOTE)
     return trainer
 

@@ -117,3 +117,32 @@ def test_pairs_row_padded_to_a_multiple_gives_the_same_log_probs_and_gradients()
     for name, grad in padded_grads.items():
         scale = float(grad.abs().max())
         torch.testing.assert_close(free_grads[name], grad, rtol=1e-4, atol=1e-5 * scale, msg=name)
+
+
+def test_pairs_on_finetunes_attention_build_no_packed_row_mask_and_give_the_padded_log_probs():
+    """A full fine-tune's DPO: the pairs' hook and finetune's mask hooks on the same module (the model loaded with
+    finetune's attention, whose mask hooks come first at load): the pairs' hook runs first, so the forward gets the
+    bounds, transformers builds no mask (each layer on CPU falls back to sdpa over the mask built from the bounds),
+    and the log-probabilities are the padded call's."""
+    from transformers import AutoModelForCausalLM
+    from trl.trainer.utils import add_fused_lm_head
+
+    from finetune.train import attention
+    from finetune.train.dpo_pairs import PaddingFreePairs
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_pretrained(TINY_MODEL, dtype=torch.float32, attn_implementation="sdpa")
+    add_fused_lm_head(model)
+    batch, labels = _batch()
+    padded, _ = _log_probs(model, batch, labels)
+
+    model.set_attn_implementation(attention.register())
+    attention.skip_packed_row_masks(model)
+    attention.skip_packed_row_masks(model)  # once a model
+    PaddingFreePairs().attach(model)
+    masks: list = []
+    for layer in model.model.layers:
+        layer.register_forward_pre_hook(lambda m, a, kw: masks.append(kw["attention_mask"]), with_kwargs=True)
+    free, _ = _log_probs(model, batch, labels)
+    assert masks and all(m is None for m in masks)
+    torch.testing.assert_close(free, padded, rtol=1e-5, atol=1e-5)
