@@ -131,3 +131,62 @@ def test_a_packed_row_with_its_bounds_gets_no_mask_from_transformers_and_the_sam
         seen.clear()
         ours(input_ids=ids, position_ids=position_ids, use_cache=False)  # no bounds: transformers' masks
         assert all(m is not None and m.shape == (1, 1, 16, 16) for m in seen)
+
+
+def test_a_bidirectional_model_keeps_transformers_masks():
+    """A Gemma-3 with use_bidirectional_attention (its layers not causal, so every one falls back from the causal
+    kernel): transformers' bidirectional masks are built as before, the bounds notwithstanding, and the logits are
+    sdpa's."""
+    config = gemma3_config(attention.register())
+    config.use_bidirectional_attention = True
+    torch.manual_seed(0)
+    ours = transformers.Gemma3ForCausalLM(config).eval()
+    reference = gemma3_config("sdpa")
+    reference.use_bidirectional_attention = True
+    theirs = transformers.Gemma3ForCausalLM(reference).eval()
+    theirs.load_state_dict(ours.state_dict())
+    attention.skip_packed_row_masks(ours)
+    seen: list = []
+    for layer in ours.model.layers:
+        layer.register_forward_pre_hook(lambda m, a, kw: seen.append(kw["attention_mask"]), with_kwargs=True)
+    lengths = [5, 9, 2]
+    ids = torch.randint(0, 64, (1, sum(lengths)))
+    position_ids = torch.cat([torch.arange(n) for n in lengths])[None]
+    cu = torch.tensor([0, 5, 14, 16], dtype=torch.int32)
+    bounds = dict(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=9, max_length_k=9)
+    with torch.no_grad():
+        got = ours(input_ids=ids, position_ids=position_ids, use_cache=False, **bounds).logits
+        expected = theirs(input_ids=ids, position_ids=position_ids, use_cache=False).logits
+    assert all(m is not None for m in seen)
+    torch.testing.assert_close(got, expected)
+
+
+def test_only_a_plain_causal_packed_row_goes_without_a_mask():
+    """In a forward given a packed row's bounds, transformers' causal mask is declined; a causal mask with a model's
+    own overlay (built with vmap, as Gemma-3's bidirectional image tokens) is not."""
+    config = transformers.LlamaConfig(
+        hidden_size=16,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        num_hidden_layers=1,
+        vocab_size=64,
+        attn_implementation=attention.register(),
+    )
+
+    class Masks(torch.nn.Module):
+        def forward(self, embeds, position_ids, **bounds):
+            overlay = {"or_mask_function": lambda *a: torch.tensor(False)}
+            return (
+                create_causal_mask(config, embeds, None, None, position_ids=position_ids),
+                create_causal_mask(config, embeds, None, None, position_ids=position_ids, **overlay),
+            )
+
+    masks = Masks()
+    attention.skip_packed_row_masks(masks)
+    lengths = [5, 9, 2]
+    position_ids = torch.cat([torch.arange(n) for n in lengths])[None]
+    cu = torch.tensor([0, 5, 14, 16], dtype=torch.int32)
+    causal, overlaid = masks(torch.zeros(1, 16, 16), position_ids, cu_seq_lens_q=cu)
+    assert causal is None and overlaid is not None and overlaid.shape == (1, 1, 16, 16)
+    causal, _ = masks(torch.zeros(1, 16, 16), position_ids)  # no bounds: built
+    assert causal is not None and causal.shape == (1, 1, 16, 16)
