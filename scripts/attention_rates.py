@@ -22,6 +22,12 @@ step efficiency does not see where long examples make attention most of a step; 
 examples on cuDNN's causal kernel (model.cudnn_long_examples), case by case.
 
     python3 scripts/attention_rates.py --varlen --out varlen.json
+
+With --varlen --windows W... it also times the varlen path as a sliding-window layer calls it (its `sliding_window`,
+flash-attention's left window) over the same rows, for each window W: the rate of the band
+(finetune/plan/attention_time.py windowed_rate plans it at the rate of a causal example twice the window long).
+
+    python3 scripts/attention_rates.py --varlen --windows 1024 4096 --out varlen-windows.json
 """
 
 from __future__ import annotations
@@ -104,10 +110,12 @@ def measure(*, heads, kv_heads, head_dim, tokens, masked, dropout, iters, device
     }
 
 
-def measure_varlen(*, heads, kv_heads, head_dim, example_tokens, on_cudnn, iters, device) -> dict:
+def measure_varlen(*, heads, kv_heads, head_dim, example_tokens, on_cudnn, iters, device, window=None) -> dict:
     """Forward + backward of finetune's varlen attention over one packed row of VARLEN_ROW_TOKENS tokens made of
-    causal examples of `example_tokens` each (`on_cudnn`: those long enough on cuDNN's kernel), with the kernel's
-    executed FLOPs (each example's triangle, without cuDNN's padding)."""
+    causal examples of `example_tokens` each (`on_cudnn`: those long enough on cuDNN's kernel; `window`: as a layer
+    with that sliding window calls it), with the kernel's executed FLOPs (each example's triangle or band, without
+    cuDNN's padding)."""
+    from finetune.plan.workload import band_positions
     from finetune.train.attention import register, varlen_attention_forward
 
     register(long_examples_on_cudnn=on_cudnn)
@@ -122,13 +130,17 @@ def measure_varlen(*, heads, kv_heads, head_dim, example_tokens, on_cudnn, iters
     cu = torch.arange(examples + 1, device=device, dtype=torch.int32) * example_tokens
     bounds = dict(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=example_tokens, max_length_k=example_tokens)
 
+    layer = {"sliding_window": window} if window else {}
+
     def step():
-        out, _ = varlen_attention_forward(Layer(), q, k, v, None, is_causal=True, **bounds)
+        out, _ = varlen_attention_forward(Layer(), q, k, v, None, is_causal=True, **bounds, **layer)
         out.backward(grad)
         q.grad = k.grad = v.grad = None
 
     seconds = seconds_per_step(step, iters)
-    flops = 12 * heads * head_dim * examples * example_tokens * (example_tokens + 1) / 2
+    # keys a query sees on average: the triangle's (e + 1) / 2, or the band's
+    keys = band_positions(window, example_tokens) if window else (example_tokens + 1) / 2
+    flops = 12 * heads * head_dim * examples * example_tokens * keys
     return {"seconds": seconds, "executed_tflop": flops / 1e12, "tflops": flops / seconds / 1e12}
 
 
@@ -162,17 +174,23 @@ def main() -> None:
     parser.add_argument("--iters", type=int, default=10)
     parser.add_argument("--new-lengths", type=int, default=0, help="time the masked kernel at this many new lengths")
     parser.add_argument("--varlen", action="store_true", help="time finetune's varlen path by example length")
+    parser.add_argument(
+        "--windows", type=int, nargs="*", default=[], help="with --varlen: also as sliding-window layers of these"
+    )
     args = parser.parse_args()
     device = torch.device("cuda")
     rows = []
     if args.varlen:
+        # the full layers' paths, then each window's (a sliding layer never takes cuDNN's kernel)
+        paths = [(False, None), (True, None), *((False, w) for w in args.windows)]
         for label, heads, kv_heads, head_dim in SHAPES:
             for example_tokens in VARLEN_EXAMPLE_TOKENS:
-                for on_cudnn in (False, True):
+                for on_cudnn, window in paths:
                     case = {"shape": label, "heads": heads, "kv_heads": kv_heads, "head_dim": head_dim}
                     case |= {"row_tokens": VARLEN_ROW_TOKENS, "example_tokens": example_tokens, "on_cudnn": on_cudnn}
+                    case |= {"window": window} if window else {}
                     shape = {k: case[k] for k in ("heads", "kv_heads", "head_dim", "example_tokens", "on_cudnn")}
-                    case |= measure_varlen(**shape, iters=args.iters, device=device)
+                    case |= measure_varlen(**shape, window=window, iters=args.iters, device=device)
                     print(json.dumps(case), flush=True)
                     rows.append(case)
     if args.new_lengths:
