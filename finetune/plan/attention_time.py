@@ -57,9 +57,12 @@ DROPOUT_KERNEL_SLOWDOWN = 1.6
 # attention most of a step (57k-token examples: 56% of an 8B LoRA step's FLOPs), the step's rate planned
 # long-context runs 1.15-1.33x too fast (docs/validation.md, twenty-second session). Other cards are assumed to
 # reach the same fraction of their peak.
+# Head_dim 256 (Gemma's: 16/8 heads) from a later call (docs/results/attention-varlen-window-rates-2026-11-29-h200.json,
+# where the 128 points at 8k and 16k came back within 1% of these): slower than 128 at every length, held beyond 16k.
 VARLEN_RATES: dict[int, tuple[tuple[int, float], ...]] = {
     64: ((2048, 0.171), (4096, 0.211), (8192, 0.232), (16384, 0.247), (32768, 0.251), (65536, 0.255)),
     128: ((2048, 0.207), (4096, 0.236), (8192, 0.259), (16384, 0.272), (32768, 0.280), (65536, 0.283)),
+    256: ((2048, 0.179), (4096, 0.208), (16384, 0.230)),
 }
 
 
@@ -84,12 +87,16 @@ def _by_length(points: tuple[tuple[int, float], ...], length: float) -> float:
 
 
 def _by_head_dim(rates: dict[int, tuple[tuple[int, float], ...]], head_dim: int, tokens: float) -> float:
-    """A rate table's figure: linear in head_dim between the measured 64 and 128, held at those outside them (MLA's
-    192 and Gemma's 256 were not measured)."""
-    small, large = sorted(rates)
-    at_small, at_large = (_by_length(rates[d], tokens) for d in (small, large))
-    share = min(max((head_dim - small) / (large - small), 0.0), 1.0)
-    return at_small + share * (at_large - at_small)
+    """A rate table's figure: linear in head_dim between the measured head sizes around it, held at the end ones
+    outside them (MLA's 192 lies between 128 and 256 in VARLEN_RATES; CUDNN_RATES has 64 and 128 only)."""
+    dims = sorted(rates)
+    if head_dim <= dims[0]:
+        return _by_length(rates[dims[0]], tokens)
+    for small, large in zip(dims, dims[1:]):
+        if head_dim <= large:
+            at_small, at_large = (_by_length(rates[d], tokens) for d in (small, large))
+            return at_small + (head_dim - small) / (large - small) * (at_large - at_small)
+    return _by_length(rates[dims[-1]], tokens)
 
 
 def varlen_rate(head_dim: int, example_tokens: float) -> float:
@@ -108,7 +115,10 @@ def packed_attention_rate(job: Job, example_tokens: float) -> float:
 
 def windowed_rate(job: Job, example_tokens: float) -> float:
     """The varlen kernel's rate on a sliding layer's band: its queries see at most the window's keys, as many as a
-    causal example of twice the window averages, so it runs at that length's rate (not measured on its own)."""
+    causal example of twice the window averages, so it runs at that length's rate. Measured (H200,
+    attention-varlen-window-rates-2026-11-29-h200.json): a 1,024-token window over 16k-token examples at head_dim 256
+    ran 0.177 of the peak against 0.179 for causal 2,048-token examples; a 4,096-token window at 128, 0.251 against
+    0.260 at 8,192."""
     window = job.arch.sliding_window or example_tokens
     return varlen_rate(head_dim(job.arch), min(example_tokens, 2 * window))
 
@@ -144,7 +154,9 @@ def kernel_extra_seconds(job: Job, *, micro_batch: int, checkpointed_share: floa
     executed = executed_attention_positions(job, micro_batch=micro_batch)
     on_mask = 0.0
     if masked:  # a packed row's layers the varlen kernel still serves run unmasked (workload.masked_row_layers)
-        row = micro_batch * job.seq_len * job.sequences_per_sample
+        # the row as executed_attention_positions counts it (the real tokens, padding included), so that the served
+        # layers' share below is what is left of it
+        row = computed_tokens_per_micro_batch(job, micro_batch)
         on_mask = masked_row_layers(job) * row if job.packed else executed
     # the positions the varlen (or flash) kernel computes: every layer of theirs, a packed row's served layers
     varlen = executed if job.attention in ("flash", "varlen") else (executed - on_mask if job.packed else 0.0)

@@ -137,11 +137,35 @@ def test_planned_time_with_long_examples_on_cudnn_is_the_measured(case):
 
 def test_varlen_rate_between_and_beyond_the_measured_points():
     """Between measured lengths the rate is linear in log2(length) and between head sizes linear in head_dim;
-    outside the measured span (2,048-65,536 tokens, head_dim 64-128) it is held at the nearest point."""
+    outside the measured span (2,048-65,536 tokens, head_dim 64-256) it is held at the nearest point."""
     from finetune.plan.attention_time import VARLEN_RATES, varlen_rate
 
     (short, at_short), (long, at_long) = VARLEN_RATES[128][0], VARLEN_RATES[128][1]
     assert varlen_rate(128, (short * long) ** 0.5) == pytest.approx((at_short + at_long) / 2)
     assert varlen_rate(128, 300) == varlen_rate(128, short) and varlen_rate(128, 10**6) == VARLEN_RATES[128][-1][1]
     assert varlen_rate(96, 4096) == pytest.approx((varlen_rate(64, 4096) + varlen_rate(128, 4096)) / 2)
-    assert varlen_rate(256, 4096) == varlen_rate(128, 4096) and varlen_rate(32, 4096) == varlen_rate(64, 4096)
+    assert varlen_rate(192, 4096) == pytest.approx((varlen_rate(128, 4096) + varlen_rate(256, 4096)) / 2)
+    assert varlen_rate(512, 4096) == varlen_rate(256, 4096) and varlen_rate(32, 4096) == varlen_rate(64, 4096)
+    assert varlen_rate(256, 65536) == VARLEN_RATES[256][-1][1]  # head_dim 256 measured to 16,384 tokens
+
+
+def test_the_head_dim_256_rates_and_the_bands_are_the_measured_ones():
+    """VARLEN_RATES[256] is scripts/attention_rates.py's measurement (Gemma-3-12B's 16/8 heads), and a sliding
+    layer's band runs at the rate windowed_rate plans it at, the causal rate of twice the window, within 4%."""
+    from finetune.plan.attention_time import VARLEN_RATES, varlen_rate, windowed_rate
+    from tests.helpers.recipes import shape_job
+
+    measured = json.loads(
+        (ROOT / "docs" / "results" / "attention-varlen-window-rates-2026-11-29-h200.json").read_text()
+    )
+    causal = {(c["head_dim"], c["example_tokens"]): c["fraction_of_peak"] for c in measured["cases"] if not c["window"]}
+    for tokens, rate in VARLEN_RATES[256]:
+        assert rate == pytest.approx(causal[(256, tokens)], abs=0.001)
+    for case in (c for c in measured["cases"] if c["window"]):
+        model = "gemma-3-12b" if case["head_dim"] == 256 else "llama-3.1-8b"
+        preset = preset_for("NVIDIA H200", gpus_per_node=1)
+        job = shape_job(model, "lora", preset, seq=case["example_tokens"], global_batch=1, data__packing=True)
+        job = job.__class__(**{**job.__dict__, "arch": job.arch.model_copy(update={"sliding_window": case["window"]})})
+        planned = windowed_rate(job, case["example_tokens"])
+        assert planned == varlen_rate(case["head_dim"], 2 * case["window"])
+        assert planned == pytest.approx(case["fraction_of_peak"], rel=0.04)
