@@ -22,16 +22,20 @@ from tests.helpers.recipes import shape_job
 H100 = get_preset("server-8xh100").model_copy(update={"gpus_per_node": 1})
 
 
-def test_transformers_builds_a_packed_rows_boolean_mask_for_the_varlen_attention():
-    name = attention.register()
-    config = transformers.LlamaConfig(
+def _llama_config():
+    """A one-layer Llama config under finetune's attention (what the mask builders read of it)."""
+    return transformers.LlamaConfig(
         hidden_size=16,
         num_attention_heads=2,
         num_key_value_heads=1,
         num_hidden_layers=1,
         vocab_size=64,
-        attn_implementation=name,
+        attn_implementation=attention.register(),
     )
+
+
+def test_transformers_builds_a_packed_rows_boolean_mask_for_the_varlen_attention():
+    config = _llama_config()
     lengths = [5, 9, 2]
     row = sum(lengths)
     position_ids = torch.cat([torch.arange(n) for n in lengths])[None]
@@ -101,9 +105,30 @@ def test_a_model_of_full_and_sliding_layers_builds_a_mask_for_each_kind():
     assert shared_mask_bytes(gemma, micro_batch=2) == shared_mask_bytes(mistral, micro_batch=2) == 0
 
 
-def _gemma3(name: str):
-    torch.manual_seed(0)
-    return transformers.Gemma3ForCausalLM(gemma3_config(name)).eval()
+def _gemma3_pair(*, bidirectional: bool = False):
+    """A tiny Gemma-3 under finetune's attention with the mask hooks, the same weights under sdpa, and the list the
+    first one's layers append the mask they get to."""
+    models = []
+    for name in (attention.register(), "sdpa"):
+        config = gemma3_config(name)
+        config.use_bidirectional_attention = bidirectional
+        torch.manual_seed(0)
+        models.append(transformers.Gemma3ForCausalLM(config).eval())
+    ours, theirs = models
+    attention.skip_packed_row_masks(ours)
+    seen: list = []
+    for layer in ours.model.layers:
+        layer.register_forward_pre_hook(lambda m, a, kw: seen.append(kw["attention_mask"]), with_kwargs=True)
+    return ours, theirs, seen
+
+
+def _packed_row():
+    """A row of three examples (5, 9 and 2 tokens): its ids, position_ids and the bounds TRL's collator passes."""
+    lengths = [5, 9, 2]
+    ids = torch.randint(0, 64, (1, sum(lengths)))
+    position_ids = torch.cat([torch.arange(n) for n in lengths])[None]
+    cu = torch.tensor([0, 5, 14, 16], dtype=torch.int32)
+    return ids, position_ids, dict(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=9, max_length_k=9)
 
 
 def test_a_packed_row_with_its_bounds_gets_no_mask_from_transformers_and_the_same_logits():
@@ -111,18 +136,8 @@ def test_a_packed_row_with_its_bounds_gets_no_mask_from_transformers_and_the_sam
     collator gives them) builds no mask; on CPU every layer falls back to sdpa, which gets the mask built from the
     bounds (the sliding layer's with its window): the logits are sdpa's with transformers' own masks. Without the
     bounds, transformers' masks are built as before."""
-    ours = _gemma3(attention.register())
-    theirs = _gemma3("sdpa")
-    theirs.load_state_dict(ours.state_dict())
-    attention.skip_packed_row_masks(ours)
-    seen: list = []
-    for layer in ours.model.layers:
-        layer.register_forward_pre_hook(lambda m, a, kw: seen.append(kw["attention_mask"]), with_kwargs=True)
-    lengths = [5, 9, 2]
-    ids = torch.randint(0, 64, (1, sum(lengths)))
-    position_ids = torch.cat([torch.arange(n) for n in lengths])[None]
-    cu = torch.tensor([0, 5, 14, 16], dtype=torch.int32)
-    bounds = dict(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=9, max_length_k=9)
+    ours, theirs, seen = _gemma3_pair()
+    ids, position_ids, bounds = _packed_row()
     with torch.no_grad():
         packed = ours(input_ids=ids, position_ids=position_ids, use_cache=False, **bounds).logits
         assert seen == [None, None] and attention.skipped_packed_row_masks()
@@ -137,41 +152,19 @@ def test_a_bidirectional_model_keeps_transformers_masks():
     """A Gemma-3 with use_bidirectional_attention (its layers not causal, so every one falls back from the causal
     kernel): transformers' bidirectional masks are built as before, the bounds notwithstanding, and the logits are
     sdpa's."""
-    config = gemma3_config(attention.register())
-    config.use_bidirectional_attention = True
-    torch.manual_seed(0)
-    ours = transformers.Gemma3ForCausalLM(config).eval()
-    reference = gemma3_config("sdpa")
-    reference.use_bidirectional_attention = True
-    theirs = transformers.Gemma3ForCausalLM(reference).eval()
-    theirs.load_state_dict(ours.state_dict())
-    attention.skip_packed_row_masks(ours)
-    seen: list = []
-    for layer in ours.model.layers:
-        layer.register_forward_pre_hook(lambda m, a, kw: seen.append(kw["attention_mask"]), with_kwargs=True)
-    lengths = [5, 9, 2]
-    ids = torch.randint(0, 64, (1, sum(lengths)))
-    position_ids = torch.cat([torch.arange(n) for n in lengths])[None]
-    cu = torch.tensor([0, 5, 14, 16], dtype=torch.int32)
-    bounds = dict(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=9, max_length_k=9)
+    ours, theirs, seen = _gemma3_pair(bidirectional=True)
+    ids, position_ids, bounds = _packed_row()
     with torch.no_grad():
         got = ours(input_ids=ids, position_ids=position_ids, use_cache=False, **bounds).logits
         expected = theirs(input_ids=ids, position_ids=position_ids, use_cache=False).logits
-    assert all(m is not None for m in seen)
+    assert seen and all(m is not None for m in seen)
     torch.testing.assert_close(got, expected)
 
 
 def test_only_a_plain_causal_packed_row_goes_without_a_mask():
     """In a forward given a packed row's bounds, transformers' causal mask is declined; a causal mask with a model's
     own overlay (built with vmap, as Gemma-3's bidirectional image tokens) is not."""
-    config = transformers.LlamaConfig(
-        hidden_size=16,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        num_hidden_layers=1,
-        vocab_size=64,
-        attn_implementation=attention.register(),
-    )
+    config = _llama_config()
 
     class Masks(torch.nn.Module):
         def forward(self, embeds, position_ids, **bounds):
