@@ -254,6 +254,8 @@ def varlen_attention_forward(
 
     kernel = _varlen()
     bounds = _packed_bounds(query, key, kwargs)
+    sliding = layer_window(kwargs)
+    causal = is_causal if is_causal is not None else module.is_causal
     plain = (
         kernel is None
         or bounds is None
@@ -261,16 +263,16 @@ def varlen_attention_forward(
         or dropout
         or query.dtype not in (torch.bfloat16, torch.float16)
         or layer_falls_back(kwargs)
-        or not (is_causal if is_causal is not None else module.is_causal)
+        or not causal
     )
-    if layer_window(kwargs) is not None and bounds is not None and not takes_windows():
+    if sliding is not None and bounds is not None and not takes_windows():
         warnings.warn(  # shown once: the same call site every layer
             "this torch's varlen kernel has no sliding window (torch 2.11 and later have one): the sliding-window "
             "layers run sdpa over the masked packed row, slower and larger than `finetune plan` assumed",
             stacklevel=2,
         )
-    if plain and attention_mask is None and bounds is not None:  # the mask `packed_row_mask` did not build
-        attention_mask = _bounds_mask(bounds[0], query.shape[2], layer_window(kwargs), query.device)
+    if plain and causal and attention_mask is None and bounds is not None:  # the mask `packed_row_mask` did not build
+        attention_mask = _bounds_mask(bounds[0], query.shape[2], sliding, query.device)
     if plain and needs_model_eager(kwargs):
         return _model_eager(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
     if plain:
@@ -297,10 +299,10 @@ def varlen_attention_forward(
         )
         return out[..., :value_dim], None
     cu = cu_seq_lens.to(device=q.device, dtype=torch.int32)
-    window = window_arguments(layer_window(kwargs), max_length)
     # cuDNN's causal kernel has no window: a sliding layer's long examples stay on the varlen kernel
-    if _LONG_ON_CUDNN["on"] and max_length >= CUDNN_MIN_EXAMPLE_TOKENS and layer_window(kwargs) is None:
+    if _LONG_ON_CUDNN["on"] and max_length >= CUDNN_MIN_EXAMPLE_TOKENS and sliding is None:
         return _with_long_examples_on_cudnn(query, key, value, cu, _example_bounds(cu_seq_lens), scaling), None
+    window = window_arguments(sliding, max_length)
     return _varlen_call(q, k, v, cu, max_length, scaling, causal=window).unsqueeze(0), None
 
 

@@ -85,3 +85,22 @@ def test_a_sliding_window_reaches_the_kernel_as_flash_attentions_left_window():
     assert attention.layer_window({"sliding_window": 1024}) == 1024 and attention.layer_window({}) is None
     assert not attention.layer_falls_back({"sliding_window": 1024})
     assert attention.layer_falls_back({"softcap": 50.0})
+
+
+def test_a_bounds_mask_is_built_for_causal_layers_only():
+    """A falling-back layer with a packed row's bounds and no mask gets the block-diagonal causal mask built from
+    the bounds; a non-causal layer (no mask from transformers: a bidirectional one) is left to sdpa as it was."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    from tests.helpers.attention import block_causal_reference
+
+    q, k, v, kwargs = packed([3, 5])
+    ours, _ = attention.varlen_attention_forward(AttentionModule(), q, k, v, None, scaling=0.25, **kwargs)
+    torch.testing.assert_close(ours, block_causal_reference(q, k, v, [3, 5]))  # 0.25: sdpa's own scale at 16
+
+    class Bidirectional(AttentionModule):
+        is_causal = False
+
+    ours, _ = attention.varlen_attention_forward(Bidirectional(), q, k, v, None, scaling=0.25, **kwargs)
+    theirs, _ = sdpa_attention_forward(Bidirectional(), q, k, v, None, scaling=0.25)
+    torch.testing.assert_close(ours, theirs)
