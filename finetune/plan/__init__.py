@@ -65,6 +65,7 @@ from finetune.plan.workload import (
     module_shapes,
     moe_layer_count,
     needs_model_eager,
+    packed_row_fallback_layers,
     pads_rows,
     saved_modules,
     sliding_layer_count,
@@ -957,8 +958,8 @@ def _kernels(job: Job, strategy: str, *, row_multiple: int | None) -> str:
         "sdpa": "sdpa attention",
         "eager": "eager attention",
     }[job.attention]
-    fallback = varlen_fallback_layers(job.arch)
-    if job.attention in ("sdpa", "eager") and job.packed and fallback and job.varlen_layers < job.arch.num_layers:
+    fallback = packed_row_fallback_layers(job)
+    if fallback:
         attention = (
             f"{job.attention} attention with a masked packed row on {fallback} of {job.arch.num_layers} "
             f"layers (the varlen kernel does not run them)"

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from finetune.plan.memory import attention_matrix_bytes, checkpointed_layers
 from finetune.plan.types import GIB, Plan
-from finetune.plan.workload import Job, varlen_fallback_layers
+from finetune.plan.workload import Job, packed_row_fallback_layers
 
 
 def attention_fallback_warning(job: Job, plan: Plan) -> str:
@@ -20,8 +20,8 @@ def attention_fallback_warning(job: Job, plan: Plan) -> str:
     mask bytes per GPU."""
     from finetune.plan.timing import flops_per_token
 
-    fallback = varlen_fallback_layers(job.arch)
-    if not (fallback and job.packed and job.attention in ("sdpa", "eager") and job.varlen_layers < job.arch.num_layers):
+    fallback = packed_row_fallback_layers(job)
+    if not fallback:
         return ""
     arch, micro = job.arch, plan.micro_batch_size
     why = [f"attention logit soft-capping ({arch.attn_logit_softcap:g})"] if arch.attn_logit_softcap else []

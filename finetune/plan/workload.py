@@ -406,6 +406,15 @@ def varlen_fallback_layers(arch: ModelArch) -> int:
     return 0
 
 
+def packed_row_fallback_layers(job: Job) -> int:
+    """Layers of `job` that run a packed row through sdpa or eager over its block-diagonal mask because finetune's
+    varlen kernel does not serve them (`varlen_fallback_layers`); 0 where the run has no such layers: rows not
+    packed, or attention on a varlen or flash kernel."""
+    if not (job.packed and job.attention in ("sdpa", "eager") and job.varlen_layers < job.arch.num_layers):
+        return 0
+    return varlen_fallback_layers(job.arch)
+
+
 def sliding_layer_count(arch: ModelArch) -> int:
     """Decoder layers that attend within a sliding window (0 where the config has no window)."""
     return min(arch.sliding_layers, arch.num_layers) if arch.sliding_window else 0
