@@ -227,18 +227,26 @@ def _trainer(recipe: Recipe, *, args, model, tokenizer, data, callbacks: list):
         callbacks=callbacks,
     )
     if recipe.data.packing:  # padding-free pairs (finetune/train/dpo_pairs.py)
-        from finetune.train import attention
-        from finetune.train.dpo_pairs import PaddingFreePairs
-
-        pairs = PaddingFreePairs(multiple=recipe.resolved.row_multiple if recipe.resolved else None)
-        for module in (trainer.model, trainer.ref_model):
-            if module is not None:
-                pairs.attach(module)
-        reference = trainer.ref_model  # a copy loaded apart from the policy (train/model.py load_training_model)
-        if reference is not None and reference.config._attn_implementation == attention.NAME:
-            attention.skip_packed_row_masks(reference)
-        logging.getLogger("finetune.train").info(PADDING_FREE_PAIRS_NOTE)
+        attach_padding_free_pairs(trainer, multiple=recipe.resolved.row_multiple if recipe.resolved else None)
     return trainer
+
+
+def attach_padding_free_pairs(trainer, *, multiple: int | None) -> None:
+    """The pairs' hooks on the policy and on the reference copy, if the trainer has one: the copy gets finetune's
+    packed-row mask hooks as well, which the policy got at load (train/model.py load_training_model). TRL hands
+    the copy to DeepSpeed or FSDP in its __init__, so it may be a DeepSpeedEngine here (whose `config` is DeepSpeed's
+    dict): the hooks go on the model inside, which the engine's forward calls with the same arguments."""
+    from finetune.train import attention
+    from finetune.train.dpo_pairs import PaddingFreePairs
+
+    pairs = PaddingFreePairs(multiple=multiple)
+    pairs.attach(trainer.model)
+    if trainer.ref_model is not None:
+        reference = trainer.accelerator.unwrap_model(trainer.ref_model)
+        pairs.attach(reference)
+        if reference.config._attn_implementation == attention.NAME:
+            attention.skip_packed_row_masks(reference)
+    logging.getLogger("finetune.train").info(PADDING_FREE_PAIRS_NOTE)
 
 
 def dpo_trainer_class(recipe: Recipe) -> type:

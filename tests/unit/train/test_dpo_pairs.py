@@ -146,3 +146,32 @@ def test_pairs_on_finetunes_attention_build_no_packed_row_mask_and_give_the_padd
     free, _ = _log_probs(model, batch, labels)
     assert masks and all(m is None for m in masks)
     torch.testing.assert_close(free, padded, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.slow
+def test_a_full_fine_tunes_reference_under_deepspeed_gets_the_pairs_and_no_mask(tmp_path):
+    """TRL wraps a full fine-tune's reference copy in a DeepSpeedEngine in its __init__ (whose `config` is
+    DeepSpeed's dict): finetune's hooks go on the model inside it, which then gets each packed row's bounds and
+    builds no mask, and the run's losses are the padded run's (DeepSpeed ZeRO-2 on its CPU accelerator, one
+    process, in a child: DeepSpeed initializes torch.distributed for the whole process)."""
+    import json
+    import socket
+    import subprocess
+    import sys
+
+    from tests.helpers.paths import ROOT
+    from tests.helpers.processes import env
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    argv = [sys.executable, "-m", "tests.helpers.deepspeed_dpo_pairs", str(port), str(tmp_path)]
+    done = subprocess.run(argv, cwd=ROOT, env=env(), capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    result = json.loads(done.stdout.split("RESULT ", 1)[1])
+    assert result["reference_type"] == "DeepSpeedEngine"
+    pairs, padded = result["pairs"], result["padded"]
+    assert pairs["reference_bounds"] and all(pairs["reference_bounds"])
+    assert pairs["masks"] and not any(pairs["masks"])
+    assert any(padded["masks"])  # the padded run's reference got a padding mask: the check can see one
+    assert len(pairs["losses"]) == 2 and pairs["losses"] == pytest.approx(padded["losses"], abs=1e-5)
