@@ -126,6 +126,7 @@ def convert_mapping(
         micro_batch_minimum,
         owner_less_hub_ids,
         qlora_dtypes,
+        reward_head,
         shared_keys,
     )
 
@@ -153,6 +154,7 @@ def convert_mapping(
         conv.set("hardware", _recipe_hardware(hardware, out_dir=out_dir))
     shared_keys(conv)
     map_aliases(conv, ignore=module.IGNORED)
+    reward_head(conv)  # after modules_to_save is mapped
     dtype_for_precision(conv)  # after every peer's dtype and precision keys are mapped
     qlora_dtypes(conv)  # after dtype_for_precision has settled model.dtype
     owner_less_hub_ids(conv)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from finetune.peers import Conversion
 from finetune.peers.common import (
+    CPO_ALPHA,
     FUSED_LORA_REASON,
     LIGER_REASON,
     NO_TRAINING_EFFECT,
@@ -16,8 +17,10 @@ from finetune.peers.common import (
     flash_attention,
     is_on,
     loss_type,
+    message_format,
     no_mixed_precision,
     optimizer,
+    read_role,
     scheduler,
     sniff_format,
     take_mapping,
@@ -67,6 +70,10 @@ IGNORED = (
         "loss_watchdog_patience": "no loss watchdog; a non-finite loss stops the run (train.on_nonfinite)",
         "num_labels": "a reward model (method: reward) has one score head; other heads are not offered",
     }
+    | dict.fromkeys(
+        ("heads_k_stride", "ring_attn_func"),
+        "a setting of sequence parallelism, read only with sequence_parallel_degree above 1 (reported then)",
+    )
 )
 IGNORED.update(
     {
@@ -83,10 +90,6 @@ IGNORED.update(
 )
 IGNORED.update(
     {
-        "use_kernels": "Hub kernels are not loaded; finetune's own (varlen attention, Liger, the fused LoRA layer) are "
-        "planned and switchable in the recipe",
-    }
-    | {
         k: "the routed experts run transformers' grouped_mm, as the planner times them; other MoE kernels are "
         "not loaded"
         for k in ("use_scattermoe", "use_sonicmoe")
@@ -185,6 +188,7 @@ def _source(conv: Conversion, i: int, ds: dict, *, preference: bool) -> dict | N
             columns = {}
         if columns:
             src["columns"] = columns
+        _message_keys(conv, key, ds, default=("role", "content"))  # preference rows read either spelling
         if src["format"] == "unpaired" and sniffed is None:
             conv.notes.append(f"{key}: KTO type {kind!r} read as prompt/completion/label rows; check data.sources[{i}]")
         elif kind not in PREFERENCE_TYPES:
@@ -194,18 +198,19 @@ def _source(conv: Conversion, i: int, ds: dict, *, preference: bool) -> dict | N
             )
     elif kind in FORMATS:
         src["format"] = FORMATS[kind]
-        mapping = ds.get("message_property_mappings") or {}
-        role, content = (
-            ds.get("message_field_role") or mapping.get("role"),
-            (ds.get("message_field_content") or mapping.get("content")),
-        )
-        if src["format"] == "messages" and (role, content) == ("from", "value"):
-            src["format"] = "sharegpt"  # from/value speakers
-        field = ds.get("field_messages") or ds.get("field")
-        if field:
-            column = {"messages": "conversations" if src["format"] == "sharegpt" else "messages", "text": "text"}.get(
-                src["format"]
+        if src["format"] == "alpaca":
+            conv.notes.append(
+                f"{key}: axolotl's {kind} type writes each row into a prompt layout of its own (alpaca: \"Below is "
+                "an instruction ... ### Response:\"), not the chat template; finetune's alpaca format renders it with "
+                "the chat template (data.chat_template, else the tokenizer's), so the model learns that layout instead"
             )
+        if src["format"] in ("messages", "sharegpt"):  # from/value speakers are a sharegpt row
+            default = ("role", "content") if src["format"] == "messages" else ("from", "value")
+            src["format"] = _message_keys(conv, key, ds, default=default) or src["format"]
+        # chat_template rows sit under `messages` unless field_messages says otherwise (axolotl's default)
+        field = ds.get("field_messages") or ds.get("field") or ("messages" if kind == "chat_template" else None)
+        if field:
+            column = {"messages": "messages", "sharegpt": "conversations", "text": "text"}.get(src["format"])
             if column and field != column:
                 src["columns"] = {column: field}
     else:
@@ -229,7 +234,8 @@ def _source(conv: Conversion, i: int, ds: dict, *, preference: bool) -> dict | N
     if ds.get("eot_tokens"):
         conv.drop(f"{key}.eot_tokens", ds["eot_tokens"], _EOT_TOKENS, material=False)
     roles = ds.get("roles") or {}
-    if any(str(r) not in {str(v) for v in as_list(vs)} for r, vs in roles.items()):
+    # each speaker listed must be one finetune reads as that role (a sharegpt row's human is user, ...)
+    if any(read_role(src["format"], v) != str(r) for r, vs in roles.items() for v in as_list(vs)):
         conv.drop(
             f"{key}.roles",
             roles,
@@ -266,6 +272,32 @@ def _source(conv: Conversion, i: int, ds: dict, *, preference: bool) -> dict | N
             + ("; multimodal rows are not trained (text-only causal LMs)" if "image" in option else ""),
         )
     return src
+
+
+def _message_keys(conv: Conversion, key: str, ds: dict, *, default: tuple[str, str]) -> str | None:
+    """message_property_mappings (message_field_role / message_field_content before it): the keys each message
+    keeps its speaker and text under, `default` where unset. The format that reads them (common.message_format), or
+    None, reported, where finetune reads neither; other message properties are not read either (reported)."""
+    mapping = dict(ds.get("message_property_mappings") or {})
+    role = ds.get("message_field_role") or mapping.pop("role", None) or default[0]
+    content = ds.get("message_field_content") or mapping.pop("content", None) or default[1]
+    fmt = message_format(role, content)
+    if fmt is None:
+        named = "message_field_role" if ds.get("message_field_role") else "message_property_mappings"
+        conv.drop(
+            f"{key}.{named}",
+            {"role": role, "content": content},
+            "finetune reads a message's speaker from `role` (or `from`) and its text from `content` (or `value`); "
+            "rename those keys in the data",
+        )
+    mapping = {k: v for k, v in mapping.items() if v is not None}
+    if mapping:
+        conv.drop(
+            f"{key}.message_property_mappings",
+            mapping,
+            "message properties beside role and content are not read; finetune trains each message's role and content",
+        )
+    return fmt
 
 
 def _strategy_template(conv: Conversion, key: str, kind: str) -> None:
@@ -326,10 +358,15 @@ def convert(conv: Conversion) -> None:
             conv.drop(
                 "rl", rl, f"method {rl!r} is not offered; finetune has sft, dpo, kto, orpo, simpo, reward, pretrain"
             )
+    if conv.get("method.type") == "simpo" and not conv.has("cpo_alpha"):
+        # axolotl hands cpo_alpha to TRL's CPOConfig only when set, which then keeps its own
+        conv.set("method.cpo_alpha", CPO_ALPHA)
+        conv.notes.append(f"method.cpo_alpha {CPO_ALPHA:g}: TRL's CPOConfig default, which rl: simpo trains with")
     if conv.has("dpo_loss_type"):
         loss_type(conv, "dpo_loss_type")
     if conv.has("orpo_alpha"):
         conv.set("method.beta", conv.take("orpo_alpha"))  # ORPO's lambda is our method.beta
+    _trl_section(conv)
     for theirs, ours in (
         ("kto_desirable_weight", "desirable_weight"),
         ("kto_undesirable_weight", "undesirable_weight"),
@@ -451,6 +488,28 @@ def convert(conv: Conversion) -> None:
     if conv.has("warmup_steps") and conv.has("warmup_ratio"):
         conv.drop("warmup_ratio", conv.take("warmup_ratio"), "warmup_steps is set too; finetune takes one")
     _trackers(conv)
+
+
+def _trl_section(conv: Conversion) -> None:
+    """axolotl's trl: section. Its beta is the trainer's beta, read before rl_beta and orpo_alpha; the rest
+    configures axolotl's GRPO trainer (generation, reward functions), which finetune does not offer."""
+    rest = take_mapping(conv, "trl", of="TRL trainer settings")
+    if rest is None:
+        return
+    beta = rest.pop("beta", None)
+    if beta is not None:
+        conv.set("method.beta", beta)
+        for key in ("rl_beta", "orpo_alpha"):
+            if conv.has(key):
+                conv.drop(key, conv.take(key), "trl.beta is set, which axolotl reads first", material=False)
+    rest = {k: v for k, v in rest.items() if v is not None}
+    if rest:
+        conv.drop(
+            "trl",
+            rest,
+            "axolotl's trl: settings beside beta configure its GRPO trainer (generation, reward functions); "
+            "finetune trains sft, dpo, kto, orpo, simpo, reward and pretrain",
+        )
 
 
 def _turn_ends(conv: Conversion) -> None:

@@ -7,6 +7,7 @@ import re
 from pathlib import Path
 from typing import Any, get_args
 
+from finetune.data.formats import ROLES, SHAREGPT_ROLES
 from finetune.data.sources import LOCAL_SUFFIXES
 from finetune.peers import Conversion
 from finetune.plan.workload import FUSED_EXPERT_WEIGHTS
@@ -41,6 +42,9 @@ OPTIMIZER_EQUIVALENTS = {
     "adamw_torch_xla": ("adamw", "the XLA AdamW runs as torch's fused AdamW on the GPUs (the same update)"),
     "adamw_torch_npu_fused": ("adamw", "the NPU AdamW runs as torch's fused AdamW on the GPUs (the same update)"),
 }
+# TRL's CPOConfig.cpo_alpha (the NLL term on chosen), which a CPO/SimPO run of TRL's trainer keeps unless the config
+# sets it (trl cpo, axolotl's rl: simpo); finetune's simpo has none by default
+CPO_ALPHA = 1.0
 # the scheduler names are transformers' own (SchedulerType), so the schema's list is the table
 SCHEDULERS = {name: name for name in get_args(TrainSection.model_fields["scheduler"].annotation)}
 # the peers' template names -> our shipped templates (finetune/registry/templates)
@@ -135,6 +139,8 @@ NO_TRAINING_EFFECT: dict[str, str] = {
             "include_mfu",
             "plot_loss",
             "print_param_status",
+            "mfu_profile_every",  # LLaMA-Factory's MFU report (include_mfu)
+            "mfu_warmup_steps",
         ),
         _LOGGING_ONLY,
     ),
@@ -170,7 +176,23 @@ NO_TRAINING_EFFECT: dict[str, str] = {
         _DERIVED,
     ),
     **dict.fromkeys(
-        ("flash_attn_cross_entropy", "flash_attn_rms_norm", "flash_attn_fuse_qkv", "flash_attn_fuse_mlp"), _FUSED
+        (
+            "flash_attn_cross_entropy",
+            "flash_attn_rms_norm",
+            "flash_attn_fuse_qkv",
+            "flash_attn_fuse_mlp",
+            "cut_cross_entropy",  # axolotl's and LLaMA-Factory's Cut Cross-Entropy: the loss without the logits
+            "use_cce",
+        ),
+        _FUSED,
+    ),
+    # transformers' TrainingArguments switch, read by TRL and LLaMA-Factory alike
+    "use_liger_kernel": LIGER_REASON,
+    # Hub kernels (axolotl's and LLaMA-Factory's use_kernels, LLaMA-Factory's kernel_name)
+    **dict.fromkeys(
+        ("use_kernels", "kernel_name"),
+        "Hub kernels are not loaded; finetune's own (varlen attention, Liger, the fused LoRA layer) are planned and "
+        "switchable in the recipe",
     ),
     **dict.fromkeys(("flash_attention", "use_flash_attention_2"), FLASH_REASON),
     **dict.fromkeys(
@@ -243,7 +265,7 @@ def held_out(conv: Conversion, key: str, size: object) -> None:
     ours = held_out_key(size)
     if ours == "data.eval_fraction" and isinstance(size, (int, float)) and 0 < size < 1:
         conv.set(ours, float(size))
-    elif ours == "data.eval_rows" and float(size).is_integer():
+    elif ours == "data.eval_rows" and isinstance(size, (int, float)) and float(size).is_integer():
         conv.set(ours, int(size))
     else:
         conv.drop(
@@ -396,6 +418,28 @@ def template(conv: Conversion, key: str) -> None:
         )
 
 
+# the keys finetune reads a message's speaker and text from (finetune/data/formats.py, preference.py): role/content
+# is a messages row; from/value, or a mix of the two spellings, a sharegpt row (preference rows read either)
+MESSAGE_KEYS = (("role", "from"), ("content", "value"))
+
+
+def message_format(role: object, content: object) -> str | None:
+    """The format whose rows keep a message's speaker under `role` and its text under `content`: messages,
+    sharegpt, or None where finetune reads neither key."""
+    if role not in MESSAGE_KEYS[0] or content not in MESSAGE_KEYS[1]:
+        return None
+    return "messages" if (role, content) == ("role", "content") else "sharegpt"
+
+
+def read_role(fmt: str, speaker: object) -> str | None:
+    """The chat role finetune reads a message's speaker as in format `fmt`: a messages row's roles as they are,
+    a sharegpt or preference row's common spellings too (human, gpt, ...); None: not read."""
+    name = str(speaker).lower()
+    if fmt == "messages":
+        return name if name in ROLES else None
+    return SHAREGPT_ROLES.get(name)
+
+
 def find_file(conv: Conversion, value: str, *, base: Path | None = None) -> Path | None:
     """A file a config names: relative to `base`, the config's folder, or the current directory."""
     path = Path(value).expanduser()
@@ -421,24 +465,97 @@ def batch_sizes(conv: Conversion, *, micro_key: str = "per_device_train_batch_si
     micro_batch_size): our micro-batch, and the global batch over the GPUs the config ran on (convert --gpus; one
     GPU's when not given, said in the notes, since ours spans every GPU)."""
     micro, accumulation = conv.raw.get(micro_key), conv.raw.get("gradient_accumulation_steps")
-    for key, value in ((micro_key, micro), ("gradient_accumulation_steps", accumulation)):
-        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
-            conv.drop(key, value, "must be a positive whole number; set train.global_batch_size by hand")
-            return
     conv.used.update({micro_key, "gradient_accumulation_steps"})
+    bad = [k for k, v in ((micro_key, micro), ("gradient_accumulation_steps", accumulation)) if not _count(v)]
+    for key in (micro_key, "gradient_accumulation_steps"):
+        if key in bad:
+            conv.drop(key, conv.raw[key], "must be a positive whole number; set train.global_batch_size by hand")
+        elif bad and conv.has(key):  # the global batch needs both
+            conv.drop(key, conv.raw[key], f"{bad[0]} is not a whole number, so no global batch is read", material=False)
+    if bad:
+        return
     if micro:
-        conv.set("train.micro_batch_size", micro)
-        conv.set("train.global_batch_size", micro * (accumulation or 1) * (conv.gpus or 1))
-        if conv.gpus:
-            conv.notes.append(
-                f"train.global_batch_size is {micro_key} x gradient_accumulation_steps x {conv.gpus} GPUs "
-                f"({conv.gpus_from})"
-            )
-        else:
-            conv.notes.append(
-                f"train.global_batch_size is {micro_key} x gradient_accumulation_steps of ONE GPU; {also}multiply it "
-                "by your GPU count for the same effective batch (convert --gpus N or --hardware PRESET does)"
-            )
+        global_batch(conv, micro, accumulation or 1, micro_key=micro_key, also=also)
+
+
+def _count(value: object) -> bool:
+    """A batch count a config may hold: unset, or a positive whole number."""
+    return value is None or (isinstance(value, int) and not isinstance(value, bool) and value >= 1)
+
+
+def global_batch(conv: Conversion, micro: int, accumulation: int, *, micro_key: str, also: str = "") -> None:
+    """train.micro_batch_size and train.global_batch_size: micro x accumulation x the GPUs the config ran on
+    (convert --gpus / --hardware; one GPU's when not given, said in a note)."""
+    conv.set("train.micro_batch_size", micro)
+    conv.set("train.global_batch_size", micro * accumulation * (conv.gpus or 1))
+    if conv.gpus:
+        conv.notes.append(
+            f"train.global_batch_size is {micro_key} x gradient_accumulation_steps x {conv.gpus} GPUs "
+            f"({conv.gpus_from})"
+        )
+    else:
+        conv.notes.append(
+            f"train.global_batch_size is {micro_key} x gradient_accumulation_steps of ONE GPU; {also}multiply it "
+            "by your GPU count for the same effective batch (convert --gpus N or --hardware PRESET does)"
+        )
+
+
+# transformers' TrainingArguments defaults that change training and differ from finetune's own: the peers built on
+# it (TRL's trainers, LLaMA-Factory) train with them where the config leaves the key out. (their keys, our key, value)
+TRAINER_DEFAULTS: tuple[tuple[tuple[str, ...], str, object], ...] = (
+    (("num_train_epochs", "max_steps"), "train.epochs", 3.0),
+    (("lr_scheduler_type",), "train.scheduler", "linear"),
+    (("warmup_steps", "warmup_ratio"), "train.warmup_ratio", 0.0),
+)
+TRAINER_LR = 5e-5  # TrainingArguments.learning_rate (TRL's trainers set their own)
+PER_DEVICE_BATCH = 8  # TrainingArguments.per_device_train_batch_size
+
+
+def trainer_defaults(
+    conv: Conversion, *, lr: float, more: tuple[tuple[tuple[str, ...], str, object], ...] = ()
+) -> list[str]:
+    """Write the TrainingArguments defaults the config leaves out (TRAINER_DEFAULTS, the learning rate `lr`, the
+    per-device batch, and the peer's own `more`) where they differ from finetune's; the ones written, for the
+    caller's note. Run after batch_sizes."""
+    written = []
+    if not conv.has("learning_rate"):
+        conv.set("train.lr", lr)
+        written.append(f"learning_rate {lr:g}")
+    steps = conv.raw.get("max_steps")
+    for keys, ours, value in TRAINER_DEFAULTS + more:
+        if any(conv.has(k) and not (k == "max_steps" and isinstance(steps, (int, float)) and steps <= 0) for k in keys):
+            continue
+        conv.set(ours, value)
+        written.append(f"{keys[0]} {value:g}" if isinstance(value, float) else f"{keys[0]} {value}")
+    accumulation = conv.raw.get("gradient_accumulation_steps") or 1
+    if not conv.has("per_device_train_batch_size") and _count(accumulation):
+        global_batch(conv, PER_DEVICE_BATCH, accumulation, micro_key="per_device_train_batch_size")
+        written.append(f"per_device_train_batch_size {PER_DEVICE_BATCH}")
+    return written
+
+
+# a reward model's score head, which peft trains whole for a sequence-classification adapter (task SEQ_CLS,
+# finetune/train/model.py lora_config); peer configs list it in modules_to_save (TRL's reward example)
+SCORE_HEADS = ("score", "classifier")
+
+
+def reward_head(conv: Conversion) -> None:
+    """The score head in adapter.modules_to_save of a reward model: trained already, so it goes, with a note."""
+    modules = conv.get("adapter.modules_to_save")
+    if conv.get("method.type") != "reward" or not isinstance(modules, list):
+        return
+    heads = [m for m in modules if m in SCORE_HEADS]
+    if not heads:
+        return
+    rest = [m for m in modules if m not in SCORE_HEADS]
+    if rest:
+        conv.set("adapter.modules_to_save", rest)
+    else:
+        del conv.recipe["adapter"]["modules_to_save"]
+    conv.notes.append(
+        f"adapter.modules_to_save: {', '.join(heads)} removed: a reward model's adapter trains its score head whole "
+        "already (peft's sequence-classification task)"
+    )
 
 
 def micro_batch_minimum(conv: Conversion) -> None:

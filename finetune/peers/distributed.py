@@ -218,6 +218,8 @@ MODEL_PARALLEL = {
     "parallelism_config_cp_size": "context",
     "parallelism_config_sp_size": "sequence",
 }
+# the model-parallel kinds whose group of GPUs trains on one batch (expert parallelism is carved out of the data ranks)
+BATCH_SHARING = ("tensor", "context", "sequence")
 # data-parallel layouts: the planner picks them (fsdp2-hybrid replicates across nodes)
 DATA_PARALLEL = (
     "dp_shard_size",
@@ -229,7 +231,9 @@ DATA_PARALLEL = (
 
 def parallel_sizes(conv: Conversion, sizes: dict[str, Any], *, where: str = "") -> None:
     """Model-parallel degrees above 1 are reported (material: they change what fits and how long sequences
-    are split); data-parallel layouts are the planner's. `where` prefixes a nested key (accelerate files)."""
+    are split); data-parallel layouts are the planner's. `where` prefixes a nested key (accelerate files).
+    Run after the global batch is read: the GPUs of one tensor/context/sequence group share each batch."""
+    sharing = 1
     for name, value in sizes.items():
         if name not in MODEL_PARALLEL and name not in DATA_PARALLEL:
             continue
@@ -253,6 +257,28 @@ def parallel_sizes(conv: Conversion, sizes: dict[str, Any], *, where: str = "") 
                 "(distributed.strategy) and fits long sequences with activation checkpointing; remove it and "
                 "let `finetune plan` pick, or lower data.max_length",
             )
+            if MODEL_PARALLEL[name] in BATCH_SHARING and isinstance(value, int) and not isinstance(value, bool):
+                sharing *= value
+    _data_parallel_batch(conv, sharing)
+
+
+def _data_parallel_batch(conv: Conversion, sharing: int) -> None:
+    """The peer's global batch is micro x accumulation x its data-parallel ranks: its GPUs over the `sharing` ones
+    of a tensor/context/sequence group, which all train on the same rows."""
+    batch = conv.get("train.global_batch_size")
+    if sharing <= 1 or not conv.gpus or not isinstance(batch, int):
+        return
+    if conv.gpus % sharing:
+        conv.notes.append(
+            f"train.global_batch_size {batch} counts all {conv.gpus} GPUs; the model-parallel degrees ({sharing}) "
+            "do not divide them, so set it to the batch the run trained on by hand"
+        )
+        return
+    conv.set("train.global_batch_size", batch // sharing)
+    conv.notes.append(
+        f"train.global_batch_size {batch // sharing}: the {conv.gpus} GPUs are {conv.gpus // sharing} data-parallel "
+        f"ranks, as the {sharing} GPUs of each model-parallel group share one batch"
+    )
 
 
 # accelerate's mixed_precision -> train.precision (fp8 has none: reported)

@@ -10,22 +10,27 @@ import json
 from pathlib import Path
 from typing import Any
 
+from finetune.data.preference import PROMPT_FALLBACKS
 from finetune.errors import RecipeError
 from finetune.peers import Conversion
 from finetune.peers.common import (
     FLASH_KERNELS,
     LIGER_REASON,
     NO_TRAINING_EFFECT,
+    TRAINER_LR,
     as_list,
     batch_sizes,
     coerce_numbers,
     continue_adapter,
     flash_attention,
     held_out,
+    message_format,
     no_mixed_precision,
     optimizer,
+    read_role,
     scheduler,
     template,
+    trainer_defaults,
 )
 from finetune.peers.distributed import deepspeed_file
 from finetune.recipe.aliases import is_on
@@ -85,6 +90,14 @@ PREF_LOSS = {
     "ipo": ("dpo", "ipo"),
     "hinge": ("dpo", "hinge"),
 }
+
+
+# dataset_info.json columns finetune's formats have no place for (LLaMA-Factory's system prompt, earlier turns of an
+# alpaca row, tool schemas, media)
+UNREAD_COLUMNS = ("system", "history", "tools", "images", "videos", "audios")
+# the sharegpt speaker tags (data/README.md) and the chat role each names; function_tag (a tool call) is a turn of
+# its own that neither format reads
+TAG_ROLES = {"user_tag": "user", "assistant_tag": "assistant", "system_tag": "system", "observation_tag": "tool"}
 
 
 # LLaMA-Factory's dataset_dir naming a Hub dataset repo that holds its dataset_info.json
@@ -148,15 +161,34 @@ def _source(conv: Conversion, name: str, info: dict | None, folder: Path | None,
         return None
     columns = entry.get("columns") or {}
     sharegpt = entry.get("formatting") == "sharegpt"
+    unread = {k: columns[k] for k in UNREAD_COLUMNS if columns.get(k)}
+    if unread:
+        conv.drop(
+            f"{key}.columns",
+            unread,
+            "a separate system/history/tools/images column is not read; put the system prompt and earlier turns into "
+            "the messages (images and videos are not trained)",
+        )
+    messages = _message_tags(conv, key, entry.get("tags") or {}) if sharegpt else None
     if entry.get("ranking"):
         src["format"] = "preference"  # conversations + chosen/rejected objects are recognized as they are
+        # the prompt: the conversation (sharegpt) or the instruction column (alpaca), LLaMA-Factory's defaults
+        prompt = columns.get("messages", "conversations") if sharegpt else columns.get("prompt", "instruction")
         mapped = {
-            ours: columns[theirs]
-            for ours, theirs in (("chosen", "chosen"), ("rejected", "rejected"))
-            if columns.get(theirs) and columns[theirs] != ours
+            "prompt": None if prompt in PROMPT_FALLBACKS else prompt,
+            "chosen": columns.get("chosen"),
+            "rejected": columns.get("rejected"),
         }
+        mapped = {ours: theirs for ours, theirs in mapped.items() if theirs and theirs != ours}
         if mapped:
             src["columns"] = mapped
+        if not sharegpt and columns.get("query"):
+            conv.drop(
+                f"{key}.columns.query",
+                columns["query"],
+                "preference rows take the prompt from one column; join the query (input) column into the "
+                f"instruction column ({prompt}) in the data",
+            )
     elif columns.get("kto_tag") and sharegpt:
         # LLaMA-Factory's kto_en_demo layout: one conversation whose last assistant turn is the completion
         conv.drop(
@@ -169,7 +201,12 @@ def _source(conv: Conversion, name: str, info: dict | None, folder: Path | None,
         return None
     elif columns.get("kto_tag"):
         src["format"] = "unpaired"
-        mapped = {"label": columns["kto_tag"], "prompt": columns.get("prompt"), "completion": columns.get("response")}
+        # LLaMA-Factory's alpaca columns default to instruction / output
+        mapped = {
+            "label": columns["kto_tag"],
+            "prompt": columns.get("prompt", "instruction"),
+            "completion": columns.get("response", "output"),
+        }
         mapped = {k: v for k, v in mapped.items() if v and v != k}
         if mapped:
             src["columns"] = mapped
@@ -178,20 +215,11 @@ def _source(conv: Conversion, name: str, info: dict | None, folder: Path | None,
             f"data.sources[].columns if they are named otherwise"
         )
     elif sharegpt:
-        tags = entry.get("tags") or {}
-        # role/content tags are OpenAI-style messages; from/value (the default) are sharegpt speakers
-        openai = tags.get("role_tag", "from") == "role" and tags.get("content_tag", "value") == "content"
-        src["format"] = "messages" if openai else "sharegpt"
-        column, default = ("messages", "messages") if openai else ("conversations", "conversations")
-        if columns.get("messages", default) != column:
-            src["columns"] = {column: columns["messages"]}
-        if columns.get("system") or columns.get("tools") or columns.get("images") or columns.get("videos"):
-            conv.drop(
-                f"{key}.columns",
-                {k: columns[k] for k in ("system", "tools", "images", "videos") if columns.get(k)},
-                "a separate system/tools/images column is not read; put the system prompt into the messages "
-                "(images and videos are not trained)",
-            )
+        src["format"] = messages or "sharegpt"
+        column = "messages" if src["format"] == "messages" else "conversations"
+        theirs = columns.get("messages", "conversations")  # LLaMA-Factory's default, whatever the tags
+        if theirs != column:
+            src["columns"] = {column: theirs}
     elif conv.get("method.type") == "pretrain":
         src["format"] = "text"
         if columns.get("prompt", "text") != "text":
@@ -207,6 +235,31 @@ def _source(conv: Conversion, name: str, info: dict | None, folder: Path | None,
         if mapped:
             src["columns"] = mapped
     return src
+
+
+def _message_tags(conv: Conversion, key: str, tags: dict) -> str:
+    """A sharegpt entry's tags: the keys each message keeps its speaker and text under (role_tag / content_tag:
+    role/content are messages rows, from/value sharegpt ones) and the speakers' names, each of which finetune must
+    read as its role (common.read_role); any other is reported. The format its rows read as."""
+    role, content = tags.get("role_tag", "from"), tags.get("content_tag", "value")
+    fmt = message_format(role, content)
+    if fmt is None:
+        conv.drop(
+            f"{key}.tags",
+            {"role_tag": role, "content_tag": content},
+            "finetune reads a message's speaker from `role` (or `from`) and its text from `content` (or `value`); "
+            "rename those keys in the data",
+        )
+        fmt = "sharegpt"
+    renamed = {tag: tags[tag] for tag, ours in TAG_ROLES.items() if tag in tags and read_role(fmt, tags[tag]) != ours}
+    if renamed:
+        conv.drop(
+            f"{key}.tags",
+            renamed,
+            "renamed speakers are not mapped; finetune reads user/assistant/system/tool (and sharegpt's human/gpt/"
+            "observation); rename them in the data",
+        )
+    return fmt
 
 
 def convert(conv: Conversion) -> None:
@@ -281,6 +334,11 @@ def convert(conv: Conversion) -> None:
     optimizer(conv, "optim")
     scheduler(conv, "lr_scheduler_type")
     batch_sizes(conv)  # transformers' TrainingArguments names, as both tools use them
+    written = trainer_defaults(conv, lr=TRAINER_LR)  # LLaMA-Factory trains with TrainingArguments' own
+    if written:
+        conv.notes.append(
+            f"transformers' defaults written out, as the config leaves them to LLaMA-Factory: {', '.join(written)}"
+        )
     if conv.has("val_size"):
         held_out(conv, "val_size", conv.take("val_size"))
     deepspeed_file(conv, "deepspeed")
@@ -431,6 +489,11 @@ def _method_extras(conv: Conversion) -> None:
             "loss on the last turn only is not offered; finetune trains every assistant turn (split the "
             "conversations into one row per final turn to get the same loss)",
         )
+    if is_on(conv.raw.get("packing")) and not is_on(conv.raw.get("neat_packing")):
+        conv.notes.append(
+            "packing: LLaMA-Factory packs without neat_packing so that packed examples attend to one another; "
+            "finetune's packing keeps each example to itself (what neat_packing does)"
+        )
     if conv.take("neat_packing"):
         conv.set("data.packing", True)
         conv.notes.append("neat_packing: finetune's packing is padding-free, each example attends only to itself")
@@ -468,10 +531,10 @@ def _method_extras(conv: Conversion) -> None:
     for key in LORA_EXTRAS:
         if conv.take(key):
             conv.drop(key, True, "this LoRA variant/initialization is not offered; remove it for plain (Do/rs)LoRA")
-    if conv.has("pref_ftx") and conv.raw["pref_ftx"]:
+    if conv.take("pref_ftx"):  # 0, its default, adds no SFT loss
         conv.drop(
             "pref_ftx",
-            conv.take("pref_ftx"),
+            conv.raw["pref_ftx"],
             "an added SFT loss in preference training is offered only as simpo's cpo_alpha (method: simpo)",
         )
     for key in ("flash_attn", "attn"):  # attn: the newer examples' name for it

@@ -8,8 +8,8 @@ from __future__ import annotations
 from finetune.data.splits import has_slice
 from finetune.peers import Conversion
 from finetune.peers.common import (
+    CPO_ALPHA,
     DTYPES,
-    LIGER_REASON,
     NO_TRAINING_EFFECT,
     as_list,
     attention,
@@ -21,6 +21,7 @@ from finetune.peers.common import (
     sniff_format,
     target_parameters,
     template,
+    trainer_defaults,
 )
 from finetune.peers.distributed import accelerate_file
 from finetune.recipe.aliases import is_on
@@ -36,7 +37,6 @@ IGNORED = (
             "bnb_4bit_quant_storage",
             "ignore_bias_buffers",
             "padding_free",
-            "packing_strategy",
             "lora_task_type",
         )
     }
@@ -46,7 +46,6 @@ IGNORED = (
         "dataset_test_split": "read only when eval_strategy is not 'no'",
     }
 )
-IGNORED["use_liger_kernel"] = LIGER_REASON
 METHODS = ("sft", "dpo", "kto", "reward", "orpo", "cpo")
 # keys only one trainer's config has (TRL 1.x's KTOConfig, CPOConfig, RewardConfig, DPOConfig, SFTConfig): the
 # method they name when --method is not given
@@ -63,18 +62,13 @@ PREFERENCE_KEYS = ("beta", "loss_type", "max_prompt_length", "precompute_ref_log
 TEST_SPLIT = "test"
 
 
-# TRL 1.x's config defaults (SFTConfig, DPOConfig, KTOConfig, RewardConfig, trl.experimental's ORPOConfig and
-# CPOConfig, over transformers 5's TrainingArguments) that change training and differ from finetune's own; written
-# out when the config leaves the key out: (TRL's keys, our key, the value, per method or for every method)
+# TRL 1.x's own defaults (SFTConfig, DPOConfig, KTOConfig, RewardConfig, trl.experimental's ORPOConfig and
+# CPOConfig) that change training and differ from finetune's, beside transformers' (common.TRAINER_DEFAULTS): written
+# out when the config leaves the key out
 LEARNING_RATES = {"sft": 2e-5, "dpo": 1e-6, "kto": 1e-6, "orpo": 1e-6, "cpo": 1e-6, "reward": 1e-4}
 TRL_DEFAULTS: tuple[tuple[tuple[str, ...], str, object], ...] = (
-    (("num_train_epochs", "max_steps"), "train.epochs", 3.0),
     (("max_length", "max_seq_length"), "data.max_length", 1024),
-    (("lr_scheduler_type",), "train.scheduler", "linear"),
-    (("warmup_steps", "warmup_ratio"), "train.warmup_ratio", 0.0),
 )
-PER_DEVICE_BATCH = 8  # TrainingArguments.per_device_train_batch_size
-CPO_ALPHA = 1.0  # CPOConfig.cpo_alpha (the NLL term on chosen); finetune's simpo has none by default
 # per-row columns TRL hands to the chat template (SFT/DPO rows): each row renders with its own arguments
 TEMPLATE_COLUMNS = {
     "chat_template_kwargs": "each row's template arguments (e.g. enable_thinking)",
@@ -134,6 +128,7 @@ def convert(conv: Conversion, *, method: str | None) -> None:
                 conv.drop(key, conv.raw[key], "use_peft is off, so this LoRA setting does nothing", material=False)
     _datasets(conv, method)
     _loss_mask(conv, method)
+    _packing_strategy(conv)
     if conv.has("model_revision"):
         conv.set("model.revision", conv.take("model_revision"))
     template(conv, "chat_template")
@@ -198,26 +193,7 @@ def _method_from_keys(conv: Conversion) -> str:
 def _trl_defaults(conv: Conversion, method: str) -> None:
     """The TRL defaults the config relies on where finetune's differ (3 epochs, per-device batch 8, max_length
     1024, a linear schedule without warmup, the trainer's own learning rate), written out with a note."""
-    written = []
-    if not conv.has("learning_rate"):
-        conv.set("train.lr", LEARNING_RATES[method])
-        written.append(f"learning_rate {LEARNING_RATES[method]:g}")
-    steps = conv.raw.get("max_steps")
-    for keys, ours, value in TRL_DEFAULTS:
-        if any(conv.has(k) and not (k == "max_steps" and isinstance(steps, (int, float)) and steps <= 0) for k in keys):
-            continue
-        conv.set(ours, value)
-        written.append(f"{keys[0]} {value:g}" if isinstance(value, float) else f"{keys[0]} {value}")
-    if not conv.has("per_device_train_batch_size"):
-        accumulation = conv.raw.get("gradient_accumulation_steps") or 1
-        if isinstance(accumulation, int) and not isinstance(accumulation, bool) and accumulation > 0:
-            conv.set("train.micro_batch_size", PER_DEVICE_BATCH)
-            conv.set("train.global_batch_size", PER_DEVICE_BATCH * accumulation)
-            written.append(f"per_device_train_batch_size {PER_DEVICE_BATCH}")
-            conv.notes.append(
-                "train.global_batch_size is per_device_train_batch_size x gradient_accumulation_steps of ONE GPU; "
-                "multiply it by your GPU count for the same effective batch"
-            )
+    written = trainer_defaults(conv, lr=LEARNING_RATES[method], more=TRL_DEFAULTS)
     if method == "cpo" and not conv.has("cpo_alpha"):
         conv.set("method.cpo_alpha", CPO_ALPHA)
         written.append(f"cpo_alpha {CPO_ALPHA:g}")
@@ -413,6 +389,36 @@ def _loss_mask(conv: Conversion, method: str) -> None:
             )
 
 
+# SFTConfig.packing_strategy values other than bfd, finetune's sft packing (whole examples, padding-free, each
+# attending only to itself, one longer than max_length truncated): what they train on instead
+PACKING_STRATEGIES = {
+    "wrapped": "cuts the examples into rows of max_length mid-sequence (attending across examples without "
+    "padding_free)",
+    "bfd_split": "splits examples longer than max_length across rows instead of truncating them",
+}
+
+
+def _packing_strategy(conv: Conversion) -> None:
+    strategy = conv.take("packing_strategy")
+    if strategy in (None, "bfd"):
+        return
+    if not is_on(conv.raw.get("packing")):
+        conv.drop("packing_strategy", strategy, "packing is off, so it is not read", material=False)
+        return
+    conv.drop(
+        "packing_strategy",
+        strategy,
+        f"TRL's {strategy} packing {PACKING_STRATEGIES.get(str(strategy), 'is not offered')}; finetune packs whole "
+        "examples, each attending only to itself, and truncates one longer than data.max_length (TRL's bfd): "
+        "remove it for that"
+        + (
+            "; method: pretrain splits long documents across rows (format text, loss on every token)"
+            if strategy == "bfd_split"
+            else ""
+        ),
+    )
+
+
 def _method_knobs(conv: Conversion, method: str) -> None:
     """DPOConfig / KTOConfig / RewardConfig settings with a finetune field, and those without one."""
     if conv.take("precompute_ref_log_probs"):
@@ -424,3 +430,15 @@ def _method_knobs(conv: Conversion, method: str) -> None:
         if conv.raw.get(key) not in (None, False, 0, 0.0, "reverse_kl"):
             conv.drop(key, conv.take(key), f"not offered for {method}: finetune runs TRL's loss with its defaults")
         conv.used.add(key)
+    # the preference and reward trainers' configs turn dropout off by default, as finetune runs them; SFTConfig has
+    # no such key
+    if method != "sft" and conv.has("disable_dropout"):
+        value = conv.take("disable_dropout")
+        if is_on(value):
+            conv.drop("disable_dropout", value, f"TRL's default for trl {method}, which finetune keeps", material=False)
+        else:
+            conv.drop(
+                "disable_dropout",
+                value,
+                f"finetune runs trl {method} with the model's dropout off (TRL's default); keeping it is not offered",
+            )

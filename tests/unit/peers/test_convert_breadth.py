@@ -677,6 +677,18 @@ def test_every_shipped_peer_config_is_exercised():
         "llamafactory-lora-predict.yaml",
         "llamafactory-lora-eval.yaml",
     }  # tests/unit/peers/test_convert_sweep.py
+    covered |= {
+        "axolotl-chat-message-keys.yaml",
+        "axolotl-simpo-trl-section.yaml",
+        "axolotl-sequence-parallel-batch.yaml",
+        "axolotl-cce-kernels.yaml",
+        "llamafactory-defaults-left-out.yaml",
+        "llamafactory-sharegpt-tags.yaml",
+        "llamafactory-simpo-alpaca-pairs.yaml",
+        "llamafactory-kernels-cce.yaml",
+        "trl-sft-packing-strategy.yaml",
+        "trl-reward-seq-cls.yaml",
+    }  # tests/unit/peers/test_convert_audit.py
     assert configs <= covered, configs - covered
 
 

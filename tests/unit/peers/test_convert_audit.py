@@ -1,0 +1,212 @@
+"""`finetune convert` on the shapes an audit against public peer configs found mis-converted (tests/data/convert, each
+file names the upstream config it is modeled on): message keys and speaker names the data keeps its turns under, the
+peers' defaults for SimPO's NLL term and transformers' schedule, batches shared by a model-parallel group, packing
+that cuts examples, and fused-kernel switches that change nothing trained."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from finetune.data.check import check_data
+from finetune.recipe.load import load_recipe
+from tests.helpers.convert import CONFIGS
+from tests.helpers.convert import convert_config as _convert
+
+
+def _mapping(tmp_path: Path, source: str, raw: dict, *, method: str | None = None, gpus: int | None = None):
+    from finetune.peers import convert_mapping
+
+    return convert_mapping(raw, source=source, config_dir=tmp_path, out_dir=tmp_path, method=method, gpus=gpus)
+
+
+def _reported(out: Path) -> tuple[set[str], set[str]]:
+    """(NOT MAPPED keys, ignored keys) of a written recipe's trailing comments."""
+    material, ignored = set(), set()
+    for line in out.read_text().splitlines():
+        if "   # " in line and line.startswith("# "):
+            key = line.split(":")[0].lstrip("# ").strip("'")
+            (material if "   # NOT MAPPED" in line else ignored).add(key)
+    return material, ignored
+
+
+def _reads_local_rows(out: Path):
+    """The recipe, its local sources' rows read in their mapped formats (Hub ids are skipped)."""
+    recipe = load_recipe(out)
+    recipe.data.allow_outside = True  # the data lives in the repository, the recipe in tmp
+    check_data(recipe)
+    return recipe
+
+
+# -- message keys and speakers: the format that reads them, or reported ---------------------------------------------
+
+
+def test_axolotl_message_keys_pick_the_format_that_reads_them(tmp_path):
+    rc, out = _convert(tmp_path, "axolotl-chat-message-keys.yaml", "axolotl")
+    assert rc == 2
+    r = _reads_local_rows(out)
+    # from/value under field_messages: sharegpt rows in that column; human/gpt are sharegpt's own speakers
+    assert (r.data.sources[0].format, r.data.sources[0].columns) == ("sharegpt", {"conversations": "dialog"})
+    # role/value (message_field_*) read as sharegpt rows, in axolotl's default `messages` column
+    assert (r.data.sources[1].format, r.data.sources[1].columns) == ("sharegpt", {"conversations": "messages"})
+    material, _ = _reported(out)
+    assert material == {"datasets[2].message_property_mappings"}  # speaker/text keys, a thinking property
+
+
+@pytest.mark.parametrize(
+    ("roles", "reported"),
+    [({"user": ["human", "user"], "assistant": ["gpt"]}, False), ({"user": ["Q"], "assistant": ["A"]}, True)],
+)
+def test_axolotl_roles_map_is_read_as_finetune_reads_the_speakers(tmp_path, roles, reported):
+    ds = {
+        "path": "org/chat",
+        "type": "chat_template",
+        "message_property_mappings": {"role": "from", "content": "value"},
+    }
+    conv = _mapping(tmp_path, "axolotl", {"base_model": "m", "datasets": [ds | {"roles": roles}]})
+    assert ("datasets[0].roles" in {d.key for d in conv.material}) is reported
+
+
+def test_axolotl_preference_message_keys_are_checked(tmp_path):
+    ds = {"path": "org/pairs", "type": "chat_template.default", "message_property_mappings": {"role": "who"}}
+    conv = _mapping(tmp_path, "axolotl", {"base_model": "m", "rl": "dpo", "datasets": [ds]})
+    assert "datasets[0].message_property_mappings" in {d.key for d in conv.material}
+
+
+def test_llamafactory_sharegpt_tags_and_unread_columns(tmp_path):
+    rc, out = _convert(tmp_path, "llamafactory-sharegpt-tags.yaml", "llamafactory")
+    assert rc == 2
+    material, _ = _reported(out)
+    # speaker/text keys; Q/A speakers; an alpaca entry's system and history columns
+    assert material == {"dataset[1].tags", "dataset[2].tags", "dataset[3].columns"}
+    recipe = load_recipe(out)
+    recipe.data.sources = recipe.data.sources[:1]
+    recipe.data.allow_outside = True
+    check_data(recipe)  # role/content tags: messages rows, in LLaMA-Factory's default `conversations` column
+    assert (recipe.data.sources[0].format, recipe.data.sources[0].columns) == (
+        "messages",
+        {"messages": "conversations"},
+    )
+    assert "LLaMA-Factory packs without neat_packing" in out.read_text()
+
+
+def test_llamafactory_alpaca_pairs_read_their_prompt_and_pref_ftx_0_adds_nothing(tmp_path):
+    rc, out = _convert(tmp_path, "llamafactory-simpo-alpaca-pairs.yaml", "llamafactory")
+    assert rc == 0
+    r = _reads_local_rows(out)  # the prompt is the instruction column
+    assert (r.method.type, r.method.beta, r.method.cpo_alpha) == ("simpo", 2.0, 0.0)
+    assert r.data.sources[0].columns == {"prompt": "instruction"}
+    assert "pref_ftx" not in out.read_text()
+    conv = _mapping(tmp_path, "llamafactory", {"model_name_or_path": "m", "stage": "dpo", "pref_ftx": 0.5})
+    assert "pref_ftx" in {d.key for d in conv.material}
+
+
+# -- the peers' defaults ----------------------------------------------------------------------------------------------
+
+
+def test_axolotl_simpo_keeps_trl_cpo_alpha_and_reads_the_trl_section_beta(tmp_path):
+    rc, out = _convert(tmp_path, "axolotl-simpo-trl-section.yaml", "axolotl")
+    assert rc == 0
+    r = load_recipe(out)
+    # axolotl passes cpo_alpha only when set, so TRL's CPOConfig keeps 1.0; trl.beta is read before rl_beta
+    assert (r.method.type, r.method.cpo_alpha, r.method.beta, r.method.simpo_gamma) == ("simpo", 1.0, 2.0, 0.5)
+    assert "rl_beta" in _reported(out)[1]
+    conv = _mapping(tmp_path, "axolotl", {"base_model": "m", "rl": "simpo", "cpo_alpha": 0.0})
+    assert conv.get("method.cpo_alpha") == 0.0
+    conv = _mapping(tmp_path, "axolotl", {"base_model": "m", "rl": "dpo", "trl": {"num_generations": 4}})
+    assert "trl" in {d.key for d in conv.material}
+
+
+def test_llamafactory_trains_with_transformers_defaults_where_the_config_is_silent(tmp_path):
+    rc, out = _convert(tmp_path, "llamafactory-defaults-left-out.yaml", "llamafactory", "--hardware", "server-8xh100")
+    assert rc == 0
+    t = load_recipe(out).train
+    assert (t.lr, t.epochs, t.scheduler, t.warmup_ratio) == (5e-5, 3.0, "linear", 0.0)
+    assert (t.micro_batch_size, t.global_batch_size) == (8, 8 * 2 * 8)  # 8 per GPU x 2 steps x 8 GPUs
+    assert "transformers' defaults written out, as the config leaves them to LLaMA-Factory" in out.read_text()
+
+
+def test_trl_default_batch_counts_the_gpus_it_ran_on(tmp_path):
+    rc, out = _convert(tmp_path, "trl-example-config.yaml", "trl", "--method", "sft", "--gpus", "8")
+    assert rc == 0
+    t = load_recipe(out).train
+    assert (t.micro_batch_size, t.global_batch_size) == (8, 64)  # TRL's 8 per GPU x 8 GPUs
+    assert "of ONE GPU" not in out.read_text()
+
+
+def test_trl_reward_score_head_and_default_dropout_pass(tmp_path):
+    rc, out = _convert(tmp_path, "trl-reward-seq-cls.yaml", "trl", "--method", "reward")
+    assert rc == 0
+    r = _reads_local_rows(out)  # validates: the score head is not an adapter.modules_to_save entry
+    assert (r.method.type, r.adapter.type, r.adapter.modules_to_save) == ("reward", "lora", None)
+    assert "disable_dropout" in _reported(out)[1]
+    raw = {"model_name_or_path": "m", "dataset_name": "org/pairs", "disable_dropout": False}
+    assert "disable_dropout" in {d.key for d in _mapping(tmp_path, "trl", raw, method="dpo").material}
+
+
+# -- batches and packing -----------------------------------------------------------------------------------------------
+
+
+def test_model_parallel_groups_share_one_batch(tmp_path):
+    rc, out = _convert(tmp_path, "axolotl-sequence-parallel-batch.yaml", "axolotl", "--gpus", "8")
+    assert rc == 2  # sequence parallelism is still reported
+    assert load_recipe(out).train.global_batch_size == 1 * 8 * 2  # 8 GPUs in groups of 4: 2 data-parallel ranks
+    material, ignored = _reported(out)
+    assert material == {"sequence_parallel_degree"} and {"heads_k_stride", "ring_attn_func"} <= ignored
+    raw = {"base_model": "m", "micro_batch_size": 2, "gradient_accumulation_steps": 1}
+    conv = _mapping(tmp_path, "axolotl", raw | {"tensor_parallel_size": 2, "context_parallel_size": 2}, gpus=8)
+    assert conv.get("train.global_batch_size") == 2 * 8 // 4
+    assert _mapping(tmp_path, "axolotl", raw | {"expert_parallel_size": 2}, gpus=8).get("train.global_batch_size") == 16
+    # TRL through an accelerate file whose context-parallel groups pair the 2 GPUs
+    raw = {"model_name_or_path": "m", "per_device_train_batch_size": 4, "gradient_accumulation_steps": 2}
+    raw["accelerate_config"] = str(CONFIGS / "accelerate-context-parallel.yaml")
+    assert _mapping(tmp_path, "trl", raw, method="sft", gpus=2).get("train.global_batch_size") == 4 * 2
+
+
+@pytest.mark.parametrize(("strategy", "packing", "material"), [("wrapped", True, True), ("bfd", True, None)])
+def test_trl_packing_strategy_other_than_bfd_is_reported(tmp_path, strategy, packing, material):
+    raw = {"model_name_or_path": "m", "dataset_name": "org/text", "dataset_text_field": "text"}
+    conv = _mapping(tmp_path, "trl", raw | {"packing": packing, "packing_strategy": strategy}, method="sft")
+    found = {d.key: d.material for d in conv.dropped}
+    assert found.get("packing_strategy") is material
+    rc, out = _convert(tmp_path, "trl-sft-packing-strategy.yaml", "trl", "--method", "sft")
+    assert rc == 2 and _reported(out)[0] == {"packing_strategy"}
+
+
+def test_an_invalid_micro_batch_does_not_make_the_accumulation_unknown(tmp_path):
+    conv = _mapping(
+        tmp_path, "axolotl", {"base_model": "m", "micro_batch_size": "auto", "gradient_accumulation_steps": 4}
+    )
+    found = {d.key: d for d in conv.dropped}
+    assert found["micro_batch_size"].material
+    assert not found["gradient_accumulation_steps"].material
+    assert "unknown" not in found["gradient_accumulation_steps"].reason
+
+
+# -- switches of the same math -----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("name", "source", "keys"),
+    [
+        ("axolotl-cce-kernels.yaml", "axolotl", {"cut_cross_entropy", "use_kernels"}),
+        (
+            "llamafactory-kernels-cce.yaml",
+            "llamafactory",
+            {"use_cce", "use_kernels", "kernel_name", "use_liger_kernel", "mfu_profile_every", "mfu_warmup_steps"},
+        ),
+    ],
+)
+def test_fused_kernel_and_report_switches_are_ignored(tmp_path, name, source, keys):
+    rc, out = _convert(tmp_path, name, source)
+    assert rc == 0
+    material, ignored = _reported(out)
+    assert not material and keys <= ignored
+    _reads_local_rows(out)
+
+
+def test_axolotl_alpaca_type_says_its_prompt_layout_differs(tmp_path):
+    ds = {"path": "org/alpaca", "type": "alpaca"}
+    conv = _mapping(tmp_path, "axolotl", {"base_model": "m", "datasets": [ds]})
+    assert any("Below is an instruction" in n for n in conv.notes)
