@@ -5,6 +5,12 @@ flag; `activation_checkpointing_enable`, which the Trainer calls at the start of
 every layer. This callback runs right after (on_train_begin) and leaves it on for the first k layers only.
 The first k, not any k: the backward reaches them last, after the un-checkpointed layers above have freed
 their activations, so no recompute adds to the peak (finetune/plan/memory.py activation_bytes).
+
+Whatever calls `activation_checkpointing_enable` again during training sets the flag on every layer once more: TRL's
+DPO and KTO reference passes (trl.models.utils.disable_gradient_checkpointing: disable, the pass, enable) did so
+after the first micro-batch, and every later step recomputed all L layers (a full 3B DPO on an H200: k = 3 planned,
+all 28 ran). So the first k are set again by a forward pre-hook on the model before each forward that records
+gradients (the reference passes run without, and a pass with checkpointing off stays off).
 """
 
 from __future__ import annotations
@@ -27,10 +33,30 @@ def checkpoint_first_layers(model, k: int) -> list[bool]:
     return flags
 
 
+def keep_first_layers_checkpointed(model, k: int) -> None:
+    """Checkpoint the first `k` decoder layers now and before every forward of `model` that records gradients
+    (module docstring); once a model."""
+    checkpoint_first_layers(model, k)
+    if getattr(model, "_finetune_checkpoint_layers", None) is not None:
+        model._finetune_checkpoint_layers = k
+        return
+    model._finetune_checkpoint_layers = k
+    layers = decoder_layers(model)
+
+    def before(module, args):
+        import torch
+
+        if torch.is_grad_enabled() and module.training:
+            for index, layer in enumerate(layers):
+                layer.gradient_checkpointing = index < module._finetune_checkpoint_layers
+
+    model.register_forward_pre_hook(before)
+
+
 class PartialCheckpointing(TrainerCallback):
     def __init__(self, layers: int):
         self.layers = layers
 
     def on_train_begin(self, args, state, control, model=None, **kwargs):
         if model is not None:
-            checkpoint_first_layers(model, self.layers)
+            keep_first_layers_checkpointed(model, self.layers)

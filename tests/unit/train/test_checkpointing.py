@@ -120,3 +120,50 @@ def test_trainer_recomputes_exactly_the_first_k_layers(tmp_path):
     trainer.train()
     # one forward each; the first two run again when the backward recomputes them
     assert calls == [2, 2, 1, 1]
+
+
+@pytest.mark.slow
+def test_the_first_k_layers_stay_checkpointed_through_dpos_reference_passes(tmp_path):
+    """TRL's DPO reference pass turns checkpointing off and on again around itself, which sets it on every layer:
+    the policy's later forwards still checkpoint only the first k (a full fine-tune, whose reference is a copy)."""
+    torch = pytest.importorskip("torch")
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from trl import DPOConfig, DPOTrainer
+
+    from finetune.train.checkpointing import PartialCheckpointing, decoder_layers
+    from finetune.train.trainers import _checkpointing_args
+    from tests.helpers.paths import TINY_MODEL
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_pretrained(TINY_MODEL, dtype=torch.float32)
+    layers = decoder_layers(model)
+    assert len(layers) == 2
+    flags: list[list[bool]] = []  # each policy forward that records gradients: the layers' flags as the decoder starts
+    model.model.register_forward_pre_hook(
+        lambda module, args: (
+            flags.append([layer.gradient_checkpointing for layer in layers]) if torch.is_grad_enabled() else None
+        )
+    )
+    args = DPOConfig(
+        output_dir=str(tmp_path),
+        max_steps=3,
+        per_device_train_batch_size=2,
+        use_cpu=True,
+        bf16=False,
+        report_to=[],
+        save_strategy="no",
+        disable_tqdm=True,
+        **_checkpointing_args(True),
+    )
+    rows = [{"prompt": "abc", "chosen": "ABC", "rejected": "cba"}] * 8
+    trainer = DPOTrainer(
+        model=model,
+        args=args,
+        train_dataset=Dataset.from_list(rows),
+        processing_class=AutoTokenizer.from_pretrained(TINY_MODEL),
+        callbacks=[PartialCheckpointing(1)],
+    )
+    trainer.train()
+    assert trainer.ref_model is not None
+    assert len(flags) == 3 and all(f == [True, False] for f in flags), flags
