@@ -25,9 +25,9 @@ examples on cuDNN's causal kernel (model.cudnn_long_examples), case by case.
 
 With --varlen --windows W... it also times the varlen path as a sliding-window layer calls it (its `sliding_window`,
 flash-attention's left window) over the same rows, for each window W: the rate of the band
-(finetune/plan/attention_time.py windowed_rate plans it at the rate of a causal example twice the window long).
+(finetune/plan/attention_time.py WINDOW_RATES, from --windows 512 1024 4096 on an H200).
 
-    python3 scripts/attention_rates.py --varlen --windows 1024 4096 --out varlen-windows.json
+    python3 scripts/attention_rates.py --varlen --windows 512 1024 4096 --out varlen-windows.json
 """
 
 from __future__ import annotations

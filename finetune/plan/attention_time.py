@@ -75,6 +75,22 @@ CUDNN_RATES: dict[int, tuple[tuple[int, float], ...]] = {
 }
 
 
+# the varlen path as a sliding-window layer calls it (flash-attention's window_size), forward + backward, as a
+# fraction of the peak, by head_dim and window: the band's rate once the examples are longer than the window, where
+# it hardly depends on their length (the median over 64k-token rows of examples from twice the window to 64k tokens:
+# each within 8% of it from four times the window on, 14% at twice;
+# docs/results/attention-varlen-windows-2026-11-29-h200.json, scripts/attention_rates.py
+# --varlen --windows 512 1024 4096 on an H200, torch 2.11). A band runs slower than a causal example twice the window
+# long, the more so the narrower the window and the smaller the heads: at head_dim 64 a 1,024-token window ran 0.144
+# against causal 2,048's 0.171, at 128 0.191 against 0.207. Head_dim 256 has its 1,024 window measured alone (0.177
+# over 16k-token examples, attention-varlen-window-rates-2026-11-29-h200.json), held at other windows.
+WINDOW_RATES: dict[int, tuple[tuple[int, float], ...]] = {
+    64: ((512, 0.104), (1024, 0.144), (4096, 0.198)),
+    128: ((512, 0.141), (1024, 0.191), (4096, 0.250)),
+    256: ((1024, 0.177),),
+}
+
+
 def _by_length(points: tuple[tuple[int, float], ...], length: float) -> float:
     """The rate at `length` tokens, linear in log2(length) between the measured points, held at the end ones (the
     measurement spans 2,048 to 65,536 tokens: shorter examples are planned at the 2,048 figure)."""
@@ -87,8 +103,9 @@ def _by_length(points: tuple[tuple[int, float], ...], length: float) -> float:
 
 
 def _by_head_dim(rates: dict[int, tuple[tuple[int, float], ...]], head_dim: int, tokens: float) -> float:
-    """A rate table's figure: linear in head_dim between the measured head sizes around it, held at the end ones
-    outside them (MLA's 192 lies between 128 and 256 in VARLEN_RATES; CUDNN_RATES has 64 and 128 only)."""
+    """A rate table's figure at `tokens` (an example's length; WINDOW_RATES: the window's): linear in head_dim between
+    the measured head sizes around it, held at the end ones outside them (MLA's 192 lies between 128 and 256 in
+    VARLEN_RATES; CUDNN_RATES has 64 and 128 only)."""
     dims = sorted(rates)
     if head_dim <= dims[0]:
         return _by_length(rates[dims[0]], tokens)
@@ -114,13 +131,13 @@ def packed_attention_rate(job: Job, example_tokens: float) -> float:
 
 
 def windowed_rate(job: Job, example_tokens: float) -> float:
-    """The varlen kernel's rate on a sliding layer's band: its queries see at most the window's keys, as many as a
-    causal example of twice the window averages, so it runs at that length's rate. Measured (H200,
-    attention-varlen-window-rates-2026-11-29-h200.json): a 1,024-token window over 16k-token examples at head_dim 256
-    ran 0.177 of the peak against 0.179 for causal 2,048-token examples; a 4,096-token window at 128, 0.251 against
-    0.260 at 8,192."""
+    """The varlen kernel's rate on a sliding layer: the causal rate of the examples where they fit in the window,
+    else the band's (`WINDOW_RATES`, by window; never faster than the examples' causal rate)."""
     window = job.arch.sliding_window or example_tokens
-    return varlen_rate(head_dim(job.arch), min(example_tokens, 2 * window))
+    causal = varlen_rate(head_dim(job.arch), example_tokens)
+    if example_tokens <= window:
+        return causal
+    return min(causal, _by_head_dim(WINDOW_RATES, head_dim(job.arch), window))
 
 
 def mask_seconds(job: Job, *, micro_batch: int, checkpointed_share: float = 0.0) -> float:

@@ -7,6 +7,7 @@ traffic (attention_time.mask_seconds) and the kernels' own slowdowns (attention_
 from __future__ import annotations
 
 import json
+import statistics
 
 import pytest
 
@@ -150,22 +151,37 @@ def test_varlen_rate_between_and_beyond_the_measured_points():
 
 
 def test_the_head_dim_256_rates_and_the_bands_are_the_measured_ones():
-    """VARLEN_RATES[256] is scripts/attention_rates.py's measurement (Gemma-3-12B's 16/8 heads), and a sliding
-    layer's band runs at the rate windowed_rate plans it at, the causal rate of twice the window, within 4%."""
-    from finetune.plan.attention_time import VARLEN_RATES, varlen_rate, windowed_rate
+    """VARLEN_RATES[256] is scripts/attention_rates.py's measurement (Gemma-3-12B's 16/8 heads); WINDOW_RATES are the
+    measured bands (--varlen --windows 512 1024 4096: the median over examples of twice the window or longer), and a
+    sliding layer runs at the rate windowed_rate plans, within 8% from four times the window on and 14% below it, on
+    every measured case (the earlier rule, the causal rate of twice the window, was up to 1.77x too fast at 64)."""
+    from finetune.plan.attention_time import VARLEN_RATES, WINDOW_RATES, varlen_rate, windowed_rate
     from tests.helpers.recipes import shape_job
 
-    measured = json.loads(
-        (ROOT / "docs" / "results" / "attention-varlen-window-rates-2026-11-29-h200.json").read_text()
-    )
-    causal = {(c["head_dim"], c["example_tokens"]): c["fraction_of_peak"] for c in measured["cases"] if not c["window"]}
+    results = ROOT / "docs" / "results"
+    first = json.loads((results / "attention-varlen-window-rates-2026-11-29-h200.json").read_text())["cases"]
+    causal = {(c["head_dim"], c["example_tokens"]): c["fraction_of_peak"] for c in first if not c["window"]}
     for tokens, rate in VARLEN_RATES[256]:
         assert rate == pytest.approx(causal[(256, tokens)], abs=0.001)
-    for case in (c for c in measured["cases"] if c["window"]):
-        model = "gemma-3-12b" if case["head_dim"] == 256 else "llama-3.1-8b"
-        preset = preset_for("NVIDIA H200", gpus_per_node=1)
-        job = shape_job(model, "lora", preset, seq=case["example_tokens"], global_batch=1, data__packing=True)
-        job = job.__class__(**{**job.__dict__, "arch": job.arch.model_copy(update={"sliding_window": case["window"]})})
+    second = json.loads((results / "attention-varlen-windows-2026-11-29-h200.json").read_text())
+    assert second["meta"]["card"] == "NVIDIA H200"
+    bands = [c | {"fraction_of_peak": c["tflops"] / 989.4} for c in second["cases"] if c.get("window")]
+    for head, points in WINDOW_RATES.items():
+        for window, rate in points if head != 256 else ():
+            around = [c["fraction_of_peak"] for c in bands if (c["head_dim"], c["window"]) == (head, window)]
+            longer = [
+                c["fraction_of_peak"]
+                for c in bands
+                if (c["head_dim"], c["window"]) == (head, window) and c["example_tokens"] >= 2 * window
+            ]
+            assert len(around) == 6 and rate == pytest.approx(statistics.median(longer), abs=0.0006)
+    preset = preset_for("NVIDIA H200", gpus_per_node=1)
+    for case in bands + [c for c in first if c["window"]]:
+        job = shape_job("llama-3.1-8b", "lora", preset, seq=case["example_tokens"], global_batch=1, data__packing=True)
+        update = {"sliding_window": case["window"], "head_dim": case["head_dim"]}
+        job = job.__class__(**{**job.__dict__, "arch": job.arch.model_copy(update=update)})
         planned = windowed_rate(job, case["example_tokens"])
-        assert planned == varlen_rate(case["head_dim"], 2 * case["window"])
-        assert planned == pytest.approx(case["fraction_of_peak"], rel=0.04)
+        if case["example_tokens"] <= case["window"]:
+            assert planned == varlen_rate(case["head_dim"], case["example_tokens"])
+        bound = 0.08 if case["example_tokens"] >= 4 * case["window"] else 0.14
+        assert planned == pytest.approx(case["fraction_of_peak"], rel=bound), case
