@@ -123,13 +123,15 @@ def test_trainer_recomputes_exactly_the_first_k_layers(tmp_path):
 
 
 @pytest.mark.slow
-def test_the_first_k_layers_stay_checkpointed_through_dpos_reference_passes(tmp_path):
-    """TRL's DPO reference pass turns checkpointing off and on again around itself, which sets it on every layer:
-    the policy's later forwards still checkpoint only the first k (a full fine-tune, whose reference is a copy)."""
+@pytest.mark.parametrize("method", ["dpo", "kto"])
+def test_the_first_k_layers_stay_checkpointed_through_the_reference_passes(method, tmp_path):
+    """TRL's DPO and KTO reference passes turn checkpointing off and on again around themselves, which sets it on
+    every layer: the policy's later forwards still checkpoint only the first k (a full fine-tune, whose reference is
+    a copy)."""
     torch = pytest.importorskip("torch")
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer
-    from trl import DPOConfig, DPOTrainer
+    from trl import DPOConfig, DPOTrainer, KTOConfig, KTOTrainer
 
     from finetune.train.checkpointing import PartialCheckpointing, decoder_layers
     from finetune.train.trainers import _checkpointing_args
@@ -145,7 +147,8 @@ def test_the_first_k_layers_stay_checkpointed_through_dpos_reference_passes(tmp_
             flags.append([layer.gradient_checkpointing for layer in layers]) if torch.is_grad_enabled() else None
         )
     )
-    args = DPOConfig(
+    config_class, trainer_class = (DPOConfig, DPOTrainer) if method == "dpo" else (KTOConfig, KTOTrainer)
+    args = config_class(
         output_dir=str(tmp_path),
         max_steps=3,
         per_device_train_batch_size=2,
@@ -156,8 +159,14 @@ def test_the_first_k_layers_stay_checkpointed_through_dpos_reference_passes(tmp_
         disable_tqdm=True,
         **_checkpointing_args(True),
     )
-    rows = [{"prompt": "abc", "chosen": "ABC", "rejected": "cba"}] * 8
-    trainer = DPOTrainer(
+    if method == "dpo":
+        rows = [{"prompt": "abc", "chosen": "ABC", "rejected": "cba"}] * 8
+    else:
+        rows = [
+            {"prompt": "abc", "completion": "ABC", "label": True},
+            {"prompt": "abc", "completion": "cba", "label": False},
+        ] * 4
+    trainer = trainer_class(
         model=model,
         args=args,
         train_dataset=Dataset.from_list(rows),
@@ -166,4 +175,4 @@ def test_the_first_k_layers_stay_checkpointed_through_dpos_reference_passes(tmp_
     )
     trainer.train()
     assert trainer.ref_model is not None
-    assert len(flags) == 3 and all(f == [True, False] for f in flags), flags
+    assert len(flags) >= 3 and all(f == [True, False] for f in flags), flags
