@@ -1,5 +1,6 @@
 """Which attention kernel a packed example runs on: the rule the run (finetune/train/attention.py), the planner
-(finetune/plan/attention_time.py) and the recipe's documentation share. Pure: no torch.
+(finetune/plan/attention_time.py) and the recipe's documentation share, and whether the installed torch's varlen kernel
+has sliding windows (read from its version). Pure: no torch import.
 
 Packed examples of at least CUDNN_MIN_EXAMPLE_TOKENS run on sdpa's cuDNN causal kernel (model.cudnn_long_examples)
 on GPUs of compute capability CUDNN_COMPUTE_MAJOR, the rest on torch's varlen kernel. Through finetune's attention
@@ -11,6 +12,9 @@ meets a few dozen lengths, and an example computes at most 2/16 more than its ow
 """
 
 from __future__ import annotations
+
+from functools import lru_cache
+from importlib.metadata import PackageNotFoundError, version
 
 CUDNN_MIN_EXAMPLE_TOKENS = 8192
 CUDNN_LENGTHS_PER_OCTAVE = 16
@@ -31,3 +35,32 @@ def card_runs_cudnn_long_examples(gpu_model: str, vendor: str) -> bool:
     """A run's long examples go to cuDNN on this card (the run checks its device's compute capability itself)."""
     name = gpu_model.lower()
     return vendor == "nvidia" and any(card in name for card in CUDNN_CARDS)
+
+
+@lru_cache(maxsize=1)
+def _installed_torch() -> str | None:
+    try:
+        return version("torch")
+    except PackageNotFoundError:
+        return None
+
+
+# the torch release whose varlen kernel (torch.nn.attention.varlen) takes flash-attention's window_size: on older ones
+# finetune's varlen path runs sliding-window layers on sdpa over the masked packed row (finetune/train/attention.py:
+# takes_windows, which asks the kernel itself)
+VARLEN_WINDOW_TORCH = (2, 11)
+
+
+def torch_runs_varlen_windows(torch_version: str | None = None) -> bool:
+    """The installed torch's varlen kernel runs sliding windows, read from its version without importing it (the
+    planner is torch-free); True where torch is not installed here (`finetune plan` on a machine without it plans
+    for the torch finetune's varlen path is written for). `torch_version` in place of the installed one."""
+    if torch_version is None:
+        torch_version = _installed_torch()
+        if torch_version is None:
+            return True
+    release = []
+    for part in torch_version.split("+")[0].split(".")[:2]:
+        digits = "".join(ch for ch in part if ch.isdigit()) or "0"
+        release.append(int(digits))
+    return tuple(release) >= VARLEN_WINDOW_TORCH

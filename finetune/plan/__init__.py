@@ -13,7 +13,12 @@ from dataclasses import replace
 
 from finetune import strategies
 from finetune.errors import RecipeError
-from finetune.kernels import CUDNN_MIN_EXAMPLE_TOKENS, card_runs_cudnn_long_examples
+from finetune.kernels import (
+    CUDNN_MIN_EXAMPLE_TOKENS,
+    VARLEN_WINDOW_TORCH,
+    card_runs_cudnn_long_examples,
+    torch_runs_varlen_windows,
+)
 from finetune.plan.choose import (
     CLEARLY_FASTER,
     HEADROOM,
@@ -248,6 +253,26 @@ def attention_implementation(recipe, preset, *, arch=None) -> str:
             key="model.attn_implementation",
             hint="set model.attn_implementation: auto (sdpa for this model) or sdpa",
         )
+    # a torch whose varlen kernel has no window runs the sliding layers on sdpa over the masked packed row, which the
+    # varlen plan does not model: auto plans sdpa for such a model there, and varlen is refused
+    windowless = (
+        arch is not None
+        and sliding_layer_count(arch) > 0
+        and not arch.window_in_mask_only
+        and not torch_runs_varlen_windows()
+    )
+    if chosen == "varlen" and windowless and preset.vendor != "cpu":
+        from importlib.metadata import version
+
+        need = ".".join(map(str, VARLEN_WINDOW_TORCH))
+        raise RecipeError(
+            f"{arch.key}'s {sliding_layer_count(arch)} sliding-window layers need torch {need} or later on the varlen "
+            f"kernel; this torch ({version('torch')}) has no window there and would run them on sdpa over the masked "
+            "packed row, slower and larger than planned",
+            key="model.attn_implementation",
+            hint=f"install torch {need} or later, or set model.attn_implementation: auto (sdpa for this model on this "
+            "torch)",
+        )
     half = DTYPE_BYTES[compute_dtype(recipe)] == 2  # the varlen kernel runs bf16/fp16 only
     if chosen == "varlen" and not half and preset.vendor != "cpu":
         raise RecipeError(
@@ -261,7 +286,8 @@ def attention_implementation(recipe, preset, *, arch=None) -> str:
         if eager_only:
             return "eager"
         packed = recipe.data.packing and recipe.method.type in ("sft", "dpo")
-        chosen = "varlen" if packed and preset.vendor == "nvidia" and half and not mask_only_window else "sdpa"
+        varlen = packed and preset.vendor == "nvidia" and half and not mask_only_window and not windowless
+        chosen = "varlen" if varlen else "sdpa"
     return chosen
 
 

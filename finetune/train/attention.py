@@ -51,7 +51,9 @@ def _varlen():
 
 
 def takes_windows() -> bool:
-    """This torch's varlen kernel runs sliding windows (`window_size`: torch 2.11 and later)."""
+    """This torch's varlen kernel runs sliding windows (`window_size`: torch 2.11 and later). The planner reads the
+    same from torch's version without importing it (finetune.kernels.torch_runs_varlen_windows) and plans sdpa for a
+    sliding-window model where it is False."""
     kernel = _varlen()
     return kernel is not None and "window_size" in kernel[1]
 
@@ -213,8 +215,9 @@ def layer_window(kwargs: dict) -> int | None:
 def layer_falls_back(kwargs: dict) -> bool:
     """The layer asks for what the varlen kernel does not do: logit soft-capping or attention sinks, or a sliding window
     where this torch's kernel has none (`takes_windows`). The planner's torch-free copy of this rule is
-    finetune.plan.workload.varlen_fallback_layers (it plans those layers over the masked packed row, and assumes a
-    torch whose kernel takes windows); change both together."""
+    finetune.plan.workload.varlen_fallback_layers (it plans those layers over the masked packed row), and for the
+    windows finetune.plan.attention_implementation, which plans sdpa for a sliding-window model on a torch without
+    them; change them together."""
     return needs_model_eager(kwargs) or (layer_window(kwargs) is not None and not takes_windows())
 
 
@@ -268,7 +271,8 @@ def varlen_attention_forward(
     if sliding is not None and bounds is not None and not takes_windows():
         warnings.warn(  # shown once: the same call site every layer
             "this torch's varlen kernel has no sliding window (torch 2.11 and later have one): the sliding-window "
-            "layers run sdpa over the masked packed row, slower and larger than `finetune plan` assumed",
+            "layers run sdpa over the masked packed row, slower and larger than its plan assumed (made where torch "
+            "has the window: `finetune plan` with this torch plans sdpa for this model)",
             stacklevel=2,
         )
     if plain and causal and attention_mask is None and bounds is not None:  # the mask `packed_row_mask` did not build

@@ -318,6 +318,33 @@ def test_a_window_only_in_the_mask_keeps_the_model_off_the_flash_kernels(tmp_pat
     assert attention_implementation(_recipe("llama-3.1-8b"), H100, arch=plain) == "varlen"
 
 
+def test_a_torch_without_varlen_windows_plans_sliding_models_on_sdpa(monkeypatch):
+    """torch before 2.11 has no window on its varlen kernel, where the run sends sliding layers to sdpa over the
+    masked packed row: the planner reads torch's version (finetune.kernels) and plans sdpa for a sliding-window model
+    there (auto) or refuses varlen by key; models without windows keep the kernel."""
+    import importlib
+
+    from finetune.errors import RecipeError
+    from finetune.kernels import torch_runs_varlen_windows
+    from finetune.plan import attention_implementation
+
+    assert torch_runs_varlen_windows("2.11.0+cu130") and torch_runs_varlen_windows("2.13.0")
+    assert not torch_runs_varlen_windows("2.10.0") and not torch_runs_varlen_windows("1.13.1")
+    gemma, llama = get_model("gemma-3-12b"), get_model("llama-3.1-8b")
+    assert attention_implementation(_recipe("gemma-3-12b"), H100, arch=gemma) == "varlen"  # this machine's torch
+    # a machine whose torch is 2.10 (this one has a newer torch: the version the planner would read there)
+    planner = importlib.import_module("finetune.plan")  # the module (`finetune.plan` is also the function)
+    monkeypatch.setattr(planner, "torch_runs_varlen_windows", lambda: torch_runs_varlen_windows("2.10.0"))
+    assert attention_implementation(_recipe("gemma-3-12b"), H100, arch=gemma) == "sdpa"
+    assert attention_implementation(_recipe("llama-3.1-8b"), H100, arch=llama) == "varlen"
+    with pytest.raises(RecipeError) as err:
+        attention_implementation(_recipe("gemma-3-12b", attn="varlen"), H100, arch=gemma)
+    assert err.value.key == "model.attn_implementation" and "2.11 or later" in str(err.value)
+    # the sdpa plan is the fallback the run takes: every layer over the masked packed row
+    job = job_from_recipe(_recipe("gemma-3-12b"), arch=gemma, preset=H100)
+    assert job.attention == "sdpa" and job.varlen_layers == 0
+
+
 @pytest.mark.parametrize(
     "key", ["gemma-2-9b", "gemma-3-12b", "gemma-3-27b", "mistral-7b-v0.3", "llama-3.1-8b", "qwen2.5-7b"]
 )
