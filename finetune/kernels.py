@@ -47,7 +47,7 @@ def _installed_torch() -> str | None:
 
 # the torch release whose varlen kernel (torch.nn.attention.varlen) takes flash-attention's window_size: on older ones
 # finetune's varlen path runs sliding-window layers on sdpa over the masked packed row (finetune/train/attention.py:
-# takes_windows, which asks the kernel itself)
+# takes_windows, which asks the kernel itself; the planner: plan/workload.py varlen_fallback_layers)
 VARLEN_WINDOW_TORCH = (2, 11)
 
 

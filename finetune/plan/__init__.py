@@ -13,12 +13,7 @@ from dataclasses import replace
 
 from finetune import strategies
 from finetune.errors import RecipeError
-from finetune.kernels import (
-    CUDNN_MIN_EXAMPLE_TOKENS,
-    VARLEN_WINDOW_TORCH,
-    card_runs_cudnn_long_examples,
-    torch_runs_varlen_windows,
-)
+from finetune.kernels import CUDNN_MIN_EXAMPLE_TOKENS, card_runs_cudnn_long_examples, torch_runs_varlen_windows
 from finetune.plan.choose import (
     CLEARLY_FASTER,
     HEADROOM,
@@ -253,26 +248,6 @@ def attention_implementation(recipe, preset, *, arch=None) -> str:
             key="model.attn_implementation",
             hint="set model.attn_implementation: auto (sdpa for this model) or sdpa",
         )
-    # a torch whose varlen kernel has no window runs the sliding layers on sdpa over the masked packed row, which the
-    # varlen plan does not model: auto plans sdpa for such a model there, and varlen is refused
-    windowless = (
-        arch is not None
-        and sliding_layer_count(arch) > 0
-        and not arch.window_in_mask_only
-        and not torch_runs_varlen_windows()
-    )
-    if chosen == "varlen" and windowless and preset.vendor != "cpu":
-        from importlib.metadata import version
-
-        need = ".".join(map(str, VARLEN_WINDOW_TORCH))
-        raise RecipeError(
-            f"{arch.key}'s {sliding_layer_count(arch)} sliding-window layers need torch {need} or later on the varlen "
-            f"kernel; this torch ({version('torch')}) has no window there and would run them on sdpa over the masked "
-            "packed row, slower and larger than planned",
-            key="model.attn_implementation",
-            hint=f"install torch {need} or later, or set model.attn_implementation: auto (sdpa for this model on this "
-            "torch)",
-        )
     half = DTYPE_BYTES[compute_dtype(recipe)] == 2  # the varlen kernel runs bf16/fp16 only
     if chosen == "varlen" and not half and preset.vendor != "cpu":
         raise RecipeError(
@@ -286,24 +261,23 @@ def attention_implementation(recipe, preset, *, arch=None) -> str:
         if eager_only:
             return "eager"
         packed = recipe.data.packing and recipe.method.type in ("sft", "dpo")
-        varlen = packed and preset.vendor == "nvidia" and half and not mask_only_window and not windowless
-        chosen = "varlen" if varlen else "sdpa"
+        chosen = "varlen" if packed and preset.vendor == "nvidia" and half and not mask_only_window else "sdpa"
     return chosen
 
 
-def attention_kind(implementation: str, *, packed: bool, arch=None) -> str:
+def attention_kind(implementation: str, *, packed: bool, arch=None, windows: bool = True) -> str:
     """The planner's attention memory model: flash (no mask, no repeated kv heads) | varlen (no mask, kv
     heads as they are: torch's varlen kernel takes grouped heads) | sdpa | eager.
     varlen falls back to sdpa on rows without example boundaries, and on packed rows of an `arch`
     whose logit soft-capping, attention sinks or attention dropout it does not run (`varlen_fallback_layers`):
     soft-capped and sink layers go to the model's own eager attention (sdpa computes neither), the others
-    to sdpa. Sliding windows it runs."""
+    to sdpa. Sliding windows it runs where torch's kernel takes them (`windows`: kernels.torch_runs_varlen_windows)."""
     if implementation in ("eager", "sdpa"):
         return implementation
     if implementation == "varlen":
         if arch is not None and needs_model_eager(arch):
             return "eager"
-        if not packed or (arch is not None and varlen_fallback_layers(arch)):
+        if not packed or (arch is not None and varlen_fallback_layers(arch, windows=windows)):
             return "sdpa"
         return "varlen"
     return "flash"
@@ -407,8 +381,9 @@ def job_from_recipe(recipe, *, arch, preset) -> Job:
         arch = arch.model_copy(update={"vocab_size": arch.vocab_size + added})
     micro = recipe.train.micro_batch_size
     implementation = attention_implementation(recipe, preset, arch=arch)
-    attention = attention_kind(implementation, packed=recipe.data.packing, arch=arch)
-    fallback = varlen_fallback_layers(arch)
+    windows = torch_runs_varlen_windows()  # this torch's varlen kernel: the run's, where it runs here
+    attention = attention_kind(implementation, packed=recipe.data.packing, arch=arch, windows=windows)
+    fallback = varlen_fallback_layers(arch, windows=windows)
     served = arch.num_layers - fallback if implementation == "varlen" and recipe.data.packing else 0
     sequences = recipe.data.sequence_tokens  # packed examples: set only when each is a row of its own
     job = Job(
@@ -446,6 +421,7 @@ def job_from_recipe(recipe, *, arch, preset) -> Job:
         run_sequences=run_sequences(recipe),
         attention=attention,
         varlen_layers=served if fallback else 0,
+        varlen_windows=windows,
         cudnn_long_examples=implementation == "varlen"
         and recipe.model.cudnn_long_examples
         and card_runs_cudnn_long_examples(preset.gpu_model, preset.vendor),

@@ -114,6 +114,9 @@ class Job:
     # attention "sdpa" on packed rows because some layers fall back from finetune's varlen kernel
     # (`varlen_fallback_layers`): how many layers the varlen kernel still serves (Gemma-3's global ones)
     varlen_layers: int = 0
+    # the varlen kernel takes sliding windows (finetune.kernels.torch_runs_varlen_windows: torch 2.11 and later); False
+    # sends a sliding-window model's sliding layers to sdpa over the masked packed row (varlen_fallback_layers)
+    varlen_windows: bool = True
     # TRL >= 1.x SFT/DPO score tokens through add_fused_lm_head (chunked, the (tokens, vocab) logits are
     # never materialized); False for a trainer that computes the loss from full logits
     fused_lm_head: bool = True
@@ -393,16 +396,19 @@ def needs_model_eager(arch: ModelArch) -> bool:
     return bool(arch.attn_logit_softcap) or arch.attention_sinks
 
 
-def varlen_fallback_layers(arch: ModelArch) -> int:
+def varlen_fallback_layers(arch: ModelArch, *, windows: bool = True) -> int:
     """Decoder layers of `arch` that finetune's varlen kernel does not serve: it has no logit soft-capping, no
     attention sinks and no attention dropout (a config's attention_dropout > 0, every layer; train/attention.py's
     `plain`), so finetune/train/attention.py's `varlen_attention_forward` hands a layer that passes `softcap` or
     `s_aux` to the model's own eager attention (`needs_model_eager`), and one with dropout to transformers'
     sdpa_attention_forward, each with the block-diagonal mask over the whole packed row (keep the two rules
-    together). Each of those is on every layer, so this is all layers or none. Sliding windows the kernel runs
-    (`window_size`, torch 2.11 and later: train/attention.py's window_arguments). 0: the kernel serves them all."""
+    together). Each of those is on every layer. Sliding windows the kernel runs (`window_size`, torch 2.11 and later:
+    train/attention.py's window_arguments); `windows` False (an older torch: finetune.kernels.torch_runs_varlen_windows)
+    sends the sliding layers to sdpa as well (`layer_falls_back`). 0: the kernel serves them all."""
     if needs_model_eager(arch) or arch.attention_dropout:
         return arch.num_layers
+    if not windows and not arch.window_in_mask_only:
+        return sliding_layer_count(arch)
     return 0
 
 
@@ -412,7 +418,7 @@ def packed_row_fallback_layers(job: Job) -> int:
     packed, or attention on a varlen or flash kernel."""
     if not (job.packed and job.attention in ("sdpa", "eager") and job.varlen_layers < job.arch.num_layers):
         return 0
-    return varlen_fallback_layers(job.arch)
+    return varlen_fallback_layers(job.arch, windows=job.varlen_windows)
 
 
 def sliding_layer_count(arch: ModelArch) -> int:

@@ -27,7 +27,7 @@ import importlib
 import inspect
 import warnings
 
-from finetune.kernels import CUDNN_COMPUTE_MAJOR, CUDNN_MIN_EXAMPLE_TOKENS, cudnn_padded_length
+from finetune.kernels import CUDNN_COMPUTE_MAJOR, CUDNN_MIN_EXAMPLE_TOKENS, VARLEN_WINDOW_TORCH, cudnn_padded_length
 
 NAME = "finetune_varlen"
 
@@ -52,8 +52,8 @@ def _varlen():
 
 def takes_windows() -> bool:
     """This torch's varlen kernel runs sliding windows (`window_size`: torch 2.11 and later). The planner reads the
-    same from torch's version without importing it (finetune.kernels.torch_runs_varlen_windows) and plans sdpa for a
-    sliding-window model where it is False."""
+    same from torch's version without importing it (finetune.kernels.torch_runs_varlen_windows) and plans the sliding
+    layers over the masked packed row where it is False."""
     kernel = _varlen()
     return kernel is not None and "window_size" in kernel[1]
 
@@ -215,9 +215,8 @@ def layer_window(kwargs: dict) -> int | None:
 def layer_falls_back(kwargs: dict) -> bool:
     """The layer asks for what the varlen kernel does not do: logit soft-capping or attention sinks, or a sliding window
     where this torch's kernel has none (`takes_windows`). The planner's torch-free copy of this rule is
-    finetune.plan.workload.varlen_fallback_layers (it plans those layers over the masked packed row), and for the
-    windows finetune.plan.attention_implementation, which plans sdpa for a sliding-window model on a torch without
-    them; change them together."""
+    finetune.plan.workload.varlen_fallback_layers (it plans those layers over the masked packed row; the windows by
+    torch's version); change both together."""
     return needs_model_eager(kwargs) or (layer_window(kwargs) is not None and not takes_windows())
 
 
@@ -270,9 +269,10 @@ def varlen_attention_forward(
     )
     if sliding is not None and bounds is not None and not takes_windows():
         warnings.warn(  # shown once: the same call site every layer
-            "this torch's varlen kernel has no sliding window (torch 2.11 and later have one): the sliding-window "
-            "layers run sdpa over the masked packed row, slower and larger than its plan assumed (made where torch "
-            "has the window: `finetune plan` with this torch plans sdpa for this model)",
+            f"this torch's varlen kernel has no sliding window (torch {'.'.join(map(str, VARLEN_WINDOW_TORCH))} and "
+            "later have one): the sliding-window "
+            "layers run sdpa over the masked packed row, as `finetune plan` plans them with this torch (a plan made "
+            "where torch has the window assumed it)",
             stacklevel=2,
         )
     if plain and causal and attention_mask is None and bounds is not None:  # the mask `packed_row_mask` did not build

@@ -25,7 +25,7 @@ from pathlib import Path
 from finetune import strategies
 from finetune.plan import job_from_recipe, plan_job
 from finetune.plan.types import Plan
-from finetune.plan.workload import sliding_layer_count
+from finetune.plan.workload import varlen_fallback_layers
 from finetune.recipe import load_recipe
 from finetune.registry import get_model, resolve_model
 from finetune.registry.detect import parse_nvidia_smi, synthesize_preset
@@ -162,8 +162,10 @@ PACKED_ROW_MASKS_BUILT = "built"
 def _as_ran(job, row: dict):
     """The job as the row's run executed it, where that differs from what today's code runs for its recipe."""
     if row.get("sliding_attention") == SLIDING_ON_SDPA and job.packed and job.attention == "varlen":
+        # as a torch without varlen windows runs them (the planner's rule for one)
+        fallback = varlen_fallback_layers(job.arch, windows=False)
         job = dataclasses.replace(
-            job, attention="sdpa", varlen_layers=job.arch.num_layers - sliding_layer_count(job.arch)
+            job, attention="sdpa", varlen_layers=job.arch.num_layers - fallback, varlen_windows=False
         )
     return dataclasses.replace(
         job,

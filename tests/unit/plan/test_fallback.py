@@ -318,31 +318,36 @@ def test_a_window_only_in_the_mask_keeps_the_model_off_the_flash_kernels(tmp_pat
     assert attention_implementation(_recipe("llama-3.1-8b"), H100, arch=plain) == "varlen"
 
 
-def test_a_torch_without_varlen_windows_plans_sliding_models_on_sdpa(monkeypatch):
-    """torch before 2.11 has no window on its varlen kernel, where the run sends sliding layers to sdpa over the
-    masked packed row: the planner reads torch's version (finetune.kernels) and plans sdpa for a sliding-window model
-    there (auto) or refuses varlen by key; models without windows keep the kernel."""
+def test_a_torch_without_varlen_windows_plans_the_sliding_layers_over_the_masked_row(monkeypatch):
+    """torch before 2.11 has no window on its varlen kernel, where the run sends the sliding layers to sdpa over the
+    masked packed row and keeps the full ones on the kernel: the planner reads torch's version (finetune.kernels) and
+    plans the same, says why, and leaves models without windows on the kernel."""
     import importlib
 
-    from finetune.errors import RecipeError
     from finetune.kernels import torch_runs_varlen_windows
-    from finetune.plan import attention_implementation
+    from finetune.plan.fallback import attention_fallback_warning
 
     assert torch_runs_varlen_windows("2.11.0+cu130") and torch_runs_varlen_windows("2.13.0")
     assert not torch_runs_varlen_windows("2.10.0") and not torch_runs_varlen_windows("1.13.1")
     gemma, llama = get_model("gemma-3-12b"), get_model("llama-3.1-8b")
-    assert attention_implementation(_recipe("gemma-3-12b"), H100, arch=gemma) == "varlen"  # this machine's torch
-    # a machine whose torch is 2.10 (this one has a newer torch: the version the planner would read there)
+    assert varlen_fallback_layers(gemma, windows=False) == sliding_layer_count(gemma) == 40
+    assert varlen_fallback_layers(llama, windows=False) == 0
+    on_kernel = job_from_recipe(_recipe("gemma-3-12b"), arch=gemma, preset=H100)  # this machine's torch 2.13
+    assert on_kernel.attention == "varlen" and on_kernel.varlen_windows
+    # a machine whose torch is 2.10: the version the planner reads there
     planner = importlib.import_module("finetune.plan")  # the module (`finetune.plan` is also the function)
     monkeypatch.setattr(planner, "torch_runs_varlen_windows", lambda: torch_runs_varlen_windows("2.10.0"))
-    assert attention_implementation(_recipe("gemma-3-12b"), H100, arch=gemma) == "sdpa"
-    assert attention_implementation(_recipe("llama-3.1-8b"), H100, arch=llama) == "varlen"
-    with pytest.raises(RecipeError) as err:
-        attention_implementation(_recipe("gemma-3-12b", attn="varlen"), H100, arch=gemma)
-    assert err.value.key == "model.attn_implementation" and "2.11 or later" in str(err.value)
-    # the sdpa plan is the fallback the run takes: every layer over the masked packed row
     job = job_from_recipe(_recipe("gemma-3-12b"), arch=gemma, preset=H100)
-    assert job.attention == "sdpa" and job.varlen_layers == 0
+    assert job.attention == "sdpa" and job.varlen_layers == 8 and not job.varlen_windows
+    assert job_from_recipe(_recipe("llama-3.1-8b"), arch=llama, preset=H100).attention == "varlen"
+    # the masked row's blocks are computed and its mask is kept: slower and larger than on the kernel
+    plan = plan_job(job)
+    assert plan_job(on_kernel).tokens_per_second > 1.05 * plan.tokens_per_second
+    assert executed_attention_positions(job, micro_batch=4) > executed_attention_positions(on_kernel, micro_batch=4)
+    assert attention_matrix_bytes(job, micro_batch=4) > 0 == attention_matrix_bytes(on_kernel, micro_batch=4)
+    warning = attention_fallback_warning(job, plan)
+    assert "40 of 48 layers use sdpa" in warning and "older than 2.11" in warning, warning
+    assert "sdpa attention with a masked packed row on 40 of 48 layers" in plan.kernels
 
 
 @pytest.mark.parametrize(
