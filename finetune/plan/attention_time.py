@@ -83,7 +83,8 @@ CUDNN_RATES: dict[int, tuple[tuple[int, float], ...]] = {
 # --varlen --windows 512 1024 4096 on an H200, torch 2.11). A band runs slower than a causal example twice the window
 # long, the more so the narrower the window and the smaller the heads: at head_dim 64 a 1,024-token window ran 0.144
 # against causal 2,048's 0.171, at 128 0.191 against 0.207. Head_dim 256 has its 1,024 window measured alone (0.177
-# over 16k-token examples, attention-varlen-window-rates-2026-11-29-h200.json), held at other windows.
+# over 16k-token examples, attention-varlen-window-rates-2026-11-29-h200.json); at other windows it is assumed to
+# change as 128's does (`band_rate`), not measured.
 WINDOW_RATES: dict[int, tuple[tuple[int, float], ...]] = {
     64: ((512, 0.104), (1024, 0.144), (4096, 0.198)),
     128: ((512, 0.141), (1024, 0.191), (4096, 0.250)),
@@ -92,8 +93,9 @@ WINDOW_RATES: dict[int, tuple[tuple[int, float], ...]] = {
 
 
 def _by_length(points: tuple[tuple[int, float], ...], length: float) -> float:
-    """The rate at `length` tokens, linear in log2(length) between the measured points, held at the end ones (the
-    measurement spans 2,048 to 65,536 tokens: shorter examples are planned at the 2,048 figure)."""
+    """The rate at `length` tokens (an example's length; WINDOW_RATES: the window's), linear in log2(length) between
+    the measured points, held at the end ones (VARLEN_RATES spans 2,048 to 65,536 tokens: shorter examples are
+    planned at the 2,048 figure; WINDOW_RATES 512 to 4,096)."""
     if length <= points[0][0]:
         return points[0][1]
     for (lo, low), (hi, high) in zip(points, points[1:]):
@@ -130,14 +132,38 @@ def packed_attention_rate(job: Job, example_tokens: float) -> float:
     return varlen_rate(head_dim(job.arch), example_tokens)
 
 
+def band_rate(head: int, window: float) -> float:
+    """A sliding layer's band rate (WINDOW_RATES) at `head` dims and `window` tokens. A head size measured at one
+    window alone (256) takes, at other windows, that rate scaled as the nearest head size measured at several
+    (128) changes between the two windows."""
+    dims = sorted(WINDOW_RATES)
+    shaped = max(d for d in dims if len(WINDOW_RATES[d]) > 1)
+    rates = {
+        d: points
+        if len(points) > 1
+        else tuple(
+            (w, points[0][1] * _by_length(WINDOW_RATES[shaped], w) / _by_length(WINDOW_RATES[shaped], points[0][0]))
+            for w, _ in WINDOW_RATES[shaped]
+        )
+        for d, points in WINDOW_RATES.items()
+    }
+    return _by_head_dim(rates, head, window)
+
+
 def windowed_rate(job: Job, example_tokens: float) -> float:
-    """The varlen kernel's rate on a sliding layer: the causal rate of the examples where they fit in the window,
-    else the band's (`WINDOW_RATES`, by window; never faster than the examples' causal rate)."""
+    """The varlen kernel's rate on a sliding layer: the causal rate of the examples where they fit in the window, the
+    band's (`band_rate`, never faster than the examples' causal rate) from twice the window on, and between the two
+    linear in log2 of the length (the kernel's work turns from triangle to band there, and so does its rate)."""
+    head = head_dim(job.arch)
     window = job.arch.sliding_window or example_tokens
-    causal = varlen_rate(head_dim(job.arch), example_tokens)
+    causal = varlen_rate(head, example_tokens)
     if example_tokens <= window:
         return causal
-    return min(causal, _by_head_dim(WINDOW_RATES, head_dim(job.arch), window))
+    band = min(causal, band_rate(head, window))
+    if example_tokens >= 2 * window:
+        return band
+    start = varlen_rate(head, window)
+    return start + (band - start) * math.log2(example_tokens / window)
 
 
 def mask_seconds(job: Job, *, micro_batch: int, checkpointed_share: float = 0.0) -> float:

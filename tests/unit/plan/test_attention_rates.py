@@ -185,3 +185,27 @@ def test_the_head_dim_256_rates_and_the_bands_are_the_measured_ones():
             assert planned == varlen_rate(case["head_dim"], case["example_tokens"])
         bound = 0.08 if case["example_tokens"] >= 4 * case["window"] else 0.14
         assert planned == pytest.approx(case["fraction_of_peak"], rel=bound), case
+
+
+def test_a_band_between_one_and_two_windows_and_head_dim_256s_other_windows():
+    """windowed_rate runs from the causal rate at the window to the band's at twice it without a step (the work
+    turns from triangle to band there), and head_dim 256, measured at a 1,024-token window alone, changes with the
+    window as 128 does."""
+    import dataclasses
+
+    from finetune.plan.attention_time import WINDOW_RATES, band_rate, varlen_rate, windowed_rate
+    from tests.helpers.recipes import shape_job
+
+    job = shape_job("llama-3.1-8b", "lora", preset_for("NVIDIA H200", gpus_per_node=1), seq=8192, global_batch=1)
+    for head, window in ((64, 512), (128, 1024), (256, 1024), (128, 4096)):
+        arch = job.arch.model_copy(update={"sliding_window": window, "head_dim": head})
+        sliding = dataclasses.replace(job, arch=arch)
+        rates = [windowed_rate(sliding, window * (1 + i / 16)) for i in range(17)]
+        assert rates[0] == pytest.approx(varlen_rate(head, window))
+        assert rates[-1] == pytest.approx(min(varlen_rate(head, 2 * window), band_rate(head, window)))
+        assert all(abs(b - a) < 0.02 for a, b in zip(rates, rates[1:]))  # no step between them
+    assert band_rate(256, 1024) == WINDOW_RATES[256][0][1]
+    for window in (512, 4096):
+        assert band_rate(256, window) / band_rate(256, 1024) == pytest.approx(
+            band_rate(128, window) / band_rate(128, 1024)
+        )
