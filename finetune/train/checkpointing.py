@@ -33,30 +33,33 @@ def checkpoint_first_layers(model, k: int) -> list[bool]:
     return flags
 
 
-def keep_first_layers_checkpointed(model, k: int) -> None:
-    """Checkpoint the first `k` decoder layers now and before every forward of `model` that records gradients
-    (module docstring); once a model."""
+def keep_first_layers_checkpointed(model, k: int):
+    """Checkpoint the first `k` decoder layers now and before every forward of `model` that records gradients while
+    checkpointing is on (module docstring); the hook's handle, to remove it when training ends."""
+    import torch
+
     checkpoint_first_layers(model, k)
-    if getattr(model, "_finetune_checkpoint_layers", None) is not None:
-        model._finetune_checkpoint_layers = k
-        return
-    model._finetune_checkpoint_layers = k
     layers = decoder_layers(model)
 
     def before(module, args):
-        import torch
-
-        if torch.is_grad_enabled() and module.training:
+        # some flag on: checkpointing is enabled (turned off altogether, every flag is off and stays so)
+        if torch.is_grad_enabled() and module.training and any(layer.gradient_checkpointing for layer in layers):
             for index, layer in enumerate(layers):
-                layer.gradient_checkpointing = index < module._finetune_checkpoint_layers
+                layer.gradient_checkpointing = index < k
 
-    model.register_forward_pre_hook(before)
+    return model.register_forward_pre_hook(before)
 
 
 class PartialCheckpointing(TrainerCallback):
     def __init__(self, layers: int):
         self.layers = layers
+        self.hook = None
 
     def on_train_begin(self, args, state, control, model=None, **kwargs):
-        if model is not None:
-            keep_first_layers_checkpointed(model, self.layers)
+        if model is not None and self.hook is None:
+            self.hook = keep_first_layers_checkpointed(model, self.layers)
+
+    def on_train_end(self, args, state, control, **kwargs):
+        if self.hook is not None:
+            self.hook.remove()
+            self.hook = None

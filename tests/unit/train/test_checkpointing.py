@@ -123,11 +123,11 @@ def test_trainer_recomputes_exactly_the_first_k_layers(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("method", ["dpo", "kto"])
+@pytest.mark.parametrize("method", ["dpo", "kto", "dpo-lora"])
 def test_the_first_k_layers_stay_checkpointed_through_the_reference_passes(method, tmp_path):
     """TRL's DPO and KTO reference passes turn checkpointing off and on again around themselves, which sets it on
     every layer: the policy's later forwards still checkpoint only the first k (a full fine-tune, whose reference is
-    a copy)."""
+    a copy, and a LoRA one, whose reference is the policy with its adapter off)."""
     torch = pytest.importorskip("torch")
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -139,15 +139,20 @@ def test_the_first_k_layers_stay_checkpointed_through_the_reference_passes(metho
 
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_pretrained(TINY_MODEL, dtype=torch.float32)
+    decoder = model.model
+    if method == "dpo-lora":
+        from peft import LoraConfig, get_peft_model
+
+        model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"))
     layers = decoder_layers(model)
     assert len(layers) == 2
     flags: list[list[bool]] = []  # each policy forward that records gradients: the layers' flags as the decoder starts
-    model.model.register_forward_pre_hook(
+    decoder.register_forward_pre_hook(
         lambda module, args: (
             flags.append([layer.gradient_checkpointing for layer in layers]) if torch.is_grad_enabled() else None
         )
     )
-    config_class, trainer_class = (DPOConfig, DPOTrainer) if method == "dpo" else (KTOConfig, KTOTrainer)
+    config_class, trainer_class = (KTOConfig, KTOTrainer) if method == "kto" else (DPOConfig, DPOTrainer)
     args = config_class(
         output_dir=str(tmp_path),
         max_steps=3,
@@ -159,7 +164,7 @@ def test_the_first_k_layers_stay_checkpointed_through_the_reference_passes(metho
         disable_tqdm=True,
         **_checkpointing_args(True),
     )
-    if method == "dpo":
+    if method != "kto":
         rows = [{"prompt": "abc", "chosen": "ABC", "rejected": "cba"}] * 8
     else:
         rows = [
@@ -174,5 +179,8 @@ def test_the_first_k_layers_stay_checkpointed_through_the_reference_passes(metho
         callbacks=[PartialCheckpointing(1)],
     )
     trainer.train()
-    assert trainer.ref_model is not None
+    assert (trainer.ref_model is None) == (method == "dpo-lora")
     assert len(flags) >= 3 and all(f == [True, False] for f in flags), flags
+    assert not trainer.model._forward_pre_hooks or all(  # the callback's hook is gone once training ends
+        getattr(h, "__name__", "") != "before" for h in trainer.model._forward_pre_hooks.values()
+    )
