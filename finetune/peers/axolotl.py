@@ -72,7 +72,7 @@ IGNORED = (
     }
     | dict.fromkeys(
         ("heads_k_stride", "ring_attn_func"),
-        "a setting of sequence parallelism, read only with sequence_parallel_degree above 1 (reported then)",
+        "a setting of sequence parallelism, read only with sequence_parallel_degree above 1 (which is reported)",
     )
 )
 IGNORED.update(
@@ -279,11 +279,15 @@ def _message_keys(conv: Conversion, key: str, ds: dict, *, default: tuple[str, s
     keeps its speaker and text under, `default` where unset. The format that reads them (common.message_format), or
     None, reported, where finetune reads neither; other message properties are not read either (reported)."""
     mapping = dict(ds.get("message_property_mappings") or {})
-    role = ds.get("message_field_role") or mapping.pop("role", None) or default[0]
-    content = ds.get("message_field_content") or mapping.pop("content", None) or default[1]
+    mapped_role, mapped_content = mapping.pop("role", None), mapping.pop("content", None)
+    role = ds.get("message_field_role") or mapped_role or default[0]
+    content = ds.get("message_field_content") or mapped_content or default[1]
     fmt = message_format(role, content)
     if fmt is None:
-        named = "message_field_role" if ds.get("message_field_role") else "message_property_mappings"
+        # the key that gave the value finetune cannot read (the legacy message_field_* take precedence)
+        unread_role = message_format(role, default[1]) is None
+        field = "message_field_role" if unread_role else "message_field_content"
+        named = field if ds.get(field) else "message_property_mappings"
         conv.drop(
             f"{key}.{named}",
             {"role": role, "content": content},

@@ -68,6 +68,23 @@ def test_axolotl_roles_map_is_read_as_finetune_reads_the_speakers(tmp_path, role
     assert ("datasets[0].roles" in {d.key for d in conv.material}) is reported
 
 
+@pytest.mark.parametrize(
+    ("keys", "reported"),
+    [
+        # the legacy key and the mapping agree: read, nothing reported (axolotl merges the two)
+        ({"message_field_role": "from", "message_property_mappings": {"role": "from", "content": "value"}}, set()),
+        # the unreadable text key came from message_field_content: that key is named
+        ({"message_field_content": "text"}, {"datasets[0].message_field_content"}),
+        ({"message_property_mappings": {"content": "text"}}, {"datasets[0].message_property_mappings"}),
+        ({"message_field_role": "speaker"}, {"datasets[0].message_field_role"}),
+    ],
+)
+def test_axolotl_message_keys_name_the_key_that_set_them(tmp_path, keys, reported):
+    ds = {"path": "org/chat", "type": "chat_template"} | keys
+    conv = _mapping(tmp_path, "axolotl", {"base_model": "m", "datasets": [ds]})
+    assert {d.key for d in conv.material if d.key.startswith("datasets[0].")} == reported
+
+
 def test_axolotl_preference_message_keys_are_checked(tmp_path):
     ds = {"path": "org/pairs", "type": "chat_template.default", "message_property_mappings": {"role": "who"}}
     conv = _mapping(tmp_path, "axolotl", {"base_model": "m", "rl": "dpo", "datasets": [ds]})
