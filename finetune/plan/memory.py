@@ -104,7 +104,8 @@ HOST_PER_FSDP_FULL_RANK_BYTES = 5 * GIB
 # a DeepSpeed rank of a full fine-tune without offload, likewise: 2.1-4.0 GiB on the H200 machines, ZeRO-2 and ZeRO-3
 # on one to four GPUs (the top ones, Gemma-3-4B's full SFT and DPO, full 3B DPO and pretraining on one H200, not
 # explained by the strategy's state; an H100 machine's one-process runs held more, test_calibration's HOST_MISSES),
-# where its adapter ranks measure 1.9-2.2 (HOST_PER_PROCESS_BYTES): planned at the top of the range
+# where its adapter ranks measure 1.9-2.2 (HOST_PER_PROCESS_BYTES): planned near the top of the range (row 242's 4.03
+# is 3% above it; higher would put the lowest rows above their bound)
 HOST_PER_DEEPSPEED_FULL_RANK_BYTES = 3.9 * GIB
 LOGITS_BYTES_PER_ELEMENT = 12
 # Job.nll_on_chosen: TRL's cross_entropy_loss slices the chosen half's logits shifted by one and makes them

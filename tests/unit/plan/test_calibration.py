@@ -137,8 +137,8 @@ MEMORY_MISSES = {
         "DPO LoRA 70B on 4 GPUs, FSDP2: the data generator of row 01 (chosen and rejected of equal length, so no "
         "padding and no sdpa mask), while the planner plans a padded pair's mask. Row 01's setting measured again "
         "with unequal pairs (row 120) is inside the bound (1.087); the 70B run has not been repeated. It also "
-        "checkpointed all 80 layers from step 2, not the 74 planned: TRL's DPO reference pass set checkpointing on "
-        "every layer again (rows 235-238; train/checkpointing.py keeps the first k since)"
+        "likely checkpointed all 80 layers from step 2, not the 74 planned: TRL's DPO reference pass set "
+        "checkpointing on every layer again (rows 235-238; train/checkpointing.py keeps the first k since)"
     ),
 }
 
