@@ -516,7 +516,8 @@ def trainer_defaults(
 ) -> list[str]:
     """Write the TrainingArguments defaults the config leaves out (TRAINER_DEFAULTS, the learning rate `lr`, the
     per-device batch, and the peer's own `more`) where they differ from finetune's; the ones written, for the
-    caller's note. Run after batch_sizes."""
+    caller's note. The per-device batch only where the config has none, so batch_sizes (which reads the one it has,
+    and reports an invalid accumulation) may run before or after it."""
     written = []
     if not conv.has("learning_rate"):
         conv.set("train.lr", lr)
@@ -527,7 +528,8 @@ def trainer_defaults(
             continue
         conv.set(ours, value)
         written.append(f"{keys[0]} {value:g}" if isinstance(value, float) else f"{keys[0]} {value}")
-    accumulation = conv.raw.get("gradient_accumulation_steps") or 1
+    accumulation = conv.raw.get("gradient_accumulation_steps")
+    accumulation = 1 if accumulation is None else accumulation  # 0 or a bad value: batch_sizes reported it
     if not conv.has("per_device_train_batch_size") and _count(accumulation):
         global_batch(conv, PER_DEVICE_BATCH, accumulation, micro_key="per_device_train_batch_size")
         written.append(f"per_device_train_batch_size {PER_DEVICE_BATCH}")

@@ -398,16 +398,21 @@ PACKING_STRATEGIES = {
 }
 
 
+# TRL's earlier names of its strategies (SFTConfig renames them and warns)
+PACKING_RENAMED = {"bfd-requeue": "bfd_split"}
+
+
 def _packing_strategy(conv: Conversion) -> None:
-    strategy = conv.take("packing_strategy")
+    written = conv.take("packing_strategy")
+    strategy = PACKING_RENAMED.get(written, written) if isinstance(written, str) else written
     if strategy in (None, "bfd"):
         return
     if not is_on(conv.raw.get("packing")):
-        conv.drop("packing_strategy", strategy, "packing is off, so it is not read", material=False)
+        conv.drop("packing_strategy", written, "packing is off, so it is not read", material=False)
         return
     conv.drop(
         "packing_strategy",
-        strategy,
+        written,
         f"TRL's {strategy} packing {PACKING_STRATEGIES.get(str(strategy), 'is not offered')}; finetune packs whole "
         "examples, each attending only to itself, and truncates one longer than data.max_length (TRL's bfd): "
         "remove it for that"

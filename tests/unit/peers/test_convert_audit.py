@@ -181,14 +181,26 @@ def test_model_parallel_groups_share_one_batch(tmp_path):
     assert _mapping(tmp_path, "trl", raw, method="sft", gpus=2).get("train.global_batch_size") == 4 * 2
 
 
-@pytest.mark.parametrize(("strategy", "packing", "material"), [("wrapped", True, True), ("bfd", True, None)])
+@pytest.mark.parametrize(
+    ("strategy", "packing", "material"),
+    [("wrapped", True, True), ("bfd", True, None), ("bfd-requeue", True, True)],
+)
 def test_trl_packing_strategy_other_than_bfd_is_reported(tmp_path, strategy, packing, material):
     raw = {"model_name_or_path": "m", "dataset_name": "org/text", "dataset_text_field": "text"}
     conv = _mapping(tmp_path, "trl", raw | {"packing": packing, "packing_strategy": strategy}, method="sft")
-    found = {d.key: d.material for d in conv.dropped}
-    assert found.get("packing_strategy") is material
+    found = {d.key: d for d in conv.dropped}
+    assert (found["packing_strategy"].material if "packing_strategy" in found else None) is material
+    if strategy == "bfd-requeue":  # its earlier name: the same reason as bfd_split, the pretrain hint included
+        assert "splits examples longer than max_length" in found["packing_strategy"].reason
     rc, out = _convert(tmp_path, "trl-sft-packing-strategy.yaml", "trl", "--method", "sft")
     assert rc == 2 and _reported(out)[0] == {"packing_strategy"}
+
+
+def test_a_zero_accumulation_gets_no_default_batch(tmp_path):
+    raw = {"model_name_or_path": "m", "dataset_name": "org/chat", "gradient_accumulation_steps": 0}
+    conv = _mapping(tmp_path, "trl", raw, method="sft")
+    assert conv.get("train.global_batch_size") is None
+    assert "gradient_accumulation_steps" in {d.key for d in conv.material}
 
 
 def test_an_invalid_micro_batch_does_not_make_the_accumulation_unknown(tmp_path):
