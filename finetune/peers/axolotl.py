@@ -207,8 +207,10 @@ def _source(conv: Conversion, i: int, ds: dict, *, preference: bool) -> dict | N
         if src["format"] in ("messages", "sharegpt"):  # from/value speakers are a sharegpt row
             default = ("role", "content") if src["format"] == "messages" else ("from", "value")
             src["format"] = _message_keys(conv, key, ds, default=default) or src["format"]
-        # chat_template rows sit under `messages` unless field_messages says otherwise (axolotl's default)
-        field = ds.get("field_messages") or ds.get("field") or ("messages" if kind == "chat_template" else None)
+        # chat_template rows sit under `messages` and sharegpt rows under `conversations` unless field_messages says
+        # otherwise (axolotl's defaults), whichever of finetune's formats their message keys make them
+        defaults = {"chat_template": "messages", "sharegpt": "conversations"}
+        field = ds.get("field_messages") or ds.get("field") or defaults.get(kind)
         if field:
             column = {"messages": "messages", "sharegpt": "conversations", "text": "text"}.get(src["format"])
             if column and field != column:

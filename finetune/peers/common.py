@@ -710,9 +710,8 @@ _SNIFF = (
 )
 
 
-def sniff_format(conv: Conversion, path: str, *, method: str | None = None) -> str | None:
-    """The format of a local .jsonl/.json file from its first row's columns (None: not local or unknown);
-    with `method`, the first format that method trains on (a row may carry both messages and pairs)."""
+def first_row(conv: Conversion, path: str) -> dict | None:
+    """The first row of a local .jsonl/.json file a config names (None: not local, or not a row of columns)."""
     full = find_file(conv, path)
     if full is None or full.suffix not in (".jsonl", ".json"):
         return None
@@ -723,7 +722,14 @@ def sniff_format(conv: Conversion, path: str, *, method: str | None = None) -> s
     except (OSError, ValueError):
         return None
     row = row[0] if isinstance(row, list) and row else row
-    if not isinstance(row, dict):
+    return row if isinstance(row, dict) else None
+
+
+def sniff_format(conv: Conversion, path: str, *, method: str | None = None) -> str | None:
+    """The format of a local .jsonl/.json file from its first row's columns (None: not local or unknown);
+    with `method`, the first format that method trains on (a row may carry both messages and pairs)."""
+    row = first_row(conv, path)
+    if row is None:
         return None
     found = [fmt for keys, fmt in _SNIFF if keys <= set(row)]
     allowed = METHOD_FORMATS.get(method or "", tuple(found))

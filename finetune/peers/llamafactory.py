@@ -22,6 +22,7 @@ from finetune.peers.common import (
     batch_sizes,
     coerce_numbers,
     continue_adapter,
+    first_row,
     flash_attention,
     held_out,
     message_format,
@@ -182,13 +183,8 @@ def _source(conv: Conversion, name: str, info: dict | None, folder: Path | None,
         mapped = {ours: theirs for ours, theirs in mapped.items() if theirs and theirs != ours}
         if mapped:
             src["columns"] = mapped
-        if not sharegpt and columns.get("query"):
-            conv.drop(
-                f"{key}.columns.query",
-                columns["query"],
-                "preference rows take the prompt from one column; join the query (input) column into the "
-                f"instruction column ({prompt}) in the data",
-            )
+        if not sharegpt:
+            _query_column(conv, key, columns, src["path"], prompt=prompt, rows="preference rows")
     elif columns.get("kto_tag") and sharegpt:
         # LLaMA-Factory's kto_en_demo layout: one conversation whose last assistant turn is the completion
         conv.drop(
@@ -210,6 +206,7 @@ def _source(conv: Conversion, name: str, info: dict | None, folder: Path | None,
         mapped = {k: v for k, v in mapped.items() if v and v != k}
         if mapped:
             src["columns"] = mapped
+        _query_column(conv, key, columns, src["path"], prompt=columns.get("prompt", "instruction"), rows="KTO rows")
         conv.notes.append(
             f"{key}: KTO rows read as prompt/completion/label; map prompt/completion with "
             f"data.sources[].columns if they are named otherwise"
@@ -235,6 +232,21 @@ def _source(conv: Conversion, name: str, info: dict | None, folder: Path | None,
         if mapped:
             src["columns"] = mapped
     return src
+
+
+def _query_column(conv: Conversion, key: str, columns: dict, path: str, *, prompt: str, rows: str) -> None:
+    """An alpaca entry's query column (LLaMA-Factory's default `input`), which LLaMA-Factory appends to the prompt:
+    finetune's preference and KTO rows take the prompt from one column, so a query the data holds is not trained.
+    Reported where the config names it or the local data's first row has one; a Hub dataset gets a note."""
+    query = columns.get("query", "input")
+    row = first_row(conv, path)
+    why = (
+        f"{rows} take the prompt from one column; join the query ({query}) column into the {prompt} column in the data"
+    )
+    if columns.get("query") or (row is not None and row.get(query)):
+        conv.drop(f"{key}.columns.query", query, why)
+    elif row is None and not Path(path).suffix:  # a Hub dataset: its rows are not read here
+        conv.notes.append(f"{key}: if its rows have a {query} column, {why}")
 
 
 def _message_tags(conv: Conversion, key: str, tags: dict) -> str:

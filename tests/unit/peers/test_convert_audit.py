@@ -85,6 +85,13 @@ def test_axolotl_message_keys_name_the_key_that_set_them(tmp_path, keys, reporte
     assert {d.key for d in conv.material if d.key.startswith("datasets[0].")} == reported
 
 
+def test_axolotl_sharegpt_rows_with_role_content_keys_stay_in_their_conversations_column(tmp_path):
+    ds = {"path": "org/chat", "type": "sharegpt", "message_property_mappings": {"role": "role", "content": "content"}}
+    conv = _mapping(tmp_path, "axolotl", {"base_model": "m", "datasets": [ds]})
+    source = conv.get("data.sources")[0]
+    assert (source["format"], source.get("columns")) == ("messages", {"messages": "conversations"})
+
+
 def test_axolotl_preference_message_keys_are_checked(tmp_path):
     ds = {"path": "org/pairs", "type": "chat_template.default", "message_property_mappings": {"role": "who"}}
     conv = _mapping(tmp_path, "axolotl", {"base_model": "m", "rl": "dpo", "datasets": [ds]})
@@ -117,6 +124,28 @@ def test_llamafactory_alpaca_pairs_read_their_prompt_and_pref_ftx_0_adds_nothing
     assert "pref_ftx" not in out.read_text()
     conv = _mapping(tmp_path, "llamafactory", {"model_name_or_path": "m", "stage": "dpo", "pref_ftx": 0.5})
     assert "pref_ftx" in {d.key for d in conv.material}
+
+
+@pytest.mark.parametrize("stage", ["dpo", "kto"])
+def test_llamafactory_alpaca_query_column_is_reported_where_the_data_has_one(tmp_path, stage):
+    """LLaMA-Factory appends an alpaca row's query column (`input` by default) to the prompt; finetune's preference and
+    KTO rows take the prompt from one column, so a query the local data holds is reported, and none is when the rows
+    have no such column."""
+    import json
+
+    pairs = {"instruction": "reverse", "input": "abc", "chosen": "cba", "rejected": "abc"}
+    unpaired = {"instruction": "reverse", "input": "abc", "output": "cba", "kto_tag": True}
+    row = pairs if stage == "dpo" else unpaired
+    entry = {"file_name": "rows.jsonl"} | ({"ranking": True} if stage == "dpo" else {"columns": {"kto_tag": "kto_tag"}})
+    for with_input in (True, False):
+        folder = tmp_path / f"data-{with_input}"
+        folder.mkdir()
+        (folder / "dataset_info.json").write_text(json.dumps({"rows": entry}))
+        data = row if with_input else {k: v for k, v in row.items() if k != "input"}
+        (folder / "rows.jsonl").write_text(json.dumps(data) + "\n")
+        raw = {"model_name_or_path": "m", "stage": stage, "dataset": "rows", "dataset_dir": str(folder)}
+        conv = _mapping(tmp_path, "llamafactory", raw)
+        assert ("dataset[0].columns.query" in {d.key for d in conv.material}) is with_input, conv.material
 
 
 # -- the peers' defaults ----------------------------------------------------------------------------------------------
