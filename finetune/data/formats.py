@@ -17,6 +17,10 @@ from finetune.errors import DataError
 from finetune.recipe.schema import FORMAT_COLUMNS, OPTIONAL_COLUMNS
 
 ROLES = ("system", "user", "assistant", "tool")
+# the keys a message keeps its speaker and its text under: a messages row's, and a sharegpt row's (whose files
+# sometimes carry the former instead)
+MESSAGE_KEYS = ("role", "content")
+SHAREGPT_KEYS = ("from", "value")
 # sharegpt speakers -> chat roles (the common spellings seen in public sharegpt dumps)
 SHAREGPT_ROLES = {
     "human": "user",
@@ -80,8 +84,8 @@ def _messages(
     file: str,
     row: int,
     roles: dict[str, str] | None = None,
-    role_key: str = "role",
-    content_key: str = "content",
+    role_key: str = MESSAGE_KEYS[0],
+    content_key: str = MESSAGE_KEYS[1],
     need_assistant: bool = True,
 ) -> list[dict[str, str]]:
     if not isinstance(value, list) or not value:
@@ -91,8 +95,8 @@ def _messages(
         if not isinstance(msg, dict):
             raise row_error(f"{what}[{i}] must be a mapping with {role_key!r} and {content_key!r}", file=file, row=row)
         # sharegpt files sometimes carry role/content instead of from/value
-        raw_role = msg.get(role_key, msg.get("role"))
-        content = msg.get(content_key, msg.get("content"))
+        raw_role = msg.get(role_key, msg.get(MESSAGE_KEYS[0]))
+        content = msg.get(content_key, msg.get(MESSAGE_KEYS[1]))
         role = (roles or {r: r for r in ROLES}).get(str(raw_role).lower() if raw_role is not None else "")
         if role is None:
             valid = ", ".join(sorted(roles or ROLES))
@@ -136,8 +140,8 @@ def convert_row(raw: dict, *, fmt: str, columns: dict[str, str], file: str, row:
                 get["conversations"],
                 what=col["conversations"],
                 roles=SHAREGPT_ROLES,
-                role_key="from",
-                content_key="value",
+                role_key=SHAREGPT_KEYS[0],
+                content_key=SHAREGPT_KEYS[1],
                 **kw,
             )
         }

@@ -22,8 +22,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from finetune.data.formats import MESSAGE_KEYS, SHAREGPT_KEYS, columns_hint, row_error
 from finetune.data.formats import SHAREGPT_ROLES as SPEAKERS
-from finetune.data.formats import columns_hint, row_error
 
 HH_TURN = "\n\nAssistant:"
 # where a prompt sits when the file has no `prompt` column (LLaMA-Factory, chat-style files)
@@ -48,8 +48,8 @@ def _as_messages(value: Any, *, what: str, file: str, row: int) -> list[dict] | 
     for i, msg in enumerate(value):
         if not isinstance(msg, dict):
             raise row_error(f"{what}[{i}] must be a mapping with role/content (or from/value)", file=file, row=row)
-        speaker = msg.get("role", msg.get("from"))
-        content = msg.get("content", msg.get("value"))
+        speaker = msg.get(MESSAGE_KEYS[0], msg.get(SHAREGPT_KEYS[0]))
+        content = msg.get(MESSAGE_KEYS[1], msg.get(SHAREGPT_KEYS[1]))
         role = SPEAKERS.get(str(speaker).lower()) if speaker is not None else None
         if role is None:
             raise row_error(

@@ -7,7 +7,7 @@ import re
 from pathlib import Path
 from typing import Any, get_args
 
-from finetune.data.formats import ROLES, SHAREGPT_ROLES
+from finetune.data.formats import MESSAGE_KEYS, ROLES, SHAREGPT_KEYS, SHAREGPT_ROLES
 from finetune.data.sources import LOCAL_SUFFIXES
 from finetune.peers import Conversion
 from finetune.plan.workload import FUSED_EXPERT_WEIGHTS
@@ -418,17 +418,15 @@ def template(conv: Conversion, key: str) -> None:
         )
 
 
-# the keys finetune reads a message's speaker and text from (finetune/data/formats.py, preference.py): role/content
-# is a messages row; from/value, or a mix of the two spellings, a sharegpt row (preference rows read either)
-MESSAGE_KEYS = (("role", "from"), ("content", "value"))
-
-
+# role/content is a messages row; from/value, or a mix of the two spellings, a sharegpt row (whose reader takes either,
+# as preference rows do)
 def message_format(role: object, content: object) -> str | None:
-    """The format whose rows keep a message's speaker under `role` and its text under `content`: messages,
-    sharegpt, or None where finetune reads neither key."""
-    if role not in MESSAGE_KEYS[0] or content not in MESSAGE_KEYS[1]:
+    """The format whose rows keep a message's speaker under `role` and its text under `content` (data/formats.py
+    MESSAGE_KEYS, SHAREGPT_KEYS): messages, sharegpt, or None where finetune reads neither key."""
+    readable = tuple(zip(MESSAGE_KEYS, SHAREGPT_KEYS))
+    if role not in readable[0] or content not in readable[1]:
         return None
-    return "messages" if (role, content) == ("role", "content") else "sharegpt"
+    return "messages" if (role, content) == MESSAGE_KEYS else "sharegpt"
 
 
 def read_role(fmt: str, speaker: object) -> str | None:
