@@ -14,7 +14,6 @@ meets a few dozen lengths, and an example computes at most 2/16 more than its ow
 from __future__ import annotations
 
 from functools import lru_cache
-from importlib.metadata import PackageNotFoundError, version
 
 CUDNN_MIN_EXAMPLE_TOKENS = 8192
 CUDNN_LENGTHS_PER_OCTAVE = 16
@@ -39,10 +38,9 @@ def card_runs_cudnn_long_examples(gpu_model: str, vendor: str) -> bool:
 
 @lru_cache(maxsize=1)
 def _installed_torch() -> str | None:
-    try:
-        return version("torch")
-    except PackageNotFoundError:
-        return None
+    from finetune.envreport import package_version  # here: envreport imports the planner, which imports this module
+
+    return package_version("torch")
 
 
 # the torch release whose varlen kernel (torch.nn.attention.varlen) takes flash-attention's window_size: on older ones
@@ -59,6 +57,7 @@ def torch_runs_varlen_windows(torch_version: str | None = None) -> bool:
         torch_version = _installed_torch()
         if torch_version is None:
             return True
+    # its release's first two numbers, parsed by hand: `finetune plan`'s own dependencies have no version parser
     release = []
     for part in torch_version.split("+")[0].split(".")[:2]:
         digits = "".join(ch for ch in part if ch.isdigit()) or "0"

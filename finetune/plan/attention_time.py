@@ -132,22 +132,25 @@ def packed_attention_rate(job: Job, example_tokens: float) -> float:
     return varlen_rate(head_dim(job.arch), example_tokens)
 
 
-def band_rate(head: int, window: float) -> float:
-    """A sliding layer's band rate (WINDOW_RATES) at `head` dims and `window` tokens. A head size measured at one
-    window alone (256) takes, at other windows, that rate scaled as the nearest head size measured at several
-    (128) changes between the two windows."""
-    dims = sorted(WINDOW_RATES)
-    shaped = max(d for d in dims if len(WINDOW_RATES[d]) > 1)
-    rates = {
+def _band_rates() -> dict[int, tuple[tuple[int, float], ...]]:
+    """WINDOW_RATES with a head size measured at one window alone (256) given, at the other windows, that rate scaled
+    as the nearest head size measured at several (128) changes between the two windows."""
+    shaped = max(d for d, points in WINDOW_RATES.items() if len(points) > 1)
+    scale = WINDOW_RATES[shaped]
+    return {
         d: points
         if len(points) > 1
-        else tuple(
-            (w, points[0][1] * _by_length(WINDOW_RATES[shaped], w) / _by_length(WINDOW_RATES[shaped], points[0][0]))
-            for w, _ in WINDOW_RATES[shaped]
-        )
+        else tuple((w, points[0][1] * _by_length(scale, w) / _by_length(scale, points[0][0])) for w, _ in scale)
         for d, points in WINDOW_RATES.items()
     }
-    return _by_head_dim(rates, head, window)
+
+
+BAND_RATES = _band_rates()  # derived once: windowed_rate is called for every plan the search evaluates
+
+
+def band_rate(head: int, window: float) -> float:
+    """A sliding layer's band rate at `head` dims and `window` tokens (BAND_RATES)."""
+    return _by_head_dim(BAND_RATES, head, window)
 
 
 def windowed_rate(job: Job, example_tokens: float) -> float:

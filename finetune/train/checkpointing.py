@@ -24,13 +24,15 @@ def decoder_layers(model) -> list:
     return [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
 
 
+def _checkpoint_first(layers: list, k: int) -> list[bool]:
+    for index, layer in enumerate(layers):
+        layer.gradient_checkpointing = index < k
+    return [layer.gradient_checkpointing for layer in layers]
+
+
 def checkpoint_first_layers(model, k: int) -> list[bool]:
     """Checkpoint the first `k` decoder layers of `model` (checkpointing already enabled); the flags set."""
-    flags = []
-    for index, layer in enumerate(decoder_layers(model)):
-        layer.gradient_checkpointing = index < k
-        flags.append(layer.gradient_checkpointing)
-    return flags
+    return _checkpoint_first(decoder_layers(model), k)
 
 
 def keep_first_layers_checkpointed(model, k: int):
@@ -38,14 +40,13 @@ def keep_first_layers_checkpointed(model, k: int):
     checkpointing is on (module docstring); the hook's handle, to remove it when training ends."""
     import torch
 
-    checkpoint_first_layers(model, k)
-    layers = decoder_layers(model)
+    layers = decoder_layers(model)  # found once: the hook runs every forward
+    _checkpoint_first(layers, k)
 
     def before(module, args):
         # some flag on: checkpointing is enabled (turned off altogether, every flag is off and stays so)
         if torch.is_grad_enabled() and module.training and any(layer.gradient_checkpointing for layer in layers):
-            for index, layer in enumerate(layers):
-                layer.gradient_checkpointing = index < k
+            _checkpoint_first(layers, k)
 
     return model.register_forward_pre_hook(before)
 
