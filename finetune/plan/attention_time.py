@@ -18,16 +18,17 @@ The kernels themselves also run slower than the step's FLOPs rate in two cases (
 measured by scripts/attention_rates.py (forward + backward of torch's sdpa, bf16, one packed row of 4,096 and
 16,384 tokens, head_dim 64 and 128; on an H200 with torch 2.11 and cuDNN 9.19 every case ran cuDNN's flash
 kernels; docs/results/attention-rates-2026-11-28-h200.json):
-  - a masked kernel (an explicit bias; cuDNN's masked path): beyond its whole-square FLOPs at the step's
-    efficiency and the bias traffic above it took 1.37-1.48x the FLOPs' time (MASKED_KERNEL_SLOWDOWN);
+  - a masked kernel (an explicit bias; cuDNN's masked path): beyond its whole-square FLOPs at sdpa's
+    unmasked rate (below) and the bias traffic above it took 1.37-1.48x the FLOPs' time (MASKED_KERNEL_SLOWDOWN);
   - attention dropout (a config's attention_dropout > 0, training): the kernel draws a random number per score
     in the forward and again in the backward, 1.38-1.74x the same kernel's time without it, causal or masked
     (DROPOUT_KERNEL_SLOWDOWN; flash_attention_2's dropout is assumed alike, not measured).
 The varlen kernel that runs packed rows (finetune/train/attention.py: torch's flash-attention-2 varlen kernel; the
-flash_attention_2 package runs the same algorithm) is slower per FLOP than the step: 0.17-0.28 of the card's peak
-where the step reaches 0.45 (`VARLEN_RATES`), the slower the shorter the examples; packed examples long enough to
+flash_attention_2 package runs the same algorithm) is slower per FLOP than sdpa's: 0.17-0.28 of the card's peak
+where sdpa's kernel reaches 0.45 (`VARLEN_RATES`), the slower the shorter the examples; packed examples long enough to
 run on cuDNN's causal kernel instead (finetune/kernels.py) have its own rates (`CUDNN_RATES`). sdpa's cuDNN kernel on
-one unpadded row reached 0.40-0.47 at 4k and 16k tokens (the sdpa cases above), about the step's rate, so it keeps it.
+one unpadded row reached 0.40-0.47 at 4k and 16k tokens (the sdpa cases above): plan/timing.py's
+ATTENTION_EFFICIENCY (0.45), the rate every attention FLOP starts from.
 """
 
 from __future__ import annotations

@@ -13,11 +13,13 @@ Two things cost time that the dense model's FLOPs-at-efficiency does not show:
    below a dense GEMM on the same card; published H100 bf16 figures: CUTLASS sm90 grouped GEMM ~160
    TFLOP/s at 512 rows per expert (K 2048, N 1536; tgale96/grouped_gemm#37, cuBLAS per-expert loops
    110-130), torch's grouped_mm MoE forward 242 TFLOP/s at 2048 rows per expert (hidden 2048, dispatch
-   included; ByteDance-Seed/VeOmni#460). The planner's GPU efficiency x m/(m + GROUPED_HALF_ROWS)
-   with 900 rows gives 161 and 309 TFLOP/s there (the dispatch traffic below makes up the second
-   one's difference). The routed experts' FLOPs run at that efficiency instead of the micro-batch's.
+   included; ByteDance-Seed/VeOmni#460). The GEMMs' efficiency of plan/timing.py x m/(m + GROUPED_HALF_ROWS)
+   with 1,400 rows gives 159 and 352 TFLOP/s there (the dispatch traffic below, about a third of that
+   forward's time, makes up the second one's difference). The routed experts' FLOPs run at that efficiency
+   instead of the micro-batch's.
 2. The dispatch moves every routed copy through HBM several times, forward and backward, bytes the
-   dense layers' efficiency does not include (a dense MLP has none of these passes). Counting each
+   streaming passes of a dense MLP of the same width do not include (plan/timing.py counts the routed
+   experts' linears as one: `workload.linear_features_per_token`). Counting each
    kernel's inputs and outputs once, per routed copy (a the compute dtype's bytes, h hidden, i expert
    width, k experts per token; x/k where a kernel touches one row per token, not per copy):
      forward: the gather into expert order (ah/k + ah), gating act(gate)*up (2ai + 3ai), the
@@ -28,7 +30,7 @@ Two things cost time that the dense model's FLOPs-at-efficiency does not show:
               into zeros (ah + 3ah/k).
    Checked against the aten ops of transformers' grouped_mm_experts_forward, forward and backward,
    listed with a dispatch mode (tests/unit/plan/test_moe_time.py). Of these, the gating's passes are
-   a dense SwiGLU MLP's too; the dense efficiency was measured with Liger's fused SwiGLU (3ai forward,
+   a dense SwiGLU MLP's too; the dense step time was fitted with Liger's fused SwiGLU (3ai forward,
    5ai backward), so the experts' eager gating counts beyond those (2ai, 8ai), with Liger or without
    (a dense MLP's own eager passes without Liger: plan/unfused_time.py). GPT-OSS's
    clamped sigmoid gating has about three times SwiGLU's elementwise passes (16ai forward, 32ai
@@ -57,7 +59,7 @@ from finetune.plan.workload import (
 )
 from finetune.registry.schema import ModelArch
 
-GROUPED_HALF_ROWS = 900  # rows per group at which a grouped GEMM reaches half the dense efficiency (H100 figures)
+GROUPED_HALF_ROWS = 1400  # rows per group at which a grouped GEMM reaches half the dense GEMMs' rate (H100 figures)
 
 
 def routed_rows(job: Job, *, micro_batch: int) -> float:

@@ -12,21 +12,25 @@ The step time counts the attention FLOPs the kernels execute (`executed_attentio
 kernel (flash, varlen, sdpa on one unpadded row) computes the triangle, about half the s x s the MFU
 counts; a masked kernel every block, and on a packed row of micro_batch x seq tokens (a model
 finetune's varlen kernel does not serve, or sdpa/eager chosen) the whole square of the row.
-Compute time = FLOPs / (peak x efficiency). Efficiency is an HF-stack MFU: 0.45 on GPUs for the forward and input-
-gradient FLOPs with their norms, adds and activations, as LoRA/QLoRA steps with finetune's GPU defaults (varlen
-attention, Liger, no peft input casts) run them; a full fine-tune's weight gradients are bare GEMMs, timed at
-WEIGHT_GRADIENT_GEMM_EFFICIENCY; QLoRA also dequantizes NF4 on every matmul; small micro-batches underuse the GPU;
-float32 compute runs at FP32_GPU_EFFICIENCY of the card's FP32 rate. Memory-bound work the FLOPs do not show is
-timed at the bandwidth streaming kernels reach (plan/bandwidth.py): DoRA's weight norms and elementwise passes
-(plan/dora_time.py), a masked attention kernel's mask bias (plan/attention_time.py, with the masked and dropout
-kernels' own slowdowns and the varlen kernel's own rate), the norms, RoPE and SwiGLU where Liger does not fuse them
-(plan/unfused_time.py), and an MoE layer's dispatch, whose expert GEMMs also run at a lower efficiency for their few
-rows per expert (plan/moe_time.py). A packed row's varlen attention is the triangle of its examples' token-weighted
-length where the data's lengths are known (data.example_tokens). Calibrated on the second-pass runs in
-tests/data/gpu_calibration.json (H200, tokens/s over 20-30 steps, start-up included): 8B LoRA 1 GPU 13.4k tokens/s
-(steady 13.7k), QLoRA 13.2k = 0.99 of LoRA's. With the weight gradients at the GEMM rate the 50 full fine-tune rows
-went from 0.94 of their measured speed on average (mean |log ratio| 0.111) to 1.01 (0.084); H200 8B rows from
-0.74-0.80 to 0.85-0.92 (H100's 0.97-0.99 to 1.08-1.09: the two cards' full 8B steps still differ by a fifth).
+Compute time: the linears' FLOPs (the decoder's, the routed experts', the lm_head's) at the rate GEMMs reach
+(GEMM_EFFICIENCY of the card's bf16 peak), the attention kernels' FLOPs at theirs (ATTENTION_EFFICIENCY, replaced
+by the varlen and cuDNN paths' measured rates: plan/attention_time.py), and the streaming passes around the
+linears (norms, residual adds, activations, LoRA's adapter reads and adds, the loss's chunks of logits) as bytes
+over the bandwidth streaming kernels reach (`linear_traffic_seconds`, plan/bandwidth.py): values per input and output
+feature of each linear, where its FLOPs are the product of the two, so a narrow model (Qwen2.5-0.5B's 896 features)
+spends a larger share of its step streaming than a wide one (Llama-70B's 8,192), and a card with less bandwidth per
+FLOP a larger share than one with more. A full fine-tune's weight gradients are GEMMs with no pass of their own.
+QLoRA also dequantizes NF4 on every matmul; small micro-batches underuse the GPU; float32 compute runs at
+FP32_GPU_EFFICIENCY of the card's FP32 rate. Other memory-bound work the FLOPs do not show is timed at the same
+bandwidth: DoRA's weight norms and elementwise passes (plan/dora_time.py), a masked attention kernel's mask bias
+(plan/attention_time.py, with the masked and dropout kernels' own slowdowns), the norms, RoPE and SwiGLU where Liger
+does not fuse them (plan/unfused_time.py), and an MoE layer's dispatch, whose expert GEMMs also run at a lower
+efficiency for their few rows per expert (plan/moe_time.py). A packed row's varlen attention is the triangle of its
+examples' token-weighted length where the data's lengths are known (data.example_tokens).
+GEMM_EFFICIENCY and LINEAR_TRAFFIC_PASSES are fitted together on the calibration rows' steady tokens/s
+(tests/data/gpu_calibration.json; the two trade along a ridge, 0.60 with 4 values to 0.75 with 7 fit almost alike).
+They replaced one blended efficiency (0.45 of the peak, measured on 8B LoRA) which planned models of hidden
+4.6-8k 0.77-0.88 of their measured speed and MoE models of hidden 2k up to 1.24 of it.
 
 The GPU's busy time is the soft maximum of that compute and the host's time to launch its kernels
 (plan/host_time.py; `soft_max` below): eager PyTorch launches each kernel from the host, a short
@@ -45,6 +49,7 @@ from dataclasses import dataclass
 
 from finetune import strategies
 from finetune.plan.attention_time import kernel_extra_seconds, mask_seconds
+from finetune.plan.bandwidth import memory_seconds
 from finetune.plan.dora_time import dora_seconds
 from finetune.plan.eager_time import eager_seconds
 from finetune.plan.host_time import host_seconds
@@ -65,11 +70,24 @@ from finetune.plan.workload import (
     count_params,
     executed_attention_positions,
     head_dim,
+    linear_features_per_token,
     trainable_params,
 )
 from finetune.registry.schema import ModelArch
 
-GPU_EFFICIENCY = 0.45
+# The linears' FLOPs on a GPU, as a share of the bf16 peak: fitted with LINEAR_TRAFFIC_PASSES (see the docstring). The
+# profiles' GEMM kernels alone ran at 0.72 (8B LoRA, H200: docs/results/profiles/lora8b-finetune-h200.txt) and 0.78
+# (3B full FSDP2 on 2 H200s: full3b-fsdp2-h200x2.txt); the fitted rate is below those by the gaps between kernels
+# and the GEMMs' own start and tail, which no term here times apart.
+GEMM_EFFICIENCY = 0.60
+# The streaming kernels around each linear (the norm before it, the residual add after it, the activation, LoRA's
+# reads of the input and adds to the output, the loss's chunks of logits after the lm_head) move, per token and
+# pass, this many of the compute dtype's values per input and output feature of the linear (fitted).
+LINEAR_TRAFFIC_PASSES = 4.0
+# sdpa's cuDNN kernel on one unpadded row ran at 0.40-0.47 of the peak (scripts/attention_rates.py, H200: the sdpa
+# cases of docs/results/attention-rates-2026-11-28-h200.json); the masked and dropout kernels' slowdowns are measured
+# against that rate, the varlen and cuDNN paths' rates replace it (plan/attention_time.py)
+ATTENTION_EFFICIENCY = 0.45
 # A run computing in float32 (Job.computes_fp32: matmuls at the card's FP32 rate): its matmuls are so slow that
 # the memory-bound passes which keep bf16 steps at 0.45 hardly count. From the profile of full 1B in fp32 on an
 # H200 (docs/results/profiles/llama1b-full-fp32-compute-h200-2026-11-28.txt): the SGEMMs ran at 0.82 of the FP32
@@ -79,13 +97,6 @@ FP32_GPU_EFFICIENCY = 0.80
 CPU_EFFICIENCY = 0.30
 QLORA_EFFICIENCY = 0.95  # dequantizing NF4 weights on every matmul: measured 0.99 of LoRA's tokens/s (H200)
 MICRO_BATCH_HALF_TOKENS = 512  # efficiency x tokens/(tokens + this): small micro-batches underuse the GPU
-# A full fine-tune's weight gradients (2 FLOPs per trained dense parameter and token) are GEMMs and nothing else:
-# no norm, residual add or activation pass comes with them, so they run at the rate GEMMs reach rather than at the
-# step's blended GPU_EFFICIENCY, which was measured on LoRA steps where the base has none. The profiles' GEMM
-# kernels ran at 0.72 of the bf16 peak (8B LoRA, H200: docs/results/profiles/lora8b-finetune-h200.txt, 712
-# TFLOP/s) and 0.78 (3B full FSDP2 on 2 H200s: full3b-fsdp2-h200x2.txt, aten::mm's 392 ms for 2 x 8,192 tokens of
-# 6N FLOPs each)
-WEIGHT_GRADIENT_GEMM_EFFICIENCY = 0.75
 ZERO3_COMM_FACTOR = 1.2  # DeepSpeed's parameter fetching overlaps less than FSDP2's prefetch
 OVERLAP_LEAK = 0.1  # share of the smaller of compute/communication that is not hidden
 # The host launches kernels while the GPU runs queued ones: two stages of a pipeline whose queue every
@@ -155,6 +166,21 @@ def job_model_flops_per_token(job: Job) -> float:
     )
 
 
+def attention_flops_per_token(job: Job, *, checkpointing: bool | int, micro_batch: int | None = None) -> float:
+    """The attention scores' and values' share of `flops_per_token` (12 a position and width, again 4 for every
+    forward a checkpointed layer or a forward without gradients repeats): what the attention kernels compute, timed
+    at their own rates (ATTENTION_EFFICIENCY, plan/attention_time.py), not the GEMMs'. With `micro_batch` the
+    positions the kernels execute (`executed_attention_positions`), else the useful ones."""
+    arch = job.arch
+    width = arch.num_attention_heads * head_dim(arch)
+    if micro_batch is None:
+        attn: float = width * attended_positions(arch, job.seq_len)
+    else:
+        attn = width * executed_attention_positions(job, micro_batch=micro_batch)
+    forwards = checkpointed_layers(job, checkpointing) / arch.num_layers + job.forward_only_passes
+    return (12 + 4 * forwards) * attn
+
+
 def flops_per_token(job: Job, *, checkpointing: bool | int, micro_batch: int | None = None) -> float:
     """Training FLOPs per token of one sequence: the useful FLOPs plus recomputation and the forwards without
     gradients (DPO's and KTO's reference, KTO's KL completion: see the module docstring). With `micro_batch`,
@@ -163,18 +189,13 @@ def flops_per_token(job: Job, *, checkpointing: bool | int, micro_batch: int | N
     arch = job.arch
     n = count_params(arch).matmul_active
     width = arch.num_attention_heads * head_dim(arch)
-    attn: float = width * attended_positions(arch, job.seq_len)
-    flops = job_model_flops_per_token(job)
-    if micro_batch is not None:
-        executed = width * executed_attention_positions(job, micro_batch=micro_batch)
-        flops += 12 * (executed - attn)
-        attn = executed
+    useful_attention = 12 * width * attended_positions(arch, job.seq_len)
+    flops = job_model_flops_per_token(job) - useful_attention
     # activation checkpointing (True: every layer, or the count of checkpointed layers) re-runs their forward
-    flops += checkpointed_layers(job, checkpointing) / arch.num_layers * (2 * n + 4 * attn)
-    flops += job.forward_only_passes * (2 * n + 4 * attn)
+    flops += (checkpointed_layers(job, checkpointing) / arch.num_layers + job.forward_only_passes) * 2 * n
     if job.adapter != "full":  # adapter.target_experts: the folded copies' weight gradients
         flops += 2 * routed_active_params(job.arch, layers=job.lora_expert_layers)
-    return flops
+    return flops + attention_flops_per_token(job, checkpointing=checkpointing, micro_batch=micro_batch)
 
 
 def mfu(*, tokens_per_second: float, flops_per_token: float, peak_tflops: float, gpus: int) -> float:
@@ -188,33 +209,35 @@ def micro_batch_fill(job: Job, micro_batch: int) -> float:
     return tokens / (tokens + MICRO_BATCH_HALF_TOKENS)
 
 
-def weight_gradient_flops_per_token(job: Job) -> float:
-    """FLOPs per token of a full fine-tune's dense weight gradients, which `weight_gradient_seconds_saved` times at
-    the GEMM rate (the routed experts' stay with plan/moe_time.py's grouped-GEMM rate; LoRA's frozen base has
-    none, its adapters' are a few MFLOPs)."""
-    if job.adapter != "full":
+def linear_traffic_seconds(job: Job, *, micro_batch: int, checkpointed_share: float = 0.0) -> float:
+    """Seconds one micro-batch's streaming kernels around the linears take (LINEAR_TRAFFIC_PASSES values per input
+    and output feature, per token and pass: workload.linear_features_per_token), on a GPU's bandwidth: every
+    forward (again for the recomputed layers and the forwards without gradients: Job.forward_only_passes) and the
+    input-gradient backward. A full fine-tune's weight gradients are bare GEMMs, with no such pass of their own.
+    0 on a CPU, whose CPU_EFFICIENCY is a blended rate."""
+    if job.preset.vendor == "cpu":
         return 0.0
-    return 2 * (count_params(job.arch).matmul_active - routed_active_params(job.arch))
-
-
-def weight_gradient_seconds_saved(job: Job, *, micro_batch: int, flop_seconds: float) -> float:
-    """Seconds one micro-batch's dense weight gradients take less at WEIGHT_GRADIENT_GEMM_EFFICIENCY than at
-    the step's rate (`flop_seconds` a FLOP); 0 on CPUs and for float32 compute, whose rates are GEMM rates."""
-    if job.preset.vendor == "cpu" or job.computes_fp32:
-        return 0.0
-    gemm_seconds = 1 / (job.peak_tflops * 1e12 * WEIGHT_GRADIENT_GEMM_EFFICIENCY * micro_batch_fill(job, micro_batch))
     tokens = computed_tokens_per_micro_batch(job, micro_batch)
-    return max(0.0, weight_gradient_flops_per_token(job) * tokens * (flop_seconds - gemm_seconds))
+    passes = 2.0 + checkpointed_share + job.forward_only_passes
+    values = LINEAR_TRAFFIC_PASSES * linear_features_per_token(job.arch) * tokens * passes
+    return memory_seconds(job.preset, values * job.act_bytes)
 
 
 def efficiency(job: Job, *, micro_batch: int) -> float:
     if job.preset.vendor == "cpu":
         base = CPU_EFFICIENCY
     else:
-        base = FP32_GPU_EFFICIENCY if job.computes_fp32 else GPU_EFFICIENCY
+        base = FP32_GPU_EFFICIENCY if job.computes_fp32 else GEMM_EFFICIENCY
     if job.adapter == "qlora":
         base *= QLORA_EFFICIENCY
     return base * micro_batch_fill(job, micro_batch)
+
+
+def attention_efficiency(job: Job, *, micro_batch: int) -> float:
+    """The attention kernels' reference rate (ATTENTION_EFFICIENCY; float32 compute and CPUs keep the step's)."""
+    if job.preset.vendor == "cpu" or job.computes_fp32:
+        return efficiency(job, micro_batch=micro_batch)
+    return ATTENTION_EFFICIENCY * micro_batch_fill(job, micro_batch)
 
 
 @dataclass(frozen=True)
@@ -258,11 +281,15 @@ def step_time(
     p = job.preset
     tokens = computed_tokens_per_micro_batch(job, micro_batch) * grad_accum
     rate = efficiency(job, micro_batch=micro_batch)
-    flop_seconds = 1 / (job.peak_tflops * 1e12 * rate)  # a FLOP's time at the step's rate
-    compute = flops_per_token(job, checkpointing=checkpointing, micro_batch=micro_batch) * tokens * flop_seconds
+    flop_seconds = 1 / (job.peak_tflops * 1e12 * rate)  # a linear's FLOP at the GEMMs' rate
+    # the attention kernels' FLOPs at their reference rate (their own rates: plan/attention_time.py)
+    attention_seconds = flop_seconds * rate / attention_efficiency(job, micro_batch=micro_batch)
+    attention = attention_flops_per_token(job, checkpointing=checkpointing, micro_batch=micro_batch)
+    linear = flops_per_token(job, checkpointing=checkpointing, micro_batch=micro_batch) - attention
+    compute = (linear * flop_seconds + attention * attention_seconds) * tokens
     checkpointed = checkpointed_layers(job, checkpointing)
     share = checkpointed / job.arch.num_layers
-    compute -= grad_accum * weight_gradient_seconds_saved(job, micro_batch=micro_batch, flop_seconds=flop_seconds)
+    compute += grad_accum * linear_traffic_seconds(job, micro_batch=micro_batch, checkpointed_share=share)
     # adapter.fused_lora: peft's scale-and-add passes, which the FLOPs' calibrated time includes, do not run
     compute -= fused_lora_share(
         compute,
@@ -274,7 +301,7 @@ def step_time(
     compute += grad_accum * mask_seconds(job, micro_batch=micro_batch, checkpointed_share=share)
     # masked kernels, attention dropout and the varlen kernel run below the step's FLOPs rate (plan/attention_time.py)
     compute += grad_accum * kernel_extra_seconds(
-        job, micro_batch=micro_batch, checkpointed_share=share, flop_seconds=flop_seconds
+        job, micro_batch=micro_batch, checkpointed_share=share, flop_seconds=attention_seconds
     )
     # mixture of experts: small per-expert GEMMs and the dispatch traffic (plan/moe_time.py)
     compute += grad_accum * moe_seconds(

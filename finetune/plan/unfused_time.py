@@ -1,8 +1,8 @@
 """The step time a decoder layer's RMSNorms, RoPE and SwiGLU add when Liger does not fuse them.
 
-The GPU step efficiency (plan/timing.py, GPU_EFFICIENCY) was measured on runs with Liger's kernels, finetune's
-default wherever liger-kernel patches the model (train.liger): one kernel for each norm, RoPE and SwiGLU, forward
-and backward. Without them (train.liger: off, or a model type Liger does not patch, as most MoE families)
+The GPU step time (plan/timing.py: its GEMM rate and streaming passes) was fitted on runs with Liger's kernels,
+finetune's default wherever liger-kernel patches the model (train.liger): one kernel for each norm, RoPE and SwiGLU,
+forward and backward. Without them (train.liger: off, or a model type Liger does not patch, as most MoE families)
 transformers runs them as chains of elementwise kernels, each a pass over the activations through HBM. Bytes per
 element of the tensor each works on (a: the activation dtype's bytes), every kernel's inputs and outputs, forward
 and backward as autograd runs them (counted from the aten ops of transformers' own modules with a dispatch mode:

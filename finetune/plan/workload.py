@@ -608,6 +608,21 @@ def module_shapes(arch: ModelArch) -> dict[str, tuple[int, int, int]]:
     return shapes
 
 
+def linear_features_per_token(arch: ModelArch) -> float:
+    """Input plus output features, summed over every linear one token passes through: the decoder layers' (each
+    layer kind's modules, the routed experts' gate_up and down) and the lm_head. The activations
+    the streaming kernels around the GEMMs read and write scale with this sum, the GEMMs' FLOPs with the products
+    (plan/timing.py, linear_traffic_seconds)."""
+    features = 0.0
+    for count, is_moe, shapes in layer_kinds(arch):
+        features += count * sum((fin + fout) * copies for fin, fout, copies in shapes.values())
+        if is_moe:  # as a dense MLP of the routed experts' FLOPs (top-k x their width): the per-copy dispatch beyond
+            # that is plan/moe_time.py's
+            h, width = arch.hidden_size, min(arch.experts_per_token, arch.num_experts) * expert_size(arch)
+            features += count * ((h + 2 * width) + (width + h))
+    return features + arch.hidden_size + arch.vocab_size
+
+
 def count_params(arch: ModelArch) -> Params:
     # pydantic models are not hashable; cache on the numbers that matter (read by one C-level getter:
     # the planner's search calls this thousands of times per plan)

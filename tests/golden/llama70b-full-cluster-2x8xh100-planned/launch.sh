@@ -3,7 +3,7 @@
 # llama70b-full: sft full of llama-3.1-70b on cluster-2x8xh100 (cuda)
 # strategy zero3-optim-offload, 2 node(s) x 8 = 16 process(es); micro-batch 4 x accumulation 2; activation checkpointing on
 # predicted peak 69.4 GiB per GPU
-# warning: planned without Liger's kernels: liger-kernel is not installed here (pip install 'finetune[gpu]' where the run trains turns them on); that plan has 3.49 s of each 56.22 s step in unfused norm, RoPE and SwiGLU passes, and more activation memory, than the run with them (set train.liger: on to plan with them; the run then needs liger-kernel)
+# warning: planned without Liger's kernels: liger-kernel is not installed here (pip install 'finetune[gpu]' where the run trains turns them on); that plan has 3.49 s of each 53.78 s step in unfused norm, RoPE and SwiGLU passes, and more activation memory, than the run with them (set train.liger: on to plan with them; the run then needs liger-kernel)
 #
 # 2 nodes: run this once on every node, e.g.
 #   NODE_RANK=0 MAIN_ADDRESS=node0.example bash launch.sh   # on node 0

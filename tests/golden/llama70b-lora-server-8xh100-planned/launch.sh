@@ -3,7 +3,7 @@
 # llama70b-lora: sft lora of llama-3.3-70b on server-8xh100 (cuda)
 # strategy fsdp2, 1 node(s) x 8 = 8 process(es); micro-batch 4 x accumulation 2; activation checkpointing on
 # predicted peak 67.0 GiB per GPU
-# warning: planned without Liger's kernels: liger-kernel is not installed here (pip install 'finetune[gpu]' where the run trains turns them on); that plan has 3.50 s of each 36.57 s step in unfused norm, RoPE and SwiGLU passes, and more activation memory, than the run with them (set train.liger: on to plan with them; the run then needs liger-kernel)
+# warning: planned without Liger's kernels: liger-kernel is not installed here (pip install 'finetune[gpu]' where the run trains turns them on); that plan has 3.50 s of each 32.52 s step in unfused norm, RoPE and SwiGLU passes, and more activation memory, than the run with them (set train.liger: on to plan with them; the run then needs liger-kernel)
 # Usage: bash launch.sh [extra arguments for the training entry point]
 set -euo pipefail
 export PYTHONUNBUFFERED=1

@@ -13,7 +13,7 @@ import pytest
 
 from finetune.kernels import CUDNN_MIN_EXAMPLE_TOKENS
 from finetune.plan.attention_time import kernel_extra_seconds, mask_seconds
-from finetune.plan.timing import GPU_EFFICIENCY
+from finetune.plan.timing import ATTENTION_EFFICIENCY
 from finetune.plan.workload import Job, computed_tokens_per_micro_batch, executed_attention_positions, head_dim
 from finetune.registry import get_model
 from tests.helpers.calibration_rows import preset_for
@@ -39,7 +39,7 @@ def _one_layer(case: dict, card: str, **fields) -> tuple[Job, float]:
         }
     )
     job = Job(arch=arch, preset=preset_for(card, gpus_per_node=1), liger=True, global_batch_size=1, **fields)
-    return job, 1 / (job.peak_tflops * 1e12 * GPU_EFFICIENCY)
+    return job, 1 / (job.peak_tflops * 1e12 * ATTENTION_EFFICIENCY)
 
 
 def _layer_seconds(case: dict) -> float:

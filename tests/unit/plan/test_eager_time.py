@@ -10,7 +10,7 @@ import pytest
 from finetune.plan.attention_time import kernel_extra_seconds, mask_seconds
 from finetune.plan.bandwidth import ACHIEVED_BANDWIDTH
 from finetune.plan.eager_time import eager_seconds, score_pass_bytes
-from finetune.plan.timing import efficiency, step_time
+from finetune.plan.timing import attention_efficiency, step_time
 from tests.helpers.recipes import shape_job
 
 B, HEADS, KV_HEADS, S, D = 1, 4, 2, 32, 16
@@ -144,7 +144,7 @@ def test_step_time_charges_the_passes_to_eager_jobs_only():
     # the same FLOPs (both compute the whole masked square); sdpa reads its mask bias instead, and its masked
     # kernel runs below the FLOPs' rate (attention_time.kernel_extra_seconds)
     masked = replace(job, attention="sdpa")
-    flop_seconds = 1 / (job.peak_tflops * 1e12 * efficiency(job, micro_batch=1))
+    flop_seconds = 1 / (job.peak_tflops * 1e12 * attention_efficiency(job, micro_batch=1))
     sdpa_only = mask_seconds(masked, micro_batch=1) + kernel_extra_seconds(
         masked, micro_batch=1, checkpointed_share=0.0, flop_seconds=flop_seconds
     )

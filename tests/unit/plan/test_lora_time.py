@@ -17,7 +17,14 @@ from finetune.plan.lora_time import (
     fused_lora_share,
     shared_input_groups,
 )
-from finetune.plan.timing import efficiency, flops_per_token, step_time
+from finetune.plan.timing import (
+    attention_efficiency,
+    attention_flops_per_token,
+    efficiency,
+    flops_per_token,
+    linear_traffic_seconds,
+    step_time,
+)
 from tests.helpers.recipes import shape_job
 
 # Llama-3.1-8B: hidden 4096, MLP 14336, 8 KV heads of 128; q, k, v, o, gate, up, down in 32 layers
@@ -92,13 +99,16 @@ def test_the_step_is_shorter_by_the_saving_and_the_host_launches_fewer_kernels()
     fused, plain = _job(fused_lora_groups=False), _job(fused_lora=False)
     kw = {"strategy": "ddp", "micro_batch": 4, "grad_accum": 2, "checkpointing": False}
     saved = 2 * fused_lora_saved_seconds(fused, strategy="ddp", micro_batch=4, checkpointed_share=0.0)
-    # the FLOPs' calibrated time (peft's layer: its passes are inside it), then the passes' share of it:
-    # nearly all of `saved` at 8B, where they are a tenth of the compute
+    # the FLOPs' calibrated time with the streaming passes around the linears (peft's layer: its passes are inside
+    # it), then the saved passes' share of it: nearly all of `saved` at 8B, where they are a tenth of the compute
     tokens = 2 * 4 * plain.seq_len
     peak = plain.preset.peak_bf16_tflops * 1e12
-    calibrated = (
-        flops_per_token(plain, checkpointing=False, micro_batch=4) * tokens / (peak * efficiency(plain, micro_batch=4))
-    )
+    attention = attention_flops_per_token(plain, checkpointing=False, micro_batch=4)
+    linear = flops_per_token(plain, checkpointing=False, micro_batch=4) - attention
+    calibrated = tokens * (
+        linear / (peak * efficiency(plain, micro_batch=4))
+        + attention / (peak * attention_efficiency(plain, micro_batch=4))
+    ) + 2 * linear_traffic_seconds(plain, micro_batch=4)
     share = calibrated * saved / (calibrated + saved)
     assert step_time(fused, **kw).bottleneck == step_time(plain, **kw).bottleneck == "compute"
     assert step_time(plain, **kw).compute_s - step_time(fused, **kw).compute_s == pytest.approx(share)

@@ -16,7 +16,7 @@ from finetune.plan.moe_time import (
     routed_pass_bytes,
     routed_rows,
 )
-from finetune.plan.timing import GPU_EFFICIENCY, MICRO_BATCH_HALF_TOKENS, efficiency, step_time
+from finetune.plan.timing import GEMM_EFFICIENCY, MICRO_BATCH_HALF_TOKENS, efficiency, step_time
 from finetune.plan.workload import Job
 from finetune.registry import get_model
 from tests.helpers.calibration_rows import preset_for
@@ -105,9 +105,10 @@ def test_dispatch_counts_only_what_a_dense_mlp_does_not_move():
 def test_grouped_gemm_efficiency_reproduces_the_published_h100_figures():
     peak = H100.peak_bf16_tflops
     # CUTLASS sm90 grouped GEMM, 512 rows per expert: ~160 TFLOP/s; torch grouped_mm MoE forward,
-    # 2048 rows per expert, dispatch included: 242 TFLOP/s (the GEMMs alone faster)
-    assert GPU_EFFICIENCY * peak * 512 / (512 + GROUPED_HALF_ROWS) == pytest.approx(160, rel=0.05)
-    assert 242 < GPU_EFFICIENCY * peak * 2048 / (2048 + GROUPED_HALF_ROWS) < 1.4 * 242
+    # 2048 rows per expert, dispatch included: 242 TFLOP/s (the GEMMs alone faster; the dispatch passes of that
+    # forward are about a third of its time)
+    assert GEMM_EFFICIENCY * peak * 512 / (512 + GROUPED_HALF_ROWS) == pytest.approx(160, rel=0.05)
+    assert 242 < GEMM_EFFICIENCY * peak * 2048 / (2048 + GROUPED_HALF_ROWS) < 1.5 * 242
 
 
 def test_moe_time_follows_the_rows_per_expert():
