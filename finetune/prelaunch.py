@@ -17,10 +17,13 @@ from pathlib import Path
 
 from finetune.data.chat_template import read_chat_template
 from finetune.errors import DataError, RecipeError
+from finetune.plan.choose import HEADROOM
+from finetune.plan.memory import keeps_fp32_master
 from finetune.plan.types import GIB
 from finetune.plan.workload import DTYPE_BYTES
 from finetune.recipe.paths import model_path
-from finetune.registry.disk import nearest_existing
+from finetune.registry.detect import available_ram_gib
+from finetune.registry.disk import RAM_FILESYSTEMS, filesystem_type, nearest_existing
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "spiece.model", "vocab.txt")
 SAFETENSORS_MAX_HEADER = 100 * 1024 * 1024  # the safetensors format's own limit
@@ -260,11 +263,13 @@ def check_attention_package(resolved) -> None:
 
 def output_bytes(plan, recipe) -> tuple[int, int]:
     """(final save, one checkpoint) in bytes, from the planner's parameter counts: the final model is
-    the trained weights (the adapter, or the whole model); a checkpoint adds fp32 Adam moments."""
+    the trained weights (the adapter, or the whole model); a checkpoint adds fp32 Adam moments, and a full
+    fine-tune's fp32 master weights where its strategy keeps them (FSDP2, DeepSpeed)."""
     total = float(getattr(plan, "total_params", 0) or 0)
     trainable = float(getattr(plan, "trainable_params", 0) or 0)
     weights = trainable * 4 if recipe.adapter.type != "full" else total * DTYPE_BYTES.get(recipe.model.dtype, 2)
-    return int(weights), int(weights + trainable * 8)
+    masters = recipe.adapter.type == "full" and keeps_fp32_master(getattr(plan, "strategy", None))
+    return int(weights), int(weights + trainable * (8 + (4 if masters else 0)))
 
 
 def free_bytes(path: Path) -> int:
@@ -272,7 +277,8 @@ def free_bytes(path: Path) -> int:
 
 
 def check_disk(run_dir: Path, *, plan, recipe) -> None:
-    """Refuse a launch whose outputs cannot fit on RUN_DIR's filesystem (exit 2, nothing written)."""
+    """Refuse a launch whose outputs cannot fit on RUN_DIR's filesystem (exit 2, nothing written); on a RAM
+    disk, also one whose outputs and the run's own host RAM at its peak exceed the memory the host has free."""
     final, ckpt = output_bytes(plan, recipe)
     need = final + (ckpt if recipe.output.save_every else 0) + DISK_SLACK_BYTES
     free = free_bytes(run_dir)
@@ -283,6 +289,20 @@ def check_disk(run_dir: Path, *, plan, recipe) -> None:
             f"{' and a checkpoint' if recipe.output.save_every else ''} plus logs)",
             key="output.dir",
             hint="free disk space there, or pass --output on a disk with room",
+        )
+    kind = filesystem_type(run_dir)
+    available = available_ram_gib()
+    if kind not in RAM_FILESYSTEMS or available is None:
+        return
+    # a RAM disk's files take the host's memory, beside what the ranks hold at their peak (the final save's gather)
+    host = float(getattr(plan, "host_ram_gib", 0) or 0) * GIB
+    if need + host > HEADROOM * available * GIB:
+        raise RecipeError(
+            f"{run_dir} is in RAM ({kind}): this run's outputs (about {need / GIB:.1f} GiB) and its processes' host "
+            f"RAM at their peak ({host / GIB:.1f} GiB, the final save included) need {(need + host) / GIB:.1f} GiB, "
+            f"and the host has {available:.1f} GiB available ({HEADROOM:.0%} of it usable)",
+            key="output.dir",
+            hint="pass --output on a disk: a RAM disk's files hold the host's memory until they are deleted",
         )
 
 

@@ -78,6 +78,7 @@ from finetune.recipe.schema import (
     PRECISION_DTYPE,
     compute_dtype,
     dpo_reference,
+    final_save_gathers_trained_only,
     loads_sharded,
     packs_examples,
     sharded_load_blocker,
@@ -435,6 +436,8 @@ def job_from_recipe(recipe, *, arch, preset) -> Job:
         # finetune's sharded load reads 16-bit tensors; a checkpoint loaded dequantized loads whole (sharded_load)
         sharded_load=loads_sharded(recipe) and not arch.dequantized_from,
         load_copies=recipe.model.init == "random" or arch.checkpoint_dtype != recipe.model.dtype,
+        final_save=not (recipe.resolved and recipe.resolved.measure),
+        save_gathers_model=not final_save_gathers_trained_only(recipe),
     )
     # a resolved recipe trains as compiled (one resolved before the key existed did not pad)
     return replace(job, row_multiple=recipe.resolved.row_multiple if recipe.resolved else row_multiple(job))
@@ -1046,6 +1049,9 @@ def _why(job: Job, chosen: Candidate, achieved: int, candidates: list[Candidate]
     )
     if strategies.offloads(chosen.strategy):
         first += f", {chosen.host_ram_bytes / GIB:.0f} GiB host RAM per node"
+    elif chosen.host_ram_saving_bytes >= chosen.host_ram_bytes > chosen.host_ram_training_bytes:
+        at_save = "at the final save, where rank 0 gathers the model"
+        first += f", {chosen.host_ram_bytes / GIB:.0f} GiB host RAM per node {at_save}"
     first += ")."
     if chosen.tight:
         offloading = [c for c in candidates if c.fits and strategies.offloads(c.strategy)]

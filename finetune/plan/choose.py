@@ -198,8 +198,10 @@ def evaluate(
             f"{limit / GIB:.1f} GiB usable ({headroom:.0%} of {p.gpu_memory_gib:g} GiB {unit})"
         )
     elif fp.host_ram_bytes > HEADROOM * p.host_ram_gib * GIB:
+        at_save = fp.host_ram_saving_bytes >= fp.host_ram_bytes > fp.host_ram_training_bytes
         reason = (
-            f"needs {fmt_bytes(fp.host_ram_bytes)} host RAM per node; "
+            f"needs {fmt_bytes(fp.host_ram_bytes)} host RAM per node"
+            f"{' at the final save (rank 0 gathers the whole model)' if at_save else ''}; "
             f"{fmt_bytes(HEADROOM * p.host_ram_gib * GIB)} usable"
         )
     elif p.nvme_capacity_gib and fp.nvme_bytes > HEADROOM * p.nvme_capacity_gib * GIB:
@@ -213,6 +215,7 @@ def evaluate(
         fits=not reason,
         host_ram_bytes=fp.host_ram_bytes,
         host_ram_training_bytes=fp.host_ram_training_bytes,
+        host_ram_saving_bytes=fp.host_ram_saving_bytes,
         nvme_bytes=fp.nvme_bytes,
         compute_time_s=t.compute_s,
         comm_time_s=t.intra_s + t.inter_s + t.offload_s,

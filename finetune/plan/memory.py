@@ -531,9 +531,10 @@ def loss_head_bytes(job: Job, *, micro_batch: int) -> float:
 @dataclass(frozen=True)
 class Footprint:
     memory: MemoryBreakdown  # per GPU
-    host_ram_bytes: float  # per node, at its peak: while the model loads or while it trains
+    host_ram_bytes: float  # per node, at its peak: while the model loads, while it trains or at the final save
     nvme_bytes: float  # per node
     host_ram_training_bytes: float = 0.0  # per node, what stays resident while it trains
+    host_ram_saving_bytes: float = 0.0  # per node, at the final save (training's and the save's gather)
 
 
 def footprint(
@@ -627,7 +628,7 @@ def footprint(
         overhead=fixed + FRAGMENTATION * subtotal,
     )
     host = host_bytes(job, strategy=strategy, states=states)
-    return Footprint(memory, host.peak, host.nvme, host.training)
+    return Footprint(memory, host.peak, host.nvme, host.training, host.saving)
 
 
 def zero_gradient_cast_bytes(job: Job, *, strategy: str, trainable_params: float) -> float:
@@ -793,11 +794,32 @@ def fsdp_offload_rounding_bytes(job: Job, *, strategy: str) -> float:
     return job.preset.gpus_per_node * per_rank
 
 
+def final_save_host_bytes(job: Job, *, strategy: str) -> float:
+    """Host RAM (per node) the final save takes beyond training. Under FSDP2 finetune's final save gathers a full
+    state dict to rank 0's host (train/run.py: FULL_STATE_DICT, for plain safetensors): a full fine-tune's fp32 master
+    weights (`keeps_fp32_master`), and beside them their cast to model.dtype (train/saved_dtype.py); an adapter whose
+    save writes frozen weights (Job.save_gathers_model) the frozen base as loaded, of which peft keeps the adapter's
+    keys. Measured as rank 0's peak RSS at the save (test_calibration.py): full 3B-8B 2.8-3.0 times their 16-bit
+    weights beyond the process, 1.7 before the cast existed (the fp32 masters alone); LoRA 3B-70B before adapters
+    gathered their trained parameters alone 0.98-1.0. DDP and ZeRO-2 save from the replica on the GPU tensor by tensor;
+    ZeRO-3 gathers the 16-bit weights on rank 0 as its load did (which bounds it: 29.9 and 29.1 GiB of rank 0's RSS
+    for 14B with the save and without, rows 108 and 111); an adapter's trained parameters alone are small."""
+    if not job.final_save or job.preset.vendor == "cpu" or info(strategy).backend != "fsdp":
+        return 0.0
+    params = count_params(job.arch).text_model
+    if job.adapter == "full":
+        masters = 4 if keeps_fp32_master(strategy) else job.weight_bytes
+        cast = job.weight_bytes if job.final_save_casts and job.weight_bytes < masters else 0
+        return params * (masters + cast)
+    return params * job.weight_bytes if job.save_gathers_model else 0.0
+
+
 @dataclass(frozen=True)
 class HostBytes:
-    peak: float  # per node: the processes and the larger of loading and training
+    peak: float  # per node: the processes and the largest of loading, training and the final save
     training: float  # per node: the processes and what they keep on the host while training
     nvme: float  # per node
+    saving: float = 0.0  # per node: the processes, what training keeps and the final save's gather
 
 
 def host_process_bytes(job: Job, *, strategy: str) -> float:
@@ -845,4 +867,7 @@ def host_bytes(job: Job, *, strategy: str, states: StateBytes) -> HostBytes:
         # a 16-bit base loads on the host before the Trainer moves it: peft builds the fp32 adapter there
         # too, and the C allocator keeps those pages after the move (measured: +2.8 GiB at r 256 on 8B)
         training += procs * 4 * lora_params(job)
-    return HostBytes(peak=base + max(loading, training), training=base + training, nvme=nvme)
+    saving = training + final_save_host_bytes(job, strategy=strategy)  # what training keeps stays through the save
+    return HostBytes(
+        peak=base + max(loading, training, saving), training=base + training, nvme=nvme, saving=base + saving
+    )

@@ -148,6 +148,11 @@ class Job:
     # checkpoint is stored in another dtype than model.dtype, or in one not known, or the weights are
     # built at random (finetune.plan.memory.loading_host_bytes)
     load_copies: bool = True
+    # the final save (none under `finetune plan --measure`): under FSDP2 a full fine-tune's, or an adapter's that writes
+    # frozen weights (recipe/schema.py final_save_gathers_trained_only), gathers the whole model to rank 0's host
+    final_save: bool = True
+    save_gathers_model: bool = False
+    final_save_casts: bool = True  # a full fine-tune's gathered fp32 masters are cast to model.dtype (saved_dtype.py)
     # host threads of each rank for the offload tiers' CPU optimizer step; None: as finetune's launcher
     # gives them (finetune.plan.offload_time.host_threads_per_rank)
     host_threads_per_rank: int | None = None

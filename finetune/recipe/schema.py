@@ -1093,6 +1093,20 @@ def sharded_load_blocker(recipe: Recipe) -> str:
     return ""
 
 
+def final_save_gathers_trained_only(recipe: Recipe) -> bool:
+    """Whether an adapter's final save under FSDP2 gathers the trained parameters alone to rank 0
+    (finetune/train/adapter_save.py), not the whole model: only where peft writes no frozen weight. peft's
+    save_embedding_layers writes the whole embedding and LM head when the recipe grew the vocabulary (tokenizer.*
+    tokens added) or targets them, so those runs, and every full fine-tune, gather the whole model. The planner
+    counts that gather in the host RAM of the final save (plan/memory.py final_save_host_bytes)."""
+    a = recipe.adapter
+    if a.type == "full" or recipe.tokenizer.may_resize_embeddings:
+        return False
+    # target_modules: a list of names or one regex; peft's own test is a substring match on either
+    targets = " ".join(a.target_modules) if isinstance(a.target_modules, (list, tuple)) else a.target_modules or ""
+    return not any(name in targets for name in EMBEDDING_MODULES)
+
+
 def loads_sharded(recipe: Recipe) -> bool:
     """Under FSDP2 each rank loads only its shards (finetune/train/sharded_load.py): distributed.sharded_load
     is on and sharded_load_blocker names no reason. The planner and the recipe checks ask here."""

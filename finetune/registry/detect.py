@@ -77,14 +77,25 @@ def parse_nvidia_smi(text: str) -> list[tuple[str, float]]:
     return gpus
 
 
-def host_ram_gib() -> float:
+def _meminfo_gib(field: str) -> float | None:
     try:
         for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemTotal:"):
+            if line.startswith(f"{field}:"):
                 return int(line.split()[1]) / 1024**2
     except OSError:
         pass
-    return 16.0
+    return None
+
+
+def host_ram_gib() -> float:
+    total = _meminfo_gib("MemTotal")
+    return 16.0 if total is None else total
+
+
+def available_ram_gib() -> float | None:
+    """What the kernel can give new allocations now without swapping (MemAvailable), None where unknown. Files on a
+    RAM disk are not in it: they hold their memory until deleted."""
+    return _meminfo_gib("MemAvailable")
 
 
 def _nvme_path() -> str | None:

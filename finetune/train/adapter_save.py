@@ -6,25 +6,11 @@ keeps only the adapter's keys of it: at 70B that was 135 GiB of host RAM on rank
 a gigabyte (docs/validation.md). Here the trained parameters alone are gathered, one at a time, as transformers
 already asks DeepSpeed to for ZeRO-3 (exclude_frozen_parameters).
 
-Only where peft writes no frozen weight: peft's save_embedding_layers writes the whole embedding and LM head
-when the recipe grew the vocabulary (tokenizer.* tokens added) or targets them, so those runs keep the full
-gather.
+Only where peft writes no frozen weight (recipe/schema.py final_save_gathers_trained_only, which the planner's
+host RAM of the final save reads too).
 """
 
 from __future__ import annotations
-
-from finetune.recipe.schema import EMBEDDING_MODULES, Recipe
-
-
-def gathers_trained_only(recipe: Recipe) -> bool:
-    """Whether the final save under FSDP2 may gather the trained parameters alone (module docstring)."""
-    a = recipe.adapter
-    if a.type == "full" or recipe.tokenizer.may_resize_embeddings:
-        return False
-    # target_modules: a list of names or one regex; peft's own test is a substring match on either
-    targets = " ".join(a.target_modules) if isinstance(a.target_modules, (list, tuple)) else a.target_modules or ""
-    return not any(name in targets for name in EMBEDDING_MODULES)
-
 
 # what wrappers put into parameter names and state-dict keys leave out (torch's distributed checkpoint drops
 # them the same way): activation checkpointing's wrapper, torch.compile's

@@ -39,7 +39,8 @@ def output_bytes(recipe, run_dir: Path) -> tuple[int, int]:
         plan = json.loads((Path(run_dir) / rundir.PLAN_JSON).read_text())
     except (OSError, ValueError):
         plan = {}
-    return planned_bytes(SimpleNamespace(**{k: plan.get(k, 0) for k in ("total_params", "trainable_params")}), recipe)
+    counts = {k: plan.get(k, 0) for k in ("total_params", "trainable_params")}
+    return planned_bytes(SimpleNamespace(**counts, strategy=plan.get("strategy")), recipe)
 
 
 def _newest_size(run_dir: Path) -> int | None:

@@ -6,8 +6,8 @@ optimizer when the recipe asks for it (optim.py)."""
 
 from __future__ import annotations
 
-from finetune.recipe.schema import Recipe
-from finetune.train.adapter_save import SavesTrainedParametersOnlyUnderFSDP, gathers_trained_only
+from finetune.recipe.schema import Recipe, final_save_gathers_trained_only
+from finetune.train.adapter_save import SavesTrainedParametersOnlyUnderFSDP
 from finetune.train.optim import with_optimizer
 from finetune.train.saved_dtype import SavesFinalModelInItsDtype
 from finetune.train.signals import WorkersLeavePreemptionToTheRank
@@ -17,4 +17,4 @@ def trainer_class(cls: type, recipe: Recipe, *own: type) -> type:
     """`cls` subclassed with finetune's mixins, and `own`: a method's own (first in the MRO)."""
     cls = with_optimizer(cls, recipe)
     mixins = (*own, WorkersLeavePreemptionToTheRank, SavesFinalModelInItsDtype, SavesTrainedParametersOnlyUnderFSDP)
-    return type(cls.__name__, (*mixins, cls), {"gathers_trained_only": gathers_trained_only(recipe)})
+    return type(cls.__name__, (*mixins, cls), {"gathers_trained_only": final_save_gathers_trained_only(recipe)})

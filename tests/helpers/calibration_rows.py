@@ -24,7 +24,8 @@ from pathlib import Path
 
 from finetune import strategies
 from finetune.plan import job_from_recipe, plan_job
-from finetune.plan.types import Plan
+from finetune.plan.memory import final_save_host_bytes, host_process_bytes
+from finetune.plan.types import GIB, Plan
 from finetune.plan.workload import varlen_fallback_layers
 from finetune.recipe import load_recipe
 from finetune.registry import get_model, resolve_model
@@ -157,6 +158,9 @@ CUDNN_SHORT_VIEWS = "views"
 SLIDING_ON_SDPA = "sdpa"
 # rows of packed varlen runs whose model held transformers' packed-row masks (before train/attention.py skipped them)
 PACKED_ROW_MASKS_BUILT = "built"
+# rows of full fine-tunes under FSDP2 whose final save wrote the gathered fp32 masters as they were (before
+# train/saved_dtype.py cast them to model.dtype)
+FINAL_SAVE_FP32_MASTERS = "fp32 masters"
 
 
 def _as_ran(job, row: dict):
@@ -172,11 +176,12 @@ def _as_ran(job, row: dict):
         varlen_repeats_kv=row.get("kv_heads") == KV_HEADS_REPEATED,
         cudnn_keeps_row_inputs=row.get("cudnn_short_inputs") == CUDNN_SHORT_VIEWS,
         builds_packed_row_mask=row.get("packed_row_masks") == PACKED_ROW_MASKS_BUILT,
+        final_save_casts=row.get("final_save") != FINAL_SAVE_FP32_MASTERS,
     )
 
 
-def predict(row: dict) -> Plan:
-    """The planner's plan for the row's run, on the preset `--hardware auto` made for it."""
+def row_job(row: dict):
+    """The planner's Job for the row's run as it ran, on the preset `--hardware auto` made for it."""
     preset = row_preset(row)
     if "resolved" in row:
         recipe = resolved_recipe(row)
@@ -190,14 +195,19 @@ def predict(row: dict) -> Plan:
     # kernel got grouped key/value heads repeated (every varlen row before row 95); cudnn_short_inputs "views": the
     # cuDNN path kept the row's q, k, v beside its padded copies (rows 213-220); sliding_attention "sdpa": the sliding
     # layers ran masked sdpa (rows of sliding-window models before row 224); packed_row_masks "built": transformers
-    # built the packed row's masks, which the varlen path skips since (train/attention.py packed_row_mask)
-    return plan_job(
-        dataclasses.replace(
-            _as_ran(job, row),
-            host_threads_per_rank=row.get("host_threads_per_rank") or 1,
-            nvme_read_gbps=row.get("nvme_read_gbps"),  # the swap disk, where the run measured it
-        )
+    # built the packed row's masks, which the varlen path skips since (train/attention.py packed_row_mask);
+    # final_save "fp32 masters": the final save wrote FSDP2's gathered fp32 masters uncast (rows 6-67, run before
+    # train/saved_dtype.py cast them; the raw results that record the saved dtypes say F32)
+    return dataclasses.replace(
+        _as_ran(job, row),
+        host_threads_per_rank=row.get("host_threads_per_rank") or 1,
+        nvme_read_gbps=row.get("nvme_read_gbps"),  # the swap disk, where the run measured it
     )
+
+
+def predict(row: dict) -> Plan:
+    """The planner's plan for the row's run, on the preset `--hardware auto` made for it."""
+    return plan_job(row_job(row))
 
 
 def run_pins(row: dict, *, num_layers: int) -> dict:
@@ -292,3 +302,42 @@ def host_miss(row: dict, plan: Plan) -> str:
     allowance = HOST_PROCESS_ALLOWANCE_GIB * plan.gpus_per_node
     ok = MEMORY_LOW * measured <= planned <= MEMORY_HIGH * measured + allowance
     return "" if ok else host_figures(row, plan)
+
+
+# rank 0's host RAM at the final save under FSDP2 (plan/memory.py final_save_host_bytes), where it gathers the whole
+# model: a full fine-tune, or an adapter whose save writes frozen weights, without offload (whose host states would
+# add theirs), saved (not `finetune plan --measure`). Adapter rows from before adapters gathered their trained
+# parameters alone are left out: today's code does not gather their model
+def gathers_at_final_save(row: dict) -> bool:
+    resolved = row.get("resolved") or {}
+    if not (
+        "resolved" in row
+        and strategies.info(row["strategy"]).backend == "fsdp"
+        and not strategies.offloads(row["strategy"])
+        and not resolved["resolved"].get("measure")
+        and row.get("host_rss_peak_gib")
+    ):
+        return False
+    return row.get("adapter") == "full" or row_job(row).save_gathers_model
+
+
+def save_figures(row: dict) -> str:
+    planned = rank0_save_gib(row)
+    return (
+        f"rank 0 peaked at {row['host_rss_peak_gib']:.2f} GiB of host RSS, planned {planned:.2f} at the final save "
+        f"(ratio {planned / row['host_rss_peak_gib']:.3f})"
+    )
+
+
+def rank0_save_gib(row: dict) -> float:
+    """What the plan puts on rank 0's host at the final save: its process and the gathered model."""
+    job = row_job(row)
+    strategy = row["strategy"]
+    return (host_process_bytes(job, strategy=strategy) + final_save_host_bytes(job, strategy=strategy)) / GIB
+
+
+def save_miss(row: dict) -> str:
+    """'' when rank 0's planned host RAM at the final save is within the host bound of its measured peak RSS."""
+    measured, planned = row["host_rss_peak_gib"], rank0_save_gib(row)
+    ok = MEMORY_LOW * measured <= planned <= MEMORY_HIGH * measured + HOST_PROCESS_ALLOWANCE_GIB
+    return "" if ok else save_figures(row)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from finetune.recipe import load_recipe
-from finetune.train.adapter_save import gathers_trained_only
+from finetune.recipe.schema import final_save_gathers_trained_only as gathers_trained_only
 from finetune.train.subclass import trainer_class
 from tests.helpers.recipes import tiny_recipe
 
