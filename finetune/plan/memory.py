@@ -807,10 +807,9 @@ def final_save_host_bytes(job: Job, *, strategy: str) -> float:
     if not job.final_save or job.preset.vendor == "cpu" or info(strategy).backend != "fsdp":
         return 0.0
     params = count_params(job.arch).text_model
-    if job.adapter == "full":
-        masters = 4 if keeps_fp32_master(strategy) else job.weight_bytes
-        cast = job.weight_bytes if job.final_save_casts and job.weight_bytes < masters else 0
-        return params * (masters + cast)
+    if job.adapter == "full":  # FSDP2 trains fp32 masters (keeps_fp32_master); a 16-bit model's cast is beside them
+        cast = job.weight_bytes if job.final_save_casts and job.weight_bytes < 4 else 0
+        return params * (4 + cast)
     return params * job.weight_bytes if job.save_gathers_model else 0.0
 
 

@@ -29,8 +29,8 @@ efficiency for their few rows per expert (plan/moe_time.py). A packed row's varl
 examples' token-weighted length where the data's lengths are known (data.example_tokens).
 GEMM_EFFICIENCY and LINEAR_TRAFFIC_PASSES are fitted together on the calibration rows' steady tokens/s
 (tests/data/gpu_calibration.json; the two trade along a ridge, 0.60 with 4 values to 0.75 with 7 fit almost alike).
-They replaced one blended efficiency (0.45 of the peak, measured on 8B LoRA) which planned models of hidden
-4.6-8k 0.77-0.88 of their measured speed and MoE models of hidden 2k up to 1.24 of it.
+They replaced one blended efficiency (0.45 of the peak, measured on 8B LoRA) which planned LoRA on one GPU at hidden
+4.6-5.4k 0.77-0.88 of its measured speed (70B QLoRA 0.79) and MoE models of hidden 2k up to 1.24 of it.
 
 The GPU's busy time is the soft maximum of that compute and the host's time to launch its kernels
 (plan/host_time.py; `soft_max` below): eager PyTorch launches each kernel from the host, a short
@@ -88,11 +88,11 @@ LINEAR_TRAFFIC_PASSES = 4.0
 # cases of docs/results/attention-rates-2026-11-28-h200.json); the masked and dropout kernels' slowdowns are measured
 # against that rate, the varlen and cuDNN paths' rates replace it (plan/attention_time.py)
 ATTENTION_EFFICIENCY = 0.45
-# A run computing in float32 (Job.computes_fp32: matmuls at the card's FP32 rate): its matmuls are so slow that
-# the memory-bound passes which keep bf16 steps at 0.45 hardly count. From the profile of full 1B in fp32 on an
-# H200 (docs/results/profiles/llama1b-full-fp32-compute-h200-2026-11-28.txt): the SGEMMs ran at 0.82 of the FP32
-# peak and elementwise kernels took 3% of the GPU time; the masked fp32 attention kernel (0.41 of the peak there)
-# is the attention FLOPs' time with plan/attention_time.py's masked-kernel terms. One model shape so far.
+# A run computing in float32 (Job.computes_fp32: matmuls at the card's FP32 rate): its matmuls are so slow that the
+# streaming passes which hold a bf16 8B LoRA step to about 0.45 of the peak hardly count. From the profile of full 1B
+# in fp32 on an H200 (docs/results/profiles/llama1b-full-fp32-compute-h200-2026-11-28.txt): the SGEMMs ran at 0.82 of
+# the FP32 peak and elementwise kernels took 3% of the GPU time; the masked fp32 attention kernel (0.41 of the peak
+# there) is the attention FLOPs' time with plan/attention_time.py's masked-kernel terms. One model shape so far.
 FP32_GPU_EFFICIENCY = 0.80
 CPU_EFFICIENCY = 0.30
 QLORA_EFFICIENCY = 0.95  # dequantizing NF4 weights on every matmul: measured 0.99 of LoRA's tokens/s (H200)
@@ -283,7 +283,7 @@ def step_time(
     rate = efficiency(job, micro_batch=micro_batch)
     flop_seconds = 1 / (job.peak_tflops * 1e12 * rate)  # a linear's FLOP at the GEMMs' rate
     # the attention kernels' FLOPs at their reference rate (their own rates: plan/attention_time.py)
-    attention_seconds = flop_seconds * rate / attention_efficiency(job, micro_batch=micro_batch)
+    attention_seconds = 1 / (job.peak_tflops * 1e12 * attention_efficiency(job, micro_batch=micro_batch))
     attention = attention_flops_per_token(job, checkpointing=checkpointing, micro_batch=micro_batch)
     linear = flops_per_token(job, checkpointing=checkpointing, micro_batch=micro_batch) - attention
     compute = (linear * flop_seconds + attention * attention_seconds) * tokens
