@@ -19,6 +19,7 @@ from finetune.peers.common import (
     loss_type,
     message_format,
     no_mixed_precision,
+    not_offered_when_on,
     optimizer,
     read_role,
     scheduler,
@@ -95,13 +96,6 @@ IGNORED.update(
         for k in ("use_scattermoe", "use_sonicmoe")
     }
 )
-# memory savers finetune has no switch for: reported (material) when on, silent when off
-NOT_OFFERED_WHEN_ON = {
-    "activation_offloading": "activations offloaded to host RAM are not offered; the planner fits activations with "
-    "activation checkpointing on as many layers as needed (train.activation_checkpointing: auto)",
-    "tiled_mlp": "the MLP tiled along the sequence is not offered; the planner fits long sequences with activation "
-    "checkpointing, or lower data.max_length",
-}
 # axolotl's attention switch -> model.attn_implementation (flash: FLASH_REASON, finetune's default runs flash)
 ATTENTION = {"sdpa": "sdpa", "eager": "eager", "flex": "flex_attention", "flash": None, "xformers": None}
 # axolotl's older per-kernel switches -> model.attn_implementation (the others are in IGNORED: finetune picks)
@@ -464,10 +458,7 @@ def convert(conv: Conversion) -> None:
     batch_sizes(conv, micro_key="micro_batch_size", also="axolotl multiplies by the GPU count too; ")
     deepspeed_file(conv, "deepspeed")
     parallel_sizes(conv, conv.raw)
-    for key, reason in NOT_OFFERED_WHEN_ON.items():
-        if conv.has(key) and is_on(conv.raw[key]):
-            conv.drop(key, conv.raw[key], reason)
-        conv.used.add(key)
+    not_offered_when_on(conv)
     _model_overrides(conv)
     flags, fsdp_config = as_list(conv.take("fsdp")), conv.take("fsdp_config")
     if flags or fsdp_config:

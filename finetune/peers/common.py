@@ -217,6 +217,23 @@ NO_TRAINING_EFFECT: dict[str, str] = {
 }
 
 
+# memory savers finetune has no switch for: reported (material) when on, silent when off
+NOT_OFFERED_WHEN_ON = {  # axolotl's and TRL's keys
+    "activation_offloading": "activations offloaded to host RAM are not offered; the planner fits activations with "
+    "activation checkpointing on as many layers as needed (train.activation_checkpointing: auto)",
+    "tiled_mlp": "the MLP tiled along the sequence is not offered; the planner fits long sequences with activation "
+    "checkpointing, or lower data.max_length",
+}
+
+
+def not_offered_when_on(conv: Conversion) -> None:
+    """NOT_OFFERED_WHEN_ON's keys: reported where the config turns them on, taken either way."""
+    for key, reason in NOT_OFFERED_WHEN_ON.items():
+        if conv.has(key) and is_on(conv.raw[key]):
+            conv.drop(key, conv.raw[key], reason)
+        conv.used.add(key)
+
+
 def map_aliases(conv: Conversion, *, ignore: dict[str, str]) -> None:
     """Every key no peer handler took: ignored with a reason, renamed through the alias table, or dropped."""
     for key, value in conv.raw.items():

@@ -231,7 +231,21 @@ def _source(conv: Conversion, name: str, info: dict | None, folder: Path | None,
         mapped = {k: v for k, v in mapped.items() if k != v}
         if mapped:
             src["columns"] = mapped
+        _query_join(conv, key, columns, src["path"])
     return src
+
+
+def _query_join(conv: Conversion, key: str, columns: dict, path: str) -> None:
+    """LLaMA-Factory joins an alpaca row's prompt and query (input) with one newline (converter.py:
+    "\\n".join(query)); finetune's alpaca format puts a blank line between them (data/formats.py). Said where the
+    config names a query column, the local data's first row has one, or the rows are a Hub dataset's."""
+    query = columns.get("query", "input")
+    row = first_row(conv, path)
+    if columns.get("query") or (row is not None and row.get(query)) or (row is None and not Path(path).suffix):
+        conv.notes.append(
+            f"{key}: LLaMA-Factory joins the instruction and the {query} column with one newline, finetune with a "
+            f"blank line, so the trained prompts of rows with an {query} differ by that newline"
+        )
 
 
 def _query_column(conv: Conversion, key: str, columns: dict, path: str, *, prompt: str, rows: str) -> None:

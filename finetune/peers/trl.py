@@ -16,6 +16,7 @@ from finetune.peers.common import (
     batch_sizes,
     held_out,
     loss_type,
+    not_offered_when_on,
     optimizer,
     scheduler,
     sniff_format,
@@ -76,8 +77,47 @@ TEMPLATE_COLUMNS = {
 }
 
 
+# SFTConfig/DPOConfig's model_init_kwargs (from_pretrained's arguments when the model is a name) -> the top-level
+# ModelConfig key each one is, read as those are; what from_pretrained takes for placement only changes nothing here
+INIT_KWARGS = {
+    "dtype": "dtype",
+    "torch_dtype": "torch_dtype",
+    "attn_implementation": "attn_implementation",
+    "trust_remote_code": "trust_remote_code",
+    "revision": "model_revision",
+}
+INIT_KWARGS_IGNORED = {
+    "device_map": "finetune places the model on the ranks' GPUs itself (the plan's strategy)",
+    "low_cpu_mem_usage": "finetune loads the weights as the plan's host RAM says (sharded under FSDP2)",
+    "use_cache": "training never uses the KV cache",
+}
+
+
+def _model_init_kwargs(conv: Conversion) -> None:
+    """model_init_kwargs' entries read as the top-level keys they duplicate (a key the config also sets at the top
+    level keeps that value); placement-only entries are ignored with the reason, any other is reported."""
+    kwargs = conv.take("model_init_kwargs")
+    if not isinstance(kwargs, dict):
+        if kwargs is not None:
+            conv.drop("model_init_kwargs", kwargs, "not a mapping of from_pretrained's arguments")
+        return
+    for name, value in kwargs.items():
+        key = f"model_init_kwargs.{name}"
+        if name in INIT_KWARGS:
+            top = INIT_KWARGS[name]
+            if conv.raw.get(top) is None:
+                conv.raw[top] = value
+            elif conv.raw[top] != value:
+                conv.drop(key, value, f"the config's top-level {top} ({conv.raw[top]}) is read instead")
+        elif name in INIT_KWARGS_IGNORED:
+            conv.drop(key, value, INIT_KWARGS_IGNORED[name], material=False)
+        else:
+            conv.drop(key, value, "a from_pretrained argument finetune does not pass (docs/porting.md: the model keys)")
+
+
 def convert(conv: Conversion, *, method: str | None) -> None:
     conv.set("model.name", conv.take("model_name_or_path", ""))
+    _model_init_kwargs(conv)
     if method is None:
         method = _method_from_keys(conv)
     if method not in METHODS:
@@ -138,6 +178,7 @@ def convert(conv: Conversion, *, method: str | None) -> None:
     if dtype is not None and DTYPES.get(str(dtype)):
         conv.set("model.dtype", DTYPES[str(dtype)])
     attention(conv, "attn_implementation")
+    not_offered_when_on(conv)  # SFTConfig's activation_offloading
     if conv.take("average_tokens_across_devices") is False:
         conv.drop(
             "average_tokens_across_devices",

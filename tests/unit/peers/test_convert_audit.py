@@ -148,6 +148,59 @@ def test_llamafactory_alpaca_query_column_is_reported_where_the_data_has_one(tmp
         assert ("dataset[0].columns.query" in {d.key for d in conv.material}) is with_input, conv.material
 
 
+def test_llamafactory_sft_alpaca_says_its_prompt_and_input_are_joined_by_one_newline_there(tmp_path):
+    """LLaMA-Factory's alpaca rows become `instruction + "\\n" + input`; finetune's alpaca format puts a blank line
+    between them (data/formats.py), so the converted recipe says so where the rows have an input, and only there."""
+    import json
+
+    for with_input in (True, False):
+        folder = tmp_path / f"sft-{with_input}"
+        folder.mkdir()
+        (folder / "dataset_info.json").write_text(json.dumps({"rows": {"file_name": "rows.jsonl"}}))
+        row = {"instruction": "reverse", "output": "cba"} | ({"input": "abc"} if with_input else {})
+        (folder / "rows.jsonl").write_text(json.dumps(row) + "\n")
+        raw = {"model_name_or_path": "m", "stage": "sft", "dataset": "rows", "dataset_dir": str(folder)}
+        conv = _mapping(tmp_path, "llamafactory", raw)
+        assert conv.get("data.sources")[0]["format"] == "alpaca"
+        said = [n for n in conv.notes if "one newline" in n]
+        assert bool(said) is with_input, conv.notes
+
+
+def test_trl_model_init_kwargs_are_read_as_the_model_keys_they_duplicate(tmp_path):
+    """SFTConfig's model_init_kwargs (from_pretrained's arguments) carry the dtype, attention and remote-code
+    switches a TRL config may give nowhere else; placement-only entries are ignored, a top-level key wins, others
+    are reported."""
+    raw = {
+        "model_name_or_path": "m",
+        "dataset_name": "rows.jsonl",
+        "model_init_kwargs": {
+            "torch_dtype": "float32",
+            "attn_implementation": "sdpa",
+            "trust_remote_code": True,
+            "revision": "abc123",
+            "device_map": "auto",
+            "rope_scaling": {"type": "linear", "factor": 2.0},
+        },
+    }
+    conv = _mapping(tmp_path, "trl", raw, method="sft")
+    assert conv.get("model.dtype") == "float32" and conv.get("model.attn_implementation") == "sdpa"
+    assert conv.get("model.trust_remote_code") is True and conv.get("model.revision") == "abc123"
+    material = {d.key for d in conv.material}
+    ignored = {d.key for d in conv.dropped if not d.material}
+    assert "model_init_kwargs.rope_scaling" in material and "model_init_kwargs.device_map" in ignored
+    both = _mapping(tmp_path, "trl", raw | {"torch_dtype": "bfloat16"}, method="sft")
+    assert both.get("model.dtype") == "bfloat16"
+    assert "model_init_kwargs.torch_dtype" in {d.key for d in both.material}
+
+
+def test_trl_activation_offloading_is_reported_like_axolotl_s(tmp_path):
+    on = _mapping(tmp_path, "trl", {"model_name_or_path": "m", "activation_offloading": True}, method="sft")
+    (dropped,) = [d for d in on.material if d.key == "activation_offloading"]
+    assert "activation checkpointing" in dropped.reason
+    off = _mapping(tmp_path, "trl", {"model_name_or_path": "m", "activation_offloading": False}, method="sft")
+    assert "activation_offloading" not in {d.key for d in off.dropped}
+
+
 # -- the peers' defaults ----------------------------------------------------------------------------------------------
 
 
