@@ -50,8 +50,9 @@ kernel floor; its profiled twin, row 102, shows the host inside DeepSpeed's modu
 Out of sample it moves row 22 (LoRA 8B, ZeRO-3 offload) from 1.86 to 0.80 of the measured speed, row 23 (full
 8B) from 1.20 to 1.15, rows 54 and 71 (full 3B, optimizer offload) from 1.25 and 1.18 to 1.14 and 0.99, and row
 108 (full 14B on 4 H100s, 43 of 48 layers checkpointed) from 2.30 to 1.47: what is left there is not identified.
-Not counted (the floor stays a lower bound there): eager attention's extra ops, DoRA's weight norms,
-QLoRA's dequantization kernels, an MoE layer's routing.
+DoRA's layer (its weight norm, the magnitude's products, their gradients and casts): +33 a targeted linear,
+counted on CPU (KERNELS_PER_DORA_LINEAR). Not counted (the floor stays a lower bound there): eager attention's extra
+ops, QLoRA's dequantization kernels, an MoE layer's routing.
 """
 
 from __future__ import annotations
@@ -65,6 +66,11 @@ HOST_S_PER_MICRO_BATCH = 0.061
 HOST_S_PER_KERNEL = 63e-6
 KERNELS_PER_LAYER = 71.0
 KERNELS_PER_ADAPTED_LINEAR = 12.8
+# peft's DoRA layer beyond LoRA's, forward and backward, with the fp32 cast of the module's input it keeps
+# (train/model.py adapter_input_casting): the identity, the weight norm, the magnitude's products and their
+# gradients, the casts between. Counted as the non-view aten ops of one peft DoRA Linear against a LoRA one under
+# bf16 autocast (tests/unit/plan/test_host_time.py), not from a GPU profile
+KERNELS_PER_DORA_LINEAR = 33.0
 KERNELS_WITHOUT_LIGER_PER_LAYER = 123.0
 KERNELS_FSDP_PER_LAYER = 24.0
 KERNELS_PER_EXPERT_FOLD = 15.0
@@ -93,7 +99,7 @@ def kernels_per_micro_batch(job: Job, *, strategy: str, checkpointed_layers: int
     layer = KERNELS_PER_LAYER + (0.0 if job.liger else KERNELS_WITHOUT_LIGER_PER_LAYER)
     if job.adapter != "full":
         targeted = sum(n for n, _, _ in targeted_linears(arch, job.lora_targets))
-        per_linear = KERNELS_PER_ADAPTED_LINEAR
+        per_linear = KERNELS_PER_ADAPTED_LINEAR + (KERNELS_PER_DORA_LINEAR if job.dora else 0.0)
         if fused_lora_runs(job, strategy):  # adapter.fused_lora: no scale or add kernels (plan/lora_time.py)
             per_linear -= KERNELS_SAVED_PER_FUSED_LINEAR
         layer += (per_linear * targeted - grouped_kernels_saved(job, strategy)) / arch.num_layers
