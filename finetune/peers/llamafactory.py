@@ -285,6 +285,13 @@ def _message_tags(conv: Conversion, key: str, tags: dict) -> str:
             "renamed speakers are not mapped; finetune reads user/assistant/system/tool (and sharegpt's human/gpt/"
             "observation); rename them in the data",
         )
+    if tags.get("function_tag"):
+        conv.drop(
+            f"{key}.tags.function_tag",
+            tags["function_tag"],
+            "a tool-call turn of its own has no place in finetune's formats (a row with that speaker is refused by "
+            "`finetune validate`); write the call into the assistant turn's content in the data",
+        )
     return fmt
 
 

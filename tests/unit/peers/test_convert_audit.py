@@ -201,6 +201,25 @@ def test_trl_activation_offloading_is_reported_like_axolotl_s(tmp_path):
     assert "activation_offloading" not in {d.key for d in off.dropped}
 
 
+def test_llamafactory_function_tag_is_reported(tmp_path):
+    """A sharegpt entry's function_tag names tool-call turns, which finetune's formats do not read."""
+    import json
+
+    folder = tmp_path / "tools"
+    folder.mkdir()
+    tags = {"role_tag": "from", "content_tag": "value", "function_tag": "function_call"}
+    entry = {"file_name": "rows.jsonl", "formatting": "sharegpt", "tags": tags}
+    (folder / "dataset_info.json").write_text(json.dumps({"rows": entry}))
+    (folder / "rows.jsonl").write_text(json.dumps({"conversations": [{"from": "human", "value": "hi"}]}) + "\n")
+    raw = {"model_name_or_path": "m", "stage": "sft", "dataset": "rows", "dataset_dir": str(folder)}
+    conv = _mapping(tmp_path, "llamafactory", raw)
+    assert "dataset[0].tags.function_tag" in {d.key for d in conv.material}
+    del tags["function_tag"]
+    (folder / "dataset_info.json").write_text(json.dumps({"rows": entry}))
+    conv = _mapping(tmp_path, "llamafactory", raw)
+    assert not [d for d in conv.material if "function_tag" in d.key]
+
+
 # -- the peers' defaults ----------------------------------------------------------------------------------------------
 
 
