@@ -31,9 +31,11 @@ from finetune.plan.fallback import attention_fallback_warning
 from finetune.plan.host_time import kernels_per_micro_batch, zero3_module_uses
 from finetune.plan.lora_time import fused_lora_runs, shared_input_groups
 from finetune.plan.memory import (
+    AT_FINAL_SAVE,
     adapter_input_casts,
     checkpointed_layers,
     fsdp_accumulated_gradients,
+    peaks_at_final_save,
     steps_16bit_params,
     steps_16bit_weights,
     task_eval_fits,
@@ -1049,9 +1051,10 @@ def _why(job: Job, chosen: Candidate, achieved: int, candidates: list[Candidate]
     )
     if strategies.offloads(chosen.strategy):
         first += f", {chosen.host_ram_bytes / GIB:.0f} GiB host RAM per node"
-    elif chosen.host_ram_saving_bytes >= chosen.host_ram_bytes > chosen.host_ram_training_bytes:
-        at_save = "at the final save, where rank 0 gathers the model"
-        first += f", {chosen.host_ram_bytes / GIB:.0f} GiB host RAM per node {at_save}"
+    elif peaks_at_final_save(
+        peak=chosen.host_ram_bytes, training=chosen.host_ram_training_bytes, saving=chosen.host_ram_saving_bytes
+    ):
+        first += f", {chosen.host_ram_bytes / GIB:.0f} GiB host RAM per node {AT_FINAL_SAVE}"
     first += ")."
     if chosen.tight:
         offloading = [c for c in candidates if c.fits and strategies.offloads(c.strategy)]

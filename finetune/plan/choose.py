@@ -21,8 +21,10 @@ from dataclasses import replace
 
 from finetune import strategies
 from finetune.plan.memory import (
+    AT_FINAL_SAVE,
     checkpointed_layers,
     footprint,
+    peaks_at_final_save,
     shard_degree,
     state_shard_degree,
     steps_16bit_weights,
@@ -198,10 +200,11 @@ def evaluate(
             f"{limit / GIB:.1f} GiB usable ({headroom:.0%} of {p.gpu_memory_gib:g} GiB {unit})"
         )
     elif fp.host_ram_bytes > HEADROOM * p.host_ram_gib * GIB:
-        at_save = fp.host_ram_saving_bytes >= fp.host_ram_bytes > fp.host_ram_training_bytes
+        at_save = peaks_at_final_save(
+            peak=fp.host_ram_bytes, training=fp.host_ram_training_bytes, saving=fp.host_ram_saving_bytes
+        )
         reason = (
-            f"needs {fmt_bytes(fp.host_ram_bytes)} host RAM per node"
-            f"{' at the final save (rank 0 gathers the whole model)' if at_save else ''}; "
+            f"needs {fmt_bytes(fp.host_ram_bytes)} host RAM per node{' ' + AT_FINAL_SAVE if at_save else ''}; "
             f"{fmt_bytes(HEADROOM * p.host_ram_gib * GIB)} usable"
         )
     elif p.nvme_capacity_gib and fp.nvme_bytes > HEADROOM * p.nvme_capacity_gib * GIB:

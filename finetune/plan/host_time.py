@@ -69,7 +69,7 @@ KERNELS_PER_ADAPTED_LINEAR = 12.8
 # peft's DoRA layer beyond LoRA's, forward and backward, with the fp32 cast of the module's input it keeps
 # (train/model.py adapter_input_casting): the identity, the weight norm, the magnitude's products and their
 # gradients, the casts between. Counted as the non-view aten ops of one peft DoRA Linear against a LoRA one under
-# bf16 autocast (tests/unit/plan/test_host_time.py), not from a GPU profile
+# bf16 autocast (tests/unit/plan/test_dora_kernels.py), not from a GPU profile
 KERNELS_PER_DORA_LINEAR = 33.0
 KERNELS_WITHOUT_LIGER_PER_LAYER = 123.0
 KERNELS_FSDP_PER_LAYER = 24.0

@@ -813,6 +813,15 @@ def final_save_host_bytes(job: Job, *, strategy: str) -> float:
     return params * job.weight_bytes if job.save_gathers_model else 0.0
 
 
+# how a plan says that the node's host RAM peaks at the final save (`final_save_host_bytes`)
+AT_FINAL_SAVE = "at the final save, where rank 0 gathers the whole model"
+
+
+def peaks_at_final_save(*, peak: float, training: float, saving: float) -> bool:
+    """Whether the final save sets the node's host peak (it holds more than training, and no less than loading)."""
+    return saving >= peak > training
+
+
 @dataclass(frozen=True)
 class HostBytes:
     peak: float  # per node: the processes and the largest of loading, training and the final save

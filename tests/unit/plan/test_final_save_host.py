@@ -63,7 +63,7 @@ def test_a_host_that_cannot_hold_the_save_refuses_fsdp2_and_says_why():
     # 8 ranks' processes (40 GiB) and 8B's masters with their bf16 cast (45 GiB) against 90% of 80 GiB
     assert fits.host_ram_bytes == pytest.approx(8 * 5 * GIB + count_params(roomy.arch).text_model * 6, rel=0.02)
     assert not refused.fits
-    assert "at the final save (rank 0 gathers the whole model)" in refused.reason
+    assert "host RAM per node at the final save, where rank 0 gathers the whole model" in refused.reason
     # the same host trains it under ZeRO-3, whose save gathers no more than its load
     assert evaluate(small, strategy="zero3", micro_batch=1, checkpointing=True).fits
 
@@ -72,6 +72,6 @@ def test_the_plan_says_when_the_final_save_sets_the_host_peak():
     recipe = load_recipe(ROOT / "recipes" / "llama8b-full.yaml")
     plan = plan_on(recipe, arch=get_model("llama-3.1-8b"), preset=SERVER, source="test")
     assert plan.strategy == "fsdp2"
-    assert "GiB host RAM per node at the final save, where rank 0 gathers the model" in plan.why
+    assert "GiB host RAM per node at the final save, where rank 0 gathers the whole model" in plan.why
     lora = load_recipe(ROOT / "recipes" / "llama8b-lora.yaml")
     assert "at the final save" not in plan_on(lora, arch=get_model("llama-3.1-8b"), preset=SERVER, source="test").why
