@@ -47,6 +47,7 @@ def _installed_torch() -> str | None:
 # finetune's varlen path runs sliding-window layers on sdpa over the masked packed row (finetune/train/attention.py:
 # takes_windows, which asks the kernel itself; the planner: plan/workload.py varlen_fallback_layers)
 VARLEN_WINDOW_TORCH = (2, 11)
+VARLEN_WINDOW_RELEASE = ".".join(map(str, VARLEN_WINDOW_TORCH))  # as messages name it
 
 
 def torch_runs_varlen_windows(torch_version: str | None = None) -> bool:

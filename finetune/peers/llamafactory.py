@@ -235,13 +235,23 @@ def _source(conv: Conversion, name: str, info: dict | None, folder: Path | None,
     return src
 
 
+def _query(conv: Conversion, columns: dict, path: str) -> tuple[str, bool | None]:
+    """An alpaca entry's query column (LLaMA-Factory's default `input`, which it appends to the prompt) and whether
+    its rows have one: True where the config names it or the local data's first row has one, None for a Hub
+    dataset (its rows are not read here), False otherwise."""
+    query = columns.get("query", "input")
+    row = first_row(conv, path)
+    if columns.get("query") or (row is not None and row.get(query)):
+        return query, True
+    return query, None if row is None and not Path(path).suffix else False
+
+
 def _query_join(conv: Conversion, key: str, columns: dict, path: str) -> None:
     """LLaMA-Factory joins an alpaca row's prompt and query (input) with one newline (converter.py:
     "\\n".join(query)); finetune's alpaca format puts a blank line between them (data/formats.py). Said where the
-    config names a query column, the local data's first row has one, or the rows are a Hub dataset's."""
-    query = columns.get("query", "input")
-    row = first_row(conv, path)
-    if columns.get("query") or (row is not None and row.get(query)) or (row is None and not Path(path).suffix):
+    rows may have a query (`_query`)."""
+    query, held = _query(conv, columns, path)
+    if held is not False:
         conv.notes.append(
             f"{key}: LLaMA-Factory joins the instruction and the {query} column with one newline, finetune with a "
             f"blank line, so the trained prompts of rows with an {query} differ by that newline"
@@ -251,15 +261,14 @@ def _query_join(conv: Conversion, key: str, columns: dict, path: str) -> None:
 def _query_column(conv: Conversion, key: str, columns: dict, path: str, *, prompt: str, rows: str) -> None:
     """An alpaca entry's query column (LLaMA-Factory's default `input`), which LLaMA-Factory appends to the prompt:
     finetune's preference and KTO rows take the prompt from one column, so a query the data holds is not trained.
-    Reported where the config names it or the local data's first row has one; a Hub dataset gets a note."""
-    query = columns.get("query", "input")
-    row = first_row(conv, path)
+    Reported where the rows have one (`_query`); a Hub dataset gets a note."""
+    query, held = _query(conv, columns, path)
     why = (
         f"{rows} take the prompt from one column; join the query ({query}) column into the {prompt} column in the data"
     )
-    if columns.get("query") or (row is not None and row.get(query)):
+    if held:
         conv.drop(f"{key}.columns.query", query, why)
-    elif row is None and not Path(path).suffix:  # a Hub dataset: its rows are not read here
+    elif held is None:
         conv.notes.append(f"{key}: if its rows have a {query} column, {why}")
 
 

@@ -9,7 +9,7 @@ scores) with a block-diagonal mask over the whole packed row, which computes eve
 
 from __future__ import annotations
 
-from finetune.kernels import VARLEN_WINDOW_TORCH
+from finetune.kernels import VARLEN_WINDOW_RELEASE
 from finetune.plan.memory import attention_matrix_bytes, checkpointed_layers
 from finetune.plan.types import GIB, Plan
 from finetune.plan.workload import Job, packed_row_fallback_layers
@@ -34,7 +34,7 @@ def attention_fallback_warning(job: Job, plan: Plan) -> str:
     if not why:  # the sliding layers on a torch whose varlen kernel has no window (workload.varlen_fallback_layers)
         why.append(
             f"{arch.sliding_window:,}-token sliding windows on a torch older than "
-            f"{'.'.join(map(str, VARLEN_WINDOW_TORCH))} (its varlen kernel has no window: installing a newer torch "
+            f"{VARLEN_WINDOW_RELEASE} (its varlen kernel has no window: installing a newer torch "
             "keeps them on it)"
         )
     ckpt = plan.checkpoint_layers or False

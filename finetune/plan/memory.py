@@ -876,6 +876,4 @@ def host_bytes(job: Job, *, strategy: str, states: StateBytes) -> HostBytes:
         # too, and the C allocator keeps those pages after the move (measured: +2.8 GiB at r 256 on 8B)
         training += procs * 4 * lora_params(job)
     saving = training + final_save_host_bytes(job, strategy=strategy)  # what training keeps stays through the save
-    return HostBytes(
-        peak=base + max(loading, training, saving), training=base + training, nvme=nvme, saving=base + saving
-    )
+    return HostBytes(peak=base + max(loading, saving), training=base + training, nvme=nvme, saving=base + saving)

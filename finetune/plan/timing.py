@@ -181,21 +181,28 @@ def attention_flops_per_token(job: Job, *, checkpointing: bool | int, micro_batc
     return (12 + 4 * forwards) * attn
 
 
-def flops_per_token(job: Job, *, checkpointing: bool | int, micro_batch: int | None = None) -> float:
-    """Training FLOPs per token of one sequence: the useful FLOPs plus recomputation and the forwards without
-    gradients (DPO's and KTO's reference, KTO's KL completion: see the module docstring). With `micro_batch`,
-    the attention FLOPs the kernels execute (`executed_attention_positions`: a masked packed row computes all of
-    its T x T blocks) replace the useful ones."""
+def linear_flops_per_token(job: Job, *, checkpointing: bool | int) -> float:
+    """The linears' share of `flops_per_token` (the useful FLOPs less attention's, again 2N for every forward a
+    checkpointed layer or a forward without gradients repeats, and the folded experts' weight gradients): what
+    the GEMMs compute."""
     arch = job.arch
     n = count_params(arch).matmul_active
-    width = arch.num_attention_heads * head_dim(arch)
-    useful_attention = 12 * width * attended_positions(arch, job.seq_len)
+    useful_attention = 12 * arch.num_attention_heads * head_dim(arch) * attended_positions(arch, job.seq_len)
     flops = job_model_flops_per_token(job) - useful_attention
     # activation checkpointing (True: every layer, or the count of checkpointed layers) re-runs their forward
     flops += (checkpointed_layers(job, checkpointing) / arch.num_layers + job.forward_only_passes) * 2 * n
     if job.adapter != "full":  # adapter.target_experts: the folded copies' weight gradients
         flops += 2 * routed_active_params(job.arch, layers=job.lora_expert_layers)
-    return flops + attention_flops_per_token(job, checkpointing=checkpointing, micro_batch=micro_batch)
+    return flops
+
+
+def flops_per_token(job: Job, *, checkpointing: bool | int, micro_batch: int | None = None) -> float:
+    """Training FLOPs per token of one sequence: the useful FLOPs plus recomputation and the forwards without
+    gradients (DPO's and KTO's reference, KTO's KL completion: see the module docstring). With `micro_batch`,
+    the attention FLOPs the kernels execute (`executed_attention_positions`: a masked packed row computes all of
+    its T x T blocks) replace the useful ones."""
+    linear = linear_flops_per_token(job, checkpointing=checkpointing)
+    return linear + attention_flops_per_token(job, checkpointing=checkpointing, micro_batch=micro_batch)
 
 
 def mfu(*, tokens_per_second: float, flops_per_token: float, peak_tflops: float, gpus: int) -> float:
@@ -285,7 +292,7 @@ def step_time(
     # the attention kernels' FLOPs at their reference rate (their own rates: plan/attention_time.py)
     attention_seconds = 1 / (job.peak_tflops * 1e12 * attention_efficiency(job, micro_batch=micro_batch))
     attention = attention_flops_per_token(job, checkpointing=checkpointing, micro_batch=micro_batch)
-    linear = flops_per_token(job, checkpointing=checkpointing, micro_batch=micro_batch) - attention
+    linear = linear_flops_per_token(job, checkpointing=checkpointing)
     compute = (linear * flop_seconds + attention * attention_seconds) * tokens
     checkpointed = checkpointed_layers(job, checkpointing)
     share = checkpointed / job.arch.num_layers

@@ -52,7 +52,7 @@ class Candidate:
     activation_checkpointing: bool
     memory: MemoryBreakdown
     fits: bool
-    host_ram_bytes: float = 0.0  # per node, at its peak: the processes + the larger of loading and training
+    host_ram_bytes: float = 0.0  # per node, at its peak: the processes + the largest of loading, training, the save
     host_ram_training_bytes: float = 0.0  # per node: the processes + the states kept on the host
     host_ram_saving_bytes: float = 0.0  # per node: the above + the final save's gather (memory.final_save_host_bytes)
     nvme_bytes: float = 0.0  # per node

@@ -27,7 +27,7 @@ import importlib
 import inspect
 import warnings
 
-from finetune.kernels import CUDNN_COMPUTE_MAJOR, CUDNN_MIN_EXAMPLE_TOKENS, VARLEN_WINDOW_TORCH, cudnn_padded_length
+from finetune.kernels import CUDNN_COMPUTE_MAJOR, CUDNN_MIN_EXAMPLE_TOKENS, VARLEN_WINDOW_RELEASE, cudnn_padded_length
 
 NAME = "finetune_varlen"
 
@@ -269,7 +269,7 @@ def varlen_attention_forward(
     )
     if sliding is not None and bounds is not None and not takes_windows():
         warnings.warn(  # shown once: the same call site every layer
-            f"this torch's varlen kernel has no sliding window (torch {'.'.join(map(str, VARLEN_WINDOW_TORCH))} and "
+            f"this torch's varlen kernel has no sliding window (torch {VARLEN_WINDOW_RELEASE} and "
             "later have one): the sliding-window "
             "layers run sdpa over the masked packed row, as `finetune plan` plans them with this torch (a plan made "
             "where torch has the window assumed it)",

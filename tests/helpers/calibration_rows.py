@@ -309,12 +309,11 @@ def host_miss(row: dict, plan: Plan) -> str:
 # add theirs), saved (not `finetune plan --measure`). Adapter rows from before adapters gathered their trained
 # parameters alone are left out: today's code does not gather their model
 def gathers_at_final_save(row: dict) -> bool:
-    resolved = row.get("resolved") or {}
     if not (
         "resolved" in row
         and strategies.info(row["strategy"]).backend == "fsdp"
         and not strategies.offloads(row["strategy"])
-        and not resolved["resolved"].get("measure")
+        and not row["resolved"]["resolved"].get("measure")
         and row.get("host_rss_peak_gib")
     ):
         return False

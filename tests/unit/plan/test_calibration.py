@@ -274,13 +274,9 @@ def test_planned_host_ram_while_training_within_minus_5_plus_15_percent_of_measu
     assert not miss, miss
 
 
-def _save_figures(row: dict) -> str:
-    return save_figures(row)
-
-
 def _save_rows():
     rows = [(i, r) for i, r in _indexed_rows() if gathers_at_final_save(r)]
-    return _params(rows, SAVE_MISSES, _save_figures)
+    return _params(rows, SAVE_MISSES, save_figures)
 
 
 @pytest.mark.parametrize("row", _save_rows())

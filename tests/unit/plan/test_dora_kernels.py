@@ -19,27 +19,6 @@ from finetune.plan.workload import targeted_linears
 from finetune.registry import get_preset
 from tests.helpers.recipes import shape_job
 
-# aten ops that only re-describe a tensor (no kernel on a GPU)
-VIEWS = {
-    "view",
-    "_unsafe_view",
-    "t",
-    "transpose",
-    "expand",
-    "detach",
-    "alias",
-    "as_strided",
-    "unsqueeze",
-    "squeeze",
-    "permute",
-    "slice",
-    "select",
-    "reshape",
-    "_reshape_alias",
-    "split",
-    "unbind",
-}
-
 
 class _Ops(TorchDispatchMode):
     def __init__(self):
@@ -47,9 +26,8 @@ class _Ops(TorchDispatchMode):
         self.ops: Counter = Counter()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        name = func.__name__.split(".")[0]
-        if name not in VIEWS:
-            self.ops[name] += 1
+        if not func.is_view:  # a view only re-describes a tensor: no kernel on a GPU
+            self.ops[func.overloadpacket.__name__] += 1
         return func(*args, **(kwargs or {}))
 
 

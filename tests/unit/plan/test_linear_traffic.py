@@ -11,9 +11,8 @@ import pytest
 from finetune.plan.bandwidth import memory_seconds
 from finetune.plan.timing import (
     LINEAR_TRAFFIC_PASSES,
-    attention_flops_per_token,
     efficiency,
-    flops_per_token,
+    linear_flops_per_token,
     linear_traffic_seconds,
 )
 from finetune.plan.workload import computed_tokens_per_micro_batch, expert_size, linear_features_per_token
@@ -65,9 +64,7 @@ def _linear_rate(model: str) -> float:
     """The share of the peak a model's linears reach in a LoRA micro-batch, their streaming passes included."""
     job = _job(model)
     tokens = computed_tokens_per_micro_batch(job, 2)
-    linear = flops_per_token(job, checkpointing=False, micro_batch=2) - attention_flops_per_token(
-        job, checkpointing=False, micro_batch=2
-    )
+    linear = linear_flops_per_token(job, checkpointing=False)
     seconds = linear * tokens / (job.peak_tflops * 1e12 * efficiency(job, micro_batch=2))
     seconds += linear_traffic_seconds(job, micro_batch=2)
     return linear * tokens / seconds / (job.peak_tflops * 1e12)

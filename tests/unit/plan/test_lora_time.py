@@ -21,7 +21,7 @@ from finetune.plan.timing import (
     attention_efficiency,
     attention_flops_per_token,
     efficiency,
-    flops_per_token,
+    linear_flops_per_token,
     linear_traffic_seconds,
     step_time,
 )
@@ -104,7 +104,7 @@ def test_the_step_is_shorter_by_the_saving_and_the_host_launches_fewer_kernels()
     tokens = 2 * 4 * plain.seq_len
     peak = plain.preset.peak_bf16_tflops * 1e12
     attention = attention_flops_per_token(plain, checkpointing=False, micro_batch=4)
-    linear = flops_per_token(plain, checkpointing=False, micro_batch=4) - attention
+    linear = linear_flops_per_token(plain, checkpointing=False)
     calibrated = tokens * (
         linear / (peak * efficiency(plain, micro_batch=4))
         + attention / (peak * attention_efficiency(plain, micro_batch=4))
