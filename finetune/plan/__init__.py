@@ -58,6 +58,7 @@ from finetune.plan.workload import (
     DTYPE_BYTES,
     Job,
     adapter_params,
+    attention_span,
     batch_share,
     count_params,
     expert_adapter_layers,
@@ -187,7 +188,7 @@ def expert_layers(recipe, arch) -> int:
 
 
 def recipe_flops_per_token(recipe, *, arch) -> float:
-    """model_flops_per_token of `recipe` (its adapter, LoRA shape and data.max_length) on `arch`: what
+    """model_flops_per_token of `recipe` (its adapter, LoRA shape and its data's attention span) on `arch`: what
     the planner's MFU and the benchmarks' measured MFU divide by."""
     a = recipe.adapter
     trainable = (
@@ -203,7 +204,14 @@ def recipe_flops_per_token(recipe, *, arch) -> float:
             active=True,
         )
     )
-    return model_flops_per_token(arch, seq_len=recipe.data.max_length, adapter=a.type, trainable_params=trainable)
+    data = recipe.data
+    span = attention_span(
+        seq_len=data.max_length,
+        example_tokens=data.example_tokens if packs_examples(recipe) else None,
+        sequence_mean=data.sequence_tokens.mean if data.sequence_tokens else None,
+        sequence_std=data.sequence_tokens.std if data.sequence_tokens else 0.0,
+    )
+    return model_flops_per_token(arch, span=span, adapter=a.type, trainable_params=trainable)
 
 
 # model.attn_implementation values that run only on a GPU

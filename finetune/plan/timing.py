@@ -70,6 +70,7 @@ from finetune.plan.workload import (
     count_params,
     executed_attention_positions,
     head_dim,
+    job_attention_span,
     linear_features_per_token,
     trainable_params,
 )
@@ -133,10 +134,12 @@ def allgather_time_s(nbytes: float, *, n: int, bus_bandwidth_gbps: float) -> flo
     return (n - 1) / n * nbytes / (bus_bandwidth_gbps * 1e9)
 
 
-def model_flops_per_token(arch: ModelArch, *, seq_len: int, adapter: str, trainable_params: int = 0) -> float:
+def model_flops_per_token(arch: ModelArch, *, span: float, adapter: str, trainable_params: int = 0) -> float:
     """Useful training FLOPs per token, the numerator of every MFU finetune reports (torchtitan's
     `get_nparams_and_flops` convention). N = parameters a token multiplies with (decoder layers with the
-    routed experts only, plus the lm_head); L layers, a = heads x head_dim, s = sequence length:
+    routed experts only, plus the lm_head); L layers, a = heads x head_dim, s = `span`, the positions a token attends to
+    (`workload.attention_span`: the sequence length, or the data's token-weighted example length where packed
+    examples or shorter sequences are measured: attention across a packed row's examples is masked, not useful):
 
       full:        6N + 12*L*a*s        (forward 2N, backward 4N; attention scores and values, PaLM
                                          appendix B)
@@ -151,7 +154,7 @@ def model_flops_per_token(arch: ModelArch, *, seq_len: int, adapter: str, traina
     computes input gradients through every score, so no 2/3 either).
     """
     n = count_params(arch).matmul_active
-    attn = arch.num_attention_heads * head_dim(arch) * attended_positions(arch, seq_len)
+    attn = arch.num_attention_heads * head_dim(arch) * attended_positions(arch, span)
     if adapter == "full":
         return 6 * n + 12 * attn
     return 4 * n + 12 * attn + 6 * trainable_params
@@ -160,7 +163,7 @@ def model_flops_per_token(arch: ModelArch, *, seq_len: int, adapter: str, traina
 def job_model_flops_per_token(job: Job) -> float:
     return model_flops_per_token(
         job.arch,
-        seq_len=job.seq_len,
+        span=job_attention_span(job),
         adapter=job.adapter,
         trainable_params=trainable_params(job, active=True) if job.adapter != "full" else 0,
     )
@@ -174,7 +177,7 @@ def attention_flops_per_token(job: Job, *, checkpointing: bool | int, micro_batc
     arch = job.arch
     width = arch.num_attention_heads * head_dim(arch)
     if micro_batch is None:
-        attn: float = width * attended_positions(arch, job.seq_len)
+        attn: float = width * attended_positions(arch, job_attention_span(job))
     else:
         attn = width * executed_attention_positions(job, micro_batch=micro_batch)
     forwards = checkpointed_layers(job, checkpointing) / arch.num_layers + job.forward_only_passes
@@ -187,7 +190,9 @@ def linear_flops_per_token(job: Job, *, checkpointing: bool | int) -> float:
     the GEMMs compute."""
     arch = job.arch
     n = count_params(arch).matmul_active
-    useful_attention = 12 * arch.num_attention_heads * head_dim(arch) * attended_positions(arch, job.seq_len)
+    useful_attention = (
+        12 * arch.num_attention_heads * head_dim(arch) * attended_positions(arch, job_attention_span(job))
+    )
     flops = job_model_flops_per_token(job) - useful_attention
     # activation checkpointing (True: every layer, or the count of checkpointed layers) re-runs their forward
     flops += (checkpointed_layers(job, checkpointing) / arch.num_layers + job.forward_only_passes) * 2 * n

@@ -467,6 +467,31 @@ def packed_length(lengths, *, max_length: int) -> float | None:
     return sum(n * n for n in cut) / total if total else None
 
 
+def attention_span(
+    *, seq_len: int, example_tokens: float | None, sequence_mean: float | None, sequence_std: float
+) -> float:
+    """The positions a trained token attends to, token-weighted over the data and at most `seq_len`: the s of the
+    useful attention FLOPs (timing.model_flops_per_token, the MFU's numerator). A packed row's examples attend within
+    themselves, not across the row (data.example_tokens, `packed_length`); unpacked sequences of mean m and standard
+    deviation d weigh each token by its sequence's length, E[l^2]/E[l] = m + d^2/m (data.sequence_tokens); unknown
+    lengths are planned as long as the row."""
+    if example_tokens:
+        return min(seq_len, example_tokens)
+    if sequence_mean:
+        return min(seq_len, sequence_mean + sequence_std**2 / sequence_mean)
+    return seq_len
+
+
+def job_attention_span(job: Job) -> float:
+    """`attention_span` of the job's data (a packed job's measured examples, else its sequences)."""
+    return attention_span(
+        seq_len=job.seq_len,
+        example_tokens=job.example_tokens if job.packed else None,
+        sequence_mean=job.sequence_tokens,
+        sequence_std=job.sequence_tokens_std,
+    )
+
+
 def masked_row_layers(job: Job) -> int:
     """Decoder layers whose attention gets the mask over the packed row: all but those finetune's varlen kernel
     still serves (varlen_fallback_layers says which fall back); every layer of unpacked rows."""

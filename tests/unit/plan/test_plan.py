@@ -16,7 +16,7 @@ from finetune.plan import (
     zero_model_state_bytes,
 )
 from finetune.plan.memory import NF4_DOUBLE_QUANT_SCALE_BYTES, logits_bytes, state_bytes, weight_bytes
-from finetune.plan.timing import flops_per_token
+from finetune.plan.timing import flops_per_token, job_model_flops_per_token
 from finetune.plan.workload import count_params
 from finetune.recipe import load_recipe
 from finetune.registry import get_model, get_preset
@@ -143,6 +143,32 @@ def test_flops_formula_lora_vs_full():
     assert flops_per_token(full, checkpointing=True) - flops_per_token(full, checkpointing=False) == 2 * n + 4 * attn
 
 
+def test_the_useful_attention_flops_are_the_positions_a_token_attends_to():
+    # packed examples attend within themselves (the rest of the row is masked), unpacked sequences over their own
+    # length: counted at the row's length, short chats packed into 131k rows planned an MFU of 215% (8B, 8 x H100)
+    lora = shape_job("llama-3.1-8b", "lora", seq=131072)
+    n, width = count_params(lora.arch).matmul_active, 32 * 32 * 128  # L * heads * head_dim
+    adapter = job_model_flops_per_token(lora) - 4 * n - 12 * width * 131072
+    packed = shape_job("llama-3.1-8b", "lora", seq=131072, data__packing=True, data__example_tokens=300.0)
+    assert job_model_flops_per_token(packed) == pytest.approx(4 * n + 12 * width * 300 + adapter)
+    # sequences of mean m and deviation d: a token sits in one of length l with probability l / sum, E[l^2]/E[l]
+    sequences = {"mean": 1000.0, "longest": 4000, "std": 500.0}
+    unpacked = shape_job("llama-3.1-8b", "lora", seq=131072, data__sequence_tokens=sequences)
+    assert job_model_flops_per_token(unpacked) == pytest.approx(4 * n + 12 * width * 1250 + adapter)
+    result = plan(
+        shape_recipe(
+            "meta-llama/Llama-3.1-8B",
+            "lora",
+            seq=131072,
+            global_batch=8,
+            model__arch="llama-3.1-8b",
+            data__packing=True,
+            data__example_tokens=300.0,
+        )
+    )
+    assert 0 < result.mfu < 0.5
+
+
 def test_benchmarks_measure_the_mfu_the_planner_predicts():
     # scripts/bench.py and scripts/gpu_validate.py divide measured tokens/s by the same FLOPs per token
     # and the same peak as the planner: fed the planner's own tokens/s they must print its MFU
@@ -158,8 +184,9 @@ def test_benchmarks_measure_the_mfu_the_planner_predicts():
     assert bench.recipe_flops_per_token is gpu_validate.recipe_flops_per_token is recipe_flops_per_token
     assert bench.mfu is gpu_validate.mfu is mfu
     assert bench.peak_bf16_tflops is gpu_validate.peak_bf16_tflops is peak_bf16_tflops
-    for adapter in ("full", "lora", "qlora"):
-        r = shape_recipe("meta-llama/Llama-3.1-8B", adapter, seq=8192, model__arch="llama-3.1-8b")
+    packed = {"data__packing": True, "data__example_tokens": 900.0}  # the examples' span, not the row's
+    for adapter, data in (("full", {}), ("lora", {}), ("qlora", {}), ("lora", packed)):
+        r = shape_recipe("meta-llama/Llama-3.1-8B", adapter, seq=8192, model__arch="llama-3.1-8b", **data)
         p = plan(r)
         preset = get_preset("server-8xh100")
         assert peak_bf16_tflops(preset.gpu_model) == preset.peak_bf16_tflops

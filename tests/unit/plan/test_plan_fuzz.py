@@ -1,8 +1,8 @@
 """Property-based planning: recipes drawn across methods, adapters, strategies, presets, registry shapes, batch
 sizes and pins, planned in-process as `finetune plan` plans them (the data read and measured first). Each either
 plans or is refused as a recipe error (a FinetuneError naming a key and a fix); a plan's figures are finite and
-positive, its batch is micro-batch x accumulation x world, and what fits is within its card. An odd per-GPU batch
-for KTO once crashed here (min() of no micro-batch options)."""
+positive, its MFU at most 1, its batch is micro-batch x accumulation x world, and what fits is within its card. An
+odd per-GPU batch for KTO once crashed here (min() of no micro-batch options)."""
 
 from __future__ import annotations
 
@@ -42,8 +42,11 @@ def recipes(draw):
         "adapter": {"type": adapter, **({"dora": True} if adapter == "lora" and draw(st.booleans()) else {})},
         "data": {
             "sources": [{"path": str(SAMPLES / DATA[fmt]), "format": fmt}],
-            "max_length": draw(st.sampled_from([256, 2048, 8192])),
+            "max_length": draw(st.sampled_from([256, 2048, 8192, 131072])),
             "allow_outside": True,
+            "packing": draw(st.booleans()),
+            # the packed examples' measured length (as `finetune run` measures it with the model's tokenizer)
+            **({"example_tokens": 300.0} if draw(st.booleans()) else {}),
         },
         "train": train,
         "distributed": {"strategy": draw(st.sampled_from(["auto", *STRATEGIES]))},
@@ -61,6 +64,8 @@ def test_every_drawn_recipe_plans_or_is_refused_as_a_recipe_error(recipe, hardwa
     preset = get_preset(hardware)
     numbers = (result.tokens_per_second, result.step_time_s, result.per_gpu_memory_gib, result.mfu)
     assert all(math.isfinite(x) and x >= 0 for x in numbers), result.to_json()
+    # useful FLOPs never outrun the card: short examples packed into a long row attend within themselves
+    assert result.mfu <= 1.0, result.to_json()
     assert result.micro_batch_size >= 1 and result.gradient_accumulation_steps >= 1
     world = preset.world_size
     assert result.global_batch_size == result.micro_batch_size * result.gradient_accumulation_steps * world
