@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from finetune import strategies
 from finetune.plan.types import Plan
-from finetune.recipe.schema import Recipe
+from finetune.recipe.schema import COMPILE_BACKEND, Recipe
 from finetune.registry.schema import ModelArch
 
 MIXED_PRECISION = {"bf16": "bf16", "fp16": "fp16", "fp32": "no"}
@@ -58,7 +58,7 @@ def accelerate_config(
     if recipe.train.compile == "regions":
         # exported by `accelerate launch` as ACCELERATE_DYNAMO_*; the Trainer's Accelerator reads them and
         # compiles the repeated blocks (after FSDP2 wrapping / inside the DeepSpeed engine)
-        cfg["dynamo_config"] = {"dynamo_backend": "INDUCTOR", "dynamo_use_regional_compilation": True}
+        cfg["dynamo_config"] = {"dynamo_backend": COMPILE_BACKEND.upper(), "dynamo_use_regional_compilation": True}
     cfg["num_processes"] = plan.world_size
     cfg["num_machines"] = plan.num_nodes
     cfg["machine_rank"] = 0  # placeholder: each node passes --machine_rank K

@@ -13,6 +13,7 @@ from finetune.peers import Conversion
 from finetune.plan.workload import FUSED_EXPERT_WEIGHTS
 from finetune.recipe.aliases import checkpointing_setting, held_out_key, is_on, lookup
 from finetune.recipe.schema import (
+    COMPILE_BACKEND,
     METHOD_FORMATS,
     PACKED_EXAMPLE_METHODS,
     LoggingSection,
@@ -607,6 +608,49 @@ def coerce_numbers(raw: dict) -> dict:
     return {k: float(v) if isinstance(v, str) and _EXPONENT.match(v) else v for k, v in raw.items()}
 
 
+# torch.compile's options beside torch_compile: transformers' TrainingArguments turns compilation on when either is set
+# (its __post_init__), axolotl passes them to it only under torch_compile: true
+COMPILE_OPTIONS = ("torch_compile_backend", "torch_compile_mode")
+
+
+def _compile_options(conv: Conversion) -> None:
+    """torch_compile_backend and torch_compile_mode: compilation on where the peer's trainer turns it on for them;
+    their values change how fast the compiled layers run, not what they compute (reported, not material)."""
+    present = [key for key in COMPILE_OPTIONS if conv.has(key) and key not in conv.used]
+    if not present:
+        return
+    compiled = conv.get("train.compile") == "regions"
+    if not compiled and conv.source != "axolotl":
+        conv.set("train.compile", "regions")
+        conv.notes.append(
+            f"{present[0]} turns torch.compile on in transformers' TrainingArguments: read as train.compile: regions "
+            "(each decoder layer compiled, not the whole model)"
+        )
+        compiled = True
+    for key in present:
+        value = conv.take(key)
+        if not compiled:
+            conv.drop(key, value, "read only with torch_compile: true, which this config leaves off", material=False)
+        elif key == "torch_compile_backend" and str(value).lower() == COMPILE_BACKEND:
+            continue
+        elif key == "torch_compile_backend":
+            conv.drop(
+                key,
+                value,
+                f"train.compile: regions compiles with {COMPILE_BACKEND}; another backend changes how fast the layers "
+                "run, not what they compute",
+                material=False,
+            )
+        else:
+            conv.drop(
+                key,
+                value,
+                "the compile mode (max-autotune's kernel search, reduce-overhead's CUDA graphs) changes how fast the "
+                "compiled layers run, not what they compute; train.compile: regions uses inductor's default mode",
+                material=False,
+            )
+
+
 def shared_keys(conv: Conversion) -> None:
     """Top-level keys every peer spells the same way (transformers' TrainingArguments names, mostly) whose
     values need more than a rename; run after the peer module, before the alias pass."""
@@ -628,6 +672,7 @@ def shared_keys(conv: Conversion) -> None:
                 "torch_compile: true read as train.compile: regions (each decoder layer compiled, not the whole "
                 "model); docs/benchmarks.md has what it measured"
             )
+    _compile_options(conv)
     _warmup_both(conv)
     _length_grouping(conv)
     warmup = conv.raw.get("warmup_steps")

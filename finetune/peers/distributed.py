@@ -266,7 +266,14 @@ def _data_parallel_batch(conv: Conversion, sharing: int) -> None:
     """The peer's global batch is micro x accumulation x its data-parallel ranks: its GPUs over the `sharing` ones
     of a tensor/context/sequence group, which all train on the same rows."""
     batch = conv.get("train.global_batch_size")
-    if sharing <= 1 or not conv.gpus or not isinstance(batch, int):
+    if sharing <= 1 or not isinstance(batch, int):
+        return
+    if not conv.gpus:  # the one-GPU batch stands; the count to multiply it by is the data-parallel ranks'
+        conv.notes.append(
+            f"train.global_batch_size: the model-parallel degrees ({sharing}) have that many GPUs share each batch, "
+            f"so multiply it by your GPU count / {sharing} (the data-parallel ranks), not by the GPU count "
+            "(convert --gpus N does)"
+        )
         return
     if conv.gpus % sharing:
         conv.notes.append(

@@ -17,6 +17,10 @@ from finetune.kernels import CUDNN_MIN_EXAMPLE_TOKENS
 from finetune.strategies import AUTO, StrategyName, is_fsdp, shards_params, weighs_sync_each_batch
 from finetune.strategies import NAMES as STRATEGY_NAMES
 
+# the torch.compile backend of train.compile: regions (compile/accelerate.py sets it; the converters read the peers'
+# backends against it)
+COMPILE_BACKEND = "inductor"
+
 Dtype = Literal["bfloat16", "float16", "float32"]
 DataFormat = Literal["messages", "alpaca", "sharegpt", "text", "prompt_completion", "preference", "unpaired"]
 MethodType = Literal["sft", "dpo", "kto", "orpo", "simpo", "reward", "pretrain"]
@@ -585,10 +589,10 @@ class TrainSection(Strict):
     compile: Literal["off", "regions"] = Field(
         "off",
         description=(
-            "regions: torch.compile each decoder layer (accelerate's regional compilation with the inductor "
-            "backend: one layer is compiled and its code reused by the others), to fuse the elementwise "
-            "work between the matmuls; the first steps pay the compilation, and on 8B LoRA with packed rows "
-            "it measured slower than eager (docs/benchmarks.md). off: eager"
+            f"regions: torch.compile each decoder layer (accelerate's regional compilation with the {COMPILE_BACKEND} "
+            "backend and its default mode: one layer is compiled and its code reused by the others), to fuse the "
+            "elementwise work between the matmuls; the first steps pay the compilation, and on 8B LoRA with packed "
+            "rows it measured slower than eager (docs/benchmarks.md). off: eager"
         ),
     )
     oom_retries: int = Field(

@@ -404,6 +404,27 @@ def test_torch_compile_becomes_regional_compilation(tmp_path, source, value):
     assert "torch_compile" not in {d.key for d in conv.dropped}
 
 
+@pytest.mark.parametrize("source", ["axolotl", "trl"])
+@pytest.mark.parametrize("compiled", [True, None])
+def test_torch_compile_mode_and_backend_are_read(tmp_path, source, compiled):
+    # transformers' TrainingArguments compiles when either is set; axolotl hands them over only with torch_compile
+    from finetune import convert
+
+    config = tmp_path / "config.yaml"
+    base = {"base_model": "m"} if source == "axolotl" else {"model_name_or_path": "m"}
+    options = {"torch_compile_mode": "max-autotune", "torch_compile_backend": "inductor"}
+    config.write_text(yaml.safe_dump({**base, **options, **({"torch_compile": True} if compiled else {})}))
+    conv = convert(config, source=source, method="sft" if source == "trl" else None)
+    on = compiled or source == "trl"
+    assert conv.recipe.get("train", {}).get("compile") == ("regions" if on else None)
+    dropped = {d.key: d for d in conv.dropped}
+    assert not conv.material and "torch_compile_mode" in dropped  # speed, not what is trained: reported, not material
+    assert ("torch_compile_backend" in dropped) is not on  # inductor is what regions compiles with
+    config.write_text(yaml.safe_dump({**base, "torch_compile": True, "torch_compile_backend": "aot_eager"}))
+    conv = convert(config, source=source, method="sft" if source == "trl" else None)
+    assert not conv.material and "torch_compile_backend" in {d.key for d in conv.dropped}
+
+
 def test_axolotl_fsdp_parameter_offload_under_qlora_keeps_the_4bit_weights_on_the_gpus(tmp_path):
     # axolotl's 70B QLoRA example offloads FSDP1's parameters; finetune's fsdp2-offload cannot offload
     # bitsandbytes' 4-bit weights (the planner refuses it), so the conversion pins fsdp2 and says why

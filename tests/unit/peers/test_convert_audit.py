@@ -276,6 +276,10 @@ def test_model_parallel_groups_share_one_batch(tmp_path):
     conv = _mapping(tmp_path, "axolotl", raw | {"tensor_parallel_size": 2, "context_parallel_size": 2}, gpus=8)
     assert conv.get("train.global_batch_size") == 2 * 8 // 4
     assert _mapping(tmp_path, "axolotl", raw | {"expert_parallel_size": 2}, gpus=8).get("train.global_batch_size") == 16
+    # without --gpus the batch is one GPU's, and the note says what to multiply it by: the data-parallel ranks
+    conv = _mapping(tmp_path, "axolotl", raw | {"tensor_parallel_size": 2, "context_parallel_size": 2})
+    assert conv.get("train.global_batch_size") == 2
+    assert any("your GPU count / 4" in note for note in conv.notes), conv.notes
     # TRL through an accelerate file whose context-parallel groups pair the 2 GPUs
     raw = {"model_name_or_path": "m", "per_device_train_batch_size": 4, "gradient_accumulation_steps": 2}
     raw["accelerate_config"] = str(CONFIGS / "accelerate-context-parallel.yaml")
