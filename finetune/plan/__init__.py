@@ -27,6 +27,7 @@ from finetune.plan.choose import (
     suggestions,
     usable_fraction,
 )
+from finetune.plan.coverage import basis_text
 from finetune.plan.fallback import attention_fallback_warning
 from finetune.plan.host_time import kernels_per_micro_batch, zero3_module_uses
 from finetune.plan.lora_time import fused_lora_runs, shared_input_groups
@@ -949,6 +950,7 @@ def plan_job(job: Job, *, on_preset: Callable | None = None) -> Plan:
     plan.sync_each_batch = chosen.sync_each_batch
     plan.row_multiple = job.row_multiple if pads_rows(job, micro_batch=chosen.micro_batch_size) else None
     plan.kernels = _kernels(job, chosen.strategy, row_multiple=plan.row_multiple)
+    plan.basis = basis_text(p, seq_len=job.seq_len)
     if strategies.info(chosen.strategy).offload == "nvme":
         plan.nvme_read_gbps = nvme_read_gbps(job)
     if chosen.fits:

@@ -106,6 +106,7 @@ def render_plan_table(plan: Plan) -> str:
             f"{plan.per_gpu_memory_gib:.1f} {memory_unit(plan.device)} peak",
             f"estimate: {plan.step_time_s:.2f} s/step, {plan.tokens_per_second:,.0f} tokens/s, MFU {plan.mfu:.0%}",
             f"kernels: {plan.kernels}",
+            *([f"basis: {plan.basis}"] if plan.basis else []),
             *([f"disk: {plan.disk}"] if plan.disk else []),
             f"why: {plan.why}",
         ]

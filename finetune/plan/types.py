@@ -133,6 +133,8 @@ class Plan:
     hardware_source: str = ""
     # the kernels the run will use, as the memory model assumed them (attention, Liger, adapter casts)
     kernels: str = ""
+    # whether the setting lies within the calibration runs' range, or what it extrapolates to (plan/coverage.py)
+    basis: str = ""
     checkpoint_layers: int = 0  # k of num_layers decoder layers checkpointed (0: off)
     num_layers: int = 0
     # settings the compiled run replaces (e.g. an 8-bit optimizer under ZeRO-3 offload), said in the plan
@@ -189,6 +191,7 @@ class Plan:
             "trainable_params": self.trainable_params,
             "device": self.device,
             "kernels": self.kernels,
+            "basis": self.basis,
             "nvme_read_gbps": round(self.nvme_read_gbps, 3),
             "disk": self.disk,
             "substitutions": self.substitutions,
