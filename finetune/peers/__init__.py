@@ -47,6 +47,9 @@ class Conversion:
     used: set[str] = field(default_factory=set)
     dropped: list[Dropped] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    # where notes holds the one-GPU global batch's (common.global_batch without --gpus), which a model-parallel
+    # config's shared batch rewrites (distributed.parallel_sizes)
+    one_gpu_batch_note: int | None = None
     error: str | None = None  # the converted recipe's validation error, if any
 
     # -- helpers for the peer modules --------------------------------------------------------

@@ -510,6 +510,7 @@ def global_batch(conv: Conversion, micro: int, accumulation: int, *, micro_key: 
             f"({conv.gpus_from})"
         )
     else:
+        conv.one_gpu_batch_note = len(conv.notes)
         conv.notes.append(
             f"train.global_batch_size is {micro_key} x gradient_accumulation_steps of ONE GPU; {also}multiply it "
             "by your GPU count for the same effective batch (convert --gpus N or --hardware PRESET does)"

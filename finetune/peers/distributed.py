@@ -269,11 +269,15 @@ def _data_parallel_batch(conv: Conversion, sharing: int) -> None:
     if sharing <= 1 or not isinstance(batch, int):
         return
     if not conv.gpus:  # the one-GPU batch stands; the count to multiply it by is the data-parallel ranks'
-        conv.notes.append(
-            f"train.global_batch_size: the model-parallel degrees ({sharing}) have that many GPUs share each batch, "
-            f"so multiply it by your GPU count / {sharing} (the data-parallel ranks), not by the GPU count "
-            "(convert --gpus N does)"
+        note = (
+            f"train.global_batch_size is the batch of ONE data-parallel rank: the model-parallel degrees ({sharing}) "
+            f"have that many GPUs share each batch, so multiply it by your GPU count / {sharing}, not by the GPU "
+            "count, for the same effective batch (convert --gpus N does)"
         )
+        if conv.one_gpu_batch_note is None:
+            conv.notes.append(note)
+        else:  # in place of the one-GPU note, which says to multiply by the GPU count
+            conv.notes[conv.one_gpu_batch_note] = note
         return
     if conv.gpus % sharing:
         conv.notes.append(

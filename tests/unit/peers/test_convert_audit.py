@@ -280,6 +280,7 @@ def test_model_parallel_groups_share_one_batch(tmp_path):
     conv = _mapping(tmp_path, "axolotl", raw | {"tensor_parallel_size": 2, "context_parallel_size": 2})
     assert conv.get("train.global_batch_size") == 2
     assert any("your GPU count / 4" in note for note in conv.notes), conv.notes
+    assert not any("ONE GPU" in note for note in conv.notes), conv.notes  # the note it replaces said the GPU count
     # TRL through an accelerate file whose context-parallel groups pair the 2 GPUs
     raw = {"model_name_or_path": "m", "per_device_train_batch_size": 4, "gradient_accumulation_steps": 2}
     raw["accelerate_config"] = str(CONFIGS / "accelerate-context-parallel.yaml")
