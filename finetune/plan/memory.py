@@ -161,6 +161,8 @@ def shard_degree(job: Job, strategy: str) -> int:
     p = job.preset
     if not info(strategy).shards_params:
         return 1
+    if job.int8_base:  # each rank quantizes the whole base onto its GPU (bitsandbytes' Int8Params): choose.py refuses
+        return 1
     if info(strategy).hybrid:
         return p.gpus_per_node
     return p.world_size

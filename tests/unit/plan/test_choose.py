@@ -3,6 +3,8 @@ CLEARLY_FASTER faster than every earlier one that fits to be chosen (plan/choose
 
 from __future__ import annotations
 
+import pytest
+
 from finetune.plan import plan
 from finetune.plan.choose import CLEARLY_FASTER, simplest_near_fastest
 from finetune.plan.types import Candidate, MemoryBreakdown
@@ -105,3 +107,6 @@ def test_8bit_weights_are_planned_unsharded_and_a_pinned_sharding_is_refused():
     raw["distributed"]["strategy"] = "fsdp2"
     pinned = plan(load_recipe(raw))
     assert not pinned.fits and "adapter.load_in_8bit weights are not sharded" in pinned.why
+    # and its table shows what each rank would hold: the whole 8-bit base, as under ddp
+    ddp = next(c for c in result.candidates if c.strategy == "ddp")
+    assert pinned.chosen.memory.weights == pytest.approx(ddp.memory.weights)
