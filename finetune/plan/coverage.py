@@ -40,16 +40,16 @@ def extrapolations(preset: HardwarePreset, *, seq_len: int) -> list[str]:
 
 def basis_text(preset: HardwarePreset, *, seq_len: int) -> str:
     """The plan's `basis:` line: within the calibration runs' range, or what it extrapolates to."""
-    measured = (
-        f"the measured range ({' and '.join(MEASURED_CARDS)}, 1-{MEASURED_GPUS_PER_NODE} GPUs on one node, up to "
-        f"{MEASURED_SEQ_LEN:,}-token sequences)"
-    )
     if preset.vendor == "cpu":
         # the quickstart's tiny model on 2 cores ran 1.8-2.3x its planned tokens/s (docs/validation.md, 27th session)
         return (
             "a CPU's speed is one blended rate over its cores' nominal FLOPs (plan/timing.py CPU_EFFICIENCY), not "
             "calibrated against CPU runs: a rough figure"
         )
+    measured = (
+        f"the measured range ({' and '.join(MEASURED_CARDS)}, 1-{MEASURED_GPUS_PER_NODE} GPUs on one node, up to "
+        f"{MEASURED_SEQ_LEN:,}-token sequences)"
+    )
     beyond = extrapolations(preset, seq_len=seq_len)
     if not beyond:
         return (

@@ -154,10 +154,16 @@ def model_flops_per_token(arch: ModelArch, *, span: float, adapter: str, trainab
     computes input gradients through every score, so no 2/3 either).
     """
     n = count_params(arch).matmul_active
-    attn = arch.num_attention_heads * head_dim(arch) * attended_positions(arch, span)
+    attn = attention_width_positions(arch, span)
     if adapter == "full":
         return 6 * n + 12 * attn
     return 4 * n + 12 * attn + 6 * trainable_params
+
+
+def attention_width_positions(arch: ModelArch, span: float) -> float:
+    """a x L x s of the useful attention FLOPs (12 of them a token, `model_flops_per_token`): the heads' width over
+    every layer's attended positions (`attended_positions`: sliding layers to their window)."""
+    return arch.num_attention_heads * head_dim(arch) * attended_positions(arch, span)
 
 
 def job_model_flops_per_token(job: Job) -> float:
@@ -175,11 +181,10 @@ def attention_flops_per_token(job: Job, *, checkpointing: bool | int, micro_batc
     at their own rates (ATTENTION_EFFICIENCY, plan/attention_time.py), not the GEMMs'. With `micro_batch` the
     positions the kernels execute (`executed_attention_positions`), else the useful ones."""
     arch = job.arch
-    width = arch.num_attention_heads * head_dim(arch)
     if micro_batch is None:
-        attn: float = width * attended_positions(arch, job_attention_span(job))
+        attn = attention_width_positions(arch, job_attention_span(job))
     else:
-        attn = width * executed_attention_positions(job, micro_batch=micro_batch)
+        attn = arch.num_attention_heads * head_dim(arch) * executed_attention_positions(job, micro_batch=micro_batch)
     forwards = checkpointed_layers(job, checkpointing) / arch.num_layers + job.forward_only_passes
     return (12 + 4 * forwards) * attn
 
@@ -190,10 +195,7 @@ def linear_flops_per_token(job: Job, *, checkpointing: bool | int) -> float:
     the GEMMs compute."""
     arch = job.arch
     n = count_params(arch).matmul_active
-    useful_attention = (
-        12 * arch.num_attention_heads * head_dim(arch) * attended_positions(arch, job_attention_span(job))
-    )
-    flops = job_model_flops_per_token(job) - useful_attention
+    flops = job_model_flops_per_token(job) - 12 * attention_width_positions(arch, job_attention_span(job))
     # activation checkpointing (True: every layer, or the count of checkpointed layers) re-runs their forward
     flops += (checkpointed_layers(job, checkpointing) / arch.num_layers + job.forward_only_passes) * 2 * n
     if job.adapter != "full":  # adapter.target_experts: the folded copies' weight gradients
