@@ -1,12 +1,12 @@
 """What the planner's GPU calibration measured, and where a plan lies beyond it.
 
 The memory and time models are checked against real runs (tests/data/gpu_calibration.json, listed in
-docs/validation.md): peak memory within -5%/+15% of the measured max reserved and steady tokens/s within +-25%, on
-every row but the misses the calibration test names. Those runs are what the bounds cover; a CPU plan has no such
-runs behind it. A plan on a card, a GPU count per node, a node count or a sequence length beyond them is the same
-model fed the preset's datasheet figures (peak FLOPs, memory bandwidth, interconnect), which no run has checked; the
-plan says so (Plan.basis). The figures here are a summary of the calibration rows, which
-tests/unit/plan/test_coverage.py recomputes from them.
+docs/validation.md): peak memory within MEMORY_LOW/MEMORY_HIGH of the measured max reserved and steady tokens/s
+within SPEED_LOW/SPEED_HIGH, on every row but the misses the calibration test names. Those runs are what the bounds
+cover; a CPU plan has no such runs behind it. A plan on a card, a GPU count per node, a node count or a sequence
+length beyond them is the same model fed the preset's datasheet figures (peak FLOPs, memory bandwidth,
+interconnect), which no run has checked; the plan says so (Plan.basis). The figures here are a summary of the
+calibration rows, which tests/unit/plan/test_coverage.py recomputes from them.
 """
 
 from __future__ import annotations
@@ -20,6 +20,15 @@ MEASURED_GPUS_PER_NODE = 4  # the most GPUs of one host any row used
 # was measured
 MEASURED_NODES = 1
 MEASURED_SEQ_LEN = 65536  # the longest data.max_length of a row
+# the bounds the calibration test holds every row's plan to (predicted / measured; tests/unit/plan/test_calibration.py)
+SPEED_LOW, SPEED_HIGH = 0.75, 1.25  # steady tokens/s (the step-time model of plan/timing.py)
+MEMORY_LOW, MEMORY_HIGH = 0.95, 1.15  # max reserved of the worst rank
+
+
+def _bounds(low: float, high: float) -> str:
+    """A bound as the plan says it: -5%/+15%, or +-25% where it is symmetric."""
+    down, up = round(100 * (1 - low)), round(100 * (high - 1))
+    return f"+-{up}%" if down == up else f"-{down}%/+{up}%"
 
 
 def extrapolations(preset: HardwarePreset, *, seq_len: int) -> list[str]:
@@ -53,7 +62,7 @@ def basis_text(preset: HardwarePreset, *, seq_len: int) -> str:
     beyond = extrapolations(preset, seq_len=seq_len)
     if not beyond:
         return (
-            f"within {measured}, where plans held memory to -5%/+15% and tokens/s to +-25% of real runs but for a "
-            "few listed misses (docs/validation.md)"
+            f"within {measured}, where plans held memory to {_bounds(MEMORY_LOW, MEMORY_HIGH)} and tokens/s to "
+            f"{_bounds(SPEED_LOW, SPEED_HIGH)} of real runs but for a few listed misses (docs/validation.md)"
         )
     return f"extrapolated beyond {measured} in {'; '.join(beyond)}: no run has checked that part of this estimate"

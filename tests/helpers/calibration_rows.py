@@ -24,6 +24,7 @@ from pathlib import Path
 
 from finetune import strategies
 from finetune.plan import job_from_recipe, plan_job
+from finetune.plan.coverage import MEMORY_HIGH, MEMORY_LOW, SPEED_HIGH, SPEED_LOW
 from finetune.plan.memory import final_save_host_bytes, host_process_bytes
 from finetune.plan.types import GIB, Plan
 from finetune.plan.workload import varlen_fallback_layers
@@ -246,11 +247,6 @@ def pin_mismatch(row: dict, plan: Plan) -> str:
     memory and speed would be of another configuration and means nothing)."""
     ran, planned = run_pins(row, num_layers=plan.num_layers), plan_pins(plan)
     return "; ".join(f"{k}: ran {ran[k]}, planned {planned[k]}" for k in ran if ran[k] != planned[k])
-
-
-# issue 13's bounds, per row: predicted / measured
-SPEED_LOW, SPEED_HIGH = 0.75, 1.25  # steady tokens/s (the step-time model of finetune/plan/timing.py)
-MEMORY_LOW, MEMORY_HIGH = 0.95, 1.15  # max reserved of the worst rank
 
 
 def speed_figures(row: dict, plan: Plan) -> str:
