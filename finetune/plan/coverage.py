@@ -50,7 +50,7 @@ def extrapolations(preset: HardwarePreset, *, seq_len: int) -> list[str]:
 def basis_text(preset: HardwarePreset, *, seq_len: int) -> str:
     """The plan's `basis:` line: within the calibration runs' range, or what it extrapolates to."""
     if preset.vendor == "cpu":
-        # the quickstart's tiny model on 2 cores ran 1.8-2.3x its planned tokens/s (docs/validation.md, 27th session)
+        # the quickstart's tiny model on 2 cores ran 1.7-2.3x its planned tokens/s (docs/validation.md, 27th session)
         return (
             "a CPU's speed is one blended rate over its cores' nominal FLOPs (plan/timing.py CPU_EFFICIENCY), not "
             "calibrated against CPU runs: a rough figure"
