@@ -35,6 +35,7 @@ from finetune.plan.memory import (
     AT_FINAL_SAVE,
     adapter_input_casts,
     checkpointed_layers,
+    dora_dropout_weight_bytes,
     fsdp_accumulated_gradients,
     peaks_at_final_save,
     steps_16bit_params,
@@ -511,6 +512,7 @@ def plan_on(recipe, *, arch, preset, source: str) -> Plan:
         random_build_warning(recipe, job, result),
         pinned_strategy_warning(job, result),
         pinned_setting_warning(job, result),
+        dora_dropout_warning(job, result),
         batch_change_warning(job, result),
         compile_warning(recipe),
         profiler_warning(recipe),
@@ -687,6 +689,33 @@ def pinned_setting_warning(job: Job, plan: Plan) -> str:
         f"({free.per_gpu_memory_gib:.1f} GiB per GPU, the same global batch) and is modelled "
         f"{plan.step_time_s / free.step_time_s:.1f}x faster; remove the pin{'s' if len(pins) > 1 else ''} to let "
         "the planner choose"
+    )
+
+
+def dora_dropout_warning(job: Job, plan: Plan) -> str:
+    """'' unless DoRA trains with lora dropout and its strategy without the dropout is modelled clearly faster
+    (choose.CLEARLY_FASTER): peft's DoRA then recomputes every adapted linear's base output on the dropped-out input
+    (plan/dora_time.py), and where it casts the input to fp32 or dequantizes the base keeps a 16-bit copy of each
+    adapted weight for the backward (memory.dora_dropout_weight_bytes). Peer configs carry lora_dropout 0.05 from
+    LoRA recipes, where dropout costs little."""
+    if not job.dora or job.lora_dropout <= 0 or job.adapter == "full" or not plan.fits:
+        return ""
+    without = best_for_strategy(replace(job, lora_dropout=0.0), plan.strategy)
+    if not without.fits or not clearly_faster(without.step_time_s, plan.step_time_s):
+        return ""
+    copies = dora_dropout_weight_bytes(job, casts=adapter_input_casts(job, plan.strategy)) * job.arch.num_layers
+    kept = (
+        f", and keeps a 16-bit copy of each adapted weight for the backward ({copies / GIB:.1f} GiB with no layer "
+        f"checkpointed)"
+        if copies
+        else ""
+    )
+    return (
+        f"adapter.dropout {job.lora_dropout:g} with DoRA: peft recomputes each adapted linear's base output on the "
+        f"dropped-out input (a second matmul of every adapted weight, forward and backward){kept}; with "
+        f"adapter.dropout: 0 {plan.strategy} is modelled {plan.step_time_s / without.step_time_s:.1f}x faster "
+        f"({without.step_time_s:.2f} against {plan.step_time_s:.2f} s/step, {without.per_gpu_memory_gib:.1f} GiB "
+        f"per GPU)"
     )
 
 

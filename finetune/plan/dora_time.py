@@ -21,12 +21,16 @@ these kernels move bytes, they do not multiply. Counts per token and output feat
 promoted dtype's and a the compute dtype's bytes: forward 3a + 9p (+ a + p for the cast back when
 p != a) against LoRA's 5a; backward 16p + 9a where p != a (17a otherwise) against LoRA's 2a.
 Activation checkpointing repeats the forward of the checkpointed layers. Not counted: kernel launch
-latency (about twenty small kernels per module and micro-batch) and peft's fp32 cast of each module's
-input, which LoRA with casts pays as well. Profiled on an H200 (Qwen2.5-1.5B at 8 x 2 x 2,048 tokens,
-docs/results/profiles/qwen2.5-1.5b-dora-h200-2026-11-29.txt against its LoRA twin): the elementwise kernels beyond
-LoRA's took 1.15 s a step where these bytes plan 0.68 s (fp32 broadcasts and dtype copies run below the streaming
-bandwidth); the step's total is on its plan there because plan/host_time.py's launch floor for DoRA's kernels adds the
-rest, though the GPU, 90% busy, was the binding side.
+latency (plan/host_time.py counts DoRA's kernels in the host's floor) and peft's fp32 cast of each module's
+input, which LoRA with casts pays as well. These passes run below the streaming rate (fp32 broadcasts over the
+out-features, dtype copies, reductions): one module timed alone on an H200 (scripts/dora_rates.py) took 1.22-1.80 x
+their bytes' time, DORA_PASS_SLOWDOWN the geometric mean; Qwen2.5-1.5B's profile on an H200 (8 x 2 x 2,048 tokens,
+docs/results/profiles/qwen2.5-1.5b-dora-h200-2026-11-29.txt against its LoRA twin) measured 1.15 s a step of
+elementwise kernels beyond LoRA's, where the bytes with that slowdown plan 0.95 s.
+With lora dropout, DoRA cannot reuse the base layer's output (the magnitude scales the dropped-out input's):
+DoraLinearVariant.forward computes F.linear(dropout(x), W) again, a second matmul of each targeted weight forward and
+for its input gradient backward (recomputed_base_flops_per_token, GEMM FLOPs the step's linear time takes in;
+plan/memory.py dora_dropout_weight_bytes for the copy of W it may keep).
 """
 
 from __future__ import annotations
@@ -34,9 +38,25 @@ from __future__ import annotations
 from finetune.plan.bandwidth import memory_seconds
 from finetune.plan.workload import Job, computed_tokens_per_micro_batch, targeted_linears
 
+# DoRA's passes (fp32 broadcasts over out-features, dtype copies, reductions) take longer than their bytes at the
+# streaming rate: scripts/dora_rates.py on an H200, one module's DoRA forward + backward less its LoRA twin's, 21
+# cases of 4,096-16,384 tokens and widths 1,536-8,192 whose difference is 2 ms or more: 1.22-1.80 x the planned
+# bytes' time, geometric mean 1.39 (fp32 adapters 1.33, bf16 1.51)
+# (docs/results/dora-rates-2026-11-30-h200.json)
+DORA_PASS_SLOWDOWN = 1.39
+
 
 def _weight_side_bytes(
-    *, fin: int, fout: int, r: int, adapter: int, compute: int, x: int, weight: float, dequantize: float
+    *,
+    fin: int,
+    fout: int,
+    r: int,
+    adapter: int,
+    compute: int,
+    x: int,
+    weight: float,
+    dequantize: float,
+    recomputes_base: bool = False,
 ) -> float:
     """One module's weight-norm recomputation, bytes moved (see the module docstring)."""
     square, io, thin = fin * fin, fin * fout, fin * r
@@ -50,6 +70,8 @@ def _weight_side_bytes(
         moved += (compute + x) * io  # lora_weight.to(x.dtype)
     if x != weight:
         moved += (weight + x) * io  # W.to(x.dtype)
+    if recomputes_base and x != compute:
+        moved += (x + compute) * io  # autocast's cast of that copy for the recomputed base output
     moved += 2 * x * io + 3 * x * io + x * io  # scaling * BA, W + it, the row norms
     return moved
 
@@ -73,7 +95,10 @@ def dora_seconds(job: Job, *, micro_batch: int, casts: bool, checkpointed_share:
     # peft's adapters are fp32 where it casts the input to fp32 (DDP LoRA); bf16 under QLoRA, ZeRO-3 and
     # FSDP2 (see plan/memory.py); without autocast (fp32 training) everything is fp32
     adapter = x = 4 if casts or a == 4 else a
-    promoted = max(adapter, x)
+    # on a quantized base TRL casts the adapters to bf16 but keeps DoRA's magnitude in fp32 (its updates would round
+    # to zero), which promotes the token side's products to fp32 all the same
+    magnitude = 4 if job.quantized_base else adapter
+    promoted = max(adapter, x, magnitude)
     qlora = job.adapter == "qlora"
     weight_side = token_out = 0.0
     flops = 0.0
@@ -87,6 +112,7 @@ def dora_seconds(job: Job, *, micro_batch: int, casts: bool, checkpointed_share:
             x=x,
             weight=a if qlora else job.weight_bytes,
             dequantize=(0.5 + 2) if qlora else 0.0,
+            recomputes_base=job.lora_dropout > 0,
         )
         flops += n * 2 * fin * job.lora_r * (fin + fout)
         token_out += n * fout
@@ -94,4 +120,16 @@ def dora_seconds(job: Job, *, micro_batch: int, casts: bool, checkpointed_share:
     tokens = computed_tokens_per_micro_batch(job, micro_batch)
     repeat = 1.0 + checkpointed_share
     moved = repeat * weight_side + tokens * token_out * (repeat * forward + backward)
-    return memory_seconds(job.preset, moved) + repeat * flops / (job.peak_tflops * 1e12)
+    return DORA_PASS_SLOWDOWN * memory_seconds(job.preset, moved) + repeat * flops / (job.peak_tflops * 1e12)
+
+
+def recomputed_base_flops_per_token(job: Job, *, checkpointed_share: float = 0.0) -> float:
+    """With lora dropout, peft's DoRA cannot reuse the base layer's output (its input is not the dropped-out one
+    the magnitude scales): DoraLinearVariant.forward computes F.linear(dropout(x), W) again, a second matmul of
+    every targeted weight forward (again for the recomputed layers) and its input gradient backward. GEMM FLOPs per
+    token (scripts/dora_rates.py on an H200: the dropout's extra time is 0.8-0.9 of the module's LoRA forward and
+    backward at 4,096-16,384 tokens and widths 4,096-8,192)."""
+    if not job.dora or job.lora_dropout <= 0 or job.adapter == "full":
+        return 0.0
+    targeted = sum(n * fin * fout for n, fin, fout in targeted_linears(job.arch, job.lora_targets))
+    return 2 * targeted * (1.0 + checkpointed_share) + 2 * targeted

@@ -34,7 +34,10 @@ the other one needs a gradient, so a frozen base saves less than a full fine-tun
   (shared_mask_bytes: len^2 booleans, 4 GiB at a 64k row);
   SwiGLU MLP: gate, up, silu(gate), product = 4*act*i (the product only where down_proj needs it);
   mixture-of-experts layers as transformers' grouped_mm experts keep them: finetune/plan/moe_memory.py.
-  LoRA: the r-wide intermediate per targeted module (+ a dropout copy of its input when dropout > 0).
+  LoRA: the r-wide intermediate per targeted module; with dropout a dropped-out copy of its input and the
+  mask (act*in + in on a GPU, whose mask is boolean; the input's dtype on CPU), the copy replacing the shared
+  norm output / MLP product as the cast's does (scripts/dora_rates.py, per module on an H200: 3 bytes per input
+  feature with bf16 adapters; tests/unit/plan/test_memory.py on CPU).
   Under DDP peft keeps the adapters in fp32 and casts each targeted module's input to fp32, which
   autocast casts back to a new bf16 copy that the adapter keeps: one act*in copy per module, replacing
   the shared norm output / MLP product. finetune turns that cast off (adapter.cast_adapter_inputs:
@@ -379,12 +382,15 @@ def activation_bytes_per_token_layer(
     lora = 0.0
     if not full:
         shapes = module_shapes(arch)
+        dropout = job.lora_dropout > 0
         for name in job.lora_targets:
             fin, _, _ = shapes.get(name, (h, h, 1))
-            lora += a * job.lora_r + (a * fin if job.lora_dropout > 0 else 0)
-        if casts:
-            # each module keeps its own copy of its input; the norm outputs and the MLP product that
-            # the adapters shared are no longer kept (Llama 8B: 3*a*h + a*q = 32 KB per token)
+            # the r-wide intermediate, and dropout's mask over the module's input
+            lora += a * job.lora_r + (dropout_mask_bytes(job, casts=casts) * fin if dropout else 0)
+        if casts or dropout:
+            # each module keeps its own copy of its input (the cast's, or the dropped-out one, or the cast of the
+            # dropped-out fp32 input with both); the norm outputs and the MLP product that the adapters shared are
+            # no longer kept (Llama 8B: 3*a*h + a*q = 32 KB per token)
             lora += sum(a * shapes.get(n, (h, h, 1))[0] for n in job.lora_targets)
             lora -= (
                 a
@@ -420,6 +426,27 @@ def dora_bytes_per_token_layer(job: Job) -> float:
     +640+256) (tests/unit/plan/test_memory.py)."""
     shapes = module_shapes(job.arch)
     return sum(2 * job.act_bytes * shapes[n][1] * shapes[n][2] for n in job.lora_targets if n in shapes)
+
+
+def dropout_mask_bytes(job: Job, *, casts: bool) -> int:
+    """Bytes per element of the mask lora dropout keeps for its backward: torch's fused GPU kernel (native_dropout)
+    keeps a boolean; its CPU path keeps the scaled noise in the input's dtype (fp32 where peft casts the input)."""
+    if job.preset.vendor == "cpu":
+        return 4 if casts else job.act_bytes
+    return 1
+
+
+def dora_dropout_weight_bytes(job: Job, *, casts: bool) -> float:
+    """Per decoder layer: with lora dropout, peft's DoRA recomputes the base output as F.linear(dropout(x), W)
+    (plan/dora_time.py) and keeps W for the input gradient. Where it casts the input to fp32 (`casts`) W is an fp32
+    copy that autocast casts back to a new 16-bit tensor, and a quantized base's W is its dequantized 16-bit copy:
+    each targeted module's whole weight again, in the compute dtype (scripts/dora_rates.py on an H200: 2 x in x out
+    bytes saved beyond DoRA's without dropout, at every shape; a 4-bit base on CPU the same, listed with
+    saved-tensor hooks; none with bf16 adapters over 16-bit weights, whose F.linear keeps the weight itself)."""
+    if not (job.dora and job.lora_dropout > 0 and (casts or job.quantized_base)) or job.adapter == "full":
+        return 0.0
+    shapes = module_shapes(job.arch)
+    return sum(job.act_bytes * shapes[n][0] * shapes[n][1] * shapes[n][2] for n in job.lora_targets if n in shapes)
 
 
 def dora_transient_bytes(job: Job) -> float:
@@ -498,9 +525,11 @@ def activation_bytes(
     adds to the peak only when every layer is checkpointed: (L-k) x layer + k x input, or L x input +
     one layer when k = L (which is why k = L - 1 needs less memory than k = L)."""
     tokens = tokens_per_micro_batch(job, micro_batch)
-    per_layer = activation_bytes_per_token_layer(
-        job, micro_batch=micro_batch, casts=casts, fp32_stream=fp32_stream
-    ) * tokens + attention_matrix_bytes(job, micro_batch=micro_batch)
+    per_layer = (
+        activation_bytes_per_token_layer(job, micro_batch=micro_batch, casts=casts, fp32_stream=fp32_stream) * tokens
+        + attention_matrix_bytes(job, micro_batch=micro_batch)
+        + dora_dropout_weight_bytes(job, casts=casts)
+    )
     layers = job.arch.num_layers
     k = checkpointed_layers(job, checkpointing)
     stream = 4 if fp32_stream else job.act_bytes  # the residual stream: a checkpointed layer's kept input

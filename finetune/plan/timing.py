@@ -50,7 +50,7 @@ from dataclasses import dataclass
 from finetune import strategies
 from finetune.plan.attention_time import kernel_extra_seconds, mask_seconds
 from finetune.plan.bandwidth import memory_seconds
-from finetune.plan.dora_time import dora_seconds
+from finetune.plan.dora_time import dora_seconds, recomputed_base_flops_per_token
 from finetune.plan.eager_time import eager_seconds
 from finetune.plan.host_time import host_seconds
 from finetune.plan.lora_time import fused_lora_saved_seconds, fused_lora_share
@@ -200,7 +200,9 @@ def linear_flops_per_token(job: Job, *, checkpointing: bool | int) -> float:
     flops += (checkpointed_layers(job, checkpointing) / arch.num_layers + job.forward_only_passes) * 2 * n
     if job.adapter != "full":  # adapter.target_experts: the folded copies' weight gradients
         flops += 2 * routed_active_params(job.arch, layers=job.lora_expert_layers)
-    return flops
+    # DoRA with lora dropout multiplies each targeted weight again (plan/dora_time.py)
+    share = checkpointed_layers(job, checkpointing) / arch.num_layers
+    return flops + recomputed_base_flops_per_token(job, checkpointed_share=share)
 
 
 def flops_per_token(job: Job, *, checkpointing: bool | int, micro_batch: int | None = None) -> float:

@@ -201,7 +201,16 @@ class AdapterSection(Strict):
     )
     r: int = Field(16, ge=1, le=4096, description="LoRA rank")
     alpha: float = Field(32, gt=0, description="LoRA scaling numerator (the update is scaled by alpha / r)")
-    dropout: float = Field(0.0, ge=0, lt=1, description="dropout on the LoRA input")
+    dropout: float = Field(
+        0.0,
+        ge=0,
+        lt=1,
+        description=(
+            "dropout on the LoRA input; with adapter.dora, peft then recomputes every adapted linear's base output "
+            "(a second matmul forward and backward; under DDP and QLoRA a 16-bit copy of each adapted weight kept): "
+            "`finetune plan` says what it costs"
+        ),
+    )
     target_modules: list[str] | str | None = Field(
         None,
         description="default: the model registry's LoRA targets; a list of module names, all-linear, or "

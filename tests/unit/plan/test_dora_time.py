@@ -1,6 +1,7 @@
 """DoRA's extra step time (finetune/plan/dora_time.py): its byte count against what a real peft DoRA
 layer's aten ops read and write (a dispatch mode over forward and backward, CPU, autocast bf16 with
-peft's fp32 adapters and input cast), and its place in the planner's step time."""
+peft's fp32 adapters and input cast), the matmul lora dropout makes it add (torch's FLOP counter over the
+same layer), and its place in the planner's step time."""
 
 from __future__ import annotations
 
@@ -8,10 +9,10 @@ import dataclasses
 
 import pytest
 
-from finetune.plan.dora_time import _token_side_bytes, _weight_side_bytes, dora_seconds
+from finetune.plan.dora_time import _token_side_bytes, _weight_side_bytes, dora_seconds, recomputed_base_flops_per_token
 from finetune.plan.memory import adapter_input_casts
 from finetune.plan.timing import step_time
-from finetune.plan.workload import Job
+from finetune.plan.workload import Job, targeted_linears
 from finetune.registry import get_model
 from tests.helpers.calibration_rows import preset_for
 
@@ -45,10 +46,29 @@ _VIEWS = {
 }
 
 
+def _dora_module(*, dora: bool = True, dropout: float = 0.0):
+    """One bf16 Linear under a peft LoRA/DoRA adapter (fp32 adapters, peft's default), in training mode."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+
+    class One(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(FIN, FOUT, bias=False)
+
+        def forward(self, x):
+            return self.lin(x)
+
+    torch.manual_seed(0)
+    config = LoraConfig(r=R, lora_alpha=16, target_modules=["lin"], use_dora=dora, lora_dropout=dropout)
+    model = get_peft_model(One().to(torch.bfloat16), config)
+    torch.nn.init.normal_(model.base_model.model.lin.lora_B["default"].weight)
+    return model.train()
+
+
 def _bytes_moved(*, dora: bool, tokens: int) -> int:
     """Bytes every non-view aten op of one peft LoRA/DoRA Linear reads and writes, forward + backward."""
     import torch
-    from peft import LoraConfig, get_peft_model
     from torch.utils._python_dispatch import TorchDispatchMode
     from torch.utils._pytree import tree_flatten
 
@@ -62,19 +82,7 @@ def _bytes_moved(*, dora: bool, tokens: int) -> int:
                 Moved.total += sum(t.numel() * t.element_size() for t in tensors)
             return out
 
-    class One(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.lin = torch.nn.Linear(FIN, FOUT, bias=False)
-
-        def forward(self, x):
-            return self.lin(x)
-
-    torch.manual_seed(0)
-    model = get_peft_model(
-        One().to(torch.bfloat16), LoraConfig(r=R, lora_alpha=16, target_modules=["lin"], use_dora=dora)
-    )
-    torch.nn.init.normal_(model.base_model.model.lin.lora_B["default"].weight)
+    model = _dora_module(dora=dora)
     x = torch.randn(tokens, FIN, dtype=torch.bfloat16, requires_grad=True)
     with Moved():
         with torch.autocast("cpu", dtype=torch.bfloat16):
@@ -92,6 +100,35 @@ def test_byte_count_matches_what_peft_dora_moves():
     planned = _weight_side_bytes(fin=FIN, fout=FOUT, r=R, adapter=4, compute=2, x=4, weight=2, dequantize=0)
     # the weight side leaves out the casts of the r-wide adapter matrices themselves (under 1%)
     assert planned == pytest.approx(fixed, rel=0.015)
+
+
+def test_dora_with_dropout_multiplies_the_base_weight_again_forward_and_backward():
+    """peft's DoRA with lora dropout computes F.linear(dropout(x), W) besides the base layer's own output: per
+    token 2 x in x out FLOPs forward and 2 x in x out for the input gradient, counted by torch's FLOP counter."""
+    import torch
+    from torch.utils.flop_counter import FlopCounterMode
+
+    def flops(dropout: float, tokens: int = 512) -> int:
+        model = _dora_module(dropout=dropout)
+        x = torch.randn(tokens, FIN, dtype=torch.bfloat16, requires_grad=True)
+        with FlopCounterMode(display=False) as counter:
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                y = model(x)
+            y.float().sum().backward()
+        return counter.get_total_flops()
+
+    assert (flops(0.1) - flops(0.0)) / 512 == 4 * FIN * FOUT
+    job = _job(lora_dropout=0.1)
+    targeted = sum(n * fin * fout for n, fin, fout in targeted_linears(job.arch, job.lora_targets))
+    assert recomputed_base_flops_per_token(job) == 4 * targeted
+    # a checkpointed layer runs that forward twice
+    assert recomputed_base_flops_per_token(job, checkpointed_share=1.0) == 6 * targeted
+    assert recomputed_base_flops_per_token(_job()) == 0.0  # no dropout: DoRA reuses the base output
+    assert recomputed_base_flops_per_token(_job(lora_dropout=0.1, dora=False)) == 0.0
+    slower = step_time(job, strategy="ddp", micro_batch=2, grad_accum=4, checkpointing=False)
+    assert (
+        slower.compute_s > step_time(_job(), strategy="ddp", micro_batch=2, grad_accum=4, checkpointing=False).compute_s
+    )
 
 
 def _job(**changes) -> Job:

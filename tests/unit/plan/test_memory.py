@@ -1,23 +1,24 @@
-"""DoRA's extra saved activations, measured on a real peft model on CPU against the planner's term.
+"""DoRA's extra saved activations, measured on a real peft model on CPU against the planner's terms.
 
 Saved-tensor hooks record every tensor autograd keeps during one decoder layer's forward; those still
 alive after the forward (weak references, parameters left out) are what the backward holds. The
-difference between two token counts, per token, is compared between LoRA and DoRA."""
+difference between two token counts, per token, is compared between LoRA and DoRA, and between DoRA
+without and with lora dropout; what does not grow with the tokens is the per-layer part."""
 
 from __future__ import annotations
 
 import pytest
 
-from finetune.plan.memory import dora_bytes_per_token_layer
+from finetune.plan.memory import activation_bytes_per_token_layer, dora_bytes_per_token_layer, dora_dropout_weight_bytes
 from finetune.plan.workload import ALL_LINEAR, Job
 from finetune.registry.schema import HardwarePreset, ModelArch
-from tests.helpers.saved_tensors import per_token_bytes
+from tests.helpers.saved_tensors import per_token_bytes, retained_bytes
 
 torch = pytest.importorskip("torch")
 H, INTER = 256, 640
 
 
-def _model(*, dora: bool):
+def _model(*, dora: bool, dropout: float = 0.0, fp32_adapters: bool = True):
     from peft import LoraConfig, get_peft_model
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -33,7 +34,8 @@ def _model(*, dora: bool):
     )
     return get_peft_model(
         LlamaForCausalLM(cfg).to(torch.bfloat16),
-        LoraConfig(r=16, lora_alpha=32, target_modules=list(ALL_LINEAR), use_dora=dora),
+        LoraConfig(r=16, lora_alpha=32, target_modules=list(ALL_LINEAR), use_dora=dora, lora_dropout=dropout),
+        autocast_adapter_dtype=fp32_adapters,  # peft's default: fp32 adapters, each input cast to fp32
     )
 
 
@@ -44,6 +46,38 @@ def test_dora_keeps_two_compute_dtype_outputs_per_targeted_module():
     measured = per_token[True] - per_token[False]
     # out_features of q, k, v, o, gate, up, down: 256 + 128 + 128 + 256 + 640 + 640 + 256 = 2304;
     # base_result and lora_result in bf16 for each: 2 x 2 B x 2304 = 9216 B per token per layer
+    planned = dora_bytes_per_token_layer(_job(dora=True))
+    assert planned == 2 * 2 * 2304 == 9216
+    assert measured == pytest.approx(planned, rel=0.02)
+
+
+@pytest.mark.parametrize("fp32_adapters", [True, False], ids=["fp32-adapters-casts", "bf16-adapters"])
+def test_dora_with_dropout_keeps_masks_own_inputs_and_with_casts_a_weight_copy(fp32_adapters):
+    """With lora dropout peft's DoRA recomputes the base output on the dropped-out input: per token each module
+    keeps dropout's mask and its own dropped-out input (bf16 adapters: no longer the shared norm outputs), and per
+    layer, where it casts the input to fp32, a bf16 copy of every targeted weight."""
+    small, large = 256, 512
+
+    def kept(dropout: float) -> tuple[float, float]:
+        """(bytes per token, bytes that do not grow with the tokens)."""
+        at = {t: retained_bytes(_model(dora=True, dropout=dropout, fp32_adapters=fp32_adapters), tokens=t)
+              for t in (small, large)}  # fmt: skip
+        per_token = (at[large] - at[small]) / (large - small)
+        return per_token, at[large] - per_token * large
+
+    (token_without, fixed_without), (token_with, fixed_with) = kept(0.0), kept(0.1)
+    without, with_dropout = _job(dora=True), _job(dora=True, lora_dropout=0.1)
+    planned_token = activation_bytes_per_token_layer(
+        with_dropout, casts=fp32_adapters
+    ) - activation_bytes_per_token_layer(without, casts=fp32_adapters)
+    planned_fixed = dora_dropout_weight_bytes(with_dropout, casts=fp32_adapters)
+    assert token_with - token_without == pytest.approx(planned_token, rel=0.02)
+    assert fixed_with - fixed_without == pytest.approx(planned_fixed, rel=0.02, abs=4096)
+    # q, k, v, o, gate, up, down: 256x256 + 2 x 256x128 + 256x256 + 3 x 256x640 weights, 2 bytes each
+    assert planned_fixed == (2 * (2 * 256 * 256 + 2 * 256 * 128 + 3 * 256 * 640) if fp32_adapters else 0)
+
+
+def _job(**fields) -> Job:
     arch = ModelArch(
         key="t",
         family="llama",
@@ -65,9 +99,7 @@ def test_dora_keeps_two_compute_dtype_outputs_per_targeted_module():
         host_ram_gib=8,
         peak_bf16_tflops=1,
     )
-    planned = dora_bytes_per_token_layer(Job(arch=arch, preset=preset, dora=True))
-    assert planned == 2 * 2 * 2304 == 9216
-    assert measured == pytest.approx(planned, rel=0.02)
+    return Job(arch=arch, preset=preset, **fields)
 
 
 def test_a_cross_entropy_over_the_chosen_logits_is_planned():

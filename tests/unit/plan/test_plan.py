@@ -725,3 +725,27 @@ def test_a_cpu_plan_reads_its_memory_as_the_hosts():
     p = plan(shape_recipe("tiny-llama", "lora", "cpu", seq=128, global_batch=4, model__arch="tiny-llama"))
     text = render_plan_table(p)
     assert " GiB peak" in text and "GiB/GPU" not in text.split("choice:")[1].splitlines()[0]
+
+
+def test_dora_with_lora_dropout_is_said_to_cost_a_second_matmul_and_under_ddp_weight_copies():
+    # peer configs carry lora_dropout 0.05 into DoRA runs: peft then recomputes every adapted linear's base output
+    def dora(dropout: float, strategy: str):
+        recipe = shape_recipe(
+            "llama-3.1-8b",
+            "lora",
+            model__arch="llama-3.1-8b",
+            adapter__dora=True,
+            adapter__dropout=dropout,
+            distributed__strategy=strategy,
+        )
+        return plan(recipe, hardware="server-8xh100")
+
+    ddp = dora(0.05, "ddp")
+    (warning,) = [w for w in ddp.warnings if w.startswith("adapter.dropout 0.05 with DoRA")]
+    assert "a second matmul" in warning and "16-bit copy of each adapted weight" in warning
+    assert "with adapter.dropout: 0 ddp is modelled" in warning
+    assert dora(0.0, "ddp").step_time_s < ddp.step_time_s
+    # FSDP2's bf16 adapters take no cast: F.linear keeps the weight itself, no copy
+    (sharded,) = [w for w in dora(0.05, "fsdp2").warnings if w.startswith("adapter.dropout")]
+    assert "a second matmul" in sharded and "16-bit copy" not in sharded
+    assert not any(w.startswith("adapter.dropout") for w in dora(0.0, "ddp").warnings)
