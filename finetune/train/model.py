@@ -388,6 +388,10 @@ def lora_config(recipe: Recipe, model=None):
         from finetune.train.fused_lora import FusedLoraLinear
 
         config._register_custom_module({nn.Linear: FusedLoraLinear})
+    if a.dora and (a.type == "qlora" or a.load_in_8bit):  # DoRA's fp32 magnitude would make the outputs fp32
+        from finetune.train.quantized_dora import custom_modules
+
+        config._register_custom_module(custom_modules())
     return config
 
 

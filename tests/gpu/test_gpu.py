@@ -433,3 +433,30 @@ def test_qlora_with_adapters_on_listed_expert_layers_trains_on_a_gpu(tmp_path):
     experts = {k for k in saved if ".experts." in k}
     assert experts and all(".layers.1." in k for k in experts), sorted(experts)
     assert sum(t.numel() for t in saved.values()) == plan(load_recipe(recipe), hardware="cpu").trainable_params
+
+
+def test_qlora_dora_layers_return_the_activations_dtype_under_cuda_autocast(tmp_path):
+    """Under the Trainer's bf16 autocast peft's 4-bit DoRA layer returns fp32 (TRL's fp32 magnitude scales its term and
+    peft casts back only without CUDA autocast), which turns the layers' activations fp32; finetune's subclass
+    (finetune/train/quantized_dora.py) returns bf16 like the base layer."""
+    if not _gpus():
+        pytest.skip("needs a CUDA GPU")
+    import torch
+    from peft.tuners.lora import LoraLayer
+
+    from tests.helpers.quantized_dora import quantized_dora
+
+    ids = torch.randint(3, 120, (2, 16), device="cuda")
+    dtypes = {}
+    for ours in (True, False):
+        model = quantized_dora(tmp_path, ours=ours, device="cuda")
+        seen: set = set()
+        for module in model.modules():
+            if isinstance(module, LoraLayer):
+                module.register_forward_hook(lambda _m, _i, out, seen=seen: seen.add(out.dtype))
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            model(input_ids=ids).logits.float().sum().backward()
+        dtypes[ours] = seen
+    assert dtypes[True] == {torch.bfloat16}, dtypes
+    # the reason the subclass exists; when peft returns bf16 itself, finetune/train/quantized_dora.py can go
+    assert dtypes[False] == {torch.float32}, dtypes
