@@ -435,10 +435,11 @@ def test_qlora_with_adapters_on_listed_expert_layers_trains_on_a_gpu(tmp_path):
     assert sum(t.numel() for t in saved.values()) == plan(load_recipe(recipe), hardware="cpu").trainable_params
 
 
-def test_qlora_dora_layers_return_the_activations_dtype_under_cuda_autocast(tmp_path):
+@pytest.mark.parametrize("bits", [4, 8])
+def test_qlora_dora_layers_return_the_activations_dtype_under_cuda_autocast(tmp_path, bits):
     """Under the Trainer's bf16 autocast peft's 4-bit DoRA layer returns fp32 (TRL's fp32 magnitude scales its term and
     peft casts back only without CUDA autocast), which turns the layers' activations fp32; finetune's subclass
-    (finetune/train/quantized_dora.py) returns bf16 like the base layer."""
+    (finetune/train/quantized_dora.py) returns bf16 like the base layer, on a 4- and an 8-bit base."""
     if not _gpus():
         pytest.skip("needs a CUDA GPU")
     import torch
@@ -449,7 +450,7 @@ def test_qlora_dora_layers_return_the_activations_dtype_under_cuda_autocast(tmp_
     ids = torch.randint(3, 120, (2, 16), device="cuda")
     dtypes = {}
     for ours in (True, False):
-        model = quantized_dora(tmp_path, ours=ours, device="cuda")
+        model = quantized_dora(tmp_path, ours=ours, device="cuda", bits=bits)
         seen: set = set()
         for module in model.modules():
             if isinstance(module, LoraLayer):
@@ -457,6 +458,7 @@ def test_qlora_dora_layers_return_the_activations_dtype_under_cuda_autocast(tmp_
         with torch.autocast("cuda", dtype=torch.bfloat16):
             model(input_ids=ids).logits.float().sum().backward()
         dtypes[ours] = seen
+    print(f"{bits}-bit base: peft's layers returned {dtypes[False]}, finetune's {dtypes[True]}")
     assert dtypes[True] == {torch.bfloat16}, dtypes
     # the reason the subclass exists; when peft returns bf16 itself, finetune/train/quantized_dora.py can go
     assert dtypes[False] == {torch.float32}, dtypes

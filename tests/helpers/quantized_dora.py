@@ -6,10 +6,10 @@ from __future__ import annotations
 from pathlib import Path
 
 
-def quantized_dora(folder: Path, *, ours: bool, device: str = "cpu"):
-    """The model with lora dropout 0.1 and TRL's QLoRA dtypes (trl/trainer/sft_trainer.py: A and B cast to bf16, DoRA's
-    magnitude left fp32); `ours`: finetune's LoraConfig (its quantized-DoRA layers), else peft's own layers. The
-    random bf16 base is written to `folder`/base once."""
+def quantized_dora(folder: Path, *, ours: bool, device: str = "cpu", bits: int = 4):
+    """The model (a 4- or 8-bit base) with lora dropout 0.1 and TRL's dtypes for a quantized model
+    (trl/trainer/sft_trainer.py: A and B cast to bf16, DoRA's magnitude left fp32); `ours`: finetune's LoraConfig (its
+    quantized-DoRA layers), else peft's own layers. The random bf16 base is written to `folder`/base once."""
     import torch
     from peft import get_peft_model
     from transformers import BitsAndBytesConfig, LlamaConfig, LlamaForCausalLM
@@ -30,11 +30,16 @@ def quantized_dora(folder: Path, *, ours: bool, device: str = "cpu"):
             num_key_value_heads=2,
         )
         LlamaForCausalLM(config).to(torch.bfloat16).save_pretrained(base)
-    quantized = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_compute_dtype=torch.bfloat16)
+    if bits == 4:
+        quantized = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_compute_dtype=torch.bfloat16)
+        adapter = {"type": "qlora", "compute_dtype": "float32"}  # a CPU-valid recipe
+    else:
+        quantized = BitsAndBytesConfig(load_in_8bit=True)
+        adapter = {"type": "lora", "load_in_8bit": True}
+    adapter |= {"dora": True, "dropout": 0.1}
     model = LlamaForCausalLM.from_pretrained(
         base, dtype=torch.bfloat16, quantization_config=quantized, device_map=device
     )
-    adapter = {"type": "qlora", "dora": True, "dropout": 0.1, "compute_dtype": "float32"}  # a CPU-valid recipe
     config = lora_config(load_recipe(tiny_recipe(adapter=adapter)))
     if not ours:
         config._custom_modules = None
