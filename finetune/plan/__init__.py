@@ -698,7 +698,7 @@ def dora_dropout_warning(job: Job, plan: Plan) -> str:
     (plan/dora_time.py), and where it casts the input to fp32 or dequantizes the base keeps a 16-bit copy of each
     adapted weight for the backward (memory.dora_dropout_weight_bytes). Peer configs carry lora_dropout 0.05 from
     LoRA recipes, where dropout costs little."""
-    if not job.dora or job.lora_dropout <= 0 or job.adapter == "full" or not plan.fits:
+    if not job.dora_recomputes_base or not plan.fits:
         return ""
     without = best_for_strategy(replace(job, lora_dropout=0.0), plan.strategy)
     if not without.fits or not clearly_faster(without.step_time_s, plan.step_time_s):

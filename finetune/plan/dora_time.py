@@ -112,7 +112,7 @@ def dora_seconds(job: Job, *, micro_batch: int, casts: bool, checkpointed_share:
             x=x,
             weight=a if qlora else job.weight_bytes,
             dequantize=(0.5 + 2) if qlora else 0.0,
-            recomputes_base=job.lora_dropout > 0,
+            recomputes_base=job.dora_recomputes_base,
         )
         flops += n * 2 * fin * job.lora_r * (fin + fout)
         token_out += n * fout
@@ -129,7 +129,7 @@ def recomputed_base_flops_per_token(job: Job, *, checkpointed_share: float = 0.0
     every targeted weight forward (again for the recomputed layers) and its input gradient backward. GEMM FLOPs per
     token (scripts/dora_rates.py on an H200: the dropout's extra time is 0.8-0.9 of the module's LoRA forward and
     backward at 4,096-16,384 tokens and widths 4,096-8,192)."""
-    if not job.dora or job.lora_dropout <= 0 or job.adapter == "full":
+    if not job.dora_recomputes_base:
         return 0.0
     targeted = sum(n * fin * fout for n, fin, fout in targeted_linears(job.arch, job.lora_targets))
     return 2 * targeted * (1.0 + checkpointed_share) + 2 * targeted

@@ -443,7 +443,7 @@ def dora_dropout_weight_bytes(job: Job, *, casts: bool) -> float:
     each targeted module's whole weight again, in the compute dtype (scripts/dora_rates.py on an H200: 2 x in x out
     bytes saved beyond DoRA's without dropout, at every shape; a 4-bit base on CPU the same, listed with
     saved-tensor hooks; none with bf16 adapters over 16-bit weights, whose F.linear keeps the weight itself)."""
-    if not (job.dora and job.lora_dropout > 0 and (casts or job.quantized_base)) or job.adapter == "full":
+    if not (job.dora_recomputes_base and (casts or job.quantized_base)):
         return 0.0
     shapes = module_shapes(job.arch)
     return sum(job.act_bytes * shapes[n][0] * shapes[n][1] * shapes[n][2] for n in job.lora_targets if n in shapes)

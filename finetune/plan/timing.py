@@ -197,11 +197,11 @@ def linear_flops_per_token(job: Job, *, checkpointing: bool | int) -> float:
     n = count_params(arch).matmul_active
     flops = job_model_flops_per_token(job) - 12 * attention_width_positions(arch, job_attention_span(job))
     # activation checkpointing (True: every layer, or the count of checkpointed layers) re-runs their forward
-    flops += (checkpointed_layers(job, checkpointing) / arch.num_layers + job.forward_only_passes) * 2 * n
+    share = checkpointed_layers(job, checkpointing) / arch.num_layers
+    flops += (share + job.forward_only_passes) * 2 * n
     if job.adapter != "full":  # adapter.target_experts: the folded copies' weight gradients
         flops += 2 * routed_active_params(job.arch, layers=job.lora_expert_layers)
     # DoRA with lora dropout multiplies each targeted weight again (plan/dora_time.py)
-    share = checkpointed_layers(job, checkpointing) / arch.num_layers
     return flops + recomputed_base_flops_per_token(job, checkpointed_share=share)
 
 

@@ -192,6 +192,12 @@ class Job:
         return self.adapter == "qlora" or self.int8_base
 
     @property
+    def dora_recomputes_base(self) -> bool:
+        """peft's DoRA with lora dropout computes each adapted linear's base output again on the dropped-out input
+        (plan/dora_time.py recomputed_base_flops_per_token, plan/memory.py dora_dropout_weight_bytes)."""
+        return self.dora and self.lora_dropout > 0 and self.adapter != "full"
+
+    @property
     def reference_forward(self) -> bool:
         """dpo/kto run the reference model's forward in the step (its log-probs are not precomputed)."""
         return self.reference in ("implicit", "copy")
