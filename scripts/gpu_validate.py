@@ -59,6 +59,7 @@ RUNS: dict[str, tuple[str, dict]] = {
     "lora8b-fsdp2": ("llama-3.1-8b", {"adapter": {"type": "lora"}, "distributed": {"strategy": "fsdp2"}}),
     "qlora8b-fsdp2": ("llama-3.1-8b", {"adapter": {"type": "qlora"}, "distributed": {"strategy": "fsdp2"}}),
     "lora8b-zero3": ("llama-3.1-8b", {"adapter": {"type": "lora"}, "distributed": {"strategy": "zero3"}}),
+    "qlora8b-zero3": ("llama-3.1-8b", {"adapter": {"type": "qlora"}, "distributed": {"strategy": "zero3"}}),
     "lora3b-zero3-offload": ("llama-3.2-3b", {"distributed": {"strategy": "zero3-offload"}}),
     # 8B shape: ZeRO-3 full, and LoRA/full with CPU and NVMe (ZeRO-Infinity) offload
     "full8b-zero3": (

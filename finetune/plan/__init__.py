@@ -379,11 +379,11 @@ def job_from_recipe(recipe, *, arch, preset) -> Job:
     """The recipe's workload as plain numbers (the planner's inner loop never touches pydantic)."""
     method = recipe.method.type
     adapter = recipe.adapter.type
-    if arch.dequantized_from and (adapter == "qlora" or recipe.adapter.load_in_8bit):
+    if arch.dequantized_from and recipe.adapter.quantizes_base:
         raise RecipeError(
             f"{arch.key}'s checkpoint is published in {arch.dequantized_from}, which finetune loads dequantized to "
             f"16 bits; bitsandbytes cannot quantize it again in the same load",
-            key="adapter.type" if adapter == "qlora" else "adapter.load_in_8bit",
+            key=recipe.adapter.quantization_key,
             hint="train LoRA on the dequantized weights (adapter.type: lora), or save a 16-bit copy once and point "
             "model.name at it for QLoRA",
         )

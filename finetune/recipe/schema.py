@@ -281,6 +281,16 @@ class AdapterSection(Strict):
     )
 
     @property
+    def quantizes_base(self) -> bool:
+        """bitsandbytes quantizes the frozen base's linear weights: QLoRA's 4 bits or LoRA's load_in_8bit."""
+        return self.type == "qlora" or self.load_in_8bit
+
+    @property
+    def quantization_key(self) -> str:
+        """The recipe key that asks for the quantized base, for a message that names it."""
+        return "adapter.type" if self.type == "qlora" else "adapter.load_in_8bit"
+
+    @property
     def fuses_lora(self) -> bool:
         """adapter.fused_lora where it applies: plain LoRA on a 16-bit base (peft's nn.Linear layers)."""
         return self.fused_lora and self.type == "lora" and not self.load_in_8bit and not self.dora
@@ -874,9 +884,8 @@ def _random_init_conflicts(recipe: Recipe):
         and loads_sharded(recipe)
     )
     if a.load_in_8bit or (a.type == "qlora" and not builds_4bit_shards):
-        key = "adapter.type" if a.type == "qlora" else "adapter.load_in_8bit"
         yield (
-            key,
+            a.quantization_key,
             (
                 "model.init: random builds the weights in the model dtype, and bitsandbytes quantizes only while "
                 "loading; QLoRA from random weights is built (and quantized) shard by shard under a pinned "

@@ -196,9 +196,13 @@ def model_kwargs(recipe: Recipe) -> dict:
         resolved = recipe.resolved
         if resolved is not None and resolved.device == "cuda":
             from accelerate import PartialState
+            from transformers.integrations import is_deepspeed_zero3_enabled
 
-            # each rank quantizes onto its own GPU (not all onto GPU 0, TRL #3436)
-            kwargs["device_map"] = {"": PartialState().local_process_index}
+            # each rank quantizes onto its own GPU (not all onto GPU 0, TRL #3436). ZeRO-3 refuses a device_map;
+            # bitsandbytes then quantizes onto the current device, which PartialState has set to the rank's.
+            rank_gpu = PartialState().local_process_index
+            if not is_deepspeed_zero3_enabled():
+                kwargs["device_map"] = {"": rank_gpu}
     return kwargs
 
 
@@ -388,7 +392,7 @@ def lora_config(recipe: Recipe, model=None):
         from finetune.train.fused_lora import FusedLoraLinear
 
         config._register_custom_module({nn.Linear: FusedLoraLinear})
-    if a.dora and (a.type == "qlora" or a.load_in_8bit):  # DoRA's fp32 magnitude would make the outputs fp32
+    if a.dora and a.quantizes_base:  # DoRA's fp32 magnitude would make the outputs fp32
         from finetune.train.quantized_dora import custom_modules
 
         config._register_custom_module(custom_modules())
