@@ -29,7 +29,13 @@ from finetune.plan.choose import (
 )
 from finetune.plan.coverage import basis_text
 from finetune.plan.fallback import attention_fallback_warning
-from finetune.plan.host_time import kernels_per_micro_batch, zero3_module_uses
+from finetune.plan.host_time import (
+    FASTEST_HOST_S_PER_KERNEL,
+    HOST_S_PER_KERNEL,
+    host_seconds,
+    kernels_per_micro_batch,
+    zero3_module_uses,
+)
 from finetune.plan.lora_time import fused_lora_runs, shared_input_groups
 from finetune.plan.memory import (
     AT_FINAL_SAVE,
@@ -47,11 +53,13 @@ from finetune.plan.memory import (
 from finetune.plan.offload_time import nvme_read_gbps
 from finetune.plan.render import render_plan_table
 from finetune.plan.timing import (
+    HOST_GPU_OVERLAP_P,
     allgather_time_s,
     allreduce_time_s,
     job_model_flops_per_token,
     mfu,
     model_flops_per_token,
+    soft_max,
 )
 from finetune.plan.types import GIB, Candidate, MemoryBreakdown, Plan
 from finetune.plan.unfused_time import unfused_seconds
@@ -1130,10 +1138,21 @@ def _host_why(job: Job, chosen: Candidate) -> str:
     if strategies.is_zero3(chosen.strategy):
         uses = zero3_module_uses(job, checkpointed_layers=chosen.checkpoint_layers)
         hooks = f" and runs ZeRO-3's hooks ({uses:,} gathers and releases of a module's parameters)"
+    fastest_host = host_seconds(
+        job,
+        strategy=chosen.strategy,
+        grad_accum=chosen.gradient_accumulation_steps,
+        checkpointed_layers=chosen.checkpoint_layers,
+        s_per_kernel=FASTEST_HOST_S_PER_KERNEL,
+    )
+    share = soft_max(chosen.compute_time_s, fastest_host, p=HOST_GPU_OVERLAP_P) / chosen.step_time_s
     return (
         f" The host launches this setting's kernels (about {kernels:,.0f} a micro-batch){hooks} more slowly than "
         f"the GPU runs them, so the GPU waits ({chosen.compute_time_s:.2f} s/step of GPU work); a larger "
-        "micro-batch, where it fits, gives each launch more work."
+        f"micro-batch, where it fits, gives each launch more work. The host's speed is the machine's: this plan "
+        f"takes {HOST_S_PER_KERNEL * 1e6:.0f} us a kernel, the slowest host measured, and at "
+        f"{FASTEST_HOST_S_PER_KERNEL * 1e6:.0f} us, the fastest, the step would take {share:.0%} of its time "
+        "(`finetune plan --measure` times this machine's)."
     )
 
 

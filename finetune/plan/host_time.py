@@ -64,6 +64,12 @@ from finetune.plan.workload import Job, expanded, layer_kinds, layer_lora, numel
 
 HOST_S_PER_MICRO_BATCH = 0.061
 HOST_S_PER_KERNEL = 63e-6
+# The host's speed is the machine's, not the card's: the 2 x H200 machines of 2026-11-30 ran host-bound blind rows
+# (docs/validation.md, twenty-ninth session) at 31-51 us a kernel or less (their steady steps over the kernels their
+# profiles counted), the H100 machines at 63. The floor keeps the slowest host measured, so a plan never counts on a
+# host it has not seen; `finetune plan` says how much faster the fastest measured would be, and `--measure` times
+# this machine's.
+FASTEST_HOST_S_PER_KERNEL = 31e-6
 KERNELS_PER_LAYER = 71.0
 KERNELS_PER_ADAPTED_LINEAR = 12.8
 # peft's DoRA layer beyond LoRA's, forward and backward, with the fp32 cast of the module's input it keeps
@@ -142,10 +148,13 @@ def zero3_module_uses(job: Job, *, checkpointed_layers: int) -> int:
     return uses
 
 
-def host_seconds(job: Job, *, strategy: str, grad_accum: int, checkpointed_layers: int) -> float:
+def host_seconds(
+    job: Job, *, strategy: str, grad_accum: int, checkpointed_layers: int, s_per_kernel: float = HOST_S_PER_KERNEL
+) -> float:
     """The host's time to launch one optimizer step (grad_accum micro-batches) on a GPU (on the cpu preset the
-    step-time model counts the host as the Trainer's own work, timing.CPU_HOST_S_PER_MICRO_BATCH)."""
-    micro = HOST_S_PER_MICRO_BATCH + HOST_S_PER_KERNEL * kernels_per_micro_batch(
+    step-time model counts the host as the Trainer's own work, timing.CPU_HOST_S_PER_MICRO_BATCH); `s_per_kernel`:
+    the host's time a launched kernel."""
+    micro = HOST_S_PER_MICRO_BATCH + s_per_kernel * kernels_per_micro_batch(
         job, strategy=strategy, checkpointed_layers=checkpointed_layers
     )
     tensors = trained_tensor_count(job)
@@ -153,9 +162,5 @@ def host_seconds(job: Job, *, strategy: str, grad_accum: int, checkpointed_layer
         micro += DEEPSPEED_HOOK_S_PER_TENSOR * tensors
     if strategies.is_zero3(strategy):
         micro += ZERO3_HOOK_S_PER_MODULE_USE * zero3_module_uses(job, checkpointed_layers=checkpointed_layers)
-    step = (
-        HOST_S_PER_KERNEL
-        * KERNELS_PER_TRAINED_TENSOR_STEP["fsdp" if strategies.is_fsdp(strategy) else "other"]
-        * tensors
-    )
+    step = s_per_kernel * KERNELS_PER_TRAINED_TENSOR_STEP["fsdp" if strategies.is_fsdp(strategy) else "other"] * tensors
     return grad_accum * micro + step
