@@ -36,7 +36,7 @@ from finetune.plan.types import GIB, Candidate, memory_unit
 from finetune.plan.workload import Job, accumulation_steps, batch_share, holds_a_micro_batch
 from finetune.strategies import ZERO3_SUB_GROUP_ELEMENTS, info, offload_level, weighs_sync_each_batch
 
-HEADROOM = 0.90  # plan to at most 90% of GPU memory / host RAM: spikes, other processes
+HEADROOM = 0.90  # plan to at most 90% of GPU memory / host RAM: spikes, other processes, the CUDA context
 # When no setting keeps every state on the GPUs within HEADROOM, one that does within TIGHT_HEADROOM of GPU
 # memory is chosen over offloading, if it is faster. Offloading costs 2-3x in measured step time (full 14B on
 # 4 x H100: 3,337 tokens/s under ZeRO-3 optimizer offload, 8,550 under FSDP2 at 98% of the card), while the

@@ -23,14 +23,14 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from finetune.plan.choose import HEADROOM, evaluate, micro_batch_options, search, sync_options
-from finetune.plan.memory import CUDA_FIXED_BYTES, FRAGMENTATION, NCCL_BYTES, footprint
+from finetune.plan.memory import CUDA_CONTEXT_BYTES, FRAGMENTATION, NCCL_BYTES, footprint
 from finetune.plan.render import sync_words
 from finetune.plan.types import GIB, Candidate, MemoryBreakdown
 from finetune.plan.workload import Job, accumulation_steps
 
 # device memory outside a rank's allocator beyond its own CUDA context and NCCL buffers (and a margin):
 # another process holds it, and no micro-batch or checkpointing setting of this run is the fix
-SHARED_DEVICE_BYTES = CUDA_FIXED_BYTES + NCCL_BYTES + 2 * GIB
+SHARED_DEVICE_BYTES = CUDA_CONTEXT_BYTES + NCCL_BYTES + 2 * GIB
 
 
 @dataclass(frozen=True)

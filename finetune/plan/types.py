@@ -24,7 +24,7 @@ class MemoryBreakdown:
     activations: float = 0.0  # saved for backward, all layers, at the micro-batch
     logits: float = 0.0  # logits + cross-entropy temporaries (dominant for 128k vocabularies)
     comm_buffers: float = 0.0  # all-gather / reduce-scatter / bucket buffers, prefetch
-    overhead: float = 0.0  # CUDA context, allocator fragmentation, kernels' workspace
+    overhead: float = 0.0  # the caching allocator's reserve beyond what is allocated (workspaces, freed blocks kept)
 
     @property
     def total(self) -> float:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from finetune.plan.memory import CUDA_FIXED_BYTES, FRAGMENTATION, footprint, state_bytes
+from finetune.plan.memory import ALLOCATOR_RESERVE_BYTES, FRAGMENTATION, footprint, state_bytes
 from finetune.plan.optimizer import optimizer_bytes, optimizer_step_transient_bytes
 from finetune.plan.workload import adapter_tensors, count_params, model_tensors, numel
 from finetune.registry import get_model
@@ -76,11 +76,11 @@ def test_adafactor_step_temporaries_count_only_beyond_the_freed_activations():
     freed = m.activations + m.logits
     assert 12 * embed > freed  # at micro-batch 1 with checkpointing the step is the peak
     parts = m.weights + m.trainable + m.gradients + m.optimizer + freed + m.comm_buffers
-    assert m.overhead == pytest.approx(CUDA_FIXED_BYTES + FRAGMENTATION * parts + 12 * embed - freed)
+    assert m.overhead == pytest.approx(ALLOCATOR_RESERVE_BYTES["plain"] + FRAGMENTATION * parts + 12 * embed - freed)
     # at micro-batch 16 without checkpointing the activations are larger: nothing is added
     m = footprint(j, strategy="ddp", micro_batch=16, checkpointing=False).memory
     parts = m.weights + m.trainable + m.gradients + m.optimizer + m.activations + m.logits + m.comm_buffers
-    assert m.overhead == pytest.approx(CUDA_FIXED_BYTES + FRAGMENTATION * parts)
+    assert m.overhead == pytest.approx(ALLOCATOR_RESERVE_BYTES["plain"] + FRAGMENTATION * parts)
 
 
 def test_lora_adafactor_state_is_per_adapter_matrix():
