@@ -87,6 +87,7 @@ def plan_entry(
         "per_gpu_memory_gib": round(plan.per_gpu_memory_gib, 1),
         "tokens_per_second": round(plan.tokens_per_second),
         "step_time_s": round(plan.step_time_s, 2),
+        "why": plan.why,
         "warnings": plan.warnings,
     }
 
