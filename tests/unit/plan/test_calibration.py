@@ -65,7 +65,8 @@ SPEED_MISSES = {
         "blind draw (OLMoE LoRA r128, micro-batch 2 pinned, every layer checkpointed, 1 H200): 0.197 s a step against "
         "0.395 planned, which is the host floor (5,113 kernels a micro-batch at 63 us, plan/host_time.py). Its profile "
         "(row 293) counted 4,375 launches a micro-batch and 0.142 s of GPU work a step (0.203 planned: the grouped "
-        "experts' GEMMs at 4,096 tokens ran faster than planned), so this host launched a kernel in 31 us or less, half "
+        "experts' GEMMs at 4,096 tokens ran faster than planned), so this host launched a kernel in 31 us or less, "
+        "half "
         "the H100 hosts' 63 (host_time.FASTEST_HOST_S_PER_KERNEL); the plan says so (finetune plan's why)"
     ),
     "286-blind1-08": (
@@ -81,8 +82,10 @@ SPEED_MISSES = {
     ),
     "292-blind1-14": (
         "blind draw (Llama-3.2-3B DoRA r64 under ZeRO-2 on 2 H200s, micro-batch 2 x 4, paged 8-bit AdamW): 1.65 s a "
-        "step against 4.49 planned, the host floor's: 11,065 kernels a micro-batch at 63 us (DoRA's 33 a module, counted "
-        "with fp32 adapters; ZeRO-2 trains bf16 ones, 25-27 measured by scripts/dora_rates.py) and DeepSpeed's gradient "
+        "step against 4.49 planned, the host floor's: 11,065 kernels a micro-batch at 63 us (DoRA's 33 a module, "
+        "counted "
+        "with fp32 adapters; ZeRO-2 trains bf16 ones, 25-27 measured by scripts/dora_rates.py) and DeepSpeed's "
+        "gradient "
         "hook at 0.59 ms for each of the 588 trained tensors (0.35 s a micro-batch). With 1.30 s of GPU work planned, "
         "the host took 0.41 s a micro-batch or less: the hook's figure, measured on a full fine-tune's large tensors "
         "(row 88), does not hold for an adapter's small ones; no LoRA row under ZeRO-2 had run before"
@@ -157,7 +160,8 @@ MEMORY_MISSES = {
     "288-blind1-10": (
         "blind draw, the smallest run measured (Qwen2.5-1.5B LoRA on 1 H200): 4.85 GiB reserved against 5.68 planned; "
         "4.73 allocated against 4.93 of tensors planned, and the allocator kept 0.12 GiB beyond its allocation where "
-        "0.5 (the DDP ranks' median, memory.ALLOCATOR_RESERVE_BYTES) and the 5% fragmentation share are planned: 0.8 GiB "
+        "0.5 (the DDP ranks' median, memory.ALLOCATOR_RESERVE_BYTES) and the 5% fragmentation share are planned: 0.8 "
+        "GiB "
         "over a 4.8 GiB peak"
     ),
     "289-blind1-11": (
@@ -168,12 +172,14 @@ MEMORY_MISSES = {
         "and freed every layer between ZeRO-3's gathers; a reserve that grows with such transient buffers is not "
         "modelled"
     ),
-    "297-blind1-11-memory": "row 289's setting with the memory profile: 37.5 GiB reserved, 29.7 allocated, 28.3 planned",
+    "297-blind1-11-memory": "row 289's setting, memory-profiled: 37.5 GiB reserved, 29.7 allocated, 28.3 planned",
     "291-blind1-13": (
         "blind draw (QLoRA Llama-3.1-8B DPO under ZeRO-2 on 2 H200s, micro-batch 2 pinned): 9.56 GiB reserved against "
         "12.84 planned; 9.28 allocated against 10.22 of tensors planned, and 0.28 kept beyond the allocation where the "
-        "sharded tiers' 2.0 is planned: that median comes from full fine-tunes, whose flat fp32 partitions and gradient "
-        "buckets DeepSpeed allocates and frees; an adapter's are small (0.3-0.5 GiB kept on both LoRA rows under ZeRO-2)"
+        "sharded tiers' 2.0 is planned: that median comes from full fine-tunes, whose flat fp32 partitions and "
+        "gradient "
+        "buckets DeepSpeed allocates and frees; an adapter's are small (0.3-0.5 GiB kept on both LoRA rows under "
+        "ZeRO-2)"
     ),
     "292-blind1-14": (
         "blind draw (Llama-3.2-3B DoRA r64 under ZeRO-2 on 2 H200s, micro-batch 2, no checkpointing): 28.8 GiB "
@@ -184,7 +190,8 @@ MEMORY_MISSES = {
     "296-blind1-14-profiled": "row 292's setting, profiled: the same 28.8 GiB reserved against 35.4 planned",
     "295-blind1-10-profiled": "row 288's setting, profiled: the same 4.85 GiB reserved against 5.68 planned",
     "226-phi3-mini-lora": (
-        "Phi-3-mini LoRA at micro-batch 8 x 2,048 on 1 H200: 62.4 GiB allocated at the peak against 56.8 GiB of tensors "
+        "Phi-3-mini LoRA at micro-batch 8 x 2,048 on 1 H200: 62.4 GiB allocated at the peak against 56.8 GiB of "
+        "tensors "
         "planned, 5.7 GiB (10%) more, where its own planned activations are 48.8; the same model at micro-batch 4 "
         "(row 187) allocated 2.8 GiB more than planned and Phi-4-mini (row 260, fused qkv and gate_up as well) 3.7. "
         "On CPU, saved-tensor hooks on a Phi-3 layer (no Liger) keep 5% less per token than planned, so the excess is "
@@ -206,7 +213,8 @@ HOST_MISSES = {
     "291-blind1-13": (
         "blind draw, QLoRA DPO under ZeRO-2 on 2 H200s: 7.60 GiB of PSS on the node while training (7.01 anonymous), "
         "3.8 a rank, against the 3 GiB a process is planned at (memory.HOST_PER_PROCESS_BYTES; DeepSpeed's adapter "
-        "ranks measured 1.9-2.2 before); the QLoRA ZeRO-3 run of the same call (row 290) held 2.25 a rank. Not identified"
+        "ranks measured 1.9-2.2 before); the QLoRA ZeRO-3 run of the same call (row 290) held 2.25 a rank. Not "
+        "identified"
     ),
     "296-blind1-14-profiled": (
         "row 292's setting with the profiler on for steps 3-4: 11.07 GiB of PSS against 6.01 for the unprofiled run "
