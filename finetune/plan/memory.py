@@ -103,8 +103,7 @@ NCCL_BYTES = 0.5 * GIB
 # The caching allocator's reserve beyond what is allocated at the peak (cuBLAS and cuDNN workspaces, blocks freed and
 # kept): the median of max reserved - max allocated over the calibration rows, 0.46 GiB for DDP's ranks (155 rows)
 # and 2.0-2.8 under DeepSpeed and FSDP2 (114 rows), whose gathered parameters and flat gradient buffers come and go
-# every layer. The plain figure was 1.5 GiB for every tier, with NCCL's buffers counted in the peak, before the blind
-# rows of 2026-11-30 (docs/validation.md) put one-GPU runs under 25 GiB 15-38% over their measured peak.
+# every layer (docs/validation.md, twenty-ninth session).
 ALLOCATOR_RESERVE_BYTES = {"plain": 0.5 * GIB, "sharded": 2.0 * GIB}
 CPU_FIXED_BYTES = 0.5 * GIB  # the Python/torch process itself on the cpu preset
 FRAGMENTATION = 0.05  # caching-allocator fragmentation, as a share of everything else

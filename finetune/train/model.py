@@ -199,10 +199,10 @@ def model_kwargs(recipe: Recipe) -> dict:
             from transformers.integrations import is_deepspeed_zero3_enabled
 
             # each rank quantizes onto its own GPU (not all onto GPU 0, TRL #3436). ZeRO-3 refuses a device_map;
-            # bitsandbytes then quantizes onto the current device, which PartialState has set to the rank's.
-            rank_gpu = PartialState().local_process_index
+            # bitsandbytes then quantizes onto the current device, which PartialState sets to the rank's.
+            state = PartialState()
             if not is_deepspeed_zero3_enabled():
-                kwargs["device_map"] = {"": rank_gpu}
+                kwargs["device_map"] = {"": state.local_process_index}
     return kwargs
 
 
