@@ -26,30 +26,35 @@ from pathlib import Path
 
 import yaml
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "scripts"))
 import plan_matrix  # noqa: E402
 
+from finetune.plan.workload import count_params  # noqa: E402
+from finetune.recipe.schema import ModelSection  # noqa: E402
+from finetune.registry import get_model, resolve_model  # noqa: E402
+
 CONFIGS = "tests/data/hub_configs/{}/config.json"
-# (arch, billions of parameters): what fits one H200's RAM disk beside its run and is read by the planner
+# what fits one H200's RAM disk beside its run and is read by the planner
 MODELS = [
-    ("llama-3.2-1b", 1.2),
-    ("llama-3.2-3b", 3.2),
-    ("llama-3.1-8b", 8.0),
-    ("mistral-7b-v0.3", 7.2),
-    ("qwen2.5-7b", 7.6),
-    ("qwen3-8b", 8.2),
-    ("qwen2.5-14b", 14.8),
-    ("qwen3-14b", 14.8),
-    ("gemma-2-9b", 9.2),
-    (CONFIGS.format("qwen2.5-1.5b"), 1.5),
-    (CONFIGS.format("gemma-3-4b"), 4.3),
-    (CONFIGS.format("gemma-3-1b"), 1.0),
-    (CONFIGS.format("phi-4-mini"), 3.8),
-    (CONFIGS.format("smollm3-3b"), 3.1),
-    (CONFIGS.format("olmo-2-7b"), 7.3),
-    (CONFIGS.format("granite-3.1-8b"), 8.2),
-    (CONFIGS.format("qwen3-30b-a3b"), 30.5),
-    (CONFIGS.format("olmoe-1b-7b"), 6.9),
+    "llama-3.2-1b",
+    "llama-3.2-3b",
+    "llama-3.1-8b",
+    "mistral-7b-v0.3",
+    "qwen2.5-7b",
+    "qwen3-8b",
+    "qwen2.5-14b",
+    "qwen3-14b",
+    "gemma-2-9b",
+    CONFIGS.format("qwen2.5-1.5b"),
+    CONFIGS.format("gemma-3-4b"),
+    CONFIGS.format("gemma-3-1b"),
+    CONFIGS.format("phi-4-mini"),
+    CONFIGS.format("smollm3-3b"),
+    CONFIGS.format("olmo-2-7b"),
+    CONFIGS.format("granite-3.1-8b"),
+    CONFIGS.format("qwen3-30b-a3b"),
+    CONFIGS.format("olmoe-1b-7b"),
 ]
 ATTENTION_ONLY = ["q_proj", "k_proj", "v_proj", "o_proj"]
 TWO_GPU_STRATEGIES = ["ddp", "fsdp2", "zero2", "zero3"]
@@ -61,10 +66,17 @@ def pick(rng: random.Random, weighted: dict):
     return rng.choices(list(weighted), weights=list(weighted.values()))[0]
 
 
+def billions(arch: str) -> float:
+    """The model's total parameters, as the planner counts them, in billions."""
+    if arch.endswith("config.json"):  # a folder holding the config
+        return count_params(resolve_model(ModelSection(name=str((ROOT / arch).parent)))).total / 1e9
+    return count_params(get_model(arch)).total / 1e9
+
+
 def draw(rng: random.Random, *, gpus: int) -> dict:
-    arch, billions = rng.choice(MODELS)
+    arch = rng.choice(MODELS)
     adapter = pick(rng, {"lora": 0.6, "qlora": 0.2, "full": 0.2})
-    if adapter == "full" and billions > FULL_MAX_B[gpus]:
+    if adapter == "full" and billions(arch) > FULL_MAX_B[gpus]:
         adapter = "lora"
     method = pick(rng, {"sft": 0.8, "dpo": 0.2})
     seq = pick(rng, {1024: 0.2, 2048: 0.35, 4096: 0.3, 8192: 0.15 if method == "sft" else 0.0})

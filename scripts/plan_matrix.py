@@ -20,6 +20,7 @@ from pathlib import Path
 
 import yaml
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests.helpers: the cards' `--hardware auto` preset
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gpu_validate import WORK, data_format, ensure_model, load_matrix, merge, run_recipe, write_data  # noqa: E402
 
@@ -27,18 +28,15 @@ from finetune.api import make_plan  # noqa: E402
 from finetune.errors import FinetuneError  # noqa: E402
 from finetune.recipe import load_recipe  # noqa: E402
 from finetune.registry import resolve_model  # noqa: E402
-from finetune.registry.detect import parse_nvidia_smi, synthesize_preset  # noqa: E402
 from finetune.registry.families import LIGER_MODEL_TYPES  # noqa: E402
+from tests.helpers.calibration_rows import MEMORY_TOTAL, preset_for  # noqa: E402
 
 DEFAULT_MATRIX = Path(__file__).resolve().parent / "calibration_matrix.yaml"
-# `nvidia-smi --query-gpu=name,memory.total` on the lent cards
-MEMORY_TOTAL = {"NVIDIA H100 80GB HBM3": "81559 MiB", "NVIDIA H200": "143771 MiB"}
 
 
 def preset_file(card: str, *, gpus: int, host_ram_gib: float, folder: Path) -> Path:
     """The preset `--hardware auto` synthesizes on a machine with `gpus` of `card` and that much host RAM."""
-    smi = "\n".join([f"{card}, {MEMORY_TOTAL[card]}"] * gpus)
-    preset = synthesize_preset(parse_nvidia_smi(smi), ram_gib=host_ram_gib)
+    preset = preset_for(card, gpus_per_node=gpus, ram_gib=host_ram_gib)
     path = folder / f"auto-{gpus}.yaml"
     path.write_text(yaml.safe_dump(preset.model_dump(mode="json", exclude_none=True)))
     return path

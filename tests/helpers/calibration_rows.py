@@ -40,11 +40,11 @@ MEMORY_TOTAL = {"NVIDIA H100 80GB HBM3": "81559 MiB", "NVIDIA H200": "143771 MiB
 MODEL_CONFIGS = Path(tempfile.gettempdir()) / "finetune-calibration-configs"
 
 
-def preset_for(card: str, *, gpus_per_node: int, nodes: int = 1) -> HardwarePreset:
-    """What `--hardware auto` synthesized on the GPU machine. Hybrid rows ran as loopback "nodes" of one
-    host (scripts/gpu_validate.py's preset: a 25 GB/s ethernet "fabric" between them)."""
+def preset_for(card: str, *, gpus_per_node: int, nodes: int = 1, ram_gib: float = 1024) -> HardwarePreset:
+    """What `--hardware auto` synthesized on the GPU machine (with `ram_gib` of host RAM). Hybrid rows ran as
+    loopback "nodes" of one host (scripts/gpu_validate.py's preset: a 25 GB/s ethernet "fabric" between them)."""
     smi = "\n".join([f"{card}, {MEMORY_TOTAL[card]}"] * gpus_per_node)
-    preset = synthesize_preset(parse_nvidia_smi(smi), ram_gib=1024)
+    preset = synthesize_preset(parse_nvidia_smi(smi), ram_gib=ram_gib)
     if nodes > 1:
         preset = preset.model_copy(
             update={"nodes": nodes, "inter_node_fabric": "ethernet", "inter_node_bandwidth_gbps": 25}

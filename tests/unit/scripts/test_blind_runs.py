@@ -36,10 +36,9 @@ def test_draws_follow_the_seed_and_fit_the_card():
     first = [draw_blind_runs.draw(rng_a, gpus=g) for g in (1, 1, 2)]
     assert first == [draw_blind_runs.draw(rng_b, gpus=g) for g in (1, 1, 2)]
     for entry in first:
-        billions = dict(draw_blind_runs.MODELS)[entry["arch"]]
         gpus = entry.get("gpus", 1)
         if entry["recipe"]["adapter"]["type"] == "full":
-            assert billions <= draw_blind_runs.FULL_MAX_B[gpus]
+            assert draw_blind_runs.billions(entry["arch"]) <= draw_blind_runs.FULL_MAX_B[gpus]
         assert (gpus > 1) == ("distributed" in entry["recipe"])
 
 
