@@ -190,6 +190,14 @@ def offloads_params(name: str) -> bool:
 # FSDP2's CPU offload or by ZeRO-3's parameter offload: the planner refuses those tiers for QLoRA, and
 # `finetune convert` maps a peer config's parameter offload under QLoRA to the tier without it
 QUANTIZED_OFFLOAD_REFUSAL = "bitsandbytes 4-bit weights cannot be offloaded to the CPU; use fsdp2 or zero3"
+# bitsandbytes' optimizers allocate their state like each parameter and run their kernels on plain tensors, so FSDP2's
+# sharded (DTensor) parameters fail at the first step ("got mixed torch.Tensor and DTensor": bitsandbytes issue 89;
+# seen on 2 H200s, docs/validation.md thirtieth session); DeepSpeed hands them plain flat partitions (ZeRO-2 measured)
+BNB_UNDER_FSDP_REFUSAL = (
+    "bitsandbytes' 8-bit and paged optimizers cannot step FSDP2's sharded (DTensor) parameters: use "
+    "train.optimizer: adamw under fsdp2, or distributed.strategy: zero2 or zero3, which hand the optimizer plain flat "
+    "partitions"
+)
 
 
 def offloads_quantized_weights(name: str, *, adapter: str) -> bool:

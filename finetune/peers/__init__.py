@@ -130,6 +130,7 @@ def convert_mapping(
         owner_less_hub_ids,
         qlora_dtypes,
         reward_head,
+        sharded_optimizer,
         shared_keys,
     )
 
@@ -160,6 +161,7 @@ def convert_mapping(
     reward_head(conv)  # after modules_to_save is mapped
     dtype_for_precision(conv)  # after every peer's dtype and precision keys are mapped
     qlora_dtypes(conv)  # after dtype_for_precision has settled model.dtype
+    sharded_optimizer(conv)  # after the optimizer and the strategy are mapped
     owner_less_hub_ids(conv)
     drop_packing(conv)
     micro_batch_minimum(conv)

@@ -13,6 +13,7 @@ from finetune.peers import Conversion
 from finetune.plan.workload import FUSED_EXPERT_WEIGHTS
 from finetune.recipe.aliases import checkpointing_setting, held_out_key, is_on, lookup
 from finetune.recipe.schema import (
+    BNB_OPTIMIZERS,
     COMPILE_BACKEND,
     METHOD_FORMATS,
     PACKED_EXAMPLE_METHODS,
@@ -20,6 +21,7 @@ from finetune.recipe.schema import (
     TrainSection,
     least_micro_batch,
 )
+from finetune.strategies import AUTO, BNB_UNDER_FSDP_REFUSAL, is_fsdp
 
 # transformers / bitsandbytes optimizer names -> ours
 OPTIMIZERS = {
@@ -412,6 +414,20 @@ def optimizer(conv: Conversion, key: str) -> None:
         ours="train.optimizer",
         what="optimizer",
         offered=", ".join(sorted(set(OPTIMIZERS.values()))),
+    )
+
+
+def sharded_optimizer(conv: Conversion) -> None:
+    """A peer's bitsandbytes optimizer under FSDP: the peer's FSDP1 hands it plain flat parameters, finetune's FSDP2
+    DTensors it cannot step (strategies.BNB_UNDER_FSDP_REFUSAL), so the converted recipe trains with torch's AdamW
+    there. Run after the optimizer and distributed.strategy are mapped."""
+    name, strategy = conv.get("train.optimizer"), conv.get("distributed.strategy")
+    if name not in BNB_OPTIMIZERS or not isinstance(strategy, str) or strategy == AUTO or not is_fsdp(strategy):
+        return
+    conv.set("train.optimizer", "adamw")
+    conv.notes.append(
+        f"train.optimizer adamw instead of {name} under {strategy}: {BNB_UNDER_FSDP_REFUSAL}; the planner counts "
+        "AdamW's fp32 states"
     )
 
 

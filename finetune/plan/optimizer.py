@@ -10,7 +10,6 @@ from __future__ import annotations
 from finetune.plan.workload import Job, Tensors, adapter_tensors, model_tensors, numel, saved_module_tensors
 
 BNB_BLOCK, BNB_MIN_8BIT_SIZE = 256, 4096  # bitsandbytes' 8-bit state block and smallest 8-bit tensor
-BNB_OPTIMIZERS = ("adamw_8bit", "paged_adamw_8bit", "paged_adamw_32bit")
 # bitsandbytes' optimizer kernels take a tensor's element count as a C int (csrc/ops.cu: `int n`): a larger
 # tensor fails at the first step with CUDA's "invalid argument" (DeepSpeed ZeRO-2 hands the optimizer one flat
 # tensor of a rank's whole partition: a full 7B on one H200 did, docs/validation.md)

@@ -14,7 +14,14 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, PrivateAttr,
 from pydantic_core import PydanticCustomError
 
 from finetune.kernels import CUDNN_MIN_EXAMPLE_TOKENS
-from finetune.strategies import AUTO, StrategyName, is_fsdp, shards_params, weighs_sync_each_batch
+from finetune.strategies import (
+    AUTO,
+    BNB_UNDER_FSDP_REFUSAL,
+    StrategyName,
+    is_fsdp,
+    shards_params,
+    weighs_sync_each_batch,
+)
 from finetune.strategies import NAMES as STRATEGY_NAMES
 
 # the torch.compile backend of train.compile: regions (compile/accelerate.py sets it; the converters read the peers'
@@ -504,6 +511,9 @@ def compute_dtype(recipe) -> str:
     return recipe.adapter.compute_dtype if recipe.adapter.type == "qlora" else recipe.model.dtype
 
 
+BNB_OPTIMIZERS = ("adamw_8bit", "paged_adamw_8bit", "paged_adamw_32bit")  # train.optimizer's bitsandbytes ones
+
+
 class TrainSection(Strict):
     epochs: float | None = Field(
         None, gt=0, le=1000, description="passes over the training data (default 1 when max_steps is unset)"
@@ -950,6 +960,8 @@ def recipe_conflicts(recipe: Recipe):
         )
     if m.type == "reward" and d.task_eval is not None:
         yield "data.task_eval", "a reward model scores text and does not generate; remove data.task_eval"
+    if t.optimizer in BNB_OPTIMIZERS and recipe.distributed.strategy != AUTO and is_fsdp(recipe.distributed.strategy):
+        yield "train.optimizer", BNB_UNDER_FSDP_REFUSAL
     if d.packing and m.type not in PADDING_FREE_METHODS:
         yield "data.packing", f"packing is not supported for method {m.type}; set data.packing: false"
     if a.type == "qlora":

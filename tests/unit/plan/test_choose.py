@@ -110,3 +110,27 @@ def test_8bit_weights_are_planned_unsharded_and_a_pinned_sharding_is_refused():
     # and its table shows what each rank would hold: the whole 8-bit base, as under ddp
     ddp = next(c for c in result.candidates if c.strategy == "ddp")
     assert pinned.chosen.memory.weights == pytest.approx(ddp.memory.weights)
+
+
+def test_bitsandbytes_optimizers_are_never_planned_under_fsdp2_and_a_pin_is_refused_by_name():
+    """bitsandbytes' 8-bit and paged optimizers fail at FSDP2's first step (its DTensor parameters; blind draw
+    blind2-13 on 2 H200s): the planner leaves the FSDP2 tiers out for them, and the recipe check refuses the pin
+    before anything loads, naming train.optimizer and the fix."""
+    from finetune.errors import RecipeError
+    from finetune.strategies import BNB_UNDER_FSDP_REFUSAL, is_fsdp
+    from tests.helpers.paths import ROOT
+
+    raw = load_recipe(ROOT / "recipes" / "llama8b-lora.yaml").model_dump(mode="json")
+    raw["adapter"]["type"] = "qlora"
+    raw["train"]["optimizer"] = "adamw_8bit"
+    raw["hardware"] = "server-8xh100"
+    raw["distributed"]["strategy"] = "auto"
+    result = plan(load_recipe(raw))
+    assert result.fits and not is_fsdp(result.strategy)
+    assert not any(is_fsdp(c.strategy) for c in result.candidates if c.fits)
+    raw["distributed"]["strategy"] = "fsdp2"
+    with pytest.raises(RecipeError) as refused:
+        load_recipe(raw)
+    assert "train.optimizer" in str(refused.value) and BNB_UNDER_FSDP_REFUSAL in str(refused.value)
+    raw["train"]["optimizer"] = "adamw"
+    assert plan(load_recipe(raw)).strategy == "fsdp2"
