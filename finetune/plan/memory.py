@@ -488,6 +488,24 @@ def attention_matrix_bytes(job: Job, *, micro_batch: int) -> float:
     return rows * length * length * per_element * share
 
 
+def eager_backward_bytes(job: Job, *, micro_batch: int) -> float:
+    """The backward of one layer's eager attention: score-sized tensors beyond the saved ones while it runs (one
+    layer's at a time). The gradient of the probabilities in the compute dtype, its fp32 cast and softmax's fp32
+    input gradient, and with soft-capping the tanh's gradient; the compute-dtype probabilities the output matmul kept
+    are freed by then. The memory profile of Gemma-2-9B at two 4,096-token examples packed (docs/validation.md,
+    thirtieth session: 16 heads x 8,192^2 = 1 Gi score elements) held 12.0 GiB of the autograd engine's allocations
+    at its peak beside the forward's 5.9 GiB of scores. GPT-OSS's softmax with sinks runs in the compute dtype: one
+    such gradient, not measured."""
+    masked = masked_attention(job, micro_batch=micro_batch)
+    if masked is None or job.attention != "eager" or not masked_row_layers(job):
+        return 0.0
+    rows, length = masked
+    a = job.act_bytes
+    # the probabilities' gradient takes the place of the probabilities it was computed from
+    per_element = a if job.arch.attention_sinks else 4 + 4 + (a if job.arch.attn_logit_softcap else 0)
+    return rows * job.arch.num_attention_heads * length * length * per_element
+
+
 def shared_mask_bytes(job: Job, *, micro_batch: int) -> float:
     """The 4-D masks a forward builds (masking_utils: sdpa_mask's boolean, eager_mask's additive float) and the model
     holds through its layers (a checkpointed layer's recompute takes them as inputs): one per kind of layer, so two
@@ -544,7 +562,16 @@ def activation_bytes(
     edges = 4 * stream * job.arch.hidden_size * tokens  # embedding output + final norm
     inputs = k * stream * job.arch.hidden_size * tokens
     recompute = per_layer if k == layers else 0.0
-    return (layers - k) * per_layer + inputs + recompute + edges + shared_mask_bytes(job, micro_batch=micro_batch)
+    # the peak is inside the first layer's backward, whose eager attention adds its gradients' scores
+    backward = eager_backward_bytes(job, micro_batch=micro_batch)
+    return (
+        (layers - k) * per_layer
+        + inputs
+        + recompute
+        + edges
+        + shared_mask_bytes(job, micro_batch=micro_batch)
+        + backward
+    )
 
 
 def logits_bytes(job: Job, *, micro_batch: int) -> float:

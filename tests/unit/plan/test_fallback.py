@@ -6,12 +6,13 @@ layers, and a soft-capped layer computes what transformers' own eager attention 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
 
 from finetune.plan import attention_kind, job_from_recipe, plan_job, plan_on, varlen_fallback_layers
-from finetune.plan.memory import attention_matrix_bytes
+from finetune.plan.memory import activation_bytes, attention_matrix_bytes, eager_backward_bytes
 from finetune.plan.timing import flops_per_token, job_model_flops_per_token
 from finetune.plan.workload import executed_attention_positions, sliding_layer_count
 from finetune.recipe import load_recipe
@@ -131,12 +132,20 @@ def test_fallback_executes_the_whole_packed_square_and_keeps_its_mask():
     # eager also keeps the scores: the fp32 softmax, its bf16 copy and soft-capping's tanh output (the trace below)
     heads = arch.num_attention_heads
     assert attention_matrix_bytes(gemma, micro_batch=4) == 8192**2 * (2 + heads * (4 + 2 + 2))
+    # and the layer in its backward makes score-sized gradients once more: the probabilities' (in place of the
+    # probabilities), its fp32 cast and softmax's fp32 input gradient, the tanh's (the memory profile of row 309)
+    assert eager_backward_bytes(gemma, micro_batch=4) == 8192**2 * heads * (4 + 4 + 2)
+    assert activation_bytes(gemma, micro_batch=4, checkpointing=True) - activation_bytes(
+        dataclasses.replace(gemma, arch=arch.model_copy(update={"attn_logit_softcap": None})),
+        micro_batch=4,
+        checkpointing=True,
+    ) == pytest.approx(8192**2 * heads * 2 * 2)  # the tanh's output kept, and its gradient
     # Gemma-3: every layer on the varlen kernel, no mask; the 8 global layers compute their examples' triangles, the
     # 40 local ones the band of their 1,024-token window (examples as long as the row: 1024 - 1024^2 / (2 x 2048))
     g3 = job_from_recipe(_recipe("gemma-3-12b", micro=2), arch=get_model("gemma-3-12b"), preset=preset)
     assert g3.attention == "varlen"
     assert executed_attention_positions(g3, micro_batch=2) == 8 * 2048 / 2 + 40 * (1024 - 1024**2 / 4096)
-    assert attention_matrix_bytes(g3, micro_batch=2) == 0
+    assert attention_matrix_bytes(g3, micro_batch=2) == 0 == eager_backward_bytes(g3, micro_batch=2)
     # the band is cheaper than the masked square the sliding layers ran before (the legacy rows' job)
     legacy = g3.__class__(**{**g3.__dict__, "attention": "sdpa", "varlen_layers": 8})
     assert plan_job(g3).tokens_per_second > plan_job(legacy).tokens_per_second
@@ -162,6 +171,7 @@ def test_attention_sinks_take_eager_attention_and_refuse_sdpa():
     # their eager attention keeps its softmax in the compute dtype only (no fp32 copy): a + heads x a
     job = job_from_recipe(_recipe("llama-3.1-8b"), arch=arch, preset=H100)
     assert attention_matrix_bytes(job, micro_batch=4) == 8192**2 * 2 * (1 + arch.num_attention_heads)
+    assert eager_backward_bytes(job, micro_batch=4) == 8192**2 * 2 * arch.num_attention_heads  # not measured
     with pytest.raises(RecipeError) as refused:
         job_from_recipe(_recipe("llama-3.1-8b", attn="sdpa"), arch=arch, preset=H100)
     assert refused.value.key == "model.attn_implementation" and "sinks" in str(refused.value)
