@@ -501,6 +501,11 @@ def plan_on(recipe, *, arch, preset, source: str) -> Plan:
             return None
 
     result = plan_job(job, on_preset=on_preset)
+    if source == "auto" and result.chosen.bottleneck == "host":
+        measured = with_measured_host(job)
+        if measured is not job:
+            job = measured
+            result = plan_job(job, on_preset=on_preset)
     swap_warning = ""
     if strategies.info(result.strategy).offload == "nvme":
         job, disk, swap_warning = swap_disk(job, local=source == "auto")
@@ -589,6 +594,20 @@ def fp32_compute_warning(job: Job) -> str:
         f"{job.peak_tflops:.0f} TFLOP/s per GPU, not the {p.peak_bf16_tflops:.0f} of bf16, as planned; set "
         f"train.precision: bf16 to keep float32 weights and compute in bf16"
     )
+
+
+def with_measured_host(job: Job) -> Job:
+    """For a host-bound plan made for this machine: the job with this machine's host time a kernel, timed on its GPU
+    (finetune/hostprobe.py, a child process of 10-30 s, once per process), instead of the slowest host measured;
+    the job itself where it cannot be timed (no NVIDIA GPU here, or the probe failed)."""
+    from finetune.hostprobe import measured_s_per_kernel
+
+    if job.preset.vendor != "nvidia" or job.preset.host_s_per_kernel:
+        return job
+    measured = measured_s_per_kernel()
+    if measured is None:
+        return job
+    return replace(job, preset=job.preset.model_copy(update={"host_s_per_kernel": measured}))
 
 
 def swap_disk(job: Job, *, local: bool) -> tuple[Job, str, str]:
@@ -1138,6 +1157,16 @@ def _host_why(job: Job, chosen: Candidate) -> str:
     if strategies.is_zero3(chosen.strategy):
         uses = zero3_module_uses(job, checkpointed_layers=chosen.checkpoint_layers)
         hooks = f" and runs ZeRO-3's hooks ({uses:,} gathers and releases of a module's parameters)"
+    launches = (
+        f" The host launches this setting's kernels (about {kernels:,.0f} a micro-batch){hooks} more slowly than "
+        f"the GPU runs them, so the GPU waits ({chosen.compute_time_s:.2f} s/step of GPU work); a larger "
+        f"micro-batch, where it fits, gives each launch more work."
+    )
+    if job.preset.host_s_per_kernel:
+        return (
+            f"{launches} This machine's host took {job.preset.host_s_per_kernel * 1e6:.0f} us a kernel, measured "
+            "on its GPU (finetune.hostprobe)."
+        )
     fastest_host = host_seconds(
         job,
         strategy=chosen.strategy,
@@ -1147,12 +1176,9 @@ def _host_why(job: Job, chosen: Candidate) -> str:
     )
     share = soft_max(chosen.compute_time_s, fastest_host, p=HOST_GPU_OVERLAP_P) / chosen.step_time_s
     return (
-        f" The host launches this setting's kernels (about {kernels:,.0f} a micro-batch){hooks} more slowly than "
-        f"the GPU runs them, so the GPU waits ({chosen.compute_time_s:.2f} s/step of GPU work); a larger "
-        f"micro-batch, where it fits, gives each launch more work. The host's speed is the machine's: this plan "
-        f"takes {HOST_S_PER_KERNEL * 1e6:.0f} us a kernel, the slowest host measured, and at "
-        f"{FASTEST_HOST_S_PER_KERNEL * 1e6:.0f} us, the fastest, the step would take {share:.0%} of its time "
-        "(`finetune plan --measure` times this machine's)."
+        f"{launches} The host's speed is the machine's: this plan takes {HOST_S_PER_KERNEL * 1e6:.0f} us a kernel, "
+        f"the slowest host measured, and at {FASTEST_HOST_S_PER_KERNEL * 1e6:.0f} us, the fastest, the step would "
+        f"take {share:.0%} of its time (planning on the machine itself, --hardware auto, times its host)."
     )
 
 

@@ -65,11 +65,11 @@ from finetune.plan.workload import Job, expanded, layer_kinds, layer_lora, numel
 HOST_S_PER_MICRO_BATCH = 0.061
 HOST_S_PER_KERNEL = 63e-6
 # The host's speed is the machine's, not the card's: the 2 x H200 machines of 2026-11-30 ran host-bound blind rows
-# (docs/validation.md, twenty-ninth session) at 31-51 us a kernel or less (their steady steps over the kernels their
-# profiles counted), the H100 machines at 63. The floor keeps the slowest host measured, so a plan never counts on a
-# host it has not seen; `finetune plan` says how much faster the fastest measured would be, and `--measure` times
-# this machine's.
-FASTEST_HOST_S_PER_KERNEL = 31e-6
+# (docs/validation.md, twenty-ninth and thirtieth sessions) at 29-51 us a kernel (their steady steps over the kernels
+# counted), the H100 machines at 63. A plan for a named preset keeps the slowest host measured, so it never counts on
+# a host it has not seen, and says how much faster the fastest measured would be; a plan made on the machine itself
+# times its host (host_s_per_kernel, finetune/hostprobe.py).
+FASTEST_HOST_S_PER_KERNEL = 29e-6
 KERNELS_PER_LAYER = 71.0
 KERNELS_PER_ADAPTED_LINEAR = 12.8
 # peft's DoRA layer beyond LoRA's, forward and backward, with the fp32 cast of the module's input it keeps
@@ -148,12 +148,20 @@ def zero3_module_uses(job: Job, *, checkpointed_layers: int) -> int:
     return uses
 
 
+def host_s_per_kernel(job: Job) -> float:
+    """The host's time a launched kernel: the preset's, where this machine's host was measured
+    (finetune/hostprobe.py), else the slowest host measured."""
+    return job.preset.host_s_per_kernel or HOST_S_PER_KERNEL
+
+
 def host_seconds(
-    job: Job, *, strategy: str, grad_accum: int, checkpointed_layers: int, s_per_kernel: float = HOST_S_PER_KERNEL
+    job: Job, *, strategy: str, grad_accum: int, checkpointed_layers: int, s_per_kernel: float | None = None
 ) -> float:
     """The host's time to launch one optimizer step (grad_accum micro-batches) on a GPU (on the cpu preset the
     step-time model counts the host as the Trainer's own work, timing.CPU_HOST_S_PER_MICRO_BATCH); `s_per_kernel`:
-    the host's time a launched kernel."""
+    the host's time a launched kernel (default: host_s_per_kernel)."""
+    if s_per_kernel is None:
+        s_per_kernel = host_s_per_kernel(job)
     micro = HOST_S_PER_MICRO_BATCH + s_per_kernel * kernels_per_micro_batch(
         job, strategy=strategy, checkpointed_layers=checkpointed_layers
     )

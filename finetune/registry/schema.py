@@ -194,6 +194,14 @@ class HardwarePreset(Strict):
     slurm_time: str | None = Field(
         None, pattern=r"^(\d+-)?\d+(:\d{2}){0,2}$", description="job.sbatch --time limit, e.g. 2-00:00:00"
     )
+    host_s_per_kernel: float | None = Field(
+        None,
+        gt=0,
+        description="seconds the host takes to launch one of a training step's kernels: the host floor of a step "
+        "whose GPU work is short. A plan made on the machine itself (--hardware auto) that is host-bound measures it "
+        "(`python -m finetune.hostprobe` prints the figure, for a preset file); None: the slowest host measured "
+        "(finetune/plan/host_time.py HOST_S_PER_KERNEL)",
+    )
     host_cpu_cores: int | None = Field(
         None,
         ge=1,

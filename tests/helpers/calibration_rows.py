@@ -25,7 +25,7 @@ from pathlib import Path
 from finetune import strategies
 from finetune.plan import job_from_recipe, plan_job
 from finetune.plan.coverage import MEMORY_HIGH, MEMORY_LOW, SPEED_HIGH, SPEED_LOW
-from finetune.plan.memory import final_save_host_bytes, host_process_bytes
+from finetune.plan.memory import FRAGMENTATION, final_save_host_bytes, host_process_bytes
 from finetune.plan.types import GIB, Plan
 from finetune.plan.workload import varlen_fallback_layers
 from finetune.recipe import load_recipe
@@ -145,11 +145,15 @@ def legacy_recipe(row: dict):
 
 
 def row_preset(row: dict) -> HardwarePreset:
+    """The row's `--hardware auto` preset, with its host's time a kernel where the run's machine was probed
+    (finetune/hostprobe.py, `host_s_per_kernel`)."""
     if "resolved" in row:
         section = row["resolved"]["resolved"]
-        return preset_for(row["card"], gpus_per_node=section["gpus_per_node"], nodes=section["num_nodes"])
-    nodes = row.get("nodes", 1)
-    return preset_for(row["card"], gpus_per_node=row["world_size"] // nodes, nodes=nodes)
+        preset = preset_for(row["card"], gpus_per_node=section["gpus_per_node"], nodes=section["num_nodes"])
+    else:
+        nodes = row.get("nodes", 1)
+        preset = preset_for(row["card"], gpus_per_node=row["world_size"] // nodes, nodes=nodes)
+    return preset.model_copy(update={"host_s_per_kernel": row.get("host_s_per_kernel")})
 
 
 # rows of the cuDNN path (model.cudnn_long_examples) that ran before its short examples' q, k, v were copies
@@ -257,11 +261,24 @@ def speed_figures(row: dict, plan: Plan) -> str:
     )
 
 
+def allocator_visible_gib(row: dict, plan: Plan) -> float:
+    """The planned peak as torch's allocator can see it. bitsandbytes' paged optimizers keep the states of tensors of
+    1e5 elements or more in CUDA managed memory (functional.get_paged: cudaMallocManaged, outside torch's allocator),
+    so a row's max reserved leaves them out, and its comparison does too: the plan's optimizer states with their
+    fragmentation share (an adapter's smaller factors keep theirs in the allocator; they weigh megabytes). The plan
+    itself counts them on the GPU, where they live while resident."""
+    optimizer = row.get("resolved", {}).get("train", {}).get("optimizer", "")
+    if not optimizer.startswith("paged_"):
+        return plan.per_gpu_memory_gib
+    return plan.per_gpu_memory_gib - (1 + FRAGMENTATION) * plan.chosen.memory.optimizer / GIB
+
+
 def memory_figures(row: dict, plan: Plan) -> str:
     measured = row["measured_max_reserved_gib"]
+    visible = allocator_visible_gib(row, plan)
+    paged = f" ({visible:.2f} beside the paged optimizer states)" if visible != plan.per_gpu_memory_gib else ""
     return (
-        f"measured {measured:.2f} GiB, predicted {plan.per_gpu_memory_gib:.2f} "
-        f"(ratio {plan.per_gpu_memory_gib / measured:.3f})"
+        f"measured {measured:.2f} GiB, predicted {plan.per_gpu_memory_gib:.2f}{paged} (ratio {visible / measured:.3f})"
     )
 
 
@@ -273,7 +290,7 @@ def speed_miss(row: dict, plan: Plan) -> str:
 
 def memory_miss(row: dict, plan: Plan) -> str:
     """'' when the predicted peak is within the bound of the measured max reserved, else the figures."""
-    ratio = plan.per_gpu_memory_gib / row["measured_max_reserved_gib"]
+    ratio = allocator_visible_gib(row, plan) / row["measured_max_reserved_gib"]
     return "" if MEMORY_LOW <= ratio <= MEMORY_HIGH else memory_figures(row, plan)
 
 

@@ -1,0 +1,209 @@
+"""This machine's host time a launched kernel, measured: the figure the planner's host floor multiplies its kernel
+count by (finetune/plan/host_time.py).
+
+PyTorch runs eagerly, so a micro-batch whose GPU work is short takes as long as the host's Python needs to launch
+its kernels, and hosts differ: the calibration rows' hosts took 31 to 63 us a kernel. The probe times the same
+code path on a model so small that its GPU work is negligible: a Llama-architecture model in bf16 with LoRA on
+every linear (fp32 adapters under bf16 autocast, as the Trainer runs them), Liger's kernels where liger-kernel is
+installed, one forward and backward a micro-batch, at two depths. The difference of the two depths' times over
+the difference of the kernels the planner counts for them (plan/host_time.kernels_per_micro_batch) is the host's
+time a kernel; the fixed cost of a micro-batch (collate, the Trainer's Python) cancels. A few seconds on a GPU.
+
+    python -m finetune.hostprobe          # prints the figure as JSON
+
+Planning for this machine (`--hardware auto`) runs it in a child process when the plan is host-bound
+(measured_s_per_kernel; the planner itself never imports torch).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from functools import lru_cache
+from pathlib import Path
+
+PROBE_SHAPE = {
+    "hidden_size": 256,
+    "intermediate_size": 512,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "vocab_size": 1024,
+    "max_position_embeddings": 1024,
+}
+PROBE_DEPTHS = (2, 10)  # layers: the difference isolates the per-layer launches from the fixed ones
+PROBE_TOKENS = 256  # one row a micro-batch: GPU work of microseconds a kernel
+PROBE_LORA_R = 16
+PROBE_WARMUP = 5
+PROBE_ITERATIONS = 10
+PROBE_REPEATS = 5  # the median of this many differences between the two depths
+
+
+@dataclass(frozen=True)
+class HostProbe:
+    s_per_kernel: float  # the host's time a launched kernel
+    liger: bool  # whether Liger's kernels ran (the planner counts fewer, larger launches with them)
+    seconds_per_layer: float  # a layer's forward and backward, measured
+    kernels_per_layer: float  # as the planner counts them
+    device_name: str
+    torch_version: str
+
+
+def planned_kernels_per_layer(*, liger: bool) -> float:
+    """The kernels the planner counts for one of the probe model's layers (LoRA on every linear, DDP, nothing
+    checkpointed): the difference between the two probe depths' counts."""
+    from finetune.plan.host_time import kernels_per_micro_batch
+    from finetune.plan.workload import Job
+    from finetune.registry import get_preset
+    from finetune.registry.derive import arch_from_config
+
+    counts = []
+    with tempfile.TemporaryDirectory(prefix="finetune-hostprobe-") as folder:
+        for layers in PROBE_DEPTHS:
+            path = Path(folder) / f"config-{layers}.json"
+            path.write_text(json.dumps(probe_config(layers)), encoding="utf-8")
+            arch = arch_from_config(path, key=f"hostprobe-{layers}")
+            # the preset does not enter the count
+            job = Job(arch=arch, preset=get_preset("server-8xh100"), adapter="lora", lora_r=PROBE_LORA_R, liger=liger)
+            counts.append(kernels_per_micro_batch(job, strategy="ddp", checkpointed_layers=0))
+    return (counts[1] - counts[0]) / (PROBE_DEPTHS[1] - PROBE_DEPTHS[0])
+
+
+def probe_config(layers: int) -> dict:
+    return {
+        "model_type": "llama",
+        "architectures": ["LlamaForCausalLM"],
+        "num_hidden_layers": layers,
+        "rms_norm_eps": 1e-5,
+        "tie_word_embeddings": False,
+        "dtype": "bfloat16",
+        **PROBE_SHAPE,
+    }
+
+
+def _liger_available() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("liger_kernel") is not None
+
+
+def _build(layers: int, *, liger: bool, device):
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from finetune.plan.workload import ALL_LINEAR
+
+    config = LlamaConfig(**{k: v for k, v in probe_config(layers).items() if k not in ("model_type", "architectures")})
+    model = LlamaForCausalLM(config).to(device=device, dtype=torch.bfloat16)
+    model.config.use_cache = False
+    if liger:
+        from liger_kernel.transformers import apply_liger_kernel_to_llama
+
+        from finetune.train.trainers import liger_kernel_config
+
+        apply_liger_kernel_to_llama(model=model, **liger_kernel_config("llama"))
+    lora = LoraConfig(r=PROBE_LORA_R, lora_alpha=2 * PROBE_LORA_R, lora_dropout=0.0, target_modules=list(ALL_LINEAR))
+    return get_peft_model(model, lora)
+
+
+def _micro_batch(model, device):
+    """One forward and backward of `model` on a row of PROBE_TOKENS tokens, as a callable."""
+    import torch
+
+    tokens = torch.randint(0, PROBE_SHAPE["vocab_size"], (1, PROBE_TOKENS), device=device)
+    trained = [p for p in model.parameters() if p.requires_grad]
+
+    def run() -> None:
+        with torch.autocast(device_type=device.type, dtype=torch.bfloat16):
+            loss = model(input_ids=tokens, labels=tokens).loss
+        loss.backward()
+        for p in trained:
+            p.grad = None
+
+    return run
+
+
+def _timed(run, device, iterations: int) -> float:
+    """Seconds a call of `run`, over `iterations` calls from an idle GPU to an idle GPU."""
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    start = time.perf_counter()
+    for _ in range(iterations):
+        run()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return (time.perf_counter() - start) / iterations
+
+
+def measure(
+    device_name: str = "cuda", *, iterations: int = PROBE_ITERATIONS, repeats: int = PROBE_REPEATS
+) -> HostProbe:
+    """Time the probe on `device_name` (cuda: the current GPU; cpu only exercises the code, its figure is the
+    CPU's compute, not a launch cost). The two depths are timed in turn, `repeats` times, and the median of the
+    differences kept: a host whose speed drifts (clocks, a neighbour's load) moves both of a pair alike."""
+    import torch
+
+    device = torch.device(device_name)
+    liger = device.type == "cuda" and _liger_available()
+    runs = []
+    for layers in PROBE_DEPTHS:
+        torch.manual_seed(0)
+        run = _micro_batch(_build(layers, liger=liger, device=device), device)
+        for _ in range(PROBE_WARMUP):  # kernels compiled (Liger's Triton), cuBLAS's plans chosen, caches filled
+            run()
+        runs.append(run)
+    differences = [_timed(runs[1], device, iterations) - _timed(runs[0], device, iterations) for _ in range(repeats)]
+    per_layer = statistics.median(differences) / (PROBE_DEPTHS[1] - PROBE_DEPTHS[0])
+    kernels = planned_kernels_per_layer(liger=liger)
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    return HostProbe(
+        s_per_kernel=per_layer / kernels,
+        liger=liger,
+        seconds_per_layer=per_layer,
+        kernels_per_layer=kernels,
+        device_name=name,
+        torch_version=torch.__version__,
+    )
+
+
+PROBE_TIMEOUT_S = 180  # imports, two tiny models and their timings take 10-30 s on a GPU machine
+
+
+@lru_cache(maxsize=1)
+def measured_s_per_kernel() -> float | None:
+    """This machine's host time a kernel, timed on its first visible GPU in a child process (torch stays out of the
+    planner's process); None when it cannot be measured (no GPU there, the probe failed or timed out). Once per
+    process."""
+    try:
+        done = subprocess.run(
+            [sys.executable, "-m", "finetune.hostprobe"],
+            capture_output=True,
+            text=True,
+            timeout=PROBE_TIMEOUT_S,
+            env={**os.environ, "TOKENIZERS_PARALLELISM": "false"},
+        )
+        if done.returncode != 0:
+            return None
+        figure = json.loads(done.stdout.strip().splitlines()[-1])["s_per_kernel"]
+    except (OSError, subprocess.SubprocessError, ValueError, KeyError, IndexError):
+        return None
+    return float(figure) if figure > 0 else None
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    device = args[0] if args else "cuda"
+    print(json.dumps(asdict(measure(device))))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
