@@ -463,3 +463,22 @@ def test_qlora_dora_layers_return_the_activations_dtype_under_cuda_autocast(tmp_
     assert dtypes[True] == {torch.bfloat16}, dtypes
     # the reason the subclass exists; when peft returns bf16 itself, finetune/train/quantized_dora.py can go
     assert dtypes[False] == {torch.float32}, dtypes
+
+
+@pytest.mark.skipif(_gpus() < 1, reason="needs a CUDA GPU")
+def test_the_host_probe_times_this_hosts_kernels_and_a_host_bound_auto_plan_uses_it():
+    """finetune.hostprobe on a GPU: the host's time a kernel, in the range the calibration hosts showed (29-63 us on
+    the H100 and H200 machines; a generous band around it), and a host-bound plan for this machine says it used it."""
+    from finetune import hostprobe
+    from finetune.plan import plan
+    from tests.helpers.recipes import shape_recipe
+
+    figure = hostprobe.measured_s_per_kernel()
+    assert figure is not None and 10e-6 < figure < 200e-6, figure
+    recipe = shape_recipe(
+        "llama-3.1-8b", "lora", "auto", model__arch="llama-3.1-8b", data__max_length=512,
+        train__micro_batch_size=1, train__global_batch_size=64,
+    )  # fmt: skip
+    p = plan(recipe, hardware="auto")
+    if p.chosen.bottleneck == "host":
+        assert f"This machine's host took {figure * 1e6:.0f} us a kernel" in p.why, p.why
