@@ -12,6 +12,7 @@ export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 # few steps of a tiny model), so two at once use both cores of a 2-core machine. Every test works in its own
 # tmp_path (each worker has its own base), ranks of one machine pick free ports, and the session-built runs
 # are built once for both (tests/helpers/once.py). Tests are handed out one at a time in collection order
-# (--maxschedchunk 1): by default each worker is first given a block of 160, which puts every end-to-end test
-# (tests/e2e sorts first) on one worker. Pass -n 0 to run in one process.
+# (--maxschedchunk 1), which tests/conftest.py sorts with the launches (marked slow) first, so the quick tests fill
+# both workers at the end; by default each worker would first be given a block of 160, all of the launches on one
+# worker. Pass -n 0 to run in one process.
 exec .venv/bin/python -m pytest -q -ra -n 2 --maxschedchunk 1 "$@"

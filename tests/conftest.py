@@ -4,7 +4,10 @@ read a finished run. Builders live in tests/helpers."""
 
 from __future__ import annotations
 
+import gc
+import hashlib
 import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -21,6 +24,29 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # other (the quickstart trains in 11 s with one, 43 s with two). The CPU ranks `finetune run` launches
 # take the same setting (finetune.launch.cpu_threads_per_process).
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# DeepSpeed on its CPU accelerator JIT-builds a shared-memory op (~50 s on two cores) into torch's extensions
+# directory. Checkouts whose virtualenvs live at other paths would share ~/.cache/torch_extensions and rebuild
+# the op over each other's build (its build names the virtualenv's paths); one directory per virtualenv keeps it.
+os.environ.setdefault(
+    "TORCH_EXTENSIONS_DIR",
+    str(Path.home() / ".cache" / "torch_extensions" / f"venv-{hashlib.sha256(sys.prefix.encode()).hexdigest()[:12]}"),
+)
+
+
+# Collecting imports torch, transformers and the test modules: ~500k objects that live as long as the worker.
+# The garbage collector would rescan them all over and over while they load (a quarter of the collection's
+# time, in each worker); it is paused until collection ends, and they are then frozen out of later passes.
+gc.disable()
+
+
+def pytest_configure(config):
+    if not hasattr(config, "workerinput") and config.getoption("numprocesses", default=None):
+        gc.enable()  # pytest-xdist's controller: it collects nothing
+
+
+def pytest_collection_finish(session):
+    gc.freeze()
+    gc.enable()
 
 
 def pytest_collection_modifyitems(config, items):
@@ -34,6 +60,11 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords and not has_cuda:
             item.add_marker(skip)
+    # The launches (marked slow: 5-70 s each) first, each file's in collection order, then the ~2,700 quick tests.
+    # pytest-xdist hands tests out in this order (scripts/test.sh), so the quick ones fill both workers at the
+    # end instead of one worker finishing the last long launch while the other idles. A stable sort, the same
+    # in every worker (xdist checks that the workers collected the same order).
+    items.sort(key=lambda item: "slow" not in item.keywords)
 
 
 @pytest.fixture

@@ -31,13 +31,15 @@ CASES = {
 }
 
 
-def _run(case, tmp_path, trained_cli_run):
+def _run(case, tmp_path, request):
     """(RUN_DIR, output) of `finetune run` for `case`; the LoRA case is the session's shared run (the same
-    8 steps, checkpoint every 4, keep 1, plus trackers and evaluation), read and never changed here."""
+    8 steps, checkpoint every 4, keep 1, plus trackers and evaluation), read and never changed here. Only that
+    case asks for it: another case's worker would otherwise wait for the shared run to be built first."""
     from finetune.recipe.load import deep_merge
 
     if case == "sft-lora":
-        return trained_cli_run.run_dir, trained_cli_run.output
+        trained = request.getfixturevalue("trained_cli_run")
+        return trained.run_dir, trained.output
     common = {
         "train": {"max_steps": 8, "logging_steps": 1},
         "output": {"save_every": 4, "keep": 1},
@@ -57,8 +59,8 @@ def _run(case, tmp_path, trained_cli_run):
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_finetune_run_end_to_end(case, tmp_path, trained_cli_run):
-    run_dir, out = _run(case, tmp_path, trained_cli_run)
+def test_finetune_run_end_to_end(case, tmp_path, request):
+    run_dir, out = _run(case, tmp_path, request)
     assert "=== finetune: done ===" in out and "Traceback" not in out
     # no start-up notices of libraries about parts this CPU run does not use (finetune/train/notices.py):
     # DeepSpeed's GPU-detection fallback, and bitsandbytes' CPU 4-bit kernel outside QLoRA

@@ -9,6 +9,7 @@ import re
 
 import pytest
 
+from tests.helpers.once import once_per_session
 from tests.helpers.processes import checkpoints, cli_argv, kill_tree, losses, run, start, wait_for
 from tests.helpers.recipes import resolve_recipe, write_recipe
 
@@ -16,17 +17,21 @@ pytestmark = pytest.mark.slow
 STEPS = 12  # 3 epochs x 4 steps; checkpoints every 3 steps, keep 2
 
 
-@pytest.fixture(scope="module")
-def setup(tmp_path_factory):
+def _baseline(root) -> dict[int, float]:
+    """The uninterrupted reference: the same recipe planned and compiled for real, trained in this process (a rank
+    is a rank: its losses equal a `finetune run` launch's exactly; no launch spent on it)."""
     from finetune.train.run import run_rank
 
+    run_rank(resolve_recipe(write_recipe(root / "recipe.yaml"), run_dir=root / "baseline"), resume="never")
+    return losses(root / "baseline")
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
     root = tmp_path_factory.mktemp("kill")
     recipe = write_recipe(root / "recipe.yaml")
     cache = root / "cache"
-    # the uninterrupted reference: the same recipe planned and compiled for real, trained in this process
-    # (a rank is a rank: its losses equal a `finetune run` launch's exactly; no launch spent on it)
-    run_rank(resolve_recipe(recipe, run_dir=root / "baseline"), resume="never")
-    baseline = losses(root / "baseline")
+    baseline = once_per_session(tmp_path_factory, "kill-baseline", _baseline)  # for both pytest-xdist workers
     assert sorted(baseline) == list(range(1, STEPS + 1))
     return recipe, cache, baseline
 

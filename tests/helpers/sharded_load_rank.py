@@ -376,5 +376,19 @@ def main() -> int:
 
 
 if __name__ == "__main__":
+    import gc
+
+    # as finetune.train's entry point runs a rank: no collections while the libraries load, their objects frozen
+    # out of the later ones and out of those at exit
+    gc.disable()
+    import accelerate  # noqa: F401
+    import torch  # noqa: F401
+
+    from finetune.train import sharded_load, trainers  # noqa: F401
+
+    gc.freeze()
+    gc.enable()
     MODES = {"hybrid": hybrid, "random": random_init, "dpo": dpo}
-    sys.exit(MODES[sys.argv[3]](Path(sys.argv[1]), Path(sys.argv[2])) if sys.argv[3:] else main())
+    code = MODES[sys.argv[3]](Path(sys.argv[1]), Path(sys.argv[2])) if sys.argv[3:] else main()
+    gc.freeze()
+    sys.exit(code)

@@ -18,6 +18,7 @@ import torch
 from transformers import TrainerCallback
 
 from finetune.errors import TrainingFailed
+from tests.helpers.once import once_per_session
 from tests.helpers.paths import ROOT, TINY_MODEL
 from tests.helpers.recipes import resolve_recipe, tiny_recipe
 
@@ -321,7 +322,17 @@ if __name__ == "__main__":  # a rank of the DeepSpeed tests: RESOLVED OUT [train
     {"trainer": _deepspeed_rank, "bf16-engine": _bf16_engine_rank}[mode[0] if mode else "trainer"](resolved, out)
 
 
-def _two_rank_verdict(rank: int, port: int, grads_by_rank: dict, out) -> None:
+# rank 1's gradient in each case (rank 0's is all ones), and whether both ranks drop the step
+TWO_RANK_CASES = {
+    # one rank's NaN: both ranks drop the step
+    "nan-on-rank-1": (torch.full((4, 4), float("nan")), True),
+    # a sum that overflows on finite values: no rank drops it
+    "overflowing-sum-on-rank-1": (torch.full((4, 4), 3e38), False),
+}
+
+
+def _two_rank_verdicts(rank: int, port: int, rank1_grads: dict, out) -> None:
+    """One rank: for each case in turn, a fresh callback's verdict on this rank's gradient."""
     import torch.distributed as dist
     from transformers import TrainerControl, TrainerState, TrainingArguments
 
@@ -329,27 +340,19 @@ def _two_rank_verdict(rank: int, port: int, grads_by_rank: dict, out) -> None:
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     try:
-        model = torch.nn.Linear(4, 4, bias=False)
-        model.weight.grad = grads_by_rank[rank].clone()
-        callback = NonFiniteCallback(policy="skip", max_bad_steps=5)
-        args = TrainingArguments(output_dir="unused", report_to=[], use_cpu=True)
-        callback.on_pre_optimizer_step(args, TrainerState(), TrainerControl(), model=model, optimizer=None)
-        out.put((rank, model.weight.grad is None, list(callback.skipped)))
+        for case, rank1_grad in rank1_grads.items():
+            model = torch.nn.Linear(4, 4, bias=False)
+            model.weight.grad = (rank1_grad if rank == 1 else torch.ones(4, 4)).clone()
+            callback = NonFiniteCallback(policy="skip", max_bad_steps=5)
+            args = TrainingArguments(output_dir="unused", report_to=[], use_cpu=True)
+            callback.on_pre_optimizer_step(args, TrainerState(), TrainerControl(), model=model, optimizer=None)
+            out.put((case, rank, model.weight.grad is None, list(callback.skipped)))
     finally:
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize(
-    ("rank1_grad", "skipped"),
-    [
-        (torch.full((4, 4), float("nan")), True),  # one rank's NaN: both ranks drop the step
-        (torch.full((4, 4), 3e38), False),  # a sum that overflows on finite values: no rank drops it
-    ],
-    ids=["nan-on-rank-1", "overflowing-sum-on-rank-1"],
-)
-def test_two_ranks_agree_on_one_rank_s_bad_gradients(rank1_grad, skipped):
-    """DDP/FSDP2: each rank's verdict meets the other's in one all-reduce (the sums first, then, only where
-    a sum was not finite, the elements), and every rank skips or keeps the step alike."""
+def _spawn_two_ranks(_root) -> dict[str, list[tuple]]:
+    """Both ranks' verdicts, case -> [(rank, dropped, skipped steps)]: one pair of processes for every case."""
     import socket
 
     import torch.multiprocessing as mp
@@ -359,13 +362,32 @@ def test_two_ranks_agree_on_one_rank_s_bad_gradients(rank1_grad, skipped):
         port = s.getsockname()[1]
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
-    grads = {0: torch.ones(4, 4), 1: rank1_grad}
-    procs = [ctx.Process(target=_two_rank_verdict, args=(r, port, grads, out)) for r in (0, 1)]
+    rank1_grads = {case: grad for case, (grad, _) in TWO_RANK_CASES.items()}
+    procs = [ctx.Process(target=_two_rank_verdicts, args=(r, port, rank1_grads, out)) for r in (0, 1)]
     for p in procs:
         p.start()
-    results = sorted(out.get(timeout=120) for _ in procs)
+    results: dict[str, list[tuple]] = {case: [] for case in TWO_RANK_CASES}
+    for _ in range(len(procs) * len(TWO_RANK_CASES)):
+        case, *verdict = out.get(timeout=120)
+        results[case].append(tuple(verdict))
     for p in procs:
         p.join(timeout=60)
         assert p.exitcode == 0
+    return {case: sorted(verdicts) for case, verdicts in results.items()}
+
+
+@pytest.fixture(scope="module")
+def two_rank_verdicts(tmp_path_factory):
+    # two processes that import the training stack (spawned): started once for both cases and both xdist workers
+    return once_per_session(tmp_path_factory, "nonfinite-two-ranks", _spawn_two_ranks)
+
+
+@pytest.mark.parametrize("case", list(TWO_RANK_CASES))
+def test_two_ranks_agree_on_one_rank_s_bad_gradients(case, two_rank_verdicts):
+    """DDP/FSDP2: each rank's verdict meets the other's in one all-reduce (the sums first, then, only where
+    a sum was not finite, the elements), and every rank skips or keeps the step alike."""
+    skipped = TWO_RANK_CASES[case][1]
+    results = two_rank_verdicts[case]
+    assert [rank for rank, _, _ in results] == [0, 1]
     assert [dropped for _, dropped, _ in results] == [skipped, skipped]
     assert [steps for _, _, steps in results] == ([[1], [1]] if skipped else [[], []])

@@ -20,6 +20,7 @@ from finetune.recipe.load import load_recipe
 from finetune.recipe.schema import sharded_load_blocker
 from finetune.rundir import ACCELERATE_YAML, RESOLVED_RECIPE
 from finetune.train import sharded_load
+from tests.helpers.once import once_per_session
 from tests.helpers.paths import ROOT
 from tests.helpers.processes import env
 from tests.helpers.recipes import resolve_recipe, tiny_recipe, write_preset
@@ -119,8 +120,12 @@ def _launch_env(run_dir: Path, *launch_args: str) -> dict:
 
 
 def _ranks(tmp: Path, resolved: Path, launch_env: dict, *, n: int, mode: tuple[str, ...] = ()):
-    import torch
+    """Launch `n` ranks of tests/helpers/sharded_load_rank.py on RESOLVED; (each rank's record, its tensors)."""
+    out = _launch(tmp, resolved, launch_env, n=n, mode=mode)
+    return _records(out, n), _tensors(out, n)
 
+
+def _launch(tmp: Path, resolved: Path, launch_env: dict, *, n: int, mode: tuple[str, ...] = ()) -> Path:
     out = tmp / f"out-{n}{''.join(mode)}"
     out.mkdir()
     argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(n)]
@@ -134,19 +139,33 @@ def _ranks(tmp: Path, resolved: Path, launch_env: dict, *, n: int, mode: tuple[s
         timeout=240,
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
-    records = [json.loads((out / f"rank-{r}.json").read_text()) for r in range(n)]
-    return records, [torch.load(out / f"rank-{r}.pt", weights_only=False) for r in range(n)]
+    return out
+
+
+def _records(out: Path, n: int) -> list[dict]:
+    return [json.loads((out / f"rank-{r}.json").read_text()) for r in range(n)]
+
+
+def _tensors(out: Path, n: int) -> list[dict]:
+    import torch
+
+    return [torch.load(out / f"rank-{r}.pt", weights_only=False) for r in range(n)]
 
 
 def _two_ranks(tmp_path_factory, sections: dict, name: str):
     """Both ranks' records and tensors, and the CPU-resolved recipe they loaded; the FSDP settings are those
-    finetune compiles for the same recipe on two GPUs under fsdp2."""
-    tmp = tmp_path_factory.mktemp(name)
-    resolved = resolve_recipe(tiny_recipe(**sections), run_dir=tmp / "run")
-    gpu = _compiled(
-        tmp / "gpu", hardware="workstation-2x4090", adapter=sections["adapter"], distributed={"strategy": "fsdp2"}
-    )
-    return (*_ranks(tmp, resolved, _launch_env(gpu), n=2), resolved)
+    finetune compiles for the same recipe on two GPUs under fsdp2. Launched once per session (for both
+    pytest-xdist workers, tests/helpers/once.py): the tests only read what the ranks wrote."""
+
+    def build(tmp: Path) -> tuple[Path, Path]:
+        resolved = resolve_recipe(tiny_recipe(**sections), run_dir=tmp / "run")
+        gpu = _compiled(
+            tmp / "gpu", hardware="workstation-2x4090", adapter=sections["adapter"], distributed={"strategy": "fsdp2"}
+        )
+        return _launch(tmp, resolved, _launch_env(gpu), n=2), resolved
+
+    out, resolved = once_per_session(tmp_path_factory, name, build)
+    return _records(out, 2), _tensors(out, 2), resolved
 
 
 @pytest.fixture(scope="module")
@@ -397,7 +416,7 @@ def test_the_final_save_gathers_the_adapter_alone(two_ranks_lora):
     # the keys torch's distributed checkpoint gives the same parameters (what the Trainer's save gathered)
     assert set(keys) < set(saves[0]["dcp_keys"])
     assert len(keys) == 2 * 14  # A and B of the 7 projections in each of the 2 layers
-    final = run_yaml.parent.parent / "out-2" / "final"  # where the ranks wrote (_ranks)
+    final = run_yaml.parent.parent / "out-2" / "final"  # where the ranks wrote (_launch)
     saved = load_file(final / "adapter_model.safetensors")
     trained = torch.load(final / "trained.pt")
     assert saves[0]["gathered_bytes"] == sum(t.numel() * t.element_size() for t in trained.values())

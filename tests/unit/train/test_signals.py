@@ -27,6 +27,7 @@ def _rank(which: str, how: str, sig: str) -> subprocess.CompletedProcess:
     )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "how,sig",
     [("group", "SIGTERM"), ("every", "SIGUSR1")],
@@ -38,6 +39,7 @@ def test_workers_leave_the_signal_to_their_rank(how, sig):
     assert "read 32 batches; the rank saw 1 signal(s)" in proc.stdout  # every batch arrived, then a clean exit
 
 
+@pytest.mark.slow
 def test_without_it_a_signalled_worker_fails_the_rank():
     """The failure the mixin prevents (what the 70B preemption run printed). Without the mixin the rank can also
     hang rather than exit (seen once, on a loaded machine: no exit within the 120 s; the cause inside torch's
