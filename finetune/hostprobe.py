@@ -18,7 +18,6 @@ Planning for this machine (`--hardware auto`) runs it in a child process when th
 from __future__ import annotations
 
 import json
-import os
 import statistics
 import subprocess
 import sys
@@ -86,12 +85,6 @@ def probe_config(layers: int) -> dict:
     }
 
 
-def _liger_available() -> bool:
-    import importlib.util
-
-    return importlib.util.find_spec("liger_kernel") is not None
-
-
 def _build(layers: int, *, liger: bool, device):
     import torch
     from peft import LoraConfig, get_peft_model
@@ -151,8 +144,10 @@ def measure(
     differences kept: a host whose speed drifts (clocks, a neighbour's load) moves both of a pair alike."""
     import torch
 
+    from finetune.registry.families import liger_installed
+
     device = torch.device(device_name)
-    liger = device.type == "cuda" and _liger_available()
+    liger = device.type == "cuda" and liger_installed()
     runs = []
     for layers in PROBE_DEPTHS:
         torch.manual_seed(0)
@@ -188,7 +183,6 @@ def measured_s_per_kernel() -> float | None:
             capture_output=True,
             text=True,
             timeout=PROBE_TIMEOUT_S,
-            env={**os.environ, "TOKENIZERS_PARALLELISM": "false"},
         )
         if done.returncode != 0:
             return None

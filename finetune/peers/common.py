@@ -13,15 +13,15 @@ from finetune.peers import Conversion
 from finetune.plan.workload import FUSED_EXPERT_WEIGHTS
 from finetune.recipe.aliases import checkpointing_setting, held_out_key, is_on, lookup
 from finetune.recipe.schema import (
-    BNB_OPTIMIZERS,
     COMPILE_BACKEND,
     METHOD_FORMATS,
     PACKED_EXAMPLE_METHODS,
     LoggingSection,
     TrainSection,
+    bnb_under_fsdp,
     least_micro_batch,
 )
-from finetune.strategies import AUTO, BNB_UNDER_FSDP_REFUSAL, is_fsdp
+from finetune.strategies import BNB_UNDER_FSDP_REFUSAL
 
 # transformers / bitsandbytes optimizer names -> ours
 OPTIMIZERS = {
@@ -422,7 +422,7 @@ def sharded_optimizer(conv: Conversion) -> None:
     DTensors it cannot step (strategies.BNB_UNDER_FSDP_REFUSAL), so the converted recipe trains with torch's AdamW
     there. Run after the optimizer and distributed.strategy are mapped."""
     name, strategy = conv.get("train.optimizer"), conv.get("distributed.strategy")
-    if name not in BNB_OPTIMIZERS or not isinstance(strategy, str) or strategy == AUTO or not is_fsdp(strategy):
+    if not (isinstance(name, str) and isinstance(strategy, str) and bnb_under_fsdp(name, strategy)):
         return
     conv.set("train.optimizer", "adamw")
     conv.notes.append(

@@ -341,9 +341,7 @@ def liger_enabled(recipe, preset, *, arch) -> bool:
     (the training machine for `finetune run`; a planning laptop without it plans without, which over-estimates
     memory and step time, and says so: liger_missing_warning) and patches `arch`'s model type. find_spec does
     not import it (planning stays torch-free)."""
-    import importlib.util
-
-    from finetune.registry.families import LIGER_MODEL_TYPES
+    from finetune.registry.families import LIGER_MODEL_TYPES, liger_installed
 
     choice = recipe.train.liger
     if choice == "on" and preset.vendor == "cpu":
@@ -361,7 +359,7 @@ def liger_enabled(recipe, preset, *, arch) -> bool:
         )
     if choice != "auto":
         return choice == "on"
-    return supported and preset.vendor == "nvidia" and importlib.util.find_spec("liger_kernel") is not None
+    return supported and preset.vendor == "nvidia" and liger_installed()
 
 
 # trainers that score tokens through TRL's chunked LM head (TRL 1.16's fused_lm_head); ORPO/CPO compute full

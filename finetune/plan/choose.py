@@ -34,7 +34,7 @@ from finetune.plan.optimizer import BNB_MAX_ELEMENTS, largest_stepped_elements
 from finetune.plan.timing import step_time
 from finetune.plan.types import GIB, Candidate, memory_unit
 from finetune.plan.workload import Job, accumulation_steps, batch_share, holds_a_micro_batch
-from finetune.recipe.schema import BNB_OPTIMIZERS
+from finetune.recipe.schema import BNB_OPTIMIZERS, bnb_under_fsdp
 from finetune.strategies import ZERO3_SUB_GROUP_ELEMENTS, info, offload_level, weighs_sync_each_batch
 
 HEADROOM = 0.90  # plan to at most 90% of GPU memory / host RAM: spikes, other processes, the CUDA context
@@ -93,7 +93,7 @@ def not_applicable(job: Job, strategy: str) -> str:
         return "the preset has no NVMe path; set distributed.nvme_path"
     if strategies.offloads_quantized_weights(strategy, adapter=job.adapter):
         return strategies.QUANTIZED_OFFLOAD_REFUSAL
-    if job.optimizer in BNB_OPTIMIZERS and strategies.is_fsdp(strategy):
+    if bnb_under_fsdp(job.optimizer, strategy):
         return strategies.BNB_UNDER_FSDP_REFUSAL
     if job.int8_base and tier.shards_params:
         # from_pretrained quantizes the whole base onto each rank's GPU (device_map), and neither FSDP2 nor

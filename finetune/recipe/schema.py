@@ -514,6 +514,12 @@ def compute_dtype(recipe) -> str:
 BNB_OPTIMIZERS = ("adamw_8bit", "paged_adamw_8bit", "paged_adamw_32bit")  # train.optimizer's bitsandbytes ones
 
 
+def bnb_under_fsdp(optimizer: str, strategy: str) -> bool:
+    """A bitsandbytes optimizer on an FSDP2 tier, which cannot step its DTensor parameters (BNB_UNDER_FSDP_REFUSAL);
+    never for strategy auto, where the planner leaves those tiers out."""
+    return optimizer in BNB_OPTIMIZERS and strategy != AUTO and is_fsdp(strategy)
+
+
 class TrainSection(Strict):
     epochs: float | None = Field(
         None, gt=0, le=1000, description="passes over the training data (default 1 when max_steps is unset)"
@@ -960,7 +966,7 @@ def recipe_conflicts(recipe: Recipe):
         )
     if m.type == "reward" and d.task_eval is not None:
         yield "data.task_eval", "a reward model scores text and does not generate; remove data.task_eval"
-    if t.optimizer in BNB_OPTIMIZERS and recipe.distributed.strategy != AUTO and is_fsdp(recipe.distributed.strategy):
+    if bnb_under_fsdp(t.optimizer, recipe.distributed.strategy):
         yield "train.optimizer", BNB_UNDER_FSDP_REFUSAL
     if d.packing and m.type not in PADDING_FREE_METHODS:
         yield "data.packing", f"packing is not supported for method {m.type}; set data.packing: false"

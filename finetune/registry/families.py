@@ -221,6 +221,13 @@ LIGER_MODEL_TYPES = frozenset(
 LIGER_FUSED_EXPERTS = frozenset({"deepseek_v2", "deepseek_v3", "mixtral", "qwen3_moe"})
 
 
+def liger_installed() -> bool:
+    """liger-kernel is installed here; find_spec does not import it (planning stays torch-free)."""
+    import importlib.util
+
+    return importlib.util.find_spec("liger_kernel") is not None
+
+
 def liger_swiglu(model_type: str) -> bool:
     """Liger's SwiGLU kernel is asked for: everywhere Liger patches but where it would swap the routed experts
     (LIGER_FUSED_EXPERTS). The run's Liger config (train/trainers.py) and the planner's Job read this."""

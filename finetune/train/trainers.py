@@ -109,11 +109,11 @@ LIGER_LAYERS = {
 def liger_args(recipe: Recipe) -> dict:
     """train.liger, as compile resolved it (finetune.plan.liger_enabled: auto = on for NVIDIA GPUs
     when liger-kernel is installed)."""
-    import importlib.util
+    from finetune.registry.families import liger_installed
 
     if recipe.train.liger != "on":
         return {}
-    if importlib.util.find_spec("liger_kernel") is None:
+    if not liger_installed():
         raise RecipeError(
             "liger-kernel is not installed on this machine",
             key="train.liger",

@@ -23,7 +23,7 @@ import tempfile
 from pathlib import Path
 
 from finetune import strategies
-from finetune.plan import job_from_recipe, plan_job
+from finetune.plan import UNPAGED, job_from_recipe, plan_job
 from finetune.plan.coverage import MEMORY_HIGH, MEMORY_LOW, SPEED_HIGH, SPEED_LOW
 from finetune.plan.memory import FRAGMENTATION, final_save_host_bytes, host_process_bytes
 from finetune.plan.types import GIB, Plan
@@ -267,8 +267,7 @@ def allocator_visible_gib(row: dict, plan: Plan) -> float:
     so a row's max reserved leaves them out, and its comparison does too: the plan's optimizer states with their
     fragmentation share (an adapter's smaller factors keep theirs in the allocator; they weigh megabytes). The plan
     itself counts them on the GPU, where they live while resident."""
-    optimizer = row.get("resolved", {}).get("train", {}).get("optimizer", "")
-    if not optimizer.startswith("paged_"):
+    if row.get("resolved", {}).get("train", {}).get("optimizer") not in UNPAGED:  # the paged ones
         return plan.per_gpu_memory_gib
     return plan.per_gpu_memory_gib - (1 + FRAGMENTATION) * plan.chosen.memory.optimizer / GIB
 

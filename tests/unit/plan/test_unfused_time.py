@@ -4,7 +4,6 @@ Liger and on the cpu preset, and the planned cost of turning Liger off against t
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import json
 
 import pytest
@@ -18,6 +17,7 @@ from finetune.plan.unfused_time import eager_norm_bytes, eager_rope_bytes, unfus
 from finetune.plan.workload import Job
 from finetune.recipe import load_recipe
 from finetune.registry import get_model, get_preset
+from finetune.registry.families import liger_installed
 from tests.helpers.calibration_rows import preset_for
 from tests.helpers.paths import ROOT
 
@@ -126,9 +126,7 @@ def test_eager_bytes_are_what_transformers_modules_move():
     assert traced == pytest.approx(eager_rope_bytes(a), rel=0.02)
 
 
-@pytest.mark.skipif(
-    importlib.util.find_spec("liger_kernel") is not None, reason="liger-kernel is installed: auto plans with it"
-)
+@pytest.mark.skipif(liger_installed(), reason="liger-kernel is installed: auto plans with it")
 def test_a_plan_without_liger_kernel_installed_says_what_it_costs():
     raw = {
         "model": {"name": "llama-3.1-8b", "arch": "llama-3.1-8b"},
