@@ -273,6 +273,19 @@ def elements_finite(tensors: list) -> bool:
     return all(bool(torch.isfinite(g).all()) for g in tensors)
 
 
+def nonfinite_gradients_named(named_grads: list) -> str:
+    """Which of (name, gradient) hold a NaN or an infinity, in the model's order: how many, the first and the last.
+    A non-finite value made in the backward reaches every layer below the one that made it, so the last named (the
+    deepest layer) is where to look first; one made in the forward reaches them all."""
+    import torch
+
+    bad = [name for name, g in named_grads if not bool(torch.isfinite(g).all())]
+    if not bad:
+        return "no gradient of this rank holds a non-finite value"
+    span = bad[0] if len(bad) == 1 else f"from {bad[0]} to {bad[-1]}"
+    return f"{len(bad)} of {len(named_grads)} trained tensors non-finite, {span}"
+
+
 def is_deepspeed_optimizer(optimizer) -> bool:
     """Whether the Trainer's optimizer is accelerate's wrapper of a DeepSpeed one. DeepSpeed's engine steps
     inside accelerator.backward() (accelerate's DeepSpeedEngineWrapper), so by the Trainer's
@@ -326,7 +339,8 @@ class NonFiniteCallback(TrainerCallback):
                     control, step, f"step {step} (DeepSpeed's gradients, reduced over {world} rank(s))"
                 )
             return control
-        params = [p for p in model.parameters() if p.grad is not None] if model is not None else []
+        named = [(n, p) for n, p in model.named_parameters() if p.grad is not None] if model is not None else []
+        params = [p for _, p in named]
         grads = [
             p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad  # FSDP2: this rank's shard
             for p in params
@@ -345,9 +359,12 @@ class NonFiniteCallback(TrainerCallback):
         if not any(flags):
             return control
         ranks = ",".join(str(r) for r, f in enumerate(flags) if f)
+        where = f"step {step} (rank {ranks} of {world})"
+        if flags[rank]:
+            where += "; " + nonfinite_gradients_named([(n, g) for (n, _), g in zip(named, grads)])
         for p in params:
             p.grad = None  # the optimizer skips it: this step changes no weight
-        return self._bad_step(control, step, f"step {step} (rank {ranks} of {world})")
+        return self._bad_step(control, step, where)
 
     def _bad_step(self, control, step: int, where: str):
         """Count a skipped step; past the policy's allowance, stop at this step's log."""

@@ -14,6 +14,9 @@ from finetune.errors import DataError, FinetuneError, RecipeError, TrainingFaile
 from finetune.prelaunch import free_bytes
 
 MAX_DETAIL = 400
+# torch's autograd node of sdpa's cuDNN kernel. Its backward returned NaN on a padded Gemma-3-1B DPO batch on an H200
+# (torch 2.11; docs/validation.md thirty-first session) where the same batch trains under eager attention
+CUDNN_ATTENTION_BACKWARD = "ScaledDotProductCudnnAttentionBackward"
 
 
 def _detail(exc: BaseException) -> str:
@@ -52,6 +55,21 @@ def as_finetune_error(exc: BaseException, *, run_dir: Path) -> FinetuneError:
             key="train.micro_batch_size",
             hint="lower train.micro_batch_size or data.max_length, set "
             "train.activation_checkpointing: on, or use QLoRA / more GPUs; then " + resume_advice(run_dir),
+        )
+    if "returned nan values" in detail:  # torch's anomaly mode (FINETUNE_DETECT_ANOMALY) found the first NaN
+        if CUDNN_ATTENTION_BACKWARD in detail:
+            return TrainingFailed(
+                f"the backward made a NaN in cuDNN's attention kernel: {detail}",
+                key="model.attn_implementation",
+                hint="sdpa runs padded rows (an attention mask) on cuDNN on this GPU; set data.packing: true (no mask: "
+                "the varlen kernel) or model.attn_implementation: eager (slower, more memory), then "
+                + resume_advice(run_dir),
+            )
+        return TrainingFailed(
+            f"the backward made a NaN: {detail} (the forward code that computed its input is printed above)",
+            key="train.on_nonfinite",
+            hint="the operation named is where the NaN started: look at its inputs (a padded row, an overflowing "
+            "activation in 16 bits); lower train.lr, use bf16 rather than fp16, or " + resume_advice(run_dir),
         )
     if name in ("SafetensorError", "HeaderTooLarge", "HeaderTooSmall") or "deserializing header" in detail:
         return RecipeError(

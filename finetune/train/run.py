@@ -39,6 +39,10 @@ def _setup_logging(is_main: bool) -> None:
     datasets.disable_progress_bars()
 
 
+# set (to anything) in the environment of `finetune run`: the ranks run their backward in torch's anomaly mode
+DETECT_ANOMALY = "FINETUNE_DETECT_ANOMALY"
+
+
 def run_rank(resolved_path: str | Path, *, resume: str = "auto", recipe: Recipe | None = None) -> dict | None:
     """Train one rank. Returns the summary on the main process (None elsewhere). `recipe`: the resolved recipe
     already loaded from `resolved_path` (the rank's entrypoint loads it before the libraries)."""
@@ -54,6 +58,12 @@ def run_rank(resolved_path: str | Path, *, resume: str = "auto", recipe: Recipe 
         cpu=recipe.resolved.device == "cpu", timeout=timedelta(minutes=recipe.distributed.timeout_minutes)
     )
     set_seed(recipe.train.seed)
+    if os.environ.get(DETECT_ANOMALY):
+        import torch
+
+        # torch's anomaly mode: the first backward function that returns a NaN raises, naming itself, and the
+        # forward's stack that made it is printed (several times slower: for finding a NaN, not for training)
+        torch.autograd.set_detect_anomaly(True)
     from finetune.train.signals import Preempted, PreemptionCallback
 
     # SIGTERM/SIGUSR1/SIGHUP from now on: checkpoint at the next step, exit 75 (SIGINT: 130)

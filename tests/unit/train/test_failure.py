@@ -109,6 +109,22 @@ def test_errors_inside_a_rank_become_one_paragraph_with_fitting_advice(tmp_path)
     assert isinstance(as_finetune_error(ValueError("set trust_remote_code=True"), run_dir=tmp_path), RecipeError)
 
 
+def test_a_nan_that_anomaly_mode_traced_to_cudnn_attention_points_at_the_attention_settings(tmp_path):
+    """The message torch's anomaly mode raised on an H200 (FINETUNE_DETECT_ANOMALY, docs/validation.md thirty-first
+    session): cuDNN's attention backward gets the attention keys and their fix; any other function the NaN key."""
+    cudnn = as_finetune_error(
+        RuntimeError("Function 'ScaledDotProductCudnnAttentionBackward0' returned nan values in its 0th output."),
+        run_dir=tmp_path,
+    ).render()
+    assert cudnn.startswith("model.attn_implementation: the backward made a NaN in cuDNN's attention kernel"), cudnn
+    assert "data.packing: true" in cudnn and "model.attn_implementation: eager" in cudnn
+    other = as_finetune_error(
+        RuntimeError("Function 'LogSoftmaxBackward0' returned nan values in its 0th output."), run_dir=tmp_path
+    ).render()
+    assert other.startswith("train.on_nonfinite: the backward made a NaN: Function 'LogSoftmaxBackward0'"), other
+    assert "FINETUNE_DEBUG" not in other
+
+
 @pytest.mark.slow
 def test_a_rank_error_prints_one_paragraph_without_a_traceback(tmp_path):
     # the template fails only on a row the pre-launch render does not try: the rank reports it

@@ -158,6 +158,22 @@ def test_stop_is_the_default_and_names_the_step(poisoned, tmp_path):
     assert not list((tmp_path / "run").glob("checkpoints/checkpoint-*"))
 
 
+def test_anomaly_mode_names_the_backward_function_that_made_the_nan(poisoned, tmp_path, monkeypatch):
+    """FINETUNE_DETECT_ANOMALY: torch's anomaly mode stops at the first backward function that returns a NaN, and the
+    rank's error names it (with the key and a hint), not as an internal error."""
+    from finetune.train.run import DETECT_ANOMALY, run_rank
+
+    monkeypatch.setenv(DETECT_ANOMALY, "1")
+    try:
+        with pytest.raises(TrainingFailed) as info:
+            run_rank(resolve_recipe(_recipe(*poisoned), run_dir=tmp_path / "run"), resume="never")
+    finally:
+        torch.autograd.set_detect_anomaly(False)  # the mode is the process's: the rank's, here this worker's
+    text = info.value.render()
+    assert "the backward made a NaN: Function '" in text and "returned nan values" in text, text
+    assert "train.on_nonfinite" in text and info.value.exit_code == 4
+
+
 # DeepSpeed runs here on its CPU accelerator (gloo), through the real ZeRO optimizers. `finetune run` starts a
 # DeepSpeed plan only where nvidia-smi lists a GPU, so the recipe is compiled for a one-GPU preset (the run's
 # own ds_config.json and accelerate.yaml) and the compiled `accelerate launch` command is run as the launcher

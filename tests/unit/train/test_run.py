@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import shutil
 import subprocess
 import sys
@@ -197,6 +198,10 @@ def test_nonfinite_loss_stops_naming_step_and_rank(tmp_path):
         run_rank(resolve_recipe(recipe, run_dir=tmp_path / "run"), resume="never")
     text = info.value.render()
     assert "non-finite loss=nan" in text and "at step 1 (rank 0 of 1)" in text, text
+    # the NaN weight is the final norm's, so every gradient is NaN (the head is tied): the message names the span
+    assert re.search(
+        r"(\d+) of \1 trained tensors non-finite, from model\.embed_tokens\.weight to model\.norm\.weight", text
+    ), text
     assert info.value.exit_code == 4
 
 
