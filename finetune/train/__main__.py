@@ -22,6 +22,7 @@ from pathlib import Path
 _LAUNCHER = os.getppid()
 
 from finetune.errors import EXIT_INTERRUPTED, EXIT_PREEMPTED  # noqa: E402
+from finetune.train import collector  # noqa: E402
 
 
 class StoppedBeforeTraining(BaseException):
@@ -72,17 +73,13 @@ _ENTRY_POINT = False
 
 
 def _import_libraries():
-    """run_rank, whose module imports torch, transformers, trl and peft: ~600k objects that live as long as the
-    rank. As the rank's entry point the collector is off while they load (each pass would rescan them all: about
-    a sixth of the import time, 1 s of CPU a rank) and they are then frozen out of the later passes."""
-    import gc
-
+    """run_rank, whose module imports torch, transformers, trl and peft; as the rank's entry point, with the
+    collector held off while they load (finetune/train/collector.py)."""
     try:
         from finetune.train.run import run_rank
     finally:
         if _ENTRY_POINT:
-            gc.freeze()
-            gc.enable()
+            collector.loaded()
     return run_rank
 
 
@@ -140,14 +137,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    import gc
-
     _ENTRY_POINT = True
-    gc.disable()  # until the libraries are loaded (_import_libraries)
-    code = main()
-    # Everything is written and flushed. The interpreter's exit would garbage-collect the objects torch,
-    # transformers and trl hold over and over while it clears their modules: 1.5-2 s of CPU on every rank,
-    # which the launcher (and a requeued job) waits for. Frozen objects are skipped by those collections; exit
-    # handlers and non-daemon threads still run as usual.
-    gc.freeze()
-    sys.exit(code)
+    collector.hold_until_loaded()  # until _import_libraries
+    collector.exit_rank(main())

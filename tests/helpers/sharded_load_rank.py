@@ -376,19 +376,15 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    import gc
+    from finetune.train import collector
 
-    # as finetune.train's entry point runs a rank: no collections while the libraries load, their objects frozen
-    # out of the later ones and out of those at exit
-    gc.disable()
+    # as finetune.train's entry point runs a rank (finetune/train/collector.py)
+    collector.hold_until_loaded()
     import accelerate  # noqa: F401
     import torch  # noqa: F401
 
     from finetune.train import sharded_load, trainers  # noqa: F401
 
-    gc.freeze()
-    gc.enable()
+    collector.loaded()
     MODES = {"hybrid": hybrid, "random": random_init, "dpo": dpo}
-    code = MODES[sys.argv[3]](Path(sys.argv[1]), Path(sys.argv[2])) if sys.argv[3:] else main()
-    gc.freeze()
-    sys.exit(code)
+    collector.exit_rank(MODES[sys.argv[3]](Path(sys.argv[1]), Path(sys.argv[2])) if sys.argv[3:] else main())
