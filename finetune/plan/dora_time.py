@@ -92,13 +92,9 @@ def dora_seconds(job: Job, *, micro_batch: int, casts: bool, checkpointed_share:
     if not job.dora or job.adapter == "full" or not bandwidth:
         return 0.0
     a = job.act_bytes
-    # peft's adapters are fp32 where it casts the input to fp32 (DDP LoRA); bf16 under QLoRA, ZeRO-3 and
-    # FSDP2 (see plan/memory.py); without autocast (fp32 training) everything is fp32
-    adapter = x = 4 if casts or a == 4 else a
-    # on a quantized base TRL casts the adapters to bf16 but keeps DoRA's magnitude in fp32 (its updates would round
-    # to zero), which promotes the token side's products to fp32 all the same
-    magnitude = 4 if job.quantized_base else adapter
-    promoted = max(adapter, x, magnitude)
+    # the module's input is cast to the adapters' dtype with them (Job.dora_dtype_bytes)
+    adapter, promoted = job.dora_dtype_bytes(casts=casts)
+    x = adapter
     qlora = job.adapter == "qlora"
     weight_side = token_out = 0.0
     flops = 0.0

@@ -24,6 +24,8 @@ Kernels a micro-batch, from the profiles (docs/results/profiles/):
                                                     and 10 (q/k/v) and 4 (gate/up) a layer fewer with
                                                     adapter.fused_lora_groups
   a layer without Liger (eager RMSNorm/RoPE/SwiGLU): +123 (lora8b-noliger-h200 against lora8b-finetune-h200)
+  q/k norms Liger does not patch (OLMo-2's; any without Liger): +24 each, two a layer (counted on CPU)
+  lora dropout, per targeted linear:                 +2   (its kernel forward and backward)
   FSDP2's per-layer all-gathers and copies:          +24  (full3b-fsdp2-offload: 2,758 a micro-batch)
   an MoE layer's fold of adapter.target_experts:     +15  (peft's parametrization registered and removed around
                                                     each forward, the factors' casts, baddbmm and its backward:
@@ -81,6 +83,16 @@ KERNELS_PER_ADAPTED_LINEAR = 12.8
 # 269's profile measured (1.42 s of host operators a step, the profiler's own cost included, against 1.56 planned)
 KERNELS_PER_DORA_LINEAR = 33.0
 KERNELS_WITHOUT_LIGER_PER_LAYER = 123.0
+# transformers' eager RMSNorm, forward and backward (the fp32 upcast, pow, mean, eps, rsqrt, the products and their
+# gradients, the casts back): counted as the non-view aten ops of Llama's, Qwen3's and OLMo-2's norm modules
+# (tests/unit/plan/test_host_time.py). A model's q/k norms run it wherever Liger does not patch them
+# (Job.liger_qk_norms: OLMo-2 with Liger on; any model with it off), two a layer. OLMo-2-7B's QLoRA profile
+# (blind2-03-profiled, docs/validation.md thirty-first session) launched 6,920 kernels a micro-batch beyond the
+# optimizer step's against 5,239 planned without these and the dropout's
+KERNELS_PER_EAGER_NORM = 24.0
+# lora dropout on a targeted linear: torch's fused dropout kernel forward and its backward (the same profile: 448
+# native_dropout and 442 native_dropout_backward calls in two steps of 224 targeted linears)
+KERNELS_PER_LORA_DROPOUT = 2.0
 KERNELS_FSDP_PER_LAYER = 24.0
 KERNELS_PER_EXPERT_FOLD = 15.0
 KERNELS_OUTSIDE_LAYERS = 100.0
@@ -105,10 +117,14 @@ def trained_tensor_count(job: Job) -> int:
 def kernels_per_micro_batch(job: Job, *, strategy: str, checkpointed_layers: int) -> float:
     """Kernels the host launches for one micro-batch's forward and backward (see the module docstring)."""
     arch = job.arch
-    layer = KERNELS_PER_LAYER + (0.0 if job.liger else KERNELS_WITHOUT_LIGER_PER_LAYER)
+    base = KERNELS_PER_LAYER + (0.0 if job.liger else KERNELS_WITHOUT_LIGER_PER_LAYER)
+    if arch.qk_norm and not job.liger_qk_norms:
+        base += 2 * KERNELS_PER_EAGER_NORM
+    layer = base
     if job.adapter != "full":
         targeted = sum(n for n, _, _ in targeted_linears(arch, job.lora_targets))
         per_linear = KERNELS_PER_ADAPTED_LINEAR + (KERNELS_PER_DORA_LINEAR if job.dora else 0.0)
+        per_linear += KERNELS_PER_LORA_DROPOUT if job.lora_dropout > 0 else 0.0
         if fused_lora_runs(job, strategy):  # adapter.fused_lora: no scale or add kernels (plan/lora_time.py)
             per_linear -= KERNELS_SAVED_PER_FUSED_LINEAR
         layer += (per_linear * targeted - grouped_kernels_saved(job, strategy)) / arch.num_layers
@@ -117,11 +133,7 @@ def kernels_per_micro_batch(job: Job, *, strategy: str, checkpointed_layers: int
     layer += KERNELS_PER_EXPERT_FOLD * job.lora_expert_layers / arch.num_layers
     kernels = arch.num_layers * layer + checkpointed_layers * FORWARD_SHARE * layer
     # the reference's forwards run with the adapters off; KTO's policy forward of the KL completion with them
-    kernels += (
-        arch.num_layers
-        * FORWARD_SHARE
-        * (job.reference_passes * KERNELS_PER_LAYER + job.policy_forward_only_passes * layer)
-    )
+    kernels += arch.num_layers * FORWARD_SHARE * (job.reference_passes * base + job.policy_forward_only_passes * layer)
     return kernels + KERNELS_OUTSIDE_LAYERS
 
 

@@ -372,8 +372,9 @@ def activation_bytes_per_token_layer(
         # per-head norms on q and k before RoPE: their input kept like any RMSNorm's (RoPE multiplies the
         # output by cos/sin, which need no gradient, so keeps neither operand of it)
         qk = q + kv
-        norms += (a * qk + 4 * (arch.num_attention_heads + arch.num_kv_heads)) if job.liger else 4 * qk
-        norms += a * qk if full and not job.liger else 0
+        liger = job.liger_qk_norms  # Liger patches some families' q/k norms only (OLMo-2's stay eager)
+        norms += (a * qk + 4 * (arch.num_attention_heads + arch.num_kv_heads)) if liger else 4 * qk
+        norms += a * qk if full and not liger else 0
     # key/value heads kept repeated to the query's count: eager and masked sdpa repeat them, varlen does not
     # (Job.varlen_repeats_kv: runs of the path that did)
     repeated = (
@@ -442,6 +443,40 @@ def dropout_mask_bytes(job: Job, *, casts: bool) -> int:
     if job.preset.vendor == "cpu":
         return 4 if casts else job.act_bytes
     return 1
+
+
+# token x out-feature tensors in the promoted dtype that a DoRA module's backward holds at once: the base and LoRA
+# outputs' gradients through the magnitude and the product whose sum over the tokens is the magnitude's gradient; where
+# the promoted dtype is not the compute dtype (fp32 adapters or magnitude), also the output gradient cast up and the
+# base output's gradient cast back (dora_backward_bytes_per_feature). The memory profile of SmolLM3-3B's DoRA at 32,768
+# tokens on an H200 (docs/validation.md thirty-first session) held four fp32 tensors of 32,768 x 11,008 and one in bf16
+# at its peak, in the up/gate projections' backward
+DORA_BACKWARD_PROMOTED_COPIES = 3
+
+
+def dora_backward_bytes_per_feature(*, promoted: int, act: int) -> int:
+    """Bytes a token and out-feature that one DoRA module's backward holds at once beyond a LoRA module's (whose
+    own, one compute-dtype tensor, the calibration already carries): 16 with fp32 adapters, 4 with 16-bit ones, as
+    the peak of live tensors in one peft DoRA Linear's backward on CPU measures (tests/unit/plan/test_memory.py)."""
+    return DORA_BACKWARD_PROMOTED_COPIES * promoted + (promoted + act if promoted != act else 0) - act
+
+
+def dora_backward_bytes(job: Job, *, micro_batch: int, casts: bool) -> float:
+    """The backward of one DoRA module beyond the tensors the forward kept, for the widest targeted module (one
+    module's backward runs at a time). Where that is the MLP's gate or up projection, down_proj's backward has run
+    before it and freed the SwiGLU product and the activation's output that the layer's count keeps (2 x act a token
+    and feature: at the profile's peak only the gate's and up's own outputs were left of the MLP's)."""
+    if not job.dora or job.adapter == "full":
+        return 0.0
+    widths = {name: shape[1] for name, shape in module_shapes(job.arch).items() if name in job.lora_targets}
+    if not widths:
+        return 0.0
+    widest = max(widths, key=lambda name: widths[name])
+    _, promoted = job.dora_dtype_bytes(casts=casts)
+    per_feature = dora_backward_bytes_per_feature(promoted=promoted, act=job.act_bytes)
+    if widest in ("gate_proj", "up_proj"):
+        per_feature -= 2 * job.act_bytes
+    return tokens_per_micro_batch(job, micro_batch) * widths[widest] * max(per_feature, 0)
 
 
 def dora_dropout_weight_bytes(job: Job, *, casts: bool) -> float:
@@ -541,7 +576,13 @@ def checkpointed_layers(job: Job, checkpointing: bool | int) -> int:
 
 
 def activation_bytes(
-    job: Job, *, micro_batch: int, checkpointing: bool | int, casts: bool = False, fp32_stream: bool = False
+    job: Job,
+    *,
+    micro_batch: int,
+    checkpointing: bool | int,
+    casts: bool = False,
+    fp32_stream: bool = False,
+    loss_head: float = 0.0,
 ) -> float:
     """Saved activations at the peak (the start of the backward pass).
 
@@ -549,7 +590,13 @@ def activation_bytes(
     (act x h per token) and the other L - k keep everything. The backward reaches the checkpointed
     layers only after the un-checkpointed ones above them have freed theirs, so one layer's recompute
     adds to the peak only when every layer is checkpointed: (L-k) x layer + k x input, or L x input +
-    one layer when k = L (which is why k = L - 1 needs less memory than k = L)."""
+    one layer when k = L (which is why k = L - 1 needs less memory than k = L).
+
+    The loss head's bytes (`loss_head`: loss_head_bytes) are freed before the first layer's backward starts, so
+    they are never alive with that layer's transients (a checkpointed layer's recompute, its backward's gradients):
+    the peak holds the larger of the two. With `loss_head` given, the bytes returned are what the activations add
+    beside it (the memory profile of QLoRA DPO under FSDP2 with every layer checkpointed, docs/validation.md
+    thirty-first session, peaked in the loss head with no layer recomputed)."""
     tokens = tokens_per_micro_batch(job, micro_batch)
     per_layer = (
         activation_bytes_per_token_layer(job, micro_batch=micro_batch, casts=casts, fp32_stream=fp32_stream) * tokens
@@ -562,16 +609,13 @@ def activation_bytes(
     edges = 4 * stream * job.arch.hidden_size * tokens  # embedding output + final norm
     inputs = k * stream * job.arch.hidden_size * tokens
     recompute = per_layer if k == layers else 0.0
-    # the peak is inside the first layer's backward, whose eager attention adds its gradients' scores
-    backward = eager_backward_bytes(job, micro_batch=micro_batch)
-    return (
-        (layers - k) * per_layer
-        + inputs
-        + recompute
-        + edges
-        + shared_mask_bytes(job, micro_batch=micro_batch)
-        + backward
+    # the peak is inside the first layer's backward, whose eager attention adds its gradients' scores and whose
+    # DoRA modules their output gradients
+    backward = eager_backward_bytes(job, micro_batch=micro_batch) + dora_backward_bytes(
+        job, micro_batch=micro_batch, casts=casts
     )
+    held = (layers - k) * per_layer + inputs + edges + shared_mask_bytes(job, micro_batch=micro_batch)
+    return held + max(recompute + backward, loss_head) - loss_head
 
 
 def logits_bytes(job: Job, *, micro_batch: int) -> float:
@@ -652,14 +696,15 @@ def footprint(
         gradients=opt_on_gpu * states.gradients / states_shard + extra_grads,
         optimizer=opt_on_gpu * states.optimizer / states_shard,
     )
+    logits = loss_head_bytes(job, micro_batch=micro_batch)
     acts = activation_bytes(
         job,
         micro_batch=micro_batch,
         checkpointing=checkpointing,
         casts=adapter_input_casts(job, strategy),
         fp32_stream=autocast_fp32_model(job, strategy=strategy),
+        loss_head=logits,
     )
-    logits = loss_head_bytes(job, micro_batch=micro_batch)
     fixed = CPU_FIXED_BYTES if cpu else ALLOCATOR_RESERVE_BYTES["plain" if tier.backend == "ddp" else "sharded"]
     if job.adapter == "qlora":
         # a dequantized 16-bit copy of the largest linear weight while it is multiplied

@@ -48,13 +48,17 @@ def unfused_bytes_per_token(job: Job) -> tuple[float, float]:
     (Job.liger_swiglu: also on the model types whose Liger patch would swap the routed experts)."""
     arch, a = job.arch, job.act_bytes
     forward = backward = 0.0
+    q, k, _ = attention_widths(arch)
+    norm_f, norm_b = _beyond_liger(eager_norm_bytes(a), (2 * a, 3 * a))
+    # the q/k norms run eager wherever Liger does not patch them (Job.liger_qk_norms), with Liger on as well
+    norm_elements = q + k if arch.qk_norm and not job.liger_qk_norms else 0
     if not job.liger:
-        q, k, _ = attention_widths(arch)
-        norm_f, norm_b = _beyond_liger(eager_norm_bytes(a), (2 * a, 3 * a))
         rope_f, rope_b = _beyond_liger(eager_rope_bytes(a), (2 * a, 2 * a))
-        norm_elements = arch.norms_per_layer * arch.hidden_size + (q + k if arch.qk_norm else 0)
-        forward += arch.num_layers * (norm_f * norm_elements + rope_f * (q + k))
-        backward += arch.num_layers * (norm_b * norm_elements + rope_b * (q + k))
+        norm_elements += arch.norms_per_layer * arch.hidden_size
+        forward += arch.num_layers * rope_f * (q + k)
+        backward += arch.num_layers * rope_b * (q + k)
+    forward += arch.num_layers * norm_f * norm_elements
+    backward += arch.num_layers * norm_b * norm_elements
     if not job.liger_swiglu:
         moe = moe_layer_count(arch)
         mlp_width = (arch.num_layers - moe) * arch.intermediate_size + moe * arch.shared_expert_intermediate_size

@@ -12,8 +12,8 @@ from operator import attrgetter
 from statistics import NormalDist
 
 from finetune.kernels import CUDNN_MIN_EXAMPLE_TOKENS
-from finetune.recipe.schema import EMBEDDING_MODULES, least_micro_batch
-from finetune.registry.families import liger_swiglu
+from finetune.recipe.schema import EMBEDDING_MODULES, least_micro_batch, quantized_base
+from finetune.registry.families import LIGER_QK_NORM_MODEL_TYPES, liger_swiglu
 from finetune.registry.schema import HardwarePreset, ModelArch
 
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
@@ -164,6 +164,12 @@ class Job:
         return self.liger and liger_swiglu(self.arch.family)
 
     @property
+    def liger_qk_norms(self) -> bool:
+        """Liger's RMSNorm runs the model's q/k norms (registry.families.LIGER_QK_NORM_MODEL_TYPES); elsewhere they are
+        transformers' eager RMSNorm, with Liger on or off."""
+        return self.liger and self.arch.qk_norm and self.arch.family in LIGER_QK_NORM_MODEL_TYPES
+
+    @property
     def lora_experts(self) -> bool:
         """adapter.target_experts adapts some MoE layer's routed experts."""
         return self.lora_expert_layers > 0
@@ -189,13 +195,23 @@ class Job:
     def quantized_base(self) -> bool:
         """bitsandbytes quantizes the base's linear weights (QLoRA's 4 bits, LoRA's load_in_8bit): from_pretrained
         places them on the GPU tensor by tensor (device_map), and they are not 16-bit tensors."""
-        return self.adapter == "qlora" or self.int8_base
+        return quantized_base(self.adapter, load_in_8bit=self.int8_base)
 
     @property
     def dora_recomputes_base(self) -> bool:
         """peft's DoRA with lora dropout computes each adapted linear's base output again on the dropped-out input
         (plan/dora_time.py recomputed_base_flops_per_token, plan/memory.py dora_dropout_weight_bytes)."""
         return self.dora and self.lora_dropout > 0 and self.adapter != "full"
+
+    def dora_dtype_bytes(self, *, casts: bool) -> tuple[int, int]:
+        """(adapter, promoted): the bytes of peft's DoRA adapter weights and of the dtype its token-side products
+        (the magnitude times the base and LoRA outputs) are promoted to. The adapters are fp32 where peft casts the
+        adapter input to fp32 (`casts`: DDP LoRA, plan/memory.py adapter_input_casts) or without autocast, else
+        the compute dtype (QLoRA, ZeRO-3, FSDP2); on a quantized base TRL casts the adapters to bf16 but keeps the
+        magnitude in fp32 (its updates would round to zero), which promotes the products to fp32 all the same."""
+        adapter = 4 if casts or self.act_bytes == 4 else self.act_bytes
+        magnitude = 4 if self.quantized_base else adapter
+        return adapter, max(adapter, magnitude)
 
     @property
     def reference_forward(self) -> bool:

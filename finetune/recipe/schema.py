@@ -201,6 +201,12 @@ class MethodSection(Strict):
         return {"type": value} if isinstance(value, str) else value
 
 
+def quantized_base(adapter: str, *, load_in_8bit: bool) -> bool:
+    """bitsandbytes quantizes the frozen base's linear weights: QLoRA's 4 bits, or LoRA's load_in_8bit (LLM.int8).
+    The recipe's (AdapterSection.quantizes_base) and the planner's (Job.quantized_base) one rule."""
+    return adapter == "qlora" or (adapter == "lora" and load_in_8bit)
+
+
 class AdapterSection(Strict):
     type: Literal["full", "lora", "qlora"] = Field(
         "lora",
@@ -289,8 +295,8 @@ class AdapterSection(Strict):
 
     @property
     def quantizes_base(self) -> bool:
-        """bitsandbytes quantizes the frozen base's linear weights: QLoRA's 4 bits or LoRA's load_in_8bit."""
-        return self.type == "qlora" or self.load_in_8bit
+        """bitsandbytes quantizes the frozen base's linear weights (`quantized_base`)."""
+        return quantized_base(self.type, load_in_8bit=self.load_in_8bit)
 
     @property
     def quantization_key(self) -> str:

@@ -221,6 +221,12 @@ LIGER_MODEL_TYPES = frozenset(
 LIGER_FUSED_EXPERTS = frozenset({"deepseek_v2", "deepseek_v3", "mixtral", "qwen3_moe"})
 
 
+# the model types with q/k norms (Family.qk_norm) whose Liger patch replaces those norms too (liger-kernel 0.8.5's
+# apply functions patch each decoder layer's self_attn.q_norm and k_norm for these; OLMo-2's and OLMo-3's leaves
+# them to transformers' eager RMSNorm, whose ops the host launches one by one: plan/host_time.py)
+LIGER_QK_NORM_MODEL_TYPES = frozenset({"exaone4", "gemma3", "gemma3_text", "qwen3", "qwen3_moe"})
+
+
 def liger_installed() -> bool:
     """liger-kernel is installed here; find_spec does not import it (planning stays torch-free)."""
     import importlib.util

@@ -56,3 +56,41 @@ def block_kept_bytes(model, block, x) -> int:
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), torch.autocast("cpu", dtype=torch.bfloat16):
         block(x)
     return sum(kept.values())
+
+
+def backward_peak_bytes(output, gradient) -> int:
+    """The peak bytes of the tensors `output.backward(gradient)` creates and holds at once (each storage counted
+    while it is alive: a dispatch mode records every op's outputs, weak finalizers their release)."""
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_flatten
+
+    state = {"live": 0, "peak": 0}
+    seen: set[int] = set()
+
+    class Live(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if func.is_view:  # a view shares its base's storage
+                return out
+            for t in tree_flatten(out)[0]:
+                if not isinstance(t, torch.Tensor):
+                    continue
+                storage = t.untyped_storage()
+                key, size = storage.data_ptr(), storage.nbytes()
+                if not size or key in seen:
+                    continue
+                seen.add(key)
+                state["live"] += size
+                state["peak"] = max(state["peak"], state["live"])
+
+                def released(size=size, key=key):
+                    state["live"] -= size
+                    seen.discard(key)
+
+                weakref.finalize(storage, released)
+            return out
+
+    with Live():
+        output.backward(gradient)
+    return state["peak"]

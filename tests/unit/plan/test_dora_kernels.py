@@ -12,23 +12,12 @@ from dataclasses import replace
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from finetune.plan.host_time import KERNELS_PER_DORA_LINEAR, kernels_per_micro_batch
 from finetune.plan.workload import targeted_linears
 from finetune.registry import get_preset
+from tests.helpers.aten_ops import KernelOps
 from tests.helpers.recipes import shape_job
-
-
-class _Ops(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.ops: Counter = Counter()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if not func.is_view:  # a view only re-describes a tensor: no kernel on a GPU
-            self.ops[func.overloadpacket.__name__] += 1
-        return func(*args, **(kwargs or {}))
 
 
 def _ops(*, dora: bool, cast: bool) -> Counter:
@@ -49,7 +38,7 @@ def _ops(*, dora: bool, cast: bool) -> Counter:
     model.train()
     x = torch.randn(2, 16, 64, dtype=torch.bfloat16, requires_grad=True)  # a layer input: its gradient flows
     casting = contextlib.nullcontext() if cast else disable_input_dtype_casting(model)
-    counter = _Ops()
+    counter = KernelOps()
     with casting:
         for counting in (False, True):  # the first pass warms peft's lazy state
             with counter if counting else contextlib.nullcontext():

@@ -9,10 +9,15 @@ from __future__ import annotations
 
 import pytest
 
-from finetune.plan.memory import activation_bytes_per_token_layer, dora_bytes_per_token_layer, dora_dropout_weight_bytes
+from finetune.plan.memory import (
+    activation_bytes_per_token_layer,
+    dora_backward_bytes_per_feature,
+    dora_bytes_per_token_layer,
+    dora_dropout_weight_bytes,
+)
 from finetune.plan.workload import ALL_LINEAR, Job
 from finetune.registry.schema import HardwarePreset, ModelArch
-from tests.helpers.saved_tensors import per_token_bytes, retained_bytes
+from tests.helpers.saved_tensors import backward_peak_bytes, per_token_bytes, retained_bytes
 
 torch = pytest.importorskip("torch")
 H, INTER = 256, 640
@@ -49,6 +54,33 @@ def test_dora_keeps_two_compute_dtype_outputs_per_targeted_module():
     planned = dora_bytes_per_token_layer(_job(dora=True))
     assert planned == 2 * 2 * 2304 == 9216
     assert measured == pytest.approx(planned, rel=0.02)
+
+
+@pytest.mark.parametrize("fp32_adapters", [True, False], ids=["fp32-adapters", "bf16-adapters"])
+def test_a_dora_modules_backward_holds_its_output_gradients_in_the_promoted_dtype(fp32_adapters):
+    """memory.dora_backward_bytes: the peak of the tensors one peft DoRA Linear's backward holds at once, beyond a LoRA
+    Linear's, per token and out-feature (memory.dora_backward_bytes_per_feature: 16 bytes with fp32 adapters, 4 with
+    bf16 ones)."""
+    from peft import LoraConfig, get_peft_model
+    from peft.helpers import disable_input_dtype_casting
+
+    tokens, fin, fout = 2048, 64, 512
+
+    def peak(dora: bool) -> int:
+        torch.manual_seed(0)
+        model = get_peft_model(
+            torch.nn.Sequential(torch.nn.Linear(fin, fout, bias=False)).to(torch.bfloat16),
+            LoraConfig(r=8, lora_alpha=16, target_modules=["0"], use_dora=dora),
+            autocast_adapter_dtype=fp32_adapters,
+        )
+        x = torch.randn(tokens, fin, dtype=torch.bfloat16, requires_grad=True)
+        with disable_input_dtype_casting(model), torch.autocast("cpu", dtype=torch.bfloat16):
+            y = model(x)
+        return backward_peak_bytes(y, torch.randn_like(y))
+
+    planned = dora_backward_bytes_per_feature(promoted=4 if fp32_adapters else 2, act=2)
+    assert planned == (16 if fp32_adapters else 4)
+    assert (peak(True) - peak(False)) / (tokens * fout) == pytest.approx(planned, abs=0.1)
 
 
 @pytest.mark.parametrize("fp32_adapters", [True, False], ids=["fp32-adapters-casts", "bf16-adapters"])

@@ -1,0 +1,110 @@
+"""Does sdpa's backward on this GPU give non-finite gradients for a padded batch whose mask leaves some query rows
+with no key to see (a sliding-window layer's padding queries more than a window past the last real token)?
+
+Each of sdpa's CUDA backends in turn, then transformers' own sdpa path in a small Gemma-3 (its real attention shape:
+head_dim 256, one key/value head, a 512-token window) over right-padded rows, with the loss on real tokens only, as
+TRL's DPO loss takes it. Prints one JSON object: for each case, the non-finite counts of the output and of the
+gradients, and the same with the fully masked rows given their own key back (the mask finetune builds for padded
+sliding-window batches, finetune/train/attention.py).
+
+    python scripts/sdpa_masked_rows.py > masked_rows.json
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import torch
+import torch.nn.functional as F  # noqa: N812
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+WINDOW, LENGTH, REAL = 512, 2048, (2028, 1200)
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # cpu: a dry run of the script itself
+
+
+def sliding_padded_mask(device) -> torch.Tensor:
+    """(batch, 1, L, L) booleans: causal, inside the window, real keys only."""
+    pos = torch.arange(LENGTH, device=device)
+    causal = (pos[None, :] <= pos[:, None]) & (pos[None, :] > pos[:, None] - WINDOW)
+    real = torch.stack([pos < n for n in REAL])  # (batch, L)
+    return causal[None, None] & real[:, None, None, :]
+
+
+def with_own_key(mask: torch.Tensor) -> torch.Tensor:
+    """Rows that see no key see their own (the diagonal): finite, and no real token's output changes."""
+    empty = ~mask.any(-1, keepdim=True)
+    return mask | (empty & torch.eye(mask.shape[-1], dtype=torch.bool, device=mask.device))
+
+
+def nonfinite(t: torch.Tensor | None) -> int:
+    return -1 if t is None else int((~torch.isfinite(t)).sum())
+
+
+def kernel_case(backend, mask) -> dict:
+    torch.manual_seed(0)
+    shape = (len(REAL), 4, LENGTH, 256)
+    q = torch.randn(shape, device=DEVICE, dtype=torch.bfloat16, requires_grad=True)
+    k = torch.randn(shape[0], 1, LENGTH, 256, device=DEVICE, dtype=torch.bfloat16, requires_grad=True)
+    v = torch.randn_like(k, requires_grad=True)
+    try:
+        with sdpa_kernel([backend]):
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+            real = torch.stack([torch.arange(LENGTH, device=DEVICE) < n for n in REAL])[:, None, :, None]
+            (out * real).float().sum().backward()
+    except RuntimeError as exc:
+        return {"error": str(exc).splitlines()[0][:160]}
+    return {"out": nonfinite(out), "dq": nonfinite(q.grad), "dk": nonfinite(k.grad), "dv": nonfinite(v.grad)}
+
+
+def model_case() -> dict:
+    """transformers' Gemma-3 (4 layers, the 1B model's widths) over the padded batch, sdpa as transformers picks."""
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    config = Gemma3TextConfig(
+        vocab_size=4096,
+        hidden_size=1152,
+        intermediate_size=6912,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=1,
+        head_dim=256,
+        sliding_window=WINDOW,
+        layer_types=["sliding_attention"] * 3 + ["full_attention"],
+        attn_implementation="sdpa",
+    )
+    torch.manual_seed(0)
+    model = Gemma3ForCausalLM(config).to(DEVICE, torch.bfloat16)
+    ids = torch.randint(3, 4096, (len(REAL), LENGTH), device=DEVICE)
+    attention = torch.stack([torch.arange(LENGTH, device=DEVICE) < n for n in REAL]).long()
+    logits = model(input_ids=ids, attention_mask=attention).logits
+    logps = torch.log_softmax(logits.float(), -1)[:, :-1].gather(-1, ids[:, 1:, None])[..., 0]
+    (logps * attention[:, 1:]).sum().backward()  # masked as TRL's losses mask padding: zero weight, not removed
+    bad = [n for n, p in model.named_parameters() if p.grad is not None and not torch.isfinite(p.grad).all()]
+    return {"logits": nonfinite(logits), "params_with_nonfinite_grads": len(bad), "first": bad[-1:]}
+
+
+def main() -> None:
+    mask = sliding_padded_mask(DEVICE)
+    empty_rows = int((~mask.any(-1)).sum())
+    report: dict = {
+        "torch": torch.__version__,
+        "device": torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu",
+        "fully_masked_rows": empty_rows,
+    }
+    for name in ("EFFICIENT_ATTENTION", "CUDNN_ATTENTION", "MATH"):
+        backend = getattr(SDPBackend, name)
+        report[name] = {"as_built": kernel_case(backend, mask), "own_key": kernel_case(backend, with_own_key(mask))}
+    try:
+        import transformers
+
+        report["transformers"] = transformers.__version__
+        report["gemma3_model"] = model_case()
+    except Exception as exc:  # report what failed, keep the kernel cases
+        report["gemma3_model"] = {"error": repr(exc)[:300]}
+    json.dump(report, sys.stdout, indent=1)
+    print()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,77 @@
+"""The kernels a micro-batch launches (plan/host_time.py kernels_per_micro_batch): the eager RMSNorm's count as the
+aten ops transformers' norm modules run, and the terms a model's q/k norms and lora dropout add."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+import torch
+
+from finetune.plan.host_time import KERNELS_PER_EAGER_NORM, KERNELS_PER_LORA_DROPOUT, kernels_per_micro_batch
+from finetune.plan.lora_time import grouped_kernels_saved
+from finetune.plan.workload import targeted_linears
+from finetune.registry.derive import arch_from_config
+from tests.helpers.aten_ops import KernelOps
+from tests.helpers.paths import ROOT
+from tests.helpers.recipes import shape_job
+
+
+def _ops(module=None) -> int:
+    """Non-view aten ops of `module`'s forward and backward on a bf16 input (the loss's own ops alone without it)."""
+    x = torch.randn(2, 16, 64, dtype=torch.bfloat16, requires_grad=True)
+    counter = KernelOps()
+    with counter:
+        (module(x) if module is not None else x).float().sum().backward()
+    return sum(counter.ops.values())
+
+
+@pytest.mark.parametrize(
+    "module",
+    [
+        "transformers.models.llama.modeling_llama.LlamaRMSNorm",
+        "transformers.models.qwen3.modeling_qwen3.Qwen3RMSNorm",
+        "transformers.models.olmo2.modeling_olmo2.Olmo2RMSNorm",
+    ],
+)
+def test_an_eager_rmsnorm_runs_the_planned_ops(module):
+    import importlib
+
+    path, name = module.rsplit(".", 1)
+    norm = getattr(importlib.import_module(path), name)(64).to(torch.bfloat16)
+    assert abs(_ops(norm) - _ops() - KERNELS_PER_EAGER_NORM) <= 1
+
+
+def _olmo2(**kw):
+    """OLMo-2-7B's job with Liger on (its q/k norms over all heads, which Liger leaves to transformers)."""
+    job = shape_job("llama-3.1-8b", "lora", **kw)
+    arch = arch_from_config(Path(ROOT, "tests/data/hub_configs/olmo-2-7b/config.json"), key="olmo-2-7b")
+    return dataclasses.replace(job, arch=arch, liger=True)
+
+
+def test_q_k_norms_liger_leaves_eager_add_two_norms_a_layer_and_dropout_two_kernels_a_linear():
+    olmo = _olmo2()
+    assert olmo.liger and olmo.arch.qk_norm and not olmo.liger_qk_norms
+    qwen3 = dataclasses.replace(shape_job("qwen3-8b", "lora"), liger=True)
+    assert qwen3.liger and qwen3.liger_qk_norms
+
+    def kernels(job):
+        return kernels_per_micro_batch(job, strategy="ddp", checkpointed_layers=0)
+
+    layers = olmo.arch.num_layers
+    without = dataclasses.replace(olmo, arch=olmo.arch.model_copy(update={"qk_norm": False}))
+    assert kernels(olmo) - kernels(without) == pytest.approx(2 * KERNELS_PER_EAGER_NORM * layers)
+    # Qwen3's are Liger's: nothing beyond its layer; without Liger they are eager too
+    qwen3_plain = dataclasses.replace(qwen3, arch=qwen3.arch.model_copy(update={"qk_norm": False}))
+    assert kernels(qwen3) == pytest.approx(kernels(qwen3_plain))
+    off, off_plain = (dataclasses.replace(j, liger=False) for j in (qwen3, qwen3_plain))
+    assert kernels(off) - kernels(off_plain) == pytest.approx(2 * KERNELS_PER_EAGER_NORM * qwen3.arch.num_layers)
+
+    # dropout: two kernels a targeted linear, and the shared-input groups no longer run as one (each adapter reads
+    # its own dropped-out input: plan/lora_time.py)
+    dropped = dataclasses.replace(olmo, lora_dropout=0.05)
+    targeted = sum(n for n, _, _ in targeted_linears(olmo.arch, olmo.lora_targets))
+    grouped = grouped_kernels_saved(olmo, "ddp")
+    assert grouped > 0 and grouped_kernels_saved(dropped, "ddp") == 0
+    assert kernels(dropped) - kernels(olmo) == pytest.approx(KERNELS_PER_LORA_DROPOUT * targeted + grouped)
