@@ -39,6 +39,7 @@ LOSS_PNG = "loss.png"
 MEMORY_DIR = "memory"
 PROFILE_DIR = "profile"
 LOGS_DIR = "logs"
+NONFINITE_DIR = "nonfinite"  # the micro-batches of a step whose gradients were not finite: step-N-rank-R.pt
 RANK_ERROR = f"{LOGS_DIR}/rank-error.json"  # the main rank's FinetuneError, read by the launching API
 CHECKPOINTS = "checkpoints"  # the Trainer's checkpoint-N directories
 OOM_RETRIES = f"{LOGS_DIR}/oom-retries.json"  # the launcher's re-plans after out-of-memory failures

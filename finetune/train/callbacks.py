@@ -296,6 +296,50 @@ def is_deepspeed_optimizer(optimizer) -> bool:
     return isinstance(optimizer, DeepSpeedOptimizerWrapper)
 
 
+# the most a step's kept micro-batches may hold (they are on the GPU already: keeping them costs no copy, only memory
+# until the next step); past it the step's earliest are let go
+KEPT_MICRO_BATCH_BYTES = 64 * 2**20
+
+
+def _nbytes(micro_batch) -> int:
+    values = micro_batch.values() if isinstance(micro_batch, dict) else [micro_batch]
+    return sum(v.nbytes for v in values if hasattr(v, "nbytes") and not isinstance(v, (int, float)))
+
+
+class KeepsStepMicroBatches:
+    """Trainer mixin: the current optimizer step's micro-batches as the dataloader gave them (references, no copy;
+    token ids are a few hundred KB each; at most KEPT_MICRO_BATCH_BYTES, the latest), for NonFiniteCallback to write
+    when the step's gradients are not finite."""
+
+    def training_step(self, model, inputs, *args, **kwargs):
+        step = self.state.global_step
+        if getattr(self, "_kept_step", None) != step:
+            self._kept_step, self.step_micro_batches = step, []
+        kept = self.step_micro_batches
+        kept.append(inputs)
+        while len(kept) > 1 and sum(_nbytes(mb) for mb in kept) > KEPT_MICRO_BATCH_BYTES:
+            kept.pop(0)
+        return super().training_step(model, inputs, *args, **kwargs)
+
+
+def write_micro_batches(path: Path, micro_batches: list, *, step: int, rank: int) -> Path:
+    """Write a step's micro-batches to `path` (torch.save; a temporary file renamed, so never half-written): their
+    tensors on the CPU, other values as they are."""
+    import os
+
+    import torch
+
+    def cpu(value):
+        return value.detach().cpu() if isinstance(value, torch.Tensor) else value
+
+    batches = [{k: cpu(v) for k, v in mb.items()} if isinstance(mb, dict) else cpu(mb) for mb in micro_batches]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    torch.save({"step": step, "rank": rank, "micro_batches": batches}, tmp)
+    os.replace(tmp, path)
+    return path
+
+
 class NonFiniteCallback(TrainerCallback):
     """train.on_nonfinite for a non-finite loss or gradient on any rank.
 
@@ -316,12 +360,31 @@ class NonFiniteCallback(TrainerCallback):
     first bad step only, and the loss scaler goes on skipping later ones).
     """
 
-    def __init__(self, *, policy: str, max_bad_steps: int):
+    def __init__(self, *, policy: str, max_bad_steps: int, run_dir: Path | None = None):
         self.policy, self.max_bad_steps, self.bad = policy, max_bad_steps, 0
         self.skipped: list[int] = []
         self.stopping: str | None = None
         self._last_logged = 0
         self._loss_was_nonfinite = False
+        self.run_dir = run_dir  # where a bad step's micro-batches go (rundir.NONFINITE_DIR); None: not kept
+        self.trainer = None  # the trainer whose step_micro_batches (KeepsStepMicroBatches) are written
+
+    def keep_micro_batches(self, trainer) -> None:
+        """Write a bad step's micro-batches from `trainer` (a KeepsStepMicroBatches) under run_dir."""
+        self.trainer = trainer
+
+    def _write_step(self, step: int, rank: int) -> str:
+        """'; its micro-batches: PATH' once written, '' where there is nothing to write or it failed."""
+        batches = getattr(self.trainer, "step_micro_batches", None)
+        if self.run_dir is None or not batches:
+            return ""
+        path = Path(self.run_dir) / rundir.NONFINITE_DIR / f"step-{step}-rank-{rank}.pt"
+        try:
+            write_micro_batches(path, batches, step=step, rank=rank)
+        except OSError as exc:  # a full disk must not hide the non-finite step itself
+            log.warning(f"could not write the bad step's micro-batches to {path}: {exc}")
+            return ""
+        return f"; its micro-batches: {path}"
 
     def on_train_begin(self, args, state, control, **kwargs):
         self._last_logged = state.global_step
@@ -335,9 +398,8 @@ class NonFiniteCallback(TrainerCallback):
         if is_deepspeed_optimizer(optimizer):
             # DeepSpeed's overflow flag: the same on every rank, so no collective here
             if optimizer.step_was_skipped:
-                return self._bad_step(
-                    control, step, f"step {step} (DeepSpeed's gradients, reduced over {world} rank(s))"
-                )
+                where = f"step {step} (DeepSpeed's gradients, reduced over {world} rank(s))"
+                return self._bad_step(control, step, where + self._write_step(step, rank))
             return control
         named = [(n, p) for n, p in model.named_parameters() if p.grad is not None] if model is not None else []
         params = [p for _, p in named]
@@ -362,6 +424,7 @@ class NonFiniteCallback(TrainerCallback):
         where = f"step {step} (rank {ranks} of {world})"
         if flags[rank]:
             where += "; " + nonfinite_gradients_named([(n, g) for (n, _), g in zip(named, grads)])
+            where += self._write_step(step, rank)
         for p in params:
             p.grad = None  # the optimizer skips it: this step changes no weight
         return self._bad_step(control, step, where)

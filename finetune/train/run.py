@@ -232,7 +232,7 @@ def _callbacks(session: _Session, *, preempt) -> list:
         LibraryCardCallback(),
         PeakMemoryCallback(run_dir, at_load=session.at_load),
         ConsoleProgress(),
-        NonFiniteCallback(policy=recipe.train.on_nonfinite, max_bad_steps=recipe.train.max_bad_steps),
+        NonFiniteCallback(policy=recipe.train.on_nonfinite, max_bad_steps=recipe.train.max_bad_steps, run_dir=run_dir),
         CommitCallback(run_dir, fields=session.fields, strategy=recipe.distributed.strategy, keep=recipe.output.keep),
         DiskSpaceCallback(run_dir, estimate=output_bytes(recipe, run_dir)[1]),
         preempt,
@@ -277,6 +277,9 @@ def _train(session: _Session, *, preempt):
         callbacks=_callbacks(session, preempt=preempt),
     )
     trainer.remove_callback(PrinterCallback)  # ConsoleProgress prints the readable version
+    for callback in trainer.callback_handler.callbacks:
+        if isinstance(callback, NonFiniteCallback):
+            callback.keep_micro_batches(trainer)  # a bad step's micro-batches, written for its reproduction
     with adapter_input_casting(recipe, trainer.model):
         result = trainer.train(resume_from_checkpoint=str(resume_from) if resume_from else None)
     if preempt.stopped_at is not None:

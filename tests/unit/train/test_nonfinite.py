@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import shutil
 import subprocess
 import sys
@@ -17,6 +18,7 @@ import pytest
 import torch
 from transformers import TrainerCallback
 
+from finetune import rundir
 from finetune.errors import TrainingFailed
 from tests.helpers.once import once_per_session
 from tests.helpers.paths import ROOT, TINY_MODEL
@@ -156,6 +158,17 @@ def test_stop_is_the_default_and_names_the_step(poisoned, tmp_path):
     assert info.value.exit_code == 4
     # nothing was saved after the bad step: the run stops before the save of that step
     assert not list((tmp_path / "run").glob("checkpoints/checkpoint-*"))
+    # the bad step's micro-batches are kept for its reproduction, and they hold the poisoned token
+    kept = re.search(r"its micro-batches: (\S+\.pt)", text)
+    assert kept, text
+    record = torch.load(kept.group(1), weights_only=True)
+    from transformers import AutoTokenizer
+
+    bad_id = AutoTokenizer.from_pretrained(poisoned[0]).convert_tokens_to_ids(BAD)
+    ids = torch.cat([mb["input_ids"].flatten() for mb in record["micro_batches"]])
+    assert record["rank"] == 0 and f"step {record['step']} " in text and (ids == bad_id).any()
+    assert Path(kept.group(1)).parent == tmp_path / "run" / rundir.NONFINITE_DIR
+    assert not list(Path(kept.group(1)).parent.glob("*.tmp"))
 
 
 def test_anomaly_mode_names_the_backward_function_that_made_the_nan(poisoned, tmp_path, monkeypatch):
