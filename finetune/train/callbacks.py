@@ -335,8 +335,12 @@ def write_micro_batches(path: Path, micro_batches: list, *, step: int, rank: int
     batches = [{k: cpu(v) for k, v in mb.items()} if isinstance(mb, dict) else cpu(mb) for mb in micro_batches]
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
-    torch.save({"step": step, "rank": rank, "micro_batches": batches}, tmp)
-    os.replace(tmp, path)
+    try:
+        torch.save({"step": step, "rank": rank, "micro_batches": batches}, tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)  # a full disk leaves no partial file behind
+        raise
     return path
 
 
