@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from finetune.train import collector
 from tests.helpers.once import once_per_session
 from tests.helpers.paths import TINY_MODEL
 
@@ -35,8 +36,9 @@ os.environ.setdefault(
 
 # Collecting imports torch, transformers and the test modules: ~500k objects that live as long as the worker.
 # The garbage collector would rescan them all over and over while they load (a quarter of the collection's
-# time, in each worker); it is paused until collection ends, and they are then frozen out of later passes.
-gc.disable()
+# time, in each worker); as in a rank (finetune/train/collector.py) it is held off until collection ends, and they
+# are then frozen out of later passes.
+collector.hold_until_loaded()
 
 
 def pytest_configure(config):
@@ -45,8 +47,7 @@ def pytest_configure(config):
 
 
 def pytest_collection_finish(session):
-    gc.freeze()
-    gc.enable()
+    collector.loaded()
 
 
 def pytest_collection_modifyitems(config, items):

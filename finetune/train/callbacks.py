@@ -303,7 +303,7 @@ KEPT_MICRO_BATCH_BYTES = 64 * 2**20
 
 def _nbytes(micro_batch) -> int:
     values = micro_batch.values() if isinstance(micro_batch, dict) else [micro_batch]
-    return sum(v.nbytes for v in values if hasattr(v, "nbytes") and not isinstance(v, (int, float)))
+    return sum(getattr(v, "nbytes", 0) for v in values)
 
 
 class KeepsStepMicroBatches:
@@ -317,8 +317,9 @@ class KeepsStepMicroBatches:
             self._kept_step, self.step_micro_batches = step, []
         kept = self.step_micro_batches
         kept.append(inputs)
-        while len(kept) > 1 and sum(_nbytes(mb) for mb in kept) > KEPT_MICRO_BATCH_BYTES:
-            kept.pop(0)
+        held = sum(_nbytes(mb) for mb in kept)
+        while len(kept) > 1 and held > KEPT_MICRO_BATCH_BYTES:
+            held -= _nbytes(kept.pop(0))
         return super().training_step(model, inputs, *args, **kwargs)
 
 
