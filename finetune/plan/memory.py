@@ -63,7 +63,7 @@ from dataclasses import dataclass, replace
 
 from finetune import strategies
 from finetune.kernels import cudnn_padded_length
-from finetune.plan.moe_memory import mlp_bytes_per_token_layer
+from finetune.plan.moe_memory import mlp_bytes_per_token_layer, routed_backward_bytes_per_token
 from finetune.plan.optimizer import optimizer_bytes, optimizer_step_transient_bytes
 from finetune.plan.types import GIB, MemoryBreakdown
 from finetune.plan.workload import (
@@ -611,8 +611,10 @@ def activation_bytes(
     recompute = per_layer if k == layers else 0.0
     # the peak is inside the first layer's backward, whose eager attention adds its gradients' scores and whose
     # DoRA modules their output gradients
-    backward = eager_backward_bytes(job, micro_batch=micro_batch) + dora_backward_bytes(
-        job, micro_batch=micro_batch, casts=casts
+    backward = (
+        eager_backward_bytes(job, micro_batch=micro_batch)
+        + dora_backward_bytes(job, micro_batch=micro_batch, casts=casts)
+        + routed_backward_bytes_per_token(job) * tokens
     )
     held = (layers - k) * per_layer + inputs + edges + shared_mask_bytes(job, micro_batch=micro_batch)
     return held + max(recompute + backward, loss_head) - loss_head
