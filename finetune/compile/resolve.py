@@ -16,7 +16,7 @@ from finetune.plan import attention_implementation, liger_enabled
 from finetune.plan.types import Plan
 from finetune.recipe.load import recipe_dir
 from finetune.recipe.paths import anchored, is_inline_template
-from finetune.recipe.schema import Recipe, ResolvedSection
+from finetune.recipe.schema import Recipe, ResolvedSection, trained_lora_dropout
 from finetune.registry import list_models
 from finetune.registry.schema import HardwarePreset, ModelArch
 
@@ -52,6 +52,8 @@ def resolve_recipe(recipe: Recipe, plan: Plan, *, run_dir: Path, arch: ModelArch
 
     data["model"]["attn_implementation"] = attention_implementation(recipe, preset, arch=arch)
     data["train"]["liger"] = "on" if liger_enabled(recipe, preset, arch=arch) else "off"
+    # no dropout module where the method's trainer would set it to p = 0 (peft's lora groups then stay fused)
+    data["adapter"]["dropout"] = trained_lora_dropout(recipe)
     targets = list(arch.lora_targets)
     if recipe.adapter.type != "full" and recipe.adapter.target_modules is None:
         data["adapter"]["target_modules"] = targets
@@ -88,6 +90,7 @@ def resolve_recipe(recipe: Recipe, plan: Plan, *, run_dir: Path, arch: ModelArch
         activation_checkpointing_by=checkpointing_owner(plan),
         checkpoint_layers=plan.checkpoint_layers if partial_checkpointing(plan) else None,
         row_multiple=plan.row_multiple,
+        cudnn_attention=plan.cudnn_attention,
     ).model_dump(mode="python")
     resolved = Recipe.model_validate(data)
     resolved._source_dir = str(run_dir)

@@ -476,8 +476,8 @@ def _method_knobs(conv: Conversion, method: str) -> None:
         if conv.raw.get(key) not in (None, False, 0, 0.0, "reverse_kl"):
             conv.drop(key, conv.take(key), f"not offered for {method}: finetune runs TRL's loss with its defaults")
         conv.used.add(key)
-    # the preference and reward trainers' configs turn dropout off by default, as finetune runs them; SFTConfig has
-    # no such key
+    # the preference and reward trainers' configs turn dropout off by default, as finetune runs them
+    # (recipe.schema.DROPOUT_OFF_METHODS); SFTConfig has no such key
     if method != "sft" and conv.has("disable_dropout"):
         value = conv.take("disable_dropout")
         if is_on(value):

@@ -96,6 +96,7 @@ from finetune.recipe.schema import (
     packs_examples,
     sharded_load_blocker,
     sync_each_batch_pin,
+    trained_lora_dropout,
 )
 from finetune.registry.derive import DEQUANTIZING_CONFIGS
 from finetune.registry.disk import AIO_BLOCK_BYTES, RAM_FILESYSTEMS, filesystem_type, probe_readers, read_gbps
@@ -306,16 +307,20 @@ def attention_kind(implementation: str, *, packed: bool, arch=None, windows: boo
 
 # tokens: rows that reach sdpa's masked (cuDNN) kernel are padded to a multiple of these (row_multiple)
 MASKED_ROW_MULTIPLE = 512  # packed rows: micro-batch x max_length long, nearly full
-PADDED_ROW_MULTIPLE = 64  # padded sequences: each as long as the micro-batch's longest example
+# padded sequences, each as long as the micro-batch's longest example: whole 128-key tiles, because cuDNN's masked
+# backward (torch 2.11 to 2.13 on H100/H200) returns NaN query gradients at a length of 64 mod 128 where a row's
+# scores are all strongly negative (pytorch/pytorch#196678, huggingface/trl#7181: DPO and KTO runs going NaN); a
+# multiple of 64 met it on Gemma-3-1B DPO (docs/validation.md, thirty-second session)
+PADDED_ROW_MULTIPLE = 128
 # packed rows on the varlen kernel where Liger's Triton kernels take the row's length as an argument (its RoPE's
 # seq_len, its RMSNorm backward's row count): Triton compiles a kernel again the first time such an integer is
 # divisible by 16 and once more when it is not, 0.5-0.6 s of host time in Liger's functions with the GPU idle
 # (Qwen3-30B-A3B's step 6 profiled alone, docs/validation.md eighteenth session); rows of a multiple of 16 keep
 # one specialization from the first step. A pad is at most 15 one-token examples a row.
 LIGER_ROW_MULTIPLE = 16
-# whose rows finetune pads: TRL's collators (pad_to_multiple_of, train/trainers.py) and DPO's padding-free pairs row
-# (train/dpo_pairs.py)
-ROW_MULTIPLE_METHODS = ("sft", "pretrain", "dpo")
+# whose rows finetune pads: TRL's collators (pad_to_multiple_of, train/trainers.py and train/methods.py) and DPO's
+# padding-free pairs row (train/dpo_pairs.py). ORPO's and CPO's collators take no multiple (cudnn_attention_off)
+ROW_MULTIPLE_METHODS = ("sft", "pretrain", "dpo", "kto", "reward")
 
 
 def row_multiple(job: Job) -> int | None:
@@ -334,6 +339,14 @@ def row_multiple(job: Job) -> int | None:
     if job.attention == "sdpa":
         return MASKED_ROW_MULTIPLE if job.packed else PADDED_ROW_MULTIPLE
     return LIGER_ROW_MULTIPLE if job.packed and job.liger else None
+
+
+def cudnn_attention_off(job: Job) -> bool:
+    """The run turns cuDNN's attention off (torch.backends.cuda.enable_cudnn_sdp): where sdpa masks padded rows on an
+    NVIDIA GPU whose lengths the method's collator cannot round to PADDED_ROW_MULTIPLE (ORPO's and CPO's take no
+    multiple), so a batch at 64 mod 128 tokens would meet cuDNN's NaN backward. sdpa's memory-efficient kernel takes
+    those rows; the plan times it as the masked cuDNN kernel (attention_time.MASKED_KERNEL_SLOWDOWN), not measured."""
+    return job.preset.vendor == "nvidia" and job.attention == "sdpa" and job.method not in ROW_MULTIPLE_METHODS
 
 
 def liger_enabled(recipe, preset, *, arch) -> bool:
@@ -416,7 +429,7 @@ def job_from_recipe(recipe, *, arch, preset) -> Job:
         nll_on_chosen=method == "orpo" or (method == "simpo" and bool(recipe.method.cpo_alpha)),
         lora_r=recipe.adapter.r,
         lora_targets=_targets(recipe, arch),
-        lora_dropout=recipe.adapter.dropout,
+        lora_dropout=trained_lora_dropout(recipe),
         dora=recipe.adapter.dora,
         lora_expert_layers=lora_expert_layers,
         modules_to_save=tuple(recipe.adapter.modules_to_save or ()) if adapter != "full" else (),
@@ -921,6 +934,11 @@ def substitutions(recipe, result: Plan, *, arch: ModelArch) -> list[str]:
             f"model weights: the published {arch.dequantized_from} checkpoint -> {recipe.model.dtype}, dequantized "
             f"while loading (transformers' {loader}(dequantize=True)); trained, planned and saved as the 16-bit model"
         )
+    if recipe.adapter.type != "full" and recipe.adapter.dropout and not trained_lora_dropout(recipe):
+        out.append(
+            f"adapter.dropout {recipe.adapter.dropout:g} -> 0: TRL's {recipe.method.type} trainer turns the model's "
+            "dropout off (its disable_dropout, which finetune keeps), so the adapters train without it"
+        )
     optimizer = recipe.train.optimizer
     if result.device == "cpu" and optimizer in UNPAGED:
         out.append(
@@ -1003,6 +1021,7 @@ def plan_job(job: Job, *, on_preset: Callable | None = None) -> Plan:
     plan.tight = chosen.tight
     plan.sync_each_batch = chosen.sync_each_batch
     plan.row_multiple = job.row_multiple if pads_rows(job, micro_batch=chosen.micro_batch_size) else None
+    plan.cudnn_attention = not cudnn_attention_off(job)
     plan.kernels = _kernels(job, chosen.strategy, row_multiple=plan.row_multiple)
     plan.basis = basis_text(p, seq_len=job.seq_len)
     if strategies.info(chosen.strategy).offload == "nvme":
@@ -1053,9 +1072,14 @@ def _kernels(job: Job, strategy: str, *, row_multiple: int | None) -> str:
         why = (
             "Triton compiles Liger's kernels per length class"
             if job.attention != "sdpa"
-            else "cuDNN plans each new length"
+            else "cuDNN plans each new length, and its masked backward needs whole 128-key tiles"
         )
         attention += f" ({rows} padded to a multiple of {row_multiple} tokens: {why})"
+    if cudnn_attention_off(job):
+        attention += (
+            f" (cuDNN's attention off: {job.method}'s padded rows cannot be rounded to whole 128-key tiles, which "
+            "its masked backward needs; the memory-efficient kernel runs them)"
+        )
     if job.sequence_tokens:
         rows = ", a packed row each" if job.packed and job.method in PACKED_EXAMPLE_METHODS else ""
         attention += (

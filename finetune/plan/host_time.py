@@ -137,6 +137,34 @@ def kernels_per_micro_batch(job: Job, *, strategy: str, checkpointed_layers: int
     return kernels + KERNELS_OUTSIDE_LAYERS
 
 
+def liger_launches_per_pass(job: Job) -> int:
+    """Liger's Triton launches in one forward or backward of a layer: its norms (Job.liger_qk_norms: its q/k norms
+    too), its RoPE and, where Liger's SwiGLU/GeGLU runs it, its MLP's activation; 0 without Liger."""
+    if not job.liger:
+        return 0
+    return job.arch.norms_per_layer + (2 if job.liger_qk_norms else 0) + 1 + (1 if job.liger_swiglu else 0)
+
+
+def layer_passes(job: Job, *, checkpointed_layers: int) -> int:
+    """A micro-batch's forwards and backwards of decoder layers: each layer's forward and backward, a checkpointed
+    layer's forward again, and the forwards without gradients (the reference's, KTO's KL completion)."""
+    layers = job.arch.num_layers
+    return 2 * layers + checkpointed_layers + layers * job.forward_only_passes
+
+
+def liger_launches_per_micro_batch(job: Job, *, checkpointed_layers: int) -> float:
+    """Liger's Triton kernels launched in one micro-batch: liger_launches_per_pass over the layer passes, and the
+    final norm's. Counted as one kernel each in kernels_per_micro_batch (the Llama layer the floor was measured on
+    has four a pass); scripts/host_launch_costs.py prints them beside its timings, which put a launch's host cost at
+    6-10 times the probe's figure a kernel (docs/validation.md, thirty-second session). Not in the floor: a
+    Triton-launch term proportional to the host's figure fixed Gemma-3's probed rows and put Gemma-2's and Qwen3's
+    unprobed rows 0.67-0.69 of their speed."""
+    if not job.liger:
+        return 0.0
+    passes = layer_passes(job, checkpointed_layers=checkpointed_layers)
+    return liger_launches_per_pass(job) * passes + 2 + job.forward_only_passes
+
+
 def zero3_module_uses(job: Job, *, checkpointed_layers: int) -> int:
     """Uses of modules whose parameters ZeRO-3 partitions, in one micro-batch: each decoder linear (an MoE
     layer's fused experts as one), a targeted linear's LoRA A and B where they are larger than the persistence

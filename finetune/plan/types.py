@@ -146,6 +146,8 @@ class Plan:
     sync_each_batch: bool | None = None  # the chosen Candidate.sync_each_batch
     # rows padded to a multiple of this many tokens (plan.row_multiple says when); None: not padded
     row_multiple: int | None = None
+    # False: the run turns cuDNN's attention off (plan.cudnn_attention_off says when)
+    cudnn_attention: bool = True
     # an NVMe plan: the swap directory's read bandwidth the step time used (GB/s) and where the figure came from
     nvme_read_gbps: float = 0.0
     disk: str = ""
@@ -172,6 +174,7 @@ class Plan:
             "gradient_accumulation_steps": self.gradient_accumulation_steps,
             "sync_each_batch": self.sync_each_batch,
             "row_multiple": self.row_multiple,
+            "cudnn_attention": self.cudnn_attention,
             "activation_checkpointing": self.activation_checkpointing,
             "checkpoint_layers": self.checkpoint_layers,
             "num_layers": self.num_layers,

@@ -366,7 +366,8 @@ def computed_sequence_tokens(job: Job, micro_batch: int) -> float:
     """Tokens a sequence costs the GPU on average: padding-free pairs (data.packing) compute their real tokens;
     padded sequences their micro-batch's longest. With the data's lengths measured (data.sequence_tokens) that
     is the expected largest of the micro-batch's n sequences, mean + std x expected_largest_of(n), at most the
-    data's longest, and half a Job.row_multiple more where the run pads the rows (`pads_rows`); a
+    data's longest, and half a Job.row_multiple more where the run pads the rows (`pads_rows`), at most the data's
+    longest rounded up to the multiple; a
     one-sequence micro-batch is not padded at all. Unknown lengths: max_length. (The peak memory plans the
     micro-batch that meets the data's longest: peak_sequence_tokens.)"""
     if job.packed:
@@ -375,7 +376,10 @@ def computed_sequence_tokens(job: Job, micro_batch: int) -> float:
         return peak_sequence_tokens(job)
     n = micro_batch * job.sequences_per_sample
     tokens = min(longest_sequence(job), mean_sequence_tokens(job) + job.sequence_tokens_std * expected_largest_of(n))
-    return tokens + ((job.row_multiple or 0) / 2 if pads_rows(job, micro_batch=micro_batch) else 0.0)
+    if not pads_rows(job, micro_batch=micro_batch):
+        return tokens
+    # never past the data's longest rounded up (a multiple larger than the data's lengths pads every row to it)
+    return min(tokens + (job.row_multiple or 0) / 2, padded_row(job, longest_sequence(job)))
 
 
 def computed_tokens_per_micro_batch(job: Job, micro_batch: int) -> float:

@@ -43,11 +43,20 @@ METHOD_FORMATS: dict[str, tuple[str, ...]] = {
 }
 # methods that score against a reference model (the others need none)
 REFERENCE_METHODS = ("dpo", "kto")
+# methods whose TRL trainers turn the model's dropout off (their configs' disable_dropout, True by default, which
+# finetune keeps): peft's lora dropout is an nn.Dropout they set to p = 0, so adapter.dropout does not train there
+DROPOUT_OFF_METHODS = ("dpo", "kto", "orpo", "simpo", "reward")
 # the smallest micro-batch a method trains, and why: TRL's KTOTrainer refuses a micro-batch of 1 (after the model
 # has loaded)
 MIN_MICRO_BATCH: dict[str, tuple[int, str]] = {
     "kto": (2, "TRL's KTO estimates its KL term from each row's prompt with another row's completion")
 }
+
+
+def trained_lora_dropout(recipe: Recipe) -> float:
+    """The lora dropout the run trains with: adapter.dropout, or 0 for DROPOUT_OFF_METHODS (compiled into the
+    resolved recipe, so peft builds no dropout module at all: plan.substitutions says so)."""
+    return 0.0 if recipe.method.type in DROPOUT_OFF_METHODS else recipe.adapter.dropout
 
 
 def least_micro_batch(method: str) -> tuple[int, str]:
@@ -221,7 +230,8 @@ class AdapterSection(Strict):
         description=(
             "dropout on the LoRA input; with adapter.dora, peft then recomputes every adapted linear's base output "
             "(a second matmul forward and backward; under DDP and QLoRA a 16-bit copy of each adapted weight kept): "
-            "`finetune plan` says what it costs"
+            "`finetune plan` says what it costs. Not trained by dpo, kto, orpo, simpo and reward, whose TRL trainers "
+            "turn the model's dropout off (compiled to 0, and the plan says so)"
         ),
     )
     target_modules: list[str] | str | None = Field(
@@ -836,6 +846,11 @@ class ResolvedSection(Strict):
         description="rows are padded to a multiple of this many tokens (the planner's choice where sdpa runs "
         "cuDNN's masked attention over them, which plans each new row length once, or Liger's Triton kernels take "
         "a packed row's length: finetune.plan.row_multiple); None: not padded",
+    )
+    cudnn_attention: bool = Field(
+        True,
+        description="false: the ranks turn cuDNN's attention off (its masked backward gives NaN at row lengths of 64 "
+        "mod 128, and this method's collator cannot pad to whole 128-key tiles: finetune.plan.cudnn_attention_off)",
     )
     measure: bool = Field(
         False,

@@ -14,8 +14,9 @@ from finetune.errors import DataError, FinetuneError, RecipeError, TrainingFaile
 from finetune.prelaunch import free_bytes
 
 MAX_DETAIL = 400
-# torch's autograd node of sdpa's cuDNN kernel. Its backward returned NaN on a padded Gemma-3-1B DPO batch on an H200
-# (torch 2.11; docs/validation.md thirty-first session) where the same batch trains under eager attention
+# torch's autograd node of sdpa's cuDNN kernel. Its masked backward returns NaN at a row length of 64 mod 128
+# (torch 2.11-2.13 on H100/H200, pytorch/pytorch#196678; a padded Gemma-3-1B DPO batch on an H200, docs/validation.md
+# thirty-first and thirty-second sessions), which the planner's whole 128-key tiles avoid (plan.PADDED_ROW_MULTIPLE)
 CUDNN_ATTENTION_BACKWARD = "ScaledDotProductCudnnAttentionBackward"
 
 
@@ -61,9 +62,10 @@ def as_finetune_error(exc: BaseException, *, run_dir: Path) -> FinetuneError:
             return TrainingFailed(
                 f"the backward made a NaN in cuDNN's attention kernel: {detail}",
                 key="model.attn_implementation",
-                hint="sdpa runs padded rows (an attention mask) on cuDNN on this GPU; set data.packing: true (no mask: "
-                "the varlen kernel) or model.attn_implementation: eager (slower, more memory), then "
-                + resume_advice(run_dir),
+                hint="sdpa runs padded rows (an attention mask) on cuDNN on this GPU, whose backward gives NaN at row "
+                "lengths of 64 mod 128: compile the run again (the planner pads rows to whole 128-key tiles), or set "
+                "data.packing: true (no mask: the varlen kernel) or model.attn_implementation: eager (slower, more "
+                "memory), then " + resume_advice(run_dir),
             )
         return TrainingFailed(
             f"the backward made a NaN: {detail} (the forward code that computed its input is printed above)",

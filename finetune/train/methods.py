@@ -72,6 +72,8 @@ def method_rows(records: list[dict], tokenizer, *, method: str) -> list[dict]:
 def method_config(recipe: Recipe, common: dict):
     """The TRL config of a method in this module, on the common TrainingArguments."""
     m, max_length = recipe.method, recipe.data.max_length
+    # plan.row_multiple: KTO's and the reward trainer's padded rows (ORPO's and CPO's collators take no multiple)
+    multiple = recipe.resolved.row_multiple if recipe.resolved else None
     if m.type == "kto":
         from trl import KTOConfig
 
@@ -82,11 +84,17 @@ def method_config(recipe: Recipe, common: dict):
             desirable_weight=m.desirable_weight,
             undesirable_weight=m.undesirable_weight,
             precompute_ref_log_probs=m.reference == "precompute",
+            pad_to_multiple_of=multiple,
         )
     if m.type == "reward":
         from trl import RewardConfig
 
-        return RewardConfig(**common, max_length=max_length, center_rewards_coefficient=m.center_rewards_coefficient)
+        return RewardConfig(
+            **common,
+            max_length=max_length,
+            center_rewards_coefficient=m.center_rewards_coefficient,
+            pad_to_multiple_of=multiple,
+        )
     _quiet_experimental()
     # their batches hold chosen_/rejected_ ids where transformers' count looks for input_ids: CountsPairTokens
     common = {**common, "include_num_input_tokens_seen": "no"}

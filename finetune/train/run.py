@@ -64,6 +64,7 @@ def run_rank(resolved_path: str | Path, *, resume: str = "auto", recipe: Recipe 
         # torch's anomaly mode: the first backward function that returns a NaN raises, naming itself, and the
         # forward's stack that made it is printed (several times slower: for finding a NaN, not for training)
         torch.autograd.set_detect_anomaly(True)
+    apply_kernel_switches(recipe)
     from finetune.train.signals import Preempted, PreemptionCallback
 
     # SIGTERM/SIGUSR1/SIGHUP from now on: checkpoint at the next step, exit 75 (SIGINT: 130)
@@ -95,6 +96,15 @@ def run_rank(resolved_path: str | Path, *, resume: str = "auto", recipe: Recipe 
     # peer blocked in a pending collective (accelerate's end_training does the same)
     state.destroy_process_group()
     return summary
+
+
+def apply_kernel_switches(recipe: Recipe) -> None:
+    """torch's process-wide kernel choices the plan made: cuDNN's attention off where the method's padded rows
+    cannot be kept off its NaN lengths (plan.cudnn_attention_off)."""
+    if recipe.resolved and not recipe.resolved.cudnn_attention:
+        import torch
+
+        torch.backends.cuda.enable_cudnn_sdp(False)
 
 
 def _out_of_memory(run_dir: Path, recipe, exc: Exception):

@@ -29,6 +29,7 @@ from finetune.plan.memory import FRAGMENTATION, final_save_host_bytes, host_proc
 from finetune.plan.types import GIB, Plan
 from finetune.plan.workload import varlen_fallback_layers
 from finetune.recipe import load_recipe
+from finetune.recipe.schema import DROPOUT_OFF_METHODS
 from finetune.registry import get_model, resolve_model
 from finetune.registry.detect import parse_nvidia_smi, synthesize_preset
 from finetune.registry.families import LIGER_MODEL_TYPES
@@ -176,6 +177,10 @@ def _as_ran(job, row: dict):
         job = dataclasses.replace(
             job, attention="sdpa", varlen_layers=job.arch.num_layers - fallback, varlen_windows=False
         )
+    if job.method in DROPOUT_OFF_METHODS and (row.get("resolved") or {}).get("adapter", {}).get("dropout"):
+        # compiled before the dropout was: peft's nn.Dropout modules, set to p = 0 by TRL (no mask, no copy), kept
+        # the fused LoRA groups off (train/fused_lora.py turns a group off where a member has a dropout module)
+        job = dataclasses.replace(job, fused_lora_groups=False)
     return dataclasses.replace(
         job,
         varlen_repeats_kv=row.get("kv_heads") == KV_HEADS_REPEATED,

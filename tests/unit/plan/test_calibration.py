@@ -82,10 +82,31 @@ SPEED_MISSES = {
         "of the measured speed. Not profiled"
     ),
     "320-blind2-06-eager": (
-        "blind2-06 (Gemma-3-1B DPO, two pairs of up to 2,028 tokens padded) with the model's eager attention, the "
-        "workaround for cuDNN's NaN: planned host-bound at 0.29 s a step (42 us a kernel, this call's probe), measured "
-        "0.41 s. The host floor does not count eager attention's ops (plan/host_time.py), and the reference's forward "
-        "runs them too; not profiled"
+        "blind2-06 (Gemma-3-1B DPO, two padded pairs of up to 2,028 tokens, 1 H200) with the model's eager attention: "
+        "planned host-bound at this call's probe (42 us a kernel); its sdpa twins of the next session (rows 326, 331, "
+        "334) miss alike, so the gap is Gemma-3's layer on the host, not eager attention (row 332 below)"
+    ),
+    "326-blind2-06": (
+        "blind2-06 at a multiple of 128 (Gemma-3-1B DPO, 1 H200): host-bound, 0.40 s a step against 0.25 planned at "
+        "the call's probe (37 us a kernel, timed on a Llama layer). Its profile (row 332) counted 5,198 launches a "
+        "micro-batch against 4,891 planned and 0.15 s of GPU work a step, so the count holds and the host took 65 us a "
+        "planned kernel: scripts/host_launch_costs.py timed a Gemma-3 probe layer at 41-47 us a planned kernel where "
+        "Llama's took 28-40 on the same host, Gemma-3 running 16 of Liger's Triton launches a layer to Llama's 8 (each "
+        "6-10 probe kernels' worth of host time). At the unprobed floor (63 us) the plan is on (0.99); a term for the "
+        "launches, proportional to the host's figure, put Gemma-2's and Qwen3's unprobed rows 0.67-0.69 off, so it "
+        "was not taken; a probe of the run's own family is the candidate"
+    ),
+    "331-blind2-06-memory": "row 326's setting, memory-profiled: the same host-bound miss (1.56)",
+    "334-blind2-06-nodropout": (
+        "row 326's setting compiled without the dropout modules (the fused LoRA groups on): 18,709 tokens/s, 13% "
+        "faster than row 326, against 27,110 planned at its call's probe; the same Gemma-3 host miss (0.99 at the "
+        "floor's 63 us)"
+    ),
+    "336-orpo3b-cudnn-off": (
+        "ORPO on Llama-3.2-3B at micro-batch 4 x 2 with cuDNN's attention off (plan.cudnn_attention_off): sdpa's "
+        "memory-efficient kernel ran the padded pairs, which the plan times as cuDNN's masked kernel "
+        "(attention_time.MASKED_KERNEL_SLOWDOWN); 18,269 tokens/s against 25,419 planned. The kernel's own rate is "
+        "not measured (scripts/attention_rates.py has no memory-efficient case); memory inside its bound (1.14)"
     ),
     "281-blind1-01": (
         "blind draw (OLMoE LoRA r128, micro-batch 2 pinned, every layer checkpointed, 1 H200): 0.197 s a step against "
@@ -185,7 +206,8 @@ SPEED_MISSES = {
 MEMORY_MISSES = {
     "315-blind2-13-adamw": (
         "second blind draw's QLoRA DPO on Llama-3.1-8B under FSDP2 on 2 H200s (micro-batch 1 x 4 of up to "
-        "3,948-token pairs, every layer checkpointed): 9.13 GiB reserved against 11.15 planned. Its memory profile "
+        "3,948-token pairs, every layer checkpointed): 9.13 GiB reserved against 10.83 planned (11.15 while the plan "
+        "counted the lora dropout DPO's trainer turns off). Its memory profile "
         "(row 319) peaked in the loss head: 2.81 GiB held from before the step (the 4-bit shards and the adapters' "
         "states, 2.84 planned), 2.07 of the root unit gathered at the embedding, 1.81 of checkpointed layer inputs "
         "and 0.98 of the lm_head that TRL's fused head gathers again (full_tensor of the DTensor weight, not "
@@ -195,12 +217,15 @@ MEMORY_MISSES = {
         "(adapters 1.4, full 3.2 GiB: the medians) moved three other rows out of their bounds and was not taken"
     ),
     "319-blind2-13-adamw-memory": (
-        "row 315's setting, memory-profiled: the same 9.13 GiB reserved against 11.15 planned"
+        "row 315's setting, memory-profiled: the same 9.13 GiB reserved against 10.83 planned"
     ),
-    "320-blind2-06-eager": (
-        "Gemma-3-1B DPO with eager attention over two padded pairs of up to 2,028 tokens (1 H200): 24.8 GiB reserved "
-        "against 32.7 planned, 28.2 of it activations (eager's kept scores over every layer's full rows, 4 rows x "
-        "2,028^2 x 4 heads, and their backward's); over, the safe side; not profiled"
+    "290-blind1-12": (
+        "blind draw (QLoRA Qwen2.5-7B DPO under ZeRO-3 on 2 H200s): 9.36 GiB allocated and 13.35 reserved against "
+        "12.34 planned: the allocator kept 4.0 GiB beyond the allocation where 2.0 is planned for a sharded tier. "
+        "Inside its bound (0.959) while the plan counted lora dropout's copies, which DPO's trainer never made (its "
+        "dropout modules ran at p = 0: the memory profile of row 331); the DPO rows under ZeRO-3 kept 4.0-5.6 GiB "
+        "beyond their allocation (rows 100, 102 and this), the reference's forwards gathering and freeing the "
+        "partitions between the policy's; not modelled"
     ),
     "289-blind1-11": (
         "blind draw (OLMoE LoRA r256 under ZeRO-3 on 2 H200s, 65,536 tokens a micro-batch, every layer checkpointed): "

@@ -75,3 +75,21 @@ def test_q_k_norms_liger_leaves_eager_add_two_norms_a_layer_and_dropout_two_kern
     grouped = grouped_kernels_saved(olmo, "ddp")
     assert grouped > 0 and grouped_kernels_saved(dropped, "ddp") == 0
     assert kernels(dropped) - kernels(olmo) == pytest.approx(KERNELS_PER_LORA_DROPOUT * targeted + grouped)
+
+
+def test_liger_launches_are_counted_as_gemma3_dpos_profile_launched_them():
+    """host_time.liger_launches_per_micro_batch against blind2-06's kernel profile (Gemma-3-1B DPO with Liger, one
+    micro-batch a step, docs/results/profiles/blind2-06-profiled-h200x2-2026-11-30.txt): in two steps 628 RMSNorm,
+    104 GELU-mul and 104 RoPE forwards, 312 RMSNorm and 52 GELU-mul backwards and, below the table's cut, RoPE's
+    52: six norms, RoPE and GeGLU a layer over the policy's forward and backward and the reference's forward."""
+    import json
+
+    from finetune.plan.host_time import liger_launches_per_micro_batch
+    from tests.helpers.calibration_rows import row_job
+
+    rows = json.loads((ROOT / "tests/data/gpu_calibration.json").read_text())
+    row = next(r for r in rows if r["name"] == "blind2-06-profiled")
+    job = row_job(row)
+    profiled = (628 + 104 + 104 + 312 + 52 + 52) / 2
+    assert liger_launches_per_micro_batch(job, checkpointed_layers=0) == pytest.approx(profiled, abs=1)
+    assert liger_launches_per_micro_batch(dataclasses.replace(job, liger=False), checkpointed_layers=0) == 0

@@ -110,14 +110,17 @@ def test_rows_are_padded_only_where_cudnns_masked_attention_meets_them():
     assert plan_job(masked).row_multiple == MASKED_ROW_MULTIPLE and "multiple of 512" in plan_job(masked).kernels
     one = plan_job(replace(padded, micro_batch=1))
     assert one.micro_batch_size == 1 and one.row_multiple is None and "padded to a multiple" not in one.kernels
-    # DPO's padding-free pairs row (train/dpo_pairs.py) and its padded pairs, likewise; KTO's rows are TRL's own
+    # DPO's padding-free pairs row (train/dpo_pairs.py) and its padded pairs, likewise
     dpo = {"method": {"type": "dpo"}, "data": {"format": "preference", "packing": True}}
     assert job(_recipe(**dpo), dropout, gpu).row_multiple == MASKED_ROW_MULTIPLE
     assert job(_recipe(**dpo), llama, gpu).row_multiple is None  # the pairs on the varlen kernel
     dpo["data"]["packing"] = False
     assert job(_recipe(**dpo), llama, gpu).row_multiple == PADDED_ROW_MULTIPLE
+    # KTO's and the reward trainer's padded rows too (TRL's collators take the multiple); ORPO's cannot be padded
     kto = {"method": {"type": "kto"}, "data": {"format": "unpaired", "packing": False}}
-    assert job(_recipe(**kto), llama, gpu).row_multiple is None
+    assert job(_recipe(**kto), llama, gpu).row_multiple == PADDED_ROW_MULTIPLE
+    orpo = {"method": {"type": "orpo"}, "data": {"format": "preference", "packing": False}}
+    assert job(_recipe(**orpo), llama, gpu).row_multiple is None
     # the peak is rounded up to the multiple, the step's work adds half a multiple to rows of varying length
     assert peak_tokens_per_micro_batch(masked, 4) % MASKED_ROW_MULTIPLE == 0
     assert computed_tokens_per_micro_batch(masked, 4) == pytest.approx(4 * 1500 + MASKED_ROW_MULTIPLE / 2)
@@ -158,7 +161,7 @@ def test_packed_rows_that_ligers_kernels_see_whole_are_padded_to_16():
     """plan.row_multiple: on the varlen kernel (no mask, so no cuDNN plans) a packed row is still padded to
     LIGER_ROW_MULTIPLE where Liger's Triton kernels run, whose RoPE takes the row's length as an integer argument
     that Triton specializes on its divisibility by 16 (a second compile mid-run); not without Liger, not on CPU."""
-    from finetune.plan import LIGER_ROW_MULTIPLE, job_from_recipe, plan_job
+    from finetune.plan import LIGER_ROW_MULTIPLE, PADDED_ROW_MULTIPLE, job_from_recipe, plan_job
 
     llama = get_model("llama-3.1-8b")
     gpu = get_preset("server-8xh100")
@@ -167,7 +170,7 @@ def test_packed_rows_that_ligers_kernels_see_whole_are_padded_to_16():
     assert "padded to a multiple of 16 tokens: Triton compiles Liger's kernels" in plan_job(on).kernels
     assert job_from_recipe(_recipe(train={"liger": "off"}), arch=llama, preset=gpu).row_multiple is None
     unpacked = _recipe(train={"liger": "on"}, data={"packing": False})
-    assert job_from_recipe(unpacked, arch=llama, preset=gpu).row_multiple == 64  # sdpa's padding mask's own
+    assert job_from_recipe(unpacked, arch=llama, preset=gpu).row_multiple == PADDED_ROW_MULTIPLE  # the mask's own
 
 
 def test_compiled_kernels_the_plan_times_as_eager_are_said():

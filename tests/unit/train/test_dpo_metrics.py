@@ -130,7 +130,9 @@ def test_pairs_padded_to_a_multiple_train_as_unpadded(tmp_path):
     each micro-batch to a multiple; the pads are masked, so the losses are those of the unpadded pairs."""
     pairs = {"path": str(SAMPLES / "preference.jsonl"), "format": "preference"}
     trainers = []
-    for multiple in (None, 64):
+    from finetune.plan import PADDED_ROW_MULTIPLE
+
+    for multiple in (None, PADDED_ROW_MULTIPLE):
         raw = tiny_recipe(
             method={"type": "dpo"},
             data={"sources": [pairs], "eval_sources": [], "packing": False, "max_length": 48},
@@ -142,7 +144,9 @@ def test_pairs_padded_to_a_multiple_train_as_unpadded(tmp_path):
         trainers.append(trainer)
     batch = next(iter(trainers[1].get_train_dataloader()))
     ids = [k for k in batch if k.endswith("input_ids")]
-    assert ids and all(batch[k].shape[-1] % 64 == 0 for k in ids), {k: tuple(v.shape) for k, v in batch.items()}
+    assert ids and all(batch[k].shape[-1] % PADDED_ROW_MULTIPLE == 0 for k in ids), {
+        k: tuple(v.shape) for k, v in batch.items()
+    }
     for trainer in trainers:
         trainer.train()
     losses = [[r["loss"] for r in t.state.log_history if "loss" in r] for t in trainers]

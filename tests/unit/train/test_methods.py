@@ -272,3 +272,94 @@ def test_a_stream_shorter_than_one_step_is_read_again_until_max_steps(tmp_path):
         [sys.executable, "-c", rank, str(resolved)], capture_output=True, text=True, env=env(), timeout=240
     )
     assert proc.returncode == 0 and "steps 2" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-3000:]
+
+
+@pytest.mark.parametrize("case", ["kto", "reward"])
+def test_kto_and_reward_batches_are_padded_to_the_planned_multiple(case, tmp_path):
+    """resolved.row_multiple (plan.row_multiple: sdpa's padded rows on an NVIDIA GPU) reaches TRL's KTO and reward
+    collators, so no batch is 64 mod 128 tokens long, where cuDNN's masked backward gives NaN
+    (plan.PADDED_ROW_MULTIPLE); the rows are the ones the run trains, built by the trainer the rank builds."""
+    from finetune.plan import PADDED_ROW_MULTIPLE
+    from tests.helpers.recipes import tiny_trainer
+
+    method, data = CASES[case]
+    raw = tiny_recipe(method=method, data=data, train={"max_steps": 1, "micro_batch_size": 4})
+    _, trainer = tiny_trainer(
+        raw, run_dir=tmp_path / "run", has_eval=False, resolved={"row_multiple": PADDED_ROW_MULTIPLE}
+    )
+    batch = next(iter(trainer.get_train_dataloader()))
+    lengths = {k: v.shape[-1] for k, v in batch.items() if k.endswith("input_ids")}
+    assert lengths and all(n % PADDED_ROW_MULTIPLE == 0 for n in lengths.values()), lengths
+
+
+def test_orpo_and_simpo_turn_cudnn_attention_off_where_their_rows_are_masked():
+    """ORPO's and CPO's collators pad to the batch's longest with no multiple: on an NVIDIA GPU with sdpa the plan
+    turns cuDNN's attention off (its masked backward's NaN lengths), says so, and compiles the decision into the
+    resolved recipe the ranks read; methods that pad to whole tiles keep it, and so does the CPU."""
+    from finetune.plan import cudnn_attention_off, job_from_recipe, plan
+    from finetune.registry import get_model, get_preset
+
+    gpu, cpu, arch = get_preset("server-8xh100"), get_preset("cpu"), get_model("llama-3.1-8b")
+    for method, off in (("orpo", True), ("simpo", True), ("kto", False), ("reward", False), ("dpo", False)):
+        data = CASES["kto"][1] if method == "kto" else PREF
+        recipe = _recipe(
+            {"type": method},
+            {**data, "packing": False},
+            model={"name": "x", "arch": "llama-3.1-8b"},
+            train={"global_batch_size": 64},
+        )
+        assert cudnn_attention_off(job_from_recipe(recipe, arch=arch, preset=gpu)) is off, method
+        assert not cudnn_attention_off(job_from_recipe(recipe, arch=arch, preset=cpu))
+        planned = plan(recipe, hardware="server-8xh100")
+        assert planned.cudnn_attention is not off and ("cuDNN's attention off" in planned.kernels) is off
+        assert planned.to_json()["cudnn_attention"] is not off
+
+
+def test_the_resolved_recipe_carries_the_cudnn_decision_to_the_ranks(tmp_path):
+    """Compiled for an 8 x H100 server, ORPO's resolved recipe says cuDNN's attention is off, and the rank's setup
+    turns torch's cuDNN attention backend off from it (restored after)."""
+    import torch
+
+    from finetune.train.run import apply_kernel_switches
+    from tests.helpers.recipes import resolve_recipe
+
+    raw = tiny_recipe(method={"type": "orpo", "beta": 0.1}, data={**PREF, "packing": False})
+    resolved = load_recipe(resolve_recipe(raw, run_dir=tmp_path, hardware="server-8xh100"), allow_resolved=True)
+    assert resolved.resolved.cudnn_attention is False
+    before = torch.backends.cuda.cudnn_sdp_enabled()
+    try:
+        apply_kernel_switches(resolved)
+        assert not torch.backends.cuda.cudnn_sdp_enabled()
+    finally:
+        torch.backends.cuda.enable_cudnn_sdp(before)
+
+
+def test_preference_methods_train_without_the_lora_dropout_their_trainers_turn_off(tmp_path):
+    """TRL's DPO/KTO/ORPO/CPO/reward trainers set every nn.Dropout to p = 0 (disable_dropout, which finetune keeps):
+    the compile drops adapter.dropout for them, the plan says so and models none, and the trainer the rank builds
+    has no dropout module in its adapters (train/fused_lora.py runs a shared-input group only without one); SFT keeps
+    its dropout."""
+    from torch import nn
+
+    from finetune.plan import job_from_recipe, plan
+    from finetune.registry import get_model, get_preset
+    from tests.helpers.recipes import tiny_trainer
+
+    gpu, arch = get_preset("server-8xh100"), get_model("llama-3.1-8b")
+    for method, kept in (("dpo", False), ("orpo", False), ("reward", False), ("sft", True)):
+        data = {} if method == "sft" else {**PREF, "packing": False}
+        recipe = _recipe(
+            {"type": method},
+            data,
+            model={"name": "x", "arch": "llama-3.1-8b"},
+            adapter={"dropout": 0.05},
+            train={"global_batch_size": 64},
+        )
+        assert job_from_recipe(recipe, arch=arch, preset=gpu).lora_dropout == (0.05 if kept else 0.0), method
+        said = [s for s in plan(recipe, hardware="server-8xh100").substitutions if s.startswith("adapter.dropout")]
+        assert bool(said) is not kept, said
+    raw = tiny_recipe(method={"type": "dpo"}, data={**PREF, "packing": False}, adapter={"dropout": 0.05})
+    recipe, trainer = tiny_trainer(raw, run_dir=tmp_path / "run", has_eval=False)
+    assert recipe.adapter.dropout == 0.0
+    dropouts = [m for name, m in trainer.model.named_modules() if name.endswith("lora_dropout.default")]
+    assert dropouts and all(isinstance(m, nn.Identity) for m in dropouts)

@@ -221,8 +221,10 @@ def test_rows_padded_to_a_multiple_train_and_count_as_unpadded(tmp_path, packing
     pads each padding-free row, or each padded micro-batch, to a multiple; a packed row's pads are one-token
     examples without labels and a padded batch's are masked, so the losses and the weights are those of the
     unpadded rows, and the tokens seen count the real tokens only."""
+    from finetune.plan import PADDED_ROW_MULTIPLE
+
     trainers = []
-    for multiple in (None, 64):
+    for multiple in (None, PADDED_ROW_MULTIPLE):
         raw = tiny_recipe(data={"packing": packing, "max_length": 48}, train={"max_steps": 2, "global_batch_size": 4})
         _, trainer = tiny_trainer(
             raw, run_dir=tmp_path / str(multiple), has_eval=False, resolved={"row_multiple": multiple}
@@ -230,7 +232,7 @@ def test_rows_padded_to_a_multiple_train_and_count_as_unpadded(tmp_path, packing
         trainers.append(trainer)
     plain, padded = trainers
     batch = next(iter(padded.get_train_dataloader()))
-    assert batch["input_ids"].shape[1] % 64 == 0
+    assert batch["input_ids"].shape[1] % PADDED_ROW_MULTIPLE == 0
     if packing:
         assert batch["position_ids"][0, -1] == 0
     else:
