@@ -81,27 +81,34 @@ def routed_bytes(job: Job, *, trained: bool | None = None) -> float:
 
 def routed_backward_bytes_per_token(job: Job) -> float:
     """The gradients an MoE layer's routed experts hold at once in their backward, per token, beyond what the forward
-    saved (the output's, the activation's, gate_up's and the permuted input's, per routed copy): a x max(4i, 3h) a
-    copy with frozen experts, a x max(h + 2i, 2h) with trained ones (their weight gradients counted apart); a gated
-    shared expert (Qwen2-MoE) adds a x h a copy; Mixtral's fp32 routing weights make it max(4ai, 3ah + 8h), trained
-    or not (its trained experts hold less, irregularly: this bounds them). Measured on CPU with one transformers 5.24
-    MoE block of each family at two widths and two expert sizes (tests/unit/plan/test_moe_memory.py); with OLMoE's
-    shapes at 32,768 tokens, 3.0 GiB, where blind3-03's memory profile (docs/validation.md, thirty-second session)
-    held 2.8 GiB beyond the plan inside an MoE layer's recompute and backward."""
+    saved (the output's, the activation's, gate_up's and the permuted input's, per routed copy):
+      softmax-routed experts (OLMoE, Qwen2/3-MoE, Granite-MoE): a x max(4i, 3h) a copy frozen, a x max(h + 2i, 2h)
+        trained (their weight gradients counted apart);
+      GPT-OSS (its clamped gating keeps wider activations): a x max(6i, 3h) frozen, a x max(4i, 2h) trained;
+      fp32 routing weights (Mixtral, DeepSeek, GLM-4.5): max(4ai, 3ah + 8h), trained or not (their trained experts
+        hold less, irregularly: this bounds them);
+    and a shared expert a x h a token (DeepSeek's, GLM's), a gated one (Qwen2-MoE) a x h a copy. Measured on CPU with
+    one transformers 5.24 MoE block of each family at two expert sizes (tests/unit/plan/test_moe_memory.py); with
+    OLMoE's shapes at 32,768 tokens, 3.0 GiB, where blind3-03's memory profile (docs/validation.md, thirty-second
+    session) held 2.8 GiB beyond the plan inside an MoE layer's recompute and backward."""
     arch, a = job.arch, job.act_bytes
     if not moe_layer_count(arch):
         return 0.0
     h, i = arch.hidden_size, expert_size(arch)
     k = min(arch.experts_per_token, arch.num_experts)
-    if arch.family == "mixtral":
+    trained = job.trained_expert_layers > 0
+    if arch.family == "mixtral" or arch.family in DEEPSEEK_ROUTED:
         copy = max(a * 4 * i, a * 3 * h + 8 * h)
-    elif job.trained_expert_layers > 0:
-        copy = a * max(h + 2 * i, 2 * h)
+    elif arch.family == "gpt_oss":
+        copy = a * max(4 * i, 2 * h) if trained else a * max(6 * i, 3 * h)
     else:
-        copy = a * max(4 * i, 3 * h)
+        copy = a * max(h + 2 * i, 2 * h) if trained else a * max(4 * i, 3 * h)
+    shared = 0.0
     if arch.shared_expert_gate:
         copy += a * h
-    return k * copy
+    elif arch.shared_expert_intermediate_size:
+        shared = a * h
+    return k * copy + shared
 
 
 def mlp_bytes_per_token_layer(job: Job) -> float:

@@ -192,13 +192,15 @@ def test_mla_values_are_kept_padded_to_the_query_head_size_on_the_varlen_kernel(
     assert extra == pytest.approx(job.act_bytes * heads * (qk - arch.v_head_dim))
 
 
-@pytest.mark.parametrize("family", ["olmoe", "qwen3_moe", "qwen2_moe", "mixtral"])
+@pytest.mark.parametrize(
+    "family", ["olmoe", "qwen3_moe", "qwen2_moe", "granitemoe", "gpt_oss", "mixtral", "deepseek_v3", "glm4_moe"]
+)
 @pytest.mark.parametrize("adapter", ["lora", "full"])
 @pytest.mark.parametrize("width", [WIDTH, 4 * WIDTH], ids=["narrow-experts", "wide-experts"])
 def test_an_moe_blocks_backward_holds_its_routed_gradients_as_planned(tmp_path, monkeypatch, family, adapter, width):
     """moe_memory.routed_backward_bytes_per_token: the peak of the tensors one MoE block's backward creates and holds
     at once (tests/helpers/saved_tensors.backward_peak_bytes), its experts' weight gradients aside, per token. Exact
-    but for a few bytes a copy, except Mixtral's trained experts, which the figure bounds."""
+    but for a few bytes a copy, except the trained experts of the fp32-routed families, which the figure bounds."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -215,7 +217,8 @@ def test_an_moe_blocks_backward_holds_its_routed_gradients_as_planned(tmp_path, 
     model = AutoModelForCausalLM.from_config(config).to(torch.bfloat16)
     for p in model.parameters():
         p.requires_grad_(False)
-    block = model.model.layers[0].mlp
+    layer = model.model.layers[0]
+    block = layer.mlp if hasattr(layer, "mlp") else layer.block_sparse_moe  # Granite names its block so
     if adapter == "full":
         for p in block.experts.parameters():
             p.requires_grad_(True)
@@ -225,7 +228,8 @@ def test_an_moe_blocks_backward_holds_its_routed_gradients_as_planned(tmp_path, 
     weight_grads = sum(2 * p.numel() for p in block.experts.parameters() if p.requires_grad)
     measured = (backward_peak_bytes(out, torch.randn_like(out)) - weight_grads) / TOKENS
     planned = routed_backward_bytes_per_token(job)
-    if family == "mixtral" and adapter == "full":
+    if family in ("mixtral", "deepseek_v3", "glm4_moe") and adapter == "full":
         assert measured <= planned, (planned, measured)
     else:
-        assert planned == pytest.approx(measured, abs=4 * K), (family, adapter, width, planned, measured)
+        # a few bytes a copy (the index vectors' gradients' bookkeeping; GPT-OSS's trained experts 12 a token)
+        assert planned == pytest.approx(measured, abs=max(4 * K, 0.002 * measured)), (family, adapter, width, planned)
