@@ -23,6 +23,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -57,19 +58,29 @@ def planned_kernels_per_layer(*, liger: bool) -> float:
     """The kernels the planner counts for one of the probe model's layers (LoRA on every linear, DDP, nothing
     checkpointed): the difference between the two probe depths' counts."""
     from finetune.plan.host_time import kernels_per_micro_batch
+
+    return planned_per_layer(
+        lambda job: kernels_per_micro_batch(job, strategy="ddp", checkpointed_layers=0), liger=liger
+    )
+
+
+def planned_per_layer(count: Callable, *, liger: bool, config: Callable[[int], dict] | None = None) -> float:
+    """What `count(job)` gives for one layer of the probe model (`config(layers)`: probe_config by default): the
+    difference between the two probe depths' figures over the layers between them."""
     from finetune.plan.workload import Job
     from finetune.registry import get_preset
     from finetune.registry.derive import arch_from_config
 
+    config = config or probe_config
     counts = []
     with tempfile.TemporaryDirectory(prefix="finetune-hostprobe-") as folder:
         for layers in PROBE_DEPTHS:
             path = Path(folder) / f"config-{layers}.json"
-            path.write_text(json.dumps(probe_config(layers)), encoding="utf-8")
+            path.write_text(json.dumps(config(layers)), encoding="utf-8")
             arch = arch_from_config(path, key=f"hostprobe-{layers}")
             # the preset does not enter the count
             job = Job(arch=arch, preset=get_preset("server-8xh100"), adapter="lora", lora_r=PROBE_LORA_R, liger=liger)
-            counts.append(kernels_per_micro_batch(job, strategy="ddp", checkpointed_layers=0))
+            counts.append(count(job))
     return (counts[1] - counts[0]) / (PROBE_DEPTHS[1] - PROBE_DEPTHS[0])
 
 
@@ -136,6 +147,24 @@ def _timed(run, device, iterations: int) -> float:
     return (time.perf_counter() - start) / iterations
 
 
+def seconds_per_layer(
+    build: Callable, device, *, iterations: int = PROBE_ITERATIONS, repeats: int = PROBE_REPEATS
+) -> float:
+    """A layer's forward and backward on `device`: the models `build(layers)` makes at the two probe depths, timed in
+    turn `repeats` times, the median of the differences over the layers between them."""
+    import torch
+
+    runs = []
+    for layers in PROBE_DEPTHS:
+        torch.manual_seed(0)
+        run = _micro_batch(build(layers), device)
+        for _ in range(PROBE_WARMUP):  # kernels compiled (Liger's Triton), cuBLAS's plans chosen, caches filled
+            run()
+        runs.append(run)
+    differences = [_timed(runs[1], device, iterations) - _timed(runs[0], device, iterations) for _ in range(repeats)]
+    return statistics.median(differences) / (PROBE_DEPTHS[1] - PROBE_DEPTHS[0])
+
+
 def measure(
     device_name: str = "cuda", *, iterations: int = PROBE_ITERATIONS, repeats: int = PROBE_REPEATS
 ) -> HostProbe:
@@ -148,15 +177,9 @@ def measure(
 
     device = torch.device(device_name)
     liger = device.type == "cuda" and liger_installed()
-    runs = []
-    for layers in PROBE_DEPTHS:
-        torch.manual_seed(0)
-        run = _micro_batch(_build(layers, liger=liger, device=device), device)
-        for _ in range(PROBE_WARMUP):  # kernels compiled (Liger's Triton), cuBLAS's plans chosen, caches filled
-            run()
-        runs.append(run)
-    differences = [_timed(runs[1], device, iterations) - _timed(runs[0], device, iterations) for _ in range(repeats)]
-    per_layer = statistics.median(differences) / (PROBE_DEPTHS[1] - PROBE_DEPTHS[0])
+    per_layer = seconds_per_layer(
+        lambda layers: _build(layers, liger=liger, device=device), device, iterations=iterations, repeats=repeats
+    )
     kernels = planned_kernels_per_layer(liger=liger)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     return HostProbe(

@@ -16,17 +16,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import tempfile
 from pathlib import Path
 
 import torch
 
 from finetune import hostprobe
 from finetune.plan.host_time import kernels_per_micro_batch, liger_launches_per_micro_batch
-from finetune.plan.workload import ALL_LINEAR, Job
-from finetune.registry import get_preset
-from finetune.registry.derive import arch_from_config
+from finetune.plan.workload import ALL_LINEAR
 
 FAMILIES = {
     "llama": {"model_type": "llama", "architectures": ["LlamaForCausalLM"]},
@@ -68,44 +64,23 @@ def build(family: str, layers: int, *, liger: bool, device):
 
 
 def planned(family: str, *, liger: bool) -> tuple[float, float]:
-    """(kernels, Liger launches) the planner counts a layer: the two depths' difference."""
-    counts = []
-    with tempfile.TemporaryDirectory() as folder:
-        for layers in hostprobe.PROBE_DEPTHS:
-            path = Path(folder) / f"{family}-{layers}.json"
-            path.write_text(json.dumps(config(family, layers)))
-            arch = arch_from_config(path, key=f"{family}-{layers}")
-            job = Job(
-                arch=arch,
-                preset=get_preset("server-8xh100"),
-                adapter="lora",
-                lora_r=hostprobe.PROBE_LORA_R,
-                liger=liger,
-            )
-            counts.append(
-                (
-                    kernels_per_micro_batch(job, strategy="ddp", checkpointed_layers=0),
-                    liger_launches_per_micro_batch(job, checkpointed_layers=0),
-                )
-            )
-    span = hostprobe.PROBE_DEPTHS[1] - hostprobe.PROBE_DEPTHS[0]
-    return (counts[1][0] - counts[0][0]) / span, (counts[1][1] - counts[0][1]) / span
+    """(kernels, Liger launches) the planner counts a layer (hostprobe.planned_per_layer)."""
+
+    def count(layers: int) -> dict:
+        return config(family, layers)
+
+    kernels = hostprobe.planned_per_layer(
+        lambda job: kernels_per_micro_batch(job, strategy="ddp", checkpointed_layers=0), liger=liger, config=count
+    )
+    launches = hostprobe.planned_per_layer(
+        lambda job: liger_launches_per_micro_batch(job, checkpointed_layers=0), liger=liger, config=count
+    )
+    return kernels, launches
 
 
 def measure(family: str, *, liger: bool, device) -> float:
-    runs = []
-    for layers in hostprobe.PROBE_DEPTHS:
-        torch.manual_seed(0)
-        run = hostprobe._micro_batch(build(family, layers, liger=liger, device=device), device)
-        for _ in range(hostprobe.PROBE_WARMUP):
-            run()
-        runs.append(run)
-    it = hostprobe.PROBE_ITERATIONS
-    diffs = [
-        hostprobe._timed(runs[1], device, it) - hostprobe._timed(runs[0], device, it)
-        for _ in range(hostprobe.PROBE_REPEATS)
-    ]
-    return statistics.median(diffs) / (hostprobe.PROBE_DEPTHS[1] - hostprobe.PROBE_DEPTHS[0])
+    """A layer's host seconds, as finetune/hostprobe.py times its own."""
+    return hostprobe.seconds_per_layer(lambda layers: build(family, layers, liger=liger, device=device), device)
 
 
 def main() -> None:

@@ -609,8 +609,8 @@ def activation_bytes(
     edges = 4 * stream * job.arch.hidden_size * tokens  # embedding output + final norm
     inputs = k * stream * job.arch.hidden_size * tokens
     recompute = per_layer if k == layers else 0.0
-    # the peak is inside the first layer's backward, whose eager attention adds its gradients' scores and whose
-    # DoRA modules their output gradients
+    # the peak is inside the first layer's backward, whose eager attention adds its gradients' scores, its DoRA
+    # modules their output gradients and its routed experts their copies' gradients
     backward = (
         eager_backward_bytes(job, micro_batch=micro_batch)
         + dora_backward_bytes(job, micro_batch=micro_batch, casts=casts)
