@@ -28,6 +28,14 @@ flash-attention's left window) over the same rows, for each window W: the rate o
 (finetune/plan/attention_time.py WINDOW_RATES, from --windows 512 1024 4096 on an H200).
 
     python3 scripts/attention_rates.py --varlen --windows 512 1024 4096 --out varlen-windows.json
+
+With --padded it times instead padded rows as TRL's preference collators make them (PADDED_ROWS rows of one length,
+each causal over its own tokens, the shorter ones padded at the end) through transformers' masked sdpa path (the key
+and value heads repeated, a boolean mask), on cuDNN's kernel and on the memory-efficient one, which takes the rows
+where the run turns cuDNN's attention off (plan.cudnn_attention_off): the memory-efficient kernel's time over
+cuDNN's, by head_dim and length (finetune/plan/attention_time.py EFFICIENT_KERNEL_SLOWDOWN).
+
+    python3 scripts/attention_rates.py --padded --out padded.json
 """
 
 from __future__ import annotations
@@ -46,6 +54,9 @@ TOKENS = [4096, 16384]
 DOCUMENT_TOKENS = 2048  # the packed row's examples: block-diagonal mask of 2048-token causal blocks
 VARLEN_ROW_TOKENS = 65536
 VARLEN_EXAMPLE_TOKENS = [2048, 4096, 8192, 16384, 32768, 65536]
+PADDED_ROWS = 8  # a micro-batch of 4 pairs, chosen and rejected
+PADDED_LENGTHS = [1000, 2000, 4000]  # the longest row's; not whole 128-key tiles, as ORPO's collator leaves them
+PADDED_SHAPES = [*SHAPES, ("llama-3.2-3b", 24, 8, 128)]
 
 
 def block_causal_mask(tokens: int, device: torch.device) -> torch.Tensor:
@@ -144,6 +155,35 @@ def measure_varlen(*, heads, kv_heads, head_dim, example_tokens, on_cudnn, iters
     return {"seconds": seconds, "executed_tflop": flops / 1e12, "tflops": flops / seconds / 1e12}
 
 
+def measure_padded(*, heads, kv_heads, head_dim, length, backend, iters, device) -> dict:
+    """Forward + backward of sdpa on PADDED_ROWS rows padded to `length` (row i keeps length - 16 i tokens) on
+    `backend`, as transformers' sdpa path calls it with a mask: the key and value heads repeated, a boolean mask."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    torch.manual_seed(0)
+    shape = (PADDED_ROWS, heads, length, head_dim)
+    q = torch.randn(*shape, device=device, dtype=torch.bfloat16, requires_grad=True)
+    k, v = (torch.randn(PADDED_ROWS, kv_heads, length, head_dim, device=device, dtype=torch.bfloat16) for _ in "kv")
+    k.requires_grad_(), v.requires_grad_()
+    kept = length - 16 * torch.arange(PADDED_ROWS, device=device)
+    pos = torch.arange(length, device=device)
+    mask = (pos[None, :, None] >= pos[None, None, :]) & (pos[None, None, :] < kept[:, None, None])
+    grad = torch.randn(*shape, device=device, dtype=torch.bfloat16)
+    repeat = heads // kv_heads
+
+    def step():
+        with sdpa_kernel([getattr(SDPBackend, backend)]):
+            out = F.scaled_dot_product_attention(
+                q, k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1), attn_mask=mask[:, None]
+            )
+        out.backward(grad)
+        q.grad = k.grad = v.grad = None
+
+    seconds = seconds_per_step(step, iters)
+    flops = 12 * heads * head_dim * PADDED_ROWS * length * length  # the whole square, as a masked kernel runs it
+    return {"seconds": seconds, "executed_tflop": flops / 1e12, "tflops": flops / seconds / 1e12}
+
+
 def new_length_seconds(*, heads, kv_heads, head_dim, tokens, dropout, lengths, device) -> dict:
     """Seconds of one synchronized forward + backward of the masked kernel at `lengths` new row lengths below
     `tokens`, each timed on its first call and again on a second pass over the same lengths."""
@@ -174,6 +214,7 @@ def main() -> None:
     parser.add_argument("--iters", type=int, default=10)
     parser.add_argument("--new-lengths", type=int, default=0, help="time the masked kernel at this many new lengths")
     parser.add_argument("--varlen", action="store_true", help="time finetune's varlen path by example length")
+    parser.add_argument("--padded", action="store_true", help="time padded rows on cuDNN's and the efficient kernel")
     parser.add_argument(
         "--windows", type=int, nargs="*", default=[], help="with --varlen: also as sliding-window layers of these"
     )
@@ -193,6 +234,23 @@ def main() -> None:
                     case |= measure_varlen(**shape, window=window, iters=args.iters, device=device)
                     print(json.dumps(case), flush=True)
                     rows.append(case)
+    if args.padded:
+        for label, heads, kv_heads, head_dim in PADDED_SHAPES:
+            for length in PADDED_LENGTHS:
+                timed = {}
+                for backend in ("CUDNN_ATTENTION", "EFFICIENT_ATTENTION"):
+                    case = {"shape": label, "heads": heads, "kv_heads": kv_heads, "head_dim": head_dim}
+                    case |= {"rows": PADDED_ROWS, "length": length, "backend": backend}
+                    shape = {k: case[k] for k in ("heads", "kv_heads", "head_dim", "length", "backend")}
+                    try:
+                        case |= measure_padded(**shape, iters=args.iters, device=device)
+                        timed[backend] = case["seconds"]
+                    except RuntimeError as err:  # a path this torch build does not offer
+                        case["error"] = str(err)[:300]
+                    if len(timed) == 2:
+                        case["over_cudnn"] = timed["EFFICIENT_ATTENTION"] / timed["CUDNN_ATTENTION"]
+                    print(json.dumps(case), flush=True)
+                    rows.append(case)
     if args.new_lengths:
         label, heads, kv_heads, head_dim = SHAPES[0]
         for tokens in TOKENS:
@@ -209,7 +267,7 @@ def main() -> None:
                 )
                 print(json.dumps(case), flush=True)
                 rows.append(case)
-    for label, heads, kv_heads, head_dim in SHAPES if not (args.new_lengths or args.varlen) else []:
+    for label, heads, kv_heads, head_dim in SHAPES if not (args.new_lengths or args.varlen or args.padded) else []:
         for tokens in TOKENS:
             for masked in (False, True):
                 for dropout in (0.0, 0.1):

@@ -345,7 +345,7 @@ def cudnn_attention_off(job: Job) -> bool:
     """The run turns cuDNN's attention off (torch.backends.cuda.enable_cudnn_sdp): where sdpa masks padded rows on an
     NVIDIA GPU whose lengths the method's collator cannot round to PADDED_ROW_MULTIPLE (ORPO's and CPO's take no
     multiple), so a batch at 64 mod 128 tokens would meet cuDNN's NaN backward. sdpa's memory-efficient kernel takes
-    those rows; the plan times it as the masked cuDNN kernel (attention_time.MASKED_KERNEL_SLOWDOWN), not measured."""
+    those rows, at 2.2x cuDNN's masked kernel's time (Job.cudnn_attention, attention_time.EFFICIENT_KERNEL_SLOWDOWN)."""
     return job.preset.vendor == "nvidia" and job.attention == "sdpa" and job.method not in ROW_MULTIPLE_METHODS
 
 
@@ -470,8 +470,10 @@ def job_from_recipe(recipe, *, arch, preset) -> Job:
         final_save=not (recipe.resolved and recipe.resolved.measure),
         save_gathers_model=not final_save_gathers_trained_only(recipe),
     )
-    # a resolved recipe trains as compiled (one resolved before the key existed did not pad)
-    return replace(job, row_multiple=recipe.resolved.row_multiple if recipe.resolved else row_multiple(job))
+    # a resolved recipe trains as compiled (one resolved before the keys existed did not pad, and ran cuDNN)
+    if recipe.resolved:
+        return replace(job, row_multiple=recipe.resolved.row_multiple, cudnn_attention=recipe.resolved.cudnn_attention)
+    return replace(job, row_multiple=row_multiple(job), cudnn_attention=not cudnn_attention_off(job))
 
 
 def lookup(recipe, *, hardware: str | None = None):
@@ -513,7 +515,7 @@ def plan_on(recipe, *, arch, preset, source: str) -> Plan:
 
     result = plan_job(job, on_preset=on_preset)
     if source == "auto" and result.chosen.bottleneck == "host":
-        measured = with_measured_host(job)
+        measured = with_measured_host(job, config=model_config_text(recipe, arch))
         if measured is not job:
             job = measured
             result = plan_job(job, on_preset=on_preset)
@@ -607,15 +609,34 @@ def fp32_compute_warning(job: Job) -> str:
     )
 
 
-def with_measured_host(job: Job) -> Job:
-    """For a host-bound plan made for this machine: the job with this machine's host time a kernel, timed on its GPU
-    (finetune/hostprobe.py, a child process of 10-30 s, once per process), instead of the slowest host measured;
-    the job itself where it cannot be timed (no NVIDIA GPU here, or the probe failed)."""
+def model_config_text(recipe, arch) -> str:
+    """The text of the config.json of the recipe's model where this machine has one (a local folder, the Hugging
+    Face cache) and `model.arch` does not stand in for it, else the registry's for `arch` (registry/hfconfig.py):
+    the model the host probe builds its layer of."""
+    import json
+
+    from finetune.recipe.load import recipe_dir
+    from finetune.registry.derive import find_config_json
+    from finetune.registry.hfconfig import hf_config
+
+    found = find_config_json(
+        recipe.model.name, base_dir=recipe_dir(recipe), revision=getattr(recipe.model, "revision", None)
+    )
+    if found is not None and not getattr(recipe.model, "arch", None):
+        return found.read_text(encoding="utf-8")
+    return json.dumps(hf_config(arch))
+
+
+def with_measured_host(job: Job, *, config: str | None = None) -> Job:
+    """For a host-bound plan made for this machine: the job with this machine's host time a kernel of its model's
+    layer (`config`: the text of its config.json; a Llama layer's without), timed on its GPU
+    (finetune/hostprobe.py, a child process of 10-30 s, once per process and model), instead of the slowest host
+    measured; the job itself where it cannot be timed (no NVIDIA GPU here, or the probe failed)."""
     from finetune.hostprobe import measured_s_per_kernel
 
     if job.preset.vendor != "nvidia" or job.preset.host_s_per_kernel:
         return job
-    measured = measured_s_per_kernel()
+    measured = measured_s_per_kernel(config)
     if measured is None:
         return job
     return replace(job, preset=job.preset.model_copy(update={"host_s_per_kernel": measured}))
@@ -1021,7 +1042,7 @@ def plan_job(job: Job, *, on_preset: Callable | None = None) -> Plan:
     plan.tight = chosen.tight
     plan.sync_each_batch = chosen.sync_each_batch
     plan.row_multiple = job.row_multiple if pads_rows(job, micro_batch=chosen.micro_batch_size) else None
-    plan.cudnn_attention = not cudnn_attention_off(job)
+    plan.cudnn_attention = job.cudnn_attention
     plan.kernels = _kernels(job, chosen.strategy, row_multiple=plan.row_multiple)
     plan.basis = basis_text(p, seq_len=job.seq_len)
     if strategies.info(chosen.strategy).offload == "nvme":
@@ -1075,7 +1096,7 @@ def _kernels(job: Job, strategy: str, *, row_multiple: int | None) -> str:
             else "cuDNN plans each new length, and its masked backward needs whole 128-key tiles"
         )
         attention += f" ({rows} padded to a multiple of {row_multiple} tokens: {why})"
-    if cudnn_attention_off(job):
+    if not job.cudnn_attention:
         attention += (
             f" (cuDNN's attention off: {job.method}'s padded rows cannot be rounded to whole 128-key tiles, which "
             "its masked backward needs; the memory-efficient kernel runs them)"

@@ -20,6 +20,8 @@ measured by scripts/attention_rates.py (forward + backward of torch's sdpa, bf16
 kernels; docs/results/attention-rates-2026-11-28-h200.json):
   - a masked kernel (an explicit bias; cuDNN's masked path): beyond its whole-square FLOPs at sdpa's
     unmasked rate (below) and the bias traffic above it took 1.37-1.48x the FLOPs' time (MASKED_KERNEL_SLOWDOWN);
+    the memory-efficient kernel, where the run turns cuDNN's attention off, 2.2x cuDNN's masked kernel's time
+    (EFFICIENT_KERNEL_SLOWDOWN);
   - attention dropout (a config's attention_dropout > 0, training): the kernel draws a random number per score
     in the forward and again in the backward, 1.38-1.74x the same kernel's time without it, causal or masked
     (DROPOUT_KERNEL_SLOWDOWN; flash_attention_2's dropout is assumed alike, not measured).
@@ -50,6 +52,13 @@ from finetune.plan.workload import (
 
 MASKED_KERNEL_SLOWDOWN = 1.4
 DROPOUT_KERNEL_SLOWDOWN = 1.6
+# sdpa's memory-efficient kernel, which takes the masked rows where the run turns cuDNN's attention off
+# (Job.cudnn_attention: ORPO's and CPO's padded pairs, plan.cudnn_attention_off), over cuDNN's masked kernel on the
+# same rows: 2.14-2.50x (median 2.22) for 8 padded rows of 1,000-4,000 tokens at head_dim 64 and 128 through
+# transformers' masked path (repeated key/value heads, a boolean mask), on an H200 with torch 2.11
+# (scripts/attention_rates.py --padded, docs/results/attention-padded-rates-2026-11-30-h200.json). The factor
+# applies to the kernel's work, its FLOPs and its reads of the bias; the mask's conversion is sdpa's, not the kernel's
+EFFICIENT_KERNEL_SLOWDOWN = 2.2
 # finetune's varlen path, forward + backward, as a fraction of the card's dense bf16 peak, by head_dim and the
 # examples' length: one 65,536-token row of causal examples of that length, grouped key/value heads (24/8 at 64,
 # 32/8 at 128), on an H200 with torch 2.11 (scripts/attention_rates.py --varlen,
@@ -182,7 +191,8 @@ def mask_seconds(job: Job, *, micro_batch: int, checkpointed_share: float = 0.0)
     # layers finetune's varlen kernel still serves (workload.varlen_fallback_layers) get no mask
     layers = masked_row_layers(job)
     convert = square * (1 + a)
-    read = arch.num_attention_heads * square * a
+    # the memory-efficient kernel's reads run as much slower than cuDNN's as its FLOPs (EFFICIENT_KERNEL_SLOWDOWN)
+    read = arch.num_attention_heads * square * a * (1.0 if job.cudnn_attention else EFFICIENT_KERNEL_SLOWDOWN)
     forward = convert + read
     moved = layers * ((1.0 + checkpointed_share) * forward + read)
     return memory_seconds(job.preset, moved)
@@ -213,7 +223,8 @@ def kernel_extra_seconds(job: Job, *, micro_batch: int, checkpointed_share: floa
     per_position = (
         passes * arch.num_attention_heads * head_dim(arch) * computed_tokens_per_micro_batch(job, micro_batch)
     )
-    slower = on_mask * (MASKED_KERNEL_SLOWDOWN * dropout - 1) + (executed - on_mask) * (dropout - 1)
+    masked_kernel = MASKED_KERNEL_SLOWDOWN * (1.0 if job.cudnn_attention else EFFICIENT_KERNEL_SLOWDOWN)
+    slower = on_mask * (masked_kernel * dropout - 1) + (executed - on_mask) * (dropout - 1)
     extra = per_position * slower * flop_seconds
     if varlen:
         tokens = kernel_example_tokens(job, micro_batch)

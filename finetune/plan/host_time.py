@@ -53,8 +53,9 @@ Out of sample it moves row 22 (LoRA 8B, ZeRO-3 offload) from 1.86 to 0.80 of the
 8B) from 1.20 to 1.15, rows 54 and 71 (full 3B, optimizer offload) from 1.25 and 1.18 to 1.14 and 0.99, and row
 108 (full 14B on 4 H100s, 43 of 48 layers checkpointed) from 2.30 to 1.47: what is left there is not identified.
 DoRA's layer (its weight norm, the magnitude's products, their gradients and casts): +33 a targeted linear,
-counted on CPU (KERNELS_PER_DORA_LINEAR). Not counted (the floor stays a lower bound there): eager attention's extra
-ops, QLoRA's dequantization kernels, an MoE layer's routing.
+counted on CPU (KERNELS_PER_DORA_LINEAR). QLoRA's dequantization: 3 kernels a use of a 4-bit weight
+(KERNELS_PER_QUANTIZED_USE). Not counted (the floor stays a lower bound there): eager attention's extra ops, an MoE
+layer's routing.
 """
 
 from __future__ import annotations
@@ -93,6 +94,11 @@ KERNELS_PER_EAGER_NORM = 24.0
 # lora dropout on a targeted linear: torch's fused dropout kernel forward and its backward (the same profile: 448
 # native_dropout and 442 native_dropout_backward calls in two steps of 224 targeted linears)
 KERNELS_PER_LORA_DROPOUT = 2.0
+# QLoRA: bitsandbytes dequantizes a 4-bit weight at each use, its double-quantized absmax first (fp32), then the weight
+# (bf16), and a cast: 3 kernels a use of a quantized linear, in its forward, its backward (the input's gradient) and a
+# checkpointed layer's recompute (blind4-02-profiled, Qwen2.5-1.5B QLoRA: 8,960 of each of the three in two steps of
+# 16 micro-batches, docs/validation.md thirty-third session)
+KERNELS_PER_QUANTIZED_USE = 3.0
 KERNELS_FSDP_PER_LAYER = 24.0
 KERNELS_PER_EXPERT_FOLD = 15.0
 KERNELS_OUTSIDE_LAYERS = 100.0
@@ -134,7 +140,20 @@ def kernels_per_micro_batch(job: Job, *, strategy: str, checkpointed_layers: int
     kernels = arch.num_layers * layer + checkpointed_layers * FORWARD_SHARE * layer
     # the reference's forwards run with the adapters off; KTO's policy forward of the KL completion with them
     kernels += arch.num_layers * FORWARD_SHARE * (job.reference_passes * base + job.policy_forward_only_passes * layer)
+    if job.adapter == "qlora":
+        kernels += KERNELS_PER_QUANTIZED_USE * quantized_uses_per_micro_batch(
+            job, checkpointed_layers=checkpointed_layers
+        )
     return kernels + KERNELS_OUTSIDE_LAYERS
+
+
+def quantized_uses_per_micro_batch(job: Job, *, checkpointed_layers: int) -> float:
+    """Uses of QLoRA's 4-bit weights in one micro-batch: each quantized linear of the layers (transformers quantizes
+    the nn.Linear modules; fused 3D experts stay 16-bit) in every forward (a checkpointed layer's again, the forwards
+    without gradients) and backward."""
+    arch = job.arch
+    linears = sum(count * sum(copies for _, _, copies in shapes.values()) for count, _, shapes in layer_kinds(arch))
+    return linears / arch.num_layers * layer_passes(job, checkpointed_layers=checkpointed_layers)
 
 
 def liger_launches_per_pass(job: Job) -> int:

@@ -103,8 +103,14 @@ NCCL_BYTES = 0.5 * GIB
 # The caching allocator's reserve beyond what is allocated at the peak (cuBLAS and cuDNN workspaces, blocks freed and
 # kept): the median of max reserved - max allocated over the calibration rows, 0.46 GiB for DDP's ranks (155 rows)
 # and 2.0-2.8 under DeepSpeed and FSDP2 (114 rows), whose gathered parameters and flat gradient buffers come and go
-# every layer (docs/validation.md, twenty-ninth session).
+# every layer (docs/validation.md, twenty-ninth session). An adapter under ZeRO-1/2 has neither (its parameters are
+# not gathered, its flat buffers are the adapter's megabytes): 0.28-0.50 GiB kept on all five such rows
+# (allocator_reserve_bytes).
 ALLOCATOR_RESERVE_BYTES = {"plain": 0.5 * GIB, "sharded": 2.0 * GIB}
+# A plain rank's cached blocks are its own transients (a layer's activations, the loss head's chunks), so a small run
+# keeps little: DDP ranks allocating under 30 GiB kept a median 0.12 GiB beyond it (38 rows), 30-60 GiB 0.31 (51),
+# above 60 0.59 (101). The plain reserve is at most this share of the allocation (0.5 GiB from 20 GiB on).
+PLAIN_RESERVE_SHARE = 0.025
 CPU_FIXED_BYTES = 0.5 * GIB  # the Python/torch process itself on the cpu preset
 FRAGMENTATION = 0.05  # caching-allocator fragmentation, as a share of everything else
 HOST_PER_PROCESS_BYTES = 3 * GIB  # python + torch + CUDA libraries per rank, host RAM
@@ -707,7 +713,7 @@ def footprint(
         fp32_stream=autocast_fp32_model(job, strategy=strategy),
         loss_head=logits,
     )
-    fixed = CPU_FIXED_BYTES if cpu else ALLOCATOR_RESERVE_BYTES["plain" if tier.backend == "ddp" else "sharded"]
+    fixed = CPU_FIXED_BYTES if cpu else 0.0
     if job.adapter == "qlora":
         # a dequantized 16-bit copy of the largest linear weight while it is multiplied
         fixed += 2 * max(fin * fout for fin, fout, _ in module_shapes(job.arch).values())
@@ -730,6 +736,8 @@ def footprint(
         on_gpu = replace(on_gpu, gradients=0.0)
     fixed += max(0.0, step - acts - logits) + second_partition
     subtotal = on_gpu.total + acts + logits + comm
+    if not cpu:
+        fixed += allocator_reserve_bytes(job, strategy, allocated=subtotal + fixed)
     memory = MemoryBreakdown(
         weights=on_gpu.weights,
         trainable=on_gpu.trainable,
@@ -742,6 +750,17 @@ def footprint(
     )
     host = host_bytes(job, strategy=strategy, states=states)
     return Footprint(memory, host.peak, host.nvme, host.training, host.saving)
+
+
+def allocator_reserve_bytes(job: Job, strategy: str, *, allocated: float = math.inf) -> float:
+    """The caching allocator's reserve on a GPU rank (ALLOCATOR_RESERVE_BYTES) beside `allocated` bytes of planned
+    tensors: "sharded" where large blocks come and go every layer or step (gathered parameters under ZeRO-3 and
+    FSDP2, a full fine-tune's flat gradient and fp32 buffers under ZeRO-1/2), "plain" otherwise (DDP, an adapter
+    under ZeRO-1/2), at most PLAIN_RESERVE_SHARE of the allocation: the blocks it keeps are the run's own."""
+    tier = info(strategy)
+    if tier.backend == "ddp" or (not tier.shards_params and job.adapter != "full"):
+        return min(ALLOCATOR_RESERVE_BYTES["plain"], PLAIN_RESERVE_SHARE * allocated)
+    return ALLOCATOR_RESERVE_BYTES["sharded"]
 
 
 def zero_gradient_cast_bytes(job: Job, *, strategy: str, trainable_params: float) -> float:

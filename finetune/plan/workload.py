@@ -111,6 +111,9 @@ class Job:
     # rows padded to a multiple of this many tokens (resolved.row_multiple: plan.row_multiple says when); the
     # planner counts it at every micro-batch (pads_rows: the run skips one-sequence unpadded micro-batches)
     row_multiple: int | None = None
+    # False: the run turns cuDNN's attention off (resolved.cudnn_attention: plan.cudnn_attention_off says when), and
+    # sdpa's memory-efficient kernel takes the masked rows (plan/attention_time.py EFFICIENT_KERNEL_SLOWDOWN)
+    cudnn_attention: bool = True
     # attention "sdpa" on packed rows because some layers fall back from finetune's varlen kernel
     # (`varlen_fallback_layers`): how many layers the varlen kernel still serves (Gemma-3's global ones)
     varlen_layers: int = 0

@@ -4,6 +4,8 @@ on a GPU machine the planner uses it for a host-bound plan made for that machine
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from finetune import hostprobe
@@ -13,6 +15,7 @@ from finetune.plan.host_time import (
     KERNELS_WITHOUT_LIGER_PER_LAYER,
 )
 from finetune.plan.workload import ALL_LINEAR
+from tests.helpers.paths import ROOT
 
 
 def test_the_probe_divides_by_the_planners_own_count_of_a_layers_kernels():
@@ -44,3 +47,50 @@ def test_without_a_gpu_the_planner_gets_no_figure_and_keeps_its_floor():
         assert hostprobe.measured_s_per_kernel() is None
     finally:
         hostprobe.measured_s_per_kernel.cache_clear()
+
+
+GEMMA3_1B = ROOT / "tests" / "data" / "hub_configs" / "gemma-3-1b" / "config.json"
+
+
+def test_the_probe_shrinks_the_runs_own_architecture_and_keeps_its_layer():
+    """Gemma-3-1B's config.json at the probe's widths: its family, head width, windows and norms stay what the
+    family builds (the layer whose host time is measured), the widths and the token ids are the probe's."""
+    model = json.loads(GEMMA3_1B.read_text())
+    shallow, deep = (hostprobe.probe_config(layers, model) for layers in hostprobe.PROBE_DEPTHS)
+    assert deep["model_type"] == "gemma3_text" and deep["num_hidden_layers"] == hostprobe.PROBE_DEPTHS[1]
+    assert deep["hidden_size"] == hostprobe.PROBE_SHAPE["hidden_size"]
+    assert deep["head_dim"] == hostprobe.PROBE_OPTIONAL_WIDTHS["head_dim"]  # 256 in the checkpoint
+    assert deep["sliding_window"] == model["sliding_window"]
+    # the class lays its 5-sliding-1-global pattern over the probe's depth
+    assert deep["layer_types"].count("full_attention") == 1 and len(shallow["layer_types"]) == 2
+    assert deep["eos_token_id"] is None  # the checkpoint's ids lie beyond the probe's vocabulary
+    # Gemma-3's q/k norms and four norms a layer: more kernels a layer than Llama's, counted by the planner
+    assert hostprobe.planned_kernels_per_layer(liger=False, model=model) > hostprobe.planned_kernels_per_layer(
+        liger=False
+    )
+
+
+def test_the_probe_of_a_family_runs_that_familys_model_on_cpu():
+    model = json.loads(GEMMA3_1B.read_text())
+    probe = hostprobe.measure("cpu", model=model, iterations=1, repeats=1)
+    assert probe.family == "gemma3_text" and not probe.liger
+    assert probe.kernels_per_layer == pytest.approx(hostprobe.planned_kernels_per_layer(liger=False, model=model))
+    assert probe.s_per_kernel == pytest.approx(probe.seconds_per_layer / probe.kernels_per_layer)
+
+
+def test_the_planner_probes_the_recipes_own_model(tmp_path):
+    """plan_on hands the probe the run's config.json where this machine has it, the registry's for a model.arch
+    key (which stands in for whatever model.name points at)."""
+    from finetune.plan import lookup, model_config_text
+    from finetune.registry.hfconfig import hf_config
+    from tests.helpers.recipes import shape_recipe
+
+    folder = tmp_path / "gemma-3-1b"
+    folder.mkdir()
+    (folder / "config.json").write_text(GEMMA3_1B.read_text())
+    local = shape_recipe(str(folder), "lora")
+    arch, _, _ = lookup(local, hardware="server-8xh100")
+    assert model_config_text(local, arch) == GEMMA3_1B.read_text()
+    keyed = shape_recipe("llama-3.1-8b", "lora", model__arch="llama-3.1-8b")
+    arch, _, _ = lookup(keyed, hardware="server-8xh100")
+    assert json.loads(model_config_text(keyed, arch)) == hf_config(arch)

@@ -209,3 +209,35 @@ def test_a_band_between_one_and_two_windows_and_head_dim_256s_other_windows():
         assert band_rate(256, window) / band_rate(256, 1024) == pytest.approx(
             band_rate(128, window) / band_rate(128, 1024)
         )
+
+
+PADDED = json.loads((ROOT / "docs" / "results" / "attention-padded-rates-2026-11-30-h200.json").read_text())
+
+
+def _padded_layer_seconds(case: dict, *, cudnn: bool) -> float:
+    """The plan's time for one layer's attention over the case's padded rows (a micro-batch of PADDED_ROWS rows of
+    its length, the padding mask), on cuDNN's masked kernel or, with cuDNN's attention off, the memory-efficient one."""
+    job, flop_seconds = _one_layer(
+        case, PADDED["meta"]["card"], seq_len=case["length"], attention="sdpa", cudnn_attention=cudnn
+    )
+    rows = case["rows"]
+    flops = 12 * case["heads"] * case["head_dim"] * executed_attention_positions(job, micro_batch=rows)
+    flops *= computed_tokens_per_micro_batch(job, rows)
+    return (
+        flops * flop_seconds
+        + mask_seconds(job, micro_batch=rows)
+        + kernel_extra_seconds(job, micro_batch=rows, checkpointed_share=0.0, flop_seconds=flop_seconds)
+    )
+
+
+@pytest.mark.parametrize(
+    "case",
+    [c for c in PADDED["cases"] if c["backend"] == "EFFICIENT_ATTENTION"],
+    ids=lambda c: f"{c['shape']}-{c['length']}",
+)
+def test_the_memory_efficient_kernel_is_planned_as_much_slower_as_measured(case):
+    """Padded rows through transformers' masked sdpa path, with cuDNN's attention off (ORPO's and CPO's rows,
+    plan.cudnn_attention_off) and on, in one call (scripts/attention_rates.py --padded): the plan's time on the
+    memory-efficient kernel over its time on cuDNN's is the measured ratio within 15% (2.14-2.50x measured)."""
+    planned = _padded_layer_seconds(case, cudnn=False) / _padded_layer_seconds(case, cudnn=True)
+    assert planned == pytest.approx(case["over_cudnn"], rel=0.15)

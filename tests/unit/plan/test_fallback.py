@@ -364,18 +364,14 @@ def test_a_torch_without_varlen_windows_plans_the_sliding_layers_over_the_masked
     "key", ["gemma-2-9b", "gemma-3-12b", "gemma-3-27b", "mistral-7b-v0.3", "llama-3.1-8b", "qwen2.5-7b"]
 )
 def test_random_models_are_the_registry_models(tmp_path, key):
-    """scripts/make_random_model.py's config.json, read back by the planner's config reader and by
-    transformers, has the registry's windows and soft-capping (not the config classes' defaults)."""
-    import importlib.util
-
+    """The config.json scripts/make_random_model.py writes (registry.hfconfig), read back by the planner's config
+    reader and by transformers, has the registry's windows and soft-capping (not the config classes' defaults)."""
     from transformers import AutoConfig
 
-    script = ROOT / "scripts" / "make_random_model.py"
-    spec = importlib.util.spec_from_file_location("make_random_model", script)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    from finetune.registry.hfconfig import hf_config
+
     arch = get_model(key)
-    cfg = module.hf_config(arch)
+    cfg = hf_config(arch)
     read = _derive(tmp_path, cfg)
     assert (read.sliding_window, read.sliding_layers, read.attn_logit_softcap) == (
         arch.sliding_window,

@@ -93,3 +93,24 @@ def test_liger_launches_are_counted_as_gemma3_dpos_profile_launched_them():
     profiled = (628 + 104 + 104 + 312 + 52 + 52) / 2
     assert liger_launches_per_micro_batch(job, checkpointed_layers=0) == pytest.approx(profiled, abs=1)
     assert liger_launches_per_micro_batch(dataclasses.replace(job, liger=False), checkpointed_layers=0) == 0
+
+
+def test_qlora_counts_three_dequantization_kernels_a_use_of_a_4bit_weight(monkeypatch):
+    """bitsandbytes dequantizes a 4-bit weight (its absmax, the weight, a cast) at each use: every linear of every
+    layer in its forward and backward, a checkpointed layer's recompute and the forwards without gradients again, as
+    blind4-02's profile counted them (Qwen2.5-1.5B, 28 layers of 7 quantized linears, every layer checkpointed: 560
+    of each kernel a micro-batch against the 588 uses counted here)."""
+    from finetune.plan import host_time
+
+    qlora, lora = shape_job("qwen2.5-7b", "qlora"), shape_job("qwen2.5-7b", "lora")
+    layers = qlora.arch.num_layers
+    planned = {c: kernels_per_micro_batch(qlora, strategy="ddp", checkpointed_layers=c) for c in (0, layers)}
+    adapters = kernels_per_micro_batch(lora, strategy="ddp", checkpointed_layers=0)
+    monkeypatch.setattr(host_time, "KERNELS_PER_QUANTIZED_USE", 0.0)
+    for checkpointed in (0, layers):
+        uses = 7 * (2 * layers + checkpointed)
+        assert host_time.quantized_uses_per_micro_batch(qlora, checkpointed_layers=checkpointed) == uses
+        without = kernels_per_micro_batch(qlora, strategy="ddp", checkpointed_layers=checkpointed)
+        assert planned[checkpointed] - without == pytest.approx(3 * uses)
+    # a LoRA run's 16-bit weights are not dequantized
+    assert kernels_per_micro_batch(lora, strategy="ddp", checkpointed_layers=0) == adapters

@@ -152,3 +152,38 @@ def test_a_cross_entropy_over_the_chosen_logits_is_planned():
     for method in ({"type": "simpo", "cpo_alpha": 1.0}, {"type": "orpo"}):
         with_nll = logits_bytes(job(method), micro_batch=2)
         assert with_nll / plain == pytest.approx(1 + NLL_BYTES_PER_ELEMENT / 2 / LOGITS_BYTES_PER_ELEMENT)
+
+
+@pytest.mark.parametrize(
+    ("strategy", "adapter", "kind"),
+    [
+        ("ddp", "lora", "plain"),
+        ("ddp", "full", "plain"),
+        ("zero2", "lora", "plain"),  # the adapter's flat buffers are megabytes, its parameters never gathered
+        ("zero2", "qlora", "plain"),
+        ("zero2", "full", "sharded"),  # a full fine-tune's flat gradient and fp32 buffers come and go every step
+        ("zero3", "lora", "sharded"),  # gathered parameters come and go every layer
+        ("fsdp2", "lora", "sharded"),
+        ("fsdp2", "full", "sharded"),
+    ],
+)
+def test_the_allocators_reserve_follows_the_blocks_that_come_and_go(strategy, adapter, kind):
+    from finetune.plan.memory import ALLOCATOR_RESERVE_BYTES, allocator_reserve_bytes
+    from tests.helpers.recipes import shape_job
+
+    job = shape_job("llama-3.1-8b", adapter)
+    assert allocator_reserve_bytes(job, strategy) == ALLOCATOR_RESERVE_BYTES[kind]
+
+
+def test_a_small_plain_rank_keeps_a_reserve_in_proportion_to_its_tensors():
+    """A DDP rank's cached blocks are its own transients: at most PLAIN_RESERVE_SHARE of the allocation (DDP rows
+    under 30 GiB kept a median 0.12 GiB), the whole plain reserve from 20 GiB on; the sharded tiers' gathered
+    parameters and flat buffers do not shrink with the run."""
+    from finetune.plan.memory import ALLOCATOR_RESERVE_BYTES, PLAIN_RESERVE_SHARE, allocator_reserve_bytes
+    from finetune.plan.types import GIB
+    from tests.helpers.recipes import shape_job
+
+    job = shape_job("llama-3.2-1b", "qlora")
+    assert allocator_reserve_bytes(job, "ddp", allocated=2 * GIB) == pytest.approx(PLAIN_RESERVE_SHARE * 2 * GIB)
+    assert allocator_reserve_bytes(job, "ddp", allocated=40 * GIB) == ALLOCATOR_RESERVE_BYTES["plain"]
+    assert allocator_reserve_bytes(job, "zero3", allocated=2 * GIB) == ALLOCATOR_RESERVE_BYTES["sharded"]
