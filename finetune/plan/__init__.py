@@ -1208,7 +1208,7 @@ def _host_why(job: Job, chosen: Candidate) -> str:
     if job.preset.host_s_per_kernel:
         return (
             f"{launches} This machine's host took {job.preset.host_s_per_kernel * 1e6:.0f} us a kernel, measured "
-            "on its GPU (finetune.hostprobe)."
+            "on its GPU with a tiny copy of this model's layer (finetune.hostprobe)."
         )
     fastest_host = host_seconds(
         job,
