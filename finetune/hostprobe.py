@@ -18,6 +18,8 @@ Gemma-3 layer took 1.11-1.18x a Llama layer's host time a planned kernel in the 
 
     python -m finetune.hostprobe                        # a Llama layer's figure, as JSON
     python -m finetune.hostprobe --config config.json   # that model's layer's
+    python -m finetune.hostprobe --adapter qlora        # the base in 4 bits: a measurement (the planner probes
+                                                        # LoRA layers; scripts/host_launch_costs.py compares them)
 
 Planning for this machine (`--hardware auto`) runs it in a child process when the plan is host-bound
 (measured_s_per_kernel; the planner itself never imports torch).
@@ -62,6 +64,7 @@ PROBE_REPEATS = 5  # the median of this many differences between the two depths
 class HostProbe:
     s_per_kernel: float  # the host's time a launched kernel
     family: str  # the probe layer's model_type
+    adapter: str  # lora, or qlora: the base's linears in 4 bits as the run loads them
     liger: bool  # whether Liger's kernels ran (the planner counts fewer, larger launches with them)
     seconds_per_layer: float  # a layer's forward and backward, measured
     kernels_per_layer: float  # as the planner counts them
@@ -69,20 +72,23 @@ class HostProbe:
     torch_version: str
 
 
-def planned_kernels_per_layer(*, liger: bool, model: dict | None = None) -> float:
+def planned_kernels_per_layer(*, liger: bool, model: dict | None = None, adapter: str = "lora") -> float:
     """The kernels the planner counts for one of the probe model's layers (`model`: a config.json, Llama's by
-    default; LoRA on its architecture's adapter targets, DDP, nothing checkpointed): the difference between the two
-    probe depths' counts."""
+    default; `adapter` on its architecture's adapter targets, DDP, nothing checkpointed): the difference between the
+    two probe depths' counts."""
     from finetune.plan.host_time import kernels_per_micro_batch
 
     return planned_per_layer(
         lambda job: kernels_per_micro_batch(job, strategy="ddp", checkpointed_layers=0),
         liger=liger,
         config=lambda layers: probe_config(layers, model),
+        adapter=adapter,
     )
 
 
-def planned_per_layer(count: Callable, *, liger: bool, config: Callable[[int], dict] | None = None) -> float:
+def planned_per_layer(
+    count: Callable, *, liger: bool, config: Callable[[int], dict] | None = None, adapter: str = "lora"
+) -> float:
     """What `count(job)` gives for one layer of the probe model (`config(layers)`: probe_config by default): the
     difference between the two probe depths' figures over the layers between them."""
     from finetune.plan.workload import Job
@@ -101,7 +107,7 @@ def planned_per_layer(count: Callable, *, liger: bool, config: Callable[[int], d
             job = Job(
                 arch=arch,
                 preset=get_preset("server-8xh100"),
-                adapter="lora",
+                adapter=adapter,
                 lora_r=PROBE_LORA_R,
                 lora_targets=tuple(arch.lora_targets),
                 liger=liger and arch.family in LIGER_MODEL_TYPES,
@@ -144,9 +150,10 @@ def probe_config(layers: int, model: dict | None = None) -> dict:
     return config.to_dict()
 
 
-def build_probe_model(layers: int, *, liger: bool, device, model: dict | None = None):
+def build_probe_model(layers: int, *, liger: bool, device, model: dict | None = None, adapter: str = "lora"):
     """The probe model at `layers` deep on `device` (probe_config), Liger's kernels applied with `liger`, LoRA on its
-    adapter targets."""
+    adapter targets; with `adapter` qlora its random weights saved and loaded again in 4 bits, as the run loads a
+    QLoRA base (train/model.py four_bit_config, the recipe's defaults)."""
     import torch
     from peft import LoraConfig, get_peft_model
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -155,7 +162,21 @@ def build_probe_model(layers: int, *, liger: bool, device, model: dict | None = 
 
     shape = probe_config(layers, model)
     config = AutoConfig.for_model(**shape)
-    network = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).to(device=device)
+    network = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    if adapter == "qlora":
+        from finetune.recipe.schema import AdapterSection
+        from finetune.train.model import four_bit_config
+
+        with tempfile.TemporaryDirectory(prefix="finetune-hostprobe-") as folder:
+            network.save_pretrained(folder)
+            network = AutoModelForCausalLM.from_pretrained(
+                folder,
+                dtype=torch.bfloat16,
+                quantization_config=four_bit_config(AdapterSection(type="qlora")),
+                device_map={"": device},
+            )
+    else:
+        network = network.to(device=device)
     network.config.use_cache = False
     if liger:
         from liger_kernel.transformers import _apply_liger_kernel_to_instance
@@ -225,13 +246,15 @@ def measure(
     device_name: str = "cuda",
     *,
     model: dict | None = None,
+    adapter: str = "lora",
     iterations: int = PROBE_ITERATIONS,
     repeats: int = PROBE_REPEATS,
 ) -> HostProbe:
     """Time the probe on `device_name` (cuda: the current GPU; cpu only exercises the code, its figure is the
-    CPU's compute, not a launch cost), of `model`'s layer (a config.json; Llama's by default). The two depths are
-    timed in turn, `repeats` times, and the median of the differences kept: a host whose speed drifts (clocks, a
-    neighbour's load) moves both of a pair alike."""
+    CPU's compute, not a launch cost), of `model`'s layer (a config.json; Llama's by default) with `adapter` (lora;
+    qlora: its base in 4 bits, for scripts/host_launch_costs.py). The two depths are timed in turn, `repeats`
+    times, and the median of the differences kept: a host whose speed drifts (clocks, a neighbour's load) moves both
+    of a pair alike."""
     import torch
 
     from finetune.registry.families import LIGER_MODEL_TYPES, liger_installed
@@ -240,16 +263,17 @@ def measure(
     device = torch.device(device_name)
     liger = device.type == "cuda" and liger_installed() and family in LIGER_MODEL_TYPES
     per_layer = seconds_per_layer(
-        lambda layers: build_probe_model(layers, liger=liger, device=device, model=model),
+        lambda layers: build_probe_model(layers, liger=liger, device=device, model=model, adapter=adapter),
         device,
         iterations=iterations,
         repeats=repeats,
     )
-    kernels = planned_kernels_per_layer(liger=liger, model=model)
+    kernels = planned_kernels_per_layer(liger=liger, model=model, adapter=adapter)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     return HostProbe(
         s_per_kernel=per_layer / kernels,
         family=family,
+        adapter=adapter,
         liger=liger,
         seconds_per_layer=per_layer,
         kernels_per_layer=kernels,
@@ -289,12 +313,13 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m finetune.hostprobe", description=__doc__.splitlines()[0])
     parser.add_argument("device", nargs="?", default="cuda")
     parser.add_argument("--config", help="the run's model's config.json, - for standard input (default: a Llama layer)")
+    parser.add_argument("--adapter", choices=("lora", "qlora"), default="lora", help="qlora: the base in 4 bits")
     args = parser.parse_args(argv)
     text = (
         sys.stdin.read() if args.config == "-" else Path(args.config).read_text(encoding="utf-8") if args.config else ""
     )
     model = json.loads(text) if text else None
-    print(json.dumps(asdict(measure(args.device, model=model))))
+    print(json.dumps(asdict(measure(args.device, model=model, adapter=args.adapter))))
     return 0
 
 

@@ -86,14 +86,20 @@ def quantization_config(recipe: Recipe):
         return BitsAndBytesConfig(load_in_8bit=True)
     if a.type != "qlora":
         return None
+    return four_bit_config(a)
+
+
+def four_bit_config(adapter):
+    """transformers' BitsAndBytesConfig for a QLoRA adapter section (its quant type, double quantization, compute
+    and storage dtypes): what the run loads its base with, and what finetune/hostprobe.py's 4-bit probe does."""
     from transformers import BitsAndBytesConfig
 
     return BitsAndBytesConfig(
         load_in_4bit=True,
-        bnb_4bit_quant_type=a.quant_type,
-        bnb_4bit_use_double_quant=a.double_quant,
-        bnb_4bit_compute_dtype=torch_dtype(a.compute_dtype),
-        bnb_4bit_quant_storage=torch_dtype(a.storage_dtype),
+        bnb_4bit_quant_type=adapter.quant_type,
+        bnb_4bit_use_double_quant=adapter.double_quant,
+        bnb_4bit_compute_dtype=torch_dtype(adapter.compute_dtype),
+        bnb_4bit_quant_storage=torch_dtype(adapter.storage_dtype),
     )
 
 

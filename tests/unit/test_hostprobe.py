@@ -94,3 +94,21 @@ def test_the_planner_probes_the_recipes_own_model(tmp_path):
     keyed = shape_recipe("llama-3.1-8b", "lora", model__arch="llama-3.1-8b")
     arch, _, _ = lookup(keyed, hardware="server-8xh100")
     assert json.loads(model_config_text(keyed, arch)) == hf_config(arch)
+
+
+def test_the_4bit_probe_loads_its_base_as_a_qlora_run_does_and_counts_the_dequantization():
+    """--adapter qlora (a measurement for scripts/host_launch_costs.py): the probe's random weights saved and loaded
+    again through bitsandbytes in 4 bits with the recipe's QLoRA defaults, and divided by the planner's count for a
+    QLoRA layer, which adds bitsandbytes' dequantization kernels to LoRA's."""
+    import torch
+    from bitsandbytes.nn import Linear4bit
+
+    model = hostprobe.build_probe_model(2, liger=False, device=torch.device("cpu"), adapter="qlora")
+    assert isinstance(model.base_model.model.model.layers[0].self_attn.q_proj.base_layer, Linear4bit)
+    assert hostprobe.planned_kernels_per_layer(liger=False, adapter="qlora") > hostprobe.planned_kernels_per_layer(
+        liger=False
+    )
+    probe = hostprobe.measure("cpu", adapter="qlora", iterations=1, repeats=1)
+    assert probe.adapter == "qlora" and probe.kernels_per_layer == pytest.approx(
+        hostprobe.planned_kernels_per_layer(liger=False, adapter="qlora")
+    )
