@@ -93,27 +93,33 @@ def planned_per_layer(
     difference between the two probe depths' figures over the layers between them."""
     from finetune.plan.workload import Job
     from finetune.registry import get_preset
-    from finetune.registry.derive import arch_from_config
     from finetune.registry.families import LIGER_MODEL_TYPES
 
     config = config or probe_config
     counts = []
-    with tempfile.TemporaryDirectory(prefix="finetune-hostprobe-") as folder:
-        for layers in PROBE_DEPTHS:
-            path = Path(folder) / f"config-{layers}.json"
-            path.write_text(json.dumps(config(layers)), encoding="utf-8")
-            arch = arch_from_config(path, key=f"hostprobe-{layers}")
-            # the preset does not enter the count
-            job = Job(
-                arch=arch,
-                preset=get_preset("server-8xh100"),
-                adapter=adapter,
-                lora_r=PROBE_LORA_R,
-                lora_targets=tuple(arch.lora_targets),
-                liger=liger and arch.family in LIGER_MODEL_TYPES,
-            )
-            counts.append(count(job))
+    for layers in PROBE_DEPTHS:
+        arch = probe_arch(config(layers))
+        # the preset does not enter the count
+        job = Job(
+            arch=arch,
+            preset=get_preset("server-8xh100"),
+            adapter=adapter,
+            lora_r=PROBE_LORA_R,
+            lora_targets=tuple(arch.lora_targets),
+            liger=liger and arch.family in LIGER_MODEL_TYPES,
+        )
+        counts.append(count(job))
     return (counts[1] - counts[0]) / (PROBE_DEPTHS[1] - PROBE_DEPTHS[0])
+
+
+def probe_arch(shape: dict):
+    """The planner's ModelArch of a probe model's config.json (`shape`), read as it reads a model's."""
+    from finetune.registry.derive import arch_from_config
+
+    with tempfile.TemporaryDirectory(prefix="finetune-hostprobe-") as folder:
+        path = Path(folder) / "config.json"
+        path.write_text(json.dumps(shape), encoding="utf-8")
+        return arch_from_config(path, key=f"hostprobe-{shape['num_hidden_layers']}")
 
 
 def probe_config(layers: int, model: dict | None = None) -> dict:
@@ -158,8 +164,6 @@ def build_probe_model(layers: int, *, liger: bool, device, model: dict | None = 
     from peft import LoraConfig, get_peft_model
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from finetune.registry.derive import arch_from_config
-
     shape = probe_config(layers, model)
     config = AutoConfig.for_model(**shape)
     network = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
@@ -185,10 +189,7 @@ def build_probe_model(layers: int, *, liger: bool, device, model: dict | None = 
 
         # what transformers' Trainer calls for use_liger_kernel, with the run's kernel choices
         _apply_liger_kernel_to_instance(model=network, **liger_kernel_config(config.model_type))
-    with tempfile.TemporaryDirectory(prefix="finetune-hostprobe-") as folder:
-        path = Path(folder) / "config.json"
-        path.write_text(json.dumps(shape), encoding="utf-8")
-        targets = list(arch_from_config(path, key="hostprobe").lora_targets)
+    targets = list(probe_arch(shape).lora_targets)
     lora = LoraConfig(r=PROBE_LORA_R, lora_alpha=2 * PROBE_LORA_R, lora_dropout=0.0, target_modules=targets)
     return get_peft_model(network, lora)
 
@@ -315,10 +316,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--config", help="the run's model's config.json, - for standard input (default: a Llama layer)")
     parser.add_argument("--adapter", choices=("lora", "qlora"), default="lora", help="qlora: the base in 4 bits")
     args = parser.parse_args(argv)
-    text = (
-        sys.stdin.read() if args.config == "-" else Path(args.config).read_text(encoding="utf-8") if args.config else ""
-    )
-    model = json.loads(text) if text else None
+    model = None
+    if args.config == "-":
+        model = json.loads(sys.stdin.read())
+    elif args.config:
+        model = json.loads(Path(args.config).read_text(encoding="utf-8"))
     print(json.dumps(asdict(measure(args.device, model=model, adapter=args.adapter))))
     return 0
 

@@ -47,18 +47,24 @@ def _layer_seconds(case: dict) -> float:
     job, flop_seconds = _one_layer(
         case, MEASURED["meta"]["card"], seq_len=case["tokens"], packed=case["masked"], attention="sdpa"
     )
+    return _planned_sdpa_seconds(job, flop_seconds, micro_batch=1)
+
+
+def _planned_sdpa_seconds(job: Job, flop_seconds: float, *, micro_batch: int) -> float:
+    """The plan's time for one layer's sdpa attention at `micro_batch`: its executed FLOPs at the step's rate, the
+    mask's traffic and the kernel's own slowdowns."""
     arch = job.arch
     flops = (
         12
         * arch.num_attention_heads
         * head_dim(arch)
-        * executed_attention_positions(job, micro_batch=1)
-        * computed_tokens_per_micro_batch(job, 1)
+        * executed_attention_positions(job, micro_batch=micro_batch)
+        * computed_tokens_per_micro_batch(job, micro_batch)
     )
     return (
         flops * flop_seconds
-        + mask_seconds(job, micro_batch=1)
-        + kernel_extra_seconds(job, micro_batch=1, checkpointed_share=0.0, flop_seconds=flop_seconds)
+        + mask_seconds(job, micro_batch=micro_batch)
+        + kernel_extra_seconds(job, micro_batch=micro_batch, checkpointed_share=0.0, flop_seconds=flop_seconds)
     )
 
 
@@ -220,14 +226,7 @@ def _padded_layer_seconds(case: dict, *, cudnn: bool) -> float:
     job, flop_seconds = _one_layer(
         case, PADDED["meta"]["card"], seq_len=case["length"], attention="sdpa", cudnn_attention=cudnn
     )
-    rows = case["rows"]
-    flops = 12 * case["heads"] * case["head_dim"] * executed_attention_positions(job, micro_batch=rows)
-    flops *= computed_tokens_per_micro_batch(job, rows)
-    return (
-        flops * flop_seconds
-        + mask_seconds(job, micro_batch=rows)
-        + kernel_extra_seconds(job, micro_batch=rows, checkpointed_share=0.0, flop_seconds=flop_seconds)
-    )
+    return _planned_sdpa_seconds(job, flop_seconds, micro_batch=case["rows"])
 
 
 @pytest.mark.parametrize(
