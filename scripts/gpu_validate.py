@@ -365,6 +365,9 @@ def collect(run_dir: Path) -> dict:
         "predicted_tokens_per_s": plan["tokens_per_second"],
         # an NVMe plan: the swap disk's read bandwidth the plan measured (registry/disk.py) and used
         "nvme_read_gbps": plan.get("nvme_read_gbps") or None,
+        # a host-bound plan's probe of this machine's host on the run's own layer (finetune/hostprobe.py), which its
+        # step time used: the row's host figure for the calibration test
+        "host_s_per_kernel": plan.get("host_s_per_kernel") or None,
         "ranks": ranks,
         "measured_max_allocated_gib": max((r.get("gpu_max_allocated_gib", 0) for r in ranks), default=0),
         "measured_max_reserved_gib": reserved,

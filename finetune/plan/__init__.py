@@ -13,6 +13,7 @@ from dataclasses import replace
 
 from finetune import strategies
 from finetune.errors import RecipeError
+from finetune.hostprobe import PLAIN_LORA, ProbeLayer, probe_layer
 from finetune.kernels import CUDNN_MIN_EXAMPLE_TOKENS, card_runs_cudnn_long_examples, torch_runs_varlen_windows
 from finetune.plan.choose import (
     CLEARLY_FASTER,
@@ -515,7 +516,9 @@ def plan_on(recipe, *, arch, preset, source: str) -> Plan:
 
     result = plan_job(job, on_preset=on_preset)
     if source == "auto" and result.chosen.bottleneck == "host":
-        measured = with_measured_host(job, config=model_config_text(recipe, arch))
+        checkpointed = checkpointed_layers(job, result.checkpoint_layers or False)
+        layer = probe_layer(job, checkpointed_layers=checkpointed)
+        measured = with_measured_host(job, config=model_config_text(recipe, arch), layer=layer)
         if measured is not job:
             job = measured
             result = plan_job(job, on_preset=on_preset)
@@ -627,16 +630,17 @@ def model_config_text(recipe, arch) -> str:
     return json.dumps(hf_config(arch))
 
 
-def with_measured_host(job: Job, *, config: str | None = None) -> Job:
+def with_measured_host(job: Job, *, config: str | None = None, layer: ProbeLayer = PLAIN_LORA) -> Job:
     """For a host-bound plan made for this machine: the job with this machine's host time a kernel of its model's
-    layer (`config`: the text of its config.json; a Llama layer's without), timed on its GPU
-    (finetune/hostprobe.py, a child process of 10-30 s, once per process and model), instead of the slowest host
-    measured; the job itself where it cannot be timed (no NVIDIA GPU here, or the probe failed)."""
+    layer (`config`: the text of its config.json; a Llama layer's without) with the run's layer settings (`layer`:
+    hostprobe.probe_layer), timed on its GPU (finetune/hostprobe.py, a child process of 10-30 s, once per process,
+    model and settings), instead of the slowest host measured; the job itself where it cannot be timed (no NVIDIA
+    GPU here, or the probe failed)."""
     from finetune.hostprobe import measured_s_per_kernel
 
     if job.preset.vendor != "nvidia" or job.preset.host_s_per_kernel:
         return job
-    measured = measured_s_per_kernel(config)
+    measured = measured_s_per_kernel(config, layer)
     if measured is None:
         return job
     return replace(job, preset=job.preset.model_copy(update={"host_s_per_kernel": measured}))
@@ -1047,6 +1051,7 @@ def plan_job(job: Job, *, on_preset: Callable | None = None) -> Plan:
     plan.basis = basis_text(p, seq_len=job.seq_len)
     if strategies.info(chosen.strategy).offload == "nvme":
         plan.nvme_read_gbps = nvme_read_gbps(job)
+    plan.host_s_per_kernel = job.preset.host_s_per_kernel or 0.0
     if chosen.fits:
         plan.why = _why(job, chosen, seqs, candidates)
     else:
@@ -1208,7 +1213,8 @@ def _host_why(job: Job, chosen: Candidate) -> str:
     if job.preset.host_s_per_kernel:
         return (
             f"{launches} This machine's host took {job.preset.host_s_per_kernel * 1e6:.0f} us a kernel, measured "
-            "on its GPU with a tiny copy of this model's layer (finetune.hostprobe)."
+            "on its GPU with a tiny copy of this model's layer, with this run's adapter, checkpointing and packing "
+            "(finetune.hostprobe)."
         )
     fastest_host = host_seconds(
         job,

@@ -151,6 +151,8 @@ class Plan:
     # an NVMe plan: the swap directory's read bandwidth the step time used (GB/s) and where the figure came from
     nvme_read_gbps: float = 0.0
     disk: str = ""
+    # this machine's host time a kernel where the plan timed it (finetune/hostprobe.py); 0: the slowest host measured
+    host_s_per_kernel: float = 0.0
 
     @property
     def chosen(self) -> Candidate:
@@ -197,6 +199,7 @@ class Plan:
             "basis": self.basis,
             "nvme_read_gbps": round(self.nvme_read_gbps, 3),
             "disk": self.disk,
+            "host_s_per_kernel": self.host_s_per_kernel,
             "substitutions": self.substitutions,
             "warnings": self.warnings,
             "candidates": [c.to_json() for c in self.candidates],

@@ -30,6 +30,16 @@ def _checkpoint_first(layers: list, k: int) -> list[bool]:
     return [layer.gradient_checkpointing for layer in layers]
 
 
+def enable_checkpointing(model) -> None:
+    """Checkpointing on every decoder layer of `model`, non-reentrant, as the Trainer turns it on from its arguments
+    (trainers.py _checkpointing_args; transformers 5.24 renamed gradient_checkpointing_enable)."""
+    kwargs = {"use_reentrant": False}
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+
+
 def checkpoint_first_layers(model, k: int) -> list[bool]:
     """Checkpoint the first `k` decoder layers of `model` (checkpointing already enabled); the flags set."""
     return _checkpoint_first(decoder_layers(model), k)

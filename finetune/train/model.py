@@ -7,7 +7,7 @@ import logging
 from finetune.data.chat_template import read_chat_template
 from finetune.errors import RecipeError
 from finetune.recipe.paths import model_path
-from finetune.recipe.schema import PRECISION_DTYPE, Recipe, dpo_reference, sharded_load_blocker
+from finetune.recipe.schema import PRECISION_DTYPE, AdapterSection, Recipe, dpo_reference, sharded_load_blocker
 
 log = logging.getLogger("finetune.train")
 
@@ -368,14 +368,18 @@ def lora_config(recipe: Recipe, model=None):
     from the targets, which match module names by suffix (a vision tower has q_proj/k_proj/v_proj too)."""
     if recipe.adapter.type == "full":
         return None
+    resolved = recipe.resolved.lora_targets if recipe.resolved and recipe.resolved.lora_targets else "all-linear"
+    return adapter_lora_config(recipe.adapter, model, default_targets=resolved, reward=recipe.method.type == "reward")
+
+
+def adapter_lora_config(a: AdapterSection, model=None, *, default_targets: list[str] | str, reward: bool = False):
+    """peft's LoraConfig for an adapter section (lora_config; finetune/hostprobe.py builds its probe layer with it),
+    `default_targets` where adapter.target_modules is unset; `reward`: a sequence-classification model."""
     import re
 
     from peft import LoraConfig
 
-    a = recipe.adapter
-    targets = a.target_modules
-    if targets is None:
-        targets = recipe.resolved.lora_targets if recipe.resolved and recipe.resolved.lora_targets else "all-linear"
+    targets = a.target_modules if a.target_modules is not None else default_targets
     config = LoraConfig(
         r=a.r,
         lora_alpha=a.alpha,
@@ -387,7 +391,7 @@ def lora_config(recipe: Recipe, model=None):
         # adapter.target_experts: the MoE layers' fused expert weights, which are parameters, not modules
         target_parameters=expert_targets(a.target_experts, model),
         # SEQ_CLS: peft also trains the new score head (modules_to_save)
-        task_type="SEQ_CLS" if recipe.method.type == "reward" else "CAUSAL_LM",
+        task_type="SEQ_CLS" if reward else "CAUSAL_LM",
     )
     towers = text_towers(model) if model is not None else {}
     if towers:  # peft matches a str by re.fullmatch against each module's full name
@@ -431,16 +435,21 @@ def adapter_input_casting(recipe: Recipe, model):
     Only where peft casts (finetune.plan.memory.peft_casts_adapter_inputs: DDP/one device with bf16/fp16
     autocast, which runs the adapters' matmuls in the compute dtype anyway); DoRA keeps peft's cast (its
     norm math wants fp32)."""
+    return section_input_casting(
+        recipe.adapter,
+        model,
+        strategy=recipe.distributed.strategy,
+        autocast=PRECISION_DTYPE[recipe.train.precision] is not None,
+    )
+
+
+def section_input_casting(a: AdapterSection, model, *, strategy: str, autocast: bool):
+    """adapter_input_casting for an adapter section trained under `strategy` (finetune/hostprobe.py's too)."""
     from contextlib import nullcontext
 
     from finetune.plan.memory import peft_casts_adapter_inputs
 
-    a = recipe.adapter
-    casts = peft_casts_adapter_inputs(
-        adapter=a.type,
-        strategy=recipe.distributed.strategy,
-        autocast=PRECISION_DTYPE[recipe.train.precision] is not None,
-    )
+    casts = peft_casts_adapter_inputs(adapter=a.type, strategy=strategy, autocast=autocast)
     if not casts or a.cast_adapter_inputs or a.dora:
         return nullcontext()
     from peft.helpers import disable_input_dtype_casting

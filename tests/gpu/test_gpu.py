@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -478,8 +479,9 @@ def test_the_host_probe_times_this_hosts_kernels_and_a_host_bound_auto_plan_uses
         train__micro_batch_size=1, train__global_batch_size=64,
     )  # fmt: skip
     arch, _, _ = lookup(recipe, hardware="auto")
-    figure = hostprobe.measured_s_per_kernel(model_config_text(recipe, arch))  # the recipe's model's layer
+    figure = hostprobe.measured_s_per_kernel(model_config_text(recipe, arch))  # the recipe's model's plain layer
     assert figure is not None and 10e-6 < figure < 200e-6, figure
     p = plan(recipe, hardware="auto")
-    if p.chosen.bottleneck == "host":
-        assert f"This machine's host took {figure * 1e6:.0f} us a kernel" in p.why, p.why
+    if p.chosen.bottleneck == "host":  # probed again on the run's own layer settings (hostprobe.probe_layer)
+        said = re.search(r"This machine's host took (\d+) us a kernel", p.why)
+        assert said and 10 < int(said.group(1)) < 200, p.why

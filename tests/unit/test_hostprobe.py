@@ -5,6 +5,7 @@ on a GPU machine the planner uses it for a host-bound plan made for that machine
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 
@@ -97,18 +98,84 @@ def test_the_planner_probes_the_recipes_own_model(tmp_path):
 
 
 def test_the_4bit_probe_loads_its_base_as_a_qlora_run_does_and_counts_the_dequantization():
-    """--adapter qlora (a measurement for scripts/host_launch_costs.py): the probe's random weights saved and loaded
-    again through bitsandbytes in 4 bits with the recipe's QLoRA defaults, and divided by the planner's count for a
-    QLoRA layer, which adds bitsandbytes' dequantization kernels to LoRA's."""
+    """A QLoRA run's probe layer: the probe's random weights saved and loaded again through bitsandbytes in 4 bits
+    with the recipe's QLoRA defaults, and divided by the planner's count for a QLoRA layer, which adds
+    bitsandbytes' dequantization kernels to LoRA's."""
     import torch
     from bitsandbytes.nn import Linear4bit
 
-    model = hostprobe.build_probe_model(2, liger=False, device=torch.device("cpu"), adapter="qlora")
+    qlora = hostprobe.ProbeLayer(adapter="qlora")
+    model = hostprobe.build_probe_model(2, liger=False, device=torch.device("cpu"), layer=qlora)
     assert isinstance(model.base_model.model.model.layers[0].self_attn.q_proj.base_layer, Linear4bit)
-    assert hostprobe.planned_kernels_per_layer(liger=False, adapter="qlora") > hostprobe.planned_kernels_per_layer(
+    assert hostprobe.planned_kernels_per_layer(liger=False, layer=qlora) > hostprobe.planned_kernels_per_layer(
         liger=False
     )
-    probe = hostprobe.measure("cpu", adapter="qlora", iterations=1, repeats=1)
-    assert probe.adapter == "qlora" and probe.kernels_per_layer == pytest.approx(
-        hostprobe.planned_kernels_per_layer(liger=False, adapter="qlora")
+    probe = hostprobe.measure("cpu", layer=qlora, iterations=1, repeats=1)
+    assert probe.layer["adapter"] == "qlora" and probe.kernels_per_layer == pytest.approx(
+        hostprobe.planned_kernels_per_layer(liger=False, layer=qlora)
     )
+
+
+def test_the_probe_builds_the_runs_layer_settings_and_the_planner_counts_the_same_layer():
+    """The run's targets, dropout, fused LoRA groups, checkpointing and a packed row: built through finetune's own
+    training code (its LoRA config, its checkpointing switch, its varlen attention), timed (on CPU only the code
+    path), and divided by the planner's count for that layer: the recompute and the dropout add to it."""
+    import torch
+
+    from finetune.train.fused_lora import FusedLoraLinear
+
+    run = hostprobe.ProbeLayer(
+        targets=("q_proj", "k_proj", "v_proj", "o_proj"),
+        dropout=0.05,
+        fused_lora=True,
+        fused_lora_groups=True,
+        checkpointing=True,
+        packed=True,
+    )
+    model = hostprobe.build_probe_model(2, liger=False, device=torch.device("cpu"), layer=run)
+    layer = model.base_model.model.model.layers[0]
+    assert isinstance(layer.self_attn.q_proj, FusedLoraLinear) and layer.self_attn.q_proj._shared_input_group
+    assert not hasattr(layer.mlp.gate_proj, "lora_A")  # the run's targets only
+    assert layer.gradient_checkpointing and model.training
+    assert model.config._attn_implementation == "finetune_varlen"
+    unchecked = hostprobe.planned_kernels_per_layer(liger=False, layer=replace(run, checkpointing=False))
+    assert hostprobe.planned_kernels_per_layer(liger=False, layer=run) > unchecked  # the recomputed forward
+    assert hostprobe.planned_kernels_per_layer(liger=False, layer=replace(run, checkpointing=False, dropout=0.0)) < (
+        unchecked  # dropout's kernels
+    )
+    probe = hostprobe.measure("cpu", layer=run, iterations=1, repeats=1)
+    assert probe.kernels_per_layer == pytest.approx(hostprobe.planned_kernels_per_layer(liger=False, layer=run))
+    assert hostprobe.ProbeLayer.from_json(run.to_json()) == run
+
+
+def test_a_host_bound_plan_probes_its_own_layer_settings():
+    """probe_layer: what the chosen plan runs (a QLoRA job's 4-bit base and targets, its checkpointing when at least
+    half the layers recompute, its packed rows on the varlen kernel)."""
+    from finetune.plan import job_from_recipe, lookup
+    from tests.helpers.recipes import shape_recipe
+
+    recipe = shape_recipe(
+        "qwen2.5-7b", "qlora", seq=1024, model__arch="qwen2.5-7b", adapter__dropout=0.05,
+        adapter__target_modules=["q_proj", "k_proj", "v_proj", "o_proj"], data__packing=True,
+        train__micro_batch_size=1, train__activation_checkpointing="on",
+    )  # fmt: skip
+    arch, preset, _ = lookup(recipe, hardware="server-8xh100")
+    job = job_from_recipe(recipe, arch=arch, preset=preset)
+    layer = hostprobe.probe_layer(job, checkpointed_layers=arch.num_layers)
+    assert layer.adapter == "qlora" and layer.targets == ("q_proj", "k_proj", "v_proj", "o_proj")
+    assert layer.dropout == 0.05 and layer.checkpointing and layer.packed == (job.attention == "varlen")
+    few = hostprobe.probe_layer(job, checkpointed_layers=arch.num_layers // 4)
+    assert not few.checkpointing
+
+
+def test_the_plan_records_the_host_figure_its_step_time_used():
+    """Plan.host_s_per_kernel: the probed figure where the plan used one (scripts/gpu_validate.py keeps it as the
+    row's), 0 at the floor."""
+    from finetune.plan import job_from_recipe, lookup, plan_job
+    from tests.helpers.recipes import shape_recipe
+
+    recipe = shape_recipe("llama-3.1-8b", "lora", model__arch="llama-3.1-8b", train__micro_batch_size=1)
+    arch, preset, _ = lookup(recipe, hardware="server-8xh100")
+    probed = preset.model_copy(update={"host_s_per_kernel": 40e-6})
+    assert plan_job(job_from_recipe(recipe, arch=arch, preset=probed)).to_json()["host_s_per_kernel"] == 40e-6
+    assert plan_job(job_from_recipe(recipe, arch=arch, preset=preset)).host_s_per_kernel == 0.0

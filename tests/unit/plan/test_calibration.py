@@ -123,21 +123,35 @@ SPEED_MISSES = {
         "fits and is modelled 8.9x faster): 1,904 tokens/s against 4,077 planned at the call's Qwen2 probe (38 us), "
         "2,273 alone (row 347). Its profile (row 348: 5,855 kernels a micro-batch, 0.036 s of GPU work) showed "
         "QLoRA's three dequantization kernels a use of a 4-bit weight, now counted (1.69 of the speed, 2.14 "
-        "before); the host still took 77 us a launched kernel where the probe's LoRA layer took 35-38: "
-        "bitsandbytes' MatMul4Bit ran 163 us of host a forward and 259 a backward in the profile. A probe with "
-        "4-bit weights is the candidate"
+        "before); the host still took 77 us a launched kernel where the probe's plain LoRA layer took 35-38. The "
+        "probe of the run's own layer settings since (4-bit, q/k/v/o with dropout, checkpointed, packed: "
+        "hostprobe.probe_layer) reads 1.4-1.7x the plain layer's on one host, and the setting's runs planned with it "
+        "are at 0.89 and 0.75 (rows 353 and 357); this row's call probed the plain layer only"
     ),
     "347-blind4-02-alone": (
         "row 342's setting alone on its machine: 2,273 tokens/s against 3,412 planned at that call's Qwen2 probe "
-        "(35 us): 1.50 of the speed, the same host cost in bitsandbytes' 4-bit path beyond the probe's LoRA layer"
+        "(35 us): 1.50 of the speed, probed on the plain LoRA layer as row 342 (the run's own layer settings since: "
+        "rows 353 and 357)"
+    ),
+    "357-blind4-02-layer-again": (
+        "blind4-02's setting again with its plan probing the run's own layer (the 4-bit base, q/k/v/o with dropout, "
+        "every layer checkpointed, a packed row: hostprobe.probe_layer): the probe read 62.2 us a planned kernel "
+        "where the run's speed implies 44.1, 2,125 tokens/s planned against 2,851. The same probe read 45.8 in the "
+        "call before (row 353: 0.894, inside) and 51.6-61.1 in three probes in a row on one host the same evening "
+        "(docs/results/host-launch-costs-layers-2026-11-30-h200x2.json): this layer's probe varies by a sixth between "
+        "processes and reads 1.1-1.4x what its runs imply, where the plain LoRA layer's read 0.8x (rows 342 and 347)"
     ),
     "350-blind4-08": (
         "fourth blind draw (Qwen3-30B-A3B LoRA r8 with dropout under ZeRO-3 on 2 H200s, micro-batch 2 x 1 of 1,024 "
         "tokens, every layer checkpointed, adamw_8bit), host-bound: 2.98 s a step against 2.09 planned at the "
         "unprobed floor (0.53 s of GPU work planned; the host's time is ZeRO-3's module hooks, 1.2 ms a use of a "
-        "partitioned module, and the kernels). The call had no probe and the run no profile: not identified. Memory "
-        "inside its bound (1.029), the allocator keeping 2.8 GiB beyond its allocation where OLMoE's ZeRO-3 row 289 "
-        "kept 8.6"
+        "partitioned module, and the kernels). The call had no probe. Its profiled twin (row 354, the plan probing the "
+        "run's own layer at 76 us a planned kernel: 1.23 of that run's speed) had the host busy through the step: 0.44 "
+        "s a step in cudaEventSynchronize (ZeRO-3 waiting for its all-gathers, 865 a step at 2.3 ms each on the "
+        "communication stream) and 12-13 ms of Python a layer pass inside the checkpointed layers, which run reentrant "
+        "(TRL forces use_reentrant for PEFT under ZeRO-3), beyond the 1.2 ms a partitioned module's use planned: not "
+        "modelled. Memory inside its bound (1.029), the allocator keeping 2.8 GiB beyond its allocation where OLMoE's "
+        "ZeRO-3 row 289 kept 8.6"
     ),
     "281-blind1-01": (
         "blind draw (OLMoE LoRA r128, micro-batch 2 pinned, every layer checkpointed, 1 H200): 0.197 s a step against "
@@ -317,6 +331,11 @@ HOST_MISSES = {
         "row 342's setting with the profiler on for steps 3-4: 4.89 GiB of PSS against 1.68-1.72 for its unprofiled "
         "twins (rows 342 and 347): the profiler's event buffers (46,800 kernels a step), which the planner does not "
         "count (rows 176, 185, 296)"
+    ),
+    "354-blind4-08-profiled": (
+        "row 350's setting (Qwen3-30B-A3B LoRA under ZeRO-3 on 2 H200s) with the profiler on for steps 3-4: 7.71 GiB "
+        "of PSS on the node against 4.35 for the unprofiled run (row 350, inside its bound): the profiler's event "
+        "buffers, which the planner does not count (rows 176, 185, 296, 348)"
     ),
     "296-blind1-14-profiled": (
         "row 292's setting with the profiler on for steps 3-4: 11.07 GiB of PSS against 6.01 for the unprofiled run "
