@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 
 import pytest
 import yaml
@@ -196,8 +197,6 @@ def test_push_merged_merges_in_a_temp_dir_and_resumes(runs, hub, tmp_path, caplo
 
 
 def test_push_merged_reuses_run_dir_merged(runs, hub, tmp_path):
-    import shutil
-
     from finetune.merging import merge
 
     run = tmp_path / "run"
@@ -221,8 +220,13 @@ def test_push_full_fine_tune(runs, hub):
     assert meta["tags"] == ["finetune", "sft", "full", "trl"]
 
 
-def test_push_from_recipe_uses_hub_section(runs, hub):
-    url = push_from_recipe(runs["lora"])
+def test_push_from_recipe_uses_hub_section(runs, hub, tmp_path):
+    # a copy: the push records pushed.json in its run dir, and the shared run must not change under the other
+    # tests (another worker's test checks that a failed push leaves the run's files as they were)
+    run = tmp_path / "lora"
+    shutil.copytree(runs["lora"], run)
+    url = push_from_recipe(run)
+    assert (run / "pushed.json").is_file()
     assert "/acme/tiny-from-recipe/commit/" in url
     assert hub.repos["acme/tiny-from-recipe"].private is True
     assert set(hub.files("acme/tiny-from-recipe", "exp-1")) == ALLOWED
@@ -296,7 +300,6 @@ def _assert_no_canary(directory, caplog, capsys, extra: str = "") -> None:
 
 def test_card_shows_names_not_local_paths_and_evaluations_as_model_index(runs, tmp_path):
     import json
-    import shutil
 
     run = tmp_path / "run"
     shutil.copytree(runs["lora"], run)
@@ -429,9 +432,6 @@ def test_public_recipe_has_no_local_paths(tmp_path):
 
 
 def test_a_random_init_trial_is_not_published(runs, hub, tmp_path):
-    import shutil
-
-    import yaml
 
     from finetune import rundir
 
