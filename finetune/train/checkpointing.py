@@ -17,6 +17,9 @@ from __future__ import annotations
 
 from transformers import TrainerCallback
 
+# torch's non-reentrant checkpointing: the Trainer's (trainers.py _checkpointing_args) and the host probe's
+CHECKPOINTING_KWARGS = {"use_reentrant": False}
+
 
 def decoder_layers(model) -> list:
     from transformers.modeling_layers import GradientCheckpointingLayer
@@ -33,7 +36,7 @@ def _checkpoint_first(layers: list, k: int) -> list[bool]:
 def enable_checkpointing(model) -> None:
     """Checkpointing on every decoder layer of `model`, non-reentrant, as the Trainer turns it on from its arguments
     (trainers.py _checkpointing_args; transformers 5.24 renamed gradient_checkpointing_enable)."""
-    kwargs = {"use_reentrant": False}
+    kwargs = dict(CHECKPOINTING_KWARGS)
     if hasattr(model, "activation_checkpointing_enable"):
         model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
     else:

@@ -44,7 +44,9 @@ def _checkpointing_args(on: bool) -> dict:
         if "activation_checkpointing" in TrainingArguments.__dataclass_fields__
         else "gradient_checkpointing"
     )
-    return {name: on, f"{name}_kwargs": {"use_reentrant": False} if on else None}
+    from finetune.train.checkpointing import CHECKPOINTING_KWARGS
+
+    return {name: on, f"{name}_kwargs": dict(CHECKPOINTING_KWARGS) if on else None}
 
 
 def common_args(recipe: Recipe, *, run_dir: Path, has_eval: bool) -> dict:
