@@ -163,7 +163,7 @@ def test_a_host_bound_plan_probes_its_own_layer_settings():
     job = job_from_recipe(recipe, arch=arch, preset=preset)
     layer = hostprobe.probe_layer(job, checkpointed_layers=arch.num_layers)
     assert layer.adapter == "qlora" and layer.targets == ("q_proj", "k_proj", "v_proj", "o_proj")
-    assert layer.dropout == 0.05 and layer.checkpointing and layer.packed == (job.attention == "varlen")
+    assert layer.dropout == 0.05 and layer.checkpointing and job.attention == "varlen" and layer.packed
     few = hostprobe.probe_layer(job, checkpointed_layers=arch.num_layers // 4)
     assert not few.checkpointing
 
