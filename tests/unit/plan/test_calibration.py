@@ -115,7 +115,10 @@ SPEED_MISSES = {
     "340-blind3-07-family": (
         "blind3-07's setting (Gemma-3-1B QLoRA SFT, micro-batch 4 of 4,096 tokens) with the Gemma-3 probe as row 339: "
         "1.28 of the speed with QLoRA's dequantization kernels counted (1.44 before; inside the bound at the unprobed "
-        "floor). The same Gemma-3 host cost beyond the probe's layer as row 339, not identified"
+        "floor). Its call probed Gemma-3's LoRA layer, not its 4-bit one: a Gemma-3 layer with the 4-bit base read "
+        "52.0 and 56.9 us a planned kernel on a later call's host (docs/results/host-launch-costs-layers-2026-11-30-"
+        "h200x2.json), at which this row would be at 1.07 and 1.00. The planner probes the run's 4-bit layer since "
+        "(hostprobe.probe_layer); not measured again on this setting"
     ),
     "342-blind4-02": (
         "fourth blind draw (Qwen2.5-1.5B QLoRA r8 on q/k/v/o with dropout, micro-batch 1 x 8 of packed 1,024-token "
