@@ -242,13 +242,11 @@ def build_probe_model(layers: int, *, liger: bool, device, model: dict | None = 
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    from finetune.train import attention as varlen
+
     shape = probe_config(layers, model)
     config = AutoConfig.for_model(**shape)
-    attention = {}
-    if layer.packed:
-        from finetune.train import attention as varlen
-
-        attention = {"attn_implementation": varlen.register()}
+    attention = {"attn_implementation": varlen.register()} if layer.packed else {}
     network = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16, **attention)
     section = adapter_section(layer)
     if section.quantizes_base:
@@ -278,8 +276,6 @@ def build_probe_model(layers: int, *, liger: bool, device, model: dict | None = 
 
         enable_checkpointing(network)
     if layer.packed:
-        from finetune.train import attention as varlen
-
         varlen.skip_packed_row_masks(network)
     if layer.adapter == "full":
         return network.train()
@@ -314,9 +310,11 @@ def _micro_batch(model, device, layer: ProbeLayer = PLAIN_LORA):
         bounds |= {"max_length_q": length, "max_length_k": length}
     from finetune.train.model import section_input_casting
 
+    section = adapter_section(layer)  # once: the timed call holds only what a run's micro-batch does
+
     def run() -> None:
         # the whole micro-batch, as the run trains inside it: a checkpointed layer's recompute is in the backward
-        with section_input_casting(adapter_section(layer), model, strategy="ddp", autocast=True):
+        with section_input_casting(section, model, strategy="ddp", autocast=True):
             with torch.autocast(device_type=device.type, dtype=torch.bfloat16):
                 loss = model(input_ids=tokens, labels=tokens, **bounds).loss
             loss.backward()
@@ -371,12 +369,14 @@ def measure(
     *,
     model: dict | None = None,
     layer: ProbeLayer = PLAIN_LORA,
+    liger: bool | None = None,
     iterations: int = PROBE_ITERATIONS,
     repeats: int = PROBE_REPEATS,
 ) -> HostProbe:
     """Time the probe on `device_name` (cuda: the current GPU; cpu only exercises the code, its figure is the
     CPU's compute, not a launch cost), of `model`'s layer (a config.json; Llama's by default) with `layer`'s
-    settings. The two depths are timed in turn, `repeats` times, and the median of the differences kept: a host whose
+    settings, and Liger's kernels where `liger` (None: where liger-kernel is installed) and they patch the family
+    on a GPU. The two depths are timed in turn, `repeats` times, and the median of the differences kept: a host whose
     speed drifts (clocks, a neighbour's load) moves both of a pair alike."""
     import torch
 
@@ -384,7 +384,8 @@ def measure(
 
     family = probe_config(PROBE_DEPTHS[0], model)["model_type"]
     device = torch.device(device_name)
-    liger = device.type == "cuda" and liger_installed() and family in LIGER_MODEL_TYPES
+    wanted = liger_installed() if liger is None else liger
+    liger = wanted and device.type == "cuda" and family in LIGER_MODEL_TYPES
     timings = layer_timings(
         lambda layers: build_probe_model(layers, liger=liger, device=device, model=model, layer=layer),
         device,

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 from dataclasses import asdict
 from pathlib import Path
 
@@ -31,16 +30,14 @@ ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_CONFIGS = [ROOT / "tests" / "data" / "hub_configs" / "gemma-3-1b" / "config.json"]
 
 
-def planned(model: dict | None, *, liger: bool, layer: hostprobe.ProbeLayer) -> tuple[float, float]:
-    """(kernels, Liger launches) the planner counts a layer (hostprobe.planned_per_layer)."""
-    kernels = hostprobe.planned_kernels_per_layer(liger=liger, model=model, layer=layer)
-    launches = hostprobe.planned_per_layer(
+def liger_launches(model: dict | None, *, liger: bool, layer: hostprobe.ProbeLayer) -> float:
+    """The Liger launches the planner counts in a layer (hostprobe.planned_per_layer)."""
+    return hostprobe.planned_per_layer(
         lambda job, checkpointed: liger_launches_per_micro_batch(job, checkpointed_layers=checkpointed),
         liger=liger,
         config=lambda layers: hostprobe.probe_config(layers, model),
         layer=layer,
     )
-    return kernels, launches
 
 
 def main() -> None:
@@ -61,24 +58,17 @@ def main() -> None:
                 for liger in ligers:
                     case = {"round": round_, "family": family, "layer": asdict(layer), "liger": liger}
                     try:
-                        kernels, launches = planned(model, liger=liger, layer=layer)
-                        timings = hostprobe.layer_timings(
-                            lambda layers, model=model, liger=liger, layer=layer: hostprobe.build_probe_model(
-                                layers, liger=liger, device=device, model=model, layer=layer
-                            ),
-                            device,
-                            layer=layer,
-                        )
+                        probe = hostprobe.measure("cuda", model=model, layer=layer, liger=liger)
                     except Exception as exc:  # one setting's failure is a finding; the others still run
                         case["error"] = repr(exc)
                     else:
-                        seconds = statistics.median(timings)
                         case |= {
-                            "seconds_per_layer": seconds,
-                            "repeats_seconds_per_layer": timings,
-                            "planned_kernels_per_layer": kernels,
-                            "planned_liger_launches_per_layer": launches,
-                            "s_per_planned_kernel": seconds / kernels,
+                            "liger": probe.liger,
+                            "seconds_per_layer": probe.seconds_per_layer,
+                            "repeats_seconds_per_layer": probe.repeats_seconds_per_layer,
+                            "planned_kernels_per_layer": probe.kernels_per_layer,
+                            "planned_liger_launches_per_layer": liger_launches(model, liger=probe.liger, layer=layer),
+                            "s_per_planned_kernel": probe.s_per_kernel,
                         }
                     cases.append(case)
                     print(json.dumps(case), flush=True)
