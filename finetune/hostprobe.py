@@ -293,7 +293,7 @@ def build_probe_model(layers: int, *, liger: bool, device, model: dict | None = 
     return peft_model.train()
 
 
-def _micro_batch(model, device, layer: ProbeLayer = PLAIN_LORA):
+def micro_batch(model, device, layer: ProbeLayer = PLAIN_LORA):
     """One forward and backward of `model` on a row of PROBE_TOKENS tokens (with `layer.packed`: PROBE_EXAMPLES
     examples and their bounds, as TRL's padding-free collator passes them), as a callable. peft's fp32 cast of the
     adapters' inputs is off unless `layer` keeps it, as the run trains (train/model.py adapter_input_casting)."""
@@ -324,7 +324,7 @@ def _micro_batch(model, device, layer: ProbeLayer = PLAIN_LORA):
     return run
 
 
-def _timed(run, device, iterations: int) -> float:
+def timed(run, device, iterations: int) -> float:
     """Seconds a call of `run`, over `iterations` calls from an idle GPU to an idle GPU."""
     import torch
 
@@ -353,13 +353,13 @@ def layer_timings(
     runs = []
     for layers in PROBE_DEPTHS:
         torch.manual_seed(0)
-        run = _micro_batch(build(layers), device, layer)
+        run = micro_batch(build(layers), device, layer)
         for _ in range(PROBE_WARMUP):  # kernels compiled (Liger's Triton), cuBLAS's plans chosen, caches filled
             run()
         runs.append(run)
     layers_between = PROBE_DEPTHS[1] - PROBE_DEPTHS[0]
     return [
-        (_timed(runs[1], device, iterations) - _timed(runs[0], device, iterations)) / layers_between
+        (timed(runs[1], device, iterations) - timed(runs[0], device, iterations)) / layers_between
         for _ in range(repeats)
     ]
 
