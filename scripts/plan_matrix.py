@@ -6,7 +6,10 @@ here. The line printed per run is what a matrix comment records before the run: 
 accumulation, checkpointed layers, planned GiB per GPU and tokens/s.
 
     python scripts/plan_matrix.py NAME... [--matrix scripts/calibration_matrix.yaml] [--card "NVIDIA H200"]
-        [--host-ram-gib 128] [--json OUT.json]
+        [--host-ram-gib 128] [--host-us 30 40] [--json OUT.json]
+
+A plan inside `finetune run` on a GPU machine times that machine's host (finetune/hostprobe.py); `--host-us` plans
+each run at the given host figures (microseconds a kernel) instead of the unprobed floor, one line per figure.
 
 Models (config only) and data are written under FINETUNE_MODELS and FINETUNE_VALIDATION_DIR (defaults under /tmp).
 """
@@ -34,10 +37,13 @@ from tests.helpers.calibration_rows import MEMORY_TOTAL, preset_for  # noqa: E40
 DEFAULT_MATRIX = Path(__file__).resolve().parent / "calibration_matrix.yaml"
 
 
-def preset_file(card: str, *, gpus: int, host_ram_gib: float, folder: Path) -> Path:
-    """The preset `--hardware auto` synthesizes on a machine with `gpus` of `card` and that much host RAM."""
+def preset_file(card: str, *, gpus: int, host_ram_gib: float, folder: Path, host_s_per_kernel: float = 0.0) -> Path:
+    """The preset `--hardware auto` synthesizes on a machine with `gpus` of `card` and that much host RAM (its host
+    timed at `host_s_per_kernel`, where given)."""
     preset = preset_for(card, gpus_per_node=gpus, ram_gib=host_ram_gib)
-    path = folder / f"auto-{gpus}.yaml"
+    if host_s_per_kernel:
+        preset = preset.model_copy(update={"host_s_per_kernel": host_s_per_kernel})
+    path = folder / f"auto-{gpus}-{host_s_per_kernel * 1e6:.0f}us.yaml"
     path.write_text(yaml.safe_dump(preset.model_dump(mode="json", exclude_none=True)))
     return path
 
@@ -53,7 +59,13 @@ def as_on_the_gpu_machine(raw: dict):
 
 
 def plan_entry(
-    name: str, entry: dict, *, card: str = "NVIDIA H200", host_ram_gib: float = 128.0, folder: Path = WORK
+    name: str,
+    entry: dict,
+    *,
+    card: str = "NVIDIA H200",
+    host_ram_gib: float = 128.0,
+    folder: Path = WORK,
+    host_s_per_kernel: float = 0.0,
 ) -> dict:
     """The plan of one matrix run (its defaults merged in) as a dict; `refused` where the planner refuses it."""
     override = entry.get("recipe", {})
@@ -67,7 +79,9 @@ def plan_entry(
     )
     model_dir = ensure_model(entry["arch"], config_only=True)
     recipe = run_recipe(model_dir, data, override, steps=entry["steps"], seq=entry["seq"], batch=entry["batch"])
-    preset = preset_file(card, gpus=gpus, host_ram_gib=host_ram_gib * gpus, folder=work)
+    preset = preset_file(
+        card, gpus=gpus, host_ram_gib=host_ram_gib * gpus, folder=work, host_s_per_kernel=host_s_per_kernel
+    )
     try:
         recipe = as_on_the_gpu_machine(recipe)
         _, plan = make_plan(recipe, hardware=str(preset))
@@ -75,6 +89,7 @@ def plan_entry(
         return {"name": name, "refused": str(exc).splitlines()[0]}
     return {
         "name": name,
+        "host_us": round(host_s_per_kernel * 1e6, 1) or None,
         "fits": plan.fits,
         "strategy": plan.strategy,
         "gpus": plan.world_size,
@@ -95,8 +110,10 @@ def describe(p: dict) -> str:
         return f"{p['name']}: refused: {p['refused']}"
     ckpt = "none" if not p["checkpoint_layers"] else f"{p['checkpoint_layers']} of {p['num_layers']} checkpointed"
     fits = "" if p["fits"] else " (DOES NOT FIT)"
+    host = f" at {p['host_us']} us a kernel" if p.get("host_us") else ""
     return (
-        f"{p['name']}: {p['strategy']} {p['micro_batch_size']} x {p['gradient_accumulation_steps']} on {p['gpus']}, "
+        f"{p['name']}{host}: {p['strategy']} {p['micro_batch_size']} x {p['gradient_accumulation_steps']} "
+        f"on {p['gpus']}, "
         f"{ckpt}, {p['per_gpu_memory_gib']} GiB, {p['tokens_per_second']:,} tokens/s, "
         f"{p['step_time_s']} s/step{fits}"
     )
@@ -108,13 +125,18 @@ def main() -> None:
     parser.add_argument("--matrix", type=Path, default=DEFAULT_MATRIX)
     parser.add_argument("--card", default="NVIDIA H200", choices=sorted(MEMORY_TOTAL))
     parser.add_argument("--host-ram-gib", type=float, default=128.0, help="host RAM per GPU of the machine")
+    parser.add_argument("--host-us", type=float, nargs="*", default=[0.0], help="the host's figures (0: unprobed)")
     parser.add_argument("--json", type=Path, help="also write the plans here")
     args = parser.parse_args()
     matrix = load_matrix(args.matrix)
     unknown = [n for n in args.runs if n not in matrix]
     if unknown:
         parser.error(f"not in {args.matrix}: {unknown}")
-    plans = [plan_entry(n, matrix[n], card=args.card, host_ram_gib=args.host_ram_gib) for n in args.runs]
+    plans = [
+        plan_entry(n, matrix[n], card=args.card, host_ram_gib=args.host_ram_gib, host_s_per_kernel=us * 1e-6)
+        for n in args.runs
+        for us in args.host_us
+    ]
     for p in plans:
         print(describe(p), flush=True)
     if args.json:

@@ -54,3 +54,21 @@ def test_a_host_bound_zero3_plan_says_what_its_host_does():
     assert chosen.bottleneck == "host" and chosen.step_time_s > chosen.compute_time_s
     uses = zero3_module_uses(shape_job("llama-3.1-8b", "lora"), checkpointed_layers=p.checkpoint_layers)
     assert f"runs ZeRO-3's hooks ({uses:,} gathers and releases of a module's parameters)" in p.why, p.why
+
+
+def test_a_probed_hosts_figure_scales_the_hooks_python_not_their_wait():
+    """A hook's share of the host's Python scales with a probed host's figure as the launches do; the rest, a wait on
+    the gather, stays in seconds."""
+    from finetune.plan.host_time import HOST_S_PER_KERNEL, ZERO3_HOOK_HOST_SHARE
+
+    job = shape_job("llama-3.1-8b", "lora")
+    uses = zero3_module_uses(job, checkpointed_layers=0)
+
+    def beyond_zero2(s_per_kernel):  # ZeRO-3's gathers' launches (proportional to the figure) and its hooks
+        timed = dict(grad_accum=1, checkpointed_layers=0, s_per_kernel=s_per_kernel)
+        return host_seconds(job, strategy="zero3", **timed) - host_seconds(job, strategy="zero2", **timed)
+
+    assert 0 < ZERO3_HOOK_HOST_SHARE < 1
+    # all of it scaling would make the step beyond ZeRO-2's exactly twice as long at twice the figure
+    unscaled = beyond_zero2(HOST_S_PER_KERNEL) - 2 * beyond_zero2(HOST_S_PER_KERNEL / 2)
+    assert unscaled == pytest.approx(-(1 - ZERO3_HOOK_HOST_SHARE) * ZERO3_HOOK_S_PER_MODULE_USE * uses)

@@ -31,6 +31,21 @@ def test_a_matrix_run_is_planned_as_its_gpu_machine_plans_it(tmp_path, monkeypat
     assert line.startswith("one: ddp 2 x 4 on 1") and "GiB" in line and "tokens/s" in line
 
 
+def test_a_matrix_run_is_planned_at_a_probed_hosts_figure(tmp_path, monkeypatch):
+    """--host-us: the plan `finetune run` makes on a machine whose host it timed; a faster host, a faster host-bound
+    plan (micro-batch 1 of short rows: the host's launches are the step)."""
+    monkeypatch.setattr(gpu_validate, "MODELS", tmp_path / "models")
+    entry = plan_matrix.merge(
+        yaml.safe_load(plan_matrix.DEFAULT_MATRIX.read_text())["defaults"],
+        {"arch": "llama-3.2-1b", "seq": 512, "batch": 8, "recipe": {"train": {"micro_batch_size": 1}}},
+    )
+    floor = plan_matrix.plan_entry("one", entry, folder=tmp_path)
+    probed = plan_matrix.plan_entry("one", entry, folder=tmp_path, host_s_per_kernel=30e-6)
+    assert floor["host_us"] is None and probed["host_us"] == 30.0
+    assert probed["tokens_per_second"] > 1.5 * floor["tokens_per_second"]
+    assert plan_matrix.describe(probed).startswith("one at 30.0 us a kernel: ddp 1 x 8 on 1")
+
+
 def test_draws_follow_the_seed_and_fit_the_card():
     rng_a, rng_b = draw_blind_runs.random.Random(7), draw_blind_runs.random.Random(7)
     first = [draw_blind_runs.draw(rng_a, gpus=g) for g in (1, 1, 2)]
