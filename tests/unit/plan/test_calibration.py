@@ -158,11 +158,12 @@ SPEED_MISSES = {
     ),
     "281-blind1-01": (
         "blind draw (OLMoE LoRA r128, micro-batch 2 pinned, every layer checkpointed, 1 H200): 0.197 s a step against "
-        "0.395 planned, which is the host floor (5,113 kernels a micro-batch at 63 us, plan/host_time.py). Its profile "
-        "(row 293) counted 4,375 launches a micro-batch and 0.142 s of GPU work a step (0.203 planned: the grouped "
-        "experts' GEMMs at 4,096 tokens ran faster than planned), so this host launched a kernel in 31 us or less, "
-        "half the H100 hosts' 63; the plan says so (finetune plan's why), and a plan made on the machine itself "
-        "times its host (finetune/hostprobe.py; this row's call had no probe)"
+        "0.456 planned, which is the host floor (5,971 kernels a micro-batch at 63 us, plan/host_time.py). Its profile "
+        "(row 293) made 6,274 launch calls a step (cudaLaunchKernel and cuLaunchKernelEx; 6,137 planned with the "
+        "optimizer's) and 0.142 s of GPU work (0.203 planned: the grouped experts' GEMMs at 4,096 tokens ran faster "
+        "than planned), so this host launched a kernel in 31 us or less, half the H100 hosts' 63; the plan says so "
+        "(finetune plan's why). The same setting with its plan probing its own layer (row 358, another host: 39.9 us) "
+        "ran at 1.002 of its plan"
     ),
     "286-blind1-08": (
         "blind draw (QLoRA Llama-3.1-8B r8, micro-batch 2 x 2 pinned, 1 H200): 0.289 s a micro-batch against the "
