@@ -364,6 +364,15 @@ def layer_timings(
     ]
 
 
+def probe_liger(device, model: dict | None, liger: bool | None = None) -> bool:
+    """Whether the probe of `model`'s layer (a config.json; Llama's by default) on `device` runs Liger's kernels: where
+    `liger` (None: where liger-kernel is installed) and they patch the family, on a GPU."""
+    from finetune.registry.families import LIGER_MODEL_TYPES, liger_installed
+
+    wanted = liger_installed() if liger is None else liger
+    return wanted and device.type == "cuda" and probe_config(PROBE_DEPTHS[0], model)["model_type"] in LIGER_MODEL_TYPES
+
+
 def measure(
     device_name: str = "cuda",
     *,
@@ -380,12 +389,9 @@ def measure(
     speed drifts (clocks, a neighbour's load) moves both of a pair alike."""
     import torch
 
-    from finetune.registry.families import LIGER_MODEL_TYPES, liger_installed
-
     family = probe_config(PROBE_DEPTHS[0], model)["model_type"]
     device = torch.device(device_name)
-    wanted = liger_installed() if liger is None else liger
-    liger = wanted and device.type == "cuda" and family in LIGER_MODEL_TYPES
+    liger = probe_liger(device, model, liger)
     timings = layer_timings(
         lambda layers: build_probe_model(layers, liger=liger, device=device, model=model, layer=layer),
         device,

@@ -27,10 +27,7 @@ TIMED_ROUNDS = 3  # the median of this many timings of PROBE_ITERATIONS micro-ba
 
 def micro_batches(depths, *, model: dict | None, layer: hostprobe.ProbeLayer, device) -> dict:
     """The probe's micro-batch callable at each depth, warmed up as the probe warms it."""
-    from finetune.registry.families import LIGER_MODEL_TYPES, liger_installed
-
-    family = hostprobe.probe_config(depths[0], model)["model_type"]
-    liger = device.type == "cuda" and liger_installed() and family in LIGER_MODEL_TYPES  # as hostprobe.measure
+    liger = hostprobe.probe_liger(device, model)
     runs = {}
     for depth in depths:
         net = hostprobe.build_probe_model(depth, liger=liger, device=device, model=model, layer=layer)
