@@ -293,7 +293,7 @@ def build_probe_model(layers: int, *, liger: bool, device, model: dict | None = 
     return peft_model.train()
 
 
-def micro_batch(model, device, layer: ProbeLayer = PLAIN_LORA):
+def _micro_batch(model, device, layer: ProbeLayer = PLAIN_LORA):
     """One forward and backward of `model` on a row of PROBE_TOKENS tokens (with `layer.packed`: PROBE_EXAMPLES
     examples and their bounds, as TRL's padding-free collator passes them), as a callable. peft's fp32 cast of the
     adapters' inputs is off unless `layer` keeps it, as the run trains (train/model.py adapter_input_casting)."""
@@ -321,6 +321,15 @@ def micro_batch(model, device, layer: ProbeLayer = PLAIN_LORA):
         for p in trained:
             p.grad = None
 
+    return run
+
+
+def warmed_micro_batch(model, device, layer: ProbeLayer = PLAIN_LORA):
+    """_micro_batch, run PROBE_WARMUP times first: kernels compiled (Liger's Triton), cuBLAS's plans chosen, caches
+    filled."""
+    run = _micro_batch(model, device, layer)
+    for _ in range(PROBE_WARMUP):
+        run()
     return run
 
 
@@ -353,10 +362,7 @@ def layer_timings(
     runs = []
     for layers in PROBE_DEPTHS:
         torch.manual_seed(0)
-        run = micro_batch(build(layers), device, layer)
-        for _ in range(PROBE_WARMUP):  # kernels compiled (Liger's Triton), cuBLAS's plans chosen, caches filled
-            run()
-        runs.append(run)
+        runs.append(warmed_micro_batch(build(layers), device, layer))
     layers_between = PROBE_DEPTHS[1] - PROBE_DEPTHS[0]
     return [
         (timed(runs[1], device, iterations) - timed(runs[0], device, iterations)) / layers_between

@@ -27,13 +27,14 @@ TIMED_ROUNDS = 3  # the median of this many timings of PROBE_ITERATIONS micro-ba
 
 def micro_batches(depths, *, model: dict | None, layer: hostprobe.ProbeLayer, device) -> dict:
     """The probe's micro-batch callable at each depth, warmed up as the probe warms it."""
+    import torch
+
     liger = hostprobe.probe_liger(device, model)
     runs = {}
     for depth in depths:
+        torch.manual_seed(0)  # as hostprobe.layer_timings builds each depth
         net = hostprobe.build_probe_model(depth, liger=liger, device=device, model=model, layer=layer)
-        runs[depth] = hostprobe.micro_batch(net, device, layer)
-        for _ in range(hostprobe.PROBE_WARMUP):
-            runs[depth]()
+        runs[depth] = hostprobe.warmed_micro_batch(net, device, layer)
     return runs
 
 
@@ -91,7 +92,6 @@ def main() -> None:
     model = json.loads(Path(args.config).read_text(encoding="utf-8")) if args.config else None
     layer = hostprobe.ProbeLayer.from_json(args.layer)
     device = torch.device(args.device)
-    torch.manual_seed(0)
     runs = micro_batches(args.depths, model=model, layer=layer, device=device)
     result = {
         "config": args.config,

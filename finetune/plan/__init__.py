@@ -41,7 +41,6 @@ from finetune.plan.lora_time import fused_lora_runs, shared_input_groups
 from finetune.plan.memory import (
     AT_FINAL_SAVE,
     adapter_input_casts,
-    checkpointed_layers,
     dora_dropout_weight_bytes,
     fsdp_accumulated_gradients,
     peaks_at_final_save,
@@ -516,8 +515,7 @@ def plan_on(recipe, *, arch, preset, source: str) -> Plan:
 
     result = plan_job(job, on_preset=on_preset)
     if source == "auto" and result.chosen.bottleneck == "host":
-        checkpointed = checkpointed_layers(job, result.checkpoint_layers or False)
-        layer = probe_layer(job, checkpointed_layers=checkpointed)
+        layer = probe_layer(job, checkpointed_layers=result.checkpoint_layers)
         measured = with_measured_host(job, config=model_config_text(recipe, arch), layer=layer)
         if measured is not job:
             job = measured
@@ -562,7 +560,7 @@ def liger_missing_warning(recipe, job: Job, plan: Plan) -> str:
         return ""
     if job.arch.family not in LIGER_MODEL_TYPES:
         return ""
-    share = checkpointed_layers(job, plan.checkpoint_layers or False) / job.arch.num_layers
+    share = plan.checkpoint_layers / job.arch.num_layers  # the chosen count, already within the model's layers
 
     def step_unfused(j: Job) -> float:
         return plan.gradient_accumulation_steps * unfused_seconds(
