@@ -7,11 +7,11 @@ code path on a model so small that its GPU work is negligible: the run's own arc
 registry's for a `model.arch` key: registry/hfconfig.py) at PROBE_SHAPE's widths, in bf16, with the run's layer
 settings (ProbeLayer: its adapter and targets through finetune's own LoRA config, a 4-bit base loaded as the run
 loads it, lora dropout, checkpointing, a packed row on finetune's varlen attention), fp32 adapters under bf16
-autocast as the Trainer runs them, Liger's kernels where liger-kernel is installed and patches the family, one
-forward and backward a micro-batch, at two depths. The difference of the two depths' times over the difference of
-the kernels the planner counts for them with the same settings (plan/host_time.kernels_per_micro_batch) is the
-host's time a kernel; the fixed cost of a micro-batch (collate, the Trainer's Python) cancels. A few seconds on a
-GPU.
+autocast as the Trainer runs them, Liger's kernels where the run has them (train.liger), liger-kernel is installed
+and patches the family, one forward and backward a micro-batch, at two depths. The difference of the two depths'
+times over the difference of the kernels the planner counts for them with the same settings
+(plan/host_time.kernels_per_micro_batch) is the host's time a kernel; the fixed cost of a micro-batch (collate,
+the Trainer's Python) cancels. A few seconds on a GPU.
 
 The figure is the family's, not the host's alone: a layer's Python (its modules' calls, autograd's nodes, the
 launches of Liger's Triton kernels) differs by family beyond the kernels the planner counts: on the H200 hosts a
@@ -78,6 +78,7 @@ class ProbeLayer:
     cast_adapter_inputs: bool = False  # peft's fp32 cast of each adapter's input (finetune turns it off)
     checkpointing: bool = False  # every layer's forward recomputed in its backward (non-reentrant, as the Trainer's)
     packed: bool = False  # one row of PROBE_EXAMPLES examples with their bounds, on finetune's varlen attention
+    liger: bool = True  # the run's Liger kernels (train.liger resolved): run where installed and they patch the family
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), sort_keys=True)
@@ -109,6 +110,7 @@ def probe_layer(job, *, checkpointed_layers: int) -> ProbeLayer:
         cast_adapter_inputs=job.cast_adapter_inputs,
         checkpointing=checkpointed_layers >= PROBE_CHECKPOINTED_SHARE * job.arch.num_layers,
         packed=job.packed and job.attention == "varlen",
+        liger=job.liger,
     )
 
 
@@ -370,13 +372,16 @@ def layer_timings(
     ]
 
 
-def probe_liger(device, model: dict | None, liger: bool | None = None) -> bool:
+def probe_liger(device, model: dict | None, layer: ProbeLayer = PLAIN_LORA) -> bool:
     """Whether the probe of `model`'s layer (a config.json; Llama's by default) on `device` runs Liger's kernels: where
-    `liger` (None: where liger-kernel is installed) and they patch the family, on a GPU."""
+    the run has them (`layer.liger`), liger-kernel is installed and they patch the family, on a GPU. A run with
+    train.liger off is timed without them: its layer's eager norms, RoPE and activation launch more, smaller kernels,
+    which the planner counts, and a probe with Liger's fewer, costlier launches read twice too much a planned kernel
+    for Gemma-3-1B without them (docs/validation.md, thirty-sixth session)."""
     from finetune.registry.families import LIGER_MODEL_TYPES, liger_installed
 
-    wanted = liger_installed() if liger is None else liger
-    return wanted and device.type == "cuda" and probe_config(PROBE_DEPTHS[0], model)["model_type"] in LIGER_MODEL_TYPES
+    family = probe_config(PROBE_DEPTHS[0], model)["model_type"]
+    return layer.liger and liger_installed() and device.type == "cuda" and family in LIGER_MODEL_TYPES
 
 
 def measure(
@@ -384,20 +389,18 @@ def measure(
     *,
     model: dict | None = None,
     layer: ProbeLayer = PLAIN_LORA,
-    liger: bool | None = None,
     iterations: int = PROBE_ITERATIONS,
     repeats: int = PROBE_REPEATS,
 ) -> HostProbe:
-    """Time the probe on `device_name` (cuda: the current GPU; cpu only exercises the code, its figure is the
-    CPU's compute, not a launch cost), of `model`'s layer (a config.json; Llama's by default) with `layer`'s
-    settings, and Liger's kernels where `liger` (None: where liger-kernel is installed) and they patch the family
-    on a GPU. The two depths are timed in turn, `repeats` times, and the median of the differences kept: a host whose
-    speed drifts (clocks, a neighbour's load) moves both of a pair alike."""
+    """Time the probe on `device_name` (cuda: the current GPU; cpu only exercises the code, its figure is the CPU's
+    compute, not a launch cost), of `model`'s layer (a config.json; Llama's by default) with `layer`'s settings,
+    Liger's kernels among them (probe_liger). The two depths are timed in turn, `repeats` times, and the median of
+    the differences kept: a host whose speed drifts (clocks, a neighbour's load) moves both of a pair alike."""
     import torch
 
     family = probe_config(PROBE_DEPTHS[0], model)["model_type"]
     device = torch.device(device_name)
-    liger = probe_liger(device, model, liger)
+    liger = probe_liger(device, model, layer)
     timings = layer_timings(
         lambda layers: build_probe_model(layers, liger=liger, device=device, model=model, layer=layer),
         device,

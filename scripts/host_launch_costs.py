@@ -1,6 +1,6 @@
 """Time the host's cost of a decoder layer for several families, with Liger's kernels and without, on this GPU machine.
 
-finetune/hostprobe.py times the run's own layer with its settings (Liger's kernels where installed)
+finetune/hostprobe.py times the run's own layer with its settings (Liger's kernels as the run has them)
 and divides by the kernels the planner counts for it. Liger's kernels are Triton launches, whose Python launcher costs
 the host more than an aten op's launch; a Gemma-3 layer runs twice as many of them (four norms and the q/k norms where
 Llama has two norms) at about the same count of kernels. This script runs the probe (two depths, the difference per
@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import torch
@@ -58,7 +58,7 @@ def main() -> None:
                 for liger in ligers:
                     case = {"round": round_, "family": family, "layer": asdict(layer), "liger": liger}
                     try:
-                        probe = hostprobe.measure("cuda", model=model, layer=layer, liger=liger)
+                        probe = hostprobe.measure("cuda", model=model, layer=replace(layer, liger=liger))
                     except Exception as exc:  # one setting's failure is a finding; the others still run
                         case["error"] = repr(exc)
                     else:

@@ -4,7 +4,7 @@ garbage collector's objects frozen and with it off, and torch.profiler's operato
 self CPU a layer, to set beside a run's profile).
 
     python scripts/probe_layer_profile.py --out DIR [--config config.json] [--layer JSON] [--depths 2 10 28]
-        [--profile]
+        [--liger on|off] [--profile]
 
 Writes DIR/timings.json (seconds a micro-batch at each depth, three ways) and, with --profile, DIR/profile.json
 (per operator: calls and self CPU microseconds at each depth) and DIR/profile-<depth>.txt (the tables).
@@ -17,6 +17,7 @@ import gc
 import json
 import statistics
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -26,10 +27,11 @@ TIMED_ROUNDS = 3  # the median of this many timings of PROBE_ITERATIONS micro-ba
 
 
 def micro_batches(depths, *, model: dict | None, layer: hostprobe.ProbeLayer, device) -> dict:
-    """The probe's micro-batch callable at each depth, warmed up as the probe warms it."""
+    """The probe's micro-batch callable at each depth, warmed up as the probe warms it (Liger's kernels as the probe
+    chooses them: hostprobe.probe_liger)."""
     import torch
 
-    liger = hostprobe.probe_liger(device, model)
+    liger = hostprobe.probe_liger(device, model, layer)
     runs = {}
     for depth in depths:
         torch.manual_seed(0)  # as hostprobe.layer_timings builds each depth
@@ -84,6 +86,7 @@ def main() -> None:
     parser.add_argument("--layer", default="{}", help="hostprobe.ProbeLayer settings as JSON")
     parser.add_argument("--depths", type=int, nargs="+", default=list(hostprobe.PROBE_DEPTHS))
     parser.add_argument("--device", default="cuda")
+    parser.add_argument("--liger", choices=["on", "off"], help="Liger's kernels (default: the layer's; on)")
     parser.add_argument("--profile", action="store_true", help="also torch.profiler's table at each depth")
     args = parser.parse_args()
     import torch
@@ -91,11 +94,14 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     model = json.loads(Path(args.config).read_text(encoding="utf-8")) if args.config else None
     layer = hostprobe.ProbeLayer.from_json(args.layer)
+    if args.liger:
+        layer = replace(layer, liger=args.liger == "on")
     device = torch.device(args.device)
     runs = micro_batches(args.depths, model=model, layer=layer, device=device)
     result = {
         "config": args.config,
         "layer": json.loads(layer.to_json()),
+        "liger": hostprobe.probe_liger(device, model, layer),
         "seconds_per_micro_batch": timings(runs, device),
     }
     (args.out / "timings.json").write_text(json.dumps(result, indent=1) + "\n")

@@ -14,15 +14,36 @@ BNB_BLOCK, BNB_MIN_8BIT_SIZE = 256, 4096  # bitsandbytes' 8-bit state block and 
 # tensor fails at the first step with CUDA's "invalid argument" (DeepSpeed ZeRO-2 hands the optimizer one flat
 # tensor of a rank's whole partition: a full 7B on one H200 did, docs/validation.md)
 BNB_MAX_ELEMENTS = 2**31 - 1
+# bitsandbytes' paged optimizers keep the 8-bit or 32-bit moments (state1, state2) of a tensor of PAGED_MIN_ELEMENTS
+# or more in CUDA managed memory (Optimizer8bit.get_state_buffer: functional.get_paged, cudaMallocManaged), outside
+# torch's allocator, and zero-fill them there; their block absmax stays an ordinary GPU tensor. Bytes of paged moments
+# an element, by optimizer
+PAGED_MIN_ELEMENTS = 100_000
+PAGED_STATE_BYTES = {"paged_adamw_8bit": 2, "paged_adamw_32bit": 8}
+EIGHT_BIT_OPTIMIZERS = ("adamw_8bit", "paged_adamw_8bit")
 
 
-def optimizer_bytes(optimizer: str, tensors: Tensors, *, param_bytes: float, flat: bool) -> float:
+def keeps_32bit_states(optimizer: str, *, embedding: bool, flat: bool) -> bool:
+    """Whether bitsandbytes steps a tensor of an 8-bit optimizer with 32-bit states: transformers' Trainer registers
+    an optim_bits 32 override for every nn.Embedding weight (Trainer.create_optimizer: GlobalOptimManager
+    .register_module_override). DeepSpeed's flat partitions (`flat`) are other tensors, which it never reaches: full
+    Llama-3.2-3B with paged_adamw_8bit under DDP held 8.1 GiB of paged states where 8-bit ones weigh 6.0 (its
+    embedding's fp32 moments 2.9 GiB), full Llama-3.2-1B under ZeRO-2 held its 8-bit figure (docs/validation.md,
+    thirty-sixth session)."""
+    return embedding and not flat and optimizer in EIGHT_BIT_OPTIMIZERS
+
+
+def optimizer_bytes(
+    optimizer: str, tensors: Tensors, *, param_bytes: float, flat: bool, embedding: bool = False
+) -> float:
     """The optimizer state of `tensors` as each offered optimizer allocates it.
 
     `param_bytes` is the dtype of the parameters the optimizer steps (fp32 masters, or the model dtype
     where DDP trains it in place); `flat`: DeepSpeed hands its optimizer flat 1-D fp32 partitions
     (ZeRO's single_partition_of_fp32_groups / fp32_partitioned_groups_flat), so Adafactor cannot factor
-    them and keeps a full second moment."""
+    them and keeps a full second moment; `embedding`: the tensors are nn.Embedding weights (keeps_32bit_states)."""
+    if keeps_32bit_states(optimizer, embedding=embedding, flat=flat):
+        return sum(count * 8 * numel(shape) for count, shape in tensors)  # fp32 state1 and state2
     total = 0.0
     for count, shape in tensors:
         n = numel(shape)
@@ -46,6 +67,18 @@ def optimizer_bytes(optimizer: str, tensors: Tensors, *, param_bytes: float, fla
             raise ValueError(f"no state model for optimizer {optimizer!r}")
         total += count * per
     return total
+
+
+def paged_state_bytes(optimizer: str, tensors: Tensors, *, flat: bool, embedding: bool = False) -> float:
+    """The part of optimizer_bytes that a paged optimizer keeps in CUDA managed memory (PAGED_STATE_BYTES); `flat`:
+    DeepSpeed's one flat partition, paged whole; `embedding`: nn.Embedding weights, whose states may be 32-bit."""
+    per = PAGED_STATE_BYTES.get(optimizer, 0)
+    if per and keeps_32bit_states(optimizer, embedding=embedding, flat=flat):
+        per = PAGED_STATE_BYTES["paged_adamw_32bit"]
+    if flat:
+        n = sum(count * numel(shape) for count, shape in tensors)
+        return per * n if n >= PAGED_MIN_ELEMENTS else 0.0
+    return sum(count * per * numel(shape) for count, shape in tensors if numel(shape) >= PAGED_MIN_ELEMENTS)
 
 
 def optimizer_step_transient_bytes(job: Job, *, flat: bool, shard: int) -> float:

@@ -970,6 +970,20 @@ def saved_module_tensors(job: Job) -> Tensors:
     return [(n, (job.arch.vocab_size, job.arch.hidden_size))] if n else []
 
 
+def stepped_tensors(job: Job) -> tuple[Tensors, Tensors]:
+    """The tensors the optimizer steps beside an adapter's LoRA factors (a full fine-tune's every parameter, an
+    adapter's modules_to_save copies), split into the nn.Embedding weights (a full fine-tune's input embedding, one
+    tensor with the LM head where tied; the copy of embed_tokens) and the rest."""
+    shape = (job.arch.vocab_size, job.arch.hidden_size)
+    if job.adapter == "full":
+        tensors = model_tensors(job.arch)
+        return tensors[:1], tensors[1:]
+    saved = saved_modules(job)
+    embedding: Tensors = [(1, shape)] if "embed_tokens" in saved else []
+    others: Tensors = [(len(saved) - len(embedding), shape)] if len(saved) > len(embedding) else []
+    return embedding, others
+
+
 def numel(shape: tuple[int, ...]) -> int:
     n = 1
     for d in shape:

@@ -23,9 +23,14 @@ import tempfile
 from pathlib import Path
 
 from finetune import strategies
-from finetune.plan import UNPAGED, job_from_recipe, plan_job
+from finetune.plan import job_from_recipe, plan_job
 from finetune.plan.coverage import MEMORY_HIGH, MEMORY_LOW, SPEED_HIGH, SPEED_LOW
-from finetune.plan.memory import FRAGMENTATION, final_save_host_bytes, host_process_bytes
+from finetune.plan.memory import (
+    FRAGMENTATION,
+    final_save_host_bytes,
+    host_process_bytes,
+    paged_optimizer_bytes_per_rank,
+)
 from finetune.plan.types import GIB, Plan
 from finetune.plan.workload import varlen_fallback_layers
 from finetune.recipe import load_recipe
@@ -267,14 +272,11 @@ def speed_figures(row: dict, plan: Plan) -> str:
 
 
 def allocator_visible_gib(row: dict, plan: Plan) -> float:
-    """The planned peak as torch's allocator can see it. bitsandbytes' paged optimizers keep the states of tensors of
-    1e5 elements or more in CUDA managed memory (functional.get_paged: cudaMallocManaged, outside torch's allocator),
-    so a row's max reserved leaves them out, and its comparison does too: the plan's optimizer states with their
-    fragmentation share (an adapter's smaller factors keep theirs in the allocator; they weigh megabytes). The plan
-    itself counts them on the GPU, where they live while resident."""
-    if row.get("resolved", {}).get("train", {}).get("optimizer") not in UNPAGED:  # the paged ones
-        return plan.per_gpu_memory_gib
-    return plan.per_gpu_memory_gib - (1 + FRAGMENTATION) * plan.chosen.memory.optimizer / GIB
+    """The planned peak as torch's allocator can see it: without a paged optimizer's moments in CUDA managed memory
+    (plan/memory.py paged_optimizer_bytes_per_rank), with their fragmentation share, which a row's max reserved leaves
+    out. The plan itself counts them on the GPU, where they live while resident."""
+    paged = paged_optimizer_bytes_per_rank(row_job(row), strategy=plan.strategy)
+    return plan.per_gpu_memory_gib - (1 + FRAGMENTATION) * paged / GIB
 
 
 def memory_figures(row: dict, plan: Plan) -> str:

@@ -168,6 +168,25 @@ def test_a_host_bound_plan_probes_its_own_layer_settings():
     assert not few.checkpointing
 
 
+def test_a_run_without_liger_is_probed_without_it():
+    """The probe's layer carries the run's Liger choice (Job.liger): with train.liger off the probe times the eager
+    norms, RoPE and activation the planner counts for it, never Liger's kernels because they are installed."""
+    import torch
+
+    from finetune.plan import job_from_recipe, lookup
+    from tests.helpers.recipes import shape_recipe
+
+    recipe = shape_recipe("llama-3.1-8b", "lora", model__arch="llama-3.1-8b", train__liger="off")
+    arch, preset, _ = lookup(recipe, hardware="server-8xh100")
+    job = job_from_recipe(recipe, arch=arch, preset=preset)
+    layer = hostprobe.probe_layer(job, checkpointed_layers=0)
+    assert not job.liger and not layer.liger
+    assert hostprobe.ProbeLayer.from_json(layer.to_json()) == layer  # what the planner's child process receives
+    # whatever is installed, on any device: the choice short-circuits before liger-kernel or the GPU is asked
+    assert not hostprobe.probe_liger(torch.device("cuda"), None, layer)
+    assert hostprobe.PLAIN_LORA.liger  # the plain probe (python -m finetune.hostprobe) runs Liger where installed
+
+
 def test_the_plan_records_the_host_figure_its_step_time_used():
     """Plan.host_s_per_kernel: the probed figure where the plan used one (scripts/gpu_validate.py keeps it as the
     row's), 0 at the floor."""

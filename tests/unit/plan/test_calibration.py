@@ -98,6 +98,18 @@ SPEED_MISSES = {
         "of the gap"
     ),
     "331-blind2-06-memory": "row 326's setting, memory-profiled: the same host-bound miss (1.56)",
+    "365-gemma3-1b-sft-padded": (
+        "Gemma-3-1B LoRA SFT over padded ~1,760-token rows (micro-batch 4, 1 H200), its plan probing its own layer at "
+        "38.5 us a planned kernel: 21,792 tokens/s against 28,653 planned. The same setting on the next call's host "
+        "(row 370, over 40 steps) ran at 21,951, its probe reading 51.7 us, and is on its plan (1.043): the runs agree "
+        "and the probe of one layer read a third apart on two hosts"
+    ),
+    "367-gemma3-1b-dpo-noliger": (
+        "blind2-06's setting with train.liger off: the plan's probe timed Liger's layer (the run's choice never "
+        "reached it) and read 57.1 us for each of the 303.6 kernels planned for the layer without Liger, 17.3 ms a "
+        "layer where the whole step ran in 0.33-0.40 s. hostprobe.probe_liger takes the run's choice since; the same "
+        "setting in the next call (row 369) at the no-Liger layer's figure timed there (26.6 us) is on its plan (1.143)"
+    ),
     "334-blind2-06-nodropout": (
         "row 326's setting compiled without the dropout modules (the fused LoRA groups on): 18,709 tokens/s, 13% "
         "faster than row 326, against 27,110 planned at its call's probe; the same Gemma-3 host miss (0.99 at the "
@@ -108,9 +120,10 @@ SPEED_MISSES = {
         "39.8-40.3 us a kernel where the Llama layer read 33.8-37.7 in the same call, so the family's layer explains "
         "a sixth of the gap (1.68 of the speed at the Llama figure, 1.58 at Gemma-3's). Row 332's profile had the "
         "host busy 0.37 s of its 0.40 s step (cudaStreamSynchronize 4 ms a step), 1.5x the planned host time at the "
-        "probe: the host's extra cost in the run is not in the probe's layer (LigerRMSNormFunction took 186 us of "
-        "host a call in the run; TRL's DPO, the 262k vocabulary's chunked log-probs and the padded rows are not in "
-        "the probe), not identified"
+        "probe (LigerRMSNormFunction took 186 us of host a call in the run). The same setting with its plan probing "
+        "the run's own layer settings (hostprobe.probe_layer: the fused groups as DPO trains them; row 364) ran at "
+        "1.199 of its plan at 52.5 us a planned kernel, inside the bound; this call's probe had the plain layer's "
+        "settings (no fused groups)"
     ),
     "340-blind3-07-family": (
         "blind3-07's setting (Gemma-3-1B QLoRA SFT, micro-batch 4 of 4,096 tokens) with the Gemma-3 probe as row 339: "
@@ -318,12 +331,6 @@ HOST_MISSES = {
         "second blind draw, full Llama-3.2-1B DPO under ZeRO-2 on 2 H200s: 4.14 GiB of PSS on the node, 2.1 a rank, "
         "against the 3.9 planned for a full fine-tune's DeepSpeed rank (memory.HOST_PER_DEEPSPEED_FULL_RANK_BYTES, the "
         "top of the 2.1-4.0 measured): over, the safe side"
-    ),
-    "308-blind2-07": (
-        "second blind draw, full Llama-3.2-1B under ZeRO-2 on 1 H200 with paged_adamw_8bit: 4.61 GiB of PSS against "
-        "3.90, of which only 1.91 anonymous; the 2.7 GiB of mapped pages are about the paged optimizer's 2.3 GiB of "
-        "states, which bitsandbytes keeps in CUDA managed memory and zero-fills from the host (functional.get_paged); "
-        "the planner counts them on the GPU only. One row: not modelled"
     ),
     "291-blind1-13": (
         "blind draw, QLoRA DPO under ZeRO-2 on 2 H200s: 7.60 GiB of PSS on the node while training (7.01 anonymous), "

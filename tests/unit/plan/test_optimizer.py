@@ -13,7 +13,12 @@ from finetune.plan.memory import (
     footprint,
     state_bytes,
 )
-from finetune.plan.optimizer import optimizer_bytes, optimizer_step_transient_bytes
+from finetune.plan.optimizer import (
+    PAGED_MIN_ELEMENTS,
+    optimizer_bytes,
+    optimizer_step_transient_bytes,
+    paged_state_bytes,
+)
 from finetune.plan.workload import adapter_tensors, count_params, model_tensors, numel
 from finetune.registry import get_model
 from tests.helpers.recipes import shape_job
@@ -40,6 +45,40 @@ def test_bitsandbytes_8bit_states_and_their_block_absmax():
     assert optimizer_bytes("adamw_8bit", [(1, (4095,))], param_bytes=2, flat=False) == 8 * 4095
     # the 32-bit paged variant: fp32 moments even for a bf16 parameter
     assert optimizer_bytes("paged_adamw_32bit", [(1, SQUARE)], param_bytes=2, flat=False) == 8 * n
+
+
+def test_paged_optimizers_page_the_moments_of_large_tensors_only():
+    """bitsandbytes pages state1 and state2 of a tensor of 1e5 elements or more (get_state_buffer), not the block
+    absmax; an unpaged optimizer pages nothing; DeepSpeed's flat partition is one tensor."""
+    n = 4096 * 4096
+    assert paged_state_bytes("paged_adamw_8bit", [(3, SQUARE)], flat=False) == 3 * 2 * n
+    assert paged_state_bytes("paged_adamw_32bit", [(1, SQUARE)], flat=False) == 8 * n
+    small = (PAGED_MIN_ELEMENTS - 1,)
+    assert paged_state_bytes("paged_adamw_8bit", [(100, small)], flat=False) == 0
+    assert paged_state_bytes("paged_adamw_8bit", [(100, small)], flat=True) == 2 * 100 * numel(small)
+    for name in ("adamw", "adamw_8bit", "adafactor"):
+        assert paged_state_bytes(name, [(1, SQUARE)], flat=False) == 0
+
+
+def test_the_trainer_keeps_an_embedding_s_8bit_states_in_32_bits_outside_deepspeed():
+    """transformers' Trainer registers an optim_bits 32 override for nn.Embedding weights with bitsandbytes' 8-bit
+    optimizers; DeepSpeed steps flat partitions, which the override never reaches."""
+    from transformers import Trainer
+
+    source = __import__("inspect").getsource(Trainer.create_optimizer)
+    assert "register_module_override" in source and '"optim_bits": 32' in source  # the rule this planner models
+    n = 128256 * 2048
+    for name in ("adamw_8bit", "paged_adamw_8bit"):
+        assert optimizer_bytes(name, [(1, (128256, 2048))], param_bytes=2, flat=False, embedding=True) == 8 * n
+        assert optimizer_bytes(name, [(1, (128256, 2048))], param_bytes=4, flat=True, embedding=True) == (
+            2 * n + 8 * n // 256
+        )
+    assert paged_state_bytes("paged_adamw_8bit", [(1, (128256, 2048))], flat=False, embedding=True) == 8 * n
+    assert optimizer_bytes("adamw", [(1, (128256, 2048))], param_bytes=4, flat=False, embedding=True) == 8 * n
+    full = _job("llama-3.2-1b", "full", "server-8xh100", optimizer="adamw_8bit")
+    assert state_bytes(full, "ddp").optimizer - state_bytes(full, "zero2").optimizer == pytest.approx(
+        6 * n - 8 * n // 256
+    )
 
 
 def test_adafactor_factors_matrices_and_not_vectors_or_deepspeed_partitions():
