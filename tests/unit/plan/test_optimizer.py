@@ -60,6 +60,17 @@ def test_paged_optimizers_page_the_moments_of_large_tensors_only():
         assert paged_state_bytes(name, [(1, SQUARE)], flat=False) == 0
 
 
+def test_the_paged_and_8bit_optimizers_are_the_recipe_s_bitsandbytes_ones():
+    """One list of offered optimizers (recipe.schema.BNB_OPTIMIZERS): the paged ones whose moments the planner pages
+    are those the CPU plan unpages (plan.UNPAGED), the 8-bit ones among bitsandbytes'."""
+    from finetune.plan import UNPAGED
+    from finetune.plan.optimizer import EIGHT_BIT_OPTIMIZERS, PAGED_STATE_BYTES
+    from finetune.recipe.schema import BNB_OPTIMIZERS
+
+    assert set(PAGED_STATE_BYTES) == set(UNPAGED) <= set(BNB_OPTIMIZERS)
+    assert set(EIGHT_BIT_OPTIMIZERS) <= set(BNB_OPTIMIZERS)
+
+
 def test_the_trainer_keeps_an_embedding_s_8bit_states_in_32_bits_outside_deepspeed():
     """transformers' Trainer registers an optim_bits 32 override for nn.Embedding weights with bitsandbytes' 8-bit
     optimizers; DeepSpeed steps flat partitions, which the override never reaches."""
