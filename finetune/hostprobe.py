@@ -380,8 +380,9 @@ def probe_liger(device, model: dict | None, layer: ProbeLayer = PLAIN_LORA) -> b
     for Gemma-3-1B without them (docs/validation.md, thirty-sixth session)."""
     from finetune.registry.families import LIGER_MODEL_TYPES, liger_installed
 
-    family = probe_config(PROBE_DEPTHS[0], model)["model_type"]
-    return layer.liger and liger_installed() and device.type == "cuda" and family in LIGER_MODEL_TYPES
+    if not (layer.liger and device.type == "cuda" and liger_installed()):
+        return False
+    return probe_config(PROBE_DEPTHS[0], model)["model_type"] in LIGER_MODEL_TYPES
 
 
 def measure(

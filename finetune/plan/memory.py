@@ -307,9 +307,9 @@ def state_bytes(job: Job, strategy: str | None = None) -> StateBytes:
         grads = 4 * n
     embeddings, others = stepped_tensors(job)
     param_bytes = 4 if master else job.weight_bytes
-    # the Trainer's 32-bit override of an embedding's states (optimizer.keeps_32bit_states) reaches a per-tensor
-    # optimizer's tensors; strategy None accounts as the sharded strategies do
-    override = strategy is not None and not flat
+    # the Trainer's 32-bit override of an embedding's states (optimizer.keeps_32bit_states, which leaves DeepSpeed's
+    # flat partitions out); strategy None accounts as the sharded strategies do, without it
+    override = strategy is not None
     optimizer = optimizer_bytes(job.optimizer, others, param_bytes=param_bytes, flat=flat)
     optimizer += optimizer_bytes(job.optimizer, embeddings, param_bytes=param_bytes, flat=flat, embedding=override)
     paged = paged_state_bytes(job.optimizer, others, flat=flat)

@@ -979,9 +979,7 @@ def stepped_tensors(job: Job) -> tuple[Tensors, Tensors]:
         tensors = model_tensors(job.arch)
         return tensors[:1], tensors[1:]
     saved = saved_modules(job)
-    embedding: Tensors = [(1, shape)] if "embed_tokens" in saved else []
-    others: Tensors = [(len(saved) - len(embedding), shape)] if len(saved) > len(embedding) else []
-    return embedding, others
+    return [(1, shape)] if "embed_tokens" in saved else [], [(1, shape)] if "lm_head" in saved else []
 
 
 def numel(shape: tuple[int, ...]) -> int:
