@@ -85,15 +85,17 @@ def _token_side_bytes(*, promoted: int, compute: int) -> tuple[float, float]:
     return forward, backward
 
 
-def dora_seconds(job: Job, *, micro_batch: int, casts: bool, checkpointed_share: float = 0.0) -> float:
+def dora_seconds(
+    job: Job, *, micro_batch: int, casts: bool, checkpointed_share: float = 0.0, params_16bit: bool = False
+) -> float:
     """Seconds one micro-batch's forward and backward spend on DoRA beyond LoRA, per GPU (0 when the
-    preset has no memory bandwidth or the job has no DoRA)."""
+    preset has no memory bandwidth or the job has no DoRA); `params_16bit`: as Job.dora_dtype_bytes."""
     bandwidth = job.preset.gpu_memory_bandwidth_gbps
     if not job.dora or job.adapter == "full" or not bandwidth:
         return 0.0
     a = job.act_bytes
     # the module's input is cast to the adapters' dtype with them (Job.dora_dtype_bytes)
-    adapter, promoted = job.dora_dtype_bytes(casts=casts)
+    adapter, promoted = job.dora_dtype_bytes(casts=casts, params_16bit=params_16bit)
     x = adapter
     qlora = job.adapter == "qlora"
     weight_side = token_out = 0.0

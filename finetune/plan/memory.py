@@ -328,8 +328,28 @@ def peft_casts_adapter_inputs(*, adapter: str, strategy: str, autocast: bool) ->
     """Where peft by default runs fp32 adapters and casts each targeted module's input to fp32, and autocast
     would cast it straight back: LoRA under DDP with bf16/fp16 autocast (see the module docstring). One rule
     for the planner and for finetune/train/model.py, which turns the cast off there unless
-    adapter.cast_adapter_inputs or DoRA (without autocast the cast is what makes the fp32 matmul run)."""
-    return adapter == "lora" and not strategies.shards_params(strategy) and autocast
+    adapter.cast_adapter_inputs or DoRA (without autocast the cast is what makes the fp32 matmul run). Not under
+    DeepSpeed, whose engine casts every parameter to the compute dtype (params_16bit), the adapters too: peft's
+    cast to the adapter's dtype is then none."""
+    return adapter == "lora" and strategies.info(strategy).backend == "ddp" and autocast
+
+
+def params_16bit(strategy: str) -> bool:
+    """DeepSpeed's engine casts every parameter to the 16-bit compute dtype before training (ZeRO-1/2 too:
+    engine._configure_distributed_model), so an adapter's weights and DoRA's magnitude, which peft and TRL would
+    keep in fp32, train in 16 bits (row blind1-14: DoRA under ZeRO-2)."""
+    return strategies.is_deepspeed(strategy)
+
+
+def linears_keep_inputs(job: Job, strategy: str) -> bool:
+    """ZeRO-3 replaces torch.nn.functional.linear for the process (deepspeed.zero.Init's memory_efficient_linear,
+    on by default) with LinearFunctionForZeroStage3, which saves its input for the backward whether or not the
+    weight needs a gradient: every frozen 16-bit base linear of an adapter keeps its input, where torch's linear
+    keeps only the weight. It adds to the count where nothing else keeps that input: the norm outputs and the
+    SwiGLU product once lora dropout gives the adapters their own copies, and the product before an untargeted
+    down_proj (row blind5-07: LoRA with dropout under ZeRO-3, no checkpointing, 10.3 GiB over the plan). A
+    quantized base runs bitsandbytes' own matmul, not torch's linear."""
+    return strategies.zero_stage(strategy) == 3 and job.adapter == "lora" and not job.quantized_base
 
 
 def adapter_input_casts(job: Job, strategy: str) -> bool:
@@ -370,10 +390,11 @@ def cudnn_kept_bytes_per_token_layer(job: Job) -> float:
 
 
 def activation_bytes_per_token_layer(
-    job: Job, *, micro_batch: int = 1, casts: bool = False, fp32_stream: bool = False
+    job: Job, *, micro_batch: int = 1, casts: bool = False, fp32_stream: bool = False, keeps_inputs: bool = False
 ) -> float:
     """Bytes a decoder layer keeps for its backward per token. `fp32_stream`: an fp32 model under 16-bit
-    autocast (autocast_fp32_model), whose residual stream and norm outputs stay fp32."""
+    autocast (autocast_fp32_model), whose residual stream and norm outputs stay fp32. `keeps_inputs`: every
+    linear keeps its input (linears_keep_inputs: ZeRO-3's linear)."""
     a, arch = job.act_bytes, job.arch
     h, i = arch.hidden_size, arch.intermediate_size
     q, kv, v = kernel_attention_widths(job)
@@ -410,7 +431,8 @@ def activation_bytes_per_token_layer(
         + 4 * arch.num_attention_heads
         + cudnn_kept_bytes_per_token_layer(job)
     )
-    mlp = mlp_bytes_per_token_layer(job)  # dense SwiGLU and routed experts (plan/moe_memory.py)
+    # dense SwiGLU and routed experts (plan/moe_memory.py)
+    mlp = mlp_bytes_per_token_layer(job, keeps_product=keeps_inputs)
     lora = 0.0
     if not full:
         shapes = module_shapes(arch)
@@ -422,17 +444,21 @@ def activation_bytes_per_token_layer(
         if casts or dropout:
             # each module keeps its own copy of its input (the cast's, or the dropped-out one, or the cast of the
             # dropped-out fp32 input with both); the norm outputs and the MLP product that the adapters shared are
-            # no longer kept (Llama 8B: 3*a*h + a*q = 32 KB per token)
+            # no longer kept (Llama 8B: 3*a*h + a*q = 32 KB per token), unless the base linears keep them
             lora += sum(a * shapes.get(n, (h, h, 1))[0] for n in job.lora_targets)
             lora -= (
-                a
-                * h
-                * (
-                    any(n in job.lora_targets for n in ("q_proj", "k_proj", "v_proj"))
-                    + any(n in job.lora_targets for n in ("gate_proj", "up_proj"))
+                0
+                if keeps_inputs
+                else (
+                    a
+                    * h
+                    * (
+                        any(n in job.lora_targets for n in ("q_proj", "k_proj", "v_proj"))
+                        + any(n in job.lora_targets for n in ("gate_proj", "up_proj"))
+                    )
                 )
             )
-            lora -= a * i * ("down_proj" in job.lora_targets)
+            lora -= 0 if keeps_inputs else a * i * ("down_proj" in job.lora_targets)
         if job.dora:
             lora += dora_bytes_per_token_layer(job)
     return norms + attention + mlp + lora
@@ -484,7 +510,7 @@ def dora_backward_bytes_per_feature(*, promoted: int, act: int) -> int:
     return DORA_BACKWARD_PROMOTED_COPIES * promoted + (promoted + act if promoted != act else 0) - act
 
 
-def dora_backward_bytes(job: Job, *, micro_batch: int, casts: bool) -> float:
+def dora_backward_bytes(job: Job, *, micro_batch: int, casts: bool, params_16bit: bool = False) -> float:
     """The backward of one DoRA module beyond the tensors the forward kept, for the widest targeted module (one
     module's backward runs at a time). Where that is the MLP's gate or up projection, down_proj's backward has run
     before it and freed the SwiGLU product and the activation's output that the layer's count keeps (2 x act a token
@@ -495,7 +521,7 @@ def dora_backward_bytes(job: Job, *, micro_batch: int, casts: bool) -> float:
     if not widths:
         return 0.0
     widest = max(widths, key=lambda name: widths[name])
-    _, promoted = job.dora_dtype_bytes(casts=casts)
+    _, promoted = job.dora_dtype_bytes(casts=casts, params_16bit=params_16bit)
     per_feature = dora_backward_bytes_per_feature(promoted=promoted, act=job.act_bytes)
     if widest in ("gate_proj", "up_proj"):
         per_feature -= 2 * job.act_bytes
@@ -606,8 +632,11 @@ def activation_bytes(
     casts: bool = False,
     fp32_stream: bool = False,
     loss_head: float = 0.0,
+    keeps_inputs: bool = False,
+    params_16bit: bool = False,
 ) -> float:
-    """Saved activations at the peak (the start of the backward pass).
+    """Saved activations at the peak (the start of the backward pass). `keeps_inputs`: linears_keep_inputs;
+    `params_16bit`: DeepSpeed's cast of every parameter (params_16bit, for DoRA's backward).
 
     Checkpointing the first k of L layers (finetune/train/callbacks.py): those keep only their input
     (act x h per token) and the other L - k keep everything. The backward reaches the checkpointed
@@ -622,7 +651,10 @@ def activation_bytes(
     thirty-first session, peaked in the loss head with no layer recomputed)."""
     tokens = tokens_per_micro_batch(job, micro_batch)
     per_layer = (
-        activation_bytes_per_token_layer(job, micro_batch=micro_batch, casts=casts, fp32_stream=fp32_stream) * tokens
+        activation_bytes_per_token_layer(
+            job, micro_batch=micro_batch, casts=casts, fp32_stream=fp32_stream, keeps_inputs=keeps_inputs
+        )
+        * tokens
         + attention_matrix_bytes(job, micro_batch=micro_batch)
         + dora_dropout_weight_bytes(job, casts=casts)
     )
@@ -636,7 +668,7 @@ def activation_bytes(
     # modules their output gradients and its routed experts their copies' gradients
     backward = (
         eager_backward_bytes(job, micro_batch=micro_batch)
-        + dora_backward_bytes(job, micro_batch=micro_batch, casts=casts)
+        + dora_backward_bytes(job, micro_batch=micro_batch, casts=casts, params_16bit=params_16bit)
         + routed_backward_bytes_per_token(job) * tokens
     )
     held = (layers - k) * per_layer + inputs + edges + shared_mask_bytes(job, micro_batch=micro_batch)
@@ -729,6 +761,8 @@ def footprint(
         casts=adapter_input_casts(job, strategy),
         fp32_stream=autocast_fp32_model(job, strategy=strategy),
         loss_head=logits,
+        keeps_inputs=linears_keep_inputs(job, strategy),
+        params_16bit=params_16bit(strategy),
     )
     fixed = CPU_FIXED_BYTES if cpu else 0.0
     if job.adapter == "qlora":
@@ -950,12 +984,14 @@ def final_save_host_bytes(job: Job, *, strategy: str) -> float:
     save writes frozen weights (Job.save_gathers_model) the frozen base as loaded, of which peft keeps the adapter's
     keys. Measured as rank 0's peak RSS at the save (test_calibration.py): full 3B-8B 2.8-3.0 times their 16-bit
     weights beyond the process, 1.7 before the cast existed (the fp32 masters alone); LoRA 3B-70B before adapters
-    gathered their trained parameters alone 0.98-1.0. DDP and ZeRO-2 save from the replica on the GPU tensor by tensor;
+    gathered their trained parameters alone 0.98-1.0. The state dict is the whole checkpoint's: a multimodal model's
+    frozen towers are gathered and cast with the text model (full Gemma-3-4B, row blind5-06: 1.8 GiB beyond the text
+    model's 21.7 planned). DDP and ZeRO-2 save from the replica on the GPU tensor by tensor;
     ZeRO-3 gathers the 16-bit weights on rank 0 as its load did (which bounds it: 29.9 and 29.1 GiB of rank 0's RSS
     for 14B with the save and without, rows 108 and 111); an adapter's trained parameters alone are small."""
     if not job.final_save or job.preset.vendor == "cpu" or info(strategy).backend != "fsdp":
         return 0.0
-    params = count_params(job.arch).text_model
+    params = count_params(job.arch).total
     if job.adapter == "full":  # FSDP2 trains fp32 masters (keeps_fp32_master); a 16-bit model's cast is beside them
         cast = job.weight_bytes if job.final_save_casts and job.weight_bytes < 4 else 0
         return params * (4 + cast)

@@ -41,10 +41,11 @@ _SOFTMAX_ROUTERS = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
 _NORMALIZED_TOPK = ("mixtral", "qwen3_moe")  # the family's default norm_topk_prob
 
 
-def dense_mlp_bytes(job: Job, width: int) -> float:
-    """A SwiGLU MLP of `width` (a dense layer's, or an MoE layer's shared expert)."""
+def dense_mlp_bytes(job: Job, width: int, *, keeps_product: bool = False) -> float:
+    """A SwiGLU MLP of `width` (a dense layer's, or an MoE layer's shared expert). `keeps_product`: down_proj keeps
+    its input though it is frozen (plan/memory.py linears_keep_inputs)."""
     a = job.act_bytes
-    product = job.adapter == "full" or "down_proj" in job.lora_targets
+    product = keeps_product or job.adapter == "full" or "down_proj" in job.lora_targets
     return a * width * ((2 if job.liger_swiglu else 3) + (1 if product else 0))
 
 
@@ -111,15 +112,16 @@ def routed_backward_bytes_per_token(job: Job) -> float:
     return k * copy + shared
 
 
-def mlp_bytes_per_token_layer(job: Job) -> float:
-    """The MLP's kept activations per token, averaged over the decoder layers (dense and MoE)."""
+def mlp_bytes_per_token_layer(job: Job, *, keeps_product: bool = False) -> float:
+    """The MLP's kept activations per token, averaged over the decoder layers (dense and MoE); `keeps_product`: as
+    dense_mlp_bytes."""
     arch = job.arch
     moe = moe_layer_count(arch)
-    dense = (arch.num_layers - moe) * dense_mlp_bytes(job, arch.intermediate_size)
+    dense = (arch.num_layers - moe) * dense_mlp_bytes(job, arch.intermediate_size, keeps_product=keeps_product)
     sparse = 0.0
     if moe:
         shared = arch.shared_expert_intermediate_size
         trained = job.trained_expert_layers  # of which the experts keep their weight gradients' operands
         sparse = trained * routed_bytes(job, trained=True) + (moe - trained) * routed_bytes(job, trained=False)
-        sparse += moe * (dense_mlp_bytes(job, shared) if shared else 0.0)
+        sparse += moe * (dense_mlp_bytes(job, shared, keeps_product=keeps_product) if shared else 0.0)
     return (dense + sparse) / arch.num_layers

@@ -57,6 +57,7 @@ from finetune.plan.lora_time import fused_lora_saved_seconds, fused_lora_share
 from finetune.plan.memory import (
     adapter_input_casts,
     checkpointed_layers,
+    params_16bit,
     state_bytes,
     weight_bytes,
 )
@@ -331,7 +332,11 @@ def step_time(
     compute += grad_accum * unfused_seconds(job, micro_batch=micro_batch, checkpointed_share=share)
     if job.dora:
         compute += grad_accum * dora_seconds(
-            job, micro_batch=micro_batch, casts=adapter_input_casts(job, strategy), checkpointed_share=share
+            job,
+            micro_batch=micro_batch,
+            casts=adapter_input_casts(job, strategy),
+            checkpointed_share=share,
+            params_16bit=params_16bit(strategy),
         )
     if job.attention == "eager":  # passes over the materialized scores (plan/eager_time.py)
         compute += grad_accum * eager_seconds(job, micro_batch=micro_batch, checkpointed_share=share)

@@ -206,14 +206,15 @@ class Job:
         (plan/dora_time.py recomputed_base_flops_per_token, plan/memory.py dora_dropout_weight_bytes)."""
         return self.dora and self.lora_dropout > 0 and self.adapter != "full"
 
-    def dora_dtype_bytes(self, *, casts: bool) -> tuple[int, int]:
+    def dora_dtype_bytes(self, *, casts: bool, params_16bit: bool = False) -> tuple[int, int]:
         """(adapter, promoted): the bytes of peft's DoRA adapter weights and of the dtype its token-side products
         (the magnitude times the base and LoRA outputs) are promoted to. The adapters are fp32 where peft casts the
         adapter input to fp32 (`casts`: DDP LoRA, plan/memory.py adapter_input_casts) or without autocast, else
-        the compute dtype (QLoRA, ZeRO-3, FSDP2); on a quantized base TRL casts the adapters to bf16 but keeps the
-        magnitude in fp32 (its updates would round to zero), which promotes the products to fp32 all the same."""
+        the compute dtype (QLoRA, DeepSpeed, FSDP2); on a quantized base TRL casts the adapters to bf16 but keeps the
+        magnitude in fp32 (its updates would round to zero), which promotes the products to fp32 all the same,
+        unless DeepSpeed casts every parameter to 16 bits (`params_16bit`: plan/memory.py params_16bit)."""
         adapter = 4 if casts or self.act_bytes == 4 else self.act_bytes
-        magnitude = 4 if self.quantized_base else adapter
+        magnitude = 4 if self.quantized_base and not params_16bit else adapter
         return adapter, max(adapter, magnitude)
 
     @property

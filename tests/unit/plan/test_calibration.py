@@ -61,6 +61,13 @@ def test_calibration_data_is_present():
 # finetune/plan/timing.py) and the tighter memory bound (-5% / +15%), row by row: tests/helpers/calibration_rows.py.
 # Rows the current models miss, by _row_id. Not fitted away: the models change only with new GPU data.
 SPEED_MISSES = {
+    "382-lora3b-attn-dropout-zero3": (
+        "Llama-3.2-3B LoRA r16 on q/k/v/o with dropout under ZeRO-3 on 2 H200s, micro-batch 4 of 2,048 tokens, no "
+        "checkpointing (the out-of-sample check of linears_keep_inputs: its memory 1.056, inside): host-bound on "
+        "ZeRO-3's module hooks at the call's probe (37 us a planned kernel), 11,292 tokens/s against 15,731 planned. "
+        "The probed ZeRO-3 rows spread 0.83-1.24 of their speed on the hooks' host share (rows 359-363); this one is "
+        "the slowest against its plan, a 3B model's short layers with attention-only adapters. Not profiled"
+    ),
     "299-blind2-04": (
         "second blind draw (Mistral-7B LoRA r32 at micro-batch 1 x 4 of 2,048 tokens, 1 H200), host-bound: 9,879 "
         "tokens/s against 5,889 planned at the floor's 63 us a kernel; that call's host was not probed, and at the "
@@ -298,14 +305,6 @@ MEMORY_MISSES = {
         "modelled"
     ),
     "297-blind1-11-memory": "row 289's setting, memory-profiled: 37.5 GiB reserved, 29.7 allocated, 28.3 planned",
-    "292-blind1-14": (
-        "blind draw (Llama-3.2-3B DoRA r64 under ZeRO-2 on 2 H200s, micro-batch 2, no checkpointing): 28.8 GiB "
-        "reserved against 33.9 planned; 28.3 allocated against 31.9 planned beside the reserve and fragmentation (24.3 "
-        "of them activations, "
-        "DoRA's with bf16 adapters; which term is over is not identified). The allocator kept 0.5 beyond the "
-        "allocation, as planned for an adapter under ZeRO-2 (memory.allocator_reserve_bytes)"
-    ),
-    "296-blind1-14-profiled": "row 292's setting, profiled: the same 28.8 GiB reserved against 33.9 planned",
     "226-phi3-mini-lora": (
         "Phi-3-mini LoRA at micro-batch 8 x 2,048 on 1 H200: 62.4 GiB allocated at the peak against 56.8 GiB of "
         "tensors "

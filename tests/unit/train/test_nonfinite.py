@@ -10,7 +10,6 @@ import json
 import math
 import re
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
@@ -20,8 +19,9 @@ from transformers import TrainerCallback
 
 from finetune import rundir
 from finetune.errors import TrainingFailed
+from tests.helpers.deepspeed_launch import launch_rank
 from tests.helpers.once import once_per_session
-from tests.helpers.paths import ROOT, TINY_MODEL
+from tests.helpers.paths import TINY_MODEL
 from tests.helpers.recipes import resolve_recipe, tiny_recipe
 
 pytestmark = pytest.mark.slow
@@ -191,27 +191,9 @@ def test_anomaly_mode_names_the_backward_function_that_made_the_nan(poisoned, tm
 # DeepSpeed plan only where nvidia-smi lists a GPU, so the recipe is compiled for a one-GPU preset (the run's
 # own ds_config.json and accelerate.yaml) and the compiled `accelerate launch` command is run as the launcher
 # runs it.
-DEEPSPEED_PRESET = "workstation-1x4090"
-
-
 def _deepspeed(poisoned, run_dir: Path, *, strategy: str, module: str | None = None, extra=(), **train):
-    from finetune.compile.compiler import ENTRY_MODULE, prepare_recipe
-    from finetune.launch import executable_argv, launch_env
-    from finetune.recipe.load import load_recipe
-
     raw = {**_recipe(*poisoned, **train), "distributed": {"strategy": strategy}, "logging": {"report_to": ["none"]}}
-    compiled = prepare_recipe(
-        load_recipe(raw), run_dir=run_dir, hardware=DEEPSPEED_PRESET, module=module or ENTRY_MODULE
-    )
-    spec = compiled.write()
-    done = subprocess.run(
-        executable_argv(spec.argv(extra_args=list(extra))),
-        env={**launch_env(spec), "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1"},
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    return done, done.stdout[-4000:] + done.stderr[-4000:]
+    return launch_rank(raw, run_dir, module=module, extra=extra)
 
 
 def _deepspeed_rank(resolved: str, out: str) -> None:
