@@ -23,7 +23,7 @@ torch = pytest.importorskip("torch")
 H, INTER = 256, 640
 
 
-def _model(*, dora: bool, dropout: float = 0.0, fp32_adapters: bool = True):
+def _model(*, dora: bool, dropout: float = 0.0, fp32_adapters: bool = True, targets: tuple[str, ...] = ALL_LINEAR):
     from peft import LoraConfig, get_peft_model
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -39,7 +39,7 @@ def _model(*, dora: bool, dropout: float = 0.0, fp32_adapters: bool = True):
     )
     return get_peft_model(
         LlamaForCausalLM(cfg).to(torch.bfloat16),
-        LoraConfig(r=16, lora_alpha=32, target_modules=list(ALL_LINEAR), use_dora=dora, lora_dropout=dropout),
+        LoraConfig(r=16, lora_alpha=32, target_modules=list(targets), use_dora=dora, lora_dropout=dropout),
         autocast_adapter_dtype=fp32_adapters,  # peft's default: fp32 adapters, each input cast to fp32
     )
 

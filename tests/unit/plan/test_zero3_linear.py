@@ -30,26 +30,12 @@ def _measure(targets: list[str]) -> dict:
     """In this (child) process: a LoRA layer's kept bytes per token with lora dropout, before and after zero.Init."""
     import deepspeed
     import torch
-    from peft import LoraConfig, get_peft_model
-    from transformers import LlamaConfig, LlamaForCausalLM
 
     from tests.helpers.saved_tensors import per_token_bytes
-    from tests.unit.plan.test_memory import INTER, H
+    from tests.unit.plan.test_memory import _model
 
-    def model():
-        torch.manual_seed(0)
-        cfg = LlamaConfig(
-            vocab_size=1000,
-            hidden_size=H,
-            intermediate_size=INTER,
-            num_hidden_layers=1,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            attn_implementation="sdpa",
-        )
-        config = LoraConfig(r=16, lora_alpha=32, target_modules=targets, lora_dropout=0.1)
-        # DeepSpeed trains 16-bit adapters (plan/memory.py params_16bit): no fp32 adapters, no input casts
-        return get_peft_model(LlamaForCausalLM(cfg).to(torch.bfloat16), config, autocast_adapter_dtype=False)
+    def model():  # DeepSpeed trains 16-bit adapters (plan/memory.py params_16bit): no fp32 adapters, no input casts
+        return _model(dora=False, dropout=0.1, fp32_adapters=False, targets=tuple(targets))
 
     before = per_token_bytes(model)
     config = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3}, "bf16": {"enabled": True}}
