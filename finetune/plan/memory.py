@@ -42,8 +42,9 @@ the other one needs a gradient, so a frozen base saves less than a full fine-tun
   autocast casts back to a new bf16 copy that the adapter keeps: one act*in copy per module, replacing
   the shared norm output / MLP product. finetune turns that cast off (adapter.cast_adapter_inputs:
   false, train/run.py): autocast then casts the shared bf16 input once per matmul, nothing extra kept.
-  QLoRA (TRL casts its adapters to bf16), ZeRO-3 (TRL keeps them bf16) and FSDP2 (bf16 compute params)
-  have no cast. Measured on H100/H200 (tests/data/
+  QLoRA (TRL casts its adapters to bf16), DeepSpeed (its engine casts every parameter to bf16: params_16bit) and
+  FSDP2 (bf16 compute params) have no cast. Under ZeRO-3 every frozen base linear keeps its input as well
+  (linears_keep_inputs). Measured on H100/H200 (tests/data/
   gpu_calibration.json): 1-GPU LoRA 8B allocates ~1.1e6 B/token more than 1-GPU QLoRA beyond the weight
   difference (32 layers x 4096-token micro-batch), FSDP2/ZeRO-3 LoRA matches QLoRA's per-token cost.
 With activation checkpointing (per decoder layer): only each layer's input (act*h per token per layer)
@@ -446,19 +447,10 @@ def activation_bytes_per_token_layer(
             # dropped-out fp32 input with both); the norm outputs and the MLP product that the adapters shared are
             # no longer kept (Llama 8B: 3*a*h + a*q = 32 KB per token), unless the base linears keep them
             lora += sum(a * shapes.get(n, (h, h, 1))[0] for n in job.lora_targets)
-            lora -= (
-                0
-                if keeps_inputs
-                else (
-                    a
-                    * h
-                    * (
-                        any(n in job.lora_targets for n in ("q_proj", "k_proj", "v_proj"))
-                        + any(n in job.lora_targets for n in ("gate_proj", "up_proj"))
-                    )
-                )
-            )
-            lora -= 0 if keeps_inputs else a * i * ("down_proj" in job.lora_targets)
+            if not keeps_inputs:
+                qkv = any(n in job.lora_targets for n in ("q_proj", "k_proj", "v_proj"))
+                gate_up = any(n in job.lora_targets for n in ("gate_proj", "up_proj"))
+                lora -= a * h * (qkv + gate_up) + a * i * ("down_proj" in job.lora_targets)
         if job.dora:
             lora += dora_bytes_per_token_layer(job)
     return norms + attention + mlp + lora
