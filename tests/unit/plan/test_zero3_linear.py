@@ -26,23 +26,25 @@ pytestmark = pytest.mark.slow  # a child process each, DeepSpeed imported
 CASES = {"all-linear": list(ALL_LINEAR), "attention-only": ATTENTION}
 
 
-def _measure(targets: list[str]) -> dict:
-    """In this (child) process: a LoRA layer's kept bytes per token with lora dropout, before and after zero.Init."""
+def _measure() -> dict:
+    """In this (child) process: each case's LoRA layer's kept bytes per token with lora dropout, before and after
+    zero.Init (whose swap of torch's linear lasts for the process, so every case is measured before it)."""
     import deepspeed
     import torch
 
     from tests.helpers.saved_tensors import per_token_bytes
     from tests.unit.plan.test_memory import _model
 
-    def model():  # DeepSpeed trains 16-bit adapters (plan/memory.py params_16bit): no fp32 adapters, no input casts
-        return _model(dora=False, dropout=0.1, fp32_adapters=False, targets=tuple(targets))
+    def builder(targets):  # DeepSpeed trains 16-bit adapters (plan/memory.py params_16bit): no fp32 adapters or casts
+        return lambda: _model(dora=False, dropout=0.1, fp32_adapters=False, targets=tuple(targets))
 
-    before = per_token_bytes(model)
+    seen = {case: {"before": per_token_bytes(builder(targets))} for case, targets in CASES.items()}
     config = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3}, "bf16": {"enabled": True}}
     with deepspeed.zero.Init(config_dict_or_path=config):
         torch.nn.Linear(4, 4)  # what transformers builds under ZeRO-3; torch's linear stays swapped after
-    swapped = torch.nn.functional.linear.__module__
-    return {"before": before, "after": per_token_bytes(model), "linear": swapped}
+    for case, targets in CASES.items():
+        seen[case].update(after=per_token_bytes(builder(targets)), linear=torch.nn.functional.linear.__module__)
+    return seen
 
 
 def _free_port() -> int:
@@ -51,10 +53,8 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.mark.parametrize("case", list(CASES))
-def test_zero3s_linear_keeps_the_inputs_the_planner_adds(case):
-    from tests.unit.plan.test_memory import INTER, H, _job
-
+@pytest.fixture(scope="module")
+def measured() -> dict:
     env = {
         **os.environ,
         "PYTHONPATH": str(ROOT),
@@ -66,10 +66,17 @@ def test_zero3s_linear_keeps_the_inputs_the_planner_adds(case):
         "MASTER_PORT": str(_free_port()),
     }
     done = subprocess.run(
-        [sys.executable, "-m", __name__, case], env=env, capture_output=True, text=True, timeout=300, cwd=ROOT
+        [sys.executable, "-m", __name__], env=env, capture_output=True, text=True, timeout=300, cwd=ROOT
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    seen = json.loads(done.stdout.strip().splitlines()[-1])
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_zero3s_linear_keeps_the_inputs_the_planner_adds(case, measured):
+    from tests.unit.plan.test_memory import INTER, H, _job
+
+    seen = measured[case]
     assert seen["linear"].startswith("deepspeed"), seen  # zero.Init swapped torch's linear
 
     job = _job(lora_targets=tuple(CASES[case]), lora_dropout=0.1)
@@ -83,5 +90,5 @@ def test_zero3s_linear_keeps_the_inputs_the_planner_adds(case):
         assert zero3 - plain == seen["after"] - seen["before"] == 2 * (2 * H + INTER)
 
 
-if __name__ == "__main__":  # the child of the test above: CASE
-    print(json.dumps(_measure(CASES[sys.argv[1]])))
+if __name__ == "__main__":  # the child of the fixture above
+    print(json.dumps(_measure()))
