@@ -332,7 +332,7 @@ def peft_casts_adapter_inputs(*, adapter: str, strategy: str, autocast: bool) ->
     adapter.cast_adapter_inputs or DoRA (without autocast the cast is what makes the fp32 matmul run). Not under
     DeepSpeed, whose engine casts every parameter to the compute dtype (params_16bit), the adapters too: peft's
     cast to the adapter's dtype is then none."""
-    return adapter == "lora" and strategies.info(strategy).backend == "ddp" and autocast
+    return adapter == "lora" and not strategies.shards_params(strategy) and not params_16bit(strategy) and autocast
 
 
 def params_16bit(strategy: str) -> bool:

@@ -74,9 +74,11 @@ def test_the_paged_and_8bit_optimizers_are_the_recipe_s_bitsandbytes_ones():
 def test_the_trainer_keeps_an_embedding_s_8bit_states_in_32_bits_outside_deepspeed():
     """transformers' Trainer registers an optim_bits 32 override for nn.Embedding weights with bitsandbytes' 8-bit
     optimizers; DeepSpeed steps flat partitions, which the override never reaches."""
+    import inspect
+
     from transformers import Trainer
 
-    source = __import__("inspect").getsource(Trainer.create_optimizer)
+    source = inspect.getsource(Trainer.create_optimizer)
     assert "register_module_override" in source and '"optim_bits": 32' in source  # the rule this planner models
     n = 128256 * 2048
     for name in ("adamw_8bit", "paged_adamw_8bit"):
