@@ -30,20 +30,25 @@ class StoppedBeforeTraining(BaseException):
     `except Exception` swallows it)."""
 
 
-def _stop_before_training():
-    """The handler: one StoppedBeforeTraining, however many signals come (a killed launcher whose threads
-    die one by one sends its parent-death SIGTERM once per thread; a repeat must not cut the record short)."""
-    stopped: list[str] = []
+class _EarlyStop:
+    """The rank's stop handler until the trainer's take over (finetune.train.signals.PreemptionCallback): one
+    StoppedBeforeTraining, however many signals come (a killed launcher whose threads die one by one sends its
+    parent-death SIGTERM once per thread; a repeat must not cut the record short).
 
-    def handle(signum, _frame):
-        if not stopped:
-            stopped.append(signal.Signals(signum).name)
-            raise StoppedBeforeTraining(stopped[0])
+    What the trainer's handlers read when they replace this one: `stopped`, a request whose exception was swallowed
+    (raised inside a finalizer, which Python only reports), which still stops the run; and they set `training` once
+    training begins. Their handlers are put back to this one as the rank ends, and a signal after that (torchrun's
+    SIGTERM to the survivors of a dead rank, while this rank unwinds its own error) is no stop before training: the
+    rank's own outcome stands."""
 
-    # what the trainer's handlers read when they replace this one: a request whose exception was swallowed
-    # (raised inside a finalizer, which Python only reports) still stops the run (PreemptionCallback)
-    handle.stopped = stopped  # type: ignore[attr-defined]
-    return handle
+    def __init__(self):
+        self.stopped: list[str] = []
+        self.training = False
+
+    def __call__(self, signum, _frame):
+        if not (self.stopped or self.training):
+            self.stopped.append(signal.Signals(signum).name)
+            raise StoppedBeforeTraining(self.stopped[0])
 
 
 def _report_early_stop(run_dir: Path, why: str) -> int:
@@ -96,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
     run_dir = Path(args.resolved).resolve().parent
     from finetune.launch import PREEMPT_SIGNALS, die_with_parent
 
-    handle = _stop_before_training()
+    handle = _EarlyStop()
     try:
         # until run_rank installs the handlers that save a checkpoint (finetune.train.signals), a stop request
         # ends the rank with a record that nothing was trained (SIGINT: KeyboardInterrupt, handled below)

@@ -132,6 +132,14 @@ class PreemptionCallback(TrainerCallback):
                 os.dup2(target, fd)
                 os.close(target)
 
+    def on_train_begin(self, args, state, control, **kwargs):
+        # the rank's early handler (finetune.train.__main__), which restore() puts back as the rank ends, no longer
+        # stands for a stop before training
+        for handler in self._previous.values():
+            if hasattr(handler, "training"):
+                handler.training = True
+        return control
+
     def on_step_end(self, args, state, control, **kwargs):
         if not reduce_flags([1.0 if self.received else 0.0])[0]:
             return control

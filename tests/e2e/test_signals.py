@@ -85,10 +85,10 @@ def test_a_stop_whose_exception_was_swallowed_before_training_still_stops_the_ru
     callback) Python only reports it. The trainer's handler, installed next, takes the request over."""
     import gc
 
-    from finetune.train.__main__ import _stop_before_training
+    from finetune.train.__main__ import _EarlyStop
     from finetune.train.signals import PREEMPT_SIGNALS, PreemptionCallback
 
-    handle = _stop_before_training()
+    handle = _EarlyStop()
     before = {sig: signal.signal(sig, handle) for sig in PREEMPT_SIGNALS}
 
     class Finalized:
@@ -105,6 +105,27 @@ def test_a_stop_whose_exception_was_swallowed_before_training_still_stops_the_ru
         callback = PreemptionCallback()
         callback.restore()
         assert callback.received == signal.SIGTERM and callback.signal_name == "SIGTERM"
+    finally:
+        for sig, handler in before.items():
+            signal.signal(sig, handler)
+
+
+def test_a_signal_after_training_began_is_not_a_stop_before_training():
+    """The trainer's handlers are put back to the rank's early one as the rank ends. A signal then (torchrun's SIGTERM
+    to the surviving rank of a dead one, while it unwinds its own training error) must not replace that error with
+    "stopped before training started" and exit 75: once training began, the early handler leaves the outcome alone."""
+    from finetune.train.__main__ import _EarlyStop
+    from finetune.train.signals import PREEMPT_SIGNALS, PreemptionCallback
+
+    handle = _EarlyStop()
+    before = {sig: signal.signal(sig, handle) for sig in PREEMPT_SIGNALS}
+    try:
+        callback = PreemptionCallback()
+        callback.on_train_begin(None, None, None)
+        callback.restore()
+        assert signal.getsignal(signal.SIGTERM) is handle
+        handle(signal.SIGTERM, None)  # raises StoppedBeforeTraining before training began
+        assert handle.stopped == [] and callback.received is None
     finally:
         for sig, handler in before.items():
             signal.signal(sig, handler)
